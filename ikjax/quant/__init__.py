@@ -1,0 +1,1 @@
+"""GGUF quantized blocks kept as they are, dequantized inside the jitted graph."""
