@@ -132,6 +132,20 @@ def make_model(variant: str = "v3", *, seed: int = 0, std: float = 0.05, **overr
     return model, config_dict(model.config), state_dict_numpy(model)
 
 
+def make_model_from_config(hf_config: dict[str, Any], *, seed: int = 0, std: float = 0.05):
+    """Like :func:`make_model` for a given ``config.json`` dict (e.g. a fixture's ``hf_config.json``);
+    the returned config dict is the one given."""
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
+                              DeepseekV3ForCausalLM)
+    v3 = hf_config.get("model_type") == "deepseek_v3"
+    cfg = (DeepseekV3Config if v3 else DeepseekV2Config).from_dict(dict(hf_config))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = (DeepseekV3ForCausalLM if v3 else DeepseekV2ForCausalLM)(cfg).to(torch.float32).eval()
+    _randomize(model, seed, std)
+    return model, dict(hf_config), state_dict_numpy(model)
+
+
 def state_dict_numpy(model) -> dict[str, np.ndarray]:
     """Checkpoint-style state dict (per-expert names) as float32 NumPy arrays."""
     from ikjax.gguf_io.writer import unfuse_experts

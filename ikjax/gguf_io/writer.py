@@ -412,7 +412,11 @@ def quantize_tensor(name: str, data: np.ndarray, qtype: str | QT,
     block = gguf.GGML_QUANT_SIZES[qt][0]
     if data.shape[-1] % block != 0:
         qt = QT.F32
-    return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qt), qt
+    try:
+        return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qt), qt
+    except NotImplementedError:
+        raise ValueError(f"qtype {qt.name}: the gguf package cannot quantize to it "
+                         "(use F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0)") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,7 +468,14 @@ def write_deepseek2_gguf(path: str | Path, hf_config: Mapping[str, Any], state_d
     cfg = dict(hf_config)
     tensors = [(n, *quantize_tensor(n, d, qtype, keep_f32), d.shape)
                for n, d in deepseek2_tensors(cfg, state_dict, layout=layout)]
-    label = _size_label([(n, shape) for n, _, _, shape in tensors])
+    # size label as ik's converter computes it for layout "all" (the other layouts' fixtures are
+    # rewrites of that file and keep its label): k_b + v_b hold as many weights as kv_b
+    shapes = [(n, shape) for n, _, _, shape in tensors]
+    if layout != "all":
+        shapes += [(n, shape) for n, shape in shapes if n.endswith(".attn_kv_b.weight")]
+        shapes += [(n.replace("attn_k_b", "attn_kv_b"), shape) for n, shape in shapes
+                   if n.endswith((".attn_k_b.weight", ".attn_v_b.weight"))]
+    label = _size_label(shapes)
 
     writer = gguf.GGUFWriter(None, ARCH, split_max_tensors=split_max_tensors)
     kv = deepseek2_metadata(cfg, layout=layout, qtype=qtype, name=name, size_label=label)
