@@ -1,0 +1,15 @@
+"""ikjax: compiled JAX inference for DeepSeek-family GGUF models, with ik_llama.cpp's options.
+
+    import ikjax
+    eng = ikjax.load("model.gguf", mla=3, fa=True, ctk="q8_0")
+    eng.logits(token_ids)          # [n_tokens, n_vocab] float32
+    for tok in eng.generate(prompt_ids, 32): ...
+"""
+from ikjax import quant as _quant  # noqa: F401  (registers ik_llama.cpp's types)
+from ikjax.engine import Engine, MemoryPlan, load
+from ikjax.errors import DoesNotFitError, IkjaxError, ModelFileError, OptionError
+from ikjax.options import RunOptions
+
+__all__ = ["load", "Engine", "MemoryPlan", "RunOptions", "IkjaxError", "ModelFileError", "OptionError",
+           "DoesNotFitError"]
+__version__ = "0.1.0"

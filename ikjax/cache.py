@@ -1,0 +1,108 @@
+"""KV caches: per-head K and V (mla=0) or one latent entry per token (mla=1/2/3).
+
+Every cache tensor is stored as rows `[batch, capacity, width]`, one list entry per layer, in the
+`-ctk` type: f32, f16, bf16, or q8_0 (ggml's block of 32 int8 with one f16 scale, quantized on
+write; a width that is not a multiple of 32 ends with a zero-padded block). The latent entry is
+`[c (kv_lora_rank) | k_pe (rope)]`: V is the first kv_lora_rank values of the same entry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikjax.gguf_io.config import ModelConfig
+
+Q8_BLOCK = 32
+_FLOAT_TYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Shapes and type of a cache; hashable so it can be a static jit argument."""
+    kind: str  # "kv" (mla=0) or "latent"
+    ctk: str
+    n_layer: int
+    batch: int
+    capacity: int
+    widths: tuple[tuple[str, int], ...]  # ("k", H*qk), ("v", H*v)  or  ("latent", r+rope)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, mla: int, ctk: str, batch: int, capacity: int) -> "CacheLayout":
+        if mla == 0:
+            widths = (("k", cfg.n_head * cfg.qk_dim), ("v", cfg.n_head * cfg.v_dim))
+            return cls("kv", ctk, cfg.n_layer, batch, capacity, widths)
+        return cls("latent", ctk, cfg.n_layer, batch, capacity, (("latent", cfg.latent_dim),))
+
+    @staticmethod
+    def bytes_per_value_row(ctk: str, width: int) -> int:
+        if ctk == "q8_0":
+            return -(-width // Q8_BLOCK) * (Q8_BLOCK + 2)
+        return width * jnp.dtype(_FLOAT_TYPES[ctk]).itemsize
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token costs over all layers (R1, f16 latent: 61 * 576 * 2 = 70,272)."""
+        return self.n_layer * sum(self.bytes_per_value_row(self.ctk, w) for _, w in self.widths)
+
+    def total_bytes(self) -> int:
+        return self.bytes_per_token() * self.batch * self.capacity
+
+
+def init_cache(layout: CacheLayout) -> dict:
+    def one(width: int):
+        B, S = layout.batch, layout.capacity
+        if layout.ctk == "q8_0":
+            nb = -(-width // Q8_BLOCK)
+            return {"q": jnp.zeros((B, S, nb, Q8_BLOCK), jnp.int8), "d": jnp.zeros((B, S, nb), jnp.float16)}
+        return jnp.zeros((B, S, width), _FLOAT_TYPES[layout.ctk])
+    return {name: [one(w) for _ in range(layout.n_layer)] for name, w in layout.widths}
+
+
+def quantize_q8_0(x: jax.Array) -> dict:
+    """ggml's quantize_row_q8_0: d = amax/127 (stored f16), q = round(x / d) with the f32 d."""
+    width = x.shape[-1]
+    nb = -(-width // Q8_BLOCK)
+    x = x.astype(jnp.float32)
+    if nb * Q8_BLOCK != width:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * Q8_BLOCK - width)])
+    blocks = x.reshape(*x.shape[:-1], nb, Q8_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    d = amax / 127.0
+    inv = jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)
+    scaled = blocks * inv[..., None]
+    whole = jnp.trunc(scaled)  # C roundf: halves away from zero (jnp.round would go to even)
+    q = whole + jnp.where(jnp.abs(scaled - whole) >= 0.5, jnp.sign(scaled), 0.0)
+    return {"q": q.astype(jnp.int8), "d": d.astype(jnp.float16)}
+
+
+def dequantize_q8_0(entry: dict, width: int, dtype) -> jax.Array:
+    x = entry["q"].astype(jnp.float32) * entry["d"].astype(jnp.float32)[..., None]
+    x = x.reshape(*x.shape[:-2], -1)[..., :width]
+    return x.astype(dtype)
+
+
+def write(layer_cache, new: jax.Array, start: jax.Array):
+    """Store new rows [B, T, width] at positions start[b] .. start[b]+T-1 of each sequence."""
+    def put(buf, rows):
+        def one(b_buf, b_rows, s):
+            idx = (s,) + (0,) * (b_buf.ndim - 1)
+            return jax.lax.dynamic_update_slice(b_buf, b_rows.astype(b_buf.dtype), idx)
+        return jax.vmap(one)(buf, rows, start)
+    if isinstance(layer_cache, dict):
+        q = quantize_q8_0(new)
+        return {"q": put(layer_cache["q"], q["q"]), "d": put(layer_cache["d"], q["d"])}
+    return put(layer_cache, new)
+
+
+def read(layer_cache, length: int, width: int, dtype) -> jax.Array:
+    """The first `length` rows of every sequence, as [B, length, width] in `dtype`."""
+    if isinstance(layer_cache, dict):
+        sl = {k: v[:, :length] for k, v in layer_cache.items()}
+        return dequantize_q8_0(sl, width, dtype)
+    return layer_cache[:, :length].astype(dtype)
+
+
+def host_nbytes(cache: dict) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))

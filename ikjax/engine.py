@@ -1,0 +1,173 @@
+"""Engine: a loaded model with its options, compiled steps and KV cache.
+
+One jitted step per (batch bucket, token bucket, KV-length bucket, mode); the cache is donated so
+XLA updates it in place. Prompts run in `ubatch` chunks; generation runs one token per sequence
+per step. Buckets are powers of two, so a warm engine compiles only O(log ctx) steps.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikjax import cache as kvcache
+from ikjax.errors import OptionError
+from ikjax.gguf_io.config import ModelConfig
+from ikjax.gguf_io.reader import GGUFModelFile
+from ikjax.model.deepseek2 import StepPlan, forward
+from ikjax.options import RunOptions
+from ikjax.sampling import sample_next
+from ikjax.weights import load_weights, weight_bytes
+
+log = logging.getLogger("ikjax")
+
+
+def _pow2_at_least(n: int, lo: int = 1) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights_bytes: int
+    kv_bytes: int
+    kv_bytes_per_token: int
+    attention_buffer_bytes: int
+
+    def lines(self) -> list[str]:
+        mib = 1 << 20
+        return [f"weights          {self.weights_bytes / mib:10.2f} MiB",
+                f"KV cache         {self.kv_bytes / mib:10.2f} MiB ({self.kv_bytes_per_token} B/token)",
+                f"attention buffer {self.attention_buffer_bytes / mib:10.2f} MiB"]
+
+
+class Engine:
+    """Load with `ikjax.load(path, **options)`."""
+
+    def __init__(self, path: str, options: RunOptions):
+        self.file = GGUFModelFile(path)
+        first_tensor = self.file.tensors.get("token_embd.weight")
+        self.config = ModelConfig.from_metadata(self.file.metadata, source=path,
+                                                vocab_from_tensor=first_tensor.shape[0] if first_tensor else None)
+        self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0)
+        self.capacity = -(-(self.options.ctx + self.options.ubatch) // self.options.kv_block) * self.options.kv_block
+        t0 = time.perf_counter()
+        self.weights = load_weights(self.file, self.config)
+        log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
+        self._compiled: set[tuple] = set()
+        self.compile_count = 0
+        self._jit_step = jax.jit(self._step, static_argnames=("plan",), donate_argnums=(1,))
+
+    # -- compiled step -------------------------------------------------------------------------
+    def _step(self, weights, cache, tokens, start, last, *, plan: StepPlan):
+        return forward(weights, cache, tokens, start, last, cfg=self.config, plan=plan)
+
+    def _plan(self, kv_len: int, all_logits: bool) -> StepPlan:
+        o = self.options
+        return StepPlan(mla=o.mla, fa=o.fa, amb_bytes=o.amb << 20, kv_block=o.kv_block, kv_len=kv_len,
+                        dtype=o.dtype, fmoe=o.fmoe, ser=o.ser, all_logits=all_logits)
+
+    def kv_bucket(self, needed: int) -> int:
+        return min(self.capacity, _pow2_at_least(needed, self.options.kv_block))
+
+    def token_bucket(self, n: int) -> int:
+        return min(_pow2_at_least(n), max(n, self.options.ubatch))
+
+    def run_step(self, cache, tokens: np.ndarray, start: np.ndarray, last: np.ndarray, all_logits: bool):
+        """tokens [B,T] (already bucketed) at start[b]; returns (logits, cache)."""
+        B, T = tokens.shape
+        plan = self._plan(self.kv_bucket(int(start.max()) + T), all_logits)
+        key = (B, T, plan)
+        if key not in self._compiled:
+            self._compiled.add(key)
+            self.compile_count += 1
+            log.info("compiling step: batch %d, tokens %d, kv_len %d, mla %d, fa %d", B, T, plan.kv_len,
+                     plan.mla, plan.fa)
+        return self._jit_step(self.weights, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(start, jnp.int32),
+                              jnp.asarray(last, jnp.int32), plan=plan)
+
+    def new_cache(self, batch: int = 1):
+        return kvcache.init_cache(self.cache_layout(batch))
+
+    def cache_layout(self, batch: int = 1) -> kvcache.CacheLayout:
+        return kvcache.CacheLayout.for_model(self.config, self.options.mla, self.options.ctk, batch, self.capacity)
+
+    # -- public API ----------------------------------------------------------------------------
+    def _check_ids(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise OptionError(f"token ids must be a non-empty 1-D integer sequence, got shape {ids.shape}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise OptionError(f"token id out of range [0, {self.config.vocab_size})")
+        return ids.astype(np.int32)
+
+    def prefill(self, cache, ids: np.ndarray, start: int = 0, all_logits: bool = False):
+        """Feed one sequence's ids from position `start` in ubatch chunks (batch 1).
+
+        Returns (logits, cache): [n, V] for every token if all_logits, else [V] of the last one.
+        """
+        n = len(ids)
+        if start + n > self.options.ctx:
+            raise OptionError(f"{start + n} tokens exceed the context size ctx={self.options.ctx}")
+        outs = []
+        logits = None
+        for c0 in range(0, n, self.options.ubatch):
+            chunk = ids[c0:c0 + self.options.ubatch]
+            T = self.token_bucket(len(chunk))
+            toks = np.zeros((1, T), np.int32)
+            toks[0, :len(chunk)] = chunk
+            logits, cache = self.run_step(cache, toks, np.array([start + c0]), np.array([len(chunk) - 1]),
+                                          all_logits)
+            if all_logits:
+                outs.append(np.asarray(logits[0, :len(chunk)], np.float32))
+        if all_logits:
+            return np.concatenate(outs, 0), cache
+        return np.asarray(logits[0], np.float32), cache
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits [n_tokens, n_vocab] (float32) at every position of a fresh sequence."""
+        ids = self._check_ids(token_ids)
+        out, _ = self.prefill(self.new_cache(1), ids, 0, all_logits=True)
+        return out
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                 stop: Iterable[int] = ()) -> Iterator[int]:
+        """Yield new token ids as they are produced; stop on EOS, a stop id or max_tokens."""
+        ids = self._check_ids(prompt_ids)
+        stop_ids = set(int(s) for s in stop)
+        if self.config.eos_token_id is not None:
+            stop_ids.add(self.config.eos_token_id)
+        rng = np.random.default_rng(seed)
+        logits, cache = self.prefill(self.new_cache(1), ids, 0, all_logits=False)
+        pos = len(ids)
+        for _ in range(max_tokens):
+            tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng=rng)
+            yield tok
+            if tok in stop_ids or pos >= self.options.ctx:
+                return
+            out, cache = self.run_step(cache, np.array([[tok]], np.int32), np.array([pos]), np.array([0]), False)
+            logits = np.asarray(out[0], np.float32)
+            pos += 1
+
+    def memory_plan(self, batch: int = 1) -> MemoryPlan:
+        layout = self.cache_layout(batch)
+        o, cfg = self.options, self.config
+        kv_cols = o.kv_block if o.fa else self.capacity
+        buf = batch * o.ubatch * cfg.n_head * kv_cols * 4
+        if not o.fa and o.amb:
+            buf = min(buf, max(o.amb << 20, batch * o.ubatch * kv_cols * 4))
+        return MemoryPlan(weight_bytes(self.weights), layout.total_bytes(), layout.bytes_per_token(), buf)
+
+
+def load(path: str, **options) -> Engine:
+    """Open a deepseek2 GGUF (any shard of a split model) with ik_llama.cpp-named options."""
+    return Engine(str(path), RunOptions.from_kwargs(**options))

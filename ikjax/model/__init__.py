@@ -1,0 +1,1 @@
+"""The deepseek2 graph as pure functions of (weights, cache, tokens, positions)."""

@@ -1,0 +1,154 @@
+"""The deepseek2 forward step: tokens at given positions in, logits and the updated cache out.
+
+`h = x + Attn(RMSNorm(x)); out = h + FFN(RMSNorm(h))` per layer; dense FFN for the first
+`n_dense_lead` layers, routed + shared experts after. Attention is MLA in ik's four modes:
+
+- mla 0: per-head K/V from `W_kv_b · c`, cached as K and V.
+- mla 1: absorbed: queries move into the latent space (`W_kb^T q_nope`), scores against the cached
+  latent `[c | k_pe]`, output `W_vb · (Σ p·c)`.
+- mla 2/3: prompt steps (T > 1) decompress the latent cache to per-head K/V and run standard
+  attention; generation steps (T = 1) are absorbed, mla 3 with the flash path.
+
+Which weights each path reads follows ik: `attn_kv_b` for standard attention, `attn_k_b`/`attn_v_b`
+for absorbed; a file lacking one form gets it from the other, exactly, inside the graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikjax import cache as kvcache
+from ikjax.gguf_io.config import ModelConfig
+from ikjax.model.attention import attend
+from ikjax.model.layers import dense_ffn, linear, precision_for, rms_norm
+from ikjax.model.moe import moe_ffn
+from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
+from ikjax.options import SmartExpertReduction
+from ikjax.quant.array import QuantArray
+
+_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything static about one compiled step (hashable: part of the jit cache key)."""
+    mla: int
+    fa: bool
+    amb_bytes: int
+    kv_block: int
+    kv_len: int  # cache rows attention reads (the KV-length bucket)
+    dtype: str
+    fmoe: bool
+    ser: SmartExpertReduction | None
+    all_logits: bool  # False: logits of the token at `last` only
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.dtype]
+
+
+def head_matrices(layer: dict, cfg: ModelConfig, prefer_kv_b: bool, dtype):
+    """W_k [H, nope, r] and W_v [H, v, r] from attn_kv_b, or from attn_k_b/attn_v_b."""
+    H, nope, v, r = cfg.n_head, cfg.nope_dim, cfg.v_dim, cfg.kv_lora_rank
+    has_split = "k_b" in layer and "v_b" in layer
+    if "kv_b" in layer and (prefer_kv_b or not has_split):
+        kvb = layer["kv_b"].dequantize(dtype).reshape(H, nope + v, r)
+        return kvb[:, :nope], kvb[:, nope:]
+    return layer["k_b"].dequantize(dtype).swapaxes(1, 2), layer["v_b"].dequantize(dtype)
+
+
+def _queries(x, layer, cfg: ModelConfig, dtype):
+    if cfg.q_lora_rank:
+        q = linear(rms_norm(linear(x, layer["q_a"], dtype), layer["q_a_norm"], cfg.rms_eps), layer["q_b"], dtype)
+    else:
+        q = linear(x, layer["q"], dtype)
+    return q.reshape(*x.shape[:-1], cfg.n_head, cfg.qk_dim)
+
+
+def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelConfig, plan: StepPlan):
+    """x [B,T,d] normed input -> (attention output [B,T,d], updated layer cache)."""
+    dtype = plan.compute_dtype
+    prec = precision_for(dtype)
+    B, T, _ = x.shape
+    H, nope, r = cfg.n_head, cfg.nope_dim, cfg.kv_lora_rank
+    q = _queries(x, layer, cfg, dtype)
+    q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, :, None], sin[:, :, None])
+    kv = linear(x, layer["kv_a_mqa"], dtype)
+    c = rms_norm(kv[..., :r], layer["kv_a_norm"], cfg.rms_eps)
+    k_pe = apply_rope(kv[..., r:], cos, sin)
+    q_full = jnp.concatenate([q_nope, q_pe], -1).astype(dtype)
+    scale = cfg.softmax_scale
+    attn = dict(amb_bytes=plan.amb_bytes, kv_block=plan.kv_block)
+
+    def expand(c_rows, k_pe_rows, prefer_kv_b):
+        wk, wv = head_matrices(layer, cfg, prefer_kv_b, dtype)
+        k_nope = jnp.einsum("bsr,hnr->bshn", c_rows.astype(dtype), wk, precision=prec, preferred_element_type=jnp.float32)
+        vals = jnp.einsum("bsr,hvr->bshv", c_rows.astype(dtype), wv, precision=prec, preferred_element_type=jnp.float32)
+        k_rope = jnp.broadcast_to(k_pe_rows[:, :, None, :], (*k_pe_rows.shape[:2], H, cfg.rope_dim))
+        return jnp.concatenate([k_nope, k_rope.astype(jnp.float32)], -1), vals
+
+    if plan.mla == 0:
+        k_new, v_new = expand(c, k_pe, prefer_kv_b=True)
+        new_cache = {"k": kvcache.write(layer_cache["k"], k_new.reshape(B, T, -1), start),
+                     "v": kvcache.write(layer_cache["v"], v_new.reshape(B, T, -1), start)}
+        S = plan.kv_len
+        k_all = kvcache.read(new_cache["k"], S, H * cfg.qk_dim, dtype).reshape(B, S, H, cfg.qk_dim)
+        v_all = kvcache.read(new_cache["v"], S, H * cfg.v_dim, dtype).reshape(B, S, H, cfg.v_dim)
+        o = attend(q_full, k_all, v_all, q_pos, scale, flash=plan.fa, **attn)
+    else:
+        entry = jnp.concatenate([c, k_pe], -1)
+        new_cache = {"latent": kvcache.write(layer_cache["latent"], entry, start)}
+        lat = kvcache.read(new_cache["latent"], plan.kv_len, cfg.latent_dim, dtype)
+        if plan.mla in (2, 3) and T > 1:
+            k_all, v_all = expand(lat[..., :r], lat[..., r:], prefer_kv_b=True)
+            o = attend(q_full, k_all.astype(dtype), v_all.astype(dtype), q_pos, scale, flash=plan.fa, **attn)
+        else:
+            wk, wv = head_matrices(layer, cfg, prefer_kv_b=False, dtype=dtype)
+            q_lat = jnp.einsum("bthn,hnr->bthr", q_nope.astype(dtype), wk, precision=prec,
+                               preferred_element_type=jnp.float32)
+            q_abs = jnp.concatenate([q_lat, q_pe], -1).astype(dtype)
+            flash = plan.fa and plan.mla != 2
+            o_lat = attend(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash, **attn)
+            o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), wv, precision=prec,
+                           preferred_element_type=jnp.float32)
+    out = linear(o.reshape(B, T, H * cfg.v_dim), layer["attn_output"], dtype)
+    return out, new_cache
+
+
+def embed(token_embd: QuantArray, tokens, dtype=jnp.float32):
+    """Gather the token rows' blocks, then dequantize only those rows."""
+    rows = QuantArray(token_embd.data[tokens], token_embd.qtype, tokens.shape + (token_embd.shape[-1],))
+    return rows.dequantize(jnp.float32)
+
+
+def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: StepPlan):
+    """tokens [B,T] at positions start[b].. ; returns (logits, cache).
+
+    Logits are [B,T,V] if plan.all_logits, else [B,V] for the token at index last[b].
+    """
+    B, T = tokens.shape
+    dtype = plan.compute_dtype
+    q_pos = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
+    cos, sin = rope_tables(inverse_frequencies(cfg), q_pos)
+    x = embed(weights["token_embd"], tokens)
+    new_cache = {name: list(layers) for name, layers in cache.items()}
+    for i, layer in enumerate(weights["layers"]):
+        layer_cache = {name: layers[i] for name, layers in cache.items()}
+        a, layer_cache = attention_block(rms_norm(x, layer["attn_norm"], cfg.rms_eps), layer, layer_cache,
+                                         start, q_pos, cos, sin, cfg, plan)
+        for name, value in layer_cache.items():
+            new_cache[name][i] = value
+        h = x + a
+        hn = rms_norm(h, layer["ffn_norm"], cfg.rms_eps)
+        if cfg.is_moe_layer(i):
+            f = moe_ffn(hn.reshape(B * T, -1), layer, cfg, dtype=dtype, fused=plan.fmoe, ser=plan.ser).reshape(B, T, -1)
+        else:
+            f = dense_ffn(hn, layer["ffn_gate"], layer["ffn_up"], layer["ffn_down"], dtype)
+        x = h + f
+    if not plan.all_logits:
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    logits = linear(rms_norm(x, weights["output_norm"], cfg.rms_eps), weights["output"], dtype)
+    return logits, new_cache

@@ -1,0 +1,111 @@
+"""Routed experts: DeepSeek's router (softmax or sigmoid, bias for selection, group limit, norm,
+scale), ik's smart expert reduction, and the expert FFN in two forms.
+
+- gather form (few tokens, decode): only the selected experts' blocks are gathered and
+  dequantized: bytes read grow with tokens x experts used, not with the expert count.
+- grouped form (prompt): assignments sorted by expert, every expert dequantized once, one
+  `ragged_dot` per projection.
+`fmoe` contracts gate and up in one pass and fuses SiLU·mul, as ik's `-fmoe`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
+from ikjax.options import SmartExpertReduction
+from ikjax.model.layers import HIGHEST, dense_ffn, precision_for as _prec, swiglu as _swiglu
+from ikjax.quant.array import QuantArray
+
+
+
+def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
+    """x [N, d] -> (weights [N, k] float32, expert ids [N, k] int32), as transformers' routers."""
+    logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), layer["gate_inp"].dequantize(jnp.float32),
+                        precision=HIGHEST)
+    scores = jax.nn.sigmoid(logits) if cfg.gating == GATING_SIGMOID else jax.nn.softmax(logits, axis=-1)
+    choice = scores + layer["exp_probs_b"] if "exp_probs_b" in layer else scores
+    G, g_used = cfg.n_expert_group, cfg.n_expert_group_used
+    if G > 1 and g_used < G:
+        grouped = choice.reshape(-1, G, cfg.n_expert // G)
+        if cfg.gating == GATING_SIGMOID:
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+        else:
+            group_score = grouped.max(axis=-1)
+        _, top_groups = jax.lax.top_k(group_score, g_used)
+        keep = jnp.zeros_like(group_score, dtype=bool).at[jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, cfg.n_expert // G, axis=-1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, cfg.n_expert_used)
+    w = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.expert_weights_norm:
+        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    w = w * cfg.expert_weights_scale
+    if ser is not None:
+        w = smart_expert_reduction(w, ser)
+    return w, ids
+
+
+def smart_expert_reduction(w, ser: SmartExpertReduction):
+    """Keep the top Kmin weights; a lower one only where w_i > t * w_max. Dropped weights become 0."""
+    order = jnp.argsort(-w, axis=-1)
+    rank = jnp.argsort(order, axis=-1)
+    w_max = w.max(axis=-1, keepdims=True)
+    keep = (rank < ser.min_experts) | (w > ser.threshold * w_max)
+    return jnp.where(keep, w, 0.0)
+
+
+def experts_gather(x, w, ids, layer: dict, dtype, fused: bool):
+    """x [N,d]; dequantize only the selected experts' rows: [N,k,f,d]."""
+    def take(qa: QuantArray):
+        return QuantArray(qa.data[ids], qa.qtype, ids.shape + qa.shape[1:]).dequantize(dtype)
+    xc = x.astype(dtype)
+    p = _prec(dtype)
+    if fused:
+        gu = jnp.concatenate([take(layer["gate_exps"]), take(layer["up_exps"])], axis=2)
+        g, u = jnp.split(jnp.einsum("nd,nkfd->nkf", xc, gu, precision=p, preferred_element_type=jnp.float32), 2, -1)
+    else:
+        g = jnp.einsum("nd,nkfd->nkf", xc, take(layer["gate_exps"]), precision=p, preferred_element_type=jnp.float32)
+        u = jnp.einsum("nd,nkfd->nkf", xc, take(layer["up_exps"]), precision=p, preferred_element_type=jnp.float32)
+    h = _swiglu(g, u).astype(dtype)
+    y = jnp.einsum("nkf,nkdf->nkd", h, take(layer["down_exps"]), precision=p, preferred_element_type=jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, w, precision=HIGHEST)
+
+
+def experts_grouped(x, w, ids, layer: dict, dtype, fused: bool):
+    """Sort the N*k assignments by expert and run one ragged_dot per projection."""
+    N, k = ids.shape
+    E = layer["gate_exps"].shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token_of = order // k
+    xs = x.astype(dtype)[token_of]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    p = _prec(dtype)
+
+    def rdot(lhs, qa: QuantArray):
+        rhs = qa.dequantize(dtype).swapaxes(1, 2)  # [E, in, out]
+        return jax.lax.ragged_dot(lhs, rhs, sizes, precision=p, preferred_element_type=jnp.float32)
+
+    if fused:
+        gate_up = QuantArray(jnp.concatenate([layer["gate_exps"].data, layer["up_exps"].data], axis=1),
+                             layer["gate_exps"].qtype,
+                             (E, 2 * layer["gate_exps"].shape[1], layer["gate_exps"].shape[2]))
+        g, u = jnp.split(rdot(xs, gate_up), 2, -1)
+    else:
+        g, u = rdot(xs, layer["gate_exps"]), rdot(xs, layer["up_exps"])
+    y = rdot(_swiglu(g, u).astype(dtype), layer["down_exps"])  # [N*k, d] in sorted order
+    y = y * w.reshape(-1)[order][:, None]
+    return jnp.zeros((N, y.shape[-1]), jnp.float32).at[token_of].add(y)
+
+
+def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartExpertReduction | None):
+    """x [N, d] float32 -> routed experts + shared experts, [N, d] float32."""
+    w, ids = route(x, layer, cfg, ser)
+    N = x.shape[0]
+    if N * cfg.n_expert_used <= 2 * cfg.n_expert:
+        out = experts_gather(x, w, ids, layer, dtype, fused)
+    else:
+        out = experts_grouped(x, w, ids, layer, dtype, fused)
+    if "gate_shexp" in layer:
+        out = out + dense_ffn(x, layer["gate_shexp"], layer["up_shexp"], layer["down_shexp"], dtype)
+    return out

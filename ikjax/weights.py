@@ -1,0 +1,146 @@
+"""Model weights: the GGUF tensors a deepseek2 graph needs, checked and wrapped as QuantArrays.
+
+Each tensor keeps its GGUF blocks; nothing is dequantized here. The three MLA layouts load as they
+are: whichever of `attn_kv_b` / `attn_k_b` / `attn_v_b` a file lacks is derived inside the graph
+from the ones it has (see `attention_weights`), exactly, with no re-quantization.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikjax.errors import ModelFileError
+from ikjax.gguf_io.config import ModelConfig
+from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
+from ikjax.quant.array import QuantArray
+from ikjax.quant.dequant import supports
+from ikjax.quant.types import UnsupportedQuantType
+
+Weights = dict[str, Any]  # pytree: {"token_embd", "output_norm", "output", "layers": [dict, ...]}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor the graph reads: GGUF name, expected NumPy shape, whether it may be absent."""
+    key: str
+    gguf_name: str
+    shape: tuple[int, ...]
+    optional: bool = False
+    dense_float: bool = False  # 1-D norms and biases: plain float32 arrays
+
+
+def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+    H, d, r, rope = cfg.n_head, cfg.d_model, cfg.kv_lora_rank, cfg.rope_dim
+    nope, v = cfg.nope_dim, cfg.v_dim
+    p = f"blk.{i}."
+    s = [
+        TensorSpec("attn_norm", p + "attn_norm.weight", (d,), dense_float=True),
+        TensorSpec("kv_a_mqa", p + "attn_kv_a_mqa.weight", (r + rope, d)),
+        TensorSpec("kv_a_norm", p + "attn_kv_a_norm.weight", (r,), dense_float=True),
+        TensorSpec("kv_b", p + "attn_kv_b.weight", (H * (nope + v), r), optional=True),
+        TensorSpec("k_b", p + "attn_k_b.weight", (H, r, nope), optional=True),
+        TensorSpec("v_b", p + "attn_v_b.weight", (H, v, r), optional=True),
+        TensorSpec("attn_output", p + "attn_output.weight", (d, H * v)),
+        TensorSpec("ffn_norm", p + "ffn_norm.weight", (d,), dense_float=True),
+    ]
+    if cfg.q_lora_rank:
+        s += [TensorSpec("q_a", p + "attn_q_a.weight", (cfg.q_lora_rank, d)),
+              TensorSpec("q_a_norm", p + "attn_q_a_norm.weight", (cfg.q_lora_rank,), dense_float=True),
+              TensorSpec("q_b", p + "attn_q_b.weight", (H * cfg.qk_dim, cfg.q_lora_rank))]
+    else:
+        s.append(TensorSpec("q", p + "attn_q.weight", (H * cfg.qk_dim, d)))
+    if cfg.is_moe_layer(i):
+        E, f = cfg.n_expert, cfg.expert_ffn_dim
+        s += [TensorSpec("gate_inp", p + "ffn_gate_inp.weight", (E, d)),
+              TensorSpec("exp_probs_b", p + "exp_probs_b.bias", (E,), optional=True, dense_float=True),
+              TensorSpec("gate_exps", p + "ffn_gate_exps.weight", (E, f, d)),
+              TensorSpec("up_exps", p + "ffn_up_exps.weight", (E, f, d)),
+              TensorSpec("down_exps", p + "ffn_down_exps.weight", (E, d, f))]
+        if cfg.n_expert_shared:
+            fs = f * cfg.n_expert_shared
+            s += [TensorSpec("gate_shexp", p + "ffn_gate_shexp.weight", (fs, d)),
+                  TensorSpec("up_shexp", p + "ffn_up_shexp.weight", (fs, d)),
+                  TensorSpec("down_shexp", p + "ffn_down_shexp.weight", (d, fs))]
+    else:
+        s += [TensorSpec("ffn_gate", p + "ffn_gate.weight", (cfg.ffn_dim, d)),
+              TensorSpec("ffn_up", p + "ffn_up.weight", (cfg.ffn_dim, d)),
+              TensorSpec("ffn_down", p + "ffn_down.weight", (d, cfg.ffn_dim))]
+    return s
+
+
+def model_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    d, V = cfg.d_model, cfg.vocab_size
+    return [TensorSpec("token_embd", "token_embd.weight", (V, d)),
+            TensorSpec("output_norm", "output_norm.weight", (d,), dense_float=True),
+            TensorSpec("output", "output.weight", (V, d), optional=True)]
+
+
+def _shape_matches(info: TensorInfo, spec: TensorSpec) -> bool:
+    if info.shape == spec.shape:
+        return True
+    # 2-D per-head attn_k_b / attn_v_b (ik's converter) hold the same rows as the 3-D form
+    return spec.key in ("k_b", "v_b") and len(info.shape) == 2 and \
+        info.shape == (spec.shape[0] * spec.shape[1], spec.shape[2])
+
+
+def _check_layer_has_mla_source(present: set[str], i: int, source: str) -> None:
+    if "kv_b" not in present and not {"k_b", "v_b"} <= present:
+        raise ModelFileError(f"{source}: layer {i} has neither attn_kv_b nor both attn_k_b and attn_v_b")
+
+
+def validate(gf: GGUFModelFile, cfg: ModelConfig) -> None:
+    """Every tensor present, of the right shape and a type we can read — before loading any data."""
+    specs = model_specs(cfg) + [s for i in range(cfg.n_layer) for s in layer_specs(cfg, i)]
+    for spec in specs:
+        info = gf.tensors.get(spec.gguf_name)
+        if info is None:
+            if not spec.optional:
+                raise ModelFileError(f"{gf.path}: missing tensor {spec.gguf_name}")
+            continue
+        if not _shape_matches(info, spec):
+            raise ModelFileError(f"{gf.path}: tensor {spec.gguf_name} has shape {list(info.shape)}, "
+                                 f"expected {list(spec.shape)}")
+        if info.qtype is None or not supports(info.qtype):
+            raise UnsupportedQuantType(f"{gf.path}: tensor {spec.gguf_name} has type {info.type_name}, "
+                                       f"which ikjax cannot dequantize")
+    for i in range(cfg.n_layer):
+        present = {s.key for s in layer_specs(cfg, i) if s.gguf_name in gf.tensors}
+        _check_layer_has_mla_source(present, i, gf.path)
+
+
+Placer = Callable[[str, np.ndarray], Any]
+
+
+def default_placer(name: str, host: np.ndarray) -> jax.Array:
+    return jax.device_put(host)
+
+
+def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer = default_placer) -> Weights:
+    """Copy each tensor's bytes from the memory map to where `place` puts it, one tensor at a time."""
+    validate(gf, cfg)
+
+    def load(spec: TensorSpec):
+        info = gf.tensors.get(spec.gguf_name)
+        if info is None:
+            return None
+        raw = gf.tensor_bytes(spec.gguf_name)
+        if spec.dense_float:
+            host = QuantArray.from_bytes(raw, info.qtype, info.shape).dequantize(jnp.float32)
+            return place(spec.gguf_name, np.asarray(host))
+        qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
+        return QuantArray(place(spec.gguf_name, qa.data), qa.qtype, qa.shape)
+
+    weights: Weights = {s.key: load(s) for s in model_specs(cfg)}
+    if weights["output"] is None:  # tied embeddings
+        weights["output"] = weights["token_embd"]
+    weights["layers"] = [{s.key: v for s in layer_specs(cfg, i) if (v := load(s)) is not None}
+                         for i in range(cfg.n_layer)]
+    return weights
+
+
+def weight_bytes(weights: Weights) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(weights))
