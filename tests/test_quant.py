@@ -183,6 +183,15 @@ def _deq(entry):
     return np.asarray(QuantArray.from_bytes(data, lookup(tid), shape).dequantize())
 
 
+_ref_cache = {}
+
+
+def _deq_ref(name):
+    if name not in _ref_cache:
+        _ref_cache[name] = _deq(_tensors(REF_FILE)[name])
+    return _ref_cache[name]
+
+
 def _ik_tensor_errors(type_name, mutate=None):
     """Relative L2 error of each `type_name` tensor of its fixture against the Q8_0 fixture."""
     qt = by_name(type_name)
@@ -194,7 +203,7 @@ def _ik_tensor_errors(type_name, mutate=None):
         if mutate is not None:
             data = mutate(np.array(data).reshape(*shape[:-1], -1))
         got = _deq((tid, shape, data))
-        want = _deq(ref[name])
+        want = _deq_ref(name)
         assert got.shape == want.shape == shape and np.isfinite(got).all()
         errs[name] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     return errs

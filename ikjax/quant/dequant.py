@@ -14,6 +14,7 @@ Decoders for ik_llama.cpp's own types live in `ikjax.quant.ik_types` and registe
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import jax
@@ -272,9 +273,17 @@ def dequantize(raw, qtype: QuantType, n_per_row: int, dtype=jnp.float32) -> jax.
     if raw.ndim < 2 or raw.shape[-1] != rb:
         raise ValueError(f"{qtype.name}: expected bytes shaped [..., rows, {rb}] for rows of {n_per_row},"
                          f" got {tuple(raw.shape)}")
-    raw = jnp.asarray(raw)
     if raw.dtype != jnp.uint8:
         raise ValueError(f"{qtype.name}: expected uint8 bytes, got {raw.dtype}")
+    if qtype.interleave > 1 and raw.shape[-2] % qtype.interleave:
+        raise ValueError(f"{qtype.name}: {raw.shape[-2]} rows is not a multiple of the interleave {qtype.interleave}")
+    return _dequantize_jit(raw, qtype, n_per_row, np.dtype(dtype))
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _dequantize_jit(raw, qtype: QuantType, n_per_row: int, dtype):
+    fn = DECODERS[qtype.name]
+    rb = qtype.row_bytes(n_per_row)
     lead, rows = raw.shape[:-2], raw.shape[-2]
     nb = n_per_row // qtype.block_elems
     R = qtype.interleave
