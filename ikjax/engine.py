@@ -81,18 +81,43 @@ class Engine:
     def token_bucket(self, n: int) -> int:
         return min(_pow2_at_least(n), max(n, self.options.ubatch))
 
-    def run_step(self, cache, tokens: np.ndarray, start: np.ndarray, last: np.ndarray, all_logits: bool):
-        """tokens [B,T] (already bucketed) at start[b]; returns (logits, cache)."""
-        B, T = tokens.shape
-        plan = self._plan(self.kv_bucket(int(start.max()) + T), all_logits)
+    def _note_compile(self, B: int, T: int, plan: StepPlan) -> bool:
         key = (B, T, plan)
-        if key not in self._compiled:
-            self._compiled.add(key)
-            self.compile_count += 1
-            log.info("compiling step: batch %d, tokens %d, kv_len %d, mla %d, fa %d", B, T, plan.kv_len,
-                     plan.mla, plan.fa)
-        return self._jit_step(self.weights, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(start, jnp.int32),
-                              jnp.asarray(last, jnp.int32), plan=plan)
+        if key in self._compiled:
+            return False
+        self._compiled.add(key)
+        self.compile_count += 1
+        log.info("compiling step: batch %d, tokens %d, kv_len %d, mla %d, fa %d", B, T, plan.kv_len,
+                 plan.mla, plan.fa)
+        return True
+
+    def step(self, cache, tokens: np.ndarray, start: np.ndarray, last: np.ndarray | None = None,
+             all_logits: bool = False):
+        """One compiled step: tokens [B,T] of sequence b at positions start[b]..; returns (logits, cache).
+
+        The cache passed in is donated (consumed); use the one returned. Rows past a sequence's
+        position are ignored by the causal mask, so "removing" tokens is moving `start` back.
+        """
+        tokens = np.asarray(tokens, np.int32)
+        start = np.asarray(start, np.int32)
+        B, T = tokens.shape
+        last = np.full(B, T - 1, np.int32) if last is None else np.asarray(last, np.int32)
+        plan = self._plan(self.kv_bucket(int(start.max()) + T), all_logits)
+        self._note_compile(B, T, plan)
+        return self._jit_step(self.weights, cache, jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(last),
+                              plan=plan)
+
+    def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
+        """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
+        plan = self._plan(self.kv_bucket(kv_needed), all_logits)
+        if not self._note_compile(batch, n_tokens, plan):
+            return 0.0
+        t0 = time.perf_counter()
+        cache = jax.eval_shape(lambda: self.new_cache(batch))
+        i32 = jax.ShapeDtypeStruct
+        self._jit_step.lower(self.weights, cache, i32((batch, n_tokens), jnp.int32), i32((batch,), jnp.int32),
+                             i32((batch,), jnp.int32), plan=plan).compile()
+        return time.perf_counter() - t0
 
     def new_cache(self, batch: int = 1):
         return kvcache.init_cache(self.cache_layout(batch))
@@ -124,7 +149,7 @@ class Engine:
             T = self.token_bucket(len(chunk))
             toks = np.zeros((1, T), np.int32)
             toks[0, :len(chunk)] = chunk
-            logits, cache = self.run_step(cache, toks, np.array([start + c0]), np.array([len(chunk) - 1]),
+            logits, cache = self.step(cache, toks, np.array([start + c0]), np.array([len(chunk) - 1]),
                                           all_logits)
             if all_logits:
                 outs.append(np.asarray(logits[0, :len(chunk)], np.float32))
@@ -154,7 +179,7 @@ class Engine:
             yield tok
             if tok in stop_ids or pos >= self.options.ctx:
                 return
-            out, cache = self.run_step(cache, np.array([[tok]], np.int32), np.array([pos]), np.array([0]), False)
+            out, cache = self.step(cache, np.array([[tok]], np.int32), np.array([pos]), np.array([0]), False)
             logits = np.asarray(out[0], np.float32)
             pos += 1
 
