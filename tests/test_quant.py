@@ -13,7 +13,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ikjax.quant import QuantArray, UnsupportedQuantType, by_name, dequantize, lookup
-from ikjax.quant.ik_types import IQ4K_VALUES
+from ikjax.quant.ik_types import IQ2NL_VALUES, IQ4K_VALUES
 
 STD_TYPES = "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS".split()
 
@@ -280,6 +280,27 @@ def test_iq4_k_hand_block():
     shift = np.zeros(256, int)
     shift[16:32] = 16
     want = np.float32(0.5) * (np.repeat(ls, 16) - 32).astype(np.float32) * IQ4K_VALUES[q + shift]
+    assert np.array_equal(got, want.astype(np.float32))
+
+
+def test_iq2_k_hand_block():
+    rng = np.random.default_rng(5)
+    blk = np.zeros(76, np.uint8)
+    blk[0:2] = _f16b(-0.75)
+    extra = int(rng.integers(0, 1 << 16))
+    blk[2:4] = np.array([extra], np.uint16).view(np.uint8)
+    ls = rng.integers(0, 16, 16)                   # sub-block s: nibble s%2 of scales[s//2]
+    for s in range(16):
+        blk[4 + s // 2] |= ls[s] << (4 * (s % 2))
+    q = rng.integers(0, 4, 256)
+    # weight 32*ib + t sits in bits 2*(ib%4) of qs[32*(ib//4) + t]
+    for ib in range(8):
+        for t in range(32):
+            blk[12 + 32 * (ib // 4) + t] |= q[32 * ib + t] << (2 * (ib % 4))
+    got = np.asarray(dequantize(blk.reshape(1, 76), by_name("IQ2_K"), 256))[0]
+    sub = np.arange(256) // 16
+    tab = 4 * ((extra >> sub) & 1)
+    want = (np.float32(-0.75) * (ls[sub] - 8).astype(np.float32)) * IQ2NL_VALUES[q + tab]
     assert np.array_equal(got, want.astype(np.float32))
 
 

@@ -106,6 +106,26 @@ IQ4K_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
 assert (IQ4K_VALUES[:16] == IQ4NL_VALUES).all()
 
 
+IQ2NL_VALUES = np.array([-31, -13, 1, 17, -26, -8, 6, 22], dtype=np.float32)
+
+
+def _iq2_k(b, meta):
+    """block_iq2_k: half d; u16 extra; scales[8]; qs[64]. Weight 32*ib + t: 2-bit field ib%4 of
+    qs[32*(ib//4) + t]; 16-sub-block s = 2*ib + t//16: scale nibble s%2 of scales[ib], minus 8;
+    extra bit s selects the shifted half of iq2nl_values."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 0)[..., None]
+    extra = u16_at(b, 2)
+    s = jnp.arange(16)
+    ls = ((b[..., 4:12][..., s // 2] >> (4 * (s % 2)).astype(jnp.uint8)) & 0xF).astype(jnp.int32) - 8
+    dl = (d * ls.astype(F32))[..., None]                                   # [..., 16, 1]
+    shift = ((extra[..., None] >> s.astype(jnp.uint16)) & 1).astype(jnp.int32) * 4
+    qs = b[..., 12:76].reshape(*lead, 2, 32)
+    q = ((qs[..., None, :] >> jnp.array([0, 2, 4, 6], dtype=jnp.uint8)[:, None]) & 3)   # [..., 2, 4, 32]
+    q = q.reshape(*lead, 16, 16).astype(jnp.int32)
+    return (dl * lookup(IQ2NL_VALUES, q + shift[..., None])).reshape(*lead, 256)
+
+
 def _iq4_k(b, meta):
     """block_iq4_k: half d; u16 extra; scales_h[4]; scales_l[8]; qs[128] (16 sub-blocks of 16)."""
     lead = b.shape[:-1]
@@ -172,7 +192,7 @@ def _q4_k_r4(b, meta):
     return (dl * q - ml).reshape(*lead, 4, 256)
 
 
-DECODERS = {"IQ4_K": _iq4_k, "IQ4_KS": _iq4_ks, "Q4_K_R4": _q4_k_r4}
+DECODERS = {"IQ2_K": _iq2_k, "IQ4_K": _iq4_k, "IQ4_KS": _iq4_ks, "Q4_K_R4": _q4_k_r4}
 
 _register_all()
 for _n, _f in DECODERS.items():
