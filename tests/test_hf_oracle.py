@@ -98,3 +98,12 @@ def test_long_prompt_matches_hf(tmp_path, variant):
     (path,) = write_deepseek2_gguf(tmp_path / f"{variant}-long.gguf", cfg, sd, layout="all")
     ids = token_ids(cfg["vocab_size"], n=1100, seed=4)
     check(ikjax_logits(path, ids), hf_logits(hf, ids), f"{variant}/all/F32 1100 tokens")
+
+
+@pytest.mark.parametrize("opts", [{"mla": 1}, {"mla": 3, "fa": True}], ids=["mla1", "mla3-fa"])
+def test_absorbed_mla_on_derived_tensors(tmp_path, opts):
+    """A "kvb" file has no attn_k_b/attn_v_b: the absorbed paths run on tensors derived at load."""
+    hf, cfg, sd = model("v3")
+    (path,) = write_deepseek2_gguf(tmp_path / "v3-kvb.gguf", cfg, sd, layout="kvb")
+    ids = token_ids(cfg["vocab_size"], seed=5)
+    check(ikjax_logits(path, ids, **opts), hf_logits(hf, ids), f"v3/kvb/F32 {opts}")
