@@ -27,6 +27,9 @@ from ikjax.weights import load_weights, weight_bytes
 
 log = logging.getLogger("ikjax")
 
+# One jit for all engines: engines whose config, plan and weight types agree share executables.
+_jitted_forward = jax.jit(forward, static_argnames=("cfg", "plan"), donate_argnums=(1,))
+
 
 def _pow2_at_least(n: int, lo: int = 1) -> int:
     b = lo
@@ -64,11 +67,11 @@ class Engine:
         log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
         self._compiled: set[tuple] = set()
         self.compile_count = 0
-        self._jit_step = jax.jit(self._step, static_argnames=("plan",), donate_argnums=(1,))
 
     # -- compiled step -------------------------------------------------------------------------
-    def _step(self, weights, cache, tokens, start, last, *, plan: StepPlan):
-        return forward(weights, cache, tokens, start, last, cfg=self.config, plan=plan)
+    def _run_jitted(self, cache, tokens, start, last, plan: StepPlan, *, lower: bool = False):
+        fn = _jitted_forward.lower if lower else _jitted_forward
+        return fn(self.weights, cache, tokens, start, last, cfg=self.config, plan=plan)
 
     def _plan(self, kv_len: int, all_logits: bool) -> StepPlan:
         o = self.options
@@ -104,8 +107,7 @@ class Engine:
         last = np.full(B, T - 1, np.int32) if last is None else np.asarray(last, np.int32)
         plan = self._plan(self.kv_bucket(int(start.max()) + T), all_logits)
         self._note_compile(B, T, plan)
-        return self._jit_step(self.weights, cache, jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(last),
-                              plan=plan)
+        return self._run_jitted(cache, jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(last), plan)
 
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
@@ -115,8 +117,8 @@ class Engine:
         t0 = time.perf_counter()
         cache = jax.eval_shape(lambda: self.new_cache(batch))
         i32 = jax.ShapeDtypeStruct
-        self._jit_step.lower(self.weights, cache, i32((batch, n_tokens), jnp.int32), i32((batch,), jnp.int32),
-                             i32((batch,), jnp.int32), plan=plan).compile()
+        self._run_jitted(cache, i32((batch, n_tokens), jnp.int32), i32((batch,), jnp.int32),
+                         i32((batch,), jnp.int32), plan, lower=True).compile()
         return time.perf_counter() - t0
 
     def new_cache(self, batch: int = 1):

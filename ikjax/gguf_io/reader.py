@@ -204,6 +204,8 @@ class GGUFModelFile:
     def __init__(self, path: str | os.PathLike):
         paths = split_paths(path)
         missing = [p for p in paths if not os.path.exists(p)]
+        if missing and len(paths) == 1:
+            raise ModelFileError(f"{path}: cannot open: no such file")
         if missing:
             raise ModelFileError(f"{path}: split model is missing shard {missing[0]}")
         self.shards = [GGUFShard(p) for p in paths]

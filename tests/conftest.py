@@ -1,0 +1,37 @@
+"""Shared test helpers: where the real-converter fixtures are, and the error measure they use."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def fixtures_dir() -> Path:
+    """../shared/fixtures beside the checkout, or $IKJAX_FIXTURES. Missing is a failure, not a skip."""
+    env = os.environ.get("IKJAX_FIXTURES")
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+    if not (d / "MANIFEST.json").exists():
+        pytest.fail(f"GGUF fixtures not found at {d} (set IKJAX_FIXTURES)")
+    return d
+
+
+def manifest() -> list[dict]:
+    return json.loads((fixtures_dir() / "MANIFEST.json").read_text())
+
+
+def fixture_entry(name: str) -> dict:
+    return next(e for e in manifest() if e["file"] == name)
+
+
+def load_ref(entry: dict, key: str = "ref") -> tuple[np.ndarray, np.ndarray]:
+    d = fixtures_dir()
+    return np.load(d / entry["tokens"]), np.load(d / (entry.get(key) or entry["ref"]))
+
+
+def rel_err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
