@@ -1,0 +1,211 @@
+"""Pallas (Triton) quantized matmul: y = x @ W^T, W planar-packed GGUF blocks (packing.py),
+dequantized in registers tile by tile; the dequantized weights never touch device memory.
+
+Two schedules over one kernel body:
+- "rows" (decode, 1-4 rows of x, bandwidth-bound GEMV): each program owns `bn` output columns and
+  streams its weights once, multiply-accumulating every x row elementwise in float32 (no padding
+  of x to a matrix-unit tile); optional split-K when there are too few column tiles to fill the GPU.
+- "dot" (5+ rows, prompt): `bm x bn` output tiles, `tl.dot` on compute-dtype tiles, f32 accumulation.
+
+Both take an optional per-m-tile expert index: the weights then carry a leading expert axis and
+each m-tile reads only its expert (the gather MoE form uses one row per tile, the grouped form
+`bm` rows of tokens sorted by expert). `swiglu=True` takes two weights (gate, up) and writes
+`silu(x W_g^T) * (x W_u^T)` (ik's fused `-fmoe`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .packing import GEOMETRY, PART_AXIS, PackedWeight, decode_part, x_view
+
+F32 = jnp.float32
+_SUPER_ARRAYS = ("d", "dmin")
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _compiler_params(num_warps, num_stages):
+    try:
+        from jax.experimental.pallas import triton as plgpu
+        return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    except Exception:  # pragma: no cover
+        return None
+
+
+def _load_tiles(qtype: str, wrefs: dict, lead: tuple, n0, bn: int, t, ng: int, R: int, p: int):
+    """Load part p's tiles: rows n0..n0+bn, groups t*ng..(t+1)*ng (the part axis indexed in the load)."""
+    sel = PART_AXIS.get(qtype, {})
+    out = {}
+    for name, ref in wrefs.items():
+        extra = len(ref.shape) - len(lead) - 2
+        if R > 1 and name in _SUPER_ARRAYS:
+            idx = (*lead, pl.ds(n0, bn), pl.ds(t * (ng // R), ng // R))
+        else:
+            rest = (slice(None),) * extra
+            if name in sel:
+                rest = (sel[name](p),) + rest[1:]
+            idx = (*lead, pl.ds(n0, bn), pl.ds(t * ng, ng)) + rest
+        out[name] = ref[idx]
+    return out
+
+
+def _silu_mul(g, u):
+    return g / (1.0 + jnp.exp(-g)) * u
+
+
+def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swiglu):
+    G, P, L, R = GEOMETRY[qtype]
+    ng = bk // G
+    it = iter(refs)
+    x_ref = next(it)
+    e_ref = next(it) if has_expert else None
+    wrefs = [{n: next(it) for n in names} for _ in range(n_w)]
+    o_ref = next(it)
+    j, i = pl.program_id(0), pl.program_id(1)
+    n0, m0 = j * bn, i * bm
+    lead = (e_ref[i],) if has_expert else ()
+    width = ng * L
+
+    if mode == "rows":
+        s = pl.program_id(2)
+
+        def body(t, accs):
+            xs = [[x_ref[m0 + r, pl.ds(t * ng, ng), p, :].reshape(1, width).astype(F32) for p in range(P)]
+                  for r in range(bm)]
+            new = []
+            for wi in range(n_w):
+                acc = list(accs[wi])
+                for p in range(P):
+                    tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p)
+                    w = decode_part(qtype, tiles, p).reshape(bn, width).astype(cdt).astype(F32)
+                    for r in range(bm):
+                        acc[r] = acc[r] + w * xs[r][p]
+                new.append(tuple(acc))
+            return tuple(new)
+
+        init = tuple(tuple(jnp.zeros((bn, width), F32) for _ in range(bm)) for _ in range(n_w))
+        accs = lax.fori_loop(s * nt, (s + 1) * nt, body, init)
+        for r in range(bm):
+            ys = [jnp.sum(accs[wi][r], axis=1) for wi in range(n_w)]
+            y = _silu_mul(ys[0], ys[1]) if swiglu else ys[0]
+            o_ref[s, m0 + r, pl.ds(n0, bn)] = y
+        return
+
+    def body(t, accs):
+        xs = [x_ref[pl.ds(m0, bm), pl.ds(t * ng, ng), p, :].reshape(bm, width) for p in range(P)]
+        new = []
+        for wi in range(n_w):
+            acc = accs[wi]
+            for p in range(P):
+                tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p)
+                w = decode_part(qtype, tiles, p).reshape(bn, width).astype(cdt)
+                acc = acc + lax.dot_general(xs[p], w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+            new.append(acc)
+        return tuple(new)
+
+    init = tuple(jnp.zeros((bm, bn), F32) for _ in range(n_w))
+    accs = lax.fori_loop(0, nt, body, init)
+    y = _silu_mul(accs[0], accs[1]) if swiglu else accs[0]
+    o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = y
+
+
+def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_rows: int | None = None):
+    """Static schedule for one call (mode, bm, bn, bk, split, warps, stages)."""
+    G, P, L, R = GEOMETRY[qtype]
+    kmin = G * R
+    if tile_rows is not None and tile_rows <= rows_max or tile_rows is None and M <= rows_max:
+        bm = tile_rows or M
+        bn = _pow2_divisor(N, 32)
+        bk = max(kmin, _pow2_divisor(K, 512 if P == 1 else 256 * P // 2))
+        bk = min(bk, K) if K % bk == 0 else kmin
+        tiles = N // bn * max(1, M // bm)
+        nt_all = K // bk
+        split = 1
+        while tiles * split < 264 and nt_all % (split * 2) == 0 and nt_all // (split * 2) >= 2:
+            split *= 2
+        return dict(mode="rows", bm=bm, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3)
+    bm = tile_rows or (16 if M <= 16 else 64)
+    bn = _pow2_divisor(N, 64 if M <= 16 else 128)
+    bk = max(kmin, _pow2_divisor(K, 128))
+    return dict(mode="dot", bm=bm, bn=bn, bk=bk, split=1, num_warps=4, num_stages=3 if bk <= 128 else 2)
+
+
+def kernel_supports(qtype: str, N: int, K: int) -> bool:
+    if qtype not in GEOMETRY:
+        return False
+    G, P, L, R = GEOMETRY[qtype]
+    return K % (G * R) == 0 and N % 16 == 0
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret"))
+def _call(x, ws, expert, *, dtype, swiglu, config, interpret):
+    cfg = dict(config)
+    w0: PackedWeight = ws[0]
+    qtype = w0.qtype
+    N, K = w0.shape[-2], w0.shape[-1]
+    M = x.shape[0]
+    mode, bm, bn, bk, split = cfg["mode"], cfg["bm"], cfg["bn"], cfg["bk"], cfg["split"]
+    Mp = -(-M // bm) * bm
+    xc = x.astype(dtype)
+    if Mp != M:
+        xc = jnp.pad(xc, ((0, Mp - M), (0, 0)))
+    xv = x_view(xc, qtype)
+    names = tuple(sorted(w0.arrays))
+    args = [xv]
+    has_expert = expert is not None
+    if has_expert:
+        e = expert.astype(jnp.int32)
+        if e.shape[0] * bm != Mp:
+            raise ValueError(f"expert index has {e.shape[0]} tiles for {Mp} rows of {bm}")
+        args.append(e)
+    for w in ws:
+        args += [w.arrays[n] for n in names]
+    nt = K // bk // split
+    grid = (N // bn, Mp // bm, split) if mode == "rows" else (N // bn, Mp // bm)
+    kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert,
+                             mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, cdt=jnp.dtype(dtype), swiglu=swiglu)
+    out = pl.pallas_call(
+        kern,
+        out_shape=jax.ShapeDtypeStruct((split, Mp, N), F32),
+        grid=grid,
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(cfg["num_warps"], cfg["num_stages"]),
+        name=f"quant_matmul_{qtype.lower()}_{mode}",
+    )(*args)
+    y = out[0] if split == 1 else out.sum(0)
+    return y[:M] if Mp != M else y
+
+
+def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False, config: dict | None = None):
+    """x [..., K] @ W[N, K]^T -> [..., N] float32 (W a PackedWeight without expert axis)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    N, K = w.shape[-2], w.shape[-1]
+    cfg = config or pick_config(w.qtype, x2.shape[0], N, K)
+    y = _call(x2, (w,), None, dtype=jnp.dtype(dtype), swiglu=False, config=tuple(sorted(cfg.items())),
+              interpret=interpret)
+    return y.reshape(*lead, N)
+
+
+def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
+                         interpret: bool = False, config: dict | None = None):
+    """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
+    (PackedWeight [E, N, K]). `ws` = (w,) or, with swiglu, (gate, up). -> [M, N] float32."""
+    w0 = ws[0]
+    N, K = w0.shape[-2], w0.shape[-1]
+    cfg = config or pick_config(w0.qtype, x.shape[0], N, K, tile_rows=tile_rows)
+    if swiglu and cfg["split"] != 1:
+        cfg = dict(cfg, split=1)
+    return _call(x, tuple(ws), expert, dtype=jnp.dtype(dtype), swiglu=swiglu,
+                 config=tuple(sorted(cfg.items())), interpret=interpret)
