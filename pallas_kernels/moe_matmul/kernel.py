@@ -1,0 +1,67 @@
+"""Routed experts through the dequantizing Pallas matmul (quant_matmul.kernel):
+
+- gather form (decode: few tokens): one program row per (token, expert) assignment, reading only
+  the selected experts' blocks; gate and up in one pass with SiLU·mul fused (ik's -fmoe), then down.
+- grouped form (prompt): assignments sorted by expert, each expert's rows padded to a multiple of
+  the tile height `bm`, every m-tile multiplies by one expert's weights (tl.dot tiles).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.quant_matmul.kernel import quant_matmul_experts
+from pallas_kernels.quant_matmul.packing import PackedWeight
+
+
+def _combine(y, w):
+    return jnp.einsum("nkd,nk->nd", y, w, precision=jax.lax.Precision.HIGHEST)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+def moe_experts_gather(x, w, ids, gate: PackedWeight, up: PackedWeight, down: PackedWeight,
+                       dtype=jnp.bfloat16, interpret: bool = False):
+    N, k = ids.shape
+    e = ids.reshape(-1).astype(jnp.int32)
+    xa = jnp.repeat(x.astype(dtype), k, axis=0)                       # [N*k, d]
+    h = quant_matmul_experts(xa, (gate, up), e, dtype, tile_rows=1, swiglu=True, interpret=interpret)
+    y = quant_matmul_experts(h.astype(dtype), (down,), e, dtype, tile_rows=1, interpret=interpret)
+    return _combine(y.reshape(N, k, -1), w)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "bm"))
+def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: PackedWeight,
+                        dtype=jnp.bfloat16, interpret: bool = False, bm: int = 64):
+    N, k = ids.shape
+    E = gate.shape[0]
+    A = N * k
+    flat = ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    padded = (sizes + bm - 1) // bm * bm
+    ends_p = jnp.cumsum(padded)
+    starts_p = ends_p - padded
+    starts = jnp.cumsum(sizes) - sizes
+    dest = starts_p[sorted_e] + (jnp.arange(A, dtype=jnp.int32) - starts[sorted_e])
+    n_tiles = -(-(A + E * (bm - 1)) // bm)
+    Mp = n_tiles * bm
+    tok = order // k
+    xp = jnp.zeros((Mp, x.shape[-1]), dtype).at[dest].set(x.astype(dtype)[tok])
+    tile_e = jnp.searchsorted(ends_p, jnp.arange(n_tiles, dtype=jnp.int32) * bm, side="right")
+    tile_e = jnp.minimum(tile_e, E - 1).astype(jnp.int32)
+    h = quant_matmul_experts(xp, (gate, up), tile_e, dtype, tile_rows=bm, swiglu=True, interpret=interpret)
+    y = quant_matmul_experts(h.astype(dtype), (down,), tile_e, dtype, tile_rows=bm, interpret=interpret)
+    ya = y[dest] * w.reshape(-1)[order][:, None]
+    return jnp.zeros((N, y.shape[-1]), jnp.float32).at[tok].add(ya)
+
+
+def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False):
+    """x [N, d], w [N, k] f32, ids [N, k] -> [N, d] f32. Gather form while N*k <= 2*E (as the model)."""
+    N, k = ids.shape
+    E = gate.shape[0]
+    if N * k <= 2 * E:
+        return moe_experts_gather(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret)
+    return moe_experts_grouped(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret)
