@@ -1,0 +1,694 @@
+"""The `ikjax` command line: ik_llama.cpp's flags and tables on a JAX engine.
+
+    ikjax sweep-bench -m model.gguf -c 16384 -ub 2048 -mla 3 -fa
+    ikjax bench -m model.gguf -p 512 -n 128 -mla 2,3 -ub 512,2048 -r 3
+    ikjax generate -m model.gguf -p "Once upon a time" -n 64
+    ikjax info model.gguf -c 32768 -ctk q8_0
+    ikjax make-model --preset v2-lite --type Q4_0 -o v2lite.gguf
+    ikjax run --config configs/tiny-cpu.json
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from ikjax.errors import IkjaxError, OptionError
+from ikjax.options import RunOptions
+
+_D = RunOptions()
+
+# options that ik_llama.cpp takes as bare flags (`-fa`, `-fmoe`) but that also take a value here
+_BARE_FLAGS = {"-fa", "--fa", "--flash-attn", "-fmoe", "--fmoe", "--fused-moe"}
+_FLAG_VALUE = re.compile(r"(?i)^(0|1|on|off|true|false|yes|no|auto)(,(0|1|on|off|true|false|yes|no|auto))*$")
+
+
+def _rewrite(args: list[str]) -> list[str]:
+    """`-fa` with no value means `-fa 1` (ik's usage); `auto` means on."""
+    out: list[str] = []
+    for i, a in enumerate(args):
+        if a in _BARE_FLAGS:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            out.append(a)
+            if nxt is None or not _FLAG_VALUE.match(nxt):
+                out.append("1")
+            continue
+        if out and out[-1] in _BARE_FLAGS and _FLAG_VALUE.match(a):
+            a = re.sub(r"(?i)auto", "1", a)
+        out.append(a)
+    return out
+
+
+class _Group(TyperGroup):
+    """Bare-flag rewriting, and every usage error as one line on stderr with exit code 1."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _rewrite(list(args)))
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except click.ClickException as e:
+            click.echo(f"error: {e.format_message()}".splitlines()[0], err=True)
+            sys.exit(1)
+        except click.exceptions.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(1)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(
+    cls=_Group, name="ikjax", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="JAX inference for DeepSeek GGUF models (deepseek2) with ik_llama.cpp's flags: "
+         "sweep-bench, llama-bench style runs, generation, file info, synthetic models.",
+    context_settings={"help_option_names": ["-h", "--help"]})
+
+# ---------------------------------------------------------------------------------------------
+# shared options (ik_llama.cpp names first, long names beside)
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "-m", "--model", help="GGUF file (any shard of a split model), or synthetic:PRESET[:TYPE[:LAYERS]] "
+    "(made once, cached in ~/.cache/ikjax). Default: the built-in tiny synthetic model.")]
+CtxOpt = Annotated[int, typer.Option("-c", "--ctx", "--ctx-size", help="context size in tokens (KV cache length)")]
+BatchOpt = Annotated[int, typer.Option("-b", "--batch", "--batch-size", help="logical batch size")]
+UbatchOpt = Annotated[int, typer.Option("-ub", "--ubatch", "--ubatch-size",
+                                        help="micro-batch: tokens per prompt-processing step")]
+MlaOpt = Annotated[int, typer.Option("-mla", "--mla", "--mla-use", help="MLA mode: 0 standard attention (per-head "
+                                     "K/V cache), 1 absorbed, 2 PP decompressed + TG absorbed, 3 as 2 with the "
+                                     "flash kernel for TG (best)")]
+FaOpt = Annotated[str, typer.Option("-fa", "--fa", "--flash-attn", help="flash attention 0|1 (bare -fa = 1)")]
+AmbOpt = Annotated[int, typer.Option("-amb", "--amb", "--attention-max-batch",
+                                     help="without FA: cap the K*Q buffer at N MiB (attention in head chunks); 0 = off")]
+CtkOpt = Annotated[str, typer.Option("-ctk", "--ctk", "--cache-type-k", help="KV cache type: f32, f16, bf16, q8_0")]
+FmoeOpt = Annotated[str, typer.Option("-fmoe", "--fmoe", "--fused-moe", help="fused MoE 0|1 (bare -fmoe = 1)")]
+SerOpt = Annotated[Optional[str], typer.Option("-ser", "--ser", "--smart-expert-reduction",
+                                               help="smart expert reduction 'Kmin,t'")]
+OtOpt = Annotated[Optional[list[str]], typer.Option("-ot", "--ot", "--override-tensor",
+                                                    help="tensor placement REGEX=DEVICE[,...], first match wins "
+                                                    "(e.g. exps=CPU); may repeat")]
+NglOpt = Annotated[int, typer.Option("-ngl", "--ngl", "--n-gpu-layers", "--gpu-layers",
+                                     help="layers on accelerators")]
+TsOpt = Annotated[Optional[str], typer.Option("-ts", "--ts", "--tensor-split",
+                                              help="split across devices, e.g. 3,1 (accepted; ikjax splits evenly)")]
+ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (0 = all cores)")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="compute dtype: f32, bf16, f16 (not an ik flag)")]
+KvBlockOpt = Annotated[int, typer.Option("--kv-block", help="KV chunk of the blocked attention / KV bucket size")]
+VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="log loading and compilation")]
+
+
+def _err(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+
+
+def _handle(func: Callable) -> Callable:
+    """Run a command body: IkjaxError -> one line on stderr, exit 1 (no traceback)."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except IkjaxError as e:
+            _err(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise typer.Exit(1)
+        except KeyboardInterrupt:
+            _err("interrupted")
+            raise typer.Exit(130)
+        except Exception as e:  # noqa: BLE001
+            if os.environ.get("IKJAX_DEBUG"):
+                raise
+            first = (str(e).splitlines() or [""])[0]
+            _err(f"{type(e).__name__}: {first} (set IKJAX_DEBUG=1 for a traceback)")
+            raise typer.Exit(1)
+    return wrapper
+
+
+def _stderr_console():
+    from rich.console import Console
+    return Console(stderr=True, highlight=False)
+
+
+def _log(msg: str) -> None:
+    typer.echo(msg, err=True)
+
+
+def _setup_logging(verbose: bool) -> None:
+    import logging
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+
+
+def resolve_model(spec: Optional[str]) -> str:
+    """A path, or the built-in default / a synthetic:PRESET[:TYPE[:LAYERS]] model (made once, cached)."""
+    from ikjax import synthetic
+    if spec and not spec.startswith("synthetic:"):
+        return os.path.expanduser(spec)
+    parts = (spec or "synthetic:tiny").split(":")[1:]
+    preset = parts[0] if parts and parts[0] else "tiny"
+    qtype = (parts[1] if len(parts) > 1 and parts[1] else "Q8_0").upper()
+    layers = None
+    if len(parts) > 2 and parts[2]:
+        if not parts[2].isdigit():
+            raise OptionError(f"model: bad layer count {parts[2]!r} in {spec!r} (synthetic:PRESET[:TYPE[:LAYERS]])")
+        layers = int(parts[2])
+    if preset not in synthetic.PRESETS:
+        raise OptionError(f"model: unknown preset {preset!r} in {spec!r} (one of {', '.join(synthetic.PRESETS)})")
+    path = synthetic.default_model_path().with_name(f"{preset}-{qtype}{f'-{layers}L' if layers else ''}.gguf")
+    if not path.exists():
+        _log(f"making synthetic model {preset} {qtype} -> {path} (first use)")
+        t0 = time.perf_counter()
+        synthetic.make_model(path, preset, qtype, layers=layers)
+        _log(f"made in {time.perf_counter() - t0:.1f}s")
+    return str(path)
+
+
+def _run_options(**kw: Any) -> dict[str, Any]:
+    """CLI values -> ikjax.load keyword arguments (RunOptions names)."""
+    ot = kw.pop("ot", None)
+    if ot:
+        kw["ot"] = ",".join(ot) if isinstance(ot, list) else ot
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def _note_ts(ts: Optional[str]) -> None:
+    if ts:
+        _log(f"note: -ts {ts}: ikjax shards evenly over the visible devices; split ratios are not applied")
+
+
+def _load(model: Optional[str], verbose: bool = False, **opts: Any):
+    import ikjax
+    _setup_logging(verbose)
+    # validate the options before (possibly) making the default model
+    RunOptions.from_kwargs(**opts)
+    path = resolve_model(model)
+    t0 = time.perf_counter()
+    eng = ikjax.load(path, **opts)
+    _log(f"loaded {path} in {time.perf_counter() - t0:.2f}s")
+    _log("memory plan:")
+    for line in eng.memory_plan().lines():
+        _log("  " + line)
+    return eng
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep-bench
+
+
+@app.command("sweep-bench")
+@_handle
+def sweep_bench(
+    model: ModelOpt = None,
+    ctx: CtxOpt = _D.ctx,
+    batch: BatchOpt = _D.batch,
+    ubatch: UbatchOpt = _D.ubatch,
+    n_gen: Annotated[Optional[int], typer.Option("-n", "--n-gen", "--n-predict",
+                                                 help="TG tokens per row (default ub/4)")] = None,
+    mla: MlaOpt = _D.mla,
+    fa: FaOpt = str(int(_D.fa)),
+    amb: AmbOpt = _D.amb,
+    ctk: CtkOpt = _D.ctk,
+    fmoe: FmoeOpt = str(int(_D.fmoe)),
+    ser: SerOpt = None,
+    ot: OtOpt = None,
+    ngl: NglOpt = _D.ngl,
+    ts: TsOpt = None,
+    threads: ThreadsOpt = _D.threads,
+    dtype: DtypeOpt = _D.dtype,
+    kv_block: KvBlockOpt = _D.kv_block,
+    output_format: Annotated[str, typer.Option("--output-format", "-of", help="md (ik's table) or jsonl")] = "md",
+    plot: Annotated[Optional[str], typer.Option("--plot", help="also draw S_PP and S_TG vs N_KV to this PNG")] = None,
+    seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the random tokens")] = 0,
+    verbose: VerboseOpt = False,
+) -> None:
+    """PP and TG speed as the KV cache fills (ik_llama.cpp's llama-sweep-bench).
+
+    For N_KV = 0, ub, 2ub, ... while N_KV + ub <= c: generate TG tokens one at a time (timed), drop
+    them, then process ub random tokens at N_KV (timed). All steps are compiled before timing.
+    """
+    from ikjax import sweep_bench as sb
+    if output_format not in ("md", "jsonl"):
+        raise OptionError(f"output-format: {output_format!r} is not md or jsonl")
+    if n_gen is not None and n_gen < 0:
+        raise OptionError(f"n: need >= 0, got {n_gen}")
+    _note_ts(ts)
+    eng = _load(model, verbose, **_run_options(ctx=ctx, batch=batch, ubatch=ubatch, mla=mla, fa=fa, amb=amb, ctk=ctk,
+                                              fmoe=fmoe, ser=ser, ot=ot, ngl=ngl, threads=threads, dtype=dtype,
+                                              kv_block=kv_block))
+    ub = eng.options.ubatch
+    tg = ub // 4 if n_gen is None else n_gen
+    points = sb.sweep_points(eng.options.ctx, ub)
+    if not points:
+        raise OptionError(f"ubatch {ub} is larger than the context c={eng.options.ctx}: nothing to sweep")
+    shapes = sb.step_shapes(eng, tg)
+    t0 = time.perf_counter()
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    console = _stderr_console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True) as prog:
+        task = prog.add_task("compiling", total=len(shapes))
+        sb.precompile(eng, tg, lambda t, kv, s: prog.advance(task))
+    compile_s = time.perf_counter() - t0
+    _log(f"compiled {len(shapes)} step shapes in {compile_s:.2f}s (not in the timings)")
+    info = sb.RunInfo.of(eng)
+    if output_format == "md":
+        typer.echo("")
+        typer.echo(info.banner())
+        typer.echo("")
+        typer.echo(sb.HEADER)
+        typer.echo(sb.SEPARATOR)
+    rows = []
+    t0 = time.perf_counter()
+    with Progress(TextColumn("sweep-bench"), BarColumn(), TextColumn("N_KV {task.fields[n_kv]}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as prog:
+        task = prog.add_task("sweep", total=sb.total_work(eng, tg), n_kv=0)
+        for row in sb.run(eng, tg, seed=seed, on_progress=lambda done, _: prog.update(task, completed=done)):
+            rows.append(row)
+            prog.update(task, n_kv=row.n_kv + ub)
+            line = row.markdown() if output_format == "md" else row.jsonl(info)
+            prog.console.file.flush() if hasattr(prog.console.file, "flush") else None
+            typer.echo(line)
+            sys.stdout.flush()
+    _log(f"sweep took {time.perf_counter() - t0:.2f}s (+ {compile_s:.2f}s compile)")
+    if plot:
+        import json
+        from ikjax.plot import plot_runs
+        recs = [json.loads(r.jsonl(info)) for r in rows]
+        label = f"{Path(str(eng.file.path)).stem} mla={eng.options.mla} fa={int(eng.options.fa)}"
+        out = plot_runs([(label, recs)], plot, title=f"sweep-bench c={eng.options.ctx} ub={ub}")
+        _log(f"plot written to {out}")
+
+
+@app.command("plot")
+@_handle
+def plot_cmd(
+    files: Annotated[list[str], typer.Argument(help="sweep-bench JSONL files to overlay")],
+    output: Annotated[str, typer.Option("-o", "--output", help="PNG to write")] = "sweep-bench.png",
+    labels: Annotated[Optional[str], typer.Option("--labels", help="comma-separated legend labels")] = None,
+    title: Annotated[Optional[str], typer.Option("--title")] = None,
+) -> None:
+    """Plot S_PP and S_TG against N_KV for several sweep-bench --output-format jsonl runs (like sweep-bench-plot)."""
+    from ikjax.plot import plot_files
+    out = plot_files(files, output, labels.split(",") if labels else None, title)
+    typer.echo(str(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# bench (llama-bench)
+
+
+@app.command("bench")
+@_handle
+def bench(
+    model: Annotated[Optional[list[str]], typer.Option("-m", "--model", help="GGUF file(s); repeat or comma list")] = None,
+    n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="prompt sizes, e.g. 512 or 128,512")] = "512",
+    n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="generation lengths, e.g. 128")] = "128",
+    gp: Annotated[Optional[list[str]], typer.Option("-gp", "--gp", "-pg", "--n-gen-prompt",
+                                                    help="PP,TG: TG tokens after a PP-token prompt, printed "
+                                                    "tgTG@ppPP (may repeat)")] = None,
+    depth: Annotated[str, typer.Option("-d", "--n-depth", help="KV depth for the -p/-n tests, e.g. 0,4096")] = "0",
+    reps: Annotated[int, typer.Option("-r", "--repetitions", help="timed repetitions per test")] = 5,
+    output: Annotated[str, typer.Option("-o", "--output", help="md, json or csv")] = "md",
+    mla: Annotated[str, typer.Option("-mla", "--mla", help="MLA mode(s), e.g. 2,3")] = str(_D.mla),
+    fa: FaOpt = str(int(_D.fa)),
+    ubatch: Annotated[str, typer.Option("-ub", "--ubatch", "--ubatch-size", help="micro-batch(es)")] = str(_D.ubatch),
+    batch: Annotated[str, typer.Option("-b", "--batch", "--batch-size", help="batch size(s)")] = str(_D.batch),
+    ctk: Annotated[str, typer.Option("-ctk", "--ctk", "--cache-type-k", help="KV cache type(s)")] = _D.ctk,
+    amb: Annotated[str, typer.Option("-amb", "--amb", "--attention-max-batch", help="MiB cap(s)")] = str(_D.amb),
+    fmoe: FmoeOpt = str(int(_D.fmoe)),
+    ser: Annotated[Optional[str], typer.Option("-ser", "--ser", help="'Kmin,t'; several separated by ';'")] = None,
+    ot: Annotated[Optional[str], typer.Option("-ot", "--ot", "--override-tensor",
+                                              help="REGEX=DEV[,...]; several rule lists separated by ';'")] = None,
+    ngl: Annotated[str, typer.Option("-ngl", "--ngl", "--n-gpu-layers", help="GPU layers")] = str(_D.ngl),
+    ts: TsOpt = None,
+    threads: Annotated[str, typer.Option("-t", "--threads", help="thread count(s)")] = str(_D.threads),
+    dtype: Annotated[str, typer.Option("--dtype", help="compute dtype(s)")] = _D.dtype,
+    kv_block: KvBlockOpt = _D.kv_block,
+    seed: Annotated[int, typer.Option("-s", "--seed")] = 0,
+    verbose: VerboseOpt = False,
+) -> None:
+    """llama-bench: pp512 / tg128 / tg64@pp8192 tests over the Cartesian product of comma lists.
+
+    Example: ikjax bench -m m.gguf -p 512 -n 128 -mla 2,3 -ub 512,2048 -r 3 -o md
+    Each result is mean ± sd of tokens/s over -r runs (after an untimed warm-up that compiles).
+    A combination that fails to load or run is printed as a 'skipped: reason' row; the rest goes on.
+    """
+    import jax
+
+    from ikjax import llama_bench as lb
+    _setup_logging(verbose)
+    if output not in ("md", "json", "csv", "jsonl"):
+        raise OptionError(f"output: {output!r} is not md, json or csv")
+    if reps < 1:
+        raise OptionError(f"repetitions: need >= 1, got {reps}")
+    _note_ts(ts)
+    models = []
+    for m in model or [None]:
+        for part in (m.split(",") if m else [None]):
+            models.append(resolve_model(part))
+    gps = []
+    for g in gp or []:
+        vals = lb.int_list(g, "gp")
+        if len(vals) != 2:
+            raise OptionError(f"gp: expected PP,TG, got {g!r}")
+        gps.append((vals[0], vals[1]))
+    tests = lb.make_tests(lb.int_list(n_prompt, "p"), lb.int_list(n_gen, "n"), gps, lb.int_list(depth, "d") or [0])
+    if not tests:
+        raise OptionError("no tests: give -p, -n or -gp")
+    params = dict(mla=mla, fa=fa, ubatch=ubatch, batch=batch, ctk=ctk, amb=amb, fmoe=fmoe, ser=ser, ot=ot,
+                  ngl=ngl, threads=threads, dtype=dtype)
+    shown = ["ngl", "threads", "ubatch", "mla", "fa"]
+    defaults = dict(batch=str(_D.batch), ctk=_D.ctk, amb=str(_D.amb), fmoe=str(int(_D.fmoe)), dtype=_D.dtype)
+    for k in ("batch", "ctk", "amb", "fmoe", "ser", "ot", "dtype"):
+        if params[k] not in (None, "") and params[k] != defaults.get(k):
+            shown.append(k)
+    for k, v in params.items():  # anything swept is shown
+        if k not in shown and v and len(lb.split_list(v, k)) > 1:
+            shown.append(k)
+    table = lb.MarkdownTable(shown, jax.default_backend().upper())
+    console = _stderr_console()
+    if output == "md":
+        for line in table.header():
+            typer.echo(line)
+
+    def on_result(r):
+        if output == "md":
+            typer.echo(table.row(r))
+        elif output == "jsonl":
+            import json
+            typer.echo(json.dumps(r.record(), ensure_ascii=False))
+        if r.error:
+            _log(f"skipped {os.path.basename(r.model)} {r.params}: {r.error}")
+
+    with console.status("bench") as status:
+        results = lb.run_bench(models, params, tests, reps, on_result, lambda s: status.update(s),
+                               extra_options={"kv_block": kv_block}, seed=seed)
+    if output == "json":
+        typer.echo(lb.to_json(results))
+    elif output == "csv":
+        typer.echo(lb.to_csv(results), nl=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+
+@app.command("generate")
+@_handle
+def generate(
+    model: ModelOpt = None,
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt text")] = "",
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 128,
+    temp: Annotated[float, typer.Option("--temp", "--temperature", help="temperature (0 = greedy)")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="top-k sampling (0 = off)")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")] = 0.05,
+    seed: Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")] = None,
+    ctx: CtxOpt = _D.ctx,
+    batch: BatchOpt = _D.batch,
+    ubatch: UbatchOpt = _D.ubatch,
+    mla: MlaOpt = _D.mla,
+    fa: FaOpt = str(int(_D.fa)),
+    amb: AmbOpt = _D.amb,
+    ctk: CtkOpt = _D.ctk,
+    fmoe: FmoeOpt = str(int(_D.fmoe)),
+    ser: SerOpt = None,
+    ot: OtOpt = None,
+    ngl: NglOpt = _D.ngl,
+    ts: TsOpt = None,
+    threads: ThreadsOpt = _D.threads,
+    dtype: DtypeOpt = _D.dtype,
+    kv_block: KvBlockOpt = _D.kv_block,
+    no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Generate text from a prompt, streamed to stdout (like llama-cli -p ... -n ...)."""
+    from ikjax.tokenizer import GGUFTokenizer
+    if n_predict < 0:
+        raise OptionError(f"n-predict: need >= 0, got {n_predict}")
+    _note_ts(ts)
+    eng = _load(model, verbose, **_run_options(ctx=ctx, batch=batch, ubatch=ubatch, mla=mla, fa=fa, amb=amb, ctk=ctk,
+                                              fmoe=fmoe, ser=ser, ot=ot, ngl=ngl, threads=threads, dtype=dtype,
+                                              kv_block=kv_block))
+    tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
+    ids = tok.encode(prompt)
+    if not ids:
+        raise OptionError("prompt: empty (and the model has no BOS token)")
+    if len(ids) + n_predict > eng.options.ctx:
+        raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context c={eng.options.ctx}")
+    if not no_echo:
+        typer.echo(prompt, nl=False)
+    t0 = time.perf_counter()
+    n = 0
+    t_first = None
+
+    def counted():
+        nonlocal n, t_first
+        for t in eng.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed):
+            if t_first is None:
+                t_first = time.perf_counter()
+            n += 1
+            if t == tok.eos_id:
+                return
+            yield t
+
+    for piece in tok.stream(counted()):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    typer.echo("")
+    dt = time.perf_counter() - t0
+    if t_first is not None:
+        tg = n - 1
+        tg_s = time.perf_counter() - t_first
+        _log(f"prompt {len(ids)} tokens + first token: {t_first - t0:.2f}s (includes compilation); "
+             f"generated {n} tokens in {dt:.2f}s" + (f", {tg / tg_s:.2f} t/s after the first" if tg > 0 and tg_s > 0 else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# info
+
+
+def _mla_layout(names: set[str], n_layer: int) -> str:
+    has = lambda t: any(f"blk.{i}.{t}.weight" in names for i in range(n_layer))  # noqa: E731
+    kvb, kb, vb = has("attn_kv_b"), has("attn_k_b"), has("attn_v_b")
+    if kvb and kb and vb:
+        return "all three: attn_kv_b + attn_k_b + attn_v_b (ik_llama.cpp converter)"
+    if kvb and not (kb or vb):
+        return "attn_kv_b only (older converters; k_b/v_b derived at load)"
+    if kb and vb and not kvb:
+        return "attn_k_b + attn_v_b only (mainline llama.cpp; kv_b derived at load)"
+    return f"incomplete: attn_kv_b={'yes' if kvb else 'no'} attn_k_b={'yes' if kb else 'no'} attn_v_b={'yes' if vb else 'no'}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def memory_plan_from_file(file, cfg, options: RunOptions, batch: int = 1):
+    """The engine's memory plan computed from the header alone (no weights loaded)."""
+    from ikjax.cache import CacheLayout
+    from ikjax.engine import MemoryPlan
+    o = options
+    capacity = -(-(o.ctx + o.ubatch) // o.kv_block) * o.kv_block
+    layout = CacheLayout.for_model(cfg, o.mla, o.ctk, batch, capacity)
+    kv_cols = o.kv_block if o.fa else capacity
+    buf = batch * o.ubatch * cfg.n_head * kv_cols * 4
+    if not o.fa and o.amb:
+        buf = min(buf, max(o.amb << 20, batch * o.ubatch * kv_cols * 4))
+    weights = sum(t.nbytes for t in file.tensors.values())
+    return MemoryPlan(weights, layout.total_bytes(), layout.bytes_per_token(), buf)
+
+
+@app.command("info")
+@_handle
+def info(
+    file: Annotated[Optional[str], typer.Argument(help="GGUF file (any shard of a split model)")] = None,
+    model: ModelOpt = None,
+    ctx: CtxOpt = _D.ctx,
+    batch: BatchOpt = _D.batch,
+    ubatch: UbatchOpt = _D.ubatch,
+    mla: MlaOpt = _D.mla,
+    fa: FaOpt = str(int(_D.fa)),
+    amb: AmbOpt = _D.amb,
+    ctk: CtkOpt = _D.ctk,
+    ot: OtOpt = None,
+    kv_block: KvBlockOpt = _D.kv_block,
+    tensors: Annotated[bool, typer.Option("--tensors", help="also list every tensor")] = False,
+) -> None:
+    """Architecture, hyper-parameters, tensor types and sizes, MLA layout, and the memory plan for the given
+    options (-c, -ctk, -mla, -ub, -fa, -ot) — from the header only, instant on any file size."""
+    from ikjax.gguf_io.config import ModelConfig
+    from ikjax.gguf_io.reader import GGUFModelFile
+    opts = RunOptions.from_kwargs(**_run_options(ctx=ctx, batch=batch, ubatch=ubatch, mla=mla, fa=fa, amb=amb,
+                                                 ctk=ctk, ot=ot, kv_block=kv_block))
+    path = file or model
+    if path is None or path.startswith("synthetic:"):
+        path = resolve_model(path)
+    f = GGUFModelFile(path)
+    md = f.metadata
+    emb = f.tensors.get("token_embd.weight")
+    cfg = ModelConfig.from_metadata(md, source=path, vocab_from_tensor=emb.shape[0] if emb else None)
+    opts = opts.with_model(cfg.n_expert_used, cfg.n_expert > 0)
+    out = typer.echo
+    n_params = sum(_prod(t.shape) for t in f.tensors.values())
+    size = sum(t.nbytes for t in f.tensors.values())
+    out(f"file           {path}" + (f" ({len(f.shards)} shards)" if len(f.shards) > 1 else ""))
+    out(f"architecture   {f.architecture}   name: {md.get('general.name', '?')}   "
+        f"size label: {md.get('general.size_label', '?')}")
+    out(f"parameters     {n_params / 1e9:.3f} B   tensor data {_fmt_bytes(size)} "
+        f"({size * 8 / max(n_params, 1):.2f} bits/weight)")
+    out("")
+    out("hyper-parameters")
+    q = f"q_lora_rank {cfg.q_lora_rank}" if cfg.q_lora_rank else "no q_lora (direct attn_q, V2-Lite style)"
+    rows = [
+        ("layers", f"{cfg.n_layer} ({min(cfg.n_dense_lead, cfg.n_layer)} dense leading)"),
+        ("d_model", cfg.d_model), ("heads", cfg.n_head), ("q", q),
+        ("kv_lora_rank r", cfg.kv_lora_rank), ("rope / nope / v", f"{cfg.rope_dim} / {cfg.nope_dim} / {cfg.v_dim}"),
+        ("latent entry", f"{cfg.latent_dim} values (r + rope)"),
+        ("vocab", cfg.vocab_size), ("dense ffn", cfg.ffn_dim),
+        ("experts", f"{cfg.n_expert} routed, top-{cfg.n_expert_used}, {cfg.n_expert_shared} shared, ffn {cfg.expert_ffn_dim}"
+         if cfg.n_expert else "none (dense)"),
+        ("routing", (f"{'sigmoid' if cfg.gating == 2 else 'softmax'}"
+                     + (f", {cfg.n_expert_group} groups top-{cfg.n_expert_group_used}" if cfg.n_expert_group > 1 else "")
+                     + (", exp_probs_b" if any(n.endswith("exp_probs_b.bias") for n in f.tensors) else "")
+                     + (", norm" if cfg.expert_weights_norm else "") + f", scale {cfg.expert_weights_scale:g}")
+         if cfg.n_expert else "-"),
+        ("rope", f"base {cfg.rope_base:g}" + (f", YaRN factor {cfg.yarn.factor:g} orig ctx {cfg.yarn.original_context} "
+                                             f"log-mul {cfg.yarn.log_multiplier:g} (mscale {cfg.yarn.mscale:.4f})"
+                                             if cfg.yarn else "")),
+        ("softmax scale", f"{cfg.softmax_scale:.6f}"), ("rms eps", f"{cfg.rms_eps:g}"),
+        ("context length", cfg.context_length),
+        ("tokenizer", f"{md.get('tokenizer.ggml.model', '-')} / {md.get('tokenizer.ggml.pre', '-')}, "
+                      f"bos {cfg.bos_token_id} eos {cfg.eos_token_id}"),
+    ]
+    for k, v in rows:
+        out(f"  {k:<16} {v}")
+    out("")
+    out(f"MLA layout     {_mla_layout(set(f.tensors), cfg.n_layer)}")
+    out("")
+    by_type: dict[str, list[int]] = {}
+    for t in f.tensors.values():
+        e = by_type.setdefault(t.type_name, [0, 0, 0])
+        e[0] += 1
+        e[1] += t.nbytes
+        e[2] += _prod(t.shape)
+    out(f"{'tensor type':<12} {'count':>6} {'size':>12} {'weights':>14}")
+    for name, (cnt, nb, ne) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
+        out(f"{name:<12} {cnt:>6} {_fmt_bytes(nb):>12} {ne:>14,}")
+    out(f"{'total':<12} {len(f.tensors):>6} {_fmt_bytes(size):>12} {n_params:>14,}")
+    if tensors:
+        out("")
+        for t in f.tensors.values():
+            out(f"  {t.name:<40} {t.type_name:<8} {str(list(t.shape)):<24} {_fmt_bytes(t.nbytes)}")
+    out("")
+    plan = memory_plan_from_file(f, cfg, opts)
+    out(f"memory plan (-c {opts.ctx} -ub {opts.ubatch} -mla {opts.mla} -fa {int(opts.fa)} -ctk {opts.ctk}"
+        + (f" -amb {opts.amb}" if opts.amb else "") + ")")
+    for line in plan.lines():
+        out("  " + line)
+    if opts.ot:
+        host = sum(t.nbytes for t in f.tensors.values()
+                   if next((r.device for r in opts.ot if r.matches(t.name)), "GPU") == "CPU")
+        out(f"  weights on host (-ot) {_fmt_bytes(host)}, on device {_fmt_bytes(size - host)}")
+    total = plan.weights_bytes + plan.kv_bytes + plan.attention_buffer_bytes
+    out(f"  total            {total / (1 << 20):10.2f} MiB")
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# make-model
+
+
+@app.command("make-model")
+@_handle
+def make_model(
+    preset: Annotated[str, typer.Option("--preset", help="tiny, v2-lite, v3 or r1")] = "tiny",
+    qtype: Annotated[str, typer.Option("--type", help="weight type: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K "
+                                       "Q5_K Q6_K IQ4_NL IQ4_XS IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S BF16 F16 F32")] = "Q8_0",
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="GGUF file to write")] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", help="override the layer count")] = None,
+    experts: Annotated[Optional[int], typer.Option("--experts", help="override the routed expert count")] = None,
+    seed: Annotated[int, typer.Option("-s", "--seed")] = 0,
+) -> None:
+    """Write a synthetic deepseek2 model with real shapes and random quantized weights (streamed to disk)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from ikjax import synthetic
+    if output is None:
+        raise OptionError("output: give -o FILE.gguf")
+    cfg = synthetic.preset_config(preset, layers, experts)
+    plans = synthetic.plan_tensors(cfg, qtype.upper()) if qtype.upper() in synthetic.SUPPORTED_TYPES else None
+    if plans is None:
+        raise OptionError(f"type: {qtype!r} is not one of {', '.join(synthetic.SUPPORTED_TYPES)}")
+    total = sum(t.nbytes for t in plans)
+    free = _free_bytes(Path(output).resolve().parent)
+    if free is not None and free < total:
+        raise OptionError(f"output: needs {_fmt_bytes(total)} but {Path(output).parent} has {_fmt_bytes(free)} free")
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=_stderr_console(), transient=True) as prog:
+        task = prog.add_task(f"{preset} {qtype.upper()}", total=total)
+        synthetic.make_model(output, preset, qtype, layers=layers, experts=experts, seed=seed,
+                             progress=lambda name, done, tot: prog.update(task, completed=done))
+    typer.echo(f"wrote {output}: {preset}, {cfg['num_hidden_layers']} layers, {qtype.upper()}, "
+               f"{_fmt_bytes(total)} in {time.perf_counter() - t0:.1f}s")
+
+
+def _free_bytes(d: Path) -> int | None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(d)
+        return st.f_bavail * st.f_frsize
+    except (OSError, AttributeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# run --config
+
+CONFIG_COMMANDS: dict[str, Callable] = {}
+
+
+@app.command("run")
+@_handle
+def run(
+    config: Annotated[str, typer.Option("--config", "-C", help="JSON file: {\"command\": \"sweep-bench\", "
+                                        "\"model\": ..., \"ctx\": ..., ...}")],
+) -> None:
+    """Run a subcommand with every option from a JSON config (keys = option names, e.g. ctx, ubatch, mla, fa, ot)."""
+    from ikjax.run_config import parse_config
+    name, func, kwargs = parse_config(config, CONFIG_COMMANDS)
+    _log(f"run {name} from {config}")
+    func(**kwargs)
+
+
+CONFIG_COMMANDS.update({"sweep-bench": sweep_bench, "bench": bench, "generate": generate, "info": info,
+                        "make-model": make_model})
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""`ikjax run --config FILE.json`: a subcommand and all its options as one JSON object.
+
+    {"command": "sweep-bench", "model": "synthetic:tiny", "ctx": 2048, "ubatch": 512, "mla": 3, "fa": 1}
+
+Keys are the subcommand's option names: the Python/RunOptions names (`ctx`, `ubatch`, `ctk`, ...),
+any of its CLI long names without dashes (`ctx-size`, `ubatch-size`, `cache-type-k`) or ik's short
+names (`c`, `ub`, `ngl`). Unknown keys and badly typed values are refused naming the key; values are
+then checked by the same code as the CLI (RunOptions), which names the option too.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+from ikjax.errors import OptionError
+
+COMMAND_KEYS = ("command", "subcommand")
+
+
+def _option_names(func: Callable) -> dict[str, str]:
+    """alias -> parameter name, from the typer Option declarations of the command's parameters."""
+    hints = typing.get_type_hints(func, include_extras=True)
+    names: dict[str, str] = {}
+    for pname in inspect.signature(func).parameters:
+        names[pname] = pname
+        hint = hints.get(pname)
+        for meta in getattr(hint, "__metadata__", ()):
+            for decl in getattr(meta, "param_decls", None) or ():
+                alias = decl.lstrip("-").replace("-", "_")
+                names.setdefault(alias, pname)
+    return names
+
+
+def _base_type(hint: Any) -> Any:
+    if typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else hint
+        origin = typing.get_origin(hint)
+    if origin in (list, typing.List):
+        return list
+    return hint
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    if value is None:
+        return None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if value in (0, 1):
+            return bool(value)
+        raise OptionError(f"config key {key!r}: expected true/false, got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        raise OptionError(f"config key {key!r}: expected an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise OptionError(f"config key {key!r}: expected a number, got {value!r}")
+    if kind is list:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise OptionError(f"config key {key!r}: expected a string or a list of strings, got {value!r}")
+    # str (also comma lists of bench): scalars and lists become their CLI spelling
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        return ",".join(str(v) for v in value)
+    raise OptionError(f"config key {key!r}: unsupported value {value!r}")
+
+
+def parse_config(path: str | Path, commands: dict[str, Callable]) -> tuple[str, Callable, dict[str, Any]]:
+    """(command name, function, keyword arguments) from a JSON config; OptionError naming the bad key."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise OptionError(f"{path}: cannot read config: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise OptionError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise OptionError(f"{path}: the config must be a JSON object")
+    cmd = next((data[k] for k in COMMAND_KEYS if k in data), None)
+    if cmd is None:
+        raise OptionError(f"{path}: missing key 'command' (one of {', '.join(commands)})")
+    if cmd not in commands:
+        raise OptionError(f"{path}: key 'command': {cmd!r} is not one of {', '.join(commands)}")
+    func = commands[cmd]
+    names = _option_names(func)
+    hints = typing.get_type_hints(func, include_extras=True)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in COMMAND_KEYS or key.startswith("_") or key == "comment":
+            continue
+        alias = key.lstrip("-").replace("-", "_")
+        pname = names.get(alias)
+        if pname is None:
+            known = sorted(n for n in inspect.signature(func).parameters)
+            raise OptionError(f"{path}: unknown key {key!r} for {cmd} (known: {', '.join(known)})")
+        if pname in kwargs:
+            raise OptionError(f"{path}: key {key!r} given twice (as {pname!r})")
+        kwargs[pname] = _coerce(key, value, _base_type(hints.get(pname, str)))
+    return cmd, func, kwargs

@@ -1,0 +1,143 @@
+"""sweep-bench as ik_llama.cpp runs it (SPEC §4): PP and TG speed as the KV cache fills.
+
+For n_kv = 0, ub, 2ub, ... while n_kv + ub <= c: generate `tg` tokens one at a time at positions
+n_kv.. (timed), drop them (the next step simply starts at n_kv again: later rows are masked), then
+process `ub` random tokens at n_kv (timed). Every step shape the sweep will hit is compiled before
+the first timer starts; compile time is reported separately.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+HEADER = "|%6s | %6s | %6s | %8s | %8s | %8s | %8s |" % (
+    "PP", "TG", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s")
+SEPARATOR = "|%6s-|-%6s-|-%6s-|-%8s-|-%8s-|-%8s-|-%8s-|" % (
+    "------", "------", "------", "--------", "--------", "--------", "--------")
+ROW = "|%6d | %6d | %6d | %8.3f | %8.2f | %8.3f | %8.2f |"
+JSONL = ('{"n_kv_max": %d, "n_batch": %d, "n_ubatch": %d, "flash_attn": %d, "n_gpu_layers": %d, '
+         '"n_threads": %d, "n_threads_batch": %d, "pp": %d, "tg": %d, "n_kv": %d, "t_pp": %f, '
+         '"speed_pp": %f, "t_tg": %f, "speed_tg": %f }')
+JSONL_KEYS = ("n_kv_max", "n_batch", "n_ubatch", "flash_attn", "n_gpu_layers", "n_threads", "n_threads_batch",
+              "pp", "tg", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg")
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """The run-wide fields of ik's jsonl rows and its `main: n_kv_max = ...` line."""
+    n_kv_max: int
+    n_batch: int
+    n_ubatch: int
+    flash_attn: int
+    n_gpu_layers: int
+    n_threads: int
+    n_threads_batch: int
+
+    @classmethod
+    def of(cls, eng) -> "RunInfo":
+        o = eng.options
+        threads = o.threads or os.cpu_count() or 1
+        return cls(o.ctx, o.batch, o.ubatch, int(o.fa), o.ngl, threads, threads)
+
+    def banner(self) -> str:
+        return ("main: n_kv_max = %d, n_batch = %d, n_ubatch = %d, flash_attn = %d, n_gpu_layers = %d, "
+                "n_threads = %d, n_threads_batch = %d" % (self.n_kv_max, self.n_batch, self.n_ubatch,
+                                                           self.flash_attn, self.n_gpu_layers, self.n_threads,
+                                                           self.n_threads_batch))
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    pp: int
+    tg: int
+    n_kv: int
+    t_pp: float
+    t_tg: float
+
+    @property
+    def speed_pp(self) -> float:
+        return self.pp / self.t_pp if self.t_pp > 0 else 0.0
+
+    @property
+    def speed_tg(self) -> float:
+        return self.tg / self.t_tg if self.t_tg > 0 else 0.0
+
+    def markdown(self) -> str:
+        return ROW % (self.pp, self.tg, self.n_kv, self.t_pp, self.speed_pp, self.t_tg, self.speed_tg)
+
+    def jsonl(self, info: RunInfo) -> str:
+        return JSONL % (info.n_kv_max, info.n_batch, info.n_ubatch, info.flash_attn, info.n_gpu_layers,
+                        info.n_threads, info.n_threads_batch, self.pp, self.tg, self.n_kv, self.t_pp,
+                        self.speed_pp, self.t_tg, self.speed_tg)
+
+
+def sweep_points(ctx: int, ubatch: int) -> list[int]:
+    """The N_KV values of the sweep: 0, ub, 2ub, ... while n_kv + ub <= ctx."""
+    return list(range(0, ctx - ubatch + 1, ubatch)) if ubatch <= ctx else []
+
+
+def step_shapes(eng, tg: int) -> list[tuple[int, int]]:
+    """(n_tokens, kv_needed) of every distinct compiled step the sweep runs, smallest first."""
+    ub = eng.options.ubatch
+    seen: dict[tuple[int, int], int] = {}
+    for n_kv in sweep_points(eng.options.ctx, ub):
+        for i in range(tg):
+            seen.setdefault((1, eng.kv_bucket(n_kv + i + 1)), n_kv + i + 1)
+        seen.setdefault((ub, eng.kv_bucket(n_kv + ub)), n_kv + ub)
+    return sorted(((t, kv) for (t, _), kv in seen.items()), key=lambda x: (x[1], x[0]))
+
+
+def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None = None) -> float:
+    """Compile every step of the sweep ahead of time; total seconds."""
+    total = 0.0
+    for n_tokens, kv in step_shapes(eng, tg):
+        s = eng.precompile(1, n_tokens, kv)
+        total += s
+        if on_shape:
+            on_shape(n_tokens, kv, s)
+    return total
+
+
+def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
+        on_progress: Callable[[int, int], None] | None = None) -> Iterator[SweepRow]:
+    """Yield one SweepRow per N_KV point (compile first with `precompile`, or the first rows pay it)."""
+    o = eng.options
+    ub = o.ubatch
+    tg = ub // 4 if tg is None else tg
+    vocab = eng.config.vocab_size
+    rng = np.random.default_rng(seed)
+    cache = eng.new_cache(1)
+    points = sweep_points(o.ctx, ub)
+    if warmup and points:  # first run of the step executables, untimed (ik warms up too)
+        out, cache = eng.step(cache, rng.integers(0, vocab, (1, 1)), np.array([0]))
+        out.block_until_ready()
+        out, cache = eng.step(cache, rng.integers(0, vocab, (1, ub)), np.array([0]))
+        out.block_until_ready()
+    done = 0
+    for n_kv in points:
+        t0 = time.perf_counter()
+        for i in range(tg):
+            out, cache = eng.step(cache, rng.integers(0, vocab, (1, 1)), np.array([n_kv + i]))
+            out.block_until_ready()
+            done += 1
+            if on_progress:
+                on_progress(done, 0)
+        t_tg = time.perf_counter() - t0
+        toks = rng.integers(0, vocab, (1, ub))
+        t0 = time.perf_counter()
+        out, cache = eng.step(cache, toks, np.array([n_kv]))  # the tg tokens at n_kv.. are overwritten
+        out.block_until_ready()
+        t_pp = time.perf_counter() - t0
+        done += ub
+        if on_progress:
+            on_progress(done, 0)
+        yield SweepRow(ub, tg, n_kv, t_pp, t_tg)
+
+
+def total_work(eng, tg: int) -> int:
+    """Progress units: one per TG token plus ub per PP step."""
+    return len(sweep_points(eng.options.ctx, eng.options.ubatch)) * (tg + eng.options.ubatch)

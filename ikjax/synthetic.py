@@ -1,0 +1,292 @@
+"""Synthetic deepseek2 GGUF models with real shapes and random weights (`ikjax make-model`).
+
+Weights are written directly as random quantized blocks: a pool of a few thousand random blocks is
+built per (type, row length) with its f16 scale fields set so the dequantized weights have mean ~0
+and std ~1/sqrt(fan_in) (activations stay in range through any depth), and every tensor is a random
+draw of pool blocks. Nothing is quantized from floats, nothing is held in RAM: tensors are streamed
+to disk chunk by chunk after the GGUF header (gguf.GGUFWriter writes header, metadata, tensor
+table). Metadata and the tokenizer block come from `ikjax.gguf_io.writer` (ik's converter's keys).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ikjax.errors import OptionError
+from ikjax.gguf_io import writer as gw
+
+# HF-style configs (the keys ikjax.gguf_io.writer.deepseek2_metadata reads)
+_V2_LITE: dict[str, Any] = dict(
+    model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
+    num_hidden_layers=27, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+    q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+    intermediate_size=10944, first_k_dense_replace=1, vocab_size=102400, scoring_func="softmax",
+    topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+    max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6,
+    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                      mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1),
+    bos_token_id=0, eos_token_id=1,
+)
+_V3: dict[str, Any] = dict(
+    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+    num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+    q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+    intermediate_size=18432, first_k_dense_replace=3, vocab_size=129280, scoring_func="sigmoid",
+    topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5,
+    max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6,
+    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                      mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+    bos_token_id=0, eos_token_id=1,
+)
+_TINY: dict[str, Any] = dict(
+    _V2_LITE, num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
+    kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+    n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2, moe_intermediate_size=256,
+    intermediate_size=1024, vocab_size=1024, max_position_embeddings=16384,
+    rope_scaling=None,
+)
+PRESETS: dict[str, dict[str, Any]] = {"tiny": _TINY, "v2-lite": _V2_LITE, "v3": _V3, "r1": _V3}
+PRESET_NAMES = {"tiny": "tiny", "v2-lite": "DeepSeek-V2-Lite (synthetic)", "v3": "DeepSeek-V3 (synthetic)",
+                "r1": "DeepSeek-R1 (synthetic)"}
+
+# Byte offsets of the f16 scale fields inside one block: ("d", off) multiplies the quants,
+# ("m", off) the min/offset term (dequantized value = d*A + m*B, linear in both).
+_SCALE_FIELDS: dict[str, tuple[tuple[str, int], ...]] = {
+    "Q4_0": (("d", 0),), "Q5_0": (("d", 0),), "Q8_0": (("d", 0),),
+    "Q4_1": (("d", 0), ("m", 2)), "Q5_1": (("d", 0), ("m", 2)),
+    "Q2_K": (("d", 80), ("m", 82)), "Q3_K": (("d", 108),), "Q4_K": (("d", 0), ("m", 2)),
+    "Q5_K": (("d", 0), ("m", 2)), "Q6_K": (("d", 208),),
+    "IQ4_NL": (("d", 0),), "IQ4_XS": (("d", 0),), "IQ2_XXS": (("d", 0),), "IQ2_XS": (("d", 0),),
+    "IQ2_S": (("d", 0),), "IQ3_XXS": (("d", 0),), "IQ3_S": (("d", 0),), "IQ1_S": (("d", 0),),
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = FLOAT_TYPES + tuple(_SCALE_FIELDS)
+_POOL_BLOCKS = 4096
+_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]  # NumPy order: [..., rows, n_per_row]
+    qtype: QT
+    std: float  # target std of the dequantized values (0: constant `fill`)
+    fill: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        be, bb = gguf.GGML_QUANT_SIZES[self.qtype]
+        return math.prod(self.shape) // be * bb
+
+
+def preset_config(preset: str, layers: int | None = None, experts: int | None = None) -> dict[str, Any]:
+    if preset not in PRESETS:
+        raise OptionError(f"preset: {preset!r} is not one of {', '.join(PRESETS)}")
+    cfg = dict(PRESETS[preset])
+    if layers is not None:
+        if layers < 1:
+            raise OptionError(f"layers: need >= 1, got {layers}")
+        cfg["num_hidden_layers"] = layers
+        cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], layers)
+    if experts is not None:
+        used = cfg["num_experts_per_tok"]
+        groups = cfg.get("n_group") or 1
+        if experts < used or experts % groups:
+            raise OptionError(f"experts: need >= {used} (experts per token) and a multiple of {groups} groups, "
+                              f"got {experts}")
+        cfg["n_routed_experts"] = experts
+    return cfg
+
+
+def _fallback(qt: QT, n_per_row: int) -> QT:
+    """A type whose block divides the row (ik's rule for 128-wide rows: Q8_0), else F16."""
+    if n_per_row % gguf.GGML_QUANT_SIZES[qt][0] == 0:
+        return qt
+    return QT.Q8_0 if n_per_row % 32 == 0 else QT.F16
+
+
+def plan_tensors(cfg: dict[str, Any], qtype: str) -> list[TensorPlan]:
+    qt = QT[qtype]
+    d, H, L = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    r, rope, nope, v = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    ql, E, fe, fs = cfg.get("q_lora_rank"), cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["n_shared_experts"]
+    sigmoid = cfg["scoring_func"] == "sigmoid"
+
+    def w(name: str, *shape: int) -> TensorPlan:
+        return TensorPlan(name, tuple(shape), _fallback(qt, shape[-1]), 1.0 / math.sqrt(shape[-1]))
+
+    def f32(name: str, n: int, std: float = 0.0, fill: float = 1.0) -> TensorPlan:
+        return TensorPlan(name, (n,), QT.F32, std, fill)
+
+    out = [TensorPlan("token_embd.weight", (cfg["vocab_size"], d), _fallback(qt, d), 1.0)]
+    for i in range(L):
+        p = f"blk.{i}."
+        out.append(f32(p + "attn_norm.weight", d))
+        if ql:
+            out += [w(p + "attn_q_a.weight", ql, d), f32(p + "attn_q_a_norm.weight", ql),
+                    w(p + "attn_q_b.weight", H * (nope + rope), ql)]
+        else:
+            out.append(w(p + "attn_q.weight", H * (nope + rope), d))
+        out += [w(p + "attn_kv_a_mqa.weight", r + rope, d), f32(p + "attn_kv_a_norm.weight", r),
+                w(p + "attn_kv_b.weight", H * (nope + v), r),
+                w(p + "attn_k_b.weight", H * r, nope), w(p + "attn_v_b.weight", H * v, r),
+                w(p + "attn_output.weight", d, H * v), f32(p + "ffn_norm.weight", d)]
+        if i < cfg["first_k_dense_replace"] or not E:
+            f = cfg["intermediate_size"]
+            out += [w(p + "ffn_gate.weight", f, d), w(p + "ffn_up.weight", f, d), w(p + "ffn_down.weight", d, f)]
+            continue
+        out.append(TensorPlan(p + "ffn_gate_inp.weight", (E, d), QT.F32, 1.0 / math.sqrt(d)))
+        if sigmoid:
+            out.append(f32(p + "exp_probs_b.bias", E, std=0.01, fill=0.0))
+        out += [w(p + "ffn_gate_exps.weight", E, fe, d), w(p + "ffn_up_exps.weight", E, fe, d),
+                w(p + "ffn_down_exps.weight", E, d, fe)]
+        if fs:
+            out += [w(p + "ffn_gate_shexp.weight", fe * fs, d), w(p + "ffn_up_shexp.weight", fe * fs, d),
+                    w(p + "ffn_down_shexp.weight", d, fe * fs)]
+    out += [f32("output_norm.weight", d), w("output.weight", cfg["vocab_size"], d)]
+    return out
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float16).view(np.uint8).reshape(*np.shape(x), 2)
+
+
+def block_pool(qt: QT, std: float, rng: np.random.Generator, n_blocks: int = _POOL_BLOCKS) -> np.ndarray:
+    """`n_blocks` random blocks of type `qt` [n, block_bytes] whose values have mean ~0 and std ~`std`."""
+    be, bb = gguf.GGML_QUANT_SIZES[qt]
+    fields = _SCALE_FIELDS.get(qt.name)
+    if fields is None:
+        raise OptionError(f"type: cannot synthesize {qt.name} blocks (use one of {', '.join(SUPPORTED_TYPES)})")
+    pool = rng.integers(0, 256, size=(n_blocks, bb), dtype=np.uint8)
+
+    def with_scales(d: np.ndarray, m: np.ndarray) -> np.ndarray:
+        b = pool.copy()
+        for role, off in fields:
+            b[:, off:off + 2] = _f16_bytes(d if role == "d" else m)
+        return gguf.quants.dequantize(b, qt).reshape(n_blocks, be).astype(np.float64)
+
+    ones, zeros = np.ones(n_blocks), np.zeros(n_blocks)
+    a = with_scales(ones, zeros)
+    k = zeros
+    if any(role == "m" for role, _ in fields):
+        b = with_scales(zeros, ones)
+        mb = b.mean(1)
+        k = np.where(np.abs(mb) > 1e-12, -a.mean(1) / np.where(np.abs(mb) > 1e-12, mb, 1.0), 0.0)
+        a = a + k[:, None] * b
+    s = float(np.sqrt(np.mean(a * a))) or 1.0
+    jitter = rng.uniform(0.75, 1.25, n_blocks)
+    d = std / s * jitter
+    return _set_scales(pool, fields, d, k * d)
+
+
+def _set_scales(pool, fields, d, m) -> np.ndarray:
+    for role, off in fields:
+        pool[:, off:off + 2] = _f16_bytes(d if role == "d" else m)
+    return pool
+
+
+def tensor_chunks(t: TensorPlan, rng: np.random.Generator, pools: dict) -> Iterator[np.ndarray]:
+    """The tensor's bytes, in chunks of about 64 MiB."""
+    total = t.nbytes
+    if t.qtype == QT.F32 and t.std == 0.0:
+        yield np.full(t.shape, t.fill, np.float32).view(np.uint8).ravel()
+        return
+    if t.qtype.name in FLOAT_TYPES:
+        item = 2 if t.qtype != QT.F32 else 4
+        n = total // item
+        step = _CHUNK_BYTES // 4
+        for s in range(0, n, step):
+            x = rng.standard_normal(min(step, n - s), dtype=np.float32) * np.float32(t.std) + np.float32(t.fill)
+            if t.qtype == QT.F16:
+                yield x.astype(np.float16).view(np.uint8)
+            elif t.qtype == QT.BF16:
+                yield (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+            else:
+                yield x.view(np.uint8)
+        return
+    key = (t.qtype, round(t.std, 12))
+    if key not in pools:
+        pools[key] = block_pool(t.qtype, t.std, rng)
+    pool = pools[key]
+    bb = pool.shape[1]
+    n_blocks = total // bb
+    step = max(1, _CHUNK_BYTES // bb)
+    for s in range(0, n_blocks, step):
+        idx = rng.integers(0, len(pool), min(step, n_blocks - s), dtype=np.int32)
+        yield pool[idx].ravel()
+
+
+def make_model(path: str | os.PathLike, preset: str = "tiny", qtype: str = "Q8_0", *, layers: int | None = None,
+               experts: int | None = None, seed: int = 0,
+               progress: Callable[[str, int, int], None] | None = None) -> Path:
+    """Write a synthetic model; returns the path. `progress(name, bytes_done, bytes_total)` per tensor."""
+    qtype = qtype.upper()
+    if qtype not in SUPPORTED_TYPES:
+        raise OptionError(f"type: {qtype!r} is not one of {', '.join(SUPPORTED_TYPES)}")
+    cfg = preset_config(preset, layers, experts)
+    plans = plan_tensors(cfg, qtype)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    rng = np.random.default_rng(seed)
+
+    writer = gguf.GGUFWriter(None, gw.ARCH)
+    name = PRESET_NAMES[preset] + (f" {cfg['num_hidden_layers']}L" if layers else "")
+    kv = gw.deepseek2_metadata(cfg, layout="all", qtype=QT[qtype], name=name)
+    kv += gw.tokenizer_metadata(cfg["vocab_size"], None, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    kv += gw._trailing_metadata(cfg, "all")
+    for key, val, vtype in kv:
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, val)
+        else:
+            writer.add_key_value(key, val, vtype)
+    for t in plans:
+        be, bb = gguf.GGML_QUANT_SIZES[t.qtype]
+        byte_shape = (*t.shape[:-1], t.shape[-1] // be * bb)
+        writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.qtype)
+    writer.write_header_to_file(tmp)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    align = writer.data_alignment
+    total = sum(t.nbytes for t in plans)
+    done = 0
+    pools: dict = {}
+    try:
+        for t in plans:
+            writer.write_padding(fout, fout.tell())
+            written = 0
+            for chunk in tensor_chunks(t, rng, pools):
+                fout.write(memoryview(np.ascontiguousarray(chunk)))
+                written += chunk.nbytes
+            assert written == t.nbytes, (t.name, written, t.nbytes)
+            done += t.nbytes
+            if progress:
+                progress(t.name, done, total)
+        writer.write_padding(fout, fout.tell(), align)
+    finally:
+        writer.close()
+    os.replace(tmp, path)
+    return path
+
+
+def default_model_path() -> Path:
+    root = Path(os.environ.get("IKJAX_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ikjax"))
+    return root / "tiny-Q8_0.gguf"
+
+
+def ensure_default_model(progress: Callable[[str, int, int], None] | None = None) -> Path:
+    """The built-in default model (tiny preset, Q8_0), made on first use and cached."""
+    p = default_model_path()
+    if not p.exists():
+        make_model(p, "tiny", "Q8_0", progress=progress)
+    return p

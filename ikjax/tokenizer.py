@@ -1,0 +1,130 @@
+"""Byte-level BPE tokenizer built from a GGUF's `tokenizer.ggml.*` metadata with Hugging Face `tokenizers`.
+
+`tokenizer.ggml.model = gpt2` (byte-level BPE: tokens, merges, token types) and
+`tokenizer.ggml.pre` choosing the pre-tokenizer regexes as llama.cpp does (deepseek-v3,
+deepseek-llm, deepseek-coder; anything else: GPT-2's). CONTROL / USER_DEFINED tokens are added as
+special tokens so they are matched whole in text.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Sequence
+
+from ikjax.errors import ModelFileError
+
+# llama.cpp llama-vocab.cpp regexes per pre-tokenizer (DeepSeek's own tokenizer.json have the same)
+_DEEPSEEK_V3 = [
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+_DEEPSEEK_LLM = [
+    "[\r\n]",
+    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    "[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+]
+_DEEPSEEK_CODER = [
+    "[\r\n]",
+    r"\s?\p{L}+",
+    r"\s?\p{P}+",
+    "[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}",
+]
+PRE_REGEXES: dict[str, list[str]] = {"deepseek-v3": _DEEPSEEK_V3, "deepseek-llm": _DEEPSEEK_LLM,
+                                     "deepseek-coder": _DEEPSEEK_CODER}
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def build_hf_tokenizer(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int] | None = None,
+                       pre: str = "deepseek-v3"):
+    """A `tokenizers.Tokenizer` equivalent to llama.cpp's for this vocabulary."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    pairs = []
+    for m in merges:
+        a, sep, b = m.partition(" ")
+        if sep:
+            pairs.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    regexes = PRE_REGEXES.get(pre)
+    if regexes is None:  # gpt2 and unknown: GPT-2's own splitting
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    if token_types is not None:
+        special = [AddedToken(tokens[i], special=True, normalized=False)
+                   for i, ty in enumerate(token_types) if int(ty) in (_CONTROL, _USER_DEFINED)]
+        if special:
+            tok.add_special_tokens(special)
+    return tok
+
+
+class GGUFTokenizer:
+    """encode(text) -> ids (with BOS as the file asks), decode(ids) -> text, stream(ids) -> text pieces."""
+
+    def __init__(self, metadata: dict[str, Any], source: str = "GGUF"):
+        model = metadata.get("tokenizer.ggml.model")
+        if model is None:
+            raise ModelFileError(f"{source}: no tokenizer in the file (tokenizer.ggml.model missing)")
+        if str(model) != "gpt2":
+            raise ModelFileError(f"{source}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' only)")
+        tokens = _as_list(metadata.get("tokenizer.ggml.tokens"))
+        merges = _as_list(metadata.get("tokenizer.ggml.merges") or [])
+        types = metadata.get("tokenizer.ggml.token_type")
+        self.pre = str(metadata.get("tokenizer.ggml.pre", "deepseek-v3"))
+        self.tokenizer = build_hf_tokenizer(tokens, merges, None if types is None else list(types), self.pre)
+        bos = metadata.get("tokenizer.ggml.bos_token_id")
+        self.bos_id = None if bos is None else int(bos)
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        self.eos_id = None if eos is None else int(eos)
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True)) and self.bos_id is not None
+        self.n_vocab = len(tokens)
+
+    @classmethod
+    def from_file(cls, path: str) -> "GGUFTokenizer":
+        from ikjax.gguf_io.reader import GGUFModelFile
+        return cls(GGUFModelFile(path).metadata, source=str(path))
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    def stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Text pieces as ids arrive; holds back bytes of an incomplete UTF-8 character."""
+        got: list[int] = []
+        shown = ""
+        for i in ids:
+            got.append(int(i))
+            text = self.decode(got)
+            if text.endswith("\ufffd"):
+                continue
+            piece = text[len(shown):] if text.startswith(shown) else text
+            shown = text
+            if piece:
+                yield piece
+            if len(got) > 64:  # keep decoding cost bounded
+                got, shown = [], ""
+        tail = self.decode(got)
+        if tail.startswith(shown) and tail[len(shown):]:
+            yield tail[len(shown):]
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return list(x)
