@@ -1,0 +1,127 @@
+"""Pallas (Triton) split-KV flash decoding on the MLA latent cache.
+
+Grid (batch, head tiles of `bh`, KV splits). Each program walks its split of the cache in blocks
+of `bs` entries, only up to the sequence's length (a dynamic loop bound: idle splits exit at once),
+keeping the online-softmax state (m, l, acc [bh, 512]) in registers. K is the whole 576-wide entry
+(scores = q_c·c + q_pe·k_pe, two tl.dot), V is its first 512 values: each cache block is loaded
+once and used for both products. A q8_0 cache (32 int8 + one f16 scale per block, ikjax/cache.py)
+is dequantized in registers. Splits are merged by a small log-sum-exp combine in XLA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.quant_matmul.kernel import _compiler_params, _pow2_divisor
+
+F32 = jnp.float32
+NEG = -1e30
+
+
+def _kernel(*refs, q8, bh, bs, chunk, dv, dpe, scale, cdt):
+    if q8:
+        len_ref, q_ref, cq_ref, cd_ref, o_ref, m_ref, l_ref = refs
+    else:
+        len_ref, q_ref, c_ref, o_ref, m_ref, l_ref = refs
+    b, hi, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h0 = hi * bh
+    length = len_ref[b]
+    start = sp * chunk
+    n_blk = jnp.clip((length - start + bs - 1) // bs, 0, chunk // bs)
+    qc = q_ref[b, pl.ds(h0, bh), pl.ds(0, dv)]
+    qp = q_ref[b, pl.ds(h0, bh), pl.ds(dv, dpe)]
+    nbv, nbp = dv // 32, dpe // 32
+
+    def load(kv0):
+        if q8:
+            kc = cq_ref[b, pl.ds(kv0, bs), pl.ds(0, nbv), :].astype(F32) * \
+                cd_ref[b, pl.ds(kv0, bs), pl.ds(0, nbv)].astype(F32)[..., None]
+            kp = cq_ref[b, pl.ds(kv0, bs), pl.ds(nbv, nbp), :].astype(F32) * \
+                cd_ref[b, pl.ds(kv0, bs), pl.ds(nbv, nbp)].astype(F32)[..., None]
+            return kc.reshape(bs, dv).astype(cdt), kp.reshape(bs, dpe).astype(cdt)
+        return (c_ref[b, pl.ds(kv0, bs), pl.ds(0, dv)].astype(cdt),
+                c_ref[b, pl.ds(kv0, bs), pl.ds(dv, dpe)].astype(cdt))
+
+    def body(j, carry):
+        m, l, acc = carry
+        kv0 = start + j * bs
+        kc, kp = load(kv0)
+        dn = (((1,), (1,)), ((), ()))
+        s = lax.dot_general(qc, kc, dn, preferred_element_type=F32) + \
+            lax.dot_general(qp, kp, dn, preferred_element_type=F32)
+        s = s * scale
+        pos = kv0 + lax.broadcasted_iota(jnp.int32, (bh, bs), 1)
+        s = jnp.where(pos < length, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        corr = jnp.exp(m - m_new)
+        l_new = l * corr + jnp.sum(p, axis=1)
+        acc_new = acc * corr[:, None] + lax.dot_general(p.astype(cdt), kc, (((1,), (0,)), ((), ())),
+                                                        preferred_element_type=F32)
+        return m_new, l_new, acc_new
+
+    init = (jnp.full((bh,), NEG, F32), jnp.zeros((bh,), F32), jnp.zeros((bh, dv), F32))
+    m, l, acc = lax.fori_loop(0, n_blk, body, init)
+    o_ref[b, sp, pl.ds(h0, bh), :] = acc
+    m_ref[b, sp, pl.ds(h0, bh)] = m
+    l_ref[b, sp, pl.ds(h0, bh)] = l
+
+
+def pick_config(B: int, H: int, S: int):
+    bh = _pow2_divisor(H, 16)
+    bs = _pow2_divisor(S, 64)
+    n_blocks = S // bs
+    tiles = B * (H // bh)
+    split = 1
+    while tiles * split < 264 and n_blocks % (split * 2) == 0:
+        split *= 2
+    return dict(bh=bh, bs=bs, split=split, num_warps=4, num_stages=2)
+
+
+def supports(H: int, S: int, D: int, v_dim: int) -> bool:
+    return H % 16 == 0 and S % 16 == 0 and v_dim == 512 and D - v_dim in (32, 64, 128)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "v_dim", "dtype", "config", "interpret"))
+def _call(q, cache, lengths, *, scale, v_dim, dtype, config, interpret):
+    cfg = dict(config)
+    B, H, D = q.shape
+    q8 = isinstance(cache, dict)
+    S = (cache["q"] if q8 else cache).shape[1]
+    bh, bs, split = cfg["bh"], cfg["bs"], cfg["split"]
+    chunk = S // split
+    kern = functools.partial(_kernel, q8=q8, bh=bh, bs=bs, chunk=chunk, dv=v_dim, dpe=D - v_dim,
+                             scale=float(scale), cdt=jnp.dtype(dtype))
+    args = [lengths.astype(jnp.int32), q.astype(dtype)]
+    args += [cache["q"], cache["d"]] if q8 else [cache]
+    o, m, l = pl.pallas_call(
+        kern,
+        out_shape=(jax.ShapeDtypeStruct((B, split, H, v_dim), F32),
+                   jax.ShapeDtypeStruct((B, split, H), F32),
+                   jax.ShapeDtypeStruct((B, split, H), F32)),
+        grid=(B, H // bh, split),
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(cfg["num_warps"], cfg["num_stages"]),
+        name="mla_decode_q8" if q8 else "mla_decode",
+    )(*args)
+    if split == 1:
+        return o[:, 0] / l[:, 0, :, None]
+    mx = m.max(axis=1, keepdims=True)
+    wgt = jnp.exp(m - mx)                                     # [B, split, H]
+    num = jnp.einsum("bsh,bshd->bhd", wgt, o, precision=lax.Precision.HIGHEST)
+    return num / jnp.sum(wgt * l, axis=1)[..., None]
+
+
+def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16, interpret: bool = False,
+               config: dict | None = None):
+    """q [B, H, 576], cache [B, S, 576] f16/bf16/f32 or q8_0 {"q": int8 [B,S,18,32], "d": f16 [B,S,18]},
+    lengths [B] int (entries 0..len-1 visible, len >= 1) -> [B, H, v_dim] float32."""
+    B, H, D = q.shape
+    S = (cache["q"] if isinstance(cache, dict) else cache).shape[1]
+    cfg = config or pick_config(B, H, S)
+    return _call(q, cache, lengths, scale=float(scale), v_dim=v_dim, dtype=jnp.dtype(dtype),
+                 config=tuple(sorted(cfg.items())), interpret=interpret)
