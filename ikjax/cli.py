@@ -16,9 +16,18 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
-import click
 import typer
 from typer.core import TyperGroup
+
+try:  # typer >= 0.24 carries its own click
+    from typer._click.exceptions import ClickException as _ClickException
+except ImportError:  # pragma: no cover
+    from click import ClickException as _ClickException
+try:
+    import click as _click
+    _CLICK_ERRORS: tuple = (_ClickException, _click.ClickException)
+except ImportError:  # pragma: no cover
+    _CLICK_ERRORS = (_ClickException,)
 
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.options import RunOptions
@@ -49,18 +58,20 @@ def _rewrite(args: list[str]) -> list[str]:
 class _Group(TyperGroup):
     """Bare-flag rewriting, and every usage error as one line on stderr with exit code 1."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
         return super().parse_args(ctx, _rewrite(list(args)))
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                               standalone_mode=False, **extra)
-        except click.ClickException as e:
-            click.echo(f"error: {e.format_message()}".splitlines()[0], err=True)
+        except _CLICK_ERRORS as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # `ikjax` alone: the help was printed
+                sys.exit(0)
+            typer.echo(f"error: {e.format_message()}".splitlines()[0], err=True)
             sys.exit(1)
-        except click.exceptions.Abort:
-            click.echo("aborted", err=True)
+        except typer.Abort:
+            typer.echo("aborted", err=True)
             sys.exit(1)
         if not standalone_mode:
             return rv
@@ -234,8 +245,9 @@ def sweep_bench(
 ) -> None:
     """PP and TG speed as the KV cache fills (ik_llama.cpp's llama-sweep-bench).
 
-    For N_KV = 0, ub, 2ub, ... while N_KV + ub <= c: generate TG tokens one at a time (timed), drop
-    them, then process ub random tokens at N_KV (timed). All steps are compiled before timing.
+    For N_KV = 0, ub, 2ub, ... while N_KV + ub <= c: generate TG tokens one at a time (timed), drop them, then process ub random tokens at N_KV (timed). All steps are compiled before timing; compile time goes to stderr.
+
+    Example: ikjax sweep-bench -m model.gguf -c 16384 -ub 2048 -mla 3 -fa --output-format jsonl --plot sweep.png
     """
     from ikjax import sweep_bench as sb
     if output_format not in ("md", "jsonl"):
@@ -340,9 +352,9 @@ def bench(
 ) -> None:
     """llama-bench: pp512 / tg128 / tg64@pp8192 tests over the Cartesian product of comma lists.
 
-    Example: ikjax bench -m m.gguf -p 512 -n 128 -mla 2,3 -ub 512,2048 -r 3 -o md
-    Each result is mean ± sd of tokens/s over -r runs (after an untimed warm-up that compiles).
-    A combination that fails to load or run is printed as a 'skipped: reason' row; the rest goes on.
+    Example: ikjax bench -m m.gguf -p 512 -n 128 -gp 8192,64 -mla 2,3 -ub 512,2048 -r 3 -o md
+
+    Each result is mean ± sd of tokens/s over -r runs (after an untimed warm-up that compiles). A combination that fails to load or run is printed as a 'skipped: reason' row; the rest goes on.
     """
     import jax
 

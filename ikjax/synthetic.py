@@ -241,7 +241,8 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", qtype: str = "Q8_0
 
     writer = gguf.GGUFWriter(None, gw.ARCH)
     name = PRESET_NAMES[preset] + (f" {cfg['num_hidden_layers']}L" if layers else "")
-    kv = gw.deepseek2_metadata(cfg, layout="all", qtype=QT[qtype], name=name)
+    label = gw._size_label([(t.name, t.shape) for t in plans])
+    kv = gw.deepseek2_metadata(cfg, layout="all", qtype=QT[qtype], name=name, size_label=label)
     kv += gw.tokenizer_metadata(cfg["vocab_size"], None, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     kv += gw._trailing_metadata(cfg, "all")
     for key, val, vtype in kv:

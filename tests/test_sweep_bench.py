@@ -1,0 +1,103 @@
+"""sweep-bench: ik's table and JSONL, field by field (SPEC §4)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from ikjax import sweep_bench as sb
+from ikjax.cli import app
+
+# ik_llama.cpp's exact lines (examples/sweep-bench/sweep-bench.cpp)
+IK_HEADER = "|    PP |     TG |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |"
+IK_SEPARATOR = "|-------|--------|--------|----------|----------|----------|----------|"
+IK_KEYS = ["n_kv_max", "n_batch", "n_ubatch", "flash_attn", "n_gpu_layers", "n_threads", "n_threads_batch",
+           "pp", "tg", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg"]
+CELL_WIDTHS = [7, 8, 8, 10, 10, 10, 10]  # "|%6d | %6d | %6d | %8.3f | %8.2f | %8.3f | %8.2f |"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny preset cut to 2 layers (Q8_0): made once per session, shared with the other test files."""
+    from ikjax.synthetic import make_model
+    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-2L.gguf"
+    if not p.exists():
+        make_model(p, "tiny", "Q8_0", layers=2)
+    return str(p)
+
+
+def test_format_constants():
+    assert sb.HEADER == IK_HEADER
+    assert sb.SEPARATOR == IK_SEPARATOR
+    row = sb.SweepRow(512, 128, 0, 1.1, 2.311).markdown()
+    assert row == "|   512 |    128 |      0 |    1.100 |   465.45 |    2.311 |    55.39 |"
+    assert [len(c) for c in row.split("|")[1:-1]] == CELL_WIDTHS
+    assert list(sb.JSONL_KEYS) == IK_KEYS
+
+
+def test_sweep_points():
+    assert sb.sweep_points(512, 128) == [0, 128, 256, 384]
+    assert sb.sweep_points(500, 128) == [0, 128, 256]
+    assert sb.sweep_points(100, 128) == []
+
+
+def _invoke(args):
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.stderr + res.stdout
+    return res
+
+
+def test_markdown_table_field_by_field(tiny_model):
+    c, ub, tg = 512, 128, 4
+    res = _invoke(["sweep-bench", "-m", tiny_model, "-c", str(c), "-ub", str(ub), "-n", str(tg), "-mla", "3", "-fa"])
+    lines = [l for l in res.stdout.splitlines() if l.startswith("|")]
+    assert lines[0] == IK_HEADER
+    assert lines[1] == IK_SEPARATOR
+    rows = lines[2:]
+    assert len(rows) == c // ub
+    banner = [l for l in res.stdout.splitlines() if l.startswith("main: ")]
+    assert banner == [f"main: n_kv_max = {c}, n_batch = 2048, n_ubatch = {ub}, flash_attn = 1, n_gpu_layers = 99, "
+                      f"n_threads = {banner[0].split('n_threads = ')[1].split(',')[0]}, "
+                      f"n_threads_batch = {banner[0].split('n_threads_batch = ')[1]}"]
+    for i, row in enumerate(rows):
+        cells = row.split("|")[1:-1]
+        assert [len(x) for x in cells] == CELL_WIDTHS, row
+        assert re.fullmatch(r"\|[ \d]{6} \| [ \d]{6} \| [ \d]{6} \| [ \d.]{8} \| [ \d.]{8} \| [ \d.]{8} \| [ \d.]{8} \|", row), row
+        pp, tgv, n_kv = (int(x) for x in cells[:3])
+        t_pp, s_pp, t_tg, s_tg = (float(x) for x in cells[3:])
+        assert (pp, tgv, n_kv) == (ub, tg, i * ub)
+        assert t_pp > 0 and t_tg > 0
+        # speeds are tokens / time (time printed with 3 decimals: compare within its rounding)
+        assert s_pp == pytest.approx(pp / t_pp, rel=0.0005 / t_pp + 0.001)
+        assert s_tg == pytest.approx(tgv / t_tg, rel=0.0005 / t_tg + 0.001)
+    assert "compiled" in res.stderr and "memory plan" in res.stderr  # compile time and plan on stderr
+
+
+def test_jsonl_keys_order_types_and_plot(tiny_model, tmp_path):
+    c, ub = 256, 128
+    png = tmp_path / "sweep.png"
+    res = _invoke(["sweep-bench", "-m", tiny_model, "-c", str(c), "-ub", str(ub), "-mla", "2", "-fa", "0",
+                   "--output-format", "jsonl", "--plot", str(png)])
+    lines = [l for l in res.stdout.splitlines() if l.strip()]
+    assert len(lines) == c // ub
+    for i, line in enumerate(lines):
+        obj = json.loads(line)
+        assert list(obj) == IK_KEYS
+        for k in IK_KEYS[:10]:
+            assert type(obj[k]) is int, k
+        for k in IK_KEYS[10:]:
+            assert type(obj[k]) is float, k
+        assert (obj["n_kv_max"], obj["n_ubatch"], obj["flash_attn"]) == (c, ub, 0)
+        assert (obj["pp"], obj["tg"], obj["n_kv"]) == (ub, ub // 4, i * ub)
+        assert obj["speed_pp"] == pytest.approx(obj["pp"] / obj["t_pp"], rel=1e-4)
+        assert obj["speed_tg"] == pytest.approx(obj["tg"] / obj["t_tg"], rel=1e-4)
+    assert png.stat().st_size > 1000
+    # ik's sweep-bench-plot: several JSONL runs overlaid
+    jl = tmp_path / "run.jsonl"
+    jl.write_text(res.stdout)
+    out = tmp_path / "overlay.png"
+    _invoke(["plot", str(jl), str(jl), "-o", str(out), "--labels", "a,b"])
+    assert out.stat().st_size > 1000
