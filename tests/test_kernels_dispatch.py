@@ -1,0 +1,60 @@
+"""ikjax.kernels: backend selection and fallbacks."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ikjax import kernels
+from pallas_kernels.quant_matmul import PackedWeight
+from pallas_kernels.testing import random_quant_array
+
+
+def test_resolve_backend(monkeypatch):
+    monkeypatch.delenv("IKJAX_KERNELS", raising=False)
+    assert kernels.resolve_backend() in ("jnp", "pallas")
+    monkeypatch.setenv("IKJAX_KERNELS", "interpret")
+    assert kernels.resolve_backend() == "interpret"
+    assert kernels.resolve_backend("jnp") == "jnp"
+    with pytest.raises(ValueError):
+        kernels.resolve_backend("cuda")
+
+
+def test_dispatch_paths_agree():
+    rng = np.random.default_rng(0)
+    qa = random_quant_array("Q8_0", (32, 256), rng)
+    pw = kernels.prepare_weight(qa)
+    assert isinstance(pw, PackedWeight)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
+    a = kernels.quant_linear(x, qa, jnp.bfloat16, backend="jnp")
+    b = kernels.quant_linear(x, pw, jnp.bfloat16, backend="interpret")
+    c = kernels.quant_linear(x, pw, jnp.bfloat16, backend="jnp")
+    assert np.allclose(a, c, rtol=0, atol=0) and np.allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_unsupported_type_falls_back():
+    rng = np.random.default_rng(1)
+    qa = random_quant_array("Q5_0", (32, 256), rng)
+    assert kernels.prepare_weight(qa) is qa
+    x = jnp.asarray(rng.standard_normal((1, 256)), jnp.float32)
+    y = kernels.quant_linear(x, qa, jnp.bfloat16, backend="pallas")     # no kernel: jnp reference
+    assert y.shape == (1, 32) and np.isfinite(np.asarray(y)).all()
+
+
+def test_moe_and_mla_dispatch():
+    rng = np.random.default_rng(2)
+    E, F, d = 4, 256, 256
+    qas = [random_quant_array("Q4_0", s, rng) for s in [(E, F, d), (E, F, d), (E, d, F)]]
+    pws = [kernels.prepare_weight(q) for q in qas]
+    x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
+    ids = jnp.array([[0, 3]], jnp.int32)
+    w = jnp.array([[0.6, 0.4]], jnp.float32)
+    a = kernels.moe_experts(x, w, ids, *qas, jnp.bfloat16, backend="jnp")
+    b = kernels.moe_experts(x, w, ids, *pws, jnp.bfloat16, backend="interpret")
+    assert np.allclose(a, b, rtol=1e-4, atol=1e-4)
+    q = jnp.asarray(rng.standard_normal((1, 16, 576)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((1, 32, 576)), jnp.bfloat16)
+    L = jnp.array([20], jnp.int32)
+    a = kernels.mla_decode_attention(q, c, L, 0.1, dtype=jnp.float32, backend="jnp")
+    b = kernels.mla_decode_attention(q, c, L, 0.1, dtype=jnp.float32, backend="interpret")
+    assert np.allclose(a, b, rtol=1e-4, atol=1e-4)

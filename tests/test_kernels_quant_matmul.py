@@ -1,0 +1,101 @@
+"""pallas_kernels.quant_matmul: lossless packing, interpret-mode kernel vs the jnp reference,
+Triton lowering of every type and schedule (on CPU, through jax.export), GPU at real sizes."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.quant_matmul import KERNEL_TYPES, dequantize_packed, prepare, quant_matmul, quant_matmul_ref
+from pallas_kernels.quant_matmul.kernel import pick_config, quant_matmul_experts
+from pallas_kernels.testing import random_quant_array
+
+TYPES = list(KERNEL_TYPES)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def cuda_lowering(f, *args):
+    """Lower f for CUDA on this (CPU) machine: runs the Pallas -> Triton IR lowering."""
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    chk = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=chk)(*specs)
+
+
+@pytest.mark.parametrize("name", TYPES + ["Q8_0"])
+def test_packing_bit_exact(name):
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    for shape in [(5, 512), (3, 7, 256)]:
+        qa = random_quant_array(name, shape, rng)
+        pw = prepare(qa)
+        assert pw.shape == shape
+        a, b = np.asarray(qa.dequantize()), np.asarray(dequantize_packed(pw))
+        assert np.array_equal(a, b, equal_nan=True), name
+        assert np.array_equal(np.asarray(qa.dequantize(jnp.bfloat16)), np.asarray(pw.dequantize(jnp.bfloat16)))
+        assert abs(pw.nbytes - qa.nbytes) <= qa.nbytes // 20      # same bits, a few unpacked scales
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_kernel_interpret_matches_reference(name):
+    rng = np.random.default_rng(abs(hash(name + "k")) % 2**32)
+    N, K = 48, 768                                  # 3 column tiles of 16, K = 3 super-blocks
+    pw = prepare(random_quant_array(name, (N, K), rng))
+    for M in (1, 3, 7):                              # rows schedule (1, 3) and dot schedule (7)
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+        y = quant_matmul(x, pw, jnp.bfloat16, interpret=True)
+        r = quant_matmul_ref(x, pw, jnp.bfloat16)
+        assert y.shape == (M, N) and y.dtype == jnp.float32
+        assert np.isfinite(np.asarray(y)).all()
+        assert rel(y, r) < 1e-5, (name, M, rel(y, r))
+
+
+def test_kernel_split_k_f32_and_leading_dims():
+    rng = np.random.default_rng(3)
+    pw = prepare(random_quant_array("Q4_0", (32, 1024), rng))
+    x = jnp.asarray(rng.standard_normal((2, 1, 1024)), jnp.float32)
+    cfg = dict(mode="rows", bm=2, bn=16, bk=128, split=4, num_warps=4, num_stages=3)
+    y = quant_matmul(x, pw, jnp.float32, interpret=True, config=cfg)
+    r = quant_matmul_ref(x, pw, jnp.float32)
+    assert y.shape == (2, 1, 32)
+    assert rel(y, r) < 1e-6
+    cfg = dict(mode="dot", bm=16, bn=16, bk=64, split=1, num_warps=4, num_stages=2)
+    x = jnp.asarray(rng.standard_normal((19, 1024)), jnp.float32)
+    assert rel(quant_matmul(x, pw, jnp.bfloat16, interpret=True, config=cfg), quant_matmul_ref(x, pw)) < 1e-5
+
+
+def test_pick_config_shapes():
+    c = pick_config("Q4_0", 1, 2048, 1408)
+    assert c["mode"] == "rows" and 1408 % c["bk"] == 0 and c["bk"] % 32 == 0
+    c = pick_config("Q4_K", 2048, 2048, 7168)
+    assert c["mode"] == "dot" and c["bk"] % 256 == 0 and 7168 % c["bk"] == 0
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_triton_lowering(name):
+    rng = np.random.default_rng(5)
+    pw = prepare(random_quant_array(name, (64, 512), rng, fast=True))
+    pe = prepare(random_quant_array(name, (3, 64, 512), rng, fast=True))
+    for M in (1, 4, 16, 128):
+        cuda_lowering(lambda x, w: quant_matmul(x, w), jnp.zeros((M, 512), jnp.bfloat16), pw)
+    e = jnp.zeros((6,), jnp.int32)
+    cuda_lowering(lambda x, g, u, e: quant_matmul_experts(x, (g, u), e, swiglu=True),
+                  jnp.zeros((6, 512), jnp.bfloat16), pe, pe, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", TYPES)
+def test_gpu_real_size(name):
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng()
+    for N, K in [(2048, 2048), (1408, 2048), (2048, 1408), (576, 7168)]:
+        try:
+            pw = prepare(random_quant_array(name, (N, K), rng, fast=True))
+        except ValueError:
+            continue                                 # K not a multiple of the type's super-block
+        for M in (1, 4, 16, 512):
+            x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+            assert rel(quant_matmul(x, pw), quant_matmul_ref(x, pw)) < 2e-3, (name, N, K, M)
