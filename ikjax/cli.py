@@ -255,9 +255,12 @@ def sweep_bench(
     if n_gen is not None and n_gen < 0:
         raise OptionError(f"n: need >= 0, got {n_gen}")
     _note_ts(ts)
-    eng = _load(model, verbose, **_run_options(ctx=ctx, batch=batch, ubatch=ubatch, mla=mla, fa=fa, amb=amb, ctk=ctk,
-                                              fmoe=fmoe, ser=ser, ot=ot, ngl=ngl, threads=threads, dtype=dtype,
-                                              kv_block=kv_block))
+    run_opts = _run_options(ctx=ctx, batch=batch, ubatch=ubatch, mla=mla, fa=fa, amb=amb, ctk=ctk, fmoe=fmoe, ser=ser,
+                            ot=ot, ngl=ngl, threads=threads, dtype=dtype, kv_block=kv_block)
+    checked = RunOptions.from_kwargs(**run_opts)
+    if not sb.sweep_points(checked.ctx, checked.ubatch):
+        raise OptionError(f"ubatch {checked.ubatch} is larger than the context c={checked.ctx}: nothing to sweep")
+    eng = _load(model, verbose, **run_opts)
     ub = eng.options.ubatch
     tg = ub // 4 if n_gen is None else n_gen
     points = sb.sweep_points(eng.options.ctx, ub)
@@ -690,7 +693,6 @@ def run(
     """Run a subcommand with every option from a JSON config (keys = option names, e.g. ctx, ubatch, mla, fa, ot)."""
     from ikjax.run_config import parse_config
     name, func, kwargs = parse_config(config, CONFIG_COMMANDS)
-    _log(f"run {name} from {config}")
     func(**kwargs)
 
 

@@ -29,7 +29,11 @@ def _option_names(func: Callable) -> dict[str, str]:
         names[pname] = pname
         hint = hints.get(pname)
         for meta in getattr(hint, "__metadata__", ()):
-            for decl in getattr(meta, "param_decls", None) or ():
+            decls = list(getattr(meta, "param_decls", None) or ())
+            first = getattr(meta, "default", None)  # typer keeps the first declaration here with Annotated
+            if isinstance(first, str) and first.startswith("-"):
+                decls.insert(0, first)
+            for decl in decls:
                 alias = decl.lstrip("-").replace("-", "_")
                 names.setdefault(alias, pname)
     return names

@@ -1,0 +1,230 @@
+"""The typer CLI: ik flags verbatim, one-line errors, bench, run --config, info on every fixture, generate."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ikjax.cli import _rewrite, app
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fixtures_dir() -> Path:
+    env = os.environ.get("IKJAX_FIXTURES")
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+    if not d.is_dir() or not list(d.glob("*.gguf")):
+        pytest.fail(f"GGUF fixtures not found at {d} (set IKJAX_FIXTURES)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from ikjax.synthetic import make_model
+    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-2L.gguf"
+    if not p.exists():
+        make_model(p, "tiny", "Q8_0", layers=2)
+    return str(p)
+
+
+def invoke(args, code=0):
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    assert res.exit_code == code, f"exit {res.exit_code}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    return res
+
+
+def assert_one_line_error(res, *words):
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    for w in words:
+        assert w in err[0], err[0]
+
+
+# -- flags and errors ------------------------------------------------------------------------------
+
+def test_help_speaks_ik():
+    res = invoke(["sweep-bench", "--help"])
+    for flag in ("-mla", "-fa", "-amb", "-ctk", "-fmoe", "-ser", "-ot", "-ngl", "-ts", "-ub", "-c", "-b", "-n",
+                 "-t", "-m", "--output-format", "--plot"):
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", res.stdout), flag
+    res = invoke(["bench", "--help"])
+    for flag in ("-p", "-n", "-gp", "-d", "-r", "-o", "-mla", "-ub"):
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", res.stdout), flag
+    assert "sweep-bench" in invoke(["--help"]).stdout
+
+
+def test_bare_flag_rewrite():
+    assert _rewrite(["-fa", "-ub", "512"]) == ["-fa", "1", "-ub", "512"]
+    assert _rewrite(["-mla", "3", "-fa"]) == ["-mla", "3", "-fa", "1"]
+    assert _rewrite(["-fa", "0", "-fmoe"]) == ["-fa", "0", "-fmoe", "1"]
+    assert _rewrite(["-fa", "0,1"]) == ["-fa", "0,1"]
+    assert _rewrite(["-fa", "auto"]) == ["-fa", "1"]
+
+
+def test_short_flags_reach_the_options(tiny_model):
+    res = invoke(["info", tiny_model, "-c", 8192, "-ub", 256, "-b", 1024, "-mla", 2, "-fa", "-ctk", "q8_0",
+                  "-amb", 64])
+    assert "memory plan (-c 8192 -ub 256 -mla 2 -fa 1 -ctk q8_0 -amb 64)" in res.stdout
+    res = invoke(["info", "-m", tiny_model, "--ctx-size", 1024, "--ubatch-size", 128, "--mla", 0, "--flash-attn", 0])
+    assert "memory plan (-c 1024 -ub 128 -mla 0 -fa 0 -ctk f16)" in res.stdout
+
+
+def test_errors_are_one_line_exit_1(tiny_model, tmp_path):
+    assert_one_line_error(invoke(["info", tmp_path / "missing.gguf"], 1), "missing.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(100))
+    assert_one_line_error(invoke(["sweep-bench", "-m", bad], 1), "not a GGUF")
+    assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-mla", 7], 1), "mla")
+    assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-ctk", "q4_0"], 1), "ctk")
+    assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-c", "abc"], 1), "-c")
+    assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "--bogus"], 1), "--bogus")
+    assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-ot", "exps"], 1), "ot")
+    assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-ser", "9,0.5"], 1), "ser")
+    assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-c", 64, "-ub", 128], 1), "ubatch")
+
+
+# -- info ---------------------------------------------------------------------------------------------
+
+def _expected_layout(name: str) -> str:
+    if "-mainline-" in name:
+        return "attn_k_b + attn_v_b only"
+    if "-kvb-" in name:
+        return "attn_kv_b only"
+    return "all three"
+
+
+def test_info_on_every_fixture():
+    files = sorted(fixtures_dir().glob("*.gguf"))
+    assert len(files) >= 10
+    for f in files:
+        t0 = time.perf_counter()
+        res = invoke(["info", f, "-c", 32768, "-ctk", "q8_0"])
+        assert time.perf_counter() - t0 < 5, f"info took too long on {f.name}"
+        out = res.stdout
+        assert "architecture   deepseek2" in out
+        assert "MLA layout     " + _expected_layout(f.name) in out, (f.name, out)
+        assert re.search(r"^total\s+\d+\s+", out, re.M)
+        assert "KV cache" in out and "weights" in out and "attention buffer" in out
+        m = re.search(r"KV cache\s+([\d.]+) MiB \((\d+) B/token\)", out)
+        assert m and int(m.group(2)) > 0
+
+
+def test_info_memory_plan_matches_engine(tiny_model):
+    import ikjax
+    res = invoke(["info", tiny_model, "-c", 1024, "-ub", 128, "-ctk", "q8_0", "-mla", 3])
+    eng = ikjax.load(tiny_model, ctx=1024, ubatch=128, ctk="q8_0", mla=3)
+    plan = eng.memory_plan()
+    for line in plan.lines()[1:]:  # KV cache and attention buffer exactly as the engine plans them
+        assert line in res.stdout, (line, res.stdout)
+
+
+# -- bench ----------------------------------------------------------------------------------------------
+
+def _md_rows(stdout: str) -> tuple[list[str], list[list[str]]]:
+    lines = [l for l in stdout.splitlines() if l.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert re.fullmatch(r"\|( -+:? \|)+", lines[1].replace("-:", "--:").replace("- ", "- ")) or "---" in lines[1]
+    return header, [[c.strip() for c in l.strip("|").split("|")] for l in lines[2:]]
+
+
+def test_bench_cartesian_product_and_skip(tiny_model):
+    res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 2, "-mla", "2,3", "-ub", "16,32", "-ctk", "f16,q4_0",
+                  "-r", 2])
+    header, rows = _md_rows(res.stdout)
+    assert header[:4] == ["model", "size", "params", "backend"] and header[-2:] == ["test", "t/s"]
+    col = {h: i for i, h in enumerate(header)}
+    assert {"mla", "n_ubatch", "type_k"} <= col.keys()
+    ok = [r for r in rows if not r[col["t/s"]].startswith("skipped")]
+    bad = [r for r in rows if r[col["t/s"]].startswith("skipped")]
+    # 2 mla x 2 ub x 2 ctk = 8 combinations; the 4 with ctk q4_0 cannot load: one row each, the rest go on
+    assert len(bad) == 4 and all(r[col["type_k"]] == "q4_0" and "ctk" in r[col["t/s"]] for r in bad)
+    assert len(ok) == 4 * 2
+    combos = {(r[col["mla"]], r[col["n_ubatch"]]) for r in ok}
+    assert combos == {("2", "16"), ("2", "32"), ("3", "16"), ("3", "32")}
+    assert sorted({r[col["test"]] for r in ok}) == ["pp16", "tg2"]
+    for r in ok:
+        m = re.fullmatch(r"(\d+\.\d\d) ± (\d+\.\d\d)", r[col["t/s"]])
+        assert m and float(m.group(1)) > 0, r
+
+
+def test_bench_json_csv_depth(tiny_model):
+    res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 2, "-gp", "32,2", "-d", "0,16", "-r", 2, "-o", "json"])
+    recs = json.loads(res.stdout)
+    assert [r["test"] for r in recs] == ["pp16", "tg2", "pp16@d16", "tg2@d16", "tg2@pp32"]
+    for r in recs:
+        assert r["error"] is None and len(r["samples_ts"]) == 2 and r["avg_ts"] > 0
+        assert r["avg_ts"] == pytest.approx(sum(r["samples_ts"]) / 2, rel=1e-4)
+    assert recs[-1]["n_depth"] == 32 and recs[-1]["n_gen"] == 2
+    res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 0, "-r", 1, "-o", "csv"])
+    lines = res.stdout.strip().splitlines()
+    head = lines[0].split(",")
+    assert "test" in head and "avg_ts" in head and len(lines) == 2
+    assert lines[1].split(",")[head.index("test")] == "pp16"
+
+
+# -- run --config ----------------------------------------------------------------------------------------
+
+def test_run_config_rejects_unknown_key_and_bad_value(tmp_path, tiny_model):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"command": "sweep-bench", "model": tiny_model, "ctx": 256, "flash_attention": 1}))
+    assert_one_line_error(invoke(["run", "--config", cfg], 1), "'flash_attention'")
+    cfg.write_text(json.dumps({"command": "sweep-bench", "model": tiny_model, "mla": "three"}))
+    assert_one_line_error(invoke(["run", "--config", cfg], 1), "'mla'")
+    cfg.write_text(json.dumps({"command": "sweep-bench", "model": tiny_model, "ctk": "q4_0"}))
+    assert_one_line_error(invoke(["run", "--config", cfg], 1), "ctk")
+    cfg.write_text(json.dumps({"command": "fly", "model": tiny_model}))
+    assert_one_line_error(invoke(["run", "--config", cfg], 1), "'command'")
+    cfg.write_text("{not json")
+    assert_one_line_error(invoke(["run", "--config", cfg], 1), "JSON")
+
+
+def test_run_config_sweep(tmp_path, tiny_model):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"command": "sweep-bench", "model": tiny_model, "ctx": 256, "ub": 128, "n": 2,
+                               "mla": 3, "fa": True, "ctk": "q8_0", "output-format": "jsonl"}))
+    res = invoke(["run", "--config", cfg])
+    rows = [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
+    assert [(r["n_kv"], r["tg"], r["n_ubatch"]) for r in rows] == [(0, 2, 128), (128, 2, 128)]
+
+
+def test_shipped_configs_are_valid():
+    from ikjax.cli import CONFIG_COMMANDS
+    from ikjax.run_config import parse_config
+    files = sorted((REPO / "configs").glob("*.json"))
+    assert len(files) >= 3
+    seen = set()
+    for f in files:
+        name, func, kwargs = parse_config(f, CONFIG_COMMANDS)
+        seen.add(name)
+        from ikjax.options import RunOptions
+        run_keys = {k: v for k, v in kwargs.items() if k in RunOptions.__dataclass_fields__
+                    and not (name == "bench" and isinstance(v, str) and "," in v)}
+        if name != "bench":
+            RunOptions.from_kwargs(**run_keys)
+    assert "sweep-bench" in seen
+    assert any("exps=CPU" in f.read_text() for f in files)
+
+
+# -- make-model, generate ------------------------------------------------------------------------------
+
+def test_make_model_cli(tmp_path):
+    out = tmp_path / "m.gguf"
+    res = invoke(["make-model", "--preset", "tiny", "--layers", 2, "--experts", 8, "--type", "Q4_K", "-o", out])
+    assert out.exists() and "wrote" in res.stdout
+    info = invoke(["info", out]).stdout
+    assert "8 routed" in info and "Q4_K" in info
+    assert_one_line_error(invoke(["make-model", "--preset", "huge", "-o", out], 1), "preset")
+    assert_one_line_error(invoke(["make-model", "--type", "Q9_9", "-o", out], 1), "type")
+
+
+def test_generate_streams_text(tiny_model):
+    res = invoke(["generate", "-m", tiny_model, "-p", "Hello world", "-n", 6, "--temp", 0, "-c", 256, "-ub", 64])
+    assert res.stdout.startswith("Hello world")
+    assert len(res.stdout) > len("Hello world\n")
+    assert "generated" in res.stderr
