@@ -1,0 +1,97 @@
+"""make-model: real shapes, valid GGUF (the gguf package reads it), loads in ikjax, finite logits."""
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+
+import ikjax
+from ikjax import synthetic
+from ikjax.gguf_io.config import ModelConfig
+
+
+def _cfg(preset, qtype="Q4_0", **kw):
+    cfg = synthetic.preset_config(preset, **kw)
+    return cfg, synthetic.plan_tensors(cfg, qtype)
+
+
+def test_v2_lite_shapes_and_size():
+    cfg, plans = _cfg("v2-lite")
+    names = {t.name: t for t in plans}
+    assert cfg["num_hidden_layers"] == 27 and cfg["hidden_size"] == 2048
+    assert names["blk.0.attn_q.weight"].shape == (16 * 192, 2048)  # no q_lora
+    assert names["blk.0.attn_kv_a_mqa.weight"].shape == (576, 2048)
+    assert names["blk.0.ffn_gate.weight"].shape == (10944, 2048)  # 1 leading dense layer
+    assert names["blk.1.ffn_gate_exps.weight"].shape == (64, 1408, 2048)
+    assert names["blk.1.ffn_up_shexp.weight"].shape == (2 * 1408, 2048)
+    assert names["token_embd.weight"].shape == (102400, 2048)
+    assert "blk.1.exp_probs_b.bias" not in names  # softmax gating
+    total = sum(t.nbytes for t in plans)
+    assert 8.0e9 < total < 9.5e9  # ~8.8 GB in Q4_0 (incl. kv_b + k_b + v_b)
+
+
+def test_v3_r1_shapes():
+    cfg, plans = _cfg("r1", "Q4_K")
+    names = {t.name: t for t in plans}
+    assert len([n for n in names if n.endswith("attn_norm.weight")]) == 61
+    assert names["blk.0.attn_q_a.weight"].shape == (1536, 7168)
+    assert names["blk.0.attn_q_b.weight"].shape == (128 * 192, 1536)
+    assert names["blk.2.ffn_gate.weight"].shape == (18432, 7168)
+    assert names["blk.3.ffn_gate_exps.weight"].shape == (256, 2048, 7168)
+    assert names["blk.3.exp_probs_b.bias"].shape == (256,)
+    assert names["blk.3.ffn_gate_inp.weight"].qtype == gguf.GGMLQuantizationType.F32
+    # 128-wide rows cannot hold 256-blocks: ik's rule, Q8_0
+    assert names["blk.0.attn_k_b.weight"].qtype == gguf.GGMLQuantizationType.Q8_0
+    assert names["blk.3.ffn_down_exps.weight"].qtype == gguf.GGMLQuantizationType.Q4_K
+    n_params = sum(math.prod(t.shape) for t in plans)
+    assert 6.6e11 < n_params < 7.0e11  # 671B + the k_b/v_b copies
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K", "IQ4_XS", "Q5_1"])
+def test_block_pool_statistics(qtype):
+    qt = gguf.GGMLQuantizationType[qtype]
+    pool = synthetic.block_pool(qt, 0.02, np.random.default_rng(0), 512)
+    x = gguf.quants.dequantize(pool, qt)
+    assert np.isfinite(x).all()
+    assert abs(float(x.mean())) < 0.004
+    assert float(x.std()) == pytest.approx(0.02, rel=0.1)
+
+
+@pytest.mark.parametrize("preset,qtype", [("tiny", "Q4_0"), ("tiny", "Q4_K"), ("tiny", "BF16")])
+def test_make_model_loads_with_finite_logits(tmp_path, preset, qtype):
+    p = synthetic.make_model(tmp_path / f"{preset}-{qtype}.gguf", preset, qtype, layers=2)
+    r = gguf.GGUFReader(str(p))  # other GGUF tools accept it
+    assert r.fields["general.architecture"].contents() == "deepseek2"
+    assert r.fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert len(r.fields["tokenizer.ggml.tokens"].contents()) == 1024
+    assert len(r.fields["tokenizer.ggml.merges"].contents()) > 0
+    eng = ikjax.load(p, ctx=64, ubatch=16, mla=3)
+    logits = eng.logits([0, 5, 17, 300, 1000])
+    assert logits.shape == (5, 1024)
+    assert np.isfinite(logits).all()
+    assert 0.05 < float(logits.std()) < 50  # activations stayed in range
+
+
+def test_v3_metadata():
+    """V3/R1 routing keys as ModelConfig reads them (a V3-shape file is GBs even cut down: header only)."""
+    cfg, plans = _cfg("v3", "Q8_0", layers=4, experts=16)
+    assert cfg["n_routed_experts"] == 16 and cfg["first_k_dense_replace"] == 3
+    from ikjax.gguf_io import writer as gw
+    kv = {k: v for k, v, _ in gw.deepseek2_metadata(cfg, layout="all") + gw._trailing_metadata(cfg, "all")}
+    kv["general.architecture"] = "deepseek2"
+    mc = ModelConfig.from_metadata(kv)
+    assert (mc.n_expert_group, mc.n_expert_group_used, mc.gating) == (8, 4, 2)
+    assert mc.yarn.factor == 40 and mc.yarn.original_context == 4096
+    assert mc.yarn.log_multiplier == pytest.approx(0.1)
+    assert mc.expert_weights_norm and mc.expert_weights_scale == 2.5
+
+
+def test_bad_requests():
+    with pytest.raises(ikjax.OptionError, match="preset"):
+        synthetic.preset_config("huge")
+    with pytest.raises(ikjax.OptionError, match="experts"):
+        synthetic.preset_config("v3", experts=12)  # not a multiple of 8 groups
+    with pytest.raises(ikjax.OptionError, match="type"):
+        synthetic.make_model("/tmp/never.gguf", "tiny", "Q9_9")

@@ -1,0 +1,144 @@
+"""GGUF tokenizer (HF `tokenizers`) against an independent byte-level BPE written here, and tokenizer.json."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import regex
+
+from ikjax.gguf_io.reader import GGUFModelFile
+from ikjax.tokenizer import PRE_REGEXES, GGUFTokenizer
+
+TEXTS = [
+    "Hello world!",
+    "  leading and trailing spaces   ",
+    "Numbers: 1 12 123 1234 12345 3.14159 -42 1e10",
+    "ñandú café naïve Ελληνικά русский текст",
+    "日本語のテキスト、漢字とカタカナ。中文也可以。",
+    "def f(x):\n    return x ** 2  # square\n\n\tprint(f'{x=}')",
+    "emoji 🙂👍🏽 and symbols ©®™ → ∑∫",
+    "<｜begin▁of▁sentence｜>special<｜end▁of▁sentence｜> tokens",
+    "line1\r\nline2\n\n\nline3",
+    "",
+    "a" * 50 + " " + "ab" * 20,
+]
+
+
+def fixtures_dir() -> Path:
+    env = os.environ.get("IKJAX_FIXTURES")
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+    if not d.is_dir() or not list(d.glob("*.gguf")):
+        pytest.fail(f"GGUF fixtures not found at {d} (set IKJAX_FIXTURES)")
+    return d
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+class ReferenceBPE:
+    """Textbook byte-level BPE: split specials, regex pre-tokenize (isolated splits in sequence), merge by rank."""
+
+    def __init__(self, tokens, merges, types, pre):
+        self.vocab = {}
+        for i, t in enumerate(tokens):
+            self.vocab.setdefault(t, i)
+        self.ranks = {tuple(m.split(" ", 1)): i for i, m in enumerate(merges)}
+        self.special = sorted((tokens[i] for i, ty in enumerate(types) if ty in (3, 4)), key=len, reverse=True)
+        self.regexes = [regex.compile(r) for r in PRE_REGEXES[pre]]
+        self.b2u = _bytes_to_unicode()
+
+    def _split(self, pieces, rx):
+        out = []
+        for p in pieces:
+            pos = 0
+            for m in rx.finditer(p):
+                if m.start() > pos:
+                    out.append(p[pos:m.start()])
+                if m.end() > m.start():
+                    out.append(m.group())
+                pos = m.end()
+            if pos < len(p):
+                out.append(p[pos:])
+        return out
+
+    def _bpe(self, word):
+        parts = list(word)
+        while len(parts) > 1:
+            best = min(((self.ranks.get((a, b), 1 << 60), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))))
+            if best[0] == 1 << 60:
+                break
+            i = best[1]
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return [self.vocab[p] for p in parts]
+
+    def encode(self, text):
+        ids = []
+        chunks = [text]
+        if self.special:
+            chunks = regex.split("(" + "|".join(regex.escape(s) for s in self.special) + ")", text)
+        for c in chunks:
+            if c in self.special:
+                ids.append(self.vocab[c])
+                continue
+            pieces = [c] if c else []
+            for rx in self.regexes:
+                pieces = self._split(pieces, rx)
+            for p in pieces:
+                ids += self._bpe("".join(self.b2u[b] for b in p.encode("utf-8")))
+        return ids
+
+
+@pytest.fixture(scope="module")
+def fixture_file():
+    return sorted(fixtures_dir().glob("*.gguf"))[0]
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_REGEXES))
+def test_matches_reference_bpe(fixture_file, pre):
+    md = dict(GGUFModelFile(fixture_file).metadata)
+    assert md["tokenizer.ggml.pre"] == "deepseek-v3"
+    md["tokenizer.ggml.pre"] = pre
+    tok = GGUFTokenizer(md)
+    ref = ReferenceBPE(md["tokenizer.ggml.tokens"].tolist(), md["tokenizer.ggml.merges"].tolist(),
+                       list(md["tokenizer.ggml.token_type"]), tok.pre)
+    for text in TEXTS:
+        assert tok.encode(text, add_bos=False) == ref.encode(text), text
+
+
+def test_roundtrip_and_stream(fixture_file):
+    tok = GGUFTokenizer.from_file(str(fixture_file))
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_id
+        assert tok.decode(ids[1:]) == text
+        assert "".join(tok.stream(ids[1:])) == text
+
+
+def test_matches_tokenizer_json_if_present(fixture_file):
+    d = fixtures_dir()
+    found = sorted(set(d.glob("tokenizer.json")) | set(d.glob("*/tokenizer.json")))
+    if not found:
+        return  # the fixtures ship no tokenizer.json: the reference BPE above is the oracle
+    from tokenizers import Tokenizer
+    hf = Tokenizer.from_file(str(found[0]))
+    tok = GGUFTokenizer.from_file(str(fixture_file))
+    for text in TEXTS:
+        assert tok.encode(text, add_bos=False) == hf.encode(text, add_special_tokens=False).ids, text
+        ids = hf.encode(text, add_special_tokens=False).ids
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+
+
+def test_all_fixtures_tokenize():
+    for f in sorted(fixtures_dir().glob("*.gguf")):
+        tok = GGUFTokenizer.from_file(str(f))
+        assert tok.decode(tok.encode("x = 42 + y", add_bos=False)) == "x = 42 + y"
