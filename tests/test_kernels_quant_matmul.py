@@ -91,11 +91,11 @@ def test_triton_lowering(name):
 def test_gpu_real_size(name):
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng()
-    for N, K in [(2048, 2048), (1408, 2048), (2048, 1408), (576, 7168)]:
+    for N, K in [(1408, 2048), (576, 7168)]:
         try:
             pw = prepare(random_quant_array(name, (N, K), rng, fast=True))
         except ValueError:
             continue                                 # K not a multiple of the type's super-block
-        for M in (1, 4, 16, 512):
+        for M in (1, 4, 16, 300):
             x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
             assert rel(quant_matmul(x, pw), quant_matmul_ref(x, pw)) < 2e-3, (name, N, K, M)

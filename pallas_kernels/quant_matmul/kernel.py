@@ -35,6 +35,10 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 def _compiler_params(num_warps, num_stages):
     try:
         from jax.experimental.pallas import triton as plgpu
@@ -126,9 +130,12 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
     kmin = G * R
     if tile_rows is not None and tile_rows <= rows_max or tile_rows is None and M <= rows_max:
         bm = tile_rows or M
-        bn = _pow2_divisor(N, 32)
-        bk = max(kmin, _pow2_divisor(K, 512 if P == 1 else 256 * P // 2))
-        bk = min(bk, K) if K % bk == 0 else kmin
+        # each x row keeps a float32 accumulator tile [bn, width] in registers: <= 32 values a thread
+        budget = 4096 // bm
+        width_target = max(16, budget // 32)
+        bk = max(kmin, _pow2_divisor(K, P * width_target))
+        width = bk // P
+        bn = max(1, min(_pow2_divisor(N, 32), _pow2_floor(max(1, budget // width))))
         tiles = N // bn * max(1, M // bm)
         nt_all = K // bk
         split = 1
