@@ -253,7 +253,10 @@ class MarkdownTable:
                 "backend": self.backend,
                 "test": r.test.name if r.test else "-", "t/s": r.ts_text()}
         for k in self.keys:
-            vals[COLUMN[k]] = str(r.params.get(k, ""))
+            v = str(r.params.get(k, ""))
+            if k == "threads" and v == "0":  # llama-bench shows the thread count used
+                v = str(os.cpu_count() or 1)
+            vals[COLUMN[k]] = v
         return self._line(vals)
 
 
