@@ -228,3 +228,14 @@ def test_generate_streams_text(tiny_model):
     assert res.stdout.startswith("Hello world")
     assert len(res.stdout) > len("Hello world\n")
     assert "generated" in res.stderr
+
+
+def test_default_model_made_on_first_use(tmp_path, monkeypatch):
+    """README's first command: `ikjax sweep-bench` with no -m makes and caches the tiny model."""
+    monkeypatch.setenv("IKJAX_CACHE", str(tmp_path / "cache"))
+    res = invoke(["sweep-bench", "-c", 256, "-ub", 128, "-n", 2])
+    assert "making synthetic model tiny" in res.stderr
+    assert (tmp_path / "cache" / "tiny-Q8_0.gguf").exists()
+    assert len([l for l in res.stdout.splitlines() if l.startswith("|")]) == 2 + 2
+    res = invoke(["info"])  # reuses the cached file
+    assert "making" not in res.stderr and "16 routed, top-4" in res.stdout
