@@ -107,7 +107,7 @@ class Engine:
         last = np.full(B, T - 1, np.int32) if last is None else np.asarray(last, np.int32)
         plan = self._plan(self.kv_bucket(int(start.max()) + T), all_logits)
         self._note_compile(B, T, plan)
-        return self._run_jitted(cache, jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(last), plan)
+        return self._run_jitted(cache, tokens, start, last, plan)
 
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
@@ -154,10 +154,10 @@ class Engine:
             logits, cache = self.step(cache, toks, np.array([start + c0]), np.array([len(chunk) - 1]),
                                           all_logits)
             if all_logits:
-                outs.append(np.asarray(logits[0, :len(chunk)], np.float32))
+                outs.append(np.asarray(logits, np.float32)[0, :len(chunk)])
         if all_logits:
             return np.concatenate(outs, 0), cache
-        return np.asarray(logits[0], np.float32), cache
+        return np.asarray(logits, np.float32)[0], cache
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits [n_tokens, n_vocab] (float32) at every position of a fresh sequence."""
@@ -182,8 +182,64 @@ class Engine:
             if tok in stop_ids or pos >= self.options.ctx:
                 return
             out, cache = self.step(cache, np.array([[tok]], np.int32), np.array([pos]), np.array([0]), False)
-            logits = np.asarray(out[0], np.float32)
+            logits = np.asarray(out, np.float32)[0]
             pos += 1
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                       stop: Iterable[int] = ()) -> list[list[int]]:
+        """Generate for several sequences at once, each at its own length; one list of new ids each.
+
+        Prompts are fed together in ubatch chunks (a shorter prompt's padding lands past its end,
+        where the causal mask hides it until its own generated tokens overwrite it); then every
+        step decodes one token per unfinished sequence. The batch is padded to a power of two.
+        """
+        seqs = [self._check_ids(p) for p in prompts]
+        n = len(seqs)
+        B = _pow2_at_least(n)
+        lengths = np.array([len(s) for s in seqs] + [1] * (B - n))
+        if lengths.max() + max_tokens > self.options.ctx:
+            raise OptionError(f"{int(lengths.max())} + {max_tokens} tokens exceed the context size ctx={self.options.ctx}")
+        stop_ids = set(int(s) for s in stop)
+        if self.config.eos_token_id is not None:
+            stop_ids.add(self.config.eos_token_id)
+        rng = np.random.default_rng(seed)
+        cache = self.new_cache(B)
+        width = int(lengths.max())
+        padded = np.zeros((B, width), np.int32)
+        for b, s in enumerate(seqs):
+            padded[b, :len(s)] = s
+        last_logits = np.zeros((B, self.config.vocab_size), np.float32)
+        for c0 in range(0, width, self.options.ubatch):
+            c1 = min(width, c0 + self.options.ubatch)
+            T = self.token_bucket(c1 - c0)
+            toks = np.zeros((B, T), np.int32)
+            toks[:, :c1 - c0] = padded[:, c0:c1]
+            last = np.clip(lengths - 1 - c0, 0, T - 1)
+            logits, cache = self.step(cache, toks, np.full(B, c0), last)
+            logits = np.asarray(logits, np.float32)
+            ends_here = (lengths - 1 >= c0) & (lengths - 1 < c1)
+            last_logits[ends_here] = logits[ends_here]
+        out: list[list[int]] = [[] for _ in range(n)]
+        done = np.zeros(B, bool)
+        done[n:] = True
+        pos = lengths.copy()
+        for i in range(max_tokens):
+            toks = np.zeros((B, 1), np.int32)
+            for b in range(n):
+                if done[b]:
+                    continue
+                tok = sample_next(last_logits[b], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                  rng=rng)
+                out[b].append(tok)
+                toks[b, 0] = tok
+                done[b] = tok in stop_ids
+            if done.all() or i == max_tokens - 1:  # no step needed after the last token
+                break
+            logits, cache = self.step(cache, toks, pos)
+            last_logits = np.asarray(logits, np.float32)
+            pos = pos + 1
+        return out
 
     def memory_plan(self, batch: int = 1) -> MemoryPlan:
         layout = self.cache_layout(batch)
