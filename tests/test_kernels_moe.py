@@ -44,7 +44,9 @@ def test_gather_matches_model(name):
         layer = {"gate_exps": qas[0], "up_exps": qas[1], "down_exps": qas[2]}
         m = experts_gather(x, w, ids, layer, jnp.bfloat16, True)
         assert np.isfinite(np.asarray(y)).all()
-        assert rel(y, r) < 1e-3 and rel(r, m) < 1e-6, (name, N, rel(y, r), rel(r, m))
+        assert rel(y, r) < 6e-3 and rel(r, m) < 1e-6, (name, N, rel(y, r), rel(r, m))
+        y32 = moe_experts_gather(x, w, ids, *pws, dtype=jnp.float32, interpret=True)
+        assert rel(y32, moe_experts_ref(x, w, ids, *pws, dtype=jnp.float32)) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K"])
@@ -71,4 +73,4 @@ def test_gpu_v2_lite_experts():
         x = jnp.asarray(rng.standard_normal((N, d)), jnp.float32)
         w, ids = routing(N, E, k, rng)
         ref = moe_experts_ref if N * k <= 2 * E else moe_experts_grouped_ref
-        assert rel(moe_experts(x, w, ids, *pws), ref(x, w, ids, *pws)) < 2e-3
+        assert rel(moe_experts(x, w, ids, *pws), ref(x, w, ids, *pws)) < 6e-3

@@ -48,9 +48,14 @@ def test_kernel_interpret_matches_reference(name):
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
         y = quant_matmul(x, pw, jnp.bfloat16, interpret=True)
         r = quant_matmul_ref(x, pw, jnp.bfloat16)
+        exact = quant_matmul_ref(x.astype(jnp.bfloat16).astype(jnp.float32), pw, jnp.float32)
         assert y.shape == (M, N) and y.dtype == jnp.float32
         assert np.isfinite(np.asarray(y)).all()
-        assert rel(y, r) < 1e-5, (name, M, rel(y, r))
+        if M <= 4:   # rows schedule: float32 weights, bf16-rounded x (more exact than the bf16 reference)
+            assert rel(y, exact) < 1e-5, (name, M, rel(y, exact))
+        else:        # dot schedule: bf16 tiles, as the reference
+            assert rel(y, r) < 1e-5, (name, M, rel(y, r))
+        assert rel(y, r) < 5e-3
 
 
 def test_kernel_split_k_f32_and_leading_dims():
@@ -62,6 +67,8 @@ def test_kernel_split_k_f32_and_leading_dims():
     r = quant_matmul_ref(x, pw, jnp.float32)
     assert y.shape == (2, 1, 32)
     assert rel(y, r) < 1e-6
+    y = quant_matmul(x, pw, jnp.bfloat16, interpret=True, config=cfg)
+    assert rel(y, quant_matmul_ref(x.astype(jnp.bfloat16).astype(jnp.float32), pw, jnp.float32)) < 1e-6
     cfg = dict(mode="dot", bm=16, bn=16, bk=64, split=1, num_warps=4, num_stages=2)
     x = jnp.asarray(rng.standard_normal((19, 1024)), jnp.float32)
     assert rel(quant_matmul(x, pw, jnp.bfloat16, interpret=True, config=cfg), quant_matmul_ref(x, pw)) < 1e-5
@@ -98,4 +105,4 @@ def test_gpu_real_size(name):
             continue                                 # K not a multiple of the type's super-block
         for M in (1, 4, 16, 300):
             x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-            assert rel(quant_matmul(x, pw), quant_matmul_ref(x, pw)) < 2e-3, (name, N, K, M)
+            assert rel(quant_matmul(x, pw), quant_matmul_ref(x, pw)) < 6e-3, (name, N, K, M)

@@ -73,13 +73,14 @@ def _kernel(*refs, q8, bh, bs, chunk, dv, dpe, scale, cdt):
 
 def pick_config(B: int, H: int, S: int):
     bh = _pow2_divisor(H, 16)
-    bs = _pow2_divisor(S, 64)
+    bs = _pow2_divisor(S, 32)
     n_blocks = S // bs
     tiles = B * (H // bh)
     split = 1
-    while tiles * split < 264 and n_blocks % (split * 2) == 0:
+    # about one wave of programs, each with >= 4 cache blocks (the split partials cost HBM traffic)
+    while tiles * split * 2 <= 132 and n_blocks % (split * 2) == 0 and n_blocks // (split * 2) >= 4:
         split *= 2
-    return dict(bh=bh, bs=bs, split=split, num_warps=4, num_stages=2)
+    return dict(bh=bh, bs=bs, split=split, num_warps=8, num_stages=2)
 
 
 def supports(H: int, S: int, D: int, v_dim: int) -> bool:

@@ -5,6 +5,9 @@ Two schedules over one kernel body:
 - "rows" (decode, 1-4 rows of x, bandwidth-bound GEMV): each program owns `bn` output columns and
   streams its weights once, multiply-accumulating every x row elementwise in float32 (no padding
   of x to a matrix-unit tile); optional split-K when there are too few column tiles to fill the GPU.
+  Scales are factored out of the inner sums (sum w x = d * sum q x + bias * sum x), and the weights
+  stay float32 (x is rounded to the compute dtype, as the reference): this is slightly *more* exact
+  than the jnp reference, which rounds dequantized weights to bf16 (difference ~1e-3 relative).
 - "dot" (5+ rows, prompt): `bm x bn` output tiles, `tl.dot` on compute-dtype tiles, f32 accumulation.
 
 Both take an optional per-m-tile expert index: the weights then carry a leading expert axis and
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .packing import GEOMETRY, PART_AXIS, PackedWeight, decode_part, x_view
+from .packing import GEOMETRY, PART_AXIS, PackedWeight, decode_part, decode_part_factored, x_view
 
 F32 = jnp.float32
 _SUPER_ARRAYS = ("d", "dmin")
@@ -85,20 +88,29 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swi
         s = pl.program_id(2)
 
         def body(t, accs):
-            xs = [[x_ref[m0 + r, pl.ds(t * ng, ng), p, :].reshape(1, width).astype(F32) for p in range(P)]
-                  for r in range(bm)]
-            new = []
-            for wi in range(n_w):
-                acc = list(accs[wi])
-                for p in range(P):
+            new = [list(a) for a in accs]
+            for p in range(P):
+                # x rows rounded to the compute dtype as the reference does, then float32
+                xs = [x_ref[m0 + r, pl.ds(t * ng, ng), p, :].astype(cdt).astype(F32) for r in range(bm)]
+                for wi in range(n_w):
                     tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p)
-                    w = decode_part(qtype, tiles, p).reshape(bn, width).astype(cdt).astype(F32)
+                    q, scale, bias, sub = decode_part_factored(qtype, tiles, p)
                     for r in range(bm):
-                        acc[r] = acc[r] + w * xs[r][p]
-                new.append(tuple(acc))
-            return tuple(new)
+                        xr = xs[r]
+                        if sub:
+                            prod = jnp.sum(q.reshape(bn, ng, 2, L // 2) * xr.reshape(1, ng, 2, L // 2), axis=3)
+                            xsum = jnp.sum(xr.reshape(ng, 2, L // 2), axis=2)[None]
+                            c = jnp.sum(scale * prod + bias * xsum, axis=2)
+                        else:
+                            c = jnp.sum(q * xr[None], axis=2)
+                            if scale is not None:
+                                c = c * scale
+                            if bias is not None:
+                                c = c + bias * jnp.sum(xr, axis=1)[None]
+                        new[wi][r] = new[wi][r] + c
+            return tuple(tuple(a) for a in new)
 
-        init = tuple(tuple(jnp.zeros((bn, width), F32) for _ in range(bm)) for _ in range(n_w))
+        init = tuple(tuple(jnp.zeros((bn, ng), F32) for _ in range(bm)) for _ in range(n_w))
         accs = lax.fori_loop(s * nt, (s + 1) * nt, body, init)
         for r in range(bm):
             ys = [jnp.sum(accs[wi][r], axis=1) for wi in range(n_w)]
@@ -142,10 +154,11 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
         while tiles * split < 264 and nt_all % (split * 2) == 0 and nt_all // (split * 2) >= 2:
             split *= 2
         return dict(mode="rows", bm=bm, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3)
-    bm = tile_rows or (16 if M <= 16 else 64)
+    bm = tile_rows or (16 if M <= 16 else 64 if M <= 128 else 128)
     bn = _pow2_divisor(N, 64 if M <= 16 else 128)
     bk = max(kmin, _pow2_divisor(K, 128))
-    return dict(mode="dot", bm=bm, bn=bn, bk=bk, split=1, num_warps=4, num_stages=3 if bk <= 128 else 2)
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    return dict(mode="dot", bm=bm, bn=bn, bk=bk, split=1, num_warps=warps, num_stages=3 if bk <= 128 else 2)
 
 
 def kernel_supports(qtype: str, N: int, K: int) -> bool:
@@ -164,7 +177,7 @@ def _call(x, ws, expert, *, dtype, swiglu, config, interpret):
     M = x.shape[0]
     mode, bm, bn, bk, split = cfg["mode"], cfg["bm"], cfg["bn"], cfg["bk"], cfg["split"]
     Mp = -(-M // bm) * bm
-    xc = x.astype(dtype)
+    xc = x.astype(dtype) if mode == "dot" else x
     if Mp != M:
         xc = jnp.pad(xc, ((0, Mp - M), (0, 0)))
     xv = x_view(xc, qtype)

@@ -215,6 +215,42 @@ def decode_part(qtype: str, t: dict, p: int):
     raise ValueError(qtype)
 
 
+def decode_part_factored(qtype: str, t: dict, p: int):
+    """Part p of a tile as (q [bn, ng, L] float32 integer levels or values, scale, bias, sub):
+    weight = scale * q + bias, with scale/bias [bn, ng] per group, or [bn, ng, 2] per half-group
+    when `sub` (Q6_K's 16-wide scales); None means 1 / 0. Lets a GEMV factor the scales out of the
+    inner sum: sum_i w_i x_i = scale * sum_i q_i x_i + bias * sum_i x_i."""
+    G, P, L, R = GEOMETRY[qtype]
+    if qtype in ("F32", "F16", "BF16"):
+        return t["w"].astype(F32), None, None, False
+    if qtype == "Q8_0":
+        return t["q"].astype(F32), t["d"].astype(F32), None, False
+    if qtype == "Q4_0":
+        b = t["qs"]
+        nib = (b & 0xF) if p == 0 else (b >> 4)
+        d = t["d"].astype(F32)
+        return nib.astype(F32), d, d * -8.0, False
+    if qtype == "Q4_K":
+        b = t["qs"]
+        nib = (b & 0xF) if p == 0 else (b >> 4)
+        dl = expand_super(t["d"].astype(F32), R) * t["s"].astype(F32)
+        ml = expand_super(t["dmin"].astype(F32), R) * t["m"].astype(F32)
+        return nib.astype(F32), dl, -ml, False
+    if qtype == "Q6_K":
+        ql = t["ql"]
+        nib = (ql & 0xF) if p < 2 else (ql >> 4)
+        crumb = (t["qh"] >> (2 * p)) & 3
+        q = (nib | (crumb << 4)).astype(F32)
+        dl = expand_super(t["d"].astype(F32), R)[..., None] * t["sc"].astype(F32)
+        return q, dl, dl * -32.0, True
+    if qtype == "IQ4_XS":
+        b = t["qs"]
+        nib = (b & 0xF) if p == 0 else (b >> 4)
+        dl = expand_super(t["d"].astype(F32), R) * (t["ls"].astype(jnp.int32) - 32).astype(F32)
+        return iq4nl_value(nib), dl, None, False
+    raise ValueError(qtype)
+
+
 def dequantize_packed(pw: PackedWeight, dtype=jnp.float32):
     """PackedWeight -> [..., N, K] values, bit-exact with QuantArray.dequantize."""
     G, P, L, R = GEOMETRY[pw.qtype]
