@@ -15,11 +15,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from ikjax.quant import QuantArray, UnsupportedQuantType, by_name, dequantize, lookup
 from ikjax.quant.ik_types import IQ2NL_VALUES, IQ4K_VALUES
 
-STD_TYPES = "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS".split()
+STD_TYPES = ("F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS "
+             "IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M TQ1_0 TQ2_0").split()
 
 # byte offsets of the f16 scale fields inside one block, for types gguf cannot quantize
 F16_FIELDS = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-              "IQ4_NL": [0], "IQ4_XS": [0]}
+              "IQ4_NL": [0], "IQ4_XS": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0],
+              "IQ3_S": [0], "IQ1_S": [0], "IQ1_M": [], "TQ1_0": [52], "TQ2_0": [64]}
 
 
 def fixtures_dir() -> Path:
@@ -45,6 +47,12 @@ def random_bytes(name: str, lead: tuple, n: int, rng) -> np.ndarray:
     for off in F16_FIELDS[name]:
         scale = rng.uniform(-0.05, 0.05, raw.shape[:-1]).astype(np.float16)
         raw[..., off:off + 2] = scale[..., None].view(np.uint8).reshape(*raw.shape[:-1], 2)
+    if name == "IQ1_M":   # its f16 d is spread over the top nibbles of the 4 u16 scale words
+        sc = raw[..., 48:56].copy().view(np.uint16)
+        d = rng.uniform(-0.05, 0.05, raw.shape[:-1]).astype(np.float16).view(np.uint16)
+        for k in range(4):
+            sc[..., k] = (sc[..., k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        raw[..., 48:56] = sc.view(np.uint8)
     return raw.reshape(*lead, -1)
 
 
@@ -408,7 +416,7 @@ def test_quant_array_pytree_jit_and_errors():
 
 
 def test_unsupported_type_named():
-    for name in ["IQ2_XXS", "IQ1_M", "Q8_K", "IQ2_KT", "IQ4_KSS"]:
+    for name in ["Q8_K", "IQ2_KT", "IQ1_BN"]:
         qt = by_name(name)
         with pytest.raises(UnsupportedQuantType, match=name):
             dequantize(np.zeros((4, 64), np.uint8), qt, 256)

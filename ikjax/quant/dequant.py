@@ -20,6 +20,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import quants as gguf_quants
 from jax import lax
 
 from .types import QuantType, UnsupportedQuantType
@@ -76,6 +77,11 @@ def crumbs(qs, n: int = 4):
 
 def lookup(table: np.ndarray, idx):
     """Constant table lookup (table values exact in f32)."""
+    return jnp.asarray(table, dtype=F32)[idx.astype(jnp.int32)]
+
+
+def lookup2(table: np.ndarray, idx):
+    """Row lookup in a constant 2-D table: idx [...] -> [..., table.shape[1]]."""
     return jnp.asarray(table, dtype=F32)[idx.astype(jnp.int32)]
 
 
@@ -239,6 +245,155 @@ def _iq4_xs(b, meta):
     return (dl * lookup(IQ4NL_VALUES, q)).reshape(*lead, 256)
 
 
+# ---------------------------------------------------------------------------------------------
+# ggml's grid-based i-quants (IQ2_XXS ... IQ1_M) and the ternary TQ types.
+# Grids and the sign table are taken from the `gguf` package (library data, not retyped here);
+# arithmetic follows `gguf.quants` operation by operation so results are bit-identical.
+
+
+def _gguf_grid(name: str) -> np.ndarray:
+    """The unpacked value grid of a gguf i-quant class: [n_entries, entry_len] float32."""
+    cls = getattr(gguf_quants, name)
+    cls.init_grid()
+    return np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape)
+
+
+def _sign_table() -> np.ndarray:
+    """ksigns: 7 stored sign bits -> 8 signs (the 8th is the parity), as +-1.0: [128, 8]."""
+    ks = np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8)
+    bits = (ks[:, None] >> np.arange(8, dtype=np.uint8)) & 1
+    return np.where(bits == 0, 1.0, -1.0).astype(np.float32)
+
+
+IQ2XXS_GRID = _gguf_grid("IQ2_XXS")   # [256, 8]
+IQ2XS_GRID = _gguf_grid("IQ2_XS")     # [512, 8]
+IQ2S_GRID = _gguf_grid("IQ2_S")       # [1024, 8]
+IQ3XXS_GRID = _gguf_grid("IQ3_XXS")   # [256, 4]
+IQ3S_GRID = _gguf_grid("IQ3_S")       # [512, 4]
+IQ1S_GRID = _gguf_grid("IQ1_S")       # [2048, 8] in {-1, 0, 1}
+KSIGNS = _sign_table()
+IQ1_DELTA = np.float32(0.125)
+
+
+def sign_bits(b):
+    """[..., m] bytes -> [..., m, 8] of +-1.0 (bit set: negative)."""
+    return 1.0 - 2.0 * bits_of(b, 8).astype(F32)
+
+
+def _grid_scale(b, lo: int, hi: int, mul: float):
+    """f16 d at byte 0 times (0.5 + nibble) times mul, per nibble of bytes lo:hi (low nibble first)."""
+    d = f16_at(b, 0)[..., None]
+    s = nibbles(b[..., lo:hi])                                       # [..., 2, m]
+    s = jnp.swapaxes(s, -1, -2).reshape(*b.shape[:-1], -1).astype(F32)
+    return d * (0.5 + s) * np.float32(mul)
+
+
+def _iq2_xxs(b, meta):
+    """block_iq2_xxs: half d; 8 x (u32 4 grid bytes, u32 4x7 sign bits | 4-bit scale << 28)."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 0)[..., None]
+    q = b[..., 2:66].reshape(*lead, 8, 8)
+    aux = lax.bitcast_convert_type(q[..., 4:8], jnp.uint32)                      # [..., 8]
+    db = (d * (0.5 + (aux >> 28).astype(F32)) * np.float32(0.25))[..., None, None]
+    grid = lookup2(IQ2XXS_GRID, q[..., 0:4])                                      # [..., 8, 4, 8]
+    sidx = (aux[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 127
+    return (db * grid * lookup2(KSIGNS, sidx)).reshape(*lead, 256)
+
+
+def _iq2_xs(b, meta):
+    """block_iq2_xs: half d; u16 qs[32] (9-bit grid index | 7-bit sign index); scales[8] (16 nibbles)."""
+    lead = b.shape[:-1]
+    db = _grid_scale(b, 66, 74, 0.25)[..., None, None]                           # [..., 16, 1, 1]
+    qs = lax.bitcast_convert_type(b[..., 2:66].reshape(*lead, 32, 2), jnp.uint16).reshape(*lead, 16, 2)
+    grid = lookup2(IQ2XS_GRID, qs & 511)
+    return (db * grid * lookup2(KSIGNS, qs >> 9)).reshape(*lead, 256)
+
+
+def _iq2_s(b, meta):
+    """block_iq2_s: half d; qs[32] grid low bits; signs[32]; qh[8] (2 high bits each); scales[8]."""
+    lead = b.shape[:-1]
+    db = _grid_scale(b, 74, 82, 0.25)[..., None, None]                           # [..., 16, 1, 1]
+    qh = jnp.swapaxes(crumbs(b[..., 66:74]), -1, -2).reshape(*lead, 32)
+    idx = b[..., 2:34].astype(jnp.int32) | (qh.astype(jnp.int32) << 8)
+    grid = lookup2(IQ2S_GRID, idx.reshape(*lead, 16, 2))
+    signs = sign_bits(b[..., 34:66]).reshape(*lead, 16, 2, 8)
+    return (db * grid * signs).reshape(*lead, 256)
+
+
+def _iq3_xxs(b, meta):
+    """block_iq3_xxs: half d; qs[64] grid bytes; 8 x u32 (4x7 sign bits | 4-bit scale << 28)."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 0)[..., None]
+    aux = lax.bitcast_convert_type(b[..., 66:98].reshape(*lead, 8, 4), jnp.uint32)   # [..., 8]
+    db = (d * (0.5 + (aux >> 28).astype(F32)) * np.float32(0.5))[..., None, None]
+    grid = lookup2(IQ3XXS_GRID, b[..., 2:66]).reshape(*lead, 8, 4, 8)
+    sidx = (aux[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 127
+    return (db * grid * lookup2(KSIGNS, sidx)).reshape(*lead, 256)
+
+
+def _iq3_s(b, meta):
+    """block_iq3_s: half d; qs[64]; qh[8] (9th index bit); signs[32]; scales[4] (d * (1 + 2*nibble))."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 0)[..., None]
+    s = jnp.swapaxes(nibbles(b[..., 106:110]), -1, -2).reshape(*lead, 8)
+    db = (d * (1 + 2 * s).astype(F32))[..., None, None]                          # [..., 8, 1, 1]
+    qh = bits_of(b[..., 66:74], 8).reshape(*lead, 64).astype(jnp.int32)
+    idx = b[..., 2:66].astype(jnp.int32) | (qh << 8)
+    grid = lookup2(IQ3S_GRID, idx).reshape(*lead, 8, 4, 8)
+    signs = sign_bits(b[..., 74:106]).reshape(*lead, 8, 4, 8)
+    return (db * grid * signs).reshape(*lead, 256)
+
+
+def _iq1_s(b, meta):
+    """block_iq1_s: half d; qs[32] grid low bytes; u16 qh[8] (4x3 high bits, 3-bit scale, delta sign)."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 0)[..., None]
+    qh = lax.bitcast_convert_type(b[..., 34:50].reshape(*lead, 8, 2), jnp.uint16)   # [..., 8]
+    dl = (d * (2 * ((qh >> 12) & 7) + 1).astype(F32))[..., None, None]
+    delta = jnp.where((qh & 0x8000) == 0, IQ1_DELTA, -IQ1_DELTA)[..., None, None]
+    hi = (qh[..., None] >> jnp.array([0, 3, 6, 9], jnp.uint16)) & 7                  # [..., 8, 4]
+    idx = b[..., 2:34].reshape(*lead, 8, 4).astype(jnp.int32) | (hi.astype(jnp.int32) << 8)
+    return (dl * (lookup2(IQ1S_GRID, idx) + delta)).reshape(*lead, 256)
+
+
+def _iq1_m(b, meta):
+    """block_iq1_m: qs[32]; qh[16] (per nibble: 3 high index bits, delta sign); u16 scales[4]
+    (4 x 3-bit scales each; their top nibbles form the f16 d). Nibble bit 3 set: -delta."""
+    lead = b.shape[:-1]
+    sc = lax.bitcast_convert_type(b[..., 48:56].reshape(*lead, 4, 2), jnp.uint16)   # [..., 4]
+    dbits = (sc & 0xF000) >> jnp.array([12, 8, 4, 0], jnp.uint16)
+    dbits = dbits[..., 0] | dbits[..., 1] | dbits[..., 2] | dbits[..., 3]
+    d = lax.bitcast_convert_type(dbits, jnp.float16).astype(F32)[..., None]
+    s = ((sc[..., None] >> jnp.array([0, 3, 6, 9], jnp.uint16)) & 7).reshape(*lead, 16)
+    dl = (d * (2 * s + 1).astype(F32)).reshape(*lead, 8, 2, 1, 1)
+    qh = jnp.swapaxes(nibbles(b[..., 32:48]), -1, -2).reshape(*lead, 32)             # one nibble per index
+    idx = b[..., 0:32].astype(jnp.int32) | ((qh & 7).astype(jnp.int32) << 8)
+    delta = jnp.where((qh & 8) == 0, IQ1_DELTA, -IQ1_DELTA).reshape(*lead, 8, 2, 2, 1)
+    grid = lookup2(IQ1S_GRID, idx).reshape(*lead, 8, 2, 2, 8)
+    return (dl * (grid + delta)).reshape(*lead, 256)
+
+
+def _tq1_0(b, meta):
+    """block_tq1_0: qs[48] (5 base-3 digits per byte), qh[4] (4 digits per byte); half d."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 52)[..., None]
+    pow3 = jnp.array([1, 3, 9, 27, 81], jnp.uint8)
+    q0 = (b[..., None, 0:32] * pow3[:, None]).reshape(*lead, 160)       # uint8 products wrap as in C
+    q1 = (b[..., None, 32:48] * pow3[:, None]).reshape(*lead, 80)
+    q2 = (b[..., None, 48:52] * pow3[:4, None]).reshape(*lead, 16)
+    q = jnp.concatenate([q0, q1, q2], axis=-1).astype(jnp.uint16)
+    t = ((q * 3) >> 8).astype(jnp.int32) - 1
+    return d * t.astype(F32)
+
+
+def _tq2_0(b, meta):
+    """block_tq2_0: qs[64] (2-bit digits, value - 1); half d."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 64)[..., None]
+    q = crumbs(b[..., 0:64].reshape(*lead, 2, 32)).reshape(*lead, 256).astype(jnp.int32) - 1
+    return d * q.astype(F32)
+
+
 Decoder = Callable  # (blocks [..., nb, block_bytes] uint8, meta [..., row_meta_bytes] uint8 | None) -> f32
 
 DECODERS: dict[str, Decoder] = {
@@ -246,6 +401,8 @@ DECODERS: dict[str, Decoder] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
     "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+    "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs, "IQ3_S": _iq3_s,
+    "IQ1_S": _iq1_s, "IQ1_M": _iq1_m, "TQ1_0": _tq1_0, "TQ2_0": _tq2_0,
 }
 
 # Decoders whose meta argument is used take meta [..., 1, row_meta_bytes] (broadcast over blocks).
