@@ -6,7 +6,8 @@
     for tok in eng.generate(prompt_ids, 32): ...
 """
 from ikjax import quant as _quant  # noqa: F401  (registers ik_llama.cpp's types)
-from ikjax.engine import Engine, MemoryPlan, load
+from ikjax.engine import Engine, load
+from ikjax.memory_plan import MemoryPlan
 from ikjax.errors import DoesNotFitError, IkjaxError, ModelFileError, OptionError
 from ikjax.options import RunOptions
 

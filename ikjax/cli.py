@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover
     _CLICK_ERRORS = (_ClickException,)
 
 from ikjax.errors import IkjaxError, OptionError
+from ikjax.memory_plan import plan_memory
 from ikjax.options import RunOptions
 
 _D = RunOptions()
@@ -513,21 +514,6 @@ def _fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def memory_plan_from_file(file, cfg, options: RunOptions, batch: int = 1):
-    """The engine's memory plan computed from the header alone (no weights loaded)."""
-    from ikjax.cache import CacheLayout
-    from ikjax.engine import MemoryPlan
-    o = options
-    capacity = -(-(o.ctx + o.ubatch) // o.kv_block) * o.kv_block
-    layout = CacheLayout.for_model(cfg, o.mla, o.ctk, batch, capacity)
-    kv_cols = o.kv_block if o.fa else capacity
-    buf = batch * o.ubatch * cfg.n_head * kv_cols * 4
-    if not o.fa and o.amb:
-        buf = min(buf, max(o.amb << 20, batch * o.ubatch * kv_cols * 4))
-    weights = sum(t.nbytes for t in file.tensors.values())
-    return MemoryPlan(weights, layout.total_bytes(), layout.bytes_per_token(), buf)
-
-
 @app.command("info")
 @_handle
 def info(
@@ -610,15 +596,11 @@ def info(
         for t in f.tensors.values():
             out(f"  {t.name:<40} {t.type_name:<8} {str(list(t.shape)):<24} {_fmt_bytes(t.nbytes)}")
     out("")
-    plan = memory_plan_from_file(f, cfg, opts)
+    plan = plan_memory(cfg, opts, ((t.name, t.nbytes) for t in f.tensors.values()))
     out(f"memory plan (-c {opts.ctx} -ub {opts.ubatch} -mla {opts.mla} -fa {int(opts.fa)} -ctk {opts.ctk}"
         + (f" -amb {opts.amb}" if opts.amb else "") + ")")
     for line in plan.lines():
         out("  " + line)
-    if opts.ot:
-        host = sum(t.nbytes for t in f.tensors.values()
-                   if next((r.device for r in opts.ot if r.matches(t.name)), "GPU") == "CPU")
-        out(f"  weights on host (-ot) {_fmt_bytes(host)}, on device {_fmt_bytes(size - host)}")
     total = plan.weights_bytes + plan.kv_bytes + plan.attention_buffer_bytes
     out(f"  total            {total / (1 << 20):10.2f} MiB")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import jax
@@ -20,10 +19,11 @@ from ikjax import cache as kvcache
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
+from ikjax.memory_plan import MemoryPlan, cache_capacity, check_fits, plan_memory
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.options import RunOptions
 from ikjax.sampling import sample_next
-from ikjax.weights import load_weights, weight_bytes
+from ikjax.weights import load_weights
 
 log = logging.getLogger("ikjax")
 
@@ -38,20 +38,6 @@ def _pow2_at_least(n: int, lo: int = 1) -> int:
     return b
 
 
-@dataclass(frozen=True)
-class MemoryPlan:
-    weights_bytes: int
-    kv_bytes: int
-    kv_bytes_per_token: int
-    attention_buffer_bytes: int
-
-    def lines(self) -> list[str]:
-        mib = 1 << 20
-        return [f"weights          {self.weights_bytes / mib:10.2f} MiB",
-                f"KV cache         {self.kv_bytes / mib:10.2f} MiB ({self.kv_bytes_per_token} B/token)",
-                f"attention buffer {self.attention_buffer_bytes / mib:10.2f} MiB"]
-
-
 class Engine:
     """Load with `ikjax.load(path, **options)`."""
 
@@ -61,7 +47,8 @@ class Engine:
         self.config = ModelConfig.from_metadata(self.file.metadata, source=path,
                                                 vocab_from_tensor=first_tensor.shape[0] if first_tensor else None)
         self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0)
-        self.capacity = -(-(self.options.ctx + self.options.ubatch) // self.options.kv_block) * self.options.kv_block
+        self.capacity = cache_capacity(self.options)
+        check_fits(self.memory_plan(), self.options, path)
         t0 = time.perf_counter()
         self.weights = load_weights(self.file, self.config)
         log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
@@ -242,13 +229,9 @@ class Engine:
         return out
 
     def memory_plan(self, batch: int = 1) -> MemoryPlan:
-        layout = self.cache_layout(batch)
-        o, cfg = self.options, self.config
-        kv_cols = o.kv_block if o.fa else self.capacity
-        buf = batch * o.ubatch * cfg.n_head * kv_cols * 4
-        if not o.fa and o.amb:
-            buf = min(buf, max(o.amb << 20, batch * o.ubatch * kv_cols * 4))
-        return MemoryPlan(weight_bytes(self.weights), layout.total_bytes(), layout.bytes_per_token(), buf)
+        """Weights (as stored, per place), KV cache and attention-buffer bytes for these options."""
+        return plan_memory(self.config, self.options, ((t.name, t.nbytes) for t in self.file.tensors.values()),
+                           batch)
 
 
 def load(path: str, **options) -> Engine:

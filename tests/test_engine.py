@@ -105,5 +105,11 @@ def test_memory_plan_formulas():
     on_device = sum(x.nbytes for x in jax.tree_util.tree_leaves(eng.new_cache(1)))
     assert on_device == plan.kv_bytes
     file_bytes = sum(t.nbytes for t in eng.file.tensors.values())
-    assert plan.weights_bytes == file_bytes  # blocks kept as they are: no dequantized copy
+    loaded = sum(x.nbytes for x in jax.tree_util.tree_leaves(eng.weights))
+    assert plan.weights_bytes == file_bytes == loaded  # blocks kept as they are: no dequantized copy
     assert any("KV cache" in line for line in plan.lines())
+    # -ot: the plan splits weights by the first matching rule (host and device are one on CPU)
+    ot = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_0.gguf", ot="exps=CPU,attn=GPU,.*=CPU").memory_plan()
+    exps = sum(t.nbytes for n, t in eng.file.tensors.items() if "exps" in n)
+    not_attn = sum(t.nbytes for n, t in eng.file.tensors.items() if "attn" not in n)
+    assert exps > 0 and ot.host_weights_bytes == not_attn
