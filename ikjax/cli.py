@@ -113,7 +113,7 @@ NglOpt = Annotated[int, typer.Option("-ngl", "--ngl", "--n-gpu-layers", "--gpu-l
 TsOpt = Annotated[Optional[str], typer.Option("-ts", "--ts", "--tensor-split",
                                               help="split across devices, e.g. 3,1 (accepted; ikjax splits evenly)")]
 ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (0 = all cores)")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="compute dtype: f32, bf16, f16 (not an ik flag)")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="matmul dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, f16 (not an ik flag)")]
 KvBlockOpt = Annotated[int, typer.Option("--kv-block", help="KV chunk of the blocked attention / KV bucket size")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="log loading and compilation")]
 

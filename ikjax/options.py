@@ -14,7 +14,7 @@ from typing import Any
 from ikjax.errors import OptionError
 
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
-COMPUTE_DTYPES = ("f32", "bf16", "f16")
+COMPUTE_DTYPES = ("auto", "f32", "bf16", "f16")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class RunOptions:
     ctx: int = 4096
     ubatch: int = 512
     batch: int = 2048
-    dtype: str = "f32"  # compute dtype; not an ik flag (ik computes in f32 with f16/bf16 matmul inputs)
+    dtype: str = "auto"  # matmul input dtype; not an ik flag. auto: f32 on CPU, bf16 on accelerators
     ngl: int = 99
     threads: int = 0
     kv_block: int = 256  # KV chunk of the blocked (flash) attention; bucket granularity of the KV length
@@ -156,7 +156,11 @@ class RunOptions:
         return opts
 
     def with_model(self, n_expert_used: int, has_moe: bool) -> "RunOptions":
-        """Checks that need the model: refuse what cannot run, never ignore it silently."""
+        """Checks that need the model (and the backend): refuse what cannot run, never ignore it."""
+        if self.dtype == "auto":
+            import jax
+            return dataclasses.replace(self, dtype="f32" if jax.default_backend() == "cpu" else "bf16"
+                                       ).with_model(n_expert_used, has_moe)
         if self.ser is not None:
             if not has_moe:
                 raise OptionError("ser: the model has no routed experts")
