@@ -83,11 +83,25 @@ def time_call(fn, *args, n=7):
     return statistics.median(ts)
 
 
+def time_looped(f, x, rest, n_inner=16):
+    """Median time of one f(x, rest) inside a jitted loop of n_inner iterations (each depends on the
+    previous through a zero-valued scalar, so nothing is hoisted and Python dispatch is amortized)."""
+    def run(x, rest):
+        def body(i, c):
+            ys = f(x + c.astype(x.dtype), rest)
+            tot = sum(jnp.sum(l.astype(jnp.float32)) for l in jax.tree.leaves(ys))
+            return c + tot * 0.0
+        return jax.lax.fori_loop(0, n_inner, body, jnp.float32(0))
+    return time_call(jax.jit(run), x, rest) / n_inner
+
+
 def copy_bandwidth():
     x = jnp.arange(2 ** 28, dtype=jnp.uint32)               # 1 GiB
     f = jax.jit(lambda a: a ^ jnp.uint32(0x5A5A5A5A))
     t = time_call(f, x, n=10)
-    return 2 * x.nbytes / t
+    g = jax.jit(lambda a: jax.lax.fori_loop(0, 8, lambda i, b: b ^ jnp.uint32(i + 1), a))
+    t2 = time_call(g, x, n=5) / 8
+    return 2 * x.nbytes / min(t, t2)
 
 
 def reps_for(nbytes):
@@ -124,13 +138,12 @@ def case_quant_matmul(name, N, K, M, key):
     pws = [pw] + [prepare(device_quant(jax.random.fold_in(key, 10 + i), name, (N, K))) for i in range(R - 1)]
     qas = [None] * R
     del qa
-    fk = jax.jit(lambda x, ws: [quant_matmul(x, w, interpret=interp) for w in ws])
-    t_k = time_call(fk, x, pws) / R
+    n_in = 2 if ARGS.small else 8
+    t_k = time_looped(lambda x, ws: [quant_matmul(x, w, interpret=interp) for w in ws], x, pws, n_in) / R
     # the jnp path reads the GGUF blocks: rebuild R QuantArrays for it
     del pws
     qas = [device_quant(jax.random.fold_in(key, 10 + i), name, (N, K)) for i in range(R)]
-    fj = jax.jit(lambda x, ws: [quant_matmul_ref(x, w) for w in ws])
-    t_j = time_call(fj, x, qas) / R
+    t_j = time_looped(lambda x, ws: [quant_matmul_ref(x, w) for w in ws], x, qas, n_in) / R
     del qas
     record("linear", f"M{M} N{N} K{K}", name, t_k, t_j, nbytes, err, 5e-3, finite)
 
@@ -156,8 +169,9 @@ def case_moe(name, N, E, F, d, k, key):
     per_expert = sum(p.nbytes for p in pws) // E
     n_used = len(np.unique(np.asarray(ids))) if gather else E
     nbytes = per_expert * n_used + N * d * 6
-    t_k = time_call(fk, x, w, ids, *pws)
-    t_j = time_call(fj, x, w, ids, layer)
+    n_in = 2 if ARGS.small else 16
+    t_k = time_looped(lambda x, a: moe_experts(x, a[0], a[1], *a[2], interpret=interp), x, (w, ids, pws), n_in)
+    t_j = time_looped(lambda x, a: jfn(x, a[0], a[1], a[2], jnp.bfloat16, True), x, (w, ids, layer), n_in)
     form = "moe-gather" if gather else "moe-grouped"
     record(form, f"N{N} E{E} k{k} F{F} d{d}", name, t_k, t_j, nbytes, err, 8e-3, finite)
 
@@ -182,8 +196,9 @@ def case_mla(ctk, B, H, S, key):
     err = max(err, rel(fk(q, cache, l2), fj(q, cache, l2)))
     cbytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cache))
     nbytes = cbytes + B * H * 576 * 2 + B * H * 512 * 4
-    t_k = time_call(fk, q, cache, lengths)
-    t_j = time_call(fj, q, cache, lengths)
+    n_in = 2 if ARGS.small else 16
+    t_k = time_looped(lambda q, a: mla_decode(q, a[0], a[1], scale, interpret=interp), q, (cache, lengths), n_in)
+    t_j = time_looped(lambda q, a: mla_decode_ref(q, a[0], a[1], scale), q, (cache, lengths), n_in)
     record("mla-decode", f"B{B} H{H} S{S}", ctk, t_k, t_j, nbytes, err, 1e-2, finite)
 
 
@@ -197,11 +212,27 @@ def sweep_quant_matmul(name, N, K, M, configs, key):
     base = pick_config(name, M, N, K)
     for c in [base] + [dict(base, **c) for c in configs]:
         try:
-            f = jax.jit(lambda x, ws: [quant_matmul(x, w, config=c) for w in ws])
-            t = time_call(f, x, pws) / R
+            t = time_looped(lambda x, ws: [quant_matmul(x, w, config=c) for w in ws], x, pws, 4) / R
             print(f"  sweep {name} M{M} N{N} K{K} {c}: {t * 1e6:.1f} us, {pw.nbytes / t / 1e9:.0f} GB/s", flush=True)
         except Exception as e:
             print(f"  sweep {name} {c}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+
+
+def sweep_mla(ctk, B, H, S, configs, key):
+    from pallas_kernels.mla_decode.kernel import pick_config
+    q = jax.random.normal(key, (B, H, 576), jnp.float32).astype(jnp.bfloat16)
+    c = jax.random.normal(jax.random.fold_in(key, 1), (B, S, 576), jnp.float32)
+    cache = kvcache.quantize_q8_0(c) if ctk == "q8_0" else c.astype(jnp.bfloat16)
+    del c
+    lengths = jnp.full((B,), S, jnp.int32)
+    nbytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cache))
+    base = pick_config(B, H, S)
+    for cf in [base] + [dict(base, **c) for c in configs]:
+        try:
+            t = time_looped(lambda q, a: mla_decode(q, a[0], a[1], 0.07, config=cf), q, (cache, lengths), 8)
+            print(f"  sweep mla {ctk} B{B} H{H} S{S} {cf}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s", flush=True)
+        except Exception as e:
+            print(f"  sweep mla {cf}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
 
 
 def main():
@@ -256,10 +287,15 @@ def main():
         run(sweep_quant_matmul, "Q4_0", 102400, 2048, 1, [
             dict(bn=64), dict(num_stages=4), dict(num_stages=5, bk=512, bn=16), dict(num_warps=8, bn=64),
             dict(num_warps=2, bn=16), dict(bk=512, bn=16, num_stages=3)])
-        run(sweep_quant_matmul, "Q8_0", 102400, 2048, 1, [dict(bn=16, bk=256), dict(num_stages=5), dict(bn=64, bk=64)])
+        run(sweep_quant_matmul, "Q8_0", 102400, 2048, 1, [dict(bn=16, bk=256), dict(bn=16, bk=512, num_warps=8)])
+        run(sweep_quant_matmul, "Q4_0", 2048, 7168, 1, [dict(split=1), dict(split=2), dict(split=8), dict(bn=16, split=2)])
+        run(sweep_mla, "bf16", 1, 16, 16384, [dict(split=32), dict(split=128), dict(bs=64), dict(bs=16, num_warps=4),
+                                             dict(num_warps=4), dict(num_stages=3)])
+        run(sweep_mla, "q8_0", 1, 16, 16384, [dict(bs=16), dict(num_warps=4), dict(split=128)])
+        run(sweep_mla, "bf16", 1, 128, 16384, [dict(bh=32), dict(bh=64), dict(bh=32, split=16), dict(bh=64, num_warps=4)])
         run(sweep_quant_matmul, "Q4_0", 2048, 2048, 2048, [
-            dict(bm=64, bn=128, num_warps=4), dict(bm=128, bn=256, num_warps=8), dict(bm=128, bn=128, bk=256, num_stages=2),
-            dict(bm=256, bn=128, num_warps=8)])
+            dict(bm=64, bn=128, num_warps=4), dict(bm=128, bn=128), dict(bm=128, bn=256, bk=64, num_stages=4),
+            dict(bm=256, bn=128, num_warps=8), dict(bm=256, bn=256, bk=64, num_warps=8, num_stages=3)])
     if "qm" in only:
         print("quant_matmul", flush=True)
         for c in qm:

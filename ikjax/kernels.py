@@ -78,10 +78,19 @@ def _kernel_ok(w) -> bool:
     return _qm.kernel_supports(name, w.shape[-2], w.shape[-1])
 
 
+# Under `auto`, the Pallas matmul serves decode (up to this many rows of x); larger batches
+# (prompt processing) take XLA's dequantize-then-cuBLAS path, measured faster there (bench/RESULTS.md).
+AUTO_MAX_ROWS = 4
+
+
 def quant_linear(x, w, dtype, *, backend: str | None = None):
     """x [..., K] @ W[N, K]^T (W QuantArray or PackedWeight), computed in `dtype`, f32 result."""
     b = resolve_backend(backend)
-    if b == "jnp" or not _kernel_ok(w):
+    rows = 1
+    for s_ in x.shape[:-1]:
+        rows *= s_
+    auto_jnp = backend is None and os.environ.get("IKJAX_KERNELS", "auto") == "auto" and rows > AUTO_MAX_ROWS
+    if b == "jnp" or auto_jnp or not _kernel_ok(w):
         return quant_matmul_ref(x, w, dtype)
     return _qm.quant_matmul(x, _packed(w), dtype, interpret=(b == "interpret"))
 

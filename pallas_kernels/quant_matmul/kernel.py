@@ -50,11 +50,18 @@ def _compiler_params(num_warps, num_stages):
         return None
 
 
-def _load_tiles(qtype: str, wrefs: dict, lead: tuple, n0, bn: int, t, ng: int, R: int, p: int):
-    """Load part p's tiles: rows n0..n0+bn, groups t*ng..(t+1)*ng (the part axis indexed in the load)."""
+def _load_tiles(qtype: str, wrefs: dict, lead: tuple, n0, bn: int, t, ng: int, R: int, p: int,
+                cache: dict | None = None):
+    """Load part p's tiles: rows n0..n0+bn, groups t*ng..(t+1)*ng (the part axis indexed in the load).
+    `cache` (one per weight and k-step) keeps tiles that several parts share (Q4_0's bytes hold both
+    nibbles), so each byte is loaded once."""
     sel = PART_AXIS.get(qtype, {})
     out = {}
     for name, ref in wrefs.items():
+        key = (name, sel[name](p) if name in sel else None)
+        if cache is not None and key in cache:
+            out[name] = cache[key]
+            continue
         extra = len(ref.shape) - len(lead) - 2
         if R > 1 and name in _SUPER_ARRAYS:
             idx = (*lead, pl.ds(n0, bn), pl.ds(t * (ng // R), ng // R))
@@ -64,6 +71,8 @@ def _load_tiles(qtype: str, wrefs: dict, lead: tuple, n0, bn: int, t, ng: int, R
                 rest = (sel[name](p),) + rest[1:]
             idx = (*lead, pl.ds(n0, bn), pl.ds(t * ng, ng)) + rest
         out[name] = ref[idx]
+        if cache is not None:
+            cache[key] = out[name]
     return out
 
 
@@ -89,11 +98,12 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swi
 
         def body(t, accs):
             new = [list(a) for a in accs]
+            caches = [dict() for _ in range(n_w)]
             for p in range(P):
                 # x rows rounded to the compute dtype as the reference does, then float32
                 xs = [x_ref[m0 + r, pl.ds(t * ng, ng), p, :].astype(cdt).astype(F32) for r in range(bm)]
                 for wi in range(n_w):
-                    tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p)
+                    tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p, caches[wi])
                     q, scale, bias, sub = decode_part_factored(qtype, tiles, p)
                     for r in range(bm):
                         xr = xs[r]
@@ -123,8 +133,9 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swi
         new = []
         for wi in range(n_w):
             acc = accs[wi]
+            cache = {}
             for p in range(P):
-                tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p)
+                tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p, cache)
                 w = decode_part(qtype, tiles, p).reshape(bn, width).astype(cdt)
                 acc = acc + lax.dot_general(xs[p], w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
             new.append(acc)
@@ -155,7 +166,7 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
             split *= 2
         return dict(mode="rows", bm=bm, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3)
     bm = tile_rows or (16 if M <= 16 else 64 if M <= 128 else 128)
-    bn = _pow2_divisor(N, 64 if M <= 16 else 128)
+    bn = _pow2_divisor(N, 64 if M <= 16 else 128 if bm < 128 else 256)
     bk = max(kmin, _pow2_divisor(K, 128))
     warps = 8 if bm * bn >= 128 * 128 else 4
     return dict(mode="dot", bm=bm, bn=bn, bk=bk, split=1, num_warps=warps, num_stages=3 if bk <= 128 else 2)
