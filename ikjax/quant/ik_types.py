@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .dequant import F32, IQ4NL_VALUES, f16_array, f16_at, f32_at, lookup, nibbles, register_decoder, u16_at
+from .dequant import F32, IQ4NL_VALUES, bits_of, f16_array, f16_at, f32_at, lookup, nibbles, register_decoder, u16_at
 from .types import QUANT_TYPES, QuantType, register
 
 QK_K = 256
@@ -41,7 +41,7 @@ IK_TYPES: list[tuple] = [
     ("IQ6_K", 141, QK_K, 212, 0, 1),      # half d; u16 extra; int8 scales[16]; qs[128]; qh[64]
     ("IQ4_KS", 144, QK_K, 136, 4, 1),     # row: float d; blocks: scales[8]; qs[128]
     ("IQ2_KS", 145, QK_K, 70, 2, 1),      # row: half d; blocks: u16 extra; scales[4]; qs[64]
-    ("IQ4_KSS", 146, None, None, 0, 1),
+    ("IQ4_KSS", 146, QK_K, 128, 4, 1),    # row: float d; blocks: u16 qs[64] (scrambled, scale bits in bit 0)
     ("Q8_K16", 147, None, None, 0, 1),
     ("Q8_K32", 148, None, None, 0, 1),
     ("Q8_KR8", 149, None, None, 0, 1),
@@ -192,7 +192,191 @@ def _q4_k_r4(b, meta):
     return (dl * q - ml).reshape(*lead, 4, 256)
 
 
-DECODERS = {"IQ2_K": _iq2_k, "IQ4_K": _iq4_k, "IQ4_KS": _iq4_ks, "Q4_K_R4": _q4_k_r4}
+IQ3NL_VALUES = np.array([-63, -40, -23, -10, 1, 13, 28, 47, -59, -36, -19, -6, 5, 17, 32, 51], dtype=np.float32)
+IQ5NL_VALUES = np.array([-126, -114, -103, -92, -83, -74, -65, -57, -50, -43, -36, -30, -24, -18, -12, -6,
+                         -1, 5, 11, 17, 23, 29, 36, 43, 51, 59, 68, 77, 87, 97, 109, 121,
+                         -124, -112, -101, -90, -81, -72, -63, -55, -48, -41, -34, -28, -22, -16, -10, -4,
+                         1, 7, 13, 19, 25, 31, 38, 45, 53, 61, 70, 79, 89, 99, 111, 123], dtype=np.float32)
+# iq6nl_values: ik's kernels (CUDA dequantize, iqk_mul_mat) and its quantizer use this integer table, the
+# second half being the first plus one. ik's CPU reference dequantize_row_iq6_k instead evaluates the cubic
+# A + q*(B + q*(-C + q*D)) that this table rounds; we follow the kernels.
+_IQ6NL_BASE = [-127, -121, -115, -109, -104, -98, -93, -88, -84, -79, -74, -70, -66, -62, -58, -54,
+               -51, -47, -44, -40, -37, -34, -31, -28, -25, -22, -19, -16, -13, -11, -8, -5,
+               -2, 0, 3, 6, 9, 12, 14, 17, 20, 23, 27, 30, 33, 36, 40, 44,
+               47, 51, 55, 59, 63, 68, 72, 77, 82, 87, 92, 98, 103, 109, 115, 121]
+IQ6NL_VALUES = np.array(_IQ6NL_BASE + [v + 1 for v in _IQ6NL_BASE], dtype=np.float32)
+
+
+def _bit(x, pos):
+    """Bit `pos` (array or int) of unsigned x, as int32."""
+    return ((x >> jnp.asarray(pos, dtype=x.dtype)) & 1).astype(jnp.int32)
+
+
+def _sub32_bits(qs, nbits: int, per_byte_group: int):
+    """Bit fields of 8 sub-blocks of 32 weights packed `per_byte_group` fields per 32-byte group:
+    sub-block s, weight t = field s % per_byte_group of qs[32 * (s // per_byte_group) + t] -> [..., 8, 32]."""
+    lead = qs.shape[:-1]
+    g = qs.reshape(*lead, 8 // per_byte_group, 1, 32)
+    sh = (nbits * jnp.arange(per_byte_group, dtype=jnp.uint8))[:, None]
+    return ((g >> sh) & ((1 << nbits) - 1)).reshape(*lead, 8, 32).astype(jnp.int32)
+
+
+def _qh_bits(qh):
+    """qh[32]: bit s of qh[t] belongs to sub-block s, weight t -> [..., 8, 32] int32."""
+    return jnp.swapaxes(bits_of(qh, 8), -1, -2).astype(jnp.int32)
+
+
+def _q6_0(b, meta):
+    """block_q6_0: half d; qh[8]; qs[16]. h = qh[j%8] >> 4*(j//8) gives bits 4-5 of weight j (h & 3)
+    and of weight j+16 (h >> 2 & 3); value (q - 32) * d."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 0)[..., None]
+    h = nibbles(b[..., 2:10]).reshape(*lead, 16)
+    qs = b[..., 10:26]
+    lo = (qs & 0xF) | ((h & 3) << 4)
+    hi = (qs >> 4) | ((h >> 2) << 4)
+    q = jnp.concatenate([lo, hi], axis=-1).astype(jnp.int32) - 32
+    return q.astype(F32) * d
+
+
+def _iq3_k(b, meta):
+    """block_iq3_k: half d; u16 extra; u16 scales_h; scales_l[8]; qs[64]; qh[32] (16 sub-blocks of 16).
+    Sub-block s: scale d * (2*nibble(s%2 of scales_l[s//2]) + 1), negated if scales_h bit s; extra bit s
+    selects the shifted table. Weight t of 32-block ib: 2 low bits from qs[32*(ib//4) + t] >> 2*(ib%4),
+    third bit qh[t] bit ib."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 0)[..., None]
+    s = jnp.arange(16)
+    extra, sh = u16_at(b, 2), u16_at(b, 4)
+    ls = 2 * ((b[..., 6:14][..., s // 2] >> (4 * (s % 2)).astype(jnp.uint8)) & 0xF).astype(jnp.int32) + 1
+    ls = ls * (1 - 2 * _bit(sh[..., None], s))
+    dl = (d * ls.astype(F32)).reshape(*lead, 8, 2, 1)
+    q = _sub32_bits(b[..., 14:78], 2, 4) | (_qh_bits(b[..., 78:110]) << 2)
+    q = q.reshape(*lead, 8, 2, 16) + 8 * _bit(extra[..., None], s).reshape(*lead, 8, 2, 1)
+    return (dl * lookup(IQ3NL_VALUES, q)).reshape(*lead, 256)
+
+
+def _k_scales16(sh, sl):
+    """IQ4_K/IQ5_K 6-bit scales of 16 sub-blocks: low nibble s%2 of sl[s//2], 2 high bits at
+    sh[s//4] >> 2*(s%4); minus 32 -> [..., 16] int32."""
+    s = jnp.arange(16)
+    lo = (sl[..., s // 2] >> (4 * (s % 2)).astype(jnp.uint8)) & 0xF
+    hi = (sh[..., s // 4] >> (2 * (s % 4)).astype(jnp.uint8)) & 0x3
+    return (lo | (hi << 4)).astype(jnp.int32) - 32
+
+
+def _iq5_k(b, meta):
+    """block_iq5_k: half d; u16 extra; scales_h[4]; scales_l[8]; qs[128]; qh[32].
+    32-block ib (of 64-block ib//2): nibble ib%2 of qs[32*(ib//2) + t], fifth bit qh[t] bit ib;
+    16-sub-block s = 2*ib + t//16: 6-bit scale as IQ4_K, extra bit s: shifted table (+32)."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 0)[..., None]
+    extra = u16_at(b, 2)
+    dl = (d * _k_scales16(b[..., 4:8], b[..., 8:16]).astype(F32)).reshape(*lead, 8, 2, 1)
+    q = _sub32_bits(b[..., 16:144], 4, 2) | (_qh_bits(b[..., 144:176]) << 4)
+    q = q.reshape(*lead, 8, 2, 16) + 32 * _bit(extra[..., None], jnp.arange(16)).reshape(*lead, 8, 2, 1)
+    return (dl * lookup(IQ5NL_VALUES, q)).reshape(*lead, 256)
+
+
+def _iq6_k(b, meta):
+    """block_iq6_k: half d; u16 extra; int8 scales[16]; qs[128]; qh[64].
+    32-block ib (64-block ib64 = ib//2, nibble h = ib%2): low 4 bits nibble h of qs[32*ib64 + t], high 2 bits
+    (qh[32*(ib64//2) + t] >> (4*(ib64%2) + 2*h)) & 3; 16-sub-block s: scale d*scales[s], extra bit s: +1."""
+    lead = b.shape[:-1]
+    d = f16_at(b, 0)[..., None]
+    extra = u16_at(b, 2)
+    sc = lax.bitcast_convert_type(b[..., 4:20], jnp.int8).astype(F32)
+    dl = (d * sc).reshape(*lead, 8, 2, 1)
+    lo = _sub32_bits(b[..., 20:148], 4, 2)
+    hi = _sub32_bits(b[..., 148:212], 2, 4)
+    q = (lo | (hi << 4)).reshape(*lead, 8, 2, 16)
+    q = q + 64 * _bit(extra[..., None], jnp.arange(16)).reshape(*lead, 8, 2, 1)
+    return (dl * lookup(IQ6NL_VALUES, q)).reshape(*lead, 256)
+
+
+def _iq2_ks(b, meta):
+    """Row: half d. block_iq2_ks: u16 extra; scales[4]; qs[64]. 32-block s: scale nibble s%2 of
+    scales[s//2] | extra bit 8+s << 4, minus 16; extra bit s: shifted table; 2-bit field s%4 of
+    qs[32*(s//4) + t]."""
+    lead = b.shape[:-1]
+    d = f16_at(meta, 0)[..., None]
+    extra = u16_at(b, 0)
+    s = jnp.arange(8)
+    ls = ((b[..., 2:6][..., s // 2] >> (4 * (s % 2)).astype(jnp.uint8)) & 0xF).astype(jnp.int32)
+    ls = (ls | (_bit(extra[..., None], 8 + s) << 4)) - 16
+    dl = (d * ls.astype(F32))[..., None]
+    q = _sub32_bits(b[..., 6:70], 2, 4) + 4 * _bit(extra[..., None], s)[..., None]
+    return (dl * lookup(IQ2NL_VALUES, q)).reshape(*lead, 256)
+
+
+def _iq3_ks(b, meta):
+    """Row: half d. block_iq3_ks: u16 extra; scales[4]; qs[64]; qh[32]. 32-block s: scale nibble s//4 of
+    scales[s%4] | extra bit s << 4, minus 16; extra bit 8+s: shifted table; 2 bits field s%4 of
+    qs[32*(s//4) + t], third bit qh[t] bit s."""
+    lead = b.shape[:-1]
+    d = f16_at(meta, 0)[..., None]
+    extra = u16_at(b, 0)
+    s = jnp.arange(8)
+    ls = ((b[..., 2:6][..., s % 4] >> (4 * (s // 4)).astype(jnp.uint8)) & 0xF).astype(jnp.int32)
+    ls = (ls | (_bit(extra[..., None], s) << 4)) - 16
+    dl = (d * ls.astype(F32))[..., None]
+    q = _sub32_bits(b[..., 6:70], 2, 4) | (_qh_bits(b[..., 70:102]) << 2)
+    q = q + 8 * _bit(extra[..., None], 8 + s)[..., None]
+    return (dl * lookup(IQ3NL_VALUES, q)).reshape(*lead, 256)
+
+
+def _iq5_ks(b, meta):
+    """Row: float d. block_iq5_ks: scales[8]; qs[128]; qh[32]. 32-block s: scale (sc & 254) - 127,
+    sc & 1: shifted table (+32); nibble s%2 of qs[32*(s//2) + t], fifth bit qh[t] bit s."""
+    lead = b.shape[:-1]
+    d = f32_at(meta, 0)[..., None]
+    sc = b[..., 0:8]
+    dl = (d * ((sc & 254).astype(jnp.int32) - 127).astype(F32))[..., None]
+    q = _sub32_bits(b[..., 8:136], 4, 2) | (_qh_bits(b[..., 136:168]) << 4)
+    q = q + 32 * (sc & 1).astype(jnp.int32)[..., None]
+    return (dl * lookup(IQ5NL_VALUES, q)).reshape(*lead, 256)
+
+
+def _iq4_kss(b, meta):
+    """Row: float d. block_iq4_kss: u16 q[128], 8 per 32-block. Bit 0 of q[k] is bit k of the block's
+    scale byte ls (dl = d*((ls & 254) - 127), ls & 1: shifted table); v = (q & ~1) ^ ((q & ~1) >> 1)
+    holds, as little-endian bytes j, weight j (low nibble) and j+16 (high nibble)."""
+    lead = b.shape[:-1]
+    d = f32_at(meta, 0)[..., None]
+    q = lax.bitcast_convert_type(b.reshape(*lead, 8, 8, 2), jnp.uint16)          # [..., 8, 8]
+    ls = jnp.sum((q & 1).astype(jnp.int32) << jnp.arange(8), axis=-1)            # [..., 8]
+    v = q & 0xFFFE
+    v = v ^ (v >> 1)
+    v8 = lax.bitcast_convert_type(v, jnp.uint8).reshape(*lead, 8, 16)
+    idx = nibbles(v8).reshape(*lead, 8, 32).astype(jnp.int32) + 16 * (ls & 1)[..., None]
+    dl = (d * ((ls & 254) - 127).astype(F32))[..., None]
+    return (dl * lookup(IQ4K_VALUES, idx)).reshape(*lead, 256)
+
+
+def _q4_0_r8(b, meta):
+    """block_iq4_nl_r8 (8 rows of Q4_0): half d[8]; qs[128]. Row k, weight 4*l + i (+16):
+    low (high) nibble of qs[32*l + 4*k + i]. Returns [..., nb, 8, 32]."""
+    lead = b.shape[:-1]
+    d = f16_array(b, 0, 8)[..., None]                                            # [..., 8, 1]
+    qs = b[..., 16:144].reshape(*lead, 4, 8, 4)                                  # [l, k, i]
+    q = jnp.moveaxis(nibbles(qs.reshape(*lead, 128)).reshape(*lead, 2, 4, 8, 4), -2, -4)  # [k, h, l, i]
+    q = q.reshape(*lead, 8, 32).astype(jnp.int32) - 8
+    return d * q.astype(F32)
+
+
+def _q8_0_r8(b, meta):
+    """block_q8_0_r8 (8 rows of Q8_0): half d[8]; int8 qs[256]. Row k, weight 16*h + 4*l + i:
+    qs[128*h + 32*l + 4*k + i]. Returns [..., nb, 8, 32]."""
+    lead = b.shape[:-1]
+    d = f16_array(b, 0, 8)[..., None]
+    qs = lax.bitcast_convert_type(b[..., 16:272], jnp.int8).reshape(*lead, 2, 4, 8, 4)   # [h, l, k, i]
+    q = jnp.moveaxis(qs, -2, -4).reshape(*lead, 8, 32)
+    return q.astype(F32) * d
+
+
+DECODERS = {"IQ2_K": _iq2_k, "IQ4_K": _iq4_k, "IQ4_KS": _iq4_ks, "Q4_K_R4": _q4_k_r4,
+            "Q6_0": _q6_0, "IQ3_K": _iq3_k, "IQ5_K": _iq5_k, "IQ6_K": _iq6_k, "IQ2_KS": _iq2_ks,
+            "IQ3_KS": _iq3_ks, "IQ5_KS": _iq5_ks, "IQ4_KSS": _iq4_kss, "Q4_0_R8": _q4_0_r8, "Q8_0_R8": _q8_0_r8}
 
 _register_all()
 for _n, _f in DECODERS.items():
