@@ -284,18 +284,11 @@ def main():
                ("bf16", 1, 128, 16384), ("q8_0", 1, 128, 16384), ("bf16", 8, 16, 4096)]
     if "sweep" in only:
         print("schedule sweep", flush=True)
-        run(sweep_quant_matmul, "Q4_0", 102400, 2048, 1, [
-            dict(bn=64), dict(num_stages=4), dict(num_stages=5, bk=512, bn=16), dict(num_warps=8, bn=64),
-            dict(num_warps=2, bn=16), dict(bk=512, bn=16, num_stages=3)])
-        run(sweep_quant_matmul, "Q8_0", 102400, 2048, 1, [dict(bn=16, bk=256), dict(bn=16, bk=512, num_warps=8)])
-        run(sweep_quant_matmul, "Q4_0", 2048, 7168, 1, [dict(split=1), dict(split=2), dict(split=8), dict(bn=16, split=2)])
-        run(sweep_mla, "bf16", 1, 16, 16384, [dict(split=32), dict(split=128), dict(bs=64), dict(bs=16, num_warps=4),
-                                             dict(num_warps=4), dict(num_stages=3)])
-        run(sweep_mla, "q8_0", 1, 16, 16384, [dict(bs=16), dict(num_warps=4), dict(split=128)])
-        run(sweep_mla, "bf16", 1, 128, 16384, [dict(bh=32), dict(bh=64), dict(bh=32, split=16), dict(bh=64, num_warps=4)])
-        run(sweep_quant_matmul, "Q4_0", 2048, 2048, 2048, [
-            dict(bm=64, bn=128, num_warps=4), dict(bm=128, bn=128), dict(bm=128, bn=256, bk=64, num_stages=4),
-            dict(bm=256, bn=128, num_warps=8), dict(bm=256, bn=256, bk=64, num_warps=8, num_stages=3)])
+        run(sweep_quant_matmul, "Q4_0", 102400, 2048, 1, [dict(bn=16, bk=512, num_stages=5), dict(num_warps=2, bn=16)])
+        run(sweep_quant_matmul, "Q4_K", 102400, 2048, 1, [dict(bn=16), dict(num_stages=4)])
+        run(sweep_quant_matmul, "Q8_0", 102400, 2048, 1, [dict(bn=16, bk=512, num_warps=8)])
+        run(sweep_mla, "bf16", 1, 16, 16384, [dict(bs=64), dict(bs=64, split=64)])
+        run(sweep_mla, "q8_0", 1, 128, 16384, [dict(bh=32), dict(bh=64), dict(bh=32, num_warps=4)])
     if "qm" in only:
         print("quant_matmul", flush=True)
         for c in qm:

@@ -44,7 +44,7 @@ def test_gather_matches_model(name):
         layer = {"gate_exps": qas[0], "up_exps": qas[1], "down_exps": qas[2]}
         m = experts_gather(x, w, ids, layer, jnp.bfloat16, True)
         assert np.isfinite(np.asarray(y)).all()
-        assert rel(y, r) < 6e-3 and rel(r, m) < 1e-6, (name, N, rel(y, r), rel(r, m))
+        assert rel(y, r) < 2e-2 and rel(r, m) < 1e-6, (name, N, rel(y, r), rel(r, m))
         y32 = moe_experts_gather(x, w, ids, *pws, dtype=jnp.float32, interpret=True)
         assert rel(y32, moe_experts_ref(x, w, ids, *pws, dtype=jnp.float32)) < 1e-5
 

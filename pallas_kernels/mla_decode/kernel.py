@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.quant_matmul.kernel import _compiler_params, _pow2_divisor
+from pallas_kernels.quant_matmul.packing import int8_to_f32
 
 F32 = jnp.float32
 NEG = -1e30
@@ -38,9 +39,9 @@ def _kernel(*refs, q8, bh, bs, chunk, dv, dpe, scale, cdt):
 
     def load(kv0):
         if q8:
-            kc = cq_ref[b, pl.ds(kv0, bs), pl.ds(0, nbv), :].astype(F32) * \
+            kc = int8_to_f32(cq_ref[b, pl.ds(kv0, bs), pl.ds(0, nbv), :]) * \
                 cd_ref[b, pl.ds(kv0, bs), pl.ds(0, nbv)].astype(F32)[..., None]
-            kp = cq_ref[b, pl.ds(kv0, bs), pl.ds(nbv, nbp), :].astype(F32) * \
+            kp = int8_to_f32(cq_ref[b, pl.ds(kv0, bs), pl.ds(nbv, nbp), :]) * \
                 cd_ref[b, pl.ds(kv0, bs), pl.ds(nbv, nbp)].astype(F32)[..., None]
             return kc.reshape(bs, dv).astype(cdt), kp.reshape(bs, dpe).astype(cdt)
         return (c_ref[b, pl.ds(kv0, bs), pl.ds(0, dv)].astype(cdt),

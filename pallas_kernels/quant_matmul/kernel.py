@@ -162,11 +162,12 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
         tiles = N // bn * max(1, M // bm)
         nt_all = K // bk
         split = 1
-        while tiles * split < 264 and nt_all % (split * 2) == 0 and nt_all // (split * 2) >= 2:
+        while tiles * split < 528 and nt_all % (split * 2) == 0 and nt_all // (split * 2) >= 2:
             split *= 2
         return dict(mode="rows", bm=bm, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3)
     bm = tile_rows or (16 if M <= 16 else 64 if M <= 128 else 128)
-    bn = _pow2_divisor(N, 64 if M <= 16 else 128 if bm < 128 else 256)
+    wide = bm >= 128 and qtype not in ("F32", "F16", "BF16")     # float tiles: 256 wide overflows smem
+    bn = _pow2_divisor(N, 64 if M <= 16 else 256 if wide else 128)
     bk = max(kmin, _pow2_divisor(K, 128))
     warps = 8 if bm * bn >= 128 * 128 else 4
     return dict(mode="dot", bm=bm, bn=bn, bk=bk, split=1, num_warps=warps, num_stages=3 if bk <= 128 else 2)
