@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ikjax import kernels
 from ikjax.errors import ModelFileError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
@@ -114,6 +115,12 @@ def validate(gf: GGUFModelFile, cfg: ModelConfig) -> None:
 
 Placer = Callable[[str, np.ndarray], Any]
 
+# Matrices the Pallas kernels read, repacked once at load into their planar layout (lossless).
+# The embedding (row gather), the router and the attn_kv_b/k_b/v_b head matrices (dequantized
+# whole in the graph) keep their GGUF blocks.
+KERNEL_MATRICES = frozenset({"q", "q_a", "q_b", "kv_a_mqa", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                             "gate_exps", "up_exps", "down_exps", "gate_shexp", "up_shexp", "down_shexp", "output"})
+
 
 def default_placer(name: str, host: np.ndarray) -> jax.Array:
     return jax.device_put(host)
@@ -122,6 +129,7 @@ def default_placer(name: str, host: np.ndarray) -> jax.Array:
 def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer = default_placer) -> Weights:
     """Copy each tensor's bytes from the memory map to where `place` puts it, one tensor at a time."""
     validate(gf, cfg)
+    repack = kernels.resolve_backend() != "jnp"
 
     def load(spec: TensorSpec):
         info = gf.tensors.get(spec.gguf_name)
@@ -132,7 +140,8 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer = default_pl
             host = QuantArray.from_bytes(raw, info.qtype, info.shape).dequantize(jnp.float32)
             return place(spec.gguf_name, np.asarray(host))
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
-        return QuantArray(place(spec.gguf_name, qa.data), qa.qtype, qa.shape)
+        qa = QuantArray(place(spec.gguf_name, qa.data), qa.qtype, qa.shape)
+        return kernels.prepare_weight(qa) if repack and spec.key in KERNEL_MATRICES else qa
 
     weights: Weights = {s.key: load(s) for s in model_specs(cfg)}
     if weights["output"] is None:  # tied embeddings

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax import cache as kvcache
+from ikjax import kernels
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model.attention import attend
 from ikjax.model.layers import dense_ffn, linear, precision_for, rms_norm
@@ -111,7 +112,12 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
                                preferred_element_type=jnp.float32)
             q_abs = jnp.concatenate([q_lat, q_pe], -1).astype(dtype)
             flash = plan.fa and plan.mla != 2
-            o_lat = attend(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash, **attn)
+            if flash and T == 1 and kernels.resolve_backend() != "jnp":
+                # split-KV flash decoding over the whole cache, each sequence up to its own length
+                o_lat = kernels.mla_decode_attention(q_abs[:, 0], new_cache["latent"], start + 1, scale,
+                                                     v_dim=r, dtype=dtype)[:, None]
+            else:
+                o_lat = attend(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash, **attn)
             o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), wv, precision=prec,
                            preferred_element_type=jnp.float32)
     out = linear(o.reshape(B, T, H * cfg.v_dim), layer["attn_output"], dtype)

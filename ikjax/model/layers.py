@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ikjax import kernels
 from ikjax.quant.array import QuantArray
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -19,10 +20,10 @@ def rms_norm(x, weight, eps: float):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def linear(x, w: QuantArray, dtype):
-    """x [..., in] @ W[out, in]^T with W dequantized in the graph; float32 result."""
-    return jnp.einsum("...i,oi->...o", x.astype(dtype), w.dequantize(dtype), precision=precision_for(dtype),
-                      preferred_element_type=jnp.float32)
+def linear(x, w, dtype):
+    """x [..., in] @ W[out, in]^T, float32 result: the dequantizing Pallas kernel on GPU, XLA's
+    dequantize-then-dot elsewhere (ikjax.kernels picks)."""
+    return kernels.quant_linear(x, w, dtype)
 
 
 def swiglu(gate, up):

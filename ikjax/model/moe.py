@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ikjax import kernels
 from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
 from ikjax.options import SmartExpertReduction
 from ikjax.model.layers import HIGHEST, dense_ffn, precision_for as _prec, swiglu as _swiglu
@@ -102,7 +103,9 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
     """x [N, d] float32 -> routed experts + shared experts, [N, d] float32."""
     w, ids = route(x, layer, cfg, ser)
     N = x.shape[0]
-    if N * cfg.n_expert_used <= 2 * cfg.n_expert:
+    if kernels.resolve_backend() != "jnp":  # Pallas: gather or grouped kernels, always fused
+        out = kernels.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype)
+    elif N * cfg.n_expert_used <= 2 * cfg.n_expert:
         out = experts_gather(x, w, ids, layer, dtype, fused)
     else:
         out = experts_grouped(x, w, ids, layer, dtype, fused)

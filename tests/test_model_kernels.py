@@ -1,0 +1,56 @@
+"""The model running on the Pallas kernels (interpret mode on CPU): weights repacked at load, the
+dequantizing matmul for decode, the fused MoE kernels and the split-KV MLA decode kernel on a real
+576-wide latent (16 heads), compared with transformers and with the XLA (jnp) path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ikjax
+from conftest import rel_err
+from hf_models import hf_logits, make_model, set_weights, gguf_state_dict
+from ikjax.gguf_io.writer import write_deepseek2_gguf
+from pallas_kernels.quant_matmul.packing import PackedWeight
+
+
+@pytest.fixture(scope="module")
+def latent576(tmp_path_factory):
+    """V3-style, 16 heads, kv_lora_rank 512 + rope 64: the real latent geometry, tiny elsewhere."""
+    model, cfg, sd = make_model("v3", seed=21, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+                                qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8,
+                                num_experts_per_tok=8, n_group=1, topk_group=1)
+    path = tmp_path_factory.mktemp("k576") / "k576-Q8_0.gguf"
+    write_deepseek2_gguf(path, cfg, sd, layout="all", qtype="Q8_0")
+    set_weights(model, gguf_state_dict([path], cfg))  # the oracle sees the file's dequantized weights
+    return model, str(path)
+
+
+def _prompt_then_decode(path, tokens, n_prompt, **opts):
+    eng = ikjax.load(path, mla=3, fa=True, ctx=128, ubatch=16, **opts)
+    logits, cache = eng.prefill(eng.new_cache(1), tokens[:n_prompt], 0, all_logits=True)
+    out = [logits]
+    for pos in range(n_prompt, len(tokens)):
+        step, cache = eng.step(cache, tokens[None, pos:pos + 1], np.array([pos]))
+        out.append(np.asarray(step))
+    return eng, np.concatenate(out)
+
+
+@pytest.mark.parametrize("ctk", ["f32", "q8_0"])
+def test_model_on_pallas_kernels_matches_xla_path_and_transformers(latent576, monkeypatch, ctk):
+    model, path = latent576
+    tokens = np.random.default_rng(4).integers(2, 500, 40)
+    want = hf_logits(model, tokens)
+    monkeypatch.setenv("IKJAX_KERNELS", "jnp")
+    _, xla = _prompt_then_decode(path, tokens, 32, ctk=ctk)
+    monkeypatch.setenv("IKJAX_KERNELS", "interpret")
+    eng, pallas = _prompt_then_decode(path, tokens, 32, ctk=ctk)
+    layer = eng.weights["layers"][1]
+    assert isinstance(layer["gate_exps"], PackedWeight) and isinstance(layer["q_b"], PackedWeight)
+    # the prompt path reads attn_kv_b, as transformers does (decode reads the separately quantized
+    # attn_k_b/attn_v_b, so only the prompt is held to the oracle)
+    assert rel_err(pallas[:32], want[:32]) < (1e-4 if ctk == "f32" else 3e-2)
+    # same math: kernels and XLA agree to float rounding, prompt and decode (with a q8_0 cache a
+    # last-bit difference can flip a value's rounding into the cache, hence the looser bound)
+    tol = 1e-5 if ctk == "f32" else 1e-3
+    assert rel_err(pallas[:32], xla[:32]) < tol
+    assert rel_err(pallas[32:], xla[32:]) < tol  # the MLA decode kernel, the GEMV, the MoE gather kernel
