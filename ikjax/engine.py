@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax import cache as kvcache
+from ikjax import kernels
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
@@ -48,6 +49,10 @@ class Engine:
                                                 vocab_from_tensor=first_tensor.shape[0] if first_tensor else None)
         self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0)
         self.capacity = cache_capacity(self.options)
+        o, cfg = self.options, self.config
+        self.decode_kernel = (o.fa and o.mla in (1, 3) and kernels.resolve_backend() != "jnp"
+                              and kernels.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
+                                                               cfg.kv_lora_rank))
         check_fits(self.memory_plan(), self.options, path)
         t0 = time.perf_counter()
         self.weights = load_weights(self.file, self.config)
@@ -63,9 +68,14 @@ class Engine:
     def _plan(self, kv_len: int, all_logits: bool) -> StepPlan:
         o = self.options
         return StepPlan(mla=o.mla, fa=o.fa, amb_bytes=o.amb << 20, kv_block=o.kv_block, kv_len=kv_len,
-                        dtype=o.dtype, fmoe=o.fmoe, ser=o.ser, all_logits=all_logits)
+                        dtype=o.dtype, fmoe=o.fmoe, ser=o.ser, all_logits=all_logits,
+                        backend=kernels.resolve_backend())
 
-    def kv_bucket(self, needed: int) -> int:
+    def kv_bucket(self, needed: int, n_tokens: int = 0) -> int:
+        """Cache rows a step reads: a power of two covering `needed`. Decode steps that run the
+        split-KV MLA kernel read each sequence only up to its own length, so they share one bucket."""
+        if n_tokens == 1 and self.decode_kernel:
+            return self.capacity
         return min(self.capacity, _pow2_at_least(needed, self.options.kv_block))
 
     def token_bucket(self, n: int) -> int:
@@ -92,13 +102,13 @@ class Engine:
         start = np.asarray(start, np.int32)
         B, T = tokens.shape
         last = np.full(B, T - 1, np.int32) if last is None else np.asarray(last, np.int32)
-        plan = self._plan(self.kv_bucket(int(start.max()) + T), all_logits)
+        plan = self._plan(self.kv_bucket(int(start.max()) + T, T), all_logits)
         self._note_compile(B, T, plan)
         return self._run_jitted(cache, tokens, start, last, plan)
 
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
-        plan = self._plan(self.kv_bucket(kv_needed), all_logits)
+        plan = self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits)
         if not self._note_compile(batch, n_tokens, plan):
             return 0.0
         t0 = time.perf_counter()

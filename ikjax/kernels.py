@@ -40,7 +40,7 @@ from pallas_kernels.mla_decode import kernel as _mla
 
 BACKENDS = ("auto", "jnp", "pallas", "interpret")
 __all__ = ["BACKENDS", "resolve_backend", "prepare_weight", "quant_linear", "moe_experts",
-           "mla_decode_attention", "PackedWeight"]
+           "mla_decode_supported", "mla_decode_attention", "PackedWeight"]
 
 
 def resolve_backend(backend: str | None = None) -> str:
@@ -112,12 +112,17 @@ def moe_experts(x, weights, ids, gate, up, down, dtype, *, backend: str | None =
                             interpret=(b == "interpret"))
 
 
+def mla_decode_supported(n_head: int, n_kv: int, width: int, v_dim: int) -> bool:
+    """Whether the Pallas MLA decode kernel takes this geometry (else the jnp path runs)."""
+    return _mla.supports(n_head, n_kv, width, v_dim)
+
+
 def mla_decode_attention(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16,
                          backend: str | None = None):
     """Absorbed-MLA decode: one query per sequence over latent cache entries 0..lengths[b]-1."""
     b = resolve_backend(backend)
     B, H, D = q.shape
     S = (cache["q"] if isinstance(cache, dict) else cache).shape[1]
-    if b == "jnp" or not _mla.supports(H, S, D, v_dim):
+    if b == "jnp" or not mla_decode_supported(H, S, D, v_dim):
         return mla_decode_ref(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype)
     return _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=(b == "interpret"))

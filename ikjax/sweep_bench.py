@@ -86,8 +86,8 @@ def step_shapes(eng, tg: int) -> list[tuple[int, int]]:
     seen: dict[tuple[int, int], int] = {}
     for n_kv in sweep_points(eng.options.ctx, ub):
         for i in range(tg):
-            seen.setdefault((1, eng.kv_bucket(n_kv + i + 1)), n_kv + i + 1)
-        seen.setdefault((ub, eng.kv_bucket(n_kv + ub)), n_kv + ub)
+            seen.setdefault((1, eng.kv_bucket(n_kv + i + 1, 1)), n_kv + i + 1)
+        seen.setdefault((ub, eng.kv_bucket(n_kv + ub, ub)), n_kv + ub)
     return sorted(((t, kv) for (t, _), kv in seen.items()), key=lambda x: (x[1], x[0]))
 
 

@@ -45,6 +45,7 @@ class StepPlan:
     fmoe: bool
     ser: SmartExpertReduction | None
     all_logits: bool  # False: logits of the token at `last` only
+    backend: str = "jnp"  # kernels backend at trace time (ikjax.kernels); part of the compile key
 
     @property
     def compute_dtype(self):
