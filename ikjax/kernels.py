@@ -90,6 +90,7 @@ def quant_linear(x, w, dtype, *, backend: str | None = None):
     for s_ in x.shape[:-1]:
         rows *= s_
     auto_jnp = backend is None and os.environ.get("IKJAX_KERNELS", "auto") == "auto" and rows > AUTO_MAX_ROWS
+    auto_jnp |= b == "pallas" and rows > AUTO_MAX_ROWS and jnp.dtype(dtype) == jnp.float32  # no TF32 in f32 mode
     if b == "jnp" or auto_jnp or not _kernel_ok(w):
         return quant_matmul_ref(x, w, dtype)
     return _qm.quant_matmul(x, _packed(w), dtype, interpret=(b == "interpret"))
@@ -101,7 +102,10 @@ def moe_experts(x, weights, ids, gate, up, down, dtype, *, backend: str | None =
     N, k = ids.shape
     E = gate.shape[0]
     gather = N * k <= 2 * E
-    if b == "jnp" or not all(_kernel_ok(t) for t in (gate, up, down)):
+    # f32 compute is the exact reference mode: the grouped kernel's tile products (tl.dot) would
+    # round through TF32, so prompt-sized f32 work stays on XLA's HIGHEST-precision path
+    exact_grouped = not gather and jnp.dtype(dtype) == jnp.float32 and b == "pallas"
+    if b == "jnp" or exact_grouped or not all(_kernel_ok(t) for t in (gate, up, down)):
         if not all(isinstance(t, PackedWeight) for t in (gate, up, down)) and not gather:
             from ikjax.model.moe import experts_grouped
             layer = {"gate_exps": gate, "up_exps": up, "down_exps": down}
