@@ -5,6 +5,14 @@
     eng.logits(token_ids)          # [n_tokens, n_vocab] float32
     for tok in eng.generate(prompt_ids, 32): ...
 """
+import os as _os
+
+# XLA's GPU command buffers (CUDA graphs) cost more than they save on a batch-1 decode step,
+# whose buffers change every call: measured on an H200, 7.7 -> 5.8 ms per V2-Lite token with
+# them off (bench/RESULTS.md). Set before JAX starts its backend; an explicit user flag wins.
+if "xla_gpu_enable_command_buffer" not in _os.environ.get("XLA_FLAGS", ""):
+    _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+
 from ikjax import quant as _quant  # noqa: F401  (registers ik_llama.cpp's types)
 from ikjax.engine import Engine, load
 from ikjax.memory_plan import MemoryPlan
