@@ -38,3 +38,12 @@ def rel_err(got, ref) -> float:
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     assert got.shape == ref.shape, (got.shape, ref.shape)
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_steps():
+    """Engines share compiled steps through one jit; a long session of distinct options would
+    keep every executable alive. Drop them between test modules."""
+    yield
+    import jax
+    jax.clear_caches()
