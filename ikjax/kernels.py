@@ -106,12 +106,8 @@ def moe_experts(x, weights, ids, gate, up, down, dtype, *, backend: str | None =
     # round through TF32, so prompt-sized f32 work stays on XLA's HIGHEST-precision path
     exact_grouped = not gather and jnp.dtype(dtype) == jnp.float32 and b == "pallas"
     if b == "jnp" or exact_grouped or not all(_kernel_ok(t) for t in (gate, up, down)):
-        if not all(isinstance(t, PackedWeight) for t in (gate, up, down)) and not gather:
-            from ikjax.model.moe import experts_grouped
-            layer = {"gate_exps": gate, "up_exps": up, "down_exps": down}
-            return experts_grouped(x, weights, ids, layer, dtype, fused=True)
         fn = moe_experts_ref if gather else moe_experts_grouped_ref
-        return fn(x, weights, ids, gate, up, down, dtype)
+        return fn(x, weights, ids, gate, up, down, dtype, fused=True)
     return _moe.moe_experts(x, weights, ids, _packed(gate), _packed(up), _packed(down), dtype,
                             interpret=(b == "interpret"))
 

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from ikjax import kernels
 from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
 from ikjax.options import SmartExpertReduction
-from ikjax.model.layers import HIGHEST, dense_ffn, precision_for as _prec, swiglu as _swiglu
-from ikjax.quant.array import QuantArray
+from ikjax.model.layers import HIGHEST, dense_ffn
+from pallas_kernels.moe_matmul.reference import moe_experts_grouped_ref, moe_experts_ref
 
 
 
@@ -56,47 +56,14 @@ def smart_expert_reduction(w, ser: SmartExpertReduction):
 
 
 def experts_gather(x, w, ids, layer: dict, dtype, fused: bool):
-    """x [N,d]; dequantize only the selected experts' rows: [N,k,f,d]."""
-    def take(qa: QuantArray):
-        return QuantArray(qa.data[ids], qa.qtype, ids.shape + qa.shape[1:]).dequantize(dtype)
-    xc = x.astype(dtype)
-    p = _prec(dtype)
-    if fused:
-        gu = jnp.concatenate([take(layer["gate_exps"]), take(layer["up_exps"])], axis=2)
-        g, u = jnp.split(jnp.einsum("nd,nkfd->nkf", xc, gu, precision=p, preferred_element_type=jnp.float32), 2, -1)
-    else:
-        g = jnp.einsum("nd,nkfd->nkf", xc, take(layer["gate_exps"]), precision=p, preferred_element_type=jnp.float32)
-        u = jnp.einsum("nd,nkfd->nkf", xc, take(layer["up_exps"]), precision=p, preferred_element_type=jnp.float32)
-    h = _swiglu(g, u).astype(dtype)
-    y = jnp.einsum("nkf,nkdf->nkd", h, take(layer["down_exps"]), precision=p, preferred_element_type=jnp.float32)
-    return jnp.einsum("nkd,nk->nd", y, w, precision=HIGHEST)
+    """Decode form: only the selected experts' blocks are read (see pallas_kernels.moe_matmul)."""
+    return moe_experts_ref(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype, fused=fused)
 
 
 def experts_grouped(x, w, ids, layer: dict, dtype, fused: bool):
-    """Sort the N*k assignments by expert and run one ragged_dot per projection."""
-    N, k = ids.shape
-    E = layer["gate_exps"].shape[0]
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token_of = order // k
-    xs = x.astype(dtype)[token_of]
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    p = _prec(dtype)
-
-    def rdot(lhs, qa: QuantArray):
-        rhs = qa.dequantize(dtype).swapaxes(1, 2)  # [E, in, out]
-        return jax.lax.ragged_dot(lhs, rhs, sizes, precision=p, preferred_element_type=jnp.float32)
-
-    if fused:
-        gate_up = QuantArray(jnp.concatenate([layer["gate_exps"].data, layer["up_exps"].data], axis=1),
-                             layer["gate_exps"].qtype,
-                             (E, 2 * layer["gate_exps"].shape[1], layer["gate_exps"].shape[2]))
-        g, u = jnp.split(rdot(xs, gate_up), 2, -1)
-    else:
-        g, u = rdot(xs, layer["gate_exps"]), rdot(xs, layer["up_exps"])
-    y = rdot(_swiglu(g, u).astype(dtype), layer["down_exps"])  # [N*k, d] in sorted order
-    y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((N, y.shape[-1]), jnp.float32).at[token_of].add(y)
+    """Prompt form: assignments sorted by expert, one ragged_dot per projection."""
+    return moe_experts_grouped_ref(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
+                                   fused=fused)
 
 
 def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartExpertReduction | None):

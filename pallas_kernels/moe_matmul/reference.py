@@ -1,4 +1,10 @@
-"""Plain-jnp routed experts, the same math as ikjax.model.moe.experts_gather (oracle and CPU path)."""
+"""Plain-jnp routed experts: the oracle of the MoE kernels and the model's XLA path
+(ikjax.model.moe calls these). Weights: QuantArray or PackedWeight, dequantized in the graph.
+
+- gather form (decode): only the selected experts' rows are gathered and dequantized;
+- grouped form (prompt): assignments sorted by expert, one `ragged_dot` per projection.
+`fused` (ik's -fmoe) contracts gate and up in one product and applies SiLU·mul to its halves.
+"""
 from __future__ import annotations
 
 import jax
@@ -9,24 +15,32 @@ def _prec(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def moe_experts_ref(x, w, ids, gate, up, down, dtype=jnp.bfloat16):
-    """x [N, d]; w [N, k] float32 routing weights; ids [N, k] int; gate/up [E, F, d], down [E, d, F]
-    (PackedWeight or QuantArray). -> [N, d] float32 = sum_j w[n,j] * down_e(silu(gate_e x) * up_e x)."""
-    def take(pw):
-        return pw.take(ids).dequantize(dtype) if hasattr(pw, "take") else \
-            type(pw)(pw.data[ids], pw.qtype, ids.shape + pw.shape[1:]).dequantize(dtype)
+def _take(w, ids, dtype):
+    """Rows of the experts ids [N, k] -> [N, k, out, in] in dtype."""
+    if hasattr(w, "take"):
+        return w.take(ids).dequantize(dtype)
+    return type(w)(w.data[ids], w.qtype, ids.shape + w.shape[1:]).dequantize(dtype)
+
+
+def moe_experts_ref(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, fused: bool = False):
+    """x [N, d]; w [N, k] float32 routing weights; ids [N, k] int; gate/up [E, F, d], down [E, d, F].
+    -> [N, d] float32 = sum_j w[n,j] * down_e(silu(gate_e x) * up_e x), e = ids[n,j]."""
     p = _prec(dtype)
     xc = x.astype(dtype)
-    g = jnp.einsum("nd,nkfd->nkf", xc, take(gate), precision=p, preferred_element_type=jnp.float32)
-    u = jnp.einsum("nd,nkfd->nkf", xc, take(up), precision=p, preferred_element_type=jnp.float32)
+
+    def proj(m):
+        return jnp.einsum("nd,nkfd->nkf", xc, m, precision=p, preferred_element_type=jnp.float32)
+    if fused:
+        g, u = jnp.split(proj(jnp.concatenate([_take(gate, ids, dtype), _take(up, ids, dtype)], axis=2)), 2, -1)
+    else:
+        g, u = proj(_take(gate, ids, dtype)), proj(_take(up, ids, dtype))
     h = (jax.nn.silu(g) * u).astype(dtype)
-    y = jnp.einsum("nkf,nkdf->nkd", h, take(down), precision=p, preferred_element_type=jnp.float32)
+    y = jnp.einsum("nkf,nkdf->nkd", h, _take(down, ids, dtype), precision=p, preferred_element_type=jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, w, precision=jax.lax.Precision.HIGHEST)
 
 
-def moe_experts_grouped_ref(x, w, ids, gate, up, down, dtype=jnp.bfloat16):
-    """Prompt-size form of the same function: assignments sorted by expert, one ragged_dot per
-    projection, every expert dequantized once (as ikjax.model.moe.experts_grouped)."""
+def moe_experts_grouped_ref(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, fused: bool = False):
+    """The same function for prompt-sized N: every expert dequantized once."""
     N, k = ids.shape
     E = gate.shape[0]
     flat = ids.reshape(-1)
@@ -36,9 +50,12 @@ def moe_experts_grouped_ref(x, w, ids, gate, up, down, dtype=jnp.bfloat16):
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     p = _prec(dtype)
 
-    def rdot(lhs, pw):
-        return jax.lax.ragged_dot(lhs, pw.dequantize(dtype).swapaxes(1, 2), sizes, precision=p,
-                                  preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(rdot(xs, gate)) * rdot(xs, up)).astype(dtype)
-    y = rdot(h, down) * w.reshape(-1)[order][:, None]
+    def rdot(lhs, rhs):  # rhs [E, out, in]
+        return jax.lax.ragged_dot(lhs, rhs.swapaxes(1, 2), sizes, precision=p, preferred_element_type=jnp.float32)
+    if fused:
+        g, u = jnp.split(rdot(xs, jnp.concatenate([gate.dequantize(dtype), up.dequantize(dtype)], axis=1)), 2, -1)
+    else:
+        g, u = rdot(xs, gate.dequantize(dtype)), rdot(xs, up.dequantize(dtype))
+    h = (jax.nn.silu(g) * u).astype(dtype)
+    y = rdot(h, down.dequantize(dtype)) * w.reshape(-1)[order][:, None]
     return jnp.zeros((N, y.shape[-1]), jnp.float32).at[tok].add(y)
