@@ -109,10 +109,11 @@ def test_unsupported_type(tmp_path):
     def edit(d):
         pos = _tensor_name_pos(d, name)
         n_dims = struct.unpack_from("<I", d, pos)[0]
-        # IQ1_S (type 19): same 256-wide rows, a type ikjax cannot dequantize
-        struct.pack_into("<I", d, pos + 4 + 8 * n_dims, 19)
+        # Q8_K (type 15, ggml's intermediate type for dot products): 256-wide blocks, never a weight
+        # type, so ikjax has no decoder for it
+        struct.pack_into("<I", d, pos + 4 + 8 * n_dims, 15)
     path = _patched_copy(tmp_path, edit)
-    with pytest.raises(UnsupportedQuantType, match=f"tensor {name} has type IQ1_S") as e:
+    with pytest.raises(UnsupportedQuantType, match=f"tensor {name} has type Q8_K") as e:
         ikjax.load(path)
     _one_line(e.value)
 
