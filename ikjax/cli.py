@@ -501,9 +501,9 @@ def _mla_layout(names: set[str], n_layer: int) -> str:
     if kvb and kb and vb:
         return "all three: attn_kv_b + attn_k_b + attn_v_b (ik_llama.cpp converter)"
     if kvb and not (kb or vb):
-        return "attn_kv_b only (older converters; k_b/v_b derived at load)"
+        return "attn_kv_b only (older converters; attn_k_b/attn_v_b derived from it in the graph)"
     if kb and vb and not kvb:
-        return "attn_k_b + attn_v_b only (mainline llama.cpp; kv_b derived at load)"
+        return "attn_k_b + attn_v_b only (mainline llama.cpp; attn_kv_b derived from them in the graph)"
     return f"incomplete: attn_kv_b={'yes' if kvb else 'no'} attn_k_b={'yes' if kb else 'no'} attn_v_b={'yes' if vb else 'no'}"
 
 
