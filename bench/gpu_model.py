@@ -48,7 +48,6 @@ def copy_bandwidth_gbs() -> float:
 
 
 def check_fixtures(folder: Path) -> bool:
-    import ikjax
     entries = json.loads((folder / "MANIFEST.json").read_text())
     say("## Fixtures on the GPU (kernels on)")
     say("")
@@ -92,7 +91,6 @@ def tg_bytes_per_token(gf, cfg) -> int:
 
 def sweep(path: str, backend: str, args, out: Path, budget: float) -> list:
     os.environ["IKJAX_KERNELS"] = backend
-    import ikjax
     from ikjax import sweep_bench as sb
     eng = ikjax.load(path, mla=3, fa=True, ctx=args.ctx, ubatch=args.ub, batch=args.ub, ctk=args.ctk)
     t0 = time.perf_counter()

@@ -6,7 +6,6 @@ per step. Buckets are powers of two, so a warm engine compiles only O(log ctx) s
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Iterable, Iterator, Sequence

@@ -6,7 +6,7 @@ from the ones it has (see `attention_weights`), exactly, with no re-quantization
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -149,7 +149,3 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer = default_pl
     weights["layers"] = [{s.key: v for s in layer_specs(cfg, i) if (v := load(s)) is not None}
                          for i in range(cfg.n_layer)]
     return weights
-
-
-def weight_bytes(weights: Weights) -> int:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(weights))

@@ -3,7 +3,6 @@ more memory than its metadata, and every shard of a split model opens as one."""
 from __future__ import annotations
 
 import os
-import resource
 import time
 
 import gguf

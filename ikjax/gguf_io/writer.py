@@ -370,7 +370,7 @@ def deepseek2_tensors(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarra
         bid, rest = int(m.group(1)), m.group(2)
         if bid >= n_layer:  # multi-token-prediction layers: skipped, as ik's converter does
             continue
-        if (me := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", rest)):
+        if re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", rest):
             pending.setdefault(bid, {})[rest] = data
             if len(pending[bid]) >= 3 * n_expert:
                 exps = pending.pop(bid)

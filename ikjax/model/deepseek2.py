@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ikjax import cache as kvcache
 from ikjax import kernels

@@ -18,7 +18,6 @@ each m-tile reads only its expert (the gather MoE form uses one row per tile, th
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .packing import PackedWeight
 
 
 def _precision(dtype):
