@@ -21,10 +21,9 @@ from pathlib import Path
 
 CMD_BUFFERS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
                "--xla_gpu_graph_min_graph_size=1")
-VARIANTS = {  # name: (XLA_FLAGS, IKJAX_KERNELS)
+VARIANTS = {  # name: (XLA_FLAGS, IKJAX_KERNELS); ikjax turns XLA's command buffers off by default
     "kernels auto": ("", "auto"),
-    "kernels auto, command buffers off": ("--xla_gpu_enable_command_buffer=", "auto"),
-    "kernels auto + command buffers incl. while": (CMD_BUFFERS.replace("CUDNN", "CUDNN,WHILE,CONDITIONAL"), "auto"),
+    "kernels auto + command buffers": (CMD_BUFFERS, "auto"),
     "XLA only (jnp)": ("", "jnp"),
 }
 

@@ -119,7 +119,29 @@ Placer = Callable[[str, np.ndarray], Any]
 # The embedding (row gather), the router and the attn_kv_b/k_b/v_b head matrices (dequantized
 # whole in the graph) keep their GGUF blocks.
 KERNEL_MATRICES = frozenset({"q", "q_a", "q_b", "kv_a_mqa", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                             "gate_exps", "up_exps", "down_exps", "gate_shexp", "up_shexp", "down_shexp", "output"})
+                             "gate_exps", "up_exps", "down_exps", "gate_shexp", "up_shexp", "down_shexp", "output",
+                             "attn_in", "ffn_gate_up", "shexp_gate_up"})
+
+# Matrices that read the same input, stored as one (rows stacked, blocks untouched) when their
+# types agree, so a step runs one product for both: fewer kernels per layer, which is what a
+# batch-1 decode step is bound by on a GPU (bench/RESULTS.md §5).
+FUSED_ROWS = (("attn_in", ("q_a", "kv_a_mqa")), ("attn_in", ("q", "kv_a_mqa")),
+              ("ffn_gate_up", ("ffn_gate", "ffn_up")), ("shexp_gate_up", ("gate_shexp", "up_shexp")))
+
+
+def fuse_rows(layer: dict) -> dict:
+    for fused, keys in FUSED_ROWS:
+        parts = [layer.get(k) for k in keys]
+        if any(p is None for p in parts):
+            continue
+        qt, cols = parts[0].qtype, parts[0].shape[-1]
+        if any(p.qtype != qt or p.ndim != 2 or p.shape[-1] != cols or p.shape[0] % qt.interleave for p in parts):
+            continue
+        rows = sum(p.shape[0] for p in parts)
+        layer[fused] = QuantArray(jnp.concatenate([p.data for p in parts], axis=0), qt, (rows, cols))
+        for k in keys:
+            del layer[k]
+    return layer
 
 
 def default_placer(name: str, host: np.ndarray) -> jax.Array:
@@ -140,12 +162,16 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer = default_pl
             host = QuantArray.from_bytes(raw, info.qtype, info.shape).dequantize(jnp.float32)
             return place(spec.gguf_name, np.asarray(host))
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
-        qa = QuantArray(place(spec.gguf_name, qa.data), qa.qtype, qa.shape)
-        return kernels.prepare_weight(qa) if repack and spec.key in KERNEL_MATRICES else qa
+        return QuantArray(place(spec.gguf_name, qa.data), qa.qtype, qa.shape)
 
-    weights: Weights = {s.key: load(s) for s in model_specs(cfg)}
+    def for_kernels(tensors: dict) -> dict:
+        if not repack:
+            return tensors
+        return {k: kernels.prepare_weight(v) if k in KERNEL_MATRICES else v for k, v in tensors.items()}
+
+    weights: Weights = for_kernels({s.key: load(s) for s in model_specs(cfg)})
     if weights["output"] is None:  # tied embeddings
         weights["output"] = weights["token_embd"]
-    weights["layers"] = [{s.key: v for s in layer_specs(cfg, i) if (v := load(s)) is not None}
+    weights["layers"] = [for_kernels(fuse_rows({s.key: v for s in layer_specs(cfg, i) if (v := load(s)) is not None}))
                          for i in range(cfg.n_layer)]
     return weights

@@ -113,3 +113,16 @@ def test_memory_plan_formulas():
     exps = sum(t.nbytes for n, t in eng.file.tensors.items() if "exps" in n)
     not_attn = sum(t.nbytes for n, t in eng.file.tensors.items() if "attn" not in n)
     assert exps > 0 and ot.host_weights_bytes == not_attn
+
+
+def test_same_input_matrices_are_stacked_at_load():
+    """q_a|kv_a_mqa, ffn gate|up and shared-expert gate|up read the same input: stored stacked
+    (same blocks, rows concatenated) when their types agree, so a step runs one product each."""
+    eng = ikjax.load(fixtures_dir() / "v3dense-all-Q8_0.gguf", mla=3, ctk="f32")
+    dense, moe = eng.weights["layers"][0], eng.weights["layers"][1]
+    assert {"attn_in", "ffn_gate_up"} <= dense.keys() and not {"q_a", "kv_a_mqa", "ffn_gate"} & dense.keys()
+    assert "shexp_gate_up" in moe and "gate_shexp" not in moe
+    assert dense["attn_in"].shape == (256 + 272, 256)
+    # a mixed-type file (Q4_K_M: some of these differ in type) keeps the pairs it cannot stack
+    mixed = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_K_M.gguf", mla=3, ctk="f32").weights["layers"][0]
+    assert ("attn_in" in mixed) != ("kv_a_mqa" in mixed)

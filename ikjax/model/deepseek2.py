@@ -22,7 +22,7 @@ from ikjax import cache as kvcache
 from ikjax import kernels
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model.attention import attend
-from ikjax.model.layers import dense_ffn, linear, precision_for, rms_norm
+from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, precision_for, rms_norm, split_linear
 from ikjax.model.moe import moe_ffn
 from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
 from ikjax.options import SmartExpertReduction
@@ -60,12 +60,14 @@ def head_matrices(layer: dict, cfg: ModelConfig, prefer_kv_b: bool, dtype):
     return layer["k_b"].dequantize(dtype).swapaxes(1, 2), layer["v_b"].dequantize(dtype)
 
 
-def _queries(x, layer, cfg: ModelConfig, dtype):
+def _projections(x, layer, cfg: ModelConfig, dtype):
+    """Queries [.., H, qk] and the kv_a output [.., r + rope] of the normed input."""
+    q_key = "q_a" if cfg.q_lora_rank else "q"
+    q_rows = cfg.q_lora_rank or cfg.n_head * cfg.qk_dim
+    q, kv = split_linear(x, layer, "attn_in", (q_key, "kv_a_mqa"), (q_rows, cfg.latent_dim), dtype)
     if cfg.q_lora_rank:
-        q = linear(rms_norm(linear(x, layer["q_a"], dtype), layer["q_a_norm"], cfg.rms_eps), layer["q_b"], dtype)
-    else:
-        q = linear(x, layer["q"], dtype)
-    return q.reshape(*x.shape[:-1], cfg.n_head, cfg.qk_dim)
+        q = linear(rms_norm(q, layer["q_a_norm"], cfg.rms_eps), layer["q_b"], dtype)
+    return q.reshape(*x.shape[:-1], cfg.n_head, cfg.qk_dim), kv
 
 
 def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelConfig, plan: StepPlan):
@@ -74,9 +76,8 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
     prec = precision_for(dtype)
     B, T, _ = x.shape
     H, nope, r = cfg.n_head, cfg.nope_dim, cfg.kv_lora_rank
-    q = _queries(x, layer, cfg, dtype)
+    q, kv = _projections(x, layer, cfg, dtype)
     q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, :, None], sin[:, :, None])
-    kv = linear(x, layer["kv_a_mqa"], dtype)
     c = rms_norm(kv[..., :r], layer["kv_a_norm"], cfg.rms_eps)
     k_pe = apply_rope(kv[..., r:], cos, sin)
     q_full = jnp.concatenate([q_nope, q_pe], -1).astype(dtype)
@@ -151,7 +152,7 @@ def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Step
         if cfg.is_moe_layer(i):
             f = moe_ffn(hn.reshape(B * T, -1), layer, cfg, dtype=dtype, fused=plan.fmoe, ser=plan.ser).reshape(B, T, -1)
         else:
-            f = dense_ffn(hn, layer["ffn_gate"], layer["ffn_up"], layer["ffn_down"], dtype)
+            f = dense_ffn(hn, layer, DENSE_FFN, dtype)
         x = h + f
     if not plan.all_logits:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]

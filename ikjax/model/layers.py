@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 
 from ikjax import kernels
-from ikjax.quant.array import QuantArray
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -30,5 +29,24 @@ def swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def dense_ffn(x, gate: QuantArray, up: QuantArray, down: QuantArray, dtype):
-    return linear(swiglu(linear(x, gate, dtype), linear(x, up, dtype)), down, dtype)
+def split_linear(x, layer: dict, fused: str, keys: tuple[str, ...], sizes: tuple[int, ...], dtype):
+    """The products of x with layer[keys...]: one product with the row-stacked `fused` matrix when
+    the file's types allowed stacking them at load (ikjax.weights.fuse_rows), else one each."""
+    if fused in layer:
+        y = linear(x, layer[fused], dtype)
+        cuts = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+        return tuple(jnp.split(y, cuts, axis=-1))
+    return tuple(linear(x, layer[k], dtype) for k in keys)
+
+
+# (stacked gate|up, gate, up, down) names of the two SwiGLU FFNs of a layer
+DENSE_FFN = ("ffn_gate_up", "ffn_gate", "ffn_up", "ffn_down")
+SHARED_EXPERTS = ("shexp_gate_up", "gate_shexp", "up_shexp", "down_shexp")
+
+
+def dense_ffn(x, layer: dict, names: tuple[str, str, str, str], dtype):
+    """SwiGLU FFN: down(silu(gate x) * up x), gate and up in one product where stored stacked."""
+    fused, gate, up, down = names
+    f = layer[down].shape[-1]
+    g, u = split_linear(x, layer, fused, (gate, up), (f, f), dtype)
+    return linear(swiglu(g, u), layer[down], dtype)

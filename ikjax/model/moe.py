@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from ikjax import kernels
 from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
 from ikjax.options import SmartExpertReduction
-from ikjax.model.layers import HIGHEST, dense_ffn
+from ikjax.model.layers import HIGHEST, SHARED_EXPERTS, dense_ffn
 from pallas_kernels.moe_matmul.reference import moe_experts_grouped_ref, moe_experts_ref
 
 
@@ -76,6 +76,6 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
         out = experts_gather(x, w, ids, layer, dtype, fused)
     else:
         out = experts_grouped(x, w, ids, layer, dtype, fused)
-    if "gate_shexp" in layer:
-        out = out + dense_ffn(x, layer["gate_shexp"], layer["up_shexp"], layer["down_shexp"], dtype)
+    if "down_shexp" in layer:
+        out = out + dense_ffn(x, layer, SHARED_EXPERTS, dtype)
     return out
