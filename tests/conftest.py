@@ -21,6 +21,16 @@ def fixtures_dir() -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny synthetic preset cut to 2 layers (Q8_0): made once per session."""
+    from ikjax.synthetic import make_model
+    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-2L.gguf"
+    if not p.exists():
+        make_model(p, "tiny", "Q8_0", layers=2)
+    return str(p)
+
+
 def manifest() -> list[dict]:
     return json.loads((fixtures_dir() / "MANIFEST.json").read_text())
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -10,26 +9,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import fixtures_dir
 from ikjax.cli import _rewrite, app
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def fixtures_dir() -> Path:
-    env = os.environ.get("IKJAX_FIXTURES")
-    d = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-    if not d.is_dir() or not list(d.glob("*.gguf")):
-        pytest.fail(f"GGUF fixtures not found at {d} (set IKJAX_FIXTURES)")
-    return d
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    from ikjax.synthetic import make_model
-    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-2L.gguf"
-    if not p.exists():
-        make_model(p, "tiny", "Q8_0", layers=2)
-    return str(p)
 
 
 def invoke(args, code=0):

@@ -18,16 +18,6 @@ IK_KEYS = ["n_kv_max", "n_batch", "n_ubatch", "flash_attn", "n_gpu_layers", "n_t
 CELL_WIDTHS = [7, 8, 8, 10, 10, 10, 10]  # "|%6d | %6d | %6d | %8.3f | %8.2f | %8.3f | %8.2f |"
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """The tiny preset cut to 2 layers (Q8_0): made once per session, shared with the other test files."""
-    from ikjax.synthetic import make_model
-    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-2L.gguf"
-    if not p.exists():
-        make_model(p, "tiny", "Q8_0", layers=2)
-    return str(p)
-
-
 def test_format_constants():
     assert sb.HEADER == IK_HEADER
     assert sb.SEPARATOR == IK_SEPARATOR

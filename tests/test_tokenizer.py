@@ -1,13 +1,13 @@
 """GGUF tokenizer (HF `tokenizers`) against an independent byte-level BPE written here, and tokenizer.json."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
 import regex
 
+from conftest import fixtures_dir
 from ikjax.gguf_io.reader import GGUFModelFile
+from ikjax.gguf_io.writer import _bytes_to_unicode  # GPT-2's standard byte map, not the code under test
 from ikjax.tokenizer import PRE_REGEXES, GGUFTokenizer
 
 TEXTS = [
@@ -23,26 +23,6 @@ TEXTS = [
     "",
     "a" * 50 + " " + "ab" * 20,
 ]
-
-
-def fixtures_dir() -> Path:
-    env = os.environ.get("IKJAX_FIXTURES")
-    d = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-    if not d.is_dir() or not list(d.glob("*.gguf")):
-        pytest.fail(f"GGUF fixtures not found at {d} (set IKJAX_FIXTURES)")
-    return d
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 class ReferenceBPE:
