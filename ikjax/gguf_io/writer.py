@@ -115,8 +115,19 @@ def _group_routing(cfg: Mapping[str, Any]) -> tuple[int, int] | None:
     return int(n_group), int(topk_group)
 
 
+# Types the `gguf` package can quantize floats into (its K and IQ quantizers are not implemented).
+WRITABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
 def _qtype(qtype: str | QT) -> QT:
     return qtype if isinstance(qtype, QT) else QT[str(qtype).upper()]
+
+
+def _writable(qtype: str | QT) -> QT:
+    qt = _qtype(qtype)
+    if qt.name not in WRITABLE_TYPES:
+        raise ValueError(f"qtype {qt.name}: the gguf package cannot quantize to it (use {'/'.join(WRITABLE_TYPES)})")
+    return qt
 
 
 def _file_type(qtype: QT) -> int:
@@ -405,18 +416,14 @@ def quantize_tensor(name: str, data: np.ndarray, qtype: str | QT,
                     keep_f32: tuple[str, ...] = ("ffn_gate_inp",)) -> tuple[np.ndarray, QT]:
     """Converter rules: 1-D, ``*_norm.weight``, non-``.weight`` and ``keep_f32`` tensors stay F32;
     block types apply only where the row length divides the block. Returns (raw data, type)."""
-    qt = _qtype(qtype)
+    qt = _writable(qtype)
     if (data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight")
             or any(f".{k}." in name for k in keep_f32)):
         qt = QT.F32
     block = gguf.GGML_QUANT_SIZES[qt][0]
     if data.shape[-1] % block != 0:
         qt = QT.F32
-    try:
-        return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qt), qt
-    except NotImplementedError:
-        raise ValueError(f"qtype {qt.name}: the gguf package cannot quantize to it "
-                         "(use F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0)") from None
+    return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qt), qt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,6 +473,7 @@ def write_deepseek2_gguf(path: str | Path, hf_config: Mapping[str, Any], state_d
     """
     path = Path(path)
     cfg = dict(hf_config)
+    _writable(qtype)  # refuse before any tensor is converted or any byte written
     tensors = [(n, *quantize_tensor(n, d, qtype, keep_f32), d.shape)
                for n, d in deepseek2_tensors(cfg, state_dict, layout=layout)]
     # size label as ik's converter computes it for layout "all" (the other layouts' fixtures are
