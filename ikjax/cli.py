@@ -186,8 +186,13 @@ def resolve_model(spec: Optional[str]) -> str:
     return str(path)
 
 
-def _run_options(**kw: Any) -> dict[str, Any]:
-    """CLI values -> ikjax.load keyword arguments (RunOptions names)."""
+RUN_OPTION_PARAMS = ("ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "fmoe", "ser", "ot", "ngl", "threads",
+                     "dtype", "kv_block")
+
+
+def _run_options(params: dict[str, Any]) -> dict[str, Any]:
+    """A command's parameters (its `locals()`) -> ikjax.load keyword arguments (RunOptions names)."""
+    kw = {k: params[k] for k in RUN_OPTION_PARAMS if k in params}
     ot = kw.pop("ot", None)
     if ot:
         kw["ot"] = ",".join(ot) if isinstance(ot, list) else ot
@@ -256,8 +261,7 @@ def sweep_bench(
     if n_gen is not None and n_gen < 0:
         raise OptionError(f"n: need >= 0, got {n_gen}")
     _note_ts(ts)
-    run_opts = _run_options(ctx=ctx, batch=batch, ubatch=ubatch, mla=mla, fa=fa, amb=amb, ctk=ctk, fmoe=fmoe, ser=ser,
-                            ot=ot, ngl=ngl, threads=threads, dtype=dtype, kv_block=kv_block)
+    run_opts = _run_options(locals())
     checked = RunOptions.from_kwargs(**run_opts)
     if not sb.sweep_points(checked.ctx, checked.ubatch):
         raise OptionError(f"ubatch {checked.ubatch} is larger than the context c={checked.ctx}: nothing to sweep")
@@ -454,9 +458,7 @@ def generate(
     if n_predict < 0:
         raise OptionError(f"n-predict: need >= 0, got {n_predict}")
     _note_ts(ts)
-    eng = _load(model, verbose, **_run_options(ctx=ctx, batch=batch, ubatch=ubatch, mla=mla, fa=fa, amb=amb, ctk=ctk,
-                                              fmoe=fmoe, ser=ser, ot=ot, ngl=ngl, threads=threads, dtype=dtype,
-                                              kv_block=kv_block))
+    eng = _load(model, verbose, **_run_options(locals()))
     tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
     ids = tok.encode(prompt)
     if not ids:
@@ -534,8 +536,7 @@ def info(
     options (-c, -ctk, -mla, -ub, -fa, -ot) — from the header only, instant on any file size."""
     from ikjax.gguf_io.config import ModelConfig
     from ikjax.gguf_io.reader import GGUFModelFile
-    opts = RunOptions.from_kwargs(**_run_options(ctx=ctx, batch=batch, ubatch=ubatch, mla=mla, fa=fa, amb=amb,
-                                                 ctk=ctk, ot=ot, kv_block=kv_block))
+    opts = RunOptions.from_kwargs(**_run_options(locals()))
     path = file or model
     if path is None or path.startswith("synthetic:"):
         path = resolve_model(path)
