@@ -7,8 +7,9 @@ per step. Buckets are powers of two, so a warm engine compiles only O(log ctx) s
 from __future__ import annotations
 
 import logging
+import numbers
 import time
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +23,38 @@ from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.memory_plan import MemoryPlan, cache_capacity, check_fits, plan_memory
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.options import RunOptions
-from ikjax.sampling import sample_next
+from ikjax.sampling import check_count, check_sampling, sample_next
 from ikjax.weights import load_weights
 
 log = logging.getLogger("ikjax")
 
 # One jit for all engines: engines whose config, plan and weight types agree share executables.
 _jitted_forward = jax.jit(forward, static_argnames=("cfg", "plan"), donate_argnums=(1,))
+
+
+STOP_EOS, STOP_MAX_TOKENS, STOP_CONTEXT = "eos", "max_tokens", "context"
+
+
+class Generation:
+    """What `Engine.generate` returns: an iterator of new token ids. `stop_reason` is None while
+    more may come and, from the moment the last token is yielded, "eos" (EOS or a stop id),
+    "max_tokens", or "context" (the sequence reached `ctx` tokens)."""
+
+    def __init__(self):
+        self.stop_reason: str | None = None
+        self._it: Iterator[int] = iter(())
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> int:
+        return next(self._it)
+
+
+class BatchGeneration(list):
+    """What `Engine.generate_batch` returns: one list of new ids per prompt, and `stop_reasons`,
+    one of "eos", "max_tokens", "context" per prompt (as `Generation.stop_reason`)."""
+    stop_reasons: list[str | None]
 
 
 def _pow2_at_least(n: int, lo: int = 1) -> int:
@@ -124,13 +150,37 @@ class Engine:
         return kvcache.CacheLayout.for_model(self.config, self.options.mla, self.options.ctk, batch, self.capacity)
 
     # -- public API ----------------------------------------------------------------------------
-    def _check_ids(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise OptionError(f"token ids must be a non-empty 1-D integer sequence, got shape {ids.shape}")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise OptionError(f"token id out of range [0, {self.config.vocab_size})")
-        return ids.astype(np.int32)
+    def _check_ids(self, ids, what: str = "token ids") -> np.ndarray:
+        """A non-empty 1-D integer sequence inside the vocabulary; the error names the bad id."""
+        try:
+            arr = np.asarray(ids)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise OptionError(f"{what}: not a sequence of integers ({e})") from None
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise OptionError(f"{what}: must be a non-empty 1-D integer sequence, got shape {arr.shape} "
+                              f"of {arr.dtype}")
+        V = self.config.vocab_size
+        bad = (arr < 0) | (arr >= V)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise OptionError(f"{what}: token id {int(arr[i])} at index {i} is outside the vocabulary [0, {V})")
+        return arr.astype(np.int32)
+
+    def _stop_ids(self, stop: Iterable[int]) -> set[int]:
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
+            raise OptionError(f"stop: expected a collection of token ids, got {stop!r}")
+        out = set()
+        for s in stop:
+            if not isinstance(s, numbers.Integral) or isinstance(s, (bool, np.bool_)):
+                raise OptionError(f"stop: token ids must be integers, got {s!r}")
+            out.add(int(s))
+        if self.config.eos_token_id is not None:
+            out.add(self.config.eos_token_id)
+        return out
+
+    def _check_prompt_fits(self, n: int, what: str) -> None:
+        if n > self.options.ctx:
+            raise OptionError(f"{what}: {n} tokens exceed the context size ctx={self.options.ctx}")
 
     def prefill(self, cache, ids: np.ndarray, start: int = 0, all_logits: bool = False):
         """Feed one sequence's ids from position `start` in ubatch chunks (batch 1).
@@ -161,45 +211,90 @@ class Engine:
         out, _ = self.prefill(self.new_cache(1), ids, 0, all_logits=True)
         return out
 
+    def _stop_reason(self, tok: int, n_new: int, length: int, max_tokens: int, stop_ids: set[int]) -> str | None:
+        """Why a sequence ends after `tok` (its `n_new`-th new token, `length` tokens in all), or None."""
+        if tok in stop_ids:
+            return STOP_EOS
+        if n_new >= max_tokens:
+            return STOP_MAX_TOKENS
+        if length >= self.options.ctx:
+            log.warning("context full (ctx=%d): generation stopped after %d new tokens", self.options.ctx, n_new)
+            return STOP_CONTEXT
+        return None
+
     def generate(self, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                 stop: Iterable[int] = ()) -> Iterator[int]:
-        """Yield new token ids as they are produced; stop on EOS, a stop id or max_tokens."""
-        ids = self._check_ids(prompt_ids)
-        stop_ids = set(int(s) for s in stop)
-        if self.config.eos_token_id is not None:
-            stop_ids.add(self.config.eos_token_id)
-        rng = np.random.default_rng(seed)
+                 stop: Iterable[int] = ()) -> "Generation":
+        """New token ids as they are produced (an iterator); stop on EOS, a stop id, `max_tokens`,
+        or a full context.
+
+        Every argument is checked here, before anything runs (OptionError naming it). The context
+        end is treated as llama.cpp does without context shift: a sequence never holds more than
+        `ctx` tokens (prompt + generated); generation stops there with a warning. A prompt longer
+        than `ctx` is refused. The iterator's `stop_reason` ("eos", "max_tokens", "context") is
+        set when the last token is yielded; `generate_batch` follows the same rules.
+        """
+        max_tokens = check_count("max_tokens", max_tokens)
+        p = check_sampling(temperature, top_k, top_p, min_p, seed)
+        ids = self._check_ids(prompt_ids, "prompt_ids")
+        self._check_prompt_fits(len(ids), "prompt_ids")
+        stop_ids = self._stop_ids(stop)
+        gen = Generation()
+        gen._it = self._generate(gen, ids, max_tokens, p, stop_ids)
+        return gen
+
+    def _generate(self, gen: "Generation", ids: np.ndarray, max_tokens: int, p: dict, stop_ids: set[int]):
+        if max_tokens == 0:
+            gen.stop_reason = STOP_MAX_TOKENS
+            return
+        if len(ids) >= self.options.ctx:
+            log.warning("context full (ctx=%d): the prompt fills it, no token generated", self.options.ctx)
+            gen.stop_reason = STOP_CONTEXT
+            return
+        rng = np.random.default_rng(p["seed"])
+        sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
         logits, cache = self.prefill(self.new_cache(1), ids, 0, all_logits=False)
-        pos = len(ids)
-        for _ in range(max_tokens):
-            tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng=rng)
+        length = len(ids)
+        for n_new in range(1, max_tokens + 1):
+            tok = sample_next(logits, rng=rng, **sp)
+            length += 1
+            reason = self._stop_reason(tok, n_new, length, max_tokens, stop_ids)
+            gen.stop_reason = reason
             yield tok
-            if tok in stop_ids or pos >= self.options.ctx:
+            if reason is not None:
                 return
-            out, cache = self.step(cache, np.array([[tok]], np.int32), np.array([pos]), np.array([0]), False)
+            out, cache = self.step(cache, np.array([[tok]], np.int32), np.array([length - 1]), np.array([0]), False)
             logits = np.asarray(out, np.float32)[0]
-            pos += 1
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                       stop: Iterable[int] = ()) -> list[list[int]]:
+                       stop: Iterable[int] = ()) -> "BatchGeneration":
         """Generate for several sequences at once, each at its own length; one list of new ids each.
 
-        Prompts are fed together in ubatch chunks (a shorter prompt's padding lands past its end,
-        where the causal mask hides it until its own generated tokens overwrite it); then every
-        step decodes one token per unfinished sequence. The batch is padded to a power of two.
+        Same checks and stopping rules as `generate` (each sequence stops on its own at EOS / a
+        stop id, `max_tokens`, or `ctx` tokens in all); the returned list's `stop_reasons` says
+        which, per sequence. Prompts are fed together in ubatch chunks (a shorter prompt's padding
+        lands past its end, where the causal mask hides it until its own generated tokens
+        overwrite it); then every step decodes one token per unfinished sequence. The batch is
+        padded to a power of two.
         """
-        seqs = [self._check_ids(p) for p in prompts]
+        max_tokens = check_count("max_tokens", max_tokens)
+        p = check_sampling(temperature, top_k, top_p, min_p, seed)
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+            raise OptionError("prompts: expected a non-empty list of token id sequences")
+        seqs = [self._check_ids(s, f"prompts[{i}]") for i, s in enumerate(prompts)]
+        for i, s in enumerate(seqs):
+            self._check_prompt_fits(len(s), f"prompts[{i}]")
+        stop_ids = self._stop_ids(stop)
         n = len(seqs)
+        out = BatchGeneration([] for _ in range(n))
+        if max_tokens == 0:
+            out.stop_reasons = [STOP_MAX_TOKENS] * n
+            return out
         B = _pow2_at_least(n)
         lengths = np.array([len(s) for s in seqs] + [1] * (B - n))
-        if lengths.max() + max_tokens > self.options.ctx:
-            raise OptionError(f"{int(lengths.max())} + {max_tokens} tokens exceed the context size ctx={self.options.ctx}")
-        stop_ids = set(int(s) for s in stop)
-        if self.config.eos_token_id is not None:
-            stop_ids.add(self.config.eos_token_id)
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(p["seed"])
+        sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
         cache = self.new_cache(B)
         width = int(lengths.max())
         padded = np.zeros((B, width), np.int32)
@@ -216,25 +311,30 @@ class Engine:
             logits = np.asarray(logits, np.float32)
             ends_here = (lengths - 1 >= c0) & (lengths - 1 < c1)
             last_logits[ends_here] = logits[ends_here]
-        out: list[list[int]] = [[] for _ in range(n)]
-        done = np.zeros(B, bool)
-        done[n:] = True
-        pos = lengths.copy()
-        for i in range(max_tokens):
+        reasons: list[str | None] = [None] * n
+        for b in range(n):
+            if lengths[b] >= self.options.ctx:
+                log.warning("context full (ctx=%d): prompts[%d] fills it, no token generated", self.options.ctx, b)
+                reasons[b] = STOP_CONTEXT
+        done = np.array([r is not None for r in reasons] + [True] * (B - n))
+        pos = lengths.copy()  # where each sequence's next token goes; frozen once it is done
+        while not done.all():
             toks = np.zeros((B, 1), np.int32)
             for b in range(n):
                 if done[b]:
                     continue
-                tok = sample_next(last_logits[b], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  rng=rng)
+                tok = sample_next(last_logits[b], rng=rng, **sp)
                 out[b].append(tok)
                 toks[b, 0] = tok
-                done[b] = tok in stop_ids
-            if done.all() or i == max_tokens - 1:  # no step needed after the last token
+                reasons[b] = self._stop_reason(tok, len(out[b]), int(lengths[b]) + len(out[b]), max_tokens, stop_ids)
+            fed = ~done
+            done = done | np.array([r is not None for r in reasons] + [True] * (B - n))
+            if done.all():  # no step needed after the last token
                 break
             logits, cache = self.step(cache, toks, pos)
             last_logits = np.asarray(logits, np.float32)
-            pos = pos + 1
+            pos = np.where(fed & ~done, pos + 1, pos)
+        out.stop_reasons = reasons
         return out
 
     def memory_plan(self, batch: int = 1) -> MemoryPlan:

@@ -1,12 +1,61 @@
 """Choosing the next token from logits: greedy, or temperature with top-k / top-p / min-p filters
-(llama.cpp's order: top-k, top-p, min-p, then temperature)."""
+(llama.cpp's order: top-k, top-p, min-p, then temperature).
+
+`check_sampling` holds the rules for the parameters (the API and the CLI both go through it), so
+a bad value is refused up front naming the parameter, not found later as an IndexError or NaN
+probabilities in the middle of a generation.
+"""
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
+
+from ikjax.errors import OptionError
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def check_count(name: str, value) -> int:
+    """A token count (`max_tokens`, `n_predict`): an integer >= 0 — not a bool, not a string."""
+    if not _is_int(value):
+        raise OptionError(f"{name}: expected an integer >= 0, got {value!r}")
+    if value < 0:
+        raise OptionError(f"{name}: need >= 0, got {value}")
+    return int(value)
+
+
+def check_sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None) -> dict:
+    """Validate the sampling parameters; return them as plain Python numbers.
+
+    temperature: finite, >= 0 (0 = greedy). top_k: integer >= 0 (0 = off). top_p: 0 < p <= 1
+    (1 = off). min_p: 0 <= p <= 1 (0 = off). seed: None or -1 (random, llama.cpp's convention)
+    or an integer >= 0.
+    """
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise OptionError(f"temperature: expected a finite number >= 0, got {temperature!r}")
+    if not _is_int(top_k) or top_k < 0:
+        raise OptionError(f"top_k: expected an integer >= 0 (0 = off), got {top_k!r}")
+    if not _is_real(top_p) or not (0.0 < top_p <= 1.0):  # NaN fails both comparisons
+        raise OptionError(f"top_p: expected a number in (0, 1] (1 = off), got {top_p!r}")
+    if not _is_real(min_p) or not (0.0 <= min_p <= 1.0):
+        raise OptionError(f"min_p: expected a number in [0, 1] (0 = off), got {min_p!r}")
+    if seed is not None and (not _is_int(seed) or seed < -1):
+        raise OptionError(f"seed: expected an integer >= 0, or -1 / None for a random seed, got {seed!r}")
+    return dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
+                seed=None if seed is None or seed == -1 else int(seed))
 
 
 def sample_next(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 min_p: float = 0.0, rng: np.random.Generator | None = None) -> int:
+    """One token id from a logits row. Parameters as `check_sampling` accepts them."""
     logits = np.asarray(logits, np.float64)
     if temperature <= 0.0:
         return int(np.argmax(logits))
@@ -19,7 +68,7 @@ def sample_next(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0,
         keep = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
         order, probs = order[:keep], probs[:keep]
     if min_p > 0.0:
-        keep = probs >= min_p * probs[0]
+        keep = probs >= min_p * probs[0]  # min_p <= 1 always keeps the most likely token
         order, probs = order[keep], probs[keep]
     scaled = np.exp((logits[order] - logits[order[0]]) / temperature)
     scaled /= scaled.sum()

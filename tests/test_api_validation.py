@@ -1,0 +1,142 @@
+"""The Python API refuses bad arguments up front (OptionError naming the parameter), and
+`generate` / `generate_batch` stop at the context end the same way (a sequence never holds more
+than ctx tokens; stop_reason "context")."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import ikjax
+from ikjax.errors import OptionError
+from ikjax.sampling import check_count, check_sampling, sample_next
+
+CTX = 24
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model):
+    # ctx 24 with ubatch 8: a context end reachable in a few decode steps
+    return ikjax.load(tiny_model, ctx=CTX, ubatch=8, batch=8, kv_block=8)
+
+
+BAD_ARGS = [
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 2.0}, "max_tokens"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "0.8"}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": 5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"seed": "abc"}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": -2}, "seed"),
+    ({"stop": 5}, "stop"),
+    ({"stop": ["a"]}, "stop"),
+]
+
+
+def _call(eng, fn, kw):
+    kw = dict(kw)
+    max_tokens = kw.pop("max_tokens", 4)
+    if fn == "generate":
+        return eng.generate([1, 2, 3], max_tokens, **kw)
+    return eng.generate_batch([[1, 2, 3], [4, 5]], max_tokens, **kw)
+
+
+@pytest.mark.parametrize("fn", ["generate", "generate_batch"])
+@pytest.mark.parametrize("kw,name", BAD_ARGS, ids=[f"{k}" for k, _ in BAD_ARGS])
+def test_bad_argument_refused_naming_it(eng, fn, kw, name):
+    before = eng.compile_count
+    with pytest.raises(OptionError, match=f"^{name}:"):
+        _call(eng, fn, kw)  # eager: generate refuses at the call, not at the first next()
+    assert eng.compile_count == before  # nothing ran
+
+
+@pytest.mark.parametrize("fn", ["generate", "generate_batch"])
+def test_token_id_outside_vocab_is_named(eng, fn):
+    V = eng.config.vocab_size
+    with pytest.raises(OptionError, match=f"token id {V} at index 1 is outside the vocabulary"):
+        if fn == "generate":
+            eng.generate([3, V, 4], 2)
+        else:
+            eng.generate_batch([[1, 2], [3, V, 4]], 2)
+    with pytest.raises(OptionError, match="token id -1 at index 0"):
+        eng.logits([-1, 2])
+    for bad in ([], [[1, 2]], ["a", "b"], [1.5, 2.0]):
+        with pytest.raises(OptionError):
+            eng.generate(bad, 2)
+    with pytest.raises(OptionError, match="prompts"):
+        eng.generate_batch([], 2)
+
+
+@pytest.mark.parametrize("fn", ["generate", "generate_batch"])
+def test_prompt_longer_than_context_refused(eng, fn):
+    long = list(range(3, 3 + CTX + 1))
+    with pytest.raises(OptionError, match=f"{CTX + 1} tokens exceed the context size ctx={CTX}"):
+        if fn == "generate":
+            eng.generate(long, 1)
+        else:
+            eng.generate_batch([[1, 2], long], 1)
+
+
+def test_context_end_same_in_generate_and_batch(eng, caplog):
+    """Both stop when prompt + generated reaches ctx, with the same tokens and stop_reason."""
+    prompts = [list(range(5, 5 + 18)), list(range(40, 40 + 10))]
+    with caplog.at_level(logging.WARNING, logger="ikjax"):
+        singles = []
+        for p in prompts:
+            g = eng.generate(p, 100, stop=())
+            singles.append((list(g), g.stop_reason))
+        batch = eng.generate_batch(prompts, 100, stop=())
+    assert "context full" in caplog.text
+    for (toks, reason), p in zip(singles, prompts):
+        assert reason == "context"
+        assert len(p) + len(toks) == CTX
+    assert [list(b) for b in batch] == [t for t, _ in singles]
+    assert batch.stop_reasons == ["context", "context"]
+
+
+def test_max_tokens_and_stop_reasons(eng):
+    g = eng.generate([1, 2, 3], 3, stop=())
+    assert g.stop_reason is None
+    toks = list(g)
+    assert len(toks) == 3 and g.stop_reason == "max_tokens"
+    g = eng.generate([1, 2, 3], 10, stop=(toks[1],))
+    assert list(g) == toks[:2] and g.stop_reason == "eos"
+    g = eng.generate([1, 2, 3], 0)
+    assert list(g) == [] and g.stop_reason == "max_tokens"
+    b = eng.generate_batch([[1, 2, 3], [7, 8]], 0)
+    assert b == [[], []] and b.stop_reasons == ["max_tokens", "max_tokens"]
+    full = eng.generate(list(range(3, 3 + CTX)), 5)
+    assert list(full) == [] and full.stop_reason == "context"
+    b = eng.generate_batch([[1, 2, 3], [7, 8]], 3, stop=(toks[1],))
+    assert b[0] == toks[:2] and b.stop_reasons[0] == "eos" and len(b[1]) == 3 and b.stop_reasons[1] == "max_tokens"
+
+
+def test_numpy_scalars_and_seed_conventions(eng):
+    a = list(eng.generate(np.array([1, 2, 3]), np.int64(3), temperature=np.float32(1.0), top_k=np.int32(5),
+                          seed=np.int64(7), stop=()))
+    b = list(eng.generate([1, 2, 3], 3, temperature=1.0, top_k=5, seed=7, stop=()))
+    assert a == b
+    assert check_sampling(seed=-1)["seed"] is None  # llama.cpp: -1 = random
+
+
+def test_check_helpers_and_sampler_edges():
+    assert check_count("n", 0) == 0
+    with pytest.raises(OptionError, match="^n:"):
+        check_count("n", "3")
+    assert check_sampling(1, 0, 1, 0, None) == dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None)
+    logits = np.array([0.0, 3.0, 1.0, 2.0])
+    # min_p = 1 keeps exactly the most likely token; top_p tiny too
+    assert sample_next(logits, temperature=1.0, min_p=1.0, rng=np.random.default_rng(0)) == 1
+    assert sample_next(logits, temperature=1.0, top_p=1e-9, rng=np.random.default_rng(0)) == 1
