@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from ikjax.errors import ModelFileError
 
 # llama.cpp llama-vocab.cpp regexes per pre-tokenizer (DeepSeek's own tokenizer.json have the same)
@@ -76,15 +78,15 @@ class GGUFTokenizer:
             raise ModelFileError(f"{source}: no tokenizer in the file (tokenizer.ggml.model missing)")
         if str(model) != "gpt2":
             raise ModelFileError(f"{source}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' only)")
+        if metadata.get("tokenizer.ggml.tokens") is None:
+            raise ModelFileError(f"{source}: no tokenizer vocabulary in the file (tokenizer.ggml.tokens missing)")
         tokens = _as_list(metadata.get("tokenizer.ggml.tokens"))
         merges = _as_list(metadata.get("tokenizer.ggml.merges") or [])
         types = metadata.get("tokenizer.ggml.token_type")
         self.pre = str(metadata.get("tokenizer.ggml.pre", "deepseek-v3"))
         self.tokenizer = build_hf_tokenizer(tokens, merges, None if types is None else list(types), self.pre)
-        bos = metadata.get("tokenizer.ggml.bos_token_id")
-        self.bos_id = None if bos is None else int(bos)
-        eos = metadata.get("tokenizer.ggml.eos_token_id")
-        self.eos_id = None if eos is None else int(eos)
+        self.bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens), source)
+        self.eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens), source)
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True)) and self.bos_id is not None
         self.n_vocab = len(tokens)
 
@@ -120,6 +122,19 @@ class GGUFTokenizer:
         tail = self.decode(got)
         if tail.startswith(shown) and tail[len(shown):]:
             yield tail[len(shown):]
+
+
+def _token_id(metadata: dict[str, Any], key: str, n_vocab: int, source: str) -> int | None:
+    """A special token id from the file: an integer inside the vocabulary, named by its key if not
+    (rather than "token id out of range" once the user has typed a prompt)."""
+    v = metadata.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ModelFileError(f"{source}: {key}: expected an integer, got {type(v).__name__}")
+    if not 0 <= int(v) < n_vocab:
+        raise ModelFileError(f"{source}: {key} {int(v)} is outside the vocabulary of {n_vocab} tokens")
+    return int(v)
 
 
 def _as_list(x: Any) -> list:

@@ -7,13 +7,17 @@ Mainline convention (llama.cpp since 2025): `head_count_kv = 1`, `key_length = r
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
+
+import numpy as np
 
 from ikjax.errors import ModelFileError
 
 ARCH = "deepseek2"
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
+_REQUIRED = object()  # marks a metadata key without a default
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class ModelConfig:
     context_length: int
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    n_nextn: int = 0  # trailing MTP layers of block_count (nextn_predict_layers), not run: n_layer excludes them
 
     @property
     def qk_dim(self) -> int:
@@ -79,77 +84,99 @@ class ModelConfig:
         return self.n_expert > 0 and i >= self.n_dense_lead
 
     @classmethod
-    def from_metadata(cls, md: dict[str, Any], *, source: str = "GGUF", vocab_from_tensor: int | None = None
-                      ) -> "ModelConfig":
+    def from_metadata(cls, md: dict[str, Any], *, source: str = "GGUF", vocab_from_tensor: int | None = None,
+                      tensors: Mapping[str, Any] | None = None) -> "ModelConfig":
+        """The config a file's metadata describes, every key checked for its GGUF type and range (the
+        error names the key). With `tensors` (the file's tensor table), also checks that the table is
+        exactly this model's: layers 0..block_count-1, every tensor it reads of the right shape, and
+        nothing it would ignore."""
         arch = md.get("general.architecture")
         if arch != ARCH:
             raise ModelFileError(f"{source}: unsupported architecture {arch!r} (ikjax runs {ARCH!r})")
-
-        def get(key: str, default: Any = ModelFileError):
-            full = f"{ARCH}.{key}"
-            if full in md:
-                return md[full]
-            if default is ModelFileError:
-                raise ModelFileError(f"{source}: missing metadata key {full}")
-            return default
-
-        n_head = int(get("attention.head_count"))
-        rope_dim = int(get("rope.dimension_count"))
-        r = int(get("attention.kv_lora_rank"))
-        if f"{ARCH}.attention.key_length_mla" in md:
-            qk_dim = int(get("attention.key_length_mla"))
-            v_dim = int(get("attention.value_length_mla"))
+        m = _Meta(md, source)
+        n_head = m.int("attention.head_count", lo=1)
+        rope_dim = m.int("rope.dimension_count", lo=2)
+        r = m.int("attention.kv_lora_rank", lo=1)
+        if m.has("attention.key_length_mla"):
+            qk_dim = m.int("attention.key_length_mla", lo=1)
+            v_dim = m.int("attention.value_length_mla", lo=1)
         else:
-            qk_dim = int(get("attention.key_length"))
-            v_dim = int(get("attention.value_length"))
-            if int(get("attention.head_count_kv", n_head)) == 1 and qk_dim == r + rope_dim:
+            qk_dim = m.int("attention.key_length", lo=1)
+            v_dim = m.int("attention.value_length", lo=1)
+            if m.int("attention.head_count_kv", n_head, lo=1) == 1 and qk_dim == r + rope_dim:
                 raise ModelFileError(f"{source}: head_count_kv = 1 layout without key_length_mla/value_length_mla")
+        m.int("attention.head_count_kv", n_head, lo=1)
         yarn = None
-        if str(get("rope.scaling.type", "none")) == "yarn":
+        scaling = m.str("rope.scaling.type", "none")
+        if scaling == "yarn":
             yarn = YarnConfig(
-                factor=float(get("rope.scaling.factor")),
-                original_context=int(get("rope.scaling.original_context_length")),
-                log_multiplier=float(get("rope.scaling.yarn_log_multiplier", 0.0)),
-                beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
-                beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                factor=m.float("rope.scaling.factor", positive=True),
+                original_context=m.int("rope.scaling.original_context_length", lo=1),
+                log_multiplier=m.float("rope.scaling.yarn_log_multiplier", 0.0),
+                beta_fast=m.float("rope.scaling.yarn_beta_fast", 32.0),
+                beta_slow=m.float("rope.scaling.yarn_beta_slow", 1.0),
             )
-        n_expert = int(get("expert_count", 0))
-        vocab = get("vocab_size", None)
-        if vocab is None:
-            toks = md.get("tokenizer.ggml.tokens")
-            vocab = len(toks) if toks is not None else vocab_from_tensor
-        if vocab is None:
+        elif scaling != "none":
+            raise ModelFileError(f"{source}: {ARCH}.rope.scaling.type {scaling!r} is not supported (none or yarn)")
+        elif m.float("rope.scaling.factor", 1.0, positive=True) != 1.0:
+            raise ModelFileError(f"{source}: {ARCH}.rope.scaling.factor is set but {ARCH}.rope.scaling.type is not")
+        n_expert = m.int("expert_count", 0, lo=0)
+        vocab = m.int("vocab_size", None, lo=1)
+        toks = md.get("tokenizer.ggml.tokens")
+        if toks is not None:
+            if isinstance(toks, (str, bytes)) or not hasattr(toks, "__len__") or (
+                    len(toks) and not isinstance(toks[0], str)):
+                raise ModelFileError(f"{source}: tokenizer.ggml.tokens: expected an array of strings, "
+                                     f"got {_kind(toks)}")
+            if vocab is not None and len(toks) != vocab:
+                raise ModelFileError(f"{source}: tokenizer.ggml.tokens has {len(toks)} tokens but "
+                                     f"{ARCH}.vocab_size is {vocab}")
+            vocab = vocab or len(toks)
+        vocab = vocab or vocab_from_tensor
+        if not vocab:
             raise ModelFileError(f"{source}: cannot tell the vocabulary size")
-        bos, eos = md.get("tokenizer.ggml.bos_token_id"), md.get("tokenizer.ggml.eos_token_id")
+        special = _special_token_ids(md, source, vocab, toks)
+        block_count = m.int("block_count", lo=1)
+        nextn = m.int("nextn_predict_layers", 0, lo=0)
+        if nextn >= block_count:
+            raise ModelFileError(f"{source}: {ARCH}.nextn_predict_layers {nextn} leaves no layers of "
+                                 f"{ARCH}.block_count {block_count}")
+        gating = m.int("expert_gating_func", GATING_SOFTMAX, lo=0)
+        n_dense_lead = m.int("leading_dense_block_count", _REQUIRED if n_expert else 1 << 30, lo=0)
+        has_dense = n_dense_lead > 0 or not n_expert
         cfg = cls(
-            n_layer=int(get("block_count")),
-            d_model=int(get("embedding_length")),
+            n_layer=block_count - nextn,
+            d_model=m.int("embedding_length", lo=1),
             n_head=n_head,
-            q_lora_rank=int(get("attention.q_lora_rank", 0)),
+            q_lora_rank=m.int("attention.q_lora_rank", 0, lo=1),
             kv_lora_rank=r,
             rope_dim=rope_dim,
             nope_dim=qk_dim - rope_dim,
             v_dim=v_dim,
-            vocab_size=int(vocab),
-            ffn_dim=int(get("feed_forward_length")),
-            expert_ffn_dim=int(get("expert_feed_forward_length", 0)),
+            vocab_size=vocab,
+            ffn_dim=m.int("feed_forward_length", lo=1 if has_dense else 0),
+            expert_ffn_dim=m.int("expert_feed_forward_length", _REQUIRED if n_expert else 0, lo=1 if n_expert else 0),
             n_expert=n_expert,
-            n_expert_used=int(get("expert_used_count", 0)),
-            n_expert_shared=int(get("expert_shared_count", 0)),
-            n_expert_group=int(get("expert_group_count", 1)) or 1,
-            n_expert_group_used=int(get("expert_group_used_count", 1)) or 1,
-            n_dense_lead=int(get("leading_dense_block_count", 0 if n_expert else 1 << 30)),
-            expert_weights_scale=float(get("expert_weights_scale", 1.0)),
-            expert_weights_norm=bool(get("expert_weights_norm", False)),
-            gating=int(get("expert_gating_func", GATING_SOFTMAX)),
-            rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_base=float(get("rope.freq_base", 10000.0)),
+            n_expert_used=m.int("expert_used_count", _REQUIRED if n_expert else 0, lo=0),
+            n_expert_shared=m.int("expert_shared_count", _REQUIRED if n_expert else 0, lo=0),
+            n_expert_group=m.int("expert_group_count", 1, lo=0) or 1,
+            n_expert_group_used=m.int("expert_group_used_count", 1, lo=0) or 1,
+            n_dense_lead=n_dense_lead,
+            expert_weights_scale=m.float("expert_weights_scale", _REQUIRED if n_expert else 1.0, positive=True),
+            expert_weights_norm=m.bool("expert_weights_norm", False),
+            # 0 ("none"): DeepSeek V2 / V2.5 files from before the key existed; llama.cpp reads softmax
+            gating=gating or GATING_SOFTMAX,
+            rms_eps=m.float("attention.layer_norm_rms_epsilon", positive=True),
+            rope_base=m.float("rope.freq_base", 10000.0, positive=True),
             yarn=yarn,
-            context_length=int(get("context_length", 4096)),
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_id=None if eos is None else int(eos),
+            context_length=m.int("context_length", 4096, lo=1),
+            bos_token_id=special.get("bos"),
+            eos_token_id=special.get("eos"),
+            n_nextn=nextn,
         )
         cfg.validate(source)
+        if tensors is not None:
+            cfg.check_tensors(tensors, source)
         return cfg
 
     def validate(self, source: str) -> None:
@@ -163,3 +190,132 @@ class ModelConfig:
             if self.n_expert % self.n_expert_group or self.n_expert_group_used > self.n_expert_group:
                 raise ModelFileError(f"{source}: {self.n_expert} experts do not split into "
                                      f"{self.n_expert_group} groups (use {self.n_expert_group_used})")
+            per_group = self.n_expert // self.n_expert_group
+            if self.n_expert_group > 1 and self.n_expert_group_used * per_group < self.n_expert_used:
+                raise ModelFileError(f"{source}: {self.n_expert_group_used} of {self.n_expert_group} expert groups "
+                                     f"hold fewer than expert_used_count {self.n_expert_used} experts")
+        elif self.n_expert_used:
+            raise ModelFileError(f"{source}: expert_used_count {self.n_expert_used} with no experts (expert_count 0)")
+
+    def check_tensors(self, tensors: Mapping[str, Any], source: str) -> None:
+        """The tensor table holds exactly this model: `blk.N` for N in 0..block_count-1 (the trailing
+        `nextn_predict_layers` MTP layers may be present or not: ikjax does not run them), every tensor
+        the graph reads present with its shape, and no tensor it would silently ignore (a renamed
+        `output`, shared experts the metadata does not declare, a layer past block_count)."""
+        from ikjax.weights import _shape_matches, layer_specs, model_specs  # weights imports this module
+
+        block_count = self.n_layer + self.n_nextn
+        layers: dict[int, str] = {}
+        for name in tensors:
+            mt = _BLK_RE.match(name)
+            if mt:
+                layers.setdefault(int(mt.group(1)), name)
+        beyond = [i for i in layers if i >= block_count]
+        if beyond:
+            i = min(beyond)
+            raise ModelFileError(f"{source}: {ARCH}.block_count is {block_count} but the file has tensors of layer "
+                                 f"{i} ({layers[i]})")
+        absent = [i for i in range(self.n_layer) if i not in layers]
+        if absent:
+            raise ModelFileError(f"{source}: {ARCH}.block_count is {block_count} but the file has no tensors of "
+                                 f"layer {absent[0]}" + (f" ({len(absent)} layers missing)" if len(absent) > 1 else ""))
+        specs = model_specs(self) + [s for i in range(self.n_layer) for s in layer_specs(self, i)]
+        for spec in specs:
+            info = tensors.get(spec.gguf_name)
+            if info is None:
+                if not spec.optional:
+                    raise ModelFileError(f"{source}: missing tensor {spec.gguf_name}")
+            elif not _shape_matches(info, spec):
+                raise ModelFileError(f"{source}: tensor {spec.gguf_name} has shape {list(info.shape)}, "
+                                     f"expected {list(spec.shape)}")
+        known = {s.gguf_name for s in specs}
+        for i in range(self.n_layer, block_count):  # MTP layers: a MoE layer plus the nextn.* tensors
+            known.update(s.gguf_name for s in layer_specs(self, i))
+            known.update(f"blk.{i}.nextn.{n}.weight" for n in _NEXTN_TENSORS)
+        for name in tensors:
+            if name not in known:
+                raise ModelFileError(f"{source}: unexpected tensor {name}: a {ARCH} model with this metadata "
+                                     f"does not read it")
+
+
+_BLK_RE = re.compile(r"^blk\.(\d+)\.")
+_NEXTN_TENSORS = ("eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_head", "shared_head_norm")
+
+
+def _kind(v: Any) -> str:
+    """The GGUF kind of a metadata value as the reader returns it, for error messages."""
+    if isinstance(v, (bool, np.bool_)):
+        return "bool"
+    if isinstance(v, (int, np.integer)):
+        return "integer"
+    if isinstance(v, (float, np.floating)):
+        return "float"
+    if isinstance(v, str):
+        return "string"
+    return "array"
+
+
+class _Meta:
+    """Typed, range-checked reads of `deepseek2.*` keys: a key of the wrong GGUF type or an impossible
+    value fails naming the key, instead of `int("abc")` or a model built from a NaN."""
+
+    def __init__(self, md: Mapping[str, Any], source: str):
+        self.md, self.source = md, source
+
+    def has(self, key: str) -> bool:
+        return f"{ARCH}.{key}" in self.md
+
+    def _get(self, key: str, default: Any, want: str) -> tuple[bool, str, Any]:
+        full = f"{ARCH}.{key}"
+        if full not in self.md:
+            if default is _REQUIRED:
+                raise ModelFileError(f"{self.source}: missing metadata key {full}")
+            return False, full, default
+        v = self.md[full]
+        if _kind(v) != want:
+            raise ModelFileError(f"{self.source}: {full}: expected {'an' if want == 'integer' else 'a'} {want}, "
+                                 f"got {_kind(v)}")
+        return True, full, v
+
+    def int(self, key: str, default: Any = _REQUIRED, *, lo: int | None = None) -> Any:
+        found, full, v = self._get(key, default, "integer")
+        if found:
+            v = int(v)
+            if lo is not None and v < lo:
+                raise ModelFileError(f"{self.source}: {full} is {v}, must be at least {lo}")
+        return v
+
+    def float(self, key: str, default: Any = _REQUIRED, *, positive: bool = False) -> Any:
+        found, full, v = self._get(key, default, "float")
+        if found:
+            v = float(v)
+            if not math.isfinite(v) or (positive and v <= 0):
+                raise ModelFileError(f"{self.source}: {full} is {v}, must be a finite"
+                                     f"{' positive' if positive else ''} number")
+        return v
+
+    def bool(self, key: str, default: Any = _REQUIRED) -> Any:
+        return bool(self._get(key, default, "bool")[2])
+
+    def str(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._get(key, default, "string")[2]
+
+
+def _special_token_ids(md: Mapping[str, Any], source: str, vocab: int, tokens: Any) -> dict[str, int]:
+    """`tokenizer.ggml.<name>_token_id` keys (bos, eos, padding, ...): integers inside the vocabulary,
+    checked at load so a bad id is named by its key, not met as "token id out of range" mid-generation."""
+    n = len(tokens) if tokens is not None else vocab
+    out = {}
+    for key, v in md.items():
+        if not (key.startswith("tokenizer.ggml.") and key.endswith("_token_id")):
+            continue
+        if _kind(v) != "integer":
+            raise ModelFileError(f"{source}: {key}: expected an integer, got {_kind(v)}")
+        if not 0 <= int(v) < n:
+            raise ModelFileError(f"{source}: {key} {int(v)} is outside the vocabulary of {n} tokens")
+        out[key[len("tokenizer.ggml."):-len("_token_id")]] = int(v)
+    types = md.get("tokenizer.ggml.token_type")
+    if types is not None and tokens is not None and (_kind(types) != "array" or len(types) != len(tokens)):
+        got = f"{len(types)} entries" if _kind(types) == "array" else f"a {_kind(types)}"
+        raise ModelFileError(f"{source}: tokenizer.ggml.token_type has {got} for {len(tokens)} tokens")
+    return out

@@ -9,9 +9,12 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ikjax.errors import ModelFileError
 
-class UnsupportedQuantType(ValueError):
-    """A tensor type this build cannot dequantize (message names tensor and type)."""
+
+class UnsupportedQuantType(ModelFileError):
+    """A tensor type this build cannot dequantize (message names tensor and type). A ModelFileError
+    (so an IkjaxError and a ValueError): a file of such a type is refused with its one line."""
 
 
 @dataclass(frozen=True)
