@@ -406,3 +406,23 @@ def _timed_open(p) -> float:
     gf = GGUFModelFile(p)
     assert len(gf.metadata["tokenizer.ggml.tokens"]) == 129280
     return time.perf_counter() - t0
+
+
+# --- damaged key names ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,damaged", [
+    (f"{A}.expert_gating_func", f"{A}.expert_gating_fuoc"),  # V3 would fall back to softmax
+    (f"{A}.expert_weights_norm", f"{A}.expert_weights_nurm"),
+    (f"{A}.rope.freq_base", f"{A}.rope.freq_bAse"),
+    ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.bos_token_iD"),  # BOS silently dropped
+    (f"{A}.block_count", f"{A.replace('2', '3')}.block_count"),
+])
+def test_damaged_key_name_is_not_a_missing_key(tiny_model, tmp_path, key, damaged):
+    p = _variant(tmp_path, tiny_model, lambda g: setattr(g.kv(key), "key", damaged))
+    _refused(p, f"metadata key {damaged!r} is unknown and", load=True)
+
+
+def test_unknown_but_distinct_key_is_fine(tiny_model, tmp_path):
+    """Keys ikjax does not read, far from any it does, are left alone (writers add their own)."""
+    p = _variant(tmp_path, tiny_model, lambda g: g.kvs.append(gc.KV("quantize.imatrix.file", *gc.string("x.dat"))))
+    assert "quantize.imatrix.file" in GGUFModelFile(p).metadata

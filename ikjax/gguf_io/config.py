@@ -93,6 +93,7 @@ class ModelConfig:
         arch = md.get("general.architecture")
         if arch != ARCH:
             raise ModelFileError(f"{source}: unsupported architecture {arch!r} (ikjax runs {ARCH!r})")
+        _check_key_names(md, source)
         m = _Meta(md, source)
         n_head = m.int("attention.head_count", lo=1)
         rope_dim = m.int("rope.dimension_count", lo=2)
@@ -240,6 +241,60 @@ class ModelConfig:
 
 _BLK_RE = re.compile(r"^blk\.(\d+)\.")
 _NEXTN_TENSORS = ("eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_head", "shared_head_norm")
+
+
+# Keys ikjax reads. A key missing from a file falls back to a default (or is an error), so a key
+# whose name was damaged must not pass as merely "absent": see _check_key_names.
+READ_KEYS = frozenset(
+    [f"{ARCH}.{k}" for k in (
+        "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+        "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+        "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length", "attention.value_length",
+        "attention.key_length_mla", "attention.value_length_mla", "leading_dense_block_count",
+        "expert_feed_forward_length", "expert_count", "expert_used_count", "expert_shared_count",
+        "expert_weights_scale", "expert_weights_norm", "expert_gating_func", "expert_group_count",
+        "expert_group_used_count", "nextn_predict_layers", "rope.dimension_count", "rope.freq_base",
+        "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+        "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")]
+    + [f"tokenizer.ggml.{k}" for k in ("model", "pre", "tokens", "token_type", "merges", "bos_token_id",
+                                       "eos_token_id", "padding_token_id", "add_bos_token")]
+    + ["general.architecture", "general.alignment", "split.count", "split.no", "split.tensors.count"])
+
+
+def _standard_keys() -> frozenset[str]:
+    """Every key name the gguf package defines (with this architecture): legitimate, read or not."""
+    import inspect
+
+    import gguf
+    out = set()
+    for group in vars(gguf.Keys).values():
+        if inspect.isclass(group):
+            for v in vars(group).values():
+                if isinstance(v, str) and "{" not in v.replace("{arch}", ""):
+                    out.add(v.replace("{arch}", ARCH))
+    return frozenset(out)
+
+
+_STANDARD_KEYS: frozenset[str] | None = None
+
+
+def _check_key_names(md: Mapping[str, Any], source: str) -> None:
+    """A key no GGUF writer uses, one or two bytes away from a key ikjax reads that the file lacks, is
+    a damaged name (`expert_gating_fuoc`): refused, since reading the default instead would run a
+    different model (softmax for a sigmoid-gated V3, no YaRN, BOS dropped, ...)."""
+    global _STANDARD_KEYS
+    if _STANDARD_KEYS is None:
+        _STANDARD_KEYS = _standard_keys()
+    absent = [k for k in READ_KEYS if k not in md]
+    for key in md:
+        if key in READ_KEYS or key in _STANDARD_KEYS:
+            continue
+        for want in absent:
+            if len(want) == len(key):
+                d = sum(a != b for a, b in zip(key, want))
+                if d <= 2:
+                    raise ModelFileError(f"{source}: metadata key {key!r} is unknown and {d} character(s) away from "
+                                         f"{want}, which the file lacks: the key name looks damaged")
 
 
 def _kind(v: Any) -> str:

@@ -162,11 +162,11 @@ class _Cursor:
                 raise self.fail(f"truncated or damaged GGUF header: metadata {key}: string {i} of {count} starts "
                                 f"past the end of the file")
             n = unpack(buf, pos)[0]
+            if n > end - pos - 8:
+                raise self.fail(f"truncated or damaged GGUF header: metadata {key}: string {i} of {count} "
+                                f"({n} bytes) runs past the end of the file")
             offsets[i], lengths[i] = pos + 8, n
-            pos += 8 + n  # a length past the end fails at the next string or below
-        if pos > end:
-            raise self.fail(f"truncated or damaged GGUF header: metadata {key}: the last of its {count} strings "
-                            f"runs past the end of the file")
+            pos += 8 + n
         self.pos = pos
         return StringArray(buf, offsets, lengths)
 
