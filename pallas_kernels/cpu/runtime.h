@@ -1,0 +1,39 @@
+// Shared runtime of the CPU kernels: a persistent thread pool sized per call (-t / -tb), and the
+// registry through which each op's FFI handlers reach the Python module.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace ikj {
+
+// Cores this process may run on (sched_getaffinity), at least 1.
+int available_cores();
+
+// Run fn(ith, nth) on nth = min(n_threads, available) threads, the calling thread being ith 0;
+// returns when all have finished. n_threads <= 0 means every available core. Workers persist
+// between calls and spin briefly before sleeping, so a decode step's many small calls do not pay
+// a thread wake-up each (the reason for our own pool instead of std::async or OpenMP's defaults).
+void parallel(int n_threads, const std::function<void(int ith, int nth)>& fn);
+
+// Split [0, n) into near-equal contiguous chunks: the part of thread ith of nth.
+inline void split_range(int64_t n, int ith, int nth, int64_t* begin, int64_t* end) {
+  int64_t per = n / nth, rem = n % nth;
+  *begin = ith * per + (ith < rem ? ith : rem);
+  *end = *begin + per + (ith < rem ? 1 : 0);
+}
+
+// FFI handler registry: each <op>/cpu_ffi.cc adds its handlers at static-init time with
+//   static ikj::FfiRegistration reg("ikjax_cpu_quant_matmul", QuantMatmulFfi);
+struct FfiEntry {
+  std::string name;
+  void* handler;
+};
+std::vector<FfiEntry>& ffi_registry();
+struct FfiRegistration {
+  FfiRegistration(const char* name, void* handler) { ffi_registry().push_back({name, handler}); }
+};
+
+}  // namespace ikj

@@ -1,0 +1,34 @@
+// XLA FFI binding of the CPU quantized matmul: ikjax_cpu_quant_matmul.
+//   operands: x f32 [..., K], w u8 [N, row_bytes]; attributes: type (ggml type id), n_threads
+//   result:   y f32 [..., N]
+#include "quant_matmul/cpu_kernel.h"
+
+#include "cpu/runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+static ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
+                                  int64_t type, int64_t n_threads) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: bad ranks");
+  int64_t K = xd.back();
+  int64_t M = x.element_count() / (K ? K : 1);
+  int64_t N = wd[0], row_bytes = wd[1];
+  if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(type)))
+    return ffi::Error::InvalidArgument("quant_matmul: unsupported type id " + std::to_string(type));
+  IKJ_DISPATCH(quant_matmul)(x.typed_data(), w.typed_data(), y->typed_data(), M, N, K, row_bytes,
+                             static_cast<int>(type), static_cast<int>(n_threads));
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulFfi, QuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("type")
+                                  .Attr<int64_t>("n_threads"));
+
+static ikj::FfiRegistration reg("ikjax_cpu_quant_matmul", reinterpret_cast<void*>(QuantMatmulFfi));
