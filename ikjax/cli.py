@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 try:  # typer >= 0.24 carries its own click
     from typer._click.exceptions import ClickException as _ClickException
@@ -31,36 +31,86 @@ except ImportError:  # pragma: no cover
 
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.memory_plan import plan_memory
-from ikjax.options import RunOptions
+from ikjax.options import BARE_PARAMS, RunOptions, switch_notes
+
+try:  # typer >= 0.24 carries its own click
+    from typer._click.exceptions import NoSuchOption as _NoSuchOption
+    from typer._click.exceptions import UsageError as _UsageError
+    from typer._click.parser import _normalize_opt, _OptionParser
+except ImportError:  # pragma: no cover
+    from click.exceptions import NoSuchOption as _NoSuchOption
+    from click.exceptions import UsageError as _UsageError
+    from click.parser import _normalize_opt
+    from click.parser import OptionParser as _OptionParser
 
 _D = RunOptions()
 
-# options that ik_llama.cpp takes as bare flags (`-fa`, `-fmoe`) but that also take a value here
-_BARE_FLAGS = {"-fa", "--fa", "--flash-attn", "-fmoe", "--fmoe", "--fused-moe"}
 _FLAG_VALUE = re.compile(r"(?i)^(0|1|on|off|true|false|yes|no|auto)(,(0|1|on|off|true|false|yes|no|auto))*$")
+# ik's switches that may be given bare (`-fa`, `-rtr`) on the commands that take them; `_rewrite`'s default
+_BARE_FLAGS = {"-fa", "--fa", "--flash-attn", "-fmoe", "--fmoe", "--fused-moe"}
 
 
-def _rewrite(args: list[str]) -> list[str]:
-    """`-fa` with no value means `-fa 1` (ik's usage); `auto` means on."""
+def _rewrite(args: list[str], bare: set[str] | frozenset[str] = frozenset(_BARE_FLAGS),
+             has_positional: bool = False) -> list[str]:
+    """ik's bare switches: `-fa` alone means `-fa 1`; `auto` means on.
+
+    A bare switch followed by another option (or nothing) gets the value 1. Followed by a word that
+    is not 0/1/on/off/auto, it is refused naming the switch (`-fa 2`), unless the command takes a
+    positional argument (`ikjax info -fa model.gguf`), where the word is that argument.
+    """
     out: list[str] = []
-    for i, a in enumerate(args):
-        if a in _BARE_FLAGS:
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            out.append(a)
-            if nxt is None or not _FLAG_VALUE.match(nxt):
-                out.append("1")
-            continue
-        if out and out[-1] in _BARE_FLAGS and _FLAG_VALUE.match(a):
-            a = re.sub(r"(?i)auto", "1", a)
+    i = 0
+    while i < len(args):
+        a = args[i]
         out.append(a)
+        i += 1
+        if a == "--":
+            out += args[i:]
+            break
+        if a not in bare:
+            continue
+        nxt = args[i] if i < len(args) else None
+        if nxt is not None and _FLAG_VALUE.match(nxt):
+            out.append(re.sub(r"(?i)auto", "1", nxt))
+            i += 1
+        elif nxt is None or nxt.startswith("-") or (has_positional and not re.fullmatch(r"[\d.,]+", nxt)):
+            out.append("1")
+        else:
+            raise _UsageError(f"{a}: expected 0/1/on/off/auto, got {nxt}")
     return out
 
 
-class _Group(TyperGroup):
-    """Bare-flag rewriting, and every usage error as one line on stderr with exit code 1."""
+class _ExactParser(_OptionParser):
+    """click's parser without short-option clustering: a token with one dash and more than one letter
+    (`-mg`, `-ctv`, `-tb`) must be a declared option, never `-m g` or `-c tv`."""
+
+    def _process_opts(self, arg: str, state) -> None:
+        name = arg.split("=", 1)[0]
+        if arg[:1] == "-" and arg[:2] != "--" and len(name) > 2 and _normalize_opt(name, self.ctx) not in self._long_opt:
+            import difflib
+            close = difflib.get_close_matches(name, list(self._long_opt) + list(self._short_opt), n=3, cutoff=0.75)
+            raise _NoSuchOption(name, message=f"unknown option {name}"
+                                + (f" (did you mean {', '.join(close)}?)" if close else ""), ctx=self.ctx)
+        super()._process_opts(arg, state)
+
+
+class _ExactCommand(TyperCommand):
+    """A command whose options are matched exactly (ik's flags) and whose bare switches get 1."""
+
+    def make_parser(self, ctx) -> _OptionParser:
+        parser = _ExactParser(ctx)
+        for param in self.get_params(ctx):
+            param.add_to_parser(parser, ctx)
+        return parser
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, _rewrite(list(args)))
+        bare = {o for p in self.params if p.name in BARE_PARAMS for o in (*p.opts, *p.secondary_opts)}
+        has_positional = any(p.param_type_name == "argument" for p in self.params)
+        return super().parse_args(ctx, _rewrite(list(args), bare, has_positional))
+
+
+class _Group(TyperGroup):
+    """Every usage error as one line on stderr with exit code 1."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
@@ -102,7 +152,8 @@ FaOpt = Annotated[str, typer.Option("-fa", "--fa", "--flash-attn", help="flash a
 AmbOpt = Annotated[int, typer.Option("-amb", "--amb", "--attention-max-batch",
                                      help="without FA: cap the K*Q buffer at N MiB (attention in head chunks); 0 = off")]
 CtkOpt = Annotated[str, typer.Option("-ctk", "--ctk", "--cache-type-k", help="KV cache type: f32, f16, bf16, q8_0")]
-FmoeOpt = Annotated[str, typer.Option("-fmoe", "--fmoe", "--fused-moe", help="fused MoE 0|1 (bare -fmoe = 1)")]
+FmoeOpt = Annotated[str, typer.Option("-fmoe", "--fmoe", "--fused-moe", help="fused MoE 0|1 (bare -fmoe = 1; "
+                                      "default on, as ik)")]
 SerOpt = Annotated[Optional[str], typer.Option("-ser", "--ser", "--smart-expert-reduction",
                                                help="smart expert reduction 'Kmin,t'")]
 OtOpt = Annotated[Optional[list[str]], typer.Option("-ot", "--ot", "--override-tensor",
@@ -110,9 +161,40 @@ OtOpt = Annotated[Optional[list[str]], typer.Option("-ot", "--ot", "--override-t
                                                     "(e.g. exps=CPU); may repeat")]
 NglOpt = Annotated[int, typer.Option("-ngl", "--ngl", "--n-gpu-layers", "--gpu-layers",
                                      help="layers on accelerators")]
-TsOpt = Annotated[Optional[str], typer.Option("-ts", "--ts", "--tensor-split",
-                                              help="split across devices, e.g. 3,1 (accepted; ikjax splits evenly)")]
-ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (0 = all cores)")]
+ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads for generation (0 = all cores)")]
+ThreadsBatchOpt = Annotated[int, typer.Option("-tb", "--threads-batch",
+                                              help="CPU threads for prompt processing (0 = same as -t)")]
+CtvOpt = Annotated[Optional[str], typer.Option("-ctv", "--ctv", "--cache-type-v", help="V cache type (default: the "
+                                               "-ctk type). With -mla 1-3 there is no V cache: a different type is "
+                                               "noted and has no effect; with -mla 0 it must equal -ctk")]
+NoFmoeOpt = Annotated[Optional[str], typer.Option("-no-fmoe", "--no-fused-moe", help="fused MoE off (same as -fmoe 0)")]
+CpuMoeOpt = Annotated[Optional[str], typer.Option("-cmoe", "--cpu-moe", help="routed experts of all layers in host "
+                                                  "memory (shorthand for -ot 'ffn_(up|down|gate)_exps=CPU')")]
+NCpuMoeOpt = Annotated[int, typer.Option("-ncmoe", "--n-cpu-moe", help="routed experts of the first N layers in host "
+                                         "memory (shorthand for -ot 'blk\\.(0|...|N-1)\\.ffn_(up|down|gate)_exps=CPU')")]
+# ik switches that change nothing here: accepted with a one-line note (or refused), see options.switch_notes
+_NOTE = "accepted; a note says why it has no effect here"
+SmOpt = Annotated[Optional[str], typer.Option("-sm", "--split-mode", help="none|layer|graph: " + _NOTE + " (one device)")]
+MgOpt = Annotated[Optional[str], typer.Option("-mg", "--main-gpu", help="0 only: ikjax runs on the first visible device")]
+TsOpt = Annotated[Optional[str], typer.Option("-ts", "--ts", "--tensor-split", help="shares per device, e.g. 3,1: "
+                                              + _NOTE + " (one device)")]
+RtrOpt = Annotated[Optional[str], typer.Option("-rtr", "--run-time-repack", help="run-time repack: " + _NOTE)]
+ThpOpt = Annotated[Optional[str], typer.Option("-thp", "--transparent-huge-pages", help="huge pages: " + _NOTE)]
+NoMmapOpt = Annotated[Optional[str], typer.Option("--no-mmap", help=_NOTE)]
+NumaOpt = Annotated[Optional[str], typer.Option("--numa", help="distribute|isolate|numactl: " + _NOTE)]
+NkvoOpt = Annotated[Optional[str], typer.Option("-nkvo", "--no-kv-offload", help="KV cache in host memory: no effect "
+                                                "on CPU; refused on an accelerator (not implemented)")]
+OoaeOpt = Annotated[Optional[str], typer.Option("-ooae", "--offload-only-active-experts", help=_NOTE)]
+NoOoaeOpt = Annotated[Optional[str], typer.Option("-no-ooae", "--no-offload-only-active-experts", help=_NOTE)]
+OpOpt = Annotated[Optional[str], typer.Option("-op", "--offload-policy", help="per-op offload policy: " + _NOTE)]
+CudaOpt = Annotated[Optional[str], typer.Option("-cuda", "--cuda-params", help="ggml-cuda tuning: " + _NOTE)]
+MugeOpt = Annotated[Optional[str], typer.Option("-muge", "--merge-up-gate-experts", help=_NOTE)]
+MqkvOpt = Annotated[Optional[str], typer.Option("-mqkv", "--merge-qkv", help=_NOTE)]
+GerOpt = Annotated[Optional[str], typer.Option("-ger", "--grouped-expert-routing", help=_NOTE
+                                               + " (expert groups are always applied)")]
+WbOpt = Annotated[Optional[str], typer.Option("-wb", "--warmup-batch", help=_NOTE + " (steps are always warmed up)")]
+NrepOpt = Annotated[Optional[str], typer.Option("-nrep", "--n-repetitions", help="sweep-bench: repetitions of the "
+                                                "first row, averaged (ik's -nrep); noted elsewhere")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="matmul dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, f16 (not an ik flag)")]
 KvBlockOpt = Annotated[int, typer.Option("--kv-block", help="KV chunk of the blocked attention / KV bucket size")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="log loading and compilation")]
@@ -186,8 +268,10 @@ def resolve_model(spec: Optional[str]) -> str:
     return str(path)
 
 
-RUN_OPTION_PARAMS = ("ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "fmoe", "ser", "ot", "ngl", "threads",
-                     "dtype", "kv_block")
+RUN_OPTION_PARAMS = ("ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "ctv", "fmoe", "ser", "ot", "ngl", "threads",
+                     "threads_batch", "cpu_moe", "n_cpu_moe", "dtype", "kv_block")
+SWITCH_PARAMS = ("split_mode", "main_gpu", "ts", "rtr", "thp", "no_mmap", "numa", "nkvo", "ooae", "no_ooae", "op",
+                 "cuda", "muge", "mqkv", "ger", "wb", "nrep")
 
 
 def _run_options(params: dict[str, Any]) -> dict[str, Any]:
@@ -196,12 +280,26 @@ def _run_options(params: dict[str, Any]) -> dict[str, Any]:
     ot = kw.pop("ot", None)
     if ot:
         kw["ot"] = ",".join(ot) if isinstance(ot, list) else ot
+    no_fmoe = params.get("no_fmoe")
+    if no_fmoe is not None and RunOptions.from_kwargs(fmoe=no_fmoe).fmoe:  # ik's -no-fmoe: fused MoE off
+        kw["fmoe"] = "0"
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def _note_ts(ts: Optional[str]) -> None:
-    if ts:
-        _log(f"note: -ts {ts}: ikjax shards evenly over the visible devices; split ratios are not applied")
+def _backend() -> str:
+    import jax
+    return jax.default_backend()
+
+
+def _check_options(params: dict[str, Any], command: str) -> tuple[dict[str, Any], RunOptions]:
+    """Validate a command's run options and ik switches before anything is loaded; print one note per
+    option that has no effect here. Returns (ikjax.load keyword arguments, the checked RunOptions)."""
+    run_opts = _run_options(params)
+    checked = RunOptions.from_kwargs(**run_opts)
+    switches = {k: params[k] for k in SWITCH_PARAMS if k in params}
+    for line in switch_notes(switches, command, _backend()) + checked.notes():
+        _log("note: " + line)
+    return run_opts, checked
 
 
 def _load(model: Optional[str], verbose: bool = False, **opts: Any):
@@ -223,7 +321,55 @@ def _load(model: Optional[str], verbose: bool = False, **opts: Any):
 # sweep-bench
 
 
-@app.command("sweep-bench")
+class _Progress:
+    """A rich progress bar on stderr that never shares a line with what goes to stdout.
+
+    On a terminal the bar is taken off the screen before each stdout line and drawn again after it;
+    `log` prints a line above the bar. When stderr is not a terminal no bar is drawn and `status`
+    lines are printed as plain lines, so a log file still shows what the run is doing."""
+
+    def __init__(self, title: str, total: int, *, eta: bool = False):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        self.console = _stderr_console()
+        self.terminal = self.console.is_terminal
+        cols = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn()] + ([TimeRemainingColumn()] if eta else [])
+        self.prog = Progress(*cols, console=self.console, transient=True, redirect_stdout=False,
+                             redirect_stderr=False)
+        self.task = self.prog.add_task(title, total=total)
+
+    def __enter__(self) -> "_Progress":
+        self.prog.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.prog.stop()
+
+    def update(self, **kw) -> None:
+        self.prog.update(self.task, **kw)
+
+    def status(self, text: str) -> None:
+        if self.terminal:
+            self.prog.update(self.task, description=text)
+        else:
+            self.log(text)
+
+    def log(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def echo(self, line: str) -> None:
+        """One line to stdout, never on the bar's line."""
+        live = self.prog.live.is_started
+        if live:
+            self.prog.stop()
+        sys.stdout.flush()
+        typer.echo(line)
+        sys.stdout.flush()
+        if live:
+            self.prog.start()
+
+
+@app.command("sweep-bench", cls=_ExactCommand)
 @_handle
 def sweep_bench(
     model: ModelOpt = None,
@@ -236,14 +382,23 @@ def sweep_bench(
     fa: FaOpt = str(int(_D.fa)),
     amb: AmbOpt = _D.amb,
     ctk: CtkOpt = _D.ctk,
+    ctv: CtvOpt = None,
     fmoe: FmoeOpt = str(int(_D.fmoe)),
+    no_fmoe: NoFmoeOpt = None,
     ser: SerOpt = None,
     ot: OtOpt = None,
+    cpu_moe: CpuMoeOpt = None,
+    n_cpu_moe: NCpuMoeOpt = _D.n_cpu_moe,
     ngl: NglOpt = _D.ngl,
-    ts: TsOpt = None,
     threads: ThreadsOpt = _D.threads,
+    threads_batch: ThreadsBatchOpt = _D.threads_batch,
     dtype: DtypeOpt = _D.dtype,
     kv_block: KvBlockOpt = _D.kv_block,
+    nrep: NrepOpt = None,
+    split_mode: SmOpt = None, main_gpu: MgOpt = None, ts: TsOpt = None, rtr: RtrOpt = None, thp: ThpOpt = None,
+    no_mmap: NoMmapOpt = None, numa: NumaOpt = None, nkvo: NkvoOpt = None, ooae: OoaeOpt = None,
+    no_ooae: NoOoaeOpt = None, op: OpOpt = None, cuda: CudaOpt = None, muge: MugeOpt = None, mqkv: MqkvOpt = None,
+    ger: GerOpt = None, wb: WbOpt = None,
     output_format: Annotated[str, typer.Option("--output-format", "-of", help="md (ik's table) or jsonl")] = "md",
     plot: Annotated[Optional[str], typer.Option("--plot", help="also draw S_PP and S_TG vs N_KV to this PNG")] = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the random tokens")] = 0,
@@ -251,7 +406,7 @@ def sweep_bench(
 ) -> None:
     """PP and TG speed as the KV cache fills (ik_llama.cpp's llama-sweep-bench).
 
-    For N_KV = 0, ub, 2ub, ... while N_KV + ub <= c: generate TG tokens one at a time (timed), drop them, then process ub random tokens at N_KV (timed). All steps are compiled before timing; compile time goes to stderr.
+    For N_KV = 0, ub, 2ub, ... while N_KV + ub <= c: generate TG tokens one at a time (timed), drop them, then process ub random tokens at N_KV (timed). All steps are compiled before timing; compile progress and time go to stderr, the table (or JSONL) alone to stdout.
 
     Example: ikjax sweep-bench -m model.gguf -c 16384 -ub 2048 -mla 3 -fa --output-format jsonl --plot sweep.png
     """
@@ -260,46 +415,32 @@ def sweep_bench(
         raise OptionError(f"output-format: {output_format!r} is not md or jsonl")
     if n_gen is not None and n_gen < 0:
         raise OptionError(f"n: need >= 0, got {n_gen}")
-    _note_ts(ts)
-    run_opts = _run_options(locals())
-    checked = RunOptions.from_kwargs(**run_opts)
+    run_opts, checked = _check_options(locals(), "sweep-bench")
+    reps = int(nrep) if nrep else 1  # checked by _check_options
     if not sb.sweep_points(checked.ctx, checked.ubatch):
         raise OptionError(f"ubatch {checked.ubatch} is larger than the context c={checked.ctx}: nothing to sweep")
     eng = _load(model, verbose, **run_opts)
     ub = eng.options.ubatch
     tg = ub // 4 if n_gen is None else n_gen
-    points = sb.sweep_points(eng.options.ctx, ub)
-    if not points:
-        raise OptionError(f"ubatch {ub} is larger than the context c={eng.options.ctx}: nothing to sweep")
     shapes = sb.step_shapes(eng, tg)
     t0 = time.perf_counter()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    console = _stderr_console()
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True) as prog:
-        task = prog.add_task("compiling", total=len(shapes))
-        sb.precompile(eng, tg, lambda t, kv, s: prog.advance(task))
+    with _Progress("compiling", total=len(shapes)) as prog:
+        sb.precompile(eng, tg, on_shape=lambda *_: prog.update(advance=1),
+                      on_begin=lambda k, n, t, kv: prog.status(f"compiling step {k}/{n} ({t} tokens, KV bucket {kv})"))
     compile_s = time.perf_counter() - t0
     _log(f"compiled {len(shapes)} step shapes in {compile_s:.2f}s (not in the timings)")
     info = sb.RunInfo.of(eng)
-    if output_format == "md":
-        typer.echo("")
-        typer.echo(info.banner())
-        typer.echo("")
-        typer.echo(sb.HEADER)
-        typer.echo(sb.SEPARATOR)
     rows = []
     t0 = time.perf_counter()
-    with Progress(TextColumn("sweep-bench"), BarColumn(), TextColumn("N_KV {task.fields[n_kv]}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as prog:
-        task = prog.add_task("sweep", total=sb.total_work(eng, tg), n_kv=0)
-        for row in sb.run(eng, tg, seed=seed, on_progress=lambda done, _: prog.update(task, completed=done)):
+    with _Progress("sweep-bench", total=sb.total_work(eng, tg, reps), eta=True) as prog:
+        if output_format == "md":
+            for line in ("", info.banner(), "", sb.HEADER, sb.SEPARATOR):
+                prog.echo(line)
+        for row in sb.run(eng, tg, seed=seed, nrep=reps,
+                          on_progress=lambda done, _: prog.update(completed=done)):
             rows.append(row)
-            prog.update(task, n_kv=row.n_kv + ub)
-            line = row.markdown() if output_format == "md" else row.jsonl(info)
-            prog.console.file.flush() if hasattr(prog.console.file, "flush") else None
-            typer.echo(line)
-            sys.stdout.flush()
+            prog.update(description=f"sweep-bench N_KV {row.n_kv + ub}")
+            prog.echo(row.markdown() if output_format == "md" else row.jsonl(info))
     _log(f"sweep took {time.perf_counter() - t0:.2f}s (+ {compile_s:.2f}s compile)")
     if plot:
         import json
@@ -310,7 +451,7 @@ def sweep_bench(
         _log(f"plot written to {out}")
 
 
-@app.command("plot")
+@app.command("plot", cls=_ExactCommand)
 @_handle
 def plot_cmd(
     files: Annotated[list[str], typer.Argument(help="sweep-bench JSONL files to overlay")],
@@ -328,92 +469,132 @@ def plot_cmd(
 # bench (llama-bench)
 
 
-@app.command("bench")
+@app.command("bench", cls=_ExactCommand)
 @_handle
 def bench(
     model: Annotated[Optional[list[str]], typer.Option("-m", "--model", help="GGUF file(s); repeat or comma list")] = None,
     n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="prompt sizes, e.g. 512 or 128,512")] = "512",
     n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="generation lengths, e.g. 128")] = "128",
-    gp: Annotated[Optional[list[str]], typer.Option("-gp", "--gp", "-pg", "--n-gen-prompt",
-                                                    help="PP,TG: TG tokens after a PP-token prompt, printed "
-                                                    "tgTG@ppPP (may repeat)")] = None,
+    pg: Annotated[Optional[list[str]], typer.Option("-pg", "--pg", help="PP,TG: PP prompt tokens then TG generated "
+                                                    "ones, timed together, printed ppPP+tgTG (may repeat)")] = None,
+    gp: Annotated[Optional[list[str]], typer.Option("-gp", "--gp", "--n-gen-prompt",
+                                                    help="PP,TG: TG tokens timed after an untimed PP-token prompt, "
+                                                    "printed tgTG@ppPP (may repeat)")] = None,
     depth: Annotated[str, typer.Option("-d", "--n-depth", help="KV depth for the -p/-n tests, e.g. 0,4096")] = "0",
     reps: Annotated[int, typer.Option("-r", "--repetitions", help="timed repetitions per test")] = 5,
-    output: Annotated[str, typer.Option("-o", "--output", help="md, json or csv")] = "md",
-    mla: Annotated[str, typer.Option("-mla", "--mla", help="MLA mode(s), e.g. 2,3")] = str(_D.mla),
+    output: Annotated[str, typer.Option("-o", "--output", help="md, json, jsonl or csv (llama-bench's keys)")] = "md",
+    mla: Annotated[str, typer.Option("-mla", "--mla", "--mla-attn", help="MLA mode(s), e.g. 2,3")] = str(_D.mla),
     fa: FaOpt = str(int(_D.fa)),
     ubatch: Annotated[str, typer.Option("-ub", "--ubatch", "--ubatch-size", help="micro-batch(es)")] = str(_D.ubatch),
     batch: Annotated[str, typer.Option("-b", "--batch", "--batch-size", help="batch size(s)")] = str(_D.batch),
     ctk: Annotated[str, typer.Option("-ctk", "--ctk", "--cache-type-k", help="KV cache type(s)")] = _D.ctk,
-    amb: Annotated[str, typer.Option("-amb", "--amb", "--attention-max-batch", help="MiB cap(s)")] = str(_D.amb),
+    ctv: Annotated[Optional[str], typer.Option("-ctv", "--ctv", "--cache-type-v", help="V cache type(s) (see "
+                                               "sweep-bench -ctv)")] = None,
+    amb: Annotated[str, typer.Option("-amb", "--amb", "--attn-max-batch", "--attention-max-batch",
+                                     help="MiB cap(s)")] = str(_D.amb),
     fmoe: FmoeOpt = str(int(_D.fmoe)),
+    no_fmoe: NoFmoeOpt = None,
     ser: Annotated[Optional[str], typer.Option("-ser", "--ser", help="'Kmin,t'; several separated by ';'")] = None,
     ot: Annotated[Optional[str], typer.Option("-ot", "--ot", "--override-tensor",
                                               help="REGEX=DEV[,...]; several rule lists separated by ';'")] = None,
+    cpu_moe: CpuMoeOpt = None,
+    n_cpu_moe: NCpuMoeOpt = _D.n_cpu_moe,
     ngl: Annotated[str, typer.Option("-ngl", "--ngl", "--n-gpu-layers", help="GPU layers")] = str(_D.ngl),
-    ts: TsOpt = None,
     threads: Annotated[str, typer.Option("-t", "--threads", help="thread count(s)")] = str(_D.threads),
+    threads_batch: ThreadsBatchOpt = _D.threads_batch,
     dtype: Annotated[str, typer.Option("--dtype", help="compute dtype(s)")] = _D.dtype,
     kv_block: KvBlockOpt = _D.kv_block,
+    nrep: NrepOpt = None,
+    split_mode: SmOpt = None, main_gpu: MgOpt = None, ts: TsOpt = None, rtr: RtrOpt = None, thp: ThpOpt = None,
+    no_mmap: NoMmapOpt = None, numa: NumaOpt = None, nkvo: NkvoOpt = None, ooae: OoaeOpt = None,
+    no_ooae: NoOoaeOpt = None, op: OpOpt = None, cuda: CudaOpt = None, muge: MugeOpt = None, mqkv: MqkvOpt = None,
+    ger: GerOpt = None, wb: WbOpt = None,
     seed: Annotated[int, typer.Option("-s", "--seed")] = 0,
     verbose: VerboseOpt = False,
 ) -> None:
-    """llama-bench: pp512 / tg128 / tg64@pp8192 tests over the Cartesian product of comma lists.
+    """llama-bench: pp512 / tg128 / pp512+tg128 / tg64@pp8192 tests over the Cartesian product of comma lists.
 
-    Example: ikjax bench -m m.gguf -p 512 -n 128 -gp 8192,64 -mla 2,3 -ub 512,2048 -r 3 -o md
+    Example: ikjax bench -m m.gguf -p 512 -n 128 -pg 512,128 -gp 8192,64 -mla 2,3 -ub 512,2048 -r 3 -o md
 
-    Each result is mean ± sd of tokens/s over -r runs (after an untimed warm-up that compiles). A combination that fails to load or run is printed as a 'skipped: reason' row; the rest goes on.
+    Each result is mean ± sd of tokens/s over -r runs (after an untimed warm-up that compiles). -pg P,T times P prompt tokens and T generated ones together (t/s = (P+T)/time); -gp P,T times only the T generated tokens after P untimed prompt tokens. A combination that fails to load or run is printed as a 'skipped: reason' row; the rest goes on.
     """
-    import jax
-
     from ikjax import llama_bench as lb
     _setup_logging(verbose)
-    if output not in ("md", "json", "csv", "jsonl"):
-        raise OptionError(f"output: {output!r} is not md, json or csv")
+    if output not in ("md", "json", "jsonl", "csv"):
+        raise OptionError(f"output: {output!r} is not md, json, jsonl or csv")
     if reps < 1:
         raise OptionError(f"repetitions: need >= 1, got {reps}")
-    _note_ts(ts)
+    # the ik switches and the options that are not swept, checked (and noted) once
+    switches = {k: v for k, v in locals().items() if k in SWITCH_PARAMS}
+    fixed = dict(threads_batch=threads_batch, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, kv_block=kv_block)
+    fixed = {k: v for k, v in fixed.items() if v is not None}
+    RunOptions.from_kwargs(**fixed)
+    for line in switch_notes(switches, "bench", _backend()):
+        _log("note: " + line)
+    if no_fmoe is not None and RunOptions.from_kwargs(fmoe=no_fmoe).fmoe:
+        fmoe = "0"
     models = []
     for m in model or [None]:
         for part in (m.split(",") if m else [None]):
             models.append(resolve_model(part))
-    gps = []
-    for g in gp or []:
-        vals = lb.int_list(g, "gp")
-        if len(vals) != 2:
-            raise OptionError(f"gp: expected PP,TG, got {g!r}")
-        gps.append((vals[0], vals[1]))
-    tests = lb.make_tests(lb.int_list(n_prompt, "p"), lb.int_list(n_gen, "n"), gps, lb.int_list(depth, "d") or [0])
+
+    def pairs(values: Optional[list[str]], flag: str) -> list[tuple[int, int]]:
+        out = []
+        for g in values or []:
+            vals = lb.int_list(g, flag)
+            if len(vals) != 2 or min(vals) < 0:
+                raise OptionError(f"{flag}: expected PP,TG, got {g!r}")
+            out.append((vals[0], vals[1]))
+        return out
+    tests = lb.make_tests(lb.int_list(n_prompt, "p"), lb.int_list(n_gen, "n"), pairs(gp, "gp"),
+                          lb.int_list(depth, "d") or [0], pairs(pg, "pg"))
     if not tests:
-        raise OptionError("no tests: give -p, -n or -gp")
-    params = dict(mla=mla, fa=fa, ubatch=ubatch, batch=batch, ctk=ctk, amb=amb, fmoe=fmoe, ser=ser, ot=ot,
+        raise OptionError("no tests: give -p, -n, -pg or -gp")
+    params = dict(mla=mla, fa=fa, ubatch=ubatch, batch=batch, ctk=ctk, ctv=ctv, amb=amb, fmoe=fmoe, ser=ser, ot=ot,
                   ngl=ngl, threads=threads, dtype=dtype)
+    seen: set[str] = set()
+    for combo in lb.combinations(params):  # every combination's notes (e.g. -ctv with mla 3), once each
+        try:
+            notes = RunOptions.from_kwargs(**{lb.SWEPT[k]: v for k, v in combo.items()}).notes()
+        except OptionError:
+            continue  # reported as that combination's skipped row
+        for line in notes:
+            if line not in seen:
+                seen.add(line)
+                _log("note: " + line)
     shown = ["ngl", "threads", "ubatch", "mla", "fa"]
     defaults = dict(batch=str(_D.batch), ctk=_D.ctk, amb=str(_D.amb), fmoe=str(int(_D.fmoe)), dtype=_D.dtype)
-    for k in ("batch", "ctk", "amb", "fmoe", "ser", "ot", "dtype"):
+    for k in ("batch", "ctk", "ctv", "amb", "fmoe", "ser", "ot", "dtype"):
         if params[k] not in (None, "") and params[k] != defaults.get(k):
             shown.append(k)
     for k, v in params.items():  # anything swept is shown
         if k not in shown and v and len(lb.split_list(v, k)) > 1:
             shown.append(k)
-    table = lb.MarkdownTable(shown, jax.default_backend().upper())
+    table = lb.MarkdownTable(shown, _backend().upper())
     console = _stderr_console()
-    if output == "md":
-        for line in table.header():
-            typer.echo(line)
+    first = []
+
+    def emit(line: str) -> None:
+        status.stop()  # the spinner (stderr) never shares a line with a result (stdout)
+        typer.echo(line)
+        sys.stdout.flush()
+        status.start()
 
     def on_result(r):
         if output == "md":
-            typer.echo(table.row(r))
+            if not first:
+                first.append(1)
+                for line in table.header():
+                    emit(line)
+            emit(table.row(r))
         elif output == "jsonl":
-            import json
-            typer.echo(json.dumps(r.record(), ensure_ascii=False))
+            emit(lb.to_jsonl(r))
         if r.error:
-            _log(f"skipped {os.path.basename(r.model)} {r.params}: {r.error}")
+            console.print(f"skipped {os.path.basename(r.model)} {r.params}: {r.error}", markup=False, highlight=False)
 
     with console.status("bench") as status:
         results = lb.run_bench(models, params, tests, reps, on_result, lambda s: status.update(s),
-                               extra_options={"kv_block": kv_block}, seed=seed)
+                               extra_options=fixed, seed=seed)
     if output == "json":
         typer.echo(lb.to_json(results))
     elif output == "csv":
@@ -424,7 +605,7 @@ def bench(
 # generate
 
 
-@app.command("generate")
+@app.command("generate", cls=_ExactCommand)
 @_handle
 def generate(
     model: ModelOpt = None,
@@ -442,34 +623,54 @@ def generate(
     fa: FaOpt = str(int(_D.fa)),
     amb: AmbOpt = _D.amb,
     ctk: CtkOpt = _D.ctk,
+    ctv: CtvOpt = None,
     fmoe: FmoeOpt = str(int(_D.fmoe)),
+    no_fmoe: NoFmoeOpt = None,
     ser: SerOpt = None,
     ot: OtOpt = None,
+    cpu_moe: CpuMoeOpt = None,
+    n_cpu_moe: NCpuMoeOpt = _D.n_cpu_moe,
     ngl: NglOpt = _D.ngl,
-    ts: TsOpt = None,
     threads: ThreadsOpt = _D.threads,
+    threads_batch: ThreadsBatchOpt = _D.threads_batch,
     dtype: DtypeOpt = _D.dtype,
     kv_block: KvBlockOpt = _D.kv_block,
+    nrep: NrepOpt = None,
+    split_mode: SmOpt = None, main_gpu: MgOpt = None, ts: TsOpt = None, rtr: RtrOpt = None, thp: ThpOpt = None,
+    no_mmap: NoMmapOpt = None, numa: NumaOpt = None, nkvo: NkvoOpt = None, ooae: OoaeOpt = None,
+    no_ooae: NoOoaeOpt = None, op: OpOpt = None, cuda: CudaOpt = None, muge: MugeOpt = None, mqkv: MqkvOpt = None,
+    ger: GerOpt = None, wb: WbOpt = None,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Generate text from a prompt, streamed to stdout (like llama-cli -p ... -n ...)."""
+    """Generate text from a prompt, streamed to stdout (like llama-cli -p ... -n ...).
+
+    The steps the run needs are compiled first (progress on stderr); the speed line on stderr times
+    the prompt and the generated tokens apart, without compilation."""
     from ikjax.tokenizer import GGUFTokenizer
     if n_predict < 0:
         raise OptionError(f"n-predict: need >= 0, got {n_predict}")
-    _note_ts(ts)
-    eng = _load(model, verbose, **_run_options(locals()))
+    run_opts, _ = _check_options(locals(), "generate")
+    eng = _load(model, verbose, **run_opts)
     tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
     ids = tok.encode(prompt)
     if not ids:
         raise OptionError("prompt: empty (and the model has no BOS token)")
     if len(ids) + n_predict > eng.options.ctx:
         raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context c={eng.options.ctx}")
+    shapes = _generate_shapes(eng, len(ids), n_predict)
+    t0 = time.perf_counter()
+    with _Progress("compiling", total=len(shapes)) as prog:
+        for k, (n_tok, kv) in enumerate(shapes, 1):
+            prog.status(f"compiling step {k}/{len(shapes)} ({n_tok} tokens, KV bucket {eng.kv_bucket(kv, n_tok)})")
+            eng.precompile(1, n_tok, kv)
+            prog.update(advance=1)
+    _log(f"compiled {len(shapes)} step shapes in {time.perf_counter() - t0:.2f}s (not in the timings)")
     if not no_echo:
         typer.echo(prompt, nl=False)
-    t0 = time.perf_counter()
     n = 0
     t_first = None
+    t0 = time.perf_counter()
 
     def counted():
         nonlocal n, t_first
@@ -485,12 +686,25 @@ def generate(
         sys.stdout.write(piece)
         sys.stdout.flush()
     typer.echo("")
-    dt = time.perf_counter() - t0
+    t_end = time.perf_counter()
     if t_first is not None:
-        tg = n - 1
-        tg_s = time.perf_counter() - t_first
-        _log(f"prompt {len(ids)} tokens + first token: {t_first - t0:.2f}s (includes compilation); "
-             f"generated {n} tokens in {dt:.2f}s" + (f", {tg / tg_s:.2f} t/s after the first" if tg > 0 and tg_s > 0 else ""))
+        pp_s, tg_s = t_first - t0, t_end - t_first
+        _log(f"prompt: {len(ids)} tokens in {pp_s:.3f}s ({len(ids) / pp_s:.2f} t/s, first token included); "
+             f"generated {n} tokens" + (f", {n - 1} after the first in {tg_s:.3f}s ({(n - 1) / tg_s:.2f} t/s)"
+                                        if n > 1 and tg_s > 0 else "") + " (compilation not included)")
+
+
+def _generate_shapes(eng, n_prompt: int, n_predict: int) -> list[tuple[int, int]]:
+    """(tokens, KV needed) of every step `eng.generate` runs for this prompt: its ubatch chunks, then
+    one-token steps up to the last generated position (Engine.prefill / _generate chunk the same way)."""
+    seen: dict[tuple[int, int], tuple[int, int]] = {}
+    ub = eng.options.ubatch
+    for c0 in range(0, n_prompt, ub):
+        t = eng.token_bucket(min(ub, n_prompt - c0))
+        seen.setdefault((t, eng.kv_bucket(c0 + t, t)), (t, c0 + t))
+    for pos in range(n_prompt, n_prompt + max(n_predict - 1, 0)):
+        seen.setdefault((1, eng.kv_bucket(pos + 1, 1)), (1, pos + 1))
+    return list(seen.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,7 +730,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-@app.command("info")
+@app.command("info", cls=_ExactCommand)
 @_handle
 def info(
     file: Annotated[Optional[str], typer.Argument(help="GGUF file (any shard of a split model)")] = None,
@@ -528,7 +742,10 @@ def info(
     fa: FaOpt = str(int(_D.fa)),
     amb: AmbOpt = _D.amb,
     ctk: CtkOpt = _D.ctk,
+    ctv: CtvOpt = None,
     ot: OtOpt = None,
+    cpu_moe: CpuMoeOpt = None,
+    n_cpu_moe: NCpuMoeOpt = _D.n_cpu_moe,
     kv_block: KvBlockOpt = _D.kv_block,
     tensors: Annotated[bool, typer.Option("--tensors", help="also list every tensor")] = False,
 ) -> None:
@@ -536,7 +753,7 @@ def info(
     options (-c, -ctk, -mla, -ub, -fa, -ot) — from the header only, instant on any file size."""
     from ikjax.gguf_io.config import ModelConfig
     from ikjax.gguf_io.reader import GGUFModelFile
-    opts = RunOptions.from_kwargs(**_run_options(locals()))
+    _, opts = _check_options(locals(), "info")
     path = file or model
     if path is None or path.startswith("synthetic:"):
         path = resolve_model(path)
@@ -617,7 +834,7 @@ def _prod(shape) -> int:
 # make-model
 
 
-@app.command("make-model")
+@app.command("make-model", cls=_ExactCommand)
 @_handle
 def make_model(
     preset: Annotated[str, typer.Option("--preset", help="tiny, v2-lite, v3 or r1")] = "tiny",
@@ -626,6 +843,8 @@ def make_model(
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="GGUF file to write")] = None,
     layers: Annotated[Optional[int], typer.Option("--layers", help="override the layer count")] = None,
     experts: Annotated[Optional[int], typer.Option("--experts", help="override the routed expert count")] = None,
+    q_lora_rank: Annotated[Optional[int], typer.Option("--q-lora-rank", help="low-rank q projection of this width "
+                                                       "(attn_q_a/attn_q_b, as V3/R1); 0 = direct attn_q")] = None,
     seed: Annotated[int, typer.Option("-s", "--seed")] = 0,
 ) -> None:
     """Write a synthetic deepseek2 model with real shapes and random quantized weights (streamed to disk)."""
@@ -634,7 +853,7 @@ def make_model(
     from ikjax import synthetic
     if output is None:
         raise OptionError("output: give -o FILE.gguf")
-    cfg = synthetic.preset_config(preset, layers, experts)
+    cfg = synthetic.preset_config(preset, layers, experts, q_lora_rank)
     plans = synthetic.plan_tensors(cfg, qtype.upper()) if qtype.upper() in synthetic.SUPPORTED_TYPES else None
     if plans is None:
         raise OptionError(f"type: {qtype!r} is not one of {', '.join(synthetic.SUPPORTED_TYPES)}")
@@ -646,7 +865,7 @@ def make_model(
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=_stderr_console(), transient=True) as prog:
         task = prog.add_task(f"{preset} {qtype.upper()}", total=total)
-        synthetic.make_model(output, preset, qtype, layers=layers, experts=experts, seed=seed,
+        synthetic.make_model(output, preset, qtype, layers=layers, experts=experts, q_lora_rank=q_lora_rank, seed=seed,
                              progress=lambda name, done, tot: prog.update(task, completed=done))
     typer.echo(f"wrote {output}: {preset}, {cfg['num_hidden_layers']} layers, {qtype.upper()}, "
                f"{_fmt_bytes(total)} in {time.perf_counter() - t0:.1f}s")
@@ -667,7 +886,7 @@ def _free_bytes(d: Path) -> int | None:
 CONFIG_COMMANDS: dict[str, Callable] = {}
 
 
-@app.command("run")
+@app.command("run", cls=_ExactCommand)
 @_handle
 def run(
     config: Annotated[str, typer.Option("--config", "-C", help="JSON file: {\"command\": \"sweep-bench\", "

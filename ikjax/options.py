@@ -1,8 +1,10 @@
 """RunOptions: ik_llama.cpp's run flags as one validated, hashable value.
 
-Names follow ik's flags (`-mla`, `-fa`, `-amb`, `-ctk`, `-fmoe`, `-ser`, `-ot`, `-c`, `-ub`, `-b`)
-so the Python API, the CLI and JSON configs share one vocabulary. Every bad value or impossible
-combination is refused here, at load, with one line naming the option.
+Names follow ik's flags (`-mla`, `-fa`, `-amb`, `-ctk`, `-ctv`, `-fmoe`, `-ser`, `-ot`, `-c`, `-ub`,
+`-b`, `-t`, `-tb`, `--cpu-moe`, `--n-cpu-moe`) so the Python API, the CLI and JSON configs share one
+vocabulary. Every bad value or impossible combination is refused here, at load, with one line naming
+the option; a value that is valid but changes nothing here is reported by `RunOptions.notes()`.
+Defaults are ik_llama.cpp's where they change results or speed (`-mla 3`, `-fa` on, fused MoE on).
 """
 from __future__ import annotations
 
@@ -15,6 +17,19 @@ from ikjax.errors import OptionError
 
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 COMPUTE_DTYPES = ("auto", "f32", "bf16", "f16")
+# the tensors `--cpu-moe` / `--n-cpu-moe N` keep in host memory (ik: ffn_{up,down,gate}_exps)
+ROUTED_EXPERTS = r"ffn_(up|down|gate)_exps"
+
+
+def cpu_moe_rules(cpu_moe: bool, n_cpu_moe: int) -> tuple["TensorOverride", ...]:
+    """`--cpu-moe` / `--n-cpu-moe N` as the `-ot` rules ik expands them to (routed experts of all
+    layers / of layers 0..N-1 on the CPU)."""
+    if cpu_moe:
+        return (TensorOverride(ROUTED_EXPERTS, "CPU"),)
+    if n_cpu_moe > 0:
+        layers = "|".join(str(i) for i in range(n_cpu_moe))
+        return (TensorOverride(rf"blk\.({layers})\.{ROUTED_EXPERTS}", "CPU"),)
+    return ()
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,8 @@ class RunOptions:
     fa: bool = True
     amb: int = 0
     ctk: str = "f16"
-    fmoe: bool = False
+    ctv: str = ""  # V cache type; "" = the -ctk type (the only V type the caches store, see _checked)
+    fmoe: bool = True  # ik's default: fused MoE on
     ser: SmartExpertReduction | None = None
     ot: tuple[TensorOverride, ...] = ()
     ctx: int = 4096
@@ -89,14 +105,18 @@ class RunOptions:
     batch: int = 2048
     dtype: str = "auto"  # matmul input dtype; not an ik flag. auto: f32 on CPU, bf16 on accelerators
     ngl: int = 99
-    threads: int = 0
+    threads: int = 0  # -t: CPU threads for generation (0 = all cores)
+    threads_batch: int = 0  # -tb: CPU threads for prompt processing (0 = same as -t)
+    cpu_moe: bool = False  # --cpu-moe: routed experts of every layer in host memory (an -ot shorthand)
+    n_cpu_moe: int = 0  # --n-cpu-moe N: routed experts of layers 0..N-1 in host memory (an -ot shorthand)
     kv_block: int = 256  # KV chunk of the blocked (flash) attention; bucket granularity of the KV length
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "RunOptions":
         known = {f.name for f in dataclasses.fields(cls)}
         aliases = {"c": "ctx", "ub": "ubatch", "b": "batch", "n_ctx": "ctx", "flash_attn": "fa",
-                   "cache_type_k": "ctk", "t": "threads", "n_gpu_layers": "ngl"}
+                   "cache_type_k": "ctk", "cache_type_v": "ctv", "t": "threads", "tb": "threads_batch",
+                   "n_gpu_layers": "ngl", "cmoe": "cpu_moe", "ncmoe": "n_cpu_moe", "fused_moe": "fmoe"}
         values: dict[str, Any] = {}
         for key, value in kwargs.items():
             name = aliases.get(key, key)
@@ -122,8 +142,10 @@ class RunOptions:
             if name not in v:
                 return
             x = v[name]
-            if isinstance(x, str) and x.lower() in ("1", "0", "true", "false", "on", "off"):
-                x = x.lower() in ("1", "true", "on")
+            if isinstance(x, str) and x.lower() in ("1", "0", "true", "false", "on", "off", "yes", "no"):
+                x = x.lower() in ("1", "true", "on", "yes")
+            elif name == "fa" and isinstance(x, str) and x.lower() == "auto":  # ik's -fa auto: on where it can run
+                x = True
             if isinstance(x, int) and x in (0, 1):
                 x = bool(x)
             if not isinstance(x, bool):
@@ -137,11 +159,16 @@ class RunOptions:
         integer("batch", 1)
         integer("ngl", 0)
         integer("threads", 0)
+        integer("threads_batch", 0)
+        integer("n_cpu_moe", 0)
         integer("kv_block", 1)
         boolean("fa")
         boolean("fmoe")
-        for name, allowed in (("ctk", CACHE_TYPES), ("dtype", COMPUTE_DTYPES)):
-            if name in v:
+        boolean("cpu_moe")
+        if v.get("ctv") is None:
+            v.pop("ctv", None)
+        for name, allowed in (("ctk", CACHE_TYPES), ("ctv", CACHE_TYPES), ("dtype", COMPUTE_DTYPES)):
+            if name in v and not (name == "ctv" and v[name] == ""):
                 x = str(v[name]).lower()
                 if x not in allowed:
                     raise OptionError(f"{name}: {v[name]!r} is not one of {', '.join(allowed)}")
@@ -153,7 +180,34 @@ class RunOptions:
         opts = cls(**v)
         if opts.ubatch > opts.batch:  # as llama.cpp: a micro-batch is never larger than the batch
             opts = dataclasses.replace(opts, ubatch=opts.batch)
+        if opts.cpu_moe and opts.n_cpu_moe:
+            raise OptionError(f"cpu-moe: give either --cpu-moe (all layers) or --n-cpu-moe {opts.n_cpu_moe}, not both")
+        if opts.mla == 0 and opts.ctv and opts.ctv != opts.ctk:
+            # mla 0 keeps per-head K and V rows, both stored in one cache type (ikjax/cache.py)
+            raise OptionError(f"ctv: with -mla 0 the V cache is stored in the -ctk type ({opts.ctk}); a different "
+                              f"V type ({opts.ctv}) is not supported: give -ctv {opts.ctk} or leave -ctv out")
+        # --cpu-moe / --n-cpu-moe: ik's -ot shorthands, after the user's rules (first match wins)
+        extra = tuple(r for r in cpu_moe_rules(opts.cpu_moe, opts.n_cpu_moe) if r not in opts.ot)
+        if extra:
+            opts = dataclasses.replace(opts, ot=opts.ot + extra)
         return opts
+
+    @property
+    def v_cache_type(self) -> str:
+        return self.ctv or self.ctk
+
+    @property
+    def prompt_threads(self) -> int:
+        """Threads for prompt processing: -tb, or -t when -tb is 0."""
+        return self.threads_batch or self.threads
+
+    def notes(self) -> list[str]:
+        """One line per option that is valid but has no effect here, and why (the CLI prints them)."""
+        out = []
+        if self.mla != 0 and self.ctv and self.ctv != self.ctk:
+            out.append(f"-ctv {self.ctv} has no effect with -mla {self.mla}: MLA caches one latent entry per token "
+                       f"(V is part of it, stored as -ctk {self.ctk}); there is no V cache")
+        return out
 
     def with_model(self, n_expert_used: int, has_moe: bool) -> "RunOptions":
         """Checks that need the model (and the backend): refuse what cannot run, never ignore it."""
@@ -167,3 +221,115 @@ class RunOptions:
             if self.ser.min_experts > n_expert_used:
                 raise OptionError(f"ser: Kmin {self.ser.min_experts} exceeds the model's {n_expert_used} experts per token")
         return self
+
+
+# ---------------------------------------------------------------------------------------------
+# ik_llama.cpp switches that are not run options here: each is accepted with a one-line note saying
+# why it has no effect, or refused naming itself. One table for the CLI and JSON configs.
+
+ON_VALUES = ("1", "true", "on", "yes")
+OFF_VALUES = ("0", "false", "off", "no")
+SPLIT_MODES = ("none", "layer", "graph")
+NUMA_MODES = ("distribute", "isolate", "numactl")
+ONE_DEVICE = "has no effect with one device (ikjax runs on one device; multi-device split is not implemented yet)"
+
+# parameter name -> (ik flag as users type it, how its value is read)
+SWITCHES: dict[str, tuple[str, str]] = {
+    "split_mode": ("-sm", "split_mode"), "main_gpu": ("-mg", "int"), "ts": ("-ts", "split"),
+    "rtr": ("-rtr", "bool"), "thp": ("-thp", "bool"), "no_mmap": ("--no-mmap", "bool"), "numa": ("--numa", "numa"),
+    "nkvo": ("-nkvo", "bool"), "ooae": ("-ooae", "bool"), "no_ooae": ("-no-ooae", "bool"),
+    "op": ("-op", "text"), "cuda": ("-cuda", "text"), "muge": ("-muge", "bool"), "mqkv": ("-mqkv", "bool"),
+    "ger": ("-ger", "bool"), "wb": ("-wb", "bool"), "nrep": ("-nrep", "int"),
+}
+# parameters whose flags may be given bare (`-rtr` = `-rtr 1`), as ik's main programs take them
+BARE_PARAMS = frozenset({"fa", "fmoe", "no_fmoe", "cpu_moe"} | {k for k, (_, kind) in SWITCHES.items() if kind == "bool"})
+
+_WHY = {
+    "rtr": "ikjax lays the weights out for its kernels at load whether or not -rtr is given",
+    "thp": "ikjax does not request transparent huge pages (weights live in JAX buffers)",
+    "no_mmap": "ikjax maps the GGUF read-only and copies each tensor into its runtime buffers at load either way",
+    "ooae": "ikjax never copies host-resident experts to an accelerator, which is what -ooae/-no-ooae tune",
+    "no_ooae": "ikjax never copies host-resident experts to an accelerator, which is what -ooae/-no-ooae tune",
+    "op": "ikjax has no per-op offload policy: host-resident weights are computed where they live",
+    "cuda": "these tune ggml's CUDA backend; ikjax's GPU path is XLA and Pallas",
+    "muge": "ikjax keeps the routed experts' up and gate apart in memory; fused MoE (-fmoe, on by default) "
+            "already runs them as one pass",
+    "mqkv": "ikjax always stacks the attention input matrices (q or q_a with kv_a_mqa) into one product at load "
+            "when their types agree",
+    "ger": "ikjax always applies the model's expert-group routing, as the reference model does",
+}
+
+
+def _flag_bool(flag: str, value: Any) -> bool:
+    """A switch's value: bare (given as 1), 0/1/on/off/true/false, or a comma list of them (llama-bench)."""
+    items = [value] if isinstance(value, bool) else str(value).split(",")
+    out = False
+    for x in items:
+        x = str(x).strip().lower() if not isinstance(x, bool) else ("1" if x else "0")
+        if x not in ON_VALUES + OFF_VALUES:
+            raise OptionError(f"{flag}: expected 0/1/on/off, got {value!r}")
+        out |= x in ON_VALUES
+    return out
+
+
+def switch_notes(values: dict[str, Any], command: str, backend: str = "cpu") -> list[str]:
+    """Check ik's switches a command was given (parameter name -> value; None = not given).
+
+    Returns the one-line notes to print (each names its flag and says why it has no effect here);
+    raises OptionError naming the flag for a bad value or a setting that cannot be met.
+    `-nrep` is honoured by sweep-bench (the caller uses it) and only noted elsewhere.
+    """
+    notes = []
+    for name, value in values.items():
+        if name not in SWITCHES or value is None or value == "":
+            continue
+        flag, kind = SWITCHES[name]
+        if kind == "bool":
+            if not _flag_bool(flag, value):
+                continue  # explicitly off: ik's default for all of these, nothing to say
+            if name == "nkvo":
+                if backend != "cpu":
+                    raise OptionError("-nkvo: keeping the KV cache in host memory while the model runs on an "
+                                      "accelerator is not implemented")
+                notes.append("-nkvo has no effect on CPU: the KV cache is already in host memory")
+            elif name == "wb":
+                notes.append(f"-wb has no effect: {command} compiles and runs every step shape once before timing")
+            else:
+                notes.append(f"{flag} has no effect: {_WHY[name]}")
+        elif kind == "split_mode":
+            modes = [m.strip().lower() for m in str(value).split(",")]
+            bad = [m for m in modes if m not in SPLIT_MODES]
+            if bad:
+                raise OptionError(f"-sm: expected none, layer or graph, got {value!r}")
+            notes.append(f"-sm {value} {ONE_DEVICE}")
+        elif kind == "split":
+            parts = [p for p in re.split(r"[,/;]", str(value)) if p.strip()]
+            try:
+                shares = [float(p) for p in parts]
+            except ValueError:
+                raise OptionError(f"-ts: expected shares like 3,1, got {value!r}") from None
+            if not shares or any(not (x >= 0) for x in shares):
+                raise OptionError(f"-ts: expected non-negative shares like 3,1, got {value!r}")
+            notes.append(f"-ts {value} {ONE_DEVICE}")
+        elif kind == "int":
+            try:
+                ints = [int(str(x).strip()) for x in str(value).split(",")]
+            except ValueError:
+                raise OptionError(f"{flag}: expected an integer, got {value!r}") from None
+            if any(x < (1 if name == "nrep" else 0) for x in ints):
+                raise OptionError(f"{flag}: {value} out of range")
+            if name == "main_gpu":
+                if any(x != 0 for x in ints):
+                    raise OptionError(f"-mg {value}: ikjax runs on the first visible device only; choose the device "
+                                      "with CUDA_VISIBLE_DEVICES")
+                notes.append(f"-mg {value} {ONE_DEVICE}")
+            elif name == "nrep" and command != "sweep-bench":
+                notes.append(f"-nrep has no effect in {command}: it repeats sweep-bench's first row"
+                             + ("; bench repeats with -r" if command == "bench" else ""))
+        elif kind == "numa":
+            if str(value).lower() not in NUMA_MODES:
+                raise OptionError(f"--numa: expected distribute, isolate or numactl, got {value!r}")
+            notes.append(f"--numa {value} has no effect: ikjax does not pin threads or memory to NUMA nodes")
+        elif kind == "text":
+            notes.append(f"{flag} {value} has no effect: {_WHY[name]}")
+    return notes

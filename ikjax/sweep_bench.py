@@ -3,7 +3,8 @@
 For n_kv = 0, ub, 2ub, ... while n_kv + ub <= c: generate `tg` tokens one at a time at positions
 n_kv.. (timed), drop them (the next step simply starts at n_kv again: later rows are masked), then
 process `ub` random tokens at n_kv (timed). Every step shape the sweep will hit is compiled before
-the first timer starts; compile time is reported separately.
+the first timer starts; compile time is reported separately. `nrep` (ik's `-nrep`) repeats the first
+row's TG and PP that many times and reports the mean, as ik's sweep-bench does.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class RunInfo:
     def of(cls, eng) -> "RunInfo":
         o = eng.options
         threads = o.threads or os.cpu_count() or 1
-        return cls(o.ctx, o.batch, o.ubatch, int(o.fa), o.ngl, threads, threads)
+        return cls(o.ctx, o.batch, o.ubatch, int(o.fa), o.ngl, threads, o.threads_batch or threads)
 
     def banner(self) -> str:
         return ("main: n_kv_max = %d, n_batch = %d, n_ubatch = %d, flash_attn = %d, n_gpu_layers = %d, "
@@ -91,10 +92,17 @@ def step_shapes(eng, tg: int) -> list[tuple[int, int]]:
     return sorted(((t, kv) for (t, _), kv in seen.items()), key=lambda x: (x[1], x[0]))
 
 
-def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None = None) -> float:
-    """Compile every step of the sweep ahead of time; total seconds."""
+def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None = None,
+               on_begin: Callable[[int, int, int, int], None] | None = None) -> float:
+    """Compile every step of the sweep ahead of time; total seconds.
+
+    on_begin(k, n, n_tokens, kv_bucket) is called before step k of n compiles (a compile can take
+    many seconds: the CLI shows it), on_shape(n_tokens, kv_needed, seconds) after."""
     total = 0.0
-    for n_tokens, kv in step_shapes(eng, tg):
+    shapes = step_shapes(eng, tg)
+    for k, (n_tokens, kv) in enumerate(shapes, 1):
+        if on_begin:
+            on_begin(k, len(shapes), n_tokens, eng.kv_bucket(kv, n_tokens))
         s = eng.precompile(1, n_tokens, kv)
         total += s
         if on_shape:
@@ -103,8 +111,12 @@ def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None 
 
 
 def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
-        on_progress: Callable[[int, int], None] | None = None) -> Iterator[SweepRow]:
-    """Yield one SweepRow per N_KV point (compile first with `precompile`, or the first rows pay it)."""
+        on_progress: Callable[[int, int], None] | None = None, nrep: int = 1) -> Iterator[SweepRow]:
+    """Yield one SweepRow per N_KV point (compile first with `precompile`, or the first rows pay it).
+
+    The first row's TG and PP run `nrep` times each and report the mean time (ik's -nrep)."""
+    if nrep < 1:
+        raise ValueError(f"nrep must be >= 1, got {nrep}")
     o = eng.options
     ub = o.ubatch
     tg = ub // 4 if tg is None else tg
@@ -118,26 +130,30 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
         out, cache = eng.step(cache, rng.integers(0, vocab, (1, ub)), np.array([0]))
         out.block_until_ready()
     done = 0
-    for n_kv in points:
+    for row, n_kv in enumerate(points):
+        reps = nrep if row == 0 else 1
         t0 = time.perf_counter()
-        for i in range(tg):
-            out, cache = eng.step(cache, rng.integers(0, vocab, (1, 1)), np.array([n_kv + i]))
+        for _ in range(reps):
+            for i in range(tg):
+                out, cache = eng.step(cache, rng.integers(0, vocab, (1, 1)), np.array([n_kv + i]))
+                out.block_until_ready()
+                done += 1
+                if on_progress:
+                    on_progress(done, 0)
+        t_tg = (time.perf_counter() - t0) / reps
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            toks = rng.integers(0, vocab, (1, ub))
+            out, cache = eng.step(cache, toks, np.array([n_kv]))  # the tg tokens at n_kv.. are overwritten
             out.block_until_ready()
-            done += 1
+            done += ub
             if on_progress:
                 on_progress(done, 0)
-        t_tg = time.perf_counter() - t0
-        toks = rng.integers(0, vocab, (1, ub))
-        t0 = time.perf_counter()
-        out, cache = eng.step(cache, toks, np.array([n_kv]))  # the tg tokens at n_kv.. are overwritten
-        out.block_until_ready()
-        t_pp = time.perf_counter() - t0
-        done += ub
-        if on_progress:
-            on_progress(done, 0)
+        t_pp = (time.perf_counter() - t0) / reps
         yield SweepRow(ub, tg, n_kv, t_pp, t_tg)
 
 
-def total_work(eng, tg: int) -> int:
-    """Progress units: one per TG token plus ub per PP step."""
-    return len(sweep_points(eng.options.ctx, eng.options.ubatch)) * (tg + eng.options.ubatch)
+def total_work(eng, tg: int, nrep: int = 1) -> int:
+    """Progress units: one per TG token plus ub per PP step (the first row `nrep` times)."""
+    n = len(sweep_points(eng.options.ctx, eng.options.ubatch))
+    return (n + (nrep - 1 if n else 0)) * (tg + eng.options.ubatch)

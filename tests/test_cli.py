@@ -48,6 +48,8 @@ def test_bare_flag_rewrite():
     assert _rewrite(["-fa", "0", "-fmoe"]) == ["-fa", "0", "-fmoe", "1"]
     assert _rewrite(["-fa", "0,1"]) == ["-fa", "0,1"]
     assert _rewrite(["-fa", "auto"]) == ["-fa", "1"]
+    assert _rewrite(["-fa", "-fmoe"]) == ["-fa", "1", "-fmoe", "1"]
+    assert _rewrite(["-fa", "model.gguf"], has_positional=True) == ["-fa", "1", "model.gguf"]
 
 
 def test_short_flags_reach_the_options(tiny_model):
@@ -137,18 +139,27 @@ def test_bench_cartesian_product_and_skip(tiny_model):
 
 
 def test_bench_json_csv_depth(tiny_model):
-    res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 2, "-gp", "32,2", "-d", "0,16", "-r", 2, "-o", "json"])
+    res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 2, "-gp", "32,2", "-pg", "16,4", "-d", "0,16", "-r", 2,
+                  "-o", "json"])
     recs = json.loads(res.stdout)
-    assert [r["test"] for r in recs] == ["pp16", "tg2", "pp16@d16", "tg2@d16", "tg2@pp32"]
+    assert [r["test"] for r in recs] == ["pp16", "tg2", "pp16@d16", "tg2@d16", "pp16+tg4", "tg2@pp32"]
     for r in recs:
         assert r["error"] is None and len(r["samples_ts"]) == 2 and r["avg_ts"] > 0
         assert r["avg_ts"] == pytest.approx(sum(r["samples_ts"]) / 2, rel=1e-4)
-    assert recs[-1]["n_depth"] == 32 and recs[-1]["n_gen"] == 2
+    by = {r["test"]: r for r in recs}
+    # ik's n_prompt/n_gen: tg2@pp32 has a 32-token (untimed) prompt; pp16+tg4 times 16 + 4 tokens together
+    assert (by["tg2@pp32"]["n_prompt"], by["tg2@pp32"]["n_gen"], by["tg2@pp32"]["n_depth"]) == (32, 2, 0)
+    assert (by["pp16@d16"]["n_prompt"], by["pp16@d16"]["n_depth"]) == (16, 16)
+    pg = by["pp16+tg4"]
+    assert (pg["n_prompt"], pg["n_gen"]) == (16, 4)
+    for ts, ns in zip(pg["samples_ts"], pg["samples_ns"]):
+        assert ts == pytest.approx((16 + 4) / (ns / 1e9), rel=1e-6)
     res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 0, "-r", 1, "-o", "csv"])
-    lines = res.stdout.strip().splitlines()
-    head = lines[0].split(",")
-    assert "test" in head and "avg_ts" in head and len(lines) == 2
-    assert lines[1].split(",")[head.index("test")] == "pp16"
+    import csv
+    import io
+    rows = list(csv.DictReader(io.StringIO(res.stdout)))
+    assert len(rows) == 1 and rows[0]["test"] == "pp16" and float(rows[0]["avg_ts"]) > 0
+    assert rows[0]["flash_attn"] == "1" and rows[0]["ser"] == "-1,0"  # llama-bench's CSV: bools as 0/1
 
 
 # -- run --config ----------------------------------------------------------------------------------------
