@@ -1,10 +1,22 @@
 // Quantized matmul kernels, declared for every instruction-set level (see cpu/isa.h).
+//
+// Two layers: `qgemm_tile` is the single-threaded core (a block of output columns for a block of
+// activation rows) that other ops (the fused MoE) call from their own parallel regions;
+// `quant_matmul` is the whole product, threaded over the pool.
 #pragma once
 #include <cstdint>
 
 #include "cpu/isa.h"
 
-// x [M, K] f32 row-major, w [N, row_bytes] GGUF blocks of `type`, y [M, N] f32.
+// Whether `type` (ggml type id) has a C++ path at this level.
+IKJ_DECLARE(bool, quant_matmul_supported, (int type))
+
+// y[m * ldy + n] = sum_k x[m * K + k] * W[n][k] for m in [0, M), n in [n0, n1).
+// w points at row 0 of W ([N, row_bytes] GGUF blocks of `type`); x float32 [M, K] row-major.
+// Single-threaded; scratch it needs is its own (thread-local).
+IKJ_DECLARE(void, qgemm_tile, (const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                               int type, int64_t n0, int64_t n1, float* y, int64_t ldy))
+
+// x [M, K] f32 row-major, w [N, row_bytes] GGUF blocks of `type`, y [M, N] f32; n_threads <= 0: all.
 IKJ_DECLARE(void, quant_matmul, (const float* x, const uint8_t* w, float* y, int64_t M, int64_t N,
                                  int64_t K, int64_t row_bytes, int type, int n_threads))
-IKJ_DECLARE(bool, quant_matmul_supported, (int type))
