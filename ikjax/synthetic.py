@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from ikjax.atomic_file import atomic_write
 from ikjax.errors import OptionError
 from ikjax.gguf_io import writer as gw
 
@@ -88,7 +89,12 @@ class TensorPlan:
         return math.prod(self.shape) // be * bb
 
 
-def preset_config(preset: str, layers: int | None = None, experts: int | None = None) -> dict[str, Any]:
+def preset_config(preset: str, layers: int | None = None, experts: int | None = None,
+                  q_lora_rank: int | None = None) -> dict[str, Any]:
+    """The preset's HF-style config with the overrides applied. `q_lora_rank`: N >= 1 gives the
+    low-rank q projection (attn_q_a, attn_q_a_norm, attn_q_b) of width N, as V3/R1 have; 0 gives
+    the direct attn_q of V2-Lite; None keeps the preset's (ik_llama.cpp refuses a q_lora-less
+    model unless it has 27 layers, so a shortened V2-Lite for ik needs a rank)."""
     if preset not in PRESETS:
         raise OptionError(f"preset: {preset!r} is not one of {', '.join(PRESETS)}")
     cfg = dict(PRESETS[preset])
@@ -104,6 +110,10 @@ def preset_config(preset: str, layers: int | None = None, experts: int | None = 
             raise OptionError(f"experts: need >= {used} (experts per token) and a multiple of {groups} groups, "
                               f"got {experts}")
         cfg["n_routed_experts"] = experts
+    if q_lora_rank is not None:
+        if isinstance(q_lora_rank, bool) or not isinstance(q_lora_rank, int) or q_lora_rank < 0:
+            raise OptionError(f"q-lora-rank: need an integer >= 0 (0 = direct attn_q), got {q_lora_rank!r}")
+        cfg["q_lora_rank"] = q_lora_rank or None
     return cfg
 
 
@@ -226,21 +236,28 @@ def tensor_chunks(t: TensorPlan, rng: np.random.Generator, pools: dict) -> Itera
 
 
 def make_model(path: str | os.PathLike, preset: str = "tiny", qtype: str = "Q8_0", *, layers: int | None = None,
-               experts: int | None = None, seed: int = 0,
+               experts: int | None = None, q_lora_rank: int | None = None, seed: int = 0,
                progress: Callable[[str, int, int], None] | None = None) -> Path:
     """Write a synthetic model; returns the path. `progress(name, bytes_done, bytes_total)` per tensor."""
     qtype = qtype.upper()
     if qtype not in SUPPORTED_TYPES:
         raise OptionError(f"type: {qtype!r} is not one of {', '.join(SUPPORTED_TYPES)}")
-    cfg = preset_config(preset, layers, experts)
+    cfg = preset_config(preset, layers, experts, q_lora_rank)
     plans = plan_tensors(cfg, qtype)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    rng = np.random.default_rng(seed)
+    total = sum(t.nbytes for t in plans)
+    # header + metadata (the vocab strings) + alignment padding: well under this for every preset
+    overhead = (1 << 20) + 64 * cfg["vocab_size"] + 32 * len(plans)
+    with atomic_write(path, total + overhead, what="output") as tmp:
+        _write_model(tmp, cfg, plans, preset, qtype, layers, q_lora_rank, seed, progress)
+    return Path(path)
 
+
+def _write_model(tmp: Path, cfg: dict, plans: list[TensorPlan], preset: str, qtype: str, layers, q_lora_rank,
+                 seed: int, progress) -> None:
+    rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(None, gw.ARCH)
-    name = PRESET_NAMES[preset] + (f" {cfg['num_hidden_layers']}L" if layers else "")
+    name = PRESET_NAMES[preset] + (f" {cfg['num_hidden_layers']}L" if layers else "") + \
+        (f" q_lora {cfg['q_lora_rank']}" if q_lora_rank is not None and cfg["q_lora_rank"] else "")
     label = gw._size_label([(t.name, t.shape) for t in plans])
     kv = gw.deepseek2_metadata(cfg, layout="all", qtype=QT[qtype], name=name, size_label=label)
     kv += gw.tokenizer_metadata(cfg["vocab_size"], None, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -254,30 +271,31 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", qtype: str = "Q8_0
         be, bb = gguf.GGML_QUANT_SIZES[t.qtype]
         byte_shape = (*t.shape[:-1], t.shape[-1] // be * bb)
         writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.qtype)
-    writer.write_header_to_file(tmp)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    fout = writer.fout[0]
-    align = writer.data_alignment
-    total = sum(t.nbytes for t in plans)
-    done = 0
-    pools: dict = {}
     try:
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        align = writer.data_alignment
+        total = sum(t.nbytes for t in plans)
+        done = 0
+        pools: dict = {}
         for t in plans:
             writer.write_padding(fout, fout.tell())
             written = 0
             for chunk in tensor_chunks(t, rng, pools):
                 fout.write(memoryview(np.ascontiguousarray(chunk)))
                 written += chunk.nbytes
-            assert written == t.nbytes, (t.name, written, t.nbytes)
+            if written != t.nbytes:  # a bug here, not a user error: never publish such a file
+                raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
             done += t.nbytes
             if progress:
                 progress(t.name, done, total)
         writer.write_padding(fout, fout.tell(), align)
+    except OSError as e:  # disk full, I/O error: one line; atomic_write removes the temporary file
+        raise OptionError(f"output: writing {tmp.name} failed: {e.strerror or e}") from None
     finally:
         writer.close()
-    os.replace(tmp, path)
-    return path
 
 
 def default_model_path() -> Path:

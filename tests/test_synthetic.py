@@ -95,3 +95,46 @@ def test_bad_requests():
         synthetic.preset_config("v3", experts=12)  # not a multiple of 8 groups
     with pytest.raises(ikjax.OptionError, match="type"):
         synthetic.make_model("/tmp/never.gguf", "tiny", "Q9_9")
+
+
+def test_q_lora_rank_override(tmp_path):
+    """`make-model --q-lora-rank N` (the shape ik accepts for a shortened V2-Lite): attn_q_a /
+    attn_q_a_norm / attn_q_b of width N instead of attn_q, the metadata key, and it loads and runs."""
+    cfg, plans = _cfg("v2-lite", "Q8_0", layers=4, q_lora_rank=1536)
+    names = {t.name: t for t in plans}
+    assert "blk.0.attn_q.weight" not in names
+    assert names["blk.0.attn_q_a.weight"].shape == (1536, 2048)
+    assert names["blk.0.attn_q_a_norm.weight"].shape == (1536,)
+    assert names["blk.3.attn_q_b.weight"].shape == (16 * 192, 1536)
+    _, direct = _cfg("r1", "Q4_0", layers=4, q_lora_rank=0)  # 0: the direct attn_q of V2-Lite
+    assert any(t.name == "blk.0.attn_q.weight" for t in direct) and not any("attn_q_a" in t.name for t in direct)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ikjax.OptionError, match="q-lora-rank"):
+            synthetic.preset_config("tiny", q_lora_rank=bad)
+
+    p = synthetic.make_model(tmp_path / "ql.gguf", "tiny", "Q8_0", layers=2, q_lora_rank=96)
+    r = gguf.GGUFReader(str(p))
+    assert r.fields["deepseek2.attention.q_lora_rank"].contents() == 96
+    assert "q_lora 96" in r.fields["general.name"].contents()
+    eng = ikjax.load(p, ctx=64, ubatch=16)
+    assert eng.config.q_lora_rank == 96
+    assert eng.weights["layers"][0]["q_b"].shape == (8 * 96, 96)
+    logits = eng.logits([0, 5, 17, 300])
+    assert np.isfinite(logits).all() and 0.05 < float(logits.std()) < 50
+
+
+def test_q_lora_rank_cli_and_json_config(tmp_path):
+    from typer.testing import CliRunner
+
+    from ikjax.cli import app
+    out = tmp_path / "cli.gguf"
+    res = CliRunner().invoke(app, ["make-model", "--preset", "tiny", "--layers", "1", "--q-lora-rank", "64",
+                                   "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert gguf.GGUFReader(str(out)).fields["deepseek2.attention.q_lora_rank"].contents() == 64
+    cfg = tmp_path / "mm.json"
+    out2 = tmp_path / "json.gguf"
+    cfg.write_text(f'{{"command": "make-model", "preset": "tiny", "layers": 1, "q_lora_rank": 32, "output": "{out2}"}}')
+    res = CliRunner().invoke(app, ["run", "--config", str(cfg)])
+    assert res.exit_code == 0, res.output
+    assert gguf.GGUFReader(str(out2)).fields["deepseek2.attention.q_lora_rank"].contents() == 32

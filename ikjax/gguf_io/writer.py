@@ -32,6 +32,9 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
+from ikjax.atomic_file import atomic_write_dir
+from ikjax.errors import OptionError
+
 __all__ = [
     "LAYOUTS",
     "write_deepseek2_gguf",
@@ -120,13 +123,17 @@ WRITABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 def _qtype(qtype: str | QT) -> QT:
-    return qtype if isinstance(qtype, QT) else QT[str(qtype).upper()]
+    if isinstance(qtype, QT):
+        return qtype
+    if str(qtype).upper() not in QT.__members__:
+        raise OptionError(f"qtype {qtype!r}: not a GGML type name")
+    return QT[str(qtype).upper()]
 
 
 def _writable(qtype: str | QT) -> QT:
     qt = _qtype(qtype)
     if qt.name not in WRITABLE_TYPES:
-        raise ValueError(f"qtype {qt.name}: the gguf package cannot quantize to it (use {'/'.join(WRITABLE_TYPES)})")
+        raise OptionError(f"qtype {qt.name}: the gguf package cannot quantize to it (use {'/'.join(WRITABLE_TYPES)})")
     return qt
 
 
@@ -147,7 +154,7 @@ def deepseek2_metadata(cfg: Mapping[str, Any], *, layout: str = "all", qtype: st
     Returns ``[(key, value, GGUFValueType)]``. ``general.architecture`` is added by the writer.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise OptionError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     a = ARCH
     n_head = int(cfg["num_attention_heads"])
     nope, rope, v = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"])
@@ -363,7 +370,7 @@ def deepseek2_tensors(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarra
     (transformers 5.x module names).
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise OptionError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     sd = unfuse_experts(state_dict)
     n_layer = int(cfg["num_hidden_layers"])
     n_expert = int(cfg["n_routed_experts"])
@@ -502,11 +509,18 @@ def write_deepseek2_gguf(path: str | Path, hf_config: Mapping[str, Any], state_d
         writer.add_tensor(tname, raw, raw_dtype=qt)
 
     paths = shard_paths(path, len(writer.tensors))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer.write_header_to_file(path)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    # all or nothing: shards are written in a temporary directory beside the target and moved
+    # into place once the last byte is written; any failure or interrupt removes them
+    needed = sum(raw.nbytes for _, raw, _, _ in tensors) + (1 << 20)
+    with atomic_write_dir(path, needed, what="output") as tmpdir:
+        try:
+            writer.write_header_to_file(tmpdir / path.name)
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        except OSError as e:
+            raise OptionError(f"output: writing {path} failed: {e.strerror or e}") from None
+        finally:
+            writer.close()
     return paths
 
 

@@ -1,0 +1,117 @@
+"""Output files that appear whole or not at all (make-model, the GGUF writer, plot).
+
+The target is checked before a byte is written (not a directory or other non-regular file, a
+writable place, enough free space for what is about to be written); the data goes to a hidden
+temporary file in the same directory, which is renamed over the target only after the last byte,
+and removed on any failure or interrupt (KeyboardInterrupt included). A killed process (SIGKILL)
+can still leave a `.NAME.*.part` file behind; nothing ever leaves a truncated file under NAME.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from ikjax.errors import OptionError
+
+# Room kept free beyond the bytes a write needs (file system metadata, other writers).
+FREE_MARGIN = 16 << 20
+
+
+def _fmt(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _existing_ancestor(p: Path) -> Path:
+    for a in (p, *p.parents):
+        if a.exists():
+            return a
+    return Path("/")
+
+
+def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "output") -> Path:
+    """Refuse, with one line naming `what` and the path, a target that cannot take the file:
+    an existing directory or non-regular file, a parent that is not a directory or not writable,
+    or a file system with less than `needed_bytes` free. Returns the absolute target path."""
+    p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    if p.exists() or p.is_symlink():
+        try:
+            mode = p.stat().st_mode
+        except OSError as e:
+            raise OptionError(f"{what}: {path}: {e.strerror}") from None
+        if stat.S_ISDIR(mode):
+            raise OptionError(f"{what}: {path} is a directory (give a file name)")
+        if not stat.S_ISREG(mode):
+            raise OptionError(f"{what}: {path} exists and is not a regular file")
+    base = _existing_ancestor(p.parent)
+    if not base.is_dir():
+        raise OptionError(f"{what}: cannot create {path}: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise OptionError(f"{what}: cannot write {path}: {base} is not writable")
+    if needed_bytes:
+        try:
+            st = os.statvfs(base)
+        except OSError:
+            st = None
+        if st is not None:
+            free = st.f_bavail * st.f_frsize
+            if free < needed_bytes + FREE_MARGIN:
+                raise OptionError(f"{what}: {path} needs {_fmt(needed_bytes)} but {base} has {_fmt(free)} free")
+    return p
+
+
+def _make_parent(p: Path, what: str) -> None:
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OptionError(f"{what}: cannot create the directory {p.parent}: {e.strerror}") from None
+
+
+def _publish_mode(tmp: Path) -> None:
+    """mkstemp makes 0600 files; the finished file gets the usual 0666 & ~umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, needed_bytes: int = 0, what: str = "output") -> Iterator[Path]:
+    """`with atomic_write(p, n) as tmp:` write the file at `tmp`; on a clean exit it becomes `p`.
+
+    Any exception or interrupt inside the block removes `tmp` and re-raises."""
+    target = check_target(path, needed_bytes, what)
+    _make_parent(target, what)
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        _publish_mode(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def atomic_write_dir(path: str | os.PathLike, needed_bytes: int = 0, what: str = "output") -> Iterator[Path]:
+    """For writers that make several files named after `path` (split GGUF shards): yields a
+    temporary directory beside the target; on a clean exit every file written in it is moved
+    next to `path` (each rename atomic), on any failure the directory is removed."""
+    target = check_target(path, needed_bytes, what)
+    _make_parent(target, what)
+    tmpdir = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part"))
+    try:
+        yield tmpdir
+        for f in sorted(tmpdir.iterdir()):
+            check_target(target.parent / f.name, 0, what)
+        for f in sorted(tmpdir.iterdir()):
+            _publish_mode(f)
+            os.replace(f, target.parent / f.name)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
