@@ -1,6 +1,7 @@
 // Quantized matmul on the CPU, y[m, n] = sum_k x[m, k] * W[n, k], W read as stored GGUF blocks.
 // Compiled once per instruction-set level (namespace IKJ_NS); see pallas_kernels/CMakeLists.txt.
 #include "quant_matmul/cpu_kernel.h"
+#include "quant_matmul/cpu_dequant.h"
 
 #include "cpu/common.h"
 #include "cpu/runtime.h"
@@ -10,7 +11,7 @@
 namespace IKJ_NS {
 
 // Dequantize one row of K values of a supported type into out (float).
-static bool dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
+bool dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
   using namespace ikj;
   switch (type) {
     case T_F32:
@@ -25,8 +26,12 @@ static bool dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
       }
       return true;
     default:
-      return false;
+      return dequant_row_kquants(type, row, K, out);
   }
+}
+
+bool dequant_supported(int type) {
+  return type == ikj::T_F32 || type == ikj::T_Q8_0 || dequant_row_kquants(type, nullptr, 0, nullptr);
 }
 
 bool quant_matmul_supported(int type) { return type == ikj::T_F32 || type == ikj::T_Q8_0; }
