@@ -1,60 +1,138 @@
-"""One dispatch point per kernel operation: Pallas on GPU, plain jnp elsewhere.
+"""One registry per kernel op: the model calls only these, never a backend directly.
 
-Backend choice, per call: the `backend=` argument, else the environment variable
-`IKJAX_KERNELS` (`auto` | `jnp` | `pallas` | `interpret`), else `auto`: Pallas when
-`jax.default_backend() == "gpu"` and the kernel supports the type and shape, jnp otherwise.
-`interpret` runs the Pallas kernels in interpret mode (any backend; slow; for tests).
-A forced `pallas` on an unsupported type/shape falls back to jnp for that call (the kernels
-cover a subset; the reference covers everything).
+Each op (`quant_linear`, `moe_experts`, `mla_attention`) has implementations
 
-Weights: the kernels read a planar repacking of the GGUF blocks (`PackedWeight`), made once at load
-with `prepare_weight(qa)` (lossless, bit-exact with `QuantArray.dequantize`; roughly the same
-bytes). Every function here also accepts a plain `QuantArray`; on the Pallas path that repacks
-inside the step, which is correct but costs a pass over the weight: prepare at load.
+- `xla`: the plain-jnp reference (pallas_kernels/<op>/reference.py), which covers every type and
+  shape on every platform;
+- `pallas`: the Pallas GPU kernels (`interpret` runs them in interpret mode anywhere, for tests);
+- `cpu`: the C++ kernels reached through XLA FFI custom calls (pallas_kernels/<op>/cpu.py),
 
-Signatures (all results float32):
-    prepare_weight(qa: QuantArray) -> PackedWeight | QuantArray       # QuantArray if no kernel layout
-    quant_linear(x [..., K], w [N, K], dtype, *, backend=None) -> [..., N]
-    moe_experts(x [N, d], weights [N, k] f32, ids [N, k] int, gate [E, F, d], up [E, F, d],
-                down [E, d, F], dtype, *, backend=None) -> [N, d]     # routed part only, fused SiLU·mul
-    mla_decode_attention(q [B, H, 576], cache [B, S, 576] | {"q","d"} q8_0, lengths [B] int, scale,
-                         *, v_dim=512, dtype, backend=None) -> [B, H, v_dim]
+each with a `supported(...)` check. Choice per call: the `backend=` argument, else the trace-time
+context (`kernel_context(...)`, set by the model from the run options), else `IKJAX_KERNELS`
+(`auto | xla | pallas | cpu | interpret`; `jnp` is an old name of `xla`), else `auto`: `pallas` on
+a GPU, `cpu` on a CPU. An implementation that does not support a call's type or shape hands
+that call to `xla` (the reference covers everything); `selected()` says which one ran, and the
+CPU path's coverage of every type the issue names is tested, so this is a documented rule, not
+a silent fallback. Rules that pick between forms of one op (gather vs grouped MoE; Pallas only for
+decode-sized products under `auto`) are written here, once.
+
+Weights: the Pallas kernels read a planar repacking of the GGUF blocks (`PackedWeight`) made once
+at load with `prepare_weight(qa)`; the C++ kernels read the GGUF blocks as stored.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+import sys
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from ikjax.errors import OptionError
 from ikjax.quant.array import QuantArray
+from pallas_kernels import cpu as _cpu
 from pallas_kernels.quant_matmul import packing as _qm_packing
 from pallas_kernels.quant_matmul.packing import PackedWeight, prepare as _prepare
 from pallas_kernels.quant_matmul.reference import quant_matmul_ref
 from pallas_kernels.quant_matmul import kernel as _qm
+from pallas_kernels.quant_matmul import cpu as _qm_cpu
 from pallas_kernels.moe_matmul.reference import moe_experts_ref, moe_experts_grouped_ref
 from pallas_kernels.moe_matmul import kernel as _moe
 from pallas_kernels.mla_decode.reference import mla_decode_ref
 from pallas_kernels.mla_decode import kernel as _mla
 
-BACKENDS = ("auto", "jnp", "pallas", "interpret")
-__all__ = ["BACKENDS", "resolve_backend", "prepare_weight", "quant_linear", "moe_experts",
-           "mla_decode_supported", "mla_decode_attention", "PackedWeight"]
+BACKENDS = ("auto", "xla", "pallas", "cpu", "interpret")
+_ALIASES = {"jnp": "xla"}
+__all__ = ["BACKENDS", "resolve_backend", "kernel_context", "prepare_weight", "quant_linear", "moe_experts",
+           "mla_decode_supported", "mla_decode_attention", "PackedWeight", "selected"]
+
+
+# -- which implementation ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelContext:
+    """Trace-time settings of the kernels: backend override and the CPU kernels' thread count
+    (the user's -t for generation steps, -tb for prompt steps; 0 = every core)."""
+    backend: str | None = None
+    threads: int = 0
+
+
+_CONTEXT: contextvars.ContextVar[KernelContext] = contextvars.ContextVar("ikjax_kernels", default=KernelContext())
+
+
+@contextlib.contextmanager
+def kernel_context(backend: str | None = None, threads: int = 0):
+    """Kernel settings for everything traced inside the block (the model sets it per step)."""
+    token = _CONTEXT.set(KernelContext(backend, threads))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+_warned_no_cpu = False
 
 
 def resolve_backend(backend: str | None = None) -> str:
-    """-> 'jnp' | 'pallas' | 'interpret' for this call."""
-    b = (backend or os.environ.get("IKJAX_KERNELS", "auto")).lower()
+    """-> 'xla' | 'pallas' | 'interpret' | 'cpu' for this call."""
+    b = (backend or _CONTEXT.get().backend or os.environ.get("IKJAX_KERNELS", "auto")).lower()
+    b = _ALIASES.get(b, b)
     if b not in BACKENDS:
-        raise ValueError(f"IKJAX_KERNELS/backend must be one of {', '.join(BACKENDS)}, got {b!r}")
+        raise OptionError(f"IKJAX_KERNELS/backend must be one of {', '.join(BACKENDS)}, got {b!r}")
     if b == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "jnp"
+        platform = jax.default_backend()
+        if platform == "gpu":
+            return "pallas"
+        if platform == "cpu" and _cpu.available():
+            return "cpu"
+        if platform == "cpu":
+            global _warned_no_cpu
+            if not _warned_no_cpu:
+                _warned_no_cpu = True
+                print(f"ikjax: {_cpu.unavailable_reason()}; running the XLA path", file=sys.stderr)
+        return "xla"
+    if b == "cpu" and not _cpu.available():
+        raise OptionError(f"IKJAX_KERNELS=cpu: {_cpu.unavailable_reason()}")
     return b
 
 
+def _threads() -> int:
+    return _CONTEXT.get().threads
+
+
+# Which implementation served the last trace of each op (tests and `bench` read it).
+_SELECTED: dict[str, str] = {}
+
+
+def selected(op: str) -> str | None:
+    return _SELECTED.get(op)
+
+
+def _ran(op: str, impl: str) -> None:
+    _SELECTED[op] = impl
+
+
+@dataclass(frozen=True)
+class Impl:
+    supported: Callable[..., bool]
+    run: Callable
+
+
+def _dispatch(op: str, impls: dict[str, Impl], backend: str, *args):
+    impl = impls.get(backend)
+    name = backend if impl is not None and impl.supported(*args) else "xla"
+    _ran(op, name)
+    return impls[name].run(*args)
+
+
+# -- weights --------------------------------------------------------------------------------------
+
 def prepare_weight(qa):
-    """Load-time repack for the kernels; returns `qa` unchanged when its type has no kernel layout."""
+    """Load-time repack for the Pallas kernels; returns `qa` unchanged when its type has no kernel layout."""
     if isinstance(qa, PackedWeight) or not isinstance(qa, QuantArray):
         return qa
     if not _qm_packing.supported(qa.qtype.name):
@@ -65,6 +143,11 @@ def prepare_weight(qa):
     return _prepare(qa)
 
 
+def needs_repack(backend: str | None = None) -> bool:
+    """Whether weights should be repacked at load (only the Pallas kernels read a repacked layout)."""
+    return resolve_backend(backend) in ("pallas", "interpret")
+
+
 def _packed(w):
     if isinstance(w, PackedWeight):
         return w
@@ -73,56 +156,195 @@ def _packed(w):
     return _prepare(w)
 
 
-def _kernel_ok(w) -> bool:
+def _pallas_ok(w) -> bool:
     name = w.qtype if isinstance(w, PackedWeight) else w.qtype.name
     return _qm.kernel_supports(name, w.shape[-2], w.shape[-1])
 
+
+def _cpu_ok(w) -> bool:
+    return isinstance(w, QuantArray) and _qm_cpu.supported(w.qtype.name)
+
+
+def _compute(dtype) -> str:
+    return "bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f32"
+
+
+def _rows(x) -> int:
+    rows = 1
+    for s_ in x.shape[:-1]:
+        rows *= s_
+    return rows
+
+
+# -- quantized matmul -----------------------------------------------------------------------------
 
 # Under `auto`, the Pallas matmul serves decode (up to this many rows of x); larger batches
 # (prompt processing) take XLA's dequantize-then-cuBLAS path, measured faster there (bench/RESULTS.md).
 AUTO_MAX_ROWS = 4
 
 
+def _qm_pallas_supported(auto: bool):
+    def supported(x, w, dtype) -> bool:
+        rows = _rows(x)
+        if auto and rows > AUTO_MAX_ROWS:
+            return False
+        if rows > AUTO_MAX_ROWS and jnp.dtype(dtype) == jnp.float32:  # no TF32 in f32 mode
+            return False
+        return _pallas_ok(w)
+    return supported
+
+
+def _qm_cpu_compute_modes() -> bool:
+    """Whether the C++ matmul takes a bf16 compute mode (else bf16 runs on the XLA path)."""
+    import inspect
+    return "compute" in inspect.signature(_qm_cpu.quant_matmul).parameters
+
+
+def _qm_cpu_supported(x, w, dtype) -> bool:
+    return _cpu_ok(w) and (jnp.dtype(dtype) == jnp.float32 or _qm_cpu_compute_modes())
+
+
+def _qm_cpu_run(x, w, dtype):
+    return _qm_cpu.quant_matmul(x, w, n_threads=_threads(), **({"compute": "bf16"} if _compute(dtype) == "bf16" else {}))
+
+
 def quant_linear(x, w, dtype, *, backend: str | None = None):
     """x [..., K] @ W[N, K]^T (W QuantArray or PackedWeight), computed in `dtype`, f32 result."""
     b = resolve_backend(backend)
-    rows = 1
-    for s_ in x.shape[:-1]:
-        rows *= s_
-    auto_jnp = backend is None and os.environ.get("IKJAX_KERNELS", "auto") == "auto" and rows > AUTO_MAX_ROWS
-    auto_jnp |= b == "pallas" and rows > AUTO_MAX_ROWS and jnp.dtype(dtype) == jnp.float32  # no TF32 in f32 mode
-    if b == "jnp" or auto_jnp or not _kernel_ok(w):
-        return quant_matmul_ref(x, w, dtype)
-    return _qm.quant_matmul(x, _packed(w), dtype, interpret=(b == "interpret"))
+    auto = backend is None and _CONTEXT.get().backend is None and os.environ.get("IKJAX_KERNELS", "auto") == "auto"
+    impls = {
+        "xla": Impl(lambda *a: True, quant_matmul_ref),
+        "pallas": Impl(_qm_pallas_supported(auto), lambda x, w, d: _qm.quant_matmul(x, _packed(w), d)),
+        "interpret": Impl(_qm_pallas_supported(False),
+                          lambda x, w, d: _qm.quant_matmul(x, _packed(w), d, interpret=True)),
+        "cpu": Impl(_qm_cpu_supported, _qm_cpu_run),
+    }
+    return _dispatch("quant_linear", impls, b, x, w, dtype)
 
 
-def moe_experts(x, weights, ids, gate, up, down, dtype, *, backend: str | None = None):
-    """Routed experts of N tokens: sum_j weights[n,j] * down_e(silu(gate_e x) * up_e x), e = ids[n,j]."""
-    b = resolve_backend(backend)
-    N, k = ids.shape
-    E = gate.shape[0]
-    gather = N * k <= 2 * E
+# -- routed experts -------------------------------------------------------------------------------
+
+def gather_form(n_tokens: int, n_used: int, n_expert: int) -> bool:
+    """Few tokens: gather the selected experts' blocks (bytes grow with tokens x experts used);
+    many tokens: group assignments by expert and read every expert once. The one place this rule lives."""
+    return n_tokens * n_used <= 2 * n_expert
+
+
+def _moe_xla(x, weights, ids, gate, up, down, dtype, fused=True):
+    fn = moe_experts_ref if gather_form(ids.shape[0], ids.shape[1], gate.shape[0]) else moe_experts_grouped_ref
+    return fn(x, weights, ids, gate, up, down, dtype, fused=fused)
+
+
+def _moe_pallas_supported(x, weights, ids, gate, up, down, dtype, fused=True) -> bool:
     # f32 compute is the exact reference mode: the grouped kernel's tile products (tl.dot) would
     # round through TF32, so prompt-sized f32 work stays on XLA's HIGHEST-precision path
-    exact_grouped = not gather and jnp.dtype(dtype) == jnp.float32 and b == "pallas"
-    if b == "jnp" or exact_grouped or not all(_kernel_ok(t) for t in (gate, up, down)):
-        fn = moe_experts_ref if gather else moe_experts_grouped_ref
-        return fn(x, weights, ids, gate, up, down, dtype, fused=True)
-    return _moe.moe_experts(x, weights, ids, _packed(gate), _packed(up), _packed(down), dtype,
-                            interpret=(b == "interpret"))
+    if not gather_form(ids.shape[0], ids.shape[1], gate.shape[0]) and jnp.dtype(dtype) == jnp.float32:
+        return False
+    return all(_pallas_ok(t) for t in (gate, up, down))
 
 
-def mla_decode_supported(n_head: int, n_kv: int, width: int, v_dim: int) -> bool:
-    """Whether the Pallas MLA decode kernel takes this geometry (else the jnp path runs)."""
-    return _mla.supports(n_head, n_kv, width, v_dim)
+def _moe_pallas(interpret: bool):
+    def run(x, weights, ids, gate, up, down, dtype, fused=True):
+        return _moe.moe_experts(x, weights, ids, _packed(gate), _packed(up), _packed(down), dtype,
+                                interpret=interpret)
+    return run
+
+
+def _cpu_module(op: str):
+    """pallas_kernels.<op>.cpu, or None while that op has no C++ kernel."""
+    import importlib
+    try:
+        return importlib.import_module(f"pallas_kernels.{op}.cpu")
+    except ModuleNotFoundError:
+        return None
+
+
+def _moe_cpu_supported(x, weights, ids, gate, up, down, dtype, fused=True) -> bool:
+    moe_cpu = _cpu_module("moe_matmul")
+    return moe_cpu is not None and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16) and moe_cpu.supported(gate, up, down)
+
+
+def _moe_cpu(x, weights, ids, gate, up, down, dtype, fused=True):
+    from pallas_kernels.moe_matmul import cpu as moe_cpu
+    return moe_cpu.moe_experts(x, weights, ids, gate, up, down, n_threads=_threads())
+
+
+def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, backend: str | None = None):
+    """Routed experts of N tokens: sum_j weights[n,j] * down_e(silu(gate_e x) * up_e x), e = ids[n,j].
+    The kernels always fuse gate and up; `fused` only changes the XLA form (ik's -fmoe)."""
+    impls = {
+        "xla": Impl(lambda *a: True, _moe_xla),
+        "pallas": Impl(_moe_pallas_supported, _moe_pallas(False)),
+        "interpret": Impl(_moe_pallas_supported, _moe_pallas(True)),
+        "cpu": Impl(_moe_cpu_supported, _moe_cpu),
+    }
+    return _dispatch("moe_experts", impls, resolve_backend(backend), x, weights, ids, gate, up, down, dtype, fused)
+
+
+# -- MLA attention on the latent cache --------------------------------------------------------------
+
+def mla_decode_supported(n_head: int, n_kv: int, width: int, v_dim: int, backend: str | None = None) -> bool:
+    """Whether the decode kernel of the resolved backend takes this geometry and reads each sequence
+    only up to its own length (so decode steps can share one KV bucket)."""
+    b = resolve_backend(backend)
+    if b == "cpu":
+        mla_cpu = _cpu_module("mla_decode")
+        return mla_cpu is not None and mla_cpu.supported(n_head, width, v_dim)
+    if b in ("pallas", "interpret"):
+        return _mla.supports(n_head, n_kv, width, v_dim)
+    return False
+
+
+def _mla_xla(q, cache, lengths, scale, v_dim, dtype):
+    return mla_decode_ref(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype)
+
+
+def _mla_pallas_supported(q, cache, lengths, scale, v_dim, dtype) -> bool:
+    B, H, D = q.shape
+    S = (cache["q"] if isinstance(cache, dict) else cache).shape[1]
+    return _mla.supports(H, S, D, v_dim)
+
+
+def _mla_pallas(interpret: bool):
+    def run(q, cache, lengths, scale, v_dim, dtype):
+        return _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=interpret)
+    return run
+
+
+def _mla_cpu_supported(q, cache, lengths, scale, v_dim, dtype) -> bool:
+    mla_cpu = _cpu_module("mla_decode")
+    return mla_cpu is not None and mla_cpu.supported(q.shape[1], q.shape[2], v_dim)
+
+
+def _mla_cpu(q, cache, lengths, scale, v_dim, dtype):
+    from pallas_kernels.mla_decode import cpu as mla_cpu
+    q_pos = (lengths - 1).astype(jnp.int32)[:, None]
+    return mla_cpu.mla_attention(q[:, None], cache, q_pos, scale, v_dim=v_dim, n_threads=_threads())[:, 0]
 
 
 def mla_decode_attention(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16,
                          backend: str | None = None):
     """Absorbed-MLA decode: one query per sequence over latent cache entries 0..lengths[b]-1."""
-    b = resolve_backend(backend)
-    B, H, D = q.shape
-    S = (cache["q"] if isinstance(cache, dict) else cache).shape[1]
-    if b == "jnp" or not mla_decode_supported(H, S, D, v_dim):
-        return mla_decode_ref(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype)
-    return _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=(b == "interpret"))
+    impls = {
+        "xla": Impl(lambda *a: True, _mla_xla),
+        "pallas": Impl(_mla_pallas_supported, _mla_pallas(False)),
+        "interpret": Impl(_mla_pallas_supported, _mla_pallas(True)),
+        "cpu": Impl(_mla_cpu_supported, _mla_cpu),
+    }
+    return _dispatch("mla_decode", impls, resolve_backend(backend), q, cache, lengths, scale, v_dim, dtype)
+
+
+def mla_prompt_supported(n_head: int, width: int, v_dim: int, backend: str | None = None) -> bool:
+    """Whether absorbed attention for prompt steps (T > 1) has a kernel on this backend (CPU only)."""
+    if resolve_backend(backend) != "cpu":
+        return False
+    mla_cpu = _cpu_module("mla_decode")
+    return mla_cpu is not None and mla_cpu.supported(n_head, width, v_dim)
+
+
+def mla_prompt_attention(q, cache, q_pos, scale, *, v_dim: int, backend: str | None = None):
+    """Absorbed MLA over the latent cache for T queries at positions q_pos [B, T] (causal by position);
+    only keys up to each query's position are read. q [B, T, H, D] -> [B, T, H, v_dim] float32."""
+    from pallas_kernels.mla_decode import cpu as mla_cpu
+    _ran("mla_prompt", "cpu")
+    return mla_cpu.mla_attention(q, cache, q_pos, scale, v_dim=v_dim, n_threads=_threads())

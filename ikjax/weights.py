@@ -151,7 +151,7 @@ def default_placer(name: str, host: np.ndarray) -> jax.Array:
 def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer = default_placer) -> Weights:
     """Copy each tensor's bytes from the memory map to where `place` puts it, one tensor at a time."""
     validate(gf, cfg)
-    repack = kernels.resolve_backend() != "jnp"
+    repack = kernels.needs_repack()
 
     def load(spec: TensorSpec):
         info = gf.tensors.get(spec.gguf_name)

@@ -1,6 +1,7 @@
 """ikjax.kernels: backend selection and fallbacks."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,10 +13,15 @@ from pallas_kernels.testing import random_quant_array
 
 def test_resolve_backend(monkeypatch):
     monkeypatch.delenv("IKJAX_KERNELS", raising=False)
-    assert kernels.resolve_backend() in ("jnp", "pallas")
+    # auto: the C++ kernels on a CPU (a pip install always builds them), Pallas on a GPU
+    assert kernels.resolve_backend() == ("pallas" if jax.default_backend() == "gpu" else "cpu")
     monkeypatch.setenv("IKJAX_KERNELS", "interpret")
     assert kernels.resolve_backend() == "interpret"
-    assert kernels.resolve_backend("jnp") == "jnp"
+    assert kernels.resolve_backend("jnp") == "xla"  # the old name of the reference path
+    assert kernels.resolve_backend("xla") == "xla"
+    with kernels.kernel_context("cpu", threads=1):
+        assert kernels.resolve_backend() == "cpu"
+    assert kernels.resolve_backend() == "interpret"
     with pytest.raises(ValueError):
         kernels.resolve_backend("cuda")
 
@@ -38,6 +44,7 @@ def test_unsupported_type_falls_back():
     assert kernels.prepare_weight(qa) is qa
     x = jnp.asarray(rng.standard_normal((1, 256)), jnp.float32)
     y = kernels.quant_linear(x, qa, jnp.bfloat16, backend="pallas")     # no kernel: jnp reference
+    assert kernels.selected("quant_linear") == "xla"
     assert y.shape == (1, 32) and np.isfinite(np.asarray(y)).all()
 
 

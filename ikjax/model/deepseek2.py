@@ -43,7 +43,8 @@ class StepPlan:
     fmoe: bool
     ser: SmartExpertReduction | None
     all_logits: bool  # False: logits of the token at `last` only
-    backend: str = "jnp"  # kernels backend at trace time (ikjax.kernels); part of the compile key
+    backend: str = "xla"  # kernels backend at trace time (ikjax.kernels); part of the compile key
+    threads: int = 0  # CPU kernels' threads: -t for generation steps, -tb for prompt steps (0 = all)
 
     @property
     def compute_dtype(self):
@@ -112,10 +113,13 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
                                preferred_element_type=jnp.float32)
             q_abs = jnp.concatenate([q_lat, q_pe], -1).astype(dtype)
             flash = plan.fa and plan.mla != 2
-            if flash and T == 1 and kernels.resolve_backend() != "jnp":
+            if flash and T == 1 and kernels.mla_decode_supported(H, plan.kv_len, cfg.latent_dim, r):
                 # split-KV flash decoding over the whole cache, each sequence up to its own length
                 o_lat = kernels.mla_decode_attention(q_abs[:, 0], new_cache["latent"], start + 1, scale,
                                                      v_dim=r, dtype=dtype)[:, None]
+            elif flash and kernels.mla_prompt_supported(H, cfg.latent_dim, r):
+                # prompt steps in absorbed form (mla 1): the kernel reads keys up to each query's position
+                o_lat = kernels.mla_prompt_attention(q_abs, new_cache["latent"], q_pos, scale, v_dim=r)
             else:
                 o_lat = attend(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash, **attn)
             o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), wv, precision=prec,
@@ -135,6 +139,11 @@ def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Step
 
     Logits are [B,T,V] if plan.all_logits, else [B,V] for the token at index last[b].
     """
+    with kernels.kernel_context(plan.backend, plan.threads):
+        return _forward(weights, cache, tokens, start, last, cfg=cfg, plan=plan)
+
+
+def _forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: StepPlan):
     B, T = tokens.shape
     dtype = plan.compute_dtype
     q_pos = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]

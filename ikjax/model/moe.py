@@ -1,11 +1,9 @@
 """Routed experts: DeepSeek's router (softmax or sigmoid, bias for selection, group limit, norm,
 scale), ik's smart expert reduction, and the expert FFN in two forms.
 
-- gather form (few tokens, decode): only the selected experts' blocks are gathered and
-  dequantized: bytes read grow with tokens x experts used, not with the expert count.
-- grouped form (prompt): assignments sorted by expert, every expert dequantized once, one
-  `ragged_dot` per projection.
-`fmoe` contracts gate and up in one pass and fuses SiLU·mul, as ik's `-fmoe`.
+The expert FFN itself is the `moe_experts` op (ikjax.kernels): on the XLA path a gather form for
+few tokens and a grouped (`ragged_dot`) form for many; the Pallas and C++ kernels always fuse gate
+and up; `fmoe` selects the fused XLA form, as ik's `-fmoe`.
 """
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ from ikjax import kernels
 from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
 from ikjax.options import SmartExpertReduction
 from ikjax.model.layers import HIGHEST, SHARED_EXPERTS, dense_ffn
-from pallas_kernels.moe_matmul.reference import moe_experts_grouped_ref, moe_experts_ref
 
 
 
@@ -55,27 +52,11 @@ def smart_expert_reduction(w, ser: SmartExpertReduction):
     return jnp.where(keep, w, 0.0)
 
 
-def experts_gather(x, w, ids, layer: dict, dtype, fused: bool):
-    """Decode form: only the selected experts' blocks are read (see pallas_kernels.moe_matmul)."""
-    return moe_experts_ref(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype, fused=fused)
-
-
-def experts_grouped(x, w, ids, layer: dict, dtype, fused: bool):
-    """Prompt form: assignments sorted by expert, one ragged_dot per projection."""
-    return moe_experts_grouped_ref(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
-                                   fused=fused)
-
-
 def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartExpertReduction | None):
     """x [N, d] float32 -> routed experts + shared experts, [N, d] float32."""
     w, ids = route(x, layer, cfg, ser)
-    N = x.shape[0]
-    if kernels.resolve_backend() != "jnp":  # Pallas: gather or grouped kernels, always fused
-        out = kernels.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype)
-    elif N * cfg.n_expert_used <= 2 * cfg.n_expert:
-        out = experts_gather(x, w, ids, layer, dtype, fused)
-    else:
-        out = experts_grouped(x, w, ids, layer, dtype, fused)
+    out = kernels.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
+                              fused=fused)
     if "down_shexp" in layer:
         out = out + dense_ffn(x, layer, SHARED_EXPERTS, dtype)
     return out
