@@ -38,10 +38,10 @@ def _variant(tmp_path, src: str, edit, name: str = "bad.gguf") -> str:
     return str(p)
 
 
-def _refused(path, needle: str, *, load: bool = False) -> str:
+def _refused(path, needle: str, *, load: bool = False, named=None) -> str:
     with pytest.raises(ikjax.ModelFileError) as e:
         ikjax.load(path, ctx=64) if load else GGUFModelFile(path)
-    msg = _one_line(e.value, path)
+    msg = _one_line(e.value, named or path)
     assert needle in msg, msg
     return msg
 
@@ -426,3 +426,56 @@ def test_unknown_but_distinct_key_is_fine(tiny_model, tmp_path):
     """Keys ikjax does not read, far from any it does, are left alone (writers add their own)."""
     p = _variant(tmp_path, tiny_model, lambda g: g.kvs.append(gc.KV("quantize.imatrix.file", *gc.string("x.dat"))))
     assert "quantize.imatrix.file" in GGUFModelFile(p).metadata
+
+
+# --- split models --------------------------------------------------------------------------------
+
+def _shards(src: str, tmp_path, n_first: int = 10, edit=None) -> list[str]:
+    """The tiny model as two gguf-split shards: metadata + the first `n_first` tensors, then the rest."""
+    g = gc.parse(open(src, "rb").read())
+    parts = [g.tensors[:n_first], g.tensors[n_first:]]
+    paths = [str(tmp_path / f"m-0000{i + 1}-of-00002.gguf") for i in range(2)]
+    for i, tensors in enumerate(parts):
+        data, entries = bytearray(), []
+        ends = sorted(t.rel for t in g.tensors) + [len(g.data)]
+        for t in tensors:
+            size = ends[ends.index(t.rel) + 1] - t.rel  # each tensor's bytes with its padding
+            entries.append(gc.TensorEntry(t.name, list(t.ne), t.type_id, len(data)))
+            data += g.data[t.rel:t.rel + size]
+        kvs = (list(g.kvs) if i == 0 else [g.kv("general.architecture")]) + [
+            gc.KV("split.no", 2, struct.pack("<H", i)),  # gguf-split: uint16, 0-based
+            gc.KV("split.count", 2, struct.pack("<H", 2)),
+            gc.KV("split.tensors.count", 3, struct.pack("<h", len(g.tensors)))]
+        shard = gc.Gguf(g.version, kvs, entries, bytes(data), g.alignment)
+        if edit:
+            edit(i, shard)
+        open(paths[i], "wb").write(gc.build(shard))
+    return paths
+
+
+def test_split_model_opens_as_one(tiny_model, tmp_path):
+    paths = _shards(tiny_model, tmp_path)
+    gf = GGUFModelFile(paths[1])
+    assert len(gf.shards) == 2 and gf.tensors.keys() == GGUFModelFile(tiny_model).tensors.keys()
+    ids = [0, 5, 17, 300]
+    np.testing.assert_array_equal(ikjax.load(paths[0], ctx=64).logits(ids), ikjax.load(tiny_model, ctx=64).logits(ids))
+
+
+def test_split_shards_swapped(tiny_model, tmp_path):
+    paths = _shards(tiny_model, tmp_path, edit=lambda i, s: gc.set_kv(s, "split.no", (2, struct.pack("<H", 1 - i)))
+                    if i == 1 else None)
+    _refused(paths[0], "split.no is 0, expected 1 for shard 2 of 2", named=paths[1])
+
+
+def test_split_tensor_in_two_shards(tiny_model, tmp_path):
+    def edit(i, s):
+        if i == 1:
+            s.tensors[0].name = "token_embd.weight"
+    paths = _shards(tiny_model, tmp_path, edit=edit)
+    _refused(paths[0], "tensor token_embd.weight appears twice (in")
+
+
+def test_split_tensor_count(tiny_model, tmp_path):
+    paths = _shards(tiny_model, tmp_path, edit=lambda i, s: gc.set_kv(s, "split.tensors.count", (3, struct.pack("<h", 5)))
+                    if i == 0 else None)
+    _refused(paths[0], "split.tensors.count is 5 but the shards hold 31 tensors")
