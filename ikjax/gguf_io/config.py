@@ -149,7 +149,7 @@ class ModelConfig:
             n_layer=block_count - nextn,
             d_model=m.int("embedding_length", lo=1),
             n_head=n_head,
-            q_lora_rank=m.int("attention.q_lora_rank", 0, lo=1),
+            q_lora_rank=m.int("attention.q_lora_rank", 0, lo=0),  # 0: direct q (as when absent)
             kv_lora_rank=r,
             rope_dim=rope_dim,
             nope_dim=qk_dim - rope_dim,

@@ -4,6 +4,12 @@ Why our own parser: `gguf.GGUFReader` rejects ik_llama.cpp's type ids and builds
 metadata string (7 s to open a file carrying DeepSeek's 129k-token vocabulary). Here string arrays
 are indexed lazily, tensor data stays in a read-only memory map, and split files
 (`name-00001-of-00005.gguf`) open as one model.
+
+The format is enforced, so a damaged file is refused with one line instead of loading as some
+other model: regular files only; every count and length checked against the bytes left before it
+allocates anything; no duplicate key or tensor name; a power-of-two integer alignment; tensors of
+1-4 positive dims, aligned, inside the file and packed without overlap or gap; split keys that agree
+with the shards; and (deepseek2) metadata and tensor table checked against each other by ModelConfig.
 """
 from __future__ import annotations
 
