@@ -1,4 +1,12 @@
-"""The C++ CPU quantized matmul (cpu_kernel.cc) as a JAX op: y = x · Wᵀ reading GGUF blocks."""
+"""The C++ CPU quantized matmul (cpu_kernel.cc) as a JAX op: y = x · Wᵀ reading GGUF blocks.
+
+The weight goes to the kernel as its stored bytes [N, row_bytes] (no repacking, no copy beyond
+what XLA does with a constant); the kernel dequantizes rows with SIMD per type and picks its engine
+by the number of activation rows (decode: dequantize-and-dot, bound by reading the weights;
+prompt: dequantized panels and a register-blocked microkernel). `compute` says what the products
+are rounded to: "f32" keeps float activations and weights (matches the f32 reference to rounding),
+"bf16" rounds x and W to bf16 and accumulates in f32 (the model's dtype="bf16" mode).
+"""
 from __future__ import annotations
 
 import jax
@@ -8,19 +16,38 @@ import numpy as np
 from pallas_kernels import cpu as _cpu
 
 TARGET = "ikjax_cpu_quant_matmul"
-TYPES = ("F32", "Q8_0")  # types with a C++ path; others go through the reference
+COMPUTE = {"f32": 0, "bf16": 1}
 
 
 def supported(type_name: str) -> bool:
-    return _cpu.available() and type_name in TYPES
+    """Whether the C++ kernels have a path for this GGUF type (asked of the compiled library, so
+    types added in C++ appear here without a Python list to keep in step)."""
+    if not _cpu.available():
+        return False
+    from ikjax.quant import by_name  # type table only (names -> ggml ids); kernels stay ikjax-free
+    try:
+        tid = by_name(type_name).type_id
+    except Exception:
+        return False
+    return bool(_cpu._cpu.quant_type_supported(int(tid)))
 
 
-def quant_matmul(x, w, *, n_threads: int = 0):
-    """x [..., K] float32, w a QuantArray [N, K] -> [..., N] float32 (f32 activations)."""
+def quant_matmul(x, w, *, n_threads: int = 0, compute: str = "f32"):
+    """x [..., K] (any float dtype; computed from float32), w a QuantArray [N, K] ->
+    [..., N] float32. n_threads: the -t / -tb thread count (0 = every core)."""
+    if compute not in COMPUTE:
+        raise ValueError(f"quant_matmul: compute must be one of {sorted(COMPUTE)}, not {compute!r}")
+    if len(w.shape) != 2:
+        raise ValueError(f"quant_matmul: weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    N, K = int(w.shape[0]), int(w.shape[1])
+    if x.shape[-1] != K:
+        raise ValueError(f"quant_matmul: x has {x.shape[-1]} columns, weight has K = {K}")
+    if not supported(w.qtype.name):
+        raise ValueError(f"quant_matmul: no C++ path for type {w.qtype.name}")
     _cpu.register()
-    K = w.shape[-1]
-    N = int(np.prod(w.shape[:-1]))
-    data = jnp.asarray(w.data).reshape(N, -1)
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + (N,), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32).reshape(*x.shape[:-1], K), data,
-                                         type=np.int64(w.qtype.type_id), n_threads=np.int64(n_threads))
+    data = jnp.asarray(w.data).reshape(N, -1)  # uint8 [N, row_bytes], the blocks as stored
+    lead = x.shape[:-1]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(lead + (N,), jnp.float32),
+                            vmap_method="broadcast_all")
+    return call(x.astype(jnp.float32), data, type=np.int64(w.qtype.type_id),
+                n_threads=np.int64(n_threads), compute=np.int64(COMPUTE[compute]))

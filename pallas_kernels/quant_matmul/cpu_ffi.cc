@@ -1,6 +1,9 @@
 // XLA FFI binding of the CPU quantized matmul: ikjax_cpu_quant_matmul.
-//   operands: x f32 [..., K], w u8 [N, row_bytes]; attributes: type (ggml type id), n_threads
+//   operands: x f32 [..., K], w u8 [N, row_bytes]
+//   attributes: type (ggml type id), n_threads (0 = all cores), compute (QM_F32 / QM_BF16)
 //   result:   y f32 [..., N]
+#include <string>
+
 #include "quant_matmul/cpu_kernel.h"
 
 #include "cpu/runtime.h"
@@ -9,17 +12,21 @@
 namespace ffi = xla::ffi;
 
 static ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
-                                  int64_t type, int64_t n_threads) {
+                                  int64_t type, int64_t n_threads, int64_t compute) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() < 1 || wd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: bad ranks");
   int64_t K = xd.back();
-  int64_t M = x.element_count() / (K ? K : 1);
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   int64_t N = wd[0], row_bytes = wd[1];
+  if (y->element_count() != M * N) return ffi::Error::InvalidArgument("quant_matmul: result size is not M * N");
+  if (compute != QM_F32 && compute != QM_BF16)
+    return ffi::Error::InvalidArgument("quant_matmul: unknown compute mode " + std::to_string(compute));
   if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(type)))
     return ffi::Error::InvalidArgument("quant_matmul: unsupported type id " + std::to_string(type));
-  IKJ_DISPATCH(quant_matmul)(x.typed_data(), w.typed_data(), y->typed_data(), M, N, K, row_bytes,
-                             static_cast<int>(type), static_cast<int>(n_threads));
+  IKJ_DISPATCH(quant_matmul_ex)(x.typed_data(), w.typed_data(), y->typed_data(), M, N, K, row_bytes,
+                                static_cast<int>(type), static_cast<int>(n_threads), static_cast<int>(compute));
   return ffi::Error::Success();
 }
 
@@ -29,6 +36,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulFfi, QuantMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("type")
-                                  .Attr<int64_t>("n_threads"));
+                                  .Attr<int64_t>("n_threads")
+                                  .Attr<int64_t>("compute"));
 
 static ikj::FfiRegistration reg("ikjax_cpu_quant_matmul", reinterpret_cast<void*>(QuantMatmulFfi));

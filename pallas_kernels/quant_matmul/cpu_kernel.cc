@@ -1,63 +1,624 @@
 // Quantized matmul on the CPU, y[m, n] = sum_k x[m, k] * W[n, k], W read as stored GGUF blocks.
 // Compiled once per instruction-set level (namespace IKJ_NS); see pallas_kernels/CMakeLists.txt.
+//
+// Two engines, both built on dequant_row (a weight row -> f32, SIMD per type):
+// - decode (few activation rows): each weight row is dequantized once into an L1/L2-resident
+//   buffer and dotted against every activation row; the product is bound by reading the weights,
+//   so threads split N (and K when N is too small to keep every thread busy).
+// - prompt (many rows): a panel of NR weight rows is dequantized once, transposed to [K][NR] and
+//   swept by a register-blocked microkernel over all M rows (AVX-512: 8 rows x 32 columns of
+//   accumulators in zmm registers); threads split the N panels. With compute = bf16 the panel is
+//   stored as bf16 pairs and the microkernel uses _mm512_dpbf16_ps (x and W rounded to bf16,
+//   f32 accumulation); levels without AVX512_BF16 round the same way and multiply in f32, which
+//   is exact for bf16 products.
 #include "quant_matmul/cpu_kernel.h"
 #include "quant_matmul/cpu_dequant.h"
 
 #include "cpu/common.h"
 #include "cpu/runtime.h"
 
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace IKJ_NS {
 
-// Dequantize one row of K values of a supported type into out (float).
-bool dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
-  using namespace ikj;
-  switch (type) {
-    case T_F32:
-      std::memcpy(out, row, K * 4);
-      return true;
-    case T_Q8_0:
-      for (int64_t b = 0; b < K / 32; ++b) {
-        const uint8_t* blk = row + b * 34;
-        float d = fp16_to_f32(load_u16(blk));
-        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-        for (int i = 0; i < 32; ++i) out[b * 32 + i] = d * q[i];
-      }
-      return true;
-    default:
-      return dequant_row_kquants(type, row, K, out);
+namespace {
+
+using ikj::bf16_to_f32;
+using ikj::load_u16;
+
+inline float f16(const uint8_t* p) {
+#if defined(__F16C__)
+  return _cvtsh_ss(load_u16(p));
+#else
+  return ikj::fp16_to_f32(load_u16(p));
+#endif
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+const int8_t kIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// ---- row dequantizers of the legacy block types ------------------------------------------------
+
+void dq_f16(const uint8_t* row, int64_t K, float* out) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  for (; k + 16 <= K; k += 16)
+    _mm512_storeu_ps(out + k, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k))));
+#elif defined(__F16C__)
+  for (; k + 8 <= K; k += 8)
+    _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k))));
+#endif
+  for (; k < K; ++k) out[k] = f16(row + 2 * k);
+}
+
+void dq_bf16(const uint8_t* row, int64_t K, float* out) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  for (; k + 16 <= K; k += 16) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k)));
+    _mm512_storeu_ps(out + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+#elif defined(__AVX2__)
+  for (; k + 8 <= K; k += 8) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k)));
+    _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+  }
+#endif
+  for (; k < K; ++k) out[k] = bf16_to_f32(load_u16(row + 2 * k));
+}
+
+void dq_q8_0(const uint8_t* row, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b, row += 34, out += 32) {
+    const float d = f16(row);
+    const int8_t* q = reinterpret_cast<const int8_t*>(row + 2);
+#if defined(__AVX512F__)
+    __m512 vd = _mm512_set1_ps(d);
+    __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    _mm512_storeu_ps(out, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(q0)));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(q1)));
+#elif defined(__AVX2__)
+    __m256 vd = _mm256_set1_ps(d);
+    for (int i = 0; i < 4; ++i) {
+      __m256i qi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)));
+      _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(qi)));
+    }
+#else
+    for (int i = 0; i < 32; ++i) out[i] = d * q[i];
+#endif
   }
 }
 
-bool dequant_supported(int type) {
-  return type == ikj::T_F32 || type == ikj::T_Q8_0 || dequant_row_kquants(type, nullptr, 0, nullptr);
+// Q4_0 / Q4_1 / IQ4_NL: 16 bytes of nibbles, value j in the low nibble of byte j, value j+16 in
+// its high nibble. Q4_0: d * (q - 8); Q4_1: d * q + m; IQ4_NL: d * table[q].
+template <int kind>  // 0 = Q4_0, 1 = Q4_1, 2 = IQ4_NL
+void dq_q4(const uint8_t* row, int64_t nb, float* out) {
+  constexpr int bs = kind == 1 ? 20 : 18;
+  constexpr int qoff = kind == 1 ? 4 : 2;
+#if defined(__AVX512F__)
+  const __m512 table = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nl))));
+#elif defined(__AVX2__)
+  const __m256 tlo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kIq4nl))));
+  const __m256 thi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kIq4nl + 8))));
+#endif
+  for (int64_t b = 0; b < nb; ++b, row += bs, out += 32) {
+    const float d = f16(row);
+    const float m = kind == 1 ? f16(row + 2) : (kind == 0 ? -8.f * d : 0.f);
+    const uint8_t* q = row + qoff;
+#if defined(__AVX512F__)
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    __m128i mask = _mm_set1_epi8(0x0f);
+    __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(raw, mask));
+    __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    __m512 vd = _mm512_set1_ps(d);
+    if (kind == 2) {
+      _mm512_storeu_ps(out, _mm512_mul_ps(vd, _mm512_permutexvar_ps(lo, table)));
+      _mm512_storeu_ps(out + 16, _mm512_mul_ps(vd, _mm512_permutexvar_ps(hi, table)));
+    } else {
+      __m512 vm = _mm512_set1_ps(m);
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(lo), vm));
+      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(hi), vm));
+    }
+#elif defined(__AVX2__)
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i nib[2] = {_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask)};
+    __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 2; ++i) {
+        __m256i qi = _mm256_cvtepu8_epi32(i == 0 ? nib[h] : _mm_srli_si128(nib[h], 8));
+        __m256 v;
+        if (kind == 2) {
+          __m256 a = _mm256_permutevar8x32_ps(tlo, qi), c = _mm256_permutevar8x32_ps(thi, qi);
+          v = _mm256_mul_ps(vd, _mm256_blendv_ps(a, c, _mm256_castsi256_ps(_mm256_slli_epi32(qi, 28))));
+        } else {
+          v = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(qi), vm);
+        }
+        _mm256_storeu_ps(out + 16 * h + 8 * i, v);
+      }
+    }
+#else
+    for (int j = 0; j < 16; ++j) {
+      int lo = q[j] & 0x0f, hi = q[j] >> 4;
+      if (kind == 2) {
+        out[j] = d * kIq4nl[lo];
+        out[j + 16] = d * kIq4nl[hi];
+      } else {
+        out[j] = d * lo + m;
+        out[j + 16] = d * hi + m;
+      }
+    }
+#endif
+  }
 }
 
-bool quant_matmul_supported(int type) { return type == ikj::T_F32 || type == ikj::T_Q8_0; }
+// Q5_0 / Q5_1: d, (m,) 32 high bits qh (bit i for value i), 16 bytes of low nibbles as Q4.
+template <int kind>  // 0 = Q5_0 (d * (q - 16)), 1 = Q5_1 (d * q + m)
+void dq_q5(const uint8_t* row, int64_t nb, float* out) {
+  constexpr int bs = kind == 1 ? 24 : 22;
+  constexpr int hoff = kind == 1 ? 4 : 2;
+  for (int64_t b = 0; b < nb; ++b, row += bs, out += 32) {
+    const float d = f16(row);
+    const float m = kind == 1 ? f16(row + 2) : -16.f * d;
+    const uint32_t qh = load_u32(row + hoff);
+    const uint8_t* q = row + hoff + 4;
+#if defined(__AVX512F__)
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    __m128i mask = _mm_set1_epi8(0x0f);
+    __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(raw, mask));
+    __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    lo = _mm512_mask_add_epi32(lo, static_cast<__mmask16>(qh & 0xffff), lo, sixteen);
+    hi = _mm512_mask_add_epi32(hi, static_cast<__mmask16>(qh >> 16), hi, sixteen);
+    __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(lo), vm));
+    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(hi), vm));
+#elif defined(__AVX2__)
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i nib[2] = {_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask)};
+    __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i vqh = _mm256_set1_epi32(static_cast<int>(qh));
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 2; ++i) {
+        __m256i qi = _mm256_cvtepu8_epi32(i == 0 ? nib[h] : _mm_srli_si128(nib[h], 8));
+        __m256i sh = _mm256_add_epi32(shifts, _mm256_set1_epi32(16 * h + 8 * i));
+        __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(vqh, sh), _mm256_set1_epi32(1));
+        qi = _mm256_or_si256(qi, _mm256_slli_epi32(bit, 4));
+        _mm256_storeu_ps(out + 16 * h + 8 * i, _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(qi), vm));
+      }
+    }
+#else
+    for (int j = 0; j < 16; ++j) {
+      int lo = (q[j] & 0x0f) | (((qh >> j) & 1) << 4);
+      int hi = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      out[j] = d * lo + m;
+      out[j + 16] = d * hi + m;
+    }
+#endif
+  }
+}
 
-void qgemm_tile(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
-                int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  thread_local std::vector<float> tmp;
-  if (static_cast<int64_t>(tmp.size()) < K) tmp.resize(K);
-  for (int64_t n = n0; n < n1; ++n) {
-    dequant_row(type, w + n * row_bytes, K, tmp.data());
+bool own_type(int type) {
+  switch (type) {
+    case ikj::T_F32: case ikj::T_F16: case ikj::T_BF16: case ikj::T_Q4_0: case ikj::T_Q4_1:
+    case ikj::T_Q5_0: case ikj::T_Q5_1: case ikj::T_Q8_0: case ikj::T_IQ4_NL:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// ---- f32 helpers ---------------------------------------------------------------------------------
+
+inline float hsum_dot(const float* a, const float* b, int64_t K) {
+  int64_t k = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(b + k + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 32), _mm512_loadu_ps(b + k + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 48), _mm512_loadu_ps(b + k + 48), a3);
+  }
+  for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), a0);
+  if (k < K) {
+    __mmask16 mk = static_cast<__mmask16>((1u << (K - k)) - 1);
+    a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + k), _mm512_maskz_loadu_ps(mk, b + k), a1);
+    k = K;
+  }
+  s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#elif defined(__AVX2__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), a0);
+  __m256 t = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  s = _mm_cvtss_f32(h);
+#else
+  float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (; k + 8 <= K; k += 8)
+    for (int i = 0; i < 8; ++i) p[i] += a[k + i] * b[k + i];
+  s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+#endif
+  for (; k < K; ++k) s += a[k] * b[k];
+  return s;
+}
+
+// Round float32 to bf16 (round to nearest even), kept as float32 or as the 16 bf16 bits.
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float round_bf16(float f) { return bf16_to_f32(to_bf16_bits(f)); }
+
+void round_bf16_inplace(float* v, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  for (; i + 16 <= n; i += 16) {
+    __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(v + i));
+    __m512i w = _mm512_cvtepu16_epi32((__m256i)h);
+    _mm512_storeu_ps(v + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < n; ++i) v[i] = round_bf16(v[i]);
+}
+
+// ---- decode engine ---------------------------------------------------------------------------
+
+// Few rows of x: dequantize each weight row (the K range [k0, k1) of it, block aligned) and dot it
+// with every x row. y[m * ldy + n] = (accumulate ? y : 0) + dot.
+void decode_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
+                 int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* y, int64_t ldy, bool accumulate,
+                 int compute) {
+  thread_local std::vector<float> buf, xr;
+  const int64_t Kc = k1 - k0;
+  const float* xs = x;
+  int64_t ldx = K;
+  if (compute == QM_BF16) {  // x rounded to bf16 once
+    if (static_cast<int64_t>(xr.size()) < M * Kc) xr.resize(M * Kc);
     for (int64_t m = 0; m < M; ++m) {
-      const float* xr = x + m * K;
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += xr[k] * tmp[k];
-      y[m * ldy + n] = acc;
+      std::memcpy(xr.data() + m * Kc, x + m * K + k0, Kc * 4);
+      round_bf16_inplace(xr.data() + m * Kc, Kc);
+    }
+    xs = xr.data();
+    ldx = Kc;
+  } else {
+    xs = x + k0;
+  }
+  if (static_cast<int64_t>(buf.size()) < K) buf.resize(K);
+  // a K sub-range starts at a byte offset proportional to it (callers split K only for types
+  // whose rows are plain sequences of blocks)
+  const int64_t off = K ? row_bytes / (K / Kc) * (k0 / Kc) : 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes + off;
+    const float* wf;
+    if (type == ikj::T_F32 && compute != QM_BF16) {
+      wf = reinterpret_cast<const float*>(wr);
+    } else {
+      dequant_row(type, wr, Kc, buf.data());
+      if (compute == QM_BF16) round_bf16_inplace(buf.data(), Kc);
+      wf = buf.data();
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float s = hsum_dot(wf, xs + m * ldx, Kc);
+      float* dst = y + m * ldy + n;
+      *dst = accumulate ? *dst + s : s;
     }
   }
 }
 
+// ---- prompt engine: packed panels + register-blocked microkernel -----------------------------
+
+#if defined(__AVX512F__)
+constexpr int NR = 32;  // panel width: 2 zmm of output columns
+constexpr int MR = 8;   // rows of x per microkernel: 16 zmm accumulators
+#elif defined(__AVX2__)
+constexpr int NR = 16;  // 2 ymm
+constexpr int MR = 6;   // 12 ymm accumulators
+#else
+constexpr int NR = 16;
+constexpr int MR = 4;
+#endif
+
+// C[mr][NR] (row stride ldc) = A[mr][K] (row stride lda) x Bp[K][NR] (packed f32 panel).
+template <int mr>
+void micro_f32(const float* A, int64_t lda, const float* Bp, int64_t K, float* C, int64_t ldc) {
+#if defined(__AVX512F__)
+  __m512 acc0[mr], acc1[mr];
+  for (int i = 0; i < mr; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b0 = _mm512_loadu_ps(Bp + k * NR), b1 = _mm512_loadu_ps(Bp + k * NR + 16);
+    for (int i = 0; i < mr; ++i) {
+      __m512 a = _mm512_set1_ps(A[i * lda + k]);
+      acc0[i] = _mm512_fmadd_ps(a, b0, acc0[i]);
+      acc1[i] = _mm512_fmadd_ps(a, b1, acc1[i]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    _mm512_storeu_ps(C + i * ldc, acc0[i]);
+    _mm512_storeu_ps(C + i * ldc + 16, acc1[i]);
+  }
+#elif defined(__AVX2__)
+  __m256 acc0[mr], acc1[mr];
+  for (int i = 0; i < mr; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 b0 = _mm256_loadu_ps(Bp + k * NR), b1 = _mm256_loadu_ps(Bp + k * NR + 8);
+    for (int i = 0; i < mr; ++i) {
+      __m256 a = _mm256_broadcast_ss(A + i * lda + k);
+      acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    _mm256_storeu_ps(C + i * ldc, acc0[i]);
+    _mm256_storeu_ps(C + i * ldc + 8, acc1[i]);
+  }
+#else
+  float acc[mr][NR];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = Bp + k * NR;
+    for (int i = 0; i < mr; ++i) {
+      const float a = A[i * lda + k];
+      for (int j = 0; j < NR; ++j) acc[i][j] += a * b[j];
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < NR; ++j) C[i * ldc + j] = acc[i][j];
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16: A as bf16 pairs [mr][K/2] (u32 each), Bp as [K/2][NR][2] bf16; f32 accumulation.
+template <int mr>
+void micro_bf16(const uint32_t* A, int64_t lda, const uint16_t* Bp, int64_t Kp, float* C, int64_t ldc) {
+  __m512 acc0[mr], acc1[mr];
+  for (int i = 0; i < mr; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kp; ++k) {
+    __m512bh b0 = (__m512bh)_mm512_loadu_si512(Bp + k * 2 * NR);
+    __m512bh b1 = (__m512bh)_mm512_loadu_si512(Bp + k * 2 * NR + 32);
+    for (int i = 0; i < mr; ++i) {
+      __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(A[i * lda + k]));
+      acc0[i] = _mm512_dpbf16_ps(acc0[i], a, b0);
+      acc1[i] = _mm512_dpbf16_ps(acc1[i], a, b1);
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    _mm512_storeu_ps(C + i * ldc, acc0[i]);
+    _mm512_storeu_ps(C + i * ldc + 16, acc1[i]);
+  }
+}
+#define IKJ_HAVE_DPBF16 1
+#endif
+
+// Call f(integral_constant<int, mr>) for a run-time mr in [1, MR].
+template <int R = 1, typename F>
+void for_mr(int mr, F&& f) {
+  if constexpr (R <= MR) {
+    if (mr == R) {
+      f(std::integral_constant<int, R>());
+      return;
+    }
+    for_mr<R + 1>(mr, f);
+  }
+}
+
+// Many rows of x: panels of NR weight rows in [n0, n1).
+void gemm_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
+               int64_t n0, int64_t n1, float* y, int64_t ldy, int compute, const uint32_t* xbf) {
+  thread_local std::vector<float> buf, panel, ctile;
+  thread_local std::vector<uint16_t> panel_bf;
+  if (static_cast<int64_t>(buf.size()) < K) buf.resize(K);
+  if (static_cast<int64_t>(ctile.size()) < MR * NR) ctile.resize(MR * NR);
+#if defined(IKJ_HAVE_DPBF16)
+  const bool dp = compute == QM_BF16;
+#else
+  const bool dp = false;
+#endif
+  const int64_t Kp = (K + 1) / 2;
+  if (dp) {
+    if (static_cast<int64_t>(panel_bf.size()) < Kp * 2 * NR) panel_bf.resize(Kp * 2 * NR);
+  } else if (static_cast<int64_t>(panel.size()) < NR * K) {
+    panel.resize(NR * K);
+  }
+  // x rounded to bf16 for the f32 microkernel when no dpbf16 (exact products, same rounding)
+  thread_local std::vector<float> xr;
+  const float* xs = x;
+  if (compute == QM_BF16 && !dp) {
+    if (static_cast<int64_t>(xr.size()) < M * K) xr.resize(M * K);
+    std::memcpy(xr.data(), x, M * K * 4);
+    round_bf16_inplace(xr.data(), M * K);
+    xs = xr.data();
+  }
+  for (int64_t p0 = n0; p0 < n1; p0 += NR) {
+    const int64_t nr = std::min<int64_t>(NR, n1 - p0);
+    // dequantize each row of the panel once and scatter it into column j of [K][NR]
+    for (int64_t j = 0; j < NR; ++j) {
+      const float* r = buf.data();
+      if (j >= nr) {
+        std::memset(buf.data(), 0, K * 4);
+      } else if (type == ikj::T_F32) {
+        r = reinterpret_cast<const float*>(w + (p0 + j) * row_bytes);
+      } else {
+        dequant_row(type, w + (p0 + j) * row_bytes, K, buf.data());
+      }
+      if (dp) {
+        uint16_t* pb = panel_bf.data() + 2 * j;
+        for (int64_t k = 0; k + 1 < K; k += 2) {
+          pb[k * NR] = to_bf16_bits(r[k]);
+          pb[k * NR + 1] = to_bf16_bits(r[k + 1]);
+        }
+        if (K & 1) {
+          pb[(K - 1) * NR] = to_bf16_bits(r[K - 1]);
+          pb[(K - 1) * NR + 1] = 0;
+        }
+      } else {
+        float* pf = panel.data() + j;
+        for (int64_t k = 0; k < K; ++k) pf[k * NR] = r[k];
+      }
+    }
+    if (compute == QM_BF16 && !dp) round_bf16_inplace(panel.data(), NR * K);
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const int mr = static_cast<int>(std::min<int64_t>(MR, M - m0));
+      const bool direct = nr == NR;
+      float* C = direct ? y + m0 * ldy + p0 : ctile.data();
+      const int64_t ldc = direct ? ldy : NR;
+      for_mr(mr, [&](auto c) {
+        constexpr int R = decltype(c)::value;
+        if (dp) {
+#if defined(IKJ_HAVE_DPBF16)
+          micro_bf16<R>(xbf + m0 * Kp, Kp, panel_bf.data(), Kp, C, ldc);
+#endif
+        } else {
+          micro_f32<R>(xs + m0 * K, K, panel.data(), K, C, ldc);
+        }
+      });
+      if (!direct)
+        for (int i = 0; i < mr; ++i) std::memcpy(y + (m0 + i) * ldy + p0, ctile.data() + i * NR, nr * 4);
+    }
+  }
+}
+
+// x [M, K] f32 -> bf16 pairs [M, Kp] (zero-padded to even K).
+void x_to_bf16_pairs(const float* x, int64_t M, int64_t K, uint32_t* out) {
+  const int64_t Kp = (K + 1) / 2;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * Kp);
+    for (int64_t k = 0; k < K; ++k) o[k] = to_bf16_bits(xr[k]);
+    if (K & 1) o[K] = 0;
+  }
+}
+
+// Rows of x at which the packed-panel engine beats dequantize-and-dot (bench_cpu.py).
+constexpr int64_t kGemmMinRows = 4;
+
+}  // namespace
+
+// ---- public --------------------------------------------------------------------------------------
+
+bool dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
+  switch (type) {
+    case ikj::T_F32: std::memcpy(out, row, K * 4); return true;
+    case ikj::T_F16: dq_f16(row, K, out); return true;
+    case ikj::T_BF16: dq_bf16(row, K, out); return true;
+    case ikj::T_Q8_0: dq_q8_0(row, K / 32, out); return true;
+    case ikj::T_Q4_0: dq_q4<0>(row, K / 32, out); return true;
+    case ikj::T_Q4_1: dq_q4<1>(row, K / 32, out); return true;
+    case ikj::T_IQ4_NL: dq_q4<2>(row, K / 32, out); return true;
+    case ikj::T_Q5_0: dq_q5<0>(row, K / 32, out); return true;
+    case ikj::T_Q5_1: dq_q5<1>(row, K / 32, out); return true;
+    default: return dequant_row_kquants(type, row, K, out);
+  }
+}
+
+bool dequant_supported(int type) { return own_type(type) || dequant_row_kquants(type, nullptr, 0, nullptr); }
+
+bool quant_matmul_supported(int type) { return dequant_supported(type); }
+
+void qgemm_tile_ex(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
+                   int64_t n0, int64_t n1, float* y, int64_t ldy, int compute) {
+  if (n1 <= n0 || M <= 0) return;
+  if (M < kGemmMinRows) {
+    decode_rows(x, M, K, w, row_bytes, type, n0, n1, 0, K, y, ldy, false, compute);
+    return;
+  }
+  thread_local std::vector<uint32_t> xbf;
+#if defined(IKJ_HAVE_DPBF16)
+  if (compute == QM_BF16) {
+    const int64_t Kp = (K + 1) / 2;
+    if (static_cast<int64_t>(xbf.size()) < M * Kp) xbf.resize(M * Kp);
+    x_to_bf16_pairs(x, M, K, xbf.data());
+  }
+#endif
+  gemm_rows(x, M, K, w, row_bytes, type, n0, n1, y, ldy, compute, xbf.data());
+}
+
+void qgemm_tile(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
+                int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  qgemm_tile_ex(x, M, K, w, row_bytes, type, n0, n1, y, ldy, QM_F32);
+}
+
+void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
+                     int64_t row_bytes, int type, int n_threads, int compute) {
+  if (M <= 0 || N <= 0) return;
+  if (K == 0) {
+    std::memset(y, 0, M * N * 4);
+    return;
+  }
+  if (M < kGemmMinRows) {
+    // Enough rows of W per thread: split N. Otherwise also split K into block-aligned chunks
+    // (own types only: their rows are plain block sequences) and add the parts in order.
+    int nth_max = n_threads > 0 ? n_threads : ikj::available_cores();
+    nth_max = std::min(nth_max, ikj::available_cores());
+    const bool split_k = N < 4 * nth_max && own_type(type) && K % (256 * nth_max) == 0 && nth_max > 1;
+    if (!split_k) {
+      ikj::parallel(n_threads, [&](int ith, int nth) {
+        int64_t a, b;
+        ikj::split_range(N, ith, nth, &a, &b);
+        decode_rows(x, M, K, w, row_bytes, type, a, b, 0, K, y, N, false, compute);
+      });
+      return;
+    }
+    std::vector<float> part(static_cast<size_t>(nth_max) * M * N);
+    int used = 1;
+    ikj::parallel(n_threads, [&](int ith, int nth) {
+      if (ith == 0) used = nth;
+      const int64_t kc = K / nth;  // K % (256 * nth_max) == 0 and nth <= nth_max
+      decode_rows(x, M, K, w, row_bytes, type, 0, N, ith * kc, (ith + 1) * kc, part.data() + ith * M * N, N,
+                  false, compute);
+    });
+    for (int64_t i = 0; i < M * N; ++i) {
+      float s = 0.f;
+      for (int t = 0; t < used; ++t) s += part[t * M * N + i];
+      y[i] = s;
+    }
+    return;
+  }
+  std::vector<uint32_t> xbf;
+#if defined(IKJ_HAVE_DPBF16)
+  if (compute == QM_BF16) {
+    xbf.resize(M * ((K + 1) / 2));
+    x_to_bf16_pairs(x, M, K, xbf.data());
+  }
+#endif
+  const int64_t panels = (N + NR - 1) / NR;
+  ikj::parallel(n_threads, [&](int ith, int nth) {
+    int64_t a, b;
+    ikj::split_range(panels, ith, nth, &a, &b);
+    gemm_rows(x, M, K, w, row_bytes, type, a * NR, std::min(N, b * NR), y, N, compute, xbf.data());
+  });
+}
+
 void quant_matmul(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
                   int64_t row_bytes, int type, int n_threads) {
-  ikj::parallel(n_threads, [&](int ith, int nth) {
-    int64_t n0, n1;
-    ikj::split_range(N, ith, nth, &n0, &n1);
-    qgemm_tile(x, M, K, w, row_bytes, type, n0, n1, y, N);
-  });
+  quant_matmul_ex(x, w, y, M, N, K, row_bytes, type, n_threads, QM_F32);
 }
 
 }  // namespace IKJ_NS

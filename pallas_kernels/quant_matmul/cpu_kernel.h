@@ -2,11 +2,16 @@
 //
 // Two layers: `qgemm_tile` is the single-threaded core (a block of output columns for a block of
 // activation rows) that other ops (the fused MoE) call from their own parallel regions;
-// `quant_matmul` is the whole product, threaded over the pool.
+// `quant_matmul` is the whole product, threaded over the pool. The `_ex` variants take a compute
+// mode: QM_F32 (float activations and weights, f32 accumulation: matches the f32 reference to
+// rounding) or QM_BF16 (x and the dequantized W rounded to bf16, f32 accumulation: the model's
+// dtype="bf16" mode; AVX512_BF16 dot products where the CPU has them).
 #pragma once
 #include <cstdint>
 
 #include "cpu/isa.h"
+
+enum QmCompute : int { QM_F32 = 0, QM_BF16 = 1 };
 
 // Whether `type` (ggml type id) has a C++ path at this level.
 IKJ_DECLARE(bool, quant_matmul_supported, (int type))
@@ -16,7 +21,11 @@ IKJ_DECLARE(bool, quant_matmul_supported, (int type))
 // Single-threaded; scratch it needs is its own (thread-local).
 IKJ_DECLARE(void, qgemm_tile, (const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                                int type, int64_t n0, int64_t n1, float* y, int64_t ldy))
+IKJ_DECLARE(void, qgemm_tile_ex, (const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                                  int type, int64_t n0, int64_t n1, float* y, int64_t ldy, int compute))
 
 // x [M, K] f32 row-major, w [N, row_bytes] GGUF blocks of `type`, y [M, N] f32; n_threads <= 0: all.
 IKJ_DECLARE(void, quant_matmul, (const float* x, const uint8_t* w, float* y, int64_t M, int64_t N,
                                  int64_t K, int64_t row_bytes, int type, int n_threads))
+IKJ_DECLARE(void, quant_matmul_ex, (const float* x, const uint8_t* w, float* y, int64_t M, int64_t N,
+                                    int64_t K, int64_t row_bytes, int type, int n_threads, int compute))
