@@ -1,0 +1,82 @@
+// XLA FFI binding of the CPU absorbed-MLA attention: ikjax_cpu_mla_attention.
+//   operands:   q f32 [B, T, H, D];
+//               cache: f32 / f16 / bf16 [B, S, W], or q8_0 data int8 [B, S, nb, 32];
+//               scales: q8_0 only, f16 or f32 [B, S, nb] (any array, ignored, for a float cache);
+//               q_pos s32 [B, T] (the query at position p sees keys 0..p)
+//   attributes: scale (f32), v_dim, n_threads (<= 0: all cores)
+//   result:     out f32 [B, T, H, v_dim]
+// The cache is taken as it is stored (no bitcast or repack in the graph, which would copy it).
+#include <string>
+
+#include "cpu/runtime.h"
+#include "mla_decode/cpu_kernel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+static ffi::Error MlaAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache, ffi::AnyBuffer scales,
+                                   ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out, float scale,
+                                   int64_t v_dim, int64_t n_threads) {
+  auto qd = q.dimensions();
+  auto cd = cache.dimensions();
+  auto pd = q_pos.dimensions();
+  if (qd.size() != 4) return ffi::Error::InvalidArgument("mla_attention: q must be [B, T, H, D]");
+  ikj::MlaArgs a{};
+  a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3];
+  if (pd.size() != 2 || pd[0] != a.B || pd[1] != a.T)
+    return ffi::Error::InvalidArgument("mla_attention: q_pos must be [B, T] like q");
+  const auto et = cache.element_type();
+  if (et == ffi::DataType::S8) {
+    auto sd = scales.dimensions();
+    if (cd.size() != 4 || cd[3] != 32 || sd.size() != 3 || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] != cd[2])
+      return ffi::Error::InvalidArgument("mla_attention: q8_0 cache must be int8 [B, S, nb, 32] + scales [B, S, nb]");
+    if (scales.element_type() == ffi::DataType::F16)
+      a.kind = ikj::MLA_Q8_0_F16D;
+    else if (scales.element_type() == ffi::DataType::F32)
+      a.kind = ikj::MLA_Q8_0_F32D;
+    else
+      return ffi::Error::InvalidArgument("mla_attention: q8_0 scales must be f16 or f32");
+    a.W = cd[2] * 32;
+  } else {
+    if (et == ffi::DataType::F32)
+      a.kind = ikj::MLA_F32;
+    else if (et == ffi::DataType::F16)
+      a.kind = ikj::MLA_F16;
+    else if (et == ffi::DataType::BF16)
+      a.kind = ikj::MLA_BF16;
+    else
+      return ffi::Error::InvalidArgument("mla_attention: cache must be f32, f16, bf16 or q8_0 (int8 + scales)");
+    if (cd.size() != 3) return ffi::Error::InvalidArgument("mla_attention: float cache must be [B, S, W]");
+    a.W = cd[2];
+  }
+  if (cd[0] != a.B) return ffi::Error::InvalidArgument("mla_attention: cache batch differs from q's");
+  a.S = cd[1];
+  if (a.D > a.W) return ffi::Error::InvalidArgument("mla_attention: q width D exceeds the cache row width");
+  if (v_dim < 1 || v_dim > a.D) return ffi::Error::InvalidArgument("mla_attention: v_dim must be in [1, D]");
+  auto od = out->dimensions();
+  if (od.size() != 4 || od[0] != a.B || od[1] != a.T || od[2] != a.H || od[3] != v_dim)
+    return ffi::Error::InvalidArgument("mla_attention: out must be [B, T, H, v_dim]");
+  a.q = q.typed_data();
+  a.cache = cache.untyped_data();
+  a.scales = scales.untyped_data();
+  a.q_pos = q_pos.typed_data();
+  a.out = out->typed_data();
+  a.v_dim = v_dim;
+  a.scale = scale;
+  a.n_threads = static_cast<int>(n_threads);
+  IKJ_DISPATCH(mla_attention)(a);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaAttentionFfi, MlaAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("v_dim")
+                                  .Attr<int64_t>("n_threads"));
+
+static ikj::FfiRegistration reg("ikjax_cpu_mla_attention", reinterpret_cast<void*>(MlaAttentionFfi));

@@ -1,0 +1,475 @@
+// Absorbed-MLA flash attention on the latent cache, CPU (see cpu_kernel.h for the contract).
+// Compiled once per instruction-set level (namespace IKJ_NS); see pallas_kernels/CMakeLists.txt.
+//
+// Why this shape: every head (and every query token of a prompt tile) reads the same cache row, so
+// the work per key is R·(D + v_dim) FMAs for R query rows against D values loaded once — at R = 16
+// (V2-Lite) already ~30 flop per cache byte, far above what memory feeds: the op is compute-bound
+// on a CPU and is written as two register-blocked micro-GEMMs per block of Bk keys:
+//   scores  St[j, r] = Σ_d K[j, d] · Qt[d, r]       (K block converted to f32 once; Qt = tile's qᵀ)
+//   values  acc[r, :] = acc[r, :] · corr[r] + Σ_j P[j, r] · K[j, :v_dim]
+// with the online-softmax update between them vectorized over the query rows r. A work item is
+// (batch, query tile, key range); key ranges are split when items are fewer than the work needs
+// to keep every thread busy (decode), and the last finisher of a split group merges the partial
+// (m, l, acc) into the output. Only keys below the tile's highest position + 1 are read, so the
+// cost follows the real KV length, not the cache bucket S.
+#include "mla_decode/cpu_kernel.h"
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu/common.h"
+#include "cpu/runtime.h"
+
+namespace IKJ_NS {
+namespace {
+
+// ---- SIMD layer: L float lanes, and the register-block sizes that fit the register file ----------
+#if defined(__AVX512F__)
+constexpr int L = 16;
+constexpr int RJ = 8, NV1 = 3;  // scores: 8 keys x 3 vectors of query rows (24 acc + 3 loads)
+constexpr int RH = 4, NV2 = 4;  // values: 4 query rows x 4 vectors of v columns (16 acc)
+using V = __m512;
+inline V vld(const float* p) { return _mm512_loadu_ps(p); }
+inline void vst(float* p, V x) { _mm512_storeu_ps(p, x); }
+inline V vbc(float x) { return _mm512_set1_ps(x); }
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+// exp: Cephes polynomial on x - n·ln2, times 2^n by scalef; exact 0 below -87.3 (masked keys, -inf)
+inline V vexp(V x) {
+  const V lo = vbc(-87.33654f);
+  V xc = _mm512_min_ps(_mm512_max_ps(x, lo), vbc(88.3762626647949f));
+  V n = _mm512_roundscale_ps(vmul(xc, vbc(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm512_fnmadd_ps(n, vbc(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, vbc(-2.12194440e-4f), r);
+  V p = vbc(1.9875691500e-4f);
+  p = vfma(p, r, vbc(1.3981999507e-3f));
+  p = vfma(p, r, vbc(8.3334519073e-3f));
+  p = vfma(p, r, vbc(4.1665795894e-2f));
+  p = vfma(p, r, vbc(1.6666665459e-1f));
+  p = vfma(p, r, vbc(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vbc(1.0f)));
+  V res = _mm512_scalef_ps(p, n);
+  return _mm512_mask_mov_ps(res, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), vzero());
+}
+#elif defined(__AVX2__)
+constexpr int L = 8;
+constexpr int RJ = 4, NV1 = 3;  // 12 acc + 3 loads + 1 broadcast = 16 ymm
+constexpr int RH = 4, NV2 = 2;
+using V = __m256;
+inline V vld(const float* p) { return _mm256_loadu_ps(p); }
+inline void vst(float* p, V x) { _mm256_storeu_ps(p, x); }
+inline V vbc(float x) { return _mm256_set1_ps(x); }
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline V vexp(V x) {
+  const V lo = vbc(-87.33654f);
+  V xc = _mm256_min_ps(_mm256_max_ps(x, lo), vbc(88.0f));
+  V n = _mm256_round_ps(vmul(xc, vbc(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm256_fnmadd_ps(n, vbc(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, vbc(-2.12194440e-4f), r);
+  V p = vbc(1.9875691500e-4f);
+  p = vfma(p, r, vbc(1.3981999507e-3f));
+  p = vfma(p, r, vbc(8.3334519073e-3f));
+  p = vfma(p, r, vbc(4.1665795894e-2f));
+  p = vfma(p, r, vbc(1.6666665459e-1f));
+  p = vfma(p, r, vbc(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vbc(1.0f)));
+  // 2^n for n in [-126, 127] (the clamp above keeps it there)
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  V res = vmul(p, _mm256_castsi256_ps(e));
+  return _mm256_blendv_ps(res, vzero(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+}
+#else
+// Portable level: GCC/Clang vector extensions (SSE2 on x86-64, NEON on Arm), libm exp.
+constexpr int L = 4;
+constexpr int RJ = 4, NV1 = 2;
+constexpr int RH = 4, NV2 = 2;
+typedef float V __attribute__((vector_size(16)));
+inline V vld(const float* p) { V x; std::memcpy(&x, p, sizeof(V)); return x; }
+inline void vst(float* p, V x) { std::memcpy(p, &x, sizeof(V)); }
+inline V vbc(float x) { return V{x, x, x, x}; }
+inline V vzero() { return V{0.f, 0.f, 0.f, 0.f}; }
+inline V vfma(V a, V b, V c) { return a * b + c; }
+inline V vmul(V a, V b) { return a * b; }
+inline V vadd(V a, V b) { return a + b; }
+inline V vsub(V a, V b) { return a - b; }
+inline V vmax(V a, V b) { V r; for (int i = 0; i < L; ++i) r[i] = a[i] > b[i] ? a[i] : b[i]; return r; }
+inline V vexp(V x) { V r; for (int i = 0; i < L; ++i) r[i] = std::exp(x[i]); return r; }
+#endif
+
+constexpr int BK = 64;                    // keys per block (a multiple of RJ)
+constexpr int ROW_TARGET = 64;            // query rows (tokens x heads) per prompt tile, at least H
+constexpr float M_INIT = -1e30f;          // finite: a row with no visible key yet keeps corr = 1
+static_assert(BK % RJ == 0, "BK must be a multiple of RJ");
+static_assert(16 % L == 0, "rows/columns are padded to 16");
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- cache rows -> f32 -------------------------------------------------------------------------
+
+// Convert values [0, n) of cache row (b, s) into dst (n <= W; q8_0 writes whole 32-blocks, so dst
+// must have room for round_up(n, 32)).
+void load_row(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t n, float* dst) {
+  const int64_t row = b * a.S + s;
+  switch (a.kind) {
+    case ikj::MLA_F32:
+      std::memcpy(dst, static_cast<const float*>(a.cache) + row * a.W, n * sizeof(float));
+      return;
+    case ikj::MLA_F16: {
+      const uint16_t* src = static_cast<const uint16_t*>(a.cache) + row * a.W;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__AVX2__)
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+      for (; i < n; ++i) dst[i] = ikj::fp16_to_f32(src[i]);
+      return;
+    }
+    case ikj::MLA_BF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(a.cache) + row * a.W;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+      }
+#elif defined(__AVX2__)
+      for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+      }
+#endif
+      for (; i < n; ++i) dst[i] = ikj::bf16_to_f32(src[i]);
+      return;
+    }
+    default: {  // q8_0
+      const int64_t nb = a.W / 32, nblk = (n + 31) / 32;
+      const int8_t* qs = static_cast<const int8_t*>(a.cache) + row * a.W;
+      for (int64_t k = 0; k < nblk; ++k) {
+        float d = a.kind == ikj::MLA_Q8_0_F16D
+                      ? ikj::fp16_to_f32(static_cast<const uint16_t*>(a.scales)[row * nb + k])
+                      : static_cast<const float*>(a.scales)[row * nb + k];
+        const int8_t* q = qs + k * 32;
+        float* o = dst + k * 32;
+#if defined(__AVX512F__)
+        __m512 dv = _mm512_set1_ps(d);
+        for (int i = 0; i < 32; i += 16)
+          _mm512_storeu_ps(o + i, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))))));
+#elif defined(__AVX2__)
+        __m256 dv = _mm256_set1_ps(d);
+        for (int i = 0; i < 32; i += 8)
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i))))));
+#else
+        for (int i = 0; i < 32; ++i) o[i] = d * static_cast<float>(q[i]);
+#endif
+      }
+      return;
+    }
+  }
+}
+
+// ---- micro-kernels -----------------------------------------------------------------------------
+
+// St[j, r0 .. r0 + NV·L) = Σ_{d<D} Kb[j, d] · Qt[d, r0 ..] for the RJ keys j0 .. j0 + RJ.
+template <int NV>
+inline void scores_tile(const float* Kb, int64_t Dp, const float* Qt, int64_t Rp, int64_t D, float* St,
+                        int64_t j0, int64_t r0) {
+  V acc[RJ][NV];
+  for (int j = 0; j < RJ; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = vzero();
+  const float* k = Kb + j0 * Dp;
+  const float* qt = Qt + r0;
+  for (int64_t d = 0; d < D; ++d) {
+    V qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = vld(qt + d * Rp + v * L);
+    for (int j = 0; j < RJ; ++j) {
+      V kv = vbc(k[j * Dp + d]);
+      for (int v = 0; v < NV; ++v) acc[j][v] = vfma(kv, qv[v], acc[j][v]);
+    }
+  }
+  for (int j = 0; j < RJ; ++j)
+    for (int v = 0; v < NV; ++v) vst(St + (j0 + j) * Rp + r0 + v * L, acc[j][v]);
+}
+
+void scores(const float* Kb, int64_t Dp, const float* Qt, int64_t Rp, int64_t D, float* St, int64_t nj) {
+  const int64_t nvec = Rp / L;
+  for (int64_t c = 0; c < nvec; c += NV1) {
+    const int64_t nv = std::min<int64_t>(NV1, nvec - c);
+    for (int64_t j0 = 0; j0 < nj; j0 += RJ) {
+      switch (nv) {
+        case 1: scores_tile<1>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
+        case 2: scores_tile<2>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
+        default: scores_tile<NV1>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
+      }
+    }
+  }
+}
+
+// acc[r, c0 .. c0 + NV·L) = acc[r, ..] · corr[r] + Σ_{j<nj} P[j, r] · Kb[j, c0 ..] for RH rows from r0.
+template <int NV>
+inline void values_tile(const float* Kb, int64_t Dp, const float* P, int64_t Rp, const float* corr, float* acc,
+                        int64_t Vp, int64_t nj, int64_t r0, int64_t c0) {
+  V a[RH][NV];
+  for (int h = 0; h < RH; ++h) {
+    V cr = vbc(corr[r0 + h]);
+    for (int v = 0; v < NV; ++v) a[h][v] = vmul(vld(acc + (r0 + h) * Vp + c0 + v * L), cr);
+  }
+  for (int64_t j = 0; j < nj; ++j) {
+    V kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = vld(Kb + j * Dp + c0 + v * L);
+    const float* p = P + j * Rp + r0;
+    for (int h = 0; h < RH; ++h) {
+      V pv = vbc(p[h]);
+      for (int v = 0; v < NV; ++v) a[h][v] = vfma(pv, kv[v], a[h][v]);
+    }
+  }
+  for (int h = 0; h < RH; ++h)
+    for (int v = 0; v < NV; ++v) vst(acc + (r0 + h) * Vp + c0 + v * L, a[h][v]);
+}
+
+void values(const float* Kb, int64_t Dp, const float* P, int64_t Rp, const float* corr, float* acc, int64_t Vp,
+            int64_t nj) {
+  const int64_t nvec = Vp / L;
+  for (int64_t c = 0; c < nvec; c += NV2) {  // column chunk outside: its Kb slice stays in L1
+    const int64_t nv = std::min<int64_t>(NV2, nvec - c);
+    for (int64_t r0 = 0; r0 < Rp; r0 += RH) {
+      switch (nv) {
+        case 1: values_tile<1>(Kb, Dp, P, Rp, corr, acc, Vp, nj, r0, c * L); break;
+        case 2: values_tile<2>(Kb, Dp, P, Rp, corr, acc, Vp, nj, r0, c * L); break;
+        case 3: values_tile<(NV2 >= 3 ? 3 : NV2)>(Kb, Dp, P, Rp, corr, acc, Vp, nj, r0, c * L); break;
+        default: values_tile<NV2>(Kb, Dp, P, Rp, corr, acc, Vp, nj, r0, c * L); break;
+      }
+    }
+  }
+}
+
+// Online softmax over the nj keys of a block, vectorized over the query rows: St (raw q·k, -inf
+// where masked) becomes P = exp(scale·s - m_new); m, l updated, corr = exp(m_old - m_new).
+void softmax_block(float* St, int64_t Rp, int64_t nj, float scale, float* m, float* l, float* corr) {
+  const V sc = vbc(scale);
+  for (int64_t r = 0; r < Rp; r += L) {
+    V mo = vld(m + r), mx = mo;
+    for (int64_t j = 0; j < nj; ++j) {
+      V s = vmul(vld(St + j * Rp + r), sc);
+      vst(St + j * Rp + r, s);
+      mx = vmax(mx, s);
+    }
+    V sum = vzero();
+    for (int64_t j = 0; j < nj; ++j) {
+      V p = vexp(vsub(vld(St + j * Rp + r), mx));
+      vst(St + j * Rp + r, p);
+      sum = vadd(sum, p);
+    }
+    V cr = vexp(vsub(mo, mx));
+    vst(corr + r, cr);
+    vst(l + r, vfma(vld(l + r), cr, sum));
+    vst(m + r, mx);
+  }
+}
+
+// ---- work decomposition ------------------------------------------------------------------------
+
+struct Item {
+  int64_t b, t0, t1;   // batch, query tokens [t0, t1)
+  int64_t k0, k1;      // keys [k0, k1)
+  int64_t group;       // index of the (b, tile) group; -1: the group is not split (write out directly)
+  int64_t slot;        // partial-result slot when split
+};
+
+struct Group {
+  int64_t b, t0, t1, n_split, slot0;
+};
+
+struct Scratch {
+  std::vector<float> qt, kb, st, m, l, corr, acc;
+  std::vector<int32_t> pos;
+};
+
+template <class T>
+inline T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+struct Plan {
+  int64_t tq, Rp, Vp, Dp;
+};
+
+// Process one item: keys [k0, k1) for the query rows of tokens [t0, t1); leaves (m, l, acc) in s.
+void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s) {
+  const int64_t H = a.H, D = a.D, Rp = pl.Rp, Vp = pl.Vp, Dp = pl.Dp;
+  const int64_t Rt = (it.t1 - it.t0) * H;
+  float* qt = grow(s.qt, D * Rp);
+  float* kb = grow(s.kb, BK * Dp);
+  float* st = grow(s.st, BK * Rp);
+  float* m = grow(s.m, Rp);
+  float* l = grow(s.l, Rp);
+  float* corr = grow(s.corr, Rp);
+  float* acc = grow(s.acc, Rp * Vp);
+  int32_t* pos = grow(s.pos, Rp);
+
+  const float* q = a.q + (it.b * a.T + it.t0) * H * D;  // rows of the tile are contiguous
+  for (int64_t d = 0; d < D; ++d) {
+    float* row = qt + d * Rp;
+    for (int64_t r = 0; r < Rt; ++r) row[r] = q[r * D + d];
+    for (int64_t r = Rt; r < Rp; ++r) row[r] = 0.f;
+  }
+  int32_t min_pos = INT32_MAX;
+  for (int64_t r = 0; r < Rp; ++r) {
+    pos[r] = r < Rt ? a.q_pos[it.b * a.T + it.t0 + r / H] : INT32_MAX;
+    min_pos = std::min(min_pos, pos[r]);
+    m[r] = M_INIT;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + Rp * Vp, 0.f);
+
+  for (int64_t j0 = it.k0; j0 < it.k1; j0 += BK) {
+    const int64_t nv = std::min<int64_t>(BK, it.k1 - j0);
+    for (int64_t j = 0; j < nv; ++j) load_row(a, it.b, j0 + j, D, kb + j * Dp);
+    scores(kb, Dp, qt, Rp, D, st, round_up(nv, RJ));
+    if (j0 + nv - 1 > min_pos) {  // the causal edge crosses this block
+      const float ninf = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < nv; ++j)
+        for (int64_t r = 0; r < Rt; ++r)
+          if (j0 + j > pos[r]) st[j * Rp + r] = ninf;
+    }
+    softmax_block(st, Rp, nv, a.scale, m, l, corr);
+    values(kb, Dp, st, Rp, corr, acc, Vp, nv);
+  }
+}
+
+void write_out(const ikj::MlaArgs& a, const Plan& pl, int64_t b, int64_t t0, int64_t t1, const float* acc,
+               const float* l) {
+  const int64_t Rt = (t1 - t0) * a.H, vd = a.v_dim;
+  float* o = a.out + (b * a.T + t0) * a.H * vd;
+  for (int64_t r = 0; r < Rt; ++r) {
+    const float inv = 1.0f / l[r];  // l = 0 only for a row that sees no key: NaN, as the reference
+    for (int64_t c = 0; c < vd; ++c) o[r * vd + c] = acc[r * pl.Vp + c] * inv;
+  }
+}
+
+}  // namespace
+
+void mla_attention(const ikj::MlaArgs& a) {
+  const int64_t B = a.B, T = a.T, H = a.H;
+  if (B == 0 || T == 0 || H == 0) return;
+  Plan pl;
+  pl.tq = std::max<int64_t>(1, std::min<int64_t>(T, ROW_TARGET / H));
+  pl.Rp = round_up(pl.tq * H, 16);
+  pl.Vp = round_up(a.v_dim, 16);
+  pl.Dp = round_up(std::max(a.D, pl.Vp), 32);
+
+  int avail = ikj::available_cores();
+  int nth = a.n_threads <= 0 ? avail : std::min(a.n_threads, avail);
+
+  // groups (b, tile) with their key ranges [0, kv_end), kv_end = min(S, highest position + 1)
+  std::vector<Group> groups;
+  std::vector<int64_t> kv_end;
+  int64_t total_blocks = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t0 = 0; t0 < T; t0 += pl.tq) {
+      int64_t t1 = std::min(T, t0 + pl.tq);
+      int64_t mx = -1;
+      for (int64_t t = t0; t < t1; ++t) mx = std::max<int64_t>(mx, a.q_pos[b * T + t]);
+      int64_t end = std::min<int64_t>(a.S, mx + 1);
+      end = std::max<int64_t>(end, 0);
+      groups.push_back({b, t0, t1, 1, -1});
+      kv_end.push_back(end);
+      total_blocks += (end + BK - 1) / BK;
+    }
+  // split key ranges so that no item holds more than ~1/nth of the blocks (decode: one chunk per
+  // thread; a long prompt: no split, its many tiles keep the threads busy)
+  const int64_t target = std::max<int64_t>(1, (total_blocks + nth - 1) / nth);
+  std::vector<Item> items;
+  int64_t n_slots = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int64_t nblk = (kv_end[g] + BK - 1) / BK;
+    const int64_t ns = nth > 1 ? std::max<int64_t>(1, std::min<int64_t>(nblk, (nblk + target - 1) / target)) : 1;
+    Group& G = groups[g];
+    G.n_split = ns;
+    if (ns == 1) {
+      items.push_back({G.b, G.t0, G.t1, 0, kv_end[g], -1, -1});
+      continue;
+    }
+    G.slot0 = n_slots;
+    for (int64_t i = 0; i < ns; ++i) {
+      int64_t b0, b1;
+      ikj::split_range(nblk, static_cast<int>(i), static_cast<int>(ns), &b0, &b1);
+      items.push_back({G.b, G.t0, G.t1, b0 * BK, std::min(kv_end[g], b1 * BK), static_cast<int64_t>(g), n_slots++});
+    }
+  }
+  // longest first, so dynamic scheduling balances causal tiles of different lengths
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.k1 - x.k0 > y.k1 - y.k0; });
+
+  const int64_t slot_size = pl.Rp * (pl.Vp + 2);
+  thread_local std::vector<float> partial;
+  float* part = grow(partial, static_cast<size_t>(std::max<int64_t>(1, n_slots * slot_size)));
+  std::vector<std::atomic<int64_t>> remaining(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) remaining[g].store(groups[g].n_split, std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+
+  ikj::parallel(std::min<int64_t>(nth, n_items), [&](int, int) {
+    thread_local Scratch s;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+      const Item& it = items[i];
+      run_item(a, pl, it, s);
+      if (it.group < 0) {
+        write_out(a, pl, it.b, it.t0, it.t1, s.acc.data(), s.l.data());
+        continue;
+      }
+      float* slot = part + it.slot * slot_size;  // [acc Rp x Vp | m Rp | l Rp]
+      std::memcpy(slot, s.acc.data(), pl.Rp * pl.Vp * sizeof(float));
+      std::memcpy(slot + pl.Rp * pl.Vp, s.m.data(), pl.Rp * sizeof(float));
+      std::memcpy(slot + pl.Rp * (pl.Vp + 1), s.l.data(), pl.Rp * sizeof(float));
+      if (remaining[it.group].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+      // last split of its group: log-sum-exp merge of the partials into s.acc / s.l, then write
+      const Group& G = groups[it.group];
+      const int64_t Rt = (G.t1 - G.t0) * H;
+      float* acc = s.acc.data();
+      float* l = s.l.data();
+      for (int64_t r = 0; r < Rt; ++r) {
+        float M = M_INIT;
+        for (int64_t k = 0; k < G.n_split; ++k)
+          M = std::max(M, part[(G.slot0 + k) * slot_size + pl.Rp * pl.Vp + r]);
+        float* ar = acc + r * pl.Vp;
+        std::fill(ar, ar + pl.Vp, 0.f);
+        float lsum = 0.f;
+        for (int64_t k = 0; k < G.n_split; ++k) {
+          const float* sl = part + (G.slot0 + k) * slot_size;
+          const float w = std::exp(sl[pl.Rp * pl.Vp + r] - M);
+          lsum += w * sl[pl.Rp * (pl.Vp + 1) + r];
+          const float* pa = sl + r * pl.Vp;
+          for (int64_t c = 0; c < pl.Vp; ++c) ar[c] += w * pa[c];
+        }
+        l[r] = lsum;
+      }
+      write_out(a, pl, G.b, G.t0, G.t1, acc, l);
+    }
+  });
+}
+
+}  // namespace IKJ_NS

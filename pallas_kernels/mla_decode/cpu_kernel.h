@@ -1,0 +1,38 @@
+// Absorbed-MLA attention on the latent cache (CPU), declared for every instruction-set level.
+//
+// out[b, t, h, :v_dim] = softmax_k(scale * q[b,t,h,:D] . K[b,k,:D]) . K[b,k,:v_dim] over the keys
+// k <= q_pos[b, t] (and k < S), with K the cache entries read as stored (f32 / f16 / bf16, or q8_0
+// blocks of 32 int8 with one f16 or f32 scale) and converted to f32 once per key for all heads and
+// query rows of a tile. Softmax in f32 with online rescaling (flash); the key range is split over
+// threads when there are fewer (batch, query tile) pairs than threads (decode), and the partial
+// (m, l, acc) merged by a log-sum-exp combine.
+#pragma once
+#include <cstdint>
+
+#include "cpu/isa.h"
+
+namespace ikj {
+
+enum MlaCacheKind : int {
+  MLA_F32 = 0,
+  MLA_F16 = 1,
+  MLA_BF16 = 2,
+  MLA_Q8_0_F16D = 3,  // data int8 [B, S, nb, 32] + scales f16 [B, S, nb] (ikjax/cache.py)
+  MLA_Q8_0_F32D = 4,  // same with f32 scales
+};
+
+struct MlaArgs {
+  const float* q;          // [B, T, H, D]
+  const void* cache;       // f32/f16/bf16 [B, S, W] or int8 [B, S, W/32, 32]
+  const void* scales;      // q8_0 only: [B, S, W/32]
+  const int32_t* q_pos;    // [B, T]: the query at position p sees keys 0..p
+  float* out;              // [B, T, H, v_dim]
+  int64_t B, T, H, D, S, W, v_dim;  // W: values per cache row (>= D >= v_dim)
+  int kind;                // MlaCacheKind
+  float scale;
+  int n_threads;           // <= 0: all cores
+};
+
+}  // namespace ikj
+
+IKJ_DECLARE(void, mla_attention, (const ikj::MlaArgs& args))
