@@ -13,6 +13,7 @@ with the shards; and (deepseek2) metadata and tensor table checked against each 
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -160,7 +161,7 @@ class _Cursor:
 
     def _string_array(self, count: int, key: str) -> StringArray:
         offsets = np.empty(count, np.int64)  # count * 8 bytes: already checked against the file
-        lengths = np.empty(count, np.int64)
+        lengths = np.empty(count, np.uint64)  # holds any stored length; one past the end fails below
         buf, pos, end = self.buf, self.pos, len(self.buf)
         unpack = struct.Struct("<Q").unpack_from
         for i in range(count):
@@ -168,11 +169,11 @@ class _Cursor:
                 raise self.fail(f"truncated or damaged GGUF header: metadata {key}: string {i} of {count} starts "
                                 f"past the end of the file")
             n = unpack(buf, pos)[0]
-            if n > end - pos - 8:
-                raise self.fail(f"truncated or damaged GGUF header: metadata {key}: string {i} of {count} "
-                                f"({n} bytes) runs past the end of the file")
-            offsets[i], lengths[i] = pos + 8, n
+            offsets[i], lengths[i] = pos + 8, n  # pos + 8 <= end here, so the offset fits
             pos += 8 + n
+        if pos > end:
+            raise self.fail(f"truncated or damaged GGUF header: metadata {key}: the last of its {count} strings "
+                            f"runs past the end of the file")
         self.pos = pos
         return StringArray(buf, offsets, lengths)
 
@@ -244,11 +245,10 @@ class GGUFShard:
             if not 1 <= n_dims <= GGML_MAX_DIMS:
                 raise ModelFileError(f"{self.path}: tensor {name} has {n_dims} dimensions (GGUF allows 1 to "
                                      f"{GGML_MAX_DIMS})")
-            ne = [cur.unpack("<Q") for _ in range(n_dims)]
-            n_elem = 1
-            for n in ne:
-                n_elem *= n
-            if min(ne) < 1 or n_elem > _INT64_MAX:
+            cur.need(n_dims, 8, f"tensor {name} dimension count")
+            ne = list(struct.unpack_from(f"<{n_dims}Q", cur.buf, cur.pos))
+            cur.pos += 8 * n_dims
+            if min(ne) < 1 or math.prod(ne) > _INT64_MAX:
                 raise ModelFileError(f"{self.path}: tensor {name} has impossible dimensions {ne}")
             type_id, rel = cur.unpack("<I"), cur.unpack("<Q")
             raw_infos.append((name, ne, type_id, rel))
@@ -317,7 +317,7 @@ class GGUFShard:
 
 def _tensor_nbytes(qt: QuantType, shape: tuple[int, ...], path: str, name: str) -> int:
     n_per_row = shape[-1]
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    rows = math.prod(shape[:-1])
     try:
         return rows * qt.row_bytes(n_per_row)
     except ValueError as e:
