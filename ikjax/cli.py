@@ -469,6 +469,43 @@ def plot_cmd(
 # bench (llama-bench)
 
 
+BENCH_FIXED = ("threads_batch", "cpu_moe", "n_cpu_moe", "kv_block")
+
+
+def _check_bench_options(params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """bench's ik switches and the run options it does not sweep, checked and noted once.
+    Returns (the fixed run options, the -fmoe list after -no-fmoe)."""
+    fixed = {k: params[k] for k in BENCH_FIXED if params.get(k) is not None}
+    RunOptions.from_kwargs(**fixed)
+    switches = {k: params[k] for k in SWITCH_PARAMS if k in params}
+    notes = switch_notes(switches, "bench", _backend())
+    if params.get("ctx") is not None:
+        notes.append(f"-c {params['ctx']} has no effect in bench: each test's context is sized to its tokens "
+                     "(prompt + generated + depth), as llama-bench does")
+    for line in notes:
+        _log("note: " + line)
+    fmoe = params.get("fmoe")
+    if params.get("no_fmoe") is not None and RunOptions.from_kwargs(fmoe=params["no_fmoe"]).fmoe:
+        fmoe = "0"
+    return fixed, fmoe
+
+
+def _note_combinations(params: dict[str, Any]) -> None:
+    """The notes of every swept combination (e.g. -ctv with mla 3), each once; a combination that
+    does not validate is left to its 'skipped' row."""
+    from ikjax import llama_bench as lb
+    seen: set[str] = set()
+    for combo in lb.combinations(params):
+        try:
+            notes = RunOptions.from_kwargs(**{lb.SWEPT[k]: v for k, v in combo.items()}).notes()
+        except OptionError:
+            continue
+        for line in notes:
+            if line not in seen:
+                seen.add(line)
+                _log("note: " + line)
+
+
 @app.command("bench", cls=_ExactCommand)
 @_handle
 def bench(
@@ -481,6 +518,8 @@ def bench(
                                                     help="PP,TG: TG tokens timed after an untimed PP-token prompt, "
                                                     "printed tgTG@ppPP (may repeat)")] = None,
     depth: Annotated[str, typer.Option("-d", "--n-depth", help="KV depth for the -p/-n tests, e.g. 0,4096")] = "0",
+    ctx: Annotated[Optional[str], typer.Option("-c", "--ctx-size", help="accepted with a note: bench sizes the "
+                                               "context to each test, as llama-bench does")] = None,
     reps: Annotated[int, typer.Option("-r", "--repetitions", help="timed repetitions per test")] = 5,
     output: Annotated[str, typer.Option("-o", "--output", help="md, json, jsonl or csv (llama-bench's keys)")] = "md",
     mla: Annotated[str, typer.Option("-mla", "--mla", "--mla-attn", help="MLA mode(s), e.g. 2,3")] = str(_D.mla),
@@ -524,15 +563,7 @@ def bench(
         raise OptionError(f"output: {output!r} is not md, json, jsonl or csv")
     if reps < 1:
         raise OptionError(f"repetitions: need >= 1, got {reps}")
-    # the ik switches and the options that are not swept, checked (and noted) once
-    switches = {k: v for k, v in locals().items() if k in SWITCH_PARAMS}
-    fixed = dict(threads_batch=threads_batch, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, kv_block=kv_block)
-    fixed = {k: v for k, v in fixed.items() if v is not None}
-    RunOptions.from_kwargs(**fixed)
-    for line in switch_notes(switches, "bench", _backend()):
-        _log("note: " + line)
-    if no_fmoe is not None and RunOptions.from_kwargs(fmoe=no_fmoe).fmoe:
-        fmoe = "0"
+    fixed, fmoe = _check_bench_options(locals())
     models = []
     for m in model or [None]:
         for part in (m.split(",") if m else [None]):
@@ -552,16 +583,7 @@ def bench(
         raise OptionError("no tests: give -p, -n, -pg or -gp")
     params = dict(mla=mla, fa=fa, ubatch=ubatch, batch=batch, ctk=ctk, ctv=ctv, amb=amb, fmoe=fmoe, ser=ser, ot=ot,
                   ngl=ngl, threads=threads, dtype=dtype)
-    seen: set[str] = set()
-    for combo in lb.combinations(params):  # every combination's notes (e.g. -ctv with mla 3), once each
-        try:
-            notes = RunOptions.from_kwargs(**{lb.SWEPT[k]: v for k, v in combo.items()}).notes()
-        except OptionError:
-            continue  # reported as that combination's skipped row
-        for line in notes:
-            if line not in seen:
-                seen.add(line)
-                _log("note: " + line)
+    _note_combinations(params)
     shown = ["ngl", "threads", "ubatch", "mla", "fa"]
     defaults = dict(batch=str(_D.batch), ctk=_D.ctk, amb=str(_D.amb), fmoe=str(int(_D.fmoe)), dtype=_D.dtype)
     for k in ("batch", "ctk", "ctv", "amb", "fmoe", "ser", "ot", "dtype"):
