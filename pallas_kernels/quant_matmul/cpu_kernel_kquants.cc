@@ -596,7 +596,7 @@ void block_iq6_k(const uint8_t* b, float* out) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// ik's other per-row-scaled types and Q6_0: scalar decode to int8, vectorized float stage.
+// ik's other per-row-scaled types and Q6_0 (IQ4_KSS: scalar decode to int8, vectorized float stage).
 
 // block_iq2_ks (70 B; row prefix: half d): u16 extra; scales[4]; qs[64]. 32-block s: scale (nibble s%2
 // of scales[s/2] | extra bit 8+s << 4) - 16; extra bit s: shifted table; field s%4 of qs[32*(s/4) + t].
@@ -604,15 +604,31 @@ void block_iq2_ks(const uint8_t* b, float d, float* out) {
   const unsigned extra = ikj::load_u16(b);
   const uint8_t* sc = b + 2;
   const uint8_t* qs = b + 6;
-  alignas(16) int8_t q[QK];
-  float dl[16];
-  for (int s = 0; s < 8; ++s) {
-    const int ls = (((sc[s / 2] >> (4 * (s % 2))) & 0xF) | (bit(extra, 8 + s) << 4)) - 16;
-    dl[2 * s] = dl[2 * s + 1] = d * static_cast<float>(ls);
-    const int8_t* tb = kIQ2NL[bit(extra, s)];
-    for (int t = 0; t < 32; ++t) q[32 * s + t] = tb[(qs[32 * (s / 4) + t] >> (2 * (s % 4))) & 3];
+  float dl[8];
+  for (int s = 0; s < 8; ++s)
+    dl[s] = d * static_cast<float>((((sc[s / 2] >> (4 * (s % 2))) & 0xF) | (bit(extra, 8 + s) << 4)) - 16);
+#if IKJ_KQ_SIMD
+  const __m128i tab[2] = {load16(reinterpret_cast<const uint8_t*>(kIQ2NL[0])),
+                          load16(reinterpret_cast<const uint8_t*>(kIQ2NL[1]))};
+  const __m128i m3 = _mm_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    __m128i x0 = load16(qs + 32 * h), x1 = load16(qs + 32 * h + 16);
+    for (int j = 0; j < 4; ++j) {
+      const int s = 4 * h + j;
+      const __m128i& tb = tab[bit(extra, s)];
+      emit16(out + 32 * s, _mm_shuffle_epi8(tb, _mm_and_si128(x0, m3)), dl[s]);
+      emit16(out + 32 * s + 16, _mm_shuffle_epi8(tb, _mm_and_si128(x1, m3)), dl[s]);
+      x0 = _mm_srli_epi16(x0, 2);
+      x1 = _mm_srli_epi16(x1, 2);
+    }
   }
-  emit_block16(out, q, dl);
+#else
+  for (int s = 0; s < 8; ++s) {
+    const int8_t* tb = kIQ2NL[bit(extra, s)];
+    for (int t = 0; t < 32; ++t)
+      out[32 * s + t] = dl[s] * static_cast<float>(tb[(qs[32 * (s / 4) + t] >> (2 * (s % 4))) & 3]);
+  }
+#endif
 }
 
 // block_iq3_ks (102 B; row prefix: half d): u16 extra; scales[4]; qs[64]; qh[32]. 32-block s: scale
@@ -623,16 +639,36 @@ void block_iq3_ks(const uint8_t* b, float d, float* out) {
   const uint8_t* sc = b + 2;
   const uint8_t* qs = b + 6;
   const uint8_t* qh = b + 70;
-  alignas(16) int8_t q[QK];
-  float dl[16];
+  float dl[8];
+  for (int s = 0; s < 8; ++s)
+    dl[s] = d * static_cast<float>((((sc[s % 4] >> (4 * (s / 4))) & 0xF) | (bit(extra, s) << 4)) - 16);
+#if IKJ_KQ_SIMD
+  const __m128i tab[2] = {load16(reinterpret_cast<const uint8_t*>(kIQ3NL[0])),
+                          load16(reinterpret_cast<const uint8_t*>(kIQ3NL[1]))};
+  const __m128i m3 = _mm_set1_epi8(3), m4b = _mm_set1_epi8(4);
+  const __m128i h0 = load16(qh), h1 = load16(qh + 16);
+  for (int g = 0; g < 2; ++g) {
+    __m128i x0 = load16(qs + 32 * g), x1 = load16(qs + 32 * g + 16);
+    for (int j = 0; j < 4; ++j) {
+      const int s = 4 * g + j;
+      const __m128i hb0 = s >= 2 ? _mm_srli_epi16(h0, s - 2) : _mm_slli_epi16(h0, 2 - s);
+      const __m128i hb1 = s >= 2 ? _mm_srli_epi16(h1, s - 2) : _mm_slli_epi16(h1, 2 - s);
+      const __m128i& tb = tab[bit(extra, 8 + s)];
+      emit16(out + 32 * s, _mm_shuffle_epi8(tb, _mm_or_si128(_mm_and_si128(x0, m3), _mm_and_si128(hb0, m4b))), dl[s]);
+      emit16(out + 32 * s + 16, _mm_shuffle_epi8(tb, _mm_or_si128(_mm_and_si128(x1, m3), _mm_and_si128(hb1, m4b))),
+             dl[s]);
+      x0 = _mm_srli_epi16(x0, 2);
+      x1 = _mm_srli_epi16(x1, 2);
+    }
+  }
+#else
   for (int s = 0; s < 8; ++s) {
-    const int ls = (((sc[s % 4] >> (4 * (s / 4))) & 0xF) | (bit(extra, s) << 4)) - 16;
-    dl[2 * s] = dl[2 * s + 1] = d * static_cast<float>(ls);
     const int8_t* tb = kIQ3NL[bit(extra, 8 + s)];
     for (int t = 0; t < 32; ++t)
-      q[32 * s + t] = tb[((qs[32 * (s / 4) + t] >> (2 * (s % 4))) & 3) | (bit(qh[t], s) << 2)];
+      out[32 * s + t] =
+          dl[s] * static_cast<float>(tb[((qs[32 * (s / 4) + t] >> (2 * (s % 4))) & 3) | (bit(qh[t], s) << 2)]);
   }
-  emit_block16(out, q, dl);
+#endif
 }
 
 // block_iq5_ks (168 B; row prefix: float d): scales[8]; qs[128]; qh[32]. 32-block s: scale
@@ -641,15 +677,32 @@ void block_iq5_ks(const uint8_t* b, float d, float* out) {
   const uint8_t* sc = b;
   const uint8_t* qs = b + 8;
   const uint8_t* qh = b + 136;
-  alignas(16) int8_t q[QK];
-  float dl[16];
+#if IKJ_KQ_SIMD
+  const __m128i* T = reinterpret_cast<const __m128i*>(kIQ5NL);
+  const __m128i m16 = _mm_set1_epi8(0x10);
+  const __m128i h0 = load16(qh), h1 = load16(qh + 16);
+  auto hbits = [&](__m128i hv, int j) {
+    return _mm_and_si128(j <= 4 ? _mm_slli_epi16(hv, 4 - j) : _mm_srli_epi16(hv, j - 4), m16);
+  };
+  for (int g = 0; g < 4; ++g) {
+    const __m128i x0 = load16(qs + 32 * g), x1 = load16(qs + 32 * g + 16);
+    for (int hh = 0; hh < 2; ++hh) {
+      const int s = 2 * g + hh;
+      const float dl = d * static_cast<float>((sc[s] & 254) - 127);
+      const __m128i* tb = T + 2 * (sc[s] & 1);
+      emit16(out + 32 * s, lookup32(tb, _mm_or_si128(hh ? hi4(x0) : lo4(x0), hbits(h0, s))), dl);
+      emit16(out + 32 * s + 16, lookup32(tb, _mm_or_si128(hh ? hi4(x1) : lo4(x1), hbits(h1, s))), dl);
+    }
+  }
+#else
   for (int s = 0; s < 8; ++s) {
-    dl[2 * s] = dl[2 * s + 1] = d * static_cast<float>((sc[s] & 254) - 127);
+    const float dl = d * static_cast<float>((sc[s] & 254) - 127);
     const int8_t* tb = kIQ5NL + 32 * (sc[s] & 1);
     for (int t = 0; t < 32; ++t)
-      q[32 * s + t] = tb[((qs[32 * (s / 2) + t] >> (4 * (s % 2))) & 0xF) | (bit(qh[t], s) << 4)];
+      out[32 * s + t] =
+          dl * static_cast<float>(tb[((qs[32 * (s / 2) + t] >> (4 * (s % 2))) & 0xF) | (bit(qh[t], s) << 4)]);
   }
-  emit_block16(out, q, dl);
+#endif
 }
 
 // block_iq4_kss (128 B; row prefix: float d): u16 q[64], 8 per 32-block. Bit 0 of q[k] is bit k of the
@@ -685,17 +738,20 @@ void block_q6_0(const uint8_t* b, float* out) {
   const float d = f16(b);
   const uint8_t* qh = b + 2;
   const uint8_t* qs = b + 10;
-  alignas(16) int8_t q[32];
+#if IKJ_KQ_SIMD
+  const __m128i h8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qh));
+  const __m128i h = _mm_unpacklo_epi64(lo4(h8), hi4(h8));  // byte j: qh[j%8] >> 4*(j/8)
+  const __m128i x = load16(qs), m30 = _mm_set1_epi8(0x30), m32 = _mm_set1_epi8(32);
+  const __m128i q0 = _mm_or_si128(lo4(x), _mm_and_si128(_mm_slli_epi16(h, 4), m30));
+  const __m128i q1 = _mm_or_si128(hi4(x), _mm_and_si128(_mm_slli_epi16(h, 2), m30));
+  emit16(out, _mm_sub_epi8(q0, m32), d);
+  emit16(out + 16, _mm_sub_epi8(q1, m32), d);
+#else
   for (int j = 0; j < 16; ++j) {
     const int h = (qh[j % 8] >> (4 * (j / 8))) & 0xF;
-    q[j] = static_cast<int8_t>(((qs[j] & 0xF) | ((h & 3) << 4)) - 32);
-    q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | ((h >> 2) << 4)) - 32);
+    out[j] = d * static_cast<float>(((qs[j] & 0xF) | ((h & 3) << 4)) - 32);
+    out[j + 16] = d * static_cast<float>(((qs[j] >> 4) | ((h >> 2) << 4)) - 32);
   }
-#if IKJ_KQ_SIMD
-  emit16(out, load16(reinterpret_cast<const uint8_t*>(q)), d);
-  emit16(out + 16, load16(reinterpret_cast<const uint8_t*>(q + 16)), d);
-#else
-  emit_s(out, q, 32, d);
 #endif
 }
 
