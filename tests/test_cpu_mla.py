@@ -1,0 +1,161 @@
+"""C++ CPU absorbed-MLA attention (pallas_kernels/mla_decode/cpu.py) against the references:
+mla_decode_ref for decode, the model's attend_materialized / attend_flash in absorbed form for
+prompts, on the same stored cache values (f32, f16, bf16, q8_0), every instruction-set level and
+thread count; ragged positions, positions short of the cache end and past it, padded q8_0 rows.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ikjax import cache as kvcache
+from ikjax.model.attention import attend_flash, attend_materialized
+from pallas_kernels import cpu as _cpu
+from pallas_kernels.mla_decode.reference import mla_decode_ref
+
+pytestmark = pytest.mark.skipif(not _cpu.available(), reason=_cpu.unavailable_reason() or "no C++ kernels")
+
+if _cpu.available():
+    from pallas_kernels.mla_decode import cpu as mla_cpu
+
+CTKS = ("f32", "f16", "bf16", "q8_0")
+ISAS = ("generic", "avx2", "avx512")
+FLOAT = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+# the references, jitted: one compile per shape, shared by the four cache types of a case
+_quantize = jax.jit(kvcache.quantize_q8_0)
+_decode_ref = jax.jit(mla_decode_ref, static_argnames=("v_dim", "dtype"))
+_materialized = jax.jit(attend_materialized, static_argnames=("amb_bytes",))
+_flash = jax.jit(attend_flash, static_argnames=("kv_block",))
+
+
+def make_cache(c, ctk):
+    return _quantize(c) if ctk == "q8_0" else c.astype(FLOAT[ctk])
+
+
+def stored_values(cache, D):
+    """The cache's values as stored, f32 [B, S, D] (q8_0: int8 times its f16 scale, as ikjax/cache.py)."""
+    if isinstance(cache, dict):
+        x = np.asarray(cache["q"], np.float32) * np.asarray(cache["d"], np.float32)[..., None]
+        return jnp.asarray(x.reshape(*x.shape[:2], -1)[..., :D])
+    return jnp.asarray(np.asarray(cache, np.float32)[..., :D])
+
+
+def check(y, ref, what):
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    assert y.shape == ref.shape, (what, y.shape, ref.shape)
+    assert np.isfinite(y).all(), what
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    worst = np.abs(y - ref).max() / np.abs(ref).max()
+    assert rel < 1e-5 and worst < 1e-4, (what, rel, worst)
+
+
+def shapes():
+    """(B, T, S, H, D, v_dim): every T x S, each with B, H and D varied; a few at R1's 128 heads.
+    Each runs with all four cache types."""
+    out = []
+    for i, (T, S) in enumerate((T, S) for T in (1, 3, 17, 64) for S in (1, 5, 300, 1000)):
+        B = 1 + i % 2
+        H = (1, 16)[(i // 2) % 2]
+        D, v = ((48, 32), (576, 512))[(i // 3) % 2]
+        if D == 576 and T * S * H > 17 * 300 * 16:   # keep the generic-level runs short
+            D, v = 48, 32
+        out.append((B, T, S, H, D, v))
+    return out + [(2, 1, 1000, 128, 576, 512), (1, 3, 300, 128, 576, 512)]
+
+
+def positions(rng, B, T, S):
+    """Ragged starts: one sequence ends at the last cache row, others short of it; T > S runs past."""
+    hi = max(S - T, 0)
+    starts = [hi] + [int(rng.integers(0, hi + 1)) for _ in range(B - 1)]
+    return jnp.asarray(np.array(starts)[:, None] + np.arange(T)[None], jnp.int32)
+
+
+@pytest.mark.parametrize("shape", shapes(), ids=lambda c: "B{}-T{}-S{}-H{}-D{}-v{}".format(*c))
+def test_matches_reference(shape, monkeypatch):
+    B, T, S, H, D, v = shape
+    rng = np.random.default_rng(sum(x * 7919 ** i for i, x in enumerate(shape)) % 2**32)
+    scale = 1.3 / np.sqrt(D)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((B, S, D)), jnp.float32)
+    q_pos = positions(rng, B, T, S)
+    for ctk in CTKS:
+        cache = make_cache(c, ctk)
+        lat = stored_values(cache, D)
+        k, vv = lat[:, :, None], lat[:, :, None, :v]
+        if T == 1:
+            ref = _decode_ref(q[:, 0], cache, q_pos[:, 0] + 1, scale, v_dim=v, dtype=jnp.float32)[:, None]
+            if ctk == "f32":
+                check(ref, _materialized(q, k, vv, q_pos, scale), "decode oracles agree")
+        elif (T + S) % 2:
+            ref = _flash(q, k, vv, q_pos, scale, kv_block=64)
+        else:
+            ref = _materialized(q, k, vv, q_pos, scale)
+        for n_threads in (1, 2):
+            for isa in ISAS:
+                monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+                y = mla_cpu.mla_attention(q, cache, q_pos, scale, v_dim=v, n_threads=n_threads)
+                check(y, ref, (ctk, isa, n_threads))
+                if T == 1 and isa == "avx512":
+                    y1 = mla_cpu.mla_decode(q[:, 0], cache, q_pos[:, 0] + 1, scale, v_dim=v, n_threads=n_threads)
+                    check(y1[:, None], ref, (ctk, "mla_decode", n_threads))
+
+
+@pytest.mark.parametrize("ctk", CTKS)
+def test_reads_only_visible_keys(ctk, monkeypatch):
+    """Rows past every query's position are never read: NaN there (in the values, or the q8_0
+    scales) must not reach the output. This is what makes the cost follow the real length."""
+    rng = np.random.default_rng(3)
+    B, T, H, S, D, v = 2, 5, 16, 700, 576, 512
+    clean = jnp.asarray(rng.standard_normal((B, S, D)), jnp.float32)
+    q_pos = jnp.asarray([[100, 101, 102, 103, 104], [3, 4, 5, 6, 7]], jnp.int32)
+    seen = (jnp.arange(S)[None, :] <= q_pos[:, -1:])[..., None]
+    cache = make_cache(clean, ctk)
+    if ctk == "q8_0":
+        poisoned = {"q": cache["q"], "d": jnp.where(seen, cache["d"], jnp.float16(jnp.nan))}
+    else:
+        poisoned = jnp.where(seen, cache, jnp.nan).astype(cache.dtype)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    lat = stored_values(cache, D)
+    ref = _materialized(q, lat[:, :, None], lat[:, :, None, :v], q_pos, 0.05)
+    for n_threads in (1, 2):
+        for isa in ISAS:
+            monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+            check(mla_cpu.mla_attention(q, poisoned, q_pos, 0.05, v_dim=v, n_threads=n_threads), ref,
+                  (ctk, isa, n_threads))
+            d = mla_cpu.mla_decode(q[:, 0], poisoned, q_pos[:, 0] + 1, 0.05, v_dim=v, n_threads=n_threads)
+            check(d, ref[:, 0], (ctk, isa, "decode"))   # query rows are independent
+
+
+def test_wider_cache_row_and_f32_scales_and_jit():
+    """q narrower than the cache row (only the first D values are keys), q8_0 with f32 scales,
+    inside jit with bf16 queries (converted to f32 by the wrapper)."""
+    rng = np.random.default_rng(5)
+    B, T, H, S, W, D, v = 2, 3, 16, 90, 96, 80, 64
+    c = jnp.asarray(rng.standard_normal((B, S, W)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
+    q_pos = jnp.asarray([[87, 88, 89], [10, 11, 12]], jnp.int32)
+    qq = kvcache.quantize_q8_0(c)
+    for cache in (c.astype(jnp.float16), {"q": qq["q"], "d": qq["d"].astype(jnp.float32)}):
+        lat = stored_values(cache, D)
+        ref = _materialized(q.astype(jnp.float32), lat[:, :, None], lat[:, :, None, :v], q_pos, 0.1)
+        f = jax.jit(lambda q, cache, p: mla_cpu.mla_attention(q, cache, p, 0.1, v_dim=v, n_threads=2))
+        check(f(q, cache, q_pos), ref, "jit")
+
+
+def test_supported_and_refusals():
+    q = (1, 1, 16, 576)
+    f16 = jnp.zeros((1, 8, 576), jnp.float16)
+    q8 = kvcache.quantize_q8_0(jnp.zeros((1, 8, 576)))
+    assert mla_cpu.supported(q, f16, 512) and mla_cpu.supported(q, q8, 512)
+    assert mla_cpu.supported((1, 16, 576), f16, 512)                      # decode form [B, H, D]
+    assert not mla_cpu.supported(q, f16.astype(jnp.int32), 512)           # not a cache dtype
+    assert not mla_cpu.supported(q, f16, 600)                             # v_dim > D
+    assert not mla_cpu.supported((1, 1, 16, 600), f16, 512)               # D > row width
+    assert not mla_cpu.supported((2, 1, 16, 576), f16, 512)               # batch mismatch
+    assert not mla_cpu.supported(q, {"q": q8["q"], "d": q8["d"].astype(jnp.int8)}, 512)
+    with pytest.raises(ValueError, match="unsupported"):
+        mla_cpu.mla_attention(jnp.zeros(q), f16, jnp.zeros((1, 1), jnp.int32), 0.1, v_dim=600)
