@@ -5,6 +5,7 @@
 
 #include "cpu/isa.h"
 #include "cpu/runtime.h"
+#include "quant_matmul/cpu_kernel.h"
 
 namespace nb = nanobind;
 
@@ -18,4 +19,6 @@ NB_MODULE(_cpu, m) {
   m.def("isa", [] { return std::string(ikj::isa_name(ikj::current_isa())); },
         "instruction-set level the kernels run at on this CPU (IKJAX_CPU_ISA caps it)");
   m.def("available_cores", &ikj::available_cores);
+  m.def("quant_type_supported", [](int type) { return IKJ_DISPATCH(quant_matmul_supported)(type); },
+        "whether the quant core (qgemm_tile) has a path for this ggml type id at the current level");
 }

@@ -1,0 +1,157 @@
+// Fused routed experts on the CPU (see cpu_kernel.h for the contract). Compiled once per
+// instruction-set level (namespace IKJ_NS); the matrix work is the quant core's single-threaded
+// qgemm_tile of the same level, so every type and SIMD path it gains is used here unchanged.
+//
+// Plan of one call:
+//   1. counting sort of the (token, slot) assignments with a non-zero weight by expert id;
+//   2. phase 1, threads split F: for every active expert, its tokens' x rows are gathered into a
+//      thread-local tile and gate and up are computed for the thread's F columns from that same
+//      tile, block by block, followed by SiLU(g)·u into h [assignments, F];
+//   3. phase 2, threads split d: each thread zeroes its columns of out, then for every active expert
+//      computes down(h) for its d columns and adds weight·y into out. A thread owns its columns of
+//      every output row, so there are no races and no [N*k, d] staging buffer or reduction.
+// Splitting columns (not experts) keeps every thread busy whether one token picks 6 experts
+// (decode) or 512 tokens spread over 64 (prompt), and each expert row is still read exactly once.
+#include "moe_matmul/cpu_kernel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "cpu/runtime.h"
+#include "quant_matmul/cpu_kernel.h"
+
+namespace IKJ_NS {
+
+namespace {
+
+// Column splits between threads fall on multiples of kAlign rows (a row-interleaved _R4/_R8/_R16 group
+// never straddles two threads, and microkernels get whole row groups); inside a thread's range
+// qgemm_tile is called kBlock columns at a time so the up/down results stay in L1/L2 until used.
+constexpr int64_t kAlign = 16;
+constexpr int64_t kBlock = 128;
+
+void split_cols(int64_t n, int ith, int nth, int64_t* begin, int64_t* end) {
+  int64_t units = (n + kAlign - 1) / kAlign, u0, u1;
+  ikj::split_range(units, ith, nth, &u0, &u1);
+  *begin = std::min(n, u0 * kAlign);
+  *end = std::min(n, u1 * kAlign);
+}
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// Per-call buffers, grown to the largest step seen and reused (a decode step allocates nothing).
+// One set per process behind a mutex: calls are serialized by the thread pool anyway, and a set per
+// XLA thread would multiply the prompt-sized h buffer by the number of threads.
+struct Scratch {
+  std::vector<int64_t> start;   // [E + 1] bucket offsets
+  std::vector<int64_t> cursor;  // [E]
+  std::vector<int32_t> active;  // experts with at least one assignment
+  std::vector<int64_t> tok;     // [A] token of each assignment, grouped by expert
+  std::vector<float> wt;        // [A] its routing weight
+  std::vector<float> h;         // [A, F] silu(gate x) * up x
+};
+std::mutex scratch_mu;
+Scratch& scratch() {
+  static Scratch* s = new Scratch();
+  return *s;
+}
+
+}  // namespace
+
+void moe_experts(const MoeExpertsArgs& a) {
+  const int64_t N = a.N, k = a.k, d = a.d, F = a.F, E = a.E;
+  if (N <= 0 || d <= 0) return;
+  std::lock_guard<std::mutex> lock(scratch_mu);
+  Scratch& s = scratch();
+
+  // 1. bucket the assignments by expert (stable: tokens in order within an expert)
+  s.start.assign(E + 1, 0);
+  for (int64_t i = 0; i < N * k; ++i)
+    if (a.weights[i] != 0.f) ++s.start[a.ids[i] + 1];
+  for (int64_t e = 0; e < E; ++e) s.start[e + 1] += s.start[e];
+  const int64_t A = s.start[E];
+  s.cursor.assign(s.start.begin(), s.start.end() - 1);
+  s.tok.resize(A);
+  s.wt.resize(A);
+  for (int64_t i = 0; i < N * k; ++i) {
+    if (a.weights[i] == 0.f) continue;
+    int64_t p = s.cursor[a.ids[i]]++;
+    s.tok[p] = i / k;
+    s.wt[p] = a.weights[i];
+  }
+  s.active.clear();
+  for (int64_t e = 0; e < E; ++e)
+    if (s.start[e + 1] > s.start[e]) s.active.push_back(static_cast<int32_t>(e));
+  if (static_cast<int64_t>(s.h.size()) < A * F) s.h.resize(A * F);
+
+  const int64_t* start = s.start.data();
+  const int64_t* tok = s.tok.data();
+  const float* wt = s.wt.data();
+  float* h = s.h.data();
+  const std::vector<int32_t>& active = s.active;
+
+  // 2. gate and up from one gathered x tile per expert, SiLU·mul into h
+  if (A > 0) {
+    ikj::parallel(a.n_threads, [&](int ith, int nth) {
+      int64_t f0, f1;
+      split_cols(F, ith, nth, &f0, &f1);
+      if (f0 >= f1) return;
+      thread_local std::vector<float> xt, ut;
+      for (int32_t e : active) {
+        const int64_t off = start[e], M = start[e + 1] - off;
+        const float* xe;
+        if (M == 1) {
+          xe = a.x + tok[off] * d;
+        } else {
+          if (static_cast<int64_t>(xt.size()) < M * d) xt.resize(M * d);
+          for (int64_t m = 0; m < M; ++m) std::memcpy(xt.data() + m * d, a.x + tok[off + m] * d, d * sizeof(float));
+          xe = xt.data();
+        }
+        if (static_cast<int64_t>(ut.size()) < M * kBlock) ut.resize(M * kBlock);
+        const uint8_t* ge = a.gate + e * F * a.gate_row_bytes;
+        const uint8_t* ue = a.up + e * F * a.up_row_bytes;
+        float* he = h + off * F;
+        for (int64_t c = f0; c < f1; c += kBlock) {
+          const int64_t w = std::min(kBlock, f1 - c);
+          qgemm_tile(xe, M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F);
+          qgemm_tile(xe, M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(), w);
+          for (int64_t m = 0; m < M; ++m) {
+            float* hr = he + m * F + c;
+            const float* ur = ut.data() + m * w;
+            for (int64_t j = 0; j < w; ++j) hr[j] = silu(hr[j]) * ur[j];
+          }
+        }
+      }
+    });
+  }
+
+  // 3. down and the weighted sum; each thread owns columns [c0, c1) of every output row
+  ikj::parallel(a.n_threads, [&](int ith, int nth) {
+    int64_t c0, c1;
+    split_cols(d, ith, nth, &c0, &c1);
+    if (c0 >= c1) return;
+    for (int64_t n = 0; n < N; ++n) std::memset(a.out + n * d + c0, 0, (c1 - c0) * sizeof(float));
+    thread_local std::vector<float> yt;
+    for (int32_t e : active) {
+      const int64_t off = start[e], M = start[e + 1] - off;
+      if (static_cast<int64_t>(yt.size()) < M * kBlock) yt.resize(M * kBlock);
+      const uint8_t* de = a.down + e * d * a.down_row_bytes;
+      const float* he = h + off * F;
+      for (int64_t c = c0; c < c1; c += kBlock) {
+        const int64_t w = std::min(kBlock, c1 - c);
+        qgemm_tile(he, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w, yt.data(), w);
+        for (int64_t m = 0; m < M; ++m) {
+          float* o = a.out + tok[off + m] * d + c;
+          const float* yr = yt.data() + m * w;
+          const float g = wt[off + m];
+          for (int64_t j = 0; j < w; ++j) o[j] += g * yr[j];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace IKJ_NS

@@ -1,0 +1,196 @@
+"""pallas_kernels.moe_matmul.cpu: the C++ fused routed experts vs the jnp oracles (f32 activations).
+
+Every case is checked against both forms of the reference, moe_experts_ref (gather) and
+moe_experts_grouped_ref (sorted + ragged_dot), with fused=True. Types: every storage type the C++
+quant core reports as supported when the test runs, so new fast paths are covered as they land.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ikjax.quant import QuantArray  # first: pallas_kernels.moe_matmul's package init needs ikjax loaded
+from ikjax.quant.types import QUANT_TYPES_BY_NAME
+from pallas_kernels import cpu as _cpu
+from pallas_kernels.moe_matmul.reference import moe_experts_grouped_ref, moe_experts_ref
+
+pytestmark = pytest.mark.skipif(not _cpu.available(), reason=_cpu.unavailable_reason() or "no C++ kernels")
+
+if _cpu.available():
+    from pallas_kernels.moe_matmul import cpu as moe_cpu
+    from pallas_kernels.testing import random_quant_array
+
+    # real storage types (not the activation-only *_X4 / Q8_K* pseudo types) the core runs today
+    TYPES = [n for n, q in QUANT_TYPES_BY_NAME.items() if q.block_elems < 1 << 20 and moe_cpu.type_supported(q.type_id)]
+else:  # pragma: no cover
+    TYPES = []
+ISAS = ("generic", "avx2", "avx512")
+
+
+def dims(name):
+    """(d, F): odd block counts of the type (d = 1 or 2 blocks, F = 3), multiples of any row interleave."""
+    q = QUANT_TYPES_BY_NAME[name]
+    if q.block_elems == 1:
+        return 48, 80
+    if q.block_elems >= 256:
+        return q.block_elems, 3 * q.block_elems
+    return 2 * q.block_elems, 3 * q.block_elems
+
+
+def random_experts_tensor(name, shape, rng):
+    """random_quant_array, plus ik's per-row prefix (a float or half row scale) for the *_KS types."""
+    q = QUANT_TYPES_BY_NAME[name]
+    if not q.row_meta_bytes:
+        return random_quant_array(name, shape, rng)
+    from pallas_kernels.testing import random_bytes
+    blocks = random_bytes(name, shape[:-1], shape[-1], rng)
+    scale = rng.uniform(0.5, 1.5, (*shape[:-1], 1)).astype(np.float32 if q.row_meta_bytes == 4 else np.float16)
+    raw = np.concatenate([scale.view(np.uint8), blocks], axis=-1)
+    return QuantArray.from_bytes(np.ascontiguousarray(raw), q, shape)
+
+
+@functools.cache
+def experts(names, E, seed=0):
+    """gate, up [E, F, d] and down [E, d, F] of the given (gate, up, down) types."""
+    rng = np.random.default_rng(seed)
+    d, F = dims(names[0])
+    d2, F2 = dims(names[2])
+    d, F = max(d, d2), max(F, F2)
+    return (random_experts_tensor(names[0], (E, F, d), rng), random_experts_tensor(names[1], (E, F, d), rng),
+            random_experts_tensor(names[2], (E, d, F), rng))
+
+
+def routing(N, E, k, rng, zero_frac=0.25):
+    """Distinct experts per token (as top_k gives), picks shared across tokens, some weights 0 (ser)
+    and, when N > 2, one token whose weights are all 0."""
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (N, k)).astype(np.float32)
+    w[rng.random((N, k)) < zero_frac] = 0.0
+    if N > 2:
+        w[1] = 0.0
+    return jnp.asarray(w), jnp.asarray(ids)
+
+
+_ref = jax.jit(functools.partial(moe_experts_ref, dtype=jnp.float32, fused=True))
+_gref = jax.jit(functools.partial(moe_experts_grouped_ref, dtype=jnp.float32, fused=True))
+
+
+def check(x, w, ids, g, u, dn, n_threads, refs=("gather", "grouped")):
+    y = np.asarray(moe_cpu.moe_experts(x, w, ids, g, u, dn, n_threads=n_threads))
+    assert y.shape == x.shape and y.dtype == np.float32
+    for which in refs:
+        r = np.asarray((_ref if which == "gather" else _gref)(x, w, ids, g, u, dn))
+        assert np.isfinite(r).all()
+        np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-5 * np.abs(r).max(), err_msg=which)
+    return y
+
+
+@pytest.mark.parametrize("k", [1, 2, 6])
+@pytest.mark.parametrize("E", [4, 64])
+@pytest.mark.parametrize("N", [1, 3, 17, 512])
+def test_shapes_q8_0(N, E, k):
+    if k > E:
+        pytest.skip("k > E")
+    rng = np.random.default_rng(N * 1000 + E * 10 + k)
+    g, u, dn = experts(("Q8_0",) * 3, E)
+    x = jnp.asarray(rng.standard_normal((N, g.shape[2])), jnp.float32)
+    w, ids = routing(N, E, k, rng)
+    y = check(x, w, ids, g, u, dn, n_threads=2)
+    if N > 2:
+        assert not y[1].any()  # a token whose every weight is 0 gets exactly 0
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_types_isa_threads(name, monkeypatch):
+    """Every supported type at every ISA level and 1 or 2 threads (3 tokens x 3 of 6 experts: some
+    experts get one token, some several; the shapes test covers both references and N)."""
+    rng = np.random.default_rng(1)
+    g, u, dn = experts((name,) * 3, 6)
+    x = jnp.asarray(rng.standard_normal((3, g.shape[2])), jnp.float32)
+    w, ids = routing(3, 6, 3, rng, zero_frac=0.1)
+    r = np.asarray(_ref(x, w, ids, g, u, dn))
+    assert np.isfinite(r).all() and np.abs(r).max() > 0
+    for isa in ISAS:
+        monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+        for n_threads in (1, 2):
+            y = np.asarray(moe_cpu.moe_experts(x, w, ids, g, u, dn, n_threads=n_threads))
+            np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-5 * np.abs(r).max(),
+                                       err_msg=f"{name} {isa} t={n_threads}")
+
+
+def test_mixed_types_per_tensor():
+    """gate/up and down of different types (as Q4_K_M files: Q4_K gate/up, Q6_K down)."""
+    if len(TYPES) < 2:
+        pytest.skip(f"the quant core supports only {TYPES}")
+    rng = np.random.default_rng(3)
+    a, b = ("Q4_K", "Q6_K") if {"Q4_K", "Q6_K"} <= set(TYPES) else (TYPES[0], TYPES[1])
+    for names in ((a, a, b), (b, a, a)):
+        g, u, dn = experts(names, 6)
+        x = jnp.asarray(rng.standard_normal((5, g.shape[2])), jnp.float32)
+        w, ids = routing(5, 6, 3, rng)
+        check(x, w, ids, g, u, dn, n_threads=2)
+
+
+def test_thread_counts_agree_and_jit():
+    """Column splits do not change the answer; the op runs inside jit; 0 means all cores."""
+    rng = np.random.default_rng(5)
+    g, u, dn = experts(("Q8_0",) * 3, 64)
+    x = jnp.asarray(rng.standard_normal((9, g.shape[2])), jnp.float32)
+    w, ids = routing(9, 64, 6, rng)
+    ys = [np.asarray(moe_cpu.moe_experts(x, w, ids, g, u, dn, n_threads=t)) for t in (1, 2, 0, 7)]
+    for y in ys[1:]:
+        np.testing.assert_allclose(y, ys[0], rtol=1e-6, atol=1e-6 * np.abs(ys[0]).max())
+    f = jax.jit(lambda x, w, ids: moe_cpu.moe_experts(x, w, ids, g, u, dn, n_threads=2))
+    np.testing.assert_array_equal(np.asarray(f(x, w, ids)), ys[1])
+
+
+def test_zero_weight_expert_is_not_read():
+    """A zero-weight assignment is skipped, not multiplied by 0: an expert picked only with weight 0
+    may hold NaNs without touching the output (ik's smart expert reduction does the same)."""
+    rng = np.random.default_rng(11)
+    E, d, F = 4, 48, 80
+    g, u, dn = experts(("F32",) * 3, E)
+    poisoned = [QuantArray.from_bytes(np.array(t.data), t.qtype, t.shape) for t in (g, u, dn)]
+    for t in poisoned:
+        t.data.view(np.float32)[2] = np.nan  # expert 2 is all NaN
+    x = jnp.asarray(rng.standard_normal((3, d)), jnp.float32)
+    ids = jnp.asarray([[2, 0], [1, 2], [3, 1]], jnp.int32)
+    w = jnp.asarray([[0.0, 0.5], [0.7, 0.0], [0.2, 0.3]], jnp.float32)
+    y = np.asarray(moe_cpu.moe_experts(x, w, ids, *poisoned, n_threads=2))
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, np.asarray(_ref(x, w, ids, g, u, dn)), rtol=1e-5, atol=1e-6)
+
+
+def test_repeated_expert_within_a_token():
+    rng = np.random.default_rng(2)
+    g, u, dn = experts(("Q8_0",) * 3, 4)
+    x = jnp.asarray(rng.standard_normal((2, g.shape[2])), jnp.float32)
+    ids = jnp.asarray([[1, 1, 3], [0, 3, 3]], jnp.int32)
+    w = jnp.asarray([[0.5, 0.25, 1.0], [0.3, 0.3, 0.4]], jnp.float32)
+    check(x, w, ids, g, u, dn, n_threads=2)
+
+
+def test_bad_expert_id_is_refused():
+    g, u, dn = experts(("Q8_0",) * 3, 4)
+    x = jnp.ones((1, g.shape[2]), jnp.float32)
+    with pytest.raises(Exception, match=r"expert id 4 outside \[0, 4\)"):
+        np.asarray(moe_cpu.moe_experts(x, jnp.ones((1, 2)), jnp.asarray([[0, 4]], jnp.int32), g, u, dn))
+
+
+def test_supported_checks_types_and_shapes():
+    g, u, dn = experts(("Q8_0",) * 3, 4)
+    assert moe_cpu.supported(g, u, dn)
+    assert not moe_cpu.supported(g, u, g)  # down must be [E, d, F]
+    unsupported = [n for n, q in QUANT_TYPES_BY_NAME.items() if q.block_elems == 32 and q.interleave == 1
+                   and not moe_cpu.type_supported(q.type_id)]
+    if not unsupported:
+        pytest.skip("every 32-block type has a C++ path")
+    rng = np.random.default_rng(0)
+    bad = random_quant_array(unsupported[0], dn.shape, rng, fast=True)
+    assert not moe_cpu.supported(g, u, bad)
+    with pytest.raises(ValueError, match=unsupported[0]):
+        moe_cpu.moe_experts(jnp.ones((1, g.shape[2])), jnp.ones((1, 1)), jnp.zeros((1, 1), jnp.int32), g, u, bad)
