@@ -123,6 +123,22 @@ inline __m128i lo4(__m128i x) { return _mm_and_si128(x, _mm_set1_epi8(0x0F)); }
 inline __m128i hi4(__m128i x) { return _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(0x0F)); }
 #endif
 
+#if defined(__AVX512F__)
+// Sub-blocks with at most 16 distinct values: the 16 outputs dl * v[i] (- ml) are formed once per
+// sub-block as a float table (the same products as per weight, so still exact) and each group of 16
+// weights is one vpermps of it by their 4-bit indices (only bits 0-3 of each index are read).
+inline void emit16_tab(float* out, __m512i idx, __m512 tab) {
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(idx, tab));
+}
+inline __m512i idx_lo(__m128i x) { return _mm512_cvtepu8_epi32(x); }                        // low nibble
+inline __m512i idx_hi(__m128i x) { return _mm512_srli_epi32(_mm512_cvtepu8_epi32(x), 4); }  // high nibble
+// (a constant array, not a static __m512: no AVX-512 instruction may run at load time on other CPUs)
+alignas(64) const float kIota16[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+inline __m512 tab_iq4k(int shifted) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4K + 16 * shifted))));
+}
+#endif
+
 // Scalar: a block decoded to int8 quants, one scale per 16 (dl[16]) -> 256 floats.
 inline void emit_block16(float* out, const int8_t* q, const float* dl) {
 #if IKJ_KQ_SIMD
@@ -233,7 +249,20 @@ void block_q4_k(const uint8_t* b, float* out) {
     ml[j] = dmin * static_cast<float>(m[j]);
   }
   const uint8_t* qs = b + 16;
-#if IKJ_KQ_SIMD
+#if defined(__AVX512F__)
+  const __m512 iota = _mm512_load_ps(kIota16);
+  for (int g = 0; g < 4; ++g) {
+    const __m128i x0 = load16(qs + 32 * g), x1 = load16(qs + 32 * g + 16);
+    float* o = out + 64 * g;
+    const __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dl[2 * g]), iota), _mm512_set1_ps(ml[2 * g]));
+    const __m512 t1 =
+        _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dl[2 * g + 1]), iota), _mm512_set1_ps(ml[2 * g + 1]));
+    emit16_tab(o, idx_lo(x0), t0);
+    emit16_tab(o + 16, idx_lo(x1), t0);
+    emit16_tab(o + 32, idx_hi(x0), t1);
+    emit16_tab(o + 48, idx_hi(x1), t1);
+  }
+#elif IKJ_KQ_SIMD
   for (int g = 0; g < 4; ++g) {
     const __m128i x0 = load16(qs + 32 * g), x1 = load16(qs + 32 * g + 16);
     float* o = out + 64 * g;
@@ -341,7 +370,15 @@ void block_iq4_xs(const uint8_t* b, float* out) {
     const int ls = ((sl[j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
     dl[j] = d * static_cast<float>(ls - 32);
   }
-#if IKJ_KQ_SIMD
+#if defined(__AVX512F__)
+  const __m512 tf = tab_iq4k(0);
+  for (int j = 0; j < 8; ++j) {
+    const __m128i x = load16(qs + 16 * j);
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(dl[j]), tf);
+    emit16_tab(out + 32 * j, idx_lo(x), t);
+    emit16_tab(out + 32 * j + 16, idx_hi(x), t);
+  }
+#elif IKJ_KQ_SIMD
   const __m128i tab = load16(reinterpret_cast<const uint8_t*>(kIQ4K));
   for (int j = 0; j < 8; ++j) {
     const __m128i x = load16(qs + 16 * j);
@@ -374,7 +411,15 @@ void block_iq4_k(const uint8_t* b, float* out) {
     const int ls = ((sl[s / 2] >> (4 * (s % 2))) & 0xF) | (((sh[s / 4] >> (2 * (s % 4))) & 3) << 4);
     dl[s] = d * static_cast<float>(ls - 32);
   }
-#if IKJ_KQ_SIMD
+#if defined(__AVX512F__)
+  const __m512 tf[2] = {tab_iq4k(0), tab_iq4k(1)};
+  for (int j = 0; j < 8; ++j) {
+    const __m128i x = load16(qs + 16 * j);
+    emit16_tab(out + 32 * j, idx_lo(x), _mm512_mul_ps(_mm512_set1_ps(dl[2 * j]), tf[bit(extra, 2 * j)]));
+    emit16_tab(out + 32 * j + 16, idx_hi(x),
+               _mm512_mul_ps(_mm512_set1_ps(dl[2 * j + 1]), tf[bit(extra, 2 * j + 1)]));
+  }
+#elif IKJ_KQ_SIMD
   const __m128i tab[2] = {load16(reinterpret_cast<const uint8_t*>(kIQ4K)),
                           load16(reinterpret_cast<const uint8_t*>(kIQ4K + 16))};
   for (int j = 0; j < 8; ++j) {
@@ -399,7 +444,16 @@ void block_iq4_k(const uint8_t* b, float* out) {
 void block_iq4_ks(const uint8_t* b, float d, float* out) {
   const uint8_t* sc = b;
   const uint8_t* qs = b + 8;
-#if IKJ_KQ_SIMD
+#if defined(__AVX512F__)
+  const __m512 tf[2] = {tab_iq4k(0), tab_iq4k(1)};
+  for (int j = 0; j < 8; ++j) {
+    const float dl = d * static_cast<float>((sc[j] & 254) - 127);
+    const __m128i x = load16(qs + 16 * j);
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(dl), tf[sc[j] & 1]);
+    emit16_tab(out + 32 * j, idx_lo(x), t);
+    emit16_tab(out + 32 * j + 16, idx_hi(x), t);
+  }
+#elif IKJ_KQ_SIMD
   const __m128i tab[2] = {load16(reinterpret_cast<const uint8_t*>(kIQ4K)),
                           load16(reinterpret_cast<const uint8_t*>(kIQ4K + 16))};
   for (int j = 0; j < 8; ++j) {
