@@ -16,6 +16,7 @@ import numpy as np
 from pallas_kernels import cpu as _cpu
 
 TARGET = "ikjax_cpu_moe_experts"
+COMPUTE = {"f32": 0, "bf16": 1}  # quant_matmul/cpu_kernel.h QmCompute
 
 
 def type_supported(type_id: int) -> bool:
@@ -36,9 +37,13 @@ def supported(gate, up, down) -> bool:
     return _shapes(gate, up, down)[3] and all(type_supported(t.qtype.type_id) for t in (gate, up, down))
 
 
-def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0):
+def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0, compute: str = "f32"):
     """x [N, d] float, weights [N, k] float32, ids [N, k] int in [0, E), gate/up [E, F, d],
-    down [E, d, F] QuantArrays -> [N, d] float32. n_threads: the -t / -tb count (0 = all cores)."""
+    down [E, d, F] QuantArrays -> [N, d] float32. n_threads: the -t / -tb count (0 = all cores).
+    compute "f32" matches the references at dtype=float32; "bf16" rounds x, h and the weights to
+    bf16 with f32 accumulation, as the references at dtype=bfloat16 (the model's default)."""
+    if compute not in COMPUTE:
+        raise ValueError(f"moe_experts (cpu): compute must be one of {sorted(COMPUTE)}, not {compute!r}")
     if not supported(gate, up, down):
         raise ValueError(f"moe_experts (cpu): no C++ path for gate {gate.qtype.name} {tuple(gate.shape)}, "
                          f"up {up.qtype.name} {tuple(up.shape)}, down {down.qtype.name} {tuple(down.shape)}")
@@ -55,4 +60,5 @@ def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0):
         x.astype(jnp.float32), weights.astype(jnp.float32), ids.astype(jnp.int32),
         data(gate, F), data(up, F), data(down, d),
         gate_type=np.int64(gate.qtype.type_id), up_type=np.int64(up.qtype.type_id),
-        down_type=np.int64(down.qtype.type_id), n_threads=np.int64(n_threads))
+        down_type=np.int64(down.qtype.type_id), n_threads=np.int64(n_threads),
+        compute=np.int64(COMPUTE[compute]))

@@ -1,7 +1,8 @@
 // XLA FFI binding of the CPU fused routed experts: ikjax_cpu_moe_experts.
 //   operands: x f32 [N, d], weights f32 [N, k], ids s32 [N, k],
 //             gate u8 [E, F, gate_row_bytes], up u8 [E, F, up_row_bytes], down u8 [E, d, down_row_bytes]
-//   attributes: gate_type, up_type, down_type (ggml type ids), n_threads (0 = all cores)
+//   attributes: gate_type, up_type, down_type (ggml type ids), n_threads (0 = all cores),
+//               compute (0 f32, 1 bf16: QmCompute)
 //   result:   out f32 [N, d]
 #include <string>
 
@@ -16,7 +17,7 @@ namespace ffi = xla::ffi;
 static ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> ids,
                                  ffi::Buffer<ffi::U8> gate, ffi::Buffer<ffi::U8> up, ffi::Buffer<ffi::U8> down,
                                  ffi::ResultBuffer<ffi::F32> out, int64_t gate_type, int64_t up_type,
-                                 int64_t down_type, int64_t n_threads) {
+                                 int64_t down_type, int64_t n_threads, int64_t compute) {
   auto xd = x.dimensions(), wd = weights.dimensions(), idd = ids.dimensions();
   auto gd = gate.dimensions(), ud = up.dimensions(), dd = down.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || idd.size() != 2 || gd.size() != 3 || ud.size() != 3 || dd.size() != 3)
@@ -29,6 +30,8 @@ static ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> 
   for (int64_t t : {gate_type, up_type, down_type})
     if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(t)))
       return ffi::Error::InvalidArgument("moe_experts: unsupported type id " + std::to_string(t));
+  if (compute != QM_F32 && compute != QM_BF16)
+    return ffi::Error::InvalidArgument("moe_experts: compute must be 0 (f32) or 1 (bf16), not " + std::to_string(compute));
   const int32_t* id = ids.typed_data();
   for (int64_t i = 0; i < N * k; ++i)
     if (id[i] < 0 || id[i] >= E)
@@ -38,7 +41,7 @@ static ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> 
                    gate.typed_data(), gd[2], static_cast<int>(gate_type),
                    up.typed_data(), ud[2], static_cast<int>(up_type),
                    down.typed_data(), dd[2], static_cast<int>(down_type),
-                   out->typed_data(), static_cast<int>(n_threads)};
+                   out->typed_data(), static_cast<int>(n_threads), static_cast<int>(compute)};
   IKJ_DISPATCH(moe_experts)(a);
   return ffi::Error::Success();
 }
@@ -55,6 +58,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeExpertsFfi, MoeExpertsImpl,
                                   .Attr<int64_t>("gate_type")
                                   .Attr<int64_t>("up_type")
                                   .Attr<int64_t>("down_type")
-                                  .Attr<int64_t>("n_threads"));
+                                  .Attr<int64_t>("n_threads")
+                                  .Attr<int64_t>("compute"));
 
 static ikj::FfiRegistration reg("ikjax_cpu_moe_experts", reinterpret_cast<void*>(MoeExpertsFfi));

@@ -1,6 +1,6 @@
 // Fused routed experts on the CPU (see cpu_kernel.h for the contract). Compiled once per
 // instruction-set level (namespace IKJ_NS); the matrix work is the quant core's single-threaded
-// qgemm_tile of the same level, so every type and SIMD path it gains is used here unchanged.
+// qgemm_tile(_ex) of the same level, so every type and SIMD path it gains is used here unchanged.
 //
 // Plan of one call:
 //   1. counting sort of the (token, slot) assignments with a non-zero weight by expert id;
@@ -28,9 +28,9 @@ namespace IKJ_NS {
 namespace {
 
 // Column splits between threads fall on multiples of kAlign rows (a row-interleaved _R4/_R8/_R16 group
-// never straddles two threads, and microkernels get whole row groups); inside a thread's range
+// never straddles two threads, and the prompt engine's 32-row panels are never cut); inside a thread's range
 // qgemm_tile is called kBlock columns at a time so the up/down results stay in L1/L2 until used.
-constexpr int64_t kAlign = 16;
+constexpr int64_t kAlign = 32;
 constexpr int64_t kBlock = 128;
 
 void split_cols(int64_t n, int ith, int nth, int64_t* begin, int64_t* end) {
@@ -116,8 +116,8 @@ void moe_experts(const MoeExpertsArgs& a) {
         float* he = h + off * F;
         for (int64_t c = f0; c < f1; c += kBlock) {
           const int64_t w = std::min(kBlock, f1 - c);
-          qgemm_tile(xe, M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F);
-          qgemm_tile(xe, M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(), w);
+          qgemm_tile_ex(xe, M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, a.compute);
+          qgemm_tile_ex(xe, M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(), w, a.compute);
           for (int64_t m = 0; m < M; ++m) {
             float* hr = he + m * F + c;
             const float* ur = ut.data() + m * w;
@@ -142,7 +142,8 @@ void moe_experts(const MoeExpertsArgs& a) {
       const float* he = h + off * F;
       for (int64_t c = c0; c < c1; c += kBlock) {
         const int64_t w = std::min(kBlock, c1 - c);
-        qgemm_tile(he, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w, yt.data(), w);
+        qgemm_tile_ex(he, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w, yt.data(),
+                      w, a.compute);
         for (int64_t m = 0; m < M; ++m) {
           float* o = a.out + tok[off + m] * d + c;
           const float* yr = yt.data() + m * w;

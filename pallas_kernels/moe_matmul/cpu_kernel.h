@@ -25,6 +25,8 @@ struct MoeExpertsArgs {
   const uint8_t* down; int64_t down_row_bytes; int down_type;
   float* out;              // [N, d]
   int n_threads;           // <= 0: every available core
+  int compute;             // QmCompute (quant_matmul/cpu_kernel.h): QM_F32, or QM_BF16 as the model's
+                           // dtype="bf16": x, h and the weights rounded to bf16, f32 accumulation
 };
 
 IKJ_DECLARE(void, moe_experts, (const MoeExpertsArgs& a))
