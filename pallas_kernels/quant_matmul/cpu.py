@@ -48,6 +48,6 @@ def quant_matmul(x, w, *, n_threads: int = 0, compute: str = "f32"):
     data = jnp.asarray(w.data).reshape(N, -1)  # uint8 [N, row_bytes], the blocks as stored
     lead = x.shape[:-1]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(lead + (N,), jnp.float32),
-                            vmap_method="broadcast_all")
+                            vmap_method="expand_dims")  # vmap over x; the weight is not copied per batch
     return call(x.astype(jnp.float32), data, type=np.int64(w.qtype.type_id),
                 n_threads=np.int64(n_threads), compute=np.int64(COMPUTE[compute]))

@@ -1,5 +1,5 @@
 // XLA FFI binding of the CPU quantized matmul: ikjax_cpu_quant_matmul.
-//   operands: x f32 [..., K], w u8 [N, row_bytes]
+//   operands: x f32 [..., K], w u8 [N, row_bytes] (or [1, ..., N, row_bytes] under vmap)
 //   attributes: type (ggml type id), n_threads (0 = all cores), compute (QM_F32 / QM_BF16)
 //   result:   y f32 [..., N]
 #include <string>
@@ -15,11 +15,14 @@ static ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> 
                                   int64_t type, int64_t n_threads, int64_t compute) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: bad ranks");
+  if (xd.size() < 1 || wd.size() < 2) return ffi::Error::InvalidArgument("quant_matmul: bad ranks");
+  // under jax.vmap (vmap_method="expand_dims") an unbatched weight arrives as [1, ..., N, row_bytes]
+  for (size_t i = 0; i + 2 < wd.size(); ++i)
+    if (wd[i] != 1) return ffi::Error::InvalidArgument("quant_matmul: batched (vmapped) weights are not supported");
   int64_t K = xd.back();
   int64_t M = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
-  int64_t N = wd[0], row_bytes = wd[1];
+  int64_t N = wd[wd.size() - 2], row_bytes = wd[wd.size() - 1];
   if (y->element_count() != M * N) return ffi::Error::InvalidArgument("quant_matmul: result size is not M * N");
   if (compute != QM_F32 && compute != QM_BF16)
     return ffi::Error::InvalidArgument("quant_matmul: unknown compute mode " + std::to_string(compute));

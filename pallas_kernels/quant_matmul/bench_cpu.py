@@ -1,0 +1,113 @@
+"""Micro-benchmark of the C++ CPU quantized matmul against XLA's dequantize-then-dot and the floor.
+
+    python pallas_kernels/quant_matmul/bench_cpu.py [--types Q8_0,Q4_0] [--threads 2] [--reps 5]
+
+Shapes are DeepSeek-V2-Lite's: an expert's gate/up (2048 -> 1408) and down (1408 -> 2048), the
+attention output projection (2048 x 2048) and the vocabulary projection (102400 x 2048); M = 1
+(decode) and M = 512 (a prompt micro-batch). The floor of decode is reading the weight bytes at
+the machine's measured read bandwidth; the floor of the prompt is its FLOPs at the f32 FMA peak
+(cores x clock x 32 flop/cycle for AVX-512 as Zen 4 issues it, or the --peak given). Both floors
+are measured/estimated here, in this process, so the table is only as quiet as the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ikjax  # noqa: F401  (first: the quant_matmul package imports ikjax, which imports it back)
+from pallas_kernels import cpu as _cpu
+from pallas_kernels.quant_matmul import cpu
+from pallas_kernels.quant_matmul.reference import quant_matmul_ref
+from pallas_kernels.testing import random_quant_array
+
+SHAPES = [("ffn_up_exps", 1408, 2048), ("ffn_down_exps", 2048, 1408), ("attn_output", 2048, 2048),
+          ("output", 102400, 2048)]
+
+
+def read_bandwidth(n_threads: int, gib: float = 1.0) -> float:
+    """GB/s of reading a `gib` GiB float32 array, split over n_threads (NumPy's reduction releases
+    the GIL); best of 3."""
+    a = np.ones(int(gib * (1 << 28)), np.float32)
+    parts = np.array_split(a, n_threads)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        th = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
+        for h in th:
+            h.start()
+        for h in th:
+            h.join()
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
+
+
+def fma_peak(n_threads: int) -> float:
+    """Theoretical f32 GFLOP/s: threads x clock x 32 (one 16-lane FMA per cycle, AVX-512 on Zen 4;
+    AVX2-only CPUs: two 8-lane FMAs per cycle, also 32)."""
+    mhz = 0.0
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("cpu MHz"):
+                mhz = max(mhz, float(line.split(":")[1]))
+    return n_threads * mhz / 1e3 * 32
+
+
+def timeit(fn, *args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="Q8_0,Q4_0")
+    ap.add_argument("--threads", type=int, default=0, help="0 = every core")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rows", default="1,512")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--xla-max-gflop", type=float, default=50.0,
+                    help="skip XLA's reference where the product exceeds this (it is slow)")
+    ap.add_argument("--peak", type=float, default=0.0, help="f32 GFLOP/s peak (default: clock x 32 x threads)")
+    ap.add_argument("--compute", default="f32", choices=sorted(cpu.COMPUTE))
+    args = ap.parse_args()
+    nth = args.threads or _cpu.available_cores()
+    bw = read_bandwidth(nth)
+    peak = args.peak or fma_peak(nth)
+    print(f"ISA {_cpu.isa()}, {nth} threads, read bandwidth {bw:.1f} GB/s, f32 FMA peak {peak:.0f} GFLOP/s")
+    print(f"{'type':6} {'shape':14} {'M':>4} {'cpu ms':>9} {'xla ms':>9} {'speedup':>8} "
+          f"{'GB/s':>7} {'%bw':>5} {'GFLOP/s':>8} {'%peak':>6}")
+    rng = np.random.default_rng(0)
+    wanted = set(args.shapes.split(","))
+    for t in args.types.split(","):
+        for name, N, K in SHAPES:
+            if name not in wanted:
+                continue
+            w = random_quant_array(t, (N, K), rng, fast=True)
+            w = type(w)(jnp.asarray(w.data), w.qtype, w.shape)
+            f_cpu = jax.jit(lambda x, wd: cpu.quant_matmul(x, type(w)(wd, w.qtype, w.shape), n_threads=args.threads,
+                                                           compute=args.compute))
+            f_xla = jax.jit(lambda x, wd: quant_matmul_ref(x, type(w)(wd, w.qtype, w.shape), jnp.float32))
+            for M in (int(m) for m in args.rows.split(",")):
+                x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+                tc = timeit(f_cpu, x, w.data, reps=args.reps)
+                flop = 2.0 * M * N * K
+                tx = timeit(f_xla, x, w.data, reps=max(1, args.reps // 2)) if flop / 1e9 <= args.xla_max_gflop else None
+                gbs = w.nbytes / tc / 1e9
+                gfl = flop / tc / 1e9
+                xs = f"{tx * 1e3:9.2f} {tx / tc:7.1f}x" if tx else f"{'-':>9} {'-':>8}"
+                print(f"{t:6} {name:14} {M:4d} {tc * 1e3:9.2f} {xs} {gbs:7.1f} {100 * gbs / bw:4.0f}% "
+                      f"{gfl:8.1f} {100 * gfl / peak:5.0f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()

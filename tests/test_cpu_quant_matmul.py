@@ -1,0 +1,147 @@
+"""C++ CPU quantized matmul (pallas_kernels/quant_matmul/cpu*.{cc,py}) against the jnp reference.
+
+Every type with a C++ path x odd shapes (M in 1, 3, 17, 512; N in 1, 7, 37, 300; K a multiple of the
+block) x thread counts x instruction-set levels (IKJAX_CPU_ISA). The full cross product would take
+minutes on 2 cores, so each type runs a fixed sample of it that still touches every M, N, K, thread
+count and level (decode engine for M < 4, packed-panel engine above; partial panels from odd N; the
+K-split decode path from N = 1).
+"""
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ikjax  # noqa: F401  (first: the quant_matmul package imports ikjax, which imports it back)
+from ikjax.quant import QuantArray, by_name
+from pallas_kernels import cpu as _cpu
+from pallas_kernels.quant_matmul import cpu
+from pallas_kernels.quant_matmul.reference import quant_matmul_ref
+from pallas_kernels.testing import random_bytes
+
+pytestmark = pytest.mark.skipif(not _cpu.available(), reason=_cpu.unavailable_reason() or "no C++ kernels")
+
+LEGACY = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"]
+# issue 9's fast-path list beyond the legacy types (cpu_kernel_kquants.cc)
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_K", "IQ4_KS", "IQ2_K", "IQ3_K", "IQ5_K", "IQ6_K"]
+ISAS = ["generic", "avx2", "avx512"]
+MS, NS, THREADS = (1, 3, 17, 512), (1, 7, 37, 300), (1, 2)
+
+
+def _weights(name: str, N: int, K: int, rng) -> QuantArray:
+    """Random valid blocks; every f16 field (scale and, for Q4_1/Q5_1, the minimum) a finite
+    realistic value, so the reference is finite and a wrong field shows as a large error."""
+    qt = by_name(name)
+    raw = random_bytes(name, (N,), K, rng, fast=True)
+    if qt.row_meta_bytes:  # ik's per-row prefix (a float32 row scale for the *_KS types)
+        assert qt.row_meta_bytes == 4, name
+        d = rng.uniform(0.5, 1.5, (N, 1)).astype(np.float32).view(np.uint8)
+        raw = np.concatenate([d, raw.reshape(N, -1)], axis=1)
+    if name in ("Q4_1", "Q5_1"):
+        blocks = raw.reshape(N, K // 32, qt.block_bytes)
+        m = rng.uniform(-0.05, 0.05, (N, K // 32)).astype(np.float16)
+        blocks[..., 2:4] = m[..., None].view(np.uint8).reshape(N, K // 32, 2)
+    return QuantArray.from_bytes(np.ascontiguousarray(raw.reshape(N, -1)), qt, (N, K))
+
+
+def _ks(name: str):
+    be = by_name(name).block_elems
+    return [k for k in (32, 256, 2048) if k % be == 0] if be > 1 else [32, 256, 2048, 45]
+
+
+def _cases(name: str):
+    """A deterministic sample of M x N x K x threads x ISA: every value of each axis appears, with
+    the large shapes (M = 512 with K = 2048 and N = 300) a few times only (2-core time budget)."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    cases = []
+    for i, (M, N) in enumerate(itertools.product(MS, NS)):
+        # every level over the shapes; the cheap decode shapes at two levels each
+        for isa in (ISAS[i % 3],) + ((ISAS[(i + 1) % 3],) if M < 17 else ()):
+            ks = _ks(name)
+            K = ks[rng.integers(len(ks))]
+            if M * N * K > 512 * 37 * 2048 and rng.random() > 0.3:  # keep big products rare
+                K = ks[0]
+            cases.append((M, N, K, int(THREADS[rng.integers(2)]), isa))
+    return cases
+
+
+def _check(name, M, N, K, n_threads, isa, compute="f32", monkeypatch=None):
+    rng = np.random.default_rng(M * 1_000_003 + N * 1009 + K)
+    w = _weights(name, N, K, rng)
+    x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+    monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+    got = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute=compute))
+    ref_dtype = jnp.float32 if compute == "f32" else jnp.bfloat16
+    ref = np.asarray(quant_matmul_ref(x, w, ref_dtype))
+    assert got.shape == (M, N)
+    # error relative to sum_k |x||w| (what rounding scales with; a cancelling sum can be ~0)
+    scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(w.dequantize(jnp.float32))).T
+    err = (np.abs(got - ref) / (scale + 1e-30)).max()
+    tol = 1e-5 if compute == "f32" else 2e-3
+    assert np.isfinite(got).all() and err < tol, (name, M, N, K, n_threads, isa, compute, err)
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_legacy_types_every_shape_level_thread(name, monkeypatch):
+    assert cpu.supported(name), name
+    for M, N, K, nt, isa in _cases(name):
+        _check(name, M, N, K, nt, isa, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_kquant_types(name, monkeypatch):
+    assert cpu.supported(name), name
+    for M, N, K, nt, isa in _cases(name)[::3]:
+        _check(name, M, N, K, nt, isa, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "IQ4_NL", "F16"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_compute(name, isa, monkeypatch):
+    """compute='bf16' (x and W rounded to bf16, f32 accumulation) against the bf16 reference."""
+    for M, N, K in [(1, 37, 256), (3, 7, 2048), (17, 300, 256), (512, 37, 256)]:
+        _check(name, M, N, K, 2, isa, compute="bf16", monkeypatch=monkeypatch)
+
+
+def test_k_split_decode_and_threads_agree(monkeypatch):
+    """N smaller than the threads' share takes the K-split path: same numbers as 1 thread."""
+    rng = np.random.default_rng(1)
+    w = _weights("Q8_0", 1, 4096, rng)
+    x = jnp.asarray(rng.standard_normal((2, 4096)).astype(np.float32))
+    ref = np.asarray(quant_matmul_ref(x, w, jnp.float32))
+    for nt in (1, 2):
+        got = np.asarray(cpu.quant_matmul(x, w, n_threads=nt))
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def test_leading_dims_jit_and_vmap():
+    """x [..., K] keeps its leading dims; works inside jit and under vmap (batched x)."""
+    rng = np.random.default_rng(2)
+    w = _weights("Q4_0", 37, 256, rng)
+    x = jnp.asarray(rng.standard_normal((2, 5, 256)).astype(np.float32))
+    ref = np.asarray(quant_matmul_ref(x, w, jnp.float32))
+    got = np.asarray(jax.jit(lambda a: cpu.quant_matmul(a, w))(x))
+    assert got.shape == (2, 5, 37)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    got_v = np.asarray(jax.vmap(lambda a: cpu.quant_matmul(a, w))(x))
+    np.testing.assert_allclose(got_v, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_bad_calls_are_refused():
+    rng = np.random.default_rng(3)
+    w = _weights("Q8_0", 7, 64, rng)
+    with pytest.raises(ValueError, match="compute"):
+        cpu.quant_matmul(jnp.ones((1, 64)), w, compute="fp8")
+    with pytest.raises(ValueError, match="columns"):
+        cpu.quant_matmul(jnp.ones((1, 32)), w)
+    assert not cpu.supported("NO_SUCH_TYPE")
+
+
+def test_issue_types_all_supported():
+    """Issue 9's fast-path list: every type has a C++ path (legacy here, the rest in cpu_kernel_kquants.cc)."""
+    missing = [t for t in LEGACY + KQUANTS if not cpu.supported(t)]
+    assert not missing
