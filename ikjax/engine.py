@@ -6,10 +6,12 @@ per step. Buckets are powers of two, so a warm engine compiles only O(log ctx) s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,8 @@ from ikjax import kernels
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
-from ikjax.memory_plan import MemoryPlan, cache_capacity, check_fits, plan_memory
+from ikjax.memory_plan import (MemoryPlan, cache_capacity, check_fits, mapped_rss, plan_memory,
+                               process_memory)
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.options import RunOptions
 from ikjax.sampling import check_count, check_sampling, sample_next
@@ -68,6 +71,7 @@ class Engine:
     """Load with `ikjax.load(path, **options)`."""
 
     def __init__(self, path: str, options: RunOptions):
+        anon0, file0 = process_memory()  # the process before this model: the plan's runtime part
         self.file = GGUFModelFile(path)
         first_tensor = self.file.tensors.get("token_embd.weight")
         self.config = ModelConfig.from_metadata(self.file.metadata, source=path,
@@ -78,17 +82,53 @@ class Engine:
         self.decode_kernel = (o.fa and o.mla in (1, 3) and kernels.resolve_backend() != "jnp"
                               and kernels.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
                                                                cfg.kv_lora_rank))
-        check_fits(self.memory_plan(), self.options, path)
+        self._memory = dataclasses.replace(self._static_plan(1), runtime_bytes=anon0 + file0, load_copy_bytes=0,
+                                           compile_bytes=0)
+        check_fits(self._memory, self.options, path)
         t0 = time.perf_counter()
         self.weights = load_weights(self.file, self.config)
+        # what the load added besides the mapped file's pages (counted in full as weights_bytes):
+        # stacked matrices, f32 norms, repacked layouts, the modules and helpers it brought in
+        anon1, file1 = process_memory()
+        mapped = mapped_rss(shard.path for shard in self.file.shards)
+        self._memory = dataclasses.replace(self._memory, load_copy_bytes=max(0, anon1 + file1 - mapped
+                                                                             - anon0 - file0))
         log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
         self._compiled: set[tuple] = set()
+        self._executables: dict[tuple, Any] = {}
         self.compile_count = 0
 
     # -- compiled step -------------------------------------------------------------------------
-    def _run_jitted(self, cache, tokens, start, last, plan: StepPlan, *, lower: bool = False):
-        fn = _jitted_forward.lower if lower else _jitted_forward
-        return fn(self.weights, cache, tokens, start, last, cfg=self.config, plan=plan)
+    def _executable(self, B: int, T: int, plan: StepPlan):
+        """The compiled step for this shape: compiled once, its XLA buffers (temp + outputs) put
+        into the memory plan, and on CPU refused (DoesNotFitError) before it ever runs if the
+        plan's peak exceeds what the machine has."""
+        key = (B, T, plan)
+        exe = self._executables.get(key)
+        if exe is not None:
+            return exe
+        self._note_compile(B, T, plan)
+        anon0, file0 = process_memory()
+        cache = jax.eval_shape(lambda: self.new_cache(B))
+        i32 = jax.ShapeDtypeStruct
+        exe = _jitted_forward.lower(self.weights, cache, i32((B, T), jnp.int32), i32((B,), jnp.int32),
+                                    i32((B,), jnp.int32), cfg=self.config, plan=plan).compile()
+        anon1, file1 = process_memory()  # compiling reads no weight pages: all of it is compiler state
+        mem = dataclasses.replace(self._memory, compile_bytes=self._memory.compile_bytes
+                                  + max(0, anon1 + file1 - anon0 - file0))
+        what = f"the step of batch {B} x {T} tokens, kv_len {plan.kv_len}"
+        try:
+            ma = exe.memory_analysis()
+        except Exception:  # a backend without the analysis: the attention-buffer formula stands
+            ma = None
+        if ma is not None:
+            step_bytes = ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+            mem = mem.with_compute(step_bytes, what)
+        if jax.default_backend() == "cpu":
+            check_fits(mem, self.options, self.file.path, what=what)
+        self._memory = mem
+        self._executables[key] = exe
+        return exe
 
     def _plan(self, kv_len: int, all_logits: bool) -> StepPlan:
         o = self.options
@@ -128,19 +168,15 @@ class Engine:
         B, T = tokens.shape
         last = np.full(B, T - 1, np.int32) if last is None else np.asarray(last, np.int32)
         plan = self._plan(self.kv_bucket(int(start.max()) + T, T), all_logits)
-        self._note_compile(B, T, plan)
-        return self._run_jitted(cache, tokens, start, last, plan)
+        return self._executable(B, T, plan)(self.weights, cache, tokens, start, last)
 
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
         plan = self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits)
-        if not self._note_compile(batch, n_tokens, plan):
+        if (batch, n_tokens, plan) in self._executables:
             return 0.0
         t0 = time.perf_counter()
-        cache = jax.eval_shape(lambda: self.new_cache(batch))
-        i32 = jax.ShapeDtypeStruct
-        self._run_jitted(cache, i32((batch, n_tokens), jnp.int32), i32((batch,), jnp.int32),
-                         i32((batch,), jnp.int32), plan, lower=True).compile()
+        self._executable(batch, n_tokens, plan)
         return time.perf_counter() - t0
 
     def new_cache(self, batch: int = 1):
@@ -337,10 +373,15 @@ class Engine:
         out.stop_reasons = reasons
         return out
 
-    def memory_plan(self, batch: int = 1) -> MemoryPlan:
-        """Weights (as stored, per place), KV cache and attention-buffer bytes for these options."""
+    def _static_plan(self, batch: int) -> MemoryPlan:
         return plan_memory(self.config, self.options, ((t.name, t.nbytes) for t in self.file.tensors.values()),
                            batch)
+
+    def memory_plan(self, batch: int = 1) -> MemoryPlan:
+        """Weights (as stored, per place), KV cache and attention-buffer bytes for these options;
+        for batch 1 also what this engine measured: runtime, load copies, compiled steps, and
+        XLA's buffers of the largest step compiled so far (`peak_bytes`, `peak_lines()`)."""
+        return self._memory if batch == 1 else self._static_plan(batch)
 
 
 def load(path: str, **options) -> Engine:

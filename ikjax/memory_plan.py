@@ -1,8 +1,24 @@
-"""The memory plan printed at load: weights per place (device / host via -ot), KV cache, and the
-attention buffer, computed from the file header and the options alone, before any weight moves.
-A plan that exceeds the device's memory is refused here with one line."""
+"""The memory plan: weights per place (device / host via -ot), KV cache and the attention buffer,
+computed from the file header and the options alone, before any weight moves; on a running
+engine also what the process really holds at its peak (`MemoryPlan.peak_bytes`).
+
+Where the memory goes on CPU (measured on the 4-layer V2-Lite shape, Q8_0, -c 1024 -ub 512;
+see tests/test_memory_plan.py): the weights stay memory-mapped (jax.device_put of the mmapped
+blocks is zero-copy on CPU; the pages become resident as a step reads them: the file size);
+load adds copies only for the stacked same-input matrices and the f32 norms; each compiled step
+keeps ~50-120 MB of compiler state; and the step itself needs XLA's buffers — for a prompt step
+on the plain XLA path that is by far the largest part (8.8 GiB for that 2.2 GiB model: the
+grouped MoE dequantizes every expert to f32 and XLA's CPU ragged_dot expands to dense products
+of [tokens*k, experts*ffn]). Nothing but the compiler knows that last number, so it is taken
+from the compiled step itself (`Compiled.memory_analysis()`: temp + outputs) before the step
+runs; the runtime baseline, the load copies and the compiler state are measured on the process
+(/proc/self/status). A plan that exceeds what the device (GPU) or the machine (CPU:
+MemAvailable, or the cgroup limit when lower) has is refused with one line: at load, and again
+on CPU for each new step shape before it runs."""
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -23,18 +39,127 @@ class MemoryPlan:
     kv_bytes_per_token: int
     attention_buffer_bytes: int
     host_weights_bytes: int = 0
+    # Measured on the running process (None where there is none: `ikjax info`):
+    runtime_bytes: int | None = None  # RSS before the model: Python, JAX and XLA's runtime
+    load_copy_bytes: int | None = None  # anonymous memory the load added (stacked matrices, f32 norms)
+    compile_bytes: int | None = None  # what the XLA compilations of the steps kept
+    # From the compiler: XLA buffers (temp + outputs) of the largest step compiled so far
+    compute_bytes: int | None = None
+    compute_step: str = ""
 
     @property
     def device_bytes(self) -> int:
         return self.weights_bytes - self.host_weights_bytes + self.kv_bytes + self.attention_buffer_bytes
 
+    @property
+    def step_bytes(self) -> int:
+        """Buffers of a step: XLA's own number once a step is compiled, else the attention buffer."""
+        return self.attention_buffer_bytes if self.compute_bytes is None else self.compute_bytes
+
+    @property
+    def measured_bytes(self) -> int:
+        """Runtime + load copies + compiled steps: what the process measured (0 where nothing)."""
+        return (self.runtime_bytes or 0) + (self.load_copy_bytes or 0) + (self.compile_bytes or 0)
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the process holds at its peak on CPU (host memory = device memory there)."""
+        return self.measured_bytes + self.weights_bytes + self.kv_bytes + self.step_bytes
+
     def lines(self) -> list[str]:
+        """The plan from the file and the options (what `ikjax info` prints too)."""
         out = [f"weights          {self.weights_bytes / MIB:10.2f} MiB"]
         if self.host_weights_bytes:
             out.append(f"  on host (-ot)  {self.host_weights_bytes / MIB:10.2f} MiB")
         out += [f"KV cache         {self.kv_bytes / MIB:10.2f} MiB ({self.kv_bytes_per_token} B/token)",
                 f"attention buffer {self.attention_buffer_bytes / MIB:10.2f} MiB"]
         return out
+
+    def peak_lines(self) -> list[str]:
+        """The measured parts and the peak of a running engine (empty where nothing was measured)."""
+        if self.runtime_bytes is None:
+            return []
+        out = [f"runtime          {self.runtime_bytes / MIB:10.2f} MiB (Python, JAX/XLA, measured)",
+               f"load copies      {(self.load_copy_bytes or 0) / MIB:10.2f} MiB (stacked matrices, f32 norms)",
+               f"compiled steps   {(self.compile_bytes or 0) / MIB:10.2f} MiB (compiler state kept)"]
+        if self.compute_bytes is not None:
+            out.append(f"compute buffers  {self.compute_bytes / MIB:10.2f} MiB (XLA, {self.compute_step})")
+        out.append(f"peak (process)   {self.peak_bytes / MIB:10.2f} MiB")
+        return out
+
+    def with_compute(self, nbytes: int, step: str) -> "MemoryPlan":
+        if self.compute_bytes is not None and nbytes <= self.compute_bytes:
+            return self
+        return dataclasses.replace(self, compute_bytes=int(nbytes), compute_step=step)
+
+
+# -- what this process holds and what the machine has ------------------------------------------------
+
+def process_memory() -> tuple[int, int]:
+    """(anonymous, file-backed) resident bytes of this process (Linux /proc/self/status; (0, 0)
+    where there is no /proc)."""
+    anon = file = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1]) * 1024
+                elif line.startswith(("RssFile:", "RssShmem:")):
+                    file += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return anon, file
+
+
+def mapped_rss(paths: Iterable[str]) -> int:
+    """Resident bytes of this process's mappings of these files (/proc/self/smaps): the part of a
+    memory-mapped model that already counts in the process's RSS. 0 where there is no /proc."""
+    want = {os.path.realpath(p) for p in paths}
+    total = 0
+    current = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 5)
+                if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                    current = len(head) == 6 and head[5].strip() in want
+                elif current and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            v = f.read().strip()
+    except OSError:
+        return None
+    return int(v) if v.isdigit() else None
+
+
+def available_memory() -> tuple[int | None, str]:
+    """Bytes this process can still take, and where the number comes from: MemAvailable of
+    /proc/meminfo, or the cgroup's limit less its usage when that is lower. (None, why) if unknown."""
+    avail, src = None, ""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail, src = int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        return None, "no /proc/meminfo"
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < (1 << 60):
+            free = max(0, limit - usage)
+            if avail is None or free < avail:
+                avail, src = free, "cgroup memory limit"
+            break
+    return avail, src
 
 
 def cache_capacity(options: RunOptions) -> int:
@@ -68,12 +193,27 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
     return MemoryPlan(total, layout.total_bytes(), layout.bytes_per_token(), buf, host)
 
 
-def check_fits(plan: MemoryPlan, options: RunOptions, source: str) -> None:
-    """Refuse, before loading, what cannot run here: -ot host placement on an accelerator (not
-    implemented yet) and a plan larger than the accelerator's memory."""
+def check_fits(plan: MemoryPlan, options: RunOptions, source: str, what: str = "") -> None:
+    """Refuse, before loading or before a step runs, what cannot run here: -ot host placement on an
+    accelerator (not implemented yet), a plan larger than the accelerator's memory, and on CPU a
+    peak larger than what this process holds plus what the machine still has free."""
     backend = jax.default_backend()
     if backend == "cpu":
-        return  # host and device are the same memory
+        avail, src = available_memory()
+        if avail is None:
+            return
+        anon, file = process_memory()
+        held = anon + file
+        more = plan.peak_bytes - held
+        if more > avail:
+            step = f" for {what}" if what else ""
+            raise DoesNotFitError(
+                f"{source}: needs {plan.peak_bytes / MIB:.0f} MiB of host memory{step} (weights "
+                f"{plan.weights_bytes / MIB:.0f}, KV cache {plan.kv_bytes / MIB:.0f}, step buffers "
+                f"{plan.step_bytes / MIB:.0f}, runtime {plan.measured_bytes / MIB:.0f}); "
+                f"this process holds {held / MIB:.0f} MiB and {avail / MIB:.0f} MiB more are available ({src}) "
+                f"(lower -ub or -c, use -ctk q8_0, or a smaller model)")
+        return
     if plan.host_weights_bytes:
         raise OptionError(f"ot: keeping tensors in host memory on {backend} is not implemented yet "
                           f"({plan.host_weights_bytes / MIB:.0f} MiB matched)")
