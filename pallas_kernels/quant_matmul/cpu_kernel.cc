@@ -290,6 +290,107 @@ void round_bf16_inplace(float* v, int64_t n) {
 
 // ---- decode engine ---------------------------------------------------------------------------
 
+#if defined(__AVX512F__)
+// One 32-value block of a legacy type decoded into two zmm registers (values 0..15, 16..31).
+template <int type>
+inline void block512(const uint8_t* b, __m512& v0, __m512& v1) {
+  const __m512 vd = _mm512_set1_ps(f16(b));
+  if constexpr (type == ikj::T_Q8_0) {
+    v0 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))));
+    v1 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))));
+  } else {
+    constexpr int qoff = type == ikj::T_Q4_1 ? 4 : type == ikj::T_Q5_0 ? 6 : type == ikj::T_Q5_1 ? 8 : 2;
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qoff));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(raw, mask));
+    __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    if constexpr (type == ikj::T_IQ4_NL) {
+      const __m512 table = _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+      v0 = _mm512_mul_ps(vd, _mm512_permutexvar_ps(lo, table));
+      v1 = _mm512_mul_ps(vd, _mm512_permutexvar_ps(hi, table));
+      return;
+    }
+    if constexpr (type == ikj::T_Q5_0 || type == ikj::T_Q5_1) {
+      const uint32_t qh = load_u32(b + qoff - 4);
+      const __m512i sixteen = _mm512_set1_epi32(16);
+      lo = _mm512_mask_add_epi32(lo, static_cast<__mmask16>(qh & 0xffff), lo, sixteen);
+      hi = _mm512_mask_add_epi32(hi, static_cast<__mmask16>(qh >> 16), hi, sixteen);
+    }
+    float m;
+    if constexpr (type == ikj::T_Q4_1 || type == ikj::T_Q5_1) m = f16(b + 2);
+    else m = (type == ikj::T_Q5_0 ? -16.f : -8.f) * f16(b);
+    const __m512 vm = _mm512_set1_ps(m);
+    v0 = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(lo), vm);
+    v1 = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(hi), vm);
+  }
+}
+
+// Decode without a buffer: each block is decoded into registers and multiplied straight into
+// MM rows of x (two blocks per step, four accumulators per row, to cover the FMA latency).
+template <int type, int bs, int MM>
+void decode_fused(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                  int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m512 acc[MM][4];
+    for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      __m512 v0, v1, v2, v3;
+      block512<type>(wr + b * bs, v0, v1);
+      block512<type>(wr + (b + 1) * bs, v2, v3);
+      for (int m = 0; m < MM; ++m) {
+        const float* xm = x + m * ldx + b * 32;
+        acc[m][0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xm), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xm + 16), acc[m][1]);
+        acc[m][2] = _mm512_fmadd_ps(v2, _mm512_loadu_ps(xm + 32), acc[m][2]);
+        acc[m][3] = _mm512_fmadd_ps(v3, _mm512_loadu_ps(xm + 48), acc[m][3]);
+      }
+    }
+    if (b < nb) {
+      __m512 v0, v1;
+      block512<type>(wr + b * bs, v0, v1);
+      for (int m = 0; m < MM; ++m) {
+        const float* xm = x + m * ldx + b * 32;
+        acc[m][0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xm), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xm + 16), acc[m][1]);
+      }
+    }
+    for (int m = 0; m < MM; ++m) {
+      float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+      float* dst = y + m * ldy + n;
+      *dst = accumulate ? *dst + s : s;
+    }
+  }
+}
+
+template <int type, int bs>
+bool decode_fused_m(const float* x, int64_t M, int64_t ldx, int64_t nb, const uint8_t* w, int64_t row_bytes,
+                    int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  switch (M) {
+    case 1: decode_fused<type, bs, 1>(x, ldx, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return true;
+    case 2: decode_fused<type, bs, 2>(x, ldx, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return true;
+    case 3: decode_fused<type, bs, 3>(x, ldx, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return true;
+    default: return false;
+  }
+}
+
+// The fused path for legacy block types at up to 3 rows; false where it does not apply.
+bool try_decode_fused(const float* x, int64_t M, int64_t ldx, int64_t Kc, const uint8_t* w, int64_t row_bytes,
+                      int type, int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  const int64_t nb = Kc / 32;
+  switch (type) {
+    case ikj::T_Q8_0: return decode_fused_m<ikj::T_Q8_0, 34>(x, M, ldx, nb, w, row_bytes, n0, n1, y, ldy, accumulate);
+    case ikj::T_Q4_0: return decode_fused_m<ikj::T_Q4_0, 18>(x, M, ldx, nb, w, row_bytes, n0, n1, y, ldy, accumulate);
+    case ikj::T_Q4_1: return decode_fused_m<ikj::T_Q4_1, 20>(x, M, ldx, nb, w, row_bytes, n0, n1, y, ldy, accumulate);
+    case ikj::T_Q5_0: return decode_fused_m<ikj::T_Q5_0, 22>(x, M, ldx, nb, w, row_bytes, n0, n1, y, ldy, accumulate);
+    case ikj::T_Q5_1: return decode_fused_m<ikj::T_Q5_1, 24>(x, M, ldx, nb, w, row_bytes, n0, n1, y, ldy, accumulate);
+    case ikj::T_IQ4_NL: return decode_fused_m<ikj::T_IQ4_NL, 18>(x, M, ldx, nb, w, row_bytes, n0, n1, y, ldy, accumulate);
+    default: return false;
+  }
+}
+#endif
+
 // Few rows of x: dequantize each weight row (the K range [k0, k1) of it, block aligned) and dot it
 // with every x row. y[m * ldy + n] = (accumulate ? y : 0) + dot.
 void decode_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
@@ -310,10 +411,14 @@ void decode_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   } else {
     xs = x + k0;
   }
-  if (static_cast<int64_t>(buf.size()) < K) buf.resize(K);
   // a K sub-range starts at a byte offset proportional to it (callers split K only for types
   // whose rows are plain sequences of blocks)
   const int64_t off = K ? row_bytes / (K / Kc) * (k0 / Kc) : 0;
+#if defined(__AVX512F__)
+  if (compute == QM_F32 && try_decode_fused(xs, M, ldx, Kc, w + off, row_bytes, type, n0, n1, y, ldy, accumulate))
+    return;
+#endif
+  if (static_cast<int64_t>(buf.size()) < K) buf.resize(K);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes + off;
     const float* wf;
