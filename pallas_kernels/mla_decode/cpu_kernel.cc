@@ -115,7 +115,7 @@ inline V vexp(V x) { V r; for (int i = 0; i < L; ++i) r[i] = std::exp(x[i]); ret
 #endif
 
 constexpr int BK = 64;                    // keys per block (a multiple of RJ)
-constexpr int ROW_TARGET = 64;            // query rows (tokens x heads) per prompt tile, at least H
+constexpr int ROW_TARGET = 96;            // query rows (tokens x heads) per prompt tile, at least H
 constexpr float M_INIT = -1e30f;          // finite: a row with no visible key yet keeps corr = 1
 static_assert(BK % RJ == 0, "BK must be a multiple of RJ");
 static_assert(16 % L == 0, "rows/columns are padded to 16");
@@ -192,36 +192,42 @@ void load_row(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t n, float* dst
 
 // ---- micro-kernels -----------------------------------------------------------------------------
 
-// St[j, r0 .. r0 + NV·L) = Σ_{d<D} Kb[j, d] · Qt[d, r0 ..] for the RJ keys j0 .. j0 + RJ.
-template <int NV>
+// St[j, r0 .. r0 + NV·L) = Σ_{d<D} Kb[j, d] · Qt[d, r0 ..] for the NJ keys j0 .. j0 + NJ.
+template <int NJ, int NV>
 inline void scores_tile(const float* Kb, int64_t Dp, const float* Qt, int64_t Rp, int64_t D, float* St,
                         int64_t j0, int64_t r0) {
-  V acc[RJ][NV];
-  for (int j = 0; j < RJ; ++j)
+  V acc[NJ][NV];
+  for (int j = 0; j < NJ; ++j)
     for (int v = 0; v < NV; ++v) acc[j][v] = vzero();
   const float* k = Kb + j0 * Dp;
   const float* qt = Qt + r0;
   for (int64_t d = 0; d < D; ++d) {
     V qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = vld(qt + d * Rp + v * L);
-    for (int j = 0; j < RJ; ++j) {
+    for (int j = 0; j < NJ; ++j) {
       V kv = vbc(k[j * Dp + d]);
       for (int v = 0; v < NV; ++v) acc[j][v] = vfma(kv, qv[v], acc[j][v]);
     }
   }
-  for (int j = 0; j < RJ; ++j)
+  for (int j = 0; j < NJ; ++j)
     for (int v = 0; v < NV; ++v) vst(St + (j0 + j) * Rp + r0 + v * L, acc[j][v]);
 }
 
+// Scores of keys [0, nj) (nj a multiple of RJ) against all Rp query rows. A single vector of rows
+// (decode at 16 heads) takes 2·RJ keys at a time where nj allows: enough independent FMA chains
+// to cover the FMA latency.
 void scores(const float* Kb, int64_t Dp, const float* Qt, int64_t Rp, int64_t D, float* St, int64_t nj) {
   const int64_t nvec = Rp / L;
   for (int64_t c = 0; c < nvec; c += NV1) {
     const int64_t nv = std::min<int64_t>(NV1, nvec - c);
-    for (int64_t j0 = 0; j0 < nj; j0 += RJ) {
+    int64_t j0 = 0;
+    if (nv == 1)
+      for (; j0 + 2 * RJ <= nj; j0 += 2 * RJ) scores_tile<2 * RJ, 1>(Kb, Dp, Qt, Rp, D, St, j0, c * L);
+    for (; j0 < nj; j0 += RJ) {
       switch (nv) {
-        case 1: scores_tile<1>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
-        case 2: scores_tile<2>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
-        default: scores_tile<NV1>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
+        case 1: scores_tile<RJ, 1>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
+        case 2: scores_tile<RJ, 2>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
+        default: scores_tile<RJ, NV1>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
       }
     }
   }
