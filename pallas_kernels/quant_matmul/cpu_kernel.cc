@@ -449,22 +449,28 @@ constexpr int MR = 6;   // 12 ymm accumulators
 constexpr int NR = 16;
 constexpr int MR = 4;
 #endif
+constexpr int64_t KC = 128;  // K chunk: a 16 KiB (f32) or 8 KiB (bf16) slice of the panel, L1-resident
 
-// C[mr][NR] (row stride ldc) = A[mr][K] (row stride lda) x Bp[K][NR] (packed f32 panel).
+// C[mr][NR] (row stride ldc) (+)= A x Bp: A packed [K][MR] (rows of x interleaved), Bp [K][NR]
+// (packed f32 panel); acc_c adds to C (K chunks after the first).
 template <int mr>
-void micro_f32(const float* A, int64_t lda, const float* Bp, int64_t K, float* C, int64_t ldc) {
+void micro_f32(const float* A, const float* Bp, int64_t K, float* C, int64_t ldc, bool acc_c) {
 #if defined(__AVX512F__)
   __m512 acc0[mr], acc1[mr];
   for (int i = 0; i < mr; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m512 b0 = _mm512_loadu_ps(Bp + k * NR), b1 = _mm512_loadu_ps(Bp + k * NR + 16);
     for (int i = 0; i < mr; ++i) {
-      __m512 a = _mm512_set1_ps(A[i * lda + k]);
+      __m512 a = _mm512_set1_ps(A[k * MR + i]);
       acc0[i] = _mm512_fmadd_ps(a, b0, acc0[i]);
       acc1[i] = _mm512_fmadd_ps(a, b1, acc1[i]);
     }
   }
   for (int i = 0; i < mr; ++i) {
+    if (acc_c) {
+      acc0[i] = _mm512_add_ps(acc0[i], _mm512_loadu_ps(C + i * ldc));
+      acc1[i] = _mm512_add_ps(acc1[i], _mm512_loadu_ps(C + i * ldc + 16));
+    }
     _mm512_storeu_ps(C + i * ldc, acc0[i]);
     _mm512_storeu_ps(C + i * ldc + 16, acc1[i]);
   }
@@ -474,12 +480,16 @@ void micro_f32(const float* A, int64_t lda, const float* Bp, int64_t K, float* C
   for (int64_t k = 0; k < K; ++k) {
     __m256 b0 = _mm256_loadu_ps(Bp + k * NR), b1 = _mm256_loadu_ps(Bp + k * NR + 8);
     for (int i = 0; i < mr; ++i) {
-      __m256 a = _mm256_broadcast_ss(A + i * lda + k);
+      __m256 a = _mm256_broadcast_ss(A + k * MR + i);
       acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);
       acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);
     }
   }
   for (int i = 0; i < mr; ++i) {
+    if (acc_c) {
+      acc0[i] = _mm256_add_ps(acc0[i], _mm256_loadu_ps(C + i * ldc));
+      acc1[i] = _mm256_add_ps(acc1[i], _mm256_loadu_ps(C + i * ldc + 8));
+    }
     _mm256_storeu_ps(C + i * ldc, acc0[i]);
     _mm256_storeu_ps(C + i * ldc + 8, acc1[i]);
   }
@@ -490,31 +500,35 @@ void micro_f32(const float* A, int64_t lda, const float* Bp, int64_t K, float* C
   for (int64_t k = 0; k < K; ++k) {
     const float* b = Bp + k * NR;
     for (int i = 0; i < mr; ++i) {
-      const float a = A[i * lda + k];
+      const float a = A[k * MR + i];
       for (int j = 0; j < NR; ++j) acc[i][j] += a * b[j];
     }
   }
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < NR; ++j) C[i * ldc + j] = acc[i][j];
+    for (int j = 0; j < NR; ++j) C[i * ldc + j] = acc_c ? C[i * ldc + j] + acc[i][j] : acc[i][j];
 #endif
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// bf16: A as bf16 pairs [mr][K/2] (u32 each), Bp as [K/2][NR][2] bf16; f32 accumulation.
+// bf16: A as bf16 pairs packed [K/2][MR] (u32 each), Bp as [K/2][NR][2] bf16; f32 accumulation.
 template <int mr>
-void micro_bf16(const uint32_t* A, int64_t lda, const uint16_t* Bp, int64_t Kp, float* C, int64_t ldc) {
+void micro_bf16(const uint32_t* A, const uint16_t* Bp, int64_t Kp, float* C, int64_t ldc, bool acc_c) {
   __m512 acc0[mr], acc1[mr];
   for (int i = 0; i < mr; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < Kp; ++k) {
     __m512bh b0 = (__m512bh)_mm512_loadu_si512(Bp + k * 2 * NR);
     __m512bh b1 = (__m512bh)_mm512_loadu_si512(Bp + k * 2 * NR + 32);
     for (int i = 0; i < mr; ++i) {
-      __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(A[i * lda + k]));
+      __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(A[k * MR + i]));
       acc0[i] = _mm512_dpbf16_ps(acc0[i], a, b0);
       acc1[i] = _mm512_dpbf16_ps(acc1[i], a, b1);
     }
   }
   for (int i = 0; i < mr; ++i) {
+    if (acc_c) {
+      acc0[i] = _mm512_add_ps(acc0[i], _mm512_loadu_ps(C + i * ldc));
+      acc1[i] = _mm512_add_ps(acc1[i], _mm512_loadu_ps(C + i * ldc + 16));
+    }
     _mm512_storeu_ps(C + i * ldc, acc0[i]);
     _mm512_storeu_ps(C + i * ldc + 16, acc1[i]);
   }
@@ -535,12 +549,13 @@ void for_mr(int mr, F&& f) {
 }
 
 // Many rows of x: panels of NR weight rows in [n0, n1).
-void gemm_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
-               int64_t n0, int64_t n1, float* y, int64_t ldy, int compute, const uint32_t* xbf) {
+// xp: x packed by pack_x (f32, or bf16 pairs when compute is bf16 and the CPU has dpbf16).
+void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
+               int64_t n0, int64_t n1, float* y, int64_t ldy, int compute) {
   thread_local std::vector<float> buf, panel, ctile;
   thread_local std::vector<uint16_t> panel_bf;
   if (static_cast<int64_t>(buf.size()) < K) buf.resize(K);
-  if (static_cast<int64_t>(ctile.size()) < MR * NR) ctile.resize(MR * NR);
+  if (static_cast<int64_t>(ctile.size()) < M * NR) ctile.resize(M * NR);
 #if defined(IKJ_HAVE_DPBF16)
   const bool dp = compute == QM_BF16;
 #else
@@ -551,15 +566,6 @@ void gemm_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t r
     if (static_cast<int64_t>(panel_bf.size()) < Kp * 2 * NR) panel_bf.resize(Kp * 2 * NR);
   } else if (static_cast<int64_t>(panel.size()) < NR * K) {
     panel.resize(NR * K);
-  }
-  // x rounded to bf16 for the f32 microkernel when no dpbf16 (exact products, same rounding)
-  thread_local std::vector<float> xr;
-  const float* xs = x;
-  if (compute == QM_BF16 && !dp) {
-    if (static_cast<int64_t>(xr.size()) < M * K) xr.resize(M * K);
-    std::memcpy(xr.data(), x, M * K * 4);
-    round_bf16_inplace(xr.data(), M * K);
-    xs = xr.data();
   }
   for (int64_t p0 = n0; p0 < n1; p0 += NR) {
     const int64_t nr = std::min<int64_t>(NR, n1 - p0);
@@ -589,36 +595,66 @@ void gemm_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t r
       }
     }
     if (compute == QM_BF16 && !dp) round_bf16_inplace(panel.data(), NR * K);
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const int mr = static_cast<int>(std::min<int64_t>(MR, M - m0));
-      const bool direct = nr == NR;
-      float* C = direct ? y + m0 * ldy + p0 : ctile.data();
-      const int64_t ldc = direct ? ldy : NR;
-      for_mr(mr, [&](auto c) {
-        constexpr int R = decltype(c)::value;
-        if (dp) {
+    // K in chunks whose slice of the panel (KC x NR) stays in L1 across all M tiles
+    const bool direct = nr == NR;
+    float* Cbase = direct ? y + p0 : ctile.data();
+    const int64_t ldc = direct ? ldy : NR;
+    for (int64_t kc0 = 0; kc0 < K; kc0 += KC) {
+      const int64_t kcl = std::min<int64_t>(KC, K - kc0);
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        float* C = Cbase + m0 * ldc;
+        for_mr(mr, [&](auto c) {
+          constexpr int R = decltype(c)::value;
+          if (dp) {
 #if defined(IKJ_HAVE_DPBF16)
-          micro_bf16<R>(xbf + m0 * Kp, Kp, panel_bf.data(), Kp, C, ldc);
+            micro_bf16<R>(static_cast<const uint32_t*>(xp) + m0 * Kp + kc0 / 2 * MR, panel_bf.data() + kc0 * NR,
+                          (kcl + 1) / 2, C, ldc, kc0 > 0);
 #endif
-        } else {
-          micro_f32<R>(xs + m0 * K, K, panel.data(), K, C, ldc);
-        }
-      });
-      if (!direct)
-        for (int i = 0; i < mr; ++i) std::memcpy(y + (m0 + i) * ldy + p0, ctile.data() + i * NR, nr * 4);
+          } else {
+            micro_f32<R>(static_cast<const float*>(xp) + m0 * K + kc0 * MR, panel.data() + kc0 * NR, kcl, C, ldc,
+                         kc0 > 0);
+          }
+        });
+      }
     }
+    if (!direct)
+      for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * ldy + p0, ctile.data() + i * NR, nr * 4);
   }
 }
 
-// x [M, K] f32 -> bf16 pairs [M, Kp] (zero-padded to even K).
-void x_to_bf16_pairs(const float* x, int64_t M, int64_t K, uint32_t* out) {
-  const int64_t Kp = (K + 1) / 2;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
-    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * Kp);
-    for (int64_t k = 0; k < K; ++k) o[k] = to_bf16_bits(xr[k]);
-    if (K & 1) o[K] = 0;
+// x [M, K] f32 -> tiles of MR rows interleaved: [ceil(M / MR)][K][MR] floats (rows past M zero),
+// rounded to bf16 when compute is bf16; with dpbf16, bf16 pairs [ceil(M / MR)][ceil(K / 2)][MR] u32.
+// Returns the bytes needed when out is null. The microkernel then broadcasts sequentially.
+size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out) {
+  const int64_t tiles = (M + MR - 1) / MR, Kp = (K + 1) / 2;
+#if defined(IKJ_HAVE_DPBF16)
+  const bool dp = compute == QM_BF16;
+#else
+  const bool dp = false;
+#endif
+  if (!out) return dp ? tiles * Kp * MR * 4 : tiles * K * MR * 4;
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int i = 0; i < MR; ++i) {
+      const int64_t m = t * MR + i;
+      const float* xr = x + (m < M ? m : 0) * K;
+      if (dp) {
+        uint32_t* o = static_cast<uint32_t*>(out) + t * Kp * MR + i;
+        for (int64_t kp = 0; kp < Kp; ++kp) {
+          uint32_t lo = m < M ? to_bf16_bits(xr[2 * kp]) : 0;
+          uint32_t hi = m < M && 2 * kp + 1 < K ? to_bf16_bits(xr[2 * kp + 1]) : 0;
+          o[kp * MR] = lo | (hi << 16);
+        }
+      } else {
+        float* o = static_cast<float*>(out) + t * K * MR + i;
+        for (int64_t k = 0; k < K; ++k) {
+          float v = m < M ? xr[k] : 0.f;
+          o[k * MR] = compute == QM_BF16 ? round_bf16(v) : v;
+        }
+      }
+    }
   }
+  return 0;
 }
 
 // Rows of x at which the packed-panel engine beats dequantize-and-dot (bench_cpu.py).
@@ -654,15 +690,11 @@ void qgemm_tile_ex(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
     decode_rows(x, M, K, w, row_bytes, type, n0, n1, 0, K, y, ldy, false, compute);
     return;
   }
-  thread_local std::vector<uint32_t> xbf;
-#if defined(IKJ_HAVE_DPBF16)
-  if (compute == QM_BF16) {
-    const int64_t Kp = (K + 1) / 2;
-    if (static_cast<int64_t>(xbf.size()) < M * Kp) xbf.resize(M * Kp);
-    x_to_bf16_pairs(x, M, K, xbf.data());
-  }
-#endif
-  gemm_rows(x, M, K, w, row_bytes, type, n0, n1, y, ldy, compute, xbf.data());
+  thread_local std::vector<uint8_t> xp;
+  const size_t bytes = pack_x(x, M, K, compute, nullptr);
+  if (xp.size() < bytes) xp.resize(bytes);
+  pack_x(x, M, K, compute, xp.data());
+  gemm_rows(xp.data(), M, K, w, row_bytes, type, n0, n1, y, ldy, compute);
 }
 
 void qgemm_tile(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
@@ -706,18 +738,13 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     }
     return;
   }
-  std::vector<uint32_t> xbf;
-#if defined(IKJ_HAVE_DPBF16)
-  if (compute == QM_BF16) {
-    xbf.resize(M * ((K + 1) / 2));
-    x_to_bf16_pairs(x, M, K, xbf.data());
-  }
-#endif
+  std::vector<uint8_t> xp(pack_x(x, M, K, compute, nullptr));
+  pack_x(x, M, K, compute, xp.data());
   const int64_t panels = (N + NR - 1) / NR;
   ikj::parallel(n_threads, [&](int ith, int nth) {
     int64_t a, b;
     ikj::split_range(panels, ith, nth, &a, &b);
-    gemm_rows(x, M, K, w, row_bytes, type, a * NR, std::min(N, b * NR), y, N, compute, xbf.data());
+    gemm_rows(xp.data(), M, K, w, row_bytes, type, a * NR, std::min(N, b * NR), y, N, compute);
   });
 }
 
