@@ -212,7 +212,7 @@ def check_fits(plan: MemoryPlan, options: RunOptions, source: str, what: str = "
                 f"{plan.weights_bytes / MIB:.0f}, KV cache {plan.kv_bytes / MIB:.0f}, step buffers "
                 f"{plan.step_bytes / MIB:.0f}, runtime {plan.measured_bytes / MIB:.0f}); "
                 f"this process holds {held / MIB:.0f} MiB and {avail / MIB:.0f} MiB more are available ({src}) "
-                f"(lower -ub or -c, use -ctk q8_0, or a smaller model)")
+                f"(lower -ub{' or -c, use -ctk q8_0' if options.ctk != 'q8_0' else ' or -c'}, or a smaller model)")
         return
     if plan.host_weights_bytes:
         raise OptionError(f"ot: keeping tensors in host memory on {backend} is not implemented yet "

@@ -25,11 +25,16 @@ CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np
     import ikjax
-    eng = ikjax.load(sys.argv[1], **json.loads(sys.argv[2]))
-    at_load = eng.memory_plan().peak_bytes
-    T = eng.options.ubatch
-    logits, cache = eng.prefill(eng.new_cache(1), np.arange(T) % 97 + 3)
-    out, cache = eng.step(cache, np.array([[5]]), np.array([T]), np.array([0]))
+    from ikjax.errors import DoesNotFitError
+    try:
+        eng = ikjax.load(sys.argv[1], **json.loads(sys.argv[2]))
+        at_load = eng.memory_plan().peak_bytes
+        T = eng.options.ubatch
+        logits, cache = eng.prefill(eng.new_cache(1), np.arange(T) % 97 + 3)
+        out, cache = eng.step(cache, np.array([[5]]), np.array([T]), np.array([0]))
+    except DoesNotFitError as e:
+        print(json.dumps({"does_not_fit": str(e)}))
+        sys.exit(0)
     assert np.isfinite(np.asarray(out)).all()
     status = open("/proc/self/status").read()
     hwm = int(status.split("VmHWM:")[1].split()[0]) * 1024
@@ -43,7 +48,10 @@ def measure(path, **options) -> dict:
     res = subprocess.run([sys.executable, "-c", CHILD, str(path), json.dumps(options)], capture_output=True,
                          text=True, env=env, timeout=3000)
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    if "does_not_fit" in out:  # refused up front, as it must be: nothing to compare on this machine
+        pytest.skip(out["does_not_fit"])
+    return out
 
 
 def assert_within_10pct(m: dict) -> None:
@@ -62,8 +70,10 @@ def test_tiny_plan_within_10pct_of_peak_rss(tiny_model):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,qtype,options", [
     ("v2-lite", "Q8_0", dict(ctx=1024, ubatch=512, mla=3, fa=1)),
-    # R1's experts: the XLA path's grouped MoE needs ~34 GiB per 2048-token micro-batch; ub 4 fits
-    ("r1", "Q4_0", dict(ctx=1024, ubatch=4, mla=3, fa=1, ctk="q8_0")),
+    # ub 128 runs the grouped MoE form, which reads every expert: all weight pages become resident,
+    # as in any long run (the plan counts them all; a few decode steps alone touch only the
+    # selected experts). On the XLA path this needs ~20+ GiB: refused (skipped) on smaller machines.
+    ("r1", "Q4_0", dict(ctx=1024, ubatch=128, mla=3, fa=1, ctk="q8_0")),
 ])
 def test_4_layer_plans_within_10pct_of_peak_rss(tmp_path_factory, preset, qtype, options):
     from ikjax.synthetic import make_model
