@@ -130,11 +130,13 @@ class Engine:
         self._executables[key] = exe
         return exe
 
-    def _plan(self, kv_len: int, all_logits: bool) -> StepPlan:
+    def _plan(self, kv_len: int, all_logits: bool, n_tokens: int = 1) -> StepPlan:
         o = self.options
+        # ik's split: -t threads for generation steps, -tb (default: -t) for prompt steps
+        threads = o.threads if n_tokens == 1 else (o.threads_batch or o.threads)
         return StepPlan(mla=o.mla, fa=o.fa, amb_bytes=o.amb << 20, kv_block=o.kv_block, kv_len=kv_len,
                         dtype=o.dtype, fmoe=o.fmoe, ser=o.ser, all_logits=all_logits,
-                        backend=kernels.resolve_backend())
+                        backend=kernels.resolve_backend(), threads=threads)
 
     def kv_bucket(self, needed: int, n_tokens: int = 0) -> int:
         """Cache rows a step reads: a power of two covering `needed`. Decode steps that run the
@@ -167,12 +169,12 @@ class Engine:
         start = np.asarray(start, np.int32)
         B, T = tokens.shape
         last = np.full(B, T - 1, np.int32) if last is None else np.asarray(last, np.int32)
-        plan = self._plan(self.kv_bucket(int(start.max()) + T, T), all_logits)
+        plan = self._plan(self.kv_bucket(int(start.max()) + T, T), all_logits, T)
         return self._executable(B, T, plan)(self.weights, cache, tokens, start, last)
 
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
-        plan = self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits)
+        plan = self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits, n_tokens)
         if (batch, n_tokens, plan) in self._executables:
             return 0.0
         t0 = time.perf_counter()
