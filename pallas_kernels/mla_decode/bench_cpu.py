@@ -5,6 +5,7 @@ v 512, the cache full to S = 512, 4096, 16384 entries, f16 and q8_0: millisecond
 of cache read (S x row bytes / time) against this machine's measured read bandwidth, and GFLOP/s
 (2·S·H·(576 + 512) per call) — absorbed MLA decode does H·1088 FMAs per 1152-byte f16 row, so on a
 CPU it is compute-bound well before memory-bound. `--prompt` adds 512-token causal prompt steps.
+Times are the best of the repetitions (this machine is shared; the best is the least disturbed).
 
     python pallas_kernels/mla_decode/bench_cpu.py [--threads N] [--quick] [--prompt] [--no-xla]
 """
@@ -47,7 +48,7 @@ def timeit(fn, *args, reps: int):
         t = time.perf_counter()
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts), min(ts)
+    return min(ts), statistics.median(ts)
 
 
 def quantize_q8_0(x: np.ndarray) -> dict:
