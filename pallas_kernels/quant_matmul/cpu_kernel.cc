@@ -449,7 +449,10 @@ constexpr int MR = 6;   // 12 ymm accumulators
 constexpr int NR = 16;
 constexpr int MR = 4;
 #endif
-constexpr int64_t KC = 128;  // K chunk: a 16 KiB (f32) or 8 KiB (bf16) slice of the panel, L1-resident
+#ifndef IKJ_QM_KC
+#define IKJ_QM_KC 256
+#endif
+constexpr int64_t KC = IKJ_QM_KC;  // K chunk: a 32 KiB (f32) or 16 KiB (bf16) panel slice, L1-resident (256 beat 128 and none on Xeon)
 
 // C[mr][NR] (row stride ldc) (+)= A x Bp: A packed [K][MR] (rows of x interleaved), Bp [K][NR]
 // (packed f32 panel); acc_c adds to C (K chunks after the first).
