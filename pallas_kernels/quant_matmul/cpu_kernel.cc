@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -628,8 +629,9 @@ void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t r
 
 // x [M, K] f32 -> tiles of MR rows interleaved: [ceil(M / MR)][K][MR] floats (rows past M zero),
 // rounded to bf16 when compute is bf16; with dpbf16, bf16 pairs [ceil(M / MR)][ceil(K / 2)][MR] u32.
-// Returns the bytes needed when out is null. The microkernel then broadcasts sequentially.
-size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out) {
+// Returns the bytes needed when out is null; packs tiles [t0, t1) (all when t1 < 0) otherwise.
+// The microkernel then broadcasts sequentially.
+size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out, int64_t t0 = 0, int64_t t1 = -1) {
   const int64_t tiles = (M + MR - 1) / MR, Kp = (K + 1) / 2;
 #if defined(IKJ_HAVE_DPBF16)
   const bool dp = compute == QM_BF16;
@@ -637,7 +639,8 @@ size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out) {
   const bool dp = false;
 #endif
   if (!out) return dp ? tiles * Kp * MR * 4 : tiles * K * MR * 4;
-  for (int64_t t = 0; t < tiles; ++t) {
+  if (t1 < 0) t1 = tiles;
+  for (int64_t t = t0; t < t1; ++t) {
     for (int i = 0; i < MR; ++i) {
       const int64_t m = t * MR + i;
       const float* xr = x + (m < M ? m : 0) * K;
@@ -741,13 +744,17 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     }
     return;
   }
-  std::vector<uint8_t> xp(pack_x(x, M, K, compute, nullptr));
-  pack_x(x, M, K, compute, xp.data());
+  std::unique_ptr<uint8_t[]> xp(new uint8_t[pack_x(x, M, K, compute, nullptr)]);  // filled below, no memset
+  ikj::parallel(n_threads, [&](int ith, int nth) {
+    int64_t a, b;
+    ikj::split_range((M + MR - 1) / MR, ith, nth, &a, &b);
+    pack_x(x, M, K, compute, xp.get(), a, b);
+  });
   const int64_t panels = (N + NR - 1) / NR;
   ikj::parallel(n_threads, [&](int ith, int nth) {
     int64_t a, b;
     ikj::split_range(panels, ith, nth, &a, &b);
-    gemm_rows(xp.data(), M, K, w, row_bytes, type, a * NR, std::min(N, b * NR), y, N, compute);
+    gemm_rows(xp.get(), M, K, w, row_bytes, type, a * NR, std::min(N, b * NR), y, N, compute);
   });
 }
 
