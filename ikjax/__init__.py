@@ -14,10 +14,20 @@ if "xla_gpu_enable_command_buffer" not in _os.environ.get("XLA_FLAGS", ""):
     _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 from ikjax import quant as _quant  # noqa: F401  (registers ik_llama.cpp's types)
-from ikjax.engine import Engine, load
-from ikjax.memory_plan import MemoryPlan
 from ikjax.errors import DoesNotFitError, IkjaxError, ModelFileError, OptionError
 from ikjax.options import RunOptions
+
+
+def __getattr__(name):
+    # The engine (and through it the kernels) load on first use, so `pallas_kernels`, which reads
+    # ikjax.quant's block layouts, can be imported before or without the engine: no import cycle.
+    if name in ("Engine", "load"):
+        from ikjax import engine
+        return getattr(engine, name)
+    if name == "MemoryPlan":
+        from ikjax.memory_plan import MemoryPlan
+        return MemoryPlan
+    raise AttributeError(f"module 'ikjax' has no attribute {name!r}")
 
 __all__ = ["load", "Engine", "MemoryPlan", "RunOptions", "IkjaxError", "ModelFileError", "OptionError",
            "DoesNotFitError"]

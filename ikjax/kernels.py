@@ -287,9 +287,8 @@ def mla_decode_supported(n_head: int, n_kv: int, width: int, v_dim: int, backend
     """Whether the decode kernel of the resolved backend takes this geometry and reads each sequence
     only up to its own length (so decode steps can share one KV bucket)."""
     b = resolve_backend(backend)
-    if b == "cpu":
-        mla_cpu = _cpu_module("mla_decode")
-        return mla_cpu is not None and mla_cpu.supported(n_head, width, v_dim)
+    if b == "cpu":  # the C++ kernel takes any geometry with v_dim <= width (it reads the cache as stored)
+        return _cpu_module("mla_decode") is not None and 1 <= v_dim <= width
     if b in ("pallas", "interpret"):
         return _mla.supports(n_head, n_kv, width, v_dim)
     return False
@@ -313,13 +312,12 @@ def _mla_pallas(interpret: bool):
 
 def _mla_cpu_supported(q, cache, lengths, scale, v_dim, dtype) -> bool:
     mla_cpu = _cpu_module("mla_decode")
-    return mla_cpu is not None and mla_cpu.supported(q.shape[1], q.shape[2], v_dim)
+    return mla_cpu is not None and mla_cpu.supported(q.shape, cache, v_dim)
 
 
 def _mla_cpu(q, cache, lengths, scale, v_dim, dtype):
     from pallas_kernels.mla_decode import cpu as mla_cpu
-    q_pos = (lengths - 1).astype(jnp.int32)[:, None]
-    return mla_cpu.mla_attention(q[:, None], cache, q_pos, scale, v_dim=v_dim, n_threads=_threads())[:, 0]
+    return mla_cpu.mla_decode(q, cache, lengths, scale, v_dim=v_dim, n_threads=_threads())
 
 
 def mla_decode_attention(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16,
@@ -334,12 +332,12 @@ def mla_decode_attention(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jn
     return _dispatch("mla_decode", impls, resolve_backend(backend), q, cache, lengths, scale, v_dim, dtype)
 
 
-def mla_prompt_supported(n_head: int, width: int, v_dim: int, backend: str | None = None) -> bool:
+def mla_prompt_supported(q_shape, cache, v_dim: int, backend: str | None = None) -> bool:
     """Whether absorbed attention for prompt steps (T > 1) has a kernel on this backend (CPU only)."""
     if resolve_backend(backend) != "cpu":
         return False
     mla_cpu = _cpu_module("mla_decode")
-    return mla_cpu is not None and mla_cpu.supported(n_head, width, v_dim)
+    return mla_cpu is not None and mla_cpu.supported(q_shape, cache, v_dim)
 
 
 def mla_prompt_attention(q, cache, q_pos, scale, *, v_dim: int, backend: str | None = None):

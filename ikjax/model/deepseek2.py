@@ -117,7 +117,7 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
                 # split-KV flash decoding over the whole cache, each sequence up to its own length
                 o_lat = kernels.mla_decode_attention(q_abs[:, 0], new_cache["latent"], start + 1, scale,
                                                      v_dim=r, dtype=dtype)[:, None]
-            elif flash and kernels.mla_prompt_supported(H, cfg.latent_dim, r):
+            elif flash and kernels.mla_prompt_supported(q_abs.shape, new_cache["latent"], r):
                 # prompt steps in absorbed form (mla 1): the kernel reads keys up to each query's position
                 o_lat = kernels.mla_prompt_attention(q_abs, new_cache["latent"], q_pos, scale, v_dim=r)
             else:
