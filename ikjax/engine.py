@@ -26,6 +26,7 @@ from ikjax.memory_plan import (MemoryPlan, cache_capacity, check_fits, mapped_rs
                                process_memory)
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.options import RunOptions
+from ikjax.placement import plan_placement
 from ikjax.sampling import check_count, check_sampling, sample_next
 from ikjax.weights import load_weights
 
@@ -82,11 +83,15 @@ class Engine:
         self.decode_kernel = (o.fa and o.mla in (1, 3) and kernels.resolve_backend() != "jnp"
                               and kernels.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
                                                                cfg.kv_lora_rank))
+        # where every tensor lives, decided once (refuses an -ot device this machine lacks)
+        self.placement = plan_placement(cfg, self.file.tensors.values(), self.options)
+        for note in self.placement.notes:
+            log.warning("%s", note)
         self._memory = dataclasses.replace(self._static_plan(1), runtime_bytes=anon0 + file0, load_copy_bytes=0,
                                            compile_bytes=0)
         check_fits(self._memory, self.options, path)
         t0 = time.perf_counter()
-        self.weights = load_weights(self.file, self.config)
+        self.weights = load_weights(self.file, self.config, placement=self.placement)
         # what the load added besides the mapped file's pages (counted in full as weights_bytes):
         # stacked matrices, f32 norms, repacked layouts, the modules and helpers it brought in
         anon1, file1 = process_memory()
@@ -376,8 +381,7 @@ class Engine:
         return out
 
     def _static_plan(self, batch: int) -> MemoryPlan:
-        return plan_memory(self.config, self.options, ((t.name, t.nbytes) for t in self.file.tensors.values()),
-                           batch)
+        return plan_memory(self.config, self.options, batch=batch, placement=self.placement)
 
     def memory_plan(self, batch: int = 1) -> MemoryPlan:
         """Weights (as stored, per place), KV cache and attention-buffer bytes for these options;

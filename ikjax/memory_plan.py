@@ -1,4 +1,4 @@
-"""The memory plan: weights per place (device / host via -ot), KV cache and the attention buffer,
+"""The memory plan: weights per place (device / host, as ikjax.placement decides), KV cache and the attention buffer,
 computed from the file header and the options alone, before any weight moves; on a running
 engine also what the process really holds at its peak (`MemoryPlan.peak_bytes`).
 
@@ -28,6 +28,7 @@ from ikjax.cache import CacheLayout
 from ikjax.errors import DoesNotFitError, OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.options import RunOptions
+from ikjax.placement import Placement, plan_placement
 
 MIB = 1 << 20
 
@@ -39,6 +40,9 @@ class MemoryPlan:
     kv_bytes_per_token: int
     attention_buffer_bytes: int
     host_weights_bytes: int = 0
+    # weights in each device's own memory (from the Placement), e.g. (("GPU0", n),) or (("CPU", n),)
+    device_weights: tuple[tuple[str, int], ...] = ()
+    unified: bool = True  # host and device memory are one RAM (CPU-only machine)
     # Measured on the running process (None where there is none: `ikjax info`):
     runtime_bytes: int | None = None  # RSS before the model: Python, JAX and XLA's runtime
     load_copy_bytes: int | None = None  # anonymous memory the load added (stacked matrices, f32 norms)
@@ -70,7 +74,10 @@ class MemoryPlan:
         """The plan from the file and the options (what `ikjax info` prints too)."""
         out = [f"weights          {self.weights_bytes / MIB:10.2f} MiB"]
         if self.host_weights_bytes:
-            out.append(f"  on host (-ot)  {self.host_weights_bytes / MIB:10.2f} MiB")
+            for dev, nbytes in self.device_weights:
+                out.append(f"  on device {dev:<5}{nbytes / MIB:10.2f} MiB")
+            out.append(f"  on host        {self.host_weights_bytes / MIB:10.2f} MiB"
+                       + (" (no accelerator here: host and device are one RAM)" if self.unified else ""))
         out += [f"KV cache         {self.kv_bytes / MIB:10.2f} MiB ({self.kv_bytes_per_token} B/token)",
                 f"attention buffer {self.attention_buffer_bytes / MIB:10.2f} MiB"]
         return out
@@ -168,16 +175,10 @@ def cache_capacity(options: RunOptions) -> int:
     return -(-(o.ctx + o.ubatch) // o.kv_block) * o.kv_block
 
 
-def placement(name: str, options: RunOptions) -> str:
-    """'host' or 'device' for a tensor: the first -ot rule matching its name wins."""
-    for rule in options.ot:
-        if rule.matches(name):
-            return "host" if rule.device == "CPU" else "device"
-    return "device"
-
-
-def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tuple[str, int]],
-                batch: int = 1) -> MemoryPlan:
+def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tuple[str, int]] | None = None,
+                batch: int = 1, *, placement: Placement | None = None) -> MemoryPlan:
+    """The plan from the header and the options. Weights per place come from the `Placement`
+    (given by a loaded engine; else made here from (name, nbytes) pairs, as `ikjax info` does)."""
     o = options
     capacity = cache_capacity(o)
     layout = CacheLayout.for_model(cfg, o.mla, o.ctk, batch, capacity)
@@ -185,12 +186,13 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
     buf = batch * o.ubatch * cfg.n_head * kv_cols * 4
     if not o.fa and o.amb:
         buf = min(buf, max(o.amb * MIB, batch * o.ubatch * kv_cols * 4))
-    total = host = 0
-    for name, nbytes in tensor_bytes:
-        total += nbytes
-        if placement(name, o) == "host":
-            host += nbytes
-    return MemoryPlan(total, layout.total_bytes(), layout.bytes_per_token(), buf, host)
+    if placement is None:
+        if tensor_bytes is None:
+            raise ValueError("plan_memory: give tensor_bytes or a placement")
+        placement = plan_placement(cfg, ((name, None, nbytes) for name, nbytes in tensor_bytes), o)
+    return MemoryPlan(placement.total_bytes, layout.total_bytes(), layout.bytes_per_token(), buf,
+                      placement.host_bytes, device_weights=tuple(placement.device_bytes().items()),
+                      unified=placement.unified)
 
 
 def check_fits(plan: MemoryPlan, options: RunOptions, source: str, what: str = "") -> None:
@@ -216,7 +218,8 @@ def check_fits(plan: MemoryPlan, options: RunOptions, source: str, what: str = "
         return
     if plan.host_weights_bytes:
         raise OptionError(f"ot: keeping tensors in host memory on {backend} is not implemented yet "
-                          f"({plan.host_weights_bytes / MIB:.0f} MiB matched)")
+                          f"({plan.host_weights_bytes / MIB:.0f} MiB placed on the host by -ot, --cpu-moe, "
+                          f"--n-cpu-moe or -ngl)")
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if limit and plan.device_bytes > limit:

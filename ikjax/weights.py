@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax import kernels
-from ikjax.errors import ModelFileError
+from ikjax.errors import ModelFileError, OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
+from ikjax.placement import Placement
 from ikjax.quant.array import QuantArray
 from ikjax.quant.dequant import supports
 from ikjax.quant.types import UnsupportedQuantType
@@ -148,8 +149,34 @@ def default_placer(name: str, host: np.ndarray) -> jax.Array:
     return jax.device_put(host)
 
 
-def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer = default_placer) -> Weights:
-    """Copy each tensor's bytes from the memory map to where `place` puts it, one tensor at a time."""
+def placer_for(placement: Placement) -> Placer:
+    """Put each tensor where the Placement says. On a CPU-only machine (`placement.unified`) every
+    place is the one CPU device and `device_put` of the mmapped blocks is zero-copy, so host- and
+    device-placed tensors both stay in the file's pages. On an accelerator, device-placed tensors go
+    to their device; host-resident weights next to an accelerator are not implemented yet and are
+    refused here (the engine refuses them before loading, through the memory plan)."""
+    if placement.unified:
+        return default_placer
+    accel = [d for d in jax.devices() if d.platform != "cpu"]
+    by_label = dict(zip(placement.devices, accel))
+
+    def place(name: str, host: np.ndarray) -> jax.Array:
+        t = placement[name]
+        if t.on_host:
+            raise OptionError(f"ot: {name} is placed in host memory ({t.rule}); keeping tensors in host memory "
+                              f"next to an accelerator is not implemented yet")
+        return jax.device_put(host, by_label[t.device])
+    return place
+
+
+def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = None,
+                 placement: Placement | None = None) -> Weights:
+    """Copy each tensor's bytes from the memory map to where `place` puts it, one tensor at a time.
+
+    `placement` (from `ikjax.placement.plan_placement`) decides where each tensor goes when no
+    `place` is given; it stays next to the returned tree (static metadata, never a traced leaf)."""
+    if place is None:
+        place = placer_for(placement) if placement is not None else default_placer
     validate(gf, cfg)
     repack = kernels.needs_repack()
 

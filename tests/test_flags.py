@@ -248,22 +248,6 @@ def test_config_key(command, case, tmp_path, capsys):
         assert getattr(opts, expect[1]) == expect[2], (keys, getattr(opts, expect[1]))
 
 
-def test_cpu_moe_rules_place_the_right_tensors():
-    from ikjax.memory_plan import placement
-    o = RunOptions.from_kwargs(n_cpu_moe=2)
-    for name, where in (("blk.0.ffn_up_exps.weight", "host"), ("blk.1.ffn_gate_exps.weight", "host"),
-                        ("blk.1.ffn_down_exps.weight", "host"), ("blk.2.ffn_up_exps.weight", "device"),
-                        ("blk.10.ffn_up_exps.weight", "device"), ("blk.12.ffn_up_exps.weight", "device"),
-                        ("blk.0.ffn_up_shexp.weight", "device"), ("blk.0.attn_kv_b.weight", "device")):
-        assert placement(name, o) == where, name
-    o = RunOptions.from_kwargs(cpu_moe=True)
-    assert placement("blk.57.ffn_down_exps.weight", o) == "host"
-    assert placement("blk.57.ffn_down_shexp.weight", o) == "device"
-    # idempotent: options rebuilt from themselves do not grow
-    again = RunOptions.from_kwargs(ot=o.ot, cpu_moe=True)
-    assert again.ot == o.ot
-
-
 def test_help_has_no_false_claims():
     for command in COMMANDS:
         text = CliRunner().invoke(app, [command, "--help"], terminal_width=200).stdout

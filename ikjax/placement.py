@@ -1,0 +1,291 @@
+"""Placement: where every GGUF tensor lives and where every op runs, decided once at load.
+
+One function, `plan_placement`, reads the `-ot` rules (first match wins; `--cpu-moe` /
+`--n-cpu-moe N` arrive already expanded into `-ot` rules by `RunOptions`), `-ngl` and the devices
+present, and returns a `Placement`: for every tensor of the file its memory ("device" or "host"),
+the device that holds it, its layer and its logical axes. The memory plan sums bytes per place
+from it, the loader puts each tensor where it says, and the multi-device work maps the logical
+axes onto a `jax.sharding.Mesh` (the jax-llm-examples `ShardingRules` pattern: the model names
+what each dimension *is*; a separate table says which mesh axis, if any, splits it).
+
+The Placement is kept next to the weight tree (`Engine.placement`), not inside it: it is static
+metadata (a frozen, hashable dataclass of strings and ints), so it can never become a traced leaf
+and the model's pure functions read the same dicts as before.
+
+Rules, as ik_llama.cpp applies them:
+- `-ot REGEX=DEV`: the first rule whose regex matches the tensor name decides; `CPU` = host
+  memory; `GPU`, `GPUn`, `CUDAn`, `DEVICEn` = device memory of accelerator n (0 without a
+  number). A device index this machine does not have is refused (OptionError) — ik refuses a
+  buffer type it does not know the same way. On a CPU-only machine the CPU is the one device:
+  `GPU`/`CUDA0` name it (accepted, with a note that there is no accelerator and the tensor is in
+  the one memory the CPU has), `CUDA1` is refused.
+- `-ngl N` (llama.cpp's `i_gpu_start = n_layer - N`): layers `i < n_layer - N` stay in host
+  memory, the last N layers go to the device; the output head (`output`, `output_norm`) goes to the
+  device only when N > n_layer. So `-ngl 0` keeps everything on the host, and the default 99
+  (> any layer count here) puts everything on the device. Tensors of layers past n_layer (the MTP
+  `nextn` block) count as layers for this rule. One difference from ik: ik always keeps the input
+  embedding (`token_embd`) in host memory and gathers its rows on the CPU; ikjax keeps it with the
+  device layers (device unless `-ngl 0`) until the host-side gather exists, and says so in the plan.
+- `-ot` rules take precedence over `-ngl`, as in ik (an override names the buffer outright).
+- On a CPU-only machine device memory and host memory are the same RAM. The requested placement
+  is recorded anyway (so the memory plan and `ikjax info` show what a GPU run would hold), and
+  `Placement.unified` says both places are one memory.
+
+Where an op runs follows from where its weights live (`runs_on`): an op whose weights are all on
+the device runs there; one reading host-resident weights runs on the host for small batches and on
+the device (weights streamed over) for big ones, with ik's thresholds.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Iterable, Sequence
+
+from ikjax.errors import OptionError
+from ikjax.gguf_io.config import ModelConfig
+from ikjax.options import RunOptions
+
+DEVICE, HOST = "device", "host"
+HOST_DEVICE = "CPU"  # the label of host memory's processor
+
+# ik_llama.cpp (ggml-cuda offload_op): a matmul on host-resident weights is worth moving to the GPU
+# from 32 tokens; routed experts only when each expert sees that many tokens on average.
+MIN_OFFLOAD_BATCH = 32
+
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+# Logical axes of each tensor's NumPy shape (GGUF dims reversed), by the name after `blk.N.`.
+# "heads" marks a dimension whose outer factor is the head (q_b rows = heads x qk_dim): splitting it
+# splits whole heads. None = a dimension nobody should split.
+_AXES: dict[str, tuple[str | None, ...]] = {
+    "token_embd.weight": ("vocab", "embed"),
+    "output.weight": ("vocab", "embed"),
+    "output_norm.weight": ("embed",),
+    "attn_norm.weight": ("embed",),
+    "ffn_norm.weight": ("embed",),
+    "attn_q.weight": ("heads", "embed"),
+    "attn_q_a.weight": ("q_lora", "embed"),
+    "attn_q_a_norm.weight": ("q_lora",),
+    "attn_q_b.weight": ("heads", "q_lora"),
+    "attn_kv_a_mqa.weight": ("kv_lora", "embed"),  # rows: kv_lora_rank + the shared rope key
+    "attn_kv_a_norm.weight": ("kv_lora",),
+    "attn_kv_b.weight": ("heads", "kv_lora"),
+    "attn_output.weight": ("embed", "heads"),
+    "ffn_gate_inp.weight": ("expert", "embed"),
+    "exp_probs_b.bias": ("expert",),
+    "ffn_gate_exps.weight": ("expert", "ffn", "embed"),
+    "ffn_up_exps.weight": ("expert", "ffn", "embed"),
+    "ffn_down_exps.weight": ("expert", "embed", "ffn"),
+    "ffn_gate_shexp.weight": ("ffn", "embed"),
+    "ffn_up_shexp.weight": ("ffn", "embed"),
+    "ffn_down_shexp.weight": ("embed", "ffn"),
+    "ffn_gate.weight": ("ffn", "embed"),
+    "ffn_up.weight": ("ffn", "embed"),
+    "ffn_down.weight": ("embed", "ffn"),
+}
+# attn_k_b / attn_v_b come 3-D ([H, r, nope] / [H, v, r]) or, from ik's converter, 2-D per-head rows
+_AXES_BY_RANK = {
+    ("attn_k_b.weight", 3): ("heads", "kv_lora", "head_dim"),
+    ("attn_k_b.weight", 2): ("heads", "head_dim"),
+    ("attn_v_b.weight", 3): ("heads", "head_dim", "kv_lora"),
+    ("attn_v_b.weight", 2): ("heads", "kv_lora"),
+}
+ROUTED_EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def logical_axes(name: str, rank: int | None) -> tuple[str | None, ...] | None:
+    """The logical axes of a tensor's NumPy shape; a tuple of None (nothing to split) for a tensor
+    the graph does not read (e.g. the MTP block); None where the rank is not known (a plan made
+    from names and sizes only, as `ikjax info` does)."""
+    m = _LAYER.match(name)
+    key = name[m.end():] if m else name
+    axes = _AXES_BY_RANK.get((key, rank)) or _AXES.get(key)
+    if rank is None:
+        return axes
+    if axes is None or len(axes) != rank:
+        return (None,) * rank
+    return axes
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_routed_expert(name: str) -> bool:
+    return name.endswith(ROUTED_EXPERT_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Where one tensor lives: memory "device" or "host", the device label that holds it ("CPU" for
+    host memory; "GPU0", ... on an accelerator; "CPU" for both on a CPU-only machine), its layer
+    (None for token_embd / output / output_norm), its logical axes and its size in the file."""
+    name: str
+    memory: str
+    device: str
+    layer: int | None
+    axes: tuple[str | None, ...] | None
+    nbytes: int
+    rule: str  # what decided it: "-ot PATTERN=DEV", "-ngl N" or "default"
+
+    @property
+    def on_host(self) -> bool:
+        return self.memory == HOST
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Every tensor's place (`tensors`, in file order) and what was decided about the machine.
+
+    `unified`: host and device memory are one (a CPU-only machine): the placement is recorded as
+    requested, but both places are the same RAM. `min_offload_batch`: ik's 32 (see `runs_on`).
+    """
+    tensors: tuple[TensorPlacement, ...]
+    devices: tuple[str, ...]  # device labels present, e.g. ("GPU0",) or ("CPU",)
+    unified: bool
+    n_expert: int = 0
+    n_expert_used: int = 0
+    min_offload_batch: int = MIN_OFFLOAD_BATCH
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @cached_property
+    def by_name(self) -> dict[str, TensorPlacement]:
+        return {t.name: t for t in self.tensors}
+
+    def __getitem__(self, name: str) -> TensorPlacement:
+        return self.by_name[name]
+
+    def memory(self, name: str) -> str:
+        return self.by_name[name].memory
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors if t.on_host)
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of weights in each device's own memory (every device present, 0 where none)."""
+        out = {d: 0 for d in self.devices}
+        for t in self.tensors:
+            if not t.on_host:
+                out[t.device] += t.nbytes
+        return out
+
+    def runs_on(self, op_tensors: Sequence[str], n_tokens: int) -> str:
+        """Where an op reading these tensors runs for a batch of `n_tokens` (see `runs_on`)."""
+        return runs_on([self.by_name[n] for n in op_tensors], n_tokens, n_expert=self.n_expert,
+                       n_expert_used=self.n_expert_used, min_batch=self.min_offload_batch)
+
+
+def runs_on(op_tensors: Sequence[TensorPlacement], n_tokens: int, *, n_expert: int = 0, n_expert_used: int = 0,
+            min_batch: int = MIN_OFFLOAD_BATCH) -> str:
+    """"device" or "host": where an op whose weights are `op_tensors` runs on a batch of `n_tokens`.
+
+    ik_llama.cpp's rule (ggml-cuda's offload_op), written once here:
+    - every weight in device memory: the device;
+    - a host-resident embedding (a row gather): always the host — it reads a few rows;
+    - host-resident routed experts: the device only when `n_tokens * n_expert_used >= min_batch *
+      n_expert` (each expert then sees `min_batch` tokens on average, which pays for streaming the
+      whole expert tensor over PCIe), else the host computes them where they live;
+    - any other host-resident matrix: the device from `min_batch` tokens, else the host.
+    """
+    if n_tokens < 1:
+        raise ValueError(f"runs_on: n_tokens must be >= 1, got {n_tokens}")
+    host = [t for t in op_tensors if t.on_host]
+    if not host:
+        return DEVICE
+    for t in host:
+        if t.name.startswith("token_embd."):
+            return HOST
+        if is_routed_expert(t.name):
+            if not n_expert or n_tokens * n_expert_used < min_batch * n_expert:
+                return HOST
+        elif n_tokens < min_batch:
+            return HOST
+    return DEVICE
+
+
+_DEV = re.compile(r"(?i)(cpu)|(?:gpu|cuda|device)(\d*)")
+
+
+def _device_labels(devices: Sequence[Any]) -> tuple[tuple[str, ...], bool]:
+    """Labels of the accelerators present ("GPU0", ...), or ("CPU",) and unified=True where there
+    are none (CPU devices of a CPU-only machine share one memory)."""
+    accel = [d for d in devices if getattr(d, "platform", "cpu") != "cpu"]
+    if not accel:
+        return (HOST_DEVICE,), True
+    return tuple(f"GPU{i}" for i in range(len(accel))), False
+
+
+def _target(dev: str, labels: tuple[str, ...], unified: bool, rule: str) -> tuple[str, str]:
+    """(memory, device label) an `-ot` device name stands for on this machine; OptionError if it
+    names a device that does not exist here."""
+    m = _DEV.fullmatch(dev)
+    if m is None:
+        raise OptionError(f"ot: unknown device {dev!r} in {rule!r} (use CPU, GPU, CUDA0, ...)")
+    if m.group(1):
+        return HOST, HOST_DEVICE
+    idx = int(m.group(2) or 0)
+    if unified:
+        if idx > 0:
+            raise OptionError(f"ot: {rule!r} names accelerator {idx}, but this machine has no accelerator "
+                              f"(only the CPU: use CPU, or GPU/CUDA0 for the one device)")
+        return DEVICE, HOST_DEVICE
+    if idx >= len(labels):
+        raise OptionError(f"ot: {rule!r} names accelerator {idx}, but this machine has {len(labels)} "
+                          f"({', '.join(labels)}; use CUDA0..CUDA{len(labels) - 1} or CPU)")
+    return DEVICE, labels[idx]
+
+
+def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions,
+                   devices: Sequence[Any] | None = None) -> Placement:
+    """Decide memory and device for every tensor of the file.
+
+    `tensors`: the file's tensors, each a `TensorInfo`-like object (`.name`, `.shape`, `.nbytes`)
+    or a tuple (name, shape, nbytes) — shape may be None where only names and sizes are known.
+    `devices`: the JAX devices of this process (default `jax.devices()`). Refuses (OptionError) an
+    `-ot` device this machine does not have, before anything is loaded.
+    """
+    if devices is None:
+        import jax
+        devices = jax.devices()
+    labels, unified = _device_labels(devices)
+    main = labels[0]
+    targets = []
+    notes: list[str] = []
+    for r in options.ot:
+        rule = f"{r.pattern}={r.device}"
+        mem, dev = _target(r.device, labels, unified, rule)
+        if unified and mem == DEVICE:
+            notes.append(f"-ot {rule}: no accelerator here, the tensors it matches run on the CPU "
+                         f"(device and host memory are one RAM)")
+        targets.append((r, f"-ot {rule}", mem, dev))
+    n_layer, ngl = cfg.n_layer, options.ngl
+    first_device_layer = max(n_layer - ngl, 0)
+    out = []
+    for t in tensors:
+        if isinstance(t, tuple):
+            name, shape, nbytes = t
+        else:
+            name, shape, nbytes = t.name, t.shape, t.nbytes
+        layer = layer_of(name)
+        for r, why, mem, dev in targets:
+            if r.matches(name):
+                break
+        else:
+            if layer is not None:
+                on_dev = layer >= first_device_layer
+            elif name.startswith("token_embd."):
+                on_dev = ngl > 0
+            else:  # output head: llama.cpp's dev_output, on the device only when ngl > n_layer
+                on_dev = ngl > n_layer
+            why = "default" if ngl > n_layer else f"-ngl {ngl}"
+            mem, dev = (DEVICE, main) if on_dev else (HOST, HOST_DEVICE)
+        axes = logical_axes(name, None if shape is None else len(shape))
+        out.append(TensorPlacement(name, mem, dev, layer, axes, int(nbytes), why))
+    return Placement(tuple(out), labels, unified, cfg.n_expert, cfg.n_expert_used, notes=tuple(notes))

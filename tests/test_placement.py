@@ -1,0 +1,285 @@
+"""The placement layer (ikjax/placement.py): -ot rules (first match wins), --cpu-moe / --n-cpu-moe,
+-ngl, the devices present, logical axes of every tensor, ik's op-offload rule, the memory plan it
+feeds, and logits unchanged by host placement on CPU (where host and device are one RAM)."""
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import ikjax
+from conftest import fixture_entry, fixtures_dir, load_ref, rel_err
+from ikjax.cli import app
+from ikjax.errors import OptionError
+from ikjax.gguf_io.config import ModelConfig
+from ikjax.gguf_io.reader import GGUFModelFile
+from ikjax.memory_plan import plan_memory
+from ikjax.options import RunOptions
+from ikjax.placement import (DEVICE, HOST, TensorPlacement, is_routed_expert, logical_axes, plan_placement,
+                             runs_on)
+
+CPU_ONLY = [SimpleNamespace(platform="cpu")]
+ONE_GPU = [SimpleNamespace(platform="gpu")]
+TWO_GPUS = [SimpleNamespace(platform="gpu"), SimpleNamespace(platform="gpu")]
+
+
+def _open(path) -> tuple[ModelConfig, GGUFModelFile]:
+    f = GGUFModelFile(str(path))
+    emb = f.tensors["token_embd.weight"]
+    return ModelConfig.from_metadata(f.metadata, source=str(path), vocab_from_tensor=emb.shape[0]), f
+
+
+@pytest.fixture(scope="module")
+def model4(tmp_path_factory):
+    """The tiny preset with 4 layers (layer 0 dense, 1-3 MoE): enough layers for -ngl / --n-cpu-moe."""
+    from ikjax.synthetic import make_model
+    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-4L.gguf"
+    if not p.exists():
+        make_model(p, "tiny", "Q8_0", layers=4)
+    return _open(p)
+
+
+def _place(model, devices=CPU_ONLY, **opts):
+    cfg, f = model
+    return plan_placement(cfg, f.tensors.values(), RunOptions.from_kwargs(**opts), devices=devices)
+
+
+# -- rules ----------------------------------------------------------------------------------------
+
+def test_default_everything_on_the_device(model4):
+    p = _place(model4)
+    assert len(p.tensors) == len(model4[1].tensors)
+    assert all(t.memory == DEVICE for t in p.tensors)
+    assert p.host_bytes == 0 and p.unified and p.devices == ("CPU",)
+
+
+def test_first_matching_rule_wins(model4):
+    # the first rule keeps layer 1's experts on the device; the second sends every other expert home
+    p = _place(model4, devices=ONE_GPU, ot=r"blk\.1\.ffn_.*_exps=CUDA0,exps=CPU")
+    for t in p.tensors:
+        if is_routed_expert(t.name):
+            want = DEVICE if t.layer == 1 else HOST
+            assert t.memory == want, t
+            assert t.rule == (r"-ot blk\.1\.ffn_.*_exps=CUDA0" if t.layer == 1 else "-ot exps=CPU"), t
+        else:
+            assert t.memory == DEVICE and t.device == "GPU0" and t.rule == "default", t
+    # the reverse order: the broad rule matches first, so the narrow one never applies
+    p = _place(model4, devices=ONE_GPU, ot=r"exps=CPU,blk\.1\.ffn_.*_exps=CUDA0")
+    assert all(t.memory == HOST for t in p.tensors if is_routed_expert(t.name))
+
+
+@pytest.mark.parametrize("opts, host_layers", [({"cpu_moe": True}, {1, 2, 3}), ({"n_cpu_moe": 1}, set()),
+                                               ({"n_cpu_moe": 2}, {1}), ({"n_cpu_moe": 3}, {1, 2}),
+                                               ({"n_cpu_moe": 9}, {1, 2, 3})])
+def test_cpu_moe_places_exactly_the_routed_experts(model4, opts, host_layers):
+    p = _place(model4, devices=ONE_GPU, **opts)
+    host = {t.name for t in p.tensors if t.on_host}
+    want = {t.name for t in p.tensors if is_routed_expert(t.name) and t.layer in host_layers}
+    assert host == want
+    assert len(want) == 3 * len(host_layers)  # gate, up, down of each MoE layer
+    # shared experts, router and attention of the same layers stay on the device
+    assert all(p[f"blk.1.{n}"].memory == DEVICE for n in ("ffn_gate_shexp.weight", "ffn_gate_inp.weight",
+                                                           "attn_kv_b.weight"))
+
+
+def test_cpu_moe_names_on_r1_scale_layer_numbers():
+    """--n-cpu-moe N's regex must not match layer 10..19 for N=2 (blk.1 is a prefix of blk.10)."""
+    cfg = SimpleNamespace(n_layer=61, n_expert=256, n_expert_used=8)
+    names = [(f"blk.{i}.ffn_{w}_exps.weight", (256, 2048, 7168), 1) for i in range(61) for w in ("up", "gate", "down")]
+    names += [(f"blk.{i}.ffn_up_shexp.weight", (2048, 7168), 1) for i in range(61)]
+    p = plan_placement(cfg, names, RunOptions.from_kwargs(n_cpu_moe=2), devices=ONE_GPU)
+    assert {t.name for t in p.tensors if t.on_host} == {f"blk.{i}.ffn_{w}_exps.weight" for i in (0, 1)
+                                                         for w in ("up", "gate", "down")}
+    o = RunOptions.from_kwargs(cpu_moe=True)
+    assert RunOptions.from_kwargs(ot=o.ot, cpu_moe=True).ot == o.ot  # rebuilt options do not grow
+    p = plan_placement(cfg, names, o, devices=ONE_GPU)
+    assert {t.name for t in p.tensors if t.on_host} == {n for n, _, _ in names if "exps" in n}
+
+
+def test_ngl_as_llama_cpp(model4):
+    """llama.cpp: layers i < n_layer - ngl on the host, the output head on the device only when
+    ngl > n_layer; -ot takes precedence."""
+    def where(p):
+        return {t.name: t.memory for t in p.tensors}
+
+    p = _place(model4, devices=ONE_GPU, ngl=0)
+    assert all(t.on_host for t in p.tensors) and p.host_bytes == p.total_bytes
+    p = _place(model4, devices=ONE_GPU, ngl=2)
+    for t in p.tensors:
+        if t.layer is not None:
+            assert t.memory == (DEVICE if t.layer >= 2 else HOST), t
+            assert t.rule == "-ngl 2"
+    w = where(p)
+    assert w["output.weight"] == HOST and w["output_norm.weight"] == HOST and w["token_embd.weight"] == DEVICE
+    w = where(_place(model4, devices=ONE_GPU, ngl=4))
+    assert w["output.weight"] == HOST and w["blk.0.attn_norm.weight"] == DEVICE
+    w = where(_place(model4, devices=ONE_GPU, ngl=5))
+    assert set(w.values()) == {DEVICE}
+    # an -ot rule wins over -ngl both ways
+    w = where(_place(model4, devices=ONE_GPU, ngl=0, ot=r"output\.=CUDA0"))
+    assert w["output.weight"] == DEVICE and w["blk.3.attn_norm.weight"] == HOST
+    w = where(_place(model4, devices=ONE_GPU, ngl=99, ot=r"blk\.0\.=CPU"))
+    assert {n for n, m in w.items() if m == HOST} == {n for n in w if n.startswith("blk.0.")}
+
+
+# -- devices --------------------------------------------------------------------------------------
+
+def test_ot_devices_that_do_not_exist_are_refused(model4):
+    with pytest.raises(OptionError, match=r"^ot: 'exps=CUDA1' names accelerator 1, but this machine has 1 \(GPU0"):
+        _place(model4, devices=ONE_GPU, ot="exps=CUDA1")
+    with pytest.raises(OptionError, match="no accelerator"):
+        _place(model4, devices=CPU_ONLY, ot="exps=GPU1")
+    p = _place(model4, devices=TWO_GPUS, ot="exps=CUDA1,attn=CPU")
+    assert p.devices == ("GPU0", "GPU1")
+    assert {t.device for t in p.tensors if "exps" in t.name} == {"GPU1"}
+    assert all(t.device == "CPU" and t.on_host for t in p.tensors if "attn" in t.name)
+    by_dev = p.device_bytes()
+    assert by_dev["GPU1"] == sum(t.nbytes for t in p.tensors if "exps" in t.name)
+    assert sum(by_dev.values()) + p.host_bytes == p.total_bytes
+
+
+def test_gpu_target_on_a_cpu_only_machine_is_the_cpu_with_a_note(model4):
+    p = _place(model4, devices=CPU_ONLY, ngl=0, ot="exps=CUDA0")
+    assert all(t.memory == DEVICE and t.device == "CPU" for t in p.tensors if "exps" in t.name)
+    assert len(p.notes) == 1 and "no accelerator here" in p.notes[0] and "exps=CUDA0" in p.notes[0]
+    assert _place(model4, devices=CPU_ONLY, ot="exps=CPU").notes == ()
+
+
+def test_load_refuses_an_absent_device_in_one_line(tiny_model):
+    with pytest.raises(OptionError) as e:
+        ikjax.load(tiny_model, ctx=64, ubatch=16, ot="exps=CUDA3")
+    assert "\n" not in str(e.value) and "CUDA3" in str(e.value)
+
+
+# -- logical axes ---------------------------------------------------------------------------------
+
+def _axes_complete(cfg, f):
+    p = plan_placement(cfg, f.tensors.values(), RunOptions(), devices=CPU_ONLY)
+    for t in p.tensors:
+        info = f.tensors[t.name]
+        assert t.axes is not None and len(t.axes) == len(info.shape), (t.name, t.axes, info.shape)
+        assert None not in t.axes, (t.name, t.axes)
+    return p
+
+
+def test_logical_axes_for_every_tensor(model4):
+    p = _axes_complete(*model4)
+    cfg = model4[0]
+    assert p["blk.1.ffn_gate_exps.weight"].axes == ("expert", "ffn", "embed")
+    assert p["blk.1.ffn_down_exps.weight"].axes == ("expert", "embed", "ffn")
+    assert p["token_embd.weight"].axes == ("vocab", "embed") and p["output.weight"].axes == ("vocab", "embed")
+    assert p["blk.0.attn_output.weight"].axes == ("embed", "heads")
+    # the "expert" axis is the experts' dimension and "vocab" the vocabulary's, in the NumPy shape
+    shape = model4[1].tensors["blk.1.ffn_up_exps.weight"].shape
+    assert shape[p["blk.1.ffn_up_exps.weight"].axes.index("expert")] == cfg.n_expert
+    assert model4[1].tensors["output.weight"].shape[0] == cfg.vocab_size
+    # a tensor the graph does not read (e.g. the MTP block) is recorded, unsplit
+    assert logical_axes("blk.61.nextn.eh_proj.weight", 2) == (None, None)
+    assert logical_axes("blk.0.attn_k_b.weight", 3) == ("heads", "kv_lora", "head_dim")
+
+
+@pytest.mark.parametrize("name", ["v3tiny-mainline-Q8_0.gguf", "v2lite_tiny-kvb-Q5_1.gguf", "v3tiny-all-Q4_0.gguf"])
+def test_logical_axes_on_converter_files(name):
+    _axes_complete(*_open(fixtures_dir() / name))
+
+
+# -- where ops run --------------------------------------------------------------------------------
+
+def _t(name, memory):
+    return TensorPlacement(name, memory, "CPU" if memory == HOST else "GPU0", 1, None, 1, "test")
+
+
+def test_runs_on_follows_ik_offload_rule():
+    exps = [_t("blk.1.ffn_up_exps.weight", HOST), _t("blk.1.ffn_gate_exps.weight", HOST)]
+    kw = dict(n_expert=256, n_expert_used=8)
+    # routed experts on the host: the device only from batch * 8 >= 32 * 256, i.e. 1024 tokens
+    assert runs_on(exps, 1, **kw) == HOST
+    assert runs_on(exps, 1023, **kw) == HOST
+    assert runs_on(exps, 1024, **kw) == DEVICE
+    assert runs_on(exps, 512, min_batch=16, **kw) == DEVICE  # the threshold is configurable
+    # other host matrices: the device from 32 tokens
+    dense = [_t("blk.0.ffn_up.weight", HOST)]
+    assert runs_on(dense, 31, **kw) == HOST and runs_on(dense, 32, **kw) == DEVICE
+    # an embedding gather on the host stays there at any batch; device weights run on the device
+    assert runs_on([_t("token_embd.weight", HOST)], 4096, **kw) == HOST
+    assert runs_on([_t("blk.0.ffn_up.weight", DEVICE)], 1, **kw) == DEVICE
+    # mixed: the host-resident part decides
+    assert runs_on([_t("blk.0.attn_q.weight", DEVICE), dense[0]], 8, **kw) == HOST
+    with pytest.raises(ValueError):
+        runs_on(dense, 0)
+
+
+def test_placement_runs_on_uses_the_model(model4):
+    cfg = model4[0]
+    p = _place(model4, devices=ONE_GPU, cpu_moe=True)
+    names = ["blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"]
+    at = -(-32 * cfg.n_expert // cfg.n_expert_used)
+    assert p.runs_on(names, at - 1) == HOST and p.runs_on(names, at) == DEVICE
+    assert p.runs_on(["blk.1.attn_q.weight"], 1) == DEVICE
+
+
+# -- memory plan ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opts", [{}, {"ot": "exps=CPU"}, {"n_cpu_moe": 2}, {"ngl": 1}, {"ngl": 0}])
+def test_memory_plan_split_sums_to_the_file(model4, opts):
+    cfg, f = model4
+    p = _place(model4, **opts)
+    plan = plan_memory(cfg, RunOptions.from_kwargs(**opts), placement=p)
+    total = sum(t.nbytes for t in f.tensors.values())
+    assert plan.weights_bytes == total
+    assert plan.host_weights_bytes + sum(n for _, n in plan.device_weights) == total
+    want_host = sum(t.nbytes for t in f.tensors.values()
+                    if ("ngl" in opts and opts["ngl"] == 0)
+                    or (opts.get("ot") and "_exps" in t.name)
+                    or (opts.get("n_cpu_moe") and re.match(r"blk\.[01]\.ffn_.*_exps", t.name))
+                    or (opts.get("ngl") == 1 and t.name.startswith(("blk.0.", "blk.1.", "blk.2.", "output"))))
+    assert plan.host_weights_bytes == want_host
+    # the same plan from names and sizes alone (what `ikjax info` makes)
+    again = plan_memory(cfg, RunOptions.from_kwargs(**opts), ((t.name, t.nbytes) for t in f.tensors.values()))
+    assert again.lines() == plan.lines()
+
+
+def test_info_shows_host_and_device_weights(tiny_model):
+    res = CliRunner().invoke(app, ["info", tiny_model, "-ot", "exps=CPU"])
+    assert res.exit_code == 0, res.stdout + res.stderr
+    cfg, f = _open(tiny_model)
+    host = sum(t.nbytes for t in f.tensors.values() if "_exps" in t.name)
+    dev = sum(t.nbytes for t in f.tensors.values()) - host
+    assert re.search(rf"on host\s+{host / (1 << 20):.2f} MiB \(no accelerator here", res.stdout), res.stdout
+    assert re.search(rf"on device CPU\s+{dev / (1 << 20):.2f} MiB", res.stdout), res.stdout
+
+
+def test_engine_plan_reads_its_placement(tiny_model):
+    eng = ikjax.load(tiny_model, ctx=64, ubatch=16, n_cpu_moe=2)
+    assert eng.placement.host_bytes > 0
+    assert {t.name for t in eng.placement.tensors if t.on_host} == \
+        {t.name for t in eng.placement.tensors if is_routed_expert(t.name)}
+    assert eng.memory_plan().host_weights_bytes == eng.placement.host_bytes
+
+
+# -- logits unchanged by host placement (CPU: one memory) ------------------------------------------
+
+def _logits(path, tokens, **opts):
+    return ikjax.load(path, ctx=128, ubatch=32, ctk="f32", **opts).logits(tokens)
+
+
+def test_host_placement_keeps_logits_tiny(tiny_model):
+    tokens = np.arange(1, 20) * 7 % 200
+    plain = _logits(tiny_model, tokens)
+    for opts in ({"ot": "exps=CPU"}, {"n_cpu_moe": 1}, {"cpu_moe": True}, {"ngl": 0}):
+        got = _logits(tiny_model, tokens, **opts)
+        np.testing.assert_array_equal(got, plain, err_msg=str(opts))
+
+
+@pytest.mark.parametrize("name", ["v3tiny-mainline-Q8_0.gguf", "v2lite_tiny-kvb-Q5_1.gguf"])
+def test_host_placement_keeps_logits_fixtures(name):
+    entry = fixture_entry(name)
+    tokens, ref = load_ref(entry)
+    path = fixtures_dir() / name
+    plain = _logits(path, tokens[:48])
+    for opts in ({"ot": "exps=CPU"}, {"n_cpu_moe": 1}):
+        np.testing.assert_array_equal(_logits(path, tokens[:48], **opts), plain, err_msg=f"{name} {opts}")
+    assert rel_err(plain, ref[:48]) <= entry["tol"]
