@@ -18,6 +18,7 @@
 #include "cpu/runtime.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -722,10 +723,13 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     nth_max = std::min(nth_max, ikj::available_cores());
     const bool split_k = N < 4 * nth_max && own_type(type) && K % (256 * nth_max) == 0 && nth_max > 1;
     if (!split_k) {
-      ikj::parallel(n_threads, [&](int ith, int nth) {
-        int64_t a, b;
-        ikj::split_range(N, ith, nth, &a, &b);
-        decode_rows(x, M, K, w, row_bytes, type, a, b, 0, K, y, N, false, compute);
+      // chunks of rows taken from a shared counter: a thread that is descheduled (other processes,
+      // XLA's own threads) does not hold the whole product back
+      const int64_t chunk = std::max<int64_t>(16, N / (8 * nth_max));
+      std::atomic<int64_t> next{0};
+      ikj::parallel(n_threads, [&](int, int) {
+        for (int64_t a; (a = next.fetch_add(chunk, std::memory_order_relaxed)) < N;)
+          decode_rows(x, M, K, w, row_bytes, type, a, std::min(N, a + chunk), 0, K, y, N, false, compute);
       });
       return;
     }
@@ -751,10 +755,10 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     pack_x(x, M, K, compute, xp.get(), a, b);
   });
   const int64_t panels = (N + NR - 1) / NR;
-  ikj::parallel(n_threads, [&](int ith, int nth) {
-    int64_t a, b;
-    ikj::split_range(panels, ith, nth, &a, &b);
-    gemm_rows(xp.get(), M, K, w, row_bytes, type, a * NR, std::min(N, b * NR), y, N, compute);
+  std::atomic<int64_t> next{0};  // panels handed out one at a time (see the decode split)
+  ikj::parallel(n_threads, [&](int, int) {
+    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < panels;)
+      gemm_rows(xp.get(), M, K, w, row_bytes, type, p * NR, std::min(N, (p + 1) * NR), y, N, compute);
   });
 }
 
