@@ -218,7 +218,7 @@ def check_fits(plan: MemoryPlan, options: RunOptions, source: str, what: str = "
         return
     if plan.host_weights_bytes:
         raise OptionError(f"ot: keeping tensors in host memory on {backend} is not implemented yet "
-                          f"({plan.host_weights_bytes / MIB:.0f} MiB placed on the host by -ot, --cpu-moe, "
+                          f"({plan.host_weights_bytes / MIB:.2f} MiB placed on the host by -ot, --cpu-moe, "
                           f"--n-cpu-moe or -ngl)")
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")

@@ -237,8 +237,9 @@ def _target(dev: str, labels: tuple[str, ...], unified: bool, rule: str) -> tupl
                               f"(only the CPU: use CPU, or GPU/CUDA0 for the one device)")
         return DEVICE, HOST_DEVICE
     if idx >= len(labels):
+        valid = "CUDA0" if len(labels) == 1 else f"CUDA0..CUDA{len(labels) - 1}"
         raise OptionError(f"ot: {rule!r} names accelerator {idx}, but this machine has {len(labels)} "
-                          f"({', '.join(labels)}; use CUDA0..CUDA{len(labels) - 1} or CPU)")
+                          f"({', '.join(labels)}; use {valid} or CPU)")
     return DEVICE, labels[idx]
 
 

@@ -128,8 +128,11 @@ def test_ngl_as_llama_cpp(model4):
 # -- devices --------------------------------------------------------------------------------------
 
 def test_ot_devices_that_do_not_exist_are_refused(model4):
-    with pytest.raises(OptionError, match=r"^ot: 'exps=CUDA1' names accelerator 1, but this machine has 1 \(GPU0"):
+    with pytest.raises(OptionError, match=r"^ot: 'exps=CUDA1' names accelerator 1, but this machine has 1 "
+                                          r"\(GPU0; use CUDA0 or CPU\)$"):
         _place(model4, devices=ONE_GPU, ot="exps=CUDA1")
+    with pytest.raises(OptionError, match=r"has 2 \(GPU0, GPU1; use CUDA0..CUDA1 or CPU\)$"):
+        _place(model4, devices=TWO_GPUS, ot="attn=GPU2")
     with pytest.raises(OptionError, match="no accelerator"):
         _place(model4, devices=CPU_ONLY, ot="exps=GPU1")
     p = _place(model4, devices=TWO_GPUS, ot="exps=CUDA1,attn=CPU")
@@ -146,6 +149,15 @@ def test_gpu_target_on_a_cpu_only_machine_is_the_cpu_with_a_note(model4):
     assert all(t.memory == DEVICE and t.device == "CPU" for t in p.tensors if "exps" in t.name)
     assert len(p.notes) == 1 and "no accelerator here" in p.notes[0] and "exps=CUDA0" in p.notes[0]
     assert _place(model4, devices=CPU_ONLY, ot="exps=CPU").notes == ()
+
+
+def test_accelerator_loader_refuses_host_resident_tensors(model4):
+    """Next to an accelerator, host-resident weights are not implemented yet: the loader refuses
+    them (naming the tensor and the rule) instead of putting them on the device."""
+    from ikjax.weights import placer_for
+    p = _place(model4, devices=ONE_GPU, ot="exps=CPU")
+    with pytest.raises(OptionError, match=r"^ot: blk\.1\.ffn_up_exps\.weight is placed in host memory \(-ot exps=CPU\)"):
+        placer_for(p)("blk.1.ffn_up_exps.weight", np.zeros(4, np.float32))
 
 
 def test_load_refuses_an_absent_device_in_one_line(tiny_model):
