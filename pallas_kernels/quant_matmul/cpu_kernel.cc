@@ -327,11 +327,20 @@ inline void block512(const uint8_t* b, __m512& v0, __m512& v1) {
   }
 }
 
+// Bytes ahead to prefetch weights in the fused decode. Measured on DRAM-resident weights (V2-Lite's
+// output matrix, 2 threads): Xeon (Sapphire Rapids) +50 % for Q8_0 at 2048; Zen 4 -25 %, so only
+// Intel prefetches in software.
+inline int64_t decode_prefetch_bytes() {
+  static const int64_t pf = __builtin_cpu_is("intel") ? 2048 : 0;
+  return pf;
+}
+
 // Decode without a buffer: each block is decoded into registers and multiplied straight into
 // MM rows of x (two blocks per step, four accumulators per row, to cover the FMA latency).
 template <int type, int bs, int MM>
 void decode_fused(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
                   int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  const int64_t pf = decode_prefetch_bytes();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     __m512 acc[MM][4];
@@ -339,6 +348,7 @@ void decode_fused(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
       __m512 v0, v1, v2, v3;
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr + b * bs + pf), _MM_HINT_T0);
       block512<type>(wr + b * bs, v0, v1);
       block512<type>(wr + (b + 1) * bs, v2, v3);
       for (int m = 0; m < MM; ++m) {
