@@ -48,8 +48,10 @@ def read_bandwidth(n_threads: int, gib: float = 1.0) -> float:
 
 
 def fma_peak(n_threads: int) -> float:
-    """Theoretical f32 GFLOP/s: threads x clock x 32 (one 16-lane FMA per cycle, AVX-512 on Zen 4;
-    AVX2-only CPUs: two 8-lane FMAs per cycle, also 32)."""
+    """Nominal f32 GFLOP/s: threads x /proc/cpuinfo clock x 32 (one 16-lane FMA per cycle, AVX-512 on
+    Zen 4; AVX2-only CPUs: two 8-lane FMAs per cycle, also 32). The listed clock is the base clock:
+    boost runs higher (this 2-core Zen 4 VM: ~3.1 GHz, so up to ~120 % of this), and Intel cores
+    with two AVX-512 FMA units double it; pass --peak with a measured value for a true ratio."""
     mhz = 0.0
     with open("/proc/cpuinfo") as f:
         for line in f:
