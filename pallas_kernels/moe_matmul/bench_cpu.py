@@ -32,14 +32,14 @@ E, K_USED, D, F = 64, 6, 2048, 1408  # DeepSeek-V2-Lite routed experts
 
 
 def read_bandwidth(n_threads: int, gib: float = 1.0) -> float:
-    """GB/s of reading a `gib` GiB float32 array split over n_threads (NumPy's reduction releases
-    the GIL); best of 3."""
-    a = np.ones(int(gib * (1 << 28)), np.float32)
+    """GB/s of reading a `gib` GiB array split over n_threads: an int64 OR-reduction (NumPy releases
+    the GIL; cheaper per byte than a float sum, so it measures the memory, not the adder); best of 5."""
+    a = np.ones(int(gib * (1 << 27)), np.int64)
     parts = np.array_split(a, n_threads)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         t = time.perf_counter()
-        th = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
+        th = [threading.Thread(target=np.bitwise_or.reduce, args=(p,)) for p in parts]
         for h in th:
             h.start()
         for h in th:
@@ -58,12 +58,15 @@ def fma_peak(n_threads: int) -> float:
     return n_threads * mhz / 1e3 * 32
 
 
-def timeit(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
+def timeit(fn, inputs, *weights, reps: int) -> float:
+    """Best time of fn over reps calls, each on the next of `inputs` (x, w, ids): fresh routing per
+    call, as successive layers read different experts; the same experts every call would be served
+    partly from L3 and overstate decode bandwidth."""
+    jax.block_until_ready(fn(*inputs[-1], *weights))
     best = float("inf")
-    for _ in range(reps):
+    for i in range(reps):
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*inputs[i % len(inputs)], *weights))
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -80,7 +83,7 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="0 = every core")
     ap.add_argument("--compute", default="f32", help="comma list of f32, bf16")
     ap.add_argument("--tokens", default="1,512")
-    ap.add_argument("--reps", type=int, default=5, help="decode reps (prompt: half, at least 1)")
+    ap.add_argument("--reps", type=int, default=10, help="decode reps (prompt: half, at least 1)")
     ap.add_argument("--no-xla", action="store_true", help="skip XLA's reference (slow at N=512)")
     ap.add_argument("--peak", type=float, default=0.0, help="f32 GFLOP/s peak (default: clock x 32 x threads)")
     args = ap.parse_args()
@@ -103,20 +106,20 @@ def main():
             dtype = jnp.float32 if compute == "f32" else jnp.bfloat16
             f_cpu = jax.jit(functools.partial(moe_cpu.moe_experts, n_threads=args.threads, compute=compute))
             for N in (int(n) for n in args.tokens.split(",")):
-                x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
-                w, ids = routing(N, rng)
                 reps = args.reps if N <= 8 else max(1, args.reps // 2)
-                tc = timeit(f_cpu, x, w, ids, g, u, dn, reps=reps)
+                inputs = [(jnp.asarray(rng.standard_normal((N, D)), jnp.float32), *routing(N, rng))
+                          for _ in range(reps + 1)]
+                tc = timeit(f_cpu, inputs, g, u, dn, reps=reps)
                 tx = None
                 if not args.no_xla:
                     ref = moe_experts_ref if N * K_USED <= 2 * E else moe_experts_grouped_ref
                     f_xla = jax.jit(functools.partial(ref, dtype=dtype, fused=True))
-                    tx = timeit(f_xla, x, w, ids, g, u, dn, reps=max(1, reps // 2))
-                used = len(np.unique(np.asarray(ids)))
+                    tx = timeit(f_xla, inputs, g, u, dn, reps=max(1, reps // 2))
+                used = np.mean([len(np.unique(np.asarray(ids))) for _, _, ids in inputs])
                 gbs = used * per_expert / tc / 1e9
                 gfl = 2.0 * 3 * N * K_USED * D * F / tc / 1e9
                 xs = f"{tx * 1e3:9.2f} {tx / tc:7.1f}x" if tx else f"{'-':>9} {'-':>8}"
-                print(f"{t:6} {compute:5} {N:4d} {used:7d} {tc * 1e3:9.2f} {xs} {gbs:7.1f} {100 * gbs / bw:4.0f}% "
+                print(f"{t:6} {compute:5} {N:4d} {used:7.1f} {tc * 1e3:9.2f} {xs} {gbs:7.1f} {100 * gbs / bw:4.0f}% "
                       f"{gfl:8.1f} {100 * gfl / peak:5.0f}%", flush=True)
 
 
