@@ -194,18 +194,12 @@ def _qm_pallas_supported(auto: bool):
     return supported
 
 
-def _qm_cpu_compute_modes() -> bool:
-    """Whether the C++ matmul takes a bf16 compute mode (else bf16 runs on the XLA path)."""
-    import inspect
-    return "compute" in inspect.signature(_qm_cpu.quant_matmul).parameters
-
-
 def _qm_cpu_supported(x, w, dtype) -> bool:
-    return _cpu_ok(w) and (jnp.dtype(dtype) == jnp.float32 or _qm_cpu_compute_modes())
+    return _cpu_ok(w) and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
 
 
 def _qm_cpu_run(x, w, dtype):
-    return _qm_cpu.quant_matmul(x, w, n_threads=_threads(), **({"compute": "bf16"} if _compute(dtype) == "bf16" else {}))
+    return _qm_cpu.quant_matmul(x, w, n_threads=_threads(), compute=_compute(dtype))
 
 
 def quant_linear(x, w, dtype, *, backend: str | None = None):
@@ -266,7 +260,7 @@ def _moe_cpu_supported(x, weights, ids, gate, up, down, dtype, fused=True) -> bo
 
 def _moe_cpu(x, weights, ids, gate, up, down, dtype, fused=True):
     from pallas_kernels.moe_matmul import cpu as moe_cpu
-    return moe_cpu.moe_experts(x, weights, ids, gate, up, down, n_threads=_threads())
+    return moe_cpu.moe_experts(x, weights, ids, gate, up, down, n_threads=_threads(), compute=_compute(dtype))
 
 
 def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, backend: str | None = None):

@@ -212,9 +212,7 @@ class RunOptions:
     def with_model(self, n_expert_used: int, has_moe: bool) -> "RunOptions":
         """Checks that need the model (and the backend): refuse what cannot run, never ignore it."""
         if self.dtype == "auto":
-            import jax
-            return dataclasses.replace(self, dtype="f32" if jax.default_backend() == "cpu" else "bf16"
-                                       ).with_model(n_expert_used, has_moe)
+            return dataclasses.replace(self, dtype=auto_dtype()).with_model(n_expert_used, has_moe)
         if self.ser is not None:
             if not has_moe:
                 raise OptionError("ser: the model has no routed experts")
@@ -333,3 +331,19 @@ def switch_notes(values: dict[str, Any], command: str, backend: str = "cpu") -> 
         elif kind == "text":
             notes.append(f"{flag} {value} has no effect: {_WHY[name]}")
     return notes
+
+
+def auto_dtype() -> str:
+    """What `dtype="auto"` means: `IKJAX_DTYPE` if set, else bf16 products where kernels run them
+    (Pallas on a GPU, the C++ kernels on a CPU: prompt-sized products in bf16 with f32 sums, as ik
+    runs its CPU prompts on 8-bit activations; decode-sized products stay f32, being memory-bound),
+    and f32 on the XLA reference path, whose bf16 dots on a CPU are slower than its f32 ones."""
+    import os
+    env = os.environ.get("IKJAX_DTYPE", "").lower()
+    if env:
+        if env not in COMPUTE_DTYPES or env == "auto":
+            raise OptionError(f"IKJAX_DTYPE: {env!r} is not one of {', '.join(COMPUTE_DTYPES[1:])}")
+        return env
+    from ikjax import kernels
+    return "f32" if kernels.resolve_backend() == "xla" else "bf16"
+

@@ -704,7 +704,9 @@ void qgemm_tile_ex(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
                    int64_t n0, int64_t n1, float* y, int64_t ldy, int compute) {
   if (n1 <= n0 || M <= 0) return;
   if (M < kGemmMinRows) {
-    decode_rows(x, M, K, w, row_bytes, type, n0, n1, 0, K, y, ldy, false, compute);
+    // decode-sized products are memory-bound: f32 costs nothing there and is the more precise
+    // (bf16 is a speed mode for prompt-sized products, where the arithmetic is the limit)
+    decode_rows(x, M, K, w, row_bytes, type, n0, n1, 0, K, y, ldy, false, QM_F32);
     return;
   }
   thread_local std::vector<uint8_t> xp;
@@ -727,6 +729,7 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     return;
   }
   if (M < kGemmMinRows) {
+    compute = QM_F32;  // decode-sized: memory-bound, f32 is free and more precise (see qgemm_tile_ex)
     // Enough rows of W per thread: split N. Otherwise also split K into block-aligned chunks
     // (own types only: their rows are plain block sequences) and add the parts in order.
     int nth_max = n_threads > 0 ? n_threads : ikj::available_cores();
