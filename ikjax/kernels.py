@@ -47,7 +47,8 @@ from pallas_kernels.mla_decode import kernel as _mla
 
 BACKENDS = ("auto", "xla", "pallas", "cpu", "interpret")
 _ALIASES = {"jnp": "xla"}
-__all__ = ["BACKENDS", "resolve_backend", "kernel_context", "prepare_weight", "quant_linear", "moe_experts",
+__all__ = ["BACKENDS", "resolve_backend", "kernel_context", "prepare_weight", "quant_linear", "head_linear",
+           "moe_experts",
            "mla_decode_supported", "mla_decode_attention", "PackedWeight", "selected"]
 
 
@@ -214,6 +215,29 @@ def quant_linear(x, w, dtype, *, backend: str | None = None):
         "cpu": Impl(_qm_cpu_supported, _qm_cpu_run),
     }
     return _dispatch("quant_linear", impls, b, x, w, dtype)
+
+
+# -- per-head products (MLA's absorbed W_kb / W_vb) ----------------------------------------------------
+
+def _heads_xla(x, w, dtype):
+    prec = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+    return jnp.einsum("...hk,hnk->...hn", x.astype(dtype), w.dequantize(dtype), precision=prec,
+                      preferred_element_type=jnp.float32)
+
+
+def _heads_cpu_supported(x, w, dtype) -> bool:
+    return _cpu_ok(w) and len(w.shape) == 3 and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+
+
+def head_linear(x, w, dtype, *, backend: str | None = None):
+    """Per-head products y[..., h, :] = x[..., h, :] @ W[h]^T: x [..., H, K], W [H, N, K] -> [..., H, N]
+    float32 (MLA's absorbed form: q_lat = W_kb q_nope and o = W_vb o_lat, head by head)."""
+    impls = {
+        "xla": Impl(lambda *a: True, _heads_xla),
+        "cpu": Impl(_heads_cpu_supported,
+                    lambda x, w, d: _qm_cpu.quant_matmul_heads(x, w, n_threads=_threads(), compute=_compute(d))),
+    }
+    return _dispatch("head_linear", impls, resolve_backend(backend), x, w, dtype)
 
 
 # -- routed experts -------------------------------------------------------------------------------

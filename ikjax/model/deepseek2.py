@@ -108,9 +108,13 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
             k_all, v_all = expand(lat[..., :r], lat[..., r:], prefer_kv_b=True)
             o = attend(q_full, k_all.astype(dtype), v_all.astype(dtype), q_pos, scale, flash=plan.fa, **attn)
         else:
-            wk, wv = head_matrices(layer, cfg, prefer_kv_b=False, dtype=dtype)
-            q_lat = jnp.einsum("bthn,hnr->bthr", q_nope.astype(dtype), wk, precision=prec,
-                               preferred_element_type=jnp.float32)
+            per_head = "k_b" in layer and "v_b" in layer  # stored per head: one op, no dequantized copy
+            if per_head:
+                q_lat = kernels.head_linear(q_nope, layer["k_b"], dtype)
+            else:
+                wk, wv = head_matrices(layer, cfg, prefer_kv_b=False, dtype=dtype)
+                q_lat = jnp.einsum("bthn,hnr->bthr", q_nope.astype(dtype), wk, precision=prec,
+                                   preferred_element_type=jnp.float32)
             q_abs = jnp.concatenate([q_lat, q_pe], -1).astype(dtype)
             flash = plan.fa and plan.mla != 2
             if flash and T == 1 and kernels.mla_decode_supported(H, plan.kv_len, cfg.latent_dim, r):
@@ -122,8 +126,11 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
                 o_lat = kernels.mla_prompt_attention(q_abs, new_cache["latent"], q_pos, scale, v_dim=r)
             else:
                 o_lat = attend(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash, **attn)
-            o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), wv, precision=prec,
-                           preferred_element_type=jnp.float32)
+            if per_head:
+                o = kernels.head_linear(o_lat, layer["v_b"], dtype)
+            else:
+                o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), wv, precision=prec,
+                               preferred_element_type=jnp.float32)
     out = linear(o.reshape(B, T, H * cfg.v_dim), layer["attn_output"], dtype)
     return out, new_cache
 

@@ -51,3 +51,26 @@ def quant_matmul(x, w, *, n_threads: int = 0, compute: str = "f32"):
                             vmap_method="expand_dims")  # vmap over x; the weight is not copied per batch
     return call(x.astype(jnp.float32), data, type=np.int64(w.qtype.type_id),
                 n_threads=np.int64(n_threads), compute=np.int64(COMPUTE[compute]))
+
+
+def quant_matmul_heads(x, w, *, n_threads: int = 0, compute: str = "f32"):
+    """One product per head: x [..., G, K] with w a QuantArray [G, N, K] -> [..., G, N] float32
+    (y[.., g] = x[.., g] · W[g]ᵀ; MLA's absorbed W_kb / W_vb products). One call for all heads."""
+    if compute not in COMPUTE:
+        raise ValueError(f"quant_matmul_heads: compute must be one of {sorted(COMPUTE)}, not {compute!r}")
+    if len(w.shape) != 3:
+        raise ValueError(f"quant_matmul_heads: weight must be 3-D [G, N, K], got shape {tuple(w.shape)}")
+    G, N, K = (int(s) for s in w.shape)
+    if x.shape[-2:] != (G, K):
+        raise ValueError(f"quant_matmul_heads: x [..., {G}, {K}] expected, got {tuple(x.shape)}")
+    if not supported(w.qtype.name):
+        raise ValueError(f"quant_matmul_heads: no C++ path for type {w.qtype.name}")
+    _cpu.register()
+    lead = x.shape[:-2]
+    M = int(np.prod(lead, dtype=np.int64))
+    xg = jnp.moveaxis(x.astype(jnp.float32).reshape(M, G, K), 1, 0)       # [G, M, K]
+    data = jnp.asarray(w.data).reshape(G, N, -1)
+    y = jax.ffi.ffi_call(TARGET + "_heads", jax.ShapeDtypeStruct((G, M, N), jnp.float32))(
+        xg, data, type=np.int64(w.qtype.type_id), n_threads=np.int64(n_threads),
+        compute=np.int64(COMPUTE[compute]))
+    return jnp.moveaxis(y, 0, 1).reshape(*lead, G, N)

@@ -2,6 +2,8 @@
 //   operands: x f32 [..., K], w u8 [N, row_bytes] (or [1, ..., N, row_bytes] under vmap)
 //   attributes: type (ggml type id), n_threads (0 = all cores), compute (QM_F32 / QM_BF16)
 //   result:   y f32 [..., N]
+#include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "quant_matmul/cpu_kernel.h"
@@ -43,3 +45,50 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulFfi, QuantMatmulImpl,
                                   .Attr<int64_t>("compute"));
 
 static ikj::FfiRegistration reg("ikjax_cpu_quant_matmul", reinterpret_cast<void*>(QuantMatmulFfi));
+
+// ikjax_cpu_quant_matmul_heads: one product per group (attention head), y[g] = x[g] · W[g]ᵀ.
+//   operands: x f32 [G, M, K], w u8 [G, N, row_bytes]; result y f32 [G, M, N]
+// MLA's absorbed form multiplies every head's query by that head's own W_kb and W_vb slice: G small
+// products in one call, threads over (head, row chunk) pairs instead of one pool dispatch per head.
+static ffi::Error QuantMatmulHeadsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                                       ffi::ResultBuffer<ffi::F32> y, int64_t type, int64_t n_threads,
+                                       int64_t compute) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 3 || wd.size() != 3 || xd[0] != wd[0])
+    return ffi::Error::InvalidArgument("quant_matmul_heads: need x [G, M, K] and w [G, N, row_bytes]");
+  const int64_t G = xd[0], M = xd[1], K = xd[2], N = wd[1], row_bytes = wd[2];
+  if (y->element_count() != G * M * N) return ffi::Error::InvalidArgument("quant_matmul_heads: bad result size");
+  if (compute != QM_F32 && compute != QM_BF16)
+    return ffi::Error::InvalidArgument("quant_matmul_heads: unknown compute mode " + std::to_string(compute));
+  if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(type)))
+    return ffi::Error::InvalidArgument("quant_matmul_heads: unsupported type id " + std::to_string(type));
+  auto tile = IKJ_DISPATCH(qgemm_tile_ex);
+  const float* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  // work items: (head, chunk of output rows); at least 4 chunks per head so both decode (M = 1)
+  // and small head counts keep every thread busy
+  const int64_t chunk = std::max<int64_t>(16, (N + 3) / 4);
+  const int64_t per_head = (N + chunk - 1) / chunk, items = G * per_head;
+  std::atomic<int64_t> next{0};
+  ikj::parallel(static_cast<int>(n_threads), [&](int, int) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t g = i / per_head, n0 = (i % per_head) * chunk, n1 = std::min(N, n0 + chunk);
+      tile(xp + g * M * K, M, K, wp + g * N * row_bytes, row_bytes, static_cast<int>(type), n0, n1,
+           yp + g * M * N, N, static_cast<int>(compute));
+    }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulHeadsFfi, QuantMatmulHeadsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("type")
+                                  .Attr<int64_t>("n_threads")
+                                  .Attr<int64_t>("compute"));
+
+static ikj::FfiRegistration reg_heads("ikjax_cpu_quant_matmul_heads", reinterpret_cast<void*>(QuantMatmulHeadsFfi));
