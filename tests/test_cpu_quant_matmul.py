@@ -146,3 +146,28 @@ def test_issue_types_all_supported():
     """Issue 9's fast-path list: every type has a C++ path (legacy here, the rest in cpu_kernel_kquants.cc)."""
     missing = [t for t in LEGACY + KQUANTS if not cpu.supported(t)]
     assert not missing
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q6_K", "IQ4_K"])
+def test_heads_product(name, monkeypatch):
+    """quant_matmul_heads (MLA's per-head W_kb / W_vb products, one call for all heads) against the
+    einsum of the dequantized heads, f32 and bf16, 1 and 2 threads, odd head counts and row counts."""
+    rng = np.random.default_rng(7)
+
+    def heads(shape):  # [H, N, K] built from _weights' valid rows
+        qa = _weights(name, shape[0] * shape[1], shape[2], rng)
+        return QuantArray(qa.data.reshape(shape[0], shape[1], -1), qa.qtype, shape)
+    K = 256
+    for H, N, lead in ((1, 37, (1,)), (3, 64, (2, 5)), (16, 128, (1, 1))):
+        w = heads((H, N, K))
+        x = jnp.asarray(rng.standard_normal((*lead, H, K)), jnp.float32)
+        ref = np.asarray(jnp.einsum("...hk,hnk->...hn", x, w.dequantize(jnp.float32), precision="highest"))
+        for nt in (1, 2):
+            got = np.asarray(cpu.quant_matmul_heads(x, w, n_threads=nt))
+            assert got.shape == ref.shape
+            assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (name, H, N, lead, nt)
+        got16 = np.asarray(cpu.quant_matmul_heads(x.reshape(-1, H, K), w, compute="bf16"))
+        err = np.linalg.norm(got16 - ref.reshape(-1, H, N)) / np.linalg.norm(ref)
+        assert err < 1e-2
+    with pytest.raises(ValueError, match="3-D"):
+        cpu.quant_matmul_heads(x, _weights(name, N, K, rng))
