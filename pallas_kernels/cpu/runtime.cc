@@ -34,6 +34,15 @@ int available_cores() {
 
 namespace {
 
+// Pause iterations a worker spins before sleeping (IKJAX_SPIN overrides; read once).
+int spin_limit() {
+  static const int n = [] {
+    const char* e = std::getenv("IKJAX_SPIN");
+    return e && *e ? std::atoi(e) : 20000;
+  }();
+  return n;
+}
+
 // One job at a time (a mutex serializes callers from concurrent XLA threads); workers wait for a
 // new generation number, spinning ~50 us first because a decode step calls back within
 // microseconds, then sleeping on a condition variable so an idle process burns no CPU.
@@ -79,7 +88,7 @@ class Pool {
     for (;;) {
       uint64_t g;
       int spins = 0;
-      while ((g = gen_.load(std::memory_order_acquire)) == seen && spins < 20000) {
+      while ((g = gen_.load(std::memory_order_acquire)) == seen && spins < spin_limit()) {
         IKJ_PAUSE();
         ++spins;
       }
