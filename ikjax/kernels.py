@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ikjax.errors import OptionError
+from ikjax.host_weights import is_host_resident
 from ikjax.quant.array import QuantArray
 from pallas_kernels import cpu as _cpu
 from pallas_kernels.quant_matmul import packing as _qm_packing
@@ -287,9 +288,31 @@ def _moe_cpu(x, weights, ids, gate, up, down, dtype, fused=True):
     return moe_cpu.moe_experts(x, weights, ids, gate, up, down, n_threads=_threads(), compute=_compute(dtype))
 
 
+def _moe_host(x, weights, ids, gate, up, down, dtype):
+    """Experts kept in host RAM next to a GPU (HostQuantArray): the host CPU computes them from the
+    GPU step (pallas_kernels/moe_matmul/host.py), whatever the backend override says — no other
+    implementation may read them (each would copy the whole tensors to the device). Used for every
+    batch size: ik streams the experts to the GPU from `32 * n_expert / n_expert_used` tokens
+    (issue 10, deliverable 4), which is not built yet, so big prompt batches run here too — correct,
+    at the host's speed."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    if jax.default_backend() != "gpu":
+        raise OptionError(f"ot: routed experts in host memory next to an accelerator need a CUDA GPU, "
+                          f"the backend is {jax.default_backend()}")
+    if not moe_host.supported(gate, up, down):
+        why = moe_host.unavailable_reason() or (f"no host path for {gate.qtype.name}/{up.qtype.name}/"
+                                                f"{down.qtype.name} experts of shape {tuple(gate.shape)}")
+        raise OptionError(f"ot: routed experts in host memory: {why}")
+    _ran("moe_experts", "host")
+    return moe_host.moe_experts(x, weights, ids, gate, up, down, n_threads=_threads(), compute=_compute(dtype))
+
+
 def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, backend: str | None = None):
     """Routed experts of N tokens: sum_j weights[n,j] * down_e(silu(gate_e x) * up_e x), e = ids[n,j].
-    The kernels always fuse gate and up; `fused` only changes the XLA form (ik's -fmoe)."""
+    The kernels always fuse gate and up; `fused` only changes the XLA form (ik's -fmoe).
+    Host-resident experts (`-ot exps=CPU` next to a GPU) always take the `host` implementation."""
+    if any(is_host_resident(t) for t in (gate, up, down)):
+        return _moe_host(x, weights, ids, gate, up, down, dtype)
     impls = {
         "xla": Impl(lambda *a: True, _moe_xla),
         "pallas": Impl(_moe_pallas_supported, _moe_pallas(False)),

@@ -196,9 +196,9 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
 
 
 def check_fits(plan: MemoryPlan, options: RunOptions, source: str, what: str = "") -> None:
-    """Refuse, before loading or before a step runs, what cannot run here: -ot host placement on an
-    accelerator (not implemented yet), a plan larger than the accelerator's memory, and on CPU a
-    peak larger than what this process holds plus what the machine still has free."""
+    """Refuse, before loading or before a step runs, what cannot run here: a plan larger than the
+    accelerator's memory, and on CPU a peak larger than what this process holds plus what the
+    machine still has free."""
     backend = jax.default_backend()
     if backend == "cpu":
         avail, src = available_memory()
@@ -216,10 +216,8 @@ def check_fits(plan: MemoryPlan, options: RunOptions, source: str, what: str = "
                 f"this process holds {held / MIB:.0f} MiB and {avail / MIB:.0f} MiB more are available ({src}) "
                 f"(lower -ub{' or -c, use -ctk q8_0' if options.ctk != 'q8_0' else ' or -c'}, or a smaller model)")
         return
-    if plan.host_weights_bytes:
-        raise OptionError(f"ot: keeping tensors in host memory on {backend} is not implemented yet "
-                          f"({plan.host_weights_bytes / MIB:.2f} MiB placed on the host by -ot, --cpu-moe, "
-                          f"--n-cpu-moe or -ngl)")
+    # host-placed tensors next to an accelerator: routed experts run from host memory, anything
+    # else is refused by the loader (weights.placer_for) before a tensor is read
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if limit and plan.device_bytes > limit:

@@ -17,7 +17,8 @@ from ikjax import kernels
 from ikjax.errors import ModelFileError, OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
-from ikjax.placement import Placement
+from ikjax.host_weights import HostQuantArray
+from ikjax.placement import Placement, is_routed_expert
 from ikjax.quant.array import QuantArray
 from ikjax.quant.dequant import supports
 from ikjax.quant.types import UnsupportedQuantType
@@ -153,19 +154,29 @@ def placer_for(placement: Placement) -> Placer:
     """Put each tensor where the Placement says. On a CPU-only machine (`placement.unified`) every
     place is the one CPU device and `device_put` of the mmapped blocks is zero-copy, so host- and
     device-placed tensors both stay in the file's pages. On an accelerator, device-placed tensors go
-    to their device; host-resident weights next to an accelerator are not implemented yet and are
-    refused here (the engine refuses them before loading, through the memory plan)."""
+    to their device; host-placed routed experts (`ffn_*_exps`) stay the memory map's bytes (returned
+    as they are: no copy in RAM, nothing on the device), computed by the host-experts custom call.
+    Any other host-placed tensor next to an accelerator is refused here, before anything loads."""
     if placement.unified:
         return default_placer
+    host = [t for t in placement.tensors if t.on_host]
+    for t in host:
+        if not is_routed_expert(t.name):
+            raise OptionError(f"ot: {t.name} is placed in host memory ({t.rule}); next to an accelerator only "
+                              f"routed experts (ffn_*_exps) can stay in host memory so far")
+    if host:
+        from pallas_kernels.moe_matmul import host as _host_moe
+        if not _host_moe.available():
+            raise OptionError(f"ot: {host[0].name} is placed in host memory ({host[0].rule}), but "
+                              f"{_host_moe.unavailable_reason()}")
     accel = [d for d in jax.devices() if d.platform != "cpu"]
     by_label = dict(zip(placement.devices, accel))
 
-    def place(name: str, host: np.ndarray) -> jax.Array:
+    def place(name: str, data: np.ndarray):
         t = placement[name]
         if t.on_host:
-            raise OptionError(f"ot: {name} is placed in host memory ({t.rule}); keeping tensors in host memory "
-                              f"next to an accelerator is not implemented yet")
-        return jax.device_put(host, by_label[t.device])
+            return data
+        return jax.device_put(data, by_label[t.device])
     return place
 
 
@@ -179,6 +190,7 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
         place = placer_for(placement) if placement is not None else default_placer
     validate(gf, cfg)
     repack = kernels.needs_repack()
+    hybrid = placement is not None and not placement.unified
 
     def load(spec: TensorSpec):
         info = gf.tensors.get(spec.gguf_name)
@@ -189,7 +201,10 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
             host = QuantArray.from_bytes(raw, info.qtype, info.shape).dequantize(jnp.float32)
             return place(spec.gguf_name, np.asarray(host))
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
-        return QuantArray(place(spec.gguf_name, qa.data), qa.qtype, qa.shape)
+        data = place(spec.gguf_name, qa.data)
+        if hybrid and placement[spec.gguf_name].on_host:  # the memory map's bytes, left there (placer_for)
+            return HostQuantArray(data, qa.qtype, qa.shape)
+        return QuantArray(data, qa.qtype, qa.shape)
 
     def for_kernels(tensors: dict) -> dict:
         if not repack:

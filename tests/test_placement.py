@@ -151,13 +151,29 @@ def test_gpu_target_on_a_cpu_only_machine_is_the_cpu_with_a_note(model4):
     assert _place(model4, devices=CPU_ONLY, ot="exps=CPU").notes == ()
 
 
-def test_accelerator_loader_refuses_host_resident_tensors(model4):
-    """Next to an accelerator, host-resident weights are not implemented yet: the loader refuses
-    them (naming the tensor and the rule) instead of putting them on the device."""
+def test_accelerator_loader_refuses_host_resident_non_experts(model4):
+    """Next to an accelerator only routed experts run from host memory: any other host-placed
+    tensor is refused (naming the tensor and the rule) before a tensor is loaded."""
     from ikjax.weights import placer_for
+    p = _place(model4, devices=ONE_GPU, ot=r"blk\.1\.attn=CPU")
+    with pytest.raises(OptionError, match=r"^ot: blk\.1\.attn_\w+\.weight is placed in host memory "
+                                          r"\(-ot blk\\.1\\.attn=CPU\); next to an accelerator only routed experts"):
+        placer_for(p)
+
+
+def test_accelerator_loader_keeps_host_experts_in_place(model4):
+    """Host-placed routed experts stay the memory map's bytes (the very array, no copy) where the
+    CUDA host-experts handler is built; without it the loader says how to build it."""
+    from ikjax.weights import placer_for
+    from pallas_kernels.moe_matmul import host as host_moe
     p = _place(model4, devices=ONE_GPU, ot="exps=CPU")
-    with pytest.raises(OptionError, match=r"^ot: blk\.1\.ffn_up_exps\.weight is placed in host memory \(-ot exps=CPU\)"):
-        placer_for(p)("blk.1.ffn_up_exps.weight", np.zeros(4, np.float32))
+    if not host_moe.available():
+        with pytest.raises(OptionError, match=r"^ot: blk\.\d+\.ffn_\w+_exps\.weight is placed in host memory "
+                                              r"\(-ot exps=CPU\), but the CUDA host-experts handler is not built"):
+            placer_for(p)
+        return
+    data = np.zeros(64, np.uint8)
+    assert placer_for(p)("blk.1.ffn_up_exps.weight", data) is data
 
 
 def test_load_refuses_an_absent_device_in_one_line(tiny_model):

@@ -1,0 +1,205 @@
+"""Routed experts in host RAM next to one GPU (issue 10, deliverable 3): the mechanism's cost and
+decode speed, in one run on the device.
+
+    PYTHONPATH=$PWD python bench/hybrid_gpu.py --out $OUT [--layers 8] [--threads 16] [--skip-gpu]
+
+1. Mechanism: a GPU-jitted chain of 58 host-expert custom calls (D2H of x/weights/ids, the CPU
+   kernel from cudaLaunchHostFunc, H2D of the result) whose routing weights are all 0, so the CPU
+   kernel reads no expert (a MoE layer with 0 work), against the same chain with the experts on
+   the GPU (the all-GPU layer with the same zero work, through `kernels.moe_experts`).
+2. Model: `make-model --preset r1 --layers L --type Q4_0`; decode steps from an empty cache
+   (N_KV ~0, like sweep-bench's first TG row), `-mla 3 -fa 1 -c 4096`, each step waits for its
+   logits; with `-ot exps=CPU -t T` and all on the GPU. One MoE layer's host experts timed alone
+   (the same custom call, N = 1, real routing vs zero weights) say where a hybrid step's time goes.
+Results: stdout and $OUT/hybrid_gpu.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ikjax  # noqa: F401  (first: it sets XLA flags before the backend starts)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LINES: list[str] = []
+OUT = Path(os.environ.get("OUT", "."))
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+    (OUT / "hybrid_gpu.md").write_text("\n".join(LINES) + "\n")
+
+
+def best_of(f, reps: int, rounds: int = 5) -> float:
+    """Seconds per call: best round of `reps` back-to-back calls, each round waited for."""
+    f().block_until_ready()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = f()
+        out.block_until_ready()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def mechanism(threads: int) -> None:
+    from ikjax import kernels
+    from ikjax.host_weights import HostQuantArray
+    from ikjax.quant.array import QuantArray
+    from ikjax.quant.types import by_name
+    q = by_name("Q8_0")
+    E, F, d, k, L = 16, 256, 7168, 8, 58
+    g = HostQuantArray(np.zeros((E, F, q.row_bytes(d)), np.uint8), q, (E, F, d))
+    dn = HostQuantArray(np.zeros((E, d, q.row_bytes(F)), np.uint8), q, (E, d, F))
+    gd = QuantArray(jnp.asarray(g.data), q, g.shape)
+    dd = QuantArray(jnp.asarray(dn.data), q, dn.shape)
+    w0 = jnp.zeros((1, k), jnp.float32)
+    ids = jnp.tile(jnp.arange(k, dtype=jnp.int32)[None], (1, 1))
+    x0 = jnp.ones((1, d), jnp.float32)
+
+    def chain(gate, down):
+        @jax.jit
+        def f(x):
+            with kernels.kernel_context(threads=threads):  # read while tracing
+                for _ in range(L):
+                    x = x + kernels.moe_experts(x, w0, ids, gate, gate, down, jnp.float32)
+            return x
+        return f
+    host = chain(g, dn)
+    dev = chain(kernels.prepare_weight(gd), kernels.prepare_weight(dd))
+    t_host = best_of(lambda: host(x0), 20)
+    t_dev = best_of(lambda: dev(x0), 20)
+    say("## 1. The mechanism: a MoE layer with 0 work, 58 in one jitted GPU function")
+    say("")
+    say("| experts | per layer | 58 layers |")
+    say("|---|---:|---:|")
+    say(f"| host (custom call: D2H x/w/ids, CPU kernel via cudaLaunchHostFunc, H2D out) | "
+        f"{t_host / L * 1e6:.1f} us | {t_host * 1e3:.2f} ms |")
+    say(f"| GPU (`kernels.moe_experts` on device-resident experts) | {t_dev / L * 1e6:.1f} us | {t_dev * 1e3:.2f} ms |")
+    say(f"| overhead of the host round trip | {(t_host - t_dev) / L * 1e6:.1f} us | {(t_host - t_dev) * 1e3:.2f} ms |")
+    say("")
+
+
+def decode_tps(eng, n: int) -> tuple[float, float]:
+    rng = np.random.default_rng(0)
+    V = eng.config.vocab_size
+    cache = eng.new_cache(1)
+    t0 = time.perf_counter()
+    out, cache = eng.step(cache, rng.integers(0, V, (1, 1)), np.array([0]))
+    out.block_until_ready()
+    first = time.perf_counter() - t0  # compile + first step
+    for i in range(1, 4):
+        out, cache = eng.step(cache, rng.integers(0, V, (1, 1)), np.array([i]))
+        out.block_until_ready()
+    t0 = time.perf_counter()
+    for i in range(4, 4 + n):
+        out, cache = eng.step(cache, rng.integers(0, V, (1, 1)), np.array([i]))
+        out.block_until_ready()
+    return n / (time.perf_counter() - t0), first
+
+
+def device_bytes_in_use() -> tuple[float, float]:
+    s = jax.devices()[0].memory_stats() or {}
+    return s.get("bytes_in_use", 0) / 2**30, s.get("peak_bytes_in_use", 0) / 2**30
+
+
+def one_layer_host(eng, threads: int) -> tuple[float, float]:
+    """ms of one MoE layer's host experts at N = 1 (8 random experts) and with zero weights."""
+    from ikjax import kernels
+    cfg = eng.config
+    lay = next(l for l in eng.weights["layers"] if "gate_exps" in l)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, lay["gate_exps"].shape[2])), jnp.float32)
+    k = cfg.n_expert_used
+    out = {}
+    for name, w in (("work", jnp.full((1, k), 1.0 / k, jnp.float32)), ("zero", jnp.zeros((1, k), jnp.float32))):
+        rngs = [jnp.asarray(np.random.default_rng(s).choice(cfg.n_expert, k, replace=False)[None].astype(np.int32))
+                for s in range(16)]
+        @jax.jit
+        def f(x, w, ids):
+            with kernels.kernel_context(threads=threads):
+                return kernels.moe_experts(x, w, ids, lay["gate_exps"], lay["up_exps"], lay["down_exps"],
+                                           jnp.bfloat16)
+        f(x, w, rngs[0]).block_until_ready()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for ids in rngs:  # fresh experts each call: read from DRAM, not a warm cache
+                r = f(x, w, ids)
+            r.block_until_ready()
+            best = min(best, (time.perf_counter() - t0) / len(rngs))
+        out[name] = best * 1e3
+    return out["work"], out["zero"]
+
+
+def model_runs(layers: int, threads: int, n: int, skip_gpu: bool, path: Path) -> None:
+    from ikjax.synthetic import make_model
+    if not path.exists():
+        t0 = time.perf_counter()
+        make_model(path, "r1", "Q4_0", layers=layers)
+        say(f"made {path.name} ({path.stat().st_size / 2**30:.1f} GiB) in {time.perf_counter() - t0:.0f} s")
+    opts = dict(mla=3, fa=True, ctx=4096, ubatch=512, ctk="f16")
+    say(f"## 2. Decode, `make-model --preset r1 --layers {layers} --type Q4_0`, "
+        f"`-mla 3 -fa 1 -c 4096 -ctk f16`, steps from N_KV 0, {n} timed")
+    say("")
+    say("| run | load s | first step s (compile) | TG t/s | GPU GiB in use | plan: GPU weights GiB | plan: host weights GiB |")
+    say("|---|---:|---:|---:|---:|---:|---:|")
+    runs = [("-ot exps=CPU -t %d" % threads, dict(ot="exps=CPU", t=threads))]
+    if not skip_gpu:
+        runs.append(("all on the GPU", {}))
+    for label, extra in runs:
+        t0 = time.perf_counter()
+        eng = ikjax.load(path, **opts, **extra)
+        load_s = time.perf_counter() - t0
+        tps, first = decode_tps(eng, n)
+        used, _ = device_bytes_in_use()
+        plan = eng.memory_plan()
+        say(f"| {label} | {load_s:.1f} | {first:.1f} | {tps:.1f} | {used:.2f} | "
+            f"{(plan.weights_bytes - plan.host_weights_bytes) / 2**30:.2f} | {plan.host_weights_bytes / 2**30:.2f} |")
+        if "ot" in extra:
+            work, zero = one_layer_host(eng, threads)
+            n_moe = sum(1 for l in eng.weights["layers"] if "gate_exps" in l)
+            say("")
+            say(f"one MoE layer's host experts alone (one custom call, N = 1, {eng.config.n_expert_used} of "
+                f"{eng.config.n_expert} experts, fresh ids each call, -t {threads}): {work:.2f} ms; the same call "
+                f"with zero weights (no expert read): {zero:.3f} ms; x {n_moe} MoE layers = {work * n_moe:.1f} ms "
+                f"of a {1e3 / tps:.1f} ms step")
+            say("")
+        del eng
+        gc.collect()
+        jax.clear_caches()
+    say("")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--model", default="/tmp/r1-L{layers}-Q4_0.gguf")
+    ap.add_argument("--skip-gpu", action="store_true", help="no all-GPU run (it loads the whole file on the GPU)")
+    ap.add_argument("--skip-model", action="store_true")
+    args = ap.parse_args()
+    global OUT
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    say(f"# Hybrid decode: {jax.devices()[0].device_kind}, {os.cpu_count()} host cores, jax {jax.__version__}")
+    say("")
+    mechanism(args.threads)
+    if not args.skip_model:
+        model_runs(args.layers, args.threads, args.steps, args.skip_gpu,
+                   Path(args.model.format(layers=args.layers)))
+
+
+if __name__ == "__main__":
+    main()

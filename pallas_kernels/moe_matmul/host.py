@@ -1,0 +1,103 @@
+"""Routed experts that live in host RAM, computed by the host CPU from inside a GPU step.
+
+The FFI target `ikjax_host_moe_experts` (cuda_host.cc, platform "CUDA") is enqueued on XLA's
+stream: it copies x, the routing weights and the expert ids to pinned host memory, runs the C++
+fused-experts kernel (cpu_kernel.cc, the same function as `reference.moe_experts_ref`) on its own
+thread pool from a `cudaLaunchHostFunc` callback, and copies the [N, d] result back. Only
+activations, ids and weights cross PCIe; the expert tensors stay where the GGUF file's memory map
+has them, never copied to the device nor duplicated in RAM.
+
+Expert tensors are duck-typed QuantArray-likes whose `.data` is a host NumPy array (the memory
+map's bytes, C-contiguous) with `.qtype.type_id` and `.shape`; their addresses go into the compiled
+step as attributes, so the caller keeps those arrays alive as long as the step (the engine's
+weight tree does). Built only with `-DIKJAX_BUILD_CUDA=ON` (pallas_kernels/CMakeLists.txt).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "ikjax_host_moe_experts"
+COMPUTE = {"f32": 0, "bf16": 1}  # quant_matmul/cpu_kernel.h QmCompute
+
+_IMPORT_ERROR: str | None = None
+try:
+    from pallas_kernels import _cuda_host  # built with -DIKJAX_BUILD_CUDA=ON only
+except ImportError as e:
+    _cuda_host = None
+    _IMPORT_ERROR = str(e)
+
+
+def available() -> bool:
+    return _cuda_host is not None
+
+
+def unavailable_reason() -> str:
+    return ("" if _cuda_host is not None else
+            f"the CUDA host-experts handler is not built ({_IMPORT_ERROR}); build it on a CUDA machine with "
+            f"`pip install --no-build-isolation -e . -Ccmake.define.IKJAX_BUILD_CUDA=ON`")
+
+
+@functools.cache
+def register() -> None:
+    if _cuda_host is None:
+        raise RuntimeError(unavailable_reason())
+    for name, capsule in _cuda_host.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+def is_host_array(a) -> bool:
+    """A host NumPy array (e.g. a memory map's bytes): what this op reads in place."""
+    return isinstance(a, np.ndarray)
+
+
+def _host_bytes(t, rows: int, what: str) -> np.ndarray:
+    data = t.data
+    if not is_host_array(data) or not data.flags.c_contiguous or data.dtype != np.uint8:
+        raise ValueError(f"moe_experts (host): {what} must be C-contiguous uint8 host bytes, got "
+                         f"{type(data).__name__} {getattr(data, 'dtype', '')}")
+    E = t.shape[0]
+    if data.size % (E * rows):
+        raise ValueError(f"moe_experts (host): {what} holds {data.size} bytes, not {E} x {rows} rows")
+    return data
+
+
+def supported(gate, up, down) -> bool:
+    """This path takes these experts: built, host NumPy bytes, [E, F, d] / [E, d, F], types the
+    C++ core supports."""
+    if _cuda_host is None or any(len(t.shape) != 3 or not is_host_array(t.data) for t in (gate, up, down)):
+        return False
+    E, F, d = gate.shape
+    if tuple(up.shape) != (E, F, d) or tuple(down.shape) != (E, d, F):
+        return False
+    return all(_cuda_host.quant_type_supported(int(t.qtype.type_id)) for t in (gate, up, down))
+
+
+def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0, compute: str = "f32"):
+    """x [N, d] float (on the GPU), weights [N, k], ids [N, k] in [0, E), gate/up [E, F, d] and
+    down [E, d, F] host-resident QuantArray-likes -> [N, d] float32 on the GPU. n_threads: the host
+    threads (-t / -tb; 0 = every core). compute as `cpu.moe_experts`."""
+    if compute not in COMPUTE:
+        raise ValueError(f"moe_experts (host): compute must be one of {sorted(COMPUTE)}, not {compute!r}")
+    if not supported(gate, up, down):
+        raise ValueError(f"moe_experts (host): no host path for gate {gate.qtype.name} {tuple(gate.shape)}, "
+                         f"up {up.qtype.name} {tuple(up.shape)}, down {down.qtype.name} {tuple(down.shape)}"
+                         + (f" ({unavailable_reason()})" if _cuda_host is None else ""))
+    E, F, d = gate.shape
+    if x.ndim != 2 or x.shape[1] != d or weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_experts (host): x {x.shape}, weights {weights.shape}, ids {ids.shape} "
+                         f"do not fit experts of d={d}")
+    g, u, dn = _host_bytes(gate, E * F, "gate"), _host_bytes(up, E * F, "up"), _host_bytes(down, E * d, "down")
+    register()
+    out = jax.ShapeDtypeStruct((x.shape[0], d), jnp.float32)
+    i64 = np.int64
+    return jax.ffi.ffi_call(TARGET, out)(
+        x.astype(jnp.float32), weights.astype(jnp.float32), ids.astype(jnp.int32),
+        gate_ptr=i64(g.ctypes.data), up_ptr=i64(u.ctypes.data), down_ptr=i64(dn.ctypes.data),
+        gate_row_bytes=i64(g.size // (E * F)), up_row_bytes=i64(u.size // (E * F)),
+        down_row_bytes=i64(dn.size // (E * d)),
+        gate_type=i64(gate.qtype.type_id), up_type=i64(up.qtype.type_id), down_type=i64(down.qtype.type_id),
+        n_expert=i64(E), n_ff=i64(F), n_threads=i64(n_threads), compute=i64(COMPUTE[compute]))
