@@ -5,6 +5,15 @@ block) x thread counts x instruction-set levels (IKJAX_CPU_ISA). The full cross 
 minutes on 2 cores, so each type runs a fixed sample of it that still touches every M, N, K, thread
 count and level (decode engine for M < 4, packed-panel engine above; partial panels from odd N; the
 K-split decode path from N = 1).
+
+compute="bf16" is the fast mode: bf16 products for prompt-sized calls (M >= 4, against the bf16
+reference at 2e-3) and, at the avx512 level (VNNI) for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL,
+8-bit activations for decode-sized ones (M < 4): x quantized per block of 32 (dx = max|x| / 127,
+round to nearest even) and int8 dot products. Those are checked twice: against the f32 reference of
+the 8-bit-rounded x (`_x8`: the same function, so 1e-5), and against the f32 reference of x itself
+with the mode's stated tolerance X8_TOL = 1e-2 of sum_k |x||w| per element (measured on these
+Gaussian activations: <= 3e-3 at K = 32..96, ~5e-4 at K = 2048; norm-relative ~0.5-0.8 %). Other
+levels and types compute decode in f32 in that mode (1e-5).
 """
 from __future__ import annotations
 
@@ -30,6 +39,21 @@ LEGACY = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_K", "IQ4_KS", "IQ2_K", "IQ3_K", "IQ5_K", "IQ6_K"]
 ISAS = ["generic", "avx2", "avx512"]
 MS, NS, THREADS = (1, 3, 17, 512), (1, 7, 37, 300), (1, 2)
+X8_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}  # the int8 decode's types (cpu_kernel.cc)
+X8_TOL = 1e-2
+
+
+def _x8(x):
+    """x as the int8 decode sees it: blocks of 32 scaled by 127 / max|x| in float32, rounded to
+    nearest even, times max|x| / 127."""
+    x = np.asarray(x, np.float32)
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(b * iscale)
+    assert np.abs(q).max() <= 127
+    return jnp.asarray((q * (amax / np.float32(127))).astype(np.float32).reshape(x.shape))
 
 
 def _weights(name: str, N: int, K: int, rng) -> QuantArray:
@@ -75,15 +99,21 @@ def _check(name, M, N, K, n_threads, isa, compute="f32", monkeypatch=None):
     x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
     monkeypatch.setenv("IKJAX_CPU_ISA", isa)
     got = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute=compute))
-    # bf16 is a prompt-sized mode: fewer than 4 rows (decode) are computed in f32 by design
+    # bf16 mode: bf16 products for prompt-sized calls; decode-sized ones (fewer than 4 rows) take
+    # 8-bit activations where the level and type have the int8 path, f32 elsewhere (module doc)
+    x8 = compute == "bf16" and M < 4 and _cpu.isa() == "avx512" and name in X8_TYPES
     ref_dtype = jnp.float32 if compute == "f32" or M < 4 else jnp.bfloat16
-    ref = np.asarray(quant_matmul_ref(x, w, ref_dtype))
+    ref = np.asarray(quant_matmul_ref(_x8(x) if x8 else x, w, ref_dtype))
     assert got.shape == (M, N)
     # error relative to sum_k |x||w| (what rounding scales with; a cancelling sum can be ~0)
     scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(w.dequantize(jnp.float32))).T
     err = (np.abs(got - ref) / (scale + 1e-30)).max()
     tol = 1e-5 if ref_dtype == jnp.float32 else 2e-3
     assert np.isfinite(got).all() and err < tol, (name, M, N, K, n_threads, isa, compute, err)
+    if x8:  # the mode's tolerance against the f32 function of x itself
+        ref32 = np.asarray(quant_matmul_ref(x, w, jnp.float32))
+        err32 = (np.abs(got - ref32) / (scale + 1e-30)).max()
+        assert 1e-6 < err32 < X8_TOL, (name, M, N, K, n_threads, isa, err32)
 
 
 @pytest.mark.parametrize("name", LEGACY)
@@ -100,12 +130,18 @@ def test_kquant_types(name, monkeypatch):
         _check(name, M, N, K, nt, isa, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "IQ4_NL", "F16"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "F16", "Q6_K"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_compute(name, isa, monkeypatch):
-    """compute='bf16' (x and W rounded to bf16, f32 accumulation) against the bf16 reference."""
-    for M, N, K in [(1, 37, 256), (3, 7, 2048), (17, 300, 256), (512, 37, 256)]:
-        _check(name, M, N, K, 2, isa, compute="bf16", monkeypatch=monkeypatch)
+    """compute='bf16': prompt-sized products (x and W rounded to bf16, f32 accumulation) against the
+    bf16 reference; decode-sized ones against the 8-bit-activation function (int8 types at avx512)
+    or f32. Odd block counts (K = 96, 224: the int8 path's one-block tail) and the K-split decode
+    (N = 1, K = 4096, 2 threads)."""
+    for M, N, K, nt in [(1, 37, 256, 2), (3, 7, 2048, 2), (2, 300, 224, 1), (1, 64, 96, 2), (1, 1, 4096, 2),
+                        (2, 1, 8192, 1), (17, 300, 256, 2), (512, 37, 256, 2)]:
+        if K % by_name(name).block_elems:
+            continue
+        _check(name, M, N, K, nt, isa, compute="bf16", monkeypatch=monkeypatch)
 
 
 def test_k_split_decode_and_threads_agree(monkeypatch):

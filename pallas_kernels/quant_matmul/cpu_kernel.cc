@@ -403,6 +403,224 @@ bool try_decode_fused(const float* x, int64_t M, int64_t ldx, int64_t Kc, const 
 }
 #endif
 
+// ---- int8-activation decode (compute = bf16, fewer than kGemmMinRows rows) ---------------------
+//
+// As ik_llama.cpp does for token generation: each x row is quantized once per call to 8-bit blocks
+// of 32 (dx = max|x| / 127, round to nearest), and each weight block's dot with it is an int32 sum
+// from AVX-512 VNNI's vpdpbusd (u8 x s8 -> i32, 4 products per lane). The weights become unsigned
+// bytes by an offset (Q8_0 and IQ4_NL: +128, Q4_0: the stored nibble = value + 8, Q5_0: + 16), whose
+// contribution offset * sum(x) is removed exactly by starting each lane's int32 sum at
+// -offset * (sum of the 4 x values it covers); Q4_1 / Q5_1 (d * q + m) add m * dx * sum(x) per block
+// in float. Per block the int sum is scaled by dw * dx in float and accumulated. The f32 fused
+// decode is compute-bound (convert, multiply and FMA per 16 weights; ~14 GB/s of Q8_0 per Zen 4
+// core); this reads the weights at the memory's speed. The error is x's 8-bit rounding: ~0.3 % of
+// |x|·|w| for Gaussian activations (tests/test_cpu_quant_matmul.py states the tolerance).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define IKJ_HAVE_Q8DOT 1
+
+// The offset that makes a type's weight values unsigned bytes; -1: no int8 path for the type.
+constexpr int q8_offset(int type) {
+  return type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL ? 128
+       : type == ikj::T_Q4_0 ? 8
+       : type == ikj::T_Q5_0 ? 16
+       : type == ikj::T_Q4_1 || type == ikj::T_Q5_1 ? 0
+       : -1;
+}
+
+// x [M, K] quantized for one weight type (the start values depend on its offset).
+struct XQ8 {
+  int64_t nb = 0;               // blocks per row
+  std::vector<int8_t> q;        // [M][nb * 32]
+  std::vector<float> d;         // [M][nb] dx
+  std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum)
+  std::vector<int32_t> corr;    // [M][nb * 8] -offset * (sum of q[4i .. 4i + 3]): vpdpbusd's start values
+};
+
+void quantize_x8(const float* x, int64_t M, int64_t K, int offset, XQ8& o) {
+  const int64_t nb = K / 32;
+  o.nb = nb;
+  if (static_cast<int64_t>(o.q.size()) < M * nb * 32) o.q.resize(M * nb * 32);
+  if (static_cast<int64_t>(o.d.size()) < M * nb) o.d.resize(M * nb), o.ds.resize(M * nb);
+  if (static_cast<int64_t>(o.corr.size()) < M * nb * 8) o.corr.resize(M * nb * 8);
+  const __m256i ones = _mm256_set1_epi8(1), moff = _mm256_set1_epi32(-offset);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * 32;  // rows are contiguous: block i of the flattened [M, K]
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+    const __m256i qb = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q.data() + i * 32), qb);
+    const __m256i s4 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, qb);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.corr.data() + i * 8), _mm256_mullo_epi32(s4, moff));
+    const float d = amax / 127.f;
+    o.d[i] = d;
+    o.ds[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+}
+
+template <int type>
+constexpr int q8_qoff() {
+  return type == ikj::T_Q8_0 ? 2 : type == ikj::T_Q4_1 ? 4 : type == ikj::T_Q5_0 ? 6 : type == ikj::T_Q5_1 ? 8 : 2;
+}
+
+inline __m512i iq4nl_table512() {
+  return _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
+                                              (char)166, (char)181, (char)197, (char)217, (char)241));  // kIq4nl + 128
+}
+
+// Two consecutive blocks (at b and b + bs) as 64 unsigned bytes: value j of the first in byte j, of
+// the second in byte 32 + j (x's order).
+template <int type, int bs>
+inline __m512i wblocks2(const uint8_t* b) {
+  constexpr int qoff = q8_qoff<type>();
+  if constexpr (type == ikj::T_Q8_0) {
+    const __m512i v = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + qoff))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + bs + qoff)), 1);
+    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    // [q0 q0 q1 q1] (16-byte lanes); lanes 1 and 3 shifted by 4: low nibbles then high nibbles
+    __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qoff)));
+    z = _mm512_mask_broadcast_i32x4(z, 0xff00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + bs + qoff)));
+    __m512i v = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0x0f));
+    if constexpr (type == ikj::T_IQ4_NL) v = _mm512_shuffle_epi8(iq4nl_table512(), v);
+    if constexpr (type == ikj::T_Q5_0 || type == ikj::T_Q5_1) {
+      const uint64_t qh = load_u32(b + qoff - 4) | static_cast<uint64_t>(load_u32(b + bs + qoff - 4)) << 32;
+      v = _mm512_mask_add_epi8(v, _cvtu64_mask64(qh), v, _mm512_set1_epi8(16));
+    }
+    return v;
+  }
+}
+
+// One block as 32 unsigned bytes (the tail of a row).
+template <int type>
+inline __m256i wblock1(const uint8_t* b) {
+  constexpr int qoff = q8_qoff<type>();
+  if constexpr (type == ikj::T_Q8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + qoff)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qoff));
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
+    if constexpr (type == ikj::T_IQ4_NL) v = _mm256_shuffle_epi8(_mm512_castsi512_si256(iq4nl_table512()), v);
+    if constexpr (type == ikj::T_Q5_0 || type == ikj::T_Q5_1)
+      v = _mm256_mask_add_epi8(v, _cvtu32_mask32(load_u32(b + qoff - 4)), v, _mm256_set1_epi8(16));
+    return v;
+  }
+}
+
+// Four f16 fields at p, p + bs, p + 2 bs, p + 3 bs as floats.
+template <int bs>
+inline __m128 f16x4(const uint8_t* p) {
+  const uint64_t v = static_cast<uint64_t>(load_u16(p)) | static_cast<uint64_t>(load_u16(p + bs)) << 16 |
+                     static_cast<uint64_t>(load_u16(p + 2 * bs)) << 32 |
+                     static_cast<uint64_t>(load_u16(p + 3 * bs)) << 48;
+  return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(v)));
+}
+
+// Rows [n0, n1) of W against MM quantized x rows, blocks [kb0, kb0 + nb) of x (w already points at
+// block kb0 of row 0). Four blocks per step: two vpdpbusd of 64 bytes, their lanes scaled by
+// dw * dx (lanes 0-7 one block, 8-15 the next) into two f32 accumulators per row.
+template <int type, int bs, int MM>
+void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
+               int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
+  constexpr bool has_off = q8_offset(type) > 0;
+  const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i i23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const int64_t pf = decode_prefetch_bytes();
+  const int8_t* xqs[MM];
+  const float *xd[MM], *xs[MM];
+  const int32_t* xc[MM];
+  for (int m = 0; m < MM; ++m) {
+    xqs[m] = xq.q.data() + (m * xq.nb + kb0) * 32;
+    xd[m] = xq.d.data() + m * xq.nb + kb0;
+    xs[m] = xq.ds.data() + m * xq.nb + kb0;
+    xc[m] = xq.corr.data() + (m * xq.nb + kb0) * 8;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m512 acc[MM][2];
+    __m128 accm[MM];
+    float tail[MM];
+    for (int m = 0; m < MM; ++m) {
+      acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+      accm[m] = _mm_setzero_ps();
+      tail[m] = 0.f;
+    }
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+      const uint8_t* wb = wr + b * bs;
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + pf), _MM_HINT_T0);
+      const __m128 dw = f16x4<bs>(wb);
+      const __m512i w01 = wblocks2<type, bs>(wb), w23 = wblocks2<type, bs>(wb + 2 * bs);
+      for (int m = 0; m < MM; ++m) {
+        __m512i c0 = has_off ? _mm512_loadu_si512(xc[m] + b * 8) : _mm512_setzero_si512();
+        __m512i c1 = has_off ? _mm512_loadu_si512(xc[m] + b * 8 + 16) : _mm512_setzero_si512();
+        c0 = _mm512_dpbusd_epi32(c0, w01, _mm512_loadu_si512(xqs[m] + b * 32));
+        c1 = _mm512_dpbusd_epi32(c1, w23, _mm512_loadu_si512(xqs[m] + b * 32 + 64));
+        const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(xd[m] + b)));
+        acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), _mm512_permutexvar_ps(i01, s), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), _mm512_permutexvar_ps(i23, s), acc[m][1]);
+      }
+      if constexpr (has_min) {
+        const __m128 mw = f16x4<bs>(wb + 2);
+        for (int m = 0; m < MM; ++m) accm[m] = _mm_fmadd_ps(mw, _mm_loadu_ps(xs[m] + b), accm[m]);
+      }
+    }
+    for (; b < nb; ++b) {
+      const uint8_t* wb = wr + b * bs;
+      const __m256i wv = wblock1<type>(wb);
+      const float dw = f16(wb), mw = has_min ? f16(wb + 2) : 0.f;
+      for (int m = 0; m < MM; ++m) {
+        __m256i c = has_off ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + b * 8))
+                            : _mm256_setzero_si256();
+        c = _mm256_dpbusd_epi32(c, wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs[m] + b * 32)));
+        const int s = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(c));
+        tail[m] += dw * xd[m][b] * static_cast<float>(s) + mw * xs[m][b];
+      }
+    }
+    for (int m = 0; m < MM; ++m) {
+      __m128 h = accm[m];
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + _mm_cvtss_f32(h) + tail[m];
+      float* dst = y + m * ldy + n;
+      *dst = accumulate ? *dst + s : s;
+    }
+  }
+}
+
+template <int type, int bs>
+void decode_q8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes,
+                 int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  switch (M) {
+    case 1: decode_q8<type, bs, 1>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case 2: decode_q8<type, bs, 2>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    default: decode_q8<type, bs, 3>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+  }
+}
+
+// y rows [0, M) (M <= 3), columns [n0, n1), from the quantized x's blocks [kb0, kb0 + nb).
+void decode_q8_rows(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes,
+                    int type, int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  w += kb0 * (row_bytes / xq.nb);  // legacy rows are plain sequences of equal blocks
+  switch (type) {
+    case ikj::T_Q8_0: decode_q8_m<ikj::T_Q8_0, 34>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case ikj::T_Q4_0: decode_q8_m<ikj::T_Q4_0, 18>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case ikj::T_Q4_1: decode_q8_m<ikj::T_Q4_1, 20>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case ikj::T_Q5_0: decode_q8_m<ikj::T_Q5_0, 22>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case ikj::T_Q5_1: decode_q8_m<ikj::T_Q5_1, 24>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case ikj::T_IQ4_NL: decode_q8_m<ikj::T_IQ4_NL, 18>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    default: return;
+  }
+}
+#else
+constexpr int q8_offset(int) { return -1; }
+#endif
+
+
 // Few rows of x: dequantize each weight row (the K range [k0, k1) of it, block aligned) and dot it
 // with every x row. y[m * ldy + n] = (accumulate ? y : 0) + dot.
 void decode_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
@@ -704,8 +922,16 @@ void qgemm_tile_ex(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
                    int64_t n0, int64_t n1, float* y, int64_t ldy, int compute) {
   if (n1 <= n0 || M <= 0) return;
   if (M < kGemmMinRows) {
-    // decode-sized products are memory-bound: f32 costs nothing there and is the more precise
-    // (bf16 is a speed mode for prompt-sized products, where the arithmetic is the limit)
+    // decode-sized: with compute = bf16, 8-bit activations and int8 dot products where the level
+    // has them (VNNI) for the type; otherwise f32 (bf16 rounding would only add work there)
+#if defined(IKJ_HAVE_Q8DOT)
+    if (compute == QM_BF16 && q8_offset(type) >= 0) {
+      thread_local XQ8 xq;
+      quantize_x8(x, M, K, q8_offset(type), xq);
+      decode_q8_rows(xq, M, 0, K / 32, w, row_bytes, type, n0, n1, y, ldy, false);
+      return;
+    }
+#endif
     decode_rows(x, M, K, w, row_bytes, type, n0, n1, 0, K, y, ldy, false, QM_F32);
     return;
   }
@@ -729,7 +955,22 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     return;
   }
   if (M < kGemmMinRows) {
-    compute = QM_F32;  // decode-sized: memory-bound, f32 is free and more precise (see qgemm_tile_ex)
+    // decode-sized: 8-bit activations (x quantized once here) where qgemm_tile_ex would use them,
+    // f32 otherwise
+#if defined(IKJ_HAVE_Q8DOT)
+    const bool q8 = compute == QM_BF16 && q8_offset(type) >= 0;
+    thread_local XQ8 xq_tls;
+    XQ8& xq = xq_tls;  // the caller's: a lambda run by the pool's threads would name their own thread_local
+    if (q8) quantize_x8(x, M, K, q8_offset(type), xq);
+#endif
+    compute = QM_F32;
+    // rows [a, b) of W over the K range [k0, k1) (block aligned) into y (row stride ldy)
+    auto rows = [&](int64_t a, int64_t b, int64_t k0, int64_t k1, float* yy, int64_t ldy) {
+#if defined(IKJ_HAVE_Q8DOT)
+      if (q8) return decode_q8_rows(xq, M, k0 / 32, (k1 - k0) / 32, w, row_bytes, type, a, b, yy, ldy, false);
+#endif
+      decode_rows(x, M, K, w, row_bytes, type, a, b, k0, k1, yy, ldy, false, compute);
+    };
     // Enough rows of W per thread: split N. Otherwise also split K into block-aligned chunks
     // (own types only: their rows are plain block sequences) and add the parts in order.
     int nth_max = n_threads > 0 ? n_threads : ikj::available_cores();
@@ -742,7 +983,7 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
       std::atomic<int64_t> next{0};
       ikj::parallel(n_threads, [&](int, int) {
         for (int64_t a; (a = next.fetch_add(chunk, std::memory_order_relaxed)) < N;)
-          decode_rows(x, M, K, w, row_bytes, type, a, std::min(N, a + chunk), 0, K, y, N, false, compute);
+          rows(a, std::min(N, a + chunk), 0, K, y, N);
       });
       return;
     }
@@ -751,8 +992,7 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     ikj::parallel(n_threads, [&](int ith, int nth) {
       if (ith == 0) used = nth;
       const int64_t kc = K / nth;  // K % (256 * nth_max) == 0 and nth <= nth_max
-      decode_rows(x, M, K, w, row_bytes, type, 0, N, ith * kc, (ith + 1) * kc, part.data() + ith * M * N, N,
-                  false, compute);
+      rows(0, N, ith * kc, (ith + 1) * kc, part.data() + ith * M * N, N);
     });
     for (int64_t i = 0; i < M * N; ++i) {
       float s = 0.f;
