@@ -1,7 +1,8 @@
 """Routed experts in host RAM next to one GPU (issue 10, deliverable 3): the mechanism's cost and
 decode speed, in one run on the device.
 
-    PYTHONPATH=$PWD python bench/hybrid_gpu.py --out $OUT [--layers 8] [--threads 16] [--skip-gpu]
+    bash bench/hybrid_device.sh [--layers 8] [--threads 16] [--ncmoe 4] [--skip-gpu]   (builds, tests, runs this)
+    PYTHONPATH=$PWD python bench/hybrid_gpu.py --out $OUT [same options]
 
 1. Mechanism: a GPU-jitted chain of 58 host-expert custom calls (D2H of x/weights/ids, the CPU
    kernel from cudaLaunchHostFunc, H2D of the result) whose routing weights are all 0, so the CPU
@@ -9,7 +10,7 @@ decode speed, in one run on the device.
    the GPU (the all-GPU layer with the same zero work, through `kernels.moe_experts`).
 2. Model: `make-model --preset r1 --layers L --type Q4_0`; decode steps from an empty cache
    (N_KV ~0, like sweep-bench's first TG row), `-mla 3 -fa 1 -c 4096`, each step waits for its
-   logits; with `-ot exps=CPU -t T` and all on the GPU. One MoE layer's host experts timed alone
+   logits; with `-ot exps=CPU -t T`, `--n-cpu-moe N` and all on the GPU. One MoE layer's host experts timed alone
    (the same custom call, N = 1, real routing vs zero weights) say where a hybrid step's time goes.
 Results: stdout and $OUT/hybrid_gpu.md.
 """
@@ -75,18 +76,25 @@ def mechanism(threads: int) -> None:
                     x = x + kernels.moe_experts(x, w0, ids, gate, gate, down, jnp.float32)
             return x
         return f
+    @jax.jit
+    def bare(x):  # one tiny GPU kernel per layer: the floor of any per-layer op
+        for _ in range(L):
+            x = jax.lax.optimization_barrier(x + x * w0[:, :1])
+        return x
     host = chain(g, dn)
     dev = chain(kernels.prepare_weight(gd), kernels.prepare_weight(dd))
     t_host = best_of(lambda: host(x0), 20)
     t_dev = best_of(lambda: dev(x0), 20)
+    t_bare = best_of(lambda: bare(x0), 20)
     say("## 1. The mechanism: a MoE layer with 0 work, 58 in one jitted GPU function")
     say("")
-    say("| experts | per layer | 58 layers |")
+    say("| per layer | us | 58 layers, ms |")
     say("|---|---:|---:|")
-    say(f"| host (custom call: D2H x/w/ids, CPU kernel via cudaLaunchHostFunc, H2D out) | "
-        f"{t_host / L * 1e6:.1f} us | {t_host * 1e3:.2f} ms |")
-    say(f"| GPU (`kernels.moe_experts` on device-resident experts) | {t_dev / L * 1e6:.1f} us | {t_dev * 1e3:.2f} ms |")
-    say(f"| overhead of the host round trip | {(t_host - t_dev) / L * 1e6:.1f} us | {(t_host - t_dev) * 1e3:.2f} ms |")
+    say(f"| host experts, weights 0 (custom call: D2H x/w/ids, CPU kernel via cudaLaunchHostFunc reading "
+        f"no expert, H2D out) | {t_host / L * 1e6:.1f} | {t_host * 1e3:.2f} |")
+    say(f"| GPU experts (`kernels.moe_experts`, Pallas, {E} tiny device-resident Q8_0 experts) | "
+        f"{t_dev / L * 1e6:.1f} | {t_dev * 1e3:.2f} |")
+    say(f"| one elementwise GPU kernel | {t_bare / L * 1e6:.1f} | {t_bare * 1e3:.2f} |")
     say("")
 
 
@@ -141,7 +149,7 @@ def one_layer_host(eng, threads: int) -> tuple[float, float]:
     return out["work"], out["zero"]
 
 
-def model_runs(layers: int, threads: int, n: int, skip_gpu: bool, path: Path) -> None:
+def model_runs(layers: int, threads: int, n: int, skip_gpu: bool, path: Path, ncmoe: int = 0) -> None:
     from ikjax.synthetic import make_model
     if not path.exists():
         t0 = time.perf_counter()
@@ -154,6 +162,8 @@ def model_runs(layers: int, threads: int, n: int, skip_gpu: bool, path: Path) ->
     say("| run | load s | first step s (compile) | TG t/s | GPU GiB in use | plan: GPU weights GiB | plan: host weights GiB |")
     say("|---|---:|---:|---:|---:|---:|---:|")
     runs = [("-ot exps=CPU -t %d" % threads, dict(ot="exps=CPU", t=threads))]
+    if ncmoe:
+        runs.append((f"--n-cpu-moe {ncmoe} -t {threads}", dict(n_cpu_moe=ncmoe, t=threads)))
     if not skip_gpu:
         runs.append(("all on the GPU", {}))
     for label, extra in runs:
@@ -165,7 +175,7 @@ def model_runs(layers: int, threads: int, n: int, skip_gpu: bool, path: Path) ->
         plan = eng.memory_plan()
         say(f"| {label} | {load_s:.1f} | {first:.1f} | {tps:.1f} | {used:.2f} | "
             f"{(plan.weights_bytes - plan.host_weights_bytes) / 2**30:.2f} | {plan.host_weights_bytes / 2**30:.2f} |")
-        if "ot" in extra:
+        if "ot" in extra and extra["ot"] == "exps=CPU":
             work, zero = one_layer_host(eng, threads)
             n_moe = sum(1 for l in eng.weights["layers"] if "gate_exps" in l)
             say("")
@@ -182,13 +192,14 @@ def model_runs(layers: int, threads: int, n: int, skip_gpu: bool, path: Path) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--model", default="/tmp/r1-L{layers}-Q4_0.gguf")
     ap.add_argument("--skip-gpu", action="store_true", help="no all-GPU run (it loads the whole file on the GPU)")
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--ncmoe", type=int, default=4, help="also a --n-cpu-moe N run (0: none)")
     args = ap.parse_args()
     global OUT
     OUT = Path(args.out)
@@ -198,7 +209,7 @@ def main() -> None:
     mechanism(args.threads)
     if not args.skip_model:
         model_runs(args.layers, args.threads, args.steps, args.skip_gpu,
-                   Path(args.model.format(layers=args.layers)))
+                   Path(args.model.format(layers=args.layers)), args.ncmoe)
 
 
 if __name__ == "__main__":

@@ -59,9 +59,8 @@ def _host_bytes(t, rows: int, what: str) -> np.ndarray:
     if not is_host_array(data) or not data.flags.c_contiguous or data.dtype != np.uint8:
         raise ValueError(f"moe_experts (host): {what} must be C-contiguous uint8 host bytes, got "
                          f"{type(data).__name__} {getattr(data, 'dtype', '')}")
-    E = t.shape[0]
-    if data.size % (E * rows):
-        raise ValueError(f"moe_experts (host): {what} holds {data.size} bytes, not {E} x {rows} rows")
+    if data.size % rows:
+        raise ValueError(f"moe_experts (host): {what} holds {data.size} bytes, not a whole number of {rows} rows")
     return data
 
 
