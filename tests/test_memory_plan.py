@@ -106,7 +106,7 @@ def test_step_larger_than_memory_refused_before_it_runs(tiny_model, monkeypatch)
     assert eng.memory_plan().compute_bytes is None  # the refused step is not in the plan
     monkeypatch.setattr(memory_plan, "available_memory", lambda: (None, "unknown"))
     assert eng.logits(np.arange(200) % 50 + 3).shape == (200, eng.config.vocab_size)
-    assert eng.memory_plan().compute_bytes > 16 << 20
+    assert eng.memory_plan().compute_bytes > 4 << 20  # more than the margin the refusal above left
 
 
 def test_available_memory_and_mapped_pages(tmp_path):
