@@ -94,7 +94,10 @@ def test_plan_larger_than_memory_refused_at_load(tiny_model, monkeypatch):
 
 
 def test_step_larger_than_memory_refused_before_it_runs(tiny_model, monkeypatch):
-    """Load fits, the prompt step's XLA buffers do not: refused when compiled, before it runs."""
+    """Load fits, the prompt step's XLA buffers do not: refused when compiled, before it runs.
+    (On the XLA path, whose 256-token step needs tens of MiB: the C++ kernels' few MiB would sit
+    inside the process's own noise.)"""
+    monkeypatch.setenv("IKJAX_KERNELS", "xla")
     eng = ikjax.load(tiny_model, ctx=256, ubatch=256)
     anon, file = memory_plan.process_memory()
     plan = eng.memory_plan()
@@ -106,7 +109,7 @@ def test_step_larger_than_memory_refused_before_it_runs(tiny_model, monkeypatch)
     assert eng.memory_plan().compute_bytes is None  # the refused step is not in the plan
     monkeypatch.setattr(memory_plan, "available_memory", lambda: (None, "unknown"))
     assert eng.logits(np.arange(200) % 50 + 3).shape == (200, eng.config.vocab_size)
-    assert eng.memory_plan().compute_bytes > 4 << 20  # more than the margin the refusal above left
+    assert eng.memory_plan().compute_bytes > 16 << 20
 
 
 def test_available_memory_and_mapped_pages(tmp_path):
