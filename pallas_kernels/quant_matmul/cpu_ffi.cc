@@ -13,6 +13,15 @@
 
 namespace ffi = xla::ffi;
 
+// The checks both handlers share: a known compute mode and a type with a C++ path.
+static ffi::Error check_mode_and_type(const char* op, int64_t compute, int64_t type) {
+  if (compute != QM_F32 && compute != QM_BF16)
+    return ffi::Error::InvalidArgument(std::string(op) + ": unknown compute mode " + std::to_string(compute));
+  if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(type)))
+    return ffi::Error::InvalidArgument(std::string(op) + ": unsupported type id " + std::to_string(type));
+  return ffi::Error::Success();
+}
+
 static ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
                                   int64_t type, int64_t n_threads, int64_t compute) {
   auto xd = x.dimensions();
@@ -26,10 +35,7 @@ static ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> 
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   int64_t N = wd[wd.size() - 2], row_bytes = wd[wd.size() - 1];
   if (y->element_count() != M * N) return ffi::Error::InvalidArgument("quant_matmul: result size is not M * N");
-  if (compute != QM_F32 && compute != QM_BF16)
-    return ffi::Error::InvalidArgument("quant_matmul: unknown compute mode " + std::to_string(compute));
-  if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(type)))
-    return ffi::Error::InvalidArgument("quant_matmul: unsupported type id " + std::to_string(type));
+  if (auto err = check_mode_and_type("quant_matmul", compute, type); err.failure()) return err;
   IKJ_DISPATCH(quant_matmul_ex)(x.typed_data(), w.typed_data(), y->typed_data(), M, N, K, row_bytes,
                                 static_cast<int>(type), static_cast<int>(n_threads), static_cast<int>(compute));
   return ffi::Error::Success();
@@ -59,10 +65,7 @@ static ffi::Error QuantMatmulHeadsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
     return ffi::Error::InvalidArgument("quant_matmul_heads: need x [G, M, K] and w [G, N, row_bytes]");
   const int64_t G = xd[0], M = xd[1], K = xd[2], N = wd[1], row_bytes = wd[2];
   if (y->element_count() != G * M * N) return ffi::Error::InvalidArgument("quant_matmul_heads: bad result size");
-  if (compute != QM_F32 && compute != QM_BF16)
-    return ffi::Error::InvalidArgument("quant_matmul_heads: unknown compute mode " + std::to_string(compute));
-  if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(type)))
-    return ffi::Error::InvalidArgument("quant_matmul_heads: unsupported type id " + std::to_string(type));
+  if (auto err = check_mode_and_type("quant_matmul_heads", compute, type); err.failure()) return err;
   auto tile = IKJ_DISPATCH(qgemm_tile_ex);
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
