@@ -406,15 +406,22 @@ bool try_decode_fused(const float* x, int64_t M, int64_t ldx, int64_t Kc, const 
 // ---- int8-activation decode (compute = bf16, fewer than kGemmMinRows rows) ---------------------
 //
 // As ik_llama.cpp does for token generation: each x row is quantized once per call to 8-bit blocks
-// of 32 (dx = max|x| / 127, round to nearest), and each weight block's dot with it is an int32 sum
-// from AVX-512 VNNI's vpdpbusd (u8 x s8 -> i32, 4 products per lane). The weights become unsigned
-// bytes by an offset (Q8_0 and IQ4_NL: +128, Q4_0: the stored nibble = value + 8, Q5_0: + 16), whose
-// contribution offset * sum(x) is removed exactly by starting each lane's int32 sum at
-// -offset * (sum of the 4 x values it covers); Q4_1 / Q5_1 (d * q + m) add m * dx * sum(x) per block
-// in float. Per block the int sum is scaled by dw * dx in float and accumulated. The f32 fused
-// decode is compute-bound (convert, multiply and FMA per 16 weights; ~14 GB/s of Q8_0 per Zen 4
-// core); this reads the weights at the memory's speed. The error is x's 8-bit rounding: ~0.3 % of
-// |x|·|w| for Gaussian activations (tests/test_cpu_quant_matmul.py states the tolerance).
+// of 32 (dx = max|x| / 127, round to nearest even), and each weight block's dot with it is an int32
+// sum from AVX-512 VNNI's vpdpbusd (u8 x s8 -> i32, 4 products per lane). The weights become
+// unsigned bytes by an offset (Q8_0 and IQ4_NL: +128 on the value, Q4_0 / Q5_0: the stored 4/5-bit
+// code is value + 8 / + 16), whose contribution offset * sum(x) is removed exactly: each lane's int32
+// sum starts at -offset * (sum of the x values it covers). Q4_1 / Q5_1 (d * q + m) add m * dx * sum(x)
+// per block in float. Each block's int sum is scaled by dw * dx in float and accumulated. The f32
+// fused decode is compute-bound (convert, multiply and FMA per 16 weights: ~20 cycles per 4 blocks
+// on Zen 4, ~14 GB/s of Q8_0 per core); this takes ~10 (Q8_0) and ~7 (Q4_0) cycles, so decode reads
+// the weights at about the memory's speed. The error is x's 8-bit rounding: ~0.5 % of the result's
+// norm for Gaussian activations (tests/test_cpu_quant_matmul.py states the tolerance).
+//
+// x layouts, per type: Q8_0 keeps x's order and takes two blocks per 64-byte vpdpbusd (lanes 0-7
+// one block, 8-15 the next). The nibble types take four blocks per two vpdpbusd into one
+// accumulator: a group of 4 blocks of x is stored as 64 bytes of their values 0-15 (block j at
+// 16 j) then 64 bytes of their values 16-31, matching the low and the high nibbles of the 4 blocks'
+// 16-byte quant fields loaded side by side; lanes 4j..4j+3 then hold block j.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define IKJ_HAVE_Q8DOT 1
 
@@ -427,35 +434,64 @@ constexpr int q8_offset(int type) {
        : -1;
 }
 
-// x [M, K] quantized for one weight type (the start values depend on its offset).
+// x [M, K] quantized for one weight type (layout and start values depend on it).
 struct XQ8 {
   int64_t nb = 0;               // blocks per row
-  std::vector<int8_t> q;        // [M][nb * 32]
+  bool grouped = false;         // nibble types' layout (groups of 4 blocks; see above)
+  std::vector<int8_t> q;        // [M][nb * 32 rounded up to the group]
   std::vector<float> d;         // [M][nb] dx
   std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum)
-  std::vector<int32_t> corr;    // [M][nb * 8] -offset * (sum of q[4i .. 4i + 3]): vpdpbusd's start values
+  std::vector<int32_t> sx;      // [M][nb] sum(q) (the one-block tail)
+  std::vector<int32_t> corr;    // [M][q bytes / 4] vpdpbusd's start values (-offset * sum of the lane's x)
+                                // at the byte offset / 4 of the 64 (Q8_0) or 128 (grouped) bytes they serve
+  int64_t row_q() const { return grouped ? (nb + 3) / 4 * 128 : nb * 32; }
 };
 
-void quantize_x8(const float* x, int64_t M, int64_t K, int offset, XQ8& o) {
+void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   const int64_t nb = K / 32;
+  const int offset = q8_offset(type);
   o.nb = nb;
-  if (static_cast<int64_t>(o.q.size()) < M * nb * 32) o.q.resize(M * nb * 32);
-  if (static_cast<int64_t>(o.d.size()) < M * nb) o.d.resize(M * nb), o.ds.resize(M * nb);
-  if (static_cast<int64_t>(o.corr.size()) < M * nb * 8) o.corr.resize(M * nb * 8);
-  const __m256i ones = _mm256_set1_epi8(1), moff = _mm256_set1_epi32(-offset);
-  for (int64_t i = 0; i < M * nb; ++i) {
-    const float* xb = x + i * 32;  // rows are contiguous: block i of the flattened [M, K]
-    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-    const __m256i qb = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q.data() + i * 32), qb);
-    const __m256i s4 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, qb);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.corr.data() + i * 8), _mm256_mullo_epi32(s4, moff));
-    const float d = amax / 127.f;
-    o.d[i] = d;
-    o.ds[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  o.grouped = type != ikj::T_Q8_0;
+  const int64_t rq = o.row_q();
+  if (static_cast<int64_t>(o.q.size()) < M * rq) o.q.resize(M * rq), o.corr.resize(M * rq / 4);
+  if (static_cast<int64_t>(o.d.size()) < M * nb) o.d.resize(M * nb), o.ds.resize(M * nb), o.sx.resize(M * nb);
+  const __m512i ones = _mm512_set1_epi8(1), moff = _mm512_set1_epi32(-offset);
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* qr = o.q.data() + m * rq;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + (m * nb + b) * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+      if (o.grouped) {
+        int8_t* g = qr + b / 4 * 128 + b % 4 * 16;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(g), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(g + 64), _mm512_cvtepi32_epi8(q1));
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * 32), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+      }
+      const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      const float d = amax / 127.f;
+      o.d[m * nb + b] = d;
+      o.ds[m * nb + b] = d * static_cast<float>(s);
+      o.sx[m * nb + b] = s;
+    }
+    // start values for every full 64 bytes of vpdpbusd input (a partial group's go unused)
+    int32_t* cr = o.corr.data() + m * rq / 4;
+    if (o.grouped) {
+      for (int64_t g = 0; g < nb / 4; ++g) {
+        __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(qr + g * 128));
+        c = _mm512_dpbusd_epi32(c, ones, _mm512_loadu_si512(qr + g * 128 + 64));
+        _mm512_storeu_si512(cr + g * 32, _mm512_mullo_epi32(c, moff));  // at the group's byte offset / 4
+      }
+    } else {
+      for (int64_t p = 0; p < nb / 2; ++p) {
+        const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(qr + p * 64));
+        _mm512_storeu_si512(cr + p * 16, _mm512_mullo_epi32(c, moff));
+      }
+    }
   }
 }
 
@@ -469,31 +505,48 @@ inline __m512i iq4nl_table512() {
                                               (char)166, (char)181, (char)197, (char)217, (char)241));  // kIq4nl + 128
 }
 
-// Two consecutive blocks (at b and b + bs) as 64 unsigned bytes: value j of the first in byte j, of
-// the second in byte 32 + j (x's order).
+// Q8_0: two consecutive blocks (at b and b + bs) as 64 unsigned bytes, x's order.
+template <int bs>
+inline __m512i q8_pair(const uint8_t* b) {
+  const __m512i v = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + bs + 2)), 1);
+  return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// Nibble types: four consecutive blocks as unsigned bytes, lo = values 0-15 of each (block j at
+// 16 j), hi = values 16-31.
 template <int type, int bs>
-inline __m512i wblocks2(const uint8_t* b) {
+inline void nib_group(const uint8_t* b, __m512i& lo, __m512i& hi) {
   constexpr int qoff = q8_qoff<type>();
-  if constexpr (type == ikj::T_Q8_0) {
-    const __m512i v = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + qoff))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + bs + qoff)), 1);
-    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
-  } else {
-    // [q0 q0 q1 q1] (16-byte lanes); lanes 1 and 3 shifted by 4: low nibbles then high nibbles
-    __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qoff)));
-    z = _mm512_mask_broadcast_i32x4(z, 0xff00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + bs + qoff)));
-    __m512i v = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0x0f));
-    if constexpr (type == ikj::T_IQ4_NL) v = _mm512_shuffle_epi8(iq4nl_table512(), v);
-    if constexpr (type == ikj::T_Q5_0 || type == ikj::T_Q5_1) {
-      const uint64_t qh = load_u32(b + qoff - 4) | static_cast<uint64_t>(load_u32(b + bs + qoff - 4)) << 32;
-      v = _mm512_mask_add_epi8(v, _cvtu64_mask64(qh), v, _mm512_set1_epi8(16));
-    }
-    return v;
+  __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qoff)));
+  z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + bs + qoff)), 1);
+  z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * bs + qoff)), 2);
+  z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 3 * bs + qoff)), 3);
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  lo = _mm512_and_si512(z, mask);
+  hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), mask);
+  if constexpr (type == ikj::T_IQ4_NL) {
+    const __m512i t = iq4nl_table512();
+    lo = _mm512_shuffle_epi8(t, lo);
+    hi = _mm512_shuffle_epi8(t, hi);
+  }
+  if constexpr (type == ikj::T_Q5_0 || type == ikj::T_Q5_1) {  // bit j of qh: + 16 on value j
+    constexpr int h = qoff - 4;
+    const uint64_t ml = static_cast<uint64_t>(load_u16(b + h)) | static_cast<uint64_t>(load_u16(b + bs + h)) << 16 |
+                        static_cast<uint64_t>(load_u16(b + 2 * bs + h)) << 32 |
+                        static_cast<uint64_t>(load_u16(b + 3 * bs + h)) << 48;
+    const uint64_t mh = static_cast<uint64_t>(load_u16(b + h + 2)) |
+                        static_cast<uint64_t>(load_u16(b + bs + h + 2)) << 16 |
+                        static_cast<uint64_t>(load_u16(b + 2 * bs + h + 2)) << 32 |
+                        static_cast<uint64_t>(load_u16(b + 3 * bs + h + 2)) << 48;
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(ml), lo, sixteen);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(mh), hi, sixteen);
   }
 }
 
-// One block as 32 unsigned bytes (the tail of a row).
+// One block as 32 unsigned bytes, values 0-31 in order (the tail of a row).
 template <int type>
 inline __m256i wblock1(const uint8_t* b) {
   constexpr int qoff = q8_qoff<type>();
@@ -519,25 +572,35 @@ inline __m128 f16x4(const uint8_t* p) {
   return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(v)));
 }
 
-// Rows [n0, n1) of W against MM quantized x rows, blocks [kb0, kb0 + nb) of x (w already points at
-// block kb0 of row 0). Four blocks per step: two vpdpbusd of 64 bytes, their lanes scaled by
-// dw * dx (lanes 0-7 one block, 8-15 the next) into two f32 accumulators per row.
+inline float hsum128(__m128 h) {
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// Rows [n0, n1) of W against MM quantized x rows, blocks [kb0, kb0 + nb) of x (kb0 a multiple of
+// 4; w already points at block kb0 of row 0). Four blocks per step into two f32 accumulators per
+// row (steps alternate between them to cover the FMA latency).
 template <int type, int bs, int MM>
 void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
                int64_t n1, float* y, int64_t ldy, bool accumulate) {
   constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
-  constexpr bool has_off = q8_offset(type) > 0;
+  constexpr int off = q8_offset(type);
+  constexpr bool q8 = type == ikj::T_Q8_0;
   const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i i23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m512i i0123 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t pf = decode_prefetch_bytes();
+  const int64_t rq = xq.row_q();
   const int8_t* xqs[MM];
   const float *xd[MM], *xs[MM];
-  const int32_t* xc[MM];
+  const int32_t *xc[MM], *xsum[MM];
   for (int m = 0; m < MM; ++m) {
-    xqs[m] = xq.q.data() + (m * xq.nb + kb0) * 32;
+    xqs[m] = xq.q.data() + m * rq + kb0 * 32;  // kb0 % 4 == 0: the same offset in both layouts
+    xc[m] = xq.corr.data() + (m * rq + kb0 * 32) / 4;
     xd[m] = xq.d.data() + m * xq.nb + kb0;
     xs[m] = xq.ds.data() + m * xq.nb + kb0;
-    xc[m] = xq.corr.data() + (m * xq.nb + kb0) * 8;
+    xsum[m] = xq.sx.data() + m * xq.nb + kb0;
   }
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
@@ -549,43 +612,63 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
       accm[m] = _mm_setzero_ps();
       tail[m] = 0.f;
     }
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
+    auto step = [&](int64_t b, int a) {  // blocks [b, b + 4) into acc[.][a]
       const uint8_t* wb = wr + b * bs;
       if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + pf), _MM_HINT_T0);
       const __m128 dw = f16x4<bs>(wb);
-      const __m512i w01 = wblocks2<type, bs>(wb), w23 = wblocks2<type, bs>(wb + 2 * bs);
-      for (int m = 0; m < MM; ++m) {
-        __m512i c0 = has_off ? _mm512_loadu_si512(xc[m] + b * 8) : _mm512_setzero_si512();
-        __m512i c1 = has_off ? _mm512_loadu_si512(xc[m] + b * 8 + 16) : _mm512_setzero_si512();
-        c0 = _mm512_dpbusd_epi32(c0, w01, _mm512_loadu_si512(xqs[m] + b * 32));
-        c1 = _mm512_dpbusd_epi32(c1, w23, _mm512_loadu_si512(xqs[m] + b * 32 + 64));
-        const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(xd[m] + b)));
-        acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), _mm512_permutexvar_ps(i01, s), acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), _mm512_permutexvar_ps(i23, s), acc[m][1]);
+      if constexpr (q8) {
+        const __m512i w01 = q8_pair<bs>(wb), w23 = q8_pair<bs>(wb + 2 * bs);
+        for (int m = 0; m < MM; ++m) {
+          const __m512i c0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(xc[m] + b * 8), w01,
+                                                 _mm512_loadu_si512(xqs[m] + b * 32));
+          const __m512i c1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(xc[m] + b * 8 + 16), w23,
+                                                 _mm512_loadu_si512(xqs[m] + b * 32 + 64));
+          const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(xd[m] + b)));
+          acc[m][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), _mm512_permutexvar_ps(i01, s), acc[m][a]);
+          acc[m][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), _mm512_permutexvar_ps(i23, s), acc[m][a]);
+        }
+      } else {
+        __m512i lo, hi;
+        nib_group<type, bs>(wb, lo, hi);
+        for (int m = 0; m < MM; ++m) {
+          __m512i c = off ? _mm512_loadu_si512(xc[m] + b * 8) : _mm512_setzero_si512();
+          c = _mm512_dpbusd_epi32(c, lo, _mm512_loadu_si512(xqs[m] + b * 32));
+          c = _mm512_dpbusd_epi32(c, hi, _mm512_loadu_si512(xqs[m] + b * 32 + 64));
+          const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(xd[m] + b)));
+          acc[m][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(i0123, s), acc[m][a]);
+        }
       }
       if constexpr (has_min) {
         const __m128 mw = f16x4<bs>(wb + 2);
         for (int m = 0; m < MM; ++m) accm[m] = _mm_fmadd_ps(mw, _mm_loadu_ps(xs[m] + b), accm[m]);
       }
+    };
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      step(b, 0);
+      step(b + 4, 1);
     }
-    for (; b < nb; ++b) {
+    if (b + 4 <= nb) step(b, 0), b += 4;
+    for (; b < nb; ++b) {  // the last 1-3 blocks, one at a time
       const uint8_t* wb = wr + b * bs;
       const __m256i wv = wblock1<type>(wb);
       const float dw = f16(wb), mw = has_min ? f16(wb + 2) : 0.f;
       for (int m = 0; m < MM; ++m) {
-        __m256i c = has_off ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + b * 8))
-                            : _mm256_setzero_si256();
-        c = _mm256_dpbusd_epi32(c, wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs[m] + b * 32)));
-        const int s = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(c));
+        __m256i xv;
+        if constexpr (q8) {
+          xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs[m] + b * 32));
+        } else {
+          const int8_t* g = xqs[m] + (b - b % 4) * 32 + b % 4 * 16;
+          xv = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 64)),
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+        }
+        const __m256i c = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
+        const int s = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(c)) - off * xsum[m][b];
         tail[m] += dw * xd[m][b] * static_cast<float>(s) + mw * xs[m][b];
       }
     }
     for (int m = 0; m < MM; ++m) {
-      __m128 h = accm[m];
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + _mm_cvtss_f32(h) + tail[m];
+      const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + hsum128(accm[m]) + tail[m];
       float* dst = y + m * ldy + n;
       *dst = accumulate ? *dst + s : s;
     }
@@ -595,6 +678,7 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
 template <int type, int bs>
 void decode_q8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes,
                  int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  w += kb0 * bs;  // legacy rows are plain sequences of equal blocks
   switch (M) {
     case 1: decode_q8<type, bs, 1>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case 2: decode_q8<type, bs, 2>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
@@ -602,10 +686,10 @@ void decode_q8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_
   }
 }
 
-// y rows [0, M) (M <= 3), columns [n0, n1), from the quantized x's blocks [kb0, kb0 + nb).
+// y rows [0, M) (M <= 3), columns [n0, n1), from the quantized x's blocks [kb0, kb0 + nb) (kb0 a
+// multiple of 4: the K-split decode's chunks are multiples of 256 values).
 void decode_q8_rows(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes,
                     int type, int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
-  w += kb0 * (row_bytes / xq.nb);  // legacy rows are plain sequences of equal blocks
   switch (type) {
     case ikj::T_Q8_0: decode_q8_m<ikj::T_Q8_0, 34>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_Q4_0: decode_q8_m<ikj::T_Q4_0, 18>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
@@ -926,8 +1010,18 @@ void qgemm_tile_ex(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
     // has them (VNNI) for the type; otherwise f32 (bf16 rounding would only add work there)
 #if defined(IKJ_HAVE_Q8DOT)
     if (compute == QM_BF16 && q8_offset(type) >= 0) {
+      // callers (the fused MoE) take a few output columns per call, often with the same x: the last
+      // x quantized by this thread is kept with a copy of it and reused when it is equal (a compare
+      // costs a sixth of quantizing: measured ~10 % of a 128-column Q4_0 tile otherwise)
       thread_local XQ8 xq;
-      quantize_x8(x, M, K, q8_offset(type), xq);
+      thread_local std::vector<float> xlast;
+      thread_local int64_t last_m = -1, last_k = -1;
+      thread_local int last_type = -1;
+      if (M != last_m || K != last_k || type != last_type || std::memcmp(x, xlast.data(), M * K * 4) != 0) {
+        quantize_x8(x, M, K, type, xq);
+        xlast.assign(x, x + M * K);
+        last_m = M, last_k = K, last_type = type;
+      }
       decode_q8_rows(xq, M, 0, K / 32, w, row_bytes, type, n0, n1, y, ldy, false);
       return;
     }
@@ -961,7 +1055,7 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     const bool q8 = compute == QM_BF16 && q8_offset(type) >= 0;
     thread_local XQ8 xq_tls;
     XQ8& xq = xq_tls;  // the caller's: a lambda run by the pool's threads would name their own thread_local
-    if (q8) quantize_x8(x, M, K, q8_offset(type), xq);
+    if (q8) quantize_x8(x, M, K, type, xq);
 #endif
     compute = QM_F32;
     // rows [a, b) of W over the K range [k0, k1) (block aligned) into y (row stride ldy)
