@@ -4,8 +4,14 @@ The weight goes to the kernel as its stored bytes [N, row_bytes] (no repacking, 
 what XLA does with a constant); the kernel dequantizes rows with SIMD per type and picks its engine
 by the number of activation rows (decode: dequantize-and-dot, bound by reading the weights;
 prompt: dequantized panels and a register-blocked microkernel). `compute` says what the products
-are rounded to: "f32" keeps float activations and weights (matches the f32 reference to rounding),
-"bf16" rounds x and W to bf16 and accumulates in f32 (the model's dtype="bf16" mode).
+are rounded to:
+- "f32" keeps float activations and weights (matches the f32 reference to rounding): the exact mode.
+- "bf16" is the fast mode (the model's dtype="bf16"): bf16 products for prompts (x and W rounded to
+  bf16, f32 accumulation, for calls of 4 or more rows) and 8-bit activations for decode (fewer
+  than 4 rows): x quantized per block of 32 (scale max|x| / 127) and int8 dot products with the
+  stored Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL blocks, as ik_llama.cpp generates tokens, where
+  the CPU has AVX-512 VNNI (within 1e-2 of sum|x||w| of the f32 result per element, ~0.5 % of its
+  norm; tests/test_cpu_quant_matmul.py). Other types and CPUs decode in f32 in this mode.
 """
 from __future__ import annotations
 

@@ -11,6 +11,10 @@
 //   stored as bf16 pairs and the microkernel uses _mm512_dpbf16_ps (x and W rounded to bf16,
 //   f32 accumulation); levels without AVX512_BF16 round the same way and multiply in f32, which
 //   is exact for bf16 products.
+// With compute = bf16, decode-sized products of the legacy block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// IQ4_NL) at a level with int8 dot products (AVX-512 VNNI) take a third path, as ik_llama.cpp does
+// for token generation: x quantized to 8 bits per block of 32 and vpdpbusd per weight block (see
+// "int8-activation decode" below). Every other decode-sized product is f32 in both modes.
 #include "quant_matmul/cpu_kernel.h"
 #include "quant_matmul/cpu_dequant.h"
 
