@@ -7,13 +7,13 @@ count and level (decode engine for M < 4, packed-panel engine above; partial pan
 K-split decode path from N = 1).
 
 compute="bf16" is the fast mode: bf16 products for prompt-sized calls (M >= 4, against the bf16
-reference at 2e-3) and, at the avx512 level (VNNI) for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL,
-8-bit activations for decode-sized ones (M < 4): x quantized per block of 32 (dx = max|x| / 127,
+reference at 2e-3) and, at the avx512 (VNNI) and avx2 levels for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
+IQ4_NL, 8-bit activations for decode-sized ones (M < 4): x quantized per block of 32 (dx = max|x| / 127,
 round to nearest even) and int8 dot products. Those are checked twice: against the f32 reference of
 the 8-bit-rounded x (`_x8`: the same function, so 1e-5), and against the f32 reference of x itself
 with the mode's stated tolerance X8_TOL = 1e-2 of sum_k |x||w| per element (measured on these
-Gaussian activations: <= 3e-3 at K = 32..96, ~5e-4 at K = 2048; norm-relative ~0.5-0.8 %). Other
-levels and types compute decode in f32 in that mode (1e-5).
+Gaussian activations: <= 3e-3 at K = 32..96, ~5e-4 at K = 2048; norm-relative ~0.5-0.8 %). The
+generic level and the other types compute decode in f32 in that mode (1e-5).
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def _check(name, M, N, K, n_threads, isa, compute="f32", monkeypatch=None):
     got = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute=compute))
     # bf16 mode: bf16 products for prompt-sized calls; decode-sized ones (fewer than 4 rows) take
     # 8-bit activations where the level and type have the int8 path, f32 elsewhere (module doc)
-    x8 = compute == "bf16" and M < 4 and _cpu.isa() == "avx512" and name in X8_TYPES
+    x8 = compute == "bf16" and M < 4 and _cpu.isa() in ("avx2", "avx512") and name in X8_TYPES
     ref_dtype = jnp.float32 if compute == "f32" or M < 4 else jnp.bfloat16
     ref = np.asarray(quant_matmul_ref(_x8(x) if x8 else x, w, ref_dtype))
     assert got.shape == (M, N)
@@ -134,8 +134,8 @@ def test_kquant_types(name, monkeypatch):
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_compute(name, isa, monkeypatch):
     """compute='bf16': prompt-sized products (x and W rounded to bf16, f32 accumulation) against the
-    bf16 reference; decode-sized ones against the 8-bit-activation function (int8 types at avx512)
-    or f32. Odd block counts (K = 96, 224: the int8 path's one-block tail) and the K-split decode
+    bf16 reference; decode-sized ones against the 8-bit-activation function (int8 types at avx2 and
+    avx512) or f32. Odd block counts (K = 96, 224: the int8 path's one-block tail) and the K-split decode
     (N = 1, K = 4096, 2 threads)."""
     for M, N, K, nt in [(1, 37, 256, 2), (3, 7, 2048, 2), (2, 300, 224, 1), (1, 64, 96, 2), (1, 1, 4096, 2),
                         (2, 1, 8192, 1), (17, 300, 256, 2), (512, 37, 256, 2)]:

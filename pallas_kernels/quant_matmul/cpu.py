@@ -9,9 +9,10 @@ are rounded to:
 - "bf16" is the fast mode (the model's dtype="bf16"): bf16 products for prompts (x and W rounded to
   bf16, f32 accumulation, for calls of 4 or more rows) and 8-bit activations for decode (fewer
   than 4 rows): x quantized per block of 32 (scale max|x| / 127) and int8 dot products with the
-  stored Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL blocks, as ik_llama.cpp generates tokens, where
-  the CPU has AVX-512 VNNI (within 1e-2 of sum|x||w| of the f32 result per element, ~0.5 % of its
-  norm; tests/test_cpu_quant_matmul.py). Other types and CPUs decode in f32 in this mode.
+  stored Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL blocks, as ik_llama.cpp generates tokens, at
+  the avx2 and avx512 (VNNI) levels (within 1e-2 of sum|x||w| of the f32 result per element,
+  ~0.5 % of its norm; tests/test_cpu_quant_matmul.py). Other types, and the generic level, decode
+  in f32.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@
 //   f32 accumulation); levels without AVX512_BF16 round the same way and multiply in f32, which
 //   is exact for bf16 products.
 // With compute = bf16, decode-sized products of the legacy block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// IQ4_NL) at a level with int8 dot products (AVX-512 VNNI) take a third path, as ik_llama.cpp does
+// IQ4_NL) at the avx512 (VNNI) and avx2 levels take a third path, as ik_llama.cpp does
 // for token generation: x quantized to 8 bits per block of 32 and vpdpbusd per weight block (see
 // "int8-activation decode" below). Every other decode-sized product is f32 in both modes.
 #include "quant_matmul/cpu_kernel.h"
@@ -426,17 +426,37 @@ bool try_decode_fused(const float* x, int64_t M, int64_t ldx, int64_t Kc, const 
 // accumulator: a group of 4 blocks of x is stored as 64 bytes of their values 0-15 (block j at
 // 16 j) then 64 bytes of their values 16-31, matching the low and the high nibbles of the 4 blocks'
 // 16-byte quant fields loaded side by side; lanes 4j..4j+3 then hold block j.
+//
+// AVX2 (no vpdpbusd): one block per ymm, x in its order; vpmaddubsw (u8 x s8 -> pairs of i16) then
+// vpmaddwd by ones (-> i32 sums of 4). Q8_0 and IQ4_NL take ggml's sign trick (|w| x sign(x, w)),
+// so their offset is 0 there; 16-bit pair sums cannot saturate (|w| <= 128, |x| <= 127; nibbles
+// <= 31).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define IKJ_HAVE_Q8DOT 1
+#define IKJ_Q8DOT_512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define IKJ_HAVE_Q8DOT 1
+#endif
 
+#if defined(IKJ_HAVE_Q8DOT)
 // The offset that makes a type's weight values unsigned bytes; -1: no int8 path for the type.
 constexpr int q8_offset(int type) {
-  return type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL ? 128
+#if defined(IKJ_Q8DOT_512)
+  constexpr int signed_off = 128;
+#else
+  constexpr int signed_off = 0;  // sign trick
+#endif
+  return type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL ? signed_off
        : type == ikj::T_Q4_0 ? 8
        : type == ikj::T_Q5_0 ? 16
        : type == ikj::T_Q4_1 || type == ikj::T_Q5_1 ? 0
        : -1;
 }
+#else
+constexpr int q8_offset(int) { return -1; }
+#endif
+
+#if defined(IKJ_Q8DOT_512)
 
 // x [M, K] quantized for one weight type (layout and start values depend on it).
 struct XQ8 {
@@ -679,6 +699,145 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
   }
 }
 
+#elif defined(IKJ_HAVE_Q8DOT)  // AVX2
+
+inline int64_t decode_prefetch_bytes() { return 0; }
+
+// x [M, K] quantized for one weight type: blocks of 32 in x's order.
+struct XQ8 {
+  int64_t nb = 0;               // blocks per row
+  std::vector<int8_t> q;        // [M][nb * 32]
+  std::vector<float> d;         // [M][nb] dx
+  std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum)
+  std::vector<int32_t> corr;    // [M][nb * 8] -offset * (sum of q[4i .. 4i + 3]), added to the lane sums
+  int64_t row_q() const { return nb * 32; }
+};
+
+inline float hmax256(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+inline float hsum256(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
+  const int64_t nb = K / 32;
+  const int offset = q8_offset(type);
+  o.nb = nb;
+  if (static_cast<int64_t>(o.q.size()) < M * nb * 32) o.q.resize(M * nb * 32), o.corr.resize(M * nb * 8);
+  if (static_cast<int64_t>(o.d.size()) < M * nb) o.d.resize(M * nb), o.ds.resize(M * nb);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones8 = _mm256_set1_epi8(1),
+                ones16 = _mm256_set1_epi16(1), moff = _mm256_set1_epi32(-offset);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * 32;
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
+    const float amax = hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+    const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+    // packs work per 128-bit lane: the dword order comes out 0 2 4 6 1 3 5 7 of 4-value groups
+    const __m256i p = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), perm);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q.data() + i * 32), p);
+    const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, p), ones16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.corr.data() + i * 8), _mm256_mullo_epi32(s4, moff));
+    const float d = amax / 127.f;
+    o.d[i] = d;
+    o.ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));  // exact: |sum| <= 4064
+  }
+}
+
+// One block as 32 bytes in x's order: signed values for Q8_0 / IQ4_NL (sign trick), unsigned
+// codes for the others.
+template <int type>
+inline __m256i wblock_avx2(const uint8_t* b) {
+  if constexpr (type == ikj::T_Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else {
+    constexpr int qoff = type == ikj::T_Q4_1 ? 4 : type == ikj::T_Q5_0 ? 6 : type == ikj::T_Q5_1 ? 8 : 2;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qoff));
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
+    if constexpr (type == ikj::T_IQ4_NL)
+      v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nl))), v);
+    if constexpr (type == ikj::T_Q5_0 || type == ikj::T_Q5_1) {
+      // bit j of qh -> byte j all ones (ggml's bytes_from_bits_32), then + 16
+      const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                                              0x0303030303030303);
+      __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(b + qoff - 4))), shuf);
+      bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+      bytes = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+      v = _mm256_or_si256(v, _mm256_and_si256(bytes, _mm256_set1_epi8(16)));
+    }
+    return v;
+  }
+}
+
+// Rows [n0, n1) of W against MM quantized x rows, blocks [kb0, kb0 + nb) (w at block kb0 of row
+// 0). One block per step, steps alternating between two accumulators per row.
+template <int type, int bs, int MM>
+void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
+               int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
+  constexpr bool sgn = type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL;
+  constexpr int off = q8_offset(type);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const int8_t* xqs[MM];
+  const float *xd[MM], *xs[MM];
+  const int32_t* xc[MM];
+  for (int m = 0; m < MM; ++m) {
+    xqs[m] = xq.q.data() + (m * xq.nb + kb0) * 32;
+    xc[m] = xq.corr.data() + (m * xq.nb + kb0) * 8;
+    xd[m] = xq.d.data() + m * xq.nb + kb0;
+    xs[m] = xq.ds.data() + m * xq.nb + kb0;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m256 acc[MM][2];
+    float accm[MM];
+    for (int m = 0; m < MM; ++m) {
+      acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+      accm[m] = 0.f;
+    }
+    auto step = [&](int64_t b, int a) {
+      const uint8_t* wb = wr + b * bs;
+      const __m256i wv = wblock_avx2<type>(wb);
+      const __m256i uw = sgn ? _mm256_sign_epi8(wv, wv) : wv;  // |w| for the sign trick
+      const float dw = f16(wb);
+      for (int m = 0; m < MM; ++m) {
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs[m] + b * 32));
+        if constexpr (sgn) xv = _mm256_sign_epi8(xv, wv);
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), ones16);
+        if constexpr (off != 0) p = _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + b * 8)));
+        acc[m][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[m][b]), acc[m][a]);
+        if constexpr (has_min) accm[m] += f16(wb + 2) * xs[m][b];
+      }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      step(b, 0);
+      step(b + 1, 1);
+    }
+    if (b < nb) step(b, 0);
+    for (int m = 0; m < MM; ++m) {
+      const float s = hsum256(_mm256_add_ps(acc[m][0], acc[m][1])) + accm[m];
+      float* dst = y + m * ldy + n;
+      *dst = accumulate ? *dst + s : s;
+    }
+  }
+}
+#endif  // IKJ_Q8DOT_512 / AVX2
+
+#if defined(IKJ_HAVE_Q8DOT)
 template <int type, int bs>
 void decode_q8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes,
                  int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
@@ -704,10 +863,7 @@ void decode_q8_rows(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uin
     default: return;
   }
 }
-#else
-constexpr int q8_offset(int) { return -1; }
 #endif
-
 
 // Few rows of x: dequantize each weight row (the K range [k0, k1) of it, block aligned) and dot it
 // with every x row. y[m * ldy + n] = (accumulate ? y : 0) + dot.

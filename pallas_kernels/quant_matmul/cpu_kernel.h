@@ -9,10 +9,10 @@
 // - QM_BF16: the fast mode (the model's dtype="bf16"). Prompt-sized products (M >= 4 rows): x and
 //   the dequantized W rounded to bf16, f32 accumulation (AVX512_BF16 dot products where the CPU has
 //   them). Decode-sized products (M < 4): 8-bit activations for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
-//   IQ4_NL where the level has int8 dot products (the avx512 level, which requires VNNI): each x row
+//   IQ4_NL at the avx512 (VNNI vpdpbusd) and avx2 (vpmaddubsw) levels: each x row
 //   quantized per block of 32 (scale max|x| / 127, round to nearest) and int32 block dots scaled by
-//   the two block scales, ~0.5 % of the result's norm for Gaussian x; decode of other types and
-//   levels is computed in f32 (memory-bound there, so f32 costs nothing).
+//   the two block scales, ~0.5 % of the result's norm for Gaussian x; decode of other types and at
+//   the generic level is computed in f32.
 #pragma once
 #include <cstdint>
 
