@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -497,7 +498,10 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
       }
       const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      const float d = amax / 127.f;
+      // a NaN in the block (which max drops) makes its scale NaN, so it reaches y as in f32 (an inf
+      // gives inf * 0 = NaN the same way)
+      const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+      const float d = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
       o.d[m * nb + b] = d;
       o.ds[m * nb + b] = d * static_cast<float>(s);
       o.sx[m * nb + b] = s;
@@ -751,7 +755,10 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q.data() + i * 32), p);
     const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, p), ones16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.corr.data() + i * 8), _mm256_mullo_epi32(s4, moff));
-    const float d = amax / 127.f;
+    // a NaN in the block (which max drops) makes its scale NaN: it reaches y as in f32
+    const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                   _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+    const float d = _mm256_movemask_ps(un) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
     o.d[i] = d;
     o.ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));  // exact: |sum| <= 4064
   }
