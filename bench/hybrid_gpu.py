@@ -12,6 +12,10 @@ decode speed, in one run on the device.
    (N_KV ~0, like sweep-bench's first TG row), `-mla 3 -fa 1 -c 4096`, each step waits for its
    logits; with `-ot exps=CPU -t T`, `--n-cpu-moe N` and all on the GPU. One MoE layer's host experts timed alone
    (the same custom call, N = 1, real routing vs zero weights) say where a hybrid step's time goes.
+3. `--sweep` (deliverable 4): sweep-bench `-c 4096 -ub 2048 -b 2048 -mla 3 -fa 1` on the same model,
+   `-ot exps=CPU -t T` (2048-token prompt steps stream the pinned experts to the GPU layer by layer;
+   decode runs them on the host) then all on the GPU, in one process; the pinned -> GPU copy rate of
+   one expert tensor; the device's peak; with `--orders`, one PP step under each IKJAX_STREAM_ORDER.
 Results: stdout and $OUT/hybrid_gpu.md.
 """
 from __future__ import annotations
@@ -190,6 +194,142 @@ def model_runs(layers: int, threads: int, n: int, skip_gpu: bool, path: Path, nc
     say("")
 
 
+def _proc(keys=("VmRSS", "VmLck", "VmPin")) -> str:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in keys:
+            out[k] = int(v.split()[0]) / 2**20
+    cached = next((int(l.split()[1]) / 2**20 for l in Path("/proc/meminfo").read_text().splitlines()
+                   if l.startswith("Cached:")), 0.0)
+    return ", ".join(f"{k} {v:.1f} GiB" for k, v in out.items()) + f", page cache {cached:.1f} GiB"
+
+
+def _pp_step(eng, n_kv: int, reps: int = 2) -> float:
+    """Seconds of one ub-token prompt step at N_KV (compiled before; best of `reps`)."""
+    rng = np.random.default_rng(7)
+    ub, V = eng.options.ubatch, eng.config.vocab_size
+    cache = eng.new_cache(1)
+    best = float("inf")
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        out, cache = eng.step(cache, rng.integers(0, V, (1, ub)), np.array([n_kv]))
+        out.block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _step_temp_gib(eng, n_tokens: int) -> float:
+    for (B, T, plan), exe in eng._executables.items():
+        if T == n_tokens:
+            ma = exe.memory_analysis()
+            return ma.temp_size_in_bytes / 2**30 if ma is not None else float("nan")
+    return float("nan")
+
+
+def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, only: str = "") -> None:
+    """sweep-bench -c 4096 -ub 2048 -b 2048 -mla 3 -fa 1, all on the GPU then `-ot exps=CPU -t T`, in
+    one process (the all-GPU run reads the file from the page cache before the hybrid load releases
+    the experts' pages). The device's peak is the process's, so the hybrid run's device memory is
+    its bytes in use plus the compiled prompt step's temp buffers (XLA's own plan of the step,
+    which holds the streamed layers); the other stream orders come last."""
+    from ikjax import kernels, sweep_bench
+    from ikjax.synthetic import make_model
+    from jax.sharding import SingleDeviceSharding
+    if not path.exists():
+        t0 = time.perf_counter()
+        make_model(path, "r1", "Q4_0", layers=layers)
+        say(f"made {path.name} ({path.stat().st_size / 2**30:.1f} GiB) in {time.perf_counter() - t0:.0f} s")
+    opts = dict(mla=3, fa=True, ctx=4096, ubatch=2048, batch=2048, ctk="f16")
+    say(f"## 3. sweep-bench `-c 4096 -ub 2048 -b 2048 -mla 3 -fa 1 -ctk f16`, TG {tg} tokens a row, "
+        f"`make-model --preset r1 --layers {layers} --type Q4_0`")
+    say("")
+    say(f"host before loading: {_proc()}")
+    rows, keep = [], None
+    runs = (("all on the GPU", {}), (f"-ot exps=CPU -t {threads}", dict(ot="exps=CPU", t=threads)))
+    if only:  # one run in its own process: its device peak and host memory are its own
+        runs = tuple(r for r in runs if ("ot" in r[1]) == (only == "hybrid"))
+    for label, extra in runs:
+        t0 = time.perf_counter()
+        eng = ikjax.load(path, **opts, **extra)
+        load_s = time.perf_counter() - t0
+        used_load, _ = device_bytes_in_use()
+        say(f"{label}: loaded in {load_s:.1f} s, GPU {used_load:.2f} GiB in use; host: {_proc()}")
+        if "ot" in extra:
+            lay = next(l for l in eng.weights["layers"] if "gate_exps" in l)
+            g = lay["gate_exps"]
+            say(f"  experts: {g!r}, min_batch {g.min_batch}: stream from "
+                f"{g.min_batch * eng.config.n_expert // eng.config.n_expert_used} tokens a step")
+            dev = SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+            best = float("inf")
+            for _ in range(3):
+                t1 = time.perf_counter()
+                d = jax.device_put(g.data, dev)
+                d.block_until_ready()
+                best = min(best, time.perf_counter() - t1)
+                del d
+            say(f"  one expert tensor pinned host -> GPU, outside a step: {g.nbytes / best / 1e9:.1f} GB/s "
+                f"({g.nbytes / 1e9:.2f} GB in {best * 1e3:.1f} ms)")
+        try:
+            c = sweep_bench.precompile(eng, tg)
+            say(f"  compiled {len(sweep_bench.step_shapes(eng, tg))} steps in {c:.0f} s; PP step temp "
+                f"{_step_temp_gib(eng, 2048):.2f} GiB")
+            res = list(sweep_bench.run(eng, tg=tg))
+        except Exception as e:  # say what failed; the other run and the other orders still run
+            import traceback
+            traceback.print_exc()
+            say(f"  FAILED: {type(e).__name__}: {str(e)[:600]}")
+            if "ot" in extra and orders:
+                keep = eng
+            del eng
+            continue
+        used, peak = device_bytes_in_use()
+        temp = _step_temp_gib(eng, 2048)
+        peak = used + temp
+        say(f"  moe_experts of the last traced step: {kernels.selected('moe_experts')}; GPU after the sweep "
+            f"{used:.2f} GiB in use + PP step temp {temp:.2f} GiB = {peak:.2f} GiB (process peak so far "
+            f"{device_bytes_in_use()[1]:.2f} GiB); host: {_proc()}")
+        say("")
+        say(sweep_bench.HEADER)
+        say(sweep_bench.SEPARATOR)
+        for r in res:
+            say(r.markdown())
+        say("")
+        rows.append((label, res, peak))
+        if "ot" in extra and orders:
+            keep = eng
+        del eng
+        gc.collect()
+        jax.clear_caches()
+    say("| run | S_PP N_KV 0 | S_PP N_KV 2048 | S_TG N_KV 0 | S_TG N_KV 2048 | GPU GiB (in use + PP temp) |")
+    say("|---|---:|---:|---:|---:|---:|")
+    for label, res, peak in rows:
+        pp = " | ".join(f"{r.speed_pp:.0f}" for r in res[:2])
+        tgs = " | ".join(f"{r.speed_tg:.1f}" for r in res[:2])
+        say(f"| {label} | {pp} | {tgs} | {peak:.2f} |")
+    say("| ik_llama.cpp `-ot exps=CPU -t 16`, H200 (issue 10) | 6.0k | 8.5k | 57 | | 2.2 weights + 4.3 compute |")
+    say("")
+    if keep is not None:
+        eng = keep
+        say(f"Other stream orders, one 2048-token PP step at N_KV 0 (`-ot exps=CPU -t {threads}`):")
+        for order in ("self", "free"):
+            os.environ["IKJAX_STREAM_ORDER"] = order
+            eng._executables.clear()
+            eng._compiled.clear()
+            jax.clear_caches()
+            try:
+                t1 = time.perf_counter()
+                eng.precompile(1, 2048, 2048)
+                comp = time.perf_counter() - t1
+                t = _pp_step(eng, 0)
+                say(f"  IKJAX_STREAM_ORDER={order}: PP 2048 at N_KV 0 {t * 1e3:.0f} ms = {2048 / t:.0f} t/s "
+                    f"(compile {comp:.0f} s, step temp {_step_temp_gib(eng, 2048):.2f} GiB)")
+            except Exception as e:  # report and go on: the default order's numbers stand
+                say(f"  IKJAX_STREAM_ORDER={order}: failed: {type(e).__name__}: {str(e)[:300]}")
+        os.environ.pop("IKJAX_STREAM_ORDER", None)
+        say("")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -200,12 +340,20 @@ def main() -> None:
     ap.add_argument("--skip-gpu", action="store_true", help="no all-GPU run (it loads the whole file on the GPU)")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--ncmoe", type=int, default=4, help="also a --n-cpu-moe N run (0: none)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only the sweep-bench runs (-ub 2048: big batches stream the experts, deliverable 4)")
+    ap.add_argument("--tg", type=int, default=512, help="TG tokens per sweep row (ik: ub/4)")
+    ap.add_argument("--orders", action="store_true", help="also time one PP step under the other stream orders")
+    ap.add_argument("--only", choices=("hybrid", "gpu"), default="", help="--sweep: one of the two runs")
     args = ap.parse_args()
     global OUT
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
     say(f"# Hybrid decode: {jax.devices()[0].device_kind}, {os.cpu_count()} host cores, jax {jax.__version__}")
     say("")
+    if args.sweep:
+        sweep_runs(args.layers, args.threads, Path(args.model.format(layers=args.layers)), args.tg, args.orders, args.only)
+        return
     mechanism(args.threads)
     if not args.skip_model:
         model_runs(args.layers, args.threads, args.steps, args.skip_gpu,

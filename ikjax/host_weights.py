@@ -1,31 +1,87 @@
 """Tensors that stay in host RAM next to an accelerator (`-ot exps=CPU`, `--cpu-moe`, `--n-cpu-moe`).
 
-A `HostQuantArray` holds a tensor's GGUF bytes exactly as the file's memory map has them (a NumPy
-view: no copy in RAM, nothing on the device). It sits in the weight tree like a QuantArray but is a
-pytree node with no leaves: jit never sees its bytes, so they are never transferred to the device
-or baked into a compiled step as a constant. Only ops written for host-resident weights read it —
-today the routed experts (`ikjax.kernels.moe_experts` → the CUDA host-experts custom call, which
-gets the bytes' host address). Identity is its static key: two engines' tensors never share a
-compiled step, and the object (hence the memory map) lives as long as the weight tree holding it.
+A `HostQuantArray` holds a routed-expert tensor's GGUF blocks in host memory, in one of two forms:
+
+- pinned (the default next to a GPU): a `jax.Array` in the GPU's `pinned_host` memory, copied once
+  from the memory map at load, tensor by tensor, after which the map's pages of that tensor are
+  dropped (`release_pages`), so RAM still holds one copy. It is a pytree node with one leaf, so a
+  jitted step receives it as a parameter in host memory: a big prompt batch streams it to the GPU
+  inside the step (`to_device`, the host-offloading transfer XLA overlaps with compute) and runs
+  the GPU kernels on it; decode steps never touch the leaf (jit prunes it) — the host-experts
+  custom call reads the same bytes through their host address (`host_address`).
+- mapped (`IKJAX_HOST_EXPERTS=mmap`, and hand-made arrays): the memory map's NumPy bytes, a pytree
+  node with no leaves — jit never sees them, only the host path reads them, for every batch size.
+
+Identity is the static key: two engines' tensors never share a compiled step, and the object
+(hence its memory) lives as long as the weight tree holding it. Where an op on it runs is
+`ikjax.placement.runs_on` (ik's rule), with the threshold `min_batch` (`min_offload_batch`).
 """
 from __future__ import annotations
+
+import ctypes
+import mmap
+import os
 
 import jax
 import numpy as np
 
 from ikjax.errors import OptionError
+from ikjax.placement import MIN_OFFLOAD_BATCH, TensorPlacement, runs_on
+
+# IKJAX_HOST_EXPERTS: "pinned" (default: streamable, one copy shared by both paths) or "mmap"
+# (the file's pages, host path for every batch). IKJAX_MIN_OFFLOAD_BATCH: ik's 32 (see runs_on).
+HOST_FORMS = ("pinned", "mmap")
+
+
+def host_form() -> str:
+    form = os.environ.get("IKJAX_HOST_EXPERTS", "pinned").lower()
+    if form not in HOST_FORMS:
+        raise OptionError(f"IKJAX_HOST_EXPERTS must be one of {', '.join(HOST_FORMS)}, got {form!r}")
+    return form
+
+
+def min_offload_batch(default: int = MIN_OFFLOAD_BATCH) -> int:
+    raw = os.environ.get("IKJAX_MIN_OFFLOAD_BATCH")
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise OptionError(f"IKJAX_MIN_OFFLOAD_BATCH must be a positive integer, got {raw!r}")
+    return v
 
 
 class HostQuantArray:
-    """GGUF bytes in host memory: `data` uint8 `[..., rows, row_bytes]` (NumPy / memmap), static
-    `qtype` and logical `shape`, as QuantArray; not a QuantArray, so nothing repacks or dequantizes
-    it by accident (the Pallas repack and the XLA reference would copy it to the device)."""
-    __slots__ = ("data", "qtype", "shape")
+    """GGUF bytes in host memory: `data` uint8 `[..., rows, row_bytes]` (a pinned-host jax.Array,
+    or NumPy / memmap), static `qtype`, logical `shape`, its `tensor` placement and the offload
+    threshold `min_batch`. Not a QuantArray, so nothing repacks or dequantizes it by accident (the
+    Pallas repack and the XLA reference would copy it whole to the device)."""
+    __slots__ = ("data", "qtype", "shape", "tensor", "min_batch", "_origin", "_addr")
 
-    def __init__(self, data: np.ndarray, qtype, shape: tuple):
-        if not isinstance(data, np.ndarray):
-            raise TypeError(f"HostQuantArray: data must be a host NumPy array, got {type(data).__name__}")
+    def __init__(self, data, qtype, shape: tuple, *, tensor: TensorPlacement | None = None,
+                 min_batch: int = MIN_OFFLOAD_BATCH):
+        if not isinstance(data, np.ndarray) and not _is_pinned(data):
+            raise TypeError(f"HostQuantArray: data must be host NumPy bytes or a pinned_host jax.Array, got "
+                            f"{type(data).__name__} {getattr(getattr(data, 'sharding', None), 'memory_kind', '')}")
         self.data, self.qtype, self.shape = data, qtype, tuple(shape)
+        self.tensor, self.min_batch = tensor, int(min_batch)
+        self._origin = None
+        self._addr = int(data.ctypes.data) if isinstance(data, np.ndarray) else int(data.unsafe_buffer_pointer())
+
+    @classmethod
+    def _view(cls, origin: "HostQuantArray", data) -> "HostQuantArray":
+        """The node rebuilt around a traced (or replaced) leaf; host facts come from `origin`."""
+        v = object.__new__(cls)
+        v.data, v.qtype, v.shape, v.tensor, v.min_batch = data, origin.qtype, origin.shape, origin.tensor, origin.min_batch
+        v._origin, v._addr = origin, origin._addr
+        return v
+
+    @property
+    def streamable(self) -> bool:
+        """Held as a pinned-host jax.Array (a step can move it to the device)."""
+        return not isinstance(self.data, np.ndarray)
 
     @property
     def ndim(self) -> int:
@@ -37,14 +93,37 @@ class HostQuantArray:
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.size)
+        return int(np.prod(self.data.shape))
+
+    def host_address(self) -> int:
+        """Address of the first byte in host memory (C-contiguous), for the host-experts kernel."""
+        return self._addr
+
+    def runs_on(self, n_tokens: int, n_expert: int, n_expert_used: int) -> str:
+        """"device" or "host" for an expert op over `n_tokens` tokens (`ikjax.placement.runs_on`)."""
+        t = self.tensor or TensorPlacement("ffn_gate_exps.weight", "host", "CPU", None, None, self.nbytes, "")
+        return runs_on([t], n_tokens, n_expert=n_expert, n_expert_used=n_expert_used, min_batch=self.min_batch)
+
+    def to_device(self):
+        """Inside a jitted step: the blocks moved to the device (host-to-device transfer in the
+        step, scheduled by XLA), as a QuantArray the GPU kernels read."""
+        from ikjax.quant.array import QuantArray
+        if not self.streamable:
+            raise OptionError(f"{self!r}: memory-mapped host tensors are computed on the host only "
+                              f"(IKJAX_HOST_EXPERTS=mmap); pinned ones stream to the device")
+        return QuantArray(jax.device_put(self.data, jax.memory.Space.Device), self.qtype, self.shape)
 
     def dequantize(self, dtype=None):
         raise OptionError(f"a host-resident {self.qtype.name} tensor {self.shape} was read by an op that has no "
                           f"host path (only routed experts run from host memory next to an accelerator)")
 
     def __repr__(self) -> str:
-        return f"HostQuantArray({self.qtype.name}, shape={self.shape}, nbytes={self.nbytes})"
+        form = "pinned" if self.streamable else "mapped"
+        return f"HostQuantArray({self.qtype.name}, shape={self.shape}, nbytes={self.nbytes}, {form})"
+
+
+def _is_pinned(a) -> bool:
+    return getattr(getattr(a, "sharding", None), "memory_kind", None) == "pinned_host"
 
 
 class _Key:
@@ -64,8 +143,61 @@ class _Key:
         return repr(self.obj)
 
 
-jax.tree_util.register_pytree_node(HostQuantArray, lambda h: ((), _Key(h)), lambda key, _: key.obj)
+def _flatten(h: HostQuantArray):
+    origin = h._origin or h
+    return ((h.data,), _Key(origin)) if origin.streamable else ((), _Key(origin))
+
+
+def _unflatten(key: _Key, leaves):
+    return HostQuantArray._view(key.obj, leaves[0]) if leaves else key.obj
+
+
+jax.tree_util.register_pytree_node(HostQuantArray, _flatten, _unflatten)
 
 
 def is_host_resident(t) -> bool:
     return isinstance(t, HostQuantArray)
+
+
+def to_pinned(data: np.ndarray, device) -> jax.Array:
+    """One tensor's bytes copied into `device`'s pinned host memory (waited for, so the source
+    pages can be released right after)."""
+    from jax.sharding import SingleDeviceSharding
+    out = jax.device_put(data, SingleDeviceSharding(device, memory_kind="pinned_host"))
+    out.block_until_ready()
+    return out
+
+
+_MADV_DONTNEED, _MADV_PAGEOUT = 4, 21
+
+
+def _is_mapped(data: np.ndarray) -> bool:
+    """Whether `data` is a view of a memory-mapped file (never madvise anonymous memory: that
+    would zero it)."""
+    b = data
+    while b is not None:
+        if isinstance(b, mmap.mmap):
+            return True
+        b = b.base if isinstance(b, np.ndarray) else getattr(b, "obj", None) if isinstance(b, memoryview) else None
+    return False
+
+
+def release_pages(data: np.ndarray) -> int:
+    """Give back the memory-mapped pages under `data` once its bytes live elsewhere: MADV_PAGEOUT
+    (drops them from the page cache where no one else maps them; Linux >= 5.4) then MADV_DONTNEED
+    (unmaps them from this process). Only whole pages inside the range; reading `data` again
+    faults them back in from the file. Returns the bytes released (0 where not Linux)."""
+    if not hasattr(os, "sched_getaffinity") or not _is_mapped(data):  # not Linux / not a file's pages
+        return 0
+    page = mmap.PAGESIZE
+    a0, a1 = int(data.ctypes.data), int(data.ctypes.data) + int(data.nbytes)
+    lo, hi = -(-a0 // page) * page, a1 // page * page
+    if hi <= lo:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.madvise(lo, hi - lo, _MADV_PAGEOUT)  # best effort: older kernels refuse it (EINVAL)
+    if libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_DONTNEED) on {hi - lo} mapped bytes: {os.strerror(err)}")
+    return hi - lo

@@ -64,15 +64,19 @@ class KernelContext:
 
 
 _CONTEXT: contextvars.ContextVar[KernelContext] = contextvars.ContextVar("ikjax_kernels", default=KernelContext())
+# Per-trace state of the expert streaming (`_moe_stream`): the previous streamed layer's input.
+_STREAM: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ikjax_stream", default=None)
 
 
 @contextlib.contextmanager
 def kernel_context(backend: str | None = None, threads: int = 0):
     """Kernel settings for everything traced inside the block (the model sets it per step)."""
     token = _CONTEXT.set(KernelContext(backend, threads))
+    stream = _STREAM.set({})
     try:
         yield
     finally:
+        _STREAM.reset(stream)
         _CONTEXT.reset(token)
 
 
@@ -289,12 +293,10 @@ def _moe_cpu(x, weights, ids, gate, up, down, dtype, fused=True):
 
 
 def _moe_host(x, weights, ids, gate, up, down, dtype):
-    """Experts kept in host RAM next to a GPU (HostQuantArray): the host CPU computes them from the
-    GPU step (pallas_kernels/moe_matmul/host.py), whatever the backend override says — no other
-    implementation may read them (each would copy the whole tensors to the device). Used for every
-    batch size: ik streams the experts to the GPU from `32 * n_expert / n_expert_used` tokens
-    (issue 10, deliverable 4), which is not built yet, so big prompt batches run here too — correct,
-    at the host's speed."""
+    """Experts kept in host RAM next to a GPU (HostQuantArray), small batches: the host CPU computes
+    them from the GPU step (pallas_kernels/moe_matmul/host.py), whatever the backend override says —
+    no other implementation may read them in place (each would copy the whole tensors to the
+    device). Big batches stream them instead (`_moe_stream`)."""
     from pallas_kernels.moe_matmul import host as moe_host
     if jax.default_backend() != "gpu":
         raise OptionError(f"ot: routed experts in host memory next to an accelerator need a CUDA GPU, "
@@ -307,11 +309,54 @@ def _moe_host(x, weights, ids, gate, up, down, dtype):
     return moe_host.moe_experts(x, weights, ids, gate, up, down, n_threads=_threads(), compute=_compute(dtype))
 
 
+# IKJAX_STREAM_ORDER: when a streamed layer's host-to-device copy may start. "prev" (default): once
+# the previous streamed layer's MoE input exists, so layer i's experts cross PCIe while layer i-1's
+# experts and layer i's attention compute, and the device holds at most two layers' experts;
+# "self": once its own MoE input exists (no overlap, one layer held); "free": whenever XLA's
+# scheduler likes (it may start every layer's copy at once: a full copy on the device).
+STREAM_ORDERS = ("prev", "self", "free")
+
+
+def _stream_order() -> str:
+    order = os.environ.get("IKJAX_STREAM_ORDER", "prev").lower()
+    if order not in STREAM_ORDERS:
+        raise OptionError(f"IKJAX_STREAM_ORDER must be one of {', '.join(STREAM_ORDERS)}, got {order!r}")
+    return order
+
+
+def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend):
+    """Host-resident (pinned) experts, big batches (ik's rule, `HostQuantArray.runs_on`): the whole
+    layer's expert tensors move to the GPU inside the step, right before this MoE, and the GPU
+    implementation the all-GPU run would pick computes them; XLA frees them after the layer. When
+    the copy may start is `IKJAX_STREAM_ORDER` (an optimization barrier ties the host parameter to
+    an earlier activation, so the transfer cannot be hoisted to the start of the step)."""
+    order, state = _stream_order(), _STREAM.get()
+    dep = x if order == "self" else (state or {}).get("prev") if order == "prev" else None
+    data = tuple(t.data for t in (gate, up, down))
+    if dep is not None:
+        *data, _ = jax.lax.optimization_barrier((*data, dep))
+    if state is not None:
+        state["prev"] = x
+    b = resolve_backend(backend)
+    dev = []
+    for t, d in zip((gate, up, down), data):
+        qa = QuantArray(jax.device_put(d, jax.memory.Space.Device), t.qtype, t.shape)
+        dev.append(prepare_weight(qa) if b in ("pallas", "interpret") else qa)  # as the load would
+    out = moe_experts(x, weights, ids, *dev, dtype, fused=fused, backend=backend)
+    _ran("moe_experts", "stream:" + selected("moe_experts"))
+    return out
+
+
 def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, backend: str | None = None):
     """Routed experts of N tokens: sum_j weights[n,j] * down_e(silu(gate_e x) * up_e x), e = ids[n,j].
     The kernels always fuse gate and up; `fused` only changes the XLA form (ik's -fmoe).
-    Host-resident experts (`-ot exps=CPU` next to a GPU) always take the `host` implementation."""
+    Host-resident experts (`-ot exps=CPU` next to a GPU) take the `host` implementation, or, for a
+    batch where `ikjax.placement.runs_on` says "device" and the experts are pinned, `stream:<impl>`."""
     if any(is_host_resident(t) for t in (gate, up, down)):
+        N, k = ids.shape
+        if all(is_host_resident(t) and t.streamable and t.runs_on(N, gate.shape[0], k) == "device"
+               for t in (gate, up, down)):
+            return _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend)
         return _moe_host(x, weights, ids, gate, up, down, dtype)
     impls = {
         "xla": Impl(lambda *a: True, _moe_xla),

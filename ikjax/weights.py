@@ -17,7 +17,7 @@ from ikjax import kernels
 from ikjax.errors import ModelFileError, OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
-from ikjax.host_weights import HostQuantArray
+from ikjax.host_weights import HostQuantArray, host_form, min_offload_batch, release_pages, to_pinned
 from ikjax.placement import Placement, is_routed_expert
 from ikjax.quant.array import QuantArray
 from ikjax.quant.dequant import supports
@@ -154,8 +154,11 @@ def placer_for(placement: Placement) -> Placer:
     """Put each tensor where the Placement says. On a CPU-only machine (`placement.unified`) every
     place is the one CPU device and `device_put` of the mmapped blocks is zero-copy, so host- and
     device-placed tensors both stay in the file's pages. On an accelerator, device-placed tensors go
-    to their device; host-placed routed experts (`ffn_*_exps`) stay the memory map's bytes (returned
-    as they are: no copy in RAM, nothing on the device), computed by the host-experts custom call.
+    to their device; host-placed routed experts (`ffn_*_exps`) are copied into the first
+    accelerator's pinned host memory, one tensor at a time, and the memory map's pages of that
+    tensor are released right after (one copy in RAM; both the host-experts custom call and the
+    streaming of big batches read it: ikjax.host_weights). With IKJAX_HOST_EXPERTS=mmap they stay
+    the memory map's bytes (no copy at all; every batch then runs on the host).
     Any other host-placed tensor next to an accelerator is refused here, before anything loads."""
     if placement.unified:
         return default_placer
@@ -171,11 +174,16 @@ def placer_for(placement: Placement) -> Placer:
                               f"{_host_moe.unavailable_reason()}")
     accel = [d for d in jax.devices() if d.platform != "cpu"]
     by_label = dict(zip(placement.devices, accel))
+    pinned = bool(host) and host_form() == "pinned"
 
     def place(name: str, data: np.ndarray):
         t = placement[name]
         if t.on_host:
-            return data
+            if not pinned:
+                return data
+            out = to_pinned(data, accel[0])
+            release_pages(data)
+            return out
         return jax.device_put(data, by_label[t.device])
     return place
 
@@ -191,6 +199,7 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
     validate(gf, cfg)
     repack = kernels.needs_repack()
     hybrid = placement is not None and not placement.unified
+    min_batch = min_offload_batch(placement.min_offload_batch) if hybrid else 0
 
     def load(spec: TensorSpec):
         info = gf.tensors.get(spec.gguf_name)
@@ -203,7 +212,8 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
         data = place(spec.gguf_name, qa.data)
         if hybrid and placement[spec.gguf_name].on_host:  # the memory map's bytes, left there (placer_for)
-            return HostQuantArray(data, qa.qtype, qa.shape)
+            return HostQuantArray(data, qa.qtype, qa.shape, tensor=placement[spec.gguf_name],
+                                  min_batch=min_batch)
         return QuantArray(data, qa.qtype, qa.shape)
 
     def for_kernels(tensors: dict) -> dict:

@@ -1,9 +1,11 @@
 """Routed experts in host RAM next to a GPU (issue 10, deliverable 3), on a real GPU.
 
-`-ot exps=CPU` keeps every `ffn_*_exps` tensor as the GGUF memory map's bytes and computes the
-experts on the host CPU from inside the GPU step (pallas_kernels/moe_matmul/cuda_host.cc); the
-logits must equal the all-GPU run's (f32 compute: the same function, only the summation order of
-the expert products differs) and, on the real-converter fixtures, the reference logits.
+`-ot exps=CPU` keeps every `ffn_*_exps` tensor in pinned host memory (one copy, made from the
+memory map at load) and computes the experts on the host CPU from inside the GPU step
+(pallas_kernels/moe_matmul/cuda_host.cc) for small batches, and streams them to the GPU inside the
+step for batches past ik's rule (deliverable 4); the logits must equal the all-GPU run's (f32
+compute: the same function, only the summation order of the expert products differs) and, on the
+real-converter fixtures, the reference logits.
 
 Needs a CUDA GPU and the handler built with `-DIKJAX_BUILD_CUDA=ON`; run with `pytest -m gpu`.
 """
@@ -48,7 +50,9 @@ def _check_host_resident(eng, n_host_layers: int | None = None):
     for i in host:
         for k in ("gate_exps", "up_exps", "down_exps"):
             t = eng.weights["layers"][i][k]
-            assert isinstance(t, HostQuantArray) and isinstance(t.data, np.ndarray)
+            assert isinstance(t, HostQuantArray) and t.streamable
+            assert t.data.sharding.memory_kind == "pinned_host"
+            assert t.host_address() == t.data.unsafe_buffer_pointer() != 0
     # the memory plan puts exactly those bytes on the host, none of them on the GPU
     plan = eng.memory_plan()
     assert plan.host_weights_bytes == sum(eng.weights["layers"][i][k].nbytes for i in host
@@ -93,3 +97,56 @@ def test_fixture_host_experts(name):
     _check_host_resident(eng)
     assert rel_err(got, gpu) <= TOL, rel_err(got, gpu)
     assert rel_err(got, ref) <= entry["tol"], rel_err(got, ref)
+
+
+# ik's rule on the fixtures and the tiny preset (16 experts, 4 used): the experts stream to the GPU
+# from 32 * 16 / 4 = 128 tokens in one step
+STREAM_TOKENS = 200
+
+
+def test_tiny4_prompt_streams_experts(tiny4):
+    """A 200-token prompt in one step (ubatch 256) streams the pinned experts to the GPU and runs
+    the GPU MoE on them (f32: the XLA grouped form, as the all-GPU run); the decode steps after it
+    read the same pinned bytes on the host. Both equal the all-GPU run."""
+    tokens = (np.arange(STREAM_TOKENS) * 7 + 3) % 1000
+    ref_eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32")
+    ref = ref_eng.logits(tokens)
+    ref_gen = list(ref_eng.generate(list(tokens), max_tokens=6))
+    eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32", ot="exps=CPU", t=4)
+    _check_host_resident(eng)
+    got = eng.logits(tokens)
+    assert kernels.selected("moe_experts") == "stream:xla", kernels.selected("moe_experts")
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+    assert list(eng.generate(list(tokens), max_tokens=6)) == ref_gen
+    assert kernels.selected("moe_experts") == "host"
+
+
+def test_tiny4_prompt_streams_bf16_pallas(tiny4):
+    """bf16 (dtype auto's prompt products): the streamed experts run the Pallas grouped kernel, as
+    the all-GPU run does on the same packed blocks."""
+    tokens = (np.arange(STREAM_TOKENS) * 5 + 1) % 1000
+    ref = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="bf16").logits(tokens)
+    got = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="bf16", ot="exps=CPU").logits(tokens)
+    assert kernels.selected("moe_experts") == "stream:pallas", kernels.selected("moe_experts")
+    assert rel_err(got, ref) <= 1e-2, rel_err(got, ref)
+
+
+def test_fixture_prompt_streams_experts(monkeypatch):
+    """v3tiny-all-Q4_K_M: a prompt past the threshold streams; a lower IKJAX_MIN_OFFLOAD_BATCH
+    moves the threshold (8 * 16 / 4 = 32 tokens), so 64-token chunks stream too."""
+    name = FIXTURES[0]
+    path = fixtures_dir() / name
+    fixture_entry(name)
+    tokens = (np.arange(STREAM_TOKENS) * 11 + 5) % 1000
+    ref = ikjax.load(path, ctx=512, ubatch=256, dtype="f32").logits(tokens)
+    got = ikjax.load(path, ctx=512, ubatch=256, dtype="f32", ot="exps=CPU").logits(tokens)
+    assert kernels.selected("moe_experts") == "stream:xla"
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+    monkeypatch.setenv("IKJAX_MIN_OFFLOAD_BATCH", "8")
+    eng = ikjax.load(path, ctx=512, ubatch=64, dtype="f32", ot="exps=CPU")
+    assert eng.weights["layers"][-1]["gate_exps"].min_batch == 8
+    tokens = tokens[:192]  # three 64-token steps, each past the lowered threshold
+    ref = ikjax.load(path, ctx=512, ubatch=64, dtype="f32").logits(tokens)
+    got = eng.logits(tokens)
+    assert kernels.selected("moe_experts") == "stream:xla"
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)

@@ -7,10 +7,12 @@ thread pool from a `cudaLaunchHostFunc` callback, and copies the [N, d] result b
 activations, ids and weights cross PCIe; the expert tensors stay where the GGUF file's memory map
 has them, never copied to the device nor duplicated in RAM.
 
-Expert tensors are duck-typed QuantArray-likes whose `.data` is a host NumPy array (the memory
-map's bytes, C-contiguous) with `.qtype.type_id` and `.shape`; their addresses go into the compiled
-step as attributes, so the caller keeps those arrays alive as long as the step (the engine's
-weight tree does). Built only with `-DIKJAX_BUILD_CUDA=ON` (pallas_kernels/CMakeLists.txt).
+Expert tensors are duck-typed QuantArray-likes with `.qtype.type_id` and `.shape` whose bytes
+are in host memory, C-contiguous: either `.data` is a host NumPy array (the memory map's bytes),
+or the object says where they are with `host_address()` and `nbytes` (ikjax's pinned-host experts,
+whose `.data` may be a tracer inside the step: the same bytes the big-batch path streams to the
+GPU). Their addresses go into the compiled step as attributes, so the caller keeps the bytes alive
+as long as the step (the engine's weight tree does). Built only with `-DIKJAX_BUILD_CUDA=ON` (pallas_kernels/CMakeLists.txt).
 """
 from __future__ import annotations
 
@@ -54,20 +56,30 @@ def is_host_array(a) -> bool:
     return isinstance(a, np.ndarray)
 
 
-def _host_bytes(t, rows: int, what: str) -> np.ndarray:
-    data = t.data
-    if not is_host_array(data) or not data.flags.c_contiguous or data.dtype != np.uint8:
-        raise ValueError(f"moe_experts (host): {what} must be C-contiguous uint8 host bytes, got "
-                         f"{type(data).__name__} {getattr(data, 'dtype', '')}")
-    if data.size % rows:
-        raise ValueError(f"moe_experts (host): {what} holds {data.size} bytes, not a whole number of {rows} rows")
-    return data
+def _has_host_bytes(t) -> bool:
+    return hasattr(t, "host_address") or is_host_array(t.data)
+
+
+def _host_bytes(t, rows: int, what: str) -> tuple[int, int]:
+    """(address, size in bytes) of the tensor's host bytes."""
+    if hasattr(t, "host_address"):
+        addr, size = int(t.host_address()), int(t.nbytes)
+    else:
+        data = t.data
+        if not is_host_array(data) or not data.flags.c_contiguous or data.dtype != np.uint8:
+            raise ValueError(f"moe_experts (host): {what} must be C-contiguous uint8 host bytes, got "
+                             f"{type(data).__name__} {getattr(data, 'dtype', '')}")
+        addr, size = int(data.ctypes.data), int(data.size)
+    if not addr or size % rows:
+        raise ValueError(f"moe_experts (host): {what} holds {size} bytes at {addr:#x}, not a whole number "
+                         f"of {rows} rows")
+    return addr, size
 
 
 def supported(gate, up, down) -> bool:
     """This path takes these experts: built, host NumPy bytes, [E, F, d] / [E, d, F], types the
     C++ core supports."""
-    if _cuda_host is None or any(len(t.shape) != 3 or not is_host_array(t.data) for t in (gate, up, down)):
+    if _cuda_host is None or any(len(t.shape) != 3 or not _has_host_bytes(t) for t in (gate, up, down)):
         return False
     E, F, d = gate.shape
     if tuple(up.shape) != (E, F, d) or tuple(down.shape) != (E, d, F):
@@ -95,8 +107,8 @@ def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0, compute:
     i64 = np.int64
     return jax.ffi.ffi_call(TARGET, out)(
         x.astype(jnp.float32), weights.astype(jnp.float32), ids.astype(jnp.int32),
-        gate_ptr=i64(g.ctypes.data), up_ptr=i64(u.ctypes.data), down_ptr=i64(dn.ctypes.data),
-        gate_row_bytes=i64(g.size // (E * F)), up_row_bytes=i64(u.size // (E * F)),
-        down_row_bytes=i64(dn.size // (E * d)),
+        gate_ptr=i64(g[0]), up_ptr=i64(u[0]), down_ptr=i64(dn[0]),
+        gate_row_bytes=i64(g[1] // (E * F)), up_row_bytes=i64(u[1] // (E * F)),
+        down_row_bytes=i64(dn[1] // (E * d)),
         gate_type=i64(gate.qtype.type_id), up_type=i64(up.qtype.type_id), down_type=i64(down.qtype.type_id),
         n_expert=i64(E), n_ff=i64(F), n_threads=i64(n_threads), compute=i64(COMPUTE[compute]))
