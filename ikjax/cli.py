@@ -174,10 +174,12 @@ NCpuMoeOpt = Annotated[int, typer.Option("-ncmoe", "--n-cpu-moe", help="routed e
                                          "memory (shorthand for -ot 'blk\\.(0|...|N-1)\\.ffn_(up|down|gate)_exps=CPU')")]
 # ik switches that change nothing here: accepted with a one-line note (or refused), see options.switch_notes
 _NOTE = "accepted; a note says why it has no effect here"
-SmOpt = Annotated[Optional[str], typer.Option("-sm", "--split-mode", help="none|layer|graph: " + _NOTE + " (one device)")]
-MgOpt = Annotated[Optional[str], typer.Option("-mg", "--main-gpu", help="0 only: ikjax runs on the first visible device")]
-TsOpt = Annotated[Optional[str], typer.Option("-ts", "--ts", "--tensor-split", help="shares per device, e.g. 3,1: "
-                                              + _NOTE + " (one device)")]
+_ONE = "; with one device a note says it has no effect"
+SmOpt = Annotated[Optional[str], typer.Option("-sm", "--split-mode", help="none|layer|graph: one device, whole layers "
+                                              "per device (pipeline), or every layer split over a mesh" + _ONE)]
+MgOpt = Annotated[Optional[str], typer.Option("-mg", "--main-gpu", help="the device of -sm none" + _ONE)]
+TsOpt = Annotated[Optional[str], typer.Option("-ts", "--ts", "--tensor-split", help="shares per device for -sm layer, "
+                                              "e.g. 3,1 (equal if not given)" + _ONE)]
 RtrOpt = Annotated[Optional[str], typer.Option("-rtr", "--run-time-repack", help="run-time repack: " + _NOTE)]
 ThpOpt = Annotated[Optional[str], typer.Option("-thp", "--transparent-huge-pages", help="huge pages: " + _NOTE)]
 NoMmapOpt = Annotated[Optional[str], typer.Option("--no-mmap", help=_NOTE)]
@@ -269,7 +271,7 @@ def resolve_model(spec: Optional[str]) -> str:
 
 
 RUN_OPTION_PARAMS = ("ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "ctv", "fmoe", "ser", "ot", "ngl", "threads",
-                     "threads_batch", "cpu_moe", "n_cpu_moe", "dtype", "kv_block")
+                     "threads_batch", "cpu_moe", "n_cpu_moe", "dtype", "kv_block", "split_mode", "main_gpu", "ts")
 SWITCH_PARAMS = ("split_mode", "main_gpu", "ts", "rtr", "thp", "no_mmap", "numa", "nkvo", "ooae", "no_ooae", "op",
                  "cuda", "muge", "mqkv", "ger", "wb", "nrep")
 
@@ -469,7 +471,7 @@ def plot_cmd(
 # bench (llama-bench)
 
 
-BENCH_FIXED = ("threads_batch", "cpu_moe", "n_cpu_moe", "kv_block")
+BENCH_FIXED = ("threads_batch", "cpu_moe", "n_cpu_moe", "kv_block", "split_mode", "main_gpu", "ts")
 
 
 def _check_bench_options(params: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax import cache as kvcache
-from ikjax import kernels
+from ikjax import kernels, sharding
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
-from ikjax.memory_plan import (MemoryPlan, cache_capacity, check_fits, mapped_rss, plan_memory,
+from ikjax.memory_plan import (MemoryPlan, cache_capacity, check_devices, check_fits, mapped_rss, plan_memory,
                                process_memory)
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.options import RunOptions
@@ -77,19 +77,27 @@ class Engine:
         first_tensor = self.file.tensors.get("token_embd.weight")
         self.config = ModelConfig.from_metadata(self.file.metadata, source=path,
                                                 vocab_from_tensor=first_tensor.shape[0] if first_tensor else None)
-        self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0)
+        # -sm graph over several devices runs the XLA path (ikjax.sharding): kernels are custom
+        # calls XLA cannot partition; dtype "auto" then means the XLA path's f32
+        mesh_step = options.split_mode == "graph" and len(jax.local_devices()) > 1
+        with kernels.kernel_context("xla" if mesh_step else None):
+            self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0)
         self.capacity = cache_capacity(self.options)
         o, cfg = self.options, self.config
-        self.decode_kernel = (o.fa and o.mla in (1, 3) and kernels.resolve_backend() != "jnp"
-                              and kernels.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
-                                                               cfg.kv_lora_rank))
         # where every tensor lives, decided once (refuses an -ot device this machine lacks)
         self.placement = plan_placement(cfg, self.file.tensors.values(), self.options)
         for note in self.placement.notes:
             log.warning("%s", note)
+        self.split_mode = self.placement.split_mode
+        self.backend = "xla" if self.split_mode == "graph" else kernels.resolve_backend()
+        self.decode_kernel = (o.fa and o.mla in (1, 3) and self.backend != "jnp"
+                              and kernels.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
+                                                               cfg.kv_lora_rank, backend=self.backend))
         self._memory = dataclasses.replace(self._static_plan(1), runtime_bytes=anon0 + file0, load_copy_bytes=0,
                                            compile_bytes=0)
         check_fits(self._memory, self.options, path)
+        if len(self.placement.devices) > 1:
+            check_devices(self._memory, dict(zip(self.placement.devices, sharding.jax_devices(self.placement))), path)
         t0 = time.perf_counter()
         self.weights = load_weights(self.file, self.config, placement=self.placement)
         # what the load added besides the mapped file's pages (counted in full as weights_bytes):
@@ -99,6 +107,17 @@ class Engine:
         self._memory = dataclasses.replace(self._memory, load_copy_bytes=max(0, anon1 + file1 - mapped
                                                                              - anon0 - file0))
         log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
+        self._pipeline = self._mesh = None
+        self._step = _jitted_forward
+        if self.split_mode == "layer":
+            self._pipeline = sharding.Pipeline(self.placement, self.weights, cfg)
+            log.info("-sm layer: %s", self._pipeline.describe())
+        elif self.split_mode == "graph":
+            self._mesh = sharding.mesh_for(self.placement)
+            self.weights = sharding.shard_stacked(self.weights, self._mesh)
+            self._step = sharding.graph_step(self._mesh)
+        elif len(self.placement.devices) > 1:  # -sm none on device -mg
+            self._device = sharding.jax_devices(self.placement)[self.placement.main_device]
         self._compiled: set[tuple] = set()
         self._executables: dict[tuple, Any] = {}
         self.compile_count = 0
@@ -114,10 +133,22 @@ class Engine:
             return exe
         self._note_compile(B, T, plan)
         anon0, file0 = process_memory()
-        cache = jax.eval_shape(lambda: self.new_cache(B))
-        i32 = jax.ShapeDtypeStruct
-        exe = _jitted_forward.lower(self.weights, cache, i32((B, T), jnp.int32), i32((B,), jnp.int32),
-                                    i32((B,), jnp.int32), cfg=self.config, plan=plan).compile()
+        cache = jax.eval_shape(lambda: kvcache.init_cache(self.cache_layout(B)))
+        if self._pipeline is not None:
+            exe = self._pipeline.compile(cache, B, T, plan)
+        else:
+            sh = None
+            if self._mesh is not None:
+                sh = sharding.replicated(self._mesh)
+            elif len(self.placement.devices) > 1:
+                sh = jax.sharding.SingleDeviceSharding(self._device)
+            if sh is not None:
+                cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache)
+
+            def i32(shape):
+                return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
+            exe = self._step.lower(self.weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
+                                   plan=plan).compile()
         anon1, file1 = process_memory()  # compiling reads no weight pages: all of it is compiler state
         mem = dataclasses.replace(self._memory, compile_bytes=self._memory.compile_bytes
                                   + max(0, anon1 + file1 - anon0 - file0))
@@ -141,7 +172,7 @@ class Engine:
         threads = o.threads if n_tokens == 1 else (o.threads_batch or o.threads)
         return StepPlan(mla=o.mla, fa=o.fa, amb_bytes=o.amb << 20, kv_block=o.kv_block, kv_len=kv_len,
                         dtype=o.dtype, fmoe=o.fmoe, ser=o.ser, all_logits=all_logits,
-                        backend=kernels.resolve_backend(), threads=threads)
+                        backend=self.backend, threads=threads)
 
     def kv_bucket(self, needed: int, n_tokens: int = 0) -> int:
         """Cache rows a step reads: a power of two covering `needed`. Decode steps that run the
@@ -187,7 +218,17 @@ class Engine:
         return time.perf_counter() - t0
 
     def new_cache(self, batch: int = 1):
-        return kvcache.init_cache(self.cache_layout(batch))
+        """A zeroed KV cache: per device with -sm layer, replicated over the mesh with -sm graph."""
+        layout = self.cache_layout(batch)
+        if self._pipeline is not None:
+            return self._pipeline.new_cache(layout)
+        if self._mesh is not None:
+            return jax.jit(kvcache.init_cache, static_argnums=0,
+                           out_shardings=sharding.replicated(self._mesh))(layout)
+        if len(self.placement.devices) > 1:
+            with jax.default_device(self._device):
+                return kvcache.init_cache(layout)
+        return kvcache.init_cache(layout)
 
     def cache_layout(self, batch: int = 1) -> kvcache.CacheLayout:
         return kvcache.CacheLayout.for_model(self.config, self.options.mla, self.options.ctk, batch, self.capacity)

@@ -43,6 +43,9 @@ class MemoryPlan:
     # weights in each device's own memory (from the Placement), e.g. (("GPU0", n),) or (("CPU", n),)
     device_weights: tuple[tuple[str, int], ...] = ()
     unified: bool = True  # host and device memory are one RAM (CPU-only machine)
+    # KV cache bytes on each device (-sm layer: its layers' share; -sm graph: a whole copy on each)
+    device_kv: tuple[tuple[str, int], ...] = ()
+    split_mode: str = "none"
     # Measured on the running process (None where there is none: `ikjax info`):
     runtime_bytes: int | None = None  # RSS before the model: Python, JAX and XLA's runtime
     load_copy_bytes: int | None = None  # anonymous memory the load added (stacked matrices, f32 norms)
@@ -54,6 +57,18 @@ class MemoryPlan:
     @property
     def device_bytes(self) -> int:
         return self.weights_bytes - self.host_weights_bytes + self.kv_bytes + self.attention_buffer_bytes
+
+    @property
+    def per_device(self) -> dict[str, int]:
+        """Weight bytes in each device's own memory, by device name ("GPU0", ...; "CPU0", ... for a
+        split over several CPU devices; "CPU" for the one device of a CPU-only process)."""
+        return dict(self.device_weights)
+
+    @property
+    def per_device_total(self) -> dict[str, int]:
+        """Weights + KV cache on each device: what the load checks against each device's memory."""
+        kv = dict(self.device_kv)
+        return {d: n + kv.get(d, 0) for d, n in self.device_weights}
 
     @property
     def step_bytes(self) -> int:
@@ -73,7 +88,15 @@ class MemoryPlan:
     def lines(self) -> list[str]:
         """The plan from the file and the options (what `ikjax info` prints too)."""
         out = [f"weights          {self.weights_bytes / MIB:10.2f} MiB"]
-        if self.host_weights_bytes:
+        if len(self.device_weights) > 1:
+            kv = dict(self.device_kv)
+            for dev, nbytes in self.device_weights:
+                out.append(f"  on {dev:<12}{nbytes / MIB:10.2f} MiB weights, {kv.get(dev, 0) / MIB:.2f} MiB KV cache"
+                           f" (-sm {self.split_mode})")
+            if self.host_weights_bytes:
+                out.append(f"  on host        {self.host_weights_bytes / MIB:10.2f} MiB"
+                           + (" (no accelerator here: host and device are one RAM)" if self.unified else ""))
+        elif self.host_weights_bytes:
             for dev, nbytes in self.device_weights:
                 out.append(f"  on device {dev:<5}{nbytes / MIB:10.2f} MiB")
             out.append(f"  on host        {self.host_weights_bytes / MIB:10.2f} MiB"
@@ -192,7 +215,43 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
         placement = plan_placement(cfg, ((name, None, nbytes) for name, nbytes in tensor_bytes), o)
     return MemoryPlan(placement.total_bytes, layout.total_bytes(), layout.bytes_per_token(), buf,
                       placement.host_bytes, device_weights=tuple(placement.device_bytes().items()),
-                      unified=placement.unified)
+                      unified=placement.unified, device_kv=kv_per_device(placement, layout),
+                      split_mode=placement.split_mode)
+
+
+def kv_per_device(placement: Placement, layout: CacheLayout) -> tuple[tuple[str, int], ...]:
+    """KV cache bytes on each device: -sm layer splits it with the layers, -sm graph keeps a whole
+    copy on every device of the mesh (ikjax.sharding), otherwise the main device holds it."""
+    per_layer = layout.total_bytes() // max(layout.n_layer, 1)
+    out = {d: 0 for d in placement.devices}
+    if placement.split_mode == "layer":
+        for i in range(layout.n_layer):
+            out[placement.devices[placement.layer_device[i]]] += per_layer
+    elif placement.split_mode == "graph":
+        for d in placement.tensors[0].spread:
+            out[d] += layout.total_bytes()
+    else:
+        out[placement.devices[placement.main_device]] += layout.total_bytes()
+    return tuple(out.items())
+
+
+def device_limit(device) -> int | None:
+    """Bytes a device can hold (its allocator's limit), or None where the backend does not say
+    (CPU devices: they share the machine's RAM, checked as a whole)."""
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def check_devices(plan: MemoryPlan, devices: dict, source: str) -> None:
+    """Refuse a split that leaves one device over its memory: weights + KV cache of each device
+    (`plan.per_device_total`) against `device_limit` of the JAX device of that name."""
+    for name, need in plan.per_device_total.items():
+        dev = devices.get(name)
+        limit = None if dev is None else device_limit(dev)
+        if limit and need > limit:
+            raise DoesNotFitError(f"{source}: -sm {plan.split_mode} puts {need / MIB:.0f} MiB (weights and KV cache) "
+                                  f"on {name}, which has {limit / MIB:.0f} MiB (change -ts, lower -c, use -ctk q8_0 "
+                                  f"or -ot exps=CPU)")
 
 
 def check_fits(plan: MemoryPlan, options: RunOptions, source: str, what: str = "") -> None:
@@ -218,6 +277,8 @@ def check_fits(plan: MemoryPlan, options: RunOptions, source: str, what: str = "
         return
     # host-placed tensors next to an accelerator: routed experts run from host memory, anything
     # else is refused by the loader (weights.placer_for) before a tensor is read
+    if len(plan.device_weights) > 1:  # several devices: each one against its own memory (check_devices)
+        return
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if limit and plan.device_bytes > limit:

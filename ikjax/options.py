@@ -21,6 +21,21 @@ COMPUTE_DTYPES = ("auto", "f32", "bf16", "f16")
 ROUTED_EXPERTS = r"ffn_(up|down|gate)_exps"
 
 
+def parse_tensor_split(value: Any) -> tuple[float, ...]:
+    """`-ts 3,1` (also `3/1`, `3;1` or a list): non-negative shares per device, at least one > 0;
+    None / "" = () (equal shares)."""
+    if value is None or value == "" or value == ():
+        return ()
+    parts = [p for p in re.split(r"[,/;]", value) if p.strip()] if isinstance(value, str) else list(value)
+    try:
+        shares = tuple(float(p) for p in parts)
+    except (ValueError, TypeError):
+        raise OptionError(f"-ts: expected shares like 3,1, got {value!r}") from None
+    if not shares or any(not (x >= 0) or x == float("inf") for x in shares) or not any(shares):
+        raise OptionError(f"-ts: expected non-negative shares like 3,1 (at least one > 0), got {value!r}")
+    return shares
+
+
 def cpu_moe_rules(cpu_moe: bool, n_cpu_moe: int) -> tuple["TensorOverride", ...]:
     """`--cpu-moe` / `--n-cpu-moe N` as the `-ot` rules ik expands them to (routed experts of all
     layers / of layers 0..N-1 on the CPU)."""
@@ -110,13 +125,20 @@ class RunOptions:
     cpu_moe: bool = False  # --cpu-moe: routed experts of every layer in host memory (an -ot shorthand)
     n_cpu_moe: int = 0  # --n-cpu-moe N: routed experts of layers 0..N-1 in host memory (an -ot shorthand)
     kv_block: int = 256  # KV chunk of the blocked (flash) attention; bucket granularity of the KV length
+    # -sm / -ts / -mg: how a model spreads over several devices (ikjax.sharding); with one device they
+    # change nothing (a note says so). none: one device (-mg picks which); layer: whole layers and
+    # their KV cache per device in -ts proportions (a pipeline); graph: every layer split over a mesh.
+    split_mode: str = "none"
+    tensor_split: tuple[float, ...] = ()  # -ts shares per device; () = equal shares
+    main_gpu: int = 0  # -mg: the device of -sm none
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "RunOptions":
         known = {f.name for f in dataclasses.fields(cls)}
         aliases = {"c": "ctx", "ub": "ubatch", "b": "batch", "n_ctx": "ctx", "flash_attn": "fa",
                    "cache_type_k": "ctk", "cache_type_v": "ctv", "t": "threads", "tb": "threads_batch",
-                   "n_gpu_layers": "ngl", "cmoe": "cpu_moe", "ncmoe": "n_cpu_moe", "fused_moe": "fmoe"}
+                   "n_gpu_layers": "ngl", "cmoe": "cpu_moe", "ncmoe": "n_cpu_moe", "fused_moe": "fmoe",
+                   "sm": "split_mode", "ts": "tensor_split", "mg": "main_gpu"}
         values: dict[str, Any] = {}
         for key, value in kwargs.items():
             name = aliases.get(key, key)
@@ -162,6 +184,18 @@ class RunOptions:
         integer("threads_batch", 0)
         integer("n_cpu_moe", 0)
         integer("kv_block", 1)
+        if "main_gpu" in v:
+            if v["main_gpu"] is None:
+                v.pop("main_gpu")
+            else:
+                integer("main_gpu", 0)
+        if "split_mode" in v:
+            m = "none" if v["split_mode"] is None else str(v["split_mode"]).strip().lower()
+            if m not in SPLIT_MODES:
+                raise OptionError(f"-sm: expected none, layer or graph, got {v['split_mode']!r}")
+            v["split_mode"] = m
+        if "tensor_split" in v:
+            v["tensor_split"] = parse_tensor_split(v["tensor_split"])
         boolean("fa")
         boolean("fmoe")
         boolean("cpu_moe")
@@ -229,7 +263,14 @@ ON_VALUES = ("1", "true", "on", "yes")
 OFF_VALUES = ("0", "false", "off", "no")
 SPLIT_MODES = ("none", "layer", "graph")
 NUMA_MODES = ("distribute", "isolate", "numactl")
-ONE_DEVICE = "has no effect with one device (ikjax runs on one device; multi-device split is not implemented yet)"
+ONE_DEVICE = "has no effect with one device (-sm/-ts/-mg spread a model over several devices; this process has one)"
+
+
+def device_count() -> int:
+    """Devices JAX sees in this process (all processes' devices under jax.distributed are not
+    counted here: -sm/-ts/-mg apply to this process's devices)."""
+    import jax
+    return len(jax.local_devices())
 
 # parameter name -> (ik flag as users type it, how its value is read)
 SWITCHES: dict[str, tuple[str, str]] = {
@@ -299,7 +340,8 @@ def switch_notes(values: dict[str, Any], command: str, backend: str = "cpu") -> 
             bad = [m for m in modes if m not in SPLIT_MODES]
             if bad:
                 raise OptionError(f"-sm: expected none, layer or graph, got {value!r}")
-            notes.append(f"-sm {value} {ONE_DEVICE}")
+            if device_count() == 1:
+                notes.append(f"-sm {value} {ONE_DEVICE}")
         elif kind == "split":
             parts = [p for p in re.split(r"[,/;]", str(value)) if p.strip()]
             try:
@@ -308,7 +350,8 @@ def switch_notes(values: dict[str, Any], command: str, backend: str = "cpu") -> 
                 raise OptionError(f"-ts: expected shares like 3,1, got {value!r}") from None
             if not shares or any(not (x >= 0) for x in shares):
                 raise OptionError(f"-ts: expected non-negative shares like 3,1, got {value!r}")
-            notes.append(f"-ts {value} {ONE_DEVICE}")
+            if device_count() == 1:
+                notes.append(f"-ts {value} {ONE_DEVICE}")
         elif kind == "int":
             try:
                 ints = [int(str(x).strip()) for x in str(value).split(",")]
@@ -317,10 +360,13 @@ def switch_notes(values: dict[str, Any], command: str, backend: str = "cpu") -> 
             if any(x < (1 if name == "nrep" else 0) for x in ints):
                 raise OptionError(f"{flag}: {value} out of range")
             if name == "main_gpu":
-                if any(x != 0 for x in ints):
-                    raise OptionError(f"-mg {value}: ikjax runs on the first visible device only; choose the device "
-                                      "with CUDA_VISIBLE_DEVICES")
-                notes.append(f"-mg {value} {ONE_DEVICE}")
+                n_dev = device_count()
+                if any(x >= n_dev for x in ints):
+                    raise OptionError(f"-mg {value}: this machine has {n_dev} device{'s' * (n_dev > 1)} "
+                                      f"(use 0{f'..{n_dev - 1}' if n_dev > 1 else ''}; or choose the device with "
+                                      f"CUDA_VISIBLE_DEVICES)")
+                if n_dev == 1:
+                    notes.append(f"-mg {value} {ONE_DEVICE}")
             elif name == "nrep" and command != "sweep-bench":
                 notes.append(f"-nrep has no effect in {command}: it repeats sweep-bench's first row"
                              + ("; bench repeats with -r" if command == "bench" else ""))

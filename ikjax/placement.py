@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Sequence
 
+from ikjax import sharding
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.options import RunOptions
@@ -129,6 +130,11 @@ class TensorPlacement:
     axes: tuple[str | None, ...] | None
     nbytes: int
     rule: str  # what decided it: "-ot PATTERN=DEV", "-ngl N" or "default"
+    # -sm graph: the devices of the mesh that hold parts of it, and the NumPy dim split over them
+    # (from the front; -1 = the last, the matrix's columns); None with `spread` = a whole copy on
+    # each. Empty `spread`: the tensor is on `device` alone.
+    spread: tuple[str, ...] = ()
+    split_dim: int | None = None
 
     @property
     def on_host(self) -> bool:
@@ -149,6 +155,25 @@ class Placement:
     n_expert_used: int = 0
     min_offload_batch: int = MIN_OFFLOAD_BATCH
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # -sm: "none" (everything on devices[main_device]), "layer" (layer i on devices[layer_device[i]],
+    # the embedding on devices[embed_device], the output head on devices[output_device]) or
+    # "graph" (every device of the mesh holds its part of each tensor: TensorPlacement.spread).
+    split_mode: str = "none"
+    layer_device: tuple[int, ...] = ()
+    embed_device: int = 0
+    output_device: int = 0
+    main_device: int = 0
+
+    def stage_device(self, name: str) -> int:
+        """The index (in `devices`, i.e. in this process's JAX device list) of the device whose
+        step reads this tensor: its layer's device with -sm layer, the main device otherwise.
+        Host-resident tensors are read by that device's step too (from host memory)."""
+        if self.split_mode != "layer":
+            return self.main_device
+        layer = layer_of(name)
+        if layer is not None and layer < len(self.layer_device):
+            return self.layer_device[layer]
+        return self.embed_device if name.startswith("token_embd.") else self.output_device
 
     @cached_property
     def by_name(self) -> dict[str, TensorPlacement]:
@@ -172,7 +197,13 @@ class Placement:
         """Bytes of weights in each device's own memory (every device present, 0 where none)."""
         out = {d: 0 for d in self.devices}
         for t in self.tensors:
-            if not t.on_host:
+            if t.on_host:
+                continue
+            if t.spread:
+                part = t.nbytes if t.split_dim is None else -(-t.nbytes // len(t.spread))
+                for d in t.spread:
+                    out[d] += part
+            else:
                 out[t.device] += t.nbytes
         return out
 
@@ -213,11 +244,15 @@ def runs_on(op_tensors: Sequence[TensorPlacement], n_tokens: int, *, n_expert: i
 _DEV = re.compile(r"(?i)(cpu)|(?:gpu|cuda|device)(\d*)")
 
 
-def _device_labels(devices: Sequence[Any]) -> tuple[tuple[str, ...], bool]:
+def _device_labels(devices: Sequence[Any], several: bool = False) -> tuple[tuple[str, ...], bool]:
     """Labels of the accelerators present ("GPU0", ...), or ("CPU",) and unified=True where there
-    are none (CPU devices of a CPU-only machine share one memory)."""
+    are none (CPU devices of a CPU-only machine share one memory). `several`: a split over several
+    CPU devices (-sm/-mg with e.g. --xla_force_host_platform_device_count) labels each one
+    ("CPU0", "CPU1", ...); they still share one RAM (unified)."""
     accel = [d for d in devices if getattr(d, "platform", "cpu") != "cpu"]
     if not accel:
+        if several and len(devices) > 1:
+            return tuple(f"{HOST_DEVICE}{i}" for i in range(len(devices))), True
         return (HOST_DEVICE,), True
     return tuple(f"GPU{i}" for i in range(len(accel))), False
 
@@ -231,6 +266,11 @@ def _target(dev: str, labels: tuple[str, ...], unified: bool, rule: str) -> tupl
     if m.group(1):
         return HOST, HOST_DEVICE
     idx = int(m.group(2) or 0)
+    if unified and len(labels) > 1:  # several CPU devices: GPUn names the n-th of them
+        if idx >= len(labels):
+            raise OptionError(f"ot: {rule!r} names device {idx}, but this process has {len(labels)} CPU devices "
+                              f"(use CUDA0..CUDA{len(labels) - 1} or CPU)")
+        return DEVICE, labels[idx]
     if unified:
         if idx > 0:
             raise OptionError(f"ot: {rule!r} names accelerator {idx}, but this machine has no accelerator "
@@ -254,14 +294,37 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
     """
     if devices is None:
         import jax
-        devices = jax.devices()
-    labels, unified = _device_labels(devices)
-    main = labels[0]
-    targets = []
+        devices = jax.local_devices()
+    mode = options.split_mode
+    labels, unified = _device_labels(devices, several=mode != "none" or options.main_gpu != 0)
+    n_dev = len(labels)
     notes: list[str] = []
+    if options.main_gpu >= n_dev:
+        raise OptionError(f"mg: device {options.main_gpu} does not exist: this process has {n_dev} "
+                          f"({', '.join(labels)}; use 0{f'..{n_dev - 1}' if n_dev > 1 else ''})")
+    split: dict[str, Any] = {"main_device": options.main_gpu}
+    if mode != "none" and n_dev == 1:
+        notes.append(f"-sm {mode} has no effect with one device: everything runs on {labels[0]}")
+        mode = "none"
+    mesh: tuple[int, ...] = ()
+    if mode == "layer":
+        layer_dev, out_dev = sharding.layer_split(cfg.n_layer, sharding.shares_for(options.tensor_split, n_dev),
+                                                  options.ngl)
+        split.update(layer_device=layer_dev, embed_device=layer_dev[0] if layer_dev else out_dev,
+                     output_device=out_dev, main_device=layer_dev[0] if layer_dev else out_dev)
+    elif mode == "graph":
+        mesh = sharding.graph_devices(options.tensor_split, n_dev)
+        split.update(main_device=mesh[0])
+    elif options.tensor_split and n_dev > 1:
+        notes.append("-ts has no effect with -sm none: the model runs on one device (-mg)")
+    main = labels[split["main_device"]]
+    targets = []
     for r in options.ot:
         rule = f"{r.pattern}={r.device}"
         mem, dev = _target(r.device, labels, unified, rule)
+        if mode != "none" and mem == DEVICE:
+            raise OptionError(f"ot: {rule!r} names a device, but with -sm {mode} the split decides which device "
+                              f"holds each tensor (-ts); only =CPU (host memory) combines with -sm")
         if unified and mem == DEVICE:
             notes.append(f"-ot {rule}: no accelerator here, the tensors it matches run on the CPU "
                          f"(device and host memory are one RAM)")
@@ -288,5 +351,17 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
             why = "default" if ngl > n_layer else f"-ngl {ngl}"
             mem, dev = (DEVICE, main) if on_dev else (HOST, HOST_DEVICE)
         axes = logical_axes(name, None if shape is None else len(shape))
-        out.append(TensorPlacement(name, mem, dev, layer, axes, int(nbytes), why))
-    return Placement(tuple(out), labels, unified, cfg.n_expert, cfg.n_expert_used, notes=tuple(notes))
+        spread, split_dim = (), None
+        if mode == "layer" and mem == DEVICE:
+            if layer is not None and layer < n_layer:
+                dev = labels[split["layer_device"][layer]]
+            else:
+                dev = labels[split["embed_device"] if name.startswith("token_embd.") else split["output_device"]]
+        elif mode == "graph":
+            spread = tuple(labels[i] for i in mesh)
+            split_dim = sharding.graph_split_dim(axes, shape, getattr(t, "qtype", None), len(mesh), cfg.n_head)
+            if mem == DEVICE:
+                dev = spread[0]
+        out.append(TensorPlacement(name, mem, dev, layer, axes, int(nbytes), why, spread, split_dim))
+    return Placement(tuple(out), labels, unified, cfg.n_expert, cfg.n_expert_used, notes=tuple(notes),
+                     split_mode=mode, **split)

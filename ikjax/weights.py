@@ -159,7 +159,11 @@ def placer_for(placement: Placement) -> Placer:
     tensor are released right after (one copy in RAM; both the host-experts custom call and the
     streaming of big batches read it: ikjax.host_weights). With IKJAX_HOST_EXPERTS=mmap they stay
     the memory map's bytes (no copy at all; every batch then runs on the host).
-    Any other host-placed tensor next to an accelerator is refused here, before anything loads."""
+    Any other host-placed tensor next to an accelerator is refused here, before anything loads.
+    Several devices (-sm graph, or a split over several CPU devices): ikjax.sharding.placer."""
+    if placement.split_mode == "graph" or (placement.unified and len(placement.devices) > 1):
+        from ikjax.sharding import placer
+        return placer(placement)
     if placement.unified:
         return default_placer
     host = [t for t in placement.tensors if t.on_host]
@@ -197,7 +201,9 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
     if place is None:
         place = placer_for(placement) if placement is not None else default_placer
     validate(gf, cfg)
-    repack = kernels.needs_repack()
+    # -sm graph runs the XLA path on GSPMD-split matrices: no kernel layouts
+    graph = placement is not None and placement.split_mode == "graph"
+    repack = kernels.needs_repack() and not graph
     hybrid = placement is not None and not placement.unified
     min_batch = min_offload_batch(placement.min_offload_batch) if hybrid else 0
 

@@ -151,18 +151,27 @@ def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Step
 
 
 def _forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: StepPlan):
-    B, T = tokens.shape
+    x = embed(weights["token_embd"], tokens)
+    x, new_cache = run_layers(weights["layers"], cache, x, start, 0, cfg=cfg, plan=plan)
+    return output_head(weights, x, last, cfg=cfg, plan=plan), new_cache
+
+
+def run_layers(layers, cache, x, start, first: int, *, cfg: ModelConfig, plan: StepPlan):
+    """Layers `first .. first + len(layers) - 1` on x [B,T,d]; `cache` holds those layers' entries
+    (lists in the same order). Returns (x, their updated cache). A whole step runs them all;
+    `-sm layer` runs one group per device (ikjax.sharding.Pipeline)."""
+    B, T = x.shape[:2]
     dtype = plan.compute_dtype
     q_pos = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
     cos, sin = rope_tables(inverse_frequencies(cfg), q_pos)
-    x = embed(weights["token_embd"], tokens)
-    new_cache = {name: list(layers) for name, layers in cache.items()}
-    for i, layer in enumerate(weights["layers"]):
-        layer_cache = {name: layers[i] for name, layers in cache.items()}
+    new_cache = {name: list(entries) for name, entries in cache.items()}
+    for j, layer in enumerate(layers):
+        i = first + j
+        layer_cache = {name: entries[j] for name, entries in cache.items()}
         a, layer_cache = attention_block(rms_norm(x, layer["attn_norm"], cfg.rms_eps), layer, layer_cache,
                                          start, q_pos, cos, sin, cfg, plan)
         for name, value in layer_cache.items():
-            new_cache[name][i] = value
+            new_cache[name][j] = value
         h = x + a
         hn = rms_norm(h, layer["ffn_norm"], cfg.rms_eps)
         if cfg.is_moe_layer(i):
@@ -170,7 +179,11 @@ def _forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Ste
         else:
             f = dense_ffn(hn, layer, DENSE_FFN, dtype)
         x = h + f
+    return x, new_cache
+
+
+def output_head(weights, x, last, *, cfg: ModelConfig, plan: StepPlan):
+    """x [B,T,d] -> logits [B,T,V] (plan.all_logits) or [B,V] of the token at `last`."""
     if not plan.all_logits:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    logits = linear(rms_norm(x, weights["output_norm"], cfg.rms_eps), weights["output"], dtype)
-    return logits, new_cache
+    return linear(rms_norm(x, weights["output_norm"], cfg.rms_eps), weights["output"], plan.compute_dtype)

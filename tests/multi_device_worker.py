@@ -1,0 +1,117 @@
+"""Run by tests/test_multi_device.py in a subprocess: fake CPU devices exist only if
+`--xla_force_host_platform_device_count` is in XLA_FLAGS before JAX starts, which the pytest
+process (one device) cannot do. Prints one JSON object per check on stdout.
+
+usage: python multi_device_worker.py SPEC.json  — SPEC: {"cases": [{"model", "mla", "sm", "ts"}...],
+"generate": [case...], "refusals": {"model": path}}
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def rel(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def load_with(path, kernels: str | None, **opts):
+    """Load with IKJAX_KERNELS set for this engine only (the backend is resolved at load)."""
+    import ikjax
+    old = os.environ.pop("IKJAX_KERNELS", None)
+    if kernels:
+        os.environ["IKJAX_KERNELS"] = kernels
+    try:
+        return ikjax.load(path, ctx=64, ubatch=16, **opts)
+    finally:
+        os.environ.pop("IKJAX_KERNELS", None)
+        if old is not None:
+            os.environ["IKJAX_KERNELS"] = old
+
+
+def main(spec_path: str) -> None:
+    import jax
+    spec = json.loads(open(spec_path).read())
+    emit(check="devices", n=len(jax.devices()))
+    ids = (np.arange(1, 14) * 37 % 500 + 3).tolist()
+    refs: dict = {}
+
+    def reference(model, mla, xla: bool):
+        key = (model, mla, xla)
+        if key not in refs:
+            refs[key] = load_with(model, "xla" if xla else None, mla=mla).logits(ids)
+        return refs[key]
+
+    for c in spec["cases"]:
+        # -sm graph runs the XLA path (kernels cannot be partitioned): its one-device reference too
+        xla = c["sm"] == "graph"
+        ref = reference(c["model"], c["mla"], xla)
+        eng = load_with(c["model"], None, mla=c["mla"], sm=c["sm"], ts=c["ts"])
+        got = eng.logits(ids)
+        per = eng.memory_plan().per_device
+        # how far this model's f32 sums move when only their order changes (one device: the C++
+        # kernels vs the XLA path): the scale of -sm graph's all-reduce reordering
+        gap = rel(reference(c["model"], c["mla"], False), ref) if xla else 0.0
+        emit(check="logits", case=c, rel=rel(got, ref), order_gap=gap, per_device=per,
+             weights=eng.memory_plan().weights_bytes, host=eng.memory_plan().host_weights_bytes,
+             stages=eng._pipeline.describe() if eng._pipeline else "",
+             lines=eng.memory_plan().lines())
+        del eng
+        jax.clear_caches()
+
+    for c in spec.get("generate", []):
+        xla = c["sm"] == "graph"
+        one = list(load_with(c["model"], "xla" if xla else None, mla=c["mla"]).generate(ids, 8))
+        many = list(load_with(c["model"], None, mla=c["mla"], sm=c["sm"], ts=c["ts"]).generate(ids, 8))
+        emit(check="generate", case=c, one=one, many=many)
+
+    r = spec.get("refusals")
+    if r:
+        from ikjax import memory_plan
+        from ikjax.errors import IkjaxError
+
+        def outcome(fn):
+            try:
+                fn()
+                return {"error": None}
+            except IkjaxError as e:
+                return {"error": type(e).__name__, "message": str(e)}
+
+        emit(check="refuse", what="graph uneven ts",
+             **outcome(lambda: load_with(r["model"], None, sm="graph", ts="3,1")))
+        emit(check="refuse", what="ts longer than devices",
+             **outcome(lambda: load_with(r["model"], None, sm="layer", ts="1,1,1,1,1")))
+        emit(check="refuse", what="ot device with sm layer",
+             **outcome(lambda: load_with(r["model"], None, sm="layer", ot="exps=CUDA1")))
+        emit(check="refuse", what="mg past the devices", **outcome(lambda: load_with(r["model"], None, mg=4)))
+        # each device's memory: CPU devices report none; give CPU1 a small one
+        real = memory_plan.device_limit
+        memory_plan.device_limit = lambda d: (1 << 20) if d.id == 1 else real(d)
+        try:
+            emit(check="refuse", what="device over its memory",
+                 **outcome(lambda: load_with(r["model"], None, sm="layer", ts="1,3")))
+            emit(check="refuse", what="device without layers fits",
+                 **outcome(lambda: load_with(r["model"], None, sm="layer", ts="1,0,3")))
+        finally:
+            memory_plan.device_limit = real
+        eng = load_with(r["model"], None, sm="layer", ts="1,3", ot="exps=CPU", mla=3)
+        emit(check="host experts with sm layer", rel=rel(eng.logits(ids), reference(r["model"], 3, False)),
+             host=eng.memory_plan().host_weights_bytes)
+        eng = load_with(r["model"], None, sm="graph", ot="exps=CPU", mla=3)
+        emit(check="host experts with sm graph", rel=rel(eng.logits(ids), reference(r["model"], 3, True)),
+             host=eng.memory_plan().host_weights_bytes)
+        eng = load_with(r["model"], None, mg=2, mla=3)
+        emit(check="mg", rel=rel(eng.logits(ids), reference(r["model"], 3, False)),
+             device=str(eng.weights["output"].data.devices()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,175 @@
+"""Several devices without GPUs: 4 fake CPU devices (`--xla_force_host_platform_device_count=4`).
+
+The flag must be in XLA_FLAGS before JAX starts, so every multi-device check runs in one
+subprocess (tests/multi_device_worker.py) that compiles each configuration once and prints JSON;
+the tests here read its results. Oracle: the same model on one device, at f32 — logits within
+1e-5 (relative, as conftest.rel_err) for every MLA mode x -sm layer/graph x odd -ts; greedy
+generation equal token for token. -sm layer runs the same kernels per stage as one device does,
+so it must match bit for bit; -sm graph runs the XLA path with GSPMD collectives (sums in another
+order), compared with the one-device XLA path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ikjax
+import ikjax.errors
+from conftest import FIXTURES_MISSING
+
+WORKER = Path(__file__).with_name("multi_device_worker.py")
+TOL = 1e-5
+# -sm graph splits contractions (attn_output and FFN down columns, experts) into per-device partial
+# sums joined by all-reduce: the same f32 sums in another order. These random-weight models amplify
+# that: on one device the C++ kernels and the XLA path (sums in another order, nothing else) differ
+# by 4e-5 (tiny 4-layer) to 1.1e-4 (v2lite_tiny kvb, mla 0). So a graph split is held to
+# max(TOL, 2 x that one-device gap of the same model and mode), which the worker measures next to
+# it; layer splits reorder nothing and match bit for bit.
+def graph_tol(row) -> float:
+    return max(TOL, 2 * row["order_gap"])
+
+
+def _fixtures() -> Path | None:
+    env = os.environ.get("IKJAX_FIXTURES")
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+    return d if (d / "MANIFEST.json").exists() else None
+
+
+@pytest.fixture(scope="module")
+def model4(tmp_path_factory):
+    """The tiny preset with 4 layers (dense layer 0, MoE 1-3): enough layers for a split."""
+    from ikjax.synthetic import make_model
+    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-4L.gguf"
+    if not p.exists():
+        make_model(p, "tiny", "Q8_0", layers=4)
+    return str(p)
+
+
+def _cases(model4: str) -> dict:
+    cases = []
+    for mla in (0, 1, 2, 3):
+        cases += [dict(model=model4, mla=mla, sm="layer", ts="1,3"),
+                  dict(model=model4, mla=mla, sm="graph", ts="")]
+    fx = _fixtures()
+    if fx is not None:
+        a = str(fx / "v3tiny-all-Q4_0.gguf")  # MoE, every MLA tensor form, 3 layers
+        b = str(fx / "v2lite_tiny-kvb-Q5_1.gguf")  # attn_kv_b only: k_b/v_b derived in the graph
+        for mla in (0, 1, 2, 3):
+            cases += [dict(model=a, mla=mla, sm="layer", ts="1,1,2"),
+                      dict(model=a, mla=mla, sm="graph", ts="1,1,1")]
+        cases += [dict(model=b, mla=3, sm="layer", ts="5,2,1"), dict(model=b, mla=0, sm="graph", ts="")]
+    return {"cases": cases,
+            "generate": [dict(model=model4, mla=3, sm="layer", ts="1,3"), dict(model=model4, mla=1, sm="graph", ts="")],
+            "refusals": {"model": model4}}
+
+
+@pytest.fixture(scope="module")
+def results(model4, tmp_path_factory) -> list[dict]:
+    spec = tmp_path_factory.mktemp("md") / "spec.json"
+    spec.write_text(json.dumps(_cases(model4)))
+    env = dict(os.environ, IKJAX_DTYPE="f32",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+                         "--xla_llvm_disable_expensive_passes=true")
+    env.pop("IKJAX_KERNELS", None)
+    run = subprocess.run([sys.executable, str(WORKER), str(spec)], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=str(WORKER.parent))
+    assert run.returncode == 0, run.stderr[-4000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def _of(results, check):
+    return [r for r in results if r["check"] == check]
+
+
+def test_four_fake_devices(results):
+    assert _of(results, "devices") == [{"check": "devices", "n": 4}]
+
+
+def test_logits_equal_one_device(results):
+    rows = _of(results, "logits")
+    assert len(rows) >= 8
+    bad = [(r["case"], r["rel"]) for r in rows if not r["rel"] <= (graph_tol(r) if r["case"]["sm"] == "graph" else TOL)]
+    assert not bad, bad
+    for r in rows:
+        if r["case"]["sm"] == "layer":  # the same kernels, stage by stage: bit for bit
+            assert r["rel"] == 0.0, r
+
+
+def test_layer_split_follows_the_shares(results):
+    """llama.cpp's rule on 4 layers with -ts 1,3 (cumulative 0.25, 1; layer i at fraction i/5, the
+    head at 4/5): layers 0-1 (0, 0.2 < 0.25) on device 0, layers 2-3 and the head on device 1;
+    devices 2, 3 hold nothing."""
+    r = next(r for r in _of(results, "logits") if r["case"]["sm"] == "layer" and r["case"]["ts"] == "1,3")
+    assert r["stages"] == "device 0: embedding, layers 0-1; device 1: layers 2-3, output"
+    per = r["per_device"]
+    assert set(per) == {"CPU0", "CPU1", "CPU2", "CPU3"}
+    assert per["CPU2"] == per["CPU3"] == 0 and per["CPU1"] > per["CPU0"] > 0
+    assert sum(per.values()) == r["weights"] - r["host"]
+    assert any(line.strip().startswith("on CPU1") and "KV cache" in line for line in r["lines"])
+
+
+def test_graph_split_spreads_every_tensor(results):
+    """-sm graph: every device holds a part of each split tensor: about a quarter of the weights
+    each (the norms, the router and the latent projections are whole copies)."""
+    for r in _of(results, "logits"):
+        if r["case"]["sm"] != "graph" or r["case"]["ts"]:
+            continue
+        per = r["per_device"]
+        assert len(set(per.values())) == 1, per
+        assert r["weights"] / 4 <= per["CPU0"] < r["weights"] / 2, (per, r["weights"])
+
+
+def test_three_device_mesh_leaves_the_zero_share_out(results):
+    rows = [r for r in _of(results, "logits") if r["case"]["ts"] == "1,1,1"]
+    if not rows:
+        pytest.skip(FIXTURES_MISSING.format(d="../shared/fixtures"))
+    for r in rows:
+        assert r["per_device"]["CPU3"] == 0 and r["per_device"]["CPU0"] > 0
+
+
+def test_generate_equal_token_for_token(results):
+    rows = _of(results, "generate")
+    assert len(rows) == 2
+    for r in rows:
+        assert len(r["one"]) == 8 and r["many"] == r["one"], r
+
+
+def test_refusals(results):
+    got = {r["what"]: r for r in _of(results, "refuse")}
+    assert got["graph uneven ts"]["error"] == "OptionError" and "-sm layer" in got["graph uneven ts"]["message"]
+    assert got["ts longer than devices"]["error"] == "OptionError" and "for 4 devices" in got["ts longer than devices"]["message"]
+    assert got["ot device with sm layer"]["error"] == "OptionError" and "only =CPU" in got["ot device with sm layer"]["message"]
+    assert got["mg past the devices"]["error"] == "OptionError" and "CPU0, CPU1, CPU2, CPU3" in got["mg past the devices"]["message"]
+    over = got["device over its memory"]
+    assert over["error"] == "DoesNotFitError" and "on CPU1" in over["message"] and "\n" not in over["message"]
+    assert got["device without layers fits"]["error"] is None
+
+
+def test_host_experts_and_main_device(results):
+    for check in ("host experts with sm layer", "host experts with sm graph"):
+        r = _of(results, check)[0]
+        assert r["host"] > 0 and r["rel"] <= (2e-4 if "graph" in check else TOL), r
+    r = _of(results, "host experts with sm layer")[0]
+    assert r["rel"] == 0.0
+    mg = _of(results, "mg")[0]
+    assert mg["rel"] == 0.0 and "id=2" in mg["device"], mg
+
+
+def test_one_device_keeps_the_note(tiny_model):
+    """In this process (one device) -sm/-ts are accepted and change nothing, with a note."""
+    from ikjax.options import RunOptions, switch_notes
+    notes = switch_notes({"split_mode": "layer", "ts": "3,1"}, "generate")
+    assert any(n.startswith("-sm layer has no effect with one device") for n in notes)
+    assert any(n.startswith("-ts 3,1 has no effect with one device") for n in notes)
+    eng = ikjax.load(tiny_model, ctx=64, ubatch=16, sm="graph", ts="3,1")
+    assert eng.split_mode == "none" and any("-sm graph has no effect" in n for n in eng.placement.notes)
+    assert RunOptions.from_kwargs(sm="LAYER", ts=[3, 1], mg=0).split_mode == "layer"
+    with pytest.raises(ikjax.errors.OptionError, match=r"^-sm: expected none, layer or graph"):
+        RunOptions.from_kwargs(sm="row")
+    with pytest.raises(ikjax.errors.OptionError, match=r"^-ts: expected non-negative shares"):
+        RunOptions.from_kwargs(ts="0,0")
