@@ -642,7 +642,8 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
     }
     auto step = [&](int64_t b, int a) {  // blocks [b, b + 4) into acc[.][a]
       const uint8_t* wb = wr + b * bs;
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wb + pf), _MM_HINT_T0);
+      if (pf)  // every cache line of the 4 blocks (72 to 136 bytes)
+        for (int o = 0; o < 4 * bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + pf + o), _MM_HINT_T0);
       const __m128 dw = f16x4<bs>(wb);
       if constexpr (q8) {
         const __m512i w01 = q8_pair<bs>(wb), w23 = q8_pair<bs>(wb + 2 * bs);
