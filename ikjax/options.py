@@ -381,8 +381,9 @@ def switch_notes(values: dict[str, Any], command: str, backend: str = "cpu") -> 
 
 def auto_dtype() -> str:
     """What `dtype="auto"` means: `IKJAX_DTYPE` if set, else bf16 products where kernels run them
-    (Pallas on a GPU, the C++ kernels on a CPU: prompt-sized products in bf16 with f32 sums, as ik
-    runs its CPU prompts on 8-bit activations; decode-sized products stay f32, being memory-bound),
+    (Pallas on a GPU; the C++ kernels on a CPU: prompt-sized products in bf16 with f32 sums, and
+    decode-sized products on 8-bit activation blocks with int8 dot products, as ik runs its CPU
+    matmuls; K-quant types decode in f32 there),
     and f32 on the XLA reference path, whose bf16 dots on a CPU are slower than its f32 ones."""
     import os
     env = os.environ.get("IKJAX_DTYPE", "").lower()

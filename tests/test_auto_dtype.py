@@ -12,7 +12,7 @@ def test_auto_follows_the_kernels(monkeypatch):
     monkeypatch.setenv("IKJAX_KERNELS", "xla")
     assert auto_dtype() == "f32"          # XLA's CPU bf16 dots are slower than its f32 ones
     monkeypatch.setenv("IKJAX_KERNELS", "cpu")
-    assert auto_dtype() == "bf16"         # C++ kernels: bf16 prompt products, f32 decode products
+    assert auto_dtype() == "bf16"         # C++ kernels: bf16 prompt products, 8-bit-activation decode products
     assert RunOptions().with_model(6, True).dtype == "bf16"
     assert RunOptions(dtype="f32").with_model(6, True).dtype == "f32"
 
