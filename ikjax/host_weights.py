@@ -182,11 +182,12 @@ def _is_mapped(data: np.ndarray) -> bool:
     return False
 
 
-def release_pages(data: np.ndarray) -> int:
+def release_pages(data: np.ndarray, evict: bool = True) -> int:
     """Give back the memory-mapped pages under `data` once its bytes live elsewhere: MADV_PAGEOUT
-    (drops them from the page cache where no one else maps them; Linux >= 5.4) then MADV_DONTNEED
-    (unmaps them from this process). Only whole pages inside the range; reading `data` again
-    faults them back in from the file. Returns the bytes released (0 where not Linux)."""
+    (with `evict`: drops them from the page cache where no one else maps them; Linux >= 5.4) then
+    MADV_DONTNEED (unmaps them from this process; without `evict` they stay cached for the next
+    load). Only whole pages inside the range; reading `data` again faults them back in from the
+    file. Returns the bytes released (0 where not Linux)."""
     if not hasattr(os, "sched_getaffinity") or not _is_mapped(data):  # not Linux / not a file's pages
         return 0
     page = mmap.PAGESIZE
@@ -196,7 +197,8 @@ def release_pages(data: np.ndarray) -> int:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.madvise(lo, hi - lo, _MADV_PAGEOUT)  # best effort: older kernels refuse it (EINVAL)
+    if evict:
+        libc.madvise(lo, hi - lo, _MADV_PAGEOUT)  # best effort: older kernels refuse it (EINVAL)
     if libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise(MADV_DONTNEED) on {hi - lo} mapped bytes: {os.strerror(err)}")

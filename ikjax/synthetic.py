@@ -256,6 +256,9 @@ def _write_model(tmp: Path, cfg: dict, plans: list[TensorPlan], preset: str, qty
                  seed: int, progress) -> None:
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(None, gw.ARCH)
+    # 64-byte aligned tensors: XLA's CPU runtime aliases the file's pages instead of copying them
+    # (ikjax.weights.default_placer), so a CPU run holds each weight once, in the page cache
+    writer.add_custom_alignment(64)
     name = PRESET_NAMES[preset] + (f" {cfg['num_hidden_layers']}L" if layers else "") + \
         (f" q_lora {cfg['q_lora_rank']}" if q_lora_rank is not None and cfg["q_lora_rank"] else "")
     label = gw._size_label([(t.name, t.shape) for t in plans])
