@@ -17,7 +17,7 @@ from ikjax import kernels
 from ikjax.errors import ModelFileError, OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
-from ikjax.host_weights import HostQuantArray, host_form, min_offload_batch, release_pages, to_pinned
+from ikjax.host_weights import HostQuantArray, host_form, min_offload_batch, populate_pages, release_pages, to_pinned
 from ikjax.placement import Placement, is_routed_expert
 from ikjax.quant.array import QuantArray
 from ikjax.quant.dequant import supports
@@ -152,13 +152,16 @@ def default_placer(name: str, host: np.ndarray) -> jax.Array:
     so the weights are the file's pages; the rest are copied once and the mapped pages under them are
     handed back (MADV_DONTNEED), so a tensor is never held twice. Measured on the 4-layer V2-Lite
     Q8_0 file: peak RSS 5.05 GiB with every tensor copied and its pages kept, see bench/RESULTS.md."""
+    import os
     try:
-        out = jax.device_put(host, may_alias=True)
+        out = jax.device_put(host, may_alias=os.environ.get("IKJAX_WEIGHTS", "") != "copy")
     except TypeError:  # a JAX without may_alias
         out = jax.device_put(host)
     if isinstance(host, np.ndarray) and out.unsafe_buffer_pointer() != host.ctypes.data:
         out.block_until_ready()
         release_pages(host, evict=False)
+    elif isinstance(host, np.ndarray):
+        populate_pages(host)
     return out
 
 
