@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import threading
 import time
 
 import jax
@@ -24,38 +23,12 @@ import numpy as np
 
 import ikjax  # noqa: F401  (first: pallas_kernels.moe_matmul's package init imports ikjax)
 from pallas_kernels import cpu as _cpu
+from pallas_kernels.cpu.bench_util import fma_peak, read_bandwidth
 from pallas_kernels.moe_matmul import cpu as moe_cpu
 from pallas_kernels.moe_matmul.reference import moe_experts_grouped_ref, moe_experts_ref
 from pallas_kernels.testing import random_quant_array
 
 E, K_USED, D, F = 64, 6, 2048, 1408  # DeepSeek-V2-Lite routed experts
-
-
-def read_bandwidth(n_threads: int, gib: float = 1.0) -> float:
-    """GB/s of reading a `gib` GiB array split over n_threads: an int64 OR-reduction (NumPy releases
-    the GIL; cheaper per byte than a float sum, so it measures the memory, not the adder); best of 5."""
-    a = np.ones(int(gib * (1 << 27)), np.int64)
-    parts = np.array_split(a, n_threads)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        th = [threading.Thread(target=np.bitwise_or.reduce, args=(p,)) for p in parts]
-        for h in th:
-            h.start()
-        for h in th:
-            h.join()
-        best = min(best, time.perf_counter() - t)
-    return a.nbytes / best / 1e9
-
-
-def fma_peak(n_threads: int) -> float:
-    """Theoretical f32 GFLOP/s: threads x max clock (from /proc/cpuinfo) x 32 flop/cycle."""
-    mhz = 0.0
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("cpu MHz"):
-                mhz = max(mhz, float(line.split(":")[1]))
-    return n_threads * mhz / 1e3 * 32
 
 
 def timeit(fn, inputs, *weights, reps: int) -> float:

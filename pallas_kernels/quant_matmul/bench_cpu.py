@@ -16,8 +16,6 @@ are measured/estimated here, in this process, so the table is only as quiet as t
 from __future__ import annotations
 
 import argparse
-import os
-import threading
 import time
 
 import jax
@@ -26,42 +24,13 @@ import numpy as np
 
 import ikjax  # noqa: F401  (first: the quant_matmul package imports ikjax, which imports it back)
 from pallas_kernels import cpu as _cpu
+from pallas_kernels.cpu.bench_util import fma_peak, read_bandwidth
 from pallas_kernels.quant_matmul import cpu
 from pallas_kernels.quant_matmul.reference import quant_matmul_ref
 from pallas_kernels.testing import random_quant_array
 
 SHAPES = [("ffn_up_exps", 1408, 2048), ("ffn_down_exps", 2048, 1408), ("attn_output", 2048, 2048),
           ("ffn_up", 10944, 2048), ("ffn_down", 2048, 10944), ("output", 102400, 2048)]
-
-
-def read_bandwidth(n_threads: int, gib: float = 1.0) -> float:
-    """GB/s of reading a `gib` GiB float32 array, split over n_threads (NumPy's reduction releases
-    the GIL); best of 3."""
-    a = np.ones(int(gib * (1 << 28)), np.float32)
-    parts = np.array_split(a, n_threads)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        th = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
-        for h in th:
-            h.start()
-        for h in th:
-            h.join()
-        best = min(best, time.perf_counter() - t)
-    return a.nbytes / best / 1e9
-
-
-def fma_peak(n_threads: int) -> float:
-    """Nominal f32 GFLOP/s: threads x /proc/cpuinfo clock x 32 (one 16-lane FMA per cycle, AVX-512 on
-    Zen 4; AVX2-only CPUs: two 8-lane FMAs per cycle, also 32). The listed clock is the base clock:
-    boost runs higher (this 2-core Zen 4 VM: ~3.1 GHz, so up to ~120 % of this), and Intel cores
-    with two AVX-512 FMA units double it; pass --peak with a measured value for a true ratio."""
-    mhz = 0.0
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("cpu MHz"):
-                mhz = max(mhz, float(line.split(":")[1]))
-    return n_threads * mhz / 1e3 * 32
 
 
 def timeit(fn, *args, reps: int) -> float:
