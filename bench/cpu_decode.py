@@ -10,7 +10,6 @@ output head. The sum of the pieces against the whole step shows the XLA runtime'
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path

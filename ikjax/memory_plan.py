@@ -25,7 +25,7 @@ from typing import Iterable
 import jax
 
 from ikjax.cache import CacheLayout
-from ikjax.errors import DoesNotFitError, OptionError
+from ikjax.errors import DoesNotFitError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.options import RunOptions
 from ikjax.placement import Placement, plan_placement

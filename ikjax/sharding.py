@@ -236,7 +236,7 @@ class Pipeline:
     def describe(self) -> str:
         parts = []
         for d, first, count, embed_in, head_out in self.stages:
-            what = ([f"embedding"] if embed_in else []) + ([f"layers {first}-{first + count - 1}"] if count else []) \
+            what = (["embedding"] if embed_in else []) + ([f"layers {first}-{first + count - 1}"] if count else []) \
                 + (["output"] if head_out else [])
             parts.append(f"device {d}: {', '.join(what)}")
         return "; ".join(parts)
