@@ -55,7 +55,8 @@ def main() -> None:
     print(f"{a.model}: backend {plan.backend}, threads {plan.threads}, T={T}, KV {a.kv}, bucket {plan.kv_len}, "
           f"dtype {plan.dtype}, ISA {__import__('pallas_kernels.cpu', fromlist=['isa']).isa()}")
     cache = eng.new_cache(1)
-    tokens = np.ones((1, T), np.int32)
+    # random tokens, as sweep-bench: identical ones would all route to the same experts
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, T)).astype(np.int32)
     start = np.array([a.kv], np.int32)
     ts = []
     for _ in range(5):
@@ -66,7 +67,7 @@ def main() -> None:
     whole = min(ts) * 1e3
 
     ctx = kernels.kernel_context(plan.backend, plan.threads)
-    x = jnp.ones((1, T, cfg.d_model), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, T, cfg.d_model)), jnp.float32)
     q_pos = jnp.asarray(start[:, None] + np.arange(T)[None, :], jnp.int32)
     cos, sin = rope_tables(inverse_frequencies(cfg), q_pos)
     rows = []
