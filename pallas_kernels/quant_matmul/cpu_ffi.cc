@@ -41,14 +41,18 @@ static ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> 
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulFfi, QuantMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("type")
-                                  .Attr<int64_t>("n_threads")
-                                  .Attr<int64_t>("compute"));
+// Both handlers take (x f32, w u8) -> y f32 with the attributes type, n_threads, compute.
+static auto Binding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::U8>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<int64_t>("type")
+      .Attr<int64_t>("n_threads")
+      .Attr<int64_t>("compute");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulFfi, QuantMatmulImpl, Binding());
 
 static ikj::FfiRegistration reg("ikjax_cpu_quant_matmul", reinterpret_cast<void*>(QuantMatmulFfi));
 
@@ -85,13 +89,6 @@ static ffi::Error QuantMatmulHeadsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulHeadsFfi, QuantMatmulHeadsImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("type")
-                                  .Attr<int64_t>("n_threads")
-                                  .Attr<int64_t>("compute"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulHeadsFfi, QuantMatmulHeadsImpl, Binding());
 
 static ikj::FfiRegistration reg_heads("ikjax_cpu_quant_matmul_heads", reinterpret_cast<void*>(QuantMatmulHeadsFfi));
