@@ -41,6 +41,8 @@ from pallas_kernels.quant_matmul.packing import PackedWeight, prepare as _prepar
 from pallas_kernels.quant_matmul.reference import quant_matmul_ref
 from pallas_kernels.quant_matmul import kernel as _qm
 from pallas_kernels.quant_matmul import cpu as _qm_cpu
+from pallas_kernels.moe_matmul import cpu as _moe_cpu_mod
+from pallas_kernels.mla_decode import cpu as _mla_cpu_mod
 from pallas_kernels.moe_matmul.reference import moe_experts_ref, moe_experts_grouped_ref
 from pallas_kernels.moe_matmul import kernel as _moe
 from pallas_kernels.mla_decode.reference import mla_decode_ref
@@ -273,23 +275,12 @@ def _moe_pallas(interpret: bool):
     return run
 
 
-def _cpu_module(op: str):
-    """pallas_kernels.<op>.cpu, or None while that op has no C++ kernel."""
-    import importlib
-    try:
-        return importlib.import_module(f"pallas_kernels.{op}.cpu")
-    except ModuleNotFoundError:
-        return None
-
-
 def _moe_cpu_supported(x, weights, ids, gate, up, down, dtype, fused=True) -> bool:
-    moe_cpu = _cpu_module("moe_matmul")
-    return moe_cpu is not None and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16) and moe_cpu.supported(gate, up, down)
+    return jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16) and _moe_cpu_mod.supported(gate, up, down)
 
 
 def _moe_cpu(x, weights, ids, gate, up, down, dtype, fused=True):
-    from pallas_kernels.moe_matmul import cpu as moe_cpu
-    return moe_cpu.moe_experts(x, weights, ids, gate, up, down, n_threads=_threads(), compute=_compute(dtype))
+    return _moe_cpu_mod.moe_experts(x, weights, ids, gate, up, down, n_threads=_threads(), compute=_compute(dtype))
 
 
 def _moe_host(x, weights, ids, gate, up, down, dtype):
@@ -374,7 +365,7 @@ def mla_decode_supported(n_head: int, n_kv: int, width: int, v_dim: int, backend
     only up to its own length (so decode steps can share one KV bucket)."""
     b = resolve_backend(backend)
     if b == "cpu":  # the C++ kernel takes any geometry with v_dim <= width (it reads the cache as stored)
-        return _cpu_module("mla_decode") is not None and 1 <= v_dim <= width
+        return _cpu.available() and 1 <= v_dim <= width
     if b in ("pallas", "interpret"):
         return _mla.supports(n_head, n_kv, width, v_dim)
     return False
@@ -397,13 +388,11 @@ def _mla_pallas(interpret: bool):
 
 
 def _mla_cpu_supported(q, cache, lengths, scale, v_dim, dtype) -> bool:
-    mla_cpu = _cpu_module("mla_decode")
-    return mla_cpu is not None and mla_cpu.supported(q.shape, cache, v_dim)
+    return _mla_cpu_mod.supported(q.shape, cache, v_dim)
 
 
 def _mla_cpu(q, cache, lengths, scale, v_dim, dtype):
-    from pallas_kernels.mla_decode import cpu as mla_cpu
-    return mla_cpu.mla_decode(q, cache, lengths, scale, v_dim=v_dim, n_threads=_threads())
+    return _mla_cpu_mod.mla_decode(q, cache, lengths, scale, v_dim=v_dim, n_threads=_threads())
 
 
 def mla_decode_attention(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16,
@@ -422,13 +411,11 @@ def mla_prompt_supported(q_shape, cache, v_dim: int, backend: str | None = None)
     """Whether absorbed attention for prompt steps (T > 1) has a kernel on this backend (CPU only)."""
     if resolve_backend(backend) != "cpu":
         return False
-    mla_cpu = _cpu_module("mla_decode")
-    return mla_cpu is not None and mla_cpu.supported(q_shape, cache, v_dim)
+    return _mla_cpu_mod.supported(q_shape, cache, v_dim)
 
 
 def mla_prompt_attention(q, cache, q_pos, scale, *, v_dim: int, backend: str | None = None):
     """Absorbed MLA over the latent cache for T queries at positions q_pos [B, T] (causal by position);
     only keys up to each query's position are read. q [B, T, H, D] -> [B, T, H, v_dim] float32."""
-    from pallas_kernels.mla_decode import cpu as mla_cpu
     _ran("mla_prompt", "cpu")
-    return mla_cpu.mla_attention(q, cache, q_pos, scale, v_dim=v_dim, n_threads=_threads())
+    return _mla_cpu_mod.mla_attention(q, cache, q_pos, scale, v_dim=v_dim, n_threads=_threads())
