@@ -6,6 +6,7 @@ from the ones it has (see `attention_weights`), exactly, with no re-quantization
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -152,7 +153,6 @@ def default_placer(name: str, host: np.ndarray) -> jax.Array:
     so the weights are the file's pages; the rest are copied once and the mapped pages under them are
     handed back (MADV_DONTNEED), so a tensor is never held twice. Measured on the 4-layer V2-Lite
     Q8_0 file: peak RSS 5.05 GiB with every tensor copied and its pages kept, see bench/RESULTS.md."""
-    import os
     try:
         out = jax.device_put(host, may_alias=os.environ.get("IKJAX_WEIGHTS", "") != "copy")
     except TypeError:  # a JAX without may_alias
