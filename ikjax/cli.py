@@ -200,6 +200,12 @@ NrepOpt = Annotated[Optional[str], typer.Option("-nrep", "--n-repetitions", help
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="matmul dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, f16 (not an ik flag)")]
 KvBlockOpt = Annotated[int, typer.Option("--kv-block", help="KV chunk of the blocked attention / KV bucket size")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="log loading and compilation")]
+# several processes (hosts) on jax.distributed: ikjax.distributed
+CoordOpt = Annotated[Optional[str], typer.Option("--coordinator", help="HOST:PORT of process 0's coordinator: run "
+                                                 "this command on every process (hosts) with -sm graph; the mesh spans "
+                                                 "all their devices, process 0 prints (see README)")]
+NprocOpt = Annotated[Optional[int], typer.Option("--num-processes", help="processes in all (with --coordinator)")]
+PidOpt = Annotated[Optional[int], typer.Option("--process-id", help="this process's index 0..N-1 (with --coordinator)")]
 
 
 def _err(msg: str) -> None:
@@ -213,6 +219,7 @@ def _handle(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
+            _join_processes(kwargs)
             return func(*args, **kwargs)
         except typer.Exit:
             raise
@@ -229,6 +236,21 @@ def _handle(func: Callable) -> Callable:
             _err(f"{type(e).__name__}: {first} (set IKJAX_DEBUG=1 for a traceback)")
             raise typer.Exit(1)
     return wrapper
+
+
+def _join_processes(params: dict[str, Any]) -> None:
+    """--coordinator/--num-processes/--process-id: join the other processes before any JAX backend
+    starts; every process but 0 then computes silently (its stdout goes nowhere). The collectives'
+    C++ libraries (gloo) print connection lines on file descriptor 1: it is pointed at stderr, and
+    Python's stdout keeps the real one, so stdout holds only the table."""
+    from ikjax import distributed
+    if not distributed.check_args(params.get("coordinator"), params.get("num_processes"), params.get("process_id")):
+        return
+    distributed.initialize(params["coordinator"], params["num_processes"], params["process_id"])
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real, "w") if distributed.is_primary() else open(os.devnull, "w")
 
 
 def _stderr_console():
@@ -405,6 +427,7 @@ def sweep_bench(
     plot: Annotated[Optional[str], typer.Option("--plot", help="also draw S_PP and S_TG vs N_KV to this PNG")] = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the random tokens")] = 0,
     verbose: VerboseOpt = False,
+    coordinator: CoordOpt = None, num_processes: NprocOpt = None, process_id: PidOpt = None,
 ) -> None:
     """PP and TG speed as the KV cache fills (ik_llama.cpp's llama-sweep-bench).
 
@@ -552,6 +575,7 @@ def bench(
     ger: GerOpt = None, wb: WbOpt = None,
     seed: Annotated[int, typer.Option("-s", "--seed")] = 0,
     verbose: VerboseOpt = False,
+    coordinator: CoordOpt = None, num_processes: NprocOpt = None, process_id: PidOpt = None,
 ) -> None:
     """llama-bench: pp512 / tg128 / pp512+tg128 / tg64@pp8192 tests over the Cartesian product of comma lists.
 
@@ -666,6 +690,7 @@ def generate(
     ger: GerOpt = None, wb: WbOpt = None,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
     verbose: VerboseOpt = False,
+    coordinator: CoordOpt = None, num_processes: NprocOpt = None, process_id: PidOpt = None,
 ) -> None:
     """Generate text from a prompt, streamed to stdout (like llama-cli -p ... -n ...).
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax import cache as kvcache
-from ikjax import kernels, sharding
+from ikjax import distributed, kernels, sharding
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
@@ -79,7 +79,7 @@ class Engine:
                                                 vocab_from_tensor=first_tensor.shape[0] if first_tensor else None)
         # -sm graph over several devices runs the XLA path (ikjax.sharding): kernels are custom
         # calls XLA cannot partition; dtype "auto" then means the XLA path's f32
-        mesh_step = options.split_mode == "graph" and len(jax.local_devices()) > 1
+        mesh_step = options.split_mode == "graph" and len(jax.devices()) > 1
         with kernels.kernel_context("xla" if mesh_step else None):
             self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0)
         self.capacity = cache_capacity(self.options)
@@ -89,6 +89,7 @@ class Engine:
         for note in self.placement.notes:
             log.warning("%s", note)
         self.split_mode = self.placement.split_mode
+        distributed.check_split(self.split_mode)
         self.backend = "xla" if self.split_mode == "graph" else kernels.resolve_backend()
         self.decode_kernel = (o.fa and o.mla in (1, 3) and self.backend != "jnp"
                               and kernels.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
@@ -206,7 +207,14 @@ class Engine:
         B, T = tokens.shape
         last = np.full(B, T - 1, np.int32) if last is None else np.asarray(last, np.int32)
         plan = self._plan(self.kv_bucket(int(start.max()) + T, T), all_logits, T)
-        return self._executable(B, T, plan)(self.weights, cache, tokens, start, last)
+        exe = self._executable(B, T, plan)
+        if self._mesh is None:
+            return exe(self.weights, cache, tokens, start, last)
+        # the mesh may span other processes' devices: inputs as global arrays (the same values on
+        # every process), the replicated logits read from this process's own copy
+        rep = sharding.replicated(self._mesh)
+        logits, cache = exe(self.weights, cache, *(distributed.global_input(a, rep) for a in (tokens, start, last)))
+        return distributed.local_value(logits), cache
 
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""

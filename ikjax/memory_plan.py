@@ -237,7 +237,10 @@ def kv_per_device(placement: Placement, layout: CacheLayout) -> tuple[tuple[str,
 
 def device_limit(device) -> int | None:
     """Bytes a device can hold (its allocator's limit), or None where the backend does not say
-    (CPU devices: they share the machine's RAM, checked as a whole)."""
+    (CPU devices: they share the machine's RAM, checked as a whole; another process's device: that
+    process checks its own)."""
+    if getattr(device, "process_index", 0) != jax.process_index():
+        return None
     stats = device.memory_stats() or {}
     return stats.get("bytes_limit")
 

@@ -267,10 +267,10 @@ ONE_DEVICE = "has no effect with one device (-sm/-ts/-mg spread a model over sev
 
 
 def device_count() -> int:
-    """Devices JAX sees in this process (all processes' devices under jax.distributed are not
-    counted here: -sm/-ts/-mg apply to this process's devices)."""
+    """Devices the model can spread over: this process's, and under jax.distributed every
+    process's (the -sm graph mesh spans them all)."""
     import jax
-    return len(jax.local_devices())
+    return len(jax.devices())
 
 # parameter name -> (ik flag as users type it, how its value is read)
 SWITCHES: dict[str, tuple[str, str]] = {

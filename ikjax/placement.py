@@ -289,12 +289,13 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
 
     `tensors`: the file's tensors, each a `TensorInfo`-like object (`.name`, `.shape`, `.nbytes`)
     or a tuple (name, shape, nbytes) — shape may be None where only names and sizes are known.
-    `devices`: the JAX devices of this process (default `jax.devices()`). Refuses (OptionError) an
+    `devices`: the JAX devices (default `jax.devices()`: every process's under jax.distributed, in
+    process order, so every process labels them alike). Refuses (OptionError) an
     `-ot` device this machine does not have, before anything is loaded.
     """
     if devices is None:
         import jax
-        devices = jax.local_devices()
+        devices = jax.devices()
     mode = options.split_mode
     labels, unified = _device_labels(devices, several=mode != "none" or options.main_gpu != 0)
     n_dev = len(labels)

@@ -114,9 +114,9 @@ def graph_split_dim(axes: Sequence[str | None] | None, shape: Sequence[int] | No
 
 def jax_devices(placement) -> list:
     """The JAX devices the Placement's labels name, in label order (accelerators, or the CPU
-    devices of a CPU-only process)."""
+    devices of a CPU-only machine; every process's under jax.distributed)."""
     import jax
-    devs = jax.local_devices()
+    devs = jax.devices()
     accel = [d for d in devs if d.platform != "cpu"]
     return (accel or devs)[:len(placement.devices)]
 
@@ -144,6 +144,11 @@ def replicated(mesh):
     return NamedSharding(mesh, P())
 
 
+# bytes of tensor data this process copied out of the file for its devices (-sm graph): under
+# jax.distributed each process reads only its devices' parts (tests/test_multi_host.py checks it)
+BYTES_READ = [0]
+
+
 def placer(placement):
     """The loader's placer for several devices. -sm graph: each tensor as a `NamedSharding` of the
     mesh, split on its `split_dim` or a whole copy on each device. -sm layer / -mg over several
@@ -163,7 +168,13 @@ def placer(placement):
 
         def place_graph(name: str, data):
             t = placement[name]
-            return jax.device_put(data, NamedSharding(mesh, partition_spec(t.split_dim, data.ndim)))
+            sh = NamedSharding(mesh, partition_spec(t.split_dim, data.ndim))
+
+            def part(index):  # asked only for this process's devices: the file's bytes of that part
+                block = data[index]
+                BYTES_READ[0] += block.nbytes
+                return block
+            return jax.make_array_from_callback(data.shape, sh, part)
         return place_graph
     devs = jax_devices(placement)
 

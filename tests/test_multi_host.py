@@ -1,0 +1,177 @@
+"""Several processes on localhost through jax.distributed (the multi-host path without hosts):
+2 processes x 2 fake CPU devices each, CPU collectives through gloo, -sm graph over the 4 devices.
+
+Oracle: the same model in this one-device process, at f32. The mesh runs the XLA path with
+GSPMD's all-reduces (sums in another order), so, as in tests/test_multi_device.py, logits are held
+to max(1e-5, 2 x the one-device gap between the C++ kernels and the XLA path of the same model and
+mode) against the one-device XLA path; every process must get the very same logits and the same
+generated tokens; each process reads from the file only the parts its own devices hold.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ikjax
+from ikjax import distributed
+from ikjax.errors import OptionError
+
+HERE = Path(__file__).parent
+WORKER = HERE / "multi_host_worker.py"
+TOL = 1e-5
+IDS = (np.arange(1, 14) * 37 % 500 + 3).tolist()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ, IKJAX_DTYPE="f32",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0 "
+                         "--xla_llvm_disable_expensive_passes=true")
+    env.pop("IKJAX_KERNELS", None)
+    return env
+
+
+def _launch(argv_of, n: int = 2, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """Start n processes (argv_of(i)) together and wait for all of them."""
+    procs = [subprocess.Popen(argv_of(i), env=_env(), cwd=str(HERE), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(n)]
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def rel(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(scope="module")
+def model4(tmp_path_factory):
+    from ikjax.synthetic import make_model
+    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-4L.gguf"
+    if not p.exists():
+        make_model(p, "tiny", "Q8_0", layers=4)
+    return str(p)
+
+
+def _cases(model4: str) -> list[dict]:
+    cases = [dict(model=model4, mla=m) for m in (0, 1, 2, 3)]
+    fx = Path(os.environ.get("IKJAX_FIXTURES") or HERE.parents[1] / "shared" / "fixtures")
+    if (fx / "MANIFEST.json").exists():  # ik's converter: MoE with every MLA tensor form
+        cases.append(dict(model=str(fx / "v3tiny-all-Q4_0.gguf"), mla=3))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def run(model4, tmp_path_factory):
+    d = tmp_path_factory.mktemp("mh")
+    spec = dict(coordinator=f"localhost:{_free_port()}", num_processes=2, out=str(d), ids=IDS,
+                cases=_cases(model4), generate_case=3)
+    (d / "spec.json").write_text(json.dumps(spec))
+    procs = _launch(lambda i: [sys.executable, str(WORKER), str(d / "spec.json"), str(i)])
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i}: {p.stderr[-3000:]}"
+    rows = [[json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")] for p in procs]
+    arrays = [dict(np.load(d / f"p{i}.npz")) for i in range(2)]
+    return spec, rows, arrays
+
+
+def _reference(model: str, mla: int, kernels: str | None, monkeypatch) -> np.ndarray:
+    if kernels:
+        monkeypatch.setenv("IKJAX_KERNELS", kernels)
+    else:
+        monkeypatch.delenv("IKJAX_KERNELS", raising=False)
+    return ikjax.load(model, ctx=64, ubatch=16, mla=mla).logits(IDS)
+
+
+def test_the_mesh_spans_both_processes(run):
+    _, rows, _ = run
+    for r in rows:
+        assert r[0] == {"check": "devices", "global": 4, "local": 2, "processes": 2}
+
+
+def test_logits_equal_one_process(run, monkeypatch):
+    spec, _, arrays = run
+    for k, c in enumerate(spec["cases"]):
+        a, b = arrays[0][f"logits{k}"], arrays[1][f"logits{k}"]
+        assert np.array_equal(a, b), (c, "processes disagree")
+        ref = _reference(c["model"], c["mla"], "xla", monkeypatch)
+        gap = rel(_reference(c["model"], c["mla"], None, monkeypatch), ref)
+        assert a.shape == ref.shape
+        assert rel(a, ref) <= max(TOL, 2 * gap), (c, rel(a, ref), gap)
+
+
+def test_generate_same_tokens_everywhere(run, model4, monkeypatch):
+    _, _, arrays = run
+    monkeypatch.setenv("IKJAX_KERNELS", "xla")
+    one = list(ikjax.load(model4, ctx=64, ubatch=16, mla=3).generate(IDS, 8))
+    assert arrays[0]["generated"].tolist() == arrays[1]["generated"].tolist() == one
+
+
+def test_each_process_reads_only_its_parts(run):
+    """Split tensors: each process copies out of the file only its devices' halves; replicated
+    ones (norms, router, latent projections) once per local device. Both together cover the file."""
+    _, rows, _ = run
+    cases = [[r for r in rs if r["check"] == "case"] for rs in rows]
+    for a, b in zip(*cases):
+        total = a["file_bytes"]
+        assert 0 < a["read"] < total and 0 < b["read"] < total, (a, b)
+        assert a["read"] + b["read"] >= total
+        assert set(a["per_device"]) == {"CPU0", "CPU1", "CPU2", "CPU3"}
+
+
+def test_layer_split_over_processes_refused(run):
+    _, rows, _ = run
+    for rs in rows:
+        msg = next(r for r in rs if r["check"] == "refusal")["message"]
+        assert msg.startswith("sm: 2 processes") and "-sm graph" in msg
+
+
+def test_cli_two_processes_process_zero_prints(model4):
+    """The README's launch: the same command on each process; only process 0's stdout has the table,
+    and nothing else (the collectives' own connection lines go to stderr)."""
+    port = _free_port()
+    procs = _launch(lambda i: [sys.executable, "-m", "ikjax.cli", "sweep-bench", "-m", model4, "-c", "64", "-ub", "16",
+                               "-n", "2", "-sm", "graph", "--coordinator", f"localhost:{port}", "--num-processes", "2",
+                               "--process-id", str(i)])
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i}: {p.stderr[-2000:]}"
+    lines = [ln for ln in procs[0].stdout.splitlines() if ln.strip()]
+    assert lines[0].startswith("main: n_kv_max = 64") and lines[1].startswith("|    PP |")
+    assert len([ln for ln in lines if ln.startswith("|    16 |")]) == 4, procs[0].stdout
+    assert procs[1].stdout == ""
+
+
+@pytest.mark.parametrize("args, msg", [
+    (("localhost:1234", 2, None), "go together"),
+    (("localhost", 2, 0), "expected HOST:PORT"),
+    (("localhost:99999", 2, 0), "expected HOST:PORT"),
+    (("localhost:1234", 0, 0), "num-processes: need >= 1"),
+    (("localhost:1234", 2, 2), "process-id: need 0 <= id < 2"),
+])
+def test_bad_process_options_refused(args, msg):
+    with pytest.raises(OptionError, match=msg):
+        distributed.check_args(*args)
+
+
+def test_no_process_options_is_one_process():
+    assert distributed.check_args(None, None, None) is False
