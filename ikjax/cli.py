@@ -200,6 +200,9 @@ NrepOpt = Annotated[Optional[str], typer.Option("-nrep", "--n-repetitions", help
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="matmul dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, f16 (not an ik flag)")]
 KvBlockOpt = Annotated[int, typer.Option("--kv-block", help="KV chunk of the blocked attention / KV bucket size")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="log loading and compilation")]
+CompileCacheOpt = Annotated[Optional[str], typer.Option(
+    "--compile-cache", metavar="DIR", help="keep compiled steps in DIR across runs (0: off); default "
+    "$IKJAX_COMPILE_CACHE, else ~/.cache/ikjax/xla (not an ik flag)")]
 # several processes (hosts) on jax.distributed: ikjax.distributed
 CoordOpt = Annotated[Optional[str], typer.Option("--coordinator", help="HOST:PORT of process 0's coordinator: run "
                                                  "this command on every process (hosts) with -sm graph; the mesh spans "
@@ -341,6 +344,22 @@ def _load(model: Optional[str], verbose: bool = False, **opts: Any):
     return eng
 
 
+def _setup_compile_cache(spec: Optional[str]) -> None:
+    """--compile-cache (or $IKJAX_COMPILE_CACHE): set before the first compile (ikjax.compile_cache)."""
+    from ikjax import compile_cache
+    compile_cache.setup(spec)
+
+
+def _compiled_line(eng, count0: int, hits0: int, seconds: float) -> str:
+    """What compiling cost: steps compiled, steps loaded from the persistent cache, and where it is."""
+    from ikjax import compile_cache
+    n, hits = eng.compile_count - count0, eng.compile_cache_hits - hits0
+    if compile_cache.directory() is None:
+        return f"compiled {n} steps in {seconds:.2f}s (compilation cache off; not in the timings)"
+    return (f"compiled {n - hits} steps, {hits} from the cache in {seconds:.2f}s "
+            f"({compile_cache.describe()}; not in the timings)")
+
+
 # ---------------------------------------------------------------------------------------------
 # sweep-bench
 
@@ -427,6 +446,7 @@ def sweep_bench(
     plot: Annotated[Optional[str], typer.Option("--plot", help="also draw S_PP and S_TG vs N_KV to this PNG")] = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the random tokens")] = 0,
     verbose: VerboseOpt = False,
+    compile_cache_dir: CompileCacheOpt = None,
     coordinator: CoordOpt = None, num_processes: NprocOpt = None, process_id: PidOpt = None,
 ) -> None:
     """PP and TG speed as the KV cache fills (ik_llama.cpp's llama-sweep-bench).
@@ -444,7 +464,9 @@ def sweep_bench(
     reps = int(nrep) if nrep else 1  # checked by _check_options
     if not sb.sweep_points(checked.ctx, checked.ubatch):
         raise OptionError(f"ubatch {checked.ubatch} is larger than the context c={checked.ctx}: nothing to sweep")
+    _setup_compile_cache(compile_cache_dir)
     eng = _load(model, verbose, **run_opts)
+    count0, hits0 = eng.compile_count, eng.compile_cache_hits
     ub = eng.options.ubatch
     tg = ub // 4 if n_gen is None else n_gen
     shapes = sb.step_shapes(eng, tg)
@@ -453,7 +475,7 @@ def sweep_bench(
         sb.precompile(eng, tg, on_shape=lambda *_: prog.update(advance=1),
                       on_begin=lambda k, n, t, kv: prog.status(f"compiling step {k}/{n} ({t} tokens, KV bucket {kv})"))
     compile_s = time.perf_counter() - t0
-    _log(f"compiled {len(shapes)} step shapes in {compile_s:.2f}s (not in the timings)")
+    _log(_compiled_line(eng, count0, hits0, compile_s))
     info = sb.RunInfo.of(eng)
     rows = []
     t0 = time.perf_counter()
@@ -575,6 +597,7 @@ def bench(
     ger: GerOpt = None, wb: WbOpt = None,
     seed: Annotated[int, typer.Option("-s", "--seed")] = 0,
     verbose: VerboseOpt = False,
+    compile_cache_dir: CompileCacheOpt = None,
     coordinator: CoordOpt = None, num_processes: NprocOpt = None, process_id: PidOpt = None,
 ) -> None:
     """llama-bench: pp512 / tg128 / pp512+tg128 / tg64@pp8192 tests over the Cartesian product of comma lists.
@@ -640,6 +663,7 @@ def bench(
         if r.error:
             console.print(f"skipped {os.path.basename(r.model)} {r.params}: {r.error}", markup=False, highlight=False)
 
+    _setup_compile_cache(compile_cache_dir)
     with console.status("bench") as status:
         results = lb.run_bench(models, params, tests, reps, on_result, lambda s: status.update(s),
                                extra_options=fixed, seed=seed)
@@ -690,6 +714,7 @@ def generate(
     ger: GerOpt = None, wb: WbOpt = None,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
     verbose: VerboseOpt = False,
+    compile_cache_dir: CompileCacheOpt = None,
     coordinator: CoordOpt = None, num_processes: NprocOpt = None, process_id: PidOpt = None,
 ) -> None:
     """Generate text from a prompt, streamed to stdout (like llama-cli -p ... -n ...).
@@ -700,7 +725,9 @@ def generate(
     if n_predict < 0:
         raise OptionError(f"n-predict: need >= 0, got {n_predict}")
     run_opts, _ = _check_options(locals(), "generate")
+    _setup_compile_cache(compile_cache_dir)
     eng = _load(model, verbose, **run_opts)
+    count0, hits0 = eng.compile_count, eng.compile_cache_hits
     tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
     ids = tok.encode(prompt)
     if not ids:
@@ -714,7 +741,7 @@ def generate(
             prog.status(f"compiling step {k}/{len(shapes)} ({n_tok} tokens, KV bucket {eng.kv_bucket(kv, n_tok)})")
             eng.precompile(1, n_tok, kv)
             prog.update(advance=1)
-    _log(f"compiled {len(shapes)} step shapes in {time.perf_counter() - t0:.2f}s (not in the timings)")
+    _log(_compiled_line(eng, count0, hits0, time.perf_counter() - t0))
     if not no_echo:
         typer.echo(prompt, nl=False)
     n = 0

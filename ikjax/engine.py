@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax import cache as kvcache
+from ikjax import compile_cache, kv_buckets
 from ikjax import distributed, kernels, sharding
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
@@ -70,6 +71,8 @@ def _pow2_at_least(n: int, lo: int = 1) -> int:
 
 class Engine:
     """Load with `ikjax.load(path, **options)`."""
+
+    compile_cache_hits = 0  # steps of compile_count loaded from the persistent cache (ikjax.compile_cache)
 
     def __init__(self, path: str, options: RunOptions):
         anon0, file0 = process_memory()  # the process before this model: the plan's runtime part
@@ -133,6 +136,8 @@ class Engine:
         if exe is not None:
             return exe
         self._note_compile(B, T, plan)
+        compile_cache.setup()
+        hits0, writes0 = compile_cache.hits(), compile_cache.writes()
         anon0, file0 = process_memory()
         cache = jax.eval_shape(lambda: kvcache.init_cache(self.cache_layout(B)))
         if self._pipeline is not None:
@@ -150,6 +155,8 @@ class Engine:
                 return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
             exe = self._step.lower(self.weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
                                    plan=plan).compile()
+        if compile_cache.hits() > hits0 and compile_cache.writes() == writes0:
+            self.compile_cache_hits += 1
         anon1, file1 = process_memory()  # compiling reads no weight pages: all of it is compiler state
         mem = dataclasses.replace(self._memory, compile_bytes=self._memory.compile_bytes
                                   + max(0, anon1 + file1 - anon0 - file0))
@@ -176,11 +183,13 @@ class Engine:
                         backend=self.backend, threads=threads)
 
     def kv_bucket(self, needed: int, n_tokens: int = 0) -> int:
-        """Cache rows a step reads: a power of two covering `needed`. Decode steps that run the
+        """Cache rows a step reads: the bucket covering `needed` (ikjax.kv_buckets: multiples of
+        ubatch placed by length, as many as powers of two would be). Decode steps that run the
         split-KV MLA kernel read each sequence only up to its own length, so they share one bucket."""
         if n_tokens == 1 and self.decode_kernel:
             return self.capacity
-        return min(self.capacity, _pow2_at_least(needed, self.options.kv_block))
+        o = self.options
+        return kv_buckets.kv_bucket(needed, o.ctx, o.ubatch, o.kv_block, self.capacity)
 
     def token_bucket(self, n: int) -> int:
         return min(_pow2_at_least(n), max(n, self.options.ubatch))
@@ -441,4 +450,5 @@ class Engine:
 
 def load(path: str, **options) -> Engine:
     """Open a deepseek2 GGUF (any shard of a split model) with ik_llama.cpp-named options."""
+    compile_cache.setup()  # before anything compiles: JAX looks for its cache once
     return Engine(str(path), RunOptions.from_kwargs(**options))

@@ -10,6 +10,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llv
 # kernel paths) is pinned to f32 here; tests of the bf16 modes ask for dtype="bf16" by name, and
 # test_options checks what auto means without this setting.
 os.environ.setdefault("IKJAX_DTYPE", "f32")
+# Nothing written to the user's ~/.cache/ikjax/xla: the persistent compilation cache is off unless
+# asked for (tests/test_compile_cache.py points it at temp directories).
+os.environ.setdefault("IKJAX_COMPILE_CACHE", "0")
 from pathlib import Path
 
 import numpy as np

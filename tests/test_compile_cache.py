@@ -1,0 +1,120 @@
+"""The persistent compilation cache (ikjax.compile_cache): a second process compiles nothing and
+computes the same logits; IKJAX_COMPILE_CACHE=0 writes nothing; a changed kernel library gets its
+own subdirectory; a bad directory is one OptionError naming the setting.
+
+The runs are subprocesses: JAX decides about its cache once per process, and the test process
+itself keeps the cache off (conftest)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ikjax import compile_cache
+from ikjax.errors import OptionError
+
+RUN = """
+import json, sys
+import numpy as np
+import ikjax
+from ikjax import compile_cache
+eng = ikjax.load(sys.argv[1], ctx=256, ubatch=32)
+out = eng.logits(list(range(1, 41)))  # two prompt chunks: two step shapes
+np.save(sys.argv[2], out)
+print(json.dumps(dict(compiled=eng.compile_count, from_cache=eng.compile_cache_hits, hits=compile_cache.hits(),
+                      writes=compile_cache.writes(), dir=str(compile_cache.directory()))))
+"""
+
+
+def _run(model: str, out: Path, env: dict) -> dict:
+    res = subprocess.run([sys.executable, "-c", RUN, model, str(out)], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _files(d: Path) -> list[Path]:
+    return [p for p in d.rglob("*") if p.is_file()] if d.exists() else []
+
+
+def test_second_process_compiles_nothing_and_matches(tiny_model, tmp_path):
+    cache = tmp_path / "xla"
+    env = {"IKJAX_COMPILE_CACHE": str(cache)}
+    cold = _run(tiny_model, tmp_path / "a.npy", env)
+    assert cold["compiled"] == 2 and cold["from_cache"] == 0 and cold["writes"] >= 2
+    assert Path(cold["dir"]).parent == cache and Path(cold["dir"]).name == compile_cache.build_tag()
+    assert any(p.name.startswith("jit_forward") for p in _files(cache))
+    warm = _run(tiny_model, tmp_path / "b.npy", env)
+    assert warm["compiled"] == 2 and warm["from_cache"] == 2  # both steps loaded
+    assert warm["writes"] == 0 and warm["hits"] >= 2  # nothing compiled anywhere in the process
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+
+
+def test_off_writes_nothing(tiny_model, tmp_path):
+    home = tmp_path / "home"
+    env = {"IKJAX_COMPILE_CACHE": "0", "HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    r = _run(tiny_model, tmp_path / "a.npy", env)
+    assert r["dir"] == "None" and r["writes"] == 0 and r["hits"] == 0 and r["from_cache"] == 0
+    assert _files(home) == [] and _files(tmp_path / "xdg") == []
+
+
+def test_sweep_bench_says_it_compiled_nothing(tiny_model, tmp_path):
+    """The second `ikjax sweep-bench` of the same model and options: "compiled 0 steps, N from the cache"."""
+    args = [sys.executable, "-c", "from ikjax.cli import app; app()", "sweep-bench", "-m", tiny_model, "-c", "128",
+            "-ub", "64", "-n", "2", "--compile-cache", str(tmp_path / "c")]
+    lines = []
+    for _ in range(2):
+        res = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "IKJAX_COMPILE_CACHE": "0"})  # the option wins over the variable
+        assert res.returncode == 0, res.stderr
+        lines.append(next(l for l in res.stderr.splitlines() if l.startswith("compiled ")))
+    n = int(lines[0].split()[1])
+    assert n >= 2 and lines[0].startswith(f"compiled {n} steps, 0 from the cache"), lines[0]
+    assert lines[1].startswith(f"compiled 0 steps, {n} from the cache"), lines[1]
+    assert str(tmp_path / "c") in lines[1]
+
+
+def test_resolve_locations(monkeypatch, tmp_path):
+    monkeypatch.delenv("IKJAX_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.resolve() == tmp_path / "xdg" / "ikjax" / "xla"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert compile_cache.resolve() == Path.home() / ".cache" / "ikjax" / "xla"
+    monkeypatch.setenv("IKJAX_COMPILE_CACHE", str(tmp_path / "env"))
+    assert compile_cache.resolve() == tmp_path / "env"
+    assert compile_cache.resolve(str(tmp_path / "opt")) == tmp_path / "opt"  # the CLI option wins
+    for off in ("0", "off", "OFF", "false"):
+        monkeypatch.setenv("IKJAX_COMPILE_CACHE", off)
+        assert compile_cache.resolve() is None
+    assert compile_cache.resolve("0") is None
+    with pytest.raises(OptionError, match="--compile-cache: empty"):
+        compile_cache.resolve("  ")
+
+
+def test_unusable_directory_is_an_option_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OptionError, match=r"^--compile-cache: cannot use .*file/ikjax-.*IKJAX_COMPILE_CACHE=0"):
+        compile_cache.setup(str(blocker))
+    assert compile_cache.directory() is None  # nothing configured in this process
+
+
+def test_build_tag_follows_the_kernel_library(monkeypatch, tmp_path):
+    """A rebuilt native library (other bytes) must not reuse executables compiled against the old one."""
+    lib = tmp_path / "_cpu.cpython-311-x86_64-linux-gnu.so"
+    lib.write_bytes(b"one build")
+    spec = SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(compile_cache.importlib.util, "find_spec", lambda name: spec)
+    a = compile_cache.build_tag()
+    assert compile_cache.build_tag() == a
+    lib.write_bytes(b"another build")
+    b = compile_cache.build_tag()
+    assert a != b and a.startswith("ikjax-") and b.startswith("ikjax-")
+    monkeypatch.setattr(compile_cache, "_cpu_signature", lambda: "another CPU")
+    assert compile_cache.build_tag() != b
