@@ -104,9 +104,9 @@ def setup(spec: str | None = None) -> Path | None:
     if _configured is not None and (spec is None or _configured[0] == spec):
         return _configured[1]
     _listen()
-    if spec is None and not os.environ.get(ENV) and jax.config.jax_compilation_cache_dir:
-        # the user configured JAX's cache themselves: theirs stays
-        d = Path(jax.config.jax_compilation_cache_dir)
+    theirs = getattr(jax.config, "jax_compilation_cache_dir", None)
+    if spec is None and not os.environ.get(ENV) and theirs:  # the user configured JAX's cache: it stays
+        d = Path(theirs)
         log.info("compilation cache: JAX's own, %s (jax_compilation_cache_dir)", d)
         _configured = (spec, d)
         return d

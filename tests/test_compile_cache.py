@@ -118,3 +118,11 @@ def test_build_tag_follows_the_kernel_library(monkeypatch, tmp_path):
     assert a != b and a.startswith("ikjax-") and b.startswith("ikjax-")
     monkeypatch.setattr(compile_cache, "_cpu_signature", lambda: "another CPU")
     assert compile_cache.build_tag() != b
+
+
+def test_jax_cache_set_by_the_user_is_kept(tiny_model, tmp_path):
+    """JAX_COMPILATION_CACHE_DIR set and no IKJAX_COMPILE_CACHE: ikjax uses JAX's directory as is."""
+    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "theirs"), "IKJAX_COMPILE_CACHE": "",
+           "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    r = _run(tiny_model, tmp_path / "a.npy", env)
+    assert r["dir"] == str(tmp_path / "theirs") and _files(tmp_path / "xdg") == []
