@@ -19,7 +19,7 @@ import numpy as np
 
 from ikjax import cache as kvcache
 from ikjax import compile_cache, kv_buckets
-from ikjax import distributed, kernels, sharding
+from ikjax import distributed, kernels, sharding, tensor_parallel
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
@@ -80,11 +80,7 @@ class Engine:
         first_tensor = self.file.tensors.get("token_embd.weight")
         self.config = ModelConfig.from_metadata(self.file.metadata, source=path,
                                                 vocab_from_tensor=first_tensor.shape[0] if first_tensor else None)
-        # -sm graph over several devices runs the XLA path (ikjax.sharding): kernels are custom
-        # calls XLA cannot partition; dtype "auto" then means the XLA path's f32
-        mesh_step = options.split_mode == "graph" and len(jax.devices()) > 1
-        with kernels.kernel_context("xla" if mesh_step else None):
-            self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0)
+        self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0)
         self.capacity = cache_capacity(self.options)
         o, cfg = self.options, self.config
         # where every tensor lives, decided once (refuses an -ot device this machine lacks)
@@ -93,7 +89,7 @@ class Engine:
             log.warning("%s", note)
         self.split_mode = self.placement.split_mode
         distributed.check_split(self.split_mode)
-        self.backend = "xla" if self.split_mode == "graph" else kernels.resolve_backend()
+        self.backend = kernels.resolve_backend()
         self.decode_kernel = (o.fa and o.mla in (1, 3) and self.backend != "jnp"
                               and kernels.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
                                                                cfg.kv_lora_rank, backend=self.backend))
@@ -103,7 +99,14 @@ class Engine:
         if len(self.placement.devices) > 1:
             check_devices(self._memory, dict(zip(self.placement.devices, sharding.jax_devices(self.placement))), path)
         t0 = time.perf_counter()
-        self.weights = load_weights(self.file, self.config, placement=self.placement)
+        self._pipeline = self._mesh = self._tp = None
+        if self.split_mode == "graph":  # each device's part, read and laid out for its kernels
+            self._mesh = sharding.mesh_for(self.placement)
+            self._tp = tensor_parallel.tensor_split(self.placement, self._mesh)
+            tensor_parallel.check_cache(self.cache_layout(1), self._tp)
+            self.weights = tensor_parallel.load(self.file, self.config, self.placement, self._mesh)
+        else:
+            self.weights = load_weights(self.file, self.config, placement=self.placement)
         # what the load added besides the mapped file's pages (counted in full as weights_bytes):
         # stacked matrices, f32 norms, repacked layouts, the modules and helpers it brought in
         anon1, file1 = process_memory()
@@ -111,15 +114,12 @@ class Engine:
         self._memory = dataclasses.replace(self._memory, load_copy_bytes=max(0, anon1 + file1 - mapped
                                                                              - anon0 - file0))
         log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
-        self._pipeline = self._mesh = None
         self._step = _jitted_forward
         if self.split_mode == "layer":
             self._pipeline = sharding.Pipeline(self.placement, self.weights, cfg)
             log.info("-sm layer: %s", self._pipeline.describe())
         elif self.split_mode == "graph":
-            self._mesh = sharding.mesh_for(self.placement)
-            self.weights = sharding.shard_stacked(self.weights, self._mesh)
-            self._step = sharding.graph_step(self._mesh)
+            self._step = tensor_parallel.step()
         elif len(self.placement.devices) > 1:  # -sm none on device -mg
             self._device = sharding.jax_devices(self.placement)[self.placement.main_device]
         self._compiled: set[tuple] = set()
@@ -143,18 +143,21 @@ class Engine:
         if self._pipeline is not None:
             exe = self._pipeline.compile(cache, B, T, plan)
         else:
-            sh = None
-            if self._mesh is not None:
+            sh, static = None, {}
+            if self._mesh is not None:  # -sm graph: the cache split as tensor_parallel says
                 sh = sharding.replicated(self._mesh)
+                layout = self.cache_layout(B)
+                cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache,
+                                     tensor_parallel.cache_shardings(layout, self._tp))
+                static = {"layout": layout}
             elif len(self.placement.devices) > 1:
                 sh = jax.sharding.SingleDeviceSharding(self._device)
-            if sh is not None:
                 cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache)
 
             def i32(shape):
                 return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
             exe = self._step.lower(self.weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
-                                   plan=plan).compile()
+                                   plan=plan, **static).compile()
         if compile_cache.hits() > hits0 and compile_cache.writes() == writes0:
             self.compile_cache_hits += 1
         anon1, file1 = process_memory()  # compiling reads no weight pages: all of it is compiler state
@@ -180,7 +183,7 @@ class Engine:
         threads = o.threads if n_tokens == 1 else (o.threads_batch or o.threads)
         return StepPlan(mla=o.mla, fa=o.fa, amb_bytes=o.amb << 20, kv_block=o.kv_block, kv_len=kv_len,
                         dtype=o.dtype, fmoe=o.fmoe, ser=o.ser, all_logits=all_logits,
-                        backend=self.backend, threads=threads)
+                        backend=self.backend, threads=threads, tp=self._tp)
 
     def kv_bucket(self, needed: int, n_tokens: int = 0) -> int:
         """Cache rows a step reads: the bucket covering `needed` (ikjax.kv_buckets: multiples of
@@ -241,7 +244,7 @@ class Engine:
             return self._pipeline.new_cache(layout)
         if self._mesh is not None:
             return jax.jit(kvcache.init_cache, static_argnums=0,
-                           out_shardings=sharding.replicated(self._mesh))(layout)
+                           out_shardings=tensor_parallel.cache_shardings(layout, self._tp))(layout)
         if len(self.placement.devices) > 1:
             with jax.default_device(self._device):
                 return kvcache.init_cache(layout)

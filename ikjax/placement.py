@@ -364,5 +364,7 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
             if mem == DEVICE:
                 dev = spread[0]
         out.append(TensorPlacement(name, mem, dev, layer, axes, int(nbytes), why, spread, split_dim))
+    if mode == "graph":
+        out = sharding.consistent_splits(out)
     return Placement(tuple(out), labels, unified, cfg.n_expert, cfg.n_expert_used, notes=tuple(notes),
                      split_mode=mode, **split)

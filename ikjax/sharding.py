@@ -15,23 +15,19 @@ also holds what runs them:
   and a per-device stage keeps every kernel (C++ CPU custom calls, Pallas) usable unchanged.
 - `-sm graph`: one mesh axis ("x") over the devices; each tensor's logical axes (placement's
   `logical_axes`, the jax-llm-examples ShardingRules pattern) map through `GRAPH_RULES`: heads for
-  attention q/q_b/kv_b/k_b/v_b rows and attn_output columns, expert for routed experts (and the
-  router's bias), ffn for dense and shared FFN rows/columns, vocab for the embedding and the output
-  head. A tensor is split on its first mapped dimension that divides into whole parts (whole heads,
-  whole quant blocks, whole interleaved row groups); a tensor with none is a whole copy on every
-  device. The KV cache is replicated: MLA's latent is one stream read by every head, so each device
-  needs all of it (and with -mla 0 the per-head K/V are replicated too, which costs memory, not
-  correctness). XLA (GSPMD) inserts the collectives from the shardings of the weights; the step
-  pins its outputs (logits, cache) replicated so every step sees the same shardings. The C++ CPU
-  kernels and the Pallas kernels are custom calls XLA cannot partition, so with a mesh of more than
-  one device the step runs the XLA path (`StepPlan.backend = "xla"`); `shard_map` around the kernel
-  ops is not done yet. Uneven -ts shares are not expressible as a GSPMD sharding (every part of a
-  split dimension has one size): -sm graph takes the devices with a non-zero share, and refuses
-  unequal non-zero shares.
+  attention q/q_b/kv_b/k_b/v_b rows and attn_output columns, expert for routed experts, ffn for
+  dense and shared FFN rows/columns, vocab for the embedding and the output head. A tensor is split
+  on its first mapped dimension that divides into whole parts (whole heads, whole quant blocks of a
+  row, whole interleaved row groups), and only where every matrix of its group splits
+  (`consistent_splits`); the router never. ikjax.tensor_parallel loads the parts and runs the step
+  on them with the same kernels as one device, inside shard_map. Uneven -ts shares are refused: -sm
+  graph takes the devices with a non-zero share, and refuses unequal non-zero shares (every part of
+  a split dimension has one size).
 """
 from __future__ import annotations
 
 import bisect
+import re
 from typing import Any, Sequence
 
 from ikjax.errors import OptionError
@@ -110,6 +106,45 @@ def graph_split_dim(axes: Sequence[str | None] | None, shape: Sequence[int] | No
     return None
 
 
+_GROUPS = (("attn", re.compile(r"attn_(q|q_b|kv_b|k_b|v_b|output)\.weight$")),
+           ("ffn", re.compile(r"ffn_(gate|up|down)\.weight$")),
+           ("shexp", re.compile(r"ffn_(gate|up|down)_shexp\.weight$")),
+           ("exps", re.compile(r"ffn_(gate|up|down)_exps\.weight$")),
+           ("router", re.compile(r"(ffn_gate_inp\.weight|exp_probs_b\.bias)$")))
+
+
+def split_group(name: str) -> str | None:
+    """The group of tensors -sm graph splits together ("attn", "ffn", "shexp", "exps"), "router"
+    (never split: every device picks the same experts from all of them), or None (alone)."""
+    for group, pat in _GROUPS:
+        if pat.search(name):
+            return group
+    return None
+
+
+def consistent_splits(tensors: Sequence[Any]) -> list[Any]:
+    """-sm graph runs each layer's attention, FFN, shared and routed experts split over the
+    devices only where every matrix of the group splits (whole heads: q/q_b/kv_b/k_b/v_b rows and
+    attn_output columns; whole FFN rows: gate/up rows and down columns; whole experts), so each
+    device computes a partial sum that one all-reduce completes. A group with one matrix that
+    cannot split (a dimension not divisible into whole quant blocks) runs whole on every device.
+    The router is never split. Returns the TensorPlacements with `split_dim` made so."""
+    import dataclasses
+    from ikjax.placement import layer_of
+    whole: set[tuple] = set()
+    for t in tensors:
+        g = split_group(t.name)
+        if g is not None and t.split_dim is None:
+            whole.add((layer_of(t.name), g))
+    out = []
+    for t in tensors:
+        g = split_group(t.name)
+        if t.split_dim is not None and (g == "router" or (layer_of(t.name), g) in whole):
+            t = dataclasses.replace(t, split_dim=None)
+        out.append(t)
+    return out
+
+
 # -- at load and at run time ------------------------------------------------------------------------
 
 def jax_devices(placement) -> list:
@@ -144,38 +179,17 @@ def replicated(mesh):
     return NamedSharding(mesh, P())
 
 
-# bytes of tensor data this process copied out of the file for its devices (-sm graph): under
-# jax.distributed each process reads only its devices' parts (tests/test_multi_host.py checks it)
+# bytes of tensor data this process copied out of the file for its devices (-sm graph,
+# ikjax.tensor_parallel): under jax.distributed each process reads only its devices' parts
 BYTES_READ = [0]
 
 
 def placer(placement):
-    """The loader's placer for several devices. -sm graph: each tensor as a `NamedSharding` of the
-    mesh, split on its `split_dim` or a whole copy on each device. -sm layer / -mg over several
-    devices of a CPU-only process: each tensor on the device whose step reads it (host-resident
-    ones too: on a CPU, host and device memory are one RAM). Next to accelerators, -sm layer goes
-    through the single-device loader (each tensor to its label's device) instead; -sm graph with
-    host-resident tensors there is refused: the host-experts custom call reads whole tensors of one
-    device, which a mesh split is not."""
+    """The loader's placer for -sm layer / -mg over several devices of a CPU-only process: each
+    tensor on the device whose step reads it (host-resident ones too: on a CPU, host and device
+    memory are one RAM). Next to accelerators, -sm layer goes through the single-device loader
+    (each tensor to its label's device) instead; -sm graph loads through ikjax.tensor_parallel."""
     import jax
-    from jax.sharding import NamedSharding
-    if placement.split_mode == "graph":
-        host = [t for t in placement.tensors if t.on_host]
-        if host and not placement.unified:
-            raise OptionError(f"ot: {host[0].name} is placed in host memory ({host[0].rule}); with -sm graph "
-                              f"host-resident tensors next to accelerators are not supported yet (use -sm layer)")
-        mesh = mesh_for(placement)
-
-        def place_graph(name: str, data):
-            t = placement[name]
-            sh = NamedSharding(mesh, partition_spec(t.split_dim, data.ndim))
-
-            def part(index):  # asked only for this process's devices: the file's bytes of that part
-                block = data[index]
-                BYTES_READ[0] += block.nbytes
-                return block
-            return jax.make_array_from_callback(data.shape, sh, part)
-        return place_graph
     devs = jax_devices(placement)
 
     def place(name: str, data):
@@ -317,39 +331,3 @@ class CompiledPipeline:
             for k in vars(total):
                 setattr(total, k, getattr(total, k) + getattr(ma, k))
         return total
-
-
-# -- -sm graph: one jit over the mesh ---------------------------------------------------------------
-
-def graph_step(mesh):
-    """The step jitted for the mesh: outputs (logits, cache) pinned replicated, so every step's
-    cache comes back with the sharding the next step was compiled for."""
-    import jax
-    from ikjax.model.deepseek2 import forward
-    rep = replicated(mesh)
-    return jax.jit(forward, static_argnames=("cfg", "plan"), donate_argnums=(1,), out_shardings=(rep, rep))
-
-
-# matrices the loader stacks by rows (ikjax.weights.FUSED_ROWS): their parts' shardings do not
-# carry over through the concatenation, so -sm graph gives each its own
-STACKED_ROW_SPLIT = {"attn_in": False, "ffn_gate_up": True, "shexp_gate_up": True}
-
-
-def shard_stacked(weights: dict, mesh) -> dict:
-    """-sm graph: the row-stacked matrices split by rows (gate|up: whole rows of both parts on
-    each device; a row split never changes a product's sums) or, for the attention input (the
-    latent projection is read whole by every head), a whole copy on each device."""
-    import jax
-    from jax.sharding import NamedSharding
-    from ikjax.quant.array import QuantArray
-    n = mesh.devices.size
-    for layer in weights["layers"]:
-        for key, split in STACKED_ROW_SPLIT.items():
-            w = layer.get(key)
-            if not isinstance(w, QuantArray):
-                continue
-            rows = w.data.shape[0]
-            ok = split and rows % n == 0 and (rows // n) % w.qtype.interleave == 0
-            spec = partition_spec(0 if ok else None, w.data.ndim)
-            layer[key] = QuantArray(jax.device_put(w.data, NamedSharding(mesh, spec)), w.qtype, w.shape)
-    return weights

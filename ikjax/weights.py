@@ -218,33 +218,54 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
     validate(gf, cfg)
     # -sm graph runs the XLA path on GSPMD-split matrices: no kernel layouts
     graph = placement is not None and placement.split_mode == "graph"
-    repack = kernels.needs_repack() and not graph
-    hybrid = placement is not None and not placement.unified
-    min_batch = min_offload_batch(placement.min_offload_batch) if hybrid else 0
+    load = TensorLoader(gf, cfg, place, placement, repack=kernels.needs_repack() and not graph)
+    weights: Weights = load.top()
+    weights["layers"] = [load.layer(i) for i in range(cfg.n_layer)]
+    return weights
 
-    def load(spec: TensorSpec):
-        info = gf.tensors.get(spec.gguf_name)
+
+class TensorLoader:
+    """Reads tensors from the file through `place`, the top-level ones (`top`) or one layer's
+    (`layer`), stacked (`fuse_rows`) and repacked for the kernels (`repack`) as a step reads them.
+
+    `place(name, bytes)` may return only a part of the bytes (the tensor-parallel loader gives each
+    device its slice): the QuantArray then gets the part's shape, the rows and columns it holds."""
+
+    def __init__(self, gf: GGUFModelFile, cfg: ModelConfig, place: Placer, placement: Placement | None,
+                 repack: bool):
+        self.gf, self.cfg, self.place, self.placement, self.repack = gf, cfg, place, placement, repack
+        self.hybrid = placement is not None and not placement.unified
+        self.min_batch = min_offload_batch(placement.min_offload_batch) if self.hybrid else 0
+
+    def tensor(self, spec: TensorSpec):
+        info = self.gf.tensors.get(spec.gguf_name)
         if info is None:
             return None
-        raw = gf.tensor_bytes(spec.gguf_name)
+        raw = self.gf.tensor_bytes(spec.gguf_name)
         if spec.dense_float:
             host = QuantArray.from_bytes(raw, info.qtype, info.shape).dequantize(jnp.float32)
-            return place(spec.gguf_name, np.asarray(host))
+            return self.place(spec.gguf_name, np.asarray(host))
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
-        data = place(spec.gguf_name, qa.data)
-        if hybrid and placement[spec.gguf_name].on_host:  # the memory map's bytes, left there (placer_for)
-            return HostQuantArray(data, qa.qtype, qa.shape, tensor=placement[spec.gguf_name],
-                                  min_batch=min_batch)
-        return QuantArray(data, qa.qtype, qa.shape)
+        data = self.place(spec.gguf_name, qa.data)
+        if self.hybrid and self.placement[spec.gguf_name].on_host:  # the memory map's bytes, left there
+            return HostQuantArray(data, qa.qtype, qa.shape, tensor=self.placement[spec.gguf_name],
+                                  min_batch=self.min_batch)
+        shape = qa.shape
+        if tuple(data.shape) != tuple(qa.data.shape):  # a part: its rows, and its share of each row
+            shape = tuple(data.shape[:-1]) + (qa.shape[-1] * data.shape[-1] // qa.data.shape[-1],)
+        return QuantArray(data, qa.qtype, shape)
 
-    def for_kernels(tensors: dict) -> dict:
-        if not repack:
+    def for_kernels(self, tensors: dict) -> dict:
+        if not self.repack:
             return tensors
         return {k: kernels.prepare_weight(v) if k in KERNEL_MATRICES else v for k, v in tensors.items()}
 
-    weights: Weights = for_kernels({s.key: load(s) for s in model_specs(cfg)})
-    if weights["output"] is None:  # tied embeddings
-        weights["output"] = weights["token_embd"]
-    weights["layers"] = [for_kernels(fuse_rows({s.key: v for s in layer_specs(cfg, i) if (v := load(s)) is not None}))
-                         for i in range(cfg.n_layer)]
-    return weights
+    def top(self) -> dict:
+        weights = self.for_kernels({s.key: self.tensor(s) for s in model_specs(self.cfg)})
+        if weights["output"] is None:  # tied embeddings
+            weights["output"] = weights["token_embd"]
+        return weights
+
+    def layer(self, i: int) -> dict:
+        return self.for_kernels(fuse_rows({s.key: v for s in layer_specs(self.cfg, i)
+                                           if (v := self.tensor(s)) is not None}))

@@ -5,8 +5,8 @@ subprocess (tests/multi_device_worker.py) that compiles each configuration once 
 the tests here read its results. Oracle: the same model on one device, at f32 — logits within
 1e-5 (relative, as conftest.rel_err) for every MLA mode x -sm layer/graph x odd -ts; greedy
 generation equal token for token. -sm layer runs the same kernels per stage as one device does,
-so it must match bit for bit; -sm graph runs the XLA path with GSPMD collectives (sums in another
-order), compared with the one-device XLA path.
+so it must match bit for bit; -sm graph runs the same kernels on each device's part inside
+shard_map, joined by psum (sums in another order), compared with the one-device run.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from conftest import FIXTURES_MISSING
 WORKER = Path(__file__).with_name("multi_device_worker.py")
 TOL = 1e-5
 # -sm graph splits contractions (attn_output and FFN down columns, experts) into per-device partial
-# sums joined by all-reduce: the same f32 sums in another order. These random-weight models amplify
+# sums joined by psum: the same f32 sums in another order. These random-weight models amplify
 # that: on one device the C++ kernels and the XLA path (sums in another order, nothing else) differ
 # by 4e-5 (tiny 4-layer) to 1.1e-4 (v2lite_tiny kvb, mla 0). So a graph split is held to
 # max(TOL, 2 x that one-device gap of the same model and mode), which the worker measures next to

@@ -14,8 +14,11 @@ for absorbed; a file lacking one form gets it from the other, exactly, inside th
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from ikjax import cache as kvcache
@@ -45,6 +48,13 @@ class StepPlan:
     all_logits: bool  # False: logits of the token at `last` only
     backend: str = "xla"  # kernels backend at trace time (ikjax.kernels); part of the compile key
     threads: int = 0  # CPU kernels' threads: -t for generation steps, -tb for prompt steps (0 = all)
+    # -sm graph: the mesh and the split groups (ikjax.tensor_parallel.TensorSplit); the step then
+    # runs on each device's part inside shard_map and completes each split group with a psum
+    tp: Any = None
+
+    def split_axis(self, key: str) -> str | None:
+        """The mesh axis a split group's partial sums are joined over, or None (not split)."""
+        return self.tp.axis if self.tp is not None and self.tp.has(key) else None
 
     @property
     def compute_dtype(self):
@@ -135,8 +145,16 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
     return out, new_cache
 
 
-def embed(token_embd: QuantArray, tokens, dtype=jnp.float32):
-    """Gather the token rows' blocks, then dequantize only those rows."""
+def embed(token_embd: QuantArray, tokens, dtype=jnp.float32, axis: str | None = None):
+    """Gather the token rows' blocks, then dequantize only those rows. `axis`: the table is split
+    by vocabulary rows over that mesh axis (-sm graph): each device gathers the rows it holds,
+    zeros for the others, and a psum assembles them."""
+    if axis is not None:
+        n_local = token_embd.shape[0]
+        local = tokens - jax.lax.axis_index(axis) * n_local
+        mine = (local >= 0) & (local < n_local)
+        x = embed(token_embd, jnp.where(mine, local, 0), dtype)
+        return jax.lax.psum(jnp.where(mine[..., None], x, 0.0), axis)
     rows = QuantArray(token_embd.data[tokens], token_embd.qtype, tokens.shape + (token_embd.shape[-1],))
     return rows.dequantize(jnp.float32)
 
@@ -151,7 +169,7 @@ def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Step
 
 
 def _forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: StepPlan):
-    x = embed(weights["token_embd"], tokens)
+    x = embed(weights["token_embd"], tokens, axis=plan.split_axis("embd"))
     x, new_cache = run_layers(weights["layers"], cache, x, start, 0, cfg=cfg, plan=plan)
     return output_head(weights, x, last, cfg=cfg, plan=plan), new_cache
 
@@ -168,16 +186,24 @@ def run_layers(layers, cache, x, start, first: int, *, cfg: ModelConfig, plan: S
     for j, layer in enumerate(layers):
         i = first + j
         layer_cache = {name: entries[j] for name, entries in cache.items()}
+        heads_axis = plan.split_axis(f"{i}.attn")  # -sm graph: this device's heads only
+        lcfg = dataclasses.replace(cfg, n_head=cfg.n_head // plan.tp.n) if heads_axis else cfg
         a, layer_cache = attention_block(rms_norm(x, layer["attn_norm"], cfg.rms_eps), layer, layer_cache,
-                                         start, q_pos, cos, sin, cfg, plan)
+                                         start, q_pos, cos, sin, lcfg, plan)
+        if heads_axis:
+            a = jax.lax.psum(a, heads_axis)
         for name, value in layer_cache.items():
             new_cache[name][j] = value
         h = x + a
         hn = rms_norm(h, layer["ffn_norm"], cfg.rms_eps)
         if cfg.is_moe_layer(i):
-            f = moe_ffn(hn.reshape(B * T, -1), layer, cfg, dtype=dtype, fused=plan.fmoe, ser=plan.ser).reshape(B, T, -1)
+            f = moe_ffn(hn.reshape(B * T, -1), layer, cfg, dtype=dtype, fused=plan.fmoe, ser=plan.ser,
+                        experts_axis=plan.split_axis(f"{i}.exps"),
+                        shared_axis=plan.split_axis(f"{i}.shexp")).reshape(B, T, -1)
         else:
             f = dense_ffn(hn, layer, DENSE_FFN, dtype)
+            if (ffn_axis := plan.split_axis(f"{i}.ffn")) is not None:
+                f = jax.lax.psum(f, ffn_axis)
         x = h + f
     return x, new_cache
 
@@ -186,4 +212,7 @@ def output_head(weights, x, last, *, cfg: ModelConfig, plan: StepPlan):
     """x [B,T,d] -> logits [B,T,V] (plan.all_logits) or [B,V] of the token at `last`."""
     if not plan.all_logits:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    return linear(rms_norm(x, weights["output_norm"], cfg.rms_eps), weights["output"], plan.compute_dtype)
+    logits = linear(rms_norm(x, weights["output_norm"], cfg.rms_eps), weights["output"], plan.compute_dtype)
+    if (axis := plan.split_axis("out")) is not None:  # each device's vocabulary rows, in device order
+        logits = jax.lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
+    return logits

@@ -52,11 +52,29 @@ def smart_expert_reduction(w, ser: SmartExpertReduction):
     return jnp.where(keep, w, 0.0)
 
 
-def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartExpertReduction | None):
-    """x [N, d] float32 -> routed experts + shared experts, [N, d] float32."""
+def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartExpertReduction | None,
+            experts_axis: str | None = None, shared_axis: str | None = None):
+    """x [N, d] float32 -> routed experts + shared experts, [N, d] float32.
+
+    -sm graph (ikjax.tensor_parallel): with `experts_axis` this device holds a contiguous slice of
+    the experts: every device routes over all of them alike, computes the selected ones it holds
+    (the others' weights zeroed) and a psum adds the devices' parts; with `shared_axis` the shared
+    experts' hidden rows are split and their partial sums join the same psum."""
     w, ids = route(x, layer, cfg, ser)
+    if experts_axis is not None:
+        n_local = layer["gate_exps"].shape[0]
+        local = ids - jax.lax.axis_index(experts_axis) * n_local
+        mine = (local >= 0) & (local < n_local)
+        w, ids = jnp.where(mine, w, 0.0), jnp.where(mine, local, 0)
     out = kernels.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
                               fused=fused)
-    if "down_shexp" in layer:
-        out = out + dense_ffn(x, layer, SHARED_EXPERTS, dtype)
-    return out
+    if "down_shexp" not in layer:
+        return jax.lax.psum(out, experts_axis) if experts_axis else out
+    shared = dense_ffn(x, layer, SHARED_EXPERTS, dtype)
+    if experts_axis and shared_axis:
+        return jax.lax.psum(out + shared, experts_axis)
+    if experts_axis:
+        return jax.lax.psum(out, experts_axis) + shared
+    if shared_axis:
+        return out + jax.lax.psum(shared, shared_axis)
+    return out + shared
