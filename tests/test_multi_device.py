@@ -68,18 +68,41 @@ def _cases(model4: str) -> dict:
             "refusals": {"model": model4}}
 
 
-@pytest.fixture(scope="module")
-def results(model4, tmp_path_factory) -> list[dict]:
+def _run_worker(cases: dict, n_devices: int, tmp_path_factory) -> list[dict]:
     spec = tmp_path_factory.mktemp("md") / "spec.json"
-    spec.write_text(json.dumps(_cases(model4)))
+    spec.write_text(json.dumps(cases))
     env = dict(os.environ, IKJAX_DTYPE="f32",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices} --xla_backend_optimization_level=0 "
                          "--xla_llvm_disable_expensive_passes=true")
     env.pop("IKJAX_KERNELS", None)
     run = subprocess.run([sys.executable, str(WORKER), str(spec)], env=env, capture_output=True, text=True,
                          timeout=600, cwd=str(WORKER.parent))
     assert run.returncode == 0, run.stderr[-4000:]
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def results(model4, tmp_path_factory) -> list[dict]:
+    return _run_worker(_cases(model4), 4, tmp_path_factory)
+
+
+def test_eight_fake_devices(model4, tmp_path_factory):
+    """8 devices: the tiny model's 8 heads one per device, its 16 experts two per device, its
+    1024-row vocabulary in 8 parts; and a layer split with 4 devices left without layers."""
+    cases = {"cases": [dict(model=model4, mla=3, sm="graph", ts=""), dict(model=model4, mla=0, sm="graph", ts=""),
+                       dict(model=model4, mla=2, sm="layer", ts="1,1,1,1,1,1,1,1")],
+             "generate": [dict(model=model4, mla=3, sm="graph", ts="")]}
+    rows = _run_worker(cases, 8, tmp_path_factory)
+    assert _of(rows, "devices") == [{"check": "devices", "n": 8}]
+    logits = _of(rows, "logits")
+    assert len(logits) == 3
+    for r in logits:
+        assert r["rel"] <= (graph_tol(r) if r["case"]["sm"] == "graph" else 0.0), r
+        assert set(r["per_device"]) == {f"CPU{i}" for i in range(8)}
+    graph = logits[0]["per_device"]
+    assert len(set(graph.values())) == 1 and graph["CPU0"] < logits[0]["weights"] / 4
+    gen = _of(rows, "generate")[0]
+    assert len(gen["one"]) == 8 and gen["many"] == gen["one"]
 
 
 def _of(results, check):
