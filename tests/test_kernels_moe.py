@@ -73,3 +73,23 @@ def test_gpu_v2_lite_experts():
         w, ids = routing(N, E, k, rng)
         ref = moe_experts_ref if N * k <= 2 * E else moe_experts_grouped_ref
         assert rel(moe_experts(x, w, ids, *pws), ref(x, w, ids, *pws)) < 6e-3
+
+
+@pytest.mark.parametrize("N", [1, 3, 11])
+def test_zero_weight_slots_are_skipped(N):
+    """Slots of weight 0 (-ser, or another device's experts under -sm graph) become dead tiles
+    (expert -1) in both forms: the result equals the reference that computes them times 0."""
+    from pallas_kernels.moe_matmul.kernel import moe_experts as pallas_moe
+    rng = np.random.default_rng(N)
+    E, F, d, k = 6, 256, 256, 3
+    _, pws = experts("Q4_0", E, F, d, rng)
+    x = jnp.asarray(rng.standard_normal((N, d)), jnp.float32)
+    w, ids = routing(N, E, k, rng)
+    w = w.at[:, 1].set(0.0).at[0, 0].set(0.0)  # a token may keep a single live slot
+    y = pallas_moe(x, w, ids, *pws, dtype=jnp.float32, interpret=True)
+    assert rel(y, moe_experts_ref(x, w, ids, *pws, dtype=jnp.float32)) < 1e-5
+    w0 = jnp.zeros_like(w)  # every slot dead: zeros, no weight read
+    assert not np.asarray(pallas_moe(x, w0, ids, *pws, dtype=jnp.float32, interpret=True)).any()
+    dead = jnp.where(w != 0, ids, -1)  # the forms take -1 directly
+    g = moe_experts_grouped(x, w, dead, *pws, dtype=jnp.float32, interpret=True, bm=16)
+    assert rel(g, moe_experts_grouped_ref(x, w, ids, *pws, dtype=jnp.float32)) < 1e-5

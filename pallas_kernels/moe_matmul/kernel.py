@@ -37,21 +37,23 @@ def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: P
     N, k = ids.shape
     E = gate.shape[0]
     A = N * k
-    flat = ids.reshape(-1).astype(jnp.int32)
+    # slots with id -1 (weight 0) form a last group E whose tiles, like the padding tiles past
+    # the groups, are dead (-1): the kernel skips them
+    flat = jnp.where(ids.reshape(-1) < 0, E, ids.reshape(-1)).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True)
     sorted_e = flat[order]
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=E + 1).astype(jnp.int32)
     padded = (sizes + bm - 1) // bm * bm
     ends_p = jnp.cumsum(padded)
     starts_p = ends_p - padded
     starts = jnp.cumsum(sizes) - sizes
     dest = starts_p[sorted_e] + (jnp.arange(A, dtype=jnp.int32) - starts[sorted_e])
-    n_tiles = -(-(A + E * (bm - 1)) // bm)
+    n_tiles = -(-(A + (E + 1) * (bm - 1)) // bm)
     Mp = n_tiles * bm
     tok = order // k
     xp = jnp.zeros((Mp, x.shape[-1]), dtype).at[dest].set(x.astype(dtype)[tok])
     tile_e = jnp.searchsorted(ends_p, jnp.arange(n_tiles, dtype=jnp.int32) * bm, side="right")
-    tile_e = jnp.minimum(tile_e, E - 1).astype(jnp.int32)
+    tile_e = jnp.where(tile_e >= E, -1, tile_e).astype(jnp.int32)
     h = quant_matmul_experts(xp, (gate, up), tile_e, dtype, tile_rows=bm, swiglu=True, interpret=interpret)
     y = quant_matmul_experts(h.astype(dtype), (down,), tile_e, dtype, tile_rows=bm, interpret=interpret)
     ya = y[dest] * w.reshape(-1)[order][:, None]
@@ -59,9 +61,13 @@ def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: P
 
 
 def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False):
-    """x [N, d], w [N, k] f32, ids [N, k] -> [N, d] f32. Gather form while N*k <= 2*E (as the model)."""
+    """x [N, d], w [N, k] f32, ids [N, k] -> [N, d] f32. Gather form while N*k <= 2*E (as the model).
+
+    A slot of weight 0 adds nothing: it is computed by no tile and reads no weights (-ser drops
+    experts this way, and -sm graph zeroes the slots of experts another device holds)."""
     N, k = ids.shape
     E = gate.shape[0]
+    ids = jnp.where(w != 0, ids, -1)
     if N * k <= 2 * E:
         return moe_experts_gather(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret)
     return moe_experts_grouped(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret)

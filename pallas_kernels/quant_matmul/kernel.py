@@ -89,7 +89,10 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swi
     o_ref = next(it)
     j, i = pl.program_id(0), pl.program_id(1)
     n0, m0 = j * bn, i * bm
-    lead = (e_ref[i],) if has_expert else ()
+    # expert -1: a dead tile (a slot whose weight is 0, e.g. another device's expert under -sm
+    # graph): its loop runs no iteration, reads no weights, and writes zeros
+    alive = e_ref[i] >= 0 if has_expert else True
+    lead = (jnp.maximum(e_ref[i], 0),) if has_expert else ()
     width = ng * L
 
     if mode == "rows":
@@ -120,7 +123,8 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swi
             return tuple(tuple(a) for a in new)
 
         init = tuple(tuple(jnp.zeros((bn, ng), F32) for _ in range(bm)) for _ in range(n_w))
-        accs = lax.fori_loop(s * nt, (s + 1) * nt, body, init)
+        accs = lax.fori_loop(s * nt, jnp.where(alive, (s + 1) * nt, s * nt) if has_expert else (s + 1) * nt,
+                             body, init)
         for r in range(bm):
             ys = [jnp.sum(accs[wi][r], axis=1) for wi in range(n_w)]
             y = _silu_mul(ys[0], ys[1]) if swiglu else ys[0]
@@ -141,7 +145,7 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swi
         return tuple(new)
 
     init = tuple(jnp.zeros((bm, bn), F32) for _ in range(n_w))
-    accs = lax.fori_loop(0, nt, body, init)
+    accs = lax.fori_loop(0, jnp.where(alive, nt, 0) if has_expert else nt, body, init)
     y = _silu_mul(accs[0], accs[1]) if swiglu else accs[0]
     o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = y
 
@@ -232,7 +236,8 @@ def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = Fa
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
                          interpret: bool = False, config: dict | None = None):
     """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
-    (PackedWeight [E, N, K]). `ws` = (w,) or, with swiglu, (gate, up). -> [M, N] float32."""
+    (PackedWeight [E, N, K]); expert -1 marks a dead tile (zeros, no weight read). `ws` = (w,) or,
+    with swiglu, (gate, up). -> [M, N] float32."""
     w0 = ws[0]
     N, K = w0.shape[-2], w0.shape[-1]
     cfg = config or pick_config(w0.qtype, x.shape[0], N, K, tile_rows=tile_rows)
