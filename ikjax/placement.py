@@ -363,6 +363,8 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
             split_dim = sharding.graph_split_dim(axes, shape, getattr(t, "qtype", None), len(mesh), cfg.n_head)
             if mem == DEVICE:
                 dev = spread[0]
+            elif not unified:  # one copy in host RAM, read by every device's host call
+                split_dim = None
         out.append(TensorPlacement(name, mem, dev, layer, axes, int(nbytes), why, spread, split_dim))
     if mode == "graph":
         out = sharding.consistent_splits(out)

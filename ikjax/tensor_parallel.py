@@ -18,6 +18,12 @@ read, so under jax.distributed each host reads its share), then stacked and repa
 kernels on that device exactly as one device would (`ikjax.weights.TensorLoader`), and every leaf
 becomes one array `[n_devices, *part]` split on its first axis (whole copies for what is not
 split): inside the step each device sees its own part, whatever its layout.
+
+Routed experts in host RAM (`-ot exps=CPU`) stay one copy, the file's memory map: every device's
+step calls the host-experts kernel (pallas_kernels/moe_matmul/host.py) with the slots of its own
+range of experts (the others' weights zeroed, which the kernel skips), so the host computes each
+selected expert once per step, whichever device asked; the psum joins the ranges. Big batches
+are computed there too (no streaming under -sm graph yet).
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ikjax import kernels
 from ikjax.errors import OptionError
-from ikjax.placement import layer_of
+from ikjax.placement import is_routed_expert, layer_of
 from ikjax.sharding import BYTES_READ, MESH_AXIS, split_group
 
 
@@ -68,6 +74,9 @@ def tensor_split(placement, mesh) -> TensorSplit:
             group = split_group(t.name)
             if group not in (None, "router"):
                 keys.add(f"{layer_of(t.name)}.{group}")
+    for t in placement.tensors:  # host-resident experts: whole, each device's host call takes a range
+        if t.on_host and not placement.unified and is_routed_expert(t.name):
+            keys.add(f"{layer_of(t.name)}.exps")
     return TensorSplit(mesh, frozenset(keys))
 
 
@@ -75,9 +84,12 @@ def tensor_split(placement, mesh) -> TensorSplit:
 
 def _part_placer(placement, k: int, n: int, device):
     """The placer of mesh position k: the k-th of n equal parts of each split tensor (its
-    `split_dim`), the whole of the others, copied to `device`."""
+    `split_dim`), the whole of the others, copied to `device`. Host-resident routed experts next to
+    accelerators stay the memory map's bytes, one copy for all devices."""
     def place(name: str, data):
         t = placement[name]
+        if t.on_host and not placement.unified:
+            return data
         if t.split_dim is not None:
             d = t.split_dim % data.ndim
             size = data.shape[d] // n
@@ -119,15 +131,23 @@ def load(gf, cfg, placement, mesh) -> dict:
     from ikjax.weights import TensorLoader, validate
     host = [t for t in placement.tensors if t.on_host]
     if host and not placement.unified:
-        raise OptionError(f"ot: {host[0].name} is placed in host memory ({host[0].rule}); with -sm graph "
-                          f"host-resident tensors next to accelerators are not supported yet (use -sm layer)")
+        from pallas_kernels.moe_matmul import host as host_moe
+        for t in host:
+            if not is_routed_expert(t.name):
+                raise OptionError(f"ot: {t.name} is placed in host memory ({t.rule}); next to accelerators only "
+                                  f"routed experts (ffn_*_exps) can stay in host memory")
+        if not host_moe.available():
+            raise OptionError(f"ot: {host[0].name} is placed in host memory ({host[0].rule}), but "
+                              f"{host_moe.unavailable_reason()}")
     validate(gf, cfg)
     devices = list(mesh.devices.flat)
     n = len(devices)
     me = jax.process_index()
     mine = [k for k, d in enumerate(devices) if d.process_index == me]
     repack = kernels.needs_repack()
-    loaders = [TensorLoader(gf, cfg, _part_placer(placement, k, n, devices[k]), placement, repack) for k in mine]
+    shared: dict = {}  # host-resident experts: one HostQuantArray (memory-map bytes) for every device
+    loaders = [TensorLoader(gf, cfg, _part_placer(placement, k, n, devices[k]), placement, repack, shared)
+               for k in mine]
     tops = [ld.top() for ld in loaders]
     tied = tops[0]["output"] is tops[0]["token_embd"]
     if tied:

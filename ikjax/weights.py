@@ -232,8 +232,10 @@ class TensorLoader:
     device its slice): the QuantArray then gets the part's shape, the rows and columns it holds."""
 
     def __init__(self, gf: GGUFModelFile, cfg: ModelConfig, place: Placer, placement: Placement | None,
-                 repack: bool):
+                 repack: bool, host_arrays: dict | None = None):
         self.gf, self.cfg, self.place, self.placement, self.repack = gf, cfg, place, placement, repack
+        # host-resident tensors by name: loaders of several devices share one (ikjax.tensor_parallel)
+        self.host_arrays = {} if host_arrays is None else host_arrays
         self.hybrid = placement is not None and not placement.unified
         self.min_batch = min_offload_batch(placement.min_offload_batch) if self.hybrid else 0
 
@@ -248,8 +250,10 @@ class TensorLoader:
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
         data = self.place(spec.gguf_name, qa.data)
         if self.hybrid and self.placement[spec.gguf_name].on_host:  # the memory map's bytes, left there
-            return HostQuantArray(data, qa.qtype, qa.shape, tensor=self.placement[spec.gguf_name],
-                                  min_batch=self.min_batch)
+            if spec.gguf_name not in self.host_arrays:
+                self.host_arrays[spec.gguf_name] = HostQuantArray(data, qa.qtype, qa.shape, min_batch=self.min_batch,
+                                                                  tensor=self.placement[spec.gguf_name])
+            return self.host_arrays[spec.gguf_name]
         shape = qa.shape
         if tuple(data.shape) != tuple(qa.data.shape):  # a part: its rows, and its share of each row
             shape = tuple(data.shape[:-1]) + (qa.shape[-1] * data.shape[-1] // qa.data.shape[-1],)

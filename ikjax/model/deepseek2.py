@@ -199,7 +199,8 @@ def run_layers(layers, cache, x, start, first: int, *, cfg: ModelConfig, plan: S
         if cfg.is_moe_layer(i):
             f = moe_ffn(hn.reshape(B * T, -1), layer, cfg, dtype=dtype, fused=plan.fmoe, ser=plan.ser,
                         experts_axis=plan.split_axis(f"{i}.exps"),
-                        shared_axis=plan.split_axis(f"{i}.shexp")).reshape(B, T, -1)
+                        shared_axis=plan.split_axis(f"{i}.shexp"),
+                        n_parts=plan.tp.n if plan.tp is not None else 1).reshape(B, T, -1)
         else:
             f = dense_ffn(hn, layer, DENSE_FFN, dtype)
             if (ffn_axis := plan.split_axis(f"{i}.ffn")) is not None:

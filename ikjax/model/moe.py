@@ -53,19 +53,25 @@ def smart_expert_reduction(w, ser: SmartExpertReduction):
 
 
 def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartExpertReduction | None,
-            experts_axis: str | None = None, shared_axis: str | None = None):
+            experts_axis: str | None = None, shared_axis: str | None = None, n_parts: int = 1):
     """x [N, d] float32 -> routed experts + shared experts, [N, d] float32.
 
     -sm graph (ikjax.tensor_parallel): with `experts_axis` this device holds a contiguous slice of
     the experts: every device routes over all of them alike, computes the selected ones it holds
     (the others' weights zeroed) and a psum adds the devices' parts; with `shared_axis` the shared
-    experts' hidden rows are split and their partial sums join the same psum."""
+    experts' hidden rows are split and their partial sums join the same psum. Experts every device
+    holds whole (host-resident: one copy for all `n_parts` devices) are divided the same way, by
+    range, their ids left as they are."""
     w, ids = route(x, layer, cfg, ser)
     if experts_axis is not None:
         n_local = layer["gate_exps"].shape[0]
-        local = ids - jax.lax.axis_index(experts_axis) * n_local
-        mine = (local >= 0) & (local < n_local)
-        w, ids = jnp.where(mine, w, 0.0), jnp.where(mine, local, 0)
+        whole = n_local == cfg.n_expert
+        part = -(-cfg.n_expert // n_parts) if whole else n_local
+        local = ids - jax.lax.axis_index(experts_axis) * part
+        mine = (local >= 0) & (local < part)
+        w = jnp.where(mine, w, 0.0)
+        if not whole:
+            ids = jnp.where(mine, local, 0)
     out = kernels.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
                               fused=fused)
     if "down_shexp" not in layer:
