@@ -1,37 +1,42 @@
 #!/usr/bin/env bash
 # Issue 13's matrix on one multi-GPU lease (nvidia-h100-x4 / nvidia-h200-x4), inside one call:
 #   v2l: the 27-layer V2-Lite-shape Q4_0 model (`make-model --preset v2-lite --type Q4_0`),
-#        sweep-bench -c 16384 -ub 2048 -n 128 -mla 3 -fa 1 on 1 GPU, -sm layer on 2 and 4,
-#        -sm graph on 2 and 4 (at GRAPH_CTX / GRAPH_TG: see below);
-#   r1:  the R1 shape cut to R1_LAYERS (16) layers, the same runs, plus -ot exps=CPU -sm graph;
+#        sweep-bench -c 16384 -ub 2048 -n 128 -mla 3 -fa 1 on 1 GPU, -sm layer and -sm graph on 2 and 4;
+#   r1:  the R1 shape cut to R1_LAYERS (16) layers (80.5 GiB), the same runs, plus
+#        -ot exps=CPU -sm graph (-c OT_CTX 4096 -n OT_TG 32: its prompts run on the host CPU);
 #   fix: bench/multi_gpu_fixtures.py, the fixtures at f32 on 2- and 4-GPU meshes.
-# Per-GPU memory (nvidia-smi every 0.5 s) and the memory plan of every run; for -sm graph the
-# collectives of each compiled step (XLA's optimized HLO, dumped by the warm-up pass).
+# Per-GPU memory (nvidia-smi every 0.5 s, only while a run is alone on a GPU) and the memory plan
+# of every run; for -sm graph the collectives of each compiled step (XLA's optimized HLO, dumped
+# by the warm-up pass: counts and bytes per step).
 #
-#   bash bench/multi_gpu.sh                      # all parts, most important first, within DEADLINE s
-#   PARTS="r1" bash bench/multi_gpu.sh           # one part (v2l, r1, fix; space or comma separated)
-# On the device (repo root; carry .whl = the gguf wheel, .gpufix = the fixtures):
-#   bash bench/multi_gpu.sh        results: $OUT/{multi_gpu.log,runs.log,mem.csv,hlo.txt,fixtures.txt,table.md}
+# On the device, from the repo root, carrying .whl (the gguf wheel) and .gpufix (the fixtures):
+#   bash bench/multi_gpu.sh          results: $OUT/{table.md,multi_gpu.log,runs.log,mem.csv,hlo.txt,fixtures.txt}
+#   PARTS="r1_graph4 r1_ot_graph4" bash bench/multi_gpu.sh   # a second call: parts or single runs
+# PARTS: v2l, r1, fix and/or run names (v2l_gpu1 v2l_layer2 v2l_layer4 v2l_graph2 v2l_graph4
+# r1_layer2 r1_layer4 r1_gpu1 r1_graph4 r1_graph2 r1_ot_graph4); the log's last line names the
+# runs the deadline left out. A second call on the same warm machine reuses the model files
+# (/tmp/mg) and the compiled steps (JAX's persistent cache under ~/.cache/ikjax).
 #
-# How it fits one 10-minute call: compiling is most of every run (68 s for one GPU, ~160 s for
-# -sm graph) and needs only CPU, so every configuration is first started in a *warm-up* process,
-# all at once (memory permitting), that is stopped as soon as the CLI says "compiled ...": the
-# executables land in JAX's persistent compilation cache (ikjax.compile_cache). The *measured*
-# runs then go one at a time, each the plain CLI command, loading its steps from the cache. A
-# measured 1-GPU or -sm layer run never shares its GPUs with another job; -sm graph runs (the slow
-# mode) may run beside warm-ups of other configurations; every row says what ran beside it.
-# The R1 file (80.5 GiB at 16 layers, ~0.6 GB/s: ~2.5 min) is written in the background from the
-# start. Nothing starts that cannot finish before DEADLINE (default 540 s after start); what was
-# left out is listed. A second call on the same warm machine reuses the model files and the cache.
+# How it fits a 10-minute call: compiling is most of every run (68 s for one GPU, RESULTS §4) and
+# needs only CPU, so every configuration is first started in a *warm-up* process, all at once
+# (memory permitting), stopped as soon as the CLI prints "compiled ...": the executables land in
+# JAX's persistent compilation cache (ikjax.compile_cache). The *measured* runs then go one at a
+# time, each the plain CLI command, loading its steps from the cache; no other job runs on a
+# measured run's GPUs, and with ISOLATE=1 (default) no warm-up of a later run starts on GPUs an
+# earlier run still needs. Each row names what ran beside it on other GPUs (the R1 file is written
+# in the background from the start: ~0.6 GB/s, ~2.5 min for 80.5 GiB). Nothing starts that cannot
+# finish before DEADLINE (540 s after the start). `-ot exps=CPU` needs the CUDA host-experts
+# handler: built first (cmake + ninja, as bench/hybrid_device.sh) when that run is selected, and
+# every GPU job waits for it (the .so is part of the compile cache's key).
 #
-# Knobs (environment): OUT, PARTS, DEADLINE, CTX (16384), UB (2048), TG (128), GRAPH_CTX (4096),
-# GRAPH_TG (32) — -sm graph runs the slow path (RESULTS §10: ~290 t/s PP, compile ~160 s at
-# -c 8192), so by default it sweeps 2 rows (N_KV 0 and 2048, which the 1-GPU sweep also has);
-# GRAPH_CTX=16384 GRAPH_TG=128 gives the full sweep —, R1_LAYERS (16), R1_CTX, R1_TG,
-# R1_GRAPH_CTX, WARM (1; 0 = no warm-up pass, every run compiles itself), HLO (1; 0 = no dump),
-# FIX_BUDGET (110 s for the fixtures script), COMMIT (recorded when the tree has no .git),
-# MG_WORK (/tmp/mg: model files, logs), MG_NO_INSTALL=1 (skip the wheel install), and for a CPU
-# rehearsal MG_FAKE_DEVICES=4 with V2L_MAKE/R1_MAKE (make-model arguments) for small models.
+# Knobs (environment): OUT, PARTS, DEADLINE, CTX (16384), UB (2048), TG (128), GRAPH_CTX and
+# GRAPH_TG (-sm graph; default CTX, TG), R1_LAYERS (16; fewer if /tmp lacks the room, logged),
+# R1_CTX, R1_TG, R1_GRAPH_CTX, OT_CTX (4096), OT_TG (32), ISOLATE, WARM (1; 0 = every run compiles
+# itself), HLO (1; 0 = no dump), BUILD_CUDA (auto/1/0), FIX_BUDGET (110 s for the fixtures
+# script), COMMIT (recorded when the tree has no .git), MG_WORK (/tmp/mg), MG_NO_INSTALL=1 (no
+# wheel install). A CPU rehearsal: MG_FAKE_DEVICES=4 (fake CPU devices; MG_FAKE_GIB their memory),
+# V2L_MAKE / R1_MAKE (make-model arguments of small models), MG_CLI (a stand-in for
+# `python3 -m ikjax.cli`) with MG_TIME_SCALE (every time budget scaled).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export OUT=${OUT:-$PWD/multi_gpu_out}
@@ -70,20 +75,22 @@ OUT = Path(E("OUT"))
 WORK = Path(E("MG_WORK", "/tmp/mg"))
 WORK.mkdir(parents=True, exist_ok=True)
 DEADLINE = float(E("DEADLINE", "540"))
-RESERVE = 10.0  # seconds kept at the end for the table
+SCALE = float(E("MG_TIME_SCALE", "1"))  # rehearsals with a stand-in CLI: every time budget below x SCALE
+RESERVE = 10.0 * SCALE  # seconds kept at the end for the table
 PARTS = set(E("PARTS", "v2l r1 fix").replace(",", " ").split())
 FAKE = int(E("MG_FAKE_DEVICES", "0"))
 CTX, UB, TG = int(E("CTX", "16384")), int(E("UB", "2048")), int(E("TG", "128"))
-GCTX, GTG = int(E("GRAPH_CTX", "4096")), int(E("GRAPH_TG", "32"))
+GCTX, GTG = int(E("GRAPH_CTX", str(CTX))), int(E("GRAPH_TG", str(TG)))
 R1_LAYERS = int(E("R1_LAYERS", "16"))
 R1_CTX, R1_TG = int(E("R1_CTX", str(CTX))), int(E("R1_TG", str(TG)))
-R1_GCTX = int(E("R1_GRAPH_CTX", str(GCTX)))
+R1_GCTX = int(E("R1_GRAPH_CTX", str(R1_CTX)))
+OT_CTX, OT_TG = int(E("OT_CTX", "4096")), int(E("OT_TG", "32"))
 V2L_MAKE = E("V2L_MAKE", "--preset v2-lite --type Q4_0")
 R1_MAKE = E("R1_MAKE", "")
 WARM = E("WARM", "1") != "0"
 HLO = E("HLO", "1") != "0"
 FIX_BUDGET = float(E("FIX_BUDGET", "110"))
-CLI = [sys.executable, "-m", "ikjax.cli"]
+CLI = shlex.split(E("MG_CLI", "")) or [sys.executable, "-m", "ikjax.cli"]  # MG_CLI: a stand-in, for rehearsals
 for f in ("multi_gpu.log", "runs.log", "mem.csv", "hlo.txt", "fixtures.txt", "table.md"):
     (OUT / f).unlink(missing_ok=True)
 LOCK = threading.RLock()
@@ -113,7 +120,7 @@ def sh(cmd: str) -> str:
 
 # -- the machine -------------------------------------------------------------------------------------
 if FAKE:
-    GPUS = [dict(index=i, name="fake CPU device", total=1 << 20) for i in range(FAKE)]
+    GPUS = [dict(index=i, name="fake CPU device", total=float(E("MG_FAKE_GIB", str(1 << 20)))) for i in range(FAKE)]
 else:
     GPUS = []
     for line in sh("nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits").splitlines():
@@ -299,22 +306,6 @@ def want_model(key: str, make_args: str) -> None:
     RUNNING.append(job)
 
 
-if "v2l" in PARTS:
-    want_model("v2l", V2L_MAKE)
-if "r1" in PARTS:
-    layers = R1_LAYERS
-    make = R1_MAKE or f"--preset r1 --layers {layers} --type Q4_0"
-    if not R1_MAKE:
-        room = free_gib(WORK) - 8 - (0 if "v2l" not in MODELS else MODELS["v2l"]["gib"])
-        while layers > 4 and planned_gib(make) > room:
-            layers -= 1
-            make = f"--preset r1 --layers {layers} --type Q4_0"
-        if layers != R1_LAYERS:
-            log(f"model r1: {R1_LAYERS} layers do not fit the {free_gib(WORK):.0f} GiB free under {WORK}: "
-                f"cut to {layers} layers")
-    want_model("r1", make)
-for k, m in MODELS.items():
-    log(f"model {k}: make-model {m['args']} -> {m['gib']:.2f} GiB")
 
 
 # -- the configurations ------------------------------------------------------------------------------
@@ -322,7 +313,7 @@ class Config:
     def __init__(self, model, name, gpus, flags, ctx, tg, sensitive, measure_cap, measure_min, warm_cap=300.0):
         self.model, self.name, self.gpus, self.flags = model, name, gpus, flags
         self.ctx, self.tg, self.sensitive = ctx, tg, sensitive
-        self.measure_cap, self.measure_min, self.warm_cap = measure_cap, measure_min, warm_cap
+        self.measure_cap, self.measure_min, self.warm_cap = measure_cap * SCALE, measure_min * SCALE, warm_cap * SCALE
         self.state = "pending"  # pending, warming, ready, measuring, done, refused, skipped
         self.warm_alone = True
         self.graph = "graph" in flags
@@ -337,8 +328,8 @@ class Config:
         size = MODELS[self.model]["gib"]
         n = len(self.gpus)
         if "exps=CPU" in " ".join(self.flags):
-            return 4.0
-        need = size * (1.15 if self.graph else 1.05) / n + 3.0
+            return 2.0
+        need = size * (1.1 if self.graph else 1.0) / n + 2.5
         if need > 0.75 * min(GPUS[g]["total"] for g in self.gpus):
             return 1.0  # cannot fit: the memory plan refuses it at load (what we record)
         return need
@@ -352,31 +343,67 @@ class Config:
                     sensitive=self.sensitive, order=CONFIGS.index(self) if self in CONFIGS else 0)
 
 
-CONFIGS: list[Config] = []
-if "v2l" in PARTS:
-    CONFIGS.append(Config("v2l", "v2l_gpu1", [0], [], CTX, TG, True, 150, 30))
-    for m in MESHES:
-        CONFIGS.append(Config("v2l", f"v2l_layer{m}", list(range(m)), ["-sm", "layer"], CTX, TG, True, 150, 35))
-    for m in MESHES:
-        CONFIGS.append(Config("v2l", f"v2l_graph{m}", list(range(m)), ["-sm", "graph"], GCTX, GTG, False, 150, 45))
-if "r1" in PARTS:
-    # 2-GPU layer split on the last two GPUs: its warm-up fits beside the graph ones on the first two
-    for m in MESHES:
-        CONFIGS.append(Config("r1", f"r1_layer{m}", list(range(NG - m, NG)), ["-sm", "layer"], R1_CTX, R1_TG, True, 200, 60))
-    CONFIGS.append(Config("r1", "r1_gpu1", [0], [], R1_CTX, R1_TG, True, 200, 50))
-    for m in reversed(MESHES):
-        CONFIGS.append(Config("r1", f"r1_graph{m}", list(range(m)), ["-sm", "graph"], R1_GCTX, GTG, False, 150, 60))
-    CONFIGS.append(Config("r1", f"r1_ot_graph{NG}", list(range(NG)), ["-ot", "exps=CPU", "-sm", "graph"],
-                          R1_GCTX, GTG, False, 150, 40))
+# priority order (what the deadline cuts last comes first); model, name, GPUs, flags, -c, -n,
+# sensitive (no job beside it on its GPUs), measured run's cap and least time, warm-up cap
+HOST_T = str(max(1, (os.cpu_count() or NG) // NG))  # -ot: each GPU's host call has its own pool
+ALL: list[Config] = [Config("v2l", "v2l_gpu1", [0], [], CTX, TG, True, 150, 30)]
+ALL += [Config("v2l", f"v2l_layer{m}", list(range(m)), ["-sm", "layer"], CTX, TG, True, 150, 35) for m in MESHES]
+ALL += [Config("v2l", f"v2l_graph{m}", list(range(m)), ["-sm", "graph"], GCTX, GTG, True, 150, 35) for m in MESHES]
+# the 2-GPU layer split on the last two GPUs: its warm-up fits beside others on the first two
+ALL += [Config("r1", f"r1_layer{m}", list(range(NG - m, NG)), ["-sm", "layer"], R1_CTX, R1_TG, True, 200, 60)
+        for m in MESHES]
+ALL += [Config("r1", "r1_gpu1", [0], [], R1_CTX, R1_TG, True, 200, 50)]
+ALL += [Config("r1", f"r1_graph{m}", list(range(m)), ["-sm", "graph"], R1_GCTX, GTG, True, 200, 60)
+        for m in reversed(MESHES)]
+ALL += [Config("r1", f"r1_ot_graph{NG}", list(range(NG)), ["-ot", "exps=CPU", "-sm", "graph", "-t", HOST_T],
+               OT_CTX, OT_TG, True, 200, 60)]
+# PARTS names a model (all its runs) or single runs (e.g. PARTS="r1_graph4 r1_graph2")
+CONFIGS: list[Config] = [c for c in ALL if c.model in PARTS or c.name in PARTS]
+unknown = PARTS - {"v2l", "r1", "fix"} - {c.name for c in ALL}
+if unknown:
+    log(f"PARTS: unknown {', '.join(sorted(unknown))}: give v2l, r1, fix or run names ({', '.join(c.name for c in ALL)})")
+    sys.exit(1)
+WANT = {c.model for c in CONFIGS}
+if "v2l" in WANT:
+    want_model("v2l", V2L_MAKE)
+if "r1" in WANT:
+    layers = R1_LAYERS
+    make = R1_MAKE or f"--preset r1 --layers {layers} --type Q4_0"
+    if not R1_MAKE:
+        room = free_gib(WORK) - 8 - (0 if "v2l" not in MODELS else MODELS["v2l"]["gib"])
+        while layers > 4 and planned_gib(make) > room:
+            layers -= 1
+            make = f"--preset r1 --layers {layers} --type Q4_0"
+        if layers != R1_LAYERS:
+            log(f"model r1: {R1_LAYERS} layers do not fit the {free_gib(WORK):.0f} GiB free under {WORK}: "
+                f"cut to {layers} layers")
+    want_model("r1", make)
+for k, m in MODELS.items():
+    log(f"model {k}: make-model {m['args']} -> {m['gib']:.2f} GiB")
 log("configurations, in priority order: " + ", ".join(f"{c.name} (GPUs {','.join(map(str, c.gpus))})" for c in CONFIGS))
 
 COMPILED = re.compile(r"^compiled \d+ step", re.M)
+# a warm-up refused for memory while other jobs held some of its GPUs is tried again alone
+MEMORYISH = re.compile(r"MiB|GiB|RESOURCE_EXHAUSTED|out of memory|which has", re.I)
+ISOLATE = E("ISOLATE", "1") != "0"
 FIX_JOB = None
 if "fix" in PARTS:
     FIX_JOB = Job("fixtures", "mesh", [sys.executable, "bench/multi_gpu_fixtures.py", "--budget", str(FIX_BUDGET)],
                   gpus=range(NG), mem=1.0, timeout=FIX_BUDGET + 60, env={"IKJAX_DTYPE": "f32"})
     FIX_JOB.start()
     RUNNING.append(FIX_JOB)
+
+# -ot exps=CPU next to GPUs calls the CUDA host-experts handler (pallas_kernels._cuda_host)
+BUILT = True  # GPU jobs wait while False: the .so's bytes are part of the compile cache's key
+BUILD = E("BUILD_CUDA", "auto")
+if not FAKE and (BUILD == "1" or (BUILD == "auto" and any("exps=CPU" in c.flags for c in CONFIGS))):
+    b = WORK / "ikb"
+    BUILT = False
+    bj = Job("build", "cuda_host", ["bash", "-c",
+             f"cmake -S pallas_kernels -B {b} -G Ninja -DIKJAX_BUILD_CUDA=ON -DPython_EXECUTABLE={sys.executable} "
+             f"&& ninja -C {b} _cuda_host && cp {b}/_cuda_host*.so pallas_kernels/"], timeout=300)
+    bj.start()
+    RUNNING.append(bj)
 
 
 def on_gpus(job_or_cfg, kinds=None) -> list[Job]:
@@ -389,18 +416,24 @@ def mem_fits(cfg: Config) -> bool:
     for g in cfg.gpus:
         used = sum(j.mem for j in RUNNING if g in j.gpus)
         total = GPUS[g]["total"]
-        # sum within 90 % of the card, and within JAX's default limit (75 % of what is free when
-        # a process starts) for the new one
-        if used + need > 0.9 * total or need > 0.75 * (total - used):
+        # every job's estimate together within 95 % of the card (a wrong guess costs a retry: see
+        # finish); one process is held to JAX's default limit, 75 % of the card, by est_gib
+        if used + need > 0.95 * total:
             return False
     return True
 
 
 def finish(job: Job) -> None:
     """A job ended: record it and move its configuration on."""
+    global BUILT
     cfg = next((c for c in CONFIGS if c.name == job.name), None)
     txt = job.text()
-    if job.kind == "make":
+    if job.kind == "build":
+        BUILT = True
+        log(f"build of the CUDA host-experts handler: {'ok' if job.rc == 0 else 'FAILED (rc %s)' % job.rc} in "
+            f"{job.t_end - job.t_start:.0f}s" + ("" if job.rc == 0 else ": " + txt.strip()[-600:]))
+        job.record()
+    elif job.kind == "make":
         m = MODELS[job.name]
         if job.rc == 0 and m["path"].exists():
             m["ready"] = True
@@ -423,7 +456,7 @@ def finish(job: Job) -> None:
             cfg.state = "ready"
             log(f"warm {job.name}: " + txt[compiled.start():].splitlines()[0])
             job.record()
-        elif err and cfg.warm_alone:
+        elif err and (cfg.warm_alone or not MEMORYISH.search(err)):
             cfg.state = "refused"
             log(f"warm {job.name} refused: {err}")
             job.record(refused=err[len('error: '):])
@@ -490,7 +523,7 @@ def tick() -> bool:
             job.beside |= {j.desc() for j in RUNNING if j is not job}
     measuring = any(j.kind == "measure" for j in RUNNING)
     # a measured run: the first ready configuration whose GPUs are quiet enough
-    if not measuring:
+    if not measuring and BUILT:
         for cfg in CONFIGS:
             if cfg.state != "ready":
                 continue
@@ -505,7 +538,8 @@ def tick() -> bool:
             break
     # warm-ups: in priority order, where the model is there, memory allows, and no ready
     # configuration of higher priority waits for these GPUs
-    waiting = [c for c in CONFIGS if c.state in ("ready", "measuring") and c.sensitive]
+    waiting = [c for c in CONFIGS if c.state in ("warming", "ready", "measuring") and c.sensitive] if ISOLATE else []
+    reserved: set[int] = set()  # GPUs of a warm-up that waits for memory: nothing of lower priority jumps it
     for i, cfg in enumerate(CONFIGS):
         if cfg.state != "pending":
             continue
@@ -516,19 +550,24 @@ def tick() -> bool:
             continue
         if not m["ready"]:
             continue
-        if left() - RESERVE < cfg.measure_min + 30:
+        if left() - RESERVE < cfg.measure_min:
             cfg.state = "skipped"
             skip(cfg.name, f"{left():.0f}s left: no time to compile and measure it")
             continue
         if not WARM:
             cfg.state = "ready"
             continue
+        if not BUILT:
+            continue
         if any(set(c.gpus) & set(cfg.gpus) and CONFIGS.index(c) < i for c in waiting):
             continue
         if on_gpus(cfg, ("measure",)) and any(j.kind == "measure" and next(c for c in CONFIGS if c.name == j.name).sensitive
                                               for j in on_gpus(cfg, ("measure",))):
             continue
+        if set(cfg.gpus) & reserved:
+            continue
         if not mem_fits(cfg):
+            reserved |= set(cfg.gpus)
             continue
         start_warm(cfg)
     if left() < RESERVE:
@@ -549,7 +588,7 @@ finally:
         for job in list(RUNNING):
             if job.poll() is not None:
                 RUNNING.remove(job)
-                finish(job) if job.kind in ("measure", "fixtures") else job.record()
+                finish(job) if job.kind in ("measure", "fixtures", "build") else job.record()
         time.sleep(0.2)
     for job in RUNNING:
         job.record()
@@ -560,5 +599,8 @@ finally:
     table = tbl.build(OUT)
     (OUT / "table.md").write_text(table + "\n")
     log("states: " + ", ".join(f"{c.name} {c.state}" for c in CONFIGS))
+    rest = [c.name for c in CONFIGS if c.state not in ("done", "refused")]
+    if rest:
+        log(f"not measured; for another call: PARTS=\"{' '.join(rest)}\" bash bench/multi_gpu.sh")
     log(f"done in {now():.0f}s; table:\n{table}")
 PY
