@@ -468,7 +468,7 @@ struct XQ8 {
   std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum)
   std::vector<int32_t> sx;      // [M][nb] sum(q) (the one-block tail)
   std::vector<int32_t> corr;    // [M][q bytes / 4] vpdpbusd's start values (-offset * sum of the lane's x)
-                                // at the byte offset / 4 of the 64 (Q8_0) or 128 (grouped) bytes they serve
+                                // at the byte offset / 4 of the 128 bytes they serve (grouped types only)
   int64_t row_q() const { return grouped ? (nb + 3) / 4 * 128 : nb * 32; }
 };
 
@@ -514,12 +514,7 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
         c = _mm512_dpbusd_epi32(c, ones, _mm512_loadu_si512(qr + g * 128 + 64));
         _mm512_storeu_si512(cr + g * 32, _mm512_mullo_epi32(c, moff));  // at the group's byte offset / 4
       }
-    } else {
-      for (int64_t p = 0; p < nb / 2; ++p) {
-        const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(qr + p * 64));
-        _mm512_storeu_si512(cr + p * 16, _mm512_mullo_epi32(c, moff));
-      }
-    }
+    }  // Q8_0 takes its offset's share off in float (decode_q8): no start values
   }
 }
 
@@ -647,14 +642,16 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
       const __m128 dw = f16x4<bs>(wb);
       if constexpr (q8) {
         const __m512i w01 = q8_pair<bs>(wb), w23 = q8_pair<bs>(wb + 2 * bs);
+        // the +128 offset's share, 128 * dw * dx * sum(q_x) per block, is taken off in float (accm,
+        // from ds = dx * sum(q_x)) instead of from start values: x's working set stays 32 + 8 bytes a
+        // block (the int32 start values doubled it, and at K = 10944 pushed it out of L1: 27 -> GB/s)
         for (int m = 0; m < MM; ++m) {
-          const __m512i c0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(xc[m] + b * 8), w01,
-                                                 _mm512_loadu_si512(xqs[m] + b * 32));
-          const __m512i c1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(xc[m] + b * 8 + 16), w23,
-                                                 _mm512_loadu_si512(xqs[m] + b * 32 + 64));
+          const __m512i c0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w01, _mm512_loadu_si512(xqs[m] + b * 32));
+          const __m512i c1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w23, _mm512_loadu_si512(xqs[m] + b * 32 + 64));
           const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(xd[m] + b)));
           acc[m][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), _mm512_permutexvar_ps(i01, s), acc[m][a]);
           acc[m][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), _mm512_permutexvar_ps(i23, s), acc[m][a]);
+          accm[m] = _mm_fmadd_ps(dw, _mm_loadu_ps(xs[m] + b), accm[m]);
         }
       } else {
         __m512i lo, hi;
@@ -697,7 +694,8 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
       }
     }
     for (int m = 0; m < MM; ++m) {
-      const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + hsum128(accm[m]) + tail[m];
+      const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) +
+                      (q8 ? -128.f : 1.f) * hsum128(accm[m]) + tail[m];
       float* dst = y + m * ldy + n;
       *dst = accumulate ? *dst + s : s;
     }
