@@ -123,8 +123,9 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swi
             return tuple(tuple(a) for a in new)
 
         init = tuple(tuple(jnp.zeros((bn, ng), F32) for _ in range(bm)) for _ in range(n_w))
-        accs = lax.fori_loop(s * nt, jnp.where(alive, (s + 1) * nt, s * nt) if has_expert else (s + 1) * nt,
-                             body, init)
+        lo = s * nt
+        hi = jnp.where(alive, lo + nt, lo).astype(lo.dtype) if has_expert else lo + nt
+        accs = lax.fori_loop(lo, hi, body, init)
         for r in range(bm):
             ys = [jnp.sum(accs[wi][r], axis=1) for wi in range(n_w)]
             y = _silu_mul(ys[0], ys[1]) if swiglu else ys[0]
@@ -145,7 +146,9 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swi
         return tuple(new)
 
     init = tuple(jnp.zeros((bm, bn), F32) for _ in range(n_w))
-    accs = lax.fori_loop(0, jnp.where(alive, nt, 0) if has_expert else nt, body, init)
+    # both bounds of one integer type (Triton's scf.for requires it)
+    hi = jnp.where(alive, jnp.int32(nt), jnp.int32(0)) if has_expert else nt
+    accs = lax.fori_loop(jnp.int32(0) if has_expert else 0, hi, body, init)
     y = _silu_mul(accs[0], accs[1]) if swiglu else accs[0]
     o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = y
 
