@@ -135,9 +135,11 @@ def test_kquant_types(name, monkeypatch):
 def test_bf16_compute(name, isa, monkeypatch):
     """compute='bf16': prompt-sized products (x and W rounded to bf16, f32 accumulation) against the
     bf16 reference; decode-sized ones against the 8-bit-activation function (int8 types at avx2 and
-    avx512) or f32. Odd block counts (K = 96, 224: the int8 path's one-block tail) and the K-split decode
-    (N = 1, K = 4096, 2 threads)."""
+    avx512) or f32. Odd block counts (K = 96, 224, 448: the int8 path's one-block tail after 0, 1 and 3
+    four-block steps; at M = 1 with an odd number of rows, so the two-rows-per-pass decode has a row
+    left over) and the K-split decode (N = 1, K = 4096, 2 threads)."""
     for M, N, K, nt in [(1, 37, 256, 2), (3, 7, 2048, 2), (2, 300, 224, 1), (1, 64, 96, 2), (1, 1, 4096, 2),
+                        (1, 45, 224, 2), (1, 9, 448, 1),
                         (2, 1, 8192, 1), (17, 300, 256, 2), (512, 37, 256, 2)]:
         if K % by_name(name).block_elems:
             continue

@@ -33,12 +33,15 @@ SHAPES = [("ffn_up_exps", 1408, 2048), ("ffn_down_exps", 2048, 1408), ("attn_out
           ("ffn_up", 10944, 2048), ("ffn_down", 2048, 10944), ("output", 102400, 2048)]
 
 
-def timeit(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
+def timeit(fn, x, wds, reps: int) -> float:
+    """Best time of fn(x, wd), wd cycling through the weight copies wds (one unless --cold)."""
+    for wd in wds:
+        jax.block_until_ready(fn(x, wd))
     best = float("inf")
-    for _ in range(reps):
+    for i in range(max(reps, len(wds))):
+        wd = wds[i % len(wds)]
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(x, wd))
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -54,6 +57,9 @@ def main():
                     help="skip XLA's reference where the product exceeds this (it is slow)")
     ap.add_argument("--peak", type=float, default=0.0, help="f32 GFLOP/s peak (default: clock x 32 x threads)")
     ap.add_argument("--compute", default="f32", help=f"comma-separated, of {sorted(cpu.COMPUTE)}")
+    ap.add_argument("--cold", action="store_true",
+                    help="cycle through copies of each weight (>= 128 MiB in all) so every call reads it from "
+                         "DRAM as a decode step does, not from L3")
     args = ap.parse_args()
     computes = args.compute.split(",")
     bad = [c for c in computes if c not in cpu.COMPUTE]
@@ -73,15 +79,18 @@ def main():
                 continue
             w = random_quant_array(t, (N, K), rng, fast=True)
             w = type(w)(jnp.asarray(w.data), w.qtype, w.shape)
+            copies = [w.data]
+            if args.cold:  # distinct buffers, together well past the 32 MiB L3 of this class of CPU
+                copies += [jnp.asarray(np.asarray(w.data).copy()) for _ in range(max(0, -(-(128 << 20) // w.nbytes) - 1))]
             f_xla = jax.jit(lambda x, wd: quant_matmul_ref(x, type(w)(wd, w.qtype, w.shape), jnp.float32))
             for M in (int(m) for m in args.rows.split(",")):
                 x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
                 flop = 2.0 * M * N * K
-                tx = timeit(f_xla, x, w.data, reps=max(1, args.reps // 2)) if flop / 1e9 <= args.xla_max_gflop else None
+                tx = timeit(f_xla, x, [w.data], reps=max(1, args.reps // 2)) if flop / 1e9 <= args.xla_max_gflop else None
                 for mode in computes:
                     f_cpu = jax.jit(lambda x, wd, mode=mode: cpu.quant_matmul(
                         x, type(w)(wd, w.qtype, w.shape), n_threads=args.threads, compute=mode))
-                    tc = timeit(f_cpu, x, w.data, reps=args.reps)
+                    tc = timeit(f_cpu, x, copies, reps=args.reps)
                     gbs = w.nbytes / tc / 1e9
                     gfl = flop / tc / 1e9
                     xs = f"{tx * 1e3:9.2f} {tx / tc:7.1f}x" if tx else f"{'-':>9} {'-':>8}"
