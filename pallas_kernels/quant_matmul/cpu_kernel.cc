@@ -1119,6 +1119,63 @@ void micro_bf16(const uint32_t* A, const uint16_t* Bp, int64_t Kp, float* C, int
 #define IKJ_HAVE_DPBF16 1
 #endif
 
+#if defined(IKJ_HAVE_DPBF16)
+// n floats -> ceil(n / 2) bf16 pairs (u32: value 2p in the low half, 2p + 1 in the high half; a
+// missing last value is 0), round to nearest even as to_bf16_bits (vcvtne2ps2bf16).
+inline void to_bf16_pairs(const float* r, int64_t n, uint32_t* out) {
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32)
+    _mm512_storeu_si512(out + k / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(r + k + 16), _mm512_loadu_ps(r + k)));
+  if (k < n) {
+    const int64_t left = n - k;
+    const __mmask16 m0 = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
+    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, r + k + 16), _mm512_maskz_loadu_ps(m0, r + k));
+    _mm512_mask_storeu_epi32(out + k / 2, static_cast<__mmask16>((1u << ((left + 1) / 2)) - 1), v);
+  }
+}
+
+// 16 x 16 u32 transpose in registers: r[i] row i in, r[j] column j out.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // u[4g + c] holds, in 128-bit lane L, element 4L + c of rows 4g..4g+3
+  __m512i v[16];
+  for (int g = 0; g < 2; ++g)
+    for (int c = 0; c < 4; ++c) {
+      v[8 * g + c] = _mm512_shuffle_i32x4(u[8 * g + c], u[8 * g + 4 + c], 0x88);
+      v[8 * g + 4 + c] = _mm512_shuffle_i32x4(u[8 * g + c], u[8 * g + 4 + c], 0xdd);
+    }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0xdd);
+  }
+}
+
+// rows[i] (i < 16; null: zeros) are bf16-pair rows of Kp u32; writes out[kp * ld + i] for kp < Kp
+// (16 columns i = the 16 rows), 16 pairs at a time through the register transpose.
+inline void scatter_pairs16(const uint32_t* const rows[16], int64_t Kp, uint32_t* out, int64_t ld, int width) {
+  for (int64_t kp0 = 0; kp0 < Kp; kp0 += 16) {
+    const int64_t w = std::min<int64_t>(16, Kp - kp0);
+    const __mmask16 m = static_cast<__mmask16>((1u << w) - 1);
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = rows[i] ? _mm512_maskz_loadu_epi32(m, rows[i] + kp0) : _mm512_setzero_si512();
+    transpose16x16(r);
+    const __mmask16 wm = static_cast<__mmask16>((1u << width) - 1);
+    for (int64_t c = 0; c < w; ++c) _mm512_mask_storeu_epi32(out + (kp0 + c) * ld, wm, r[c]);
+  }
+}
+#endif
+
 // Call f(integral_constant<int, mr>) for a run-time mr in [1, MR].
 template <int R = 1, typename F>
 void for_mr(int mr, F&& f) {
@@ -1150,8 +1207,31 @@ void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t r
   } else if (static_cast<int64_t>(panel.size()) < NR * K) {
     panel.resize(NR * K);
   }
+#if defined(IKJ_HAVE_DPBF16)
+  thread_local std::vector<uint32_t> pairs;  // [NR][Kp] the panel's rows as bf16 pairs
+  if (dp && static_cast<int64_t>(pairs.size()) < NR * Kp) pairs.resize(NR * Kp);
+#endif
   for (int64_t p0 = n0; p0 < n1; p0 += NR) {
     const int64_t nr = std::min<int64_t>(NR, n1 - p0);
+#if defined(IKJ_HAVE_DPBF16)
+    if (dp) {
+      // each row dequantized once, converted to bf16 pairs 32 values at a time, then transposed
+      // into [Kp][NR] 16 x 16 pairs at a time (the scalar per-value scatter cost as much as the
+      // microkernel when an expert's panel serves ~48 rows)
+      const uint32_t* rows[NR];
+      for (int64_t j = 0; j < NR; ++j) {
+        rows[j] = nullptr;
+        if (j >= nr) continue;
+        const float* r = buf.data();
+        if (type == ikj::T_F32) r = reinterpret_cast<const float*>(w + (p0 + j) * row_bytes);
+        else dequant_row(type, w + (p0 + j) * row_bytes, K, buf.data());
+        to_bf16_pairs(r, K, pairs.data() + j * Kp);
+        rows[j] = pairs.data() + j * Kp;
+      }
+      uint32_t* pb = reinterpret_cast<uint32_t*>(panel_bf.data());
+      for (int h = 0; h < NR; h += 16) scatter_pairs16(rows + h, Kp, pb + h, NR, 16);
+    } else
+#endif
     // dequantize each row of the panel once and scatter it into column j of [K][NR]
     for (int64_t j = 0; j < NR; ++j) {
       const float* r = buf.data();
@@ -1162,20 +1242,8 @@ void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t r
       } else {
         dequant_row(type, w + (p0 + j) * row_bytes, K, buf.data());
       }
-      if (dp) {
-        uint16_t* pb = panel_bf.data() + 2 * j;
-        for (int64_t k = 0; k + 1 < K; k += 2) {
-          pb[k * NR] = to_bf16_bits(r[k]);
-          pb[k * NR + 1] = to_bf16_bits(r[k + 1]);
-        }
-        if (K & 1) {
-          pb[(K - 1) * NR] = to_bf16_bits(r[K - 1]);
-          pb[(K - 1) * NR + 1] = 0;
-        }
-      } else {
-        float* pf = panel.data() + j;
-        for (int64_t k = 0; k < K; ++k) pf[k * NR] = r[k];
-      }
+      float* pf = panel.data() + j;  // (bf16 pairs: above)
+      for (int64_t k = 0; k < K; ++k) pf[k * NR] = r[k];
     }
     if (compute == QM_BF16 && !dp) round_bf16_inplace(panel.data(), NR * K);
     // K in chunks whose slice of the panel (KC x NR) stays in L1 across all M tiles
@@ -1219,23 +1287,31 @@ size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out, int6
 #endif
   if (!out) return dp ? tiles * Kp * MR * 4 : tiles * K * MR * 4;
   if (t1 < 0) t1 = tiles;
+#if defined(IKJ_HAVE_DPBF16)
+  thread_local std::vector<uint32_t> pairs;  // [MR][Kp]
+  if (dp && static_cast<int64_t>(pairs.size()) < MR * Kp) pairs.resize(MR * Kp);
+#endif
   for (int64_t t = t0; t < t1; ++t) {
+#if defined(IKJ_HAVE_DPBF16)
+    if (dp) {  // rows as bf16 pairs, then [Kp][MR] through the 16 x 16 transpose (rows past M: 0)
+      const uint32_t* rows[16] = {};
+      for (int i = 0; i < MR; ++i) {
+        const int64_t m = t * MR + i;
+        if (m >= M) continue;
+        to_bf16_pairs(x + m * K, K, pairs.data() + i * Kp);
+        rows[i] = pairs.data() + i * Kp;
+      }
+      scatter_pairs16(rows, Kp, static_cast<uint32_t*>(out) + t * Kp * MR, MR, MR);
+      continue;
+    }
+#endif
     for (int i = 0; i < MR; ++i) {
       const int64_t m = t * MR + i;
       const float* xr = x + (m < M ? m : 0) * K;
-      if (dp) {
-        uint32_t* o = static_cast<uint32_t*>(out) + t * Kp * MR + i;
-        for (int64_t kp = 0; kp < Kp; ++kp) {
-          uint32_t lo = m < M ? to_bf16_bits(xr[2 * kp]) : 0;
-          uint32_t hi = m < M && 2 * kp + 1 < K ? to_bf16_bits(xr[2 * kp + 1]) : 0;
-          o[kp * MR] = lo | (hi << 16);
-        }
-      } else {
-        float* o = static_cast<float*>(out) + t * K * MR + i;
-        for (int64_t k = 0; k < K; ++k) {
-          float v = m < M ? xr[k] : 0.f;
-          o[k * MR] = compute == QM_BF16 ? round_bf16(v) : v;
-        }
+      float* o = static_cast<float*>(out) + t * K * MR + i;  // (bf16 pairs: above)
+      for (int64_t k = 0; k < K; ++k) {
+        float v = m < M ? xr[k] : 0.f;
+        o[k * MR] = compute == QM_BF16 ? round_bf16(v) : v;
       }
     }
   }
