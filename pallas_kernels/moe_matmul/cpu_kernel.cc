@@ -15,6 +15,9 @@
 #include "moe_matmul/cpu_kernel.h"
 
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -41,6 +44,40 @@ void split_cols(int64_t n, int ith, int nth, int64_t* begin, int64_t* end) {
 }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+#if defined(__AVX512F__)
+// e^v, Cephes' expf: v = n ln2 + r, e^r by a degree-7 polynomial, scaled by 2^n; relative error
+// ~1e-7 over the clamped range (e^v saturates at e^88.38, flushes toward 0 below e^-87.3).
+inline __m512 exp512(__m512 v) {
+  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// h[j] = silu(h[j]) * u[j], j < n. Vectorized at the avx512 level: a prompt step's 512 x 6 rows of
+// 1408 took ~6 % of the fused call in scalar expf. A NaN in h stays NaN (h / (1 + e^-h)).
+inline void silu_mul(float* h, const float* u, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(h + j);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    _mm512_storeu_ps(h + j, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(u + j)));
+  }
+#endif
+  for (; j < n; ++j) h[j] = silu(h[j]) * u[j];
+}
 
 // Per-call buffers, grown to the largest step seen and reused (a decode step allocates nothing).
 // One set per process behind a mutex: calls are serialized by the thread pool anyway, and a set per
@@ -100,6 +137,7 @@ void moe_experts(const MoeExpertsArgs& a) {
       split_cols(F, ith, nth, &f0, &f1);
       if (f0 >= f1) return;
       thread_local std::vector<float> xt, ut;
+      thread_local std::vector<uint8_t> xp;
       for (int32_t e : active) {
         const int64_t off = start[e], M = start[e + 1] - off;
         const float* xe;
@@ -110,19 +148,28 @@ void moe_experts(const MoeExpertsArgs& a) {
           for (int64_t m = 0; m < M; ++m) std::memcpy(xt.data() + m * d, a.x + tok[off + m] * d, d * sizeof(float));
           xe = xt.data();
         }
+        // prompt-sized: the gathered x packed once for all of this thread's blocks of gate and up
+        const bool packed = M >= qgemm_packed_min_rows();
+        if (packed) {
+          const size_t bytes = qgemm_pack_x(xe, M, d, a.compute, nullptr);
+          if (xp.size() < bytes) xp.resize(bytes);
+          qgemm_pack_x(xe, M, d, a.compute, xp.data());
+        }
         if (static_cast<int64_t>(ut.size()) < M * kBlock) ut.resize(M * kBlock);
         const uint8_t* ge = a.gate + e * F * a.gate_row_bytes;
         const uint8_t* ue = a.up + e * F * a.up_row_bytes;
         float* he = h + off * F;
         for (int64_t c = f0; c < f1; c += kBlock) {
           const int64_t w = std::min(kBlock, f1 - c);
-          qgemm_tile_ex(xe, M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, a.compute);
-          qgemm_tile_ex(xe, M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(), w, a.compute);
-          for (int64_t m = 0; m < M; ++m) {
-            float* hr = he + m * F + c;
-            const float* ur = ut.data() + m * w;
-            for (int64_t j = 0; j < w; ++j) hr[j] = silu(hr[j]) * ur[j];
+          if (packed) {
+            qgemm_tile_packed(xp.data(), M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, a.compute);
+            qgemm_tile_packed(xp.data(), M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(),
+                              w, a.compute);
+          } else {
+            qgemm_tile_ex(xe, M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, a.compute);
+            qgemm_tile_ex(xe, M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(), w, a.compute);
           }
+          for (int64_t m = 0; m < M; ++m) silu_mul(he + m * F + c, ut.data() + m * w, w);
         }
       }
     });
@@ -135,15 +182,26 @@ void moe_experts(const MoeExpertsArgs& a) {
     if (c0 >= c1) return;
     for (int64_t n = 0; n < N; ++n) std::memset(a.out + n * d + c0, 0, (c1 - c0) * sizeof(float));
     thread_local std::vector<float> yt;
+    thread_local std::vector<uint8_t> hp;
     for (int32_t e : active) {
       const int64_t off = start[e], M = start[e + 1] - off;
       if (static_cast<int64_t>(yt.size()) < M * kBlock) yt.resize(M * kBlock);
       const uint8_t* de = a.down + e * d * a.down_row_bytes;
       const float* he = h + off * F;
+      const bool packed = M >= qgemm_packed_min_rows();  // h packed once for this thread's blocks
+      if (packed) {
+        const size_t bytes = qgemm_pack_x(he, M, F, a.compute, nullptr);
+        if (hp.size() < bytes) hp.resize(bytes);
+        qgemm_pack_x(he, M, F, a.compute, hp.data());
+      }
       for (int64_t c = c0; c < c1; c += kBlock) {
         const int64_t w = std::min(kBlock, c1 - c);
-        qgemm_tile_ex(he, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w, yt.data(),
-                      w, a.compute);
+        if (packed)
+          qgemm_tile_packed(hp.data(), M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w,
+                            yt.data(), w, a.compute);
+        else
+          qgemm_tile_ex(he, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w, yt.data(),
+                        w, a.compute);
         for (int64_t m = 0; m < M; ++m) {
           float* o = a.out + tok[off + m] * d + c;
           const float* yr = yt.data() + m * w;

@@ -1378,6 +1378,18 @@ void qgemm_tile_ex(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
   gemm_rows(xp.data(), M, K, w, row_bytes, type, n0, n1, y, ldy, compute);
 }
 
+int64_t qgemm_packed_min_rows() { return kGemmMinRows; }
+
+size_t qgemm_pack_x(const float* x, int64_t M, int64_t K, int compute, void* out) {
+  return pack_x(x, M, K, compute, out);
+}
+
+void qgemm_tile_packed(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
+                       int64_t n0, int64_t n1, float* y, int64_t ldy, int compute) {
+  if (n1 <= n0 || M <= 0) return;
+  gemm_rows(xp, M, K, w, row_bytes, type, n0, n1, y, ldy, compute);
+}
+
 void qgemm_tile(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
                 int64_t n0, int64_t n1, float* y, int64_t ldy) {
   qgemm_tile_ex(x, M, K, w, row_bytes, type, n0, n1, y, ldy, QM_F32);

@@ -14,6 +14,7 @@
 //   the two block scales, ~0.5 % of the result's norm for Gaussian x; decode of other types and at
 //   the generic level is computed in f32.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "cpu/isa.h"
@@ -30,6 +31,14 @@ IKJ_DECLARE(void, qgemm_tile, (const float* x, int64_t M, int64_t K, const uint8
                                int type, int64_t n0, int64_t n1, float* y, int64_t ldy))
 IKJ_DECLARE(void, qgemm_tile_ex, (const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                                   int type, int64_t n0, int64_t n1, float* y, int64_t ldy, int compute))
+
+// Many calls over the same prompt-sized x (the fused MoE's column blocks of gate, up and down): x
+// packed once (qgemm_pack_x: bytes needed when out is null), then qgemm_tile_packed per block.
+// Only for M >= qgemm_packed_min_rows(); smaller M goes through qgemm_tile_ex.
+IKJ_DECLARE(int64_t, qgemm_packed_min_rows, ())
+IKJ_DECLARE(size_t, qgemm_pack_x, (const float* x, int64_t M, int64_t K, int compute, void* out))
+IKJ_DECLARE(void, qgemm_tile_packed, (const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                                      int type, int64_t n0, int64_t n1, float* y, int64_t ldy, int compute))
 
 // x [M, K] f32 row-major, w [N, row_bytes] GGUF blocks of `type`, y [M, N] f32; n_threads <= 0: all.
 IKJ_DECLARE(void, quant_matmul, (const float* x, const uint8_t* w, float* y, int64_t M, int64_t N,
