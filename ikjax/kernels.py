@@ -367,8 +367,15 @@ def mla_decode_supported(n_head: int, n_kv: int, width: int, v_dim: int, backend
     if b == "cpu":  # the C++ kernel takes any geometry with v_dim <= width (it reads the cache as stored)
         return _cpu.available() and 1 <= v_dim <= width
     if b in ("pallas", "interpret"):
-        return _mla.supports(n_head, n_kv, width, v_dim)
+        return _mla.supports(_heads_padded(n_head), n_kv, width, v_dim)
     return False
+
+
+def _heads_padded(n_head: int) -> int:
+    """The Pallas decode kernel works on blocks of 16 heads (its dot tiles): fewer heads (a device's
+    share under -sm graph, e.g. 16 / 4) are padded with zero queries, which cost no cache reads
+    (the cache rows are read once per head block) and whose outputs are dropped."""
+    return -(-n_head // 16) * 16
 
 
 def _mla_xla(q, cache, lengths, scale, v_dim, dtype):
@@ -378,12 +385,17 @@ def _mla_xla(q, cache, lengths, scale, v_dim, dtype):
 def _mla_pallas_supported(q, cache, lengths, scale, v_dim, dtype) -> bool:
     B, H, D = q.shape
     S = (cache["q"] if isinstance(cache, dict) else cache).shape[1]
-    return _mla.supports(H, S, D, v_dim)
+    return _mla.supports(_heads_padded(H), S, D, v_dim)
 
 
 def _mla_pallas(interpret: bool):
     def run(q, cache, lengths, scale, v_dim, dtype):
-        return _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=interpret)
+        H = q.shape[1]
+        pad = _heads_padded(H) - H
+        if pad:
+            q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
+        out = _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=interpret)
+        return out[:, :H] if pad else out
     return run
 
 

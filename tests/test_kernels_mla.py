@@ -70,3 +70,18 @@ def test_gpu_real_size(ctk):
         q, cache = make(B, H, S, rng, ctk)
         lengths = jnp.asarray(rng.integers(1, S + 1, B), jnp.int32)
         assert rel(mla_decode(q, cache, lengths, 0.07), mla_decode_ref(q, cache, lengths, 0.07)) < 1e-2
+
+
+@pytest.mark.parametrize("H", [4, 8, 24])
+def test_fewer_heads_than_a_block_are_padded(H):
+    """A device's share of the heads under -sm graph (16 / 4 = 4): the registry pads the queries to
+    the kernel's 16-head blocks and drops the padded outputs."""
+    from ikjax import kernels
+    rng = np.random.default_rng(H)
+    q, cache = make(2, H, 64, rng, "bf16")
+    lengths = jnp.array([5, 64], jnp.int32)
+    assert kernels.mla_decode_supported(H, 64, 576, 512, backend="interpret")
+    y = kernels.mla_decode_attention(q, cache, lengths, 0.1, dtype=jnp.float32, backend="interpret")
+    assert kernels.selected("mla_decode") == "interpret"
+    assert y.shape == (2, H, 512)
+    assert rel(y, mla_decode_ref(q, cache, lengths, 0.1, dtype=jnp.float32)) < 1e-5
