@@ -205,14 +205,15 @@ def test_issue_types_all_supported():
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q6_K", "IQ4_K"])
 def test_heads_product(name, monkeypatch):
     """quant_matmul_heads (MLA's per-head W_kb / W_vb products, one call for all heads) against the
-    einsum of the dequantized heads, f32 and bf16, 1 and 2 threads, odd head counts and row counts."""
+    einsum of the dequantized heads, f32 and bf16, 1 and 2 threads, odd head counts and row counts
+    (5 x 37: the threads' chunks of the G * N rows straddle head boundaries)."""
     rng = np.random.default_rng(7)
 
     def heads(shape):  # [H, N, K] built from _weights' valid rows
         qa = _weights(name, shape[0] * shape[1], shape[2], rng)
         return QuantArray(qa.data.reshape(shape[0], shape[1], -1), qa.qtype, shape)
     K = 256
-    for H, N, lead in ((1, 37, (1,)), (3, 64, (2, 5)), (16, 128, (1, 1))):
+    for H, N, lead in ((1, 37, (1,)), (3, 64, (2, 5)), (5, 37, (1,)), (16, 128, (1, 1))):
         w = heads((H, N, K))
         x = jnp.asarray(rng.standard_normal((*lead, H, K)), jnp.float32)
         ref = np.asarray(jnp.einsum("...hk,hnk->...hn", x, w.dequantize(jnp.float32), precision="highest"))
