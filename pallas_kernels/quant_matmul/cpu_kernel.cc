@@ -459,28 +459,29 @@ constexpr int q8_offset(int) { return -1; }
 
 #if defined(IKJ_Q8DOT_512)
 
-// x [M, K] quantized for one weight type (layout and start values depend on it).
+// x [M, K] quantized for one weight type (the layout depends on it). The weights' unsigned offset
+// (q8_offset) adds offset * dw * dx * sum(q_x) to each block's dot; decode_q8 sums dw * ds over the
+// row in float and subtracts offset times it at the end, instead of starting vpdpbusd from int32
+// -offset * (lane's x sum) values: x's working set stays ~40 bytes a block (those start values
+// doubled it and at K = 10944 pushed it out of L1: Q8_0 27 -> 54 GB/s in L3, Q4_0 from DRAM
+// 25 -> 35 GB/s). The float sum's rounding is ~1e-7 of its terms, far under the 8-bit error.
 struct XQ8 {
   int64_t nb = 0;               // blocks per row
   bool grouped = false;         // nibble types' layout (groups of 4 blocks; see above)
   std::vector<int8_t> q;        // [M][nb * 32 rounded up to the group]
   std::vector<float> d;         // [M][nb] dx
-  std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum)
+  std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum or an offset)
   std::vector<int32_t> sx;      // [M][nb] sum(q) (the one-block tail)
-  std::vector<int32_t> corr;    // [M][q bytes / 4] vpdpbusd's start values (-offset * sum of the lane's x)
-                                // at the byte offset / 4 of the 128 bytes they serve (grouped types only)
   int64_t row_q() const { return grouped ? (nb + 3) / 4 * 128 : nb * 32; }
 };
 
 void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   const int64_t nb = K / 32;
-  const int offset = q8_offset(type);
   o.nb = nb;
   o.grouped = type != ikj::T_Q8_0;
   const int64_t rq = o.row_q();
-  if (static_cast<int64_t>(o.q.size()) < M * rq) o.q.resize(M * rq), o.corr.resize(M * rq / 4);
+  if (static_cast<int64_t>(o.q.size()) < M * rq) o.q.resize(M * rq);
   if (static_cast<int64_t>(o.d.size()) < M * nb) o.d.resize(M * nb), o.ds.resize(M * nb), o.sx.resize(M * nb);
-  const __m512i ones = _mm512_set1_epi8(1), moff = _mm512_set1_epi32(-offset);
   for (int64_t m = 0; m < M; ++m) {
     int8_t* qr = o.q.data() + m * rq;
     for (int64_t b = 0; b < nb; ++b) {
@@ -506,15 +507,6 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
       o.ds[m * nb + b] = d * static_cast<float>(s);
       o.sx[m * nb + b] = s;
     }
-    // start values for every full 64 bytes of vpdpbusd input (a partial group's go unused)
-    int32_t* cr = o.corr.data() + m * rq / 4;
-    if (o.grouped) {
-      for (int64_t g = 0; g < nb / 4; ++g) {
-        __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(qr + g * 128));
-        c = _mm512_dpbusd_epi32(c, ones, _mm512_loadu_si512(qr + g * 128 + 64));
-        _mm512_storeu_si512(cr + g * 32, _mm512_mullo_epi32(c, moff));  // at the group's byte offset / 4
-      }
-    }  // Q8_0 takes its offset's share off in float (decode_q8): no start values
   }
 }
 
@@ -617,10 +609,9 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
   const int64_t rq = xq.row_q();
   const int8_t* xqs[MM];
   const float *xd[MM], *xs[MM];
-  const int32_t *xc[MM], *xsum[MM];
+  const int32_t* xsum[MM];
   for (int m = 0; m < MM; ++m) {
     xqs[m] = xq.q.data() + m * rq + kb0 * 32;  // kb0 % 4 == 0: the same offset in both layouts
-    xc[m] = xq.corr.data() + (m * rq + kb0 * 32) / 4;
     xd[m] = xq.d.data() + m * xq.nb + kb0;
     xs[m] = xq.ds.data() + m * xq.nb + kb0;
     xsum[m] = xq.sx.data() + m * xq.nb + kb0;
@@ -642,23 +633,18 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
       const __m128 dw = f16x4<bs>(wb);
       if constexpr (q8) {
         const __m512i w01 = q8_pair<bs>(wb), w23 = q8_pair<bs>(wb + 2 * bs);
-        // the +128 offset's share, 128 * dw * dx * sum(q_x) per block, is taken off in float (accm,
-        // from ds = dx * sum(q_x)) instead of from start values: x's working set stays 32 + 8 bytes a
-        // block (the int32 start values doubled it, and at K = 10944 pushed it out of L1: 27 -> GB/s)
         for (int m = 0; m < MM; ++m) {
           const __m512i c0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w01, _mm512_loadu_si512(xqs[m] + b * 32));
           const __m512i c1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w23, _mm512_loadu_si512(xqs[m] + b * 32 + 64));
           const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(xd[m] + b)));
           acc[m][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), _mm512_permutexvar_ps(i01, s), acc[m][a]);
           acc[m][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), _mm512_permutexvar_ps(i23, s), acc[m][a]);
-          accm[m] = _mm_fmadd_ps(dw, _mm_loadu_ps(xs[m] + b), accm[m]);
         }
       } else {
         __m512i lo, hi;
         nib_group<type, bs>(wb, lo, hi);
         for (int m = 0; m < MM; ++m) {
-          __m512i c = off ? _mm512_loadu_si512(xc[m] + b * 8) : _mm512_setzero_si512();
-          c = _mm512_dpbusd_epi32(c, lo, _mm512_loadu_si512(xqs[m] + b * 32));
+          __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xqs[m] + b * 32));
           c = _mm512_dpbusd_epi32(c, hi, _mm512_loadu_si512(xqs[m] + b * 32 + 64));
           const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(xd[m] + b)));
           acc[m][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(i0123, s), acc[m][a]);
@@ -668,6 +654,8 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
         const __m128 mw = f16x4<bs>(wb + 2);
         for (int m = 0; m < MM; ++m) accm[m] = _mm_fmadd_ps(mw, _mm_loadu_ps(xs[m] + b), accm[m]);
       }
+      if constexpr (off != 0)  // the offset's share, scaled by -off at the end (see XQ8)
+        for (int m = 0; m < MM; ++m) accm[m] = _mm_fmadd_ps(dw, _mm_loadu_ps(xs[m] + b), accm[m]);
     };
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
@@ -695,7 +683,7 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
     }
     for (int m = 0; m < MM; ++m) {
       const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) +
-                      (q8 ? -128.f : 1.f) * hsum128(accm[m]) + tail[m];
+                      (off != 0 ? -static_cast<float>(off) : 1.f) * hsum128(accm[m]) + tail[m];
       float* dst = y + m * ldy + n;
       *dst = accumulate ? *dst + s : s;
     }
@@ -718,7 +706,6 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
   const __m512i i0123 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t pf = decode_prefetch_bytes();
   const int8_t* xqs = xq.q.data() + kb0 * 32;
-  const int32_t* xc = xq.corr.data() + kb0 * 8;
   const float* xd = xq.d.data() + kb0;
   const float* xs = xq.ds.data() + kb0;
   const int32_t* xsum = xq.sx.data() + kb0;
@@ -741,9 +728,7 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
       const __m128 xdv = _mm_loadu_ps(xd + b);
       const __m512i xa = _mm512_loadu_si512(xqs + b * 32), xb = _mm512_loadu_si512(xqs + b * 32 + 64);
       [[maybe_unused]] __m128 xsv = _mm_setzero_ps();
-      if constexpr (q8 || has_min) xsv = _mm_loadu_ps(xs + b);
-      [[maybe_unused]] __m512i cst = _mm512_setzero_si512();
-      if constexpr (!q8 && off != 0) cst = _mm512_loadu_si512(xc + b * 8);
+      if constexpr (off != 0 || has_min) xsv = _mm_loadu_ps(xs + b);
       for (int r = 0; r < 2; ++r) {
         const uint8_t* wb = wr[r] + b * bs;
         if (pf)
@@ -755,14 +740,14 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
           const __m512i c1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q8_pair<bs>(wb + 2 * bs), xb);
           acc[r][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), _mm512_permutexvar_ps(i01, sc), acc[r][a]);
           acc[r][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), _mm512_permutexvar_ps(i23, sc), acc[r][a]);
-          accm[r] = _mm_fmadd_ps(dw, xsv, accm[r]);
         } else {
           __m512i lo, hi;
           nib_group<type, bs>(wb, lo, hi);
-          const __m512i c = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(cst, lo, xa), hi, xb);
+          const __m512i c = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xa), hi, xb);
           acc[r][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(i0123, sc), acc[r][a]);
           if constexpr (has_min) accm[r] = _mm_fmadd_ps(f16x4<bs>(wb + 2), xsv, accm[r]);
         }
+        if constexpr (off != 0) accm[r] = _mm_fmadd_ps(dw, xsv, accm[r]);
       }
     };
     int64_t b = 0;
@@ -790,7 +775,7 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
     }
     for (int r = 0; r < 2; ++r) {
       const float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) +
-                      (q8 ? -128.f : 1.f) * hsum128(accm[r]) + tail[r];
+                      (off != 0 ? -static_cast<float>(off) : 1.f) * hsum128(accm[r]) + tail[r];
       y[rn[r]] = accumulate ? y[rn[r]] + v : v;
     }
   }
