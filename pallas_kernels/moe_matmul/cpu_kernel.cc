@@ -36,6 +36,14 @@ namespace {
 constexpr int64_t kAlign = 32;
 constexpr int64_t kBlock = 128;
 
+// Columns per qgemm_tile call: kBlock for prompt-sized M; the thread's whole range for decode-sized
+// M (its results are a few KB at most, and one call per matrix keeps each thread's reads of gate,
+// up and down in long sequential runs: Q4_0 expert rows are 1.1 KB, so 128-column blocks made the
+// reads jump every ~70 KB).
+inline int64_t col_block(int64_t M, int64_t range) {
+  return M < qgemm_packed_min_rows() ? std::max<int64_t>(range, 1) : kBlock;
+}
+
 void split_cols(int64_t n, int ith, int nth, int64_t* begin, int64_t* end) {
   int64_t units = (n + kAlign - 1) / kAlign, u0, u1;
   ikj::split_range(units, ith, nth, &u0, &u1);
@@ -155,12 +163,13 @@ void moe_experts(const MoeExpertsArgs& a) {
           if (xp.size() < bytes) xp.resize(bytes);
           qgemm_pack_x(xe, M, d, a.compute, xp.data());
         }
-        if (static_cast<int64_t>(ut.size()) < M * kBlock) ut.resize(M * kBlock);
+        const int64_t blk = col_block(M, f1 - f0);
+        if (static_cast<int64_t>(ut.size()) < M * blk) ut.resize(M * blk);
         const uint8_t* ge = a.gate + e * F * a.gate_row_bytes;
         const uint8_t* ue = a.up + e * F * a.up_row_bytes;
         float* he = h + off * F;
-        for (int64_t c = f0; c < f1; c += kBlock) {
-          const int64_t w = std::min(kBlock, f1 - c);
+        for (int64_t c = f0; c < f1; c += blk) {
+          const int64_t w = std::min(blk, f1 - c);
           if (packed) {
             qgemm_tile_packed(xp.data(), M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, a.compute);
             qgemm_tile_packed(xp.data(), M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(),
@@ -185,7 +194,8 @@ void moe_experts(const MoeExpertsArgs& a) {
     thread_local std::vector<uint8_t> hp;
     for (int32_t e : active) {
       const int64_t off = start[e], M = start[e + 1] - off;
-      if (static_cast<int64_t>(yt.size()) < M * kBlock) yt.resize(M * kBlock);
+      const int64_t blk = col_block(M, c1 - c0);
+      if (static_cast<int64_t>(yt.size()) < M * blk) yt.resize(M * blk);
       const uint8_t* de = a.down + e * d * a.down_row_bytes;
       const float* he = h + off * F;
       const bool packed = M >= qgemm_packed_min_rows();  // h packed once for this thread's blocks
@@ -194,8 +204,8 @@ void moe_experts(const MoeExpertsArgs& a) {
         if (hp.size() < bytes) hp.resize(bytes);
         qgemm_pack_x(he, M, F, a.compute, hp.data());
       }
-      for (int64_t c = c0; c < c1; c += kBlock) {
-        const int64_t w = std::min(kBlock, c1 - c);
+      for (int64_t c = c0; c < c1; c += blk) {
+        const int64_t w = std::min(blk, c1 - c);
         if (packed)
           qgemm_tile_packed(hp.data(), M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w,
                             yt.data(), w, a.compute);
