@@ -37,14 +37,25 @@ def fixtures_dir() -> Path:
     return d
 
 
+def _tiny(tmp_path_factory, layers: int) -> str:
+    from ikjax.synthetic import make_model
+    p = tmp_path_factory.getbasetemp() / f"ikjax-tiny-{layers}L.gguf"
+    if not p.exists():
+        make_model(p, "tiny", "Q8_0", layers=layers)
+    return str(p)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The tiny synthetic preset cut to 2 layers (Q8_0): made once per session."""
-    from ikjax.synthetic import make_model
-    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-2L.gguf"
-    if not p.exists():
-        make_model(p, "tiny", "Q8_0", layers=2)
-    return str(p)
+    return _tiny(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="session")
+def tiny4_model(tmp_path_factory):
+    """The tiny preset with 4 layers (Q8_0; layer 0 dense, 1-3 MoE): enough layers for -ngl,
+    --n-cpu-moe and splits over devices. Made once per session."""
+    return _tiny(tmp_path_factory, 4)
 
 
 def manifest() -> list[dict]:

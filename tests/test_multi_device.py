@@ -41,13 +41,8 @@ def _fixtures() -> Path | None:
 
 
 @pytest.fixture(scope="module")
-def model4(tmp_path_factory):
-    """The tiny preset with 4 layers (dense layer 0, MoE 1-3): enough layers for a split."""
-    from ikjax.synthetic import make_model
-    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-4L.gguf"
-    if not p.exists():
-        make_model(p, "tiny", "Q8_0", layers=4)
-    return str(p)
+def model4(tiny4_model):
+    return tiny4_model
 
 
 def _cases(model4: str) -> dict:

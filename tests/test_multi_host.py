@@ -65,12 +65,8 @@ def rel(got, ref) -> float:
 
 
 @pytest.fixture(scope="module")
-def model4(tmp_path_factory):
-    from ikjax.synthetic import make_model
-    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-4L.gguf"
-    if not p.exists():
-        make_model(p, "tiny", "Q8_0", layers=4)
-    return str(p)
+def model4(tiny4_model):
+    return tiny4_model
 
 
 def _cases(model4: str) -> list[dict]:

@@ -33,13 +33,8 @@ def _open(path) -> tuple[ModelConfig, GGUFModelFile]:
 
 
 @pytest.fixture(scope="module")
-def model4(tmp_path_factory):
-    """The tiny preset with 4 layers (layer 0 dense, 1-3 MoE): enough layers for -ngl / --n-cpu-moe."""
-    from ikjax.synthetic import make_model
-    p = tmp_path_factory.getbasetemp() / "ikjax-tiny-4L.gguf"
-    if not p.exists():
-        make_model(p, "tiny", "Q8_0", layers=4)
-    return _open(p)
+def model4(tiny4_model):
+    return _open(tiny4_model)
 
 
 def _place(model, devices=CPU_ONLY, **opts):
