@@ -1193,8 +1193,12 @@ void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t r
     panel.resize(NR * K);
   }
 #if defined(IKJ_HAVE_DPBF16)
-  thread_local std::vector<uint32_t> pairs;  // [NR][Kp] the panel's rows as bf16 pairs
-  if (dp && static_cast<int64_t>(pairs.size()) < NR * Kp) pairs.resize(NR * Kp);
+  // [NR][lp] the panel's rows as bf16 pairs; lp = Kp rounded up to 16 pairs, + 16 pairs so that the
+  // transpose's 16 loads are not 4 KiB apart (K = 2048 gave rows of exactly 4 KiB: every load of a
+  // 16 x 16 block fell in one L1 set and the transpose cost as much as 2/3 of the microkernel)
+  const int64_t lp = (Kp + 15) / 16 * 16 + 16;
+  thread_local std::vector<uint32_t> pairs;
+  if (dp && static_cast<int64_t>(pairs.size()) < NR * lp) pairs.resize(NR * lp);
 #endif
   for (int64_t p0 = n0; p0 < n1; p0 += NR) {
     const int64_t nr = std::min<int64_t>(NR, n1 - p0);
@@ -1210,8 +1214,8 @@ void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t r
         const float* r = buf.data();
         if (type == ikj::T_F32) r = reinterpret_cast<const float*>(w + (p0 + j) * row_bytes);
         else dequant_row(type, w + (p0 + j) * row_bytes, K, buf.data());
-        to_bf16_pairs(r, K, pairs.data() + j * Kp);
-        rows[j] = pairs.data() + j * Kp;
+        to_bf16_pairs(r, K, pairs.data() + j * lp);
+        rows[j] = pairs.data() + j * lp;
       }
       uint32_t* pb = reinterpret_cast<uint32_t*>(panel_bf.data());
       for (int h = 0; h < NR; h += 16) scatter_pairs16(rows + h, Kp, pb + h, NR, 16);
@@ -1273,8 +1277,9 @@ size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out, int6
   if (!out) return dp ? tiles * Kp * MR * 4 : tiles * K * MR * 4;
   if (t1 < 0) t1 = tiles;
 #if defined(IKJ_HAVE_DPBF16)
-  thread_local std::vector<uint32_t> pairs;  // [MR][Kp]
-  if (dp && static_cast<int64_t>(pairs.size()) < MR * Kp) pairs.resize(MR * Kp);
+  const int64_t lp = (Kp + 15) / 16 * 16 + 16;  // [MR][lp], rows not 4 KiB apart (see gemm_rows)
+  thread_local std::vector<uint32_t> pairs;
+  if (dp && static_cast<int64_t>(pairs.size()) < MR * lp) pairs.resize(MR * lp);
 #endif
   for (int64_t t = t0; t < t1; ++t) {
 #if defined(IKJ_HAVE_DPBF16)
@@ -1283,8 +1288,8 @@ size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out, int6
       for (int i = 0; i < MR; ++i) {
         const int64_t m = t * MR + i;
         if (m >= M) continue;
-        to_bf16_pairs(x + m * K, K, pairs.data() + i * Kp);
-        rows[i] = pairs.data() + i * Kp;
+        to_bf16_pairs(x + m * K, K, pairs.data() + i * lp);
+        rows[i] = pairs.data() + i * lp;
       }
       scatter_pairs16(rows, Kp, static_cast<uint32_t*>(out) + t * Kp * MR, MR, MR);
       continue;
