@@ -62,13 +62,6 @@ class BatchGeneration(list):
     stop_reasons: list[str | None]
 
 
-def _pow2_at_least(n: int, lo: int = 1) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
-
-
 class Engine:
     """Load with `ikjax.load(path, **options)`."""
 
@@ -195,7 +188,7 @@ class Engine:
         return kv_buckets.kv_bucket(needed, o.ctx, o.ubatch, o.kv_block, self.capacity)
 
     def token_bucket(self, n: int) -> int:
-        return min(_pow2_at_least(n), max(n, self.options.ubatch))
+        return min(kv_buckets.pow2_at_least(n), max(n, self.options.ubatch))
 
     def _note_compile(self, B: int, T: int, plan: StepPlan) -> bool:
         key = (B, T, plan)
@@ -395,7 +388,7 @@ class Engine:
         if max_tokens == 0:
             out.stop_reasons = [STOP_MAX_TOKENS] * n
             return out
-        B = _pow2_at_least(n)
+        B = kv_buckets.pow2_at_least(n)
         lengths = np.array([len(s) for s in seqs] + [1] * (B - n))
         rng = np.random.default_rng(p["seed"])
         sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
