@@ -271,5 +271,9 @@ class TensorLoader:
         return weights
 
     def layer(self, i: int) -> dict:
-        return self.for_kernels(fuse_rows({s.key: v for s in layer_specs(self.cfg, i)
-                                           if (v := self.tensor(s)) is not None}))
+        tensors = {s.key: v for s in layer_specs(self.cfg, i) if (v := self.tensor(s)) is not None}
+        # stacking saves a launch per product on accelerators; on the CPU the C++ kernels read the
+        # file's own pages, and a stacked copy would only add its bytes to the process (RESULTS §9)
+        if kernels.resolve_backend() != "cpu":
+            tensors = fuse_rows(tensors)
+        return self.for_kernels(tensors)

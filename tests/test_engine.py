@@ -115,9 +115,16 @@ def test_memory_plan_formulas():
     assert exps > 0 and ot.host_weights_bytes == not_attn
 
 
-def test_same_input_matrices_are_stacked_at_load():
+def test_same_input_matrices_are_stacked_at_load(monkeypatch):
     """q_a|kv_a_mqa, ffn gate|up and shared-expert gate|up read the same input: stored stacked
-    (same blocks, rows concatenated) when their types agree, so a step runs one product each."""
+    (same blocks, rows concatenated) when their types agree, so a step runs one product each —
+    on the accelerator paths (here the XLA path); the C++ CPU kernels read the file's pages as
+    they are, unstacked."""
+    from ikjax import kernels
+    if kernels.resolve_backend() == "cpu":
+        cpu = ikjax.load(fixtures_dir() / "v3dense-all-Q8_0.gguf", mla=3, ctk="f32").weights["layers"][0]
+        assert {"q_a", "kv_a_mqa", "ffn_gate", "ffn_up"} <= cpu.keys() and "attn_in" not in cpu
+    monkeypatch.setenv("IKJAX_KERNELS", "xla")
     eng = ikjax.load(fixtures_dir() / "v3dense-all-Q8_0.gguf", mla=3, ctk="f32")
     dense, moe = eng.weights["layers"][0], eng.weights["layers"][1]
     assert {"attn_in", "ffn_gate_up"} <= dense.keys() and not {"q_a", "kv_a_mqa", "ffn_gate"} & dense.keys()
