@@ -119,9 +119,10 @@ def validate(gf: GGUFModelFile, cfg: ModelConfig) -> None:
 Placer = Callable[[str, np.ndarray], Any]
 
 # Matrices the Pallas kernels read, repacked once at load into their planar layout (lossless).
-# The embedding (row gather), the router and the attn_kv_b/k_b/v_b head matrices (dequantized
-# whole in the graph) keep their GGUF blocks.
-KERNEL_MATRICES = frozenset({"q", "q_a", "q_b", "kv_a_mqa", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+# attn_kv_b too: prompts expand the latent cache with it (one product); where the graph wants it
+# per head it dequantizes the packed form. The embedding (row gather), the router and the
+# attn_k_b/v_b head matrices (the per-head op reads GGUF blocks) keep their GGUF blocks.
+KERNEL_MATRICES = frozenset({"q", "q_a", "q_b", "kv_a_mqa", "kv_b", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                              "gate_exps", "up_exps", "down_exps", "gate_shexp", "up_shexp", "down_shexp", "output",
                              "attn_in", "ffn_gate_up", "shexp_gate_up"})
 

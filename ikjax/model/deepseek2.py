@@ -96,9 +96,17 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
     attn = dict(amb_bytes=plan.amb_bytes, kv_block=plan.kv_block)
 
     def expand(c_rows, k_pe_rows, prefer_kv_b):
-        wk, wv = head_matrices(layer, cfg, prefer_kv_b, dtype)
-        k_nope = jnp.einsum("bsr,hnr->bshn", c_rows.astype(dtype), wk, precision=prec, preferred_element_type=jnp.float32)
-        vals = jnp.einsum("bsr,hvr->bshv", c_rows.astype(dtype), wv, precision=prec, preferred_element_type=jnp.float32)
+        if "kv_b" in layer and (prefer_kv_b or not ("k_b" in layer and "v_b" in layer)):
+            # one product with attn_kv_b as stored (the quantized-matmul op: on the CPU the C++
+            # GEMM, no per-step dequantized copy of the matrix; elsewhere the same dequantize-dot)
+            kv = linear(c_rows, layer["kv_b"], dtype).reshape(*c_rows.shape[:2], H, nope + cfg.v_dim)
+            k_nope, vals = kv[..., :nope], kv[..., nope:]
+        else:
+            wk, wv = head_matrices(layer, cfg, prefer_kv_b, dtype)
+            k_nope = jnp.einsum("bsr,hnr->bshn", c_rows.astype(dtype), wk, precision=prec,
+                                preferred_element_type=jnp.float32)
+            vals = jnp.einsum("bsr,hvr->bshv", c_rows.astype(dtype), wv, precision=prec,
+                              preferred_element_type=jnp.float32)
         k_rope = jnp.broadcast_to(k_pe_rows[:, :, None, :], (*k_pe_rows.shape[:2], H, cfg.rope_dim))
         return jnp.concatenate([k_nope, k_rope.astype(jnp.float32)], -1), vals
 
