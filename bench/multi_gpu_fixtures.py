@@ -85,7 +85,9 @@ def main() -> int:
     ap.add_argument("--files", help="comma list of fixture files (every MLA mode) instead of the default subset")
     ap.add_argument("--modes", default="0,1,2,3", help="MLA modes to run (intersected with each file's)")
     ap.add_argument("--meshes", default="2,4", help="mesh sizes (those above the device count are dropped)")
-    ap.add_argument("--splits", default="layer,graph")
+    ap.add_argument("--splits", default="layer,graph",
+                    help="comma list of layer, graph, layer-ot, graph-ot (-ot: with -ot exps=CPU, routed experts in "
+                         "host memory; next to GPUs that needs the CUDA host-experts handler built)")
     ap.add_argument("--ts4", default="", help="-ts for the 4-device -sm layer case (default: equal shares)")
     ap.add_argument("--budget", type=float, default=110.0, help="seconds after which no new case starts")
     args = ap.parse_args()
@@ -153,9 +155,10 @@ def main() -> int:
                         left.append(f"{entry['file']} mla={mla} -sm {sm} x{m}")
                         continue
                     ts = args.ts4 if (m == n and sm == "layer" and args.ts4) else ("" if m == n else ",".join(["1"] * m))
+                    extra = {"ot": "exps=CPU"} if sm.endswith("-ot") else {}
                     t1 = time.perf_counter()
                     try:
-                        eng = load(path, None, mla=mla, fa=fa, sm=sm, ts=ts)
+                        eng = load(path, None, mla=mla, fa=fa, sm=sm.removesuffix("-ot"), ts=ts, **extra)
                         got = eng.logits(tokens)
                         used = sum(1 for v in eng.memory_plan().per_device.values() if v > 0)
                         del eng
