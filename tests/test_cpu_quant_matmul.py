@@ -9,7 +9,8 @@ K-split decode path from N = 1).
 compute="bf16" is the fast mode: bf16 products for prompt-sized calls (M >= 4, against the bf16
 reference at 2e-3) and, at the avx512 (VNNI) and avx2 levels for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
 IQ4_NL, 8-bit activations for decode-sized ones (M < 4): x quantized per block of 32 (dx = max|x| / 127,
-round to nearest even) and int8 dot products. Those are checked twice: against the f32 reference of
+round to nearest even) and int8 dot products. At the avx512 level Q8_0 and Q4_0 prompt-sized calls
+take the same 8-bit activations (the int8 prompt engine, X8_PROMPT_TYPES). Those are checked twice: against the f32 reference of
 the 8-bit-rounded x (`_x8`: the same function, so 1e-5), and against the f32 reference of x itself
 with the mode's stated tolerance X8_TOL = 1e-2 of sum_k |x||w| per element (measured on these
 Gaussian activations: <= 3e-3 at K = 32..96, ~5e-4 at K = 2048; norm-relative ~0.5-0.8 %). The
@@ -41,6 +42,16 @@ ISAS = ["generic", "avx2", "avx512"]
 MS, NS, THREADS = (1, 3, 17, 512), (1, 7, 37, 300), (1, 2)
 X8_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}  # the int8 decode's types (cpu_kernel.cc)
 X8_TOL = 1e-2
+X8_PROMPT_TYPES = {"Q8_0", "Q4_0"}  # the int8 prompt engine's types (avx512 VNNI only)
+
+
+def _is_x8(name, M, compute):
+    """Whether this call takes 8-bit activations at the current level (module doc)."""
+    if compute != "bf16" or name not in X8_TYPES:
+        return False
+    if M < 4:
+        return _cpu.isa() in ("avx2", "avx512")
+    return _cpu.isa() == "avx512" and name in X8_PROMPT_TYPES
 
 
 def _x8(x):
@@ -100,9 +111,10 @@ def _check(name, M, N, K, n_threads, isa, compute="f32", monkeypatch=None):
     monkeypatch.setenv("IKJAX_CPU_ISA", isa)
     got = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute=compute))
     # bf16 mode: bf16 products for prompt-sized calls; decode-sized ones (fewer than 4 rows) take
-    # 8-bit activations where the level and type have the int8 path, f32 elsewhere (module doc)
-    x8 = compute == "bf16" and M < 4 and _cpu.isa() in ("avx2", "avx512") and name in X8_TYPES
-    ref_dtype = jnp.float32 if compute == "f32" or M < 4 else jnp.bfloat16
+    # 8-bit activations where the level and type have the int8 path, f32 elsewhere; Q8_0 / Q4_0
+    # prompt-sized ones 8-bit activations at avx512 (module doc)
+    x8 = _is_x8(name, M, compute)
+    ref_dtype = jnp.float32 if compute == "f32" or M < 4 or x8 else jnp.bfloat16
     ref = np.asarray(quant_matmul_ref(_x8(x) if x8 else x, w, ref_dtype))
     assert got.shape == (M, N)
     # error relative to sum_k |x||w| (what rounding scales with; a cancelling sum can be ~0)
@@ -140,7 +152,11 @@ def test_bf16_compute(name, isa, monkeypatch):
     left over) and the K-split decode (N = 1, K = 4096, 2 threads)."""
     for M, N, K, nt in [(1, 37, 256, 2), (3, 7, 2048, 2), (2, 300, 224, 1), (1, 64, 96, 2), (1, 1, 4096, 2),
                         (1, 45, 224, 2), (1, 9, 448, 1),
-                        (2, 1, 8192, 1), (17, 300, 256, 2), (512, 37, 256, 2)]:
+                        (2, 1, 8192, 1), (17, 300, 256, 2), (512, 37, 256, 2),
+                        # the int8 prompt engine: odd block counts (a pair's missing second block),
+                        # partial 32-row panels, 1-3 leftover x rows of its 4-row microkernel,
+                        # more than one 8-block K chunk
+                        (4, 1, 32, 1), (5, 33, 96, 2), (7, 31, 288, 1), (48, 64, 2048, 2), (18, 65, 544, 2)]:
         if K % by_name(name).block_elems:
             continue
         _check(name, M, N, K, nt, isa, compute="bf16", monkeypatch=monkeypatch)
@@ -224,24 +240,35 @@ def test_heads_product(name, monkeypatch):
         got16 = np.asarray(cpu.quant_matmul_heads(x.reshape(-1, H, K), w, compute="bf16"))
         err = np.linalg.norm(got16 - ref.reshape(-1, H, N)) / np.linalg.norm(ref)
         assert err < 1e-2
+    # prompt-sized rows in bf16 mode at every level (the avx512 int8 prompt engine for Q8_0 / Q4_0)
+    H, N = 3, 64
+    w = heads((H, N, K))
+    x = jnp.asarray(rng.standard_normal((17, H, K)), jnp.float32)
+    ref = np.asarray(jnp.einsum("mhk,hnk->mhn", x, w.dequantize(jnp.float32), precision="highest"))
+    for isa in ISAS:
+        monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+        got16 = np.asarray(cpu.quant_matmul_heads(x, w, compute="bf16"))
+        err = np.linalg.norm(got16 - ref) / np.linalg.norm(ref)
+        assert 1e-5 < err < 1e-2, (isa, err)
     with pytest.raises(ValueError, match="3-D"):
         cpu.quant_matmul_heads(x, _weights(name, N, K, rng))
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_x8_decode_tolerance_on_dense_fixture(isa, monkeypatch):
+@pytest.mark.parametrize("isa,ub", [("avx2", 1), ("avx512", 1), ("avx512", 512)])
+def test_x8_decode_tolerance_on_dense_fixture(isa, ub, monkeypatch):
     """The 8-bit-activation decode through the whole model: the dense V3 fixture (every expert
     active, so the fused MoE's per-expert rows take it too) in Q8_0, its 96 tokens run one at a time
     (ub=1: every product has M = 1) with dtype="bf16". Measured 4.3e-2 of the logits' norm against
     the reference, the size of the fixtures README's 4.5 % for Q8_0 weight rounding on this d=256
     model (the same 8 bits, now on activations); the bf16 prompt mode on it is 1.8e-2. Stated
-    tolerance 6e-2; and >1e-2 from the f32 run, so the int8 products really ran."""
+    tolerance 6e-2; and >1e-2 from the f32 run, so the int8 products really ran. ub=512 at avx512:
+    the whole prompt in one step, every product through the int8 prompt engine (4.3e-2 as well)."""
     from conftest import fixture_entry, fixtures_dir, load_ref, rel_err  # skips without the fixtures
     monkeypatch.setenv("IKJAX_CPU_ISA", isa)
     entry = fixture_entry("v3dense-all-Q8_0.gguf")
     tokens, ref = load_ref(entry, "ref_kbvb")
     path = fixtures_dir() / entry["file"]
-    fast = ikjax.load(path, mla=1, fa=True, ctk="f32", dtype="bf16", ub=1).logits(tokens)
-    exact = ikjax.load(path, mla=1, fa=True, ctk="f32", dtype="f32", ub=1).logits(tokens)
+    fast = ikjax.load(path, mla=1, fa=True, ctk="f32", dtype="bf16", ub=ub).logits(tokens)
+    exact = ikjax.load(path, mla=1, fa=True, ctk="f32", dtype="f32", ub=ub).logits(tokens)
     assert rel_err(exact, ref) <= entry["tol"]
     assert rel_err(fast, ref) <= 6e-2 and rel_err(fast, exact) > 1e-2, (rel_err(fast, ref), rel_err(fast, exact))

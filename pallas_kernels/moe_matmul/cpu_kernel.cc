@@ -145,7 +145,10 @@ void moe_experts(const MoeExpertsArgs& a) {
       split_cols(F, ith, nth, &f0, &f1);
       if (f0 >= f1) return;
       thread_local std::vector<float> xt, ut;
-      thread_local std::vector<uint8_t> xp;
+      thread_local std::vector<uint8_t> xp, xp_up;
+      // the pack each matrix takes (bf16 pairs, or 8-bit blocks for the int8 prompt engine's types);
+      // up packed separately only when its type needs another pack than gate's
+      const int cg = qgemm_packed_compute(a.gate_type, a.compute), cu = qgemm_packed_compute(a.up_type, a.compute);
       for (int32_t e : active) {
         const int64_t off = start[e], M = start[e + 1] - off;
         const float* xe;
@@ -159,10 +162,16 @@ void moe_experts(const MoeExpertsArgs& a) {
         // prompt-sized: the gathered x packed once for all of this thread's blocks of gate and up
         const bool packed = M >= qgemm_packed_min_rows();
         if (packed) {
-          const size_t bytes = qgemm_pack_x(xe, M, d, a.compute, nullptr);
+          const size_t bytes = qgemm_pack_x(xe, M, d, cg, nullptr);
           if (xp.size() < bytes) xp.resize(bytes);
-          qgemm_pack_x(xe, M, d, a.compute, xp.data());
+          qgemm_pack_x(xe, M, d, cg, xp.data());
+          if (cu != cg) {
+            const size_t ub = qgemm_pack_x(xe, M, d, cu, nullptr);
+            if (xp_up.size() < ub) xp_up.resize(ub);
+            qgemm_pack_x(xe, M, d, cu, xp_up.data());
+          }
         }
+        const uint8_t* xpu = cu != cg ? xp_up.data() : xp.data();
         const int64_t blk = col_block(M, f1 - f0);
         if (static_cast<int64_t>(ut.size()) < M * blk) ut.resize(M * blk);
         const uint8_t* ge = a.gate + e * F * a.gate_row_bytes;
@@ -171,9 +180,8 @@ void moe_experts(const MoeExpertsArgs& a) {
         for (int64_t c = f0; c < f1; c += blk) {
           const int64_t w = std::min(blk, f1 - c);
           if (packed) {
-            qgemm_tile_packed(xp.data(), M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, a.compute);
-            qgemm_tile_packed(xp.data(), M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(),
-                              w, a.compute);
+            qgemm_tile_packed(xp.data(), M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, cg);
+            qgemm_tile_packed(xpu, M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(), w, cu);
           } else {
             qgemm_tile_ex(xe, M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, a.compute);
             qgemm_tile_ex(xe, M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(), w, a.compute);
@@ -192,6 +200,7 @@ void moe_experts(const MoeExpertsArgs& a) {
     for (int64_t n = 0; n < N; ++n) std::memset(a.out + n * d + c0, 0, (c1 - c0) * sizeof(float));
     thread_local std::vector<float> yt;
     thread_local std::vector<uint8_t> hp;
+    const int cd = qgemm_packed_compute(a.down_type, a.compute);
     for (int32_t e : active) {
       const int64_t off = start[e], M = start[e + 1] - off;
       const int64_t blk = col_block(M, c1 - c0);
@@ -200,15 +209,15 @@ void moe_experts(const MoeExpertsArgs& a) {
       const float* he = h + off * F;
       const bool packed = M >= qgemm_packed_min_rows();  // h packed once for this thread's blocks
       if (packed) {
-        const size_t bytes = qgemm_pack_x(he, M, F, a.compute, nullptr);
+        const size_t bytes = qgemm_pack_x(he, M, F, cd, nullptr);
         if (hp.size() < bytes) hp.resize(bytes);
-        qgemm_pack_x(he, M, F, a.compute, hp.data());
+        qgemm_pack_x(he, M, F, cd, hp.data());
       }
       for (int64_t c = c0; c < c1; c += blk) {
         const int64_t w = std::min(blk, c1 - c);
         if (packed)
           qgemm_tile_packed(hp.data(), M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w,
-                            yt.data(), w, a.compute);
+                            yt.data(), w, cd);
         else
           qgemm_tile_ex(he, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w, yt.data(),
                         w, a.compute);

@@ -1161,6 +1161,181 @@ inline void scatter_pairs16(const uint32_t* const rows[16], int64_t Kp, uint32_t
 }
 #endif
 
+// ---- int8 prompt engine (compute = bf16, Q8_0 / Q4_0, avx512 VNNI) ------------------------------
+//
+// As ik_llama.cpp does for prompts: x quantized per row to 8-bit blocks of 32 (dx = max|x| / 127,
+// round to nearest even, as the int8 decode), the weights' own int8 values (Q8_0 as stored, Q4_0's
+// nibble - 8) used directly by vpdpbusd, and each block's int32 sum scaled by dw * dx in float. No
+// dequantized f32/bf16 panel: a panel of 32 weight rows is only re-laid out as [block][quad][row]
+// (4 bytes of each row per 32-bit lane, 16 rows per zmm) through the 16 x 16 register transpose,
+// with each block's 16-row dw vector and sum(w) next to it. vpdpbusd takes u8 x s8, so x is stored
+// as q + 128 (1..255) and its offset is removed exactly by starting every block's int32 sum at
+// -128 * sum(w) of that row's block. The microkernel broadcasts 4 bytes of one x row and
+// multiplies them into 32 weight rows (2 zmm), MQ x rows at a time, 8 quads per block; per block
+// one convert and one FMA per accumulator. Same arithmetic as the int8 decode, so the same stated
+// tolerance (tests/test_cpu_quant_matmul.py X8_TOL); the bf16 panel's build (dequantize, convert,
+// transpose) was ~25 % of an expert's prompt product, and vpdpbusd does 64 MACs an instruction
+// against dpbf16's 32.
+#if defined(IKJ_Q8DOT_512) && defined(IKJ_HAVE_DPBF16)
+#define IKJ_HAVE_Q8GEMM 1
+constexpr int QNR = 32;            // weight rows per panel (2 zmm of 16 rows)
+constexpr int MQ = 4;              // x rows per microkernel: 8 int32 + 8 f32 accumulators
+constexpr int64_t QBLK = 1280;     // panel bytes per block: 2 x 8 quads x 64, 2 x 64 -128*sum(w), 2 x 64 dw
+constexpr int64_t QKB = 8;         // blocks per K chunk: a 10 KiB slice of the panel, L1-resident
+
+inline bool q8gemm_type(int type) { return type == ikj::T_Q8_0 || type == ikj::T_Q4_0; }
+
+// x8 pack: [M][K] bytes q + 128, then (64-byte aligned) [M][K / 32] floats dx.
+inline int64_t x8_dx_offset(int64_t M, int64_t K) { return (M * K + 63) / 64 * 64; }
+inline size_t x8_bytes(int64_t M, int64_t K) { return x8_dx_offset(M, K) + M * (K / 32) * 4; }
+
+// rows [r0, r1) of x [M, K] into the x8 pack at out (K a multiple of 32)
+void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1) {
+  const int64_t nb = K / 32;
+  float* dx = reinterpret_cast<float*>(out + x8_dx_offset(M, K));
+  const __m512i bias = _mm512_set1_epi32(128);
+  for (int64_t m = r0; m < r1; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i q0 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), bias);
+      const __m512i q1 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id)), bias);
+      uint8_t* o = out + m * K + b * 32;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm512_cvtepi32_epi8(q1));
+      // a NaN in the block (which max drops) makes its scale NaN, so it reaches y as in f32
+      const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+      dx[m * nb + b] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+    }
+}
+
+// One block's 32 signed weight values in order.
+template <int type>
+inline __m256i wsigned(const uint8_t* blk) {
+  if constexpr (type == ikj::T_Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {  // Q4_0: value j in the low nibble of byte j, j + 16 in its high nibble; minus 8
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
+    return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+  }
+}
+
+// Weight rows [p0, p0 + nr) (nr <= QNR; missing rows zero) of nb blocks into the panel layout.
+template <int type, int bs>
+void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint8_t* panel) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int g = 0; g < 2; ++g) {
+    const uint8_t* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = g * 16 + j < nr ? w + (p0 + g * 16 + j) * row_bytes : nullptr;
+    for (int64_t b = 0; b < nb; b += 2) {
+      const bool two = b + 1 < nb;
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        if (!rows[j]) {
+          r[j] = _mm512_setzero_si512();
+          continue;
+        }
+        const uint8_t* blk = rows[j] + b * bs;
+        r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wsigned<type>(blk)),
+                                  two ? wsigned<type>(blk + bs) : _mm256_setzero_si256(), 1);
+      }
+      transpose16x16(r);  // r[c]: 4 bytes c of each of the 16 rows (c < 8: block b, else b + 1)
+      for (int h = 0; h < (two ? 2 : 1); ++h) {
+        uint8_t* pb = panel + (b + h) * QBLK;
+        __m512i s = _mm512_setzero_si512();
+        for (int c = 0; c < 8; ++c) {
+          _mm512_storeu_si512(pb + g * 512 + c * 64, r[8 * h + c]);
+          s = _mm512_dpbusd_epi32(s, ones, r[8 * h + c]);
+        }
+        _mm512_storeu_si512(pb + 1024 + g * 64, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
+        alignas(64) float d[16];
+        for (int j = 0; j < 16; ++j) d[j] = rows[j] ? f16(rows[j] + (b + h) * bs) : 0.f;
+        _mm512_storeu_ps(pb + 1152 + g * 64, _mm512_load_ps(d));
+      }
+    }
+  }
+}
+
+// C[mr][QNR] (row stride ldc) (+)= x8 rows (xu: row 0's bytes, stride K; dx: row 0's scales,
+// stride nbx) x panel blocks [b0, b1).
+template <int mr>
+void micro_q8(const uint8_t* xu, int64_t K, const float* dx, int64_t nbx, const uint8_t* panel, int64_t b0,
+              int64_t b1, float* C, int64_t ldc, bool acc_c) {
+  __m512 f0[mr], f1[mr];
+  for (int i = 0; i < mr; ++i) f0[i] = f1[i] = _mm512_setzero_ps();
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* pb = panel + b * QBLK;
+    const __m512i z0 = _mm512_loadu_si512(pb + 1024), z1 = _mm512_loadu_si512(pb + 1088);
+    __m512i c0[mr], c1[mr];
+    for (int i = 0; i < mr; ++i) c0[i] = z0, c1[i] = z1;
+    const uint8_t* xb = xu + b * 32;
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      const __m512i w0 = _mm512_loadu_si512(pb + q * 64), w1 = _mm512_loadu_si512(pb + 512 + q * 64);
+      for (int i = 0; i < mr; ++i) {
+        const __m512i a = _mm512_set1_epi32(static_cast<int>(load_u32(xb + i * K + 4 * q)));
+        c0[i] = _mm512_dpbusd_epi32(c0[i], a, w0);
+        c1[i] = _mm512_dpbusd_epi32(c1[i], a, w1);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(pb + 1152), d1 = _mm512_loadu_ps(pb + 1216);
+    for (int i = 0; i < mr; ++i) {
+      const __m512 s = _mm512_set1_ps(dx[i * nbx + b]);
+      f0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0[i]), _mm512_mul_ps(d0, s), f0[i]);
+      f1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1[i]), _mm512_mul_ps(d1, s), f1[i]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    if (acc_c) {
+      f0[i] = _mm512_add_ps(f0[i], _mm512_loadu_ps(C + i * ldc));
+      f1[i] = _mm512_add_ps(f1[i], _mm512_loadu_ps(C + i * ldc + 16));
+    }
+    _mm512_storeu_ps(C + i * ldc, f0[i]);
+    _mm512_storeu_ps(C + i * ldc + 16, f1[i]);
+  }
+}
+
+// Weight rows [n0, n1) against the x8 pack xp of M rows.
+void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
+                  int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  const uint8_t* xu = static_cast<const uint8_t*>(xp);
+  const float* dx = reinterpret_cast<const float*>(xu + x8_dx_offset(M, K));
+  thread_local std::vector<uint8_t> panel;
+  thread_local std::vector<float> ctile;
+  if (static_cast<int64_t>(panel.size()) < nb * QBLK) panel.resize(nb * QBLK);
+  if (static_cast<int64_t>(ctile.size()) < M * QNR) ctile.resize(M * QNR);
+  for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
+    const int64_t nr = std::min<int64_t>(QNR, n1 - p0);
+    if (type == ikj::T_Q8_0) build_panel_q8<ikj::T_Q8_0, 34>(w, row_bytes, p0, nr, nb, panel.data());
+    else build_panel_q8<ikj::T_Q4_0, 18>(w, row_bytes, p0, nr, nb, panel.data());
+    const bool direct = nr == QNR;
+    float* Cbase = direct ? y + p0 : ctile.data();
+    const int64_t ldc = direct ? ldy : QNR;
+    for (int64_t kb = 0; kb < nb; kb += QKB) {
+      const int64_t kb1 = std::min(nb, kb + QKB);
+      for (int64_t m0 = 0; m0 < M; m0 += MQ) {
+        const int mr = static_cast<int>(std::min<int64_t>(MQ, M - m0));
+        const uint8_t* xr = xu + m0 * K;
+        const float* dr = dx + m0 * nb;
+        float* C = Cbase + m0 * ldc;
+        switch (mr) {
+          case 4: micro_q8<4>(xr, K, dr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+          case 3: micro_q8<3>(xr, K, dr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+          case 2: micro_q8<2>(xr, K, dr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+          default: micro_q8<1>(xr, K, dr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+        }
+      }
+    }
+    if (!direct)
+      for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * ldy + p0, ctile.data() + i * QNR, nr * 4);
+  }
+}
+#endif
+
 // Call f(integral_constant<int, mr>) for a run-time mr in [1, MR].
 template <int R = 1, typename F>
 void for_mr(int mr, F&& f) {
@@ -1177,6 +1352,9 @@ void for_mr(int mr, F&& f) {
 // xp: x packed by pack_x (f32, or bf16 pairs when compute is bf16 and the CPU has dpbf16).
 void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
                int64_t n0, int64_t n1, float* y, int64_t ldy, int compute) {
+#if defined(IKJ_HAVE_Q8GEMM)
+  if (compute == QM_Q8) return gemm_rows_q8(xp, M, K, w, row_bytes, type, n0, n1, y, ldy);
+#endif
   thread_local std::vector<float> buf, panel, ctile;
   thread_local std::vector<uint16_t> panel_bf;
   if (static_cast<int64_t>(buf.size()) < K) buf.resize(K);
@@ -1269,6 +1447,14 @@ void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t r
 // The microkernel then broadcasts sequentially.
 size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out, int64_t t0 = 0, int64_t t1 = -1) {
   const int64_t tiles = (M + MR - 1) / MR, Kp = (K + 1) / 2;
+#if defined(IKJ_HAVE_Q8GEMM)
+  if (compute == QM_Q8) {  // the int8 prompt engine's x8 pack (rows of the tiles [t0, t1))
+    if (!out) return x8_bytes(M, K);
+    if (t1 < 0) t1 = tiles;
+    pack_x8(x, M, K, static_cast<uint8_t*>(out), std::min(M, t0 * MR), std::min(M, t1 * MR));
+    return 0;
+  }
+#endif
 #if defined(IKJ_HAVE_DPBF16)
   const bool dp = compute == QM_BF16;
 #else
@@ -1361,6 +1547,7 @@ void qgemm_tile_ex(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
     decode_rows(x, M, K, w, row_bytes, type, n0, n1, 0, K, y, ldy, false, QM_F32);
     return;
   }
+  compute = qgemm_packed_compute(type, compute);
   thread_local std::vector<uint8_t> xp;
   const size_t bytes = pack_x(x, M, K, compute, nullptr);
   if (xp.size() < bytes) xp.resize(bytes);
@@ -1369,6 +1556,14 @@ void qgemm_tile_ex(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
 }
 
 int64_t qgemm_packed_min_rows() { return kGemmMinRows; }
+
+int qgemm_packed_compute(int type, int compute) {
+#if defined(IKJ_HAVE_Q8GEMM)
+  if (compute == QM_BF16 && q8gemm_type(type)) return QM_Q8;
+#endif
+  (void)type;
+  return compute;
+}
 
 size_t qgemm_pack_x(const float* x, int64_t M, int64_t K, int compute, void* out) {
   return pack_x(x, M, K, compute, out);
@@ -1439,6 +1634,7 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     }
     return;
   }
+  compute = qgemm_packed_compute(type, compute);
   std::unique_ptr<uint8_t[]> xp(new uint8_t[pack_x(x, M, K, compute, nullptr)]);  // filled below, no memset
   ikj::parallel(n_threads, [&](int ith, int nth) {
     int64_t a, b;

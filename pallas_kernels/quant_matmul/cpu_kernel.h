@@ -19,7 +19,11 @@
 
 #include "cpu/isa.h"
 
-enum QmCompute : int { QM_F32 = 0, QM_BF16 = 1 };
+//   Prompt-sized Q8_0 / Q4_0 products at the avx512 (VNNI) level take the same 8-bit activations
+//   (QM_Q8 below) instead of bf16: int8 dot products on the weights' own quants.
+// - QM_Q8: internal to the packed API (never a caller's mode): what qgemm_packed_compute returns
+//   for QM_BF16 where the int8 prompt engine applies; x then packed as 8-bit blocks.
+enum QmCompute : int { QM_F32 = 0, QM_BF16 = 1, QM_Q8 = 2 };
 
 // Whether `type` (ggml type id) has a C++ path at this level.
 IKJ_DECLARE(bool, quant_matmul_supported, (int type))
@@ -36,6 +40,9 @@ IKJ_DECLARE(void, qgemm_tile_ex, (const float* x, int64_t M, int64_t K, const ui
 // packed once (qgemm_pack_x: bytes needed when out is null), then qgemm_tile_packed per block.
 // Only for M >= qgemm_packed_min_rows(); smaller M goes through qgemm_tile_ex.
 IKJ_DECLARE(int64_t, qgemm_packed_min_rows, ())
+// The compute to pack x with and pass to qgemm_tile_packed for weights of `type` in mode `compute`
+// (QM_Q8 for QM_BF16 where the int8 prompt engine takes the type; else `compute` itself).
+IKJ_DECLARE(int, qgemm_packed_compute, (int type, int compute))
 IKJ_DECLARE(size_t, qgemm_pack_x, (const float* x, int64_t M, int64_t K, int compute, void* out))
 IKJ_DECLARE(void, qgemm_tile_packed, (const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                                       int type, int64_t n0, int64_t n1, float* y, int64_t ldy, int compute))
