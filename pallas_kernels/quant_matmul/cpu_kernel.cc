@@ -1239,6 +1239,9 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
           continue;
         }
         const uint8_t* blk = rows[j] + b * bs;
+        // 8 blocks ahead on each of the 16 row streams (an expert's rows come from DRAM; the MoE
+        // prompt layer measured Q4_0 116 -> 105-110 ms, Q8_0 within noise; 16 ahead no better)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bs), _MM_HINT_T0);
         r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wsigned<type>(blk)),
                                   two ? wsigned<type>(blk + bs) : _mm256_setzero_si256(), 1);
       }
