@@ -165,17 +165,19 @@ def test_bf16_compute(name, isa, monkeypatch):
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_decode_nonfinite_x_propagates(isa, monkeypatch):
     """A NaN or inf in x reaches y as NaN/inf in the 8-bit-activation decode too (max|x| drops a NaN,
-    so the kernel marks the block's scale), not a silently finite result."""
+    so the kernel marks the block's scale), not a silently finite result; the same for prompt-sized
+    calls (M = 5: the int8 prompt engine at avx512, bf16 elsewhere)."""
     monkeypatch.setenv("IKJAX_CPU_ISA", isa)
     rng = np.random.default_rng(5)
     for name in ("Q8_0", "Q4_0", "Q5_1"):
         w = _weights(name, 7, 256, rng)
         for bad in (np.nan, np.inf):
-            x = rng.standard_normal((2, 256)).astype(np.float32)
-            x[0, 37] = bad
-            got = np.asarray(cpu.quant_matmul(jnp.asarray(x), w, n_threads=2, compute="bf16"))
-            assert not np.isfinite(got[0]).any(), (name, bad, isa)
-            assert np.isfinite(got[1]).all(), (name, bad, isa)
+            for M in (2, 5):
+                x = rng.standard_normal((M, 256)).astype(np.float32)
+                x[0, 37] = bad
+                got = np.asarray(cpu.quant_matmul(jnp.asarray(x), w, n_threads=2, compute="bf16"))
+                assert not np.isfinite(got[0]).any(), (name, bad, isa, M)
+                assert np.isfinite(got[1:]).all(), (name, bad, isa, M)
 
 
 def test_k_split_decode_and_threads_agree(monkeypatch):
