@@ -1161,11 +1161,11 @@ inline void scatter_pairs16(const uint32_t* const rows[16], int64_t Kp, uint32_t
 }
 #endif
 
-// ---- int8 prompt engine (compute = bf16, Q8_0 / Q4_0, avx512 VNNI) ------------------------------
+// ---- int8 prompt engine (compute = bf16, Q8_0 / Q4_0 / Q5_0 / IQ4_NL, avx512 VNNI) --------------
 //
 // As ik_llama.cpp does for prompts: x quantized per row to 8-bit blocks of 32 (dx = max|x| / 127,
 // round to nearest even, as the int8 decode), the weights' own int8 values (Q8_0 as stored, Q4_0's
-// nibble - 8) used directly by vpdpbusd, and each block's int32 sum scaled by dw * dx in float. No
+// nibble - 8, Q5_0's 5-bit code - 16, IQ4_NL's table value) used directly by vpdpbusd, and each block's int32 sum scaled by dw * dx in float. No
 // dequantized f32/bf16 panel: a panel of 32 weight rows is only re-laid out as [block][quad][row]
 // (4 bytes of each row per 32-bit lane, 16 rows per zmm) through the 16 x 16 register transpose,
 // with each block's 16-row dw vector and sum(w) next to it. vpdpbusd takes u8 x s8, so x is stored
@@ -1183,7 +1183,9 @@ constexpr int MQ = 4;              // x rows per microkernel: 8 int32 + 8 f32 ac
 constexpr int64_t QBLK = 1280;     // panel bytes per block: 2 x 8 quads x 64, 2 x 64 -128*sum(w), 2 x 64 dw
 constexpr int64_t QKB = 8;         // blocks per K chunk: a 10 KiB slice of the panel, L1-resident
 
-inline bool q8gemm_type(int type) { return type == ikj::T_Q8_0 || type == ikj::T_Q4_0; }
+inline bool q8gemm_type(int type) {
+  return type == ikj::T_Q8_0 || type == ikj::T_Q4_0 || type == ikj::T_Q5_0 || type == ikj::T_IQ4_NL;
+}
 
 // x8 pack: [M][K] bytes q + 128, then (64-byte aligned) [M][K / 32] floats dx.
 inline int64_t x8_dx_offset(int64_t M, int64_t K) { return (M * K + 63) / 64 * 64; }
@@ -1211,15 +1213,23 @@ void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int
     }
 }
 
-// One block's 32 signed weight values in order.
+// One block's 32 signed weight values in order (the dequantized value / d, exactly).
 template <int type>
 inline __m256i wsigned(const uint8_t* blk) {
   if constexpr (type == ikj::T_Q8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  } else {  // Q4_0: value j in the low nibble of byte j, j + 16 in its high nibble; minus 8
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-    const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
-    return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+  } else {  // value j in the low nibble of byte j, j + 16 in its high nibble
+    constexpr int qoff = type == ikj::T_Q5_0 ? 6 : 2;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qoff));
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
+    if constexpr (type == ikj::T_IQ4_NL)  // kIq4nl[nibble]
+      return _mm256_shuffle_epi8(
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nl))), v);
+    if constexpr (type == ikj::T_Q5_0) {  // bit j of qh (bytes 2-5): + 16 on value j; minus 16
+      v = _mm256_mask_add_epi8(v, _cvtu32_mask32(load_u32(blk + 2)), v, _mm256_set1_epi8(16));
+      return _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    }
+    return _mm256_sub_epi8(v, _mm256_set1_epi8(8));  // Q4_0
   }
 }
 
@@ -1313,8 +1323,12 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
   if (static_cast<int64_t>(ctile.size()) < M * QNR) ctile.resize(M * QNR);
   for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
     const int64_t nr = std::min<int64_t>(QNR, n1 - p0);
-    if (type == ikj::T_Q8_0) build_panel_q8<ikj::T_Q8_0, 34>(w, row_bytes, p0, nr, nb, panel.data());
-    else build_panel_q8<ikj::T_Q4_0, 18>(w, row_bytes, p0, nr, nb, panel.data());
+    switch (type) {
+      case ikj::T_Q8_0: build_panel_q8<ikj::T_Q8_0, 34>(w, row_bytes, p0, nr, nb, panel.data()); break;
+      case ikj::T_Q4_0: build_panel_q8<ikj::T_Q4_0, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
+      case ikj::T_Q5_0: build_panel_q8<ikj::T_Q5_0, 22>(w, row_bytes, p0, nr, nb, panel.data()); break;
+      default: build_panel_q8<ikj::T_IQ4_NL, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
+    }
     const bool direct = nr == QNR;
     float* Cbase = direct ? y + p0 : ctile.data();
     const int64_t ldc = direct ? ldy : QNR;
