@@ -382,11 +382,13 @@ class _Progress:
         self.task = self.prog.add_task(title, total=total)
 
     def __enter__(self) -> "_Progress":
-        self.prog.start()
+        if self.terminal:  # a log file gets the status lines only (a stopped bar would leave blank lines)
+            self.prog.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.prog.stop()
+        if self.terminal:
+            self.prog.stop()
 
     def update(self, **kw) -> None:
         self.prog.update(self.task, **kw)
