@@ -14,7 +14,8 @@
 // With compute = bf16, decode-sized products of the legacy block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 // IQ4_NL) at the avx512 (VNNI) and avx2 levels take a third path, as ik_llama.cpp does
 // for token generation: x quantized to 8 bits per block of 32 and vpdpbusd per weight block (see
-// "int8-activation decode" below). Every other decode-sized product is f32 in both modes.
+// "int8-activation decode" below); so do Q4_K and Q6_K at the avx512 level (decode_kq8). Every
+// other decode-sized product is f32 in both modes.
 #include "quant_matmul/cpu_kernel.h"
 #include "quant_matmul/cpu_dequant.h"
 
@@ -456,6 +457,9 @@ constexpr int q8_offset(int type) {
 #else
 constexpr int q8_offset(int) { return -1; }
 #endif
+#if !defined(IKJ_Q8DOT_512)
+constexpr bool kq8_type(int) { return false; }  // the K-quants' int8 decode is avx512 (VNNI) only
+#endif
 
 #if defined(IKJ_Q8DOT_512)
 
@@ -472,13 +476,16 @@ struct XQ8 {
   std::vector<float> d;         // [M][nb] dx
   std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum or an offset)
   std::vector<int32_t> sx;      // [M][nb] sum(q) (the one-block tail)
+  std::vector<float> ds16;      // [M][2 nb] dx * sum(q) per 16 values (Q6_K only)
   int64_t row_q() const { return grouped ? (nb + 3) / 4 * 128 : nb * 32; }
 };
 
 void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   const int64_t nb = K / 32;
   o.nb = nb;
-  o.grouped = type != ikj::T_Q8_0;
+  o.grouped = type != ikj::T_Q8_0 && type != ikj::T_Q4_K && type != ikj::T_Q6_K;
+  const bool half_sums = type == ikj::T_Q6_K;
+  if (half_sums && static_cast<int64_t>(o.ds16.size()) < 2 * M * nb) o.ds16.resize(2 * M * nb);
   const int64_t rq = o.row_q();
   if (static_cast<int64_t>(o.q.size()) < M * rq) o.q.resize(M * rq);
   if (static_cast<int64_t>(o.d.size()) < M * nb) o.d.resize(M * nb), o.ds.resize(M * nb), o.sx.resize(M * nb);
@@ -506,6 +513,10 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
       o.d[m * nb + b] = d;
       o.ds[m * nb + b] = d * static_cast<float>(s);
       o.sx[m * nb + b] = s;
+      if (half_sums) {
+        o.ds16[2 * (m * nb + b)] = d * static_cast<float>(_mm512_reduce_add_epi32(q0));
+        o.ds16[2 * (m * nb + b) + 1] = d * static_cast<float>(_mm512_reduce_add_epi32(q1));
+      }
     }
   }
 }
@@ -782,6 +793,130 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
   if (n0 + 2 * h < n1) decode_q8<type, bs, 1>(xq, kb0, nb, w, row_bytes, n0 + 2 * h, n1, y, 1, accumulate);
 }
 
+
+// ---- K-quants (Q4_K, Q6_K) in the int8-activation decode (avx512 VNNI) -------------------------
+//
+// x is quantized as for Q8_0 (blocks of 32 in x's order, dx and dx * sum(q) per block; Q6_K also
+// dx * sum(q) per half block of 16, XQ8::ds16). Per super-block of 256 weights:
+// - Q4_K: the 128 quant bytes are loaded as two zmm; their low/high nibbles are sub-blocks
+//   (0, 2) / (1, 3) (and 4-7 likewise), recombined by 128-bit lane shuffles into pairs (2j, 2j + 1)
+//   that line up with 64 bytes of x. vpdpbusd (the nibbles are unsigned already) gives 16 int32
+//   lanes, 8 per sub-block, scaled by d * scale[s] * dx[s] in float; the minimum's share
+//   dmin * min[s] * dx[s] * sum(q_x)[s] is summed apart and subtracted at the end.
+// - Q6_K: ql (64 bytes) and qh (32 bytes, paired with itself shifted by 2) give the 6-bit codes
+//   (value + 32) of 64 consecutive weights per vpdpbusd; lanes 4k..4k+3 are the 16-weight sub-block
+//   k with its int8 scale. The +32 offset's share 32 * d * sc[k] * dx * sum16(q_x)[k] is summed
+//   apart (float, as the legacy types' offset) and subtracted at the end.
+// Error: x's 8-bit rounding only, as the legacy types (the int32 sums are exact).
+constexpr bool kq8_type(int type) { return type == ikj::T_Q4_K || type == ikj::T_Q6_K; }
+
+// A Q4_K super-block's 12 scale bytes -> 8 scales and 8 minimums (ggml's get_scale_min_k4, as a
+// 32-bit-word unpack).
+inline void q4k_scales(const uint8_t* p, __m256& sc, __m256& mn) {
+  uint32_t u[4];
+  std::memcpy(u, p, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t a = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = a;
+  u[0] &= k1;
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+}
+
+// Rows [n0, n1) of W (type Q4_K or Q6_K, w at super-block kb0 / 8 of row 0) against MM quantized x
+// rows, 32-blocks [kb0, kb0 + nb) (nb a multiple of 8).
+template <int type, int MM>
+void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  constexpr bool q4k = type == ikj::T_Q4_K;
+  constexpr int bs = q4k ? 144 : 210;
+  const int64_t nsb = nb / 8;
+  const int64_t pf = decode_prefetch_bytes();
+  const int64_t rq = xq.row_q();
+  const int8_t* xqs[MM];
+  const float *xd[MM], *xs[MM];
+  for (int m = 0; m < MM; ++m) {
+    xqs[m] = xq.q.data() + m * rq + kb0 * 32;
+    xd[m] = xq.d.data() + m * xq.nb + kb0;
+    xs[m] = q4k ? xq.ds.data() + m * xq.nb + kb0 : xq.ds16.data() + 2 * (m * xq.nb + kb0);
+  }
+  // lane -> scale index, per product
+  __m512i idx[4];
+  for (int j = 0; j < 4; ++j)
+    idx[j] = q4k ? _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1,
+                                     2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1)
+                 : _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
+                                     4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3,
+                                     4 * j + 3);
+  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m512 acc[MM][2], accm[MM];
+    for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = accm[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nsb; ++i) {
+      const uint8_t* wb = wr + i * bs;
+      if (pf)
+        for (int o = 0; o < bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + pf + o), _MM_HINT_T0);
+      __m512i W[4];
+      if constexpr (q4k) {
+        const __m512i z0 = _mm512_loadu_si512(wb + 16), z1 = _mm512_loadu_si512(wb + 80);
+        const __m512i l0 = _mm512_and_si512(z0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4);
+        const __m512i l1 = _mm512_and_si512(z1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4);
+        W[0] = _mm512_shuffle_i64x2(l0, h0, 0x44);
+        W[1] = _mm512_shuffle_i64x2(l0, h0, 0xEE);
+        W[2] = _mm512_shuffle_i64x2(l1, h1, 0x44);
+        W[3] = _mm512_shuffle_i64x2(l1, h1, 0xEE);
+        const float d = f16(wb), dmin = f16(wb + 2);
+        __m256 sc, mn;
+        q4k_scales(wb + 4, sc, mn);
+        const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(d), sc), dmn = _mm256_mul_ps(_mm256_set1_ps(dmin), mn);
+        for (int m = 0; m < MM; ++m) {
+          const int8_t* xb = xqs[m] + i * 256;
+          const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_loadu_ps(xd[m] + i * 8)));
+          for (int j = 0; j < 4; ++j) {
+            const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[j], _mm512_loadu_si512(xb + 64 * j));
+            acc[m][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(idx[j], s), acc[m][j & 1]);
+          }
+          accm[m] = _mm512_castps256_ps512(
+              _mm256_fmadd_ps(dmn, _mm256_loadu_ps(xs[m] + i * 8), _mm512_castps512_ps256(accm[m])));
+        }
+      } else {
+        for (int h = 0; h < 2; ++h) {
+          const __m512i L = _mm512_loadu_si512(wb + 64 * h);
+          const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + 32 * h));
+          const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+          W[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(_mm512_slli_epi16(Hz, 4), m30));
+          W[2 * h + 1] =
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(Hz, m30));
+        }
+        const __m512 dsc = _mm512_mul_ps(
+            _mm512_set1_ps(f16(wb + 208)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192)))));
+        for (int m = 0; m < MM; ++m) {
+          const int8_t* xb = xqs[m] + i * 256;
+          const __m512 s =
+              _mm512_mul_ps(dsc, _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(xd[m] + i * 8))));
+          for (int j = 0; j < 4; ++j) {
+            const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[j], _mm512_loadu_si512(xb + 64 * j));
+            acc[m][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(idx[j], s), acc[m][j & 1]);
+          }
+          accm[m] = _mm512_fmadd_ps(dsc, _mm512_loadu_ps(xs[m] + i * 16), accm[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MM; ++m) {
+      const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) -
+                      (q4k ? 1.f : 32.f) * _mm512_reduce_add_ps(accm[m]);
+      float* dst = y + m * ldy + n;
+      *dst = accumulate ? *dst + s : s;
+    }
+  }
+}
+
 #elif defined(IKJ_HAVE_Q8DOT)  // AVX2
 
 inline int64_t decode_prefetch_bytes() { return 0; }
@@ -940,6 +1075,19 @@ void decode_q8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_
   }
 }
 
+#if defined(IKJ_Q8DOT_512)
+template <int type, int bs>
+void decode_kq8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes,
+                  int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  w += kb0 / 8 * bs;  // K-quant rows are plain sequences of super-blocks of 8 x 32
+  switch (M) {
+    case 1: decode_kq8<type, 1>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case 2: decode_kq8<type, 2>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    default: decode_kq8<type, 3>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+  }
+}
+#endif
+
 // y rows [0, M) (M <= 3), columns [n0, n1), from the quantized x's blocks [kb0, kb0 + nb) (kb0 a
 // multiple of 4: the K-split decode's chunks are multiples of 256 values).
 void decode_q8_rows(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes,
@@ -951,6 +1099,10 @@ void decode_q8_rows(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uin
     case ikj::T_Q5_0: decode_q8_m<ikj::T_Q5_0, 22>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_Q5_1: decode_q8_m<ikj::T_Q5_1, 24>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_IQ4_NL: decode_q8_m<ikj::T_IQ4_NL, 18>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+#if defined(IKJ_Q8DOT_512)
+    case ikj::T_Q4_K: decode_kq8_m<ikj::T_Q4_K, 144>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case ikj::T_Q6_K: decode_kq8_m<ikj::T_Q6_K, 210>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+#endif
     default: return;
   }
 }
@@ -1544,7 +1696,7 @@ void qgemm_tile_ex(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
     // decode-sized: with compute = bf16, 8-bit activations and int8 dot products where the level
     // has them (VNNI) for the type; otherwise f32 (bf16 rounding would only add work there)
 #if defined(IKJ_HAVE_Q8DOT)
-    if (compute == QM_BF16 && q8_offset(type) >= 0) {
+    if (compute == QM_BF16 && (q8_offset(type) >= 0 || kq8_type(type))) {
       // callers (the fused MoE) take a few output columns per call, often with the same x: the last
       // x quantized by this thread is kept with a copy of it and reused when it is equal (a compare
       // costs a sixth of quantizing: measured ~10 % of a 128-column Q4_0 tile otherwise)
@@ -1608,7 +1760,7 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     // decode-sized: 8-bit activations (x quantized once here) where qgemm_tile_ex would use them,
     // f32 otherwise
 #if defined(IKJ_HAVE_Q8DOT)
-    const bool q8 = compute == QM_BF16 && q8_offset(type) >= 0;
+    const bool q8 = compute == QM_BF16 && (q8_offset(type) >= 0 || kq8_type(type));
     thread_local XQ8 xq_tls;
     XQ8& xq = xq_tls;  // the caller's: a lambda run by the pool's threads would name their own thread_local
     if (q8) quantize_x8(x, M, K, type, xq);
