@@ -43,7 +43,7 @@ MS, NS, THREADS = (1, 3, 17, 512), (1, 7, 37, 300), (1, 2)
 X8_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}  # the int8 decode's types (cpu_kernel.cc)
 X8_TOL = 1e-2
 X8_PROMPT_TYPES = {"Q8_0", "Q4_0", "Q5_0", "IQ4_NL"}  # the int8 prompt engine's types (avx512 VNNI only)
-X8_KQ_TYPES = {"Q4_K", "Q6_K"}  # K-quants in the int8 decode (avx512 VNNI only; f32 decode at avx2)
+X8_KQ_TYPES = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}  # K-quants in the int8 decode (avx512 VNNI only; f32 decode at avx2)
 
 
 def _is_x8(name, M, compute):
@@ -168,7 +168,7 @@ def test_bf16_compute(name, isa, monkeypatch):
 @pytest.mark.parametrize("name", sorted(X8_KQ_TYPES))
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_kquant_int8_decode(name, isa, monkeypatch):
-    """Q4_K / Q6_K decode in the fast mode: at avx512, 8-bit activations per block of 32 and VNNI
+    """Q4_K / Q5_K / Q6_K / IQ4_XS decode in the fast mode: at avx512, 8-bit activations per block of 32 and VNNI
     dot products on the super-blocks' own quants (cpu_kernel.cc, decode_kq8), checked against the
     f32 function of the 8-bit x (1e-5: the int32 sums are exact) and against the f32 product within
     X8_TOL; at avx2 the f32 decode (1e-5). M = 1..3 (M = 4 is prompt-sized: bf16), odd N (the M = 1

@@ -14,7 +14,7 @@
 // With compute = bf16, decode-sized products of the legacy block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 // IQ4_NL) at the avx512 (VNNI) and avx2 levels take a third path, as ik_llama.cpp does
 // for token generation: x quantized to 8 bits per block of 32 and vpdpbusd per weight block (see
-// "int8-activation decode" below); so do Q4_K and Q6_K at the avx512 level (decode_kq8). Every
+// "int8-activation decode" below); so do Q4_K, Q5_K, Q6_K and IQ4_XS at the avx512 level (decode_kq8). Every
 // other decode-sized product is f32 in both modes.
 #include "quant_matmul/cpu_kernel.h"
 #include "quant_matmul/cpu_dequant.h"
@@ -457,7 +457,12 @@ constexpr int q8_offset(int type) {
 #else
 constexpr int q8_offset(int) { return -1; }
 #endif
-#if !defined(IKJ_Q8DOT_512)
+#if defined(IKJ_Q8DOT_512)
+// The super-block types with an int8 decode (decode_kq8; avx512 VNNI only).
+constexpr bool kq8_type(int type) {
+  return type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_Q6_K || type == ikj::T_IQ4_XS;
+}
+#else
 constexpr bool kq8_type(int) { return false; }  // the K-quants' int8 decode is avx512 (VNNI) only
 #endif
 
@@ -483,7 +488,7 @@ struct XQ8 {
 void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   const int64_t nb = K / 32;
   o.nb = nb;
-  o.grouped = type != ikj::T_Q8_0 && type != ikj::T_Q4_K && type != ikj::T_Q6_K;
+  o.grouped = type != ikj::T_Q8_0 && !kq8_type(type);
   const bool half_sums = type == ikj::T_Q6_K;
   if (half_sums && static_cast<int64_t>(o.ds16.size()) < 2 * M * nb) o.ds16.resize(2 * M * nb);
   const int64_t rq = o.row_q();
@@ -794,7 +799,7 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
 }
 
 
-// ---- K-quants (Q4_K, Q6_K) in the int8-activation decode (avx512 VNNI) -------------------------
+// ---- K-quants (Q4_K, Q5_K, Q6_K, IQ4_XS) in the int8-activation decode (avx512 VNNI) -----------
 //
 // x is quantized as for Q8_0 (blocks of 32 in x's order, dx and dx * sum(q) per block; Q6_K also
 // dx * sum(q) per half block of 16, XQ8::ds16). Per super-block of 256 weights:
@@ -807,8 +812,15 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
 //   (value + 32) of 64 consecutive weights per vpdpbusd; lanes 4k..4k+3 are the 16-weight sub-block
 //   k with its int8 scale. The +32 offset's share 32 * d * sc[k] * dx * sum16(q_x)[k] is summed
 //   apart (float, as the legacy types' offset) and subtracted at the end.
+// - Q5_K: Q4_K's layout and scales with qh's 32 bytes: bit j of qh[l] is the fifth bit (+16) of
+//   weight l of sub-block j; qh and qh >> 1 side by side, shifted so bits 2j / 2j + 1 land on 0x10
+//   of the pair (2j, 2j + 1), are ORed into Q4_K's nibble pairs.
+// - IQ4_XS: 8 sub-blocks of 32 as IQ4_NL blocks (16 bytes: values 0-15 in the low nibbles, 16-31
+//   in the high), each nibble -> the IQ4_NL table + 128 (unsigned, as the legacy IQ4_NL decode),
+//   the 128-bit lanes of low / high nibbles interleaved into Q4_K's pairs; the 6-bit scales
+//   (ls - 32, signed) take Q4_K's scale role and the +128 offset's share 128 * d * (ls - 32) * dx *
+//   sum(q_x) takes the minimum's.
 // Error: x's 8-bit rounding only, as the legacy types (the int32 sums are exact).
-constexpr bool kq8_type(int type) { return type == ikj::T_Q4_K || type == ikj::T_Q6_K; }
 
 // A Q4_K super-block's 12 scale bytes -> 8 scales and 8 minimums (ggml's get_scale_min_k4, as a
 // 32-bit-word unpack).
@@ -831,8 +843,9 @@ inline void q4k_scales(const uint8_t* p, __m256& sc, __m256& mn) {
 template <int type, int MM>
 void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
                 int64_t n1, float* y, int64_t ldy, bool accumulate) {
-  constexpr bool q4k = type == ikj::T_Q4_K;
-  constexpr int bs = q4k ? 144 : 210;
+  constexpr bool q4k = type != ikj::T_Q6_K;  // 8 sub-blocks of 32, W[j] = the pair (2j, 2j + 1)
+  constexpr int bs = type == ikj::T_Q4_K ? 144 : type == ikj::T_Q5_K ? 176 : type == ikj::T_IQ4_XS ? 136 : 210;
+  constexpr float off = type == ikj::T_IQ4_XS ? 128.f : type == ikj::T_Q6_K ? 32.f : 1.f;  // accm's factor
   const int64_t nsb = nb / 8;
   const int64_t pf = decode_prefetch_bytes();
   const int64_t rq = xq.row_q();
@@ -852,7 +865,10 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
                                      4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3,
                                      4 * j + 3);
   const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30), m10 = _mm512_set1_epi8(0x10);
+  const __m512i tbl = iq4nl_table512();
+  const __m512i lo2 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi2 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const __m256i xs_shl = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), xs_shh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     __m512 acc[MM][2], accm[MM];
@@ -863,17 +879,49 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
         for (int o = 0; o < bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + pf + o), _MM_HINT_T0);
       __m512i W[4];
       if constexpr (q4k) {
-        const __m512i z0 = _mm512_loadu_si512(wb + 16), z1 = _mm512_loadu_si512(wb + 80);
-        const __m512i l0 = _mm512_and_si512(z0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4);
-        const __m512i l1 = _mm512_and_si512(z1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4);
-        W[0] = _mm512_shuffle_i64x2(l0, h0, 0x44);
-        W[1] = _mm512_shuffle_i64x2(l0, h0, 0xEE);
-        W[2] = _mm512_shuffle_i64x2(l1, h1, 0x44);
-        W[3] = _mm512_shuffle_i64x2(l1, h1, 0xEE);
-        const float d = f16(wb), dmin = f16(wb + 2);
-        __m256 sc, mn;
-        q4k_scales(wb + 4, sc, mn);
-        const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(d), sc), dmn = _mm256_mul_ps(_mm256_set1_ps(dmin), mn);
+        __m256 dsc, dmn;
+        if constexpr (type == ikj::T_IQ4_XS) {
+          const __m512i z0 = _mm512_loadu_si512(wb + 8), z1 = _mm512_loadu_si512(wb + 72);
+          const __m512i l0 = _mm512_shuffle_epi8(tbl, _mm512_and_si512(z0, m4));
+          const __m512i h0 = _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4));
+          const __m512i l1 = _mm512_shuffle_epi8(tbl, _mm512_and_si512(z1, m4));
+          const __m512i h1 = _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4));
+          W[0] = _mm512_permutex2var_epi64(l0, lo2, h0);
+          W[1] = _mm512_permutex2var_epi64(l0, hi2, h0);
+          W[2] = _mm512_permutex2var_epi64(l1, lo2, h1);
+          W[3] = _mm512_permutex2var_epi64(l1, hi2, h1);
+          uint16_t sh;
+          uint32_t sl;
+          std::memcpy(&sh, wb + 2, 2);
+          std::memcpy(&sl, wb + 4, 4);
+          const __m256i ls = _mm256_or_si256(
+              _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(sl)), xs_shl), _mm256_set1_epi32(0xf)),
+              _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(sh), xs_shh), _mm256_set1_epi32(3)), 4));
+          dsc = _mm256_mul_ps(_mm256_set1_ps(f16(wb)), _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+          dmn = dsc;
+        } else {
+          constexpr int qs = type == ikj::T_Q4_K ? 16 : 48;
+          const __m512i z0 = _mm512_loadu_si512(wb + qs), z1 = _mm512_loadu_si512(wb + qs + 64);
+          const __m512i l0 = _mm512_and_si512(z0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4);
+          const __m512i l1 = _mm512_and_si512(z1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4);
+          W[0] = _mm512_shuffle_i64x2(l0, h0, 0x44);
+          W[1] = _mm512_shuffle_i64x2(l0, h0, 0xEE);
+          W[2] = _mm512_shuffle_i64x2(l1, h1, 0x44);
+          W[3] = _mm512_shuffle_i64x2(l1, h1, 0xEE);
+          if constexpr (type == ikj::T_Q5_K) {  // + 16 where qh's bit (sub-block) is set
+            const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 16));
+            const __m512i Hs = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 1), 1);
+            W[0] = _mm512_or_si512(W[0], _mm512_and_si512(_mm512_slli_epi16(Hs, 4), m10));
+            W[1] = _mm512_or_si512(W[1], _mm512_and_si512(_mm512_slli_epi16(Hs, 2), m10));
+            W[2] = _mm512_or_si512(W[2], _mm512_and_si512(Hs, m10));
+            W[3] = _mm512_or_si512(W[3], _mm512_and_si512(_mm512_srli_epi16(Hs, 2), m10));
+          }
+          const float d = f16(wb), dmin = f16(wb + 2);
+          __m256 sc, mn;
+          q4k_scales(wb + 4, sc, mn);
+          dsc = _mm256_mul_ps(_mm256_set1_ps(d), sc);
+          dmn = _mm256_mul_ps(_mm256_set1_ps(dmin), mn);
+        }
         for (int m = 0; m < MM; ++m) {
           const int8_t* xb = xqs[m] + i * 256;
           const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_loadu_ps(xd[m] + i * 8)));
@@ -909,8 +957,7 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
       }
     }
     for (int m = 0; m < MM; ++m) {
-      const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) -
-                      (q4k ? 1.f : 32.f) * _mm512_reduce_add_ps(accm[m]);
+      const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - off * _mm512_reduce_add_ps(accm[m]);
       float* dst = y + m * ldy + n;
       *dst = accumulate ? *dst + s : s;
     }
@@ -1101,7 +1148,9 @@ void decode_q8_rows(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uin
     case ikj::T_IQ4_NL: decode_q8_m<ikj::T_IQ4_NL, 18>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
 #if defined(IKJ_Q8DOT_512)
     case ikj::T_Q4_K: decode_kq8_m<ikj::T_Q4_K, 144>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case ikj::T_Q5_K: decode_kq8_m<ikj::T_Q5_K, 176>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_Q6_K: decode_kq8_m<ikj::T_Q6_K, 210>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case ikj::T_IQ4_XS: decode_kq8_m<ikj::T_IQ4_XS, 136>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
 #endif
     default: return;
   }
