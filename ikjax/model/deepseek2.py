@@ -61,11 +61,16 @@ class StepPlan:
         return _DTYPES[self.dtype]
 
 
+def reads_kv_b(layer: dict, prefer_kv_b: bool) -> bool:
+    """Whether the head matrices come from attn_kv_b (ik's choice per path, or the only form the
+    file has) rather than attn_k_b/attn_v_b."""
+    return "kv_b" in layer and (prefer_kv_b or not ("k_b" in layer and "v_b" in layer))
+
+
 def head_matrices(layer: dict, cfg: ModelConfig, prefer_kv_b: bool, dtype):
     """W_k [H, nope, r] and W_v [H, v, r] from attn_kv_b, or from attn_k_b/attn_v_b."""
     H, nope, v, r = cfg.n_head, cfg.nope_dim, cfg.v_dim, cfg.kv_lora_rank
-    has_split = "k_b" in layer and "v_b" in layer
-    if "kv_b" in layer and (prefer_kv_b or not has_split):
+    if reads_kv_b(layer, prefer_kv_b):
         kvb = layer["kv_b"].dequantize(dtype).reshape(H, nope + v, r)
         return kvb[:, :nope], kvb[:, nope:]
     return layer["k_b"].dequantize(dtype).swapaxes(1, 2), layer["v_b"].dequantize(dtype)
@@ -96,7 +101,7 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
     attn = dict(amb_bytes=plan.amb_bytes, kv_block=plan.kv_block)
 
     def expand(c_rows, k_pe_rows, prefer_kv_b):
-        if "kv_b" in layer and (prefer_kv_b or not ("k_b" in layer and "v_b" in layer)):
+        if reads_kv_b(layer, prefer_kv_b):
             # one product with attn_kv_b as stored (the quantized-matmul op: on the CPU the C++
             # GEMM, no per-step dequantized copy of the matrix; elsewhere the same dequantize-dot)
             kv = linear(c_rows, layer["kv_b"], dtype).reshape(*c_rows.shape[:2], H, nope + cfg.v_dim)
