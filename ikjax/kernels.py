@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import sys
 import warnings
@@ -315,12 +316,80 @@ def _stream_order() -> str:
     return order
 
 
+# IKJAX_STREAM: how a big batch moves host-resident experts to the GPU. "active" (default, ik's
+# -ooae): only the experts the batch routes to, in rounds of IKJAX_STREAM_MIB (1024) MiB of blocks;
+# "layer": every expert of the layer, the whole tensors in one host-to-device transfer.
+STREAM_MODES = ("active", "layer")
+
+
+def _stream_mode() -> str:
+    mode = os.environ.get("IKJAX_STREAM", "active").lower()
+    if mode not in STREAM_MODES:
+        raise OptionError(f"IKJAX_STREAM must be one of {', '.join(STREAM_MODES)}, got {mode!r}")
+    return mode
+
+
+def stream_slots(gate, up, down) -> int:
+    """Experts per streaming round: as many as fit IKJAX_STREAM_MIB MiB of raw blocks (at least
+    one, at most all): the device holds one round's blocks (and their kernel layout) at a time."""
+    raw = os.environ.get("IKJAX_STREAM_MIB", "1024")
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = 0.0
+    if not mib > 0:
+        raise OptionError(f"IKJAX_STREAM_MIB must be a positive number of MiB, got {raw!r}")
+    E = gate.shape[0]
+    per_expert = sum(t.nbytes for t in (gate, up, down)) // E
+    return max(1, min(E, int(mib * 2**20 // per_expert)))
+
+
+def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fused: bool = True,
+               backend: str | None = None):
+    """Routed experts computed in rounds of at most `slots` experts on the device: `fetch(weights,
+    ids, round)` -> (gate, up, down blocks [slots, rows, row_bytes], slot_of [E]) brings a round's
+    experts (host_experts.stream_experts, or its jnp reference); each round's MoE sees only its
+    experts (the others' weights zeroed: no work in the kernels), and the rounds' outputs add up.
+    Each round waits for the previous round's output, so XLA cannot start every round's copy at
+    once (the device would hold all of them)."""
+    E = gate.shape[0]
+    b = resolve_backend(backend)
+    out = None
+    for r in range(-(-E // slots)):
+        if out is not None:
+            weights, ids, _ = jax.lax.optimization_barrier((weights, ids, out))
+        *blocks, slot_of = fetch(weights, ids, r)
+        s = slot_of[ids]
+        keep = s >= 0
+        dev = []
+        for t, blk in zip((gate, up, down), blocks):
+            qa = QuantArray(blk, t.qtype, (slots, *t.shape[1:]))
+            dev.append(prepare_weight(qa) if b in ("pallas", "interpret") else qa)  # as the load would
+        part = moe_experts(x, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
+                           backend=backend)
+        out = part if out is None else out + part
+    return out
+
+
 def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend):
-    """Host-resident (pinned) experts, big batches (ik's rule, `HostQuantArray.runs_on`): the whole
-    layer's expert tensors move to the GPU inside the step, right before this MoE, and the GPU
-    implementation the all-GPU run would pick computes them; XLA frees them after the layer. When
-    the copy may start is `IKJAX_STREAM_ORDER` (an optimization barrier ties the host parameter to
-    an earlier activation, so the transfer cannot be hoisted to the start of the step)."""
+    """Host-resident (pinned) experts, big batches (ik's rule, `HostQuantArray.runs_on`): the GPU
+    implementation the all-GPU run would pick computes them after they cross PCIe inside the step.
+    IKJAX_STREAM=active (default): only the experts this batch routes to, a round at a time
+    (`moe_rounds` + the `ikjax_stream_experts` custom call, which waits for the ids); =layer: the
+    whole layer's tensors, whose copy may start when `IKJAX_STREAM_ORDER` says (an optimization
+    barrier ties the host parameter to an earlier activation, so the transfer cannot be hoisted to
+    the start of the step); XLA frees them after the layer."""
+    if _stream_mode() == "active":
+        from pallas_kernels.moe_matmul import host as moe_host
+        if not moe_host.stream_supported(gate, up, down):
+            raise OptionError(f"ot: streaming host experts to the GPU: "
+                              f"{moe_host.unavailable_reason() or 'the experts have no host address'}")
+        slots = stream_slots(gate, up, down)
+        fetch = functools.partial(_fetch_active, gate=gate, up=up, down=down, slots=slots)
+        out = moe_rounds(x, weights, ids, gate, up, down, dtype, fetch=fetch, slots=slots, fused=fused,
+                         backend=backend)
+        _ran("moe_experts", "stream:" + selected("moe_experts"))
+        return out
     order, state = _stream_order(), _STREAM.get()
     dep = x if order == "self" else (state or {}).get("prev") if order == "prev" else None
     data = tuple(t.data for t in (gate, up, down))
@@ -336,6 +405,11 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend):
     out = moe_experts(x, weights, ids, *dev, dtype, fused=fused, backend=backend)
     _ran("moe_experts", "stream:" + selected("moe_experts"))
     return out
+
+
+def _fetch_active(weights, ids, r, *, gate, up, down, slots):
+    from pallas_kernels.moe_matmul import host as moe_host
+    return moe_host.stream_experts(weights, ids, gate, up, down, slots=slots, round=r)
 
 
 def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, backend: str | None = None):

@@ -64,6 +64,7 @@ def test_rule_is_iks(experts):
 def test_streamed_equals_device_resident(experts, monkeypatch, order):
     """Past the threshold the pinned experts move into the step and the device implementation
     computes them: the same result as device-resident experts, bit for bit."""
+    monkeypatch.setenv("IKJAX_STREAM", "layer")
     monkeypatch.setenv("IKJAX_STREAM_ORDER", order)
     x, w, ids = _inputs(200)
     host = [_pinned(t, 32) for t in experts]
@@ -129,3 +130,93 @@ def test_release_pages_only_touches_mapped_bytes(tmp_path):
     anon = payload.copy()
     assert release_pages(anon) == 0
     np.testing.assert_array_equal(anon, payload)
+
+
+# -- IKJAX_STREAM=active (default): only the experts a batch routes to, in rounds -----------------
+
+def _routed(n, seed=2, experts_used=None):
+    """Routing over a subset of the experts (a batch rarely uses all of them) with some zero
+    weights (smart expert reduction's dropped experts, which need no copy)."""
+    x, w, _ = _inputs(n, seed)
+    rng = np.random.default_rng(seed)
+    pool = np.asarray(experts_used if experts_used is not None else range(E))
+    ids = jnp.asarray(rng.choice(pool, (n, K)), jnp.int32)
+    w = jnp.where(jnp.asarray(rng.random((n, K)) < 0.2), 0.0, w)
+    return x, w, ids
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("slots", [1, 3, E])
+@pytest.mark.parametrize("used", [None, (1, 4, 5, 6), (7,)])
+def test_rounds_equal_all_experts(experts, backend, slots, used):
+    """The round loop over the jnp reference of the streaming call gives the plain MoE: every
+    active expert in exactly one round, inactive slots never weighed, empty rounds adding 0."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    x, w, ids = _routed(37, experts_used=used)
+    fetch = lambda w_, i_, r: moe_host.stream_experts_ref(w_, i_, *experts, slots=slots, round=r)
+    dtype = jnp.float32 if backend == "xla" else jnp.bfloat16
+    got = jax.jit(lambda x, w, ids: kernels.moe_rounds(x, w, ids, *experts, dtype, fetch=fetch, slots=slots,
+                                                       backend=backend))(x, w, ids)
+    ref = kernels.moe_experts(x, w, ids, *experts, dtype, backend="xla")
+    tol = 1e-5 if backend == "xla" else 2e-2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=tol, atol=tol * float(jnp.abs(ref).max()))
+
+
+def test_stream_ref_contract(experts):
+    """slot_of names each active expert's slot in its round (ascending ids), -1 elsewhere; the
+    slots hold those experts' blocks as stored; an empty round leaves zeros."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    w = jnp.asarray([[0.5, 0.0], [0.25, 1.0]], jnp.float32)
+    ids = jnp.asarray([[6, 2], [3, 6]], jnp.int32)  # active: 3, 6 (2 has weight 0)
+    g, u, d, slot_of = moe_host.stream_experts_ref(w, ids, *experts, slots=1, round=1)
+    assert np.asarray(slot_of).tolist() == [-1, -1, -1, -1, -1, -1, 0, -1]
+    np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(experts[0].data)[6])
+    np.testing.assert_array_equal(np.asarray(d[0]), np.asarray(experts[2].data)[6])
+    *_, empty = moe_host.stream_experts_ref(w, ids, *experts, slots=1, round=2)
+    assert (np.asarray(empty) == -1).all()
+
+
+def test_active_stream_in_step(experts, monkeypatch):
+    """The default mode end to end through a jitted two-layer step with pinned experts: past ik's
+    threshold the step runs the rounds (here over a jnp stand-in for the CUDA call, which needs a
+    GPU: tests/test_hybrid_gpu.py) and equals device-resident experts; the rounds follow
+    IKJAX_STREAM_MIB."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    calls = []
+
+    def fake_fetch(w_, i_, r, *, gate, up, down, slots):
+        calls.append((r, slots))
+        dev = [QuantArray(jax.device_put(t.data, jax.memory.Space.Device), t.qtype, t.shape) for t in (gate, up, down)]
+        return moe_host.stream_experts_ref(w_, i_, *dev, slots=slots, round=r)
+
+    monkeypatch.setattr(kernels, "_fetch_active", fake_fetch)
+    monkeypatch.setattr(moe_host, "stream_supported", lambda *a: True)
+    per_expert = sum(t.nbytes for t in experts) // E
+    monkeypatch.setenv("IKJAX_STREAM_MIB", str(3 * per_expert / 2**20))
+    x, w, ids = _routed(200)
+    host = [_pinned(t, 32) for t in experts]
+    got = _two_layers()(x, w, ids, *host)
+    assert kernels.selected("moe_experts") == "stream:xla"
+    assert sorted(set(calls)) == [(0, 3), (1, 3), (2, 3)]  # 8 experts in rounds of 3, both layers
+    ref = _two_layers()(x, w, ids, *experts)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_active_stream_refuses_without_handler(experts, monkeypatch):
+    """Without the CUDA handler the default mode says what to build (never a quiet whole-layer
+    copy); bad IKJAX_STREAM / IKJAX_STREAM_MIB values are named."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    x, w, ids = _inputs(200)
+    host = [_pinned(t, 32) for t in experts]
+    if not moe_host.available():
+        with pytest.raises(OptionError, match="streaming host experts"):
+            _two_layers()(x, w, ids, *host)
+    monkeypatch.setenv("IKJAX_STREAM", "all")
+    with pytest.raises(OptionError, match="IKJAX_STREAM must be"):
+        _two_layers()(x, w, ids, *host)
+    monkeypatch.setenv("IKJAX_STREAM", "active")
+    monkeypatch.setenv("IKJAX_STREAM_MIB", "-1")
+    with pytest.raises(OptionError, match="IKJAX_STREAM_MIB"):
+        kernels.stream_slots(*host)
+    monkeypatch.setenv("IKJAX_STREAM_MIB", "1e9")
+    assert kernels.stream_slots(*host) == E

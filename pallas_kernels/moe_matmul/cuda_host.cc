@@ -143,6 +143,146 @@ ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ---- Streaming only the routed experts a big batch uses (ik's -ooae) ------------------------------
+//
+// "ikjax_stream_experts": for a prompt-sized batch the GPU computes the host-resident experts, so
+// their blocks must cross PCIe (~55 GB/s); a whole R1 layer is 6.3 GB, but a batch often routes to a
+// fraction of the 256 experts. This call reads the batch's expert ids, then copies only the experts
+// with a non-zero routing weight, into `slots` device slots per round: round r takes the active
+// experts ranked [r * slots, (r + 1) * slots) in ascending id order (the caller runs every round
+// and sums the MoE outputs, so the device holds one round's blocks at a time, whatever the batch
+// routes to). It returns slot_of [E] (the slot of each expert copied in this round, else -1).
+// Slots not named in slot_of hold unspecified bytes, except slot 0, which always holds real blocks
+// (an expert's, or zeros when the round copies nothing), so a consumer may read slot 0 with a
+// zero weight.
+//
+// The host needs the ids before it can say what to copy: the call copies ids and weights D2H and
+// waits for the stream (the GPU has nothing else queued that the copies could overlap: the MoE
+// that follows needs them). Experts adjacent both in the file and in the slots go in one copy.
+//
+//   operands:   weights f32 [N, k], ids s32 [N, k] (device)
+//   attributes: gate_ptr, up_ptr, down_ptr (pinned host addresses of the [E, rows, row_bytes]
+//               blocks), n_expert, round
+//   results:    gate u8 [slots, ...], up u8 [slots, ...], down u8 [slots, ...], slot_of s32 [E]
+struct StreamStats {
+  int64_t calls = 0, active = 0, copied = 0, bytes = 0, copies = 0;
+};
+std::mutex stream_mu;
+std::unordered_map<cudaStream_t, Staging> stream_staging;
+std::vector<char*> stream_retired;
+StreamStats stream_stats;
+
+ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> ids,
+                             ffi::ResultBuffer<ffi::U8> gate, ffi::ResultBuffer<ffi::U8> up,
+                             ffi::ResultBuffer<ffi::U8> down, ffi::ResultBuffer<ffi::S32> slot_of, int64_t gate_ptr,
+                             int64_t up_ptr, int64_t down_ptr, int64_t n_expert, int64_t round) {
+  auto wd = weights.dimensions(), idd = ids.dimensions();
+  if (wd.size() != 2 || idd.size() != 2 || wd[0] != idd[0] || wd[1] != idd[1])
+    return ffi::Error::InvalidArgument("stream_experts: weights and ids must both be [N, k]");
+  const int64_t E = n_expert;
+  if (E < 1 || slot_of->element_count() != static_cast<size_t>(E))
+    return ffi::Error::InvalidArgument("stream_experts: slot_of must be [n_expert]");
+  if (!gate_ptr || !up_ptr || !down_ptr || round < 0)
+    return ffi::Error::InvalidArgument("stream_experts: expert addresses must be set, round >= 0");
+  ffi::ResultBuffer<ffi::U8>* outs[3] = {&gate, &up, &down};
+  const char* srcs[3] = {reinterpret_cast<const char*>(gate_ptr), reinterpret_cast<const char*>(up_ptr),
+                         reinterpret_cast<const char*>(down_ptr)};
+  auto gdims = gate->dimensions();
+  if (gdims.size() < 1 || gdims[0] < 1) return ffi::Error::InvalidArgument("stream_experts: no slots");
+  const int64_t slots = gdims[0];
+  size_t per_expert[3];
+  for (int t = 0; t < 3; ++t) {
+    auto d = (*outs[t])->dimensions();
+    if (d.size() < 1 || d[0] != slots)
+      return ffi::Error::InvalidArgument("stream_experts: gate, up and down need the same number of slots");
+    per_expert[t] = (*outs[t])->size_bytes() / slots;
+  }
+  const int64_t nk = idd[0] * idd[1];
+  const size_t ib = nk * sizeof(int32_t), wb = nk * sizeof(float), tb = E * sizeof(int32_t);
+  const size_t off_w = align64(ib), off_t = off_w + align64(wb);
+  char* st = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(stream_mu);
+    Staging& s = stream_staging[stream];
+    const size_t need = off_t + align64(tb);
+    if (s.bytes < need) {
+      // the old area may still be read by a queued table copy: kept, as the host-experts staging
+      char* p = nullptr;
+      cudaError_t e = cudaMallocHost(reinterpret_cast<void**>(&p), std::max(need, 2 * s.bytes));
+      if (e != cudaSuccess)
+        return ffi::Error::Internal(std::string("stream_experts: cudaMallocHost: ") + cudaGetErrorString(e));
+      if (s.base) stream_retired.push_back(s.base);
+      s.base = p;
+      s.bytes = std::max(need, 2 * s.bytes);
+    }
+    st = s.base;
+  }
+  int32_t* hi = reinterpret_cast<int32_t*>(st);
+  float* hw = reinterpret_cast<float*>(st + off_w);
+  int32_t* table = reinterpret_cast<int32_t*>(st + off_t);
+  cudaError_t e;
+  if (nk && ((e = cudaMemcpyAsync(hi, ids.typed_data(), ib, cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
+             (e = cudaMemcpyAsync(hw, weights.typed_data(), wb, cudaMemcpyDeviceToHost, stream)) != cudaSuccess))
+    return ffi::Error::Internal(std::string("stream_experts: D2H copy: ") + cudaGetErrorString(e));
+  if ((e = cudaStreamSynchronize(stream)) != cudaSuccess)
+    return ffi::Error::Internal(std::string("stream_experts: stream: ") + cudaGetErrorString(e));
+
+  std::vector<char> used(E, 0);
+  for (int64_t i = 0; i < nk; ++i) {
+    if (hi[i] < 0 || hi[i] >= E)
+      return ffi::Error::Internal("stream_experts: expert id " + std::to_string(hi[i]) + " outside [0, " +
+                                  std::to_string(E) + ")");
+    if (hw[i] != 0.0f) used[hi[i]] = 1;
+  }
+  const int64_t lo = round * slots;
+  int64_t rank = 0, in_round = 0, active = 0;
+  int64_t run_e = -1, run_slot = 0, run_n = 0, n_copies = 0;
+  auto flush = [&]() -> cudaError_t {
+    if (run_n == 0) return cudaSuccess;
+    for (int t = 0; t < 3; ++t) {
+      cudaError_t ce = cudaMemcpyAsync(static_cast<char*>((*outs[t])->untyped_data()) + run_slot * per_expert[t],
+                                       srcs[t] + run_e * per_expert[t], run_n * per_expert[t],
+                                       cudaMemcpyHostToDevice, stream);
+      if (ce != cudaSuccess) return ce;
+    }
+    ++n_copies;
+    run_n = 0;
+    return cudaSuccess;
+  };
+  for (int64_t x = 0; x < E; ++x) {
+    table[x] = -1;
+    if (!used[x]) continue;
+    ++active;
+    const int64_t r = rank++;
+    if (r < lo || r >= lo + slots) continue;
+    const int64_t slot = r - lo;
+    table[x] = static_cast<int32_t>(slot);
+    ++in_round;
+    if (run_n && run_e + run_n == x && run_slot + run_n == slot) {
+      ++run_n;
+    } else {
+      if ((e = flush()) != cudaSuccess) break;
+      run_e = x, run_slot = slot, run_n = 1;
+    }
+  }
+  if (e == cudaSuccess) e = flush();
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("stream_experts: H2D copy: ") + cudaGetErrorString(e));
+  if (in_round == 0)
+    for (int t = 0; t < 3; ++t)
+      if ((e = cudaMemsetAsync((*outs[t])->untyped_data(), 0, per_expert[t], stream)) != cudaSuccess)
+        return ffi::Error::Internal(std::string("stream_experts: memset: ") + cudaGetErrorString(e));
+  if ((e = cudaMemcpyAsync(slot_of->untyped_data(), table, tb, cudaMemcpyHostToDevice, stream)) != cudaSuccess)
+    return ffi::Error::Internal(std::string("stream_experts: H2D table: ") + cudaGetErrorString(e));
+  std::lock_guard<std::mutex> lock(stream_mu);
+  stream_stats.calls += 1;
+  stream_stats.active += round == 0 ? active : 0;
+  stream_stats.copied += in_round;
+  stream_stats.bytes += in_round * int64_t(per_expert[0] + per_expert[1] + per_expert[2]);
+  stream_stats.copies += n_copies;
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostMoeExpertsFfi, HostMoeImpl,
@@ -166,13 +306,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostMoeExpertsFfi, HostMoeImpl,
                                   .Attr<int64_t>("n_threads")
                                   .Attr<int64_t>("compute"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StreamExpertsFfi, StreamExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("gate_ptr")
+                                  .Attr<int64_t>("up_ptr")
+                                  .Attr<int64_t>("down_ptr")
+                                  .Attr<int64_t>("n_expert")
+                                  .Attr<int64_t>("round"));
+
 NB_MODULE(_cuda_host, m) {
   m.doc() = "ikjax: routed experts in host RAM computed by the CPU from a GPU step (XLA FFI, platform CUDA)";
   m.def("registrations", [] {
     nb::dict d;
     d["ikjax_host_moe_experts"] = nb::capsule(reinterpret_cast<void*>(HostMoeExpertsFfi));
+    d["ikjax_stream_experts"] = nb::capsule(reinterpret_cast<void*>(StreamExpertsFfi));
     return d;
   });
+  // totals since the process started (or the last reset): stream_experts calls, experts active in
+  // their batches (counted once per batch, at round 0), experts and bytes copied, copy runs
+  m.def("stream_stats", [](bool reset) {
+    std::lock_guard<std::mutex> lock(stream_mu);
+    nb::dict d;
+    d["calls"] = stream_stats.calls;
+    d["active"] = stream_stats.active;
+    d["copied"] = stream_stats.copied;
+    d["bytes"] = stream_stats.bytes;
+    d["copies"] = stream_stats.copies;
+    if (reset) stream_stats = StreamStats{};
+    return d;
+  }, nb::arg("reset") = false);
   m.def("isa", [] { return std::string(ikj::isa_name(ikj::current_isa())); });
   m.def("quant_type_supported", [](int type) { return IKJ_DISPATCH(quant_matmul_supported)(type); });
 }

@@ -112,3 +112,70 @@ def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0, compute:
         down_row_bytes=i64(dn[1] // (E * d)),
         gate_type=i64(gate.qtype.type_id), up_type=i64(up.qtype.type_id), down_type=i64(down.qtype.type_id),
         n_expert=i64(E), n_ff=i64(F), n_threads=i64(n_threads), compute=i64(COMPUTE[compute]))
+
+
+STREAM_TARGET = "ikjax_stream_experts"
+
+
+def stream_supported(gate, up, down) -> bool:
+    """This build can stream these host experts' active blocks to the GPU (`stream_experts`)."""
+    return _cuda_host is not None and all(len(t.shape) == 3 and hasattr(t, "host_address") for t in (gate, up, down))
+
+
+def _slot_shapes(slots: int, *tensors) -> tuple:
+    """[slots, rows, row_bytes] uint8 per tensor: the blocks of `slots` experts as stored."""
+    out = []
+    for t in tensors:
+        E = t.shape[0]
+        if t.nbytes % E:
+            raise ValueError(f"stream_experts: {t!r} is not {E} experts of whole bytes")
+        rows = t.shape[1]
+        out.append(jax.ShapeDtypeStruct((slots, rows, t.nbytes // (E * rows)), jnp.uint8))
+    return out
+
+
+def stream_experts(weights, ids, gate, up, down, *, slots: int, round: int):
+    """Round `round` of a batch's experts streamed to the GPU (cuda_host.cc "ikjax_stream_experts"):
+    the experts with a non-zero weight in (weights, ids), ranked by id, [round * slots, (round + 1)
+    * slots) of them, copied from their pinned host bytes into `slots` device slots. -> (gate, up,
+    down uint8 [slots, rows, row_bytes], slot_of int32 [E]: each expert's slot in this round or
+    -1). Slot 0 always holds real blocks (zeros when the round copies nothing); other slots not in
+    slot_of hold unspecified bytes."""
+    if not stream_supported(gate, up, down):
+        raise ValueError(f"stream_experts: not available for {gate!r} ({unavailable_reason() or 'no host address'})")
+    E = gate.shape[0]
+    if not 1 <= slots <= E or round < 0:
+        raise ValueError(f"stream_experts: slots must be in [1, {E}] and round >= 0, got {slots}, {round}")
+    register()
+    outs = (*_slot_shapes(slots, gate, up, down), jax.ShapeDtypeStruct((E,), jnp.int32))
+    i64 = np.int64
+    return jax.ffi.ffi_call(STREAM_TARGET, outs)(
+        weights.astype(jnp.float32), ids.astype(jnp.int32),
+        gate_ptr=i64(gate.host_address()), up_ptr=i64(up.host_address()), down_ptr=i64(down.host_address()),
+        n_expert=i64(E), round=i64(round))
+
+
+def stream_experts_ref(weights, ids, gate, up, down, *, slots: int, round: int):
+    """`stream_experts` in jnp over device-resident blocks (`.data` [E, rows, row_bytes]): the same
+    contract (unfilled slots hold zeros here), what the CPU tests run the round loop with."""
+    E = gate.shape[0]
+    used = jnp.zeros((E,), bool).at[ids.reshape(-1)].max(weights.reshape(-1) != 0)
+    rank = jnp.cumsum(used) - 1
+    lo = round * slots
+    mine = used & (rank >= lo) & (rank < lo + slots)
+    slot_of = jnp.where(mine, rank - lo, -1).astype(jnp.int32)
+    # expert of each slot (E = none): scatter the experts to their slots
+    expert_of = jnp.full((slots,), E, jnp.int32).at[jnp.where(mine, rank - lo, slots)].set(
+        jnp.arange(E, dtype=jnp.int32), mode="drop")
+    bufs = []
+    for t in (gate, up, down):
+        data = t.data.reshape(E, t.shape[1], -1)
+        got = jnp.take(data, jnp.minimum(expert_of, E - 1), axis=0)
+        bufs.append(jnp.where((expert_of < E)[:, None, None], got, jnp.zeros_like(got)))
+    return (*bufs, slot_of)
+
+
+def stream_stats(reset: bool = False) -> dict:
+    """Totals of `stream_experts` calls in this process: calls, active experts per batch (summed),
+    experts and bytes copied, copy runs. Empty where the handler is not built."""
+    return dict(_cuda_host.stream_stats(reset)) if _cuda_host is not None else {}
