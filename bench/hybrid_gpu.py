@@ -227,6 +227,29 @@ def _step_temp_gib(eng, n_tokens: int) -> float:
     return float("nan")
 
 
+def _stream_anatomy(eng) -> None:
+    """What one 2048-token prompt step streams (IKJAX_STREAM=active): experts active per MoE layer,
+    bytes copied over PCIe, copy runs, against the whole layers' bytes."""
+    from ikjax import kernels
+    from pallas_kernels.moe_matmul import host as moe_host
+    if kernels._stream_mode() != "active" or not moe_host.available():
+        return
+    lay = [l for l in eng.weights["layers"] if "gate_exps" in l]
+    g, u, d = (lay[0][k] for k in ("gate_exps", "up_exps", "down_exps"))
+    slots = kernels.stream_slots(g, u, d)
+    E = g.shape[0]
+    rounds = -(-E // slots)
+    moe_host.stream_stats(reset=True)
+    t = _pp_step(eng, 0, reps=0)
+    st = moe_host.stream_stats(reset=True)
+    whole = sum(l[k].nbytes for l in lay for k in ("gate_exps", "up_exps", "down_exps"))
+    n = max(1, st.get("calls", 0) // rounds)  # batches (MoE layers x steps) seen
+    say(f"  streaming (IKJAX_STREAM=active, {slots} experts a round, {rounds} rounds a layer): one PP step "
+        f"{t * 1e3:.0f} ms; per MoE layer {st.get('active', 0) / n:.1f} of {E} experts active, "
+        f"{st.get('bytes', 0) / 1e9:.2f} GB copied in {st.get('copies', 0)} runs over {n} layer calls "
+        f"(whole layers: {whole / 1e9:.2f} GB), {st.get('bytes', 0) / t / 1e9:.1f} GB/s over the step")
+
+
 def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, only: str = "") -> None:
     """sweep-bench -c 4096 -ub 2048 -b 2048 -mla 3 -fa 1, all on the GPU then `-ot exps=CPU -t T`, in
     one process (the all-GPU run reads the file from the page cache before the hybrid load releases
@@ -295,6 +318,8 @@ def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, onl
         for r in res:
             say(r.markdown())
         say("")
+        if "ot" in extra:
+            _stream_anatomy(eng)
         rows.append((label, res, peak))
         if "ot" in extra and orders:
             keep = eng
@@ -314,6 +339,7 @@ def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, onl
         say(f"Other stream orders, one 2048-token PP step at N_KV 0 (`-ot exps=CPU -t {threads}`):")
         for order in ("self", "free"):
             os.environ["IKJAX_STREAM_ORDER"] = order
+            os.environ["IKJAX_STREAM"] = "layer"  # the orders are the whole-layer copy's
             eng._executables.clear()
             eng._compiled.clear()
             jax.clear_caches()
@@ -327,6 +353,18 @@ def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, onl
             except Exception as e:  # report and go on: the default order's numbers stand
                 say(f"  IKJAX_STREAM_ORDER={order}: failed: {type(e).__name__}: {str(e)[:300]}")
         os.environ.pop("IKJAX_STREAM_ORDER", None)
+        os.environ["IKJAX_STREAM"] = "layer"  # the whole-layer copy, for comparison
+        eng._executables.clear()
+        eng._compiled.clear()
+        jax.clear_caches()
+        try:
+            eng.precompile(1, 2048, 2048)
+            t = _pp_step(eng, 0)
+            say(f"  IKJAX_STREAM=layer: PP 2048 at N_KV 0 {t * 1e3:.0f} ms = {2048 / t:.0f} t/s "
+                f"(step temp {_step_temp_gib(eng, 2048):.2f} GiB)")
+        except Exception as e:
+            say(f"  IKJAX_STREAM=layer: failed: {type(e).__name__}: {str(e)[:300]}")
+        os.environ.pop("IKJAX_STREAM", None)
         say("")
 
 
