@@ -361,6 +361,11 @@ def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fus
         *blocks, slot_of = fetch(weights, ids, r)
         s = slot_of[ids]
         keep = s >= 0
+        if b not in ("pallas", "interpret"):
+            # the XLA forms may multiply every slot's weights (by zero); unfilled slots hold
+            # arbitrary bytes, so they are zeroed there (the kernels never read them)
+            filled = jnp.zeros((slots,), bool).at[jnp.where(slot_of >= 0, slot_of, slots)].set(True, mode="drop")
+            blocks = [jnp.where(filled[:, None, None], blk, jnp.zeros((), blk.dtype)) for blk in blocks]
         dev = []
         for t, blk in zip((gate, up, down), blocks):
             qa = QuantArray(blk, t.qtype, (slots, *t.shape[1:]))
