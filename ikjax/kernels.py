@@ -332,6 +332,12 @@ def _stream_mode() -> str:
 def stream_slots(gate, up, down) -> int:
     """Experts per streaming round: as many as fit IKJAX_STREAM_MIB MiB of raw blocks (at least
     one, at most all): the device holds one round's blocks (and their kernel layout) at a time."""
+    return stream_slots_for(sum(t.nbytes for t in (gate, up, down)) // gate.shape[0], gate.shape[0])
+
+
+def stream_slots_for(per_expert_bytes: int, n_expert: int) -> int:
+    """`stream_slots` from one expert's bytes (gate + up + down) and the expert count (the memory
+    plan's use, before anything is loaded)."""
     raw = os.environ.get("IKJAX_STREAM_MIB", "1024")
     try:
         mib = float(raw)
@@ -339,9 +345,7 @@ def stream_slots(gate, up, down) -> int:
         mib = 0.0
     if not mib > 0:
         raise OptionError(f"IKJAX_STREAM_MIB must be a positive number of MiB, got {raw!r}")
-    E = gate.shape[0]
-    per_expert = sum(t.nbytes for t in (gate, up, down)) // E
-    return max(1, min(E, int(mib * 2**20 // per_expert)))
+    return max(1, min(n_expert, int(mib * 2**20 // max(per_expert_bytes, 1))))
 
 
 def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fused: bool = True,

@@ -28,7 +28,7 @@ from ikjax.cache import CacheLayout
 from ikjax.errors import DoesNotFitError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.options import RunOptions
-from ikjax.placement import Placement, plan_placement
+from ikjax.placement import Placement, is_routed_expert, plan_placement
 
 MIB = 1 << 20
 
@@ -53,10 +53,14 @@ class MemoryPlan:
     # From the compiler: XLA buffers (temp + outputs) of the largest step compiled so far
     compute_bytes: int | None = None
     compute_step: str = ""
+    # Host-resident experts streamed to the device by prompt steps past ik's threshold: the blocks
+    # a step holds on the device at once (a round's raw blocks and their kernel layout), 0 if none
+    stream_buffer_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
-        return self.weights_bytes - self.host_weights_bytes + self.kv_bytes + self.attention_buffer_bytes
+        return (self.weights_bytes - self.host_weights_bytes + self.kv_bytes + self.attention_buffer_bytes
+                + self.stream_buffer_bytes)
 
     @property
     def per_device(self) -> dict[str, int]:
@@ -103,6 +107,9 @@ class MemoryPlan:
                        + (" (no accelerator here: host and device are one RAM)" if self.unified else ""))
         out += [f"KV cache         {self.kv_bytes / MIB:10.2f} MiB ({self.kv_bytes_per_token} B/token)",
                 f"attention buffer {self.attention_buffer_bytes / MIB:10.2f} MiB"]
+        if self.stream_buffer_bytes:
+            out.append(f"stream buffer    {self.stream_buffer_bytes / MIB:10.2f} MiB (host experts on the device "
+                       f"during big prompt steps)")
         return out
 
     def peak_lines(self) -> list[str]:
@@ -216,7 +223,30 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
     return MemoryPlan(placement.total_bytes, layout.total_bytes(), layout.bytes_per_token(), buf,
                       placement.host_bytes, device_weights=tuple(placement.device_bytes().items()),
                       unified=placement.unified, device_kv=kv_per_device(placement, layout),
-                      split_mode=placement.split_mode)
+                      split_mode=placement.split_mode,
+                      stream_buffer_bytes=stream_buffer(placement, o.ubatch))
+
+
+def stream_buffer(placement: Placement, ubatch: int) -> int:
+    """Device bytes of host-resident routed experts in flight during a prompt step that streams
+    them (ik's rule: ubatch x n_expert_used >= min_offload_batch x n_expert; ikjax.kernels
+    `_moe_stream`): IKJAX_STREAM=active holds one round (IKJAX_STREAM_MIB of raw blocks, at most a
+    layer) as stored plus in the kernels' layout; =layer two layers' tensors, both forms."""
+    from ikjax import kernels
+    if placement.unified or not placement.n_expert or \
+            ubatch * placement.n_expert_used < placement.min_offload_batch * placement.n_expert:
+        return 0
+    per_layer: dict[int, int] = {}
+    for t in placement.tensors:
+        if t.on_host and is_routed_expert(t.name) and t.layer is not None:
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + t.nbytes
+    if not per_layer:
+        return 0
+    layer = max(per_layer.values())
+    if kernels._stream_mode() == "layer":
+        return 2 * 2 * layer
+    per_expert = layer // placement.n_expert
+    return 2 * kernels.stream_slots_for(per_expert, placement.n_expert) * per_expert
 
 
 def kv_per_device(placement: Placement, layout: CacheLayout) -> tuple[tuple[str, int], ...]:
