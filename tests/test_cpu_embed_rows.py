@@ -1,0 +1,68 @@
+"""The C++ row gather (pallas_kernels/embed_rows): the same bytes as `table[tokens]`, and reading a
+memory-mapped table through it does not map the file's pages into the process."""
+from __future__ import annotations
+
+import mmap
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu as _cpu
+from pallas_kernels.embed_rows.cpu import embed_rows, supported
+
+pytestmark = pytest.mark.skipif(not _cpu.available(), reason="C++ CPU kernels not built")
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("RssFile"))
+
+
+@pytest.mark.parametrize("shape", [(1,), (3,), (17,), (2, 512)])
+def test_matches_gather_anonymous(shape):
+    rng = np.random.default_rng(len(shape) * 100 + shape[-1])
+    table = rng.integers(0, 256, (1000, 34), dtype=np.uint8)
+    tokens = rng.integers(-5, 1010, shape).astype(np.int32)  # negative / out-of-range ids as jnp indexing
+    got = jax.jit(embed_rows)(jnp.asarray(table), jnp.asarray(tokens))
+    want = jnp.asarray(table)[jnp.asarray(tokens)]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only (/proc/self/status)")
+def test_mapped_table_same_bytes_without_mapping_pages(tmp_path):
+    V, R = 40000, 1088  # ~41 MiB, rows not page-aligned
+    head = 4096 + 64  # the table at a 64-byte aligned offset of the file, like a GGUF tensor
+    rng = np.random.default_rng(0)
+    table = rng.integers(0, 256, (V, R), dtype=np.uint8)
+    path = tmp_path / "table.bin"
+    with open(path, "wb") as f:
+        f.write(b"\0" * head)
+        f.write(table.tobytes())
+        f.write(b"\0" * 4096)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    host = np.frombuffer(m, np.uint8, count=V * R, offset=head).reshape(V, R)
+    try:
+        dev = jax.device_put(host, may_alias=True)
+    except TypeError:
+        pytest.skip("this JAX has no device_put(may_alias=)")
+    if dev.unsafe_buffer_pointer() != host.ctypes.data:
+        pytest.skip("the CPU client copied the table (not aliased): nothing to measure")
+    tokens = rng.integers(0, V, (1, 600)).astype(np.int32)
+    fn = jax.jit(embed_rows)
+    fn(dev, jnp.asarray(tokens[:, :1])).block_until_ready()  # compile, register
+    before = _rss_file_kib()
+    got = np.asarray(fn(dev, jnp.asarray(tokens)))
+    grew = _rss_file_kib() - before
+    np.testing.assert_array_equal(got, table[tokens])
+    # XLA's gather maps ~64 KiB around each of these 600 rows (tens of MiB); pread maps none
+    assert grew < 2048, f"RssFile grew {grew} KiB reading 600 rows"
+
+
+def test_supported_refuses_non_bytes():
+    assert not supported(jnp.zeros((4, 4), jnp.float32), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="embed_rows"):
+        embed_rows(jnp.zeros((4, 4), jnp.float32), jnp.zeros((2,), jnp.int32))
