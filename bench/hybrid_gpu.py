@@ -337,7 +337,7 @@ def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, onl
     if keep is not None:
         eng = keep
         say(f"Other stream orders, one 2048-token PP step at N_KV 0 (`-ot exps=CPU -t {threads}`):")
-        for order in ("self", "free"):
+        for order in ("self", "free") if os.environ.get("HYBRID_ORDERS", "1") == "1" else ():
             os.environ["IKJAX_STREAM_ORDER"] = order
             os.environ["IKJAX_STREAM"] = "layer"  # the orders are the whole-layer copy's
             eng._executables.clear()
@@ -381,7 +381,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="only the sweep-bench runs (-ub 2048: big batches stream the experts, deliverable 4)")
     ap.add_argument("--tg", type=int, default=512, help="TG tokens per sweep row (ik: ub/4)")
-    ap.add_argument("--orders", action="store_true", help="also time one PP step under the other stream orders")
+    ap.add_argument("--orders", action="store_true",
+                    help="also time one PP step with IKJAX_STREAM=layer, and (unless HYBRID_ORDERS=0) under its "
+                         "other stream orders")
     ap.add_argument("--only", choices=("hybrid", "gpu"), default="", help="--sweep: one of the two runs")
     args = ap.parse_args()
     global OUT
