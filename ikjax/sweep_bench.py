@@ -81,25 +81,27 @@ def sweep_points(ctx: int, ubatch: int) -> list[int]:
     return list(range(0, ctx - ubatch + 1, ubatch)) if ubatch <= ctx else []
 
 
-def step_shapes(eng, tg: int) -> list[tuple[int, int]]:
-    """(n_tokens, kv_needed) of every distinct compiled step the sweep runs, smallest first."""
+def step_shapes(eng, tg: int, n_kv: int | None = None) -> list[tuple[int, int]]:
+    """(n_tokens, kv_needed) of every distinct compiled step the sweep runs (or only the row at
+    `n_kv` runs), smallest first."""
     ub = eng.options.ubatch
     seen: dict[tuple[int, int], int] = {}
-    for n_kv in sweep_points(eng.options.ctx, ub):
+    for p in sweep_points(eng.options.ctx, ub) if n_kv is None else [n_kv]:
         for i in range(tg):
-            seen.setdefault((1, eng.kv_bucket(n_kv + i + 1, 1)), n_kv + i + 1)
-        seen.setdefault((ub, eng.kv_bucket(n_kv + ub, ub)), n_kv + ub)
+            seen.setdefault((1, eng.kv_bucket(p + i + 1, 1)), p + i + 1)
+        seen.setdefault((ub, eng.kv_bucket(p + ub, ub)), p + ub)
     return sorted(((t, kv) for (t, _), kv in seen.items()), key=lambda x: (x[1], x[0]))
 
 
 def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None = None,
-               on_begin: Callable[[int, int, int, int], None] | None = None) -> float:
-    """Compile every step of the sweep ahead of time; total seconds.
+               on_begin: Callable[[int, int, int, int], None] | None = None, n_kv: int | None = None) -> float:
+    """Compile every step of the sweep (or of the row at `n_kv`) ahead of time; total seconds.
+    Steps already compiled cost nothing.
 
     on_begin(k, n, n_tokens, kv_bucket) is called before step k of n compiles (a compile can take
     many seconds: the CLI shows it), on_shape(n_tokens, kv_needed, seconds) after."""
     total = 0.0
-    shapes = step_shapes(eng, tg)
+    shapes = step_shapes(eng, tg, n_kv)
     for k, (n_tokens, kv) in enumerate(shapes, 1):
         if on_begin:
             on_begin(k, len(shapes), n_tokens, eng.kv_bucket(kv, n_tokens))
@@ -111,10 +113,13 @@ def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None 
 
 
 def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
-        on_progress: Callable[[int, int], None] | None = None, nrep: int = 1) -> Iterator[SweepRow]:
+        on_progress: Callable[[int, int], None] | None = None, nrep: int = 1,
+        before_row: Callable[[int], None] | None = None) -> Iterator[SweepRow]:
     """Yield one SweepRow per N_KV point (compile first with `precompile`, or the first rows pay it).
 
-    The first row's TG and PP run `nrep` times each and report the mean time (ik's -nrep)."""
+    The first row's TG and PP run `nrep` times each and report the mean time (ik's -nrep).
+    `before_row(n_kv)` runs before each row, outside its timings (the CLI compiles that row's
+    steps there, so the first row comes after compiling only its own steps)."""
     if nrep < 1:
         raise ValueError(f"nrep must be >= 1, got {nrep}")
     o = eng.options
@@ -132,6 +137,8 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
     done = 0
     for row, n_kv in enumerate(points):
         reps = nrep if row == 0 else 1
+        if before_row is not None:
+            before_row(n_kv)
         t0 = time.perf_counter()
         for _ in range(reps):
             for i in range(tg):
