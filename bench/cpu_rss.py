@@ -37,6 +37,22 @@ def status() -> dict[str, int]:
     return out
 
 
+def anon_maps(min_rss: int = 2 << 20) -> list[tuple[int, int]]:
+    """The anonymous mappings with more than `min_rss` resident: (size, Rss) in bytes, largest first."""
+    out, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                cur = [hi - lo, 0] if len(parts) == 5 else None
+                if cur is not None:
+                    out.append(cur)
+            elif parts[0] == "Rss:" and cur is not None:
+                cur[1] = int(parts[1]) * KB
+    return sorted(((a, b) for a, b in out if b > min_rss), key=lambda x: -x[1])
+
+
 def top_maps(n: int = 8) -> list[tuple[int, int, str]]:
     """The `n` largest mappings by resident bytes: (Rss, Anonymous, name); the anonymous ones and
     the ones of one file are summed under one name."""
@@ -106,6 +122,8 @@ class Sampler:
             print(f"--- mappings at '{phase}' (Rss MiB, of which anonymous MiB):", file=sys.stderr)
             for rss, anon, name in top_maps():
                 print(f"    {rss / 2**20:8.1f} {anon / 2**20:8.1f}  {name}", file=sys.stderr)
+            print("    anonymous mappings over 2 MiB resident (size MiB, Rss MiB): " + ", ".join(
+                f"{size / 2**20:.0f}/{rss / 2**20:.1f}" for size, rss in anon_maps()), file=sys.stderr)
 
     def stop(self) -> None:
         self._stop.set()
@@ -127,6 +145,9 @@ def main() -> None:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--compile-cache", default=None, help="a directory, or 0 for none (default: ikjax's own)")
     ap.add_argument("--maps", action="store_true", help="print the largest mappings at each phase")
+    ap.add_argument("--embed-rows", action="store_true",
+                    help="patch the model's embedding gather to the C++ embed_rows op (pread from the file; "
+                         "the one-line change proposed for ikjax/model/deepseek2.embed, RESULTS §9e)")
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) at each phase's end: the free memory "
                                                          "malloc kept is what RssAnon drops by")
     a = ap.parse_args()
@@ -166,6 +187,20 @@ def main() -> None:
         seen.add(kind)
         return step(self, cache, tokens, *args, **kw)
     engine.Engine.step = marked_step
+
+    if a.embed_rows:
+        from ikjax.model import deepseek2
+        from ikjax.quant.array import QuantArray
+        from pallas_kernels.embed_rows.cpu import embed_rows, supported
+        embed = deepseek2.embed
+
+        def embed_pread(token_embd, tokens, dtype=None, axis=None):
+            if axis is not None or not supported(token_embd.data, tokens):
+                return embed(token_embd, tokens, **({} if dtype is None else {"dtype": dtype}), axis=axis)
+            rows = QuantArray(embed_rows(token_embd.data, tokens), token_embd.qtype,
+                              tokens.shape + (token_embd.shape[-1],))
+            return rows.dequantize(jax.numpy.float32)
+        deepseek2.embed = embed_pread
 
     from ikjax import cli
     argv = ["sweep-bench", "-m", a.model, *FLAGS, "--output-format", "jsonl"]

@@ -225,6 +225,20 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
     return weights
 
 
+# float norms and biases in NumPy: no jitted dequantize per shape at load (each one an XLA
+# compile or cache entry, and the JIT state it leaves in the process)
+_NP_FLOATS = {"F32": np.float32, "F16": np.float16}
+
+
+def _dense_float(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """A 1-D norm or bias as float32: the file's f32 bytes as they are (a view of the memory map,
+    which `place` aliases or copies), f16 converted in NumPy; other types through the dequantizer."""
+    np_type = _NP_FLOATS.get(info.qtype.name)
+    if np_type is not None:
+        return raw.view(np_type).reshape(info.shape).astype(np.float32, copy=False)
+    return np.asarray(QuantArray.from_bytes(raw, info.qtype, info.shape).dequantize(jnp.float32))
+
+
 class TensorLoader:
     """Reads tensors from the file through `place`, the top-level ones (`top`) or one layer's
     (`layer`), stacked (`fuse_rows`) and repacked for the kernels (`repack`) as a step reads them.
@@ -246,8 +260,7 @@ class TensorLoader:
             return None
         raw = self.gf.tensor_bytes(spec.gguf_name)
         if spec.dense_float:
-            host = QuantArray.from_bytes(raw, info.qtype, info.shape).dequantize(jnp.float32)
-            return self.place(spec.gguf_name, np.asarray(host))
+            return self.place(spec.gguf_name, _dense_float(raw, info))
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
         data = self.place(spec.gguf_name, qa.data)
         if self.hybrid and self.placement[spec.gguf_name].on_host:  # the memory map's bytes, left there
