@@ -140,6 +140,25 @@ class Sampler:
         return "\n".join(lines)
 
 
+def patch_embed_rows() -> None:
+    """The model's embedding gather through the C++ embed_rows op (pread from the file, no
+    fault-around pages): the change proposed for ikjax/model/deepseek2.embed (RESULTS §9e), patched
+    in for measurement only; -sm graph (an `axis`) and non-byte tables keep the model's own path."""
+    import jax.numpy as jnp
+    from ikjax.model import deepseek2
+    from ikjax.quant.array import QuantArray
+    from pallas_kernels.embed_rows.cpu import embed_rows, supported
+    embed = deepseek2.embed
+
+    def embed_pread(token_embd, tokens, dtype=jnp.float32, axis=None):
+        if axis is not None or not supported(token_embd.data, tokens):
+            return embed(token_embd, tokens, dtype, axis)
+        rows = QuantArray(embed_rows(token_embd.data, tokens), token_embd.qtype,
+                          tokens.shape + (token_embd.shape[-1],))
+        return rows.dequantize(jnp.float32)
+    deepseek2.embed = embed_pread
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model", required=True)
@@ -189,18 +208,7 @@ def main() -> None:
     engine.Engine.step = marked_step
 
     if a.embed_rows:
-        from ikjax.model import deepseek2
-        from ikjax.quant.array import QuantArray
-        from pallas_kernels.embed_rows.cpu import embed_rows, supported
-        embed = deepseek2.embed
-
-        def embed_pread(token_embd, tokens, dtype=None, axis=None):
-            if axis is not None or not supported(token_embd.data, tokens):
-                return embed(token_embd, tokens, **({} if dtype is None else {"dtype": dtype}), axis=axis)
-            rows = QuantArray(embed_rows(token_embd.data, tokens), token_embd.qtype,
-                              tokens.shape + (token_embd.shape[-1],))
-            return rows.dequantize(jax.numpy.float32)
-        deepseek2.embed = embed_pread
+        patch_embed_rows()
 
     from ikjax import cli
     argv = ["sweep-bench", "-m", a.model, *FLAGS, "--output-format", "jsonl"]

@@ -70,12 +70,15 @@ def ensure_model(models: Path, qtype: str) -> Path:
     return path
 
 
-def sweep(path: Path, backend: str) -> tuple[list[dict], float, float]:
-    """One sweep-bench run in its own process: (jsonl rows, wall seconds, peak RSS GiB)."""
+def sweep(path: Path, backend: str, embed_rows: bool = False) -> tuple[list[dict], float, float]:
+    """One sweep-bench run in its own process: (jsonl rows, wall seconds, peak RSS GiB).
+    `embed_rows`: the model's embedding gather patched to the C++ pread op (bench/cpu_rss.py)."""
     env = dict(os.environ, IKJAX_KERNELS=backend)
     t0 = time.perf_counter()
     # a fresh interpreter per run, which reports its own peak RSS (VmHWM) after the sweep
-    code = ("import sys, runpy; sys.argv = sys.argv[1:]\n"
+    patch = (f"sys.path.insert(0, {str(ROOT / 'bench')!r}); import cpu_rss; cpu_rss.patch_embed_rows()\n"
+             if embed_rows else "")
+    code = ("import sys, runpy; sys.argv = sys.argv[1:]\n" + patch +
             "try:\n    runpy.run_module('ikjax.cli', run_name='__main__')\n"
             "finally:\n    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)")
     p = subprocess.run([sys.executable, "-c", code, "ikjax", "sweep-bench", "-m", str(path), *FLAGS,
@@ -96,6 +99,8 @@ def main() -> None:
     ap.add_argument("--types", default="Q8_0,Q4_0")
     ap.add_argument("--backends", default="cpu,xla")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--embed-rows", action="store_true", help="patch the model's embedding gather to the C++ "
+                                                               "pread op (bench/cpu_rss.py; RESULTS §9e)")
     a = ap.parse_args()
     models = Path(a.models)
     models.mkdir(parents=True, exist_ok=True)
@@ -119,7 +124,7 @@ def main() -> None:
         floor = bw * 1e9 / tg_bytes(str(path))
         for backend in a.backends.split(","):
             for r in range(a.runs if backend == "cpu" else 1):
-                rows, wall, rss = sweep(path, backend)
+                rows, wall, rss = sweep(path, backend, a.embed_rows and backend == "cpu")
                 pp = " / ".join(f"{row['speed_pp']:.1f}" for row in rows)
                 tg = " / ".join(f"{row['speed_tg']:.2f}" for row in rows)
                 say(f"| {qtype} | {backend} | {r + 1} | {pp} | {tg} | {floor:.0f} | {rss:.2f} | "
