@@ -1,6 +1,7 @@
 """Where the peak RSS of a CPU sweep-bench comes from (issue 9's "file + KV cache + 10 %" target).
 
-    python bench/cpu_rss.py -m /work/models/v2l4-q8_0.gguf [--compile-cache DIR|0] [--maps]
+    python bench/cpu_rss.py -m /work/models/v2l4-q8_0.gguf [--compile-cache DIR|0] [--maps] [--trim] [--embed-rows]
+    python bench/cpu_rss.py -m /work/models/v2l4-q8_0.gguf --profile-decode
 
 Runs `ikjax sweep-bench -m FILE -c 1024 -ub 512 -n 32 -mla 3 -fa 1 -t 2` in this process (the same
 CLI code `bench/cpu_sweep.py` runs in a fresh interpreter) with a sampler thread reading
@@ -159,6 +160,61 @@ def patch_embed_rows() -> None:
     deepseek2.embed = embed_pread
 
 
+def profile_decode(model: str, steps: int = 30) -> None:
+    """Where a decode step's time goes (RESULTS §9e): `steps` decode steps at N_KV 512 under
+    jax.profiler, the executor threads' events summed by kind (custom calls vs XLA's own ops), and
+    the host dispatch (the call until it returns) without the profiler."""
+    import collections
+    import glob
+    import tempfile
+
+    import jax
+    import numpy as np
+
+    import ikjax
+    from ikjax import compile_cache
+    compile_cache.setup()
+    eng = ikjax.load(model, ctx=1024, ubatch=512, mla=3, fa=True, threads=2)
+    cache = eng.new_cache(1)
+    rng = np.random.default_rng(0)
+    disp, tot = [], []
+
+    def step(i: int) -> None:
+        nonlocal cache
+        tok = rng.integers(0, eng.config.vocab_size, (1, 1))
+        t0 = time.perf_counter()
+        out, cache = eng.step(cache, tok, np.array([512 + i % 256]))
+        t1 = time.perf_counter()
+        out.block_until_ready()
+        disp.append(t1 - t0)
+        tot.append(time.perf_counter() - t0)
+    for i in range(5):
+        step(i)
+    disp.clear(), tot.clear()
+    for i in range(40):
+        step(i)
+    print(f"without the profiler: step median {np.median(tot) * 1e3:.2f} ms, dispatch median "
+          f"{np.median(disp) * 1e3:.3f} ms ({len(jax.tree_util.tree_leaves(eng.weights))} weight buffers)")
+    d = tempfile.mkdtemp(prefix="ikjax-prof-")
+    with jax.profiler.trace(d):
+        for i in range(steps):
+            step(i)
+    from jax.profiler import ProfileData
+    pd = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    ms, n = collections.Counter(), collections.Counter()
+    for plane in pd.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLAPjRtCpuClient"):
+                continue
+            for ev in line.events:
+                k = ("executable (all)" if ev.name.startswith("ThunkExecutor") else
+                     "custom calls (ffi)" if ev.name.startswith("ffi_call") else "XLA op " + ev.name.split(".")[0])
+                ms[k] += ev.duration_ns / 1e6 / steps
+                n[k] += 1 / steps
+    for k, v in ms.most_common(12):
+        print(f"{v:8.3f} ms/step {n[k]:6.1f}/step  {k}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model", required=True)
@@ -169,7 +225,11 @@ def main() -> None:
                          "the one-line change proposed for ikjax/model/deepseek2.embed, RESULTS §9e)")
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) at each phase's end: the free memory "
                                                          "malloc kept is what RssAnon drops by")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="instead of the RSS phases: where a decode step's time goes (jax.profiler)")
     a = ap.parse_args()
+    if a.profile_decode:
+        return profile_decode(a.model)
     sampler = Sampler(maps=a.maps, trim=a.trim).start()
     import jax  # noqa: F401  (what the runtime costs before anything of ours)
     sampler.mark("jax")
