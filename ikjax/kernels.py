@@ -317,7 +317,7 @@ def _stream_order() -> str:
 
 
 # IKJAX_STREAM: how a big batch moves host-resident experts to the GPU. "active" (default, ik's
-# -ooae): only the experts the batch routes to, in rounds of IKJAX_STREAM_MIB (1024) MiB of blocks;
+# -ooae): only the experts the batch routes to, in rounds of IKJAX_STREAM_MIB (512) MiB of blocks;
 # "layer": every expert of the layer, the whole tensors in one host-to-device transfer.
 STREAM_MODES = ("active", "layer")
 
@@ -338,7 +338,7 @@ def stream_slots(gate, up, down) -> int:
 def stream_slots_for(per_expert_bytes: int, n_expert: int) -> int:
     """`stream_slots` from one expert's bytes (gate + up + down) and the expert count (the memory
     plan's use, before anything is loaded)."""
-    raw = os.environ.get("IKJAX_STREAM_MIB", "1024")
+    raw = os.environ.get("IKJAX_STREAM_MIB", "512")
     try:
         mib = float(raw)
     except ValueError:
@@ -354,14 +354,16 @@ def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fus
     ids, round)` -> (gate, up, down blocks [slots, rows, row_bytes], slot_of [E]) brings a round's
     experts (host_experts.stream_experts, or its jnp reference); each round's MoE sees only its
     experts (the others' weights zeroed: no work in the kernels), and the rounds' outputs add up.
-    Each round waits for the previous round's output, so XLA cannot start every round's copy at
-    once (the device would hold all of them)."""
+
+    Round 0 always runs; round r > 0 only if the batch routes to more than r * slots experts
+    (`lax.cond`: a batch that uses few experts pays for one round's copy, layout and kernel, not
+    for every expert's). Each round waits for the previous round's output, so XLA cannot start
+    every round's copy at once (the device would hold all of them)."""
     E = gate.shape[0]
     b = resolve_backend(backend)
-    out = None
-    for r in range(-(-E // slots)):
-        if out is not None:
-            weights, ids, _ = jax.lax.optimization_barrier((weights, ids, out))
+    n_active = jnp.zeros((E,), bool).at[ids.reshape(-1)].max(weights.reshape(-1) != 0).sum()
+
+    def one_round(r, weights, ids):
         *blocks, slot_of = fetch(weights, ids, r)
         s = slot_of[ids]
         keep = s >= 0
@@ -374,9 +376,15 @@ def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fus
         for t, blk in zip((gate, up, down), blocks):
             qa = QuantArray(blk, t.qtype, (slots, *t.shape[1:]))
             dev.append(prepare_weight(qa) if b in ("pallas", "interpret") else qa)  # as the load would
-        part = moe_experts(x, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
+        return moe_experts(x, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
                            backend=backend)
-        out = part if out is None else out + part
+
+    out = one_round(0, weights, ids)
+    for r in range(1, -(-E // slots)):
+        weights, ids, _ = jax.lax.optimization_barrier((weights, ids, out))
+        part = jax.lax.cond(n_active > r * slots, functools.partial(one_round, r),
+                            lambda w, i: jnp.zeros_like(out), weights, ids)
+        out = out + part
     return out
 
 

@@ -220,3 +220,25 @@ def test_active_stream_refuses_without_handler(experts, monkeypatch):
         kernels.stream_slots(*host)
     monkeypatch.setenv("IKJAX_STREAM_MIB", "1e9")
     assert kernels.stream_slots(*host) == E
+
+
+@pytest.mark.parametrize("used,rounds", [((7,), [0]), ((1, 4, 5), [0, 1]), (None, [0, 1, 2, 3])])
+def test_rounds_run_only_while_experts_remain(experts, used, rounds):
+    """Round r > 0 runs only when the batch routes to more than r * slots experts: a batch using
+    1 expert pays one round, 3 experts at 2 a round two, all 8 four."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    ran = []
+
+    def fetch(w_, i_, r):
+        jax.debug.callback(lambda: ran.append(r))
+        return moe_host.stream_experts_ref(w_, i_, *experts, slots=2, round=r)
+
+    x, w, ids = _routed(64, experts_used=used)
+    w = jnp.where(w == 0, 0.5, w)  # every routed expert active
+    out = jax.jit(lambda x, w, ids: kernels.moe_rounds(x, w, ids, *experts, jnp.float32, fetch=fetch, slots=2,
+                                                       backend="xla"))(x, w, ids)
+    out.block_until_ready()
+    jax.effects_barrier()
+    assert sorted(ran) == rounds
+    ref = kernels.moe_experts(x, w, ids, *experts, jnp.float32, backend="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))

@@ -173,7 +173,10 @@ def test_active_stream_rounds(tiny4, monkeypatch, mib, dtype):
     per_expert = sum(lay[0][k].nbytes for k in ("gate_exps", "up_exps", "down_exps")) // E
     slots = kernels.stream_slots(*(lay[0][k] for k in ("gate_exps", "up_exps", "down_exps")))
     assert (slots == E) == (mib == "1024")
-    assert st["calls"] == len(lay) * -(-E // slots), st
+    # round 0 of every layer, later rounds only while the layer has more active experts
+    assert len(lay) <= st["calls"] <= len(lay) * -(-E // slots), st
+    if slots == 1:
+        assert st["calls"] == st["active"], st
     assert 0 < st["copied"] == st["active"] <= len(lay) * E and st["bytes"] == st["copied"] * per_expert, st
     monkeypatch.setenv("IKJAX_STREAM", "layer")
     whole = ikjax.load(tiny4, ctx=512, ubatch=256, dtype=dtype, ot="exps=CPU").logits(tokens)
