@@ -43,6 +43,7 @@ from pallas_kernels.quant_matmul.reference import quant_matmul_ref
 from pallas_kernels.quant_matmul import kernel as _qm
 from pallas_kernels.quant_matmul import cpu as _qm_cpu
 from pallas_kernels.moe_matmul import cpu as _moe_cpu_mod
+from pallas_kernels.embed_rows import cpu as _embed_cpu_mod
 from pallas_kernels.mla_decode import cpu as _mla_cpu_mod
 from pallas_kernels.moe_matmul.reference import moe_experts_ref, moe_experts_grouped_ref
 from pallas_kernels.moe_matmul import kernel as _moe
@@ -136,6 +137,24 @@ def _dispatch(op: str, impls: dict[str, Impl], backend: str, *args):
     name = backend if impl is not None and impl.supported(*args) else "xla"
     _ran(op, name)
     return impls[name].run(*args)
+
+
+# -- embedding rows -------------------------------------------------------------------------------
+
+def _embed_rows_cpu_supported(table, tokens) -> bool:
+    return _embed_cpu_mod.supported(table, tokens)
+
+
+def embed_rows(table, tokens, backend: str | None = None):
+    """The GGUF blocks of the token ids' rows, u8 [V, R] -> [..., R] (`table[tokens]`). On CPU the
+    C++ op reads them from the file (pread) instead of through the mapping, which would map the
+    ~64 KiB of page cache around each row into the process (RESULTS §9e: 73-108 MiB of a sweep's
+    peak RSS)."""
+    impls = {
+        "xla": Impl(lambda *a: True, lambda t, i: t[i]),
+        "cpu": Impl(_embed_rows_cpu_supported, _embed_cpu_mod.embed_rows),
+    }
+    return _dispatch("embed_rows", impls, resolve_backend(backend), table, tokens)
 
 
 # -- weights --------------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def embed(token_embd: QuantArray, tokens, dtype=jnp.float32, axis: str | None = 
         mine = (local >= 0) & (local < n_local)
         x = embed(token_embd, jnp.where(mine, local, 0), dtype)
         return jax.lax.psum(jnp.where(mine[..., None], x, 0.0), axis)
-    rows = QuantArray(token_embd.data[tokens], token_embd.qtype, tokens.shape + (token_embd.shape[-1],))
+    rows = QuantArray(kernels.embed_rows(token_embd.data, tokens), token_embd.qtype, tokens.shape + (token_embd.shape[-1],))
     return rows.dequantize(jnp.float32)
 
 
