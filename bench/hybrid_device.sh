@@ -16,6 +16,6 @@ cmake -S pallas_kernels -B /tmp/ikb -G Ninja -DIKJAX_BUILD_CUDA=ON -DPython_EXEC
     > "$OUT/build.log" 2>&1 && ninja -C /tmp/ikb _cuda_host >> "$OUT/build.log" 2>&1 \
     || { tail -40 "$OUT/build.log"; exit 1; }
 cp /tmp/ikb/_cuda_host*.so pallas_kernels/ && echo "build: $(( $(date +%s) - t0 )) s"
-[ -n "$SKIP_TESTS" ] || IKJAX_FIXTURES=$PWD/.gpufix timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/test_hybrid_gpu.py \
+[ -n "$SKIP_TESTS" ] || IKJAX_FIXTURES=$PWD/.gpufix timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/test_hybrid_gpu.py ${TEST_K:+-k "$TEST_K"} \
     -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -30
 timeout "${BENCH_TIMEOUT:-330}" python3 bench/hybrid_gpu.py --out "$OUT" "$@" 2>&1 | tail -60
