@@ -243,10 +243,11 @@ def _stream_anatomy(eng) -> None:
     t = _pp_step(eng, 0, reps=0)
     st = moe_host.stream_stats(reset=True)
     whole = sum(l[k].nbytes for l in lay for k in ("gate_exps", "up_exps", "down_exps"))
-    n = max(1, st.get("calls", 0) // rounds)  # batches (MoE layers x steps) seen
+    n = len(lay)  # one step: each MoE layer's batch once (rounds past the first run only if needed)
     say(f"  streaming (IKJAX_STREAM=active, {slots} experts a round, {rounds} rounds a layer): one PP step "
         f"{t * 1e3:.0f} ms; per MoE layer {st.get('active', 0) / n:.1f} of {E} experts active, "
-        f"{st.get('bytes', 0) / 1e9:.2f} GB copied in {st.get('copies', 0)} runs over {n} layer calls "
+        f"{st.get('bytes', 0) / 1e9:.2f} GB copied in {st.get('copies', 0)} runs, {st.get('calls', 0)} rounds run "
+        f"over {n} MoE layers "
         f"(whole layers: {whole / 1e9:.2f} GB), {st.get('bytes', 0) / t / 1e9:.1f} GB/s over the step")
 
 

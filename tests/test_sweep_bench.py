@@ -91,3 +91,36 @@ def test_jsonl_keys_order_types_and_plot(tiny_model, tmp_path):
     out = tmp_path / "overlay.png"
     _invoke(["plot", str(jl), str(jl), "-o", str(out), "--labels", "a,b"])
     assert out.stat().st_size > 1000
+
+
+def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model):
+    """A new executable's first run (kernel load, allocator growth) is never inside a row's timing:
+    each step shape the sweep uses runs once, untimed, before the first row that uses it, and the
+    compile hook sees each row before that row."""
+    import ikjax
+    eng = ikjax.load(tiny_model, ctx=512, ubatch=128, mla=3, fa=True)
+    tg = 4
+    calls, rows_seen = [], []
+    step = eng.step
+
+    def recording_step(cache, tokens, start, *a, **k):
+        calls.append((tokens.shape[1], eng.kv_bucket(int(start[0]) + tokens.shape[1], tokens.shape[1]),
+                      len(rows_seen)))
+        return step(cache, tokens, start, *a, **k)
+
+    eng.step = recording_step
+    rows = list(sb.run(eng, tg, before_row=rows_seen.append))
+    assert rows_seen == sb.sweep_points(512, 128) and len(rows) == 4
+    shapes = {(t, eng.kv_bucket(kv, t)) for t, kv in sb.step_shapes(eng, tg)}
+    timed = len(rows) * (tg + 1)
+    assert len(calls) == timed + len(shapes)  # one untimed run per distinct shape
+    first_use = {}
+    for i, (t, bucket, row) in enumerate(calls):
+        first_use.setdefault((t, bucket), i)
+    assert set(first_use) == shapes
+    # the first call of each shape is a warm-up: the row's timed steps (tg decode + 1 prompt)
+    # come as one uninterrupted run after the row's warm-ups
+    for r in range(len(rows)):
+        mine = [i for i, c in enumerate(calls) if c[2] == r + 1]
+        warm = [i for i in mine if i in first_use.values()]
+        assert mine[:len(warm)] == warm and len(mine) - len(warm) == tg + 1

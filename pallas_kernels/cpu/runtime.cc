@@ -40,10 +40,17 @@ namespace {
 // ~0.4-0.7 ms: the former limit, 20000 pauses (~0.5 ms on Zen 4, where a pause is ~25 ns), let
 // the worker fall asleep there and the step's first call paid the wake-up (Q4_0 decode step median
 // 11.1 -> 10.8 ms at 2 ms). Time, not a pause count: a pause costs 1 to 40+ ns across CPUs.
+// The GPU build's pool (pallas_kernels._cuda_host: host experts called from a GPU step) does not
+// spin by default: its workers would hold every core while XLA's launch thread and CUDA's
+// callback thread need one, and a hybrid decode step ran 52-53 t/s spinning vs 59-65 without
+// (R1 8-layer shape, H100 host, 16 threads; RESULTS §8).
+#ifndef IKJ_DEFAULT_SPIN_US
+#define IKJ_DEFAULT_SPIN_US 2000
+#endif
 int64_t spin_limit_us() {
   static const int64_t n = [] {
     const char* e = std::getenv("IKJAX_SPIN");
-    return e && *e ? static_cast<int64_t>(std::atoll(e)) : int64_t{2000};
+    return e && *e ? static_cast<int64_t>(std::atoll(e)) : int64_t{IKJ_DEFAULT_SPIN_US};
   }();
   return n;
 }
