@@ -7,6 +7,7 @@ per step. Buckets are powers of two, so a warm engine compiles only O(log ctx) s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import numbers
 import time
@@ -40,6 +41,14 @@ _jitted_forward = jax.jit(forward, static_argnames=("cfg", "plan"), donate_argnu
 STOP_EOS, STOP_MAX_TOKENS, STOP_CONTEXT = "eos", "max_tokens", "context"
 
 
+@functools.cache
+def _runtime_ready() -> None:
+    """Run one trivial computation, once per process, before the memory plan measures the runtime:
+    XLA sets up its execution machinery (thread pools, ~50 MiB on CPU) at the first run, which
+    belongs to the runtime part of the plan, not to whichever step happens to run first."""
+    jax.jit(lambda x: x + 1)(np.int32(0)).block_until_ready()
+
+
 class Generation:
     """What `Engine.generate` returns: an iterator of new token ids. `stop_reason` is None while
     more may come and, from the moment the last token is yielded, "eos" (EOS or a stop id),
@@ -68,6 +77,7 @@ class Engine:
     compile_cache_hits = 0  # steps of compile_count loaded from the persistent cache (ikjax.compile_cache)
 
     def __init__(self, path: str, options: RunOptions):
+        _runtime_ready()
         anon0, file0 = process_memory()  # the process before this model: the plan's runtime part
         self.file = GGUFModelFile(path)
         first_tensor = self.file.tensors.get("token_embd.weight")

@@ -217,3 +217,44 @@ def release_pages(data: np.ndarray, evict: bool = True) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise(MADV_DONTNEED) on {hi - lo} mapped bytes: {os.strerror(err)}")
     return hi - lo
+
+
+class HostTensor:
+    """Any other tensor placed in host memory next to an accelerator (`-ot "blk\\.[0-9]\\.=CPU"`,
+    `-ngl N`): its loaded form (QuantArray, kernel layout, or float array; built on the host CPU)
+    held in the accelerator's pinned host memory, one copy. Only routed experts have host kernels,
+    so a step moves the tensor to the device where it reads it (`fetch`: a host-to-device transfer
+    inside the step, as the expert streaming does), every step — correct at whatever speed the
+    link gives; the device holds it only while the op runs."""
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __repr__(self) -> str:
+        return f"HostTensor({self.inner!r})"
+
+
+jax.tree_util.register_pytree_node(HostTensor, lambda h: ((h.inner,), None), lambda _, c: HostTensor(c[0]))
+
+
+def fetch(x):
+    """Inside a step: a HostTensor's content moved to the device (anything else as it is)."""
+    if isinstance(x, HostTensor):
+        return jax.tree_util.tree_map(lambda a: jax.device_put(a, jax.memory.Space.Device), x.inner)
+    return x
+
+
+def fetch_all(tree: dict) -> dict:
+    """`fetch` of each entry of a layer's (or the top-level) weight dict."""
+    return {k: fetch(v) for k, v in tree.items()} if any(isinstance(v, HostTensor) for v in tree.values()) else tree
+
+
+def pin_tree(tree, device):
+    """A loaded tensor (any pytree of host or device arrays) copied into `device`'s pinned host
+    memory, as a HostTensor."""
+    from jax.sharding import SingleDeviceSharding
+    pinned = SingleDeviceSharding(device, memory_kind="pinned_host")
+    out = jax.tree_util.tree_map(lambda a: jax.device_put(a, pinned), tree)
+    jax.block_until_ready(out)
+    return HostTensor(out)

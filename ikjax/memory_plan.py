@@ -228,25 +228,33 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
 
 
 def stream_buffer(placement: Placement, ubatch: int) -> int:
-    """Device bytes of host-resident routed experts in flight during a prompt step that streams
-    them (ik's rule: ubatch x n_expert_used >= min_offload_batch x n_expert; ikjax.kernels
+    """Device bytes of host-resident tensors in flight: any non-expert one while its op runs, and
+    routed experts during a prompt step that streams them (ik's rule: ubatch x n_expert_used >= min_offload_batch x n_expert; ikjax.kernels
     `_moe_stream`): IKJAX_STREAM=active holds one round (IKJAX_STREAM_MIB of raw blocks, at most a
     layer) as stored plus in the kernels' layout; =layer two layers' tensors, both forms."""
     from ikjax import kernels
-    if placement.unified or not placement.n_expert or \
-            ubatch * placement.n_expert_used < placement.min_offload_batch * placement.n_expert:
+    if placement.unified:
         return 0
+    # any other host-placed tensor is moved to the device by every step that reads it
+    # (host_weights.HostTensor): the largest layer's worth, or the top-level ones', at a time
+    others: dict[int | None, int] = {}
+    for t in placement.tensors:
+        if t.on_host and not is_routed_expert(t.name):
+            others[t.layer] = others.get(t.layer, 0) + t.nbytes
+    transient = max(others.values(), default=0)
+    if not placement.n_expert or ubatch * placement.n_expert_used < placement.min_offload_batch * placement.n_expert:
+        return transient
     per_layer: dict[int, int] = {}
     for t in placement.tensors:
         if t.on_host and is_routed_expert(t.name) and t.layer is not None:
             per_layer[t.layer] = per_layer.get(t.layer, 0) + t.nbytes
     if not per_layer:
-        return 0
+        return transient
     layer = max(per_layer.values())
     if kernels._stream_mode() == "layer":
-        return 2 * 2 * layer
+        return transient + 2 * 2 * layer
     per_expert = layer // placement.n_expert
-    return 2 * kernels.stream_slots_for(per_expert, placement.n_expert) * per_expert
+    return transient + 2 * kernels.stream_slots_for(per_expert, placement.n_expert) * per_expert
 
 
 def kv_per_device(placement: Placement, layout: CacheLayout) -> tuple[tuple[str, int], ...]:

@@ -18,7 +18,7 @@ from ikjax import kernels
 from ikjax.errors import ModelFileError, OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
-from ikjax.host_weights import HostQuantArray, host_form, min_offload_batch, populate_pages, release_pages, to_pinned
+from ikjax.host_weights import pin_tree, HostQuantArray, host_form, min_offload_batch, populate_pages, release_pages, to_pinned
 from ikjax.placement import Placement, is_routed_expert
 from ikjax.quant.array import QuantArray
 from ikjax.quant.dequant import supports
@@ -175,18 +175,16 @@ def placer_for(placement: Placement) -> Placer:
     tensor are released right after (one copy in RAM; both the host-experts custom call and the
     streaming of big batches read it: ikjax.host_weights). With IKJAX_HOST_EXPERTS=mmap they stay
     the memory map's bytes (no copy at all; every batch then runs on the host).
-    Any other host-placed tensor next to an accelerator is refused here, before anything loads.
-    Several devices (-sm graph, or a split over several CPU devices): ikjax.sharding.placer."""
+    Any other host-placed tensor next to an accelerator (`-ot "blk\\.1\\.=CPU"`, `-ngl N`) is
+    loaded on the host CPU device (stacked and repacked there) and held in its stage device's pinned
+    host memory (`TensorLoader`, `host_weights.HostTensor`); steps move it to the device where they
+    read it. Several devices (-sm graph, or a split over several CPU devices): ikjax.sharding.placer."""
     if placement.split_mode == "graph" or (placement.unified and len(placement.devices) > 1):
         from ikjax.sharding import placer
         return placer(placement)
     if placement.unified:
         return default_placer
-    host = [t for t in placement.tensors if t.on_host]
-    for t in host:
-        if not is_routed_expert(t.name):
-            raise OptionError(f"ot: {t.name} is placed in host memory ({t.rule}); next to an accelerator only "
-                              f"routed experts (ffn_*_exps) can stay in host memory so far")
+    host = [t for t in placement.tensors if t.on_host and is_routed_expert(t.name)]
     if host:
         from pallas_kernels.moe_matmul import host as _host_moe
         if not _host_moe.available():
@@ -195,9 +193,12 @@ def placer_for(placement: Placement) -> Placer:
     accel = [d for d in jax.devices() if d.platform != "cpu"]
     by_label = dict(zip(placement.devices, accel))
     pinned = bool(host) and host_form() == "pinned"
+    cpu = jax.devices("cpu")[0]
 
     def place(name: str, data: np.ndarray):
         t = placement[name]
+        if t.on_host and not is_routed_expert(name):  # built on the host CPU, pinned by TensorLoader
+            return jax.device_put(data, cpu)
         if t.on_host:
             if not pinned:
                 return data
@@ -205,6 +206,8 @@ def placer_for(placement: Placement) -> Placer:
             release_pages(data)
             return out
         return jax.device_put(data, by_label[t.device])
+
+    place.host_device = lambda name: accel[placement.stage_device(name)]  # whose pinned memory holds it
     return place
 
 
@@ -263,7 +266,8 @@ class TensorLoader:
             return self.place(spec.gguf_name, _dense_float(raw, info))
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
         data = self.place(spec.gguf_name, qa.data)
-        if self.hybrid and self.placement[spec.gguf_name].on_host:  # the memory map's bytes, left there
+        if self.hybrid and self.placement[spec.gguf_name].on_host and is_routed_expert(spec.gguf_name):
+            # routed experts: the memory map's bytes (or their pinned copy), read by the host kernels
             if spec.gguf_name not in self.host_arrays:
                 self.host_arrays[spec.gguf_name] = HostQuantArray(data, qa.qtype, qa.shape, min_batch=self.min_batch,
                                                                   tensor=self.placement[spec.gguf_name])
@@ -278,16 +282,34 @@ class TensorLoader:
             return tensors
         return {k: kernels.prepare_weight(v) if k in KERNEL_MATRICES else v for k, v in tensors.items()}
 
+    def _host_keys(self, specs) -> dict[str, str]:
+        """key -> tensor name of the non-expert tensors placed in host memory next to an accelerator."""
+        if not self.hybrid or getattr(self.place, "host_device", None) is None:
+            return {}
+        return {s.key: s.gguf_name for s in specs if s.gguf_name in self.gf.tensors
+                and self.placement[s.gguf_name].on_host and not is_routed_expert(s.gguf_name)}
+
+    def _pin(self, tensors: dict, host_keys: dict[str, str]) -> dict:
+        """Host-placed non-expert tensors, loaded on the host CPU, into pinned host memory."""
+        for k, name in host_keys.items():
+            if tensors.get(k) is not None:
+                tensors[k] = pin_tree(tensors[k], self.place.host_device(name))
+        return tensors
+
     def top(self) -> dict:
-        weights = self.for_kernels({s.key: self.tensor(s) for s in model_specs(self.cfg)})
+        specs = model_specs(self.cfg)
+        weights = self.for_kernels({s.key: self.tensor(s) for s in specs})
         if weights["output"] is None:  # tied embeddings
             weights["output"] = weights["token_embd"]
-        return weights
+        return self._pin(weights, self._host_keys(specs))
 
     def layer(self, i: int) -> dict:
-        tensors = {s.key: v for s in layer_specs(self.cfg, i) if (v := self.tensor(s)) is not None}
+        specs = layer_specs(self.cfg, i)
+        tensors = {s.key: v for s in specs if (v := self.tensor(s)) is not None}
+        host_keys = self._host_keys(specs)
         # stacking saves a launch per product on accelerators; on the CPU the C++ kernels read the
-        # file's own pages, and a stacked copy would only add its bytes to the process (RESULTS §9)
-        if kernels.resolve_backend() != "cpu":
+        # file's own pages, and a stacked copy would only add its bytes to the process (RESULTS §9);
+        # a layer with host-placed tensors is not stacked (its parts live on two devices)
+        if kernels.resolve_backend() != "cpu" and not host_keys:
             tensors = fuse_rows(tensors)
-        return self.for_kernels(tensors)
+        return self._pin(self.for_kernels(tensors), host_keys)

@@ -146,14 +146,48 @@ def test_gpu_target_on_a_cpu_only_machine_is_the_cpu_with_a_note(model4):
     assert _place(model4, devices=CPU_ONLY, ot="exps=CPU").notes == ()
 
 
-def test_accelerator_loader_refuses_host_resident_non_experts(model4):
-    """Next to an accelerator only routed experts run from host memory: any other host-placed
-    tensor is refused (naming the tensor and the rule) before a tensor is loaded."""
-    from ikjax.weights import placer_for
-    p = _place(model4, devices=ONE_GPU, ot=r"blk\.1\.attn=CPU")
-    with pytest.raises(OptionError, match=r"^ot: blk\.1\.attn_\w+\.weight is placed in host memory "
-                                          r"\(-ot blk\\.1\\.attn=CPU\); next to an accelerator only routed experts"):
-        placer_for(p)
+HOST_NON_EXPERTS = r"blk\.1\.attn=CPU,blk\.2\.ffn_norm=CPU,blk\.0\.ffn_(gate|up)=CPU,_shexp=CPU,token_embd=CPU,output=CPU"
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_host_placed_non_experts_next_to_an_accelerator(model4, tiny4_model, backend, monkeypatch):
+    """Any tensor may stay in host memory next to an accelerator (deliverable 5): the loader builds
+    it on the host CPU (no stacking with device parts; the kernel layout made there), holds it in
+    the stage device's pinned host memory as a HostTensor, and the step moves it to the device
+    where it reads it: the same logits as every tensor on the device. Here the "accelerator" is
+    the CPU device itself (it has a pinned_host memory too); tests/test_hybrid_gpu.py runs it on a GPU."""
+    import jax
+    from ikjax.host_weights import HostTensor
+    from ikjax.weights import load_weights, placer_for
+    monkeypatch.setenv("IKJAX_KERNELS", backend)
+    cfg, f = model4
+    p = _place(model4, devices=ONE_GPU, ot=HOST_NON_EXPERTS)
+    host_names = {t.name for t in p.tensors if t.on_host}
+    assert "blk.1.attn_norm.weight" in host_names and "token_embd.weight" in host_names
+    assert not any(is_routed_expert(n) for n in host_names)
+    base = placer_for(p)  # no refusal: non-expert host tensors need no CUDA handler
+    dev = jax.devices()[0]
+
+    def place(name, data):  # the device-placed ones onto this machine's only device
+        return base(name, data) if p[name].on_host else jax.device_put(data, dev)
+
+    place.host_device = lambda name: dev
+    w = load_weights(f, cfg, place=place, placement=p)
+    assert isinstance(w["token_embd"], HostTensor) and isinstance(w["layers"][1]["attn_norm"], HostTensor)
+    assert isinstance(w["layers"][2]["ffn_norm"], HostTensor) and not isinstance(w["layers"][2]["attn_norm"], HostTensor)
+    kinds = {a.sharding.memory_kind for a in jax.tree_util.tree_leaves(w["layers"][1]["attn_norm"])}
+    assert kinds == {"pinned_host"}
+    # a layer with host parts is not stacked; the others are, as on one device
+    assert "ffn_gate_up" not in w["layers"][0] and isinstance(w["layers"][0]["ffn_gate"], HostTensor)
+    assert "attn_in" not in w["layers"][1] and isinstance(w["layers"][1]["kv_a_mqa"], HostTensor)
+    eng = ikjax.load(tiny4_model, ctx=64, dtype="f32")
+    tokens = [3, 17, 5, 9, 100, 2, 44]
+    want = eng.logits(tokens)
+    eng.weights = w
+    eng._executables.clear()
+    eng._compiled.clear()
+    got = eng.logits(tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
 def test_accelerator_loader_keeps_host_experts_in_place(model4):
@@ -331,3 +365,15 @@ def test_memory_plan_counts_the_stream_buffer(model4, monkeypatch):
         p.attention_buffer_bytes - plan(big - 1).attention_buffer_bytes)
     monkeypatch.setenv("IKJAX_STREAM", "layer")
     assert plan(big).stream_buffer_bytes == 4 * layer
+
+
+def test_memory_plan_counts_host_non_experts_in_flight(model4):
+    """Host-placed non-expert tensors cross to the device each step: the plan holds the largest
+    layer's (or the top-level tensors') worth on the device at a time, for any batch size."""
+    cfg, f = model4
+    p = _place(model4, devices=ONE_GPU, ot=r"blk\.1\.attn=CPU,blk\.2\.=CPU")
+    plan = plan_memory(cfg, RunOptions.from_kwargs(ubatch=1), placement=p)
+    layer2 = sum(t.nbytes for n, t in f.tensors.items() if n.startswith("blk.2.") and not is_routed_expert(n))
+    assert plan.stream_buffer_bytes == layer2  # layer 2's non-experts (its experts run on the host at ubatch 1)
+    assert plan_memory(cfg, RunOptions.from_kwargs(ubatch=1), placement=_place(model4, ot=r"blk\.2\.=CPU")
+                       ).stream_buffer_bytes == 0  # a CPU-only machine: one RAM

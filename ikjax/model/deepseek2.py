@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from ikjax import cache as kvcache
 from ikjax import kernels
+from ikjax.host_weights import fetch, fetch_all
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model.attention import attend
 from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, precision_for, rms_norm, split_linear
@@ -168,6 +169,7 @@ def embed(token_embd: QuantArray, tokens, dtype=jnp.float32, axis: str | None = 
         mine = (local >= 0) & (local < n_local)
         x = embed(token_embd, jnp.where(mine, local, 0), dtype)
         return jax.lax.psum(jnp.where(mine[..., None], x, 0.0), axis)
+    token_embd = fetch(token_embd)  # a host-placed table moves to the device (next to an accelerator)
     rows = QuantArray(kernels.embed_rows(token_embd.data, tokens), token_embd.qtype, tokens.shape + (token_embd.shape[-1],))
     return rows.dequantize(jnp.float32)
 
@@ -198,6 +200,7 @@ def run_layers(layers, cache, x, start, first: int, *, cfg: ModelConfig, plan: S
     new_cache = {name: list(entries) for name, entries in cache.items()}
     for j, layer in enumerate(layers):
         i = first + j
+        layer = fetch_all(layer)  # host-placed tensors of this layer move to the device now
         layer_cache = {name: entries[j] for name, entries in cache.items()}
         heads_axis = plan.split_axis(f"{i}.attn")  # -sm graph: this device's heads only
         lcfg = dataclasses.replace(cfg, n_head=cfg.n_head // plan.tp.n) if heads_axis else cfg
@@ -226,7 +229,8 @@ def output_head(weights, x, last, *, cfg: ModelConfig, plan: StepPlan):
     """x [B,T,d] -> logits [B,T,V] (plan.all_logits) or [B,V] of the token at `last`."""
     if not plan.all_logits:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    logits = linear(rms_norm(x, weights["output_norm"], cfg.rms_eps), weights["output"], plan.compute_dtype)
+    logits = linear(rms_norm(x, fetch(weights["output_norm"]), cfg.rms_eps), fetch(weights["output"]),
+                    plan.compute_dtype)
     if (axis := plan.split_axis("out")) is not None:  # each device's vocabulary rows, in device order
         logits = jax.lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
     return logits
