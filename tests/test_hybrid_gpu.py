@@ -181,3 +181,32 @@ def test_active_stream_rounds(tiny4, monkeypatch, mib, dtype):
     monkeypatch.setenv("IKJAX_STREAM", "layer")
     whole = ikjax.load(tiny4, ctx=512, ubatch=256, dtype=dtype, ot="exps=CPU").logits(tokens)
     assert rel_err(whole, ref) <= tol and host_moe.stream_stats()["calls"] == 0
+
+
+@pytest.mark.parametrize("ot", [r"blk\.1\.=CPU,token_embd=CPU,output=CPU", r"blk\.[0-9]\.=CPU"])
+def test_any_tensor_on_the_host(tiny4, ot):
+    """Any tensor may stay in host memory next to the GPU (not only experts): non-expert ones are
+    held pinned and moved to the GPU by the step that reads them, experts run on the host (decode)
+    or stream (prompt): prompt logits and greedy tokens equal the all-GPU run's."""
+    tokens = list((np.arange(40) * 13 + 7) % 1000)
+    ref_eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32")
+    ref = ref_eng.logits(tokens)
+    eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32", ot=ot)
+    from ikjax.host_weights import HostTensor
+    assert isinstance(eng.weights["layers"][1]["attn_norm"], HostTensor)
+    got = eng.logits(tokens)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+    assert list(eng.generate(tokens, max_tokens=5)) == list(ref_eng.generate(tokens, max_tokens=5))
+
+
+def test_any_tensor_on_the_host_fixture():
+    """v2lite_tiny-kvb-Q5_1 (real converter file) with its first two layers and the output head in
+    host memory: equal to the all-GPU run and within the fixture's tolerance of its reference."""
+    name = FIXTURES[1]
+    entry = fixture_entry(name)
+    tokens, ref = load_ref(entry)
+    path = fixtures_dir() / name
+    _, gpu = _logits(path, tokens)
+    eng, got = _logits(path, tokens, ot=r"blk\.[01]\.=CPU,output=CPU")
+    assert rel_err(got, gpu) <= TOL, rel_err(got, gpu)
+    assert rel_err(got, ref) <= entry["tol"], rel_err(got, ref)
