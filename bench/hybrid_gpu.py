@@ -251,7 +251,7 @@ def _stream_anatomy(eng) -> None:
         f"(whole layers: {whole / 1e9:.2f} GB), {st.get('bytes', 0) / t / 1e9:.1f} GB/s over the step")
 
 
-def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, only: str = "") -> None:
+def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, only: str = "", ncmoe: int = 0) -> None:
     """sweep-bench -c 4096 -ub 2048 -b 2048 -mla 3 -fa 1, all on the GPU then `-ot exps=CPU -t T`, in
     one process (the all-GPU run reads the file from the page cache before the hybrid load releases
     the experts' pages). The device's peak is the process's, so the hybrid run's device memory is
@@ -270,9 +270,11 @@ def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, onl
     say("")
     say(f"host before loading: {_proc()}")
     rows, keep = [], None
-    runs = (("all on the GPU", {}), (f"-ot exps=CPU -t {threads}", dict(ot="exps=CPU", t=threads)))
-    if only:  # one run in its own process: its device peak and host memory are its own
-        runs = tuple(r for r in runs if ("ot" in r[1]) == (only == "hybrid"))
+    runs = {"gpu": ("all on the GPU", {}), "hybrid": (f"-ot exps=CPU -t {threads}", dict(ot="exps=CPU", t=threads))}
+    if ncmoe:
+        runs["ncmoe"] = (f"--n-cpu-moe {ncmoe} -t {threads}", dict(n_cpu_moe=ncmoe, t=threads))
+    # `only`: runs in their own process (their device peak and host memory are their own)
+    runs = tuple(runs[k] for k in (only.split(",") if only else runs))
     for label, extra in runs:
         t0 = time.perf_counter()
         eng = ikjax.load(path, **opts, **extra)
@@ -385,7 +387,8 @@ def main() -> None:
     ap.add_argument("--orders", action="store_true",
                     help="also time one PP step with IKJAX_STREAM=layer, and (unless HYBRID_ORDERS=0) under its "
                          "other stream orders")
-    ap.add_argument("--only", choices=("hybrid", "gpu"), default="", help="--sweep: one of the two runs")
+    ap.add_argument("--only", default="", help="--sweep: these runs only, comma-separated: gpu, hybrid, ncmoe")
+    ap.add_argument("--sweep-ncmoe", action="store_true", help="--sweep: also a --n-cpu-moe NCMOE run")
     args = ap.parse_args()
     global OUT
     OUT = Path(args.out)
@@ -393,7 +396,8 @@ def main() -> None:
     say(f"# Hybrid decode: {jax.devices()[0].device_kind}, {os.cpu_count()} host cores, jax {jax.__version__}")
     say("")
     if args.sweep:
-        sweep_runs(args.layers, args.threads, Path(args.model.format(layers=args.layers)), args.tg, args.orders, args.only)
+        sweep_runs(args.layers, args.threads, Path(args.model.format(layers=args.layers)), args.tg, args.orders, args.only,
+                   args.ncmoe if args.sweep_ncmoe else 0)
         return
     mechanism(args.threads)
     if not args.skip_model:
