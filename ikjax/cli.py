@@ -502,7 +502,7 @@ def sweep_bench(
             rows.append(row)
             prog.update(description=f"sweep-bench N_KV {row.n_kv + ub}")
             prog.echo(row.markdown() if output_format == "md" else row.jsonl(info))
-    if later[0] > 0 or n_shapes > len(first):
+    if n_shapes > len(first):
         _log(_compiled_line(eng, count0, hits0, compile_s + later[0]) + " in all")
     _log(f"sweep took {time.perf_counter() - t0 - later[0]:.2f}s (+ {compile_s + later[0]:.2f}s compile)")
     if plot:
