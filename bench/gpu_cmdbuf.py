@@ -104,9 +104,31 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--child", default="")
     ap.add_argument("--budget", type=float, default=400, help="seconds for all variants")
+    ap.add_argument("--log", action="store_true",
+                    help="instead: one `stable` run with command buffers and XLA's command-buffer logging, "
+                         "the log's messages counted (does the step record its graphs again on every call?)")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(measure(args.model, args.child)), flush=True)
+        return
+    if args.log:
+        import collections
+        import re
+        env = dict(os.environ, XLA_FLAGS=CMD + "FUSION,CUSTOM_CALL", TF_CPP_MIN_LOG_LEVEL="0",
+                   TF_CPP_VMODULE="command_buffer_thunk=3,command_buffer_cmd=2,command_buffer_cmd_emitter=2")
+        p = subprocess.run([sys.executable, __file__, "--child", "stable", "--model", args.model], env=env,
+                           capture_output=True, text=True, timeout=args.budget)
+        msgs = collections.Counter()
+        for line in p.stderr.splitlines():
+            if "command_buffer" in line:
+                body = line.split("] ", 1)[-1]
+                msgs[re.sub(r"0x[0-9a-f]+|\d+", "N", body)[:140]] += 1
+        res = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), "no result")
+        out = [f"`stable` step, command buffers FUSION,CUSTOM_CALL, {2 * N_STEPS + 5} steps: {res}", "",
+               "| count | message (numbers as N) |", "|---:|---|"]
+        out += [f"| {n} | {m.replace('|', '/')} |" for m, n in msgs.most_common(25)]
+        Path(args.out, "gpu_cmdbuf_log.md").write_text("\n".join(out) + "\n")
+        print("\n".join(out))
         return
     if not Path(args.model).exists():
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
