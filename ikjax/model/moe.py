@@ -19,8 +19,9 @@ from ikjax.model.layers import HIGHEST, SHARED_EXPERTS, dense_ffn
 
 def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
     """x [N, d] -> (weights [N, k] float32, expert ids [N, k] int32), as transformers' routers."""
-    logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), layer["gate_inp"].dequantize(jnp.float32),
-                        precision=HIGHEST)
+    router = layer["gate_inp"]  # float32 [E, d] as loaded (ikjax.weights); a QuantArray if built by hand
+    router = router.dequantize(jnp.float32) if hasattr(router, "dequantize") else router.astype(jnp.float32)
+    logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), router, precision=HIGHEST)
     scores = jax.nn.sigmoid(logits) if cfg.gating == GATING_SIGMOID else jax.nn.softmax(logits, axis=-1)
     choice = scores + layer["exp_probs_b"] if "exp_probs_b" in layer else scores
     G, g_used = cfg.n_expert_group, cfg.n_expert_group_used
