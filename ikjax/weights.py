@@ -34,7 +34,8 @@ class TensorSpec:
     gguf_name: str
     shape: tuple[int, ...]
     optional: bool = False
-    dense_float: bool = False  # norms, biases and the router: plain float32 arrays
+    dense_float: bool = False  # 1-D norms and biases: plain float32 arrays
+    f32_as_float: bool = False  # a plain float32 array where the file stores F32 (same bytes), else blocks
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
@@ -59,9 +60,10 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
         s.append(TensorSpec("q", p + "attn_q.weight", (H * cfg.qk_dim, d)))
     if cfg.is_moe_layer(i):
         E, f = cfg.n_expert, cfg.expert_ffn_dim
-        # the router as a float32 array: its products are f32 anyway, and a QuantArray of F32 bytes
-        # was converted to f32 in every step (0.24-0.30 ms of a CPU decode step, RESULTS §9e)
-        s += [TensorSpec("gate_inp", p + "ffn_gate_inp.weight", (E, d), dense_float=True),
+        # an F32 router as a float32 array (its very bytes): a QuantArray of F32 bytes was
+        # converted to f32 in every step (0.24-0.30 ms of a CPU decode step, RESULTS §9e); a
+        # quantized one stays blocks (dequantized where the step reads it, no f32 copy held)
+        s += [TensorSpec("gate_inp", p + "ffn_gate_inp.weight", (E, d), f32_as_float=True),
               TensorSpec("exp_probs_b", p + "exp_probs_b.bias", (E,), optional=True, dense_float=True),
               TensorSpec("gate_exps", p + "ffn_gate_exps.weight", (E, f, d)),
               TensorSpec("up_exps", p + "ffn_up_exps.weight", (E, f, d)),
@@ -236,7 +238,7 @@ _NP_FLOATS = {"F32": np.float32, "F16": np.float16}
 
 
 def _dense_float(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
-    """A norm, bias or router as float32: the file's f32 bytes as they are (a view of the memory map,
+    """A norm, bias (or F32 router) as float32: the file's f32 bytes as they are (a view of the memory map,
     which `place` aliases or copies), f16 converted in NumPy; other types through the dequantizer."""
     np_type = _NP_FLOATS.get(info.qtype.name)
     if np_type is not None:
@@ -264,7 +266,7 @@ class TensorLoader:
         if info is None:
             return None
         raw = self.gf.tensor_bytes(spec.gguf_name)
-        if spec.dense_float:
+        if spec.dense_float or (spec.f32_as_float and info.qtype.name == "F32"):
             return self.place(spec.gguf_name, _dense_float(raw, info))
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
         data = self.place(spec.gguf_name, qa.data)
