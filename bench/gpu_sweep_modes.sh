@@ -6,10 +6,11 @@
 #
 # On the device, from the repo root, carrying .whl (the gguf wheel):
 #   bash bench/gpu_sweep_modes.sh        results: $OUT/sweep_modes.md and one log per run
-# Knobs: MODES ("3 2"), CTX (16384), UB (2048), TG (128), MODEL (/tmp/v2l27-Q4_0.gguf).
+# Knobs: MODES ("3 2"), CTX (16384), UB (2048), TG (128), MODEL (/tmp/v2l27-Q4_0.gguf), LOGDIR ($OUT:
+# the per-run logs; the device returns a few files only).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-$PWD/sweep_modes_out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "${LOGDIR:-$OUT}"
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
@@ -25,7 +26,7 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
 for mla in ${MODES:-3 2}; do
   rm -rf "$IKJAX_COMPILE_CACHE"
   for start in cold warm; do
-    log="$OUT/mla${mla}_${start}.log"
+    log="${LOGDIR:-$OUT}/mla${mla}_${start}.log"
     t0=$(date +%s.%N)
     python3 -m ikjax.cli sweep-bench -m "$MODEL" -c "$CTX" -ub "$UB" -n "$TG" -mla "$mla" -fa 1 2> "$log.err" \
       | while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$log"
