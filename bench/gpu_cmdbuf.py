@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--child", default="")
     ap.add_argument("--budget", type=float, default=400, help="seconds for all variants")
+    ap.add_argument("--only", default="", help="run only the variants whose name contains this")
     ap.add_argument("--log", action="store_true",
                     help="instead: one `stable` run with command buffers and XLA's command-buffer logging, "
                          "the log's messages counted (does the step record its graphs again on every call?)")
@@ -137,6 +138,8 @@ def main() -> None:
     t_end = time.time() + args.budget
     lines = ["| variant | blocked ms/token | S_TG t/s | pipelined ms/token | host dispatch ms |", "|---|---:|---:|---:|---:|"]
     for name, (flags, form) in VARIANTS.items():
+        if args.only not in name:
+            continue
         left = t_end - time.time()
         if left < 30:
             lines.append(f"| {name} | not run (budget) | | | |")
