@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from ikjax.errors import OptionError
+from ikjax.options import env_choice
 from ikjax.placement import MIN_OFFLOAD_BATCH, TensorPlacement, runs_on
 
 # IKJAX_HOST_EXPERTS: "pinned" (default: streamable, one copy shared by both paths) or "mmap"
@@ -34,10 +35,7 @@ HOST_FORMS = ("pinned", "mmap")
 
 
 def host_form() -> str:
-    form = os.environ.get("IKJAX_HOST_EXPERTS", "pinned").lower()
-    if form not in HOST_FORMS:
-        raise OptionError(f"IKJAX_HOST_EXPERTS must be one of {', '.join(HOST_FORMS)}, got {form!r}")
-    return form
+    return env_choice("IKJAX_HOST_EXPERTS", HOST_FORMS, "pinned")
 
 
 def min_offload_batch(default: int = MIN_OFFLOAD_BATCH) -> int:

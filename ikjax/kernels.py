@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from ikjax.errors import OptionError
 from ikjax.host_weights import is_host_resident
+from ikjax.options import env_choice
 from ikjax.quant.array import QuantArray
 from pallas_kernels import cpu as _cpu
 from pallas_kernels.quant_matmul import packing as _qm_packing
@@ -329,10 +330,7 @@ STREAM_ORDERS = ("prev", "self", "free")
 
 
 def _stream_order() -> str:
-    order = os.environ.get("IKJAX_STREAM_ORDER", "prev").lower()
-    if order not in STREAM_ORDERS:
-        raise OptionError(f"IKJAX_STREAM_ORDER must be one of {', '.join(STREAM_ORDERS)}, got {order!r}")
-    return order
+    return env_choice("IKJAX_STREAM_ORDER", STREAM_ORDERS, "prev")
 
 
 # IKJAX_STREAM: how a big batch moves host-resident experts to the GPU. "active" (default, ik's
@@ -342,10 +340,7 @@ STREAM_MODES = ("active", "layer")
 
 
 def _stream_mode() -> str:
-    mode = os.environ.get("IKJAX_STREAM", "active").lower()
-    if mode not in STREAM_MODES:
-        raise OptionError(f"IKJAX_STREAM must be one of {', '.join(STREAM_MODES)}, got {mode!r}")
-    return mode
+    return env_choice("IKJAX_STREAM", STREAM_MODES, "active")
 
 
 def stream_slots(gate, up, down) -> int:

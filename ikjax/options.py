@@ -15,6 +15,16 @@ from typing import Any
 
 from ikjax.errors import OptionError
 
+
+def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
+    """An environment knob with a fixed set of values (case-insensitive); a value outside them is
+    refused naming the variable, never read as the default."""
+    import os
+    value = os.environ.get(var, default).lower()
+    if value not in choices:
+        raise OptionError(f"{var} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 COMPUTE_DTYPES = ("auto", "f32", "bf16", "f16")
 # the tensors `--cpu-moe` / `--n-cpu-moe N` keep in host memory (ik: ffn_{up,down,gate}_exps)
