@@ -5,7 +5,7 @@ of `bs` entries, only up to the sequence's length (a dynamic loop bound: idle sp
 keeping the online-softmax state (m, l, acc [bh, 512]) in registers. K is the whole 576-wide entry
 (scores = q_c·c + q_pe·k_pe, two tl.dot), V is its first 512 values: each cache block is loaded
 once and used for both products. A q8_0 cache (32 int8 + one f16 scale per block, ikjax/cache.py)
-is dequantized in registers. Splits are merged by a small log-sum-exp combine kernel.
+is dequantized in registers. Splits are merged by a small log-sum-exp combine in XLA.
 """
 from __future__ import annotations
 
@@ -112,41 +112,10 @@ def _call(q, cache, lengths, *, scale, v_dim, dtype, config, interpret):
     )(*args)
     if split == 1:
         return o[:, 0] / l[:, 0, :, None]
-    if split & (split - 1) == 0:  # one small kernel (XLA's combine was two launches a layer)
-        return pl.pallas_call(
-            functools.partial(_combine_kernel, split=split, bh=bh),
-            out_shape=jax.ShapeDtypeStruct((B, H, v_dim), F32),
-            grid=(B, H // bh),
-            interpret=interpret,
-            compiler_params=None if interpret else _compiler_params(4, 1),
-            name="mla_decode_combine",
-        )(o, m, l)
-    return _combine_ref(o, m, l)
-
-
-def _combine_ref(o, m, l):
-    """Log-sum-exp merge of the splits' partials: o [B, split, H, dv], m / l [B, split, H]."""
     mx = m.max(axis=1, keepdims=True)
     wgt = jnp.exp(m - mx)                                     # [B, split, H]
     num = jnp.einsum("bsh,bshd->bhd", wgt, o, precision=lax.Precision.HIGHEST)
     return num / jnp.sum(wgt * l, axis=1)[..., None]
-
-
-def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, split, bh):
-    """`_combine_ref` for one sequence and `bh` heads: the splits are read one row at a time (Triton
-    has no slicing of a register tensor)."""
-    b, hi = pl.program_id(0), pl.program_id(1)
-    h0 = hi * bh
-    mx = m_ref[b, 0, pl.ds(h0, bh)]
-    for s in range(1, split):
-        mx = jnp.maximum(mx, m_ref[b, s, pl.ds(h0, bh)])
-    den = jnp.zeros_like(mx)
-    acc = jnp.zeros((bh, out_ref.shape[-1]), F32)
-    for s in range(split):
-        w = jnp.exp(m_ref[b, s, pl.ds(h0, bh)] - mx)
-        den = den + w * l_ref[b, s, pl.ds(h0, bh)]
-        acc = acc + w[:, None] * o_ref[b, s, pl.ds(h0, bh), :]
-    out_ref[b, pl.ds(h0, bh), :] = acc / den[:, None]
 
 
 def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16, interpret: bool = False,
