@@ -25,9 +25,8 @@ def moe_experts_gather(x, w, ids, gate: PackedWeight, up: PackedWeight, down: Pa
                        dtype=jnp.bfloat16, interpret: bool = False):
     N, k = ids.shape
     e = ids.reshape(-1).astype(jnp.int32)
-    # slot j of token n reads x row n in the kernel (x_rep = k): no repeated copy of x, and the
-    # kernel rounds x to `dtype` itself (the launches of a convert and a broadcast per layer saved)
-    h = quant_matmul_experts(x, (gate, up), e, dtype, tile_rows=1, swiglu=True, interpret=interpret, x_rep=k)
+    xa = jnp.repeat(x.astype(dtype), k, axis=0)                       # [N*k, d]
+    h = quant_matmul_experts(xa, (gate, up), e, dtype, tile_rows=1, swiglu=True, interpret=interpret)
     y = quant_matmul_experts(h.astype(dtype), (down,), e, dtype, tile_rows=1, interpret=interpret)
     return _combine(y.reshape(N, k, -1), w)
 

@@ -79,7 +79,7 @@ def _silu_mul(g, u):
     return g / (1.0 + jnp.exp(-g)) * u
 
 
-def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swiglu, x_rep=1):
+def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swiglu):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
@@ -103,10 +103,7 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, cdt, swi
             caches = [dict() for _ in range(n_w)]
             for p in range(P):
                 # x rows rounded to the compute dtype as the reference does, then float32
-                # x_rep: output row m reads x row m // x_rep (the gather MoE's k slots of a token
-                # share its row: no repeated copy of x in memory, no launch to make one)
-                xs = [x_ref[(m0 + r) // x_rep if x_rep > 1 else m0 + r, pl.ds(t * ng, ng), p, :]
-                      .astype(cdt).astype(F32) for r in range(bm)]
+                xs = [x_ref[m0 + r, pl.ds(t * ng, ng), p, :].astype(cdt).astype(F32) for r in range(bm)]
                 for wi in range(n_w):
                     tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p, caches[wi])
                     q, scale, bias, sub = decode_part_factored(qtype, tiles, p)
@@ -189,17 +186,15 @@ def kernel_supports(qtype: str, N: int, K: int) -> bool:
     return K % (G * R) == 0 and N % 16 == 0
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret", "x_rep"))
-def _call(x, ws, expert, *, dtype, swiglu, config, interpret, x_rep=1):
+@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret"))
+def _call(x, ws, expert, *, dtype, swiglu, config, interpret):
     cfg = dict(config)
     w0: PackedWeight = ws[0]
     qtype = w0.qtype
     N, K = w0.shape[-2], w0.shape[-1]
-    M = x.shape[0] * x_rep
+    M = x.shape[0]
     mode, bm, bn, bk, split = cfg["mode"], cfg["bm"], cfg["bn"], cfg["bk"], cfg["split"]
     Mp = -(-M // bm) * bm
-    if x_rep > 1 and (mode != "rows" or Mp != M):
-        raise ValueError(f"x_rep {x_rep} needs the rows schedule with whole tiles, got {mode} bm={bm} for {M} rows")
     xc = x.astype(dtype) if mode == "dot" else x
     if Mp != M:
         xc = jnp.pad(xc, ((0, Mp - M), (0, 0)))
@@ -217,8 +212,7 @@ def _call(x, ws, expert, *, dtype, swiglu, config, interpret, x_rep=1):
     nt = K // bk // split
     grid = (N // bn, Mp // bm, split) if mode == "rows" else (N // bn, Mp // bm)
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert,
-                             mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, cdt=jnp.dtype(dtype), swiglu=swiglu,
-                             x_rep=x_rep)
+                             mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, cdt=jnp.dtype(dtype), swiglu=swiglu)
     out = pl.pallas_call(
         kern,
         out_shape=jax.ShapeDtypeStruct((split, Mp, N), F32),
@@ -243,15 +237,14 @@ def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = Fa
 
 
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
-                         interpret: bool = False, config: dict | None = None, x_rep: int = 1):
+                         interpret: bool = False, config: dict | None = None):
     """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
     (PackedWeight [E, N, K]); expert -1 marks a dead tile (zeros, no weight read). `ws` = (w,) or,
-    with swiglu, (gate, up). -> [M, N] float32. With `x_rep` > 1 (one-row tiles), x holds M /
-    x_rep rows and output row m reads x row m // x_rep."""
+    with swiglu, (gate, up). -> [M, N] float32."""
     w0 = ws[0]
     N, K = w0.shape[-2], w0.shape[-1]
-    cfg = config or pick_config(w0.qtype, x.shape[0] * x_rep, N, K, tile_rows=tile_rows)
+    cfg = config or pick_config(w0.qtype, x.shape[0], N, K, tile_rows=tile_rows)
     if swiglu and cfg["split"] != 1:
         cfg = dict(cfg, split=1)
     return _call(x, tuple(ws), expert, dtype=jnp.dtype(dtype), swiglu=swiglu,
-                 config=tuple(sorted(cfg.items())), interpret=interpret, x_rep=x_rep)
+                 config=tuple(sorted(cfg.items())), interpret=interpret)
