@@ -43,7 +43,8 @@ MS, NS, THREADS = (1, 3, 17, 512), (1, 7, 37, 300), (1, 2)
 X8_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}  # the int8 decode's types (cpu_kernel.cc)
 X8_TOL = 1e-2
 X8_PROMPT_TYPES = {"Q8_0", "Q4_0", "Q5_0", "IQ4_NL"}  # the int8 prompt engine's types (avx512 VNNI only)
-X8_KQ_TYPES = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}  # K-quants in the int8 decode (avx512 VNNI only; f32 decode at avx2)
+# K-quants in the int8 decode (avx512 VNNI only; f32 decode at avx2 and generic)
+X8_KQ_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
 
 
 def _is_x8(name, M, compute):
@@ -166,13 +167,15 @@ def test_bf16_compute(name, isa, monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(X8_KQ_TYPES))
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_kquant_int8_decode(name, isa, monkeypatch):
-    """Q4_K / Q5_K / Q6_K / IQ4_XS decode in the fast mode: at avx512, 8-bit activations per block of 32 and VNNI
-    dot products on the super-blocks' own quants (cpu_kernel.cc, decode_kq8), checked against the
-    f32 function of the 8-bit x (1e-5: the int32 sums are exact) and against the f32 product within
-    X8_TOL; at avx2 the f32 decode (1e-5). M = 1..3 (M = 4 is prompt-sized: bf16), odd N (the M = 1
-    two-rows-per-pass split has a row over), one and many super-blocks, 1 and 2 threads."""
+    """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS decode in the fast mode: at avx512, 8-bit activations
+    per block of 32 and VNNI dot products on the super-blocks' own quants (cpu_kernel.cc, decode_kq8),
+    checked against the f32 function of the 8-bit x (1e-5: the int32 sums are exact, so a wrong code,
+    scale, minimum or offset share shows) and against the f32 product within X8_TOL (and > 1e-6 from
+    it: the int8 path really ran); at avx2 and generic the f32 decode (1e-5). M = 1..3 (M = 4 is
+    prompt-sized: bf16), odd N (the M = 1 two-rows-per-pass split has a row over), one and many
+    super-blocks, the K-split decode (N = 1), 1 and 2 threads."""
     for M, N, K, nt in [(1, 37, 256, 2), (2, 5, 768, 1), (3, 9, 2048, 2), (4, 7, 512, 2), (1, 1, 4096, 2),
                         (1, 301, 2560, 2), (2, 33, 256, 2), (3, 1, 1280, 1)]:
         _check(name, M, N, K, nt, isa, compute="bf16", monkeypatch=monkeypatch)

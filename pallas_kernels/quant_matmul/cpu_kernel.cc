@@ -14,7 +14,8 @@
 // With compute = bf16, decode-sized products of the legacy block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 // IQ4_NL) at the avx512 (VNNI) and avx2 levels take a third path, as ik_llama.cpp does
 // for token generation: x quantized to 8 bits per block of 32 and vpdpbusd per weight block (see
-// "int8-activation decode" below); so do Q4_K, Q5_K, Q6_K and IQ4_XS at the avx512 level (decode_kq8). Every
+// "int8-activation decode" below); so do Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS at the avx512 level
+// (decode_kq8). Every
 // other decode-sized product is f32 in both modes.
 #include "quant_matmul/cpu_kernel.h"
 #include "quant_matmul/cpu_dequant.h"
@@ -460,8 +461,11 @@ constexpr int q8_offset(int) { return -1; }
 #if defined(IKJ_Q8DOT_512)
 // The super-block types with an int8 decode (decode_kq8; avx512 VNNI only).
 constexpr bool kq8_type(int type) {
-  return type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_Q6_K || type == ikj::T_IQ4_XS;
+  return type == ikj::T_Q2_K || type == ikj::T_Q3_K || type == ikj::T_Q4_K || type == ikj::T_Q5_K ||
+         type == ikj::T_Q6_K || type == ikj::T_IQ4_XS;
 }
+// The K-quants with 16 sub-blocks of 16 weights per super-block (their dots need x's sums per 16).
+constexpr bool kq16_type(int type) { return type == ikj::T_Q2_K || type == ikj::T_Q3_K || type == ikj::T_Q6_K; }
 #else
 constexpr bool kq8_type(int) { return false; }  // the K-quants' int8 decode is avx512 (VNNI) only
 #endif
@@ -481,7 +485,7 @@ struct XQ8 {
   std::vector<float> d;         // [M][nb] dx
   std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum or an offset)
   std::vector<int32_t> sx;      // [M][nb] sum(q) (the one-block tail)
-  std::vector<float> ds16;      // [M][2 nb] dx * sum(q) per 16 values (Q6_K only)
+  std::vector<float> ds16;      // [M][2 nb] dx * sum(q) per 16 values (Q2_K, Q3_K, Q6_K only)
   int64_t row_q() const { return grouped ? (nb + 3) / 4 * 128 : nb * 32; }
 };
 
@@ -489,7 +493,7 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   const int64_t nb = K / 32;
   o.nb = nb;
   o.grouped = type != ikj::T_Q8_0 && !kq8_type(type);
-  const bool half_sums = type == ikj::T_Q6_K;
+  const bool half_sums = kq16_type(type);
   if (half_sums && static_cast<int64_t>(o.ds16.size()) < 2 * M * nb) o.ds16.resize(2 * M * nb);
   const int64_t rq = o.row_q();
   if (static_cast<int64_t>(o.q.size()) < M * rq) o.q.resize(M * rq);
@@ -820,6 +824,15 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
 //   the 128-bit lanes of low / high nibbles interleaved into Q4_K's pairs; the 6-bit scales
 //   (ls - 32, signed) take Q4_K's scale role and the +128 offset's share 128 * d * (ls - 32) * dx *
 //   sum(q_x) takes the minimum's.
+// - Q2_K and Q3_K: Q6_K's form (16 sub-blocks of 16, lanes 4k..4k+3 of product j = sub-block
+//   4j + k). qs (64 bytes, all in one zmm: bytes 0-31 the first 128 weights, 32-63 the second)
+//   shifted right by 2 j' and masked to 2 bits give weights 32 j' + l (low 256 bits) and 128 + 32 j'
+//   + l (high); 128-bit-pair shuffles of j' = (0, 1) and (2, 3) line them up with x as 64
+//   consecutive weights. Q3_K ORs in its high bit (hmask bit 4 n + j' of byte l, for half n) at
+//   0x04, so the code is value + 4 (0..7), its 6-bit scales (ls - 32) are the sub-block scales and
+//   the +4 offset's share 4 * d * (ls - 32) * dx * sum16(q_x) is subtracted at the end; Q2_K's
+//   codes are the values (0..3) with a 4-bit scale and a 4-bit minimum per sub-block, and the
+//   minimum's share dmin * min * dx * sum16(q_x) is subtracted (as ggml / ik do with q8's bsums).
 // Error: x's 8-bit rounding only, as the legacy types (the int32 sums are exact).
 
 // A Q4_K super-block's 12 scale bytes -> 8 scales and 8 minimums (ggml's get_scale_min_k4, as a
@@ -838,14 +851,16 @@ inline void q4k_scales(const uint8_t* p, __m256& sc, __m256& mn) {
   mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
 }
 
-// Rows [n0, n1) of W (type Q4_K or Q6_K, w at super-block kb0 / 8 of row 0) against MM quantized x
+// Rows [n0, n1) of W (a kq8_type, w at super-block kb0 / 8 of row 0) against MM quantized x
 // rows, 32-blocks [kb0, kb0 + nb) (nb a multiple of 8).
 template <int type, int MM>
 void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
                 int64_t n1, float* y, int64_t ldy, bool accumulate) {
-  constexpr bool q4k = type != ikj::T_Q6_K;  // 8 sub-blocks of 32, W[j] = the pair (2j, 2j + 1)
-  constexpr int bs = type == ikj::T_Q4_K ? 144 : type == ikj::T_Q5_K ? 176 : type == ikj::T_IQ4_XS ? 136 : 210;
-  constexpr float off = type == ikj::T_IQ4_XS ? 128.f : type == ikj::T_Q6_K ? 32.f : 1.f;  // accm's factor
+  constexpr bool q4k = !kq16_type(type);  // 8 sub-blocks of 32, W[j] = the pair (2j, 2j + 1)
+  constexpr int bs = type == ikj::T_Q4_K ? 144 : type == ikj::T_Q5_K ? 176 : type == ikj::T_IQ4_XS ? 136
+                   : type == ikj::T_Q3_K ? 110 : type == ikj::T_Q2_K ? 84 : 210;
+  constexpr float off = type == ikj::T_IQ4_XS ? 128.f : type == ikj::T_Q6_K ? 32.f
+                      : type == ikj::T_Q3_K ? 4.f : 1.f;  // accm's factor
   const int64_t nsb = nb / 8;
   const int64_t pf = decode_prefetch_bytes();
   const int64_t rq = xq.row_q();
@@ -866,6 +881,7 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
                                      4 * j + 3);
   const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30), m10 = _mm512_set1_epi8(0x10);
+  const __m512i m3 = _mm512_set1_epi8(0x03), m04 = _mm512_set1_epi8(0x04);
   const __m512i tbl = iq4nl_table512();
   const __m512i lo2 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi2 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   const __m256i xs_shl = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), xs_shh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
@@ -933,17 +949,57 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
               _mm256_fmadd_ps(dmn, _mm256_loadu_ps(xs[m] + i * 8), _mm512_castps512_ps256(accm[m])));
         }
       } else {
-        for (int h = 0; h < 2; ++h) {
-          const __m512i L = _mm512_loadu_si512(wb + 64 * h);
-          const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + 32 * h));
-          const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
-          W[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(_mm512_slli_epi16(Hz, 4), m30));
-          W[2 * h + 1] =
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(Hz, m30));
+        __m512 dsc, dmn;
+        if constexpr (type == ikj::T_Q6_K) {
+          for (int h = 0; h < 2; ++h) {
+            const __m512i L = _mm512_loadu_si512(wb + 64 * h);
+            const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + 32 * h));
+            const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+            W[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(_mm512_slli_epi16(Hz, 4), m30));
+            W[2 * h + 1] =
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(Hz, m30));
+          }
+          dsc = _mm512_mul_ps(
+              _mm512_set1_ps(f16(wb + 208)),
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192)))));
+          dmn = dsc;
+        } else {  // Q2_K, Q3_K: 2-bit codes of qs, shift 2 j' -> weights 32 j' + l of each 128-half
+          constexpr int qs = type == ikj::T_Q3_K ? 32 : 16;
+          const __m512i Q = _mm512_loadu_si512(wb + qs);
+          __m512i a[4];
+          for (int j = 0; j < 4; ++j) a[j] = _mm512_and_si512(_mm512_srli_epi16(Q, 2 * j), m3);
+          if constexpr (type == ikj::T_Q3_K) {  // + 4 where hmask's bit (4 n + j') of byte l is set
+            const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
+            const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 4), 1);
+            a[0] = _mm512_or_si512(a[0], _mm512_and_si512(_mm512_slli_epi16(Hz, 2), m04));
+            a[1] = _mm512_or_si512(a[1], _mm512_and_si512(_mm512_slli_epi16(Hz, 1), m04));
+            a[2] = _mm512_or_si512(a[2], _mm512_and_si512(Hz, m04));
+            a[3] = _mm512_or_si512(a[3], _mm512_and_si512(_mm512_srli_epi16(Hz, 1), m04));
+          }
+          W[0] = _mm512_shuffle_i64x2(a[0], a[1], 0x44);
+          W[1] = _mm512_shuffle_i64x2(a[2], a[3], 0x44);
+          W[2] = _mm512_shuffle_i64x2(a[0], a[1], 0xEE);
+          W[3] = _mm512_shuffle_i64x2(a[2], a[3], 0xEE);
+          if constexpr (type == ikj::T_Q3_K) {  // ggml's 6-bit scale unpack, ls - 32
+            constexpr uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+            uint32_t u[4];
+            std::memcpy(u, wb + 96, 12);
+            const uint32_t t = u[2];
+            u[2] = ((u[0] >> 4) & k2) | (((t >> 4) & k1) << 4);
+            u[3] = ((u[1] >> 4) & k2) | (((t >> 6) & k1) << 4);
+            u[0] = (u[0] & k2) | ((t & k1) << 4);
+            u[1] = (u[1] & k2) | (((t >> 2) & k1) << 4);
+            const __m512i ls = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)));
+            dsc = _mm512_mul_ps(_mm512_set1_ps(f16(wb + 108)),
+                                _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+            dmn = dsc;
+          } else {  // Q2_K: scale in the low nibble, minimum in the high
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
+            dsc = _mm512_mul_ps(_mm512_set1_ps(f16(wb + 80)),
+                                _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xf))));
+            dmn = _mm512_mul_ps(_mm512_set1_ps(f16(wb + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+          }
         }
-        const __m512 dsc = _mm512_mul_ps(
-            _mm512_set1_ps(f16(wb + 208)),
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192)))));
         for (int m = 0; m < MM; ++m) {
           const int8_t* xb = xqs[m] + i * 256;
           const __m512 s =
@@ -952,7 +1008,7 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
             const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[j], _mm512_loadu_si512(xb + 64 * j));
             acc[m][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(idx[j], s), acc[m][j & 1]);
           }
-          accm[m] = _mm512_fmadd_ps(dsc, _mm512_loadu_ps(xs[m] + i * 16), accm[m]);
+          accm[m] = _mm512_fmadd_ps(dmn, _mm512_loadu_ps(xs[m] + i * 16), accm[m]);
         }
       }
     }
@@ -1147,6 +1203,8 @@ void decode_q8_rows(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uin
     case ikj::T_Q5_1: decode_q8_m<ikj::T_Q5_1, 24>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_IQ4_NL: decode_q8_m<ikj::T_IQ4_NL, 18>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
 #if defined(IKJ_Q8DOT_512)
+    case ikj::T_Q2_K: decode_kq8_m<ikj::T_Q2_K, 84>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case ikj::T_Q3_K: decode_kq8_m<ikj::T_Q3_K, 110>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_Q4_K: decode_kq8_m<ikj::T_Q4_K, 144>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_Q5_K: decode_kq8_m<ikj::T_Q5_K, 176>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_Q6_K: decode_kq8_m<ikj::T_Q6_K, 210>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;

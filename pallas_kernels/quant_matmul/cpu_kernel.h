@@ -11,8 +11,8 @@
 //   them). Decode-sized products (M < 4): 8-bit activations for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
 //   IQ4_NL at the avx512 (VNNI vpdpbusd) and avx2 (vpmaddubsw) levels: each x row
 //   quantized per block of 32 (scale max|x| / 127, round to nearest) and int32 block dots scaled by
-//   the two block scales, ~0.5 % of the result's norm for Gaussian x; Q4_K, Q5_K, Q6_K and IQ4_XS the
-//   same at the avx512 level only (the same x quantization, vpdpbusd on the super-blocks' quants); decode of
+//   the two block scales, ~0.5 % of the result's norm for Gaussian x; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and
+//   IQ4_XS the same at the avx512 level only (the same x quantization, vpdpbusd on the super-blocks' quants); decode of
 //   other types and at the generic level is computed in f32.
 #pragma once
 #include <cstddef>
