@@ -1420,11 +1420,15 @@ inline void scatter_pairs16(const uint32_t* const rows[16], int64_t Kp, uint32_t
 }
 #endif
 
-// ---- int8 prompt engine (compute = bf16, Q8_0 / Q4_0 / Q5_0 / IQ4_NL, avx512 VNNI) --------------
+// ---- int8 prompt engine (compute = bf16, Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL, avx512 VNNI) -
 //
 // As ik_llama.cpp does for prompts: x quantized per row to 8-bit blocks of 32 (dx = max|x| / 127,
 // round to nearest even, as the int8 decode), the weights' own int8 values (Q8_0 as stored, Q4_0's
-// nibble - 8, Q5_0's 5-bit code - 16, IQ4_NL's table value) used directly by vpdpbusd, and each block's int32 sum scaled by dw * dx in float. No
+// nibble - 8, Q5_0's 5-bit code - 16, IQ4_NL's table value, Q4_1's nibble and Q5_1's 5-bit code as
+// they are) used directly by vpdpbusd, and each block's int32 sum scaled by dw * dx in float. Q4_1
+// and Q5_1 add their minimum's share m * dx * sum(q_x) per block (as ik does with q8_1's block
+// sums): the x8 pack carries dx * sum(q_x) per block, the panel each row's m next to its d, one FMA
+// more per accumulator and block. No
 // dequantized f32/bf16 panel: a panel of 32 weight rows is only re-laid out as [block][quad][row]
 // (4 bytes of each row per 32-bit lane, 16 rows per zmm) through the 16 x 16 register transpose,
 // with each block's 16-row dw vector and sum(w) next to it. vpdpbusd takes u8 x s8, so x is stored
@@ -1440,20 +1444,26 @@ inline void scatter_pairs16(const uint32_t* const rows[16], int64_t Kp, uint32_t
 constexpr int QNR = 32;            // weight rows per panel (2 zmm of 16 rows)
 constexpr int MQ = 4;              // x rows per microkernel: 8 int32 + 8 f32 accumulators
 constexpr int64_t QBLK = 1280;     // panel bytes per block: 2 x 8 quads x 64, 2 x 64 -128*sum(w), 2 x 64 dw
+constexpr int64_t QBLK_MIN = 1408; // the same + 2 x 64 mw (types with a minimum)
 constexpr int64_t QKB = 8;         // blocks per K chunk: a 10 KiB slice of the panel, L1-resident
 
 inline bool q8gemm_type(int type) {
-  return type == ikj::T_Q8_0 || type == ikj::T_Q4_0 || type == ikj::T_Q5_0 || type == ikj::T_IQ4_NL;
+  return type == ikj::T_Q8_0 || type == ikj::T_Q4_0 || type == ikj::T_Q5_0 || type == ikj::T_IQ4_NL ||
+         type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
 }
+constexpr bool q8gemm_min(int type) { return type == ikj::T_Q4_1 || type == ikj::T_Q5_1; }
 
-// x8 pack: [M][K] bytes q + 128, then (64-byte aligned) [M][K / 32] floats dx.
+// x8 pack: [M][K] bytes q + 128, then (64-byte aligned) [M][K / 32] floats dx, then [M][K / 32]
+// floats dx * sum(q) (the minimum's share; one layout for every type, so a pack serves any weight).
 inline int64_t x8_dx_offset(int64_t M, int64_t K) { return (M * K + 63) / 64 * 64; }
-inline size_t x8_bytes(int64_t M, int64_t K) { return x8_dx_offset(M, K) + M * (K / 32) * 4; }
+inline int64_t x8_ds_offset(int64_t M, int64_t K) { return x8_dx_offset(M, K) + M * (K / 32) * 4; }
+inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (K / 32) * 4; }
 
 // rows [r0, r1) of x [M, K] into the x8 pack at out (K a multiple of 32)
 void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1) {
   const int64_t nb = K / 32;
   float* dx = reinterpret_cast<float*>(out + x8_dx_offset(M, K));
+  float* ds = reinterpret_cast<float*>(out + x8_ds_offset(M, K));
   const __m512i bias = _mm512_set1_epi32(128);
   for (int64_t m = r0; m < r1; ++m)
     for (int64_t b = 0; b < nb; ++b) {
@@ -1461,14 +1471,16 @@ void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int
       const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
       const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      const __m512i q0 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), bias);
-      const __m512i q1 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id)), bias);
+      const __m512i s0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), s1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+      const int32_t sq = _mm512_reduce_add_epi32(_mm512_add_epi32(s0, s1));
+      const __m512i q0 = _mm512_add_epi32(s0, bias), q1 = _mm512_add_epi32(s1, bias);
       uint8_t* o = out + m * K + b * 32;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_cvtepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm512_cvtepi32_epi8(q1));
       // a NaN in the block (which max drops) makes its scale NaN, so it reaches y as in f32
       const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
       dx[m * nb + b] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+      ds[m * nb + b] = dx[m * nb + b] * static_cast<float>(sq);
     }
 }
 
@@ -1478,7 +1490,7 @@ inline __m256i wsigned(const uint8_t* blk) {
   if constexpr (type == ikj::T_Q8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
   } else {  // value j in the low nibble of byte j, j + 16 in its high nibble
-    constexpr int qoff = type == ikj::T_Q5_0 ? 6 : 2;
+    constexpr int qoff = type == ikj::T_Q5_0 ? 6 : type == ikj::T_Q4_1 ? 4 : type == ikj::T_Q5_1 ? 8 : 2;
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qoff));
     __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
     if constexpr (type == ikj::T_IQ4_NL)  // kIq4nl[nibble]
@@ -1488,6 +1500,9 @@ inline __m256i wsigned(const uint8_t* blk) {
       v = _mm256_mask_add_epi8(v, _cvtu32_mask32(load_u32(blk + 2)), v, _mm256_set1_epi8(16));
       return _mm256_sub_epi8(v, _mm256_set1_epi8(16));
     }
+    if constexpr (type == ikj::T_Q5_1)  // bit j of qh (bytes 4-7): + 16 on value j (codes 0..31)
+      return _mm256_mask_add_epi8(v, _cvtu32_mask32(load_u32(blk + 4)), v, _mm256_set1_epi8(16));
+    if constexpr (type == ikj::T_Q4_1) return v;  // codes 0..15 (the minimum is added apart)
     return _mm256_sub_epi8(v, _mm256_set1_epi8(8));  // Q4_0
   }
 }
@@ -1495,6 +1510,7 @@ inline __m256i wsigned(const uint8_t* blk) {
 // Weight rows [p0, p0 + nr) (nr <= QNR; missing rows zero) of nb blocks into the panel layout.
 template <int type, int bs>
 void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint8_t* panel) {
+  constexpr int64_t qblk = q8gemm_min(type) ? QBLK_MIN : QBLK;
   const __m512i ones = _mm512_set1_epi8(1);
   for (int g = 0; g < 2; ++g) {
     const uint8_t* rows[16];
@@ -1516,7 +1532,7 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
       }
       transpose16x16(r);  // r[c]: 4 bytes c of each of the 16 rows (c < 8: block b, else b + 1)
       for (int h = 0; h < (two ? 2 : 1); ++h) {
-        uint8_t* pb = panel + (b + h) * QBLK;
+        uint8_t* pb = panel + (b + h) * qblk;
         __m512i s = _mm512_setzero_si512();
         for (int c = 0; c < 8; ++c) {
           _mm512_storeu_si512(pb + g * 512 + c * 64, r[8 * h + c]);
@@ -1526,20 +1542,25 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
         alignas(64) float d[16];
         for (int j = 0; j < 16; ++j) d[j] = rows[j] ? f16(rows[j] + (b + h) * bs) : 0.f;
         _mm512_storeu_ps(pb + 1152 + g * 64, _mm512_load_ps(d));
+        if constexpr (q8gemm_min(type)) {
+          for (int j = 0; j < 16; ++j) d[j] = rows[j] ? f16(rows[j] + (b + h) * bs + 2) : 0.f;
+          _mm512_storeu_ps(pb + 1280 + g * 64, _mm512_load_ps(d));
+        }
       }
     }
   }
 }
 
-// C[mr][QNR] (row stride ldc) (+)= x8 rows (xu: row 0's bytes, stride K; dx: row 0's scales,
-// stride nbx) x panel blocks [b0, b1).
-template <int mr>
-void micro_q8(const uint8_t* xu, int64_t K, const float* dx, int64_t nbx, const uint8_t* panel, int64_t b0,
-              int64_t b1, float* C, int64_t ldc, bool acc_c) {
+// C[mr][QNR] (row stride ldc) (+)= x8 rows (xu: row 0's bytes, stride K; dx: row 0's scales and
+// ds its dx * sum(q), stride nbx) x panel blocks [b0, b1); has_min: the panel's QBLK_MIN layout.
+template <int mr, bool has_min>
+void micro_q8(const uint8_t* xu, int64_t K, const float* dx, const float* ds, int64_t nbx, const uint8_t* panel,
+              int64_t b0, int64_t b1, float* C, int64_t ldc, bool acc_c) {
+  constexpr int64_t qblk = has_min ? QBLK_MIN : QBLK;
   __m512 f0[mr], f1[mr];
   for (int i = 0; i < mr; ++i) f0[i] = f1[i] = _mm512_setzero_ps();
   for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* pb = panel + b * QBLK;
+    const uint8_t* pb = panel + b * qblk;
     const __m512i z0 = _mm512_loadu_si512(pb + 1024), z1 = _mm512_loadu_si512(pb + 1088);
     __m512i c0[mr], c1[mr];
     for (int i = 0; i < mr; ++i) c0[i] = z0, c1[i] = z1;
@@ -1559,6 +1580,14 @@ void micro_q8(const uint8_t* xu, int64_t K, const float* dx, int64_t nbx, const 
       f0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0[i]), _mm512_mul_ps(d0, s), f0[i]);
       f1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1[i]), _mm512_mul_ps(d1, s), f1[i]);
     }
+    if constexpr (has_min) {
+      const __m512 m0 = _mm512_loadu_ps(pb + 1280), m1 = _mm512_loadu_ps(pb + 1344);
+      for (int i = 0; i < mr; ++i) {
+        const __m512 s = _mm512_set1_ps(ds[i * nbx + b]);
+        f0[i] = _mm512_fmadd_ps(m0, s, f0[i]);
+        f1[i] = _mm512_fmadd_ps(m1, s, f1[i]);
+      }
+    }
   }
   for (int i = 0; i < mr; ++i) {
     if (acc_c) {
@@ -1576,9 +1605,11 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
   const int64_t nb = K / 32;
   const uint8_t* xu = static_cast<const uint8_t*>(xp);
   const float* dx = reinterpret_cast<const float*>(xu + x8_dx_offset(M, K));
+  const float* ds = reinterpret_cast<const float*>(xu + x8_ds_offset(M, K));
+  const bool has_min = q8gemm_min(type);
   thread_local std::vector<uint8_t> panel;
   thread_local std::vector<float> ctile;
-  if (static_cast<int64_t>(panel.size()) < nb * QBLK) panel.resize(nb * QBLK);
+  if (static_cast<int64_t>(panel.size()) < nb * QBLK_MIN) panel.resize(nb * QBLK_MIN);
   if (static_cast<int64_t>(ctile.size()) < M * QNR) ctile.resize(M * QNR);
   for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
     const int64_t nr = std::min<int64_t>(QNR, n1 - p0);
@@ -1586,6 +1617,8 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
       case ikj::T_Q8_0: build_panel_q8<ikj::T_Q8_0, 34>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_Q4_0: build_panel_q8<ikj::T_Q4_0, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_Q5_0: build_panel_q8<ikj::T_Q5_0, 22>(w, row_bytes, p0, nr, nb, panel.data()); break;
+      case ikj::T_Q4_1: build_panel_q8<ikj::T_Q4_1, 20>(w, row_bytes, p0, nr, nb, panel.data()); break;
+      case ikj::T_Q5_1: build_panel_q8<ikj::T_Q5_1, 24>(w, row_bytes, p0, nr, nb, panel.data()); break;
       default: build_panel_q8<ikj::T_IQ4_NL, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
     }
     const bool direct = nr == QNR;
@@ -1596,14 +1629,19 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
       for (int64_t m0 = 0; m0 < M; m0 += MQ) {
         const int mr = static_cast<int>(std::min<int64_t>(MQ, M - m0));
         const uint8_t* xr = xu + m0 * K;
-        const float* dr = dx + m0 * nb;
+        const float *dr = dx + m0 * nb, *sr = ds + m0 * nb;
         float* C = Cbase + m0 * ldc;
-        switch (mr) {
-          case 4: micro_q8<4>(xr, K, dr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
-          case 3: micro_q8<3>(xr, K, dr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
-          case 2: micro_q8<2>(xr, K, dr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
-          default: micro_q8<1>(xr, K, dr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
-        }
+        auto run = [&](auto hm) {
+          constexpr bool H = decltype(hm)::value;
+          switch (mr) {
+            case 4: micro_q8<4, H>(xr, K, dr, sr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+            case 3: micro_q8<3, H>(xr, K, dr, sr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+            case 2: micro_q8<2, H>(xr, K, dr, sr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+            default: micro_q8<1, H>(xr, K, dr, sr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+          }
+        };
+        if (has_min) run(std::true_type());
+        else run(std::false_type());
       }
     }
     if (!direct)
