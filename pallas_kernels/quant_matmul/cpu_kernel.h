@@ -20,8 +20,9 @@
 
 #include "cpu/isa.h"
 
-//   Prompt-sized Q8_0 / Q4_0 / Q5_0 / IQ4_NL products at the avx512 (VNNI) level take the same
-//   8-bit activations (QM_Q8 below) instead of bf16: int8 dot products on the weights' own quants.
+//   Prompt-sized Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL products at the avx512 (VNNI) level take
+//   the same 8-bit activations (QM_Q8 below) instead of bf16: int8 dot products on the weights' own
+//   quants (Q4_1 / Q5_1's minimum times x's block sums in float).
 // - QM_Q8: internal to the packed API (never a caller's mode): what qgemm_packed_compute returns
 //   for QM_BF16 where the int8 prompt engine applies; x then packed as 8-bit blocks.
 enum QmCompute : int { QM_F32 = 0, QM_BF16 = 1, QM_Q8 = 2 };
