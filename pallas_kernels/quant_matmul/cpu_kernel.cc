@@ -466,6 +466,8 @@ constexpr bool kq8_type(int type) {
 }
 // The K-quants with 16 sub-blocks of 16 weights per super-block (their dots need x's sums per 16).
 constexpr bool kq16_type(int type) { return type == ikj::T_Q2_K || type == ikj::T_Q3_K || type == ikj::T_Q6_K; }
+// The 2-bit-field K-quants: x laid out per super-block to match their codes (decode_kq2).
+constexpr bool kq2_type(int type) { return type == ikj::T_Q2_K || type == ikj::T_Q3_K; }
 #else
 constexpr bool kq8_type(int) { return false; }  // the K-quants' int8 decode is avx512 (VNNI) only
 #endif
@@ -485,7 +487,8 @@ struct XQ8 {
   std::vector<float> d;         // [M][nb] dx
   std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum or an offset)
   std::vector<int32_t> sx;      // [M][nb] sum(q) (the one-block tail)
-  std::vector<float> ds16;      // [M][2 nb] dx * sum(q) per 16 values (Q2_K, Q3_K, Q6_K only)
+  std::vector<float> ds16;      // [M][2 nb] dx * sum(q) per 16 values (Q6_K; Q2_K, Q3_K in dl16's order)
+  std::vector<float> dl16;      // [M][2 nb] dx per 16 values in decode_kq2's lane order (Q2_K, Q3_K)
   int64_t row_q() const { return grouped ? (nb + 3) / 4 * 128 : nb * 32; }
 };
 
@@ -525,6 +528,29 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
       if (half_sums) {
         o.ds16[2 * (m * nb + b)] = d * static_cast<float>(_mm512_reduce_add_epi32(q0));
         o.ds16[2 * (m * nb + b) + 1] = d * static_cast<float>(_mm512_reduce_add_epi32(q1));
+      }
+    }
+    if (kq2_type(type)) {
+      // decode_kq2's layout, per super-block: 4 vectors X_t of 64 bytes, 32-bit lane (L, j) (L = 2n +
+      // h) = x[128 n + 32 j + 16 h + 4 t .. + 3] (the 16-weight sub-block s = 8 n + 2 j + h, its
+      // weights 4t..4t+3); dl16 / ds16 lane (L, j) = dx of 32-block 4 n + j / dx * sum16(q) of s.
+      if (static_cast<int64_t>(o.dl16.size()) < 2 * M * nb) o.dl16.resize(2 * M * nb);
+      alignas(64) int8_t tmp[256];
+      float sums[16];
+      for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        int8_t* xs = qr + sb * 256;
+        float* dl = o.dl16.data() + 2 * (m * nb + sb * 8);
+        float* ds = o.ds16.data() + 2 * (m * nb + sb * 8);
+        const float* dd = o.d.data() + m * nb + sb * 8;
+        std::memcpy(tmp, xs, 256);
+        std::memcpy(sums, ds, sizeof(sums));
+        for (int L = 0; L < 4; ++L)
+          for (int j = 0; j < 4; ++j) {
+            const int n = L >> 1, h = L & 1;
+            for (int t = 0; t < 4; ++t) std::memcpy(xs + 64 * t + 16 * L + 4 * j, tmp + 128 * n + 32 * j + 16 * h + 4 * t, 4);
+            dl[4 * L + j] = dd[4 * n + j];
+            ds[4 * L + j] = sums[2 * (4 * n + j) + h];
+          }
       }
     }
   }
@@ -824,15 +850,12 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
 //   the 128-bit lanes of low / high nibbles interleaved into Q4_K's pairs; the 6-bit scales
 //   (ls - 32, signed) take Q4_K's scale role and the +128 offset's share 128 * d * (ls - 32) * dx *
 //   sum(q_x) takes the minimum's.
-// - Q2_K and Q3_K: Q6_K's form (16 sub-blocks of 16, lanes 4k..4k+3 of product j = sub-block
-//   4j + k). qs (64 bytes, all in one zmm: bytes 0-31 the first 128 weights, 32-63 the second)
-//   shifted right by 2 j' and masked to 2 bits give weights 32 j' + l (low 256 bits) and 128 + 32 j'
-//   + l (high); 128-bit-pair shuffles of j' = (0, 1) and (2, 3) line them up with x as 64
-//   consecutive weights. Q3_K ORs in its high bit (hmask bit 4 n + j' of byte l, for half n) at
-//   0x04, so the code is value + 4 (0..7), its 6-bit scales (ls - 32) are the sub-block scales and
-//   the +4 offset's share 4 * d * (ls - 32) * dx * sum16(q_x) is subtracted at the end; Q2_K's
-//   codes are the values (0..3) with a 4-bit scale and a 4-bit minimum per sub-block, and the
-//   minimum's share dmin * min * dx * sum16(q_x) is subtracted (as ggml / ik do with q8's bsums).
+// - Q2_K and Q3_K: decode_kq2 below (16 sub-blocks of 16; x laid out to match the 2-bit fields).
+//   Q3_K's code is value + 4 (0..7: the 2 low bits and hmask's bit), its 6-bit scales (ls - 32) the
+//   sub-block scales, and the +4 offset's share 4 * d * (ls - 32) * dx * sum16(q_x) is subtracted at
+//   the end; Q2_K's codes are the values (0..3) with a 4-bit scale and a 4-bit minimum per
+//   sub-block, and the minimum's share dmin * min * dx * sum16(q_x) is subtracted (as ggml / ik do
+//   with q8's block sums).
 // Error: x's 8-bit rounding only, as the legacy types (the int32 sums are exact).
 
 // A Q4_K super-block's 12 scale bytes -> 8 scales and 8 minimums (ggml's get_scale_min_k4, as a
@@ -851,16 +874,15 @@ inline void q4k_scales(const uint8_t* p, __m256& sc, __m256& mn) {
   mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
 }
 
-// Rows [n0, n1) of W (a kq8_type, w at super-block kb0 / 8 of row 0) against MM quantized x
+// Rows [n0, n1) of W (a kq8_type but Q2_K / Q3_K, w at super-block kb0 / 8 of row 0) against MM quantized x
 // rows, 32-blocks [kb0, kb0 + nb) (nb a multiple of 8).
 template <int type, int MM>
 void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
                 int64_t n1, float* y, int64_t ldy, bool accumulate) {
   constexpr bool q4k = !kq16_type(type);  // 8 sub-blocks of 32, W[j] = the pair (2j, 2j + 1)
-  constexpr int bs = type == ikj::T_Q4_K ? 144 : type == ikj::T_Q5_K ? 176 : type == ikj::T_IQ4_XS ? 136
-                   : type == ikj::T_Q3_K ? 110 : type == ikj::T_Q2_K ? 84 : 210;
-  constexpr float off = type == ikj::T_IQ4_XS ? 128.f : type == ikj::T_Q6_K ? 32.f
-                      : type == ikj::T_Q3_K ? 4.f : 1.f;  // accm's factor
+  static_assert(!kq2_type(type), "Q2_K / Q3_K: decode_kq2");
+  constexpr int bs = type == ikj::T_Q4_K ? 144 : type == ikj::T_Q5_K ? 176 : type == ikj::T_IQ4_XS ? 136 : 210;
+  constexpr float off = type == ikj::T_IQ4_XS ? 128.f : type == ikj::T_Q6_K ? 32.f : 1.f;  // accm's factor
   const int64_t nsb = nb / 8;
   const int64_t pf = decode_prefetch_bytes();
   const int64_t rq = xq.row_q();
@@ -881,7 +903,6 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
                                      4 * j + 3);
   const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30), m10 = _mm512_set1_epi8(0x10);
-  const __m512i m3 = _mm512_set1_epi8(0x03), m04 = _mm512_set1_epi8(0x04);
   const __m512i tbl = iq4nl_table512();
   const __m512i lo2 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi2 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   const __m256i xs_shl = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), xs_shh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
@@ -950,7 +971,7 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
         }
       } else {
         __m512 dsc, dmn;
-        if constexpr (type == ikj::T_Q6_K) {
+        {  // Q6_K
           for (int h = 0; h < 2; ++h) {
             const __m512i L = _mm512_loadu_si512(wb + 64 * h);
             const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + 32 * h));
@@ -963,44 +984,6 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
               _mm512_set1_ps(f16(wb + 208)),
               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192)))));
           dmn = dsc;
-        } else {  // Q2_K, Q3_K: 2-bit codes of qs, shift 2 j' -> weights 32 j' + l of each 128-half
-          constexpr int qs = type == ikj::T_Q3_K ? 32 : 16;
-          const __m512i Q = _mm512_loadu_si512(wb + qs);
-          __m512i a[4];
-          for (int j = 0; j < 4; ++j) a[j] = _mm512_and_si512(_mm512_srli_epi16(Q, 2 * j), m3);
-          if constexpr (type == ikj::T_Q3_K) {  // + 4 where hmask's bit (4 n + j') of byte l is set
-            const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
-            const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 4), 1);
-            a[0] = _mm512_or_si512(a[0], _mm512_and_si512(_mm512_slli_epi16(Hz, 2), m04));
-            a[1] = _mm512_or_si512(a[1], _mm512_and_si512(_mm512_slli_epi16(Hz, 1), m04));
-            a[2] = _mm512_or_si512(a[2], _mm512_and_si512(Hz, m04));
-            a[3] = _mm512_or_si512(a[3], _mm512_and_si512(_mm512_srli_epi16(Hz, 1), m04));
-          }
-          W[0] = _mm512_shuffle_i64x2(a[0], a[1], 0x44);
-          W[1] = _mm512_shuffle_i64x2(a[2], a[3], 0x44);
-          W[2] = _mm512_shuffle_i64x2(a[0], a[1], 0xEE);
-          W[3] = _mm512_shuffle_i64x2(a[2], a[3], 0xEE);
-          if constexpr (type == ikj::T_Q3_K) {
-            // ggml's 6-bit scale unpack in one xmm (a scalar unpack through the stack stalled on
-            // store-to-load forwarding: ~28 % of the kernel's samples): scale i's low 4 bits are
-            // bytes 0-7's low then high nibbles, its high 2 bits bits 2 (i / 4) of bytes 8-11.
-            // The 12 bytes at 96 are loaded from 94 (16 bytes, within the 110-byte block), shifted.
-            const __m128i v = _mm_srli_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 94)), 2);
-            const __m128i lo4 = _mm_unpacklo_epi64(_mm_and_si128(v, _mm_set1_epi8(0x0f)),
-                                                   _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f)));
-            const __m128i t = _mm_shuffle_epi8(v, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
-            const __m128i hi2 =
-                _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(t, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3)), 4);
-            const __m512i ls = _mm512_cvtepu8_epi32(_mm_or_si128(lo4, hi2));
-            dsc = _mm512_mul_ps(_mm512_set1_ps(f16(wb + 108)),
-                                _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
-            dmn = dsc;
-          } else {  // Q2_K: scale in the low nibble, minimum in the high
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
-            dsc = _mm512_mul_ps(_mm512_set1_ps(f16(wb + 80)),
-                                _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xf))));
-            dmn = _mm512_mul_ps(_mm512_set1_ps(f16(wb + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
-          }
         }
         for (int m = 0; m < MM; ++m) {
           const int8_t* xb = xqs[m] + i * 256;
@@ -1016,6 +999,93 @@ void decode_kq8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
     }
     for (int m = 0; m < MM; ++m) {
       const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - off * _mm512_reduce_add_ps(accm[m]);
+      float* dst = y + m * ldy + n;
+      *dst = accumulate ? *dst + s : s;
+    }
+  }
+}
+
+// Q2_K / Q3_K at M < 4 (decode_kq8's Q6_K form did them in ~38 zmm ops a super-block; this ~27):
+// one int32 vector of the 16 sub-blocks' dots per super-block, so one convert and one FMA. qs's
+// 128-bit lane L = 2 n + h holds weights i = 0..15 of the sub-blocks s = 8 n + 2 j + h (j = 0..3, bits
+// 2 j of byte i). V_t = the dword t of each 128-bit lane broadcast over it (pshufd), shifted right by
+// 2 j in dword j, masked to 2 bits: 32-bit lane (L, j) = weights 4t..4t+3 of sub-block (n, j, h); x
+// laid out the same by quantize_x8 (X_t), so vpdpbusd over t = 0..3 accumulates each sub-block in
+// its own lane. Q3_K ORs in hmask's bit 4 n + j of byte 16 h + i (a byte-mask test and masked add of
+// 4). The scales are permuted to that lane order by one pshufb; dx per lane (dl16) and the
+// minimum's / offset's dx * sum16(q) (ds16) come in that order from quantize_x8.
+template <int type, int MM>
+void decode_kq2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  constexpr bool q3 = type == ikj::T_Q3_K;
+  constexpr int bs = q3 ? 110 : 84;
+  constexpr float off = q3 ? 4.f : 1.f;
+  const int64_t nsb = nb / 8;
+  const int64_t pf = decode_prefetch_bytes();
+  const int64_t rq = xq.row_q();
+  const int8_t* xqs[MM];
+  const float *xl[MM], *xs[MM];
+  for (int m = 0; m < MM; ++m) {
+    xqs[m] = xq.q.data() + m * rq + kb0 * 32;
+    xl[m] = xq.dl16.data() + 2 * (m * xq.nb + kb0);
+    xs[m] = xq.ds16.data() + 2 * (m * xq.nb + kb0);
+  }
+  const __m512i shv = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+  const __m512i m3 = _mm512_set1_epi8(0x03), four = _mm512_set1_epi8(0x04);
+  // Q3_K: lane (L, j) tests bit 4 (L >> 1) + j of each byte
+  const __m512i hbit = _mm512_setr_epi32(0x01010101, 0x02020202, 0x04040404, 0x08080808, 0x01010101, 0x02020202,
+                                         0x04040404, 0x08080808, 0x10101010, 0x20202020, 0x40404040,
+                                         static_cast<int>(0x80808080), 0x10101010, 0x20202020, 0x40404040,
+                                         static_cast<int>(0x80808080));
+  const __m128i sperm = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);  // lane <- s
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m512 acc[MM], accm[MM];
+    for (int m = 0; m < MM; ++m) acc[m] = accm[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nsb; ++i) {
+      const uint8_t* wb = wr + i * bs;
+      if (pf)
+        for (int o = 0; o < bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + pf + o), _MM_HINT_T0);
+      const __m512i Q = _mm512_loadu_si512(wb + (q3 ? 32 : 16));
+      __m512i V[4];
+      V[0] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi32(Q, _MM_PERM_AAAA), shv), m3);
+      V[1] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi32(Q, _MM_PERM_BBBB), shv), m3);
+      V[2] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi32(Q, _MM_PERM_CCCC), shv), m3);
+      V[3] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi32(Q, _MM_PERM_DDDD), shv), m3);
+      __m512 dsc, dmn;
+      if constexpr (q3) {
+        const __m512i Hz = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb)));
+        V[0] = _mm512_mask_add_epi8(V[0], _mm512_test_epi8_mask(_mm512_shuffle_epi32(Hz, _MM_PERM_AAAA), hbit), V[0], four);
+        V[1] = _mm512_mask_add_epi8(V[1], _mm512_test_epi8_mask(_mm512_shuffle_epi32(Hz, _MM_PERM_BBBB), hbit), V[1], four);
+        V[2] = _mm512_mask_add_epi8(V[2], _mm512_test_epi8_mask(_mm512_shuffle_epi32(Hz, _MM_PERM_CCCC), hbit), V[2], four);
+        V[3] = _mm512_mask_add_epi8(V[3], _mm512_test_epi8_mask(_mm512_shuffle_epi32(Hz, _MM_PERM_DDDD), hbit), V[3], four);
+        // the 6-bit scales as in decode_kq8, then into lane order
+        const __m128i v = _mm_srli_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 94)), 2);
+        const __m128i lo4 = _mm_unpacklo_epi64(_mm_and_si128(v, _mm_set1_epi8(0x0f)),
+                                               _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f)));
+        const __m128i t = _mm_shuffle_epi8(v, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
+        const __m128i hi2 =
+            _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(t, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3)), 4);
+        const __m512i ls = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_or_si128(lo4, hi2), sperm));
+        dsc = _mm512_mul_ps(_mm512_set1_ps(f16(wb + 108)), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+        dmn = dsc;
+      } else {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)), sperm));
+        dsc = _mm512_mul_ps(_mm512_set1_ps(f16(wb + 80)), _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xf))));
+        dmn = _mm512_mul_ps(_mm512_set1_ps(f16(wb + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+      }
+      for (int m = 0; m < MM; ++m) {
+        const int8_t* xb = xqs[m] + i * 256;
+        __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), V[0], _mm512_loadu_si512(xb));
+        c = _mm512_dpbusd_epi32(c, V[1], _mm512_loadu_si512(xb + 64));
+        c = _mm512_dpbusd_epi32(c, V[2], _mm512_loadu_si512(xb + 128));
+        c = _mm512_dpbusd_epi32(c, V[3], _mm512_loadu_si512(xb + 192));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(dsc, _mm512_loadu_ps(xl[m] + i * 16)), acc[m]);
+        accm[m] = _mm512_fmadd_ps(dmn, _mm512_loadu_ps(xs[m] + i * 16), accm[m]);
+      }
+    }
+    for (int m = 0; m < MM; ++m) {
+      const float s = _mm512_reduce_add_ps(acc[m]) - off * _mm512_reduce_add_ps(accm[m]);
       float* dst = y + m * ldy + n;
       *dst = accumulate ? *dst + s : s;
     }
@@ -1185,10 +1255,18 @@ template <int type, int bs>
 void decode_kq8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes,
                   int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
   w += kb0 / 8 * bs;  // K-quant rows are plain sequences of super-blocks of 8 x 32
-  switch (M) {
-    case 1: decode_kq8<type, 1>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
-    case 2: decode_kq8<type, 2>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
-    default: decode_kq8<type, 3>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+  if constexpr (kq2_type(type)) {
+    switch (M) {
+      case 1: decode_kq2<type, 1>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+      case 2: decode_kq2<type, 2>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+      default: decode_kq2<type, 3>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    }
+  } else {
+    switch (M) {
+      case 1: decode_kq8<type, 1>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+      case 2: decode_kq8<type, 2>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+      default: decode_kq8<type, 3>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    }
   }
 }
 #endif
