@@ -171,7 +171,8 @@ def test_bf16_compute(name, isa, monkeypatch):
 @pytest.mark.parametrize("isa", ISAS)
 def test_kquant_int8_decode(name, isa, monkeypatch):
     """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS decode in the fast mode: at avx512, 8-bit activations
-    per block of 32 and VNNI dot products on the super-blocks' own quants (cpu_kernel.cc, decode_kq8),
+    per block of 32 and VNNI dot products on the super-blocks' own quants (cpu_kernel.cc, decode_kq8;
+    Q2_K / Q3_K decode_kq2, with x laid out to their 2-bit fields),
     checked against the f32 function of the 8-bit x (1e-5: the int32 sums are exact, so a wrong code,
     scale, minimum or offset share shows) and against the f32 product within X8_TOL (and > 1e-6 from
     it: the int8 path really ran); at avx2 and generic the f32 decode (1e-5). M = 1..3 (M = 4 is
