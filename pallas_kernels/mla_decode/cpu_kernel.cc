@@ -28,6 +28,7 @@
 
 #include "cpu/common.h"
 #include "cpu/runtime.h"
+#include "cpu/vmath.h"
 
 namespace IKJ_NS {
 namespace {
@@ -47,22 +48,9 @@ inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
-// exp: Cephes polynomial on x - n·ln2, times 2^n by scalef; exact 0 below -87.3 (masked keys, -inf)
+// exp: Cephes (cpu/vmath.h); exact 0 below -87.3 (masked keys, -inf)
 inline V vexp(V x) {
-  const V lo = vbc(-87.33654f);
-  V xc = _mm512_min_ps(_mm512_max_ps(x, lo), vbc(88.3762626647949f));
-  V n = _mm512_roundscale_ps(vmul(xc, vbc(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = _mm512_fnmadd_ps(n, vbc(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, vbc(-2.12194440e-4f), r);
-  V p = vbc(1.9875691500e-4f);
-  p = vfma(p, r, vbc(1.3981999507e-3f));
-  p = vfma(p, r, vbc(8.3334519073e-3f));
-  p = vfma(p, r, vbc(4.1665795894e-2f));
-  p = vfma(p, r, vbc(1.6666665459e-1f));
-  p = vfma(p, r, vbc(5.0000001201e-1f));
-  p = vfma(p, vmul(r, r), vadd(r, vbc(1.0f)));
-  V res = _mm512_scalef_ps(p, n);
-  return _mm512_mask_mov_ps(res, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), vzero());
+  return _mm512_mask_mov_ps(ikj_exp512(x), _mm512_cmp_ps_mask(x, vbc(-87.33654f), _CMP_LT_OQ), vzero());
 }
 #elif defined(__AVX2__)
 constexpr int L = 8;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu/runtime.h"
+#include "cpu/vmath.h"
 #include "quant_matmul/cpu_kernel.h"
 
 namespace IKJ_NS {
@@ -53,25 +54,6 @@ void split_cols(int64_t n, int ith, int nth, int64_t* begin, int64_t* end) {
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-#if defined(__AVX512F__)
-// e^v, Cephes' expf: v = n ln2 + r, e^r by a degree-7 polynomial, scaled by 2^n; relative error
-// ~1e-7 over the clamped range (e^v saturates at e^88.38, flushes toward 0 below e^-87.3).
-inline __m512 exp512(__m512 v) {
-  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // h[j] = silu(h[j]) * u[j], j < n. Vectorized at the avx512 level: a prompt step's 512 x 6 rows of
 // 1408 took ~6 % of the fused call in scalar expf. A NaN in h stays NaN (h / (1 + e^-h)).
@@ -80,7 +62,7 @@ inline void silu_mul(float* h, const float* u, int64_t n) {
 #if defined(__AVX512F__)
   for (; j + 16 <= n; j += 16) {
     const __m512 v = _mm512_loadu_ps(h + j);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    const __m512 e = ikj_exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
     _mm512_storeu_ps(h + j, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(u + j)));
   }
 #endif
