@@ -362,6 +362,13 @@ def stream_slots_for(per_expert_bytes: int, n_expert: int) -> int:
     return max(1, min(n_expert, int(mib * 2**20 // max(per_expert_bytes, 1))))
 
 
+def _streamed(blocks, t, shape, backend: str):
+    """Expert blocks that reached the device inside a step, laid out as the load would lay out
+    device-resident ones for `backend` (the Pallas repack), as a QuantArray of `t`'s type."""
+    qa = QuantArray(blocks, t.qtype, shape)
+    return prepare_weight(qa) if backend in ("pallas", "interpret") else qa
+
+
 def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fused: bool = True,
                backend: str | None = None):
     """Routed experts computed in rounds of at most `slots` experts on the device: `fetch(weights,
@@ -386,10 +393,7 @@ def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fus
             # arbitrary bytes, so they are zeroed there (the kernels never read them)
             filled = jnp.zeros((slots,), bool).at[jnp.where(slot_of >= 0, slot_of, slots)].set(True, mode="drop")
             blocks = [jnp.where(filled[:, None, None], blk, jnp.zeros((), blk.dtype)) for blk in blocks]
-        dev = []
-        for t, blk in zip((gate, up, down), blocks):
-            qa = QuantArray(blk, t.qtype, (slots, *t.shape[1:]))
-            dev.append(prepare_weight(qa) if b in ("pallas", "interpret") else qa)  # as the load would
+        dev = [_streamed(blk, t, (slots, *t.shape[1:]), b) for t, blk in zip((gate, up, down), blocks)]
         return moe_experts(x, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
                            backend=backend)
 
@@ -429,10 +433,7 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend):
     if state is not None:
         state["prev"] = x
     b = resolve_backend(backend)
-    dev = []
-    for t, d in zip((gate, up, down), data):
-        qa = QuantArray(jax.device_put(d, jax.memory.Space.Device), t.qtype, t.shape)
-        dev.append(prepare_weight(qa) if b in ("pallas", "interpret") else qa)  # as the load would
+    dev = [_streamed(jax.device_put(d, jax.memory.Space.Device), t, t.shape, b) for t, d in zip((gate, up, down), data)]
     out = moe_experts(x, weights, ids, *dev, dtype, fused=fused, backend=backend)
     _ran("moe_experts", "stream:" + selected("moe_experts"))
     return out
