@@ -1,8 +1,9 @@
 """Engine: a loaded model with its options, compiled steps and KV cache.
 
 One jitted step per (batch bucket, token bucket, KV-length bucket, mode); the cache is donated so
-XLA updates it in place. Prompts run in `ubatch` chunks; generation runs one token per sequence
-per step. Buckets are powers of two, so a warm engine compiles only O(log ctx) steps.
+XLA updates it in place. Prompts run in `ubatch` chunks. Generation runs several decode steps per
+dispatch (`Engine.decode`: a loop in one executable, the next token chosen on the device), which
+on a GPU XLA captures whole as one CUDA graph; with -sm layer / -sm graph one token per step.
 """
 from __future__ import annotations
 
@@ -27,15 +28,51 @@ from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.memory_plan import (MemoryPlan, cache_capacity, check_devices, check_fits, mapped_rss, plan_memory,
                                process_memory)
 from ikjax.model.deepseek2 import StepPlan, forward
-from ikjax.options import RunOptions
+from ikjax.options import RunOptions, env_choice
 from ikjax.placement import plan_placement
-from ikjax.sampling import check_count, check_sampling, sample_next
+from ikjax.sampling import check_count, check_sampling, sample_device, sample_next
 from ikjax.weights import load_weights
 
 log = logging.getLogger("ikjax")
 
 # One jit for all engines: engines whose config, plan and weight types agree share executables.
 _jitted_forward = jax.jit(forward, static_argnames=("cfg", "plan"), donate_argnums=(1,))
+
+
+def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: StepPlan, chunk: int,
+                 sampling: tuple):
+    """n <= chunk decode steps in one dispatch: tok [B] sits at positions start [B]; each step
+    feeds the current token, appends its latent to the cache and picks the next one on the device
+    (`sample_device` with `sampling`, a static tuple of its keyword items). Returns (tokens
+    [B, chunk] int32, the first n of them produced, cache).
+
+    Why: a batch-1 decode step is ~700 small kernels; dispatched one step at a time the host's
+    launches (~5 us each) set the pace, and a per-step CUDA graph is re-recorded whenever a
+    buffer moves. A loop with a trip count read on the device is one executable whose body XLA
+    captures as one CUDA graph (a WHILE command, see _DECODE_GPU_OPTIONS)."""
+    B = tok.shape[0]
+    zeros = jnp.zeros((B,), jnp.int32)
+
+    def body(i, carry):
+        cache, tok, out, key = carry
+        logits, cache = forward(weights, cache, tok[:, None], start + i, zeros, cfg=cfg, plan=plan)
+        key, sub = jax.random.split(key)
+        nxt = sample_device(logits, sub, **dict(sampling))
+        return cache, nxt, jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i)), key
+
+    out = jnp.zeros((B, chunk), jnp.int32)
+    cache, _, out, _ = jax.lax.fori_loop(0, n, body, (cache, tok, out, key))
+    return out, cache
+
+
+_jitted_decode = jax.jit(decode_steps, static_argnames=("cfg", "plan", "chunk", "sampling"), donate_argnums=(1,))
+# XLA's command buffers for the decode loop only: with WHILE the loop and its body become one CUDA
+# graph (RESULTS §13b: one command buffer for the whole loop). ikjax turns command buffers off
+# for everything else (ikjax/__init__.py), where they measured slower.
+_DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT,CUDNN,"
+                                                        "DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE",
+                       "xla_gpu_graph_min_graph_size": 1}
+DECODE_CHUNK = 16  # tokens per dispatch in generate (a stop mid-chunk wastes the rest of it)
 
 
 STOP_EOS, STOP_MAX_TOKENS, STOP_CONTEXT = "eos", "max_tokens", "context"
@@ -130,20 +167,32 @@ class Engine:
         self.compile_count = 0
 
     # -- compiled step -------------------------------------------------------------------------
-    def _executable(self, B: int, T: int, plan: StepPlan):
+    def _executable(self, B: int, T: int, plan: StepPlan, decode: tuple | None = None):
         """The compiled step for this shape: compiled once, its XLA buffers (temp + outputs) put
         into the memory plan, and on CPU refused (DoesNotFitError) before it ever runs if the
-        plan's peak exceeds what the machine has."""
-        key = (B, T, plan)
+        plan's peak exceeds what the machine has. `decode` = (chunk, sampling): the decode loop
+        (`decode_steps`) instead of one step of T tokens."""
+        key = (B, T, plan, decode)
         exe = self._executables.get(key)
         if exe is not None:
             return exe
-        self._note_compile(B, T, plan)
+        self._note_compile(B, T, plan, decode)
         compile_cache.setup()
         hits0, writes0 = compile_cache.hits(), compile_cache.writes()
         anon0, file0 = process_memory()
         cache = jax.eval_shape(lambda: kvcache.init_cache(self.cache_layout(B)))
-        if self._pipeline is not None:
+        if decode is not None:
+            chunk, sampling = decode
+            sh = None
+            if len(self.placement.devices) > 1:  # -sm none on device -mg
+                sh = jax.sharding.SingleDeviceSharding(self._device)
+                cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache)
+            i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sh)
+            lowered = _jitted_decode.lower(self.weights, cache, i32((B,)), i32((B,)), i32(()),
+                                           jax.eval_shape(lambda: jax.random.key(0)), cfg=self.config,
+                                           plan=plan, chunk=chunk, sampling=sampling)
+            exe = lowered.compile(_DECODE_GPU_OPTIONS if self._on_gpu() else None)
+        elif self._pipeline is not None:
             exe = self._pipeline.compile(cache, B, T, plan)
         else:
             sh, static = None, {}
@@ -200,15 +249,18 @@ class Engine:
     def token_bucket(self, n: int) -> int:
         return min(kv_buckets.pow2_at_least(n), max(n, self.options.ubatch))
 
-    def _note_compile(self, B: int, T: int, plan: StepPlan) -> bool:
-        key = (B, T, plan)
+    def _note_compile(self, B: int, T: int, plan: StepPlan, decode: tuple | None = None) -> bool:
+        key = (B, T, plan, decode)
         if key in self._compiled:
             return False
         self._compiled.add(key)
         self.compile_count += 1
-        log.info("compiling step: batch %d, tokens %d, kv_len %d, mla %d, fa %d", B, T, plan.kv_len,
-                 plan.mla, plan.fa)
+        what = f"decode loop of {decode[0]} steps" if decode else f"tokens {T}"
+        log.info("compiling step: batch %d, %s, kv_len %d, mla %d, fa %d", B, what, plan.kv_len, plan.mla, plan.fa)
         return True
+
+    def _on_gpu(self) -> bool:
+        return any(d.platform == "gpu" for d in sharding.jax_devices(self.placement))
 
     def step(self, cache, tokens: np.ndarray, start: np.ndarray, last: np.ndarray | None = None,
              all_logits: bool = False):
@@ -234,10 +286,53 @@ class Engine:
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
         plan = self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits, n_tokens)
-        if (batch, n_tokens, plan) in self._executables:
+        if (batch, n_tokens, plan, None) in self._executables:
             return 0.0
         t0 = time.perf_counter()
         self._executable(batch, n_tokens, plan)
+        return time.perf_counter() - t0
+
+    def decode_loop(self) -> bool:
+        """Whether generation runs several steps per dispatch (`decode`): on one device (the
+        -sm layer pipeline and the -sm graph mesh step one token at a time); IKJAX_DECODE_LOOP=0
+        turns it off (one dispatch per token, for comparison)."""
+        return (self._pipeline is None and self._mesh is None
+                and env_choice("IKJAX_DECODE_LOOP", ("1", "0"), "1") == "1")
+
+    @staticmethod
+    def _sampling_key(sampling: dict | None) -> tuple:
+        """The static sampling setting of a decode executable; every greedy setting is one."""
+        p = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+        if sampling and sampling.get("temperature", 0.0) > 0.0:
+            p.update({k: sampling[k] for k in p if k in sampling})
+        return tuple(sorted(p.items()))
+
+    def _decode_plan(self, start_max: int, chunk: int) -> StepPlan:
+        return self._plan(self.kv_bucket(start_max + chunk, 1), False, 1)
+
+    def decode(self, cache, tokens, start, n: int, *, chunk: int | None = None, sampling: dict | None = None,
+               key=None):
+        """n decode steps in one dispatch (see `decode_steps`): tokens [B] at positions start [B];
+        returns (new tokens [B, chunk] on the device, the first n valid; cache). The cache is
+        donated. `chunk` (default n) is the compiled length, so calls with n <= chunk share one
+        executable; `sampling`: `check_sampling`'s keys (default greedy); `key`: a JAX PRNG key."""
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        start = np.asarray(start, np.int32).reshape(-1)
+        chunk = n if chunk is None else chunk
+        if not 0 < n <= chunk:
+            raise OptionError(f"decode: need 0 < n <= chunk, got n={n}, chunk={chunk}")
+        plan = self._decode_plan(int(start.max()), chunk)
+        exe = self._executable(len(tokens), 1, plan, (chunk, self._sampling_key(sampling)))
+        return exe(self.weights, cache, tokens, start, np.int32(n), jax.random.key(0) if key is None else key)
+
+    def precompile_decode(self, batch: int, chunk: int, kv_needed: int, sampling: dict | None = None) -> float:
+        """Compile the decode loop of `chunk` steps whose last step reads `kv_needed` entries."""
+        plan = self._decode_plan(kv_needed - chunk, chunk)
+        decode = (chunk, self._sampling_key(sampling))
+        if (batch, 1, plan, decode) in self._executables:
+            return 0.0
+        t0 = time.perf_counter()
+        self._executable(batch, 1, plan, decode)
         return time.perf_counter() - t0
 
     def new_cache(self, batch: int = 1):
@@ -362,16 +457,34 @@ class Engine:
         sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
         logits, cache = self.prefill(self.new_cache(1), ids, 0, all_logits=False)
         length = len(ids)
-        for n_new in range(1, max_tokens + 1):
-            tok = sample_next(logits, rng=rng, **sp)
-            length += 1
+        tok = sample_next(logits, rng=rng, **sp)  # the first token from the prompt's logits
+        n_new, length = 1, length + 1
+        key = jax.random.key(int(rng.integers(0, 2**31 - 1)))  # the device's draws follow the seed
+        while True:
             reason = self._stop_reason(tok, n_new, length, max_tokens, stop_ids)
             gen.stop_reason = reason
             yield tok
             if reason is not None:
                 return
-            out, cache = self.step(cache, np.array([[tok]], np.int32), np.array([length - 1]), np.array([0]), False)
-            logits = np.asarray(out, np.float32)[0]
+            if not self.decode_loop():
+                out, cache = self.step(cache, np.array([[tok]], np.int32), np.array([length - 1]), np.array([0]),
+                                       False)
+                tok = sample_next(np.asarray(out, np.float32)[0], rng=rng, **sp)
+                n_new, length = n_new + 1, length + 1
+                continue
+            # up to DECODE_CHUNK tokens in one dispatch, no further than the stopping rules allow;
+            # tokens after a stop id inside the chunk are dropped
+            n = min(DECODE_CHUNK, max_tokens - n_new, self.options.ctx - length)
+            key, sub = jax.random.split(key)
+            out, cache = self.decode(cache, [tok], [length - 1], n, chunk=DECODE_CHUNK, sampling=sp, key=sub)
+            for t in np.asarray(out)[0, :n - 1]:
+                tok, n_new, length = int(t), n_new + 1, length + 1
+                reason = self._stop_reason(tok, n_new, length, max_tokens, stop_ids)
+                gen.stop_reason = reason
+                yield tok
+                if reason is not None:
+                    return
+            tok, n_new, length = int(np.asarray(out)[0, n - 1]), n_new + 1, length + 1
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,

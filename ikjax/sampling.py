@@ -74,3 +74,30 @@ def sample_next(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0,
     scaled /= scaled.sum()
     rng = rng or np.random.default_rng()
     return int(order[rng.choice(len(order), p=scaled)])
+
+
+def sample_device(logits, key, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0):
+    """`sample_next` inside a compiled step: logits [B, V] -> token ids [B] int32, the same filters
+    in the same order (top-k, top-p, min-p, then temperature), drawn with a JAX key. It lets
+    several decode steps run in one dispatch (Engine.decode) with nothing crossing to the host
+    between tokens. The parameters are static (one executable per setting)."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = logits.astype(jnp.float32)
+    if temperature <= 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    V = logits.shape[-1]
+    vals, idx = jax.lax.top_k(logits, top_k if 0 < top_k < V else V)  # descending, ties to the lower id
+    probs = jnp.exp(vals - vals[:, :1])
+    probs = probs / probs.sum(axis=-1, keepdims=True)
+    keep = jnp.ones(vals.shape, bool)
+    if top_p < 1.0:  # the smallest prefix whose mass reaches top_p
+        before = jnp.cumsum(probs, axis=-1) - probs
+        keep = keep & (before < top_p)
+    if min_p > 0.0:
+        keep = keep & (probs >= min_p * probs[:, :1])
+    scaled = jnp.where(keep, (vals - vals[:, :1]) / temperature, -jnp.inf)
+    pick = jax.random.categorical(key, scaled, axis=-1)
+    return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)

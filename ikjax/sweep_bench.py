@@ -1,8 +1,11 @@
 """sweep-bench as ik_llama.cpp runs it (SPEC §4): PP and TG speed as the KV cache fills.
 
-For n_kv = 0, ub, 2ub, ... while n_kv + ub <= c: generate `tg` tokens one at a time at positions
-n_kv.. (timed), drop them (the next step simply starts at n_kv again: later rows are masked), then
-process `ub` random tokens at n_kv (timed). Every step shape the sweep will hit is compiled before
+For n_kv = 0, ub, 2ub, ... while n_kv + ub <= c: generate `tg` tokens at positions n_kv.. (timed),
+drop them (the next step simply starts at n_kv again: later rows are masked), then process `ub`
+random tokens at n_kv (timed). The `tg` tokens are generated as `generate` does, each step
+feeding the token the last one picked (greedy), all of them in one dispatch where the engine
+decodes in a loop (Engine.decode_loop; IKJAX_DECODE_LOOP=0: one dispatch and host round trip per
+token, as ik's sweep-bench, which feeds random tokens). Every step shape the sweep will hit is compiled before
 the first timer starts; compile time is reported separately. `nrep` (ik's `-nrep`) repeats the first
 row's TG and PP that many times and reports the mean, as ik's sweep-bench does.
 """
@@ -87,7 +90,12 @@ def step_shapes(eng, tg: int, n_kv: int | None = None) -> list[tuple[int, int]]:
     ub = eng.options.ubatch
     seen: dict[tuple[int, int], int] = {}
     for p in sweep_points(eng.options.ctx, ub) if n_kv is None else [n_kv]:
-        for i in range(tg):
+        if tg and eng.decode_loop():  # one loop of tg steps: n_tokens 1, its last step's kv
+            seen.setdefault((1, eng.kv_bucket(p + tg, 1)), p + tg)
+            tg_steps = ()
+        else:
+            tg_steps = range(tg)
+        for i in tg_steps:
             seen.setdefault((1, eng.kv_bucket(p + i + 1, 1)), p + i + 1)
         seen.setdefault((ub, eng.kv_bucket(p + ub, ub)), p + ub)
     return sorted(((t, kv) for (t, _), kv in seen.items()), key=lambda x: (x[1], x[0]))
@@ -105,7 +113,8 @@ def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None 
     for k, (n_tokens, kv) in enumerate(shapes, 1):
         if on_begin:
             on_begin(k, len(shapes), n_tokens, eng.kv_bucket(kv, n_tokens))
-        s = eng.precompile(1, n_tokens, kv)
+        s = eng.precompile_decode(1, tg, kv) if n_tokens == 1 and eng.decode_loop() else \
+            eng.precompile(1, n_tokens, kv)
         total += s
         if on_shape:
             on_shape(n_tokens, kv, s)
@@ -130,6 +139,7 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
     cache = eng.new_cache(1)
     points = sweep_points(o.ctx, ub)
     warmed: set[tuple[int, int]] = set()
+    loop = eng.decode_loop()
 
     def warm(n_kv: int) -> None:
         """Run each step shape the row at n_kv uses once before it is timed, the first time it
@@ -141,7 +151,10 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
             key = (n_tokens, eng.kv_bucket(kv_needed, n_tokens))
             if key in warmed:
                 continue
-            out, cache = eng.step(cache, rng.integers(0, vocab, (1, n_tokens)), np.array([kv_needed - n_tokens]))
+            if n_tokens == 1 and loop:
+                out, cache = eng.decode(cache, rng.integers(0, vocab, (1,)), [kv_needed - tg], tg)
+            else:
+                out, cache = eng.step(cache, rng.integers(0, vocab, (1, n_tokens)), np.array([kv_needed - n_tokens]))
             out.block_until_ready()
             warmed.add(key)
     done = 0
@@ -153,6 +166,13 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
             warm(n_kv)
         t0 = time.perf_counter()
         for _ in range(reps):
+            if loop and tg:  # tg greedy steps in one dispatch, ready when the last token is
+                out, cache = eng.decode(cache, rng.integers(0, vocab, (1,)), [n_kv], tg)
+                out.block_until_ready()
+                done += tg
+                if on_progress:
+                    on_progress(done, 0)
+                continue
             for i in range(tg):
                 out, cache = eng.step(cache, rng.integers(0, vocab, (1, 1)), np.array([n_kv + i]))
                 out.block_until_ready()

@@ -73,6 +73,44 @@ def test_sampling_is_seeded_and_filters():
     assert stopped == one[:3]
 
 
+def test_decode_loop_equals_one_token_per_dispatch(monkeypatch):
+    """Several decode steps per dispatch (Engine.decode, tokens picked on the device) give the
+    tokens of one step per dispatch, through a stop id inside a chunk and the context's end."""
+    eng = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_0.gguf", mla=3, ctk="q8_0", ubatch=32, ctx=64)
+    assert eng.decode_loop()
+    p = list(range(2, 30))
+    loop = list(eng.generate(p, 40, stop=()))  # 28 + 36 = ctx: stops on the context
+    mid = list(eng.generate(p, 40, stop=(loop[20],)))
+    monkeypatch.setenv("IKJAX_DECODE_LOOP", "0")
+    assert not eng.decode_loop()
+    step = eng.generate(p, 40, stop=())
+    assert loop == list(step) and step.stop_reason == "context" and len(loop) == 64 - len(p)
+    assert mid == loop[:loop.index(loop[20]) + 1]
+    # the loop itself: n < chunk shares the executable, the first n tokens are the greedy ones
+    _, cache = eng.prefill(eng.new_cache(1), np.array(p), 0)
+    out, cache = eng.decode(cache, [loop[0]], [len(p)], 5, chunk=8)
+    assert np.asarray(out)[0, :5].tolist() == loop[1:6]
+    with pytest.raises(ikjax.IkjaxError, match="n <= chunk"):
+        eng.decode(cache, [1], [0], 9, chunk=8)
+
+
+def test_device_sampler_draws_as_the_host_sampler():
+    """sample_device (inside the decode loop) applies sample_next's filters: the same tokens
+    survive, drawn with the same frequencies (20000 draws each, 0.02 apart at most)."""
+    from ikjax.sampling import sample_device, sample_next
+    logits = np.random.default_rng(2).standard_normal(64).astype(np.float32) * 2
+    rng = np.random.default_rng(0)
+    keys = jax.random.split(jax.random.key(1), 20000)
+    for sp in (dict(temperature=0.7), dict(temperature=1.0, top_k=10), dict(temperature=1.3, top_p=0.8),
+               dict(temperature=1.0, top_k=20, top_p=0.9, min_p=0.1)):
+        host = np.bincount([sample_next(logits, rng=rng, **sp) for _ in range(20000)], minlength=64) / 20000
+        dev = jax.vmap(lambda k: sample_device(logits[None], k, **sp)[0])(keys)
+        dev = np.bincount(np.asarray(dev), minlength=64) / 20000
+        assert ((host > 0) == (dev > 0)).all() or np.abs(host - dev).max() < 0.005, sp
+        assert np.abs(host - dev).max() < 0.02, (sp, np.abs(host - dev).max())
+    assert int(sample_device(logits[None], keys[0])[0]) == int(np.argmax(logits))
+
+
 def test_warm_engine_does_not_recompile_inside_a_bucket():
     eng = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_0.gguf", mla=3, ctk="q8_0", ubatch=32, ctx=256, kv_block=64)
     list(eng.generate(np.arange(2, 40), 10, stop=()))  # 38 = 32 + 6 (token buckets 32, 8), kv bucket 64

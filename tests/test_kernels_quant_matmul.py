@@ -69,6 +69,11 @@ def test_kernel_split_k_f32_and_leading_dims():
     assert rel(y, r) < 1e-6
     y = quant_matmul(x, pw, jnp.bfloat16, interpret=True, config=cfg)
     assert rel(y, quant_matmul_ref(x.astype(jnp.bfloat16).astype(jnp.float32), pw, jnp.float32)) < 1e-6
+    # splits that do not divide the 8 k-steps (3, 3, 2), as pick_config makes for K = 11 * 2^n
+    cfg3 = dict(cfg, split=3)
+    assert rel(quant_matmul(x, pw, jnp.float32, interpret=True, config=cfg3), r) < 1e-6
+    c = pick_config("Q4_0", 1, 2048, 10944)
+    assert c["split"] > 1 and (10944 // c["bk"]) % c["split"] != 0
     cfg = dict(mode="dot", bm=16, bn=16, bk=64, split=1, num_warps=4, num_stages=2)
     x = jnp.asarray(rng.standard_normal((19, 1024)), jnp.float32)
     assert rel(quant_matmul(x, pw, jnp.bfloat16, interpret=True, config=cfg), quant_matmul_ref(x, pw)) < 1e-5

@@ -93,26 +93,34 @@ def test_jsonl_keys_order_types_and_plot(tiny_model, tmp_path):
     assert out.stat().st_size > 1000
 
 
-def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model):
+@pytest.mark.parametrize("loop", ["1", "0"])
+def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model, loop, monkeypatch):
     """A new executable's first run (kernel load, allocator growth) is never inside a row's timing:
     each step shape the sweep uses runs once, untimed, before the first row that uses it, and the
     compile hook sees each row before that row."""
     import ikjax
+    monkeypatch.setenv("IKJAX_DECODE_LOOP", loop)
     eng = ikjax.load(tiny_model, ctx=512, ubatch=128, mla=3, fa=True)
     tg = 4
     calls, rows_seen = [], []
-    step = eng.step
+    step, decode = eng.step, eng.decode
 
     def recording_step(cache, tokens, start, *a, **k):
         calls.append((tokens.shape[1], eng.kv_bucket(int(start[0]) + tokens.shape[1], tokens.shape[1]),
                       len(rows_seen)))
         return step(cache, tokens, start, *a, **k)
 
-    eng.step = recording_step
+    def recording_decode(cache, tokens, start, n, **k):  # the tg tokens in one dispatch
+        assert n == tg
+        calls.append((1, eng.kv_bucket(int(start[0]) + n, 1), len(rows_seen)))
+        return decode(cache, tokens, start, n, **k)
+
+    eng.step, eng.decode = recording_step, recording_decode
     rows = list(sb.run(eng, tg, before_row=rows_seen.append))
     assert rows_seen == sb.sweep_points(512, 128) and len(rows) == 4
     shapes = {(t, eng.kv_bucket(kv, t)) for t, kv in sb.step_shapes(eng, tg)}
-    timed = len(rows) * (tg + 1)
+    per_row = (1 if loop == "1" else tg) + 1
+    timed = len(rows) * per_row
     assert len(calls) == timed + len(shapes)  # one untimed run per distinct shape
     first_use = {}
     for i, (t, bucket, row) in enumerate(calls):
@@ -123,4 +131,4 @@ def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model):
     for r in range(len(rows)):
         mine = [i for i, c in enumerate(calls) if c[2] == r + 1]
         warm = [i for i in mine if i in first_use.values()]
-        assert mine[:len(warm)] == warm and len(mine) - len(warm) == tg + 1
+        assert mine[:len(warm)] == warm and len(mine) - len(warm) == per_row

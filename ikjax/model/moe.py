@@ -7,6 +7,9 @@ and up; `fmoe` selects the fused XLA form, as ik's `-fmoe`.
 """
 from __future__ import annotations
 
+import math
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -15,6 +18,27 @@ from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
 from ikjax.options import SmartExpertReduction
 from ikjax.model.layers import HIGHEST, SHARED_EXPERTS, dense_ffn
 
+
+
+def top_k(x, k: int):
+    """(values, indices) of the k largest along the last axis, ties to the lower index (as
+    lax.top_k). Few rows: by rank (each entry counts the entries above it), which XLA fuses into
+    plain loop kernels; lax.top_k becomes a sort custom call on GPU, a launch of its own that
+    also cuts the step's CUDA graph in two at every MoE layer. Many rows: lax.top_k."""
+    n, e = math.prod(x.shape[:-1]), x.shape[-1]
+    if os.environ.get("IKJAX_TOPK", "rank") == "lax" or n * e * e > _RANK_TOPK_MAX:
+        return jax.lax.top_k(x, k)
+    a, b = x[..., :, None], x[..., None, :]  # [.., e, f]: does f outrank e?
+    idx = jnp.arange(e)
+    above = (b > a) | ((b == a) & (idx[None, :] < idx[:, None]))
+    rank = above.sum(axis=-1)  # [.., e]: 0 for the largest
+    hit = rank[..., :, None] == jnp.arange(k)  # [.., e, k]
+    ids = jnp.where(hit, idx[:, None], 0).sum(axis=-2).astype(jnp.int32)
+    vals = jnp.where(hit, x[..., :, None], 0).sum(axis=-2)
+    return vals, ids
+
+
+_RANK_TOPK_MAX = 1 << 22  # compares per call (decode: 1 x 256^2 for R1)
 
 
 def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
@@ -28,13 +52,13 @@ def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
     if G > 1 and g_used < G:
         grouped = choice.reshape(-1, G, cfg.n_expert // G)
         if cfg.gating == GATING_SIGMOID:
-            group_score = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+            group_score = top_k(grouped, 2)[0].sum(axis=-1)
         else:
             group_score = grouped.max(axis=-1)
-        _, top_groups = jax.lax.top_k(group_score, g_used)
+        _, top_groups = top_k(group_score, g_used)
         keep = jnp.zeros_like(group_score, dtype=bool).at[jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
         choice = jnp.where(jnp.repeat(keep, cfg.n_expert // G, axis=-1), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, cfg.n_expert_used)
+    _, ids = top_k(choice, cfg.n_expert_used)
     w = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.expert_weights_norm:
         w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
