@@ -28,13 +28,16 @@ for mla in ${MODES:-3 2}; do
   for start in cold warm; do
     log="${LOGDIR:-$OUT}/mla${mla}_${start}.log"
     t0=$(date +%s.%N)
-    python3 -m ikjax.cli sweep-bench -m "$MODEL" -c "$CTX" -ub "$UB" -n "$TG" -mla "$mla" -fa 1 2> "$log.err" \
-      | while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$log"
+    stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done; }
+    python3 -m ikjax.cli sweep-bench -m "$MODEL" -c "$CTX" -ub "$UB" -n "$TG" -mla "$mla" -fa 1 \
+      2> >(stamp > "$log.err") | stamp > "$log"
+    sleep 0.2
     t1=$(date +%s.%N)
     first=$(awk '$2 ~ /^\|/ && $3 ~ /^[0-9]+$/ {print $1; exit}' "$log")
     {
       echo "### -mla $mla, $start start: first row after $(python3 -c "print(f'{$first - $t0:.1f}')") s, all done after $(python3 -c "print(f'{$t1 - $t0:.1f}')") s"
-      grep -h '^compiled\|^loaded' "$log.err" | sed 's/^/    /'
+      # where the time to the first row goes: stderr's lines, seconds after the command started
+      grep -h ' compiled\| loaded\| compiling' "$log.err" | awk -v t0="$t0" '{ $1 = sprintf("    +%.1fs", $1 - t0); print }'
       echo
       cut -d' ' -f2- "$log" | grep '^|'
       echo

@@ -1,0 +1,118 @@
+"""Decode GEMV schedules (quant_matmul "rows" mode) on the GPU: each V2-Lite decode matrix, the
+schedule pick_config gives against variations of tile width (bn), k-step (bk), warps, stages and
+split-K (issue 11: after the decode loop, a decode step is device-bound and its GEMVs run at
+~0.9 TB/s of weights, about a third of the card's rate).
+
+Each timing runs `copies` distinct weights one after another in one executable (more bytes than
+the 50 MB L2 holds), so it is the HBM rate of that schedule, split-K's reduction included.
+
+    PYTHONPATH=$PWD python bench/gpu_gemv_tune.py [--out $OUT] [--budget 300]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.quant_matmul.kernel import pick_config, quant_matmul, quant_matmul_experts  # noqa: E402
+from pallas_kernels.quant_matmul.packing import prepare  # noqa: E402
+from pallas_kernels.testing import random_quant_array  # noqa: E402
+
+# name: (experts E or 0, N, K, rows M (expert tiles), swiglu)
+SHAPES = {
+    "output 102400x2048": (0, 102400, 2048, 1, False),
+    "q_a|kv_a 2112x2048": (0, 2112, 2048, 1, False),
+    "q_b 3072x1536": (0, 3072, 1536, 1, False),
+    "attn_out 2048x2048": (0, 2048, 2048, 1, False),
+    "shexp gate|up 5632x2048": (0, 5632, 2048, 1, False),
+    "shexp down 2048x2816": (0, 2048, 2816, 1, False),
+    "exps gate+up 6x(1408x2048) swiglu": (64, 1408, 2048, 6, True),
+    "exps down 6x(2048x1408)": (64, 2048, 1408, 6, False),
+}
+
+
+def timed(fn, args, reps=20) -> float:
+    out = fn(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget", type=float, default=300)
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    t_end = time.time() + args.budget
+    rng = np.random.default_rng(0)
+    lines = ["| matrix | schedule | us | GB/s of weights |", "|---|---|---:|---:|"]
+    best = {}
+    for name, (E, N, K, M, swiglu) in SHAPES.items():
+        if args.only and args.only not in name:
+            continue
+        lead = (E,) if E else ()
+        one = prepare(random_quant_array("Q4_0", lead + (N, K), rng, fast=True))
+        nbytes = one.nbytes * (M / E if E else 1) * (2 if swiglu else 1)
+        copies = max(2, int(np.ceil(200e6 / nbytes)))  # bytes read per call, not stored
+        ws = [prepare(random_quant_array("Q4_0", lead + (N, K), rng, fast=True)) for _ in range(copies)]
+        us_ = [prepare(random_quant_array("Q4_0", lead + (N, K), rng, fast=True)) for _ in range(copies)] \
+            if swiglu else [None] * copies
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+        e = jnp.asarray(rng.choice(E, M, replace=False) if E else np.zeros(1), jnp.int32)
+        base = pick_config("Q4_0", M, N, K, tile_rows=1 if E else None)
+        cands = [base]
+        for bn, bk, w, st in itertools.product((16, 32, 64, 128), (128, 256, 512), (2, 4, 8), (2, 3, 4)):
+            if K % bk or N % bn or bn * bk // 2 > 16384:
+                continue
+            nt = K // bk
+            for split in sorted({1, base["split"], min(nt, base["split"] * 2), max(1, base["split"] // 2)}):
+                if swiglu and split != 1:
+                    continue
+                cands.append(dict(mode="rows", bm=1, bn=bn, bk=bk, split=split, num_warps=w, num_stages=st))
+        results = []
+        for cfg in cands:
+            if time.time() > t_end:
+                break
+
+            def run(x, ws, us_, e, cfg=cfg):
+                acc = 0.0
+                for w, u in zip(ws, us_):
+                    if E:
+                        y = quant_matmul_experts(x, (w, u) if swiglu else (w,), e, jnp.bfloat16, tile_rows=1,
+                                                 swiglu=swiglu, config=cfg)
+                    else:
+                        y = quant_matmul(x, w, jnp.bfloat16, config=cfg)
+                    acc = acc + y[:, :8].sum()
+                return acc
+            try:
+                s = timed(jax.jit(run), (x, ws, us_, e)) / copies
+            except Exception as ex:  # a schedule Triton refuses (shared memory, registers)
+                results.append((float("inf"), cfg, type(ex).__name__))
+                continue
+            results.append((s, cfg, ""))
+        results.sort(key=lambda r: r[0])
+        base_s = next((r[0] for r in results if r[1] is base), float("nan"))
+        show = [(base_s, base, "pick_config")] + [r for r in results[:3]]
+        for s, cfg, note in show:
+            sched = f"bn {cfg['bn']} bk {cfg['bk']} split {cfg['split']} w{cfg['num_warps']} s{cfg['num_stages']}"
+            lines.append(f"| {name} | {sched} {note} | {s * 1e6:.1f} | {nbytes / s / 1e9:.0f} |")
+            print(lines[-1], flush=True)
+        best[name] = results[0][1] if results else None
+    Path(args.out, "gemv_tune.md").write_text("\n".join(lines) + "\n\nbest: " + repr(best) + "\n")
+
+
+if __name__ == "__main__":
+    main()
