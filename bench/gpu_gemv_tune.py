@@ -95,9 +95,7 @@ def main() -> None:
             if K % bk or N % bn or bn * bk // 2 > 16384:
                 continue
             nt = K // bk
-            for split in sorted({base["split"], min(nt, base["split"] * 2)}):
-                if swiglu and split != 1:
-                    continue
+            for split in sorted({1 if swiglu else base["split"], base["split"], min(nt, base["split"] * 2)}):
                 cands.append(dict(mode="rows", bm=1, bn=bn, bk=bk, split=split, num_warps=w, num_stages=st))
         fns, cfgs = [], {}
         for i, cfg in enumerate(cands):
@@ -113,7 +111,8 @@ def main() -> None:
             f = jax.jit(run)
             try:
                 jax.block_until_ready(f(x, ws, us_, e))
-            except Exception:  # a schedule Triton refuses (shared memory, registers)
+            except Exception as ex:  # a schedule Triton refuses (shared memory, registers)
+                print(f"{name} {cfg}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                 continue
             fns.append((f"c{i}", f))
             cfgs[f"c{i}"] = cfg

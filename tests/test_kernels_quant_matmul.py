@@ -79,6 +79,29 @@ def test_kernel_split_k_f32_and_leading_dims():
     assert rel(quant_matmul(x, pw, jnp.bfloat16, interpret=True, config=cfg), quant_matmul_ref(x, pw)) < 1e-5
 
 
+def test_split_k_swiglu_experts():
+    """Gate and up in one pass with split-K (the SiLU waits for the splits' sum), dead tiles too."""
+    rng = np.random.default_rng(8)
+    g = prepare(random_quant_array("Q4_0", (4, 32, 1024), rng))
+    u = prepare(random_quant_array("Q4_0", (4, 32, 1024), rng))
+    x = jnp.asarray(rng.standard_normal((3, 1024)), jnp.float32)
+    e = jnp.array([2, -1, 0], jnp.int32)
+    want = []
+    for r, ei in enumerate(np.asarray(e)):
+        if ei < 0:
+            want.append(np.zeros(32))
+            continue
+        a = np.asarray(quant_matmul_ref(x[r:r + 1], g.take(int(ei)), jnp.float32))[0]
+        b = np.asarray(quant_matmul_ref(x[r:r + 1], u.take(int(ei)), jnp.float32))[0]
+        want.append(a / (1 + np.exp(-a)) * b)
+    want = np.stack(want)
+    for split in (1, 3, 8):
+        cfg = dict(mode="rows", bm=1, bn=16, bk=128, split=split, num_warps=4, num_stages=3)
+        y = quant_matmul_experts(x, (g, u), e, jnp.float32, tile_rows=1, swiglu=True, interpret=True, config=cfg)
+        assert y.shape == (3, 32) and rel(y, want) < 1e-5, (split, rel(y, want))
+    assert pick_config("Q4_0", 6, 1408, 2048, tile_rows=1)["split"] > 1  # V2-Lite's gate|up GEMV splits
+
+
 def test_pick_config_shapes():
     c = pick_config("Q4_0", 1, 2048, 1408)
     assert c["mode"] == "rows" and 1408 % c["bk"] == 0 and c["bk"] % 32 == 0

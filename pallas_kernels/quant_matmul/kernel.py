@@ -79,7 +79,7 @@ def _silu_mul(g, u):
     return g / (1.0 + jnp.exp(-g)) * u
 
 
-def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, nt_all, cdt, swiglu):
+def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
@@ -129,8 +129,11 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, nt_all, 
         accs = lax.fori_loop(lo, hi, body, init)
         for r in range(bm):
             ys = [jnp.sum(accs[wi][r], axis=1) for wi in range(n_w)]
-            y = _silu_mul(ys[0], ys[1]) if swiglu else ys[0]
-            o_ref[s, m0 + r, pl.ds(n0, bn)] = y
+            if swiglu and nt < nt_all:  # split-K: gate and up partial sums side by side, SiLU after the sum
+                o_ref[s, m0 + r, pl.ds(n0, bn)] = ys[0]
+                o_ref[s, m0 + r, pl.ds(n_out + n0, bn)] = ys[1]
+            else:
+                o_ref[s, m0 + r, pl.ds(n0, bn)] = _silu_mul(ys[0], ys[1]) if swiglu else ys[0]
         return
 
     def body(t, accs):
@@ -217,16 +220,20 @@ def _call(x, ws, expert, *, dtype, swiglu, config, interpret):
     nt = -(-(K // bk) // split)
     grid = (N // bn, Mp // bm, split) if mode == "rows" else (N // bn, Mp // bm)
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert,
-                             mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, cdt=jnp.dtype(dtype), swiglu=swiglu)
+                             mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
+                             swiglu=swiglu)
+    late = swiglu and nt < K // bk  # split-K SwiGLU: the kernel writes [gate | up] partial sums
     out = pl.pallas_call(
         kern,
-        out_shape=jax.ShapeDtypeStruct((split, Mp, N), F32),
+        out_shape=jax.ShapeDtypeStruct((split, Mp, 2 * N if late else N), F32),
         grid=grid,
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(cfg["num_warps"], cfg["num_stages"]),
         name=f"quant_matmul_{qtype.lower()}_{mode}",
     )(*args)
     y = out[0] if split == 1 else out.sum(0)
+    if late:
+        y = _silu_mul(y[:, :N], y[:, N:])
     return y[:M] if Mp != M else y
 
 
@@ -249,7 +256,7 @@ def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 
     w0 = ws[0]
     N, K = w0.shape[-2], w0.shape[-1]
     cfg = config or pick_config(w0.qtype, x.shape[0], N, K, tile_rows=tile_rows)
-    if swiglu and cfg["split"] != 1:
+    if swiglu and cfg["mode"] != "rows":
         cfg = dict(cfg, split=1)
     return _call(x, tuple(ws), expert, dtype=jnp.dtype(dtype), swiglu=swiglu,
                  config=tuple(sorted(cfg.items())), interpret=interpret)
