@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import numbers
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -164,6 +165,7 @@ class Engine:
             self._device = sharding.jax_devices(self.placement)[self.placement.main_device]
         self._compiled: set[tuple] = set()
         self._executables: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
         self.compile_count = 0
 
     # -- compiled step -------------------------------------------------------------------------
@@ -176,7 +178,8 @@ class Engine:
         exe = self._executables.get(key)
         if exe is not None:
             return exe
-        self._note_compile(B, T, plan, decode)
+        with self._lock:
+            self._note_compile(B, T, plan, decode)
         compile_cache.setup()
         hits0, writes0 = compile_cache.hits(), compile_cache.writes()
         anon0, file0 = process_memory()
@@ -210,6 +213,12 @@ class Engine:
                 return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
             exe = self._step.lower(self.weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
                                    plan=plan, **static).compile()
+        with self._lock:  # steps compiling side by side (compile_in_parallel) share this bookkeeping
+            return self._account(key, exe, hits0, writes0, anon0, file0)
+
+    def _account(self, key: tuple, exe, hits0: int, writes0: int, anon0: int, file0: int):
+        """Count a new executable (cache hit or not) and put its buffers into the memory plan."""
+        B, T, plan, decode = key
         if compile_cache.hits() > hits0 and compile_cache.writes() == writes0:
             self.compile_cache_hits += 1
         anon1, file1 = process_memory()  # compiling reads no weight pages: all of it is compiler state
@@ -258,6 +267,16 @@ class Engine:
         what = f"decode loop of {decode[0]} steps" if decode else f"tokens {T}"
         log.info("compiling step: batch %d, %s, kv_len %d, mla %d, fa %d", B, what, plan.kv_len, plan.mla, plan.fa)
         return True
+
+    def compile_in_parallel(self) -> bool:
+        """Whether several steps may compile at once (sweep_bench.precompile): on one accelerator.
+        On CPU they compile one by one, so the memory plan can charge each its compiler memory
+        and refuse a step that would not fit before it runs; the -sm layer / graph steps keep
+        their own compile order."""
+        return not self._on_cpu_only() and self._pipeline is None and self._mesh is None
+
+    def _on_cpu_only(self) -> bool:
+        return all(d.platform == "cpu" for d in sharding.jax_devices(self.placement))
 
     def _on_gpu(self) -> bool:
         return any(d.platform == "gpu" for d in sharding.jax_devices(self.placement))
