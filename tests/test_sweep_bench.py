@@ -132,3 +132,17 @@ def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model, loop, mon
         mine = [i for i, c in enumerate(calls) if c[2] == r + 1]
         warm = [i for i in mine if i in first_use.values()]
         assert mine[:len(warm)] == warm and len(mine) - len(warm) == per_row
+
+
+def test_steps_compile_side_by_side(tiny_model):
+    """On an accelerator a row's steps compile in threads (sweep_bench.precompile); forced here on
+    CPU: every shape is compiled once, counted once, and the sweep then compiles nothing more."""
+    import ikjax
+    eng = ikjax.load(tiny_model, ctx=512, ubatch=128, mla=3, fa=True)
+    eng.compile_in_parallel = lambda: True
+    shapes = sb.step_shapes(eng, 4)
+    seen = []
+    sb.precompile(eng, 4, on_shape=lambda t, kv, s: seen.append((t, kv)))
+    assert sorted(seen) == sorted(shapes) and eng.compile_count == len(shapes) == len(eng._executables)
+    rows = list(sb.run(eng, 4))
+    assert len(rows) == 4 and eng.compile_count == len(shapes)
