@@ -29,8 +29,8 @@ from pallas_kernels.testing import random_quant_array  # noqa: E402
 
 # name: (experts E or 0, N, K, rows M (expert tiles), swiglu)
 SHAPES = {  # by their share of a V2-Lite decode step
-    "exps gate+up 6x(1408x2048) swiglu": (64, 1408, 2048, 6, True),
-    "exps down 6x(2048x1408)": (64, 2048, 1408, 6, False),
+    "exps gate+up 6x(1408x2048) swiglu": (8, 1408, 2048, 6, True),  # 6 of 8 experts: the same reads as of 64
+    "exps down 6x(2048x1408)": (8, 2048, 1408, 6, False),
     "shexp gate|up 5632x2048": (0, 5632, 2048, 1, False),
     "q_a|kv_a 2112x2048": (0, 2112, 2048, 1, False),
     "shexp down 2048x2816": (0, 2048, 2816, 1, False),
@@ -91,7 +91,7 @@ def main() -> None:
         e = jnp.asarray(rng.choice(E, M, replace=False) if E else np.zeros(1), jnp.int32)
         base = pick_config("Q4_0", M, N, K, tile_rows=1 if E else None)
         cands = [base]
-        for bn, bk, w, st in itertools.product((16, 32, 64), (256, 512), (4, 8), (3,)):
+        for bn, bk, w, st in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (3,)):
             if K % bk or N % bn or bn * bk // 2 > 16384:
                 continue
             nt = K // bk
