@@ -751,11 +751,13 @@ def generate(
     if len(ids) + n_predict > eng.options.ctx:
         raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context c={eng.options.ctx}")
     shapes = _generate_shapes(eng, len(ids), n_predict)
+    sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
     t0 = time.perf_counter()
     with _Progress("compiling", total=len(shapes)) as prog:
-        for k, (n_tok, kv) in enumerate(shapes, 1):
-            prog.status(f"compiling step {k}/{len(shapes)} ({n_tok} tokens, KV bucket {eng.kv_bucket(kv, n_tok)})")
-            eng.precompile(1, n_tok, kv)
+        for k, (n_tok, kv, chunk) in enumerate(shapes, 1):
+            what = f"decode loop of {chunk} steps" if chunk else f"{n_tok} tokens"
+            prog.status(f"compiling step {k}/{len(shapes)} ({what}, KV bucket {eng.kv_bucket(kv, n_tok)})")
+            _precompile_shape(eng, n_tok, kv, chunk, sampling)
             prog.update(advance=1)
     _log(_compiled_line(eng, count0, hits0, time.perf_counter() - t0))
     if not no_echo:
@@ -786,17 +788,27 @@ def generate(
                                         if n > 1 and tg_s > 0 else "") + " (compilation not included)")
 
 
-def _generate_shapes(eng, n_prompt: int, n_predict: int) -> list[tuple[int, int]]:
-    """(tokens, KV needed) of every step `eng.generate` runs for this prompt: its ubatch chunks, then
-    one-token steps up to the last generated position (Engine.prefill / _generate chunk the same way)."""
-    seen: dict[tuple[int, int], tuple[int, int]] = {}
+def _generate_shapes(eng, n_prompt: int, n_predict: int) -> list[tuple[int, int, int]]:
+    """(tokens, KV needed, decode-loop length or 0) of every step `eng.generate` runs for this
+    prompt: its ubatch chunks, then the decode loops of DECODE_CHUNK steps from the first generated
+    position (or, without the loop, one-token steps up to the last); Engine.prefill / _generate
+    chunk the same way."""
+    from ikjax.engine import DECODE_CHUNK
+    seen: dict[tuple, tuple[int, int, int]] = {}
     ub = eng.options.ubatch
     for c0 in range(0, n_prompt, ub):
         t = eng.token_bucket(min(ub, n_prompt - c0))
-        seen.setdefault((t, eng.kv_bucket(c0 + t, t)), (t, c0 + t))
-    for pos in range(n_prompt, n_prompt + max(n_predict - 1, 0)):
-        seen.setdefault((1, eng.kv_bucket(pos + 1, 1)), (1, pos + 1))
+        seen.setdefault((t, eng.kv_bucket(c0 + t, t)), (t, c0 + t, 0))
+    loop = eng.decode_loop()
+    for pos in range(n_prompt, n_prompt + max(n_predict - 1, 0), DECODE_CHUNK if loop else 1):
+        kv = pos + DECODE_CHUNK if loop else pos + 1
+        seen.setdefault((1, eng.kv_bucket(kv, 1), loop), (1, kv, DECODE_CHUNK if loop else 0))
     return list(seen.values())
+
+
+def _precompile_shape(eng, n_tok: int, kv: int, chunk: int, sampling: dict) -> float:
+    """Compile one of `_generate_shapes`' steps ahead of its use."""
+    return eng.precompile_decode(1, chunk, kv, sampling) if chunk else eng.precompile(1, n_tok, kv)
 
 
 # ---------------------------------------------------------------------------------------------

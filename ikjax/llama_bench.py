@@ -240,7 +240,10 @@ def run_test(eng, test: Test, reps: int, rng) -> tuple[list[float], list[int]]:
         if prompt is not None and len(prompt):
             _, cache = eng.prefill(cache, prompt, pos)  # returns host logits: synchronized
             pos += len(prompt)
-        if test.kind != "pp":
+        if test.kind != "pp" and test.n_gen and eng.decode_loop():  # the n_gen steps in one dispatch
+            out, cache = eng.decode(cache, tok[0], [pos], test.n_gen)
+            out.block_until_ready()
+        elif test.kind != "pp":
             for i in range(test.n_gen):
                 out, cache = eng.step(cache, tok, np.array([pos + i]))
                 out.block_until_ready()

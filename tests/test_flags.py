@@ -313,8 +313,8 @@ def test_generate_compiles_before_timing(tiny_model):
     from ikjax.tokenizer import GGUFTokenizer
     eng = ikjax.load(tiny_model, ctx=256, ubatch=32)
     ids = GGUFTokenizer(eng.file.metadata).encode("Hello world, a prompt of a few tokens " * 3)
-    for n_tok, kv in cli._generate_shapes(eng, len(ids), 40):
-        eng.precompile(1, n_tok, kv)
+    for n_tok, kv, chunk in cli._generate_shapes(eng, len(ids), 40):
+        cli._precompile_shape(eng, n_tok, kv, chunk, dict(temperature=0.0))
     before = eng.compile_count
     out = list(eng.generate(ids, 40, temperature=0.0))
     assert len(out) >= 1 and eng.compile_count == before
