@@ -23,12 +23,22 @@ it changes the configuration, resets JAX's cache state (JAX's `reset_cache`) so 
 compile sees it. Every compile is cached (no minimum compile time or size): a CPU step of a small
 model compiles in well under a second, and those are what short runs repeat.
 
+Steps without tracing: JAX's key is a hash of the lowered module, so even a cache hit first traces
+the whole model in Python and lowers it (3.3 s of a 27-layer V2-Lite warm start for two steps, on
+the device's host, RESULTS §13b). So ikjax also keeps each single-device step it compiled whole
+(`jax.experimental.serialize_executable`) under `steps/`, keyed by everything the executable is
+made from without tracing: ikjax's and pallas_kernels' source files, jax/jaxlib versions,
+XLA_FLAGS, the devices, and the step's own key (weight tree with shapes, dtypes and placement,
+the model config, the step plan). A later run loads it by that key before tracing anything;
+anything unreadable there is ignored (and recompiled), never an error.
+
 Counting: JAX records '/jax/compilation_cache/cache_hits' for an executable loaded from disk and
 '/jax/compilation_cache/cache_misses' for one compiled and written (names as in jax 0.10.2's
 jax/_src/compiler.py and compilation_cache.py); `hits()` and `writes()` count them in this process.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -145,6 +155,64 @@ def _listen() -> None:
                 _counts[event] += 1
         jax.monitoring.register_event_listener(on_event)
         _listening = True
+
+
+@functools.cache
+def _source_hash() -> str:
+    """ikjax's and pallas_kernels' Python sources: what a traced step is made of."""
+    h = hashlib.sha256()
+    for pkg in ("ikjax", "pallas_kernels"):
+        spec = importlib.util.find_spec(pkg)
+        for d in sorted(spec.submodule_search_locations or []) if spec else []:
+            for f in sorted(Path(d).rglob("*.py")):
+                h.update(str(f.relative_to(d)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _step_path(parts: tuple) -> Path | None:
+    d = directory()
+    if d is None:
+        return None
+    import jaxlib
+    key = repr((parts, _source_hash(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
+                [(dev.platform, dev.device_kind, dev.id) for dev in jax.devices()]))
+    return d / "steps" / (hashlib.sha256(key.encode()).hexdigest() + ".pkl")
+
+
+def load_step(parts: tuple):
+    """The executable stored under `parts` by `store_step` (counted as a cache hit), or None."""
+    path = _step_path(parts)
+    if path is None or not path.is_file():
+        return None
+    try:
+        import pickle
+        from jax.experimental.serialize_executable import deserialize_and_load
+        payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+        exe = deserialize_and_load(payload, in_tree, out_tree)
+    except Exception as e:  # noqa: BLE001 - a stale or partial entry: compile as if absent
+        log.info("compilation cache: ignoring %s (%s)", path.name, e)
+        return None
+    _counts[HIT_EVENT] += 1
+    return exe
+
+
+def store_step(parts: tuple, exe) -> None:
+    """Keep a compiled step for `load_step` (best effort: a step that cannot be serialized, or a
+    full disk, only costs the next run its tracing)."""
+    path = _step_path(parts)
+    if path is None:
+        return
+    try:
+        import pickle
+        from jax.experimental.serialize_executable import serialize
+        from ikjax.atomic_file import atomic_write
+        data = pickle.dumps(serialize(exe))
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with atomic_write(path, len(data), "compiled step") as tmp:  # whole or not at all
+            tmp.write_bytes(data)
+    except Exception as e:  # noqa: BLE001
+        log.info("compilation cache: step not stored (%s)", e)
 
 
 def hits() -> int:

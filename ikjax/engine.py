@@ -184,7 +184,12 @@ class Engine:
         hits0, writes0 = compile_cache.hits(), compile_cache.writes()
         anon0, file0 = process_memory()
         cache = jax.eval_shape(lambda: kvcache.init_cache(self.cache_layout(B)))
-        if decode is not None:
+        stored = self._stored_step_key(key)
+        exe = compile_cache.load_step(stored) if stored else None
+        loaded = exe is not None
+        if loaded:  # compiled by an earlier run: no tracing, no lowering
+            pass
+        elif decode is not None:
             chunk, sampling = decode
             sh = None
             if len(self.placement.devices) > 1:  # -sm none on device -mg
@@ -213,8 +218,23 @@ class Engine:
                 return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
             exe = self._step.lower(self.weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
                                    plan=plan, **static).compile()
+        if stored and not loaded:
+            compile_cache.store_step(stored, exe)
         with self._lock:  # steps compiling side by side (compile_in_parallel) share this bookkeeping
             return self._account(key, exe, hits0, writes0, anon0, file0)
+
+    def _stored_step_key(self, key: tuple) -> tuple | None:
+        """What a step compiled for `key` is made of, for compile_cache.load_step/store_step; None
+        where steps are not stored whole (several devices, weights outside device memory)."""
+        if self._pipeline is not None or self._mesh is not None or len(self.placement.devices) > 1:
+            return None
+        leaves, tree = jax.tree.flatten(self.weights)
+        shapes = []
+        for a in leaves:
+            if not isinstance(a, jax.Array) or getattr(a.sharding, "memory_kind", None) not in (None, "device"):
+                return None
+            shapes.append((a.shape, str(a.dtype)))
+        return ("step", str(tree), tuple(shapes), self.config, key, self.options.mla, self.options.fa)
 
     def _account(self, key: tuple, exe, hits0: int, writes0: int, anon0: int, file0: int):
         """Count a new executable (cache hit or not) and put its buffers into the memory plan."""

@@ -54,6 +54,16 @@ def test_second_process_compiles_nothing_and_matches(tiny_model, tmp_path):
     assert warm["compiled"] == 2 and warm["from_cache"] == 2  # both steps loaded
     assert warm["writes"] == 0 and warm["hits"] >= 2  # nothing compiled anywhere in the process
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+    # the steps are also kept whole (loaded without tracing); a damaged entry is ignored, the
+    # step then comes from JAX's own cache and is stored again
+    steps = [p for p in _files(cache) if p.parent.name == "steps"]
+    assert len(steps) == 2
+    for p in steps:
+        p.write_bytes(b"not a pickle")
+    again = _run(tiny_model, tmp_path / "c.npy", env)
+    assert again["from_cache"] == 2 and again["writes"] == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "c.npy"))
+    assert all(p.read_bytes() != b"not a pickle" for p in steps)
 
 
 def test_off_writes_nothing(tiny_model, tmp_path):
