@@ -98,7 +98,7 @@ def measure(model: str, K: int, out: str, tag: str) -> dict:
     import jax.numpy as jnp
     import ikjax
     from ikjax.model.deepseek2 import forward
-    eng = ikjax.load(model, mla=3, fa=True, ctx=4096, ubatch=512, ctk="f16")
+    eng = ikjax.load(model, mla=int(os.environ.get("GRAPH_MLA", "3")), fa=True, ctx=4096, ubatch=512, ctk="f16")
     cache = eng.new_cache(1)
     plan = eng._plan(eng.kv_bucket(N_KV + N_CALLS * K + 8, 1), False, 1)
 
