@@ -150,6 +150,11 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
                 o_lat = kernels.mla_prompt_attention(q_abs, new_cache["latent"], q_pos, scale, v_dim=r)
             else:
                 o_lat = attend(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash, **attn)
+                if T == 1:
+                    # XLA:GPU computes p·V as split-K partials and fuses their sum into the v_b
+                    # product below, where it is recomputed for every output row (35 us a layer,
+                    # -mla 2 decode, RESULTS §13b): the barrier keeps the sum its own kernel
+                    o_lat = jax.lax.optimization_barrier(o_lat)
             if per_head:
                 o = kernels.head_linear(o_lat, layer["v_b"], dtype)
             else:
