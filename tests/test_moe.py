@@ -76,3 +76,19 @@ def test_fmoe_matches_reference_in_prompt_and_decode(mla, name):
         got.append(np.asarray(out)[0])
     ref_dec = ref[88:96]
     assert rel_err(np.stack(got), ref_dec) <= e["tol"]
+
+
+def test_router_top_k_by_rank_equals_lax_top_k():
+    """The decode router's top-k by rank (fusible loops) picks what lax.top_k picks: ties to the
+    lower index, -inf entries (experts of dropped groups) last, any leading shape."""
+    import jax
+    import jax.numpy as jnp
+    from ikjax.model.moe import top_k
+    rng = np.random.default_rng(0)
+    for shape, k in [((1, 64), 6), ((3, 256), 8), ((5, 8), 2), ((2, 4, 16), 3), ((1, 8), 8)]:
+        x = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+        x = x.at[..., 3].set(x[..., 5]).at[..., 0].set(-jnp.inf)  # a tie and a dropped expert
+        v, i = top_k(x, k)
+        v2, i2 = jax.lax.top_k(x, k)
+        np.testing.assert_array_equal(np.asarray(i), np.asarray(i2))
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(v2))
