@@ -30,7 +30,9 @@ the device's host, RESULTS §13b). So ikjax also keeps each single-device step i
 made from without tracing: ikjax's and pallas_kernels' source files, jax/jaxlib versions,
 XLA_FLAGS, the devices, and the step's own key (weight tree with shapes, dtypes and placement,
 the model config, the step plan). A later run loads it by that key before tracing anything;
-anything unreadable there is ignored (and recompiled), never an error.
+anything unreadable there is ignored (the step then comes from JAX's cache), never an error.
+Only executables compiled in this process are stored (one JAX loaded from its own cache does not
+serialize again whole on XLA:CPU), and on a CPU only with IKJAX_STORE_STEPS=1 (Engine).
 
 Counting: JAX records '/jax/compilation_cache/cache_hits' for an executable loaded from disk and
 '/jax/compilation_cache/cache_misses' for one compiled and written (names as in jax 0.10.2's

@@ -218,14 +218,22 @@ class Engine:
                 return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
             exe = self._step.lower(self.weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
                                    plan=plan, **static).compile()
-        if stored and not loaded:
+        if stored and not loaded and compile_cache.hits() == hits0:
+            # only an executable compiled here: one JAX itself loaded from its cache does not
+            # serialize again whole on XLA:CPU (a run of such an entry failed: "Function
+            # wrapped_iota not found"), and in threads a hit elsewhere makes this one skip too
             compile_cache.store_step(stored, exe)
         with self._lock:  # steps compiling side by side (compile_in_parallel) share this bookkeeping
             return self._account(key, exe, hits0, writes0, anon0, file0)
 
     def _stored_step_key(self, key: tuple) -> tuple | None:
         """What a step compiled for `key` is made of, for compile_cache.load_step/store_step; None
-        where steps are not stored whole (several devices, weights outside device memory)."""
+        where steps are not stored whole: several devices, weights outside device memory, and by
+        default a CPU (its steps trace and compile in about a second; IKJAX_STORE_STEPS=1 stores
+        them too, =0 never stores)."""
+        store = env_choice("IKJAX_STORE_STEPS", ("auto", "1", "0"), "auto")
+        if store == "0" or store == "auto" and self._on_cpu_only():
+            return None
         if self._pipeline is not None or self._mesh is not None or len(self.placement.devices) > 1:
             return None
         leaves, tree = jax.tree.flatten(self.weights)

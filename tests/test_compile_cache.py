@@ -45,7 +45,7 @@ def _files(d: Path) -> list[Path]:
 
 def test_second_process_compiles_nothing_and_matches(tiny_model, tmp_path):
     cache = tmp_path / "xla"
-    env = {"IKJAX_COMPILE_CACHE": str(cache)}
+    env = {"IKJAX_COMPILE_CACHE": str(cache), "IKJAX_STORE_STEPS": "1"}  # stored whole: GPU's default
     cold = _run(tiny_model, tmp_path / "a.npy", env)
     assert cold["compiled"] == 2 and cold["from_cache"] == 0 and cold["writes"] >= 2
     assert Path(cold["dir"]).parent == cache and Path(cold["dir"]).name == compile_cache.build_tag()
@@ -55,7 +55,7 @@ def test_second_process_compiles_nothing_and_matches(tiny_model, tmp_path):
     assert warm["writes"] == 0 and warm["hits"] >= 2  # nothing compiled anywhere in the process
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
     # the steps are also kept whole (loaded without tracing); a damaged entry is ignored, the
-    # step then comes from JAX's own cache and is stored again
+    # step then comes from JAX's own cache
     steps = [p for p in _files(cache) if p.parent.name == "steps"]
     assert len(steps) == 2
     for p in steps:
@@ -63,7 +63,11 @@ def test_second_process_compiles_nothing_and_matches(tiny_model, tmp_path):
     again = _run(tiny_model, tmp_path / "c.npy", env)
     assert again["from_cache"] == 2 and again["writes"] == 0
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "c.npy"))
-    assert all(p.read_bytes() != b"not a pickle" for p in steps)
+    # a JAX cache hit is not stored again (it would not serialize whole on XLA:CPU)
+    assert all(p.read_bytes() == b"not a pickle" for p in steps)
+    # by default a CPU stores no steps
+    default = _run(tiny_model, tmp_path / "d.npy", {"IKJAX_COMPILE_CACHE": str(tmp_path / "xla2")})
+    assert default["writes"] >= 2 and not [p for p in _files(tmp_path / "xla2") if p.parent.name == "steps"]
 
 
 def test_off_writes_nothing(tiny_model, tmp_path):
