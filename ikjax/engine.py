@@ -341,9 +341,13 @@ class Engine:
 
     def decode_loop(self) -> bool:
         """Whether generation runs several steps per dispatch (`decode`): on one device (the
-        -sm layer pipeline and the -sm graph mesh step one token at a time); IKJAX_DECODE_LOOP=0
-        turns it off (one dispatch per token, for comparison)."""
-        return (self._pipeline is None and self._mesh is None
+        -sm layer pipeline and the -sm graph mesh step one token at a time), with every weight
+        in that device's memory: weights kept in host RAM next to an accelerator (-ot ...=CPU,
+        --n-cpu-moe) are read by host custom calls that no CUDA graph can hold, so the loop
+        gains nothing there and that path keeps its GPU-tested one token per dispatch.
+        IKJAX_DECODE_LOOP=0 turns it off everywhere (for comparison)."""
+        hybrid = not self.placement.unified and self.placement.host_bytes > 0
+        return (self._pipeline is None and self._mesh is None and not hybrid
                 and env_choice("IKJAX_DECODE_LOOP", ("1", "0"), "1") == "1")
 
     @staticmethod

@@ -171,3 +171,16 @@ def test_same_input_matrices_are_stacked_at_load(monkeypatch):
     # a mixed-type file (Q4_K_M: some of these differ in type) keeps the pairs it cannot stack
     mixed = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_K_M.gguf", mla=3, ctk="f32").weights["layers"][0]
     assert ("attn_in" in mixed) != ("kv_a_mqa" in mixed)
+
+
+def test_decode_loop_only_where_the_weights_are_on_the_device():
+    """Weights kept in host RAM next to an accelerator (a placement that is not unified) are read
+    by host custom calls no CUDA graph holds: generation steps one token per dispatch there."""
+    import dataclasses
+    eng = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_0.gguf", mla=3, ctx=64, cpu_moe=True)
+    assert eng.placement.unified and eng.placement.host_bytes > 0 and eng.decode_loop()  # CPU: one RAM
+    eng.placement = dataclasses.replace(eng.placement, unified=False)  # as next to a GPU
+    assert not eng.decode_loop()
+    eng.placement = dataclasses.replace(eng.placement, tensors=tuple(
+        dataclasses.replace(t, memory="device") for t in eng.placement.tensors))
+    assert eng.decode_loop()
