@@ -184,3 +184,14 @@ def test_decode_loop_only_where_the_weights_are_on_the_device():
     eng.placement = dataclasses.replace(eng.placement, tensors=tuple(
         dataclasses.replace(t, memory="device") for t in eng.placement.tensors))
     assert eng.decode_loop()
+
+
+@pytest.mark.parametrize("mla,fa,ctk", [(0, False, "f16"), (1, True, "q8_0"), (2, True, "bf16"), (3, False, "f32")])
+def test_decode_loop_every_mode(monkeypatch, mla, fa, ctk):
+    """The decode loop gives one-token-per-dispatch's greedy tokens in every MLA mode, flash or
+    not, every cache type (KV buckets that the loop's last step needs, not its first)."""
+    eng = ikjax.load(fixtures_dir() / "v2lite_tiny-kvb-Q5_1.gguf", mla=mla, fa=fa, ctk=ctk, ubatch=16, ctx=96)
+    p = list(range(3, 20))
+    loop = list(eng.generate(p, 30, stop=()))
+    monkeypatch.setenv("IKJAX_DECODE_LOOP", "0")
+    assert list(eng.generate(p, 30, stop=())) == loop and len(loop) == 30
