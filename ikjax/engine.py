@@ -183,41 +183,11 @@ class Engine:
         compile_cache.setup()
         hits0, writes0 = compile_cache.hits(), compile_cache.writes()
         anon0, file0 = process_memory()
-        cache = jax.eval_shape(lambda: kvcache.init_cache(self.cache_layout(B)))
         stored = self._stored_step_key(key)
-        exe = compile_cache.load_step(stored) if stored else None
-        loaded = exe is not None
-        if loaded:  # compiled by an earlier run: no tracing, no lowering
-            pass
-        elif decode is not None:
-            chunk, sampling = decode
-            sh = None
-            if len(self.placement.devices) > 1:  # -sm none on device -mg
-                sh = jax.sharding.SingleDeviceSharding(self._device)
-                cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache)
-            i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sh)
-            lowered = _jitted_decode.lower(self.weights, cache, i32((B,)), i32((B,)), i32(()),
-                                           jax.eval_shape(lambda: jax.random.key(0)), cfg=self.config,
-                                           plan=plan, chunk=chunk, sampling=sampling)
-            exe = lowered.compile(_DECODE_GPU_OPTIONS if self._on_gpu() else None)
-        elif self._pipeline is not None:
-            exe = self._pipeline.compile(cache, B, T, plan)
-        else:
-            sh, static = None, {}
-            if self._mesh is not None:  # -sm graph: the cache split as tensor_parallel says
-                sh = sharding.replicated(self._mesh)
-                layout = self.cache_layout(B)
-                cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache,
-                                     tensor_parallel.cache_shardings(layout, self._tp))
-                static = {"layout": layout}
-            elif len(self.placement.devices) > 1:
-                sh = jax.sharding.SingleDeviceSharding(self._device)
-                cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache)
-
-            def i32(shape):
-                return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
-            exe = self._step.lower(self.weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
-                                   plan=plan, **static).compile()
+        exe = compile_cache.load_step(stored) if stored else None  # compiled by an earlier run:
+        loaded = exe is not None                                   # no tracing, no lowering
+        if not loaded:
+            exe = self._compile(B, T, plan, decode)
         if stored and not loaded and compile_cache.hits() == hits0:
             # only an executable compiled here: one JAX itself loaded from its cache does not
             # serialize again whole on XLA:CPU (a run of such an entry failed: "Function
@@ -225,6 +195,39 @@ class Engine:
             compile_cache.store_step(stored, exe)
         with self._lock:  # steps compiling side by side (compile_in_parallel) share this bookkeeping
             return self._account(key, exe, hits0, writes0, anon0, file0)
+
+    def _compile(self, B: int, T: int, plan: StepPlan, decode: tuple | None):
+        """Trace, lower and compile one step (`_executable` says which; the decode loop runs on
+        one device only, `decode_loop`)."""
+        cache = jax.eval_shape(lambda: kvcache.init_cache(self.cache_layout(B)))
+        if self._pipeline is not None:
+            return self._pipeline.compile(cache, B, T, plan)
+        static = {}
+        if self._mesh is not None:  # -sm graph: the cache split as tensor_parallel says
+            sh = sharding.replicated(self._mesh)
+            layout = self.cache_layout(B)
+            cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache,
+                                 tensor_parallel.cache_shardings(layout, self._tp))
+            static = {"layout": layout}
+        else:
+            sh, cache = self._on_main_device(cache)
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sh)
+        if decode is not None:
+            chunk, sampling = decode
+            lowered = _jitted_decode.lower(self.weights, cache, i32((B,)), i32((B,)), i32(()),
+                                           jax.eval_shape(lambda: jax.random.key(0)), cfg=self.config,
+                                           plan=plan, chunk=chunk, sampling=sampling)
+            return lowered.compile(_DECODE_GPU_OPTIONS if self._on_gpu() else None)
+        return self._step.lower(self.weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
+                                plan=plan, **static).compile()
+
+    def _on_main_device(self, cache):
+        """(sharding, cache shapes) of a single-device step: with -sm none on device -mg of several
+        devices its inputs are placed there; on one device (None, as given)."""
+        if len(self.placement.devices) == 1:
+            return None, cache
+        sh = jax.sharding.SingleDeviceSharding(self._device)
+        return sh, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache)
 
     def _stored_step_key(self, key: tuple) -> tuple | None:
         """What a step compiled for `key` is made of, for compile_cache.load_step/store_step; None
@@ -332,11 +335,13 @@ class Engine:
 
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
-        plan = self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits, n_tokens)
-        if (batch, n_tokens, plan, None) in self._executables:
+        return self._precompile(batch, n_tokens, self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits, n_tokens))
+
+    def _precompile(self, B: int, T: int, plan: StepPlan, decode: tuple | None = None) -> float:
+        if (B, T, plan, decode) in self._executables:
             return 0.0
         t0 = time.perf_counter()
-        self._executable(batch, n_tokens, plan)
+        self._executable(B, T, plan, decode)
         return time.perf_counter() - t0
 
     def decode_loop(self) -> bool:
@@ -378,13 +383,8 @@ class Engine:
 
     def precompile_decode(self, batch: int, chunk: int, kv_needed: int, sampling: dict | None = None) -> float:
         """Compile the decode loop of `chunk` steps whose last step reads `kv_needed` entries."""
-        plan = self._decode_plan(kv_needed - chunk, chunk)
-        decode = (chunk, self._sampling_key(sampling))
-        if (batch, 1, plan, decode) in self._executables:
-            return 0.0
-        t0 = time.perf_counter()
-        self._executable(batch, 1, plan, decode)
-        return time.perf_counter() - t0
+        return self._precompile(batch, 1, self._decode_plan(kv_needed - chunk, chunk),
+                                (chunk, self._sampling_key(sampling)))
 
     def new_cache(self, batch: int = 1):
         """A zeroed KV cache: per device with -sm layer, replicated over the mesh with -sm graph."""
@@ -508,34 +508,28 @@ class Engine:
         sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
         logits, cache = self.prefill(self.new_cache(1), ids, 0, all_logits=False)
         length = len(ids)
-        tok = sample_next(logits, rng=rng, **sp)  # the first token from the prompt's logits
-        n_new, length = 1, length + 1
+        pending = [sample_next(logits, rng=rng, **sp)]  # produced, not yet yielded
+        n_new = 0
         key = jax.random.key(int(rng.integers(0, 2**31 - 1)))  # the device's draws follow the seed
         while True:
-            reason = self._stop_reason(tok, n_new, length, max_tokens, stop_ids)
-            gen.stop_reason = reason
-            yield tok
-            if reason is not None:
-                return
-            if not self.decode_loop():
-                out, cache = self.step(cache, np.array([[tok]], np.int32), np.array([length - 1]), np.array([0]),
-                                       False)
-                tok = sample_next(np.asarray(out, np.float32)[0], rng=rng, **sp)
+            for tok in pending:  # a stop id inside a decode chunk drops the tokens after it
                 n_new, length = n_new + 1, length + 1
-                continue
-            # up to DECODE_CHUNK tokens in one dispatch, no further than the stopping rules allow;
-            # tokens after a stop id inside the chunk are dropped
-            n = min(DECODE_CHUNK, max_tokens - n_new, self.options.ctx - length)
-            key, sub = jax.random.split(key)
-            out, cache = self.decode(cache, [tok], [length - 1], n, chunk=DECODE_CHUNK, sampling=sp, key=sub)
-            for t in np.asarray(out)[0, :n - 1]:
-                tok, n_new, length = int(t), n_new + 1, length + 1
                 reason = self._stop_reason(tok, n_new, length, max_tokens, stop_ids)
                 gen.stop_reason = reason
                 yield tok
                 if reason is not None:
                     return
-            tok, n_new, length = int(np.asarray(out)[0, n - 1]), n_new + 1, length + 1
+            # the last token is not in the cache yet: it goes at position length - 1
+            if not self.decode_loop():
+                out, cache = self.step(cache, np.array([[tok]], np.int32), np.array([length - 1]), np.array([0]),
+                                       False)
+                pending = [sample_next(np.asarray(out, np.float32)[0], rng=rng, **sp)]
+                continue
+            # up to DECODE_CHUNK tokens in one dispatch, no further than the stopping rules allow
+            n = min(DECODE_CHUNK, max_tokens - n_new, self.options.ctx - length)
+            key, sub = jax.random.split(key)
+            out, cache = self.decode(cache, [tok], [length - 1], n, chunk=DECODE_CHUNK, sampling=sp, key=sub)
+            pending = [int(t) for t in np.asarray(out)[0, :n]]
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
