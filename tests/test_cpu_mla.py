@@ -159,3 +159,70 @@ def test_supported_and_refusals():
     assert not mla_cpu.supported(q, {"q": q8["q"], "d": q8["d"].astype(jnp.int8)}, 512)
     with pytest.raises(ValueError, match="unsupported"):
         mla_cpu.mla_attention(jnp.zeros(q), f16, jnp.zeros((1, 1), jnp.int32), 0.1, v_dim=600)
+
+
+# -- standard attention over keys and values of their own (the -mla 0/2/3 prompt steps) ------------
+
+_attend_mat = jax.jit(attend_materialized)
+
+
+def head_shapes():
+    """(B, T, S, H, Hk, D, Wk, Dv): per-head K/V (Hk = H) over T x S, V2-Lite's 192/128 heads, one
+    shared K/V head (Hk = 1) and a K row wider than q."""
+    out = []
+    for i, (T, S) in enumerate((T, S) for T in (1, 3, 17, 64) for S in (1, 5, 130)):
+        B = 1 + i % 2
+        H = (1, 3, 16)[i % 3]
+        D, Dv = ((24, 16), (192, 128))[(i // 2) % 2]
+        out.append((B, T, S, H, H, D, D, Dv))
+    return out + [(2, 9, 70, 5, 1, 40, 43, 8), (1, 100, 100, 2, 2, 20, 20, 20)]
+
+
+@pytest.mark.parametrize("shape", head_shapes(), ids=lambda c: "B{}-T{}-S{}-H{}-Hk{}-D{}-W{}-v{}".format(*c))
+def test_attention_matches_reference(shape, monkeypatch):
+    B, T, S, H, Hk, D, Wk, Dv = shape
+    rng = np.random.default_rng(sum(x * 7919 ** i for i, x in enumerate(shape)) % 2**32)
+    scale = 1.3 / np.sqrt(D)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, Hk, Wk)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, S, Hk, Dv)), jnp.float32)
+    q_pos = positions(rng, B, T, S)
+    for dt in ("f32", "f16", "bf16"):
+        kd, vd = k.astype(FLOAT[dt]), v.astype(FLOAT[dt])
+        kf, vf = kd[..., :D].astype(jnp.float32), vd.astype(jnp.float32)
+        ref = (_flash(q, kf, vf, q_pos, scale, kv_block=64) if (T + S) % 2
+               else _attend_mat(q, kf, vf, q_pos, scale))
+        for n_threads in (1, 2, 3):
+            for isa in ISAS:
+                monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+                check(mla_cpu.attention(q, kd, vd, q_pos, scale, n_threads=n_threads), ref, (dt, isa, n_threads))
+
+
+def test_attention_reads_only_visible_keys(monkeypatch):
+    """Per-head K and V rows past every query's position are never read (NaN there stays out)."""
+    rng = np.random.default_rng(4)
+    B, T, H, S, D, Dv = 2, 5, 4, 300, 192, 128
+    q_pos = jnp.asarray([[100, 101, 102, 103, 104], [3, 4, 5, 6, 7]], jnp.int32)
+    seen = (jnp.arange(S)[None, :] <= q_pos[:, -1:])[..., None, None]
+    k = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, S, H, Dv)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    ref = _attend_mat(q, k.astype(jnp.float32), v.astype(jnp.float32), q_pos, 0.07)
+    kp, vp = (jnp.where(seen, x, jnp.nan).astype(x.dtype) for x in (k, v))
+    for isa in ISAS:
+        monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+        check(mla_cpu.attention(q, kp, vp, q_pos, 0.07, n_threads=2), ref, isa)
+
+
+def test_attention_supported_and_refusals():
+    q = (1, 4, 16, 192)
+    k, v = jnp.zeros((1, 8, 16, 192), jnp.bfloat16), jnp.zeros((1, 8, 16, 128), jnp.bfloat16)
+    assert mla_cpu.attention_supported(q, k, v)
+    assert mla_cpu.attention_supported(q, k[:, :, :1], v[:, :, :1])        # one shared head
+    assert not mla_cpu.attention_supported(q, k[:, :, :4], v[:, :, :4])    # heads neither 1 nor H
+    assert not mla_cpu.attention_supported(q, k, v.astype(jnp.float32))    # k, v of two types
+    assert not mla_cpu.attention_supported(q, k[..., :100], v)             # k narrower than q
+    assert not mla_cpu.attention_supported(q, k.astype(jnp.int8), v.astype(jnp.int8))
+    assert not mla_cpu.attention_supported((2, 4, 16, 192), k, v)          # batch mismatch
+    with pytest.raises(ValueError, match="unsupported"):
+        mla_cpu.attention(jnp.zeros(q), k[:, :, :4], v[:, :, :4], jnp.zeros((1, 4), jnp.int32), 0.1)

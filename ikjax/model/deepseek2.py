@@ -25,7 +25,6 @@ from ikjax import cache as kvcache
 from ikjax import kernels
 from ikjax.host_weights import fetch, fetch_all
 from ikjax.gguf_io.config import ModelConfig
-from ikjax.model.attention import attend
 from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, precision_for, rms_norm, split_linear
 from ikjax.model.moe import moe_ffn
 from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
@@ -123,14 +122,15 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
         S = plan.kv_len
         k_all = kvcache.read(new_cache["k"], S, H * cfg.qk_dim, dtype).reshape(B, S, H, cfg.qk_dim)
         v_all = kvcache.read(new_cache["v"], S, H * cfg.v_dim, dtype).reshape(B, S, H, cfg.v_dim)
-        o = attend(q_full, k_all, v_all, q_pos, scale, flash=plan.fa, **attn)
+        o = kernels.attention(q_full, k_all, v_all, q_pos, scale, flash=plan.fa, **attn)
     else:
         entry = jnp.concatenate([c, k_pe], -1)
         new_cache = {"latent": kvcache.write(layer_cache["latent"], entry, start)}
         lat = kvcache.read(new_cache["latent"], plan.kv_len, cfg.latent_dim, dtype)
         if plan.mla in (2, 3) and T > 1:
             k_all, v_all = expand(lat[..., :r], lat[..., r:], prefer_kv_b=True)
-            o = attend(q_full, k_all.astype(dtype), v_all.astype(dtype), q_pos, scale, flash=plan.fa, **attn)
+            o = kernels.attention(q_full, k_all.astype(dtype), v_all.astype(dtype), q_pos, scale, flash=plan.fa,
+                                  **attn)
         else:
             per_head = "k_b" in layer and "v_b" in layer  # stored per head: one op, no dequantized copy
             if per_head:
@@ -149,7 +149,8 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
                 # prompt steps in absorbed form (mla 1): the kernel reads keys up to each query's position
                 o_lat = kernels.mla_prompt_attention(q_abs, new_cache["latent"], q_pos, scale, v_dim=r)
             else:
-                o_lat = attend(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash, **attn)
+                o_lat = kernels.attention(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash,
+                                          **attn)
                 if T == 1:
                     # XLA:GPU computes p·V as split-K partials and fuses their sum into the v_b
                     # product below, where it is recomputed for every output row (35 us a layer,

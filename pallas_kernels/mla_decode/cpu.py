@@ -6,6 +6,10 @@
 only those keys are read, so the cost follows the real KV length, not the bucket S. V is the first
 v_dim values of each entry. Softmax and accumulation are f32; queries are taken in f32.
 `mla_decode` has mla_decode_ref's signature (one query per sequence, lengths [B]).
+
+`attention` is the same kernel with keys and values of their own, per head or shared ([B, S, Hk, .],
+Hk = 1 or H): the standard attention of the `-mla 0/2/3` prompt steps over the decompressed K/V, as
+ikjax/model/attention.py's `attend` with flash (causal by position, only visible keys read).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import numpy as np
 from pallas_kernels import cpu as _cpu
 
 TARGET = "ikjax_cpu_mla_attention"
+ATTENTION_TARGET = "ikjax_cpu_attention"
 CACHE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
@@ -76,3 +81,28 @@ def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=None, n_thre
     del dtype
     q_pos = (jnp.asarray(lengths).astype(jnp.int32) - 1)[:, None]
     return mla_attention(q[:, None], cache, q_pos, scale, v_dim=v_dim, n_threads=n_threads)[:, 0]
+
+
+def attention_supported(q_shape, k, v) -> bool:
+    """Whether `attention` takes this call: extension built, q [B, T, H, D], k [B, S, Hk, Wk >= D] and
+    v [B, S, Hk, Dv] of one float type (f32 / f16 / bf16), Hk = 1 or H."""
+    if not _cpu.available() or len(q_shape) != 4 or k.ndim != 4 or v.ndim != 4:
+        return False
+    B, _, H, D = q_shape
+    if k.dtype != v.dtype or not any(k.dtype == t for t in CACHE_DTYPES):
+        return False
+    return (k.shape[0] == v.shape[0] == B and k.shape[1:3] == v.shape[1:3] and k.shape[2] in (1, H)
+            and k.shape[3] >= D and v.shape[3] >= 1)
+
+
+def attention(q, k, v, q_pos, scale, *, n_threads: int = 0):
+    """q [B, T, H, D], k [B, S, Hk, Wk], v [B, S, Hk, Dv], q_pos int [B, T] -> [B, T, H, Dv] float32:
+    softmax(scale q·k[:D]) v over the keys s <= q_pos (and s < S); f32 softmax and accumulation."""
+    if not attention_supported(q.shape, k, v):
+        raise ValueError(f"attention (cpu): unsupported call q {q.shape}, k {k.shape} {k.dtype}, "
+                         f"v {v.shape} {v.dtype}" + (f"; {_cpu.unavailable_reason()}" if not _cpu.available() else ""))
+    _cpu.register()
+    B, T, H, _ = q.shape
+    out = jax.ShapeDtypeStruct((B, T, H, v.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_TARGET, out)(q.astype(jnp.float32), k, v, q_pos.astype(jnp.int32),
+                                                   scale=np.float32(scale), n_threads=np.int64(n_threads))

@@ -6,6 +6,12 @@
 //   attributes: scale (f32), v_dim, n_threads (<= 0: all cores)
 //   result:     out f32 [B, T, H, v_dim]
 // The cache is taken as it is stored (no bitcast or repack in the graph, which would copy it).
+//
+// ikjax_cpu_attention: the same kernel as standard attention with keys and values of their own
+//   operands:   q f32 [B, T, H, D]; k f32 / f16 / bf16 [B, S, Hk, Wk] (Wk >= D; Hk = 1 or H);
+//               v, k's type, [B, S, Hk, Dv]; q_pos s32 [B, T]
+//   attributes: scale (f32), n_threads
+//   result:     out f32 [B, T, H, Dv]
 #include <string>
 
 #include "cpu/runtime.h"
@@ -80,3 +86,53 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaAttentionFfi, MlaAttentionImpl,
                                   .Attr<int64_t>("n_threads"));
 
 static ikj::FfiRegistration reg("ikjax_cpu_mla_attention", reinterpret_cast<void*>(MlaAttentionFfi));
+
+static bool float_kind(ffi::DataType t, int* kind) {
+  if (t == ffi::DataType::F32) return *kind = ikj::MLA_F32, true;
+  if (t == ffi::DataType::F16) return *kind = ikj::MLA_F16, true;
+  if (t == ffi::DataType::BF16) return *kind = ikj::MLA_BF16, true;
+  return false;
+}
+
+static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out, float scale,
+                                int64_t n_threads) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = q_pos.dimensions();
+  if (qd.size() != 4) return ffi::Error::InvalidArgument("attention: q must be [B, T, H, D]");
+  ikj::MlaArgs a{};
+  a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3];
+  if (pd.size() != 2 || pd[0] != a.B || pd[1] != a.T)
+    return ffi::Error::InvalidArgument("attention: q_pos must be [B, T] like q");
+  if (kd.size() != 4 || vd.size() != 4 || kd[0] != a.B || vd[0] != a.B || vd[1] != kd[1] || vd[2] != kd[2])
+    return ffi::Error::InvalidArgument("attention: k and v must be [B, S, Hk, .] with q's batch");
+  if (kd[2] != 1 && kd[2] != a.H) return ffi::Error::InvalidArgument("attention: k/v heads must be 1 or q's H");
+  if (!float_kind(k.element_type(), &a.kind) || v.element_type() != k.element_type())
+    return ffi::Error::InvalidArgument("attention: k and v must be f32, f16 or bf16, of one type");
+  a.S = kd[1], a.Hk = kd[2], a.W = kd[3], a.Wv = vd[3], a.v_dim = vd[3];
+  if (a.D > a.W) return ffi::Error::InvalidArgument("attention: q width D exceeds k's");
+  if (a.v_dim < 1) return ffi::Error::InvalidArgument("attention: v must have values");
+  auto od = out->dimensions();
+  if (od.size() != 4 || od[0] != a.B || od[1] != a.T || od[2] != a.H || od[3] != a.v_dim)
+    return ffi::Error::InvalidArgument("attention: out must be [B, T, H, Dv]");
+  a.q = q.typed_data();
+  a.cache = k.untyped_data();
+  a.v = v.untyped_data();
+  a.q_pos = q_pos.typed_data();
+  a.out = out->typed_data();
+  a.scale = scale;
+  a.n_threads = static_cast<int>(n_threads);
+  IKJ_DISPATCH(mla_attention)(a);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFfi, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("n_threads"));
+
+static ikj::FfiRegistration reg_attention("ikjax_cpu_attention", reinterpret_cast<void*>(AttentionFfi));

@@ -12,6 +12,10 @@
 // to keep every thread busy (decode), and the last finisher of a split group merges the partial
 // (m, l, acc) into the output. Only keys below the tile's highest position + 1 are read, so the
 // cost follows the real KV length, not the cache bucket S.
+//
+// With keys and values of their own (per head: the -mla 0/2/3 prompt steps' decompressed K/V) the
+// same micro-GEMMs run per (batch, head, query tile): V comes from its own rows, and a tile holds
+// only that head's tokens.
 #include "mla_decode/cpu_kernel.h"
 
 #include <algorithm>
@@ -104,6 +108,10 @@ inline V vexp(V x) { V r; for (int i = 0; i < L; ++i) r[i] = std::exp(x[i]); ret
 
 constexpr int BK = 64;                    // keys per block (a multiple of RJ)
 constexpr int ROW_TARGET = 96;            // query rows (tokens x heads) per prompt tile, at least H
+// query rows (tokens) per prompt tile of one head (per-head K/V): a tile reads keys up to its last
+// token, so the keys above the diagonal are work thrown away; 48 rows waste ~10 % of a 512-token
+// causal prompt, 96 rows ~43 %
+constexpr int HEAD_ROW_TARGET = 48;
 constexpr float M_INIT = -1e30f;          // finite: a row with no visible key yet keeps corr = 1
 static_assert(BK % RJ == 0, "BK must be a multiple of RJ");
 static_assert(16 % L == 0, "rows/columns are padded to 16");
@@ -112,16 +120,18 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // ---- cache rows -> f32 -------------------------------------------------------------------------
 
-// Convert values [0, n) of cache row (b, s) into dst (n <= W; q8_0 writes whole 32-blocks, so dst
-// must have room for round_up(n, 32)).
-void load_row(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t n, float* dst) {
-  const int64_t row = b * a.S + s;
+// Convert values [0, n) of row (b, s, h) of `base` (K: the cache, width W; or V, width Wv; [B, S,
+// Hk, width]) into dst (n <= width; q8_0, K only, writes whole 32-blocks, so dst must have room for
+// round_up(n, 32)).
+void load_row(const ikj::MlaArgs& a, const void* base, int64_t width, int64_t b, int64_t s, int64_t h, int64_t n,
+              float* dst) {
+  const int64_t row = (b * a.S + s) * a.Hk + h;
   switch (a.kind) {
     case ikj::MLA_F32:
-      std::memcpy(dst, static_cast<const float*>(a.cache) + row * a.W, n * sizeof(float));
+      std::memcpy(dst, static_cast<const float*>(base) + row * width, n * sizeof(float));
       return;
     case ikj::MLA_F16: {
-      const uint16_t* src = static_cast<const uint16_t*>(a.cache) + row * a.W;
+      const uint16_t* src = static_cast<const uint16_t*>(base) + row * width;
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= n; i += 16)
@@ -134,7 +144,7 @@ void load_row(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t n, float* dst
       return;
     }
     case ikj::MLA_BF16: {
-      const uint16_t* src = static_cast<const uint16_t*>(a.cache) + row * a.W;
+      const uint16_t* src = static_cast<const uint16_t*>(base) + row * width;
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= n; i += 16) {
@@ -151,8 +161,8 @@ void load_row(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t n, float* dst
       return;
     }
     default: {  // q8_0
-      const int64_t nb = a.W / 32, nblk = (n + 31) / 32;
-      const int8_t* qs = static_cast<const int8_t*>(a.cache) + row * a.W;
+      const int64_t nb = width / 32, nblk = (n + 31) / 32;
+      const int8_t* qs = static_cast<const int8_t*>(base) + row * width;
       for (int64_t k = 0; k < nblk; ++k) {
         float d = a.kind == ikj::MLA_Q8_0_F16D
                       ? ikj::fp16_to_f32(static_cast<const uint16_t*>(a.scales)[row * nb + k])
@@ -180,16 +190,17 @@ void load_row(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t n, float* dst
 
 // ---- micro-kernels -----------------------------------------------------------------------------
 
-// St[j, r0 .. r0 + NV·L) = Σ_{d<D} Kb[j, d] · Qt[d, r0 ..] for the NJ keys j0 .. j0 + NJ.
+// St[j, r0 .. r0 + NV·L) (+)= Σ_{d0<=d<d1} Kb[j, d] · Qt[d, r0 ..] for the NJ keys j0 .. j0 + NJ;
+// `add`: accumulate onto St (a later slice of d).
 template <int NJ, int NV>
-inline void scores_tile(const float* Kb, int64_t Dp, const float* Qt, int64_t Rp, int64_t D, float* St,
-                        int64_t j0, int64_t r0) {
+inline void scores_tile(const float* Kb, int64_t Dp, const float* Qt, int64_t Rp, int64_t d0, int64_t d1,
+                        float* St, int64_t j0, int64_t r0, bool add) {
   V acc[NJ][NV];
   for (int j = 0; j < NJ; ++j)
-    for (int v = 0; v < NV; ++v) acc[j][v] = vzero();
+    for (int v = 0; v < NV; ++v) acc[j][v] = add ? vld(St + (j0 + j) * Rp + r0 + v * L) : vzero();
   const float* k = Kb + j0 * Dp;
   const float* qt = Qt + r0;
-  for (int64_t d = 0; d < D; ++d) {
+  for (int64_t d = d0; d < d1; ++d) {
     V qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = vld(qt + d * Rp + v * L);
     for (int j = 0; j < NJ; ++j) {
@@ -201,21 +212,29 @@ inline void scores_tile(const float* Kb, int64_t Dp, const float* Qt, int64_t Rp
     for (int v = 0; v < NV; ++v) vst(St + (j0 + j) * Rp + r0 + v * L, acc[j][v]);
 }
 
-// Scores of keys [0, nj) (nj a multiple of RJ) against all Rp query rows. A single vector of rows
+// Scores of keys [0, nj) (nj a multiple of RJ) against all Rp query rows. The query dimension is
+// taken in slices of DC: a slice of Qt's row chunk (DC x NV1·L floats, 12 KiB) stays in L1 while
+// every key block passes it; whole (D = 192..576) it is 36-108 KiB and each key group re-read it
+// from L2 (measured: 56-85 GFLOP/s before the slicing, RESULTS §9h). A single vector of rows
 // (decode at 16 heads) takes 2·RJ keys at a time where nj allows: enough independent FMA chains
 // to cover the FMA latency.
+constexpr int64_t DC = 64;
 void scores(const float* Kb, int64_t Dp, const float* Qt, int64_t Rp, int64_t D, float* St, int64_t nj) {
   const int64_t nvec = Rp / L;
-  for (int64_t c = 0; c < nvec; c += NV1) {
-    const int64_t nv = std::min<int64_t>(NV1, nvec - c);
-    int64_t j0 = 0;
-    if (nv == 1)
-      for (; j0 + 2 * RJ <= nj; j0 += 2 * RJ) scores_tile<2 * RJ, 1>(Kb, Dp, Qt, Rp, D, St, j0, c * L);
-    for (; j0 < nj; j0 += RJ) {
-      switch (nv) {
-        case 1: scores_tile<RJ, 1>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
-        case 2: scores_tile<RJ, 2>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
-        default: scores_tile<RJ, NV1>(Kb, Dp, Qt, Rp, D, St, j0, c * L); break;
+  for (int64_t d0 = 0; d0 < D; d0 += DC) {
+    const int64_t d1 = std::min(D, d0 + DC);
+    const bool add = d0 > 0;
+    for (int64_t c = 0; c < nvec; c += NV1) {
+      const int64_t nv = std::min<int64_t>(NV1, nvec - c);
+      int64_t j0 = 0;
+      if (nv == 1)
+        for (; j0 + 2 * RJ <= nj; j0 += 2 * RJ) scores_tile<2 * RJ, 1>(Kb, Dp, Qt, Rp, d0, d1, St, j0, c * L, add);
+      for (; j0 < nj; j0 += RJ) {
+        switch (nv) {
+          case 1: scores_tile<RJ, 1>(Kb, Dp, Qt, Rp, d0, d1, St, j0, c * L, add); break;
+          case 2: scores_tile<RJ, 2>(Kb, Dp, Qt, Rp, d0, d1, St, j0, c * L, add); break;
+          default: scores_tile<RJ, NV1>(Kb, Dp, Qt, Rp, d0, d1, St, j0, c * L, add); break;
+        }
       }
     }
   }
@@ -286,18 +305,18 @@ void softmax_block(float* St, int64_t Rp, int64_t nj, float scale, float* m, flo
 // ---- work decomposition ------------------------------------------------------------------------
 
 struct Item {
-  int64_t b, t0, t1;   // batch, query tokens [t0, t1)
+  int64_t b, h, t0, t1;  // batch, head (per-head K/V; 0 for a latent cache), query tokens [t0, t1)
   int64_t k0, k1;      // keys [k0, k1)
   int64_t group;       // index of the (b, tile) group; -1: the group is not split (write out directly)
   int64_t slot;        // partial-result slot when split
 };
 
 struct Group {
-  int64_t b, t0, t1, n_split, slot0;
+  int64_t b, h, t0, t1, n_split, slot0;
 };
 
 struct Scratch {
-  std::vector<float> qt, kb, st, m, l, corr, acc;
+  std::vector<float> qt, kb, vb, st, m, l, corr, acc;
   std::vector<int32_t> pos;
 };
 
@@ -308,15 +327,22 @@ inline T* grow(std::vector<T>& v, size_t n) {
 }
 
 struct Plan {
+  int64_t hq;  // query rows per token of a tile: H with a latent cache (every head reads its rows), 1 per head
   int64_t tq, Rp, Vp, Dp;
 };
+
+// The query row r of the tile starting at token t0 (rows are token-major, then head): its token
+// and its head.
+inline int64_t row_token(const Plan& pl, int64_t t0, int64_t r) { return t0 + r / pl.hq; }
+inline int64_t row_head(const Plan& pl, int64_t h, int64_t r) { return pl.hq == 1 ? h : r % pl.hq; }
 
 // Process one item: keys [k0, k1) for the query rows of tokens [t0, t1); leaves (m, l, acc) in s.
 void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s) {
   const int64_t H = a.H, D = a.D, Rp = pl.Rp, Vp = pl.Vp, Dp = pl.Dp;
-  const int64_t Rt = (it.t1 - it.t0) * H;
+  const int64_t Rt = (it.t1 - it.t0) * pl.hq;
   float* qt = grow(s.qt, D * Rp);
   float* kb = grow(s.kb, BK * Dp);
+  float* vb = a.v ? grow(s.vb, BK * Vp) : nullptr;
   float* st = grow(s.st, BK * Rp);
   float* m = grow(s.m, Rp);
   float* l = grow(s.l, Rp);
@@ -324,15 +350,15 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
   float* acc = grow(s.acc, Rp * Vp);
   int32_t* pos = grow(s.pos, Rp);
 
-  const float* q = a.q + (it.b * a.T + it.t0) * H * D;  // rows of the tile are contiguous
-  for (int64_t d = 0; d < D; ++d) {
-    float* row = qt + d * Rp;
-    for (int64_t r = 0; r < Rt; ++r) row[r] = q[r * D + d];
-    for (int64_t r = Rt; r < Rp; ++r) row[r] = 0.f;
+  for (int64_t r = 0; r < Rt; ++r) {
+    const float* q = a.q + ((it.b * a.T + row_token(pl, it.t0, r)) * H + row_head(pl, it.h, r)) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = q[d];
   }
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t r = Rt; r < Rp; ++r) qt[d * Rp + r] = 0.f;
   int32_t min_pos = INT32_MAX;
   for (int64_t r = 0; r < Rp; ++r) {
-    pos[r] = r < Rt ? a.q_pos[it.b * a.T + it.t0 + r / H] : INT32_MAX;
+    pos[r] = r < Rt ? a.q_pos[it.b * a.T + row_token(pl, it.t0, r)] : INT32_MAX;
     min_pos = std::min(min_pos, pos[r]);
     m[r] = M_INIT;
     l[r] = 0.f;
@@ -341,7 +367,9 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
 
   for (int64_t j0 = it.k0; j0 < it.k1; j0 += BK) {
     const int64_t nv = std::min<int64_t>(BK, it.k1 - j0);
-    for (int64_t j = 0; j < nv; ++j) load_row(a, it.b, j0 + j, D, kb + j * Dp);
+    for (int64_t j = 0; j < nv; ++j) load_row(a, a.cache, a.W, it.b, j0 + j, it.h, D, kb + j * Dp);
+    if (vb)
+      for (int64_t j = 0; j < nv; ++j) load_row(a, a.v, a.Wv, it.b, j0 + j, it.h, a.v_dim, vb + j * Vp);
     scores(kb, Dp, qt, Rp, D, st, round_up(nv, RJ));
     if (j0 + nv - 1 > min_pos) {  // the causal edge crosses this block
       const float ninf = -std::numeric_limits<float>::infinity();
@@ -350,17 +378,20 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
           if (j0 + j > pos[r]) st[j * Rp + r] = ninf;
     }
     softmax_block(st, Rp, nv, a.scale, m, l, corr);
-    values(kb, Dp, st, Rp, corr, acc, Vp, nv);
+    if (vb)
+      values(vb, Vp, st, Rp, corr, acc, Vp, nv);
+    else
+      values(kb, Dp, st, Rp, corr, acc, Vp, nv);
   }
 }
 
-void write_out(const ikj::MlaArgs& a, const Plan& pl, int64_t b, int64_t t0, int64_t t1, const float* acc,
-               const float* l) {
-  const int64_t Rt = (t1 - t0) * a.H, vd = a.v_dim;
-  float* o = a.out + (b * a.T + t0) * a.H * vd;
+void write_out(const ikj::MlaArgs& a, const Plan& pl, int64_t b, int64_t h, int64_t t0, int64_t t1,
+               const float* acc, const float* l) {
+  const int64_t Rt = (t1 - t0) * pl.hq, vd = a.v_dim;
   for (int64_t r = 0; r < Rt; ++r) {
+    float* o = a.out + ((b * a.T + row_token(pl, t0, r)) * a.H + row_head(pl, h, r)) * vd;
     const float inv = 1.0f / l[r];  // l = 0 only for a row that sees no key: NaN, as the reference
-    for (int64_t c = 0; c < vd; ++c) o[r * vd + c] = acc[r * pl.Vp + c] * inv;
+    for (int64_t c = 0; c < vd; ++c) o[c] = acc[r * pl.Vp + c] * inv;
   }
 }
 
@@ -370,18 +401,20 @@ void mla_attention(const ikj::MlaArgs& a) {
   const int64_t B = a.B, T = a.T, H = a.H;
   if (B == 0 || T == 0 || H == 0) return;
   Plan pl;
-  pl.tq = std::max<int64_t>(1, std::min<int64_t>(T, ROW_TARGET / H));
-  pl.Rp = round_up(pl.tq * H, 16);
+  pl.hq = a.Hk == 1 ? H : 1;
+  pl.tq = std::max<int64_t>(1, std::min<int64_t>(T, (a.Hk == 1 ? ROW_TARGET : HEAD_ROW_TARGET) / pl.hq));
+  pl.Rp = round_up(pl.tq * pl.hq, 16);
   pl.Vp = round_up(a.v_dim, 16);
-  pl.Dp = round_up(std::max(a.D, pl.Vp), 32);
+  pl.Dp = round_up(a.v ? a.D : std::max(a.D, pl.Vp), 32);
 
   int avail = ikj::available_cores();
   int nth = a.n_threads <= 0 ? avail : std::min(a.n_threads, avail);
 
-  // groups (b, tile) with their key ranges [0, kv_end), kv_end = min(S, highest position + 1)
+  // groups (b, head, tile) with their key ranges [0, kv_end), kv_end = min(S, highest position + 1)
   std::vector<Group> groups;
   std::vector<int64_t> kv_end;
   int64_t total_blocks = 0;
+  const int64_t n_heads = a.Hk == 1 ? 1 : H;  // heads with keys of their own
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t0 = 0; t0 < T; t0 += pl.tq) {
       int64_t t1 = std::min(T, t0 + pl.tq);
@@ -389,9 +422,11 @@ void mla_attention(const ikj::MlaArgs& a) {
       for (int64_t t = t0; t < t1; ++t) mx = std::max<int64_t>(mx, a.q_pos[b * T + t]);
       int64_t end = std::min<int64_t>(a.S, mx + 1);
       end = std::max<int64_t>(end, 0);
-      groups.push_back({b, t0, t1, 1, -1});
-      kv_end.push_back(end);
-      total_blocks += (end + BK - 1) / BK;
+      for (int64_t h = 0; h < n_heads; ++h) {
+        groups.push_back({b, h, t0, t1, 1, -1});
+        kv_end.push_back(end);
+        total_blocks += (end + BK - 1) / BK;
+      }
     }
   // split key ranges so that no item holds more than ~1/nth of the blocks (decode: one chunk per
   // thread; a long prompt: no split, its many tiles keep the threads busy)
@@ -404,14 +439,15 @@ void mla_attention(const ikj::MlaArgs& a) {
     Group& G = groups[g];
     G.n_split = ns;
     if (ns == 1) {
-      items.push_back({G.b, G.t0, G.t1, 0, kv_end[g], -1, -1});
+      items.push_back({G.b, G.h, G.t0, G.t1, 0, kv_end[g], -1, -1});
       continue;
     }
     G.slot0 = n_slots;
     for (int64_t i = 0; i < ns; ++i) {
       int64_t b0, b1;
       ikj::split_range(nblk, static_cast<int>(i), static_cast<int>(ns), &b0, &b1);
-      items.push_back({G.b, G.t0, G.t1, b0 * BK, std::min(kv_end[g], b1 * BK), static_cast<int64_t>(g), n_slots++});
+      items.push_back({G.b, G.h, G.t0, G.t1, b0 * BK, std::min(kv_end[g], b1 * BK), static_cast<int64_t>(g),
+                       n_slots++});
     }
   }
   // longest first, so dynamic scheduling balances causal tiles of different lengths
@@ -432,7 +468,7 @@ void mla_attention(const ikj::MlaArgs& a) {
       const Item& it = items[i];
       run_item(a, pl, it, s);
       if (it.group < 0) {
-        write_out(a, pl, it.b, it.t0, it.t1, s.acc.data(), s.l.data());
+        write_out(a, pl, it.b, it.h, it.t0, it.t1, s.acc.data(), s.l.data());
         continue;
       }
       float* slot = part + it.slot * slot_size;  // [acc Rp x Vp | m Rp | l Rp]
@@ -442,7 +478,7 @@ void mla_attention(const ikj::MlaArgs& a) {
       if (remaining[it.group].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
       // last split of its group: log-sum-exp merge of the partials into s.acc / s.l, then write
       const Group& G = groups[it.group];
-      const int64_t Rt = (G.t1 - G.t0) * H;
+      const int64_t Rt = (G.t1 - G.t0) * pl.hq;
       float* acc = s.acc.data();
       float* l = s.l.data();
       for (int64_t r = 0; r < Rt; ++r) {
@@ -461,7 +497,7 @@ void mla_attention(const ikj::MlaArgs& a) {
         }
         l[r] = lsum;
       }
-      write_out(a, pl, G.b, G.t0, G.t1, acc, l);
+      write_out(a, pl, G.b, G.h, G.t0, G.t1, acc, l);
     }
   });
 }

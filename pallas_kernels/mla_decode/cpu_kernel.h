@@ -6,6 +6,11 @@
 // query rows of a tile. Softmax in f32 with online rescaling (flash); the key range is split over
 // threads when there are fewer (batch, query tile) pairs than threads (decode), and the partial
 // (m, l, acc) merged by a log-sum-exp combine.
+//
+// The same kernel is standard (per-head) attention when K and V have a head axis (Hk == H, the
+// `-mla 0/2/3` prompt steps' decompressed keys and values): K [B, S, H, W] and V [B, S, H, Wv]
+// (float kinds only), each head's query rows against its own rows; then a work item is
+// (batch, head, query tile, key range).
 #pragma once
 #include <cstdint>
 
@@ -27,8 +32,11 @@ struct MlaArgs {
   const void* scales;      // q8_0 only: [B, S, W/32]
   const int32_t* q_pos;    // [B, T]: the query at position p sees keys 0..p
   float* out;              // [B, T, H, v_dim]
-  int64_t B, T, H, D, S, W, v_dim;  // W: values per cache row (>= D >= v_dim)
-  int kind;                // MlaCacheKind
+  int64_t B, T, H, D, S, W, v_dim;  // W: values per cache row (>= D; >= v_dim when V is in K's row)
+  int kind;                // MlaCacheKind (of K, and of V when separate)
+  int64_t Hk = 1;          // heads of K / V: 1 (one latent row for every head) or H (per head)
+  const void* v = nullptr; // nullptr: V is the first v_dim values of K's row; else [B, S, Hk, Wv]
+  int64_t Wv = 0;          // values per V row (>= v_dim) when v is given
   float scale;
   int n_threads;           // <= 0: all cores
 };
