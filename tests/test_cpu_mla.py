@@ -198,6 +198,31 @@ def test_attention_matches_reference(shape, monkeypatch):
                 check(mla_cpu.attention(q, kd, vd, q_pos, scale, n_threads=n_threads), ref, (dt, isa, n_threads))
 
 
+@pytest.mark.parametrize("shape", [(1, 64, 130, 16, 16, 192, 192, 128), (2, 17, 40, 3, 3, 24, 24, 16),
+                                   (1, 9, 33, 4, 1, 21, 21, 20), (1, 5, 70, 2, 2, 30, 30, 37)],
+                         ids=lambda c: "B{}-T{}-S{}-H{}-Hk{}-D{}-W{}-v{}".format(*c))
+def test_attention_bf16_inputs(shape, monkeypatch):
+    """q, k and v all bf16 (the fast mode): p rounded to bf16 before p·v as XLA's bf16 `attend`
+    does, products in bf16 (AVX512_BF16 pairs where the CPU has them; D odd and the other levels
+    round alike in f32). Held to the XLA form on the same bf16 inputs, and the levels to each other."""
+    B, T, S, H, Hk, D, Wk, Dv = shape
+    rng = np.random.default_rng(sum(x * 31 ** i for i, x in enumerate(shape)) % 2**32)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((B, S, Hk, Wk)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, S, Hk, Dv)), jnp.bfloat16)
+    q_pos = positions(rng, B, T, S)
+    ref = _flash(q, k[..., :D], v, q_pos, 0.11, kv_block=64)   # XLA's bf16 form (p rounded per block)
+    outs = {}
+    for isa in ISAS:
+        monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+        outs[isa] = np.asarray(mla_cpu.attention(q, k, v, q_pos, 0.11, n_threads=2), np.float64)
+        assert np.isfinite(outs[isa]).all()
+        rel = np.linalg.norm(outs[isa] - np.asarray(ref)) / np.linalg.norm(ref)
+        assert rel < 5e-3, (isa, rel)
+    for isa in ISAS[:-1]:
+        assert np.linalg.norm(outs[isa] - outs["avx512"]) / np.linalg.norm(outs["avx512"]) < 1e-3, isa
+
+
 def test_attention_reads_only_visible_keys(monkeypatch):
     """Per-head K and V rows past every query's position are never read (NaN there stays out)."""
     rng = np.random.default_rng(4)
@@ -209,9 +234,12 @@ def test_attention_reads_only_visible_keys(monkeypatch):
     q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
     ref = _attend_mat(q, k.astype(jnp.float32), v.astype(jnp.float32), q_pos, 0.07)
     kp, vp = (jnp.where(seen, x, jnp.nan).astype(x.dtype) for x in (k, v))
+    ref16 = _attend_mat(q.astype(jnp.bfloat16), k, v, q_pos, 0.07)
     for isa in ISAS:
         monkeypatch.setenv("IKJAX_CPU_ISA", isa)
         check(mla_cpu.attention(q, kp, vp, q_pos, 0.07, n_threads=2), ref, isa)
+        y16 = np.asarray(mla_cpu.attention(q.astype(jnp.bfloat16), kp, vp, q_pos, 0.07, n_threads=2))
+        assert np.isfinite(y16).all() and np.linalg.norm(y16 - ref16) / np.linalg.norm(ref16) < 5e-3, isa
 
 
 def test_attention_supported_and_refusals():

@@ -83,6 +83,5 @@ def test_attention_dispatch():
         out[flash] = kernels.attention(q, k, v, q_pos, 0.2, flash=flash, kv_block=8, backend="cpu")
         assert kernels.selected("attention") == ("cpu" if flash else "xla")
         assert out[flash].shape == (B, T, H, Dv)
-        assert float(jnp.linalg.norm(out[flash] - ref) / jnp.linalg.norm(ref)) < 1e-2
-    # the kernel keeps p in f32 where the XLA form rounds it to v's bf16: same math, near equal
-    assert float(jnp.linalg.norm(out[True] - out[False]) / jnp.linalg.norm(ref)) < 1e-2
+        # bf16 inputs: both round p to bf16 for p·v (the kernel per block of keys, as the XLA flash form)
+        assert float(jnp.linalg.norm(out[flash] - ref) / jnp.linalg.norm(ref)) < 5e-3

@@ -97,12 +97,18 @@ def attention_supported(q_shape, k, v) -> bool:
 
 def attention(q, k, v, q_pos, scale, *, n_threads: int = 0):
     """q [B, T, H, D], k [B, S, Hk, Wk], v [B, S, Hk, Dv], q_pos int [B, T] -> [B, T, H, Dv] float32:
-    softmax(scale q·k[:D]) v over the keys s <= q_pos (and s < S); f32 softmax and accumulation."""
+    softmax(scale q·k[:D]) v over the keys s <= q_pos (and s < S); f32 softmax and accumulation.
+    With q, k and v all bf16, p is rounded to bf16 before p·v (as `attend` on bf16 inputs), and
+    the products run in bf16 where the CPU has AVX512_BF16 (exact products, f32 sums)."""
     if not attention_supported(q.shape, k, v):
         raise ValueError(f"attention (cpu): unsupported call q {q.shape}, k {k.shape} {k.dtype}, "
                          f"v {v.shape} {v.dtype}" + (f"; {_cpu.unavailable_reason()}" if not _cpu.available() else ""))
     _cpu.register()
     B, T, H, _ = q.shape
     out = jax.ShapeDtypeStruct((B, T, H, v.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call(ATTENTION_TARGET, out)(q.astype(jnp.float32), k, v, q_pos.astype(jnp.int32),
+    # all bf16 (the fast mode): q as it is, p rounded to bf16 for p·v as XLA's bf16 attention
+    # does, products in bf16; otherwise f32 queries and p
+    bf16 = q.dtype == k.dtype == jnp.bfloat16
+    q = q if bf16 else q.astype(jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_TARGET, out)(q, k, v, q_pos.astype(jnp.int32),
                                                    scale=np.float32(scale), n_threads=np.int64(n_threads))

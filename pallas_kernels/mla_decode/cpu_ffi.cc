@@ -8,10 +8,11 @@
 // The cache is taken as it is stored (no bitcast or repack in the graph, which would copy it).
 //
 // ikjax_cpu_attention: the same kernel as standard attention with keys and values of their own
-//   operands:   q f32 [B, T, H, D]; k f32 / f16 / bf16 [B, S, Hk, Wk] (Wk >= D; Hk = 1 or H);
+//   operands:   q f32 or bf16 [B, T, H, D]; k f32 / f16 / bf16 [B, S, Hk, Wk] (Wk >= D; Hk = 1 or H);
 //               v, k's type, [B, S, Hk, Dv]; q_pos s32 [B, T]
 //   attributes: scale (f32), n_threads
 //   result:     out f32 [B, T, H, Dv]
+//   With q, k and v all bf16, p is rounded to bf16 before p·v and the products run in bf16.
 #include <string>
 
 #include "cpu/runtime.h"
@@ -94,7 +95,7 @@ static bool float_kind(ffi::DataType t, int* kind) {
   return false;
 }
 
-static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+static ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out, float scale,
                                 int64_t n_threads) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = q_pos.dimensions();
@@ -114,7 +115,12 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::
   auto od = out->dimensions();
   if (od.size() != 4 || od[0] != a.B || od[1] != a.T || od[2] != a.H || od[3] != a.v_dim)
     return ffi::Error::InvalidArgument("attention: out must be [B, T, H, Dv]");
-  a.q = q.typed_data();
+  if (q.element_type() == ffi::DataType::BF16)
+    a.q16 = static_cast<const uint16_t*>(q.untyped_data());
+  else if (q.element_type() == ffi::DataType::F32)
+    a.q = static_cast<const float*>(q.untyped_data());
+  else
+    return ffi::Error::InvalidArgument("attention: q must be f32 or bf16");
   a.cache = k.untyped_data();
   a.v = v.untyped_data();
   a.q_pos = q_pos.typed_data();
@@ -127,7 +133,7 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFfi, AttentionImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

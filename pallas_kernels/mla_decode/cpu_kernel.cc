@@ -318,6 +318,8 @@ struct Group {
 struct Scratch {
   std::vector<float> qt, kb, vb, st, m, l, corr, acc;
   std::vector<int32_t> pos;
+  std::vector<uint16_t> kb16;           // bf16 products: the key block's rows
+  std::vector<uint32_t> qp, vp, pp;     // bf16 pairs: q over d, V and p over keys
 };
 
 template <class T>
@@ -336,8 +338,176 @@ struct Plan {
 inline int64_t row_token(const Plan& pl, int64_t t0, int64_t r) { return t0 + r / pl.hq; }
 inline int64_t row_head(const Plan& pl, int64_t h, int64_t r) { return pl.hq == 1 ? h : r % pl.hq; }
 
+// q, K and V all bf16 (the fast mode's prompt attention): p is rounded to bf16 before p·V.
+inline bool bf16_inputs(const ikj::MlaArgs& a) { return a.q16 && a.v && a.kind == ikj::MLA_BF16; }
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even (finite values; NaN stays NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+inline float round_bf16(float f) { return ikj::bf16_to_f32(bf16_bits(f)); }
+
+#if defined(__AVX512BF16__)
+// ---- bf16 products: pairs of bf16 through vdpbf16ps, twice the f32 FMA's multiply-adds ----------
+// Scores: Qp holds q as pairs over d ([D/2][Rp] u32: q[r, 2p] | q[r, 2p+1] << 16), each key's pair
+// is broadcast. Values: Vk holds V as pairs over keys ([nj/2][Vp]: V[2p, c] | V[2p+1, c] << 16),
+// Pp p likewise ([nj/2][Rp]).
+template <int NJ, int NV>
+inline void scores_tile_bf16(const uint16_t* Kb, int64_t D, const uint32_t* Qp, int64_t Rp, int64_t p0, int64_t p1,
+                             float* St, int64_t j0, int64_t r0, bool add) {
+  __m512 acc[NJ][NV];
+  for (int j = 0; j < NJ; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = add ? _mm512_loadu_ps(St + (j0 + j) * Rp + r0 + v * 16) : _mm512_setzero_ps();
+  const uint16_t* k = Kb + j0 * D;
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(Qp + p * Rp + r0 + v * 16);
+    for (int j = 0; j < NJ; ++j) {
+      uint32_t kp;
+      std::memcpy(&kp, k + j * D + 2 * p, 4);
+      const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(kp));
+      for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], kv, qv[v]);
+    }
+  }
+  for (int j = 0; j < NJ; ++j)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(St + (j0 + j) * Rp + r0 + v * 16, acc[j][v]);
+}
+
+void scores_bf16(const uint16_t* Kb, int64_t D, const uint32_t* Qp, int64_t Rp, float* St, int64_t nj) {
+  const int64_t nvec = Rp / 16, n_pairs = D / 2;
+  for (int64_t p0 = 0; p0 < n_pairs; p0 += DC / 2) {  // a slice of Qp stays in L1, as in `scores`
+    const int64_t p1 = std::min(n_pairs, p0 + DC / 2);
+    for (int64_t c = 0; c < nvec; c += NV1) {
+      const int64_t nv = std::min<int64_t>(NV1, nvec - c);
+      for (int64_t j0 = 0; j0 < nj; j0 += RJ) {
+        switch (nv) {
+          case 1: scores_tile_bf16<RJ, 1>(Kb, D, Qp, Rp, p0, p1, St, j0, c * 16, p0 > 0); break;
+          case 2: scores_tile_bf16<RJ, 2>(Kb, D, Qp, Rp, p0, p1, St, j0, c * 16, p0 > 0); break;
+          default: scores_tile_bf16<RJ, NV1>(Kb, D, Qp, Rp, p0, p1, St, j0, c * 16, p0 > 0); break;
+        }
+      }
+    }
+  }
+}
+
+template <int NV>
+inline void values_tile_bf16(const uint32_t* Vk, const uint32_t* Pp, int64_t Rp, const float* corr, float* acc,
+                             int64_t Vp, int64_t n_pairs, int64_t r0, int64_t c0) {
+  __m512 a[RH][NV];
+  for (int h = 0; h < RH; ++h) {
+    const __m512 cr = _mm512_set1_ps(corr[r0 + h]);
+    for (int v = 0; v < NV; ++v) a[h][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + h) * Vp + c0 + v * 16), cr);
+  }
+  for (int64_t p = 0; p < n_pairs; ++p) {
+    __m512bh vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(Vk + p * Vp + c0 + v * 16);
+    for (int h = 0; h < RH; ++h) {
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(Pp[p * Rp + r0 + h]));
+      for (int v = 0; v < NV; ++v) a[h][v] = _mm512_dpbf16_ps(a[h][v], pv, vv[v]);
+    }
+  }
+  for (int h = 0; h < RH; ++h)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (r0 + h) * Vp + c0 + v * 16, a[h][v]);
+}
+
+void values_bf16(const uint32_t* Vk, const uint32_t* Pp, int64_t Rp, const float* corr, float* acc, int64_t Vp,
+                 int64_t n_pairs) {
+  const int64_t nvec = Vp / 16;
+  for (int64_t c = 0; c < nvec; c += NV2) {
+    const int64_t nv = std::min<int64_t>(NV2, nvec - c);
+    for (int64_t r0 = 0; r0 < Rp; r0 += RH) {
+      switch (nv) {
+        case 1: values_tile_bf16<1>(Vk, Pp, Rp, corr, acc, Vp, n_pairs, r0, c * 16); break;
+        case 2: values_tile_bf16<2>(Vk, Pp, Rp, corr, acc, Vp, n_pairs, r0, c * 16); break;
+        case 3: values_tile_bf16<3>(Vk, Pp, Rp, corr, acc, Vp, n_pairs, r0, c * 16); break;
+        default: values_tile_bf16<NV2>(Vk, Pp, Rp, corr, acc, Vp, n_pairs, r0, c * 16); break;
+      }
+    }
+  }
+}
+
+// 16 values of two bf16 rows (n <= 16 of them valid, the rest 0) interleaved into u32 pairs.
+inline __m512i pair16(const uint16_t* r0, const uint16_t* r1, int64_t n) {
+  const __mmask16 m = n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0));
+  const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1)) : _mm512_setzero_si512();
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// One item with bf16 q, K, V (bf16_inputs, D even): run_item's loop on pairs.
+void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s) {
+  const int64_t H = a.H, D = a.D, Rp = pl.Rp, Vp = pl.Vp, n_pairs = D / 2, vd = a.v_dim;
+  const int64_t Rt = (it.t1 - it.t0) * pl.hq;
+  uint32_t* qp = grow(s.qp, n_pairs * Rp);
+  uint16_t* kb = grow(s.kb16, BK * D);
+  uint32_t* vk = grow(s.vp, (BK / 2) * Vp);
+  uint32_t* pp = grow(s.pp, (BK / 2) * Rp);
+  float* st = grow(s.st, BK * Rp);
+  float* m = grow(s.m, Rp);
+  float* l = grow(s.l, Rp);
+  float* corr = grow(s.corr, Rp);
+  float* acc = grow(s.acc, Rp * Vp);
+  int32_t* pos = grow(s.pos, Rp);
+  const uint16_t* K = static_cast<const uint16_t*>(a.cache);
+  const uint16_t* Vs = static_cast<const uint16_t*>(a.v);
+
+  std::fill(qp, qp + n_pairs * Rp, 0u);
+  for (int64_t r = 0; r < Rt; ++r) {
+    const uint16_t* q = a.q16 + ((it.b * a.T + row_token(pl, it.t0, r)) * H + row_head(pl, it.h, r)) * D;
+    for (int64_t p = 0; p < n_pairs; ++p) qp[p * Rp + r] = q[2 * p] | static_cast<uint32_t>(q[2 * p + 1]) << 16;
+  }
+  int32_t min_pos = INT32_MAX;
+  for (int64_t r = 0; r < Rp; ++r) {
+    pos[r] = r < Rt ? a.q_pos[it.b * a.T + row_token(pl, it.t0, r)] : INT32_MAX;
+    min_pos = std::min(min_pos, pos[r]);
+    m[r] = M_INIT;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + Rp * Vp, 0.f);
+
+  auto k_row = [&](int64_t j) { return K + ((it.b * a.S + j) * a.Hk + it.h) * a.W; };
+  auto v_row = [&](int64_t j) { return Vs + ((it.b * a.S + j) * a.Hk + it.h) * a.Wv; };
+  for (int64_t j0 = it.k0; j0 < it.k1; j0 += BK) {
+    const int64_t nv = std::min<int64_t>(BK, it.k1 - j0), nj = round_up(nv, RJ), np = (nv + 1) / 2;
+    for (int64_t j = 0; j < nv; ++j) std::memcpy(kb + j * D, k_row(j0 + j), D * sizeof(uint16_t));
+    std::fill(kb + nv * D, kb + nj * D, uint16_t{0});
+    for (int64_t p = 0; p < np; ++p) {
+      const uint16_t* r0 = v_row(j0 + 2 * p);
+      const uint16_t* r1 = 2 * p + 1 < nv ? v_row(j0 + 2 * p + 1) : nullptr;
+      for (int64_t c = 0; c < Vp; c += 16)
+        _mm512_storeu_si512(vk + p * Vp + c, c < vd ? pair16(r0 + c, r1 ? r1 + c : nullptr, vd - c)
+                                                    : _mm512_setzero_si512());
+    }
+    scores_bf16(kb, D, qp, Rp, st, nj);
+    if (j0 + nv - 1 > min_pos) {
+      const float ninf = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < nv; ++j)
+        for (int64_t r = 0; r < Rt; ++r)
+          if (j0 + j > pos[r]) st[j * Rp + r] = ninf;
+    }
+    softmax_block(st, Rp, nv, a.scale, m, l, corr);
+    for (int64_t p = 0; p < np; ++p) {
+      const float* p0 = st + 2 * p * Rp;
+      const float* p1 = 2 * p + 1 < nv ? p0 + Rp : nullptr;
+      for (int64_t r = 0; r < Rp; r += 16) {
+        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + r)));
+        const __m512i hi = p1 ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p1 + r)))
+                              : _mm512_setzero_si512();
+        _mm512_storeu_si512(pp + p * Rp + r, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+    values_bf16(vk, pp, Rp, corr, acc, Vp, np);
+  }
+}
+#endif
+
 // Process one item: keys [k0, k1) for the query rows of tokens [t0, t1); leaves (m, l, acc) in s.
 void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s) {
+#if defined(__AVX512BF16__)
+  if (bf16_inputs(a) && a.D % 2 == 0) return run_item_bf16(a, pl, it, s);
+#endif
   const int64_t H = a.H, D = a.D, Rp = pl.Rp, Vp = pl.Vp, Dp = pl.Dp;
   const int64_t Rt = (it.t1 - it.t0) * pl.hq;
   float* qt = grow(s.qt, D * Rp);
@@ -351,8 +521,11 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
   int32_t* pos = grow(s.pos, Rp);
 
   for (int64_t r = 0; r < Rt; ++r) {
-    const float* q = a.q + ((it.b * a.T + row_token(pl, it.t0, r)) * H + row_head(pl, it.h, r)) * D;
-    for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = q[d];
+    const int64_t off = ((it.b * a.T + row_token(pl, it.t0, r)) * H + row_head(pl, it.h, r)) * D;
+    if (a.q16)
+      for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = ikj::bf16_to_f32(a.q16[off + d]);
+    else
+      for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = a.q[off + d];
   }
   for (int64_t d = 0; d < D; ++d)
     for (int64_t r = Rt; r < Rp; ++r) qt[d * Rp + r] = 0.f;
@@ -378,6 +551,8 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
           if (j0 + j > pos[r]) st[j * Rp + r] = ninf;
     }
     softmax_block(st, Rp, nv, a.scale, m, l, corr);
+    if (bf16_inputs(a))  // p as the bf16 products would see it (l keeps the unrounded sum, as XLA)
+      for (int64_t i = 0; i < nv * Rp; ++i) st[i] = round_bf16(st[i]);
     if (vb)
       values(vb, Vp, st, Rp, corr, acc, Vp, nv);
     else

@@ -37,6 +37,10 @@ struct MlaArgs {
   int64_t Hk = 1;          // heads of K / V: 1 (one latent row for every head) or H (per head)
   const void* v = nullptr; // nullptr: V is the first v_dim values of K's row; else [B, S, Hk, Wv]
   int64_t Wv = 0;          // values per V row (>= v_dim) when v is given
+  // bf16 queries [B, T, H, D] instead of q (with v given): with K and V bf16 too, p is rounded to
+  // bf16 before p·V, as the XLA form of bf16 attention does, and the products run in bf16
+  // (AVX512_BF16; exact products, f32 accumulation; other levels round alike and multiply in f32)
+  const uint16_t* q16 = nullptr;
   float scale;
   int n_threads;           // <= 0: all cores
 };
