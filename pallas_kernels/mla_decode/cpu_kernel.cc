@@ -338,6 +338,30 @@ struct Plan {
 inline int64_t row_token(const Plan& pl, int64_t t0, int64_t r) { return t0 + r / pl.hq; }
 inline int64_t row_head(const Plan& pl, int64_t h, int64_t r) { return pl.hq == 1 ? h : r % pl.hq; }
 
+// The tile's rows before its first key block: positions (INT32_MAX for the padding rows), the
+// running max and sum, a zero accumulator; returns the lowest position.
+int32_t start_rows(const ikj::MlaArgs& a, const Plan& pl, const Item& it, int64_t Rt, int32_t* pos, float* m,
+                   float* l, float* acc) {
+  int32_t min_pos = INT32_MAX;
+  for (int64_t r = 0; r < pl.Rp; ++r) {
+    pos[r] = r < Rt ? a.q_pos[it.b * a.T + row_token(pl, it.t0, r)] : INT32_MAX;
+    min_pos = std::min(min_pos, pos[r]);
+    m[r] = M_INIT;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + pl.Rp * pl.Vp, 0.f);
+  return min_pos;
+}
+
+// -inf for the scores of keys j0 + j past a row's position, where the causal edge crosses the block.
+void mask_block(float* st, int64_t Rp, int64_t Rt, int64_t j0, int64_t nv, const int32_t* pos, int32_t min_pos) {
+  if (j0 + nv - 1 <= min_pos) return;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < nv; ++j)
+    for (int64_t r = 0; r < Rt; ++r)
+      if (j0 + j > pos[r]) st[j * Rp + r] = ninf;
+}
+
 // q, K and V all bf16 (the fast mode's prompt attention): p is rounded to bf16 before p·V.
 inline bool bf16_inputs(const ikj::MlaArgs& a) { return a.q16 && a.v && a.kind == ikj::MLA_BF16; }
 
@@ -458,14 +482,7 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
     const uint16_t* q = a.q16 + ((it.b * a.T + row_token(pl, it.t0, r)) * H + row_head(pl, it.h, r)) * D;
     for (int64_t p = 0; p < n_pairs; ++p) qp[p * Rp + r] = q[2 * p] | static_cast<uint32_t>(q[2 * p + 1]) << 16;
   }
-  int32_t min_pos = INT32_MAX;
-  for (int64_t r = 0; r < Rp; ++r) {
-    pos[r] = r < Rt ? a.q_pos[it.b * a.T + row_token(pl, it.t0, r)] : INT32_MAX;
-    min_pos = std::min(min_pos, pos[r]);
-    m[r] = M_INIT;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + Rp * Vp, 0.f);
+  const int32_t min_pos = start_rows(a, pl, it, Rt, pos, m, l, acc);
 
   auto k_row = [&](int64_t j) { return K + ((it.b * a.S + j) * a.Hk + it.h) * a.W; };
   auto v_row = [&](int64_t j) { return Vs + ((it.b * a.S + j) * a.Hk + it.h) * a.Wv; };
@@ -481,12 +498,7 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
                                                     : _mm512_setzero_si512());
     }
     scores_bf16(kb, D, qp, Rp, st, nj);
-    if (j0 + nv - 1 > min_pos) {
-      const float ninf = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < nv; ++j)
-        for (int64_t r = 0; r < Rt; ++r)
-          if (j0 + j > pos[r]) st[j * Rp + r] = ninf;
-    }
+    mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
     softmax_block(st, Rp, nv, a.scale, m, l, corr);
     for (int64_t p = 0; p < np; ++p) {
       const float* p0 = st + 2 * p * Rp;
@@ -529,14 +541,7 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
   }
   for (int64_t d = 0; d < D; ++d)
     for (int64_t r = Rt; r < Rp; ++r) qt[d * Rp + r] = 0.f;
-  int32_t min_pos = INT32_MAX;
-  for (int64_t r = 0; r < Rp; ++r) {
-    pos[r] = r < Rt ? a.q_pos[it.b * a.T + row_token(pl, it.t0, r)] : INT32_MAX;
-    min_pos = std::min(min_pos, pos[r]);
-    m[r] = M_INIT;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + Rp * Vp, 0.f);
+  const int32_t min_pos = start_rows(a, pl, it, Rt, pos, m, l, acc);
 
   for (int64_t j0 = it.k0; j0 < it.k1; j0 += BK) {
     const int64_t nv = std::min<int64_t>(BK, it.k1 - j0);
@@ -544,12 +549,7 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
     if (vb)
       for (int64_t j = 0; j < nv; ++j) load_row(a, a.v, a.Wv, it.b, j0 + j, it.h, a.v_dim, vb + j * Vp);
     scores(kb, Dp, qt, Rp, D, st, round_up(nv, RJ));
-    if (j0 + nv - 1 > min_pos) {  // the causal edge crosses this block
-      const float ninf = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < nv; ++j)
-        for (int64_t r = 0; r < Rt; ++r)
-          if (j0 + j > pos[r]) st[j * Rp + r] = ninf;
-    }
+    mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
     softmax_block(st, Rp, nv, a.scale, m, l, corr);
     if (bf16_inputs(a))  // p as the bf16 products would see it (l keeps the unrounded sum, as XLA)
       for (int64_t i = 0; i < nv * Rp; ++i) st[i] = round_bf16(st[i]);
