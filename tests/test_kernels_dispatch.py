@@ -85,3 +85,23 @@ def test_attention_dispatch():
         assert out[flash].shape == (B, T, H, Dv)
         # bf16 inputs: both round p to bf16 for p·v (the kernel per block of keys, as the XLA flash form)
         assert float(jnp.linalg.norm(out[flash] - ref) / jnp.linalg.norm(ref)) < 5e-3
+
+
+@pytest.mark.parametrize("types", [("Q4_0", "Q4_0", "Q8_0"), ("Q8_0", "Q6_K", "Q4_K")])
+def test_swiglu_ffn_dispatch(types):
+    """The dense FFN: the C++ fused kernel (one expert, weight 1) for prompt-sized x, the three
+    GEMVs below FUSED_FFN_MIN_ROWS; both equal XLA's form within the fast mode's 8-bit error."""
+    rng = np.random.default_rng(4)
+    d, F = 256, 512
+    gate, up = (random_quant_array(t, (F, d), rng) for t in types[:2])
+    down = random_quant_array(types[2], (d, F), rng)
+    for rows in (1, 3, 5, 17, 130):
+        x = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
+        for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+            ref = kernels.swiglu_ffn(x, gate, up, down, jnp.float32, backend="xla")
+            with kernels.kernel_context("cpu", threads=2):
+                y = kernels.swiglu_ffn(x, gate, up, down, dtype)
+            assert kernels.selected("swiglu_ffn") == ("cpu" if rows >= kernels.FUSED_FFN_MIN_ROWS else "xla")
+            assert y.shape == (rows, d)
+            err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+            assert err < tol, (types, rows, dtype, err)

@@ -45,8 +45,11 @@ SHARED_EXPERTS = ("shexp_gate_up", "gate_shexp", "up_shexp", "down_shexp")
 
 
 def dense_ffn(x, layer: dict, names: tuple[str, str, str, str], dtype):
-    """SwiGLU FFN: down(silu(gate x) * up x), gate and up in one product where stored stacked."""
+    """SwiGLU FFN: down(silu(gate x) * up x), gate and up in one product where stored stacked, else
+    the `swiglu_ffn` op (on the CPU the fused kernel for prompt-sized x)."""
     fused, gate, up, down = names
+    if fused not in layer:
+        return kernels.swiglu_ffn(x, layer[gate], layer[up], layer[down], dtype)
     f = layer[down].shape[-1]
     g, u = split_linear(x, layer, fused, (gate, up), (f, f), dtype)
     return linear(swiglu(g, u), layer[down], dtype)
