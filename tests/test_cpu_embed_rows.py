@@ -66,3 +66,12 @@ def test_supported_refuses_non_bytes():
     assert not supported(jnp.zeros((4, 4), jnp.float32), jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="embed_rows"):
         embed_rows(jnp.zeros((4, 4), jnp.float32), jnp.zeros((2,), jnp.int32))
+
+
+def test_empty_table_refused():
+    """No row to clamp an id to: the C++ op refuses (it read before the table, found by fuzzing)."""
+    from pallas_kernels.embed_rows import cpu as embed_cpu
+    table = jnp.zeros((0, 16), jnp.uint8)
+    assert not embed_cpu.supported(table, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="unsupported"):
+        embed_cpu.embed_rows(table, jnp.zeros((3,), jnp.int32))

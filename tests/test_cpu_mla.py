@@ -254,3 +254,21 @@ def test_attention_supported_and_refusals():
     assert not mla_cpu.attention_supported((2, 4, 16, 192), k, v)          # batch mismatch
     with pytest.raises(ValueError, match="unsupported"):
         mla_cpu.attention(jnp.zeros(q), k[:, :, :4], v[:, :, :4], jnp.zeros((1, 4), jnp.int32), 0.1)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+def test_nonpositive_scale_masks_after_scaling(scale, monkeypatch):
+    """A masked score is -inf whatever the scale (the kernel scales, then masks): scale 0 gives the
+    mean of the visible values, a negative scale no NaN or +inf (found by fuzzing: masking first
+    made -inf·0 = NaN)."""
+    rng = np.random.default_rng(6)
+    B, T, H, S, D = 1, 3, 2, 70, 16
+    c = jnp.asarray(rng.standard_normal((B, S, D)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    pos = jnp.asarray([[40, 41, 67]], jnp.int32)
+    ref = _materialized(q, c[:, :, None], c[:, :, None], pos, scale)
+    k = jnp.broadcast_to(c[:, :, None], (B, S, H, D))
+    for isa in ISAS:
+        monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+        check(mla_cpu.mla_attention(q, c, pos, scale, v_dim=D, n_threads=2), ref, (isa, "latent"))
+        check(mla_cpu.attention(q, k, k, pos, scale, n_threads=2), ref, (isa, "per head"))

@@ -235,6 +235,13 @@ def test_bad_calls_are_refused():
     assert not cpu.supported("NO_SUCH_TYPE")
 
 
+def test_no_output_columns():
+    """N = 0 gives an empty [.., 0] (its bytes have no rows to be reshaped by; found by fuzzing)."""
+    w = QuantArray(np.zeros((0, 34), np.uint8), by_name("Q8_0"), (0, 32))
+    y = cpu.quant_matmul(jnp.ones((3, 32)), w)
+    assert y.shape == (3, 0) and y.dtype == jnp.float32
+
+
 def test_issue_types_all_supported():
     """Issue 9's fast-path list: every type has a C++ path (legacy here, the rest in cpu_kernel_kquants.cc)."""
     missing = [t for t in LEGACY + KQUANTS if not cpu.supported(t)]

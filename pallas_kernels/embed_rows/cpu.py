@@ -16,8 +16,9 @@ TARGET = "ikjax_cpu_embed_rows"
 
 
 def supported(table, tokens) -> bool:
-    """Whether the C++ op takes this call: the extension built, table u8 [V, R], integer tokens."""
-    return (_cpu.available() and table.ndim == 2 and table.dtype == jnp.uint8
+    """Whether the C++ op takes this call: the extension built, table u8 [V, R] with V > 0 (no row
+    to clamp an id to otherwise), integer tokens."""
+    return (_cpu.available() and table.ndim == 2 and table.dtype == jnp.uint8 and table.shape[0] > 0
             and jnp.issubdtype(tokens.dtype, jnp.integer))
 
 

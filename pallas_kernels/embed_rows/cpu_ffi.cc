@@ -122,6 +122,7 @@ static ffi::Error EmbedRowsImpl(ffi::Buffer<ffi::U8> table, ffi::Buffer<ffi::S32
   auto td = table.dimensions();
   if (td.size() != 2) return ffi::Error::InvalidArgument("embed_rows: table must be [V, R] bytes");
   const int64_t V = td[0], R = td[1], n = static_cast<int64_t>(tokens.element_count());
+  if (V == 0 && n > 0) return ffi::Error::InvalidArgument("embed_rows: the table has no rows");
   if (static_cast<int64_t>(out->element_count()) != n * R)
     return ffi::Error::InvalidArgument("embed_rows: out must be [..., R] for tokens [...]");
   const uint8_t* base = table.typed_data();

@@ -278,17 +278,19 @@ void values(const float* Kb, int64_t Dp, const float* P, int64_t Rp, const float
   }
 }
 
-// Online softmax over the nj keys of a block, vectorized over the query rows: St (raw q·k, -inf
-// where masked) becomes P = exp(scale·s - m_new); m, l updated, corr = exp(m_old - m_new).
-void softmax_block(float* St, int64_t Rp, int64_t nj, float scale, float* m, float* l, float* corr) {
+// scale·(q·k) for the nj keys of a block (before the causal mask: a masked score is -inf whatever
+// the scale's sign, as in the reference, where -inf·0 would be NaN and -inf·(-x) +inf).
+void scale_block(float* St, int64_t Rp, int64_t nj, float scale) {
   const V sc = vbc(scale);
+  for (int64_t i = 0; i < nj * Rp; i += L) vst(St + i, vmul(vld(St + i), sc));
+}
+
+// Online softmax over the nj keys of a block, vectorized over the query rows: St (scaled scores,
+// -inf where masked) becomes P = exp(s - m_new); m, l updated, corr = exp(m_old - m_new).
+void softmax_block(float* St, int64_t Rp, int64_t nj, float* m, float* l, float* corr) {
   for (int64_t r = 0; r < Rp; r += L) {
     V mo = vld(m + r), mx = mo;
-    for (int64_t j = 0; j < nj; ++j) {
-      V s = vmul(vld(St + j * Rp + r), sc);
-      vst(St + j * Rp + r, s);
-      mx = vmax(mx, s);
-    }
+    for (int64_t j = 0; j < nj; ++j) mx = vmax(mx, vld(St + j * Rp + r));
     V sum = vzero();
     for (int64_t j = 0; j < nj; ++j) {
       V p = vexp(vsub(vld(St + j * Rp + r), mx));
@@ -498,8 +500,9 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
                                                     : _mm512_setzero_si512());
     }
     scores_bf16(kb, D, qp, Rp, st, nj);
+    scale_block(st, Rp, nv, a.scale);
     mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
-    softmax_block(st, Rp, nv, a.scale, m, l, corr);
+    softmax_block(st, Rp, nv, m, l, corr);
     for (int64_t p = 0; p < np; ++p) {
       const float* p0 = st + 2 * p * Rp;
       const float* p1 = 2 * p + 1 < nv ? p0 + Rp : nullptr;
@@ -549,8 +552,9 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
     if (vb)
       for (int64_t j = 0; j < nv; ++j) load_row(a, a.v, a.Wv, it.b, j0 + j, it.h, a.v_dim, vb + j * Vp);
     scores(kb, Dp, qt, Rp, D, st, round_up(nv, RJ));
+    scale_block(st, Rp, nv, a.scale);
     mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
-    softmax_block(st, Rp, nv, a.scale, m, l, corr);
+    softmax_block(st, Rp, nv, m, l, corr);
     if (bf16_inputs(a))  // p as the bf16 products would see it (l keeps the unrounded sum, as XLA)
       for (int64_t i = 0; i < nv * Rp; ++i) st[i] = round_bf16(st[i]);
     if (vb)

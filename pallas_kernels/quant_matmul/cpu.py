@@ -51,9 +51,11 @@ def quant_matmul(x, w, *, n_threads: int = 0, compute: str = "f32"):
         raise ValueError(f"quant_matmul: x has {x.shape[-1]} columns, weight has K = {K}")
     if not supported(w.qtype.name):
         raise ValueError(f"quant_matmul: no C++ path for type {w.qtype.name}")
+    lead = x.shape[:-1]
+    if N == 0:  # no output columns (and no rows to reshape the bytes by)
+        return jnp.zeros(lead + (0,), jnp.float32)
     _cpu.register()
     data = jnp.asarray(w.data).reshape(N, -1)  # uint8 [N, row_bytes], the blocks as stored
-    lead = x.shape[:-1]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(lead + (N,), jnp.float32),
                             vmap_method="expand_dims")  # vmap over x; the weight is not copied per batch
     return call(x.astype(jnp.float32), data, type=np.int64(w.qtype.type_id),
