@@ -616,3 +616,34 @@ def swiglu_ffn(x, gate, up, down, dtype, *, backend: str | None = None):
         "cpu": Impl(_ffn_cpu_supported, _ffn_cpu),
     }
     return _dispatch("swiglu_ffn", impls, resolve_backend(backend), x, gate, up, down, dtype)
+
+
+def _attend_kv_xla(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block):
+    B, S, H, _ = kv.shape
+    R = q.shape[-1] - nope
+    k = jnp.concatenate([kv[..., :nope].astype(jnp.float32),
+                         jnp.broadcast_to(k_rope[:, :, None, :R], (B, S, H, R)).astype(jnp.float32)], -1)
+    return _attend_xla(q, k.astype(q.dtype), kv[..., nope:].astype(q.dtype), q_pos, scale, flash, amb_bytes, kv_block)
+
+
+def _attend_kv_cpu_supported(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block) -> bool:
+    return flash and _mla_cpu_mod.attention_kv_supported(q.shape, kv, k_rope, nope)
+
+
+def _attend_kv_cpu(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block):
+    return _mla_cpu_mod.attention_kv(q, kv, k_rope, q_pos, scale, nope=nope, n_threads=_threads())
+
+
+def attention_kv(q, kv, k_rope, q_pos, scale, *, nope: int, flash: bool, amb_bytes: int = 0, kv_block: int = 256,
+                 backend: str | None = None):
+    """`attention` over the keys and values as the -mla 2/3 prompt's kv_b product gives them: kv [B,
+    S, H, nope + Dv] (each head's k_nope | v) and the rope part k_rope [B, S, >= R] shared by the
+    heads; K = kv[..., :nope] ++ k_rope[..., :R], V = kv[..., nope:], both taken at q's dtype.
+    `xla` builds K and V (concatenate, broadcast, converts) and runs `attend`; `cpu` (flash) reads
+    them in place (RESULTS §9h: those copies were ~40 ms of a 512-token V2-Lite step)."""
+    impls = {
+        "xla": Impl(lambda *a: True, _attend_kv_xla),
+        "cpu": Impl(_attend_kv_cpu_supported, _attend_kv_cpu),
+    }
+    return _dispatch("attention", impls, resolve_backend(backend), q, kv, k_rope, q_pos, scale, nope, flash,
+                     amb_bytes, kv_block)

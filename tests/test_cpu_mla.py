@@ -5,6 +5,8 @@ thread count; ragged positions, positions short of the cache end and past it, pa
 """
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -272,3 +274,47 @@ def test_nonpositive_scale_masks_after_scaling(scale, monkeypatch):
         monkeypatch.setenv("IKJAX_CPU_ISA", isa)
         check(mla_cpu.mla_attention(q, c, pos, scale, v_dim=D, n_threads=2), ref, (isa, "latent"))
         check(mla_cpu.attention(q, k, k, pos, scale, n_threads=2), ref, (isa, "per head"))
+
+
+def _kv_reference(q, kv, k_rope, q_pos, scale, nope):
+    """K = kv[..., :nope] ++ k_rope broadcast over the heads, V = kv[..., nope:], both at q's dtype,
+    as the model built them before the op took the parts (XLA's flash form)."""
+    B, S, H, _ = kv.shape
+    R = q.shape[-1] - nope
+    k = jnp.concatenate([kv[..., :nope].astype(jnp.float32),
+                         jnp.broadcast_to(k_rope[:, :, None, :R], (B, S, H, R)).astype(jnp.float32)], -1)
+    return _flash(q, k.astype(q.dtype), kv[..., nope:].astype(q.dtype), q_pos, scale, kv_block=64)
+
+
+@pytest.mark.parametrize("case", [
+    (1, 64, 130, 16, 128, 64, 64, 128, "bf16", "f32", "bf16"),   # V2-Lite's prompt: bf16 q, the f32 kv_b product
+    (2, 7, 40, 3, 16, 8, 10, 16, "f32", "f32", "f32"),           # exact mode, rope row wider than R
+    (1, 37, 90, 5, 12, 7, 7, 20, "bf16", "f16", "f32"),           # D odd: the f32 loop rounding as bf16
+    (2, 1, 70, 4, 32, 16, 16, 24, "bf16", "bf16", "bf16"),        # a decode-shaped call
+    (1, 20, 33, 2, 9, 5, 6, 3, "f32", "bf16", "f16")],
+    ids=lambda c: "B{}-T{}-S{}-H{}-nope{}-R{}-Rw{}-v{}-q{}-kv{}-r{}".format(*c))
+def test_attention_kv_matches_reference(case, monkeypatch):
+    B, T, S, H, nope, R, Rw, Dv, qd, kvd, rd = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    q = jnp.asarray(rng.standard_normal((B, T, H, nope + R)), FLOAT[qd])
+    kv = jnp.asarray(rng.standard_normal((B, S, H, nope + Dv)), FLOAT[kvd])
+    kr = jnp.asarray(rng.standard_normal((B, S, Rw)), FLOAT[rd])
+    q_pos = positions(rng, B, T, S)
+    ref = _kv_reference(q, kv, kr, q_pos, 0.1, nope)
+    for isa in ISAS:
+        for n_threads in (1, 2):
+            monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+            y = np.asarray(mla_cpu.attention_kv(q, kv, kr, q_pos, 0.1, nope=nope, n_threads=n_threads), np.float64)
+            rel = np.linalg.norm(y - np.asarray(ref)) / np.linalg.norm(ref)
+            assert np.isfinite(y).all() and rel < (1e-5 if qd == "f32" else 5e-3), (isa, n_threads, rel)
+
+
+def test_attention_kv_refusals():
+    q, kv, kr = (1, 4, 16, 192), jnp.zeros((1, 8, 16, 256), jnp.float32), jnp.zeros((1, 8, 64), jnp.bfloat16)
+    assert mla_cpu.attention_kv_supported(q, kv, kr, 128)
+    assert not mla_cpu.attention_kv_supported(q, kv, kr[..., :32], 128)          # rope part too narrow
+    assert not mla_cpu.attention_kv_supported(q, kv, kr, 256)                    # no value columns left
+    assert not mla_cpu.attention_kv_supported(q, kv[:, :, :4], kr, 128)          # heads differ from q's
+    assert not mla_cpu.attention_kv_supported(q, kv.astype(jnp.int32), kr, 128)  # not a float type
+    with pytest.raises(ValueError, match="unsupported"):
+        mla_cpu.attention_kv(jnp.zeros(q), kv, kr[..., :32], jnp.zeros((1, 4), jnp.int32), 0.1, nope=128)

@@ -127,7 +127,12 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
         entry = jnp.concatenate([c, k_pe], -1)
         new_cache = {"latent": kvcache.write(layer_cache["latent"], entry, start)}
         lat = kvcache.read(new_cache["latent"], plan.kv_len, cfg.latent_dim, dtype)
-        if plan.mla in (2, 3) and T > 1:
+        if plan.mla in (2, 3) and T > 1 and reads_kv_b(layer, True):
+            # K = the kv_b product's k_nope ++ the cached rope part, V its v part: the attention op
+            # takes them as they are (on the CPU read in place, no concatenated copies)
+            kv_rows = linear(lat[..., :r], layer["kv_b"], dtype).reshape(B, -1, H, nope + cfg.v_dim)
+            o = kernels.attention_kv(q_full, kv_rows, lat[..., r:], q_pos, scale, nope=nope, flash=plan.fa, **attn)
+        elif plan.mla in (2, 3) and T > 1:
             k_all, v_all = expand(lat[..., :r], lat[..., r:], prefer_kv_b=True)
             o = kernels.attention(q_full, k_all.astype(dtype), v_all.astype(dtype), q_pos, scale, flash=plan.fa,
                                   **attn)

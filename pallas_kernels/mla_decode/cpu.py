@@ -21,6 +21,7 @@ from pallas_kernels import cpu as _cpu
 
 TARGET = "ikjax_cpu_mla_attention"
 ATTENTION_TARGET = "ikjax_cpu_attention"
+ATTENTION_KV_TARGET = "ikjax_cpu_attention_kv"
 CACHE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
@@ -112,3 +113,31 @@ def attention(q, k, v, q_pos, scale, *, n_threads: int = 0):
     q = q if bf16 else q.astype(jnp.float32)
     return jax.ffi.ffi_call(ATTENTION_TARGET, out)(q, k, v, q_pos.astype(jnp.int32),
                                                    scale=np.float32(scale), n_threads=np.int64(n_threads))
+
+
+def attention_kv_supported(q_shape, kv, k_rope, nope: int) -> bool:
+    """Whether `attention_kv` takes this call: q [B, T, H, nope + R], kv [B, S, H, nope + Dv] and
+    k_rope [B, S, >= R], float types (f32 / f16 / bf16), Dv >= 1."""
+    if not _cpu.available() or len(q_shape) != 4 or kv.ndim != 4 or k_rope.ndim != 3:
+        return False
+    B, _, H, D = q_shape
+    floats = all(any(t.dtype == c for c in CACHE_DTYPES) for t in (kv, k_rope))
+    return (floats and kv.shape[0] == k_rope.shape[0] == B and kv.shape[2] == H and kv.shape[1] == k_rope.shape[1]
+            and 0 <= nope < kv.shape[3] and nope <= D and D - nope <= k_rope.shape[2])
+
+
+def attention_kv(q, kv, k_rope, q_pos, scale, *, nope: int, n_threads: int = 0):
+    """`attention` with K = kv[..., :nope] ++ k_rope (broadcast over the heads) and V = kv[..., nope:]
+    read in place: the -mla 2/3 prompt's decompressed keys and values as the kv_b product gives
+    them. q [B, T, H, D] -> [B, T, H, kv.shape[-1] - nope] float32. bf16 q takes K, V and p at
+    bf16 (as the XLA form converts them), f32 q keeps them as stored."""
+    if not attention_kv_supported(q.shape, kv, k_rope, nope):
+        raise ValueError(f"attention_kv (cpu): unsupported call q {q.shape}, kv {kv.shape} {kv.dtype}, k_rope "
+                         f"{k_rope.shape} {k_rope.dtype}, nope {nope}"
+                         + (f"; {_cpu.unavailable_reason()}" if not _cpu.available() else ""))
+    _cpu.register()
+    B, T, H, _ = q.shape
+    out = jax.ShapeDtypeStruct((B, T, H, kv.shape[-1] - nope), jnp.float32)
+    q = q if q.dtype == jnp.bfloat16 else q.astype(jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_KV_TARGET, out)(q, kv, k_rope, q_pos.astype(jnp.int32), scale=np.float32(scale),
+                                                      nope=np.int64(nope), n_threads=np.int64(n_threads))

@@ -13,6 +13,16 @@
 //   attributes: scale (f32), n_threads
 //   result:     out f32 [B, T, H, Dv]
 //   With q, k and v all bf16, p is rounded to bf16 before p·v and the products run in bf16.
+//
+// ikjax_cpu_attention_kv: the -mla 2/3 prompt's attention straight from the kv_b product, with no
+// concatenated K or sliced V in the graph
+//   operands:   q f32 or bf16 [B, T, H, nope + R]; kv f32 / f16 / bf16 [B, S, H, nope + Dv] (each
+//               head's k_nope | v); k_rope f32 / f16 / bf16 [B, S, R'] (R' >= R, shared by the heads);
+//               q_pos s32 [B, T]
+//   attributes: scale (f32), nope, n_threads
+//   result:     out f32 [B, T, H, Dv]
+//   K row (b, s, h) = kv[b, s, h, :nope] ++ k_rope[b, s, :R], V row = kv[b, s, h, nope:]; bf16 q
+//   takes K, V and p at bf16 (the XLA form's converts), products in bf16.
 #include <string>
 
 #include "cpu/runtime.h"
@@ -142,3 +152,55 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFfi, AttentionImpl,
                                   .Attr<int64_t>("n_threads"));
 
 static ikj::FfiRegistration reg_attention("ikjax_cpu_attention", reinterpret_cast<void*>(AttentionFfi));
+
+static int elem_size(int kind) { return kind == ikj::MLA_F32 ? 4 : 2; }
+
+static ffi::Error AttentionKvImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer k_rope,
+                                  ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out, float scale,
+                                  int64_t nope, int64_t n_threads) {
+  auto qd = q.dimensions(), kd = kv.dimensions(), rd = k_rope.dimensions(), pd = q_pos.dimensions();
+  if (qd.size() != 4) return ffi::Error::InvalidArgument("attention_kv: q must be [B, T, H, D]");
+  ikj::MlaArgs a{};
+  a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3];
+  if (pd.size() != 2 || pd[0] != a.B || pd[1] != a.T)
+    return ffi::Error::InvalidArgument("attention_kv: q_pos must be [B, T] like q");
+  if (kd.size() != 4 || kd[0] != a.B || kd[2] != a.H || rd.size() != 3 || rd[0] != a.B || rd[1] != kd[1])
+    return ffi::Error::InvalidArgument("attention_kv: kv must be [B, S, H, W] and k_rope [B, S, R] with q's B, H");
+  if (!float_kind(kv.element_type(), &a.kind) || !float_kind(k_rope.element_type(), &a.kind2))
+    return ffi::Error::InvalidArgument("attention_kv: kv and k_rope must be f32, f16 or bf16");
+  if (nope < 0 || nope >= kd[3] || nope > a.D || a.D - nope > rd[2])
+    return ffi::Error::InvalidArgument("attention_kv: need 0 <= nope < kv's width, q's D - nope <= k_rope's width");
+  a.S = kd[1], a.Hk = a.H, a.W = kd[3], a.Wv = kd[3], a.v_dim = kd[3] - nope;
+  a.D1 = nope, a.W2 = rd[2];
+  auto od = out->dimensions();
+  if (od.size() != 4 || od[0] != a.B || od[1] != a.T || od[2] != a.H || od[3] != a.v_dim)
+    return ffi::Error::InvalidArgument("attention_kv: out must be [B, T, H, Dv]");
+  if (q.element_type() == ffi::DataType::BF16)
+    a.q16 = static_cast<const uint16_t*>(q.untyped_data());
+  else if (q.element_type() == ffi::DataType::F32)
+    a.q = static_cast<const float*>(q.untyped_data());
+  else
+    return ffi::Error::InvalidArgument("attention_kv: q must be f32 or bf16");
+  a.cache = kv.untyped_data();
+  a.v = static_cast<const char*>(kv.untyped_data()) + nope * elem_size(a.kind);
+  a.k2 = k_rope.untyped_data();
+  a.q_pos = q_pos.typed_data();
+  a.out = out->typed_data();
+  a.scale = scale;
+  a.n_threads = static_cast<int>(n_threads);
+  IKJ_DISPATCH(mla_attention)(a);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionKvFfi, AttentionKvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("nope")
+                                  .Attr<int64_t>("n_threads"));
+
+static ikj::FfiRegistration reg_attention_kv("ikjax_cpu_attention_kv", reinterpret_cast<void*>(AttentionKvFfi));

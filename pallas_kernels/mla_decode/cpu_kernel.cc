@@ -120,13 +120,11 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // ---- cache rows -> f32 -------------------------------------------------------------------------
 
-// Convert values [0, n) of row (b, s, h) of `base` (K: the cache, width W; or V, width Wv; [B, S,
-// Hk, width]) into dst (n <= width; q8_0, K only, writes whole 32-blocks, so dst must have room for
+// Convert values [0, n) of row `row` of `base` (rows of `width` values of `kind`) into dst (n <=
+// width; q8_0, the latent cache only, writes whole 32-blocks, so dst must have room for
 // round_up(n, 32)).
-void load_row(const ikj::MlaArgs& a, const void* base, int64_t width, int64_t b, int64_t s, int64_t h, int64_t n,
-              float* dst) {
-  const int64_t row = (b * a.S + s) * a.Hk + h;
-  switch (a.kind) {
+void load_vals(const ikj::MlaArgs& a, int kind, const void* base, int64_t row, int64_t width, int64_t n, float* dst) {
+  switch (kind) {
     case ikj::MLA_F32:
       std::memcpy(dst, static_cast<const float*>(base) + row * width, n * sizeof(float));
       return;
@@ -164,7 +162,7 @@ void load_row(const ikj::MlaArgs& a, const void* base, int64_t width, int64_t b,
       const int64_t nb = width / 32, nblk = (n + 31) / 32;
       const int8_t* qs = static_cast<const int8_t*>(base) + row * width;
       for (int64_t k = 0; k < nblk; ++k) {
-        float d = a.kind == ikj::MLA_Q8_0_F16D
+        float d = kind == ikj::MLA_Q8_0_F16D
                       ? ikj::fp16_to_f32(static_cast<const uint16_t*>(a.scales)[row * nb + k])
                       : static_cast<const float*>(a.scales)[row * nb + k];
         const int8_t* q = qs + k * 32;
@@ -186,6 +184,33 @@ void load_row(const ikj::MlaArgs& a, const void* base, int64_t width, int64_t b,
       return;
     }
   }
+}
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even (finite values; NaN stays NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+inline float round_bf16(float f) { return ikj::bf16_to_f32(bf16_bits(f)); }
+
+// q, K and V at bf16 (bf16 queries): K and V rounded where stored wider, p before p·V.
+inline bool bf16_inputs(const ikj::MlaArgs& a) { return a.q16 && a.v; }
+
+// Key (b, s) of head h as f32 into dst: K's row, or its first D1 values and k2's rope part.
+void load_key(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t h, float* dst) {
+  const int64_t n1 = a.k2 ? a.D1 : a.D;
+  load_vals(a, a.kind, a.cache, (b * a.S + s) * a.Hk + h, a.W, n1, dst);
+  if (a.k2) load_vals(a, a.kind2, a.k2, b * a.S + s, a.W2, a.D - n1, dst + n1);
+  if (bf16_inputs(a))
+    for (int64_t i = 0; i < a.D; ++i) dst[i] = round_bf16(dst[i]);
+}
+
+// Value (b, s) of head h (its own rows, of K's kind) as f32 into dst.
+void load_value(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t h, float* dst) {
+  load_vals(a, a.kind, a.v, (b * a.S + s) * a.Hk + h, a.Wv, a.v_dim, dst);
+  if (bf16_inputs(a))
+    for (int64_t i = 0; i < a.v_dim; ++i) dst[i] = round_bf16(dst[i]);
 }
 
 // ---- micro-kernels -----------------------------------------------------------------------------
@@ -364,16 +389,6 @@ void mask_block(float* st, int64_t Rp, int64_t Rt, int64_t j0, int64_t nv, const
       if (j0 + j > pos[r]) st[j * Rp + r] = ninf;
 }
 
-// q, K and V all bf16 (the fast mode's prompt attention): p is rounded to bf16 before p·V.
-inline bool bf16_inputs(const ikj::MlaArgs& a) { return a.q16 && a.v && a.kind == ikj::MLA_BF16; }
-
-inline uint16_t bf16_bits(float f) {  // round to nearest even (finite values; NaN stays NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-inline float round_bf16(float f) { return ikj::bf16_to_f32(bf16_bits(f)); }
 
 #if defined(__AVX512BF16__)
 // ---- bf16 products: pairs of bf16 through vdpbf16ps, twice the f32 FMA's multiply-adds ----------
@@ -454,11 +469,35 @@ void values_bf16(const uint32_t* Vk, const uint32_t* Pp, int64_t Rp, const float
   }
 }
 
-// 16 values of two bf16 rows (n <= 16 of them valid, the rest 0) interleaved into u32 pairs.
-inline __m512i pair16(const uint16_t* r0, const uint16_t* r1, int64_t n) {
+// Up to 16 values (n of them, the rest 0) of a float kind at p as bf16 bits (f32 / f16 rounded to
+// nearest even, as XLA's convert).
+inline __m256i bf16x16(int kind, const void* p, int64_t n) {
   const __mmask16 m = n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
-  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0));
-  const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1)) : _mm512_setzero_si512();
+  switch (kind) {
+    case ikj::MLA_BF16: return _mm256_maskz_loadu_epi16(m, p);
+    case ikj::MLA_F16: return (__m256i)_mm512_cvtneps_pbh(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)));
+    default: return (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p));
+  }
+}
+
+inline const void* elem(int kind, const void* base, int64_t i) {
+  return static_cast<const char*>(base) + i * (kind == ikj::MLA_F32 ? 4 : 2);
+}
+
+// n values of row `row` (width `width`) of a float kind as bf16 into dst.
+inline void bf16_row(int kind, const void* base, int64_t row, int64_t width, int64_t n, uint16_t* dst) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const int64_t k = std::min<int64_t>(16, n - c);
+    _mm256_mask_storeu_epi16(dst + c, static_cast<__mmask16>((1u << k) - 1),
+                             bf16x16(kind, elem(kind, base, row * width + c), k));
+  }
+}
+
+// 16 values of two rows (n <= 16 of them valid, the rest 0; r1 < 0: none) interleaved into u32 pairs.
+inline __m512i pair16(int kind, const void* base, int64_t r0, int64_t r1, int64_t width, int64_t c, int64_t n) {
+  const __m512i lo = _mm512_cvtepu16_epi32(bf16x16(kind, elem(kind, base, r0 * width + c), n));
+  const __m512i hi = r1 >= 0 ? _mm512_cvtepu16_epi32(bf16x16(kind, elem(kind, base, r1 * width + c), n))
+                             : _mm512_setzero_si512();
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
@@ -476,8 +515,6 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
   float* corr = grow(s.corr, Rp);
   float* acc = grow(s.acc, Rp * Vp);
   int32_t* pos = grow(s.pos, Rp);
-  const uint16_t* K = static_cast<const uint16_t*>(a.cache);
-  const uint16_t* Vs = static_cast<const uint16_t*>(a.v);
 
   std::fill(qp, qp + n_pairs * Rp, 0u);
   for (int64_t r = 0; r < Rt; ++r) {
@@ -486,17 +523,23 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
   }
   const int32_t min_pos = start_rows(a, pl, it, Rt, pos, m, l, acc);
 
-  auto k_row = [&](int64_t j) { return K + ((it.b * a.S + j) * a.Hk + it.h) * a.W; };
-  auto v_row = [&](int64_t j) { return Vs + ((it.b * a.S + j) * a.Hk + it.h) * a.Wv; };
+  const int64_t n1 = a.k2 ? a.D1 : D;
+  auto row = [&](int64_t j) { return (it.b * a.S + j) * a.Hk + it.h; };  // K's and V's row of key j
   for (int64_t j0 = it.k0; j0 < it.k1; j0 += BK) {
     const int64_t nv = std::min<int64_t>(BK, it.k1 - j0), nj = round_up(nv, RJ), np = (nv + 1) / 2;
-    for (int64_t j = 0; j < nv; ++j) std::memcpy(kb + j * D, k_row(j0 + j), D * sizeof(uint16_t));
+    for (int64_t j = 0; j < nv; ++j) {
+      if (a.kind == ikj::MLA_BF16 && !a.k2) {
+        std::memcpy(kb + j * D, static_cast<const uint16_t*>(a.cache) + row(j0 + j) * a.W, D * sizeof(uint16_t));
+        continue;
+      }
+      bf16_row(a.kind, a.cache, row(j0 + j), a.W, n1, kb + j * D);
+      if (a.k2) bf16_row(a.kind2, a.k2, it.b * a.S + j0 + j, a.W2, D - n1, kb + j * D + n1);
+    }
     std::fill(kb + nv * D, kb + nj * D, uint16_t{0});
     for (int64_t p = 0; p < np; ++p) {
-      const uint16_t* r0 = v_row(j0 + 2 * p);
-      const uint16_t* r1 = 2 * p + 1 < nv ? v_row(j0 + 2 * p + 1) : nullptr;
+      const int64_t r0 = row(j0 + 2 * p), r1 = 2 * p + 1 < nv ? row(j0 + 2 * p + 1) : -1;
       for (int64_t c = 0; c < Vp; c += 16)
-        _mm512_storeu_si512(vk + p * Vp + c, c < vd ? pair16(r0 + c, r1 ? r1 + c : nullptr, vd - c)
+        _mm512_storeu_si512(vk + p * Vp + c, c < vd ? pair16(a.kind, a.v, r0, r1, a.Wv, c, std::min<int64_t>(16, vd - c))
                                                     : _mm512_setzero_si512());
     }
     scores_bf16(kb, D, qp, Rp, st, nj);
@@ -548,9 +591,9 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
 
   for (int64_t j0 = it.k0; j0 < it.k1; j0 += BK) {
     const int64_t nv = std::min<int64_t>(BK, it.k1 - j0);
-    for (int64_t j = 0; j < nv; ++j) load_row(a, a.cache, a.W, it.b, j0 + j, it.h, D, kb + j * Dp);
+    for (int64_t j = 0; j < nv; ++j) load_key(a, it.b, j0 + j, it.h, kb + j * Dp);
     if (vb)
-      for (int64_t j = 0; j < nv; ++j) load_row(a, a.v, a.Wv, it.b, j0 + j, it.h, a.v_dim, vb + j * Vp);
+      for (int64_t j = 0; j < nv; ++j) load_value(a, it.b, j0 + j, it.h, vb + j * Vp);
     scores(kb, Dp, qt, Rp, D, st, round_up(nv, RJ));
     scale_block(st, Rp, nv, a.scale);
     mask_block(st, Rp, Rt, j0, nv, pos, min_pos);

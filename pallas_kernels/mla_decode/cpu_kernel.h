@@ -37,10 +37,17 @@ struct MlaArgs {
   int64_t Hk = 1;          // heads of K / V: 1 (one latent row for every head) or H (per head)
   const void* v = nullptr; // nullptr: V is the first v_dim values of K's row; else [B, S, Hk, Wv]
   int64_t Wv = 0;          // values per V row (>= v_dim) when v is given
-  // bf16 queries [B, T, H, D] instead of q (with v given): with K and V bf16 too, p is rounded to
-  // bf16 before p·V, as the XLA form of bf16 attention does, and the products run in bf16
-  // (AVX512_BF16; exact products, f32 accumulation; other levels round alike and multiply in f32)
+  // bf16 queries [B, T, H, D] instead of q (with v given): K, V and p are taken at bf16 (K and V
+  // rounded where stored wider, p before p·V), as the XLA form of bf16 attention does, and the
+  // products run in bf16 (AVX512_BF16; exact products, f32 accumulation; other levels round alike
+  // and multiply in f32)
   const uint16_t* q16 = nullptr;
+  // K in two parts (the -mla 2/3 prompt's decompressed keys, no concatenated copy): the first D1
+  // values of K's row (b, s, h) and the first D - D1 values of row (b, s) of k2 [B, S, W2], shared
+  // by every head (the rope part); k2 of a float kind kind2. nullptr: K's row alone.
+  const void* k2 = nullptr;
+  int64_t D1 = 0, W2 = 0;
+  int kind2 = 0;
   float scale;
   int n_threads;           // <= 0: all cores
 };
