@@ -23,6 +23,7 @@
 //   result:     out f32 [B, T, H, Dv]
 //   K row (b, s, h) = kv[b, s, h, :nope] ++ k_rope[b, s, :R], V row = kv[b, s, h, nope:]; bf16 q
 //   takes K, V and p at bf16 (the XLA form's converts), products in bf16.
+#include <optional>
 #include <string>
 
 #include "cpu/runtime.h"
@@ -105,15 +106,43 @@ static bool float_kind(ffi::DataType t, int* kind) {
   return false;
 }
 
+// B, T, H, D of q [B, T, H, D] into a, q_pos checked [B, T]; an error, or nothing.
+static std::optional<ffi::Error> query_shape(ffi::AnyBuffer& q, ffi::Buffer<ffi::S32>& q_pos, const std::string& op,
+                                             ikj::MlaArgs& a) {
+  auto qd = q.dimensions(), pd = q_pos.dimensions();
+  if (qd.size() != 4) return ffi::Error::InvalidArgument(op + ": q must be [B, T, H, D]");
+  a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3];
+  if (pd.size() != 2 || pd[0] != a.B || pd[1] != a.T)
+    return ffi::Error::InvalidArgument(op + ": q_pos must be [B, T] like q");
+  return std::nullopt;
+}
+
+// The rest of a call with K / V set in a: out's shape, q as f32 or bf16, then the kernel.
+static ffi::Error run_attention(ikj::MlaArgs& a, ffi::AnyBuffer& q, ffi::Buffer<ffi::S32>& q_pos,
+                                ffi::ResultBuffer<ffi::F32>& out, float scale, int64_t n_threads, const std::string& op) {
+  auto od = out->dimensions();
+  if (od.size() != 4 || od[0] != a.B || od[1] != a.T || od[2] != a.H || od[3] != a.v_dim)
+    return ffi::Error::InvalidArgument(op + ": out must be [B, T, H, Dv]");
+  if (q.element_type() == ffi::DataType::BF16)
+    a.q16 = static_cast<const uint16_t*>(q.untyped_data());
+  else if (q.element_type() == ffi::DataType::F32)
+    a.q = static_cast<const float*>(q.untyped_data());
+  else
+    return ffi::Error::InvalidArgument(op + ": q must be f32 or bf16");
+  a.q_pos = q_pos.typed_data();
+  a.out = out->typed_data();
+  a.scale = scale;
+  a.n_threads = static_cast<int>(n_threads);
+  IKJ_DISPATCH(mla_attention)(a);
+  return ffi::Error::Success();
+}
+
 static ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out, float scale,
                                 int64_t n_threads) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = q_pos.dimensions();
-  if (qd.size() != 4) return ffi::Error::InvalidArgument("attention: q must be [B, T, H, D]");
+  auto kd = k.dimensions(), vd = v.dimensions();
   ikj::MlaArgs a{};
-  a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3];
-  if (pd.size() != 2 || pd[0] != a.B || pd[1] != a.T)
-    return ffi::Error::InvalidArgument("attention: q_pos must be [B, T] like q");
+  if (auto err = query_shape(q, q_pos, "attention", a); err) return *err;
   if (kd.size() != 4 || vd.size() != 4 || kd[0] != a.B || vd[0] != a.B || vd[1] != kd[1] || vd[2] != kd[2])
     return ffi::Error::InvalidArgument("attention: k and v must be [B, S, Hk, .] with q's batch");
   if (kd[2] != 1 && kd[2] != a.H) return ffi::Error::InvalidArgument("attention: k/v heads must be 1 or q's H");
@@ -122,23 +151,9 @@ static ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   a.S = kd[1], a.Hk = kd[2], a.W = kd[3], a.Wv = vd[3], a.v_dim = vd[3];
   if (a.D > a.W) return ffi::Error::InvalidArgument("attention: q width D exceeds k's");
   if (a.v_dim < 1) return ffi::Error::InvalidArgument("attention: v must have values");
-  auto od = out->dimensions();
-  if (od.size() != 4 || od[0] != a.B || od[1] != a.T || od[2] != a.H || od[3] != a.v_dim)
-    return ffi::Error::InvalidArgument("attention: out must be [B, T, H, Dv]");
-  if (q.element_type() == ffi::DataType::BF16)
-    a.q16 = static_cast<const uint16_t*>(q.untyped_data());
-  else if (q.element_type() == ffi::DataType::F32)
-    a.q = static_cast<const float*>(q.untyped_data());
-  else
-    return ffi::Error::InvalidArgument("attention: q must be f32 or bf16");
   a.cache = k.untyped_data();
   a.v = v.untyped_data();
-  a.q_pos = q_pos.typed_data();
-  a.out = out->typed_data();
-  a.scale = scale;
-  a.n_threads = static_cast<int>(n_threads);
-  IKJ_DISPATCH(mla_attention)(a);
-  return ffi::Error::Success();
+  return run_attention(a, q, q_pos, out, scale, n_threads, "attention");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFfi, AttentionImpl,
@@ -158,12 +173,9 @@ static int elem_size(int kind) { return kind == ikj::MLA_F32 ? 4 : 2; }
 static ffi::Error AttentionKvImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer k_rope,
                                   ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out, float scale,
                                   int64_t nope, int64_t n_threads) {
-  auto qd = q.dimensions(), kd = kv.dimensions(), rd = k_rope.dimensions(), pd = q_pos.dimensions();
-  if (qd.size() != 4) return ffi::Error::InvalidArgument("attention_kv: q must be [B, T, H, D]");
+  auto kd = kv.dimensions(), rd = k_rope.dimensions();
   ikj::MlaArgs a{};
-  a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3];
-  if (pd.size() != 2 || pd[0] != a.B || pd[1] != a.T)
-    return ffi::Error::InvalidArgument("attention_kv: q_pos must be [B, T] like q");
+  if (auto err = query_shape(q, q_pos, "attention_kv", a); err) return *err;
   if (kd.size() != 4 || kd[0] != a.B || kd[2] != a.H || rd.size() != 3 || rd[0] != a.B || rd[1] != kd[1])
     return ffi::Error::InvalidArgument("attention_kv: kv must be [B, S, H, W] and k_rope [B, S, R] with q's B, H");
   if (!float_kind(kv.element_type(), &a.kind) || !float_kind(k_rope.element_type(), &a.kind2))
@@ -172,24 +184,10 @@ static ffi::Error AttentionKvImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyB
     return ffi::Error::InvalidArgument("attention_kv: need 0 <= nope < kv's width, q's D - nope <= k_rope's width");
   a.S = kd[1], a.Hk = a.H, a.W = kd[3], a.Wv = kd[3], a.v_dim = kd[3] - nope;
   a.D1 = nope, a.W2 = rd[2];
-  auto od = out->dimensions();
-  if (od.size() != 4 || od[0] != a.B || od[1] != a.T || od[2] != a.H || od[3] != a.v_dim)
-    return ffi::Error::InvalidArgument("attention_kv: out must be [B, T, H, Dv]");
-  if (q.element_type() == ffi::DataType::BF16)
-    a.q16 = static_cast<const uint16_t*>(q.untyped_data());
-  else if (q.element_type() == ffi::DataType::F32)
-    a.q = static_cast<const float*>(q.untyped_data());
-  else
-    return ffi::Error::InvalidArgument("attention_kv: q must be f32 or bf16");
   a.cache = kv.untyped_data();
   a.v = static_cast<const char*>(kv.untyped_data()) + nope * elem_size(a.kind);
   a.k2 = k_rope.untyped_data();
-  a.q_pos = q_pos.typed_data();
-  a.out = out->typed_data();
-  a.scale = scale;
-  a.n_threads = static_cast<int>(n_threads);
-  IKJ_DISPATCH(mla_attention)(a);
-  return ffi::Error::Success();
+  return run_attention(a, q, q_pos, out, scale, n_threads, "attention_kv");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionKvFfi, AttentionKvImpl,

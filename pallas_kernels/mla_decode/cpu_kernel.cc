@@ -365,6 +365,17 @@ struct Plan {
 inline int64_t row_token(const Plan& pl, int64_t t0, int64_t r) { return t0 + r / pl.hq; }
 inline int64_t row_head(const Plan& pl, int64_t h, int64_t r) { return pl.hq == 1 ? h : r % pl.hq; }
 
+// A work item's per-row state in the thread's scratch: scores of a key block, running max and
+// sum, the rescale factors, the accumulator and the rows' positions.
+struct TileState {
+  float *st, *m, *l, *corr, *acc;
+  int32_t* pos;
+};
+inline TileState tile_state(Scratch& s, const Plan& pl) {
+  return {grow(s.st, BK * pl.Rp), grow(s.m, pl.Rp), grow(s.l, pl.Rp), grow(s.corr, pl.Rp),
+          grow(s.acc, pl.Rp * pl.Vp), grow(s.pos, pl.Rp)};
+}
+
 // The tile's rows before its first key block: positions (INT32_MAX for the padding rows), the
 // running max and sum, a zero accumulator; returns the lowest position.
 int32_t start_rows(const ikj::MlaArgs& a, const Plan& pl, const Item& it, int64_t Rt, int32_t* pos, float* m,
@@ -509,12 +520,7 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
   uint16_t* kb = grow(s.kb16, BK * D);
   uint32_t* vk = grow(s.vp, (BK / 2) * Vp);
   uint32_t* pp = grow(s.pp, (BK / 2) * Rp);
-  float* st = grow(s.st, BK * Rp);
-  float* m = grow(s.m, Rp);
-  float* l = grow(s.l, Rp);
-  float* corr = grow(s.corr, Rp);
-  float* acc = grow(s.acc, Rp * Vp);
-  int32_t* pos = grow(s.pos, Rp);
+  auto [st, m, l, corr, acc, pos] = tile_state(s, pl);
 
   std::fill(qp, qp + n_pairs * Rp, 0u);
   for (int64_t r = 0; r < Rt; ++r) {
@@ -571,12 +577,7 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
   float* qt = grow(s.qt, D * Rp);
   float* kb = grow(s.kb, BK * Dp);
   float* vb = a.v ? grow(s.vb, BK * Vp) : nullptr;
-  float* st = grow(s.st, BK * Rp);
-  float* m = grow(s.m, Rp);
-  float* l = grow(s.l, Rp);
-  float* corr = grow(s.corr, Rp);
-  float* acc = grow(s.acc, Rp * Vp);
-  int32_t* pos = grow(s.pos, Rp);
+  auto [st, m, l, corr, acc, pos] = tile_state(s, pl);
 
   for (int64_t r = 0; r < Rt; ++r) {
     const int64_t off = ((it.b * a.T + row_token(pl, it.t0, r)) * H + row_head(pl, it.h, r)) * D;
