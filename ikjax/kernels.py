@@ -580,9 +580,10 @@ def attention(q, k, v, q_pos, scale, *, flash: bool, amb_bytes: int = 0, kv_bloc
 FUSED_FFN_MIN_ROWS = 4
 
 
-def _ffn_xla(x, gate, up, down, dtype):
-    g, u = quant_linear(x, gate, dtype), quant_linear(x, up, dtype)
-    return quant_linear(jax.nn.silu(g) * u, down, dtype)
+def _ffn_xla(x, gate, up, down, dtype, backend=None):
+    # the three products take the caller's backend: `backend="xla"` is XLA throughout
+    g, u = quant_linear(x, gate, dtype, backend=backend), quant_linear(x, up, dtype, backend=backend)
+    return quant_linear(jax.nn.silu(g) * u, down, dtype, backend=backend)
 
 
 def _expert_view(w):
@@ -612,7 +613,7 @@ def swiglu_ffn(x, gate, up, down, dtype, *, backend: str | None = None):
     down per column block, so the two [rows, F] f32 products never exist whole (42.75 MiB of a
     512-token V2-Lite step's XLA buffers, RESULTS §9e)."""
     impls = {
-        "xla": Impl(lambda *a: True, _ffn_xla),
+        "xla": Impl(lambda *a: True, functools.partial(_ffn_xla, backend=backend)),
         "cpu": Impl(_ffn_cpu_supported, _ffn_cpu),
     }
     return _dispatch("swiglu_ffn", impls, resolve_backend(backend), x, gate, up, down, dtype)

@@ -254,6 +254,7 @@ def test_attention_supported_and_refusals():
     assert not mla_cpu.attention_supported(q, k[..., :100], v)             # k narrower than q
     assert not mla_cpu.attention_supported(q, k.astype(jnp.int8), v.astype(jnp.int8))
     assert not mla_cpu.attention_supported((2, 4, 16, 192), k, v)          # batch mismatch
+    assert not mla_cpu.attention_supported((1, 4, 16, 0), k, v)            # no query width (fuzzing)
     with pytest.raises(ValueError, match="unsupported"):
         mla_cpu.attention(jnp.zeros(q), k[:, :, :4], v[:, :, :4], jnp.zeros((1, 4), jnp.int32), 0.1)
 
@@ -316,5 +317,17 @@ def test_attention_kv_refusals():
     assert not mla_cpu.attention_kv_supported(q, kv, kr, 256)                    # no value columns left
     assert not mla_cpu.attention_kv_supported(q, kv[:, :, :4], kr, 128)          # heads differ from q's
     assert not mla_cpu.attention_kv_supported(q, kv.astype(jnp.int32), kr, 128)  # not a float type
+    assert not mla_cpu.attention_kv_supported((1, 4, 16, 0), kv, kr, 0)          # no query width
     with pytest.raises(ValueError, match="unsupported"):
         mla_cpu.attention_kv(jnp.zeros(q), kv, kr[..., :32], jnp.zeros((1, 4), jnp.int32), 0.1, nope=128)
+
+
+def test_flash_reference_past_the_cache_end():
+    """attend_flash pads K/V to whole blocks: a query whose position is past S must not count the
+    padding rows (found by fuzzing the kernels against it); it equals the materialized form."""
+    rng = np.random.default_rng(8)
+    B, T, H, S, D = 1, 3, 2, 65, 16
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.float32)
+    q_pos = jnp.asarray([[63, 64, 90]], jnp.int32)
+    check(_flash(q, k, k, q_pos, 0.2, kv_block=64), _attend_mat(q, k, k, q_pos, 0.2), "past S")

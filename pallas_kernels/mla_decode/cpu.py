@@ -86,14 +86,14 @@ def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=None, n_thre
 
 def attention_supported(q_shape, k, v) -> bool:
     """Whether `attention` takes this call: extension built, q [B, T, H, D], k [B, S, Hk, Wk >= D] and
-    v [B, S, Hk, Dv] of one float type (f32 / f16 / bf16), Hk = 1 or H."""
+    v [B, S, Hk, Dv] of one float type (f32 / f16 / bf16), Hk = 1 or H, 1 <= D <= Wk."""
     if not _cpu.available() or len(q_shape) != 4 or k.ndim != 4 or v.ndim != 4:
         return False
     B, _, H, D = q_shape
     if k.dtype != v.dtype or not any(k.dtype == t for t in CACHE_DTYPES):
         return False
     return (k.shape[0] == v.shape[0] == B and k.shape[1:3] == v.shape[1:3] and k.shape[2] in (1, H)
-            and k.shape[3] >= D and v.shape[3] >= 1)
+            and 1 <= D <= k.shape[3] and v.shape[3] >= 1)
 
 
 def attention(q, k, v, q_pos, scale, *, n_threads: int = 0):
@@ -123,7 +123,7 @@ def attention_kv_supported(q_shape, kv, k_rope, nope: int) -> bool:
     B, _, H, D = q_shape
     floats = all(any(t.dtype == c for c in CACHE_DTYPES) for t in (kv, k_rope))
     return (floats and kv.shape[0] == k_rope.shape[0] == B and kv.shape[2] == H and kv.shape[1] == k_rope.shape[1]
-            and 0 <= nope < kv.shape[3] and nope <= D and D - nope <= k_rope.shape[2])
+            and 0 <= nope < kv.shape[3] and nope <= D and D - nope <= k_rope.shape[2] and D >= 1)
 
 
 def attention_kv(q, kv, k_rope, q_pos, scale, *, nope: int, n_threads: int = 0):

@@ -149,7 +149,7 @@ static ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   if (!float_kind(k.element_type(), &a.kind) || v.element_type() != k.element_type())
     return ffi::Error::InvalidArgument("attention: k and v must be f32, f16 or bf16, of one type");
   a.S = kd[1], a.Hk = kd[2], a.W = kd[3], a.Wv = vd[3], a.v_dim = vd[3];
-  if (a.D > a.W) return ffi::Error::InvalidArgument("attention: q width D exceeds k's");
+  if (a.D < 1 || a.D > a.W) return ffi::Error::InvalidArgument("attention: q width D must be in [1, k's width]");
   if (a.v_dim < 1) return ffi::Error::InvalidArgument("attention: v must have values");
   a.cache = k.untyped_data();
   a.v = v.untyped_data();
@@ -180,8 +180,8 @@ static ffi::Error AttentionKvImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyB
     return ffi::Error::InvalidArgument("attention_kv: kv must be [B, S, H, W] and k_rope [B, S, R] with q's B, H");
   if (!float_kind(kv.element_type(), &a.kind) || !float_kind(k_rope.element_type(), &a.kind2))
     return ffi::Error::InvalidArgument("attention_kv: kv and k_rope must be f32, f16 or bf16");
-  if (nope < 0 || nope >= kd[3] || nope > a.D || a.D - nope > rd[2])
-    return ffi::Error::InvalidArgument("attention_kv: need 0 <= nope < kv's width, q's D - nope <= k_rope's width");
+  if (a.D < 1 || nope < 0 || nope >= kd[3] || nope > a.D || a.D - nope > rd[2])
+    return ffi::Error::InvalidArgument("attention_kv: need D >= 1, 0 <= nope < kv's width, q's D - nope <= k_rope's width");
   a.S = kd[1], a.Hk = a.H, a.W = kd[3], a.Wv = kd[3], a.v_dim = kd[3] - nope;
   a.D1 = nope, a.W2 = rd[2];
   a.cache = kv.untyped_data();
