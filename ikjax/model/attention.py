@@ -76,9 +76,10 @@ def attend_flash(q, k, v, q_pos, scale, kv_block: int):
         m, l, acc = carry
         kj, vj, j = xs
         kv_pos = j * blk + jnp.arange(blk)
-        # [B,1,T,blk]; the rows padding S up to whole blocks are never visible (a query past the
-        # cache's end would otherwise count them)
-        visible = ((kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos < S)[None, None, :])[:, None]
+        visible = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B,T,blk]
+        if pad:  # the rows padding S to whole blocks are never visible (a query past the end would count them)
+            visible = visible & (kv_pos < S)[None, None, :]
+        visible = visible[:, None]  # [B,1,T,blk]
         s = jnp.where(visible, _scores(q, kj, scale), NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
