@@ -27,7 +27,7 @@ from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.memory_plan import (MemoryPlan, cache_capacity, check_devices, check_fits, mapped_rss, plan_memory,
-                               process_memory)
+                               process_memory, release_freed_memory)
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.options import RunOptions, env_choice
 from ikjax.placement import plan_placement
@@ -188,6 +188,8 @@ class Engine:
         loaded = exe is not None                                   # no tracing, no lowering
         if not loaded:
             exe = self._compile(B, T, plan, decode)
+        if self._on_cpu_only():  # the compiler's freed memory back before the steps run beside the weights
+            release_freed_memory()
         if stored and not loaded and compile_cache.hits() == hits0:
             # only an executable compiled here: one JAX itself loaded from its cache does not
             # serialize again whole on XLA:CPU (a run of such an entry failed: "Function
