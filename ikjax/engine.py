@@ -188,15 +188,18 @@ class Engine:
         loaded = exe is not None                                   # no tracing, no lowering
         if not loaded:
             exe = self._compile(B, T, plan, decode)
-        if self._on_cpu_only():  # the compiler's freed memory back before the steps run beside the weights
-            release_freed_memory()
         if stored and not loaded and compile_cache.hits() == hits0:
             # only an executable compiled here: one JAX itself loaded from its cache does not
             # serialize again whole on XLA:CPU (a run of such an entry failed: "Function
             # wrapped_iota not found"), and in threads a hit elsewhere makes this one skip too
             compile_cache.store_step(stored, exe)
         with self._lock:  # steps compiling side by side (compile_in_parallel) share this bookkeeping
-            return self._account(key, exe, hits0, writes0, anon0, file0)
+            exe = self._account(key, exe, hits0, writes0, anon0, file0)
+        if self._on_cpu_only():
+            # the compiler's freed memory back before the steps run beside the weights; after the
+            # plan charged the compile what it grew by, which is the peak the compile reached
+            release_freed_memory()
+        return exe
 
     def _compile(self, B: int, T: int, plan: StepPlan, decode: tuple | None):
         """Trace, lower and compile one step (`_executable` says which; the decode loop runs on
