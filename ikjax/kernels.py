@@ -563,8 +563,8 @@ def attention(q, k, v, q_pos, scale, *, flash: bool, amb_bytes: int = 0, kv_bloc
     `-mla 0/2/3` prompt steps (decompressed K/V) and `-mla 0` decode. `xla`: attention.attend
     (flash: the blocked online softmax; else scores in `-amb` chunks). `cpu` (flash only): the C++
     flash kernel, which reads only the keys a query sees (XLA's scan reads every block of the
-    bucket and materializes each block's scores: 34-44 GFLOP/s at V2-Lite's prompt shape against
-    56-69 for the kernel, RESULTS §9h)."""
+    bucket and materializes each block's scores: 59-79 GFLOP/s at V2-Lite's prompt shape against
+    168-215 for the kernel, RESULTS §9h)."""
     impls = {
         "xla": Impl(lambda *a: True, _attend_xla),
         "cpu": Impl(_attend_cpu_supported, _attend_cpu),
@@ -620,11 +620,9 @@ def swiglu_ffn(x, gate, up, down, dtype, *, backend: str | None = None):
 
 
 def _attend_kv_xla(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block):
-    B, S, H, _ = kv.shape
-    R = q.shape[-1] - nope
-    k = jnp.concatenate([kv[..., :nope].astype(jnp.float32),
-                         jnp.broadcast_to(k_rope[:, :, None, :R], (B, S, H, R)).astype(jnp.float32)], -1)
-    return _attend_xla(q, k.astype(q.dtype), kv[..., nope:].astype(q.dtype), q_pos, scale, flash, amb_bytes, kv_block)
+    from ikjax.model.attention import split_heads_kv
+    k, v = split_heads_kv(kv, k_rope[..., :q.shape[-1] - nope], nope)
+    return _attend_xla(q, k.astype(q.dtype), v.astype(q.dtype), q_pos, scale, flash, amb_bytes, kv_block)
 
 
 def _attend_kv_cpu_supported(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block) -> bool:

@@ -94,6 +94,17 @@ def attend_flash(q, k, v, q_pos, scale, kv_block: int):
     return acc / l.transpose(0, 2, 1)[..., None]
 
 
+def split_heads_kv(kv, k_rope, nope: int):
+    """Standard attention's K and V from each head's k_nope | v, kv [B, S, H, nope + v], and the
+    rope part k_rope [B, S, R] every head shares: K = k_nope ++ k_rope as float32 [B, S, H, nope +
+    R], V = kv[..., nope:]. The -mla 0 cache entries and the XLA form of kernels.attention_kv."""
+    B, S, H, _ = kv.shape
+    R = k_rope.shape[-1]
+    k = jnp.concatenate([kv[..., :nope].astype(jnp.float32),
+                         jnp.broadcast_to(k_rope[:, :, None, :], (B, S, H, R)).astype(jnp.float32)], -1)
+    return k, kv[..., nope:]
+
+
 def attend(q, k, v, q_pos, scale, *, flash: bool, amb_bytes: int, kv_block: int):
     if flash:
         return attend_flash(q, k, v, q_pos, scale, kv_block)

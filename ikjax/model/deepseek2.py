@@ -25,6 +25,7 @@ from ikjax import cache as kvcache
 from ikjax import kernels
 from ikjax.host_weights import fetch, fetch_all
 from ikjax.gguf_io.config import ModelConfig
+from ikjax.model.attention import split_heads_kv
 from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, precision_for, rms_norm, split_linear
 from ikjax.model.moe import moe_ffn
 from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
@@ -100,23 +101,21 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
     scale = cfg.softmax_scale
     attn = dict(amb_bytes=plan.amb_bytes, kv_block=plan.kv_block)
 
-    def expand(c_rows, k_pe_rows, prefer_kv_b):
-        if reads_kv_b(layer, prefer_kv_b):
+    def head_kv(c_rows):
+        """Each head's k_nope | v of the latent rows, [B, S, H, nope + v] float32."""
+        if reads_kv_b(layer, True):
             # one product with attn_kv_b as stored (the quantized-matmul op: on the CPU the C++
             # GEMM, no per-step dequantized copy of the matrix; elsewhere the same dequantize-dot)
-            kv = linear(c_rows, layer["kv_b"], dtype).reshape(*c_rows.shape[:2], H, nope + cfg.v_dim)
-            k_nope, vals = kv[..., :nope], kv[..., nope:]
-        else:
-            wk, wv = head_matrices(layer, cfg, prefer_kv_b, dtype)
-            k_nope = jnp.einsum("bsr,hnr->bshn", c_rows.astype(dtype), wk, precision=prec,
-                                preferred_element_type=jnp.float32)
-            vals = jnp.einsum("bsr,hvr->bshv", c_rows.astype(dtype), wv, precision=prec,
-                              preferred_element_type=jnp.float32)
-        k_rope = jnp.broadcast_to(k_pe_rows[:, :, None, :], (*k_pe_rows.shape[:2], H, cfg.rope_dim))
-        return jnp.concatenate([k_nope, k_rope.astype(jnp.float32)], -1), vals
+            return linear(c_rows, layer["kv_b"], dtype).reshape(*c_rows.shape[:2], H, nope + cfg.v_dim)
+        wk, wv = head_matrices(layer, cfg, True, dtype)
+        k_nope = jnp.einsum("bsr,hnr->bshn", c_rows.astype(dtype), wk, precision=prec,
+                            preferred_element_type=jnp.float32)
+        vals = jnp.einsum("bsr,hvr->bshv", c_rows.astype(dtype), wv, precision=prec,
+                          preferred_element_type=jnp.float32)
+        return jnp.concatenate([k_nope, vals], -1)
 
     if plan.mla == 0:
-        k_new, v_new = expand(c, k_pe, prefer_kv_b=True)
+        k_new, v_new = split_heads_kv(head_kv(c), k_pe, nope)
         new_cache = {"k": kvcache.write(layer_cache["k"], k_new.reshape(B, T, -1), start),
                      "v": kvcache.write(layer_cache["v"], v_new.reshape(B, T, -1), start)}
         S = plan.kv_len
@@ -127,15 +126,11 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
         entry = jnp.concatenate([c, k_pe], -1)
         new_cache = {"latent": kvcache.write(layer_cache["latent"], entry, start)}
         lat = kvcache.read(new_cache["latent"], plan.kv_len, cfg.latent_dim, dtype)
-        if plan.mla in (2, 3) and T > 1 and reads_kv_b(layer, True):
-            # K = the kv_b product's k_nope ++ the cached rope part, V its v part: the attention op
-            # takes them as they are (on the CPU read in place, no concatenated copies)
-            kv_rows = linear(lat[..., :r], layer["kv_b"], dtype).reshape(B, -1, H, nope + cfg.v_dim)
-            o = kernels.attention_kv(q_full, kv_rows, lat[..., r:], q_pos, scale, nope=nope, flash=plan.fa, **attn)
-        elif plan.mla in (2, 3) and T > 1:
-            k_all, v_all = expand(lat[..., :r], lat[..., r:], prefer_kv_b=True)
-            o = kernels.attention(q_full, k_all.astype(dtype), v_all.astype(dtype), q_pos, scale, flash=plan.fa,
-                                  **attn)
+        if plan.mla in (2, 3) and T > 1:
+            # K = each head's k_nope ++ the cached rope part, V its v part: the attention op takes
+            # them as they are (on the CPU read in place, no concatenated copies)
+            o = kernels.attention_kv(q_full, head_kv(lat[..., :r]), lat[..., r:], q_pos, scale, nope=nope,
+                                     flash=plan.fa, **attn)
         else:
             per_head = "k_b" in layer and "v_b" in layer  # stored per head: one op, no dequantized copy
             if per_head:
