@@ -1,5 +1,5 @@
 """The -mla 2/3 prompt's attention on the CPU at V2-Lite's shape (RESULTS §9h): XLA's flash form
-against the C++ kernel (kernels.attention / attention_kv), one layer, 512 queries at N_KV 0 and 512.
+against the C++ kernel (ops.attention / attention_kv), one layer, 512 queries at N_KV 0 and 512.
 
     python bench/cpu_attention.py [--threads 2] [--reps 7]
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ikjax import kernels
+from ikjax import ops
 
 
 def main() -> None:
@@ -38,14 +38,14 @@ def main() -> None:
         q_pos = jnp.asarray(n_kv + np.arange(T)[None], jnp.int32)
 
         def run(backend, form, q, kv, kr, q_pos):
-            with kernels.kernel_context(backend, a.threads):
+            with ops.kernel_context(backend, a.threads):
                 if form == "kv":
-                    return kernels.attention_kv(q, kv, kr, q_pos, 0.1, nope=nope, flash=True)
+                    return ops.attention_kv(q, kv, kr, q_pos, 0.1, nope=nope, flash=True)
                 k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(kr[:, :, None, :].astype(jnp.float32),
                                                                        (B, S, H, R))], -1)
                 qq = q if form == "bf16" else q.astype(jnp.float32)
                 dt = jnp.bfloat16 if form == "bf16" else jnp.float32
-                return kernels.attention(qq, k.astype(dt), kv[..., nope:].astype(dt), q_pos, 0.1, flash=True)
+                return ops.attention(qq, k.astype(dt), kv[..., nope:].astype(dt), q_pos, 0.1, flash=True)
 
         paths = {"xla": ("xla", "bf16"), "C++ f32": ("cpu", "f32"), "C++ bf16": ("cpu", "bf16"),
                  "C++ kv (the model's op)": ("cpu", "kv")}

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ikjax
-from ikjax import kernels
+from ikjax import ops
 from ikjax.model import deepseek2 as ds
 from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, rms_norm
 from ikjax.model.moe import moe_ffn
@@ -66,7 +66,7 @@ def main() -> None:
         ts.append(time.perf_counter() - t0)
     whole = min(ts) * 1e3
 
-    ctx = kernels.kernel_context(plan.backend, plan.threads)
+    ctx = ops.kernel_context(plan.backend, plan.threads)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, T, cfg.d_model)), jnp.float32)
     q_pos = jnp.asarray(start[:, None] + np.arange(T)[None, :], jnp.int32)
     cos, sin = rope_tables(inverse_frequencies(cfg), q_pos)

@@ -17,18 +17,18 @@ import jax
 import numpy as np
 
 import ikjax
-from ikjax import kernels
+from ikjax import ops
 
 
 @contextlib.contextmanager
 def before_ops():
-    saved = (kernels._attend_cpu_supported, kernels._attend_kv_cpu_supported, kernels._ffn_cpu_supported)
-    kernels._attend_cpu_supported = kernels._attend_kv_cpu_supported = kernels._ffn_cpu_supported = \
+    saved = (ops.attn._attend_cpu_supported, ops.attn._attend_kv_cpu_supported, ops.ffn._ffn_cpu_supported)
+    ops.attn._attend_cpu_supported = ops.attn._attend_kv_cpu_supported = ops.ffn._ffn_cpu_supported = \
         lambda *a: False
     try:
         yield
     finally:
-        kernels._attend_cpu_supported, kernels._attend_kv_cpu_supported, kernels._ffn_cpu_supported = saved
+        ops.attn._attend_cpu_supported, ops.attn._attend_kv_cpu_supported, ops.ffn._ffn_cpu_supported = saved
 
 
 def main() -> None:

@@ -172,7 +172,7 @@ def profile_decode(model: str, steps: int = 30) -> None:
     import numpy as np
 
     import ikjax
-    from ikjax import compile_cache
+    from ikjax.runtime import compile_cache
     compile_cache.setup()
     eng = ikjax.load(model, ctx=1024, ubatch=512, mla=3, fa=True, threads=2)
     cache = eng.new_cache(1)
@@ -234,10 +234,11 @@ def main() -> None:
     import jax  # noqa: F401  (what the runtime costs before anything of ours)
     sampler.mark("jax")
     import ikjax
-    from ikjax import engine, sweep_bench
+    from ikjax.runtime import engine
+    from ikjax.tools import sweep_bench
     sampler.mark("import ikjax")
 
-    load = ikjax.load
+    load = engine.load  # the CLI reads it from ikjax.runtime.engine when a command runs
 
     engines = []
 
@@ -247,7 +248,7 @@ def main() -> None:
         sampler.mark("loaded")
         engines.append(out)
         return out
-    ikjax.load = marked_load
+    engine.load = marked_load
     pre = sweep_bench.precompile
 
     def marked_precompile(*args, **kw):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ikjax import cache as kvcache
+from ikjax.model import cache as kvcache
 from ikjax.model.moe import experts_gather, experts_grouped
 from ikjax.quant import QuantArray, by_name
 from pallas_kernels.mla_decode import mla_decode, mla_decode_ref

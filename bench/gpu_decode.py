@@ -56,7 +56,7 @@ def measure(model: str, ctk: str) -> dict:
     pipelined = (time.perf_counter() - t0) / n
     import jax
     import jax.numpy as jnp
-    from ikjax.engine import _jitted_forward
+    from ikjax.runtime.executables import _jitted_forward
     i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
     hlo = _jitted_forward.lower(eng.weights, jax.eval_shape(lambda: eng.new_cache(1)),
                                 jax.ShapeDtypeStruct((1, 1), jnp.int32), i32, i32, cfg=eng.config,
@@ -79,7 +79,7 @@ def main() -> None:
         return
     if not Path(args.model).exists():
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from ikjax import synthetic
+        from ikjax.tools import synthetic
         synthetic.make_model(args.model, "v2-lite", "Q4_0")
     lines = ["| variant | blocked ms/token | S_TG t/s | pipelined ms/token | host dispatch ms | ops in the step |",
              "|---|---:|---:|---:|---:|---|"]

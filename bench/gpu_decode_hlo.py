@@ -33,7 +33,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import ikjax
-    from ikjax.engine import _jitted_forward
+    from ikjax.runtime.executables import _jitted_forward
     eng = ikjax.load(args.model, mla=3, fa=True, ctx=4096, ubatch=512, ctk="f16")
     i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
     txt = _jitted_forward.lower(eng.weights, jax.eval_shape(lambda: eng.new_cache(1)),

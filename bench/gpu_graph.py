@@ -164,7 +164,7 @@ def main() -> None:
         return
     if not Path(args.model).exists():
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from ikjax import synthetic
+        from ikjax.tools import synthetic
         synthetic.make_model(args.model, "v2-lite", "Q4_0")
     t_end = time.time() + args.budget
     only = [s for s in args.only.split(",") if s]

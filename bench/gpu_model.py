@@ -91,7 +91,7 @@ def tg_bytes_per_token(gf, cfg) -> int:
 
 def sweep(path: str, backend: str, args, out: Path, budget: float) -> list:
     os.environ["IKJAX_KERNELS"] = backend
-    from ikjax import sweep_bench as sb
+    from ikjax.tools import sweep_bench as sb
     eng = ikjax.load(path, mla=3, fa=True, ctx=args.ctx, ubatch=args.ub, batch=args.ub, ctk=args.ctk)
     t0 = time.perf_counter()
     comp = sb.precompile(eng, args.ub // 4)
@@ -137,7 +137,7 @@ def main() -> None:
     say("")
     if not args.skip_fixtures:
         check_fixtures(Path(args.fixtures))
-    from ikjax import synthetic
+    from ikjax.tools import synthetic
     if not Path(args.model).exists():
         t0 = time.perf_counter()
         synthetic.make_model(args.model, "v2-lite", "Q4_0")

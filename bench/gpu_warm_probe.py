@@ -26,9 +26,9 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
     import ikjax
-    from ikjax import cache as kvcache
-    from ikjax import compile_cache
-    from ikjax.engine import _DECODE_GPU_OPTIONS, _jitted_decode, _jitted_forward
+    from ikjax.model import cache as kvcache
+    from ikjax.runtime import compile_cache
+    from ikjax.runtime.executables import _DECODE_GPU_OPTIONS, _jitted_decode, _jitted_forward
     t = {"import": time.perf_counter() - T0}
     t1 = time.perf_counter()
     eng = ikjax.load(args.model, ctx=16384, ubatch=2048, mla=3, fa=True)

@@ -7,7 +7,7 @@ decode speed, in one run on the device.
 1. Mechanism: a GPU-jitted chain of 58 host-expert custom calls (D2H of x/weights/ids, the CPU
    kernel from cudaLaunchHostFunc, H2D of the result) whose routing weights are all 0, so the CPU
    kernel reads no expert (a MoE layer with 0 work), against the same chain with the experts on
-   the GPU (the all-GPU layer with the same zero work, through `kernels.moe_experts`).
+   the GPU (the all-GPU layer with the same zero work, through `ops.moe_experts`).
 2. Model: `make-model --preset r1 --layers L --type Q4_0`; decode steps from an empty cache
    (N_KV ~0, like sweep-bench's first TG row), `-mla 3 -fa 1 -c 4096`, each step waits for its
    logits; with `-ot exps=CPU -t T`, `--n-cpu-moe N` and all on the GPU. One MoE layer's host experts timed alone
@@ -58,8 +58,8 @@ def best_of(f, reps: int, rounds: int = 5) -> float:
 
 
 def mechanism(threads: int) -> None:
-    from ikjax import kernels
-    from ikjax.host_weights import HostQuantArray
+    from ikjax import ops
+    from ikjax.placement.host import HostQuantArray
     from ikjax.quant.array import QuantArray
     from ikjax.quant.types import by_name
     q = by_name("Q8_0")
@@ -75,9 +75,9 @@ def mechanism(threads: int) -> None:
     def chain(gate, down):
         @jax.jit
         def f(x):
-            with kernels.kernel_context(threads=threads):  # read while tracing
+            with ops.kernel_context(threads=threads):  # read while tracing
                 for _ in range(L):
-                    x = x + kernels.moe_experts(x, w0, ids, gate, gate, down, jnp.float32)
+                    x = x + ops.moe_experts(x, w0, ids, gate, gate, down, jnp.float32)
             return x
         return f
     @jax.jit
@@ -86,7 +86,7 @@ def mechanism(threads: int) -> None:
             x = jax.lax.optimization_barrier(x + x * w0[:, :1])
         return x
     host = chain(g, dn)
-    dev = chain(kernels.prepare_weight(gd), kernels.prepare_weight(dd))
+    dev = chain(ops.prepare_weight(gd), ops.prepare_weight(dd))
     t_host = best_of(lambda: host(x0), 20)
     t_dev = best_of(lambda: dev(x0), 20)
     t_bare = best_of(lambda: bare(x0), 20)
@@ -96,7 +96,7 @@ def mechanism(threads: int) -> None:
     say("|---|---:|---:|")
     say(f"| host experts, weights 0 (custom call: D2H x/w/ids, CPU kernel via cudaLaunchHostFunc reading "
         f"no expert, H2D out) | {t_host / L * 1e6:.1f} | {t_host * 1e3:.2f} |")
-    say(f"| GPU experts (`kernels.moe_experts`, Pallas, {E} tiny device-resident Q8_0 experts) | "
+    say(f"| GPU experts (`ops.moe_experts`, Pallas, {E} tiny device-resident Q8_0 experts) | "
         f"{t_dev / L * 1e6:.1f} | {t_dev * 1e3:.2f} |")
     say(f"| one elementwise GPU kernel | {t_bare / L * 1e6:.1f} | {t_bare * 1e3:.2f} |")
     say("")
@@ -127,7 +127,7 @@ def device_bytes_in_use() -> tuple[float, float]:
 
 def one_layer_host(eng, threads: int) -> tuple[float, float]:
     """ms of one MoE layer's host experts at N = 1 (8 random experts) and with zero weights."""
-    from ikjax import kernels
+    from ikjax import ops
     cfg = eng.config
     lay = next(l for l in eng.weights["layers"] if "gate_exps" in l)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, lay["gate_exps"].shape[2])), jnp.float32)
@@ -138,8 +138,8 @@ def one_layer_host(eng, threads: int) -> tuple[float, float]:
                 for s in range(16)]
         @jax.jit
         def f(x, w, ids):
-            with kernels.kernel_context(threads=threads):
-                return kernels.moe_experts(x, w, ids, lay["gate_exps"], lay["up_exps"], lay["down_exps"],
+            with ops.kernel_context(threads=threads):
+                return ops.moe_experts(x, w, ids, lay["gate_exps"], lay["up_exps"], lay["down_exps"],
                                            jnp.bfloat16)
         f(x, w, rngs[0]).block_until_ready()
         best = float("inf")
@@ -154,7 +154,7 @@ def one_layer_host(eng, threads: int) -> tuple[float, float]:
 
 
 def model_runs(layers: int, threads: int, n: int, skip_gpu: bool, path: Path, ncmoe: int = 0) -> None:
-    from ikjax.synthetic import make_model
+    from ikjax.tools.synthetic import make_model
     if not path.exists():
         t0 = time.perf_counter()
         make_model(path, "r1", "Q4_0", layers=layers)
@@ -220,7 +220,7 @@ def _pp_step(eng, n_kv: int, reps: int = 2) -> float:
 
 
 def _step_temp_gib(eng, n_tokens: int) -> float:
-    for (B, T, plan), exe in eng._executables.items():
+    for (B, T, plan, _decode), exe in eng._executables.items():
         if T == n_tokens:
             ma = exe.memory_analysis()
             return ma.temp_size_in_bytes / 2**30 if ma is not None else float("nan")
@@ -230,13 +230,13 @@ def _step_temp_gib(eng, n_tokens: int) -> float:
 def _stream_anatomy(eng) -> None:
     """What one 2048-token prompt step streams (IKJAX_STREAM=active): experts active per MoE layer,
     bytes copied over PCIe, copy runs, against the whole layers' bytes."""
-    from ikjax import kernels
+    from ikjax import ops
     from pallas_kernels.moe_matmul import host as moe_host
-    if kernels._stream_mode() != "active" or not moe_host.available():
+    if ops.stream_mode() != "active" or not moe_host.available():
         return
     lay = [l for l in eng.weights["layers"] if "gate_exps" in l]
     g, u, d = (lay[0][k] for k in ("gate_exps", "up_exps", "down_exps"))
-    slots = kernels.stream_slots(g, u, d)
+    slots = ops.stream_slots(g, u, d)
     E = g.shape[0]
     rounds = -(-E // slots)
     moe_host.stream_stats(reset=True)
@@ -257,8 +257,9 @@ def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, onl
     the experts' pages). The device's peak is the process's, so the hybrid run's device memory is
     its bytes in use plus the compiled prompt step's temp buffers (XLA's own plan of the step,
     which holds the streamed layers); the other stream orders come last."""
-    from ikjax import kernels, sweep_bench
-    from ikjax.synthetic import make_model
+    from ikjax import ops
+    from ikjax.tools import sweep_bench
+    from ikjax.tools.synthetic import make_model
     from jax.sharding import SingleDeviceSharding
     if not path.exists():
         t0 = time.perf_counter()
@@ -312,7 +313,7 @@ def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, onl
         used, peak = device_bytes_in_use()
         temp = _step_temp_gib(eng, 2048)
         peak = used + temp
-        say(f"  moe_experts of the last traced step: {kernels.selected('moe_experts')}; GPU after the sweep "
+        say(f"  moe_experts of the last traced step: {ops.selected('moe_experts')}; GPU after the sweep "
             f"{used:.2f} GiB in use + PP step temp {temp:.2f} GiB = {peak:.2f} GiB (process peak so far "
             f"{device_bytes_in_use()[1]:.2f} GiB); host: {_proc()}")
         say("")

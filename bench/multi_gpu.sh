@@ -20,7 +20,7 @@
 # How it fits a 10-minute call: compiling is most of every run (68 s for one GPU, RESULTS §4) and
 # needs only CPU, so every configuration is first started in a *warm-up* process, all at once
 # (memory permitting), stopped as soon as the CLI prints "compiled ...": the executables land in
-# JAX's persistent compilation cache (ikjax.compile_cache). The *measured* runs then go one at a
+# JAX's persistent compilation cache (ikjax.runtime.compile_cache). The *measured* runs then go one at a
 # time, each the plain CLI command, loading its steps from the cache; no other job runs on a
 # measured run's GPUs, and with ISOLATE=1 (default) no warm-up of a later run starts on GPUs an
 # earlier run still needs. Each row names what ran beside it on other GPUs (the R1 file is written
@@ -273,7 +273,7 @@ if not FAKE:
 
 # -- the models --------------------------------------------------------------------------------------
 def planned_gib(make_args: str) -> float:
-    """The file size make-model will write (ikjax.synthetic's plan), GiB."""
+    """The file size make-model will write (ikjax.tools.synthetic's plan), GiB."""
     from ikjax import synthetic
     a = make_args.split()
     get = lambda k, d=None: a[a.index(k) + 1] if k in a else d  # noqa: E731

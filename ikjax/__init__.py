@@ -16,19 +16,23 @@ if "xla_gpu_enable_command_buffer" not in _os.environ.get("XLA_FLAGS", ""):
 from ikjax import quant as _quant  # noqa: F401  (registers ik_llama.cpp's types)
 from ikjax.errors import DoesNotFitError, IkjaxError, ModelFileError, OptionError
 from ikjax.options import RunOptions
+from ikjax.version import __version__
 
 
 def __getattr__(name):
-    # The engine (and through it the kernels) load on first use, so `pallas_kernels`, which reads
-    # ikjax.quant's block layouts, can be imported before or without the engine: no import cycle.
+    # The facade: the runtime (and through it the kernels) loads on first use, so importing a low
+    # layer (`ikjax.quant`, which `pallas_kernels` reads) never drags the engine in. Nothing inside
+    # the package imports this module (tests/test_architecture.py).
     if name in ("Engine", "load"):
-        from ikjax import engine
+        from ikjax.runtime import engine
         return getattr(engine, name)
     if name == "MemoryPlan":
-        from ikjax.memory_plan import MemoryPlan
+        from ikjax.runtime.memory_plan import MemoryPlan
         return MemoryPlan
+    if name == "distributed":  # `ikjax.distributed.initialize(...)`, as the README has it
+        from ikjax.runtime import distributed
+        return distributed
     raise AttributeError(f"module 'ikjax' has no attribute {name!r}")
 
 __all__ = ["load", "Engine", "MemoryPlan", "RunOptions", "IkjaxError", "ModelFileError", "OptionError",
-           "DoesNotFitError"]
-__version__ = "0.1.0"
+           "DoesNotFitError", "__version__"]

@@ -16,15 +16,6 @@ from typing import Any
 from ikjax.errors import OptionError
 
 
-def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
-    """An environment knob with a fixed set of values (case-insensitive); a value outside them is
-    refused naming the variable, never read as the default."""
-    import os
-    value = os.environ.get(var, default).lower()
-    if value not in choices:
-        raise OptionError(f"{var} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 COMPUTE_DTYPES = ("auto", "f32", "bf16", "f16")
 # the tensors `--cpu-moe` / `--n-cpu-moe N` keep in host memory (ik: ffn_{up,down,gate}_exps)
@@ -135,7 +126,7 @@ class RunOptions:
     cpu_moe: bool = False  # --cpu-moe: routed experts of every layer in host memory (an -ot shorthand)
     n_cpu_moe: int = 0  # --n-cpu-moe N: routed experts of layers 0..N-1 in host memory (an -ot shorthand)
     kv_block: int = 256  # KV chunk of the blocked (flash) attention; bucket granularity of the KV length
-    # -sm / -ts / -mg: how a model spreads over several devices (ikjax.sharding); with one device they
+    # -sm / -ts / -mg: how a model spreads over several devices (ikjax.placement.splits); with one device they
     # change nothing (a note says so). none: one device (-mg picks which); layer: whole layers and
     # their KV cache per device in -ts proportions (a pipeline); graph: every layer split over a mesh.
     split_mode: str = "none"
@@ -227,7 +218,7 @@ class RunOptions:
         if opts.cpu_moe and opts.n_cpu_moe:
             raise OptionError(f"cpu-moe: give either --cpu-moe (all layers) or --n-cpu-moe {opts.n_cpu_moe}, not both")
         if opts.mla == 0 and opts.ctv and opts.ctv != opts.ctk:
-            # mla 0 keeps per-head K and V rows, both stored in one cache type (ikjax/cache.py)
+            # mla 0 keeps per-head K and V rows, both stored in one cache type (ikjax/model/cache.py)
             raise OptionError(f"ctv: with -mla 0 the V cache is stored in the -ctk type ({opts.ctk}); a different "
                               f"V type ({opts.ctv}) is not supported: give -ctv {opts.ctk} or leave -ctv out")
         # --cpu-moe / --n-cpu-moe: ik's -ot shorthands, after the user's rules (first match wins)
@@ -253,10 +244,12 @@ class RunOptions:
                        f"(V is part of it, stored as -ctk {self.ctk}); there is no V cache")
         return out
 
-    def with_model(self, n_expert_used: int, has_moe: bool) -> "RunOptions":
-        """Checks that need the model (and the backend): refuse what cannot run, never ignore it."""
+    def with_model(self, n_expert_used: int, has_moe: bool, auto_dtype: str) -> "RunOptions":
+        """Checks that need the model (and the backend): refuse what cannot run, never ignore it.
+        `auto_dtype` is what `dtype="auto"` means on the backend that will run (ikjax.ops.auto_dtype:
+        the backend is the ops layer's to resolve, above this one)."""
         if self.dtype == "auto":
-            return dataclasses.replace(self, dtype=auto_dtype()).with_model(n_expert_used, has_moe)
+            return dataclasses.replace(self, dtype=auto_dtype).with_model(n_expert_used, has_moe, auto_dtype)
         if self.ser is not None:
             if not has_moe:
                 raise OptionError("ser: the model has no routed experts")
@@ -387,20 +380,3 @@ def switch_notes(values: dict[str, Any], command: str, backend: str = "cpu") -> 
         elif kind == "text":
             notes.append(f"{flag} {value} has no effect: {_WHY[name]}")
     return notes
-
-
-def auto_dtype() -> str:
-    """What `dtype="auto"` means: `IKJAX_DTYPE` if set, else bf16 products where kernels run them
-    (Pallas on a GPU; the C++ kernels on a CPU: prompt-sized products in bf16 with f32 sums, and
-    decode-sized products on 8-bit activation blocks with int8 dot products, as ik runs its CPU
-    matmuls; K-quant types decode in f32 there),
-    and f32 on the XLA reference path, whose bf16 dots on a CPU are slower than its f32 ones."""
-    import os
-    env = os.environ.get("IKJAX_DTYPE", "").lower()
-    if env:
-        if env not in COMPUTE_DTYPES or env == "auto":
-            raise OptionError(f"IKJAX_DTYPE: {env!r} is not one of {', '.join(COMPUTE_DTYPES[1:])}")
-        return env
-    from ikjax import kernels
-    return "f32" if kernels.resolve_backend() == "xla" else "bf16"
-

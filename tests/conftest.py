@@ -38,7 +38,7 @@ def fixtures_dir() -> Path:
 
 
 def _tiny(tmp_path_factory, layers: int) -> str:
-    from ikjax.synthetic import make_model
+    from ikjax.tools.synthetic import make_model
     p = tmp_path_factory.getbasetemp() / f"ikjax-tiny-{layers}L.gguf"
     if not p.exists():
         make_model(p, "tiny", "Q8_0", layers=layers)

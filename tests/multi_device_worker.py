@@ -61,7 +61,7 @@ def main(spec_path: str) -> None:
         gap = rel(reference(c["model"], c["mla"], True), ref) if graph else 0.0
         emit(check="logits", case=c, rel=rel(got, ref), order_gap=gap, per_device=per,
              weights=eng.memory_plan().weights_bytes, host=eng.memory_plan().host_weights_bytes,
-             stages=eng._pipeline.describe() if eng._pipeline else "",
+             stages=eng.executor.describe(),
              lines=eng.memory_plan().lines())
         del eng
         jax.clear_caches()
@@ -73,7 +73,7 @@ def main(spec_path: str) -> None:
 
     r = spec.get("refusals")
     if r:
-        from ikjax import memory_plan
+        from ikjax.runtime import memory_plan
         from ikjax.errors import IkjaxError
 
         def outcome(fn):

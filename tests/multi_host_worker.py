@@ -14,12 +14,12 @@ import sys
 
 def main(spec_path: str, pid: int) -> None:
     spec = json.loads(open(spec_path).read())
-    from ikjax import distributed
+    from ikjax.runtime import distributed
     distributed.initialize(spec["coordinator"], spec["num_processes"], pid)
     import jax
     import numpy as np
     import ikjax
-    from ikjax import sharding
+    from ikjax.placement import devices as sharding
     from ikjax.errors import OptionError
     print(json.dumps({"check": "devices", "global": len(jax.devices()), "local": len(jax.local_devices()),
                       "processes": jax.process_count()}), flush=True)

@@ -10,7 +10,7 @@ import pytest
 
 import ikjax
 from ikjax.errors import OptionError
-from ikjax.sampling import check_count, check_sampling, sample_next
+from ikjax.runtime.sampling import check_count, check_sampling, sample_next
 
 CTX = 24
 

@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import fixtures_dir
-from ikjax.cli import _rewrite, app
+from ikjax.cli import app
+from ikjax.cli.parser import _rewrite
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,7 +190,7 @@ def test_run_config_sweep(tmp_path, tiny_model):
 
 def test_shipped_configs_are_valid():
     from ikjax.cli import CONFIG_COMMANDS
-    from ikjax.run_config import parse_config
+    from ikjax.cli.run_config import parse_config
     files = sorted((REPO / "configs").glob("*.json"))
     assert len(files) >= 3
     seen = set()

@@ -1,4 +1,4 @@
-"""The persistent compilation cache (ikjax.compile_cache): a second process compiles nothing and
+"""The persistent compilation cache (ikjax.runtime.compile_cache): a second process compiles nothing and
 computes the same logits; IKJAX_COMPILE_CACHE=0 writes nothing; a changed kernel library gets its
 own subdirectory; a bad directory is one OptionError naming the setting.
 
@@ -16,14 +16,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ikjax import compile_cache
+from ikjax.runtime import compile_cache
 from ikjax.errors import OptionError
 
 RUN = """
 import json, sys
 import numpy as np
 import ikjax
-from ikjax import compile_cache
+from ikjax.runtime import compile_cache
 eng = ikjax.load(sys.argv[1], ctx=256, ubatch=32)
 out = eng.logits(list(range(1, 41)))  # two prompt chunks: two step shapes
 np.save(sys.argv[2], out)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ikjax import cache as kvcache
-from ikjax.model.attention import attend_flash, attend_materialized
+from ikjax.model import cache as kvcache
+from ikjax.ops.attn import attend_flash, attend_materialized
 from pallas_kernels import cpu as _cpu
 from pallas_kernels.mla_decode.reference import mla_decode_ref
 
@@ -39,7 +39,7 @@ def make_cache(c, ctk):
 
 
 def stored_values(cache, D):
-    """The cache's values as stored, f32 [B, S, D] (q8_0: int8 times its f16 scale, as ikjax/cache.py)."""
+    """The cache's values as stored, f32 [B, S, D] (q8_0: int8 times its f16 scale, as ikjax/model/cache.py)."""
     if isinstance(cache, dict):
         x = np.asarray(cache["q"], np.float32) * np.asarray(cache["d"], np.float32)[..., None]
         return jnp.asarray(x.reshape(*x.shape[:2], -1)[..., :D])

@@ -10,7 +10,7 @@ import torch
 import ikjax
 from conftest import fixtures_dir
 from hf_models import make_model
-from ikjax.cache import CacheLayout
+from ikjax.model.cache import CacheLayout
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.writer import write_deepseek2_gguf
 
@@ -97,7 +97,7 @@ def test_decode_loop_equals_one_token_per_dispatch(monkeypatch):
 def test_device_sampler_draws_as_the_host_sampler():
     """sample_device (inside the decode loop) applies sample_next's filters: the same tokens
     survive, drawn with the same frequencies (20000 draws each, 0.02 apart at most)."""
-    from ikjax.sampling import sample_device, sample_next
+    from ikjax.runtime.sampling import sample_device, sample_next
     logits = np.random.default_rng(2).standard_normal(64).astype(np.float32) * 2
     rng = np.random.default_rng(0)
     keys = jax.random.split(jax.random.key(1), 20000)
@@ -158,8 +158,8 @@ def test_same_input_matrices_are_stacked_at_load(monkeypatch):
     (same blocks, rows concatenated) when their types agree, so a step runs one product each —
     on the accelerator paths (here the XLA path); the C++ CPU kernels read the file's pages as
     they are, unstacked."""
-    from ikjax import kernels
-    if kernels.resolve_backend() == "cpu":
+    from ikjax import ops
+    if ops.resolve_backend() == "cpu":
         cpu = ikjax.load(fixtures_dir() / "v3dense-all-Q8_0.gguf", mla=3, ctk="f32").weights["layers"][0]
         assert {"q_a", "kv_a_mqa", "ffn_gate", "ffn_up"} <= cpu.keys() and "attn_in" not in cpu
     monkeypatch.setenv("IKJAX_KERNELS", "xla")

@@ -17,11 +17,13 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from ikjax import cli
 from ikjax.cli import CONFIG_COMMANDS, app
+from ikjax.cli.bench import _check_bench_options, _note_combinations
+from ikjax.cli.generate import _generate_shapes, _precompile_shape
+from ikjax.cli.run_options import check_options
 from ikjax.errors import OptionError
 from ikjax.options import RunOptions, TensorOverride
-from ikjax.run_config import parse_config
+from ikjax.cli.run_config import parse_config
 
 GROUP = get_command(app)
 COMMANDS = ("sweep-bench", "bench", "generate")
@@ -43,14 +45,14 @@ def parse_error(command: str, *args) -> str:
 def check(command: str, params: dict) -> RunOptions:
     """The checks a command runs before loading: run options (-> RunOptions) and ik switches (notes)."""
     if command == "bench":
-        from ikjax import llama_bench as lb
-        fixed, fmoe = cli._check_bench_options(params)
+        from ikjax.tools import llama_bench as lb
+        fixed, fmoe = _check_bench_options(params)
         swept = {k: params[k] for k in lb.SWEPT if params.get(k) is not None}
         swept["fmoe"] = fmoe
-        cli._note_combinations(swept)
+        _note_combinations(swept)
         combo = lb.combinations(swept)[0]
         return RunOptions.from_kwargs(**{lb.SWEPT[k]: v for k, v in combo.items()}, **fixed)
-    return cli._check_options(params, command)[1]
+    return check_options(params, command)[1]
 
 
 def outcome(command: str, params: dict, capsys) -> tuple[RunOptions | None, list[str], str | None]:
@@ -313,8 +315,8 @@ def test_generate_compiles_before_timing(tiny_model):
     from ikjax.tokenizer import GGUFTokenizer
     eng = ikjax.load(tiny_model, ctx=256, ubatch=32)
     ids = GGUFTokenizer(eng.file.metadata).encode("Hello world, a prompt of a few tokens " * 3)
-    for n_tok, kv, chunk in cli._generate_shapes(eng, len(ids), 40):
-        cli._precompile_shape(eng, n_tok, kv, chunk, dict(temperature=0.0))
+    for n_tok, kv, chunk in _generate_shapes(eng, len(ids), 40):
+        _precompile_shape(eng, n_tok, kv, chunk, dict(temperature=0.0))
     before = eng.compile_count
     out = list(eng.generate(ids, 40, temperature=0.0))
     assert len(out) >= 1 and eng.compile_count == before

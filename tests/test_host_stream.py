@@ -12,9 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from jax.sharding import SingleDeviceSharding
 
-from ikjax import kernels
+from ikjax import ops
 from ikjax.errors import OptionError
-from ikjax.host_weights import HostQuantArray, min_offload_batch, release_pages
+from ikjax.placement.host import HostQuantArray, min_offload_batch, release_pages
 from ikjax.quant.array import QuantArray
 from ikjax.quant.types import by_name
 
@@ -47,9 +47,9 @@ def _inputs(n, seed=1):
 def _two_layers():
     @jax.jit
     def f(x, w, ids, g, u, d):
-        with kernels.kernel_context("xla"):
-            a = kernels.moe_experts(x, w, ids, g, u, d, jnp.float32)
-            return kernels.moe_experts(a, w, ids, g, u, d, jnp.float32)
+        with ops.kernel_context("xla"):
+            a = ops.moe_experts(x, w, ids, g, u, d, jnp.float32)
+            return ops.moe_experts(a, w, ids, g, u, d, jnp.float32)
     return f
 
 
@@ -70,9 +70,9 @@ def test_streamed_equals_device_resident(experts, monkeypatch, order):
     host = [_pinned(t, 32) for t in experts]
     f = _two_layers()
     got = f(x, w, ids, *host)
-    assert kernels.selected("moe_experts") == "stream:xla"
+    assert ops.selected("moe_experts") == "stream:xla"
     ref = f(x, w, ids, *experts)
-    assert kernels.selected("moe_experts") == "xla"
+    assert ops.selected("moe_experts") == "xla"
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     hlo = f.lower(x, w, ids, *host).as_text()
     assert hlo.count('memory_kind = "pinned_host"') >= 3  # the experts enter as host parameters
@@ -155,9 +155,9 @@ def test_rounds_equal_all_experts(experts, backend, slots, used):
     x, w, ids = _routed(37, experts_used=used)
     fetch = lambda w_, i_, r: moe_host.stream_experts_ref(w_, i_, *experts, slots=slots, round=r)
     dtype = jnp.float32 if backend == "xla" else jnp.bfloat16
-    got = jax.jit(lambda x, w, ids: kernels.moe_rounds(x, w, ids, *experts, dtype, fetch=fetch, slots=slots,
+    got = jax.jit(lambda x, w, ids: ops.moe_rounds(x, w, ids, *experts, dtype, fetch=fetch, slots=slots,
                                                        backend=backend))(x, w, ids)
-    ref = kernels.moe_experts(x, w, ids, *experts, dtype, backend="xla")
+    ref = ops.moe_experts(x, w, ids, *experts, dtype, backend="xla")
     tol = 1e-5 if backend == "xla" else 2e-2
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=tol, atol=tol * float(jnp.abs(ref).max()))
 
@@ -189,14 +189,14 @@ def test_active_stream_in_step(experts, monkeypatch):
         dev = [QuantArray(jax.device_put(t.data, jax.memory.Space.Device), t.qtype, t.shape) for t in (gate, up, down)]
         return moe_host.stream_experts_ref(w_, i_, *dev, slots=slots, round=r)
 
-    monkeypatch.setattr(kernels, "_fetch_active", fake_fetch)
+    monkeypatch.setattr(ops.moe, "_fetch_active", fake_fetch)
     monkeypatch.setattr(moe_host, "stream_supported", lambda *a: True)
     per_expert = sum(t.nbytes for t in experts) // E
     monkeypatch.setenv("IKJAX_STREAM_MIB", str(3 * per_expert / 2**20))
     x, w, ids = _routed(200)
     host = [_pinned(t, 32) for t in experts]
     got = _two_layers()(x, w, ids, *host)
-    assert kernels.selected("moe_experts") == "stream:xla"
+    assert ops.selected("moe_experts") == "stream:xla"
     assert sorted(set(calls)) == [(0, 3), (1, 3), (2, 3)]  # 8 experts in rounds of 3, both layers
     ref = _two_layers()(x, w, ids, *experts)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
@@ -217,9 +217,9 @@ def test_active_stream_refuses_without_handler(experts, monkeypatch):
     monkeypatch.setenv("IKJAX_STREAM", "active")
     monkeypatch.setenv("IKJAX_STREAM_MIB", "-1")
     with pytest.raises(OptionError, match="IKJAX_STREAM_MIB"):
-        kernels.stream_slots(*host)
+        ops.stream_slots(*host)
     monkeypatch.setenv("IKJAX_STREAM_MIB", "1e9")
-    assert kernels.stream_slots(*host) == E
+    assert ops.stream_slots(*host) == E
 
 
 @pytest.mark.parametrize("used,rounds", [((7,), [0]), ((1, 4, 5), [0, 1]), (None, [0, 1, 2, 3])])
@@ -235,10 +235,10 @@ def test_rounds_run_only_while_experts_remain(experts, used, rounds):
 
     x, w, ids = _routed(64, experts_used=used)
     w = jnp.where(w == 0, 0.5, w)  # every routed expert active
-    out = jax.jit(lambda x, w, ids: kernels.moe_rounds(x, w, ids, *experts, jnp.float32, fetch=fetch, slots=2,
+    out = jax.jit(lambda x, w, ids: ops.moe_rounds(x, w, ids, *experts, jnp.float32, fetch=fetch, slots=2,
                                                        backend="xla"))(x, w, ids)
     out.block_until_ready()
     jax.effects_barrier()
     assert sorted(ran) == rounds
-    ref = kernels.moe_experts(x, w, ids, *experts, jnp.float32, backend="xla")
+    ref = ops.moe_experts(x, w, ids, *experts, jnp.float32, backend="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))

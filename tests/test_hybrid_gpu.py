@@ -27,8 +27,8 @@ if not host_moe.available():
     pytest.skip(host_moe.unavailable_reason(), allow_module_level=True)
 
 import ikjax  # noqa: E402
-from ikjax import kernels  # noqa: E402
-from ikjax.host_weights import HostQuantArray  # noqa: E402
+from ikjax import ops  # noqa: E402
+from ikjax.placement.host import HostQuantArray  # noqa: E402
 
 from conftest import fixture_entry, fixtures_dir, load_ref, rel_err  # noqa: E402
 
@@ -62,7 +62,7 @@ def _check_host_resident(eng, n_host_layers: int | None = None):
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory):
     """The tiny synthetic preset, 4 layers (1 dense + 3 MoE), Q4_K: made by our writer."""
-    from ikjax.synthetic import make_model
+    from ikjax.tools.synthetic import make_model
     p = tmp_path_factory.mktemp("hybrid") / "tiny4-Q4_K.gguf"
     make_model(p, "tiny", "Q4_K", layers=4)
     return str(p)
@@ -72,7 +72,7 @@ def test_tiny4_host_experts_equal_gpu(tiny4):
     tokens = np.arange(1, 40) % 200
     _, ref = _logits(tiny4, tokens)
     eng, got = _logits(tiny4, tokens, ot="exps=CPU", t=4)
-    assert kernels.selected("moe_experts") == "host"
+    assert ops.selected("moe_experts") == "host"
     _check_host_resident(eng)
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
 
@@ -115,10 +115,10 @@ def test_tiny4_prompt_streams_experts(tiny4):
     eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32", ot="exps=CPU", t=4)
     _check_host_resident(eng)
     got = eng.logits(tokens)
-    assert kernels.selected("moe_experts") == "stream:xla", kernels.selected("moe_experts")
+    assert ops.selected("moe_experts") == "stream:xla", ops.selected("moe_experts")
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
     assert list(eng.generate(list(tokens), max_tokens=6)) == ref_gen
-    assert kernels.selected("moe_experts") == "host"
+    assert ops.selected("moe_experts") == "host"
 
 
 def test_tiny4_prompt_streams_bf16_pallas(tiny4):
@@ -127,7 +127,7 @@ def test_tiny4_prompt_streams_bf16_pallas(tiny4):
     tokens = (np.arange(STREAM_TOKENS) * 5 + 1) % 1000
     ref = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="bf16").logits(tokens)
     got = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="bf16", ot="exps=CPU").logits(tokens)
-    assert kernels.selected("moe_experts") == "stream:pallas", kernels.selected("moe_experts")
+    assert ops.selected("moe_experts") == "stream:pallas", ops.selected("moe_experts")
     assert rel_err(got, ref) <= 1e-2, rel_err(got, ref)
 
 
@@ -140,7 +140,7 @@ def test_fixture_prompt_streams_experts(monkeypatch):
     tokens = (np.arange(STREAM_TOKENS) * 11 + 5) % 1000
     ref = ikjax.load(path, ctx=512, ubatch=256, dtype="f32").logits(tokens)
     got = ikjax.load(path, ctx=512, ubatch=256, dtype="f32", ot="exps=CPU").logits(tokens)
-    assert kernels.selected("moe_experts") == "stream:xla"
+    assert ops.selected("moe_experts") == "stream:xla"
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
     monkeypatch.setenv("IKJAX_MIN_OFFLOAD_BATCH", "8")
     eng = ikjax.load(path, ctx=512, ubatch=64, dtype="f32", ot="exps=CPU")
@@ -148,7 +148,7 @@ def test_fixture_prompt_streams_experts(monkeypatch):
     tokens = tokens[:192]  # three 64-token steps, each past the lowered threshold
     ref = ikjax.load(path, ctx=512, ubatch=64, dtype="f32").logits(tokens)
     got = eng.logits(tokens)
-    assert kernels.selected("moe_experts") == "stream:xla"
+    assert ops.selected("moe_experts") == "stream:xla"
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
 
 
@@ -166,12 +166,12 @@ def test_active_stream_rounds(tiny4, monkeypatch, mib, dtype):
     got = eng.logits(tokens)
     st = host_moe.stream_stats(reset=True)
     tol = TOL if dtype == "f32" else 1e-2
-    assert kernels.selected("moe_experts").startswith("stream:")
+    assert ops.selected("moe_experts").startswith("stream:")
     assert rel_err(got, ref) <= tol, rel_err(got, ref)
     lay = [l for l in eng.weights["layers"] if "gate_exps" in l]
     E = lay[0]["gate_exps"].shape[0]
     per_expert = sum(lay[0][k].nbytes for k in ("gate_exps", "up_exps", "down_exps")) // E
-    slots = kernels.stream_slots(*(lay[0][k] for k in ("gate_exps", "up_exps", "down_exps")))
+    slots = ops.stream_slots(*(lay[0][k] for k in ("gate_exps", "up_exps", "down_exps")))
     assert (slots == E) == (mib == "1024")
     # round 0 of every layer, later rounds only while the layer has more active experts
     assert len(lay) <= st["calls"] <= len(lay) * -(-E // slots), st
@@ -192,7 +192,7 @@ def test_any_tensor_on_the_host(tiny4, ot):
     ref_eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32")
     ref = ref_eng.logits(tokens)
     eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32", ot=ot)
-    from ikjax.host_weights import HostTensor
+    from ikjax.placement.host import HostTensor
     assert isinstance(eng.weights["layers"][1]["attn_norm"], HostTensor)
     got = eng.logits(tokens)
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ikjax import cache as kvcache
-from ikjax.model.attention import attend_materialized
+from ikjax.model import cache as kvcache
+from ikjax.ops.attn import attend_materialized
 from pallas_kernels.mla_decode import mla_decode, mla_decode_ref
 
 
@@ -76,12 +76,12 @@ def test_gpu_real_size(ctk):
 def test_fewer_heads_than_a_block_are_padded(H):
     """A device's share of the heads under -sm graph (16 / 4 = 4): the registry pads the queries to
     the kernel's 16-head blocks and drops the padded outputs."""
-    from ikjax import kernels
+    from ikjax import ops
     rng = np.random.default_rng(H)
     q, cache = make(2, H, 64, rng, "bf16")
     lengths = jnp.array([5, 64], jnp.int32)
-    assert kernels.mla_decode_supported(H, 64, 576, 512, backend="interpret")
-    y = kernels.mla_decode_attention(q, cache, lengths, 0.1, dtype=jnp.float32, backend="interpret")
-    assert kernels.selected("mla_decode") == "interpret"
+    assert ops.mla_decode_supported(H, 64, 576, 512, backend="interpret")
+    y = ops.mla_decode_attention(q, cache, lengths, 0.1, dtype=jnp.float32, backend="interpret")
+    assert ops.selected("mla_decode") == "interpret"
     assert y.shape == (2, H, 512)
     assert rel(y, mla_decode_ref(q, cache, lengths, 0.1, dtype=jnp.float32)) < 1e-5

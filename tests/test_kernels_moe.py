@@ -1,5 +1,5 @@
 """pallas_kernels.moe_matmul: gather and grouped expert FFN (interpret mode) vs the reference and
-vs the model's own op (ikjax.kernels.moe_experts, XLA path) on the unpacked QuantArrays."""
+vs the model's own op (ikjax.ops.moe_experts, XLA path) on the unpacked QuantArrays."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ikjax import kernels
+from ikjax import ops
 from pallas_kernels.moe_matmul import moe_experts_gather, moe_experts_grouped, moe_experts_ref, moe_experts_grouped_ref
 from pallas_kernels.quant_matmul import prepare
 from pallas_kernels.testing import random_quant_array
@@ -41,7 +41,7 @@ def test_gather_matches_model(name):
         w, ids = routing(N, E, k, rng)
         y = moe_experts_gather(x, w, ids, *pws, interpret=True)
         r = moe_experts_ref(x, w, ids, *pws)
-        m = kernels.moe_experts(x, w, ids, *qas, jnp.bfloat16, fused=True, backend="xla")
+        m = ops.moe_experts(x, w, ids, *qas, jnp.bfloat16, fused=True, backend="xla")
         assert np.isfinite(np.asarray(y)).all()
         assert rel(y, r) < 2e-2 and rel(r, m) < 1e-6, (name, N, rel(y, r), rel(r, m))
         y32 = moe_experts_gather(x, w, ids, *pws, dtype=jnp.float32, interpret=True)

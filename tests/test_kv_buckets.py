@@ -1,13 +1,13 @@
-"""KV-length buckets (ikjax.kv_buckets): no more compiles than the power-of-two rule at ik's sweep
+"""KV-length buckets (ikjax.runtime.buckets): no more compiles than the power-of-two rule at ik's sweep
 shapes, less waste, and the numbers its docstring states."""
 from __future__ import annotations
 
 import pytest
 
 import ikjax
-from ikjax import kv_buckets as kb
-from ikjax import sweep_bench as sb
-from ikjax.memory_plan import cache_capacity
+from ikjax.runtime import buckets as kb
+from ikjax.tools import sweep_bench as sb
+from ikjax.runtime.memory_plan import cache_capacity
 from ikjax.options import RunOptions
 
 KV_BLOCK = 256

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ikjax
-from ikjax import memory_plan
+from ikjax.runtime import memory_plan
 from ikjax.errors import DoesNotFitError
 
 CHILD = textwrap.dedent("""
@@ -76,7 +76,7 @@ def test_tiny_plan_within_10pct_of_peak_rss(tiny_model):
     ("r1", "Q4_0", dict(ctx=1024, ubatch=128, mla=3, fa=1, ctk="q8_0")),
 ])
 def test_4_layer_plans_within_10pct_of_peak_rss(tmp_path_factory, preset, qtype, options):
-    from ikjax.synthetic import make_model
+    from ikjax.tools.synthetic import make_model
     d = Path(os.environ.get("IKJAX_MEMTEST_DIR") or tmp_path_factory.mktemp("mem"))
     path = d / f"{preset}-4L-{qtype}.gguf"
     if not path.exists():

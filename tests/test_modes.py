@@ -107,7 +107,7 @@ def test_amb_chunking_is_exact():
     """attend_materialized in chunks of 1, 3 and all heads gives the same output."""
     import jax
     import jax.numpy as jnp
-    from ikjax.model.attention import attend_flash, attend_materialized
+    from ikjax.ops.attn import attend_flash, attend_materialized
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
     B, T, S, H = 2, 5, 37, 7
     q = jax.random.normal(k1, (B, T, H, 24))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import ikjax
-from ikjax import distributed
+from ikjax.runtime import distributed
 from ikjax.errors import OptionError
 
 HERE = Path(__file__).parent

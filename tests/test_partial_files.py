@@ -11,10 +11,10 @@ import gguf
 import numpy as np
 import pytest
 
-from ikjax import synthetic
+from ikjax.tools import synthetic
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.gguf_io import writer as gw
-from ikjax.plot import plot_files, read_jsonl
+from ikjax.tools.plot import plot_files, read_jsonl
 
 
 def _listing(d: Path) -> list[str]:

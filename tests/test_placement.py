@@ -1,4 +1,4 @@
-"""The placement layer (ikjax/placement.py): -ot rules (first match wins), --cpu-moe / --n-cpu-moe,
+"""The placement layer (ikjax/placement/): -ot rules (first match wins), --cpu-moe / --n-cpu-moe,
 -ngl, the devices present, logical axes of every tensor, ik's op-offload rule, the memory plan it
 feeds, and logits unchanged by host placement on CPU (where host and device are one RAM)."""
 from __future__ import annotations
@@ -16,10 +16,10 @@ from ikjax.cli import app
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
-from ikjax.memory_plan import plan_memory
+from ikjax.runtime.memory_plan import plan_memory
 from ikjax.options import RunOptions
-from ikjax.placement import (DEVICE, HOST, TensorPlacement, is_routed_expert, logical_axes, plan_placement,
-                             runs_on)
+from ikjax.gguf_io.tensors import is_routed_expert, logical_axes
+from ikjax.placement.rules import DEVICE, HOST, TensorPlacement, plan_placement, runs_on
 
 CPU_ONLY = [SimpleNamespace(platform="cpu")]
 ONE_GPU = [SimpleNamespace(platform="gpu")]
@@ -157,8 +157,8 @@ def test_host_placed_non_experts_next_to_an_accelerator(model4, tiny4_model, bac
     where it reads it: the same logits as every tensor on the device. Here the "accelerator" is
     the CPU device itself (it has a pinned_host memory too); tests/test_hybrid_gpu.py runs it on a GPU."""
     import jax
-    from ikjax.host_weights import HostTensor
-    from ikjax.weights import load_weights, placer_for
+    from ikjax.placement.host import HostTensor
+    from ikjax.model.weights import load_weights, placer_for
     monkeypatch.setenv("IKJAX_KERNELS", backend)
     cfg, f = model4
     p = _place(model4, devices=ONE_GPU, ot=HOST_NON_EXPERTS)
@@ -193,7 +193,7 @@ def test_host_placed_non_experts_next_to_an_accelerator(model4, tiny4_model, bac
 def test_accelerator_loader_keeps_host_experts_in_place(model4):
     """Host-placed routed experts stay the memory map's bytes (the very array, no copy) where the
     CUDA host-experts handler is built; without it the loader says how to build it."""
-    from ikjax.weights import placer_for
+    from ikjax.model.weights import placer_for
     from pallas_kernels.moe_matmul import host as host_moe
     p = _place(model4, devices=ONE_GPU, ot="exps=CPU")
     if not host_moe.available():

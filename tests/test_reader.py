@@ -11,7 +11,7 @@ import numpy as np
 from ikjax.gguf_io import writer as gw
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile, split_paths
-from ikjax.synthetic import plan_tensors, preset_config
+from ikjax.tools.synthetic import plan_tensors, preset_config
 
 
 def _sparse_model(path, preset="v2-lite", qtype="Q4_0") -> int:

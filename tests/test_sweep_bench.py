@@ -7,7 +7,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from ikjax import sweep_bench as sb
+from ikjax.tools import sweep_bench as sb
 from ikjax.cli import app
 
 # ik_llama.cpp's exact lines (examples/sweep-bench/sweep-bench.cpp)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ikjax
-from ikjax import synthetic
+from ikjax.tools import synthetic
 from ikjax.gguf_io.config import ModelConfig
 
 

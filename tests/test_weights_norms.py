@@ -1,4 +1,4 @@
-"""Norms and biases load through NumPy (ikjax.weights._dense_float): the same float32 values the
+"""Norms and biases load through NumPy (ikjax.model.weights._dense_float): the same float32 values the
 dequantizer gives, for every dense-float tensor of the shared fixtures (f32 and bf16 files) and
 for f16 bytes."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 
 from ikjax.quant.array import QuantArray
 from ikjax.quant.types import by_name
-from ikjax.weights import _dense_float, layer_specs, model_specs
+from ikjax.gguf_io.tensors import layer_specs, model_specs
+from ikjax.model.weights import _dense_float
 
 
 def test_f16_and_f32_bytes_match_the_dequantizer():

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ikjax.errors import ModelFileError
+from ikjax.gguf_io.tensors import all_specs, check_shapes, layer_specs
 
 ARCH = "deepseek2"
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
@@ -203,8 +204,6 @@ class ModelConfig:
         `nextn_predict_layers` MTP layers may be present or not: ikjax does not run them), every tensor
         the graph reads present with its shape, and no tensor it would silently ignore (a renamed
         `output`, shared experts the metadata does not declare, a layer past block_count)."""
-        from ikjax.weights import _shape_matches, layer_specs, model_specs  # weights imports this module
-
         block_count = self.n_layer + self.n_nextn
         layers: dict[int, str] = {}
         for name in tensors:
@@ -220,15 +219,8 @@ class ModelConfig:
         if absent:
             raise ModelFileError(f"{source}: {ARCH}.block_count is {block_count} but the file has no tensors of "
                                  f"layer {absent[0]}" + (f" ({len(absent)} layers missing)" if len(absent) > 1 else ""))
-        specs = model_specs(self) + [s for i in range(self.n_layer) for s in layer_specs(self, i)]
-        for spec in specs:
-            info = tensors.get(spec.gguf_name)
-            if info is None:
-                if not spec.optional:
-                    raise ModelFileError(f"{source}: missing tensor {spec.gguf_name}")
-            elif not _shape_matches(info, spec):
-                raise ModelFileError(f"{source}: tensor {spec.gguf_name} has shape {list(info.shape)}, "
-                                     f"expected {list(spec.shape)}")
+        specs = all_specs(self)
+        check_shapes(specs, tensors, source)
         known = {s.gguf_name for s in specs}
         for i in range(self.n_layer, block_count):  # MTP layers: a MoE layer plus the nextn.* tensors
             known.update(s.gguf_name for s in layer_specs(self, i))

@@ -21,15 +21,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ikjax import cache as kvcache
-from ikjax import kernels
-from ikjax.host_weights import fetch, fetch_all
+from ikjax import ops
 from ikjax.gguf_io.config import ModelConfig
-from ikjax.model.attention import split_heads_kv
-from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, precision_for, rms_norm, split_linear
+from ikjax.model import cache as kvcache
+from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, rms_norm, split_linear
 from ikjax.model.moe import moe_ffn
 from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
+from ikjax.ops import precision_for, split_heads_kv
 from ikjax.options import SmartExpertReduction
+from ikjax.placement.host import fetch, fetch_all
 from ikjax.quant.array import QuantArray
 
 _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -47,9 +47,9 @@ class StepPlan:
     fmoe: bool
     ser: SmartExpertReduction | None
     all_logits: bool  # False: logits of the token at `last` only
-    backend: str = "xla"  # kernels backend at trace time (ikjax.kernels); part of the compile key
+    backend: str = "xla"  # kernels backend at trace time (ikjax.ops); part of the compile key
     threads: int = 0  # CPU kernels' threads: -t for generation steps, -tb for prompt steps (0 = all)
-    # -sm graph: the mesh and the split groups (ikjax.tensor_parallel.TensorSplit); the step then
+    # -sm graph: the mesh and the split groups (ikjax.runtime.mesh.TensorSplit); the step then
     # runs on each device's part inside shard_map and completes each split group with a psum
     tp: Any = None
 
@@ -121,7 +121,7 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
         S = plan.kv_len
         k_all = kvcache.read(new_cache["k"], S, H * cfg.qk_dim, dtype).reshape(B, S, H, cfg.qk_dim)
         v_all = kvcache.read(new_cache["v"], S, H * cfg.v_dim, dtype).reshape(B, S, H, cfg.v_dim)
-        o = kernels.attention(q_full, k_all, v_all, q_pos, scale, flash=plan.fa, **attn)
+        o = ops.attention(q_full, k_all, v_all, q_pos, scale, flash=plan.fa, **attn)
     else:
         entry = jnp.concatenate([c, k_pe], -1)
         new_cache = {"latent": kvcache.write(layer_cache["latent"], entry, start)}
@@ -129,27 +129,27 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
         if plan.mla in (2, 3) and T > 1:
             # K = each head's k_nope ++ the cached rope part, V its v part: the attention op takes
             # them as they are (on the CPU read in place, no concatenated copies)
-            o = kernels.attention_kv(q_full, head_kv(lat[..., :r]), lat[..., r:], q_pos, scale, nope=nope,
+            o = ops.attention_kv(q_full, head_kv(lat[..., :r]), lat[..., r:], q_pos, scale, nope=nope,
                                      flash=plan.fa, **attn)
         else:
             per_head = "k_b" in layer and "v_b" in layer  # stored per head: one op, no dequantized copy
             if per_head:
-                q_lat = kernels.head_linear(q_nope, layer["k_b"], dtype)
+                q_lat = ops.head_linear(q_nope, layer["k_b"], dtype)
             else:
                 wk, wv = head_matrices(layer, cfg, prefer_kv_b=False, dtype=dtype)
                 q_lat = jnp.einsum("bthn,hnr->bthr", q_nope.astype(dtype), wk, precision=prec,
                                    preferred_element_type=jnp.float32)
             q_abs = jnp.concatenate([q_lat, q_pe], -1).astype(dtype)
             flash = plan.fa and plan.mla != 2
-            if flash and T == 1 and kernels.mla_decode_supported(H, plan.kv_len, cfg.latent_dim, r):
+            if flash and T == 1 and ops.mla_decode_supported(H, plan.kv_len, cfg.latent_dim, r):
                 # split-KV flash decoding over the whole cache, each sequence up to its own length
-                o_lat = kernels.mla_decode_attention(q_abs[:, 0], new_cache["latent"], start + 1, scale,
+                o_lat = ops.mla_decode_attention(q_abs[:, 0], new_cache["latent"], start + 1, scale,
                                                      v_dim=r, dtype=dtype)[:, None]
-            elif flash and kernels.mla_prompt_supported(q_abs.shape, new_cache["latent"], r):
+            elif flash and ops.mla_prompt_supported(q_abs.shape, new_cache["latent"], r):
                 # prompt steps in absorbed form (mla 1): the kernel reads keys up to each query's position
-                o_lat = kernels.mla_prompt_attention(q_abs, new_cache["latent"], q_pos, scale, v_dim=r)
+                o_lat = ops.mla_prompt_attention(q_abs, new_cache["latent"], q_pos, scale, v_dim=r)
             else:
-                o_lat = kernels.attention(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash,
+                o_lat = ops.attention(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash,
                                           **attn)
                 if T == 1:
                     # XLA:GPU computes p·V as split-K partials and fuses their sum into the v_b
@@ -157,7 +157,7 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
                     # -mla 2 decode, RESULTS §13b): the barrier keeps the sum its own kernel
                     o_lat = jax.lax.optimization_barrier(o_lat)
             if per_head:
-                o = kernels.head_linear(o_lat, layer["v_b"], dtype)
+                o = ops.head_linear(o_lat, layer["v_b"], dtype)
             else:
                 o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), wv, precision=prec,
                                preferred_element_type=jnp.float32)
@@ -176,7 +176,7 @@ def embed(token_embd: QuantArray, tokens, dtype=jnp.float32, axis: str | None = 
         x = embed(token_embd, jnp.where(mine, local, 0), dtype)
         return jax.lax.psum(jnp.where(mine[..., None], x, 0.0), axis)
     token_embd = fetch(token_embd)  # a host-placed table moves to the device (next to an accelerator)
-    rows = QuantArray(kernels.embed_rows(token_embd.data, tokens), token_embd.qtype, tokens.shape + (token_embd.shape[-1],))
+    rows = QuantArray(ops.embed_rows(token_embd.data, tokens), token_embd.qtype, tokens.shape + (token_embd.shape[-1],))
     return rows.dequantize(jnp.float32)
 
 
@@ -185,7 +185,7 @@ def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Step
 
     Logits are [B,T,V] if plan.all_logits, else [B,V] for the token at index last[b].
     """
-    with kernels.kernel_context(plan.backend, plan.threads):
+    with ops.kernel_context(plan.backend, plan.threads):
         return _forward(weights, cache, tokens, start, last, cfg=cfg, plan=plan)
 
 
@@ -198,7 +198,7 @@ def _forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Ste
 def run_layers(layers, cache, x, start, first: int, *, cfg: ModelConfig, plan: StepPlan):
     """Layers `first .. first + len(layers) - 1` on x [B,T,d]; `cache` holds those layers' entries
     (lists in the same order). Returns (x, their updated cache). A whole step runs them all;
-    `-sm layer` runs one group per device (ikjax.sharding.Pipeline)."""
+    `-sm layer` runs one group per device (ikjax.runtime.pipeline.Pipeline)."""
     B, T = x.shape[:2]
     dtype = plan.compute_dtype
     q_pos = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]

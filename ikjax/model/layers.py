@@ -4,14 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ikjax import kernels
-
-HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def precision_for(dtype):
-    """f32 compute means true f32 matmuls (no TF32 on GPU); lower dtypes use the default."""
-    return HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+from ikjax import ops
 
 
 def rms_norm(x, weight, eps: float):
@@ -21,8 +14,8 @@ def rms_norm(x, weight, eps: float):
 
 def linear(x, w, dtype):
     """x [..., in] @ W[out, in]^T, float32 result: the dequantizing Pallas kernel on GPU, XLA's
-    dequantize-then-dot elsewhere (ikjax.kernels picks)."""
-    return kernels.quant_linear(x, w, dtype)
+    dequantize-then-dot elsewhere (ikjax.ops picks)."""
+    return ops.quant_linear(x, w, dtype)
 
 
 def swiglu(gate, up):
@@ -31,7 +24,7 @@ def swiglu(gate, up):
 
 def split_linear(x, layer: dict, fused: str, keys: tuple[str, ...], sizes: tuple[int, ...], dtype):
     """The products of x with layer[keys...]: one product with the row-stacked `fused` matrix when
-    the file's types allowed stacking them at load (ikjax.weights.fuse_rows), else one each."""
+    the file's types allowed stacking them at load (ikjax.model.weights.fuse_rows), else one each."""
     if fused in layer:
         y = linear(x, layer[fused], dtype)
         cuts = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
@@ -49,7 +42,7 @@ def dense_ffn(x, layer: dict, names: tuple[str, str, str, str], dtype):
     the `swiglu_ffn` op (on the CPU the fused kernel for prompt-sized x)."""
     fused, gate, up, down = names
     if fused not in layer:
-        return kernels.swiglu_ffn(x, layer[gate], layer[up], layer[down], dtype)
+        return ops.swiglu_ffn(x, layer[gate], layer[up], layer[down], dtype)
     f = layer[down].shape[-1]
     g, u = split_linear(x, layer, fused, (gate, up), (f, f), dtype)
     return linear(swiglu(g, u), layer[down], dtype)

@@ -1,7 +1,7 @@
 """Routed experts: DeepSeek's router (softmax or sigmoid, bias for selection, group limit, norm,
 scale), ik's smart expert reduction, and the expert FFN in two forms.
 
-The expert FFN itself is the `moe_experts` op (ikjax.kernels): on the XLA path a gather form for
+The expert FFN itself is the `moe_experts` op (ikjax.ops): on the XLA path a gather form for
 few tokens and a grouped (`ragged_dot`) form for many; the Pallas and C++ kernels always fuse gate
 and up; `fmoe` selects the fused XLA form, as ik's `-fmoe`.
 """
@@ -12,10 +12,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ikjax import kernels
+from ikjax import ops
 from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
-from ikjax.options import SmartExpertReduction, env_choice
-from ikjax.model.layers import HIGHEST, SHARED_EXPERTS, dense_ffn
+from ikjax import env
+from ikjax.options import SmartExpertReduction
+from ikjax.model.layers import SHARED_EXPERTS, dense_ffn
+from ikjax.ops import HIGHEST
 
 
 
@@ -27,7 +29,7 @@ def top_k(x, k: int):
     5.64 ms a V2-Lite decode step with it, 4.95 by rank, RESULTS §13b). Many rows: lax.top_k.
     IKJAX_TOPK=lax forces lax.top_k (for comparison)."""
     n, e = math.prod(x.shape[:-1]), x.shape[-1]
-    if env_choice("IKJAX_TOPK", ("rank", "lax"), "rank") == "lax" or n * e * e > _RANK_TOPK_MAX:
+    if env.choice("IKJAX_TOPK") == "lax" or n * e * e > _RANK_TOPK_MAX:
         return jax.lax.top_k(x, k)
     a, b = x[..., :, None], x[..., None, :]  # [.., e, f]: does f outrank e?
     idx = jnp.arange(e)
@@ -44,7 +46,7 @@ _RANK_TOPK_MAX = 1 << 22  # compares per call (decode: 1 x 256^2 for R1)
 
 def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
     """x [N, d] -> (weights [N, k] float32, expert ids [N, k] int32), as transformers' routers."""
-    router = layer["gate_inp"]  # float32 [E, d] as loaded (ikjax.weights); a QuantArray if built by hand
+    router = layer["gate_inp"]  # float32 [E, d] as loaded (ikjax.model.weights); a QuantArray if built by hand
     router = router.dequantize(jnp.float32) if hasattr(router, "dequantize") else router.astype(jnp.float32)
     logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), router, precision=HIGHEST)
     scores = jax.nn.sigmoid(logits) if cfg.gating == GATING_SIGMOID else jax.nn.softmax(logits, axis=-1)
@@ -82,7 +84,7 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
             experts_axis: str | None = None, shared_axis: str | None = None, n_parts: int = 1):
     """x [N, d] float32 -> routed experts + shared experts, [N, d] float32.
 
-    -sm graph (ikjax.tensor_parallel): with `experts_axis` this device holds a contiguous slice of
+    -sm graph (ikjax.runtime.mesh): with `experts_axis` this device holds a contiguous slice of
     the experts: every device routes over all of them alike, computes the selected ones it holds
     (the others' weights zeroed) and a psum adds the devices' parts; with `shared_axis` the shared
     experts' hidden rows are split and their partial sums join the same psum. Experts every device
@@ -98,7 +100,7 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
         w = jnp.where(mine, w, 0.0)
         if not whole:
             ids = jnp.where(mine, local, 0)
-    out = kernels.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
+    out = ops.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
                               fused=fused)
     if "down_shexp" not in layer:
         return jax.lax.psum(out, experts_axis) if experts_axis else out

@@ -2,7 +2,7 @@
 
 `mla_attention` is the general form (decode and prompt): queries [B, T, H, D] at positions q_pos
 [B, T] against the latent cache [B, S, W] (f32 / f16 / bf16, or q8_0 {"q": int8 [B, S, nb, 32],
-"d": f16 [B, S, nb]} as ikjax/cache.py stores it); the query at position p sees keys 0..p, and
+"d": f16 [B, S, nb]} as ikjax/model/cache.py stores it); the query at position p sees keys 0..p, and
 only those keys are read, so the cost follows the real KV length, not the bucket S. V is the first
 v_dim values of each entry. Softmax and accumulation are f32; queries are taken in f32.
 `mla_decode` has mla_decode_ref's signature (one query per sequence, lengths [B]).

@@ -22,7 +22,7 @@ enum MlaCacheKind : int {
   MLA_F32 = 0,
   MLA_F16 = 1,
   MLA_BF16 = 2,
-  MLA_Q8_0_F16D = 3,  // data int8 [B, S, nb, 32] + scales f16 [B, S, nb] (ikjax/cache.py)
+  MLA_Q8_0_F16D = 3,  // data int8 [B, S, nb, 32] + scales f16 [B, S, nb] (ikjax/model/cache.py)
   MLA_Q8_0_F32D = 4,  // same with f32 scales
 };
 

@@ -7,7 +7,7 @@ every split busy at short context too (cutting the capacity left 2 of 8 programs
 N_KV 1000 in a 4608-row cache: 30 us a layer, most of a decode step's attention time),
 keeping the online-softmax state (m, l, acc [bh, 512]) in registers. K is the whole 576-wide entry
 (scores = q_c·c + q_pe·k_pe, two tl.dot), V is its first 512 values: each cache block is loaded
-once and used for both products. A q8_0 cache (32 int8 + one f16 scale per block, ikjax/cache.py)
+once and used for both products. A q8_0 cache (32 int8 + one f16 scale per block, ikjax/model/cache.py)
 is dequantized in registers. Splits are merged by a small log-sum-exp combine in XLA.
 """
 from __future__ import annotations

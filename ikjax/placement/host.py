@@ -14,7 +14,7 @@ A `HostQuantArray` holds a routed-expert tensor's GGUF blocks in host memory, in
 
 Identity is the static key: two engines' tensors never share a compiled step, and the object
 (hence its memory) lives as long as the weight tree holding it. Where an op on it runs is
-`ikjax.placement.runs_on` (ik's rule), with the threshold `min_batch` (`min_offload_batch`).
+`ikjax.placement.rules.runs_on` (ik's rule), with the threshold `min_batch` (`min_offload_batch`).
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import os
 import jax
 import numpy as np
 
+from ikjax import env
 from ikjax.errors import OptionError
-from ikjax.options import env_choice
-from ikjax.placement import MIN_OFFLOAD_BATCH, TensorPlacement, runs_on
+from ikjax.placement.rules import MIN_OFFLOAD_BATCH, TensorPlacement, runs_on
 
 # IKJAX_HOST_EXPERTS: "pinned" (default: streamable, one copy shared by both paths) or "mmap"
 # (the file's pages, host path for every batch). IKJAX_MIN_OFFLOAD_BATCH: ik's 32 (see runs_on).
@@ -35,20 +35,11 @@ HOST_FORMS = ("pinned", "mmap")
 
 
 def host_form() -> str:
-    return env_choice("IKJAX_HOST_EXPERTS", HOST_FORMS, "pinned")
+    return env.choice("IKJAX_HOST_EXPERTS")
 
 
 def min_offload_batch(default: int = MIN_OFFLOAD_BATCH) -> int:
-    raw = os.environ.get("IKJAX_MIN_OFFLOAD_BATCH")
-    if raw is None:
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise OptionError(f"IKJAX_MIN_OFFLOAD_BATCH must be a positive integer, got {raw!r}")
-    return v
+    return env.positive_int("IKJAX_MIN_OFFLOAD_BATCH") if env.raw("IKJAX_MIN_OFFLOAD_BATCH") is not None else default
 
 
 class HostQuantArray:
@@ -98,7 +89,7 @@ class HostQuantArray:
         return self._addr
 
     def runs_on(self, n_tokens: int, n_expert: int, n_expert_used: int) -> str:
-        """"device" or "host" for an expert op over `n_tokens` tokens (`ikjax.placement.runs_on`)."""
+        """"device" or "host" for an expert op over `n_tokens` tokens (`ikjax.placement.rules.runs_on`)."""
         t = self.tensor or TensorPlacement("ffn_gate_exps.weight", "host", "CPU", None, None, self.nbytes, "")
         return runs_on([t], n_tokens, n_expert=n_expert, n_expert_used=n_expert_used, min_batch=self.min_batch)
 

@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from ikjax import env
 from ikjax.atomic_file import atomic_write
 from ikjax.errors import OptionError
 from ikjax.gguf_io import writer as gw
@@ -257,7 +258,7 @@ def _write_model(tmp: Path, cfg: dict, plans: list[TensorPlan], preset: str, qty
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(None, gw.ARCH)
     # 64-byte aligned tensors: XLA's CPU runtime aliases the file's pages instead of copying them
-    # (ikjax.weights.default_placer), so a CPU run holds each weight once, in the page cache
+    # (ikjax.model.weights.default_placer), so a CPU run holds each weight once, in the page cache
     writer.add_custom_alignment(64)
     name = PRESET_NAMES[preset] + (f" {cfg['num_hidden_layers']}L" if layers else "") + \
         (f" q_lora {cfg['q_lora_rank']}" if q_lora_rank is not None and cfg["q_lora_rank"] else "")
@@ -302,8 +303,7 @@ def _write_model(tmp: Path, cfg: dict, plans: list[TensorPlan], preset: str, qty
 
 
 def default_model_path() -> Path:
-    root = Path(os.environ.get("IKJAX_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ikjax"))
-    return root / "tiny-Q8_0.gguf"
+    return env.cache_home() / "tiny-Q8_0.gguf"
 
 
 def ensure_default_model(progress: Callable[[str, int, int], None] | None = None) -> Path:

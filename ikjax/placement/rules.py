@@ -5,7 +5,7 @@ One function, `plan_placement`, reads the `-ot` rules (first match wins; `--cpu-
 present, and returns a `Placement`: for every tensor of the file its memory ("device" or "host"),
 the device that holds it, its layer and its logical axes. The memory plan sums bytes per place
 from it, the loader puts each tensor where it says, and the multi-device work maps the logical
-axes onto a `jax.sharding.Mesh` (the jax-llm-examples `ShardingRules` pattern: the model names
+axes onto a `jax.splits.Mesh` (the jax-llm-examples `ShardingRules` pattern: the model names
 what each dimension *is*; a separate table says which mesh axis, if any, splits it).
 
 The Placement is kept next to the weight tree (`Engine.placement`), not inside it: it is static
@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Sequence
 
-from ikjax import sharding
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
+from ikjax.gguf_io.tensors import is_routed_expert, layer_of, logical_axes
 from ikjax.options import RunOptions
+from ikjax.placement import splits
 
 DEVICE, HOST = "device", "host"
 HOST_DEVICE = "CPU"  # the label of host memory's processor
@@ -53,69 +54,6 @@ HOST_DEVICE = "CPU"  # the label of host memory's processor
 # ik_llama.cpp (ggml-cuda offload_op): a matmul on host-resident weights is worth moving to the GPU
 # from 32 tokens; routed experts only when each expert sees that many tokens on average.
 MIN_OFFLOAD_BATCH = 32
-
-_LAYER = re.compile(r"^blk\.(\d+)\.")
-
-# Logical axes of each tensor's NumPy shape (GGUF dims reversed), by the name after `blk.N.`.
-# "heads" marks a dimension whose outer factor is the head (q_b rows = heads x qk_dim): splitting it
-# splits whole heads. None = a dimension nobody should split.
-_AXES: dict[str, tuple[str | None, ...]] = {
-    "token_embd.weight": ("vocab", "embed"),
-    "output.weight": ("vocab", "embed"),
-    "output_norm.weight": ("embed",),
-    "attn_norm.weight": ("embed",),
-    "ffn_norm.weight": ("embed",),
-    "attn_q.weight": ("heads", "embed"),
-    "attn_q_a.weight": ("q_lora", "embed"),
-    "attn_q_a_norm.weight": ("q_lora",),
-    "attn_q_b.weight": ("heads", "q_lora"),
-    "attn_kv_a_mqa.weight": ("kv_lora", "embed"),  # rows: kv_lora_rank + the shared rope key
-    "attn_kv_a_norm.weight": ("kv_lora",),
-    "attn_kv_b.weight": ("heads", "kv_lora"),
-    "attn_output.weight": ("embed", "heads"),
-    "ffn_gate_inp.weight": ("expert", "embed"),
-    "exp_probs_b.bias": ("expert",),
-    "ffn_gate_exps.weight": ("expert", "ffn", "embed"),
-    "ffn_up_exps.weight": ("expert", "ffn", "embed"),
-    "ffn_down_exps.weight": ("expert", "embed", "ffn"),
-    "ffn_gate_shexp.weight": ("ffn", "embed"),
-    "ffn_up_shexp.weight": ("ffn", "embed"),
-    "ffn_down_shexp.weight": ("embed", "ffn"),
-    "ffn_gate.weight": ("ffn", "embed"),
-    "ffn_up.weight": ("ffn", "embed"),
-    "ffn_down.weight": ("embed", "ffn"),
-}
-# attn_k_b / attn_v_b come 3-D ([H, r, nope] / [H, v, r]) or, from ik's converter, 2-D per-head rows
-_AXES_BY_RANK = {
-    ("attn_k_b.weight", 3): ("heads", "kv_lora", "head_dim"),
-    ("attn_k_b.weight", 2): ("heads", "head_dim"),
-    ("attn_v_b.weight", 3): ("heads", "head_dim", "kv_lora"),
-    ("attn_v_b.weight", 2): ("heads", "kv_lora"),
-}
-ROUTED_EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
-
-
-def logical_axes(name: str, rank: int | None) -> tuple[str | None, ...] | None:
-    """The logical axes of a tensor's NumPy shape; a tuple of None (nothing to split) for a tensor
-    the graph does not read (e.g. the MTP block); None where the rank is not known (a plan made
-    from names and sizes only, as `ikjax info` does)."""
-    m = _LAYER.match(name)
-    key = name[m.end():] if m else name
-    axes = _AXES_BY_RANK.get((key, rank)) or _AXES.get(key)
-    if rank is None:
-        return axes
-    if axes is None or len(axes) != rank:
-        return (None,) * rank
-    return axes
-
-
-def layer_of(name: str) -> int | None:
-    m = _LAYER.match(name)
-    return int(m.group(1)) if m else None
-
-
-def is_routed_expert(name: str) -> bool:
-    return name.endswith(ROUTED_EXPERT_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -309,12 +247,12 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
         mode = "none"
     mesh: tuple[int, ...] = ()
     if mode == "layer":
-        layer_dev, out_dev = sharding.layer_split(cfg.n_layer, sharding.shares_for(options.tensor_split, n_dev),
+        layer_dev, out_dev = splits.layer_split(cfg.n_layer, splits.shares_for(options.tensor_split, n_dev),
                                                   options.ngl)
         split.update(layer_device=layer_dev, embed_device=layer_dev[0] if layer_dev else out_dev,
                      output_device=out_dev, main_device=layer_dev[0] if layer_dev else out_dev)
     elif mode == "graph":
-        mesh = sharding.graph_devices(options.tensor_split, n_dev)
+        mesh = splits.graph_devices(options.tensor_split, n_dev)
         split.update(main_device=mesh[0])
     elif options.tensor_split and n_dev > 1:
         notes.append("-ts has no effect with -sm none: the model runs on one device (-mg)")
@@ -360,13 +298,13 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
                 dev = labels[split["embed_device"] if name.startswith("token_embd.") else split["output_device"]]
         elif mode == "graph":
             spread = tuple(labels[i] for i in mesh)
-            split_dim = sharding.graph_split_dim(axes, shape, getattr(t, "qtype", None), len(mesh), cfg.n_head)
+            split_dim = splits.graph_split_dim(axes, shape, getattr(t, "qtype", None), len(mesh), cfg.n_head)
             if mem == DEVICE:
                 dev = spread[0]
             elif not unified:  # one copy in host RAM, read by every device's host call
                 split_dim = None
         out.append(TensorPlacement(name, mem, dev, layer, axes, int(nbytes), why, spread, split_dim))
     if mode == "graph":
-        out = sharding.consistent_splits(out)
+        out = splits.consistent_splits(out)
     return Placement(tuple(out), labels, unified, cfg.n_expert, cfg.n_expert_used, notes=tuple(notes),
                      split_mode=mode, **split)

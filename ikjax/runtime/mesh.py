@@ -6,7 +6,7 @@ would gather every weight to every device around them (or the step would have to
 path, 60x slower on GPUs, RESULTS §10). Here the split is explicit, as in jax-llm-examples'
 deepseek_r1_jax: attention by heads (q/q_b/kv_b/k_b/v_b rows, attn_output columns), dense and
 shared FFNs by their hidden rows (gate/up rows, down columns), routed experts by expert, the
-embedding and output head by vocabulary rows (`ikjax.sharding.consistent_splits` decides per layer
+embedding and output head by vocabulary rows (`ikjax.placement.splits.consistent_splits` decides per layer
 and group; a group that cannot split runs whole on every device). Each device computes a partial
 sum; one `psum` per split group completes it (two per layer at most), the output head's logits
 are gathered. The router is whole everywhere, so every device picks the same experts and computes
@@ -15,7 +15,7 @@ a whole copy and writes the same rows; with -mla 0 the per-head K/V cache is spl
 
 Weights: each device's part is cut from the file's bytes (only this process's devices' parts are
 read, so under jax.distributed each host reads its share), then stacked and repacked for the
-kernels on that device exactly as one device would (`ikjax.weights.TensorLoader`), and every leaf
+kernels on that device exactly as one device would (`ikjax.model.weights.TensorLoader`), and every leaf
 becomes one array `[n_devices, *part]` split on its first axis (whole copies for what is not
 split): inside the step each device sees its own part, whatever its layout.
 
@@ -35,10 +35,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ikjax import kernels
+from ikjax import ops
 from ikjax.errors import OptionError
-from ikjax.placement import is_routed_expert, layer_of
-from ikjax.sharding import BYTES_READ, MESH_AXIS, split_group
+from ikjax.gguf_io.tensors import is_routed_expert, layer_of, split_group, validate
+from ikjax.model.deepseek2 import forward
+from ikjax.model.weights import TensorLoader
+from ikjax.placement.devices import BYTES_READ
+from ikjax.placement.splits import MESH_AXIS
 
 
 @dataclass(frozen=True)
@@ -128,23 +131,21 @@ def _stack(trees: list, positions: list[int], mesh) -> Any:
 def load(gf, cfg, placement, mesh) -> dict:
     """The weight tree of a -sm graph step (module docstring), one layer at a time so a device
     holds at most one layer twice while it is stacked."""
-    from ikjax.weights import TensorLoader, validate
     host = [t for t in placement.tensors if t.on_host]
     if host and not placement.unified:
-        from pallas_kernels.moe_matmul import host as host_moe
         for t in host:
             if not is_routed_expert(t.name):
                 raise OptionError(f"ot: {t.name} is placed in host memory ({t.rule}); next to accelerators only "
                                   f"routed experts (ffn_*_exps) can stay in host memory")
-        if not host_moe.available():
-            raise OptionError(f"ot: {host[0].name} is placed in host memory ({host[0].rule}), but "
-                              f"{host_moe.unavailable_reason()}")
-    validate(gf, cfg)
+        why = ops.host_experts_unavailable()
+        if why:
+            raise OptionError(f"ot: {host[0].name} is placed in host memory ({host[0].rule}), but {why}")
+    validate(gf.tensors, cfg, gf.path)
     devices = list(mesh.devices.flat)
     n = len(devices)
     me = jax.process_index()
     mine = [k for k, d in enumerate(devices) if d.process_index == me]
-    repack = kernels.needs_repack()
+    repack = ops.needs_repack()
     shared: dict = {}  # host-resident experts: one HostQuantArray (memory-map bytes) for every device
     loaders = [TensorLoader(gf, cfg, _part_placer(placement, k, n, devices[k]), placement, repack, shared)
                for k in mine]
@@ -190,7 +191,6 @@ def cache_shardings(layout, tp: TensorSplit) -> dict:
 
 
 def _step(weights, cache, tokens, start, last, *, cfg, plan, layout):
-    from ikjax.model.deepseek2 import forward
     tp = plan.tp
     specs = cache_specs(layout, tp)
 

@@ -7,7 +7,7 @@ of cache read (S x row bytes / time) against this machine's measured read bandwi
 CPU it is compute-bound well before memory-bound. `--prompt` adds 512-token causal prompt steps.
 Times are the best of the repetitions (this machine is shared; the best is the least disturbed).
 
-    python pallas_kernels/mla_decode/bench_cpu.py [--threads N] [--quick] [--prompt] [--no-xla]
+    python bench/cpu_mla_decode.py [--threads N] [--quick] [--prompt] [--no-xla]
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ikjax  # noqa: F401  (first: pallas_kernels.quant_matmul imports ikjax, which imports it back)
 from pallas_kernels import cpu as _cpu
 from pallas_kernels.mla_decode import cpu as mla_cpu
 from pallas_kernels.mla_decode.reference import latent_values, mla_decode_ref
@@ -52,7 +51,7 @@ def timeit(fn, *args, reps: int):
 
 
 def quantize_q8_0(x: np.ndarray) -> dict:
-    """ggml's q8_0 as ikjax/cache.py stores it: {"q": int8 [.., nb, 32], "d": f16 [.., nb]}."""
+    """ggml's q8_0 as ikjax/model/cache.py stores it: {"q": int8 [.., nb, 32], "d": f16 [.., nb]}."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     d = np.abs(blocks).max(-1) / 127.0
     q = np.round(blocks / np.where(d > 0, d, 1.0)[..., None]).astype(np.int8)

@@ -18,7 +18,7 @@ Where: `$IKJAX_COMPILE_CACHE` (a directory; `0` or `off` turns the cache off), e
 A user who set JAX's own `jax_compilation_cache_dir` and no `IKJAX_COMPILE_CACHE` keeps it as is.
 
 When: JAX decides whether a process uses a persistent cache at its first compile and does not look
-again, so `setup()` runs before ikjax compiles (ikjax.load, Engine._executable, the CLI) and, when
+again, so `setup()` runs before ikjax compiles (ikjax.load, executables.Executables.get, the CLI) and, when
 it changes the configuration, resets JAX's cache state (JAX's `reset_cache`) so that the next
 compile sees it. Every compile is cached (no minimum compile time or size): a CPU step of a small
 model compiles in well under a second, and those are what short runs repeat.
@@ -32,7 +32,7 @@ XLA_FLAGS, the devices, and the step's own key (weight tree with shapes, dtypes 
 the model config, the step plan). A later run loads it by that key before tracing anything;
 anything unreadable there is ignored (the step then comes from JAX's cache), never an error.
 Only executables compiled in this process are stored (one JAX loaded from its own cache does not
-serialize again whole on XLA:CPU), and on a CPU only with IKJAX_STORE_STEPS=1 (Engine).
+serialize again whole on XLA:CPU), and on a CPU only with IKJAX_STORE_STEPS=1 (ikjax.runtime.executables).
 
 Counting: JAX records '/jax/compilation_cache/cache_hits' for an executable loaded from disk and
 '/jax/compilation_cache/cache_misses' for one compiled and written (names as in jax 0.10.2's
@@ -50,7 +50,9 @@ from pathlib import Path
 
 import jax
 
+from ikjax import env
 from ikjax.errors import OptionError
+from ikjax.version import __version__
 
 log = logging.getLogger("ikjax")
 
@@ -65,22 +67,20 @@ _configured: tuple[str | None, Path | None] | None = None  # (the spec set up, t
 
 
 def default_root() -> Path:
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "ikjax" / "xla"
+    return env.xdg_cache_home() / "ikjax" / "xla"
 
 
 def build_tag() -> str:
     """The subdirectory for this build on this CPU: ikjax's version and a hash of what JAX's key
     does not see (the native kernel libraries' bytes, the CPU's model and feature flags)."""
-    import ikjax
-    h = hashlib.sha256(ikjax.__version__.encode())
+    h = hashlib.sha256(__version__.encode())
     spec = importlib.util.find_spec("pallas_kernels")
     for d in sorted(spec.submodule_search_locations or []) if spec else []:
         for lib in sorted(Path(d).glob("_*.so")) + sorted(Path(d).glob("_*.pyd")):
             h.update(lib.name.encode())
             h.update(lib.read_bytes())
     h.update(_cpu_signature().encode())
-    return f"ikjax-{ikjax.__version__}-{h.hexdigest()[:16]}"
+    return f"ikjax-{__version__}-{h.hexdigest()[:16]}"
 
 
 def _cpu_signature() -> str:
@@ -96,7 +96,7 @@ def resolve(spec: str | None = None) -> Path | None:
     """The cache directory for `spec` (the CLI option), else $IKJAX_COMPILE_CACHE, else the
     default; None when the value is 0/off. The build subdirectory is not included."""
     what = "--compile-cache" if spec is not None else ENV
-    value = spec if spec is not None else os.environ.get(ENV) or None
+    value = spec if spec is not None else env.raw(ENV) or None
     if value is None:
         return default_root()
     if value.strip().lower() in OFF:
@@ -117,7 +117,7 @@ def setup(spec: str | None = None) -> Path | None:
         return _configured[1]
     _listen()
     theirs = getattr(jax.config, "jax_compilation_cache_dir", None)
-    if spec is None and not os.environ.get(ENV) and theirs:  # the user configured JAX's cache: it stays
+    if spec is None and not env.raw(ENV) and theirs:  # the user configured JAX's cache: it stays
         d = Path(theirs)
         log.info("compilation cache: JAX's own, %s (jax_compilation_cache_dir)", d)
         _configured = (spec, d)
@@ -136,7 +136,7 @@ def setup(spec: str | None = None) -> Path | None:
         if not os.access(d, os.W_OK):
             raise PermissionError("not writable")
     except OSError as e:
-        what = "--compile-cache" if spec is not None else (ENV if os.environ.get(ENV) else "the compilation cache")
+        what = "--compile-cache" if spec is not None else (ENV if env.raw(ENV) else "the compilation cache")
         raise OptionError(f"{what}: cannot use {d} ({e.strerror or e}); give another directory "
                           f"({ENV}=DIR) or turn it off ({ENV}=0)") from None
     jax.config.update("jax_enable_compilation_cache", True)

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import Iterable
 
 import jax
+import numpy as np
 
-from ikjax.cache import CacheLayout
+from ikjax.model.cache import CacheLayout
+from ikjax import ops
 from ikjax.errors import DoesNotFitError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.options import RunOptions
-from ikjax.placement import Placement, is_routed_expert, plan_placement
+from ikjax.gguf_io.tensors import is_routed_expert
+from ikjax.placement.rules import Placement, plan_placement
 
 MIB = 1 << 20
 
@@ -179,6 +183,37 @@ def mapped_rss(paths: Iterable[str]) -> int:
     return total
 
 
+@functools.cache
+def runtime_ready() -> None:
+    """Run one trivial computation, once per process, before the memory plan measures the runtime:
+    XLA sets up its execution machinery (thread pools, ~50 MiB on CPU) at the first run, which
+    belongs to the runtime part of the plan, not to whichever step happens to run first."""
+    jax.jit(lambda x: x + 1)(np.int32(0)).block_until_ready()
+
+
+def charge_load(plan: MemoryPlan, before: tuple[int, int], after: tuple[int, int], mapped: int) -> MemoryPlan:
+    """The plan with what a load added besides the mapped file's pages (`mapped`, counted in full
+    as weights_bytes): stacked matrices, f32 norms, repacked layouts, the modules and helpers it
+    brought in. `before` / `after`: `process_memory()` around the load."""
+    return dataclasses.replace(plan, load_copy_bytes=max(0, sum(after) - mapped - sum(before)))
+
+
+def charge_compile(plan: MemoryPlan, before: tuple[int, int], after: tuple[int, int], exe, what: str) -> MemoryPlan:
+    """The plan charged with a new compiled step: what the process grew by while compiling
+    (`process_memory()` around it; compiling reads no weight pages, so all of it is compiler
+    state), and XLA's buffers of the step (temp + outputs - aliased, from
+    `exe.memory_analysis()`) as the compute part where it is the largest so far. A backend
+    without the analysis leaves the attention-buffer formula standing."""
+    plan = dataclasses.replace(plan, compile_bytes=plan.compile_bytes + max(0, sum(after) - sum(before)))
+    try:
+        ma = exe.memory_analysis()
+    except Exception:  # a backend without the analysis: the attention-buffer formula stands
+        ma = None
+    if ma is not None:
+        plan = plan.with_compute(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes, what)
+    return plan
+
+
 def _read_int(path: str) -> int | None:
     try:
         with open(path) as f:
@@ -244,7 +279,6 @@ def stream_buffer(placement: Placement, ubatch: int) -> int:
     routed experts during a prompt step that streams them (ik's rule: ubatch x n_expert_used >= min_offload_batch x n_expert; ikjax.kernels
     `_moe_stream`): IKJAX_STREAM=active holds one round (IKJAX_STREAM_MIB of raw blocks, at most a
     layer) as stored plus in the kernels' layout; =layer two layers' tensors, both forms."""
-    from ikjax import kernels
     if placement.unified:
         return 0
     # any other host-placed tensor is moved to the device by every step that reads it
@@ -263,15 +297,15 @@ def stream_buffer(placement: Placement, ubatch: int) -> int:
     if not per_layer:
         return transient
     layer = max(per_layer.values())
-    if kernels._stream_mode() == "layer":
+    if ops.stream_mode() == "layer":
         return transient + 2 * 2 * layer
     per_expert = layer // placement.n_expert
-    return transient + 2 * kernels.stream_slots_for(per_expert, placement.n_expert) * per_expert
+    return transient + 2 * ops.stream_slots_for(per_expert, placement.n_expert) * per_expert
 
 
 def kv_per_device(placement: Placement, layout: CacheLayout) -> tuple[tuple[str, int], ...]:
     """KV cache bytes on each device: -sm layer splits it with the layers, -sm graph keeps a whole
-    copy on every device of the mesh (ikjax.sharding), otherwise the main device holds it."""
+    copy on every device of the mesh (ikjax.runtime.mesh), otherwise the main device holds it."""
     per_layer = layout.total_bytes() // max(layout.n_layer, 1)
     out = {d: 0 for d in placement.devices}
     if placement.split_mode == "layer":

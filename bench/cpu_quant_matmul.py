@@ -1,6 +1,6 @@
 """Micro-benchmark of the C++ CPU quantized matmul against XLA's dequantize-then-dot and the floor.
 
-    python pallas_kernels/quant_matmul/bench_cpu.py [--types Q8_0,Q4_0] [--threads 2] [--reps 5]
+    python bench/cpu_quant_matmul.py [--types Q8_0,Q4_0] [--threads 2] [--reps 5]
 
 Shapes are DeepSeek-V2-Lite's: an expert's gate/up (2048 -> 1408) and down (1408 -> 2048), the
 attention output projection (2048 x 2048), the dense layer's gate/up (2048 -> 10944) and down, and
@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ikjax  # noqa: F401  (first: the quant_matmul package imports ikjax, which imports it back)
 from pallas_kernels import cpu as _cpu
 from pallas_kernels.cpu.bench_util import fma_peak, read_bandwidth
 from pallas_kernels.quant_matmul import cpu

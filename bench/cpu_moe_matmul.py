@@ -1,6 +1,6 @@
 """Micro-benchmark of the C++ CPU fused MoE experts against XLA's jnp reference and the floors.
 
-    python pallas_kernels/moe_matmul/bench_cpu.py [--types Q8_0,Q4_0] [--threads 0] [--compute f32,bf16]
+    python bench/cpu_moe_matmul.py [--types Q8_0,Q4_0] [--threads 0] [--compute f32,bf16]
 
 One DeepSeek-V2-Lite MoE layer (E=64 experts, k=6 used, d=2048, F=1408): decode (N=1, the gather
 reference moe_experts_ref) and a prompt micro-batch (N=512, the grouped reference
@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ikjax  # noqa: F401  (first: pallas_kernels.moe_matmul's package init imports ikjax)
 from pallas_kernels import cpu as _cpu
 from pallas_kernels.cpu.bench_util import fma_peak, read_bandwidth
 from pallas_kernels.moe_matmul import cpu as moe_cpu

@@ -8,7 +8,7 @@ shared library and times `dequant_row_kquants` over many rows:
   - "dram":  rows totalling --mib MiB, each read once per pass: bound by memory bandwidth.
 Plus the machine's read bandwidth (a numpy sum over the same bytes) as the floor to compare with.
 
-    python pallas_kernels/quant_matmul/bench_dequant.py [--types Q4_K,IQ4_K] [--mib 512]
+    python bench/cpu_dequant.py [--types Q4_K,IQ4_K] [--mib 512]
 """
 from __future__ import annotations
 
@@ -107,7 +107,6 @@ def main() -> None:
     ap.add_argument("--K", type=int, default=2048)
     ap.add_argument("--mib", type=int, default=256, help="bytes of weights for the DRAM-bound pass")
     args = ap.parse_args()
-    import ikjax  # noqa: F401
     from ikjax.quant import by_name
 
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core

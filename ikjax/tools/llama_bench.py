@@ -259,14 +259,15 @@ def run_bench(models: list[str], params: dict[str, Any], tests: list[Test], reps
               extra_options: dict[str, Any] | None = None, seed: int = 0) -> list[Result]:
     import jax
 
-    import ikjax
+    from ikjax.errors import IkjaxError
+    from ikjax.runtime.engine import load
     backend = jax.default_backend().upper()
     results = []
     ctx_needed = max((t.n_tokens for t in tests), default=1)
     for model in models:
         try:
             info = model_info(model)
-        except ikjax.IkjaxError as e:
+        except IkjaxError as e:
             r = Result(model, {}, None, error=str(e))
             results.append(r)
             on_result(r)
@@ -279,7 +280,7 @@ def run_bench(models: list[str], params: dict[str, Any], tests: list[Test], reps
             if on_status:
                 on_status(f"loading {os.path.basename(model)} " + " ".join(f"{COLUMN[k]}={v}" for k, v in combo.items()))
             try:
-                eng = ikjax.load(model, **opts)
+                eng = load(model, **opts)
             except Exception as e:  # noqa: BLE001 - a config that cannot load is a row, not the end
                 r = Result(model, combo, None, error=_one_line(e), model_info=info, fields=fields, backend=backend)
                 results.append(r)

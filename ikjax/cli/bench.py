@@ -1,0 +1,171 @@
+"""`ikjax bench`: llama-bench's tests (pp512, tg128, pp512+tg128, tg64@pp8192) over comma lists.
+
+It takes the shared run options, but the ones llama-bench sweeps are comma lists here (`-mla 2,3
+-ub 512,2048`), so bench declares its own variant of each — strings, with their own help and, as
+llama-bench spells them, a few different long names — in its signature; `takes_run_options` lets
+them replace the shared declarations. -c is accepted with a note: each test's context is sized to
+its tokens. The options it does not sweep are checked once and passed to every run unchanged.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ikjax.cli.common import app, backend, handle, log, resolve_model, setup_compile_cache, setup_logging, \
+    stderr_console
+from ikjax.cli.parser import ExactCommand
+from ikjax.cli.run_options import SWITCH_PARAMS, RunArgs, takes_run_options
+from ikjax.errors import OptionError
+from ikjax.options import RunOptions, switch_notes
+
+_D = RunOptions()
+
+BENCH_FIXED = ("threads_batch", "cpu_moe", "n_cpu_moe", "kv_block", "split_mode", "main_gpu", "ts")
+
+
+def _check_bench_options(params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """bench's ik switches and the run options it does not sweep, checked and noted once.
+    Returns (the fixed run options, the -fmoe list after -no-fmoe)."""
+    fixed = {k: params[k] for k in BENCH_FIXED if params.get(k) is not None}
+    RunOptions.from_kwargs(**fixed)
+    switches = {k: params[k] for k in SWITCH_PARAMS if k in params}
+    notes = switch_notes(switches, "bench", backend())
+    if params.get("ctx") is not None:
+        notes.append(f"-c {params['ctx']} has no effect in bench: each test's context is sized to its tokens "
+                     "(prompt + generated + depth), as llama-bench does")
+    for line in notes:
+        log("note: " + line)
+    fmoe = params.get("fmoe")
+    if params.get("no_fmoe") is not None and RunOptions.from_kwargs(fmoe=params["no_fmoe"]).fmoe:
+        fmoe = "0"
+    return fixed, fmoe
+
+
+def _note_combinations(params: dict[str, Any]) -> None:
+    """The notes of every swept combination (e.g. -ctv with mla 3), each once; a combination that
+    does not validate is left to its 'skipped' row."""
+    from ikjax.tools import llama_bench as lb
+    seen: set[str] = set()
+    for combo in lb.combinations(params):
+        try:
+            notes = RunOptions.from_kwargs(**{lb.SWEPT[k]: v for k, v in combo.items()}).notes()
+        except OptionError:
+            continue
+        for line in notes:
+            if line not in seen:
+                seen.add(line)
+                log("note: " + line)
+
+
+@app.command("bench", cls=ExactCommand)
+@handle
+@takes_run_options(after={"ubatch": "fa", "ser": "no_fmoe", "ngl": "n_cpu_moe", "dtype": "threads_batch",
+                          "seed": "wb"})
+def bench(
+    run: RunArgs,
+    # replaces the shared -m: several models
+    model: Annotated[Optional[list[str]], typer.Option("-m", "--model", help="GGUF file(s); repeat or comma list")] = None,
+    n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="prompt sizes, e.g. 512 or 128,512")] = "512",
+    n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="generation lengths, e.g. 128")] = "128",
+    pg: Annotated[Optional[list[str]], typer.Option("-pg", "--pg", help="PP,TG: PP prompt tokens then TG generated "
+                                                    "ones, timed together, printed ppPP+tgTG (may repeat)")] = None,
+    gp: Annotated[Optional[list[str]], typer.Option("-gp", "--gp", "--n-gen-prompt",
+                                                    help="PP,TG: TG tokens timed after an untimed PP-token prompt, "
+                                                    "printed tgTG@ppPP (may repeat)")] = None,
+    depth: Annotated[str, typer.Option("-d", "--n-depth", help="KV depth for the -p/-n tests, e.g. 0,4096")] = "0",
+    # replaces the shared -c: accepted, noted, unused
+    ctx: Annotated[Optional[str], typer.Option("-c", "--ctx-size", help="accepted with a note: bench sizes the "
+                                               "context to each test, as llama-bench does")] = None,
+    reps: Annotated[int, typer.Option("-r", "--repetitions", help="timed repetitions per test")] = 5,
+    output: Annotated[str, typer.Option("-o", "--output", help="md, json, jsonl or csv (llama-bench's keys)")] = "md",
+    # replace the shared options of the same names: comma lists, swept
+    mla: Annotated[str, typer.Option("-mla", "--mla", "--mla-attn", help="MLA mode(s), e.g. 2,3")] = str(_D.mla),
+    ubatch: Annotated[str, typer.Option("-ub", "--ubatch", "--ubatch-size", help="micro-batch(es)")] = str(_D.ubatch),
+    batch: Annotated[str, typer.Option("-b", "--batch", "--batch-size", help="batch size(s)")] = str(_D.batch),
+    ctk: Annotated[str, typer.Option("-ctk", "--ctk", "--cache-type-k", help="KV cache type(s)")] = _D.ctk,
+    ctv: Annotated[Optional[str], typer.Option("-ctv", "--ctv", "--cache-type-v", help="V cache type(s) (see "
+                                               "sweep-bench -ctv)")] = None,
+    amb: Annotated[str, typer.Option("-amb", "--amb", "--attn-max-batch", "--attention-max-batch",
+                                     help="MiB cap(s)")] = str(_D.amb),
+    ser: Annotated[Optional[str], typer.Option("-ser", "--ser", help="'Kmin,t'; several separated by ';'")] = None,
+    ot: Annotated[Optional[str], typer.Option("-ot", "--ot", "--override-tensor",
+                                              help="REGEX=DEV[,...]; several rule lists separated by ';'")] = None,
+    ngl: Annotated[str, typer.Option("-ngl", "--ngl", "--n-gpu-layers", help="GPU layers")] = str(_D.ngl),
+    threads: Annotated[str, typer.Option("-t", "--threads", help="thread count(s)")] = str(_D.threads),
+    dtype: Annotated[str, typer.Option("--dtype", help="compute dtype(s)")] = _D.dtype,
+    seed: Annotated[int, typer.Option("-s", "--seed")] = 0,
+) -> None:
+    """llama-bench: pp512 / tg128 / pp512+tg128 / tg64@pp8192 tests over the Cartesian product of comma lists.
+
+    Example: ikjax bench -m m.gguf -p 512 -n 128 -pg 512,128 -gp 8192,64 -mla 2,3 -ub 512,2048 -r 3 -o md
+
+    Each result is mean ± sd of tokens/s over -r runs (after an untimed warm-up that compiles). -pg P,T times P prompt tokens and T generated ones together (t/s = (P+T)/time); -gp P,T times only the T generated tokens after P untimed prompt tokens. A combination that fails to load or run is printed as a 'skipped: reason' row; the rest goes on.
+    """
+    from ikjax.tools import llama_bench as lb
+    setup_logging(run.verbose)
+    if output not in ("md", "json", "jsonl", "csv"):
+        raise OptionError(f"output: {output!r} is not md, json, jsonl or csv")
+    if reps < 1:
+        raise OptionError(f"repetitions: need >= 1, got {reps}")
+    fixed, fmoe = _check_bench_options(run)
+    models = []
+    for m in model or [None]:
+        for part in (m.split(",") if m else [None]):
+            models.append(resolve_model(part))
+
+    def pairs(values: Optional[list[str]], flag: str) -> list[tuple[int, int]]:
+        out = []
+        for g in values or []:
+            vals = lb.int_list(g, flag)
+            if len(vals) != 2 or min(vals) < 0:
+                raise OptionError(f"{flag}: expected PP,TG, got {g!r}")
+            out.append((vals[0], vals[1]))
+        return out
+    tests = lb.make_tests(lb.int_list(n_prompt, "p"), lb.int_list(n_gen, "n"), pairs(gp, "gp"),
+                          lb.int_list(depth, "d") or [0], pairs(pg, "pg"))
+    if not tests:
+        raise OptionError("no tests: give -p, -n, -pg or -gp")
+    params = dict(mla=mla, fa=run.fa, ubatch=ubatch, batch=batch, ctk=ctk, ctv=ctv, amb=amb, fmoe=fmoe, ser=ser, ot=ot,
+                  ngl=ngl, threads=threads, dtype=dtype)
+    _note_combinations(params)
+    shown = ["ngl", "threads", "ubatch", "mla", "fa"]
+    defaults = dict(batch=str(_D.batch), ctk=_D.ctk, amb=str(_D.amb), fmoe=str(int(_D.fmoe)), dtype=_D.dtype)
+    for k in ("batch", "ctk", "ctv", "amb", "fmoe", "ser", "ot", "dtype"):
+        if params[k] not in (None, "") and params[k] != defaults.get(k):
+            shown.append(k)
+    for k, v in params.items():  # anything swept is shown
+        if k not in shown and v and len(lb.split_list(v, k)) > 1:
+            shown.append(k)
+    table = lb.MarkdownTable(shown, backend().upper())
+    console = stderr_console()
+    first = []
+
+    def emit(line: str) -> None:
+        status.stop()  # the spinner (stderr) never shares a line with a result (stdout)
+        typer.echo(line)
+        sys.stdout.flush()
+        status.start()
+
+    def on_result(r):
+        if output == "md":
+            if not first:
+                first.append(1)
+                for line in table.header():
+                    emit(line)
+            emit(table.row(r))
+        elif output == "jsonl":
+            emit(lb.to_jsonl(r))
+        if r.error:
+            console.print(f"skipped {os.path.basename(r.model)} {r.params}: {r.error}", markup=False, highlight=False)
+
+    setup_compile_cache(run.compile_cache_dir)
+    with console.status("bench") as status:
+        results = lb.run_bench(models, params, tests, reps, on_result, lambda s: status.update(s),
+                               extra_options=fixed, seed=seed)
+    if output == "json":
+        typer.echo(lb.to_json(results))
+    elif output == "csv":
+        typer.echo(lb.to_csv(results), nl=False)

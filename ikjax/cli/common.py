@@ -1,0 +1,205 @@
+"""What every `ikjax` subcommand shares: the typer app, error handling, logging, the model.
+
+The commands (one module each) register on `app` and wrap their bodies in `handle`, so an
+`IkjaxError` is one line on stderr and exit code 1 on every command alike. Stdout carries only a
+command's result (a table, JSONL, generated text); everything else — notes, progress, the memory
+plan, timings — goes to stderr through `log`, `Progress` and `stderr_console`. `resolve_model` and
+`load_engine` are the one way a command turns `-m` into a loaded engine.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import typer
+
+from ikjax import env
+from ikjax.cli.parser import Group
+from ikjax.errors import IkjaxError, OptionError
+from ikjax.options import RunOptions
+
+app = typer.Typer(
+    cls=Group, name="ikjax", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="JAX inference for DeepSeek GGUF models (deepseek2) with ik_llama.cpp's flags: "
+         "sweep-bench, llama-bench style runs, generation, file info, synthetic models.",
+    context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def err(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+
+
+def handle(func: Callable) -> Callable:
+    """Run a command body: IkjaxError -> one line on stderr, exit 1 (no traceback)."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            _join_processes(kwargs)
+            return func(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except IkjaxError as e:
+            err(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise typer.Exit(1)
+        except KeyboardInterrupt:
+            err("interrupted")
+            raise typer.Exit(130)
+        except Exception as e:  # noqa: BLE001
+            if env.is_set("IKJAX_DEBUG"):
+                raise
+            first = (str(e).splitlines() or [""])[0]
+            err(f"{type(e).__name__}: {first} (set IKJAX_DEBUG=1 for a traceback)")
+            raise typer.Exit(1)
+    return wrapper
+
+
+def _join_processes(params: dict[str, Any]) -> None:
+    """--coordinator/--num-processes/--process-id: join the other processes before any JAX backend
+    starts; every process but 0 then computes silently (its stdout goes nowhere). The collectives'
+    C++ libraries (gloo) print connection lines on file descriptor 1: it is pointed at stderr, and
+    Python's stdout keeps the real one, so stdout holds only the table."""
+    from ikjax.runtime import distributed
+    if not distributed.check_args(params.get("coordinator"), params.get("num_processes"), params.get("process_id")):
+        return
+    distributed.initialize(params["coordinator"], params["num_processes"], params["process_id"])
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real, "w") if distributed.is_primary() else open(os.devnull, "w")
+
+
+def stderr_console():
+    from rich.console import Console
+    return Console(stderr=True, highlight=False)
+
+
+def log(msg: str) -> None:
+    typer.echo(msg, err=True)
+
+
+def setup_logging(verbose: bool) -> None:
+    import logging
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+
+
+def backend() -> str:
+    import jax
+    return jax.default_backend()
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def resolve_model(spec: Optional[str]) -> str:
+    """A path, or the built-in default / a synthetic:PRESET[:TYPE[:LAYERS]] model (made once, cached)."""
+    from ikjax.tools import synthetic
+    if spec and not spec.startswith("synthetic:"):
+        return os.path.expanduser(spec)
+    parts = (spec or "synthetic:tiny").split(":")[1:]
+    preset = parts[0] if parts and parts[0] else "tiny"
+    qtype = (parts[1] if len(parts) > 1 and parts[1] else "Q8_0").upper()
+    layers = None
+    if len(parts) > 2 and parts[2]:
+        if not parts[2].isdigit():
+            raise OptionError(f"model: bad layer count {parts[2]!r} in {spec!r} (synthetic:PRESET[:TYPE[:LAYERS]])")
+        layers = int(parts[2])
+    if preset not in synthetic.PRESETS:
+        raise OptionError(f"model: unknown preset {preset!r} in {spec!r} (one of {', '.join(synthetic.PRESETS)})")
+    path = synthetic.default_model_path().with_name(f"{preset}-{qtype}{f'-{layers}L' if layers else ''}.gguf")
+    if not path.exists():
+        log(f"making synthetic model {preset} {qtype} -> {path} (first use)")
+        t0 = time.perf_counter()
+        synthetic.make_model(path, preset, qtype, layers=layers)
+        log(f"made in {time.perf_counter() - t0:.1f}s")
+    return str(path)
+
+
+def load_engine(model: Optional[str], verbose: bool = False, **opts: Any):
+    """Load `-m` (after `resolve_model`) with these run options; the memory plan goes to stderr."""
+    from ikjax.runtime.engine import load  # the runtime (and JAX's backend) only when a command runs
+    setup_logging(verbose)
+    # validate the options before (possibly) making the default model
+    RunOptions.from_kwargs(**opts)
+    path = resolve_model(model)
+    t0 = time.perf_counter()
+    eng = load(path, **opts)
+    log(f"loaded {path} in {time.perf_counter() - t0:.2f}s")
+    log("memory plan:")
+    for line in eng.memory_plan().lines():
+        log("  " + line)
+    return eng
+
+
+def setup_compile_cache(spec: Optional[str]) -> None:
+    """--compile-cache (or $IKJAX_COMPILE_CACHE): set before the first compile (ikjax.runtime.compile_cache)."""
+    from ikjax.runtime import compile_cache
+    compile_cache.setup(spec)
+
+
+def compiled_line(eng, count0: int, hits0: int, seconds: float) -> str:
+    """What compiling cost: steps compiled, steps loaded from the persistent cache, and where it is."""
+    from ikjax.runtime import compile_cache
+    n, hits = eng.compile_count - count0, eng.compile_cache_hits - hits0
+    if compile_cache.directory() is None:
+        return f"compiled {n} steps in {seconds:.2f}s (compilation cache off; not in the timings)"
+    return (f"compiled {n - hits} steps, {hits} from the cache in {seconds:.2f}s "
+            f"({compile_cache.describe()}; not in the timings)")
+
+
+class Progress:
+    """A rich progress bar on stderr that never shares a line with what goes to stdout.
+
+    On a terminal the bar is taken off the screen before each stdout line and drawn again after it;
+    `log` prints a line above the bar. When stderr is not a terminal no bar is drawn and `status`
+    lines are printed as plain lines, so a log file still shows what the run is doing."""
+
+    def __init__(self, title: str, total: int, *, eta: bool = False):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        self.console = stderr_console()
+        self.terminal = self.console.is_terminal
+        cols = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn()] + ([TimeRemainingColumn()] if eta else [])
+        self.prog = Progress(*cols, console=self.console, transient=True, redirect_stdout=False,
+                             redirect_stderr=False)
+        self.task = self.prog.add_task(title, total=total)
+
+    def __enter__(self) -> "Progress":
+        if self.terminal:  # a log file gets the status lines only (a stopped bar would leave blank lines)
+            self.prog.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.terminal:
+            self.prog.stop()
+
+    def update(self, **kw) -> None:
+        self.prog.update(self.task, **kw)
+
+    def status(self, text: str) -> None:
+        if self.terminal:
+            self.prog.update(self.task, description=text)
+        else:
+            self.log(text)
+
+    def log(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def echo(self, line: str) -> None:
+        """One line to stdout, never on the bar's line."""
+        live = self.prog.live.is_started
+        if live:
+            self.prog.stop()
+        sys.stdout.flush()
+        typer.echo(line)
+        sys.stdout.flush()
+        if live:
+            self.prog.start()

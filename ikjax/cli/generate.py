@@ -1,0 +1,112 @@
+"""`ikjax generate`: text from a prompt, streamed to stdout (like llama-cli -p ... -n ...).
+
+The shared run options plus the prompt and sampling flags. Every step the run will need is compiled
+before the timer starts (`_generate_shapes` mirrors how the engine chunks a prompt and the decode
+loop), so the speed line on stderr times the prompt and the generated tokens apart, compilation
+excluded.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from ikjax.cli.common import Progress, app, compiled_line, handle, load_engine, log, setup_compile_cache
+from ikjax.cli.parser import ExactCommand
+from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
+from ikjax.errors import OptionError
+
+
+@app.command("generate", cls=ExactCommand)
+@handle
+@takes_run_options(after={"prompt": "model", "no_echo": "wb"})
+def generate(
+    run: RunArgs,
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt text")] = "",
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 128,
+    temp: Annotated[float, typer.Option("--temp", "--temperature", help="temperature (0 = greedy)")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="top-k sampling (0 = off)")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")] = 0.05,
+    seed: Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")] = None,
+    no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
+) -> None:
+    """Generate text from a prompt, streamed to stdout (like llama-cli -p ... -n ...).
+
+    The steps the run needs are compiled first (progress on stderr); the speed line on stderr times
+    the prompt and the generated tokens apart, without compilation."""
+    from ikjax.tokenizer import GGUFTokenizer
+    if n_predict < 0:
+        raise OptionError(f"n-predict: need >= 0, got {n_predict}")
+    run_opts, _ = check_options(run, "generate")
+    setup_compile_cache(run.compile_cache_dir)
+    eng = load_engine(run.model, run.verbose, **run_opts)
+    count0, hits0 = eng.compile_count, eng.compile_cache_hits
+    tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
+    ids = tok.encode(prompt)
+    if not ids:
+        raise OptionError("prompt: empty (and the model has no BOS token)")
+    if len(ids) + n_predict > eng.options.ctx:
+        raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context c={eng.options.ctx}")
+    shapes = _generate_shapes(eng, len(ids), n_predict)
+    sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+    t0 = time.perf_counter()
+    with Progress("compiling", total=len(shapes)) as prog:
+        for k, (n_tok, kv, chunk) in enumerate(shapes, 1):
+            what = f"decode loop of {chunk} steps" if chunk else f"{n_tok} tokens"
+            prog.status(f"compiling step {k}/{len(shapes)} ({what}, KV bucket {eng.kv_bucket(kv, n_tok)})")
+            _precompile_shape(eng, n_tok, kv, chunk, sampling)
+            prog.update(advance=1)
+    log(compiled_line(eng, count0, hits0, time.perf_counter() - t0))
+    if not no_echo:
+        typer.echo(prompt, nl=False)
+    n = 0
+    t_first = None
+    t0 = time.perf_counter()
+
+    def counted():
+        nonlocal n, t_first
+        for t in eng.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed):
+            if t_first is None:
+                t_first = time.perf_counter()
+            n += 1
+            if t == tok.eos_id:
+                return
+            yield t
+
+    for piece in tok.stream(counted()):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    typer.echo("")
+    t_end = time.perf_counter()
+    if t_first is not None:
+        pp_s, tg_s = t_first - t0, t_end - t_first
+        log(f"prompt: {len(ids)} tokens in {pp_s:.3f}s ({len(ids) / pp_s:.2f} t/s, first token included); "
+            f"generated {n} tokens" + (f", {n - 1} after the first in {tg_s:.3f}s ({(n - 1) / tg_s:.2f} t/s)"
+                                       if n > 1 and tg_s > 0 else "") + " (compilation not included)")
+
+
+def _generate_shapes(eng, n_prompt: int, n_predict: int) -> list[tuple[int, int, int]]:
+    """(tokens, KV needed, decode-loop length or 0) of every step `eng.generate` runs for this
+    prompt: its ubatch chunks, then the decode loops of DECODE_CHUNK steps from the first generated
+    position (or, without the loop, one-token steps up to the last); the engine's prefill and
+    generation chunk the same way."""
+    from ikjax.runtime import generation
+    chunk_len = generation.DECODE_CHUNK
+    seen: dict[tuple, tuple[int, int, int]] = {}
+    ub = eng.options.ubatch
+    for c0 in range(0, n_prompt, ub):
+        t = eng.token_bucket(min(ub, n_prompt - c0))
+        seen.setdefault((t, eng.kv_bucket(c0 + t, t)), (t, c0 + t, 0))
+    loop = eng.decode_loop()
+    for pos in range(n_prompt, n_prompt + max(n_predict - 1, 0), chunk_len if loop else 1):
+        kv = pos + chunk_len if loop else pos + 1
+        seen.setdefault((1, eng.kv_bucket(kv, 1), loop), (1, kv, chunk_len if loop else 0))
+    return list(seen.values())
+
+
+def _precompile_shape(eng, n_tok: int, kv: int, chunk: int, sampling: dict) -> float:
+    """Compile one of `_generate_shapes`' steps ahead of its use."""
+    return eng.precompile_decode(1, chunk, kv, sampling) if chunk else eng.precompile(1, n_tok, kv)

@@ -1,0 +1,141 @@
+"""Every `IKJAX_*` environment variable, in one table, read in one place.
+
+Why one module: the knobs grew one per issue and were read in thirteen modules, each with its own
+parsing and its own idea of a bad value. Here each variable is declared once (default, the values it
+takes, what it does, who reads it), and the accessors below are the only Python code that touches
+`os.environ` for them. A value outside a variable's set is refused naming the variable
+(`OptionError`), never read as the default.
+
+Values are read when asked for, not cached at import: a test or a user may set a variable between
+two runs in one process (the CPU kernels' ISA cap is exercised that way), and each read is a dict
+lookup, far below anything a step costs. The C++ runtime reads its two (`IKJAX_CPU_ISA`,
+`IKJAX_SPIN`) itself, per call, so that a cap set in Python holds for kernels already registered;
+they are listed here so the table is complete. `markdown_table()` renders the README's table.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ikjax.errors import OptionError
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str            # "" = unset
+    choices: tuple[str, ...]  # the accepted values (lower case); () = free text, a number or a path
+    meaning: str
+    read_by: str            # the module (or C++ file) whose behaviour it changes
+
+
+_VARS = (
+    Variable("IKJAX_KERNELS", "auto", ("auto", "xla", "pallas", "cpu", "interpret", "jnp"),
+             "kernel implementation for every op (`jnp` = `xla`); auto: `pallas` on a GPU, `cpu` on a CPU",
+             "ikjax.ops.registry"),
+    Variable("IKJAX_DTYPE", "", ("f32", "bf16", "f16"),
+             "what `--dtype auto` means (default: bf16 where kernels run, f32 on the XLA path)",
+             "ikjax.ops.registry"),
+    Variable("IKJAX_TOPK", "rank", ("rank", "lax"),
+             "router top-k form: `rank` (compare-and-count, fast at decode) or `lax.top_k`", "ikjax.model.moe"),
+    Variable("IKJAX_STREAM", "active", ("active", "layer"),
+             "host experts of a big batch: stream only the routed experts (ik's -ooae) or the whole layer",
+             "ikjax.ops.moe"),
+    Variable("IKJAX_STREAM_ORDER", "prev", ("prev", "self", "free"),
+             "when a streamed layer's host-to-device copy may start (`IKJAX_STREAM=layer`)", "ikjax.ops.moe"),
+    Variable("IKJAX_STREAM_MIB", "512", (), "MiB of expert blocks per streaming round", "ikjax.ops.moe"),
+    Variable("IKJAX_HOST_EXPERTS", "pinned", ("pinned", "mmap"),
+             "host experts next to a GPU: a pinned copy, or the memory map's own pages", "ikjax.placement.host"),
+    Variable("IKJAX_MIN_OFFLOAD_BATCH", "32", (),
+             "ik's rule for host experts: batches of at least this x n_expert / n_expert_used tokens "
+             "stream them to the GPU", "ikjax.placement.host"),
+    Variable("IKJAX_WEIGHTS", "", ("copy",),
+             "`copy`: copy CPU weights out of the memory map instead of aliasing its pages", "ikjax.model.weights"),
+    Variable("IKJAX_DECODE_LOOP", "1", ("1", "0"),
+             "`0`: one dispatch per generated token instead of the on-device decode loop", "ikjax.runtime.engine"),
+    Variable("IKJAX_STORE_STEPS", "auto", ("auto", "1", "0"),
+             "store compiled steps as executables beside JAX's cache (auto: on accelerators only)",
+             "ikjax.runtime.executables"),
+    Variable("IKJAX_COMPILE_CACHE", "", (),
+             "directory of the persistent compilation cache (`0` turns it off; default ~/.cache/ikjax/xla)",
+             "ikjax.runtime.compile_cache"),
+    Variable("IKJAX_CACHE", "", (), "directory of the built-in and `synthetic:` models (default ~/.cache/ikjax)",
+             "ikjax.tools.synthetic"),
+    Variable("IKJAX_DEBUG", "", (), "any value: the CLI prints a traceback instead of the one-line error",
+             "ikjax.cli"),
+    Variable("IKJAX_CPU_ISA", "", ("generic", "avx2", "avx512"),
+             "cap the C++ kernels' instruction-set level (read by the C++ runtime per call)",
+             "pallas_kernels/cpu/runtime.cc"),
+    Variable("IKJAX_SPIN", "", (), "microseconds a C++ pool worker spins before sleeping (read once)",
+             "pallas_kernels/cpu/runtime.cc"),
+    Variable("IKJAX_FIXTURES", "", (), "directory of the real-converter GGUF fixtures (tests only)", "tests/"),
+)
+VARIABLES: dict[str, Variable] = {v.name: v for v in _VARS}
+
+
+def _var(name: str) -> Variable:
+    try:
+        return VARIABLES[name]
+    except KeyError:  # a programming error: every variable is declared above
+        raise KeyError(f"{name} is not declared in ikjax.env") from None
+
+
+def raw(name: str) -> str | None:
+    """The variable's value as set (None when unset)."""
+    _var(name)
+    return os.environ.get(name)
+
+
+def is_set(name: str) -> bool:
+    return bool(raw(name))
+
+
+def choice(name: str) -> str:
+    """A variable with a fixed set of values, case-insensitive; unset = its default."""
+    v = _var(name)
+    value = (os.environ.get(name) or v.default).lower()
+    if value not in v.choices and not (value == "" and v.default == ""):
+        raise OptionError(f"{name} must be one of {', '.join(v.choices)}, got {value!r}")
+    return value
+
+
+def _positive(name: str, cast, what: str):
+    value = os.environ.get(name) or _var(name).default
+    try:
+        x = cast(value)
+    except ValueError:
+        x = 0
+    if not x > 0:
+        raise OptionError(f"{name} must be a positive {what}, got {value!r}")
+    return x
+
+
+def positive_int(name: str) -> int:
+    return _positive(name, int, "integer")
+
+
+def positive_float(name: str) -> float:
+    """A positive number (of MiB, for IKJAX_STREAM_MIB)."""
+    return _positive(name, float, "number of MiB" if name.endswith("_MIB") else "number")
+
+
+def xdg_cache_home() -> Path:
+    """$XDG_CACHE_HOME, else ~/.cache (the freedesktop rule)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+def cache_home() -> Path:
+    """$IKJAX_CACHE, else $XDG_CACHE_HOME/ikjax, else ~/.cache/ikjax."""
+    set_ = raw("IKJAX_CACHE")
+    return Path(set_).expanduser() if set_ else xdg_cache_home() / "ikjax"
+
+
+def markdown_table() -> str:
+    """The README's table of every variable (a test keeps the README in step with it)."""
+    rows = ["| variable | values | default | what it does | read by |", "|---|---|---|---|---|"]
+    for v in _VARS:
+        values = " ".join(f"`{c}`" for c in v.choices) or "—"
+        rows.append(f"| `{v.name}` | {values} | {f'`{v.default}`' if v.default else 'unset'} | {v.meaning} | "
+                    f"`{v.read_by}` |")
+    return "\n".join(rows)

@@ -1,0 +1,260 @@
+"""Attention: the XLA reference (plain jnp, first) and the registry entries that pick an implementation.
+
+One reference function (`attend`) serves both MLA forms. Standard: q [B,T,H,192], k [B,S,H,192],
+v [B,S,H,128]. Absorbed: q [B,T,H,576], k = v = the latent cache [B,S,1,576] (v is its first 512
+values), one KV stream shared by all heads. `flash=False` materializes scores, in head chunks that
+keep the K·Q buffer under `amb_bytes` (ik's `-amb`); `flash=True` is the blocked online softmax: KV
+in blocks of `kv_block`, never an S × H × T buffer.
+
+Ops: `mla_decode_attention` (absorbed MLA decode on the latent cache: `xla` = pallas_kernels/
+mla_decode/reference.py, `pallas`, `cpu`), `mla_prompt_attention` (absorbed prompt, `cpu`),
+`attention` and `attention_kv` (decompressed K/V: `xla` = `attend` below, `cpu` = the C++ flash kernel).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ikjax.ops import registry
+from ikjax.ops.registry import precision_for
+from pallas_kernels import cpu as _cpu
+from pallas_kernels.mla_decode import cpu as _mla_cpu_mod
+from pallas_kernels.mla_decode import kernel as _mla
+from pallas_kernels.mla_decode.reference import mla_decode_ref
+
+# -- the XLA reference ------------------------------------------------------------------------------
+
+NEG_INF = float("-inf")
+
+
+def _scores(q, k, scale):
+    # q [B,T,Hq,D], k [B,S,Hk,D] with Hk in {1, Hq} -> [B,Hq,T,S] float32
+    if k.shape[2] == 1:
+        s = jnp.einsum("bthd,bsd->bhts", q, k[:, :, 0], precision=precision_for(q.dtype),
+                       preferred_element_type=jnp.float32)
+    else:
+        s = jnp.einsum("bthd,bshd->bhts", q, k, precision=precision_for(q.dtype),
+                       preferred_element_type=jnp.float32)
+    return s * scale
+
+
+def _weighted_values(p, v):
+    # p [B,Hq,T,S] float32, v [B,S,Hk,Dv] -> [B,T,Hq,Dv] float32
+    p = p.astype(v.dtype)
+    if v.shape[2] == 1:
+        return jnp.einsum("bhts,bsd->bthd", p, v[:, :, 0], precision=precision_for(v.dtype),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("bhts,bshd->bthd", p, v, precision=precision_for(v.dtype), preferred_element_type=jnp.float32)
+
+
+def _causal_mask(q_pos, n_kv):
+    # q_pos [B,T] -> [B,1,T,S]: key s is visible to a query at position p iff s <= p
+    return (jnp.arange(n_kv)[None, None, :] <= q_pos[:, :, None])[:, None]
+
+
+def attend_materialized(q, k, v, q_pos, scale, amb_bytes: int = 0):
+    """Softmax(q·k) v with the scores in memory; heads in chunks bounded by `amb_bytes` (0: no bound)."""
+    B, T, H, _ = q.shape
+    S = k.shape[1]
+    per_head = B * T * S * 4
+    chunk = H if amb_bytes <= 0 else max(1, min(H, amb_bytes // per_head))
+    mask = _causal_mask(q_pos, S)
+    outs = []
+    for h0 in range(0, H, chunk):
+        hs = slice(h0, min(H, h0 + chunk))
+        kh = k if k.shape[2] == 1 else k[:, :, hs]
+        vh = v if v.shape[2] == 1 else v[:, :, hs]
+        s = jnp.where(mask, _scores(q[:, :, hs], kh, scale), NEG_INF)
+        p = jax.nn.softmax(s, axis=-1)
+        outs.append(_weighted_values(p, vh))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+
+
+def attend_flash(q, k, v, q_pos, scale, kv_block: int):
+    """Online-softmax attention over KV blocks (FlashAttention's recurrence), float32 accumulators."""
+    B, T, H, _ = q.shape
+    S, Dv = k.shape[1], v.shape[-1]
+    blk = min(kv_block, S)
+    n_blocks = -(-S // blk)
+    pad = n_blocks * blk - S
+    if pad:
+        k = jnp.pad(k, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        v = jnp.pad(v, [(0, 0), (0, pad), (0, 0), (0, 0)])
+    kb = k.reshape(B, n_blocks, blk, *k.shape[2:]).swapaxes(0, 1)
+    vb = v.reshape(B, n_blocks, blk, *v.shape[2:]).swapaxes(0, 1)
+
+    def step(carry, xs):
+        m, l, acc = carry
+        kj, vj, j = xs
+        kv_pos = j * blk + jnp.arange(blk)
+        visible = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B,T,blk]
+        if pad:  # the rows padding S to whole blocks are never visible (a query past the end would count them)
+            visible = visible & (kv_pos < S)[None, None, :]
+        visible = visible[:, None]  # [B,1,T,blk]
+        s = jnp.where(visible, _scores(q, kj, scale), NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        l_new = l * corr + p.sum(axis=-1)
+        acc_new = acc * corr.transpose(0, 2, 1)[..., None] + _weighted_values(p, vj)
+        return (m_new, l_new, acc_new), None
+
+    init = (jnp.full((B, H, T), -1e30, jnp.float32), jnp.zeros((B, H, T), jnp.float32),
+            jnp.zeros((B, T, H, Dv), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, jnp.arange(n_blocks)))
+    return acc / l.transpose(0, 2, 1)[..., None]
+
+
+def split_heads_kv(kv, k_rope, nope: int):
+    """Standard attention's K and V from each head's k_nope | v, kv [B, S, H, nope + v], and the
+    rope part k_rope [B, S, R] every head shares: K = k_nope ++ k_rope as float32 [B, S, H, nope +
+    R], V = kv[..., nope:]. The -mla 0 cache entries and the XLA form of kernels.attention_kv."""
+    B, S, H, _ = kv.shape
+    R = k_rope.shape[-1]
+    k = jnp.concatenate([kv[..., :nope].astype(jnp.float32),
+                         jnp.broadcast_to(k_rope[:, :, None, :], (B, S, H, R)).astype(jnp.float32)], -1)
+    return k, kv[..., nope:]
+
+
+def attend(q, k, v, q_pos, scale, *, flash: bool, amb_bytes: int, kv_block: int):
+    if flash:
+        return attend_flash(q, k, v, q_pos, scale, kv_block)
+    return attend_materialized(q, k, v, q_pos, scale, amb_bytes)
+
+
+# -- MLA attention on the latent cache --------------------------------------------------------------
+
+def mla_decode_supported(n_head: int, n_kv: int, width: int, v_dim: int, backend: str | None = None) -> bool:
+    """Whether the decode kernel of the resolved backend takes this geometry and reads each sequence
+    only up to its own length (so decode steps can share one KV bucket)."""
+    b = registry.resolve_backend(backend)
+    if b == "cpu":  # the C++ kernel takes any geometry with v_dim <= width (it reads the cache as stored)
+        return _cpu.available() and 1 <= v_dim <= width
+    if b in ("pallas", "interpret"):
+        return _mla.supports(_heads_padded(n_head), n_kv, width, v_dim)
+    return False
+
+
+def _heads_padded(n_head: int) -> int:
+    """The Pallas decode kernel works on blocks of 16 heads (its dot tiles): fewer heads (a device's
+    share under -sm graph, e.g. 16 / 4) are padded with zero queries, which cost no cache reads
+    (the cache rows are read once per head block) and whose outputs are dropped."""
+    return -(-n_head // 16) * 16
+
+
+def _mla_xla(q, cache, lengths, scale, v_dim, dtype):
+    return mla_decode_ref(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype)
+
+
+def _mla_pallas_supported(q, cache, lengths, scale, v_dim, dtype) -> bool:
+    B, H, D = q.shape
+    S = (cache["q"] if isinstance(cache, dict) else cache).shape[1]
+    return _mla.supports(_heads_padded(H), S, D, v_dim)
+
+
+def _mla_pallas(interpret: bool):
+    def run(q, cache, lengths, scale, v_dim, dtype):
+        H = q.shape[1]
+        pad = _heads_padded(H) - H
+        if pad:
+            q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
+        out = _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=interpret)
+        return out[:, :H] if pad else out
+    return run
+
+
+def _mla_cpu_supported(q, cache, lengths, scale, v_dim, dtype) -> bool:
+    return _mla_cpu_mod.supported(q.shape, cache, v_dim)
+
+
+def _mla_cpu(q, cache, lengths, scale, v_dim, dtype):
+    return _mla_cpu_mod.mla_decode(q, cache, lengths, scale, v_dim=v_dim, n_threads=registry.threads())
+
+
+def mla_decode_attention(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16,
+                         backend: str | None = None):
+    """Absorbed-MLA decode: one query per sequence over latent cache entries 0..lengths[b]-1."""
+    impls = {
+        "xla": registry.Impl(lambda *a: True, _mla_xla),
+        "pallas": registry.Impl(_mla_pallas_supported, _mla_pallas(False)),
+        "interpret": registry.Impl(_mla_pallas_supported, _mla_pallas(True)),
+        "cpu": registry.Impl(_mla_cpu_supported, _mla_cpu),
+    }
+    return registry.dispatch("mla_decode", impls, registry.resolve_backend(backend), q, cache, lengths, scale, v_dim, dtype)
+
+
+def mla_prompt_supported(q_shape, cache, v_dim: int, backend: str | None = None) -> bool:
+    """Whether absorbed attention for prompt steps (T > 1) has a kernel on this backend (CPU only)."""
+    if registry.resolve_backend(backend) != "cpu":
+        return False
+    return _mla_cpu_mod.supported(q_shape, cache, v_dim)
+
+
+def mla_prompt_attention(q, cache, q_pos, scale, *, v_dim: int, backend: str | None = None):
+    """Absorbed MLA over the latent cache for T queries at positions q_pos [B, T] (causal by position);
+    only keys up to each query's position are read. q [B, T, H, D] -> [B, T, H, v_dim] float32."""
+    registry.ran("mla_prompt", "cpu")
+    return _mla_cpu_mod.mla_attention(q, cache, q_pos, scale, v_dim=v_dim, n_threads=registry.threads())
+
+
+
+# -- attention over decompressed keys and values ------------------------------------------------
+
+def _attend_xla(q, k, v, q_pos, scale, flash, amb_bytes, kv_block):
+    return attend(q, k, v, q_pos, scale, flash=flash, amb_bytes=amb_bytes, kv_block=kv_block)
+
+
+def _attend_cpu_supported(q, k, v, q_pos, scale, flash, amb_bytes, kv_block) -> bool:
+    # flash only: without -fa the user asked for materialized scores in -amb chunks (ik's
+    # non-FA path), which the XLA form is
+    return flash and _mla_cpu_mod.attention_supported(q.shape, k, v)
+
+
+def _attend_cpu(q, k, v, q_pos, scale, flash, amb_bytes, kv_block):
+    return _mla_cpu_mod.attention(q, k, v, q_pos, scale, n_threads=registry.threads())
+
+
+def attention(q, k, v, q_pos, scale, *, flash: bool, amb_bytes: int = 0, kv_block: int = 256,
+              backend: str | None = None):
+    """Causal attention over keys and values of their own: q [B, T, H, D], k [B, S, Hk, D], v [B, S,
+    Hk, Dv] (Hk = 1 or H), the query at position p seeing keys 0..p -> [B, T, H, Dv] float32. The
+    `-mla 0/2/3` prompt steps (decompressed K/V) and `-mla 0` decode. `xla`: attention.attend
+    (flash: the blocked online softmax; else scores in `-amb` chunks). `cpu` (flash only): the C++
+    flash kernel, which reads only the keys a query sees (XLA's scan reads every block of the
+    bucket and materializes each block's scores: 59-79 GFLOP/s at V2-Lite's prompt shape against
+    168-215 for the kernel, RESULTS §9h)."""
+    impls = {
+        "xla": registry.Impl(lambda *a: True, _attend_xla),
+        "cpu": registry.Impl(_attend_cpu_supported, _attend_cpu),
+    }
+    return registry.dispatch("attention", impls, registry.resolve_backend(backend), q, k, v, q_pos, scale, flash, amb_bytes,
+                     kv_block)
+
+
+
+def _attend_kv_xla(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block):
+    k, v = split_heads_kv(kv, k_rope[..., :q.shape[-1] - nope], nope)
+    return _attend_xla(q, k.astype(q.dtype), v.astype(q.dtype), q_pos, scale, flash, amb_bytes, kv_block)
+
+
+def _attend_kv_cpu_supported(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block) -> bool:
+    return flash and _mla_cpu_mod.attention_kv_supported(q.shape, kv, k_rope, nope)
+
+
+def _attend_kv_cpu(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block):
+    return _mla_cpu_mod.attention_kv(q, kv, k_rope, q_pos, scale, nope=nope, n_threads=registry.threads())
+
+
+def attention_kv(q, kv, k_rope, q_pos, scale, *, nope: int, flash: bool, amb_bytes: int = 0, kv_block: int = 256,
+                 backend: str | None = None):
+    """`attention` over the keys and values as the -mla 2/3 prompt's kv_b product gives them: kv [B,
+    S, H, nope + Dv] (each head's k_nope | v) and the rope part k_rope [B, S, >= R] shared by the
+    heads; K = kv[..., :nope] ++ k_rope[..., :R], V = kv[..., nope:], both taken at q's dtype.
+    `xla` builds K and V (concatenate, broadcast, converts) and runs `attend`; `cpu` (flash) reads
+    them in place (RESULTS §9h: those copies were ~40 ms of a 512-token V2-Lite step)."""
+    impls = {
+        "xla": registry.Impl(lambda *a: True, _attend_kv_xla),
+        "cpu": registry.Impl(_attend_kv_cpu_supported, _attend_kv_cpu),
+    }
+    return registry.dispatch("attention", impls, registry.resolve_backend(backend), q, kv, k_rope, q_pos, scale, nope, flash,
+                     amb_bytes, kv_block)

@@ -1,0 +1,220 @@
+"""Routed experts: the sum over each token's chosen experts of down(silu(gate x) * up x).
+
+Implementations: `xla` = pallas_kernels/moe_matmul/reference.py (gather form for few tokens,
+grouped form for many: `gather_form`, the one place that rule lives); `pallas`/`interpret` =
+pallas_kernels/moe_matmul/kernel.py; `cpu` = the C++ fused MoE; `host` = experts kept in host RAM
+next to a GPU, computed by the host CPU from the GPU step; `stream:<impl>` = host experts of a big
+batch copied to the GPU inside the step and run by `<impl>`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ikjax import env
+from ikjax.errors import OptionError
+from ikjax.ops import registry
+from ikjax.ops.quant_matmul import packed, pallas_ok, prepare_weight
+from ikjax.placement.host import is_host_resident
+from ikjax.quant.array import QuantArray
+from pallas_kernels.moe_matmul import cpu as _moe_cpu_mod
+from pallas_kernels.moe_matmul import kernel as _moe
+from pallas_kernels.moe_matmul.reference import moe_experts_grouped_ref, moe_experts_ref
+
+# -- routed experts -------------------------------------------------------------------------------
+
+def host_experts_unavailable() -> str:
+    """Why routed experts cannot stay in host memory next to a GPU in this build ("" when they can):
+    the CUDA host-experts handler is built only with a CUDA toolkit (pallas_kernels/moe_matmul/host.py)."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    return "" if moe_host.available() else moe_host.unavailable_reason()
+
+
+def gather_form(n_tokens: int, n_used: int, n_expert: int) -> bool:
+    """Few tokens: gather the selected experts' blocks (bytes grow with tokens x experts used);
+    many tokens: group assignments by expert and read every expert once. The one place this rule lives."""
+    return n_tokens * n_used <= 2 * n_expert
+
+
+def _moe_xla(x, weights, ids, gate, up, down, dtype, fused=True):
+    fn = moe_experts_ref if gather_form(ids.shape[0], ids.shape[1], gate.shape[0]) else moe_experts_grouped_ref
+    return fn(x, weights, ids, gate, up, down, dtype, fused=fused)
+
+
+def _moe_pallas_supported(x, weights, ids, gate, up, down, dtype, fused=True) -> bool:
+    # f32 compute is the exact reference mode: the grouped kernel's tile products (tl.dot) would
+    # round through TF32, so prompt-sized f32 work stays on XLA's HIGHEST-precision path
+    if not gather_form(ids.shape[0], ids.shape[1], gate.shape[0]) and jnp.dtype(dtype) == jnp.float32:
+        return False
+    return all(pallas_ok(t) for t in (gate, up, down))
+
+
+def _moe_pallas(interpret: bool):
+    def run(x, weights, ids, gate, up, down, dtype, fused=True):
+        return _moe.moe_experts(x, weights, ids, packed(gate), packed(up), packed(down), dtype,
+                                interpret=interpret)
+    return run
+
+
+def _moe_cpu_supported(x, weights, ids, gate, up, down, dtype, fused=True) -> bool:
+    return jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16) and _moe_cpu_mod.supported(gate, up, down)
+
+
+def _moe_cpu(x, weights, ids, gate, up, down, dtype, fused=True):
+    return _moe_cpu_mod.moe_experts(x, weights, ids, gate, up, down, n_threads=registry.threads(), compute=registry.compute(dtype))
+
+
+def _moe_host(x, weights, ids, gate, up, down, dtype):
+    """Experts kept in host RAM next to a GPU (HostQuantArray), small batches: the host CPU computes
+    them from the GPU step (pallas_kernels/moe_matmul/host.py), whatever the backend override says —
+    no other implementation may read them in place (each would copy the whole tensors to the
+    device). Big batches stream them instead (`_moe_stream`)."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    if jax.default_backend() != "gpu":
+        raise OptionError(f"ot: routed experts in host memory next to an accelerator need a CUDA GPU, "
+                          f"the backend is {jax.default_backend()}")
+    if not moe_host.supported(gate, up, down):
+        why = moe_host.unavailable_reason() or (f"no host path for {gate.qtype.name}/{up.qtype.name}/"
+                                                f"{down.qtype.name} experts of shape {tuple(gate.shape)}")
+        raise OptionError(f"ot: routed experts in host memory: {why}")
+    registry.ran("moe_experts", "host")
+    return moe_host.moe_experts(x, weights, ids, gate, up, down, n_threads=registry.threads(), compute=registry.compute(dtype))
+
+
+# IKJAX_STREAM_ORDER: when a streamed layer's host-to-device copy may start. "prev" (default): once
+# the previous streamed layer's MoE input exists, so layer i's experts cross PCIe while layer i-1's
+# experts and layer i's attention compute, and the device holds at most two layers' experts;
+# "self": once its own MoE input exists (no overlap, one layer held); "free": whenever XLA's
+# scheduler likes (it may start every layer's copy at once: a full copy on the device).
+STREAM_ORDERS = ("prev", "self", "free")
+
+
+def _stream_order() -> str:
+    return env.choice("IKJAX_STREAM_ORDER")
+
+
+# IKJAX_STREAM: how a big batch moves host-resident experts to the GPU. "active" (default, ik's
+# -ooae): only the experts the batch routes to, in rounds of IKJAX_STREAM_MIB (512) MiB of blocks;
+# "layer": every expert of the layer, the whole tensors in one host-to-device transfer.
+STREAM_MODES = ("active", "layer")
+
+
+def stream_mode() -> str:
+    return env.choice("IKJAX_STREAM")
+
+
+def stream_slots(gate, up, down) -> int:
+    """Experts per streaming round: as many as fit IKJAX_STREAM_MIB MiB of raw blocks (at least
+    one, at most all): the device holds one round's blocks (and their kernel layout) at a time."""
+    return stream_slots_for(sum(t.nbytes for t in (gate, up, down)) // gate.shape[0], gate.shape[0])
+
+
+def stream_slots_for(per_expert_bytes: int, n_expert: int) -> int:
+    """`stream_slots` from one expert's bytes (gate + up + down) and the expert count (the memory
+    plan's use, before anything is loaded)."""
+    mib = env.positive_float("IKJAX_STREAM_MIB")
+    return max(1, min(n_expert, int(mib * 2**20 // max(per_expert_bytes, 1))))
+
+
+def _streamed(blocks, t, shape, backend: str):
+    """Expert blocks that reached the device inside a step, laid out as the load would lay out
+    device-resident ones for `backend` (the Pallas repack), as a QuantArray of `t`'s type."""
+    qa = QuantArray(blocks, t.qtype, shape)
+    return prepare_weight(qa) if backend in ("pallas", "interpret") else qa
+
+
+def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fused: bool = True,
+               backend: str | None = None):
+    """Routed experts computed in rounds of at most `slots` experts on the device: `fetch(weights,
+    ids, round)` -> (gate, up, down blocks [slots, rows, row_bytes], slot_of [E]) brings a round's
+    experts (host_experts.stream_experts, or its jnp reference); each round's MoE sees only its
+    experts (the others' weights zeroed: no work in the kernels), and the rounds' outputs add up.
+
+    Round 0 always runs; round r > 0 only if the batch routes to more than r * slots experts
+    (`lax.cond`: a batch that uses few experts pays for one round's copy, layout and kernel, not
+    for every expert's). Each round waits for the previous round's output, so XLA cannot start
+    every round's copy at once (the device would hold all of them)."""
+    E = gate.shape[0]
+    b = registry.resolve_backend(backend)
+    n_active = jnp.zeros((E,), bool).at[ids.reshape(-1)].max(weights.reshape(-1) != 0).sum()
+
+    def one_round(r, weights, ids):
+        *blocks, slot_of = fetch(weights, ids, r)
+        s = slot_of[ids]
+        keep = s >= 0
+        if b not in ("pallas", "interpret"):
+            # the XLA forms may multiply every slot's weights (by zero); unfilled slots hold
+            # arbitrary bytes, so they are zeroed there (the kernels never read them)
+            filled = jnp.zeros((slots,), bool).at[jnp.where(slot_of >= 0, slot_of, slots)].set(True, mode="drop")
+            blocks = [jnp.where(filled[:, None, None], blk, jnp.zeros((), blk.dtype)) for blk in blocks]
+        dev = [_streamed(blk, t, (slots, *t.shape[1:]), b) for t, blk in zip((gate, up, down), blocks)]
+        return moe_experts(x, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
+                           backend=backend)
+
+    out = one_round(0, weights, ids)
+    for r in range(1, -(-E // slots)):
+        weights, ids, _ = jax.lax.optimization_barrier((weights, ids, out))
+        part = jax.lax.cond(n_active > r * slots, functools.partial(one_round, r),
+                            lambda w, i: jnp.zeros_like(out), weights, ids)
+        out = out + part
+    return out
+
+
+def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend):
+    """Host-resident (pinned) experts, big batches (ik's rule, `HostQuantArray.runs_on`): the GPU
+    implementation the all-GPU run would pick computes them after they cross PCIe inside the step.
+    IKJAX_STREAM=active (default): only the experts this batch routes to, a round at a time
+    (`moe_rounds` + the `ikjax_stream_experts` custom call, which waits for the ids); =layer: the
+    whole layer's tensors, whose copy may start when `IKJAX_STREAM_ORDER` says (an optimization
+    barrier ties the host parameter to an earlier activation, so the transfer cannot be hoisted to
+    the start of the step); XLA frees them after the layer."""
+    if stream_mode() == "active":
+        from pallas_kernels.moe_matmul import host as moe_host
+        if not moe_host.stream_supported(gate, up, down):
+            raise OptionError(f"ot: streaming host experts to the GPU: "
+                              f"{moe_host.unavailable_reason() or 'the experts have no host address'}")
+        slots = stream_slots(gate, up, down)
+        fetch = functools.partial(_fetch_active, gate=gate, up=up, down=down, slots=slots)
+        out = moe_rounds(x, weights, ids, gate, up, down, dtype, fetch=fetch, slots=slots, fused=fused,
+                         backend=backend)
+        registry.ran("moe_experts", "stream:" + registry.selected("moe_experts"))
+        return out
+    order, state = _stream_order(), registry.trace_state()
+    dep = x if order == "self" else (state or {}).get("prev") if order == "prev" else None
+    data = tuple(t.data for t in (gate, up, down))
+    if dep is not None:
+        *data, _ = jax.lax.optimization_barrier((*data, dep))
+    if state is not None:
+        state["prev"] = x
+    b = registry.resolve_backend(backend)
+    dev = [_streamed(jax.device_put(d, jax.memory.Space.Device), t, t.shape, b) for t, d in zip((gate, up, down), data)]
+    out = moe_experts(x, weights, ids, *dev, dtype, fused=fused, backend=backend)
+    registry.ran("moe_experts", "stream:" + registry.selected("moe_experts"))
+    return out
+
+
+def _fetch_active(weights, ids, r, *, gate, up, down, slots):
+    from pallas_kernels.moe_matmul import host as moe_host
+    return moe_host.stream_experts(weights, ids, gate, up, down, slots=slots, round=r)
+
+
+def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, backend: str | None = None):
+    """Routed experts of N tokens: sum_j weights[n,j] * down_e(silu(gate_e x) * up_e x), e = ids[n,j].
+    The kernels always fuse gate and up; `fused` only changes the XLA form (ik's -fmoe).
+    Host-resident experts (`-ot exps=CPU` next to a GPU) take the `host` implementation, or, for a
+    batch where `ikjax.placement.rules.runs_on` says "device" and the experts are pinned, `stream:<impl>`."""
+    if any(is_host_resident(t) for t in (gate, up, down)):
+        N, k = ids.shape
+        if all(is_host_resident(t) and t.streamable and t.runs_on(N, gate.shape[0], k) == "device"
+               for t in (gate, up, down)):
+            return _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend)
+        return _moe_host(x, weights, ids, gate, up, down, dtype)
+    impls = {
+        "xla": registry.Impl(lambda *a: True, _moe_xla),
+        "pallas": registry.Impl(_moe_pallas_supported, _moe_pallas(False)),
+        "interpret": registry.Impl(_moe_pallas_supported, _moe_pallas(True)),
+        "cpu": registry.Impl(_moe_cpu_supported, _moe_cpu),
+    }
+    return registry.dispatch("moe_experts", impls, registry.resolve_backend(backend), x, weights, ids, gate, up, down, dtype, fused)

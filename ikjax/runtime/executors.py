@@ -1,0 +1,187 @@
+"""Executors: how a step runs on the placement's devices, named in one place.
+
+Three, chosen by `executor_for` from the placement's split mode:
+
+- `SingleDevice` (-sm none): the whole step as one executable on one device (the main device -mg
+  where there are several); the only one that runs the on-device decode loop and whose steps
+  are stored whole (ikjax.runtime.compile_cache).
+- `LayerPipeline` (-sm layer): stages of consecutive layers, one per device, run in turn
+  (ikjax.runtime.pipeline).
+- `GraphMesh` (-sm graph): every layer split over a mesh inside `jax.shard_map`
+  (ikjax.runtime.mesh), inputs given as global arrays so the mesh may span processes.
+
+The interface (`Executor`): `load(file)` the weight tree; `bind(weights)` once the load was
+measured (the pipeline cuts its stages then); `new_cache(layout)`; `compile(weights, layout, B, T,
+plan, decode)` an executable; `run(exe, weights, cache, *inputs)` -> (logits or tokens, cache);
+and what the engine asks of it: `tp` (StepPlan.tp), `loops` (runs `decode_steps`),
+`stores_steps`, `compiles_in_parallel`, `on_cpu_only`, `on_gpu`, `describe()`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ikjax.errors import OptionError
+from ikjax.gguf_io.config import ModelConfig
+from ikjax.model import cache as kvcache
+from ikjax.model.deepseek2 import StepPlan
+from ikjax.model.weights import load_weights
+from ikjax.placement import devices
+from ikjax.runtime import distributed
+from ikjax.runtime import mesh as tensor_parallel
+from ikjax.runtime.executables import compile_step
+from ikjax.runtime.pipeline import Pipeline
+
+
+def _cache_shapes(layout: kvcache.CacheLayout):
+    return jax.eval_shape(lambda: kvcache.init_cache(layout))
+
+
+class Executor:
+    """What every executor answers (module docstring); the defaults are those of several devices."""
+
+    split_mode = "none"
+    tp = None                    # StepPlan.tp: -sm graph's TensorSplit, else None
+    loops = False                # runs the decode loop (several steps per dispatch)
+    stores_steps = False         # its steps may be stored whole (compile_cache.store_step)
+    compiles_in_parallel = False  # several steps may compile at once (on an accelerator)
+
+    def __init__(self, placement, config: ModelConfig):
+        self.placement, self.config = placement, config
+        self.devices = devices.jax_devices(placement)
+        self.on_cpu_only = all(d.platform == "cpu" for d in self.devices)
+        self.on_gpu = any(d.platform == "gpu" for d in self.devices)
+
+    def load(self, file) -> dict:
+        """The weight tree, each tensor where the placement puts it."""
+        return load_weights(file, self.config, placement=self.placement)
+
+    def bind(self, weights) -> None:
+        """After the load was measured: whatever the executor derives from the weights."""
+
+    def describe(self) -> str:
+        """Where the parts of a step run, for the log ("" where that says nothing new)."""
+        return ""
+
+    def new_cache(self, layout: kvcache.CacheLayout):
+        raise NotImplementedError
+
+    def compile(self, weights, layout: kvcache.CacheLayout, B: int, T: int, plan: StepPlan,
+                decode: tuple | None = None):
+        raise NotImplementedError
+
+    def run(self, exe, weights, cache, *inputs):
+        """Run a compiled step (tokens, start, last) or decode loop (tokens, start, n, key)."""
+        return exe(weights, cache, *inputs)
+
+    def _refuse_decode(self, decode) -> None:
+        if decode is not None:
+            raise OptionError(f"decode: the on-device decode loop runs on one device; -sm {self.split_mode} "
+                              f"steps one token at a time (Engine.step)")
+
+
+class SingleDevice(Executor):
+    """-sm none: one executable on one device; with several devices, on the main device -mg (its
+    inputs and cache placed there)."""
+
+    loops = True
+
+    def __init__(self, placement, config: ModelConfig):
+        super().__init__(placement, config)
+        self.stores_steps = len(placement.devices) == 1
+        self.compiles_in_parallel = not self.on_cpu_only
+        self._device = self.devices[placement.main_device] if len(placement.devices) > 1 else None
+
+    def new_cache(self, layout: kvcache.CacheLayout):
+        if self._device is not None:
+            with jax.default_device(self._device):
+                return kvcache.init_cache(layout)
+        return kvcache.init_cache(layout)
+
+    def _on_main_device(self, cache):
+        """(sharding, cache shapes) of a single-device step: with -sm none on device -mg of several
+        devices its inputs are placed there; on one device (None, as given)."""
+        if self._device is None:
+            return None, cache
+        sh = jax.sharding.SingleDeviceSharding(self._device)
+        return sh, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache)
+
+    def compile(self, weights, layout, B, T, plan, decode=None):
+        sh, cache = self._on_main_device(_cache_shapes(layout))
+        return compile_step(weights, cache, B, T, cfg=self.config, plan=plan, sharding=sh, decode=decode,
+                            gpu=self.on_gpu)
+
+
+class LayerPipeline(Executor):
+    """-sm layer: `pipeline.Pipeline`'s stages, built from the loaded weights (`bind`); a compiled
+    step is a `CompiledPipeline`, called like the one-device executable (it ignores `weights`)."""
+
+    split_mode = "layer"
+
+    def __init__(self, placement, config: ModelConfig):
+        super().__init__(placement, config)
+        self.pipeline: Pipeline | None = None
+
+    def bind(self, weights) -> None:
+        self.pipeline = Pipeline(self.placement, weights, self.config)
+
+    def describe(self) -> str:
+        return self.pipeline.describe()
+
+    def new_cache(self, layout):
+        """Per device: each layer's entries on the device of its stage."""
+        return self.pipeline.new_cache(layout)
+
+    def compile(self, weights, layout, B, T, plan, decode=None):
+        self._refuse_decode(decode)
+        return self.pipeline.compile(_cache_shapes(layout), B, T, plan)
+
+
+class GraphMesh(Executor):
+    """-sm graph: the mesh of the placement's spread, the split groups (`tp`, part of the step
+    plan), each device's part of the weights (`mesh.load`), the cache replicated or split as
+    `mesh.cache_shardings` says; -mla 0 with a q8_0 cache is checked against the split at once."""
+
+    split_mode = "graph"
+
+    def __init__(self, placement, config: ModelConfig, layout: kvcache.CacheLayout):
+        super().__init__(placement, config)
+        self.mesh = devices.mesh_for(placement)
+        self.tp = tensor_parallel.tensor_split(placement, self.mesh)
+        tensor_parallel.check_cache(layout, self.tp)
+
+    def load(self, file) -> dict:
+        """Each device's part, read and laid out for its kernels."""
+        return tensor_parallel.load(file, self.config, self.placement, self.mesh)
+
+    def new_cache(self, layout):
+        return jax.jit(kvcache.init_cache, static_argnums=0,
+                       out_shardings=tensor_parallel.cache_shardings(layout, self.tp))(layout)
+
+    def compile(self, weights, layout, B, T, plan, decode=None):
+        self._refuse_decode(decode)
+        sh = devices.replicated(self.mesh)
+        cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), _cache_shapes(layout),
+                             tensor_parallel.cache_shardings(layout, self.tp))
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sh)
+        return tensor_parallel.step().lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
+                                            plan=plan, layout=layout).compile()
+
+    def run(self, exe, weights, cache, *inputs):
+        # the mesh may span other processes' devices: inputs as global arrays (the same values on
+        # every process), the replicated logits read from this process's own copy
+        rep = devices.replicated(self.mesh)
+        logits, cache = exe(weights, cache, *(distributed.global_input(a, rep) for a in inputs))
+        return distributed.local_value(logits), cache
+
+
+def executor_for(placement, config: ModelConfig, layout: kvcache.CacheLayout) -> Executor:
+    """The executor of the placement's split mode (`layout`: the batch-1 KV cache, which -sm graph
+    checks against its split before anything loads)."""
+    if placement.split_mode == "layer":
+        return LayerPipeline(placement, config)
+    if placement.split_mode == "graph":
+        return GraphMesh(placement, config, layout)
+    return SingleDevice(placement, config)

@@ -1,0 +1,254 @@
+"""Generation: the on-device decode loop, what `generate` / `generate_batch` return, and their
+scheduling (prompt in ubatch chunks, then decode chunks or one token per dispatch, the stopping
+rules).
+
+The scheduling functions take the engine (`ikjax.runtime.engine.Engine`, passed in, never imported:
+this module sits below it) and drive it only through its public steps: `prefill`, `step`, `decode`,
+`new_cache`, `decode_loop`, `token_bucket`, and its `config` / `options`.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikjax.errors import OptionError
+from ikjax.gguf_io.config import ModelConfig
+from ikjax.model.deepseek2 import StepPlan, forward
+from ikjax.runtime import buckets as kv_buckets
+from ikjax.runtime.sampling import check_count, check_sampling, sample_device, sample_next
+
+log = logging.getLogger("ikjax")
+
+DECODE_CHUNK = 16  # tokens per dispatch in generate (a stop mid-chunk wastes the rest of it)
+
+STOP_EOS, STOP_MAX_TOKENS, STOP_CONTEXT = "eos", "max_tokens", "context"
+
+
+def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: StepPlan, chunk: int,
+                 sampling: tuple):
+    """n <= chunk decode steps in one dispatch: tok [B] sits at positions start [B]; each step
+    feeds the current token, appends its latent to the cache and picks the next one on the device
+    (`sample_device` with `sampling`, a static tuple of its keyword items). Returns (tokens
+    [B, chunk] int32, the first n of them produced, cache).
+
+    Why: a batch-1 decode step is ~700 small kernels; dispatched one step at a time the host's
+    launches (~5 us each) set the pace, and a per-step CUDA graph is re-recorded whenever a
+    buffer moves. A loop with a trip count read on the device is one executable whose body XLA
+    captures as one CUDA graph (a WHILE command, see ikjax.runtime.executables._DECODE_GPU_OPTIONS)."""
+    B = tok.shape[0]
+    zeros = jnp.zeros((B,), jnp.int32)
+
+    def body(i, carry):
+        cache, tok, out, key = carry
+        logits, cache = forward(weights, cache, tok[:, None], start + i, zeros, cfg=cfg, plan=plan)
+        key, sub = jax.random.split(key)
+        nxt = sample_device(logits, sub, **dict(sampling))
+        return cache, nxt, jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i)), key
+
+    out = jnp.zeros((B, chunk), jnp.int32)
+    cache, _, out, _ = jax.lax.fori_loop(0, n, body, (cache, tok, out, key))
+    return out, cache
+
+
+def sampling_key(sampling: dict | None) -> tuple:
+    """The static sampling setting of a decode executable; every greedy setting is one."""
+    p = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+    if sampling and sampling.get("temperature", 0.0) > 0.0:
+        p.update({k: sampling[k] for k in p if k in sampling})
+    return tuple(sorted(p.items()))
+
+
+class Generation:
+    """What `Engine.generate` returns: an iterator of new token ids. `stop_reason` is None while
+    more may come and, from the moment the last token is yielded, "eos" (EOS or a stop id),
+    "max_tokens", or "context" (the sequence reached `ctx` tokens)."""
+
+    def __init__(self):
+        self.stop_reason: str | None = None
+        self._it: Iterator[int] = iter(())
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> int:
+        return next(self._it)
+
+
+class BatchGeneration(list):
+    """What `Engine.generate_batch` returns: one list of new ids per prompt, and `stop_reasons`,
+    one of "eos", "max_tokens", "context" per prompt (as `Generation.stop_reason`)."""
+    stop_reasons: list[str | None]
+
+
+# -- argument checks -----------------------------------------------------------------------------
+
+def check_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray:
+    """A non-empty 1-D integer sequence inside the vocabulary; the error names the bad id."""
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise OptionError(f"{what}: not a sequence of integers ({e})") from None
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise OptionError(f"{what}: must be a non-empty 1-D integer sequence, got shape {arr.shape} "
+                          f"of {arr.dtype}")
+    V = vocab_size
+    bad = (arr < 0) | (arr >= V)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise OptionError(f"{what}: token id {int(arr[i])} at index {i} is outside the vocabulary [0, {V})")
+    return arr.astype(np.int32)
+
+
+def stop_ids(stop: Iterable[int], eos_token_id: int | None) -> set[int]:
+    """The ids that end a sequence: `stop` (checked: integers) and the model's EOS."""
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
+        raise OptionError(f"stop: expected a collection of token ids, got {stop!r}")
+    out = set()
+    for s in stop:
+        if not isinstance(s, numbers.Integral) or isinstance(s, (bool, np.bool_)):
+            raise OptionError(f"stop: token ids must be integers, got {s!r}")
+        out.add(int(s))
+    if eos_token_id is not None:
+        out.add(eos_token_id)
+    return out
+
+
+def check_prompt_fits(n: int, ctx: int, what: str) -> None:
+    if n > ctx:
+        raise OptionError(f"{what}: {n} tokens exceed the context size ctx={ctx}")
+
+
+def stop_reason(tok: int, n_new: int, length: int, max_tokens: int, stop: set[int], ctx: int) -> str | None:
+    """Why a sequence ends after `tok` (its `n_new`-th new token, `length` tokens in all), or None."""
+    if tok in stop:
+        return STOP_EOS
+    if n_new >= max_tokens:
+        return STOP_MAX_TOKENS
+    if length >= ctx:
+        log.warning("context full (ctx=%d): generation stopped after %d new tokens", ctx, n_new)
+        return STOP_CONTEXT
+    return None
+
+
+# -- scheduling ----------------------------------------------------------------------------------
+
+def generate(eng, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+             stop: Iterable[int] = ()) -> Generation:
+    """`Engine.generate` (its docstring): every argument checked here, before anything runs."""
+    max_tokens = check_count("max_tokens", max_tokens)
+    p = check_sampling(temperature, top_k, top_p, min_p, seed)
+    ids = check_ids(prompt_ids, eng.config.vocab_size, "prompt_ids")
+    check_prompt_fits(len(ids), eng.options.ctx, "prompt_ids")
+    stops = stop_ids(stop, eng.config.eos_token_id)
+    gen = Generation()
+    gen._it = _generate(eng, gen, ids, max_tokens, p, stops)
+    return gen
+
+
+def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, stops: set[int]):
+    ctx = eng.options.ctx
+    if max_tokens == 0:
+        gen.stop_reason = STOP_MAX_TOKENS
+        return
+    if len(ids) >= ctx:
+        log.warning("context full (ctx=%d): the prompt fills it, no token generated", ctx)
+        gen.stop_reason = STOP_CONTEXT
+        return
+    rng = np.random.default_rng(p["seed"])
+    sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
+    logits, cache = eng.prefill(eng.new_cache(1), ids, 0, all_logits=False)
+    length = len(ids)
+    pending = [sample_next(logits, rng=rng, **sp)]  # produced, not yet yielded
+    n_new = 0
+    key = jax.random.key(int(rng.integers(0, 2**31 - 1)))  # the device's draws follow the seed
+    while True:
+        for tok in pending:  # a stop id inside a decode chunk drops the tokens after it
+            n_new, length = n_new + 1, length + 1
+            reason = stop_reason(tok, n_new, length, max_tokens, stops, ctx)
+            gen.stop_reason = reason
+            yield tok
+            if reason is not None:
+                return
+        # the last token is not in the cache yet: it goes at position length - 1
+        if not eng.decode_loop():
+            out, cache = eng.step(cache, np.array([[tok]], np.int32), np.array([length - 1]), np.array([0]),
+                                  False)
+            pending = [sample_next(np.asarray(out, np.float32)[0], rng=rng, **sp)]
+            continue
+        # up to DECODE_CHUNK tokens in one dispatch, no further than the stopping rules allow
+        n = min(DECODE_CHUNK, max_tokens - n_new, ctx - length)
+        key, sub = jax.random.split(key)
+        out, cache = eng.decode(cache, [tok], [length - 1], n, chunk=DECODE_CHUNK, sampling=sp, key=sub)
+        pending = [int(t) for t in np.asarray(out)[0, :n]]
+
+
+def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,
+                   top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                   stop: Iterable[int] = ()) -> BatchGeneration:
+    """`Engine.generate_batch` (its docstring): prompts fed together in ubatch chunks, then one
+    step per token for every unfinished sequence, the batch padded to a power of two."""
+    max_tokens = check_count("max_tokens", max_tokens)
+    p = check_sampling(temperature, top_k, top_p, min_p, seed)
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+        raise OptionError("prompts: expected a non-empty list of token id sequences")
+    ctx, ubatch, V = eng.options.ctx, eng.options.ubatch, eng.config.vocab_size
+    seqs = [check_ids(s, V, f"prompts[{i}]") for i, s in enumerate(prompts)]
+    for i, s in enumerate(seqs):
+        check_prompt_fits(len(s), ctx, f"prompts[{i}]")
+    stops = stop_ids(stop, eng.config.eos_token_id)
+    n = len(seqs)
+    out = BatchGeneration([] for _ in range(n))
+    if max_tokens == 0:
+        out.stop_reasons = [STOP_MAX_TOKENS] * n
+        return out
+    B = kv_buckets.pow2_at_least(n)
+    lengths = np.array([len(s) for s in seqs] + [1] * (B - n))
+    rng = np.random.default_rng(p["seed"])
+    sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
+    cache = eng.new_cache(B)
+    width = int(lengths.max())
+    padded = np.zeros((B, width), np.int32)
+    for b, s in enumerate(seqs):
+        padded[b, :len(s)] = s
+    last_logits = np.zeros((B, V), np.float32)
+    for c0 in range(0, width, ubatch):
+        c1 = min(width, c0 + ubatch)
+        T = eng.token_bucket(c1 - c0)
+        toks = np.zeros((B, T), np.int32)
+        toks[:, :c1 - c0] = padded[:, c0:c1]
+        last = np.clip(lengths - 1 - c0, 0, T - 1)
+        logits, cache = eng.step(cache, toks, np.full(B, c0), last)
+        logits = np.asarray(logits, np.float32)
+        ends_here = (lengths - 1 >= c0) & (lengths - 1 < c1)
+        last_logits[ends_here] = logits[ends_here]
+    reasons: list[str | None] = [None] * n
+    for b in range(n):
+        if lengths[b] >= ctx:
+            log.warning("context full (ctx=%d): prompts[%d] fills it, no token generated", ctx, b)
+            reasons[b] = STOP_CONTEXT
+    done = np.array([r is not None for r in reasons] + [True] * (B - n))
+    pos = lengths.copy()  # where each sequence's next token goes; frozen once it is done
+    while not done.all():
+        toks = np.zeros((B, 1), np.int32)
+        for b in range(n):
+            if done[b]:
+                continue
+            tok = sample_next(last_logits[b], rng=rng, **sp)
+            out[b].append(tok)
+            toks[b, 0] = tok
+            reasons[b] = stop_reason(tok, len(out[b]), int(lengths[b]) + len(out[b]), max_tokens, stops, ctx)
+        fed = ~done
+        done = done | np.array([r is not None for r in reasons] + [True] * (B - n))
+        if done.all():  # no step needed after the last token
+            break
+        logits, cache = eng.step(cache, toks, pos)
+        last_logits = np.asarray(logits, np.float32)
+        pos = np.where(fed & ~done, pos + 1, pos)
+    out.stop_reasons = reasons
+    return out

@@ -1,0 +1,144 @@
+"""`-sm layer`: the step as a pipeline of stages, one per run of consecutive layers on one device.
+
+The placement (`ikjax.placement.splits.layer_split`) gives each layer a device; each stage is one
+jitted function over its device's weights and cache, run in turn with the activation moved from
+one device to the next (`jax.device_put`), as llama.cpp's pipeline does: one jit over weights
+committed to different devices is refused by JAX ("incompatible devices"), and a per-device stage
+keeps every kernel (C++ CPU custom calls, Pallas) usable unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from ikjax import ops
+from ikjax.model import cache as kvcache
+from ikjax.model.deepseek2 import embed, output_head, run_layers
+from ikjax.placement.devices import jax_devices
+
+
+def _stage(weights, cache, x, start, last, *, cfg, plan, first: int, embed_in: bool, head_out: bool):
+    """One device's part of a step: [embedding] + its layers + [output head]."""
+    with ops.kernel_context(plan.backend, plan.threads):
+        if embed_in:
+            x = embed(weights["token_embd"], x)
+        x, cache = run_layers(weights["layers"], cache, x, start, first, cfg=cfg, plan=plan)
+        if head_out:
+            x = output_head(weights, x, last, cfg=cfg, plan=plan)
+    return x, cache
+
+
+_jitted_stage = None
+
+
+def _stage_jit():
+    global _jitted_stage
+    if _jitted_stage is None:
+        _jitted_stage = jax.jit(_stage, static_argnames=("cfg", "plan", "first", "embed_in", "head_out"),
+                                donate_argnums=(1,))
+    return _jitted_stage
+
+
+class Pipeline:
+    """-sm layer: the step as stages, one per run of consecutive layers on one device, in order
+    (stage = (device index, first layer, layer count, embeds?, computes the head?)). The embedding
+    and the output head join the first / last stage where they share its device, else they are a
+    stage of their own. Each stage's weights and cache live on its device; the activation [B,T,d]
+    moves to the next device between stages."""
+
+    def __init__(self, placement, weights, cfg):
+        self.cfg = cfg
+        self.devices = jax_devices(placement)
+        n_layer = cfg.n_layer
+        groups: list[list[int]] = []  # [device, first, count]
+        for i, d in enumerate(placement.layer_device[:n_layer]):
+            if groups and groups[-1][0] == d:
+                groups[-1][2] += 1
+            else:
+                groups.append([d, i, 1])
+        if not groups or groups[0][0] != placement.embed_device:
+            groups.insert(0, [placement.embed_device, 0, 0])
+        if groups[-1][0] != placement.output_device:
+            groups.append([placement.output_device, n_layer, 0])
+        self.stages = tuple((d, first, count, k == 0, k == len(groups) - 1)
+                            for k, (d, first, count) in enumerate(groups))
+        self.stage_weights = []
+        for d, first, count, embed_in, head_out in self.stages:
+            w: dict[str, Any] = {"layers": weights["layers"][first:first + count]}
+            if embed_in:
+                w["token_embd"] = weights["token_embd"]
+            if head_out:  # tied embeddings: the output is the embedding, maybe on another device
+                w["output_norm"] = jax.device_put(weights["output_norm"], self.devices[d])
+                w["output"] = jax.device_put(weights["output"], self.devices[d])
+            self.stage_weights.append(w)
+
+    def describe(self) -> str:
+        parts = []
+        for d, first, count, embed_in, head_out in self.stages:
+            what = (["embedding"] if embed_in else []) + ([f"layers {first}-{first + count - 1}"] if count else []) \
+                + (["output"] if head_out else [])
+            parts.append(f"device {d}: {', '.join(what)}")
+        return "; ".join(parts)
+
+    def new_cache(self, layout) -> dict:
+        """The KV cache: each layer's entries on the device of its stage."""
+        out: dict[str, list] = {name: [] for name, _ in layout.widths}
+        for d, first, count, _, _ in self.stages:
+            if not count:
+                continue
+            with jax.default_device(self.devices[d]):
+                part = kvcache.init_cache(dataclasses.replace(layout, n_layer=count))
+            for name in out:
+                out[name] += part[name]
+        return out
+
+    def _split_cache(self, cache) -> list[dict]:
+        return [{name: entries[first:first + count] for name, entries in cache.items()}
+                for _, first, count, _, _ in self.stages]
+
+    def compile(self, cache_shapes, B: int, T: int, plan) -> "CompiledPipeline":
+        """Compile every stage for this shape (`cache_shapes`: the whole cache's ShapeDtypeStructs)."""
+        exes = []
+        for (d, first, count, embed_in, head_out), w, c in zip(self.stages, self.stage_weights,
+                                                              self._split_cache(cache_shapes)):
+            sh = SingleDeviceSharding(self.devices[d])
+            c = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), c)
+            x = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh) if embed_in else \
+                jax.ShapeDtypeStruct((B, T, self.cfg.d_model), jnp.float32, sharding=sh)
+            i32 = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh)
+            exes.append(_stage_jit().lower(w, c, x, i32, i32, cfg=self.cfg, plan=plan, first=first,
+                                           embed_in=embed_in, head_out=head_out).compile())
+        return CompiledPipeline(self, exes)
+
+
+class CompiledPipeline:
+    """A compiled -sm layer step: called like the one-device executable, (weights, cache, tokens,
+    start, last) -> (logits, cache); `weights` is ignored (each stage holds its own part)."""
+
+    def __init__(self, pipeline: Pipeline, exes: list):
+        self.pipeline, self.exes = pipeline, exes
+
+    def __call__(self, weights, cache, tokens, start, last):
+        p = self.pipeline
+        x = tokens
+        out_cache: dict[str, list] = {name: [] for name in cache}
+        for (d, _, _, _, _), w, c, exe in zip(p.stages, p.stage_weights, p._split_cache(cache), self.exes):
+            dev = p.devices[d]
+            x, c = exe(w, c, jax.device_put(x, dev), jax.device_put(start, dev), jax.device_put(last, dev))
+            for name in out_cache:
+                out_cache[name] += c[name]
+        return x, out_cache
+
+    def memory_analysis(self):
+        """XLA's buffers of all stages together (each stage's on its own device)."""
+        total = SimpleNamespace(temp_size_in_bytes=0, output_size_in_bytes=0, alias_size_in_bytes=0)
+        for exe in self.exes:
+            ma = exe.memory_analysis()
+            for k in vars(total):
+                setattr(total, k, getattr(total, k) + getattr(ma, k))
+        return total
