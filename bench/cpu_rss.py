@@ -233,7 +233,7 @@ def main() -> None:
     sampler = Sampler(maps=a.maps, trim=a.trim).start()
     import jax  # noqa: F401  (what the runtime costs before anything of ours)
     sampler.mark("jax")
-    import ikjax
+    import ikjax  # noqa: F401  (timed: the import itself is a phase of the profile)
     from ikjax.runtime import engine
     from ikjax.tools import sweep_bench
     sampler.mark("import ikjax")

@@ -50,17 +50,21 @@ def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "ou
     base = _existing_ancestor(p.parent)
     if not base.is_dir():
         raise OptionError(f"{what}: cannot create {path}: {base} is not a directory")
+    try:
+        st = os.statvfs(base)
+    except OSError:
+        st = None
+    # writability before space: a read-only mount often reports little free space, and "needs
+    # 3.30 MiB but has 1.00 MiB free" would send the user to free space that cannot be used anyway
+    if st is not None and st.f_flag & getattr(os, "ST_RDONLY", 1):
+        raise OptionError(f"{what}: cannot write {path}: {base} is on a read-only file system")
     if not os.access(base, os.W_OK | os.X_OK):
         raise OptionError(f"{what}: cannot write {path}: {base} is not writable")
-    if needed_bytes:
-        try:
-            st = os.statvfs(base)
-        except OSError:
-            st = None
-        if st is not None:
-            free = st.f_bavail * st.f_frsize
-            if free < needed_bytes + FREE_MARGIN:
-                raise OptionError(f"{what}: {path} needs {_fmt(needed_bytes)} but {base} has {_fmt(free)} free")
+    if needed_bytes and st is not None:
+        free = st.f_bavail * st.f_frsize
+        if free < needed_bytes + FREE_MARGIN:
+            raise OptionError(f"{what}: {path} needs {_fmt(needed_bytes)} (plus {_fmt(FREE_MARGIN)} kept free "
+                              f"for the file system) but {base} has {_fmt(free)} free")
     return p
 
 

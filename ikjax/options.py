@@ -27,6 +27,8 @@ def parse_tensor_split(value: Any) -> tuple[float, ...]:
     None / "" = () (equal shares)."""
     if value is None or value == "" or value == ():
         return ()
+    if not isinstance(value, (str, list, tuple)):
+        raise OptionError(f"-ts: expected shares like 3,1 or a list of numbers, got {value!r}")
     parts = [p for p in re.split(r"[,/;]", value) if p.strip()] if isinstance(value, str) else list(value)
     try:
         shares = tuple(float(p) for p in parts)
@@ -86,12 +88,16 @@ class TensorOverride:
     def parse_list(cls, value: Any) -> tuple["TensorOverride", ...]:
         if not value:
             return ()
+        if not isinstance(value, (str, list, tuple)):
+            raise OptionError(f"ot: expected REGEX=DEVICE rules (a string or a list of strings), got {value!r}")
         items = value.split(",") if isinstance(value, str) else list(value)
         rules = []
         for item in items:
             if isinstance(item, TensorOverride):
                 rules.append(item)
                 continue
+            if not isinstance(item, str):
+                raise OptionError(f"ot: expected a REGEX=DEVICE string, got {type(item).__name__} {item!r}")
             if "=" not in item:
                 raise OptionError(f"ot: expected REGEX=DEVICE, got {item!r}")
             pat, dev = item.rsplit("=", 1)
@@ -282,9 +288,12 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "nkvo": ("-nkvo", "bool"), "ooae": ("-ooae", "bool"), "no_ooae": ("-no-ooae", "bool"),
     "op": ("-op", "text"), "cuda": ("-cuda", "text"), "muge": ("-muge", "bool"), "mqkv": ("-mqkv", "bool"),
     "ger": ("-ger", "bool"), "wb": ("-wb", "bool"), "nrep": ("-nrep", "int"),
+    "no_warmup": ("--no-warmup", "bool"), "fit": ("--fit", "bool"), "no_gr": ("-no-gr", "bool"),
+    "gr": ("-gr", "bool_on"), "mmp": ("-mmp", "bool_on"),
 }
 # parameters whose flags may be given bare (`-rtr` = `-rtr 1`), as ik's main programs take them
-BARE_PARAMS = frozenset({"fa", "fmoe", "no_fmoe", "cpu_moe"} | {k for k, (_, kind) in SWITCHES.items() if kind == "bool"})
+BARE_PARAMS = frozenset({"fa", "fmoe", "no_fmoe", "no_fa", "cpu_moe"}
+                        | {k for k, (_, kind) in SWITCHES.items() if kind in ("bool", "bool_on")})
 
 _WHY = {
     "rtr": "ikjax lays the weights out for its kernels at load whether or not -rtr is given",
@@ -299,7 +308,14 @@ _WHY = {
     "mqkv": "ikjax always stacks the attention input matrices (q or q_a with kv_a_mqa) into one product at load "
             "when their types agree",
     "ger": "ikjax always applies the model's expert-group routing, as the reference model does",
+    "fit": "ikjax places tensors only as -ngl/-ot/--n-cpu-moe say; the memory plan refuses a run that does not "
+           "fit, naming what to change",
+    "gr": "ikjax always runs each compiled step again for every call of its shape (graph reuse is always on)",
+    "no_gr": "ikjax always runs each compiled step again for every call of its shape (graph reuse is always on)",
+    "mmp": "ikjax maps the GGUF read-only and copies each tensor into its runtime buffers at load either way",
 }
+# switches a command honours itself (no note there)
+HONOURED = {"nrep": ("sweep-bench",), "no_warmup": ("sweep-bench", "bench")}
 
 
 def _flag_bool(flag: str, value: Any) -> bool:
@@ -336,8 +352,15 @@ def switch_notes(values: dict[str, Any], command: str, backend: str = "cpu") -> 
                 notes.append("-nkvo has no effect on CPU: the KV cache is already in host memory")
             elif name == "wb":
                 notes.append(f"-wb has no effect: {command} compiles and runs every step shape once before timing")
+            elif name == "no_warmup":
+                if command not in HONOURED["no_warmup"]:
+                    notes.append(f"--no-warmup has no effect in {command}: it times nothing a warm-up run would "
+                                 f"change (sweep-bench and bench honour it)")
             else:
                 notes.append(f"{flag} has no effect: {_WHY[name]}")
+        elif kind == "bool_on":  # ik's default is on: only turning it off asks for something
+            if not _flag_bool(flag, value):
+                notes.append(f"{flag} 0 has no effect: {_WHY[name]}")
         elif kind == "split_mode":
             modes = [m.strip().lower() for m in str(value).split(",")]
             bad = [m for m in modes if m not in SPLIT_MODES]

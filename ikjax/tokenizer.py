@@ -2,8 +2,16 @@
 
 `tokenizer.ggml.model = gpt2` (byte-level BPE: tokens, merges, token types) and
 `tokenizer.ggml.pre` choosing the pre-tokenizer regexes as llama.cpp does (deepseek-v3,
-deepseek-llm, deepseek-coder; anything else: GPT-2's). CONTROL / USER_DEFINED tokens are added as
-special tokens so they are matched whole in text.
+deepseek-llm, deepseek-coder, gpt-2; a file without the key gets deepseek-v3). CONTROL /
+USER_DEFINED tokens are added as special tokens so they are matched whole in text.
+
+What ik_llama.cpp refuses (src/llama-vocab.cpp) is refused here too, naming the key, rather than
+tokenizing some other way: a BPE vocabulary without `tokenizer.ggml.merges` (it would split every
+prompt into single bytes and the model would see other text) and a pre-tokenizer name this module
+has no regexes for (ik throws "unknown pre-tokenizer type" for names it does not know; GPT-2's
+splitting in their place would cut words differently from the model's training). Merges that are
+not "A B" strings of vocabulary tokens are refused by entry, before the `tokenizers` library sees
+them (it raises its own exception, or panics, on them).
 """
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ikjax.errors import ModelFileError
+from ikjax.errors import ModelFileError, OptionError
 
 # llama.cpp llama-vocab.cpp regexes per pre-tokenizer (DeepSeek's own tokenizer.json have the same)
 _DEEPSEEK_V3 = [
@@ -36,6 +44,10 @@ _DEEPSEEK_CODER = [
 ]
 PRE_REGEXES: dict[str, list[str]] = {"deepseek-v3": _DEEPSEEK_V3, "deepseek-llm": _DEEPSEEK_LLM,
                                      "deepseek-coder": _DEEPSEEK_CODER}
+# pre-tokenizers done by `tokenizers`' own GPT-2 ByteLevel regex (ik's LLAMA_VOCAB_PRE_TYPE_GPT2 regex)
+GPT2_PRES = ("gpt-2", "gpt2")
+KNOWN_PRES = (*PRE_REGEXES, *GPT2_PRES)
+DEFAULT_PRE = "deepseek-v3"
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -47,14 +59,13 @@ def build_hf_tokenizer(tokens: Sequence[str], merges: Sequence[str], token_types
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    pairs = []
-    for m in merges:
-        a, sep, b = m.partition(" ")
-        if sep:
-            pairs.append((a, b))
+    pairs = _merge_pairs(merges, vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    if pre not in KNOWN_PRES:
+        raise ModelFileError(f"tokenizer.ggml.pre: unknown pre-tokenizer {pre!r} "
+                             f"(ikjax knows {', '.join(KNOWN_PRES)})")
     regexes = PRE_REGEXES.get(pre)
-    if regexes is None:  # gpt2 and unknown: GPT-2's own splitting
+    if regexes is None:  # GPT-2's own splitting
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -69,6 +80,26 @@ def build_hf_tokenizer(tokens: Sequence[str], merges: Sequence[str], token_types
     return tok
 
 
+def _merge_pairs(merges: Sequence[Any], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """`"A B"` merge strings -> (A, B) pairs, each entry checked: a string holding a space (split at
+    the first space after the first character, as ik does), A, B and AB all vocabulary tokens."""
+    pairs = []
+    for i, m in enumerate(merges):
+        if not isinstance(m, str):
+            raise ModelFileError(f"tokenizer.ggml.merges: entry {i} is {type(m).__name__} {m!r}, "
+                                 f"expected a string \"A B\"")
+        cut = m.find(" ", 1)
+        if cut < 0:
+            raise ModelFileError(f"tokenizer.ggml.merges: entry {i} {m!r} is not two tokens \"A B\"")
+        a, b = m[:cut], m[cut + 1:]
+        for t in (a, b, a + b):
+            if t not in vocab:
+                raise ModelFileError(f"tokenizer.ggml.merges: entry {i} {m!r} names {t!r}, "
+                                     f"which is not in the vocabulary (tokenizer.ggml.tokens)")
+        pairs.append((a, b))
+    return pairs
+
+
 class GGUFTokenizer:
     """encode(text) -> ids (with BOS as the file asks), decode(ids) -> text, stream(ids) -> text pieces."""
 
@@ -80,11 +111,18 @@ class GGUFTokenizer:
             raise ModelFileError(f"{source}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' only)")
         if metadata.get("tokenizer.ggml.tokens") is None:
             raise ModelFileError(f"{source}: no tokenizer vocabulary in the file (tokenizer.ggml.tokens missing)")
+        if metadata.get("tokenizer.ggml.merges") is None:
+            # ik: "cannot find tokenizer merges in model file"; without them every word is split
+            # into bytes and the model reads other tokens than it was trained on
+            raise ModelFileError(f"{source}: no BPE merges in the file (tokenizer.ggml.merges missing)")
         tokens = _as_list(metadata.get("tokenizer.ggml.tokens"))
-        merges = _as_list(metadata.get("tokenizer.ggml.merges") or [])
+        merges = _as_list(metadata.get("tokenizer.ggml.merges"))
         types = metadata.get("tokenizer.ggml.token_type")
-        self.pre = str(metadata.get("tokenizer.ggml.pre", "deepseek-v3"))
-        self.tokenizer = build_hf_tokenizer(tokens, merges, None if types is None else list(types), self.pre)
+        self.pre = str(metadata.get("tokenizer.ggml.pre", DEFAULT_PRE))
+        try:
+            self.tokenizer = build_hf_tokenizer(tokens, merges, None if types is None else list(types), self.pre)
+        except ModelFileError as e:
+            raise ModelFileError(f"{source}: {e}") from None
         self.bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens), source)
         self.eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens), source)
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True)) and self.bos_id is not None
@@ -96,6 +134,7 @@ class GGUFTokenizer:
         return cls(GGUFModelFile(path).metadata, source=str(path))
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        check_text(text)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
@@ -122,6 +161,20 @@ class GGUFTokenizer:
         tail = self.decode(got)
         if tail.startswith(shown) and tail[len(shown):]:
             yield tail[len(shown):]
+
+
+def check_text(text: Any, what: str = "text") -> None:
+    """Text the tokenizer can take: a str that is valid Unicode. Bytes that are not UTF-8 on the
+    command line (`-p $'\\xff'`) reach Python as lone surrogates ('\\udcff', PEP 383), which the
+    `tokenizers` library refuses with "TextInputSequence must be str"; named here instead."""
+    if not isinstance(text, str):
+        raise OptionError(f"{what}: expected a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        what_is = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
+        raise OptionError(f"{what}: not valid UTF-8 ({what_is} at character {e.start})") from None
 
 
 def _token_id(metadata: dict[str, Any], key: str, n_vocab: int, source: str) -> int | None:

@@ -58,7 +58,8 @@ def test_short_flags_reach_the_options(tiny_model):
                   "-amb", 64])
     assert "memory plan (-c 8192 -ub 256 -mla 2 -fa 1 -ctk q8_0 -amb 64)" in res.stdout
     res = invoke(["info", "-m", tiny_model, "--ctx-size", 1024, "--ubatch-size", 128, "--mla", 0, "--flash-attn", 0])
-    assert "memory plan (-c 1024 -ub 128 -mla 0 -fa 0 -ctk f16)" in res.stdout
+    # -fa 0: ik's common default -amb 256 caps the K*Q buffer
+    assert "memory plan (-c 1024 -ub 128 -mla 0 -fa 0 -ctk f16 -amb 256)" in res.stdout
 
 
 def test_errors_are_one_line_exit_1(tiny_model, tmp_path):

@@ -28,14 +28,17 @@ eng = ikjax.load(sys.argv[1], ctx=256, ubatch=32)
 out = eng.logits(list(range(1, 41)))  # two prompt chunks: two step shapes
 np.save(sys.argv[2], out)
 print(json.dumps(dict(compiled=eng.compile_count, from_cache=eng.compile_cache_hits, hits=compile_cache.hits(),
-                      writes=compile_cache.writes(), dir=str(compile_cache.directory()))))
+                      writes=compile_cache.writes(), dir=str(compile_cache.directory()),
+                      step_loads=compile_cache.step_loads(), replaced=compile_cache.replaced())))
 """
 
 
-def _run(model: str, out: Path, env: dict) -> dict:
+def _run(model: str, out: Path, env: dict, stderr: list | None = None) -> dict:
     res = subprocess.run([sys.executable, "-c", RUN, model, str(out)], env={**os.environ, **env},
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
+    if stderr is not None:
+        stderr.append(res.stderr)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -53,18 +56,22 @@ def test_second_process_compiles_nothing_and_matches(tiny_model, tmp_path):
     warm = _run(tiny_model, tmp_path / "b.npy", env)
     assert warm["compiled"] == 2 and warm["from_cache"] == 2  # both steps loaded
     assert warm["writes"] == 0 and warm["hits"] >= 2  # nothing compiled anywhere in the process
+    # loaded whole from steps/, the first one included: the C++ FFI targets are registered before
+    # a stored step is deserialized (it once failed with "No FFI handler registered for
+    # ikjax_cpu_embed_rows" and came from JAX's cache, traced)
+    assert warm["step_loads"] == 2
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
-    # the steps are also kept whole (loaded without tracing); a damaged entry is ignored, the
-    # step then comes from JAX's own cache
+    # the steps are also kept whole (loaded without tracing); a damaged entry is a miss, the
+    # step then comes from JAX's own cache, and the entry is removed (not read again)
     steps = [p for p in _files(cache) if p.parent.name == "steps"]
     assert len(steps) == 2
     for p in steps:
         p.write_bytes(b"not a pickle")
     again = _run(tiny_model, tmp_path / "c.npy", env)
-    assert again["from_cache"] == 2 and again["writes"] == 0
+    assert again["from_cache"] == 2 and again["writes"] == 0 and again["step_loads"] == 0
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "c.npy"))
     # a JAX cache hit is not stored again (it would not serialize whole on XLA:CPU)
-    assert all(p.read_bytes() == b"not a pickle" for p in steps)
+    assert not any(p.exists() for p in steps)
     # by default a CPU stores no steps
     default = _run(tiny_model, tmp_path / "d.npy", {"IKJAX_COMPILE_CACHE": str(tmp_path / "xla2")})
     assert default["writes"] >= 2 and not [p for p in _files(tmp_path / "xla2") if p.parent.name == "steps"]
@@ -140,3 +147,33 @@ def test_jax_cache_set_by_the_user_is_kept(tiny_model, tmp_path):
            "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     r = _run(tiny_model, tmp_path / "a.npy", env)
     assert r["dir"] == str(tmp_path / "theirs") and _files(tmp_path / "xdg") == []
+
+
+def test_damaged_jax_entries_are_replaced(tiny_model, tmp_path):
+    """Entries of JAX's own cache that cannot be read (random bytes, a truncated file, 0 bytes as a
+    full disk leaves them): the run is correct, says so in one line (no UserWarnings), compiles
+    them again and writes them afresh, so the next run loads everything and says nothing."""
+    cache = tmp_path / "xla"
+    env = {"IKJAX_COMPILE_CACHE": str(cache)}
+    _run(tiny_model, tmp_path / "a.npy", env)
+    entries = [p for p in _files(cache) if p.name.endswith("-cache")]
+    assert len(entries) >= 3
+    rng = np.random.default_rng(0)
+    for i, p in enumerate(sorted(entries)):  # each kind of damage on some entries
+        data = p.read_bytes()
+        p.write_bytes([rng.bytes(len(data)), data[:len(data) // 2], b""][i % 3])
+    damaged = {p: p.read_bytes() for p in entries}
+    err: list[str] = []
+    r = _run(tiny_model, tmp_path / "b.npy", env, err)
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+    assert r["replaced"] >= 2 and r["writes"] >= r["replaced"]
+    notes = [line for line in err[0].splitlines() if line.strip()]
+    assert "UserWarning" not in err[0] and "Error reading persistent compilation cache" not in err[0], err[0]
+    assert len(notes) == 1 and "compilation cache: replacing an unreadable entry" in notes[0], notes
+    for p, bad in damaged.items():
+        assert p.exists() and p.read_bytes() != bad  # written afresh
+    err.clear()
+    again = _run(tiny_model, tmp_path / "c.npy", env, err)
+    assert again["replaced"] == 0 and again["writes"] == 0 and again["from_cache"] == 2
+    assert err[0].strip() == "", err[0]
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "c.npy"))

@@ -194,12 +194,21 @@ def test_unknown_or_clustered_tokens_are_refused_by_name(command, token):
     assert msg.startswith(f"unknown option {token}"), msg
 
 
-@pytest.mark.parametrize("token", ["-mg", "-tb", "-sm", "-rtr", "-nkvo", "-nrep", "-ooae", "-op", "-thp"])
-def test_info_does_not_misread_ik_flags(token):
-    """info takes the file's options only: an ik run switch is refused by its own name, never read
-    as -m / -c / -t / -b / -o."""
-    msg = parse_error("info", token, "1")
-    assert msg.startswith(f"unknown option {token}"), msg
+INFO_TOKENS = {"-mg": "main_gpu", "-tb": "threads_batch", "-sm": "split_mode", "-rtr": "rtr", "-nkvo": "nkvo",
+               "-nrep": "nrep", "-ooae": "ooae", "-op": "op", "-thp": "thp", "-gr": "gr", "--fit": "fit",
+               "--no-warmup": "no_warmup", "-no-fa": "no_fa"}
+
+
+@pytest.mark.parametrize("token", sorted(INFO_TOKENS))
+def test_info_takes_every_run_option_as_itself(token):
+    """info takes every run option sweep-bench takes (a pasted ik command line is accepted), and an
+    ik switch is read as itself, never as -m / -c / -t / -b / -o."""
+    params = parse("info", token, "1")
+    assert str(params[INFO_TOKENS[token]]) == "1"
+    assert params["model"] is None and params["ctx"] == RunOptions().ctx
+    sweep = {p.name for p in GROUP.get_command(None, "sweep-bench").params}
+    info = {p.name for p in GROUP.get_command(None, "info").params}
+    assert sweep - info <= {"n_gen", "output_format", "sweep_stride", "sweep_memory", "plot", "seed"}
 
 
 def test_bench_switches_are_not_threads_or_models(capsys):

@@ -60,7 +60,7 @@ def test_make_model_refuses_when_the_disk_is_too_small(tmp_path, monkeypatch):
 
     class Small:
         def __init__(self, st):
-            self.f_frsize, self.f_bavail = st.f_frsize, 10  # 10 blocks free
+            self.f_frsize, self.f_bavail, self.f_flag = st.f_frsize, 10, st.f_flag  # 10 blocks free
 
     monkeypatch.setattr(os, "statvfs", lambda p: Small(real(p)))
     with pytest.raises(OptionError, match=r"output: .*needs .* free"):

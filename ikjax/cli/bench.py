@@ -38,6 +38,8 @@ def _check_bench_options(params: dict[str, Any]) -> tuple[dict[str, Any], str]:
                      "(prompt + generated + depth), as llama-bench does")
     for line in notes:
         log("note: " + line)
+    if params.get("no_fa") is not None and RunOptions.from_kwargs(fa=params["no_fa"]).fa:
+        params["fa"] = "0"  # ik's -no-fa
     fmoe = params.get("fmoe")
     if params.get("no_fmoe") is not None and RunOptions.from_kwargs(fmoe=params["no_fmoe"]).fmoe:
         fmoe = "0"
@@ -97,6 +99,13 @@ def bench(
     threads: Annotated[str, typer.Option("-t", "--threads", help="thread count(s)")] = str(_D.threads),
     dtype: Annotated[str, typer.Option("--dtype", help="compute dtype(s)")] = _D.dtype,
     seed: Annotated[int, typer.Option("-s", "--seed")] = 0,
+    warmup: Annotated[str, typer.Option("-w", "--warmup", help="1: one untimed run of each test first (it "
+                                        "compiles); 0: none, the first timed run pays compiling")] = "1",
+    mmp: Annotated[Optional[str], typer.Option("-mmp", "--mmap", help="0|1: " + "accepted; -mmp 0 is noted (the "
+                                               "GGUF is always mapped)")] = None,
+    tgb: Annotated[Optional[str], typer.Option("-tgb", "--threads-gen-batch", help="T,TB: threads for generation "
+                                               "and for prompts (one pair; same as -t T -tb TB)")] = None,
+    print_overrides: Annotated[str, typer.Option("--print-overrides", help="1: show the ot column in md")] = "0",
 ) -> None:
     """llama-bench: pp512 / tg128 / pp512+tg128 / tg64@pp8192 tests over the Cartesian product of comma lists.
 
@@ -110,7 +119,21 @@ def bench(
         raise OptionError(f"output: {output!r} is not md, json, jsonl or csv")
     if reps < 1:
         raise OptionError(f"repetitions: need >= 1, got {reps}")
-    fixed, fmoe = _check_bench_options(run)
+    flags = {}
+    for flag, value in (("-w", warmup), ("--print-overrides", print_overrides)):
+        if str(value).strip() not in ("0", "1"):
+            raise OptionError(f"{flag}: expected 0 or 1, got {value!r}")
+        flags[flag] = str(value).strip() == "1"
+    params_in = dict(run)
+    params_in["mmp"] = mmp
+    if tgb is not None:
+        pair = lb.int_list(tgb, "tgb")
+        if ";" in tgb or len(pair) != 2 or min(pair) < 1:
+            raise OptionError(f"-tgb: expected one T,TB pair of thread counts (e.g. 8,16), got {tgb!r}")
+        threads, params_in["threads_batch"] = str(pair[0]), pair[1]
+    fixed, fmoe = _check_bench_options(params_in)
+    no_warmup = run.no_warmup is not None and RunOptions.from_kwargs(fa=run.no_warmup).fa
+    do_warmup = flags["-w"] and not no_warmup
     models = []
     for m in model or [None]:
         for part in (m.split(",") if m else [None]):
@@ -121,25 +144,34 @@ def bench(
         for g in values or []:
             vals = lb.int_list(g, flag)
             if len(vals) != 2 or min(vals) < 0:
-                raise OptionError(f"{flag}: expected PP,TG, got {g!r}")
+                raise OptionError(f"-{flag}: expected PP,TG (non-negative token counts), got {g!r}")
             out.append((vals[0], vals[1]))
         return out
-    tests = lb.make_tests(lb.int_list(n_prompt, "p"), lb.int_list(n_gen, "n"), pairs(gp, "gp"),
-                          lb.int_list(depth, "d") or [0], pairs(pg, "pg"))
+
+    def counts(value: str, flag: str) -> list[int]:
+        """A token-count list: 0 skips that test (as llama-bench), a negative count is refused."""
+        vals = lb.int_list(value, flag)
+        bad = [v for v in vals if v < 0]
+        if bad:
+            raise OptionError(f"-{flag}: token counts must be >= 0 (0 skips the test), got {value!r}")
+        return vals
+    for flag, value in (("ub", ubatch), ("b", batch), ("t", threads), ("ngl", ngl), ("amb", amb), ("mla", mla)):
+        vals = lb.int_list(value, flag)
+        low = 1 if flag in ("ub", "b") else 0
+        if any(v < low for v in vals):
+            raise OptionError(f"-{flag}: values must be >= {low}, got {value!r}")
+    tests = lb.make_tests(counts(n_prompt, "p"), counts(n_gen, "n"), pairs(gp, "gp"),
+                          counts(depth, "d") or [0], pairs(pg, "pg"))
     if not tests:
         raise OptionError("no tests: give -p, -n, -pg or -gp")
-    params = dict(mla=mla, fa=run.fa, ubatch=ubatch, batch=batch, ctk=ctk, ctv=ctv, amb=amb, fmoe=fmoe, ser=ser, ot=ot,
+    params = dict(mla=mla, fa=params_in["fa"],  # -no-fa applied by _check_bench_options
+                  ubatch=ubatch, batch=batch, ctk=ctk, ctv=ctv, amb=amb, fmoe=fmoe, ser=ser, ot=ot,
                   ngl=ngl, threads=threads, dtype=dtype)
     _note_combinations(params)
-    shown = ["ngl", "threads", "ubatch", "mla", "fa"]
-    defaults = dict(batch=str(_D.batch), ctk=_D.ctk, amb=str(_D.amb), fmoe=str(int(_D.fmoe)), dtype=_D.dtype)
-    for k in ("batch", "ctk", "ctv", "amb", "fmoe", "ser", "ot", "dtype"):
-        if params[k] not in (None, "") and params[k] != defaults.get(k):
-            shown.append(k)
-    for k, v in params.items():  # anything swept is shown
-        if k not in shown and v and len(lb.split_list(v, k)) > 1:
-            shown.append(k)
-    table = lb.MarkdownTable(shown, backend().upper())
+    switches = {k: params_in.get(k) for k in SWITCH_PARAMS}
+    given = dict(params, ctk=None if ctk == _D.ctk else ctk,
+                 fa=None if params["fa"] == str(int(_D.fa)) else params["fa"])
+    table = lb.MarkdownTable(lb.markdown_fields(given, switches, lb.backend_name(), flags["--print-overrides"]))
     console = stderr_console()
     first = []
 
@@ -164,7 +196,10 @@ def bench(
     setup_compile_cache(run.compile_cache_dir)
     with console.status("bench") as status:
         results = lb.run_bench(models, params, tests, reps, on_result, lambda s: status.update(s),
-                               extra_options=fixed, seed=seed)
+                               extra_options=fixed, seed=seed, warmup=do_warmup, switches=switches)
+    if output == "md" and first:
+        for line in lb.MarkdownTable.footer():
+            typer.echo(line)
     if output == "json":
         typer.echo(lb.to_json(results))
     elif output == "csv":

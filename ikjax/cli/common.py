@@ -12,12 +12,12 @@ import functools
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import typer
 
 from ikjax import env
-from ikjax.cli.parser import Group
+from ikjax.cli.parser import EXIT_INTERRUPTED, Group, is_stdout_error, output_error
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.options import RunOptions
 
@@ -32,8 +32,46 @@ def err(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
 
 
+def _version(value: bool) -> None:
+    """`ikjax --version`: what a bug report needs, as ik prints `version: N (commit)` first: the
+    package, the JAX it runs on, and the instruction-set level of the C++ CPU kernels."""
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    from ikjax.ops import registry
+    from ikjax.version import __version__
+
+    def of(dist: str) -> str:
+        try:
+            return dist_version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+    isa = registry.cpu_isa()
+    try:
+        typer.echo(f"ikjax {__version__}\njax {of('jax')}, jaxlib {of('jaxlib')}\nCPU kernels: {isa}")
+    except OSError as e:  # as `handle` does for a command (click would turn EPIPE into a silent 1)
+        if not is_stdout_error(e):
+            raise
+        raise typer.Exit(output_error(e)) from None
+    raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                       help="print the ikjax, jax and jaxlib versions and the CPU kernels' ISA level")
+          ) -> None:
+    """The group's own option (--version); every command is a subcommand."""
+
+
 def handle(func: Callable) -> Callable:
-    """Run a command body: IkjaxError -> one line on stderr, exit 1 (no traceback)."""
+    """Run a command body: IkjaxError -> one line on stderr, exit 1 (no traceback).
+
+    Standard output that cannot be written is a property of the process, not of the command: a
+    reader that went away (`| head -1`) ends it the way a Unix tool ends, silently with SIGPIPE's
+    status (`parser.EXIT_BROKEN_PIPE`, made a real SIGPIPE death by `parser.Group.__call__`); a full
+    or failing device is one line `cannot write output: ...`. Ctrl-C is one line and status 130."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -47,14 +85,23 @@ def handle(func: Callable) -> Callable:
             raise typer.Exit(1)
         except KeyboardInterrupt:
             err("interrupted")
-            raise typer.Exit(130)
+            raise typer.Exit(EXIT_INTERRUPTED)
+        except OSError as e:
+            if not is_stdout_error(e):
+                _unexpected(e)
+            raise typer.Exit(output_error(e))
         except Exception as e:  # noqa: BLE001
-            if env.is_set("IKJAX_DEBUG"):
-                raise
-            first = (str(e).splitlines() or [""])[0]
-            err(f"{type(e).__name__}: {first} (set IKJAX_DEBUG=1 for a traceback)")
-            raise typer.Exit(1)
+            _unexpected(e)
     return wrapper
+
+
+def _unexpected(e: BaseException) -> NoReturn:
+    """Anything else: its type and first line, or the traceback under IKJAX_DEBUG."""
+    if env.is_set("IKJAX_DEBUG"):
+        raise e
+    first = (str(e).splitlines() or [""])[0]
+    err(f"{type(e).__name__}: {first} (set IKJAX_DEBUG=1 for a traceback)")
+    raise typer.Exit(1)
 
 
 def _join_processes(params: dict[str, Any]) -> None:
@@ -117,15 +164,34 @@ def resolve_model(spec: Optional[str]) -> str:
     path = synthetic.default_model_path().with_name(f"{preset}-{qtype}{f'-{layers}L' if layers else ''}.gguf")
     if not path.exists():
         log(f"making synthetic model {preset} {qtype} -> {path} (first use)")
+        size = _synthetic_size(preset, qtype, layers)
+        if size is not None and size >= LONG_MAKE_BYTES:
+            log(f"note: {fmt_bytes(size)} of random weights to write before the run starts: minutes on a CPU "
+                f"(about 60 MiB/s on 2 cores); made once, then reused from {path.parent}")
         t0 = time.perf_counter()
         synthetic.make_model(path, preset, qtype, layers=layers)
         log(f"made in {time.perf_counter() - t0:.1f}s")
     return str(path)
 
 
+# a synthetic model at least this large gets a note before it is made (v2-lite and r1 are 8 GB)
+LONG_MAKE_BYTES = 1 << 30
+
+
+def _synthetic_size(preset: str, qtype: str, layers: int | None) -> int | None:
+    """Bytes the synthetic model will take (None for a type make_model will refuse by name)."""
+    from ikjax.tools import synthetic
+    if qtype not in synthetic.SUPPORTED_TYPES:
+        return None
+    cfg = synthetic.preset_config(preset, layers, None, None)
+    return sum(t.nbytes for t in synthetic.plan_tensors(cfg, qtype))
+
+
 def load_engine(model: Optional[str], verbose: bool = False, **opts: Any):
     """Load `-m` (after `resolve_model`) with these run options; the memory plan goes to stderr."""
-    from ikjax.runtime.engine import load  # the runtime (and JAX's backend) only when a command runs
+    from ikjax.runtime.engine import (
+        load,  # the runtime (and JAX's backend) only when a command runs
+    )
     setup_logging(verbose)
     # validate the options before (possibly) making the default model
     RunOptions.from_kwargs(**opts)
@@ -163,7 +229,13 @@ class Progress:
     lines are printed as plain lines, so a log file still shows what the run is doing."""
 
     def __init__(self, title: str, total: int, *, eta: bool = False):
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
         self.console = stderr_console()
         self.terminal = self.console.is_terminal
         cols = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -37,9 +37,10 @@ def generate(
 
     The steps the run needs are compiled first (progress on stderr); the speed line on stderr times
     the prompt and the generated tokens apart, without compilation."""
-    from ikjax.tokenizer import GGUFTokenizer
+    from ikjax.tokenizer import GGUFTokenizer, check_text
     if n_predict < 0:
         raise OptionError(f"n-predict: need >= 0, got {n_predict}")
+    check_text(prompt, "prompt")  # before loading: a prompt that is not UTF-8 is refused at once
     run_opts, _ = check_options(run, "generate")
     setup_compile_cache(run.compile_cache_dir)
     eng = load_engine(run.model, run.verbose, **run_opts)

@@ -1,8 +1,9 @@
 """`ikjax info`: what a GGUF file holds and what it would need, from its header alone.
 
 Architecture, hyper-parameters, tensor types and sizes, the MLA tensor layout, and the memory plan
-for the options that size it (`PLAN_OPTIONS`: -c, -ub, -mla, -fa, -ctk, -ot, ...). It reads no
-tensor data, so it is instant on any file size.
+for the options that size it (-c, -ub, -mla, -fa, -ctk, -ot, ...). It takes every run option the
+other commands take (an ik command line pasted after `ikjax info` is accepted as it is; those that
+size nothing change nothing here). It reads no tensor data, so it is instant on any file size.
 """
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax import ops
 from ikjax.cli.common import app, fmt_bytes, handle, resolve_model
 from ikjax.cli.parser import ExactCommand
-from ikjax.cli.run_options import PLAN_OPTIONS, RunArgs, check_options, takes_run_options
-from ikjax.runtime.memory_plan import plan_memory
+from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 
 
 def _mla_layout(names: set[str], n_layer: int) -> str:
@@ -31,7 +30,7 @@ def _mla_layout(names: set[str], n_layer: int) -> str:
 
 @app.command("info", cls=ExactCommand)
 @handle
-@takes_run_options(PLAN_OPTIONS, after={"tensors": "kv_block"})
+@takes_run_options(after={"tensors": "kv_block"})
 def info(
     run: RunArgs,
     file: Annotated[Optional[str], typer.Argument(help="GGUF file (any shard of a split model)")] = None,
@@ -39,8 +38,10 @@ def info(
 ) -> None:
     """Architecture, hyper-parameters, tensor types and sizes, MLA layout, and the memory plan for the given
     options (-c, -ctk, -mla, -ub, -fa, -ot) — from the header only, instant on any file size."""
+    from ikjax import ops  # the runtime only when the command runs: `--help` stays light
     from ikjax.gguf_io.config import ModelConfig
     from ikjax.gguf_io.reader import GGUFModelFile
+    from ikjax.runtime.memory_plan import plan_memory
     _, opts = check_options(run, "info")
     path = file or run.model
     if path is None or path.startswith("synthetic:"):

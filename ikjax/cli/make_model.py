@@ -6,13 +6,12 @@ with a progress bar on stderr.
 """
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from ikjax.atomic_file import check_target
 from ikjax.cli.common import app, fmt_bytes, handle, stderr_console
 from ikjax.cli.parser import ExactCommand
 from ikjax.errors import OptionError
@@ -42,9 +41,8 @@ def make_model(
     if plans is None:
         raise OptionError(f"type: {qtype!r} is not one of {', '.join(synthetic.SUPPORTED_TYPES)}")
     total = sum(t.nbytes for t in plans)
-    free = _free_bytes(Path(output).resolve().parent)
-    if free is not None and free < total:
-        raise OptionError(f"output: needs {fmt_bytes(total)} but {Path(output).parent} has {fmt_bytes(free)} free")
+    # the writer's own check (writable first, then the space with its margin), before the bar starts
+    check_target(output, total, "output")
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=stderr_console(), transient=True) as prog:
@@ -54,11 +52,3 @@ def make_model(
     typer.echo(f"wrote {output}: {preset}, {cfg['num_hidden_layers']} layers, {qtype.upper()}, "
                f"{fmt_bytes(total)} in {time.perf_counter() - t0:.1f}s")
 
-
-def _free_bytes(d: Path) -> int | None:
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        st = os.statvfs(d)
-        return st.f_bavail * st.f_frsize
-    except (OSError, AttributeError):
-        return None

@@ -3,11 +3,18 @@
 ik's short flags are words (`-mg`, `-ctv`, `-tb`), which click would read as clustered one-letter
 options (`-m g`, `-c tv`); its switches may be given bare (`-fa` means `-fa 1`). `ExactCommand`
 is the click command class every `ikjax` subcommand uses for both, and `Group` turns every usage
-error into one line on stderr with exit code 1. Nothing here knows about any particular command.
+error into one line on stderr with exit code 1. `Group.__call__` is the process's entry (the
+console script and `python -m ikjax.cli` call it; tests call `main`): it owns what only a whole
+process may do — the exit on Ctrl-C, on a closed or broken standard output, and the last flush.
+Nothing here knows about any particular command.
 """
 from __future__ import annotations
 
+import errno
+import io
+import os
 import re
+import signal
 import sys
 
 import typer
@@ -79,9 +86,15 @@ class _ExactParser(_OptionParser):
         if arg[:1] == "-" and arg[:2] != "--" and len(name) > 2 and _normalize_opt(name, self.ctx) not in self._long_opt:
             import difflib
             close = difflib.get_close_matches(name, list(self._long_opt) + list(self._short_opt), n=3, cutoff=0.75)
-            raise _NoSuchOption(name, message=f"unknown option {name}"
-                                + (f" (did you mean {', '.join(close)}?)" if close else ""), ctx=self.ctx)
+            raise _NoSuchOption(name, message=unknown_option_message(name, close), ctx=self.ctx)
         super()._process_opts(arg, state)
+
+
+def unknown_option_message(name: str, close) -> str:
+    """The one wording of an unknown option, whichever parser found it (ik's "unknown option"; click
+    would say "No such option: ... (Possible options: ...)" for long ones)."""
+    close = sorted(close or ())
+    return f"unknown option {name}" + (f" (did you mean {', '.join(close)}?)" if close else "")
 
 
 class ExactCommand(TyperCommand):
@@ -99,8 +112,136 @@ class ExactCommand(TyperCommand):
         return super().parse_args(ctx, _rewrite(list(args), bare, has_positional))
 
 
+# Exit statuses the command wrapper (`common.handle`) hands to the process entry (`Group.__call__`).
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141; the process entry turns it into a real SIGPIPE death
+
+
+class _Stdout(io.TextIOWrapper):
+    """sys.stdout as the process entry installs it: the same text stream, whose write and flush
+    errors carry `ikjax_stdout = True`. An OSError from anywhere else (a model file, the
+    compilation cache) is not mistaken for a broken pipe or a full disk on the output."""
+
+    def write(self, s):
+        try:
+            return super().write(s)
+        except OSError as e:
+            e.ikjax_stdout = True
+            raise
+
+    def flush(self):
+        try:
+            return super().flush()
+        except OSError as e:
+            e.ikjax_stdout = True
+            raise
+
+
+def _install_stdout() -> None:
+    out = sys.stdout
+    if type(out) is not io.TextIOWrapper:  # already replaced (a test harness, an embedding program)
+        return
+    out.flush()
+    sys.stdout = _Stdout(out.detach(), encoding=out.encoding, errors=out.errors,
+                         line_buffering=out.line_buffering)
+
+
+def is_stdout_error(e: BaseException) -> bool:
+    """Whether `e` came from writing standard output (see `_Stdout`)."""
+    return isinstance(e, OSError) and getattr(e, "ikjax_stdout", False)
+
+
+def output_error(e: OSError) -> int:
+    """The exit status for an error writing standard output, after its one line: a reader that went
+    away is EXIT_BROKEN_PIPE and no line (a Unix tool dies of SIGPIPE silently); anything else
+    (a full disk: `> /dev/full`) is `error: cannot write output: ...` and 1. Stdout then points at
+    /dev/null, so the interpreter's last flush cannot fail again."""
+    _quiet_stdout()
+    if e.errno == errno.EPIPE:
+        return EXIT_BROKEN_PIPE
+    typer.echo(f"error: cannot write output: {e.strerror or e}", err=True)
+    return 1
+
+
+def _quiet_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so the interpreter's last flush of what a broken stdout
+    still buffers writes nowhere instead of printing "Exception ignored ... BrokenPipeError"."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _die_of_sigpipe() -> None:
+    """End as a C program (ik's tools, `yes`, `cat`) ends when its reader is gone: killed by SIGPIPE,
+    silently, which the shell reports as 141 and `set -o pipefail` sees. Python ignores SIGPIPE
+    and raises BrokenPipeError instead; the default action is restored for this one signal."""
+    _quiet_stdout()
+    _flush_std()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
+    os._exit(EXIT_BROKEN_PIPE)  # not reached
+
+
+def _interrupted_exit() -> None:
+    """After Ctrl-C's one line: leave at once. XLA may still be compiling on its own threads (and
+    sweep-bench compiles a row's steps on a thread pool); letting the interpreter finalize under
+    them ended in SIGSEGV (exit 139) every time Ctrl-C came during compilation. Nothing is left
+    to write: output files are atomic (removed on the interrupt), stdout/stderr are flushed here."""
+    _flush_std()
+    os._exit(EXIT_INTERRUPTED)
+
+
 class Group(TyperGroup):
     """Every usage error as one line on stderr with exit code 1."""
+
+    def __call__(self, *args, **kwargs):
+        """The process entry: run `main`, then end the process as a Unix tool would.
+
+        A closed file descriptor 1 (`ikjax ... >&-`) is refused before anything runs (every
+        command's result goes to stdout, and fd 1 would be reused by the next file opened). At the
+        end stdout is flushed here, where its errors can still be reported: a full disk or a failed
+        device is `error: cannot write output: ...` and status 1, a reader that went away is a
+        SIGPIPE death. Ctrl-C (status 130 from `common.handle`, or an interrupt outside it) exits
+        without finalizing the interpreter (`_interrupted_exit`)."""
+        if sys.stdout is None:
+            typer.echo("error: cannot write output: standard output is closed", err=True)
+            _flush_std()
+            os._exit(1)
+        _install_stdout()
+        try:
+            self.main(*args, **kwargs)
+            code: object = 0
+        except SystemExit as e:
+            code = e.code
+        except KeyboardInterrupt:
+            typer.echo("error: interrupted", err=True)
+            code = EXIT_INTERRUPTED
+        except OSError as e:  # outside a command's `handle` (--version, --help)
+            if not is_stdout_error(e):
+                raise
+            code = output_error(e)
+        if code == EXIT_INTERRUPTED:
+            _interrupted_exit()
+        if code != EXIT_BROKEN_PIPE:
+            try:
+                sys.stdout.flush()
+            except OSError as e:
+                code = output_error(e) if code in (0, None) or code == EXIT_BROKEN_PIPE else code
+        if code == EXIT_BROKEN_PIPE:
+            _die_of_sigpipe()
+        sys.exit(code)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
@@ -109,7 +250,14 @@ class Group(TyperGroup):
         except _CLICK_ERRORS as e:
             if type(e).__name__ == "NoArgsIsHelpError":  # `ikjax` alone: the help was printed
                 sys.exit(0)
-            typer.echo(f"error: {e.format_message()}".splitlines()[0], err=True)
+            if type(e).__name__ == "NoSuchOption" and getattr(e, "option_name", None):
+                import difflib  # click offers anything 60% alike (`--mlock`: --ctk, --kv-block, --mla)
+                close = difflib.get_close_matches(e.option_name, list(getattr(e, "possibilities", None) or ()),
+                                                  n=3, cutoff=0.75)
+                msg = unknown_option_message(e.option_name, close)
+            else:
+                msg = e.format_message()
+            typer.echo(f"error: {msg}".splitlines()[0], err=True)
             sys.exit(1)
         except typer.Abort:
             typer.echo("aborted", err=True)

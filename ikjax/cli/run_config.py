@@ -5,7 +5,12 @@
 Keys are the subcommand's option names: the Python/RunOptions names (`ctx`, `ubatch`, `ctk`, ...),
 any of its CLI long names without dashes (`ctx-size`, `ubatch-size`, `cache-type-k`) or ik's short
 names (`c`, `ub`, `ngl`). Unknown keys and badly typed values are refused naming the key; values are
-then checked by the same code as the CLI (RunOptions), which names the option too.
+then checked by the same code as the CLI (RunOptions), which names the option too. Keys starting
+with `_` (`"_note": "writes 8 GB"`) and `comment` are the reader's, ignored.
+
+A JSON list is an option's comma list only where the command line takes a comma list (every value
+of `bench`, as llama-bench; `-ts 3,1`, `-ser 7,1`, `-op`, `-cuda` everywhere): a list given for a
+single value (`"prompt": ["Hel", "lo"]`) is refused, not run as "Hel,lo".
 """
 from __future__ import annotations
 
@@ -19,6 +24,10 @@ from typing import Any, Callable
 from ikjax.errors import OptionError
 
 COMMAND_KEYS = ("command", "subcommand")
+# commands whose every string option is a comma list (llama-bench's grammar), and the options that
+# are comma lists on every command
+COMMA_LIST_COMMANDS = frozenset({"bench"})
+COMMA_LIST_OPTIONS = frozenset({"ts", "ser", "op", "cuda"})
 
 
 def _option_names(func: Callable) -> dict[str, str]:
@@ -52,7 +61,7 @@ def _base_type(hint: Any) -> Any:
     return hint
 
 
-def _coerce(key: str, value: Any, kind: Any) -> Any:
+def _coerce(key: str, value: Any, kind: Any, comma_list: bool = True) -> Any:
     if value is None:
         return None
     if kind is bool:
@@ -84,25 +93,52 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
         return str(value)
     if isinstance(value, str):
         return value
+    if isinstance(value, list) and not comma_list:
+        raise OptionError(f"config key {key!r}: expected a single value, got the list {_short(value)} "
+                          f"(this option takes no comma list)")
     if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
         return ",".join(str(v) for v in value)
-    raise OptionError(f"config key {key!r}: unsupported value {value!r}")
+    raise OptionError(f"config key {key!r}: unsupported value {_short(value)}")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A value for a one-line message: its repr, cut to `limit` characters."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def _load(path: str | Path) -> Any:
+    """The JSON of a config file; OptionError naming the file for anything that stops reading it."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise OptionError(f"{path}: cannot read config: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise OptionError(f"{path}: the config is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); save it as UTF-8") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OptionError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise OptionError(f"{path}: not a config: JSON nested too deeply") from None
 
 
 def parse_config(path: str | Path, commands: dict[str, Callable]) -> tuple[str, Callable, dict[str, Any]]:
     """(command name, function, keyword arguments) from a JSON config; OptionError naming the bad key."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise OptionError(f"{path}: cannot read config: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise OptionError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    data = _load(path)
     if not isinstance(data, dict):
         raise OptionError(f"{path}: the config must be a JSON object")
-    cmd = next((data[k] for k in COMMAND_KEYS if k in data), None)
-    if cmd is None:
+    given = [k for k in COMMAND_KEYS if k in data]
+    if len(given) > 1:
+        raise OptionError(f"{path}: keys 'command' and 'subcommand' both given (they are one key; keep one)")
+    if not given:
         raise OptionError(f"{path}: missing key 'command' (one of {', '.join(commands)})")
+    cmd = data[given[0]]
+    if not isinstance(cmd, str):
+        raise OptionError(f"{path}: key {given[0]!r}: expected a command name, got {_short(cmd)} "
+                          f"(one of {', '.join(commands)})")
     if cmd not in commands:
         raise OptionError(f"{path}: key 'command': {cmd!r} is not one of {', '.join(commands)}")
     func = commands[cmd]
@@ -119,5 +155,6 @@ def parse_config(path: str | Path, commands: dict[str, Callable]) -> tuple[str, 
             raise OptionError(f"{path}: unknown key {key!r} for {cmd} (known: {', '.join(known)})")
         if pname in kwargs:
             raise OptionError(f"{path}: key {key!r} given twice (as {pname!r})")
-        kwargs[pname] = _coerce(key, value, _base_type(hints.get(pname, str)))
+        comma_list = cmd in COMMA_LIST_COMMANDS or pname in COMMA_LIST_OPTIONS
+        kwargs[pname] = _coerce(key, value, _base_type(hints.get(pname, str)), comma_list)
     return cmd, func, kwargs

@@ -32,6 +32,9 @@ from ikjax.cli.common import backend, log
 from ikjax.options import RunOptions, switch_notes
 
 _D = RunOptions()
+# ik's common default -amb (common.h attn_max_batch = 256) for the commands that mirror its common-argument
+# tools (sweep-bench, generate, info); llama-bench's default is 0 and bench keeps it. Only -fa 0 uses it.
+AMB_DEFAULT = 256
 
 # ik switches that change nothing here: accepted with a one-line note (or refused), see options.switch_notes
 _NOTE = "accepted; a note says why it has no effect here"
@@ -51,11 +54,16 @@ def _shared(
     mla: Annotated[int, typer.Option("-mla", "--mla", "--mla-use", help="MLA mode: 0 standard attention (per-head "
                                      "K/V cache), 1 absorbed, 2 PP decompressed + TG absorbed, 3 as 2 with the "
                                      "flash kernel for TG (best)")] = _D.mla,
-    fa: Annotated[str, typer.Option("-fa", "--fa", "--flash-attn", help="flash attention 0|1 (bare -fa = 1)")
+    fa: Annotated[str, typer.Option("-fa", "--fa", "--flash-attn", help="flash attention on|off|auto|1|0 (bare -fa "
+                                    "= 1; auto = on, as ik). On: blocked attention over --kv-block rows at a time; "
+                                    "off: the scores in memory, in head chunks capped by -amb")
                   ] = str(int(_D.fa)),
+    no_fa: Annotated[Optional[str], typer.Option("-no-fa", "--no-flash-attn",
+                                                 help="flash attention off (same as -fa 0)")] = None,
     amb: Annotated[int, typer.Option("-amb", "--amb", "--attention-max-batch",
-                                     help="without FA: cap the K*Q buffer at N MiB (attention in head chunks); 0 = off")
-                   ] = _D.amb,
+                                     help="without FA: cap the K*Q buffer at N MiB (attention in head chunks); 0 = "
+                                     "off; no effect with FA. Default 256, ik's common default")
+                   ] = AMB_DEFAULT,
     ctk: Annotated[str, typer.Option("-ctk", "--ctk", "--cache-type-k", help="KV cache type: f32, f16, bf16, q8_0")
                    ] = _D.ctk,
     ctv: Annotated[Optional[str], typer.Option(
@@ -83,9 +91,12 @@ def _shared(
     threads_batch: Annotated[int, typer.Option("-tb", "--threads-batch",
                                                help="CPU threads for prompt processing (0 = same as -t)")
                              ] = _D.threads_batch,
-    dtype: Annotated[str, typer.Option("--dtype", help="matmul dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, "
-                                       "f16 (not an ik flag)")] = _D.dtype,
-    kv_block: Annotated[int, typer.Option("--kv-block", help="KV chunk of the blocked attention / KV bucket size")
+    dtype: Annotated[str, typer.Option("--dtype", help="dtype of the activations fed to the matmuls: auto (f32 on "
+                                       "CPU, bf16 on an accelerator; $IKJAX_DTYPE overrides auto), f32, bf16, f16. "
+                                       "Weights stay in their GGUF types; the KV cache type is -ctk (not an ik flag)")
+                   ] = _D.dtype,
+    kv_block: Annotated[int, typer.Option("--kv-block", help="KV rows per block of the blocked (-fa) attention, and "
+                                          "the granularity of the KV lengths steps are compiled for (not an ik flag)")
                         ] = _D.kv_block,
     nrep: Annotated[Optional[str], typer.Option("-nrep", "--n-repetitions", help="sweep-bench: repetitions of the "
                                                 "first row, averaged (ik's -nrep); noted elsewhere")] = None,
@@ -111,6 +122,14 @@ def _shared(
                                                help=_NOTE + " (expert groups are always applied)")] = None,
     wb: Annotated[Optional[str], typer.Option("-wb", "--warmup-batch",
                                               help=_NOTE + " (steps are always warmed up)")] = None,
+    no_warmup: Annotated[Optional[str], typer.Option("--no-warmup", help="sweep-bench, bench: no untimed first run "
+                                                     "of each step (its first-run costs land in the first timings); "
+                                                     "noted elsewhere")] = None,
+    gr: Annotated[Optional[str], typer.Option("-gr", "--graph-reuse", help="graph reuse: always on here; -gr 0 "
+                                              "is noted")] = None,
+    no_gr: Annotated[Optional[str], typer.Option("-no-gr", "--no-graph-reuse", help=_NOTE)] = None,
+    fit: Annotated[Optional[str], typer.Option("--fit", help="fit the model to device memory: " + _NOTE
+                                               + " (the memory plan refuses what does not fit)")] = None,
     # how the run is carried out, not what it computes
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="log loading and compilation")] = False,
     compile_cache_dir: Annotated[Optional[str], typer.Option(
@@ -131,7 +150,8 @@ def _shared(
 SHARED: dict[str, inspect.Parameter] = {
     p.name: p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in inspect.signature(_shared).parameters.values()}
 ALL = tuple(SHARED)
-# what `info`'s memory plan depends on: it loads nothing, so it takes no compute or process options
+# what `info`'s memory plan depends on (-c -b -ub -mla -fa -amb -ctk -ctv -ot ...); `info` takes every
+# shared option, so an ik command line pasted after `ikjax info` is accepted as it is
 PLAN_OPTIONS = ("model", "ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "ctv", "ot", "cpu_moe", "n_cpu_moe",
                 "kv_block")
 
@@ -139,7 +159,7 @@ PLAN_OPTIONS = ("model", "ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "c
 RUN_OPTION_PARAMS = ("ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "ctv", "fmoe", "ser", "ot", "ngl", "threads",
                      "threads_batch", "cpu_moe", "n_cpu_moe", "dtype", "kv_block", "split_mode", "main_gpu", "ts")
 SWITCH_PARAMS = ("split_mode", "main_gpu", "ts", "rtr", "thp", "no_mmap", "numa", "nkvo", "ooae", "no_ooae", "op",
-                 "cuda", "muge", "mqkv", "ger", "wb", "nrep")
+                 "cuda", "muge", "mqkv", "ger", "wb", "nrep", "no_warmup", "gr", "no_gr", "fit", "mmp")
 
 
 class RunArgs(dict):
@@ -205,6 +225,8 @@ def load_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     ot = kw.pop("ot", None)
     if ot:
         kw["ot"] = ",".join(ot) if isinstance(ot, list) else ot
+    if params.get("no_fa") is not None and RunOptions.from_kwargs(fa=params["no_fa"]).fa:  # ik's -no-fa
+        kw["fa"] = "0"
     no_fmoe = params.get("no_fmoe")
     if no_fmoe is not None and RunOptions.from_kwargs(fmoe=no_fmoe).fmoe:  # ik's -no-fmoe: fused MoE off
         kw["fmoe"] = "0"

@@ -189,9 +189,12 @@ class ModelConfig:
         if self.n_expert:
             if not 0 < self.n_expert_used <= self.n_expert:
                 raise ModelFileError(f"{source}: expert_used_count {self.n_expert_used} of {self.n_expert} experts")
-            if self.n_expert % self.n_expert_group or self.n_expert_group_used > self.n_expert_group:
-                raise ModelFileError(f"{source}: {self.n_expert} experts do not split into "
-                                     f"{self.n_expert_group} groups (use {self.n_expert_group_used})")
+            if self.n_expert % self.n_expert_group:
+                raise ModelFileError(f"{source}: {self.n_expert} experts do not split into {self.n_expert_group} "
+                                     f"groups (expert_count, expert_group_count)")
+            if self.n_expert_group_used > self.n_expert_group:
+                raise ModelFileError(f"{source}: expert_group_used_count {self.n_expert_group_used} exceeds "
+                                     f"expert_group_count {self.n_expert_group}")
             per_group = self.n_expert // self.n_expert_group
             if self.n_expert_group > 1 and self.n_expert_group_used * per_group < self.n_expert_used:
                 raise ModelFileError(f"{source}: {self.n_expert_group_used} of {self.n_expert_group} expert groups "

@@ -208,7 +208,10 @@ class GGUFShard:
         with fd:
             if not stat.S_ISREG(os.fstat(fd.fileno()).st_mode):  # replaced between stat and open
                 raise ModelFileError(f"{self.path}: not a regular file")
-            size = os.fstat(fd.fileno()).st_size
+            st = os.fstat(fd.fileno())
+            size = st.st_size
+            # what the file was when mapped: `GGUFModelFile.check_unchanged` compares against it
+            self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             try:
                 self._mmap = mmap.mmap(fd.fileno(), 0, access=mmap.ACCESS_READ)
             except (OSError, ValueError) as e:
@@ -395,6 +398,31 @@ class GGUFModelFile:
             if len(self.shards) > 1 and md.get("split.no", i) != i:
                 raise ModelFileError(f"{shard.path}: split.no is {md['split.no']}, expected {i} for shard "
                                      f"{i + 1} of {len(self.shards)}")
+
+    def check_unchanged(self) -> None:
+        """Refuse (one line) to go on with a model whose file changed on disk since it was opened.
+
+        The tensor data stay in a memory map of the file (zero-copy weights on CPU, the embedding
+        rows read from the file): a file rewritten in place changes the weights under a loaded
+        engine without a word, and one truncated makes the next read of a page past its new end
+        kill the process with SIGBUS. One os.stat per shard (~1 us), so the engine calls it before
+        every step it dispatches; a file replaced by another (new inode) is refused too, since the
+        path now names a model other than the one loaded."""
+        for shard in self.shards:
+            dev, ino, size, mtime = shard.identity
+            try:
+                st = os.stat(shard.path)
+            except OSError as e:
+                raise ModelFileError(f"{shard.path}: the model file is gone since it was loaded "
+                                     f"({e.strerror or e}); load it again") from None
+            if st.st_size < size and (st.st_dev, st.st_ino) == (dev, ino):
+                raise ModelFileError(f"{shard.path}: truncated from {size} to {st.st_size} bytes since it was "
+                                     f"loaded; refusing to read its mapping (load it again)")
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                raise ModelFileError(f"{shard.path}: replaced by another file since it was loaded; load it again")
+            if (st.st_size, st.st_mtime_ns) != (size, mtime):
+                raise ModelFileError(f"{shard.path}: modified since it was loaded (size {size} -> {st.st_size}, "
+                                     f"mtime changed); the loaded weights may no longer match it: load it again")
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         info = self.tensors[name]

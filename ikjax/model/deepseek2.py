@@ -185,7 +185,7 @@ def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Step
 
     Logits are [B,T,V] if plan.all_logits, else [B,V] for the token at index last[b].
     """
-    with ops.kernel_context(plan.backend, plan.threads):
+    with ops.kernel_context(plan.backend, plan.threads, seq_tokens=tokens.shape[1]):
         return _forward(weights, cache, tokens, start, last, cfg=cfg, plan=plan)
 
 

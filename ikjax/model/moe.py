@@ -27,7 +27,14 @@ def top_k(x, k: int):
     above it, which XLA fuses into plain loop kernels that a CUDA graph captures like the rest;
     lax.top_k is a sort custom call of its own on GPU (one run with command buffers measured
     5.64 ms a V2-Lite decode step with it, 4.95 by rank, RESULTS §13b). Many rows: lax.top_k.
-    IKJAX_TOPK=lax forces lax.top_k (for comparison)."""
+    IKJAX_TOPK=lax forces lax.top_k (for comparison).
+
+    NaN ranks last (as -inf): a NaN compares false with everything, so by rank every NaN entry
+    counted nothing above it, several shared rank 0 and their summed ids named an expert past
+    the last (the kernels refused `expert id 120 outside [0, 16)`, the XLA gather silently
+    clamped). Mapped so, the ids stay in range whatever the scores hold; the NaN itself still
+    reaches the logits through the weights taken from the scores, where the engine names it."""
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
     n, e = math.prod(x.shape[:-1]), x.shape[-1]
     if env.choice("IKJAX_TOPK") == "lax" or n * e * e > _RANK_TOPK_MAX:
         return jax.lax.top_k(x, k)

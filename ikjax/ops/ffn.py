@@ -34,7 +34,9 @@ def _expert_view(w):
 
 
 def _ffn_cpu_supported(x, gate, up, down, dtype) -> bool:
-    return (registry.rows(x) >= FUSED_FFN_MIN_ROWS and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+    # not in a decode step of a batch: there each row takes the three decode-form products it
+    # gets alone (registry.decode_groups)
+    return (registry.rows(x) >= FUSED_FFN_MIN_ROWS and not registry.decode_step() and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
             and all(cpu_ok(w) and len(w.shape) == 2 for w in (gate, up, down))
             and _moe_cpu_mod.supported(*(_expert_view(w) for w in (gate, up, down))))
 

@@ -63,7 +63,15 @@ def _moe_cpu_supported(x, weights, ids, gate, up, down, dtype, fused=True) -> bo
 
 
 def _moe_cpu(x, weights, ids, gate, up, down, dtype, fused=True):
-    return _moe_cpu_mod.moe_experts(x, weights, ids, gate, up, down, n_threads=registry.threads(), compute=registry.compute(dtype))
+    def run(x, weights, ids):
+        return _moe_cpu_mod.moe_experts(x, weights, ids, gate, up, down, n_threads=registry.threads(),
+                                        compute=registry.compute(dtype))
+    # a batch's decode step in groups of at most 3 tokens: no expert sees 4 rows and switches to
+    # the prompt form, so each token's experts compute what they do for it alone (registry.decode_groups)
+    groups = registry.decode_groups(x.shape[0])
+    if groups is None:
+        return run(x, weights, ids)
+    return jnp.concatenate([run(x[a:b], weights[a:b], ids[a:b]) for a, b in groups], axis=0)
 
 
 def _moe_host(x, weights, ids, gate, up, down, dtype):

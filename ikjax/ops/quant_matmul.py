@@ -80,8 +80,23 @@ def _qm_cpu_supported(x, w, dtype) -> bool:
     return cpu_ok(w) and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
 
 
+def _in_decode_groups(fn, x, lead: int):
+    """fn over x's rows in the groups `registry.decode_groups` gives (x [..., *tail], the first
+    `lead` dims being the rows), or in one call where it gives none."""
+    n = 1
+    for d in x.shape[:lead]:
+        n *= d
+    groups = registry.decode_groups(n)
+    if groups is None:
+        return fn(x)
+    flat = x.reshape((-1,) + x.shape[lead:])
+    y = jnp.concatenate([fn(flat[a:b]) for a, b in groups], axis=0)
+    return y.reshape(x.shape[:lead] + y.shape[1:])
+
+
 def _qm_cpu_run(x, w, dtype):
-    return _qm_cpu.quant_matmul(x, w, n_threads=registry.threads(), compute=registry.compute(dtype))
+    run = lambda x: _qm_cpu.quant_matmul(x, w, n_threads=registry.threads(), compute=registry.compute(dtype))
+    return _in_decode_groups(run, x, x.ndim - 1)
 
 
 def quant_linear(x, w, dtype, *, backend: str | None = None):
@@ -110,12 +125,17 @@ def _heads_cpu_supported(x, w, dtype) -> bool:
     return cpu_ok(w) and len(w.shape) == 3 and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
 
 
+def _heads_cpu(x, w, dtype):
+    run = lambda x: _qm_cpu.quant_matmul_heads(x, w, n_threads=registry.threads(),
+                                                compute=registry.compute(dtype))
+    return _in_decode_groups(run, x, x.ndim - 2)
+
+
 def head_linear(x, w, dtype, *, backend: str | None = None):
     """Per-head products y[..., h, :] = x[..., h, :] @ W[h]^T: x [..., H, K], W [H, N, K] -> [..., H, N]
     float32 (MLA's absorbed form: q_lat = W_kb q_nope and o = W_vb o_lat, head by head)."""
     impls = {
         "xla": registry.Impl(lambda *a: True, _heads_xla),
-        "cpu": registry.Impl(_heads_cpu_supported,
-                    lambda x, w, d: _qm_cpu.quant_matmul_heads(x, w, n_threads=registry.threads(), compute=registry.compute(d))),
+        "cpu": registry.Impl(_heads_cpu_supported, _heads_cpu),
     }
     return registry.dispatch("head_linear", impls, registry.resolve_backend(backend), x, w, dtype)

@@ -46,10 +46,13 @@ _ALIASES = {"jnp": "xla"}
 
 @dataclass(frozen=True)
 class KernelContext:
-    """Trace-time settings of the kernels: backend override and the CPU kernels' thread count
-    (the user's -t for generation steps, -tb for prompt steps; 0 = every core)."""
+    """Trace-time settings of the kernels: backend override, the CPU kernels' thread count
+    (the user's -t for generation steps, -tb for prompt steps; 0 = every core) and the tokens
+    per sequence of the step being traced (0: not a model step), which picks the CPU kernels'
+    decode or prompt form for every row alike (`decode_groups`)."""
     backend: str | None = None
     threads: int = 0
+    seq_tokens: int = 0
 
 
 _CONTEXT: contextvars.ContextVar[KernelContext] = contextvars.ContextVar("ikjax_kernels", default=KernelContext())
@@ -59,9 +62,10 @@ _STREAM: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ikjax_str
 
 
 @contextlib.contextmanager
-def kernel_context(backend: str | None = None, threads: int = 0):
-    """Kernel settings for everything traced inside the block (the model sets it per step)."""
-    token = _CONTEXT.set(KernelContext(backend, threads))
+def kernel_context(backend: str | None = None, threads: int = 0, seq_tokens: int = 0):
+    """Kernel settings for everything traced inside the block (the model sets it per step, with
+    `seq_tokens` the T of its [B, T] tokens)."""
+    token = _CONTEXT.set(KernelContext(backend, threads, seq_tokens))
     stream = _STREAM.set({})
     try:
         yield
@@ -94,6 +98,24 @@ def resolve_backend(backend: str | None = None) -> str:
     if b == "cpu" and not _cpu.available():
         raise OptionError(f"IKJAX_KERNELS=cpu: {_cpu.unavailable_reason()}")
     return b
+
+
+def register_native_targets() -> None:
+    """Register the XLA FFI targets of the native kernels this build has (the C++ CPU kernels;
+    the CUDA host-experts handler where built). Tracing a step registers each on first use; an
+    executable loaded whole (ikjax.runtime.compile_cache.load_step) is never traced, and XLA
+    refuses to deserialize one whose custom calls have no handler ("No FFI handler registered")."""
+    if _cpu.available():
+        _cpu.register()
+    if jax.default_backend() == "gpu":
+        from pallas_kernels.moe_matmul import host as _host
+        if _host.available():
+            _host.register()
+
+
+def cpu_isa() -> str:
+    """The instruction-set level the C++ kernels run at here (`IKJAX_CPU_ISA` caps it), or "not built"."""
+    return _cpu.isa() if _cpu.available() else "not built"
 
 
 def threads() -> int:
@@ -161,6 +183,36 @@ def precision_for(dtype):
 def compute(dtype) -> str:
     """The C++ kernels' compute mode for a step dtype."""
     return "bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f32"
+
+
+# The C++ CPU kernels compute products of fewer than 4 activation rows in their decode form (8-bit
+# activation blocks with int8 dots at compute=bf16, dequantize-and-dot in f32) and 4 or more in
+# their prompt form (packed bf16 / int8 panels): each form gives every row the same bits whatever
+# the row count, but the two forms differ (pallas_kernels/quant_matmul/cpu_kernel.cc
+# kGemmMinRows; tests/test_batch_consistency.py checks both halves of that).
+CPU_DECODE_MAX_ROWS = 3
+
+
+def decode_groups(n_rows: int) -> list[tuple[int, int]] | None:
+    """Row ranges [a, b) to give the CPU kernels separately in a decode step, or None for one call.
+
+    Why: a batched decode must compute each sequence's token as the same sequence alone does
+    (generate_batch and a server's continuous batching against generate). Alone, a decode step
+    has 1 row per product and the kernels take their decode form; a batch of 4 or more would
+    switch the whole product to the prompt form, and an MoE expert picked by 4 or more of the
+    batch's tokens likewise. So in a step of fewer than 4 tokens per sequence (`seq_tokens` of
+    the kernel context) a product of more rows is cut into groups of at most 3, each in the
+    decode form: bit for bit what each row gets alone. Prompt steps (and calls outside a model
+    step) are one call."""
+    t = _CONTEXT.get().seq_tokens
+    if not 0 < t <= CPU_DECODE_MAX_ROWS or n_rows <= CPU_DECODE_MAX_ROWS:
+        return None
+    return [(a, min(n_rows, a + CPU_DECODE_MAX_ROWS)) for a in range(0, n_rows, CPU_DECODE_MAX_ROWS)]
+
+
+def decode_step() -> bool:
+    """Whether the step being traced has fewer than 4 tokens per sequence (see `decode_groups`)."""
+    return 0 < _CONTEXT.get().seq_tokens <= CPU_DECODE_MAX_ROWS
 
 
 def rows(x) -> int:

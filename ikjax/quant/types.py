@@ -32,7 +32,18 @@ class QuantType:
     row_meta_bytes: int = 0
     interleave: int = 1
 
+    @property
+    def layout_known(self) -> bool:
+        """False for ik's ids whose block struct ikjax does not record (ik_types registers them with
+        block_bytes 0 so the name still reports): their size cannot be computed at all."""
+        return self.block_bytes > 0
+
     def row_bytes(self, n_per_row: int) -> int:
+        if not self.layout_known:
+            # the placeholder block of 2**30 weights would say "row of 512 is not a multiple of
+            # 1073741824", as if the shape were wrong: the type is what ikjax does not know
+            raise UnsupportedQuantType(f"type id {self.type_id} ({self.name}): ikjax does not know this "
+                                       f"type's block layout, so it cannot size or read the tensor")
         if n_per_row % self.block_elems:
             raise ValueError(f"{self.name}: row of {n_per_row} is not a multiple of {self.block_elems}")
         return self.row_meta_bytes + n_per_row // self.block_elems * self.block_bytes

@@ -28,15 +28,24 @@ the whole model in Python and lowers it (3.3 s of a 27-layer V2-Lite warm start 
 the device's host, RESULTS §13b). So ikjax also keeps each single-device step it compiled whole
 (`jax.experimental.serialize_executable`) under `steps/`, keyed by everything the executable is
 made from without tracing: ikjax's and pallas_kernels' source files, jax/jaxlib versions,
-XLA_FLAGS, the devices, and the step's own key (weight tree with shapes, dtypes and placement,
-the model config, the step plan). A later run loads it by that key before tracing anything;
-anything unreadable there is ignored (the step then comes from JAX's cache), never an error.
-Only executables compiled in this process are stored (one JAX loaded from its own cache does not
-serialize again whole on XLA:CPU), and on a CPU only with IKJAX_STORE_STEPS=1 (ikjax.runtime.executables).
+XLA_FLAGS, the devices, and the step's own key (the whole argument tree: weights, KV cache and
+inputs with every leaf's shape, dtype and placement; the run options, the model config, the step
+plan, JAX's type settings; ikjax.runtime.executables.Executables._stored_step). A later run
+loads it by that key before tracing anything (the native FFI targets registered first), and
+checks the loaded executable's argument tree and types against the call's: anything unreadable,
+stored under another key or made for other arguments is a miss (the step is compiled; the entry
+removed, and replaced where this process compiled it), never an error. Only executables
+compiled in this process are stored (one JAX loaded from its own cache does not serialize again
+whole on XLA:CPU), and on a CPU only with IKJAX_STORE_STEPS=1 (ikjax.runtime.executables).
+
+Damaged entries of JAX's own cache (random bytes, truncated, empty): JAX warns on each read and
+never rewrites the file, so `setup` guards its reads (`_guard_reads`): in our directory such an
+entry is deleted and read as absent, JAX compiles and writes it afresh, one line notes it.
 
 Counting: JAX records '/jax/compilation_cache/cache_hits' for an executable loaded from disk and
 '/jax/compilation_cache/cache_misses' for one compiled and written (names as in jax 0.10.2's
-jax/_src/compiler.py and compilation_cache.py); `hits()` and `writes()` count them in this process.
+jax/_src/compiler.py and compilation_cache.py); `hits()` and `writes()` count them in this process
+(a stored step loaded whole counts as a hit, and in `step_loads()`).
 """
 from __future__ import annotations
 
@@ -61,9 +70,11 @@ OFF = ("0", "off", "false", "no", "none")
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 WRITE_EVENT = "/jax/compilation_cache/cache_misses"
 
-_counts = {HIT_EVENT: 0, WRITE_EVENT: 0}
+STEP_LOAD = "ikjax/stored_step_loads"  # ours: steps loaded whole by load_step (also counted as hits)
+
+_counts = {HIT_EVENT: 0, WRITE_EVENT: 0, STEP_LOAD: 0}
 _listening = False
-_configured: tuple[str | None, Path | None] | None = None  # (the spec set up, the directory used)
+_configured: tuple[str | None, Path | None, bool] | None = None  # (the spec set up, the directory used, ours)
 
 
 def default_root() -> Path:
@@ -120,14 +131,14 @@ def setup(spec: str | None = None) -> Path | None:
     if spec is None and not env.raw(ENV) and theirs:  # the user configured JAX's cache: it stays
         d = Path(theirs)
         log.info("compilation cache: JAX's own, %s (jax_compilation_cache_dir)", d)
-        _configured = (spec, d)
+        _configured = (spec, d, False)
         return d
     root = resolve(spec)
     from jax.experimental.compilation_cache import compilation_cache as cc
     if root is None:
         jax.config.update("jax_enable_compilation_cache", False)
         cc.reset_cache()
-        _configured = (spec, None)
+        _configured = (spec, None, False)
         log.info("compilation cache: off")
         return None
     d = root / build_tag()
@@ -144,9 +155,68 @@ def setup(spec: str | None = None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     cc.reset_cache()
-    _configured = (spec, d)
+    _guard_reads()
+    _configured = (spec, d, True)
     log.info("compilation cache: %s", d)
     return d
+
+
+_replaced = 0  # unreadable entries of our directory replaced in this process
+
+
+def _guard_reads() -> None:
+    """Make an unreadable entry of ikjax's cache directory a plain miss that gets rewritten.
+
+    Why: JAX's cache never replaces an entry (its LRUCache.put returns when the file exists) and
+    warns on every read it cannot use (compiler._cache_read: a two-line UserWarning, then a
+    compile), so one damaged file (random bytes, truncated, empty, or left 0 bytes by a full
+    disk: its put writes in place) cost every later run a warning and a compile per step, for
+    good. Here JAX's read goes through a guard: in our directory an entry that fails to read,
+    decompress or deserialize is deleted, the read answers "absent", JAX compiles and writes the
+    fresh entry; the first one a process replaces is noted in one line (the rest at -v). A
+    directory the user gave JAX themselves, and `jax_raise_persistent_cache_errors`, keep JAX's
+    own behaviour. Patched on the module JAX's compiler calls through (jax 0.10.2's
+    jax/_src/compilation_cache.py `get_executable_and_time`); a JAX without it keeps its own."""
+    from jax._src import compilation_cache as jcc
+    read = getattr(jcc, "get_executable_and_time", None)
+    if read is None or getattr(read, "_ikjax_guard", False):
+        return
+
+    @functools.wraps(read)
+    def guarded(cache_key, *args, **kwargs):
+        try:
+            return read(cache_key, *args, **kwargs)
+        except Exception as e:  # what JAX itself turns into a warning
+            d = _own_directory()
+            if d is None or getattr(jax.config, "jax_raise_persistent_cache_errors", False):
+                raise
+            _replace_entry(d, cache_key, e)
+            return None, None
+    guarded._ikjax_guard = True
+    jcc.get_executable_and_time = guarded
+
+
+def _own_directory() -> Path | None:
+    """Our build directory while JAX's cache points at it (None: off, or a directory the user
+    configured for JAX themselves)."""
+    d = _configured[1] if _configured is not None and _configured[2] else None
+    return d if d is not None and getattr(jax.config, "jax_compilation_cache_dir", None) == str(d) else None
+
+
+def _replace_entry(d: Path, cache_key: str, error: Exception) -> None:
+    global _replaced
+    for suffix in ("-cache", "-atime"):  # jax/_src/lru_cache.py's file names
+        try:
+            (d / f"{cache_key}{suffix}").unlink()
+        except OSError:
+            pass
+    _replaced += 1
+    why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if _replaced == 1:
+        log.warning("compilation cache: replacing an unreadable entry in %s (%s); it is compiled again",
+                    describe(), why[:200])
+    else:
+        log.info("compilation cache: replacing unreadable entry %s (%s)", cache_key, why[:200])
 
 
 def _listen() -> None:
@@ -172,44 +242,79 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
-def _step_path(parts: tuple) -> Path | None:
+def _step_key(parts: tuple) -> str:
+    import jaxlib
+    return repr((parts, _source_hash(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
+                 [(dev.platform, dev.device_kind, dev.id) for dev in jax.devices()]))
+
+
+def _step_path(key: str) -> Path | None:
     d = directory()
     if d is None:
         return None
-    import jaxlib
-    key = repr((parts, _source_hash(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
-                [(dev.platform, dev.device_kind, dev.id) for dev in jax.devices()]))
     return d / "steps" / (hashlib.sha256(key.encode()).hexdigest() + ".pkl")
 
 
-def load_step(parts: tuple):
-    """The executable stored under `parts` by `store_step` (counted as a cache hit), or None."""
-    path = _step_path(parts)
+def _drop(path: Path, why: str) -> None:
+    """A stored step that cannot serve this run: removed, so that no later run reads it again
+    (the step compiled now takes its place where it can be stored)."""
+    log.info("compilation cache: replacing %s (%s)", path.name, why)
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def load_step(parts: tuple, signature: tuple | None = None):
+    """The executable stored under `parts` by `store_step` (counted as a cache hit), or None.
+
+    None (a miss, never an error) for anything that cannot serve this call: an unreadable or
+    partial entry, one stored under another key (its full key is kept beside it), or one whose
+    argument tree and types differ from `signature` ((tree, ((shape, dtype), ...)) of the
+    arguments it will be called with); such an entry is removed."""
+    key = _step_key(parts)
+    path = _step_path(key)
     if path is None or not path.is_file():
         return None
+    # a stored step names our C++ kernels by FFI target only: they must be registered with XLA
+    # before it is deserialized (tracing registers them, and a stored step is never traced)
+    from ikjax import ops
+    ops.register_native_targets()
     try:
         import pickle
         from jax.experimental.serialize_executable import deserialize_and_load
-        payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+        entry = pickle.loads(path.read_bytes())
+        if not (isinstance(entry, tuple) and len(entry) == 4 and entry[0] == key):
+            _drop(path, "stored for other arguments or by another version")
+            return None
+        _, payload, in_tree, out_tree = entry
         exe = deserialize_and_load(payload, in_tree, out_tree)
     except Exception as e:  # noqa: BLE001 - a stale or partial entry: compile as if absent
-        log.info("compilation cache: ignoring %s (%s)", path.name, e)
+        _drop(path, f"unreadable: {type(e).__name__}: {e}")
         return None
+    if signature is not None:
+        tree, avals = signature
+        have = tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(exe.in_avals))
+        if exe.in_tree != tree or have != avals:
+            _drop(path, "compiled for other argument types")
+            return None
     _counts[HIT_EVENT] += 1
+    _counts[STEP_LOAD] += 1
     return exe
 
 
 def store_step(parts: tuple, exe) -> None:
     """Keep a compiled step for `load_step` (best effort: a step that cannot be serialized, or a
-    full disk, only costs the next run its tracing)."""
-    path = _step_path(parts)
+    full disk, only costs the next run its tracing). An entry already there is replaced."""
+    key = _step_key(parts)
+    path = _step_path(key)
     if path is None:
         return
     try:
         import pickle
         from jax.experimental.serialize_executable import serialize
         from ikjax.atomic_file import atomic_write
-        data = pickle.dumps(serialize(exe))
+        data = pickle.dumps((key, *serialize(exe)))
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with atomic_write(path, len(data), "compiled step") as tmp:  # whole or not at all
             tmp.write_bytes(data)
@@ -220,6 +325,16 @@ def store_step(parts: tuple, exe) -> None:
 def hits() -> int:
     """Executables this process loaded from the persistent cache."""
     return _counts[HIT_EVENT]
+
+
+def step_loads() -> int:
+    """Steps this process loaded whole from `steps/` (no tracing); a part of `hits()`."""
+    return _counts[STEP_LOAD]
+
+
+def replaced() -> int:
+    """Unreadable entries of our directory this process deleted so JAX writes them afresh."""
+    return _replaced
 
 
 def writes() -> int:

@@ -34,6 +34,7 @@ from ikjax.runtime import compile_cache, distributed, generation
 from ikjax.runtime.executables import Executables
 from ikjax.runtime.executors import Executor, executor_for
 from ikjax.runtime.generation import BatchGeneration, Generation
+from ikjax.runtime.sampling import NON_FINITE, NonFiniteLogitsError, check_finite_logits
 from ikjax.runtime.memory_plan import (MemoryPlan, cache_capacity, charge_load, check_devices, check_fits, mapped_rss,
                                        plan_memory, process_memory, runtime_ready)
 
@@ -57,6 +58,9 @@ class Engine:
         self.placement = plan_placement(cfg, self.file.tensors.values(), self.options)
         for note in self.placement.notes:
             log.warning("%s", note)
+        if o.ctx > cfg.context_length:  # ik warns too: positions past training are untested ground
+            log.warning("-c %d exceeds the model's training context (context_length %d in %s): output past "
+                        "position %d may degrade", o.ctx, cfg.context_length, path, cfg.context_length)
         self.split_mode = self.placement.split_mode
         distributed.check_split(self.split_mode)
         self.backend = ops.resolve_backend()
@@ -79,6 +83,7 @@ class Engine:
         stages = self.executor.describe()
         if stages:
             log.info("-sm %s: %s", self.split_mode, stages)
+        self._cache_specs: dict[int, tuple] = {}
         self._steps = Executables(self.executor, config=cfg, options=self.options, layout=self.cache_layout,
                                   source=self.file.path, memory=memory)
 
@@ -136,10 +141,15 @@ class Engine:
         The cache passed in is donated (consumed); use the one returned. Rows past a sequence's
         position are ignored by the causal mask, so "removing" tokens is moving `start` back.
         """
-        tokens = np.asarray(tokens, np.int32)
-        start = np.asarray(start, np.int32)
+        tokens = self._ids("tokens", tokens, 2)
         B, T = tokens.shape
-        last = np.full(B, T - 1, np.int32) if last is None else np.asarray(last, np.int32)
+        start = self._positions("start", start, B, T)
+        last = np.full(B, T - 1, np.int32) if last is None else self._int_array("last", last, 1, B)
+        if (last < 0).any() or (last >= T).any():
+            raise OptionError(f"last: indices must lie in [0, {T}) for {T} tokens a sequence, got {last.tolist()}")
+        last = last.astype(np.int32)
+        self._check_cache(cache, B)
+        self.file.check_unchanged()
         plan = self._plan(self.kv_bucket(int(start.max()) + T, T), all_logits, T)
         exe = self._steps.get(self.weights, B, T, plan)
         return self.executor.run(exe, self.weights, cache, tokens, start, last)
@@ -171,15 +181,24 @@ class Engine:
         cache is donated. `chunk` (default n) is the compiled length, so calls with n <= chunk
         share one executable; `sampling`: `check_sampling`'s keys (default greedy); `key`: a JAX
         PRNG key."""
-        tokens = np.asarray(tokens, np.int32).reshape(-1)
-        start = np.asarray(start, np.int32).reshape(-1)
+        tokens = self._ids("tokens", tokens, 1)
         chunk = n if chunk is None else chunk
-        if not 0 < n <= chunk:
-            raise OptionError(f"decode: need 0 < n <= chunk, got n={n}, chunk={chunk}")
+        if not _is_int(n) or not _is_int(chunk) or not 0 < n <= chunk:
+            raise OptionError(f"decode: need integers 0 < n <= chunk, got n={n!r}, chunk={chunk!r}")
+        start = self._positions("start", start, len(tokens), n)
+        self._check_cache(cache, len(tokens))
+        self.file.check_unchanged()
         plan = self._decode_plan(int(start.max()), chunk)
         exe = self._steps.get(self.weights, len(tokens), 1, plan, (chunk, self._sampling_key(sampling)))
-        return self.executor.run(exe, self.weights, cache, tokens, start, np.int32(n),
-                                 jax.random.key(0) if key is None else key)
+        out, cache = self.executor.run(exe, self.weights, cache, tokens, start, np.int32(n),
+                                       jax.random.key(0) if key is None else key)
+        # the tokens are tiny and every caller reads them next (generate) or waits for them
+        # (the benches): checked here, the host copy stays cached on the array
+        bad = np.asarray(out)[:, :n] == NON_FINITE
+        if bad.any():
+            b, i = (int(v[0]) for v in np.nonzero(bad))
+            raise self._non_finite(f" at decode step {i} of sequence {b} (position {int(start[b]) + i})")
+        return out, cache
 
     def precompile_decode(self, batch: int, chunk: int, kv_needed: int, sampling: dict | None = None) -> float:
         """Compile the decode loop of `chunk` steps whose last step reads `kv_needed` entries."""
@@ -193,12 +212,97 @@ class Engine:
     def cache_layout(self, batch: int = 1) -> kvcache.CacheLayout:
         return kvcache.CacheLayout.for_model(self.config, self.options.mla, self.options.ctk, batch, self.capacity)
 
+    # -- argument checks (host side, on small arrays: microseconds a step) ------------------------
+    @staticmethod
+    def _int_array(name: str, x, ndim: int, length: int | None = None) -> np.ndarray:
+        """An integer array of `ndim` dims (and `length` rows); one line naming `name`."""
+        try:
+            arr = np.asarray(x)
+        except (ValueError, TypeError) as e:
+            raise OptionError(f"{name}: not an integer array ({e})") from None
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise OptionError(f"{name}: expected integers, got {arr.dtype} values")
+        if ndim == 1 and arr.ndim == 0:
+            arr = arr.reshape(1)
+        if arr.ndim != ndim or arr.size == 0:
+            raise OptionError(f"{name}: expected a non-empty {ndim}-D integer array, got shape {arr.shape}")
+        if length is not None and arr.shape[0] != length:
+            raise OptionError(f"{name}: expected {length} entries (one per sequence), got {arr.shape[0]}")
+        return arr  # as given: the callers' range checks come before the cast to int32
+
+    def _ids(self, name: str, x, ndim: int) -> np.ndarray:
+        arr = self._int_array(name, x, ndim)
+        V = self.config.vocab_size
+        if arr.min() >= 0 and arr.max() < V:
+            return arr.astype(np.int32)
+        bad = (arr < 0) | (arr >= V)
+        if bad.any():
+            i = tuple(int(v[0]) for v in np.nonzero(bad))
+            raise OptionError(f"{name}: token id {int(arr[i])} at index {i if ndim > 1 else i[0]} is outside the "
+                              f"vocabulary [0, {V})")
+        return arr.astype(np.int32)
+
+    def _positions(self, name: str, x, B: int, T: int) -> np.ndarray:
+        """Positions start[b] of B sequences writing T rows each: >= 0 and inside the cache (its
+        `capacity` rows: ctx plus a padded micro-batch; a write past it would land, clamped, on
+        earlier rows)."""
+        start = self._int_array(name, x, 1, B)
+        if start.min() < 0:
+            raise OptionError(f"{name}: positions must be >= 0, got {start.tolist()}")
+        if int(start.max()) + T > self.capacity:
+            raise OptionError(f"{name}: {int(start.max())} + {T} tokens run past the cache ({self.capacity} rows for "
+                              f"ctx={self.options.ctx})")
+        return start.astype(np.int32)
+
+    def _cache_spec(self, batch: int):
+        spec = self._cache_specs.get(batch)
+        if spec is None:
+            shapes = jax.eval_shape(lambda: kvcache.init_cache(self.cache_layout(batch)))
+            leaves, tree = jax.tree.flatten(shapes)
+            spec = self._cache_specs[batch] = (tree, [(a.shape, a.dtype) for a in leaves])
+        return spec
+
+    def _check_cache(self, cache, batch: int) -> None:
+        """The cache is this engine's (model, -mla, -ctk, -c) for `batch` sequences and still
+        alive (a step consumes the cache it is given): else one line, not a JAX TypeError."""
+        tree, want = self._cache_spec(batch)
+        leaves, got_tree = jax.tree.flatten(cache)
+        layout = self.cache_layout(batch)
+        what = (f"{layout.kind} cache of {layout.n_layer} layers, batch {batch}, {layout.capacity} rows, "
+                f"-ctk {layout.ctk}")
+        if got_tree != tree:
+            raise OptionError(f"cache: not a cache of this engine (expected a {what}); make one with new_cache({batch})")
+        for a, (shape, dtype) in zip(leaves, want):
+            if getattr(a, "shape", None) != shape or getattr(a, "dtype", None) != dtype:
+                raise OptionError(f"cache: holds {getattr(a, 'dtype', type(a).__name__)}"
+                                  f"{list(getattr(a, 'shape', ()))} where this engine's {what} has "
+                                  f"{dtype}{list(shape)}; make one with new_cache({batch})")
+            if isinstance(a, jax.Array) and a.is_deleted():
+                raise OptionError("cache: already consumed by an earlier step (steps donate their cache): pass "
+                                  "the cache that step returned")
+
+    # -- non-finite values -----------------------------------------------------------------------
+    def _check_finite(self, logits: np.ndarray, position: int) -> None:
+        try:
+            check_finite_logits(logits)
+        except NonFiniteLogitsError:
+            raise self._non_finite(f" (up to position {position})") from None
+
+    def _non_finite(self, where: str) -> NonFiniteLogitsError:
+        """The error for non-finite logits: which tensor of the file holds NaN/Inf, looked for
+        only now (on the failure path), in the order the step reads them."""
+        source = _non_finite_tensor(self.file)
+        return NonFiniteLogitsError(f"{self.file.path}: non-finite logits{where}: {source}")
+
     # -- public API ----------------------------------------------------------------------------
     def prefill(self, cache, ids: np.ndarray, start: int = 0, all_logits: bool = False):
         """Feed one sequence's ids from position `start` in ubatch chunks (batch 1).
 
         Returns (logits, cache): [n, V] for every token if all_logits, else [V] of the last one.
         """
+        ids = generation.check_ids(ids, self.config.vocab_size, "ids")
+        if not _is_int(start) or start < 0:
+            raise OptionError(f"start: expected an integer position >= 0, got {start!r}")
         n = len(ids)
         if start + n > self.options.ctx:
             raise OptionError(f"{start + n} tokens exceed the context size ctx={self.options.ctx}")
@@ -213,9 +317,12 @@ class Engine:
                                       all_logits)
             if all_logits:
                 outs.append(np.asarray(logits, np.float32)[0, :len(chunk)])
+                self._check_finite(outs[-1], start + c0)
         if all_logits:
             return np.concatenate(outs, 0), cache
-        return np.asarray(logits, np.float32)[0], cache
+        out = np.asarray(logits, np.float32)[0]
+        self._check_finite(out, start + n - 1)
+        return out, cache
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits [n_tokens, n_vocab] (float32) at every position of a fresh sequence."""
@@ -262,6 +369,51 @@ class Engine:
         for batch 1 also what this engine measured: runtime, load copies, compiled steps, and
         XLA's buffers of the largest step compiled so far (`peak_bytes`, `peak_lines()`)."""
         return self._steps.memory if batch == 1 else self._static_plan(batch)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+_SCAN_BYTES = 4 << 30  # how much of the file the failure path reads looking for the bad tensor
+
+
+def _read_order(name: str) -> tuple:
+    """Tensors in the order a step reads them: the embedding, the layers, the output head."""
+    if name.startswith("blk."):
+        return (1, int(name.split(".")[1]), name)
+    return (0 if name.startswith("token_embd") else 2, 0, name)
+
+
+def _non_finite_tensor(file: GGUFModelFile) -> str:
+    """Where the weights hold NaN/Inf: the first tensor (in read order) with a non-finite value,
+    with the layer it belongs to; the routed experts (most of a big file) after the rest, within
+    _SCAN_BYTES. The text says what was checked when nothing turns up (then the arithmetic
+    overflowed: a narrower -dtype, or activations past f16's range)."""
+    from ikjax.quant.dequant import dequantize, supports
+
+    names = sorted(file.tensors, key=lambda n: ("_exps" in n, _read_order(n)))
+    scanned = 0
+    for name in names:
+        info = file.tensors[name]
+        if info.qtype is None or not supports(info.qtype) or scanned + info.nbytes > _SCAN_BYTES:
+            continue
+        scanned += info.nbytes
+        raw = file.tensor_bytes(name)
+        n_per_row = info.shape[-1]
+        rb = info.qtype.row_bytes(n_per_row)
+        rows = raw.reshape(-1, rb)
+        bad = 0
+        R = info.qtype.interleave
+        step = max(R, (64 << 20) // rb // R * R)
+        for r0 in range(0, len(rows), step):
+            vals = np.asarray(dequantize(rows[r0:r0 + step], info.qtype, n_per_row))
+            bad += int((~np.isfinite(vals)).sum())
+        if bad:
+            layer = f" (layer {name.split('.')[1]})" if name.startswith("blk.") else ""
+            return f"tensor {name}{layer} holds {bad} NaN/Inf value(s) in the file"
+    return (f"no NaN/Inf in the {scanned >> 20} MiB of weights checked: the arithmetic overflowed "
+            f"(try --dtype f32)")
 
 
 def load(path: str, **options) -> Engine:

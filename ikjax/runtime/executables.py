@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from ikjax import env
 from ikjax.gguf_io.config import ModelConfig
+from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.options import RunOptions
 from ikjax.runtime import compile_cache
@@ -54,6 +55,30 @@ def compile_step(weights, cache, B: int, T: int, *, cfg: ModelConfig, plan: Step
                                        plan=plan, chunk=chunk, sampling=sampling)
         return lowered.compile(_DECODE_GPU_OPTIONS if gpu else None)
     return _jitted_forward.lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=cfg, plan=plan).compile()
+
+
+# JAX settings that change what a traced step's arguments are (x64: Python ints and int64 inputs)
+# or what it computes; part of a stored step's key.
+_JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dtype_promotion",
+                 "jax_default_prng_impl", "jax_threefry_partitionable")
+
+
+def step_arguments(weights, layout, B: int, T: int, decode: tuple | None) -> tuple:
+    """The arguments a compiled step is called with, as ShapeDtypeStructs (the weights as given):
+    (weights, cache, tokens, start, last) or, for the decode loop, (weights, cache, tokens, start,
+    n, key) — what `compile_step` lowers and `Engine.step` / `Engine.decode` pass."""
+    cache = jax.eval_shape(lambda: kvcache.init_cache(layout))
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    if decode is not None:
+        return (weights, cache, i32((B,)), i32((B,)), i32(()), jax.eval_shape(lambda: jax.random.key(0)))
+    return (weights, cache, i32((B, T)), i32((B,)), i32((B,)))
+
+
+def _describe(a) -> tuple:
+    """A leaf as a stored step's key sees it: shape, dtype, and for an array its placement."""
+    sharding = getattr(a, "sharding", None)
+    return (tuple(a.shape), str(a.dtype), str(sharding) if sharding is not None else None,
+            getattr(sharding, "memory_kind", None))
 
 
 class Executables:
@@ -90,16 +115,17 @@ class Executables:
         compile_cache.setup()
         hits0, writes0 = compile_cache.hits(), compile_cache.writes()
         before = process_memory()
-        stored = self._stored_step_key(weights, key)
-        exe = compile_cache.load_step(stored) if stored else None  # compiled by an earlier run:
-        loaded = exe is not None                                   # no tracing, no lowering
+        stored = self._stored_step(weights, key)
+        # compiled by an earlier run: no tracing, no lowering; one made for other arguments is a miss
+        exe = compile_cache.load_step(*stored) if stored else None
+        loaded = exe is not None
         if not loaded:
             exe = self.executor.compile(weights, self.layout(B), B, T, plan, decode)
         if stored and not loaded and compile_cache.hits() == hits0:
             # only an executable compiled here: one JAX itself loaded from its cache does not
             # serialize again whole on XLA:CPU (a run of such an entry failed: "Function
             # wrapped_iota not found"), and in threads a hit elsewhere makes this one skip too
-            compile_cache.store_step(stored, exe)
+            compile_cache.store_step(stored[0], exe)
         with self._lock:  # steps compiling side by side (compile_in_parallel) share this bookkeeping
             exe = self._account(key, exe, hits0, writes0, before)
         if self.executor.on_cpu_only:
@@ -126,23 +152,35 @@ class Executables:
         log.info("compiling step: batch %d, %s, kv_len %d, mla %d, fa %d", B, what, plan.kv_len, plan.mla, plan.fa)
         return True
 
-    def _stored_step_key(self, weights, key: tuple) -> tuple | None:
-        """What a step compiled for `key` is made of, for compile_cache.load_step/store_step; None
-        where steps are not stored whole: several devices, weights outside device memory, and by
-        default a CPU (its steps trace and compile in about a second; IKJAX_STORE_STEPS=1 stores
-        them too, =0 never stores)."""
+    def _stored_step(self, weights, key: tuple) -> tuple[tuple, Any] | None:
+        """(parts, signature) of a step compiled for `key`, for compile_cache.load_step/store_step;
+        None where steps are not stored whole: several devices, weights outside device memory, and
+        by default a CPU (its steps trace and compile in about a second; IKJAX_STORE_STEPS=1
+        stores them too, =0 never stores).
+
+        `parts` is everything the executable's arguments and code are made of that tracing would
+        see: the whole argument tree (weights, KV cache, inputs) with every leaf's shape, dtype,
+        sharding and memory kind (the cache's type and length come from -ctk, -c, -mla and the
+        batch: two runs differing only there once shared a key, and the second run's call failed
+        with "pytree does not match" / "Argument types differ"), the run options, the model config,
+        the step's key and the JAX settings that change traced types (x64) or numerics; the
+        sources, versions, XLA_FLAGS and devices are added by compile_cache. `signature` (the
+        argument tree and avals) is checked against a loaded executable before it is used."""
         store = env.choice("IKJAX_STORE_STEPS")
         if store == "0" or store == "auto" and self.executor.on_cpu_only:
             return None
         if not self.executor.stores_steps:
             return None
-        leaves, tree = jax.tree.flatten(weights)
-        shapes = []
-        for a in leaves:
+        for a in jax.tree.leaves(weights):
             if not isinstance(a, jax.Array) or getattr(a.sharding, "memory_kind", None) not in (None, "device"):
                 return None
-            shapes.append((a.shape, str(a.dtype)))
-        return ("step", str(tree), tuple(shapes), self.config, key, self.options.mla, self.options.fa)
+        B, T, _, decode = key
+        args = step_arguments(weights, self.layout(B), B, T, decode)
+        leaves, tree = jax.tree.flatten((args, {}))
+        described = tuple(_describe(a) for a in leaves)
+        settings = tuple((name, str(getattr(jax.config, name, None))) for name in _JAX_SETTINGS)
+        parts = ("step", str(tree), described, repr(self.layout(B)), repr(self.options), self.config, key, settings)
+        return parts, (tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
 
     def _account(self, key: tuple, exe, hits0: int, writes0: int, before: tuple[int, int]):
         """Count a new executable (cache hit or not) and put its buffers into the memory plan."""

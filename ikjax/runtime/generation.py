@@ -8,6 +8,7 @@ this module sits below it) and drive it only through its public steps: `prefill`
 """
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 from collections.abc import Iterable, Iterator, Sequence
@@ -53,6 +54,17 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
     out = jnp.zeros((B, chunk), jnp.int32)
     cache, _, out, _ = jax.lax.fori_loop(0, n, body, (cache, tok, out, key))
     return out, cache
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_leaf(big, one, b):
+    return jax.lax.dynamic_update_index_in_dim(big, one[0].astype(big.dtype), b, 0)
+
+
+def _put_row(cache, one, b: int):
+    """`cache` (batch B, donated) with row b replaced by the batch-1 cache `one`: leaf by leaf,
+    each where it lives (the -sm layer pipeline keeps each layer's entries on its own device)."""
+    return jax.tree.map(lambda big, o: _put_leaf(big, o, np.int32(b)), cache, one)
 
 
 def sampling_key(sampling: dict | None) -> tuple:
@@ -191,13 +203,14 @@ def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, s
 def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                    stop: Iterable[int] = ()) -> BatchGeneration:
-    """`Engine.generate_batch` (its docstring): prompts fed together in ubatch chunks, then one
-    step per token for every unfinished sequence, the batch padded to a power of two."""
+    """`Engine.generate_batch` (its docstring): each prompt fed alone in ubatch chunks (as
+    `generate` does) into its row of the batch's cache, then one step per token for every
+    unfinished sequence, the batch padded to a power of two."""
     max_tokens = check_count("max_tokens", max_tokens)
     p = check_sampling(temperature, top_k, top_p, min_p, seed)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
         raise OptionError("prompts: expected a non-empty list of token id sequences")
-    ctx, ubatch, V = eng.options.ctx, eng.options.ubatch, eng.config.vocab_size
+    ctx, V = eng.options.ctx, eng.config.vocab_size
     seqs = [check_ids(s, V, f"prompts[{i}]") for i, s in enumerate(prompts)]
     for i, s in enumerate(seqs):
         check_prompt_fits(len(s), ctx, f"prompts[{i}]")
@@ -211,22 +224,21 @@ def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, te
     lengths = np.array([len(s) for s in seqs] + [1] * (B - n))
     rng = np.random.default_rng(p["seed"])
     sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
+    # Each prompt is fed alone, exactly as `generate` feeds it, and its entries copied into its row
+    # of the batch's cache: fed together, a prompt's products would see other row counts (its
+    # padding to the longest prompt, the CPU kernels' decode vs prompt form, the tokens each MoE
+    # expert gets), so its logits and cache entries, and then its tokens, could differ from the
+    # same prompt alone. The decode steps then compute every row as batch 1 does
+    # (ikjax.ops.registry.decode_groups).
     cache = eng.new_cache(B)
-    width = int(lengths.max())
-    padded = np.zeros((B, width), np.int32)
-    for b, s in enumerate(seqs):
-        padded[b, :len(s)] = s
+    one = None
     last_logits = np.zeros((B, V), np.float32)
-    for c0 in range(0, width, ubatch):
-        c1 = min(width, c0 + ubatch)
-        T = eng.token_bucket(c1 - c0)
-        toks = np.zeros((B, T), np.int32)
-        toks[:, :c1 - c0] = padded[:, c0:c1]
-        last = np.clip(lengths - 1 - c0, 0, T - 1)
-        logits, cache = eng.step(cache, toks, np.full(B, c0), last)
-        logits = np.asarray(logits, np.float32)
-        ends_here = (lengths - 1 >= c0) & (lengths - 1 < c1)
-        last_logits[ends_here] = logits[ends_here]
+    for b, s in enumerate(seqs):
+        if len(s) >= ctx:  # no token to generate: its logits are never read
+            continue
+        logits, one = eng.prefill(eng.new_cache(1) if one is None else one, s, 0, all_logits=False)
+        last_logits[b] = logits
+        cache = _put_row(cache, one, b)
     reasons: list[str | None] = [None] * n
     for b in range(n):
         if lengths[b] >= ctx:

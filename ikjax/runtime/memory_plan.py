@@ -13,7 +13,8 @@ of [tokens*k, experts*ffn]). Nothing but the compiler knows that last number, so
 from the compiled step itself (`Compiled.memory_analysis()`: temp + outputs) before the step
 runs; the runtime baseline, the load copies and the compiler state are measured on the process
 (/proc/self/status). A plan that exceeds what the device (GPU) or the machine (CPU:
-MemAvailable, or the cgroup limit when lower) has is refused with one line: at load, and again
+MemAvailable, this process's cgroup limits, RLIMIT_AS: the lowest, `available_memory`) has is
+refused with one line: at load, and again
 on CPU for each new step shape before it runs."""
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import resource
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -223,27 +225,86 @@ def _read_int(path: str) -> int | None:
     return int(v) if v.isdigit() else None
 
 
+def _vm_size() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _own_cgroups() -> list[tuple[str, str]]:
+    """(limit file, usage file) of this process's memory cgroup and of each cgroup above it (a
+    parent's limit binds its children too), cgroup v2 and v1, from /proc/self/cgroup; the mount's
+    root files as well (inside a container the cgroup path is often the mount's root)."""
+    out: list[tuple[str, str]] = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":
+            root, limit, usage = "/sys/fs/cgroup", "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            root, limit, usage = "/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        d = rel.strip("/")
+        while True:
+            base = os.path.join(root, d) if d else root
+            out.append((os.path.join(base, limit), os.path.join(base, usage)))
+            if not d:
+                break
+            d = os.path.dirname(d)
+    for pair in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        if pair not in out:
+            out.append(pair)
+    return out
+
+
 def available_memory() -> tuple[int | None, str]:
-    """Bytes this process can still take, and where the number comes from: MemAvailable of
-    /proc/meminfo, or the cgroup's limit less its usage when that is lower. (None, why) if unknown."""
-    avail, src = None, ""
+    """Bytes this process can still take, and where the number comes from: the least of
+    MemAvailable (/proc/meminfo), each memory cgroup limit over this process (its own cgroup and
+    those above it, v2 memory.max or v1 memory.limit_in_bytes, less their usage), and the address
+    space limit RLIMIT_AS (`ulimit -v`, `prlimit --as`) less the address space in use (VmSize).
+
+    Why all three: with MemAvailable alone a run under `prlimit --as=2G` passed the plan, compiled,
+    echoed the prompt and died in the first step with RESOURCE_EXHAUSTED (or std::bad_alloc); the
+    kernel enforces whichever limit is lowest, so the plan must too, and say which one it was.
+    (None, why) if nothing is known."""
+    cands: list[tuple[int, str]] = []
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    avail, src = int(line.split()[1]) * 1024, "MemAvailable"
+                    cands.append((int(line.split()[1]) * 1024, "MemAvailable"))
     except OSError:
-        return None, "no /proc/meminfo"
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        pass
+    for limit_file, usage_file in _own_cgroups():
         limit, usage = _read_int(limit_file), _read_int(usage_file)
         if limit is not None and usage is not None and limit < (1 << 60):
-            free = max(0, limit - usage)
-            if avail is None or free < avail:
-                avail, src = free, "cgroup memory limit"
-            break
-    return avail, src
+            cands.append((max(0, limit - usage), f"cgroup memory limit {limit >> 20} MiB ({limit_file})"))
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (OSError, ValueError):
+        soft = resource.RLIM_INFINITY
+    if soft != resource.RLIM_INFINITY:
+        vm = _vm_size()
+        if vm is not None:
+            cands.append((max(0, soft - vm), f"RLIMIT_AS {soft >> 20} MiB (ulimit -v), {vm >> 20} MiB of "
+                                             f"address space in use"))
+    if not cands:
+        return None, "no /proc/meminfo"
+    return min(cands, key=lambda c: c[0])
 
 
 def cache_capacity(options: RunOptions) -> int:

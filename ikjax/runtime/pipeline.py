@@ -24,7 +24,7 @@ from ikjax.placement.devices import jax_devices
 
 def _stage(weights, cache, x, start, last, *, cfg, plan, first: int, embed_in: bool, head_out: bool):
     """One device's part of a step: [embedding] + its layers + [output head]."""
-    with ops.kernel_context(plan.backend, plan.threads):
+    with ops.kernel_context(plan.backend, plan.threads, seq_tokens=x.shape[1]):  # x: tokens [B,T] or [B,T,d]
         if embed_in:
             x = embed(weights["token_embd"], x)
         x, cache = run_layers(weights["layers"], cache, x, start, first, cfg=cfg, plan=plan)

@@ -12,7 +12,7 @@ import numbers
 
 import numpy as np
 
-from ikjax.errors import OptionError
+from ikjax.errors import ModelFileError, OptionError
 
 
 def _is_int(x) -> bool:
@@ -53,10 +53,32 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None) ->
                 seed=None if seed is None or seed == -1 else int(seed))
 
 
+NON_FINITE = -1  # sample_device's token for a row whose logits are not all finite
+
+
+class NonFiniteLogitsError(ModelFileError):
+    """Logits that hold NaN or Inf: no distribution to sample from (the weights or the
+    arithmetic went non-finite). A ModelFileError: in practice the file's weights hold them."""
+
+
+def check_finite_logits(logits: np.ndarray, where: str = "") -> None:
+    """Refuse a logits array that holds NaN / Inf (one line, how many of which), instead of argmax
+    picking the NaN's index (token 0: BOS, over and over) or the probabilities going NaN."""
+    logits = np.asarray(logits)
+    if np.isfinite(logits).all():
+        return
+    n_nan = int(np.isnan(logits).sum())
+    n_inf = int(np.isinf(logits).sum())
+    what = ", ".join(f"{n} {k}" for n, k in ((n_nan, "NaN"), (n_inf, "Inf")) if n)
+    raise NonFiniteLogitsError(f"non-finite logits{where}: {what} of {logits.size} values; the model's weights "
+                               f"(or its arithmetic) produced NaN/Inf, no token can be chosen")
+
+
 def sample_next(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 min_p: float = 0.0, rng: np.random.Generator | None = None) -> int:
     """One token id from a logits row. Parameters as `check_sampling` accepts them."""
     logits = np.asarray(logits, np.float64)
+    check_finite_logits(logits)
     if temperature <= 0.0:
         return int(np.argmax(logits))
     order = np.argsort(-logits, kind="stable")
@@ -81,11 +103,23 @@ def sample_device(logits, key, *, temperature: float = 0.0, top_k: int = 0, top_
     """`sample_next` inside a compiled step: logits [B, V] -> token ids [B] int32, the same filters
     in the same order (top-k, top-p, min-p, then temperature), drawn with a JAX key. It lets
     several decode steps run in one dispatch (Engine.decode) with nothing crossing to the host
-    between tokens. The parameters are static (one executable per setting)."""
-    import jax
+    between tokens. The parameters are static (one executable per setting).
+
+    A row whose logits are not all finite gets NON_FINITE (-1) instead of a token: the host reads
+    the tokens anyway (Engine.decode refuses them there), so the check costs one reduction over
+    the logits the step already holds, nothing crosses to the host per step, and the -1 fed to the
+    next step of the loop embeds safely (ids index as jnp does: from the end, then clamped)."""
     import jax.numpy as jnp
 
     logits = logits.astype(jnp.float32)
+    finite = jnp.isfinite(logits).all(axis=-1)
+    return jnp.where(finite, _sample_device(logits, key, temperature, top_k, top_p, min_p), NON_FINITE)
+
+
+def _sample_device(logits, key, temperature, top_k, top_p, min_p):
+    import jax
+    import jax.numpy as jnp
+
     if temperature <= 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     V = logits.shape[-1]

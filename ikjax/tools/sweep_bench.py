@@ -2,12 +2,19 @@
 
 For n_kv = 0, ub, 2ub, ... while n_kv + ub <= c: generate `tg` tokens at positions n_kv.. (timed),
 drop them (the next step simply starts at n_kv again: later rows are masked), then process `ub`
-random tokens at n_kv (timed). The `tg` tokens are generated as `generate` does, each step
-feeding the token the last one picked (greedy), all of them in one dispatch where the engine
-decodes in a loop (Engine.decode_loop; IKJAX_DECODE_LOOP=0: one dispatch and host round trip per
-token, as ik's sweep-bench, which feeds random tokens). Every step shape the sweep will hit is compiled before
-the first timer starts; compile time is reported separately. `nrep` (ik's `-nrep`) repeats the first
-row's TG and PP that many times and reports the mean, as ik's sweep-bench does.
+random tokens at n_kv (timed). A row's `ub` is ik's `-ub` as given (the PP column): ik feeds the
+row's tokens to llama_decode in `-b`-sized calls and each call is computed in micro-batches of
+min(b, ub) tokens, so `-ub 4096 -b 2048` gives rows of PP 4096 run as two 2048-token steps. Here
+the row runs in compiled steps of min(ub, b) tokens (the engine's `ubatch`), the same split.
+
+The `tg` tokens are generated as `generate` does, each step feeding the token the last one picked
+(greedy), all of them in one dispatch where the engine decodes in a loop (Engine.decode_loop;
+IKJAX_DECODE_LOOP=0: one dispatch and host round trip per token, as ik's sweep-bench, which feeds
+random tokens). Every step shape a row runs is compiled before that row's timers start; compile
+time is reported separately. `nrep` (ik's `-nrep`) repeats the first row's TG and PP that many
+times and reports the mean, as ik's sweep-bench does; `stride` (ik's `--sweep-stride`) measures and
+prints only every Nth row; `memory` (ik's `--sweep-memory`) adds the process's RSS high-water mark
+and the accelerator memory in use since the start to each row.
 """
 from __future__ import annotations
 
@@ -22,12 +29,64 @@ HEADER = "|%6s | %6s | %6s | %8s | %8s | %8s | %8s |" % (
     "PP", "TG", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s")
 SEPARATOR = "|%6s-|-%6s-|-%6s-|-%8s-|-%8s-|-%8s-|-%8s-|" % (
     "------", "------", "------", "--------", "--------", "--------", "--------")
+# with --sweep-memory (ik's column names and widths)
+HEADER_MEMORY = HEADER + " %10s | %10s |" % ("RSS HWM", "VRAM delta")
+SEPARATOR_MEMORY = SEPARATOR[:-1] + "|-%10s-|-%10s-|" % ("----------", "----------")
 ROW = "|%6d | %6d | %6d | %8.3f | %8.2f | %8.3f | %8.2f |"
 JSONL = ('{"n_kv_max": %d, "n_batch": %d, "n_ubatch": %d, "flash_attn": %d, "n_gpu_layers": %d, '
          '"n_threads": %d, "n_threads_batch": %d, "pp": %d, "tg": %d, "n_kv": %d, "t_pp": %f, '
          '"speed_pp": %f, "t_tg": %f, "speed_tg": %f }')
 JSONL_KEYS = ("n_kv_max", "n_batch", "n_ubatch", "flash_attn", "n_gpu_layers", "n_threads", "n_threads_batch",
               "pp", "tg", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg")
+JSONL_MEMORY_KEYS = ("rss_hwm_mib", "vram_delta_mib")
+
+
+def _mib(value: float, precision: int, missing: str) -> str:
+    """ik's format_mib: a negative value means 'not measured here'."""
+    return missing if value < 0 else "%.*f" % (precision, value)
+
+
+def rss_hwm_mib() -> float:
+    """The process's resident-set high-water mark in MiB (getrusage ru_maxrss, KiB on Linux), as
+    ik's --sweep-memory reports it; -1 where getrusage is unavailable."""
+    try:
+        import resource
+    except ImportError:  # Windows: ik reports n/a there too
+        return -1.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class MemoryTracker:
+    """ik's VRAM delta: accelerator memory in use now minus at `start()` (taken before the model
+    loads), summed over this process's devices, in MiB; -1 (printed n/a / null) on CPU, where ik
+    reports no VRAM either. ik reads the driver's free memory; XLA reserves most of a GPU's memory
+    up front, so that number would say nothing here: the allocator's `bytes_in_use` is what the
+    weights, cache and buffers actually hold."""
+
+    def __init__(self) -> None:
+        self.baseline: list[int] | None = None
+
+    @staticmethod
+    def _in_use() -> list[int] | None:
+        import jax
+        out = []
+        for d in jax.local_devices():
+            if d.platform == "cpu":
+                return None
+            stats = d.memory_stats() or {}
+            if "bytes_in_use" not in stats:
+                return None
+            out.append(int(stats["bytes_in_use"]))
+        return out or None
+
+    def start(self) -> None:
+        self.baseline = self._in_use()
+
+    def sample(self) -> float:
+        now = self._in_use() if self.baseline is not None else None
+        if now is None or self.baseline is None:
+            return -1.0
+        return sum(max(n - b, 0) for n, b in zip(now, self.baseline)) / (1024.0 * 1024.0)
 
 
 @dataclass(frozen=True)
@@ -42,10 +101,12 @@ class RunInfo:
     n_threads_batch: int
 
     @classmethod
-    def of(cls, eng) -> "RunInfo":
+    def of(cls, eng, ubatch: int | None = None) -> "RunInfo":
+        """`ubatch`: the -ub as given (ik prints it unclamped; the engine's is min(ub, b))."""
         o = eng.options
         threads = o.threads or os.cpu_count() or 1
-        return cls(o.ctx, o.batch, o.ubatch, int(o.fa), o.ngl, threads, o.threads_batch or threads)
+        return cls(o.ctx, o.batch, o.ubatch if ubatch is None else ubatch, int(o.fa), o.ngl, threads,
+                   o.threads_batch or threads)
 
     def banner(self) -> str:
         return ("main: n_kv_max = %d, n_batch = %d, n_ubatch = %d, flash_attn = %d, n_gpu_layers = %d, "
@@ -61,6 +122,8 @@ class SweepRow:
     n_kv: int
     t_pp: float
     t_tg: float
+    rss_hwm_mib: float | None = None  # set with --sweep-memory (-1: not measurable here)
+    vram_delta_mib: float | None = None
 
     @property
     def speed_pp(self) -> float:
@@ -68,15 +131,27 @@ class SweepRow:
 
     @property
     def speed_tg(self) -> float:
+        # TG 0 (ub < 4): ik divides 0 by ~0 s; 0 t/s says the same without a nan in the JSONL
         return self.tg / self.t_tg if self.t_tg > 0 else 0.0
 
+    @property
+    def has_memory(self) -> bool:
+        return self.rss_hwm_mib is not None
+
     def markdown(self) -> str:
-        return ROW % (self.pp, self.tg, self.n_kv, self.t_pp, self.speed_pp, self.t_tg, self.speed_tg)
+        line = ROW % (self.pp, self.tg, self.n_kv, self.t_pp, self.speed_pp, self.t_tg, self.speed_tg)
+        if self.has_memory:
+            line += " %10s | %10s |" % (_mib(self.rss_hwm_mib, 1, "n/a"), _mib(self.vram_delta_mib, 1, "n/a"))
+        return line
 
     def jsonl(self, info: RunInfo) -> str:
-        return JSONL % (info.n_kv_max, info.n_batch, info.n_ubatch, info.flash_attn, info.n_gpu_layers,
+        line = JSONL % (info.n_kv_max, info.n_batch, info.n_ubatch, info.flash_attn, info.n_gpu_layers,
                         info.n_threads, info.n_threads_batch, self.pp, self.tg, self.n_kv, self.t_pp,
                         self.speed_pp, self.t_tg, self.speed_tg)
+        if self.has_memory:
+            line = line[:-2] + ', "rss_hwm_mib": %s, "vram_delta_mib": %s }' % (
+                _mib(self.rss_hwm_mib, 3, "null"), _mib(self.vram_delta_mib, 3, "null"))
+        return line
 
 
 def sweep_points(ctx: int, ubatch: int) -> list[int]:
@@ -84,41 +159,75 @@ def sweep_points(ctx: int, ubatch: int) -> list[int]:
     return list(range(0, ctx - ubatch + 1, ubatch)) if ubatch <= ctx else []
 
 
-def step_shapes(eng, tg: int, n_kv: int | None = None) -> list[tuple[int, int]]:
+def measured_points(ctx: int, ubatch: int, stride: int = 1) -> list[int]:
+    """The rows ik measures and prints with --sweep-stride N: every Nth of `sweep_points`, from the first."""
+    return sweep_points(ctx, ubatch)[::stride]
+
+
+def _pp_chunks(eng, pp: int) -> list[int]:
+    """A row's `pp` tokens as the compiled steps that process them: min(ub, b)-token steps (the
+    engine's ubatch; ik's -b-sized llama_decode calls, each one micro-batch of min(b, ub)) and the
+    remainder."""
+    step = min(pp, eng.options.ubatch)
+    return [step] * (pp // step) + ([pp % step] if pp % step else [])
+
+
+def _row_steps(eng, tg: int, pp: int, n_kv: int) -> list[tuple[str, int, int]]:
+    """(kind, n_tokens, kv_needed) of each step the row at n_kv runs, in order: kind "loop" is the
+    tg-token decode loop in one dispatch (kv_needed: its last step's), "step" one compiled step."""
+    out: list[tuple[str, int, int]] = []
+    if tg and eng.decode_loop():
+        out.append(("loop", 1, n_kv + tg))
+    else:
+        out += [("step", 1, n_kv + i + 1) for i in range(tg)]
+    off = n_kv
+    for n in _pp_chunks(eng, pp):
+        off += n
+        out.append(("step", n, off))
+    return out
+
+
+def _key(eng, kind: str, n_tokens: int, kv_needed: int) -> tuple[str, int, int]:
+    """What tells two steps' executables apart."""
+    return kind, n_tokens, eng.kv_bucket(kv_needed, n_tokens)
+
+
+def _shapes(eng, tg: int, pp: int | None, n_kv: int | None, stride: int) -> list[tuple[str, int, int]]:
+    pp = eng.options.ubatch if pp is None else pp
+    seen: dict[tuple[str, int, int], tuple[str, int, int]] = {}
+    points = measured_points(eng.options.ctx, pp, stride) if n_kv is None else [n_kv]
+    for p in points:
+        for kind, n, kv in _row_steps(eng, tg, pp, p):
+            seen.setdefault(_key(eng, kind, n, kv), (kind, n, kv))
+    return sorted(seen.values(), key=lambda s: (eng.kv_bucket(s[2], s[1]), s[1], s[0]))
+
+
+def step_shapes(eng, tg: int, n_kv: int | None = None, *, pp: int | None = None,
+                stride: int = 1) -> list[tuple[int, int]]:
     """(n_tokens, kv_needed) of every distinct compiled step the sweep runs (or only the row at
-    `n_kv` runs), smallest first."""
-    ub = eng.options.ubatch
-    seen: dict[tuple[int, int], int] = {}
-    for p in sweep_points(eng.options.ctx, ub) if n_kv is None else [n_kv]:
-        if tg and eng.decode_loop():  # one loop of tg steps: n_tokens 1, its last step's kv
-            seen.setdefault((1, eng.kv_bucket(p + tg, 1)), p + tg)
-            tg_steps = ()
-        else:
-            tg_steps = range(tg)
-        for i in tg_steps:
-            seen.setdefault((1, eng.kv_bucket(p + i + 1, 1)), p + i + 1)
-        seen.setdefault((ub, eng.kv_bucket(p + ub, ub)), p + ub)
-    return sorted(((t, kv) for (t, _), kv in seen.items()), key=lambda x: (x[1], x[0]))
+    `n_kv` runs), smallest first. `pp`: the row's prompt tokens (-ub as given; default the
+    engine's ubatch); `stride`: only the measured rows of --sweep-stride run."""
+    return [(n, kv) for _, n, kv in _shapes(eng, tg, pp, n_kv, stride)]
 
 
 def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None = None,
-               on_begin: Callable[[int, int, int, int], None] | None = None, n_kv: int | None = None) -> float:
+               on_begin: Callable[[int, int, int, int], None] | None = None, n_kv: int | None = None,
+               *, pp: int | None = None, stride: int = 1) -> float:
     """Compile every step of the sweep (or of the row at `n_kv`) ahead of time; total seconds.
     Steps already compiled cost nothing.
 
     on_begin(k, n, n_tokens, kv_bucket) is called before step k of n compiles (a compile can take
     many seconds: the CLI shows it), on_shape(n_tokens, kv_needed, seconds) after."""
-    shapes = step_shapes(eng, tg, n_kv)
+    shapes = _shapes(eng, tg, pp, n_kv, stride)
 
-    def one(k: int, n_tokens: int, kv: int) -> float:
+    def one(k: int, kind: str, n_tokens: int, kv: int) -> float:
         if on_begin:
             on_begin(k, len(shapes), n_tokens, eng.kv_bucket(kv, n_tokens))
-        s = eng.precompile_decode(1, tg, kv) if n_tokens == 1 and eng.decode_loop() else \
-            eng.precompile(1, n_tokens, kv)
+        s = eng.precompile_decode(1, tg, kv) if kind == "loop" else eng.precompile(1, n_tokens, kv)
         if on_shape:
             on_shape(n_tokens, kv, s)
         return s
-    jobs = [(k, n_tokens, kv) for k, (n_tokens, kv) in enumerate(shapes, 1)]
+    jobs = [(k, *shape) for k, shape in enumerate(shapes, 1)]
     if eng.compile_in_parallel() and len(jobs) > 1:
         # XLA compiles (and loads cached executables) with the GIL released: a row's steps side
         # by side take about as long as the longest (warm start: the first row's 2 steps came from
@@ -131,76 +240,88 @@ def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None 
 
 def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
         on_progress: Callable[[int, int], None] | None = None, nrep: int = 1,
-        before_row: Callable[[int], None] | None = None) -> Iterator[SweepRow]:
-    """Yield one SweepRow per N_KV point (compile first with `precompile`, or the first rows pay it).
+        before_row: Callable[[int], None] | None = None, *, pp: int | None = None, stride: int = 1,
+        memory: MemoryTracker | None = None) -> Iterator[SweepRow]:
+    """Yield one SweepRow per measured N_KV point (compile first with `precompile`, or the first
+    rows pay it).
 
-    The first row's TG and PP run `nrep` times each and report the mean time (ik's -nrep).
-    `before_row(n_kv)` runs before each row, outside its timings (the CLI compiles that row's
-    steps there, so the first row comes after compiling only its own steps)."""
+    `pp`: the row's prompt tokens, ik's -ub as given (default: the engine's ubatch), run in steps
+    of the engine's ubatch = min(ub, b). The first row's TG and PP run `nrep` times each and report
+    the mean time (ik's -nrep). With `stride` N only rows 0, N, 2N, ... run and are reported (ik's
+    --sweep-stride): ik still processes the skipped rows' prompts to fill its cache, which sets
+    how many cache cells its attention reads; here a step reads the cache up to its start
+    position whatever the cache holds, so the skipped rows change nothing the measured ones time
+    and are not run. `memory` (a started MemoryTracker): each row carries the RSS high-water mark
+    and the accelerator memory delta (ik's --sweep-memory). `before_row(n_kv)` runs before each
+    row, outside its timings (the CLI compiles that row's steps there, so the first row comes
+    after compiling only its own steps)."""
     if nrep < 1:
         raise ValueError(f"nrep must be >= 1, got {nrep}")
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
     o = eng.options
-    ub = o.ubatch
-    tg = ub // 4 if tg is None else tg
+    pp = o.ubatch if pp is None else pp
+    tg = pp // 4 if tg is None else tg
     vocab = eng.config.vocab_size
     rng = np.random.default_rng(seed)
     cache = eng.new_cache(1)
-    points = sweep_points(o.ctx, ub)
-    warmed: set[tuple[int, int]] = set()
-    loop = eng.decode_loop()
+    warmed: set[tuple[str, int, int]] = set()
+
+    def execute(kind: str, n_tokens: int, kv_needed: int) -> None:
+        """Run one step (tokens at kv_needed - n_tokens..) and wait for it."""
+        nonlocal cache
+        if kind == "loop":
+            out, cache = eng.decode(cache, rng.integers(0, vocab, (1,)), [kv_needed - tg], tg)
+        else:
+            out, cache = eng.step(cache, rng.integers(0, vocab, (1, n_tokens)), np.array([kv_needed - n_tokens]))
+        out.block_until_ready()
 
     def warm(n_kv: int) -> None:
         """Run each step shape the row at n_kv uses once before it is timed, the first time it
         comes (ik warms up too, and runs no new code later): a new executable's first run loads its
         kernels onto the device and grows the allocator. Its cache writes land at or past n_kv,
         which the row's own steps write again before anything reads them."""
-        nonlocal cache
-        for n_tokens, kv_needed in step_shapes(eng, tg, n_kv):
-            key = (n_tokens, eng.kv_bucket(kv_needed, n_tokens))
-            if key in warmed:
-                continue
-            if n_tokens == 1 and loop:
-                out, cache = eng.decode(cache, rng.integers(0, vocab, (1,)), [kv_needed - tg], tg)
-            else:
-                out, cache = eng.step(cache, rng.integers(0, vocab, (1, n_tokens)), np.array([kv_needed - n_tokens]))
-            out.block_until_ready()
-            warmed.add(key)
+        for kind, n_tokens, kv_needed in _row_steps(eng, tg, pp, n_kv):
+            key = _key(eng, kind, n_tokens, kv_needed)
+            if key not in warmed:
+                execute(kind, n_tokens, kv_needed)
+                warmed.add(key)
     done = 0
-    for row, n_kv in enumerate(points):
+    for row, n_kv in enumerate(measured_points(o.ctx, pp, stride)):
         reps = nrep if row == 0 else 1
         if before_row is not None:
             before_row(n_kv)
         if warmup:
             warm(n_kv)
+        steps = _row_steps(eng, tg, pp, n_kv)
+        tg_steps = [s for s in steps[:len(steps) - len(_pp_chunks(eng, pp))]]
+        pp_steps = steps[len(tg_steps):]
+        t_tg = 0.0  # TG 0 (ub < 4, as ik's ub/4): nothing to time
+        if tg_steps:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                for s in tg_steps:
+                    execute(*s)
+                    done += tg if s[0] == "loop" else 1
+                    if on_progress:
+                        on_progress(done, 0)
+            t_tg = (time.perf_counter() - t0) / reps
         t0 = time.perf_counter()
         for _ in range(reps):
-            if loop and tg:  # tg greedy steps in one dispatch, ready when the last token is
-                out, cache = eng.decode(cache, rng.integers(0, vocab, (1,)), [n_kv], tg)
-                out.block_until_ready()
-                done += tg
+            for s in pp_steps:  # the tg tokens at n_kv.. are overwritten
+                execute(*s)
+                done += s[1]
                 if on_progress:
                     on_progress(done, 0)
-                continue
-            for i in range(tg):
-                out, cache = eng.step(cache, rng.integers(0, vocab, (1, 1)), np.array([n_kv + i]))
-                out.block_until_ready()
-                done += 1
-                if on_progress:
-                    on_progress(done, 0)
-        t_tg = (time.perf_counter() - t0) / reps
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            toks = rng.integers(0, vocab, (1, ub))
-            out, cache = eng.step(cache, toks, np.array([n_kv]))  # the tg tokens at n_kv.. are overwritten
-            out.block_until_ready()
-            done += ub
-            if on_progress:
-                on_progress(done, 0)
         t_pp = (time.perf_counter() - t0) / reps
-        yield SweepRow(ub, tg, n_kv, t_pp, t_tg)
+        if memory is not None:
+            yield SweepRow(pp, tg, n_kv, t_pp, t_tg, rss_hwm_mib(), memory.sample())
+        else:
+            yield SweepRow(pp, tg, n_kv, t_pp, t_tg)
 
 
-def total_work(eng, tg: int, nrep: int = 1) -> int:
-    """Progress units: one per TG token plus ub per PP step (the first row `nrep` times)."""
-    n = len(sweep_points(eng.options.ctx, eng.options.ubatch))
-    return (n + (nrep - 1 if n else 0)) * (tg + eng.options.ubatch)
+def total_work(eng, tg: int, nrep: int = 1, *, pp: int | None = None, stride: int = 1) -> int:
+    """Progress units: one per TG token plus one per PP token of each measured row (the first `nrep` times)."""
+    pp = eng.options.ubatch if pp is None else pp
+    n = len(measured_points(eng.options.ctx, pp, stride))
+    return (n + (nrep - 1 if n else 0)) * (tg + pp)

@@ -2,6 +2,8 @@
 
 #include <sched.h>
 
+#include <algorithm>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -55,76 +57,135 @@ int64_t spin_limit_us() {
   return n;
 }
 
-// One job at a time (a mutex serializes callers from concurrent XLA threads); workers wait for a
-// new generation number, spinning up to spin_limit_us() first because a decode step calls back
-// within microseconds, then sleeping on a condition variable so an idle process burns no CPU.
+// The calling thread waits this long at most, spinning (whatever IKJAX_SPIN says: that is the
+// workers' wait between jobs), for the parts other threads have taken,
+// then sleeps until the last one is done. Its own part and every part no worker has taken yet
+// are done by then (Pool::run), so it only waits for work in progress: on an idle machine that
+// ends within microseconds of its own part; longer means a worker was preempted mid-part, and
+// the caller's core is better given up (the scheduler moves that worker onto it) than burnt.
+constexpr int64_t kCallerSpinUs = 50;
+
+// Spin until done() or `us` microseconds have passed; returns done(). Every 256 pauses it checks
+// the clock and calls sched_yield(), which costs ~0.2 us when nothing else wants this core and
+// hands the core over when something does: another process, XLA's own threads, or this pool's
+// caller sharing a core with a spinning worker (2 cores, a busy neighbour, -t 2: the waits
+// without yielding ran whole scheduler slices, a tiny-model 16-token decode 37 ms .. 2.5 s
+// instead of 15 ms; 16-26 ms with it and the caller's part-taking below: issue 21,
+// tests/test_cpu_pool.py).
+template <class Done>
+bool spin_until(Done done, int64_t us) {
+  if (us <= 0) return done();
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  for (unsigned spins = 1;; ++spins) {
+    if (done()) return true;
+    IKJ_PAUSE();
+    if ((spins & 255) == 0) {
+      if (std::chrono::steady_clock::now() >= end) return done();
+      sched_yield();
+    }
+  }
+}
+
+// One job at a time (a mutex serializes callers from concurrent XLA threads). A job is nth parts
+// fn(i, nth); the caller does part 0, then takes every part no worker has taken yet, so a worker
+// that the OS has not scheduled (all cores busy) never holds the call back: the call then costs
+// what one thread would. Parts are taken from one atomic word, state_ = generation | nth | next
+// part, so a worker that wakes late cannot take a part of a newer job than the one it saw.
+// Workers wait for a new generation spinning (spin_limit_us(), yielding) and then sleeping on a
+// condition variable, so an idle process burns no CPU.
 class Pool {
+  // state_ layout: generation in the high 40 bits, nth in bits 12..23, the next free part in 0..11
+  static constexpr int kBits = 12;
+  static constexpr uint64_t kMask = (uint64_t{1} << kBits) - 1;
+  static uint64_t gen_of(uint64_t s) { return s >> (2 * kBits); }
+  static int nth_of(uint64_t s) { return static_cast<int>((s >> kBits) & kMask); }
+  static int next_of(uint64_t s) { return static_cast<int>(s & kMask); }
+
  public:
+  static constexpr int kMaxThreads = static_cast<int>(kMask);
+
   void run(int nth, const std::function<void(int, int)>& fn) {
     std::lock_guard<std::mutex> job_lock(job_mu_);
     ensure_workers(nth - 1);
     fn_ = &fn;
-    nth_ = nth;
     pending_.store(nth - 1, std::memory_order_relaxed);
+    const uint64_t gen = gen_of(state_.load(std::memory_order_relaxed)) + 1;
     {
       std::lock_guard<std::mutex> l(mu_);
-      gen_.fetch_add(1, std::memory_order_release);
+      state_.store((gen << (2 * kBits)) | (static_cast<uint64_t>(nth) << kBits) | 1, std::memory_order_release);
     }
     cv_.notify_all();
     fn(0, nth);
-    while (pending_.load(std::memory_order_acquire) > 0) IKJ_PAUSE();
+    for (int i; (i = take(gen)) >= 0;) {  // the parts no worker has taken: nobody else will
+      fn(i, nth);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+    if (!spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; }, kCallerSpinUs)) {
+      std::unique_lock<std::mutex> l(done_mu_);
+      caller_waiting_.store(true, std::memory_order_seq_cst);
+      done_cv_.wait(l, [&] { return pending_.load(std::memory_order_seq_cst) == 0; });
+      caller_waiting_.store(false, std::memory_order_relaxed);
+    }
     fn_ = nullptr;
   }
 
   ~Pool() {
     {
       std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-      gen_.fetch_add(1, std::memory_order_release);
+      stop_.store(true, std::memory_order_relaxed);
+      state_.fetch_add(uint64_t{1} << (2 * kBits), std::memory_order_release);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.detach();  // process exit: do not block on sleeping workers
   }
 
  private:
+  // Take the next free part of job `gen`: its index, or -1 when all are taken or the job is over.
+  // The acquire CAS pairs with run()'s release store of that generation: fn_ is the job's.
+  int take(uint64_t gen) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    for (;;) {
+      if (gen_of(s) != gen || next_of(s) >= nth_of(s)) return -1;
+      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+        return next_of(s);
+    }
+  }
+
   void ensure_workers(int n) {
     while (static_cast<int>(workers_.size()) < n) {
-      int id = static_cast<int>(workers_.size()) + 1;
-      // the generation seen at creation, before run() publishes the job this worker must take
-      uint64_t seen = gen_.load(std::memory_order_acquire);
-      workers_.emplace_back([this, id, seen] { loop(id, seen); });
+      // the generation seen at creation, before run() publishes the job this worker may take
+      uint64_t seen = gen_of(state_.load(std::memory_order_acquire));
+      workers_.emplace_back([this, seen] { loop(seen); });
     }
   }
 
-  void loop(int id, uint64_t seen) {
+  void loop(uint64_t seen) {
     for (;;) {
       uint64_t g;
-      const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_limit_us());
-      for (int spins = 0; (g = gen_.load(std::memory_order_acquire)) == seen; ++spins) {
-        IKJ_PAUSE();
-        if ((spins & 63) == 63 && std::chrono::steady_clock::now() >= spin_end) break;
-      }
-      if (g == seen) {
+      auto changed = [&] { return (g = gen_of(state_.load(std::memory_order_acquire))) != seen; };
+      if (!spin_until(changed, spin_limit_us())) {
         std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [&] { return gen_.load(std::memory_order_acquire) != seen; });
-        g = gen_.load(std::memory_order_acquire);
+        cv_.wait(l, changed);
       }
       seen = g;
-      if (stop_) return;
-      if (id < nth_) {
-        (*fn_)(id, nth_);
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      if (stop_.load(std::memory_order_relaxed)) return;  // stored before the generation this saw
+      for (int i; (i = take(g)) >= 0;) {
+        (*fn_)(i, nth_of(state_.load(std::memory_order_relaxed)));
+        if (pending_.fetch_sub(1, std::memory_order_seq_cst) == 1 && caller_waiting_.load(std::memory_order_seq_cst)) {
+          std::lock_guard<std::mutex> l(done_mu_);  // the caller is in done_cv_.wait or about to test pending_
+          done_cv_.notify_one();
+        }
       }
     }
   }
 
-  std::mutex job_mu_, mu_;
-  std::condition_variable cv_;
-  std::atomic<uint64_t> gen_{0};
+  std::mutex job_mu_, mu_, done_mu_;
+  std::condition_variable cv_, done_cv_;
+  std::atomic<uint64_t> state_{0};
   std::atomic<int> pending_{0};
+  std::atomic<bool> caller_waiting_{false};
   const std::function<void(int, int)>* fn_ = nullptr;
-  int nth_ = 1;
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};
   std::vector<std::thread> workers_;
 };
 
@@ -138,6 +199,7 @@ Pool& pool() {
 void parallel(int n_threads, const std::function<void(int, int)>& fn) {
   int avail = available_cores();
   int nth = n_threads <= 0 ? avail : (n_threads < avail ? n_threads : avail);
+  if (nth > Pool::kMaxThreads) nth = Pool::kMaxThreads;
   if (nth <= 1) {
     fn(0, 1);
     return;

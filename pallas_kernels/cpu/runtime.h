@@ -12,10 +12,14 @@ namespace ikj {
 // Cores this process may run on (sched_getaffinity), at least 1.
 int available_cores();
 
-// Run fn(ith, nth) on nth = min(n_threads, available) threads, the calling thread being ith 0;
-// returns when all have finished. n_threads <= 0 means every available core. Workers persist
-// between calls and spin briefly before sleeping, so a decode step's many small calls do not pay
-// a thread wake-up each (the reason for our own pool instead of std::async or OpenMP's defaults).
+// Run fn(ith, nth) for ith = 0..nth-1, nth = min(n_threads, available); returns when all have
+// finished. n_threads <= 0 means every available core. The calling thread runs part 0 and then
+// every part no worker has started yet, so a part may run on any thread, several parts on one
+// thread one after another, and a part must not wait for another. Workers persist between calls
+// and spin briefly (yielding the core to anything else that wants it) before sleeping, so a decode
+// step's many small calls do not pay a thread wake-up each (the reason for our own pool instead of
+// std::async or OpenMP's defaults); the caller spins ~50 us at most for parts in progress, then
+// sleeps, so a busy machine's scheduler is never fought over a core (cpu/runtime.cc).
 void parallel(int n_threads, const std::function<void(int ith, int nth)>& fn);
 
 // Split [0, n) into near-equal contiguous chunks: the part of thread ith of nth.

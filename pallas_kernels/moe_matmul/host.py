@@ -12,7 +12,8 @@ are in host memory, C-contiguous: either `.data` is a host NumPy array (the memo
 or the object says where they are with `host_address()` and `nbytes` (ikjax's pinned-host experts,
 whose `.data` may be a tracer inside the step: the same bytes the big-batch path streams to the
 GPU). Their addresses go into the compiled step as attributes, so the caller keeps the bytes alive
-as long as the step (the engine's weight tree does). Built only with `-DIKJAX_BUILD_CUDA=ON` (pallas_kernels/CMakeLists.txt).
+as long as the step (the engine's weight tree does). Built by `pip install` wherever a CUDA
+toolkit is found at build time (IKJAX_BUILD_CUDA=AUTO, pallas_kernels/CMakeLists.txt).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ COMPUTE = {"f32": 0, "bf16": 1}  # quant_matmul/cpu_kernel.h QmCompute
 
 _IMPORT_ERROR: str | None = None
 try:
-    from pallas_kernels import _cuda_host  # built with -DIKJAX_BUILD_CUDA=ON only
+    from pallas_kernels import _cuda_host  # built where a CUDA toolkit was found at build time
 except ImportError as e:
     _cuda_host = None
     _IMPORT_ERROR = str(e)
@@ -39,8 +40,10 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     return ("" if _cuda_host is not None else
-            f"the CUDA host-experts handler is not built ({_IMPORT_ERROR}); build it on a CUDA machine with "
-            f"`pip install --no-build-isolation -e . -Ccmake.define.IKJAX_BUILD_CUDA=ON`")
+            f"the CUDA host-experts handler pallas_kernels._cuda_host is not built ({_IMPORT_ERROR}); "
+            f"`pip install -e '.[cuda13]'` (or cuda12) builds it where a CUDA toolkit is found (nvcc on PATH, "
+            f"or CUDAToolkit_ROOT / CUDA_PATH / /usr/local/cuda): install one and reinstall; "
+            f"add -Ccmake.define.IKJAX_BUILD_CUDA=ON to make a missing toolkit a build error")
 
 
 @functools.cache

@@ -1,0 +1,74 @@
+"""A batch computes each sequence as the same sequence alone (issue 21): `generate_batch` at
+temperature 0 gives every prompt exactly the tokens `generate` gives it, at the default dtype (bf16
+products on the CPU kernels: 8-bit activation blocks for decode-sized products), with prompts of
+equal and unequal lengths. Before, 1-2 rows in 3-4 diverged after a few tokens: a batch's decode
+step of 4 rows took the kernels' prompt form (bf16 panels) where one row takes the decode form
+(ikjax.ops.registry.decode_groups), and prompts fed together changed each other's row counts."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ikjax
+from ikjax.ops import registry
+from conftest import fixtures_dir
+from test_cpu_quant_matmul import _weights
+from pallas_kernels.quant_matmul import cpu as qm_cpu
+
+DTYPE = "bf16"  # what dtype="auto" means on the CPU kernels (conftest pins IKJAX_DTYPE=f32 for the suite)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q6_K"])
+def test_kernel_decode_form_is_row_count_independent(name):
+    """What decode_groups relies on: a call of up to CPU_DECODE_MAX_ROWS rows gives each row the
+    bits it gets alone; at one row more the kernel takes its other form (so a batch must not)."""
+    rng = np.random.default_rng(1)
+    w = _weights(name, 64, 512, rng)
+    x = jnp.asarray(rng.standard_normal((registry.CPU_DECODE_MAX_ROWS + 1, 512)).astype(np.float32))
+    alone = np.stack([np.asarray(qm_cpu.quant_matmul(x[m:m + 1], w, compute="bf16"))[0] for m in range(x.shape[0])])
+    n = registry.CPU_DECODE_MAX_ROWS
+    np.testing.assert_array_equal(np.asarray(qm_cpu.quant_matmul(x[:n], w, compute="bf16")), alone[:n])
+    assert (np.asarray(qm_cpu.quant_matmul(x, w, compute="bf16")) != alone).any()
+
+
+def test_decode_groups_rule():
+    assert registry.decode_groups(8) is None  # outside a model step: one call
+    with registry.kernel_context(seq_tokens=1):
+        assert registry.decode_groups(3) is None
+        assert registry.decode_groups(8) == [(0, 3), (3, 6), (6, 8)]
+    with registry.kernel_context(seq_tokens=16):
+        assert registry.decode_groups(64) is None
+
+
+def _prompts(V: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, V, n)] for n in lengths]
+
+
+def _check(path: str, sets: list[tuple[int, list[int]]], n_new: int = 10):
+    """Each (seed, prompt lengths): the batch's tokens equal each prompt's alone."""
+    eng = ikjax.load(path, ctx=256, ubatch=64, dtype=DTYPE)
+    V = eng.config.vocab_size
+    for seed, lengths in sets:
+        prompts = _prompts(V, lengths, seed)
+        batch = eng.generate_batch(prompts, n_new)
+        for i, p in enumerate(prompts):
+            assert batch[i] == list(eng.generate(p, n_new)), (lengths, i)
+
+
+def test_generate_batch_equals_generate(tiny_model):
+    # equal lengths (a decode step of 4 rows; with these prompts row 1 diverged after 6 tokens
+    # when the 4-row step took the prompt form), then unequal ones with a 2-token prompt (alone,
+    # a decode-sized prompt step; fed together with the others, row 0 diverged after 7 tokens)
+    _check(tiny_model, [(2, [9, 9, 9, 9]), (3, [2, 9, 5, 17])])
+
+
+def test_generate_batch_equals_generate_moe(tiny4_model):
+    """Layers 1-3 MoE: no expert picked by 4 or more of a decode step's tokens changes form."""
+    _check(tiny4_model, [(0, [9, 9, 9, 9])])
+
+
+@pytest.mark.slow
+def test_generate_batch_equals_generate_fixture():
+    _check(str(fixtures_dir() / "v3dense-all-Q8_0.gguf"), [(0, [9, 9, 9, 9]), (1, [2, 9, 5, 17])])

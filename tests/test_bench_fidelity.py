@@ -1,0 +1,113 @@
+"""Issue 21: sweep-bench and bench print what ik_llama.cpp's tools print for the same command line."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from ikjax.cli import app
+from ikjax.tools import llama_bench as lb
+from ikjax.tools import sweep_bench as sb
+
+
+def _run(args, code=0):
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    assert res.exit_code == code, res.stderr + res.stdout
+    return res
+
+
+def _rows(stdout):
+    return [l for l in stdout.splitlines() if re.match(r"\|\s+\d", l)]
+
+
+def test_ub_above_b_rows_are_ub_tokens(tiny_model):
+    """ik: -c 256 -ub 128 -b 64 gives 2 rows of PP 128 (each row two 64-token decode calls), the
+    banner says n_ubatch = 128; ikjax used to clamp ub to b and print 4 rows of PP 64."""
+    res = _run(["sweep-bench", "-m", tiny_model, "-c", 256, "-ub", 128, "-b", 64, "-n", 2])
+    assert "n_batch = 64, n_ubatch = 128" in res.stdout
+    rows = _rows(res.stdout)
+    assert [tuple(int(c) for c in r.split("|")[1:4]) for r in rows] == [(128, 2, 0), (128, 2, 128)]
+
+
+def test_pp_row_runs_in_min_ub_b_steps(tiny_model):
+    import ikjax
+    eng = ikjax.load(tiny_model, ctx=256, ubatch=128, batch=48)
+    assert eng.options.ubatch == 48
+    assert [n for _, n, _ in sb._row_steps(eng, 0, 128, 0)] == [48, 48, 32]
+
+
+def test_ub_below_4_gives_tg_0_rows(tiny_model):
+    """-ub 1: TG = ub/4 = 0 as ik; used to crash in dynamic_update_slice (a 1-token PP step was
+    compiled as a 0-step decode loop)."""
+    res = _run(["sweep-bench", "-m", tiny_model, "-c", 8, "-ub", 1, "--sweep-stride", 4])
+    rows = _rows(res.stdout)
+    assert [tuple(int(c) for c in r.split("|")[1:4]) for r in rows] == [(1, 0, 0), (1, 0, 4)]
+
+
+def test_sweep_stride_and_memory_columns(tiny_model):
+    res = _run(["sweep-bench", "-m", tiny_model, "-c", 256, "-ub", 64, "-n", 1, "--sweep-stride", 3,
+                "--sweep-memory"])
+    lines = res.stdout.splitlines()
+    assert sb.HEADER_MEMORY in lines and sb.SEPARATOR_MEMORY in lines
+    assert sb.HEADER_MEMORY.endswith("|    RSS HWM | VRAM delta |")
+    rows = _rows(res.stdout)
+    assert [int(r.split("|")[3]) for r in rows] == [0, 192]
+    for r in rows:
+        rss, vram = (c.strip() for c in r.split("|")[8:10])
+        assert float(rss) > 0 and vram == "n/a"  # no accelerator here
+    res = _run(["sweep-bench", "-m", tiny_model, "-c", 128, "-ub", 64, "-n", 1, "--sweep-memory", "-of", "jsonl"])
+    recs = [json.loads(l) for l in res.stdout.splitlines() if l.strip()]
+    assert list(recs[0])[-2:] == ["rss_hwm_mib", "vram_delta_mib"]
+    assert recs[0]["rss_hwm_mib"] > 0 and recs[0]["vram_delta_mib"] is None
+
+
+def test_plot_target_checked_before_the_run(tiny_model, tmp_path):
+    res = _run(["sweep-bench", "-m", tiny_model, "-c", 128, "-ub", 64, "--plot", tmp_path / "no" / "x.png"], 1)
+    assert "--plot" in res.stderr and "does not exist" in res.stderr and "compiled" not in res.stderr
+    res = _run(["sweep-bench", "-m", tiny_model, "-c", 128, "-ub", 64, "--plot", tmp_path / "x.qqq"], 1)
+    assert "cannot write .qqq" in res.stderr
+
+
+@pytest.mark.parametrize("args,flag", [(["-p", "-5"], "-p"), (["-n", "3,-1"], "-n"), (["-ub", "0"], "-ub"),
+                                       (["-pg", "-1,4"], "-pg"), (["-tgb", "2"], "-tgb"), (["-w", "2"], "-w")])
+def test_bench_refuses_negative_lists(args, flag):
+    res = _run(["bench", *args], 1)
+    assert res.stderr.startswith(f"error: {flag}"), res.stderr
+
+
+def test_bench_md_is_iks(tiny_model):
+    res = _run(["bench", "-m", tiny_model, "-p", 8, "-n", 0, "-r", 1, "-ub", 8, "-mla", "2,3"])
+    lines = res.stdout.splitlines()
+    header = [c.strip() for c in lines[0].strip("| ").split("|")]
+    assert header == ["model", "size", "params", "backend", "threads", "n_ubatch", "mla", "test", "t/s"]
+    row = [c.strip() for c in lines[2].strip("| ").split("|")]
+    assert row[0] == "deepseek2 ?B Q8_0" and row[3] == "CPU"
+    assert re.fullmatch(r"\d+\.\d\d MiB", row[1]) and re.fullmatch(r"\d+\.\d\d M", row[2])
+    assert re.fullmatch(r"build: \w+ \(\d+\)", lines[-1]) and lines[-2] == ""
+    assert lines[1].startswith("| " + "-" * 30 + " | ---------: |")
+
+
+def test_bench_json_keys_are_iks_in_order(tiny_model):
+    res = _run(["bench", "-m", tiny_model, "-p", 8, "-n", 0, "-r", 1, "-o", "json"])
+    rec = json.loads(res.stdout)[0]
+    ik = ["build_commit", "build_number", "cuda", "vulkan", "metal", "sycl", "rpc", "gpu_blas", "blas", "cpu_info",
+          "gpu_info", "model_filename", "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch",
+          "n_threads", "type_k", "type_v", "n_gpu_layers", "split_mode", "main_gpu", "no_kv_offload", "flash_attn",
+          "mla_attn", "attn_max_batch", "ser", "reuse", "tensor_split", "use_mmap", "embeddings", "repack", "mqkv",
+          "muge", "defer_experts", "fused_moe", "grouped_er", "no_fused_up_gate", "use_thp", "no_ooae", "rcache",
+          "sas", "max_gpu", "cuda_params", "override_tensor", "n_prompt", "n_gen", "test_time", "avg_ns",
+          "stddev_ns", "avg_ts", "stddev_ts", "test", "samples_ns", "samples_ts"]
+    assert list(rec)[:len(ik)] == ik
+    assert rec["cuda"] is False and rec["rpc"] == "0" and rec["tensor_split"] == "0.00" and rec["ser"] == "-1,0"
+
+
+def test_model_desc_and_sizes():
+    class F:
+        architecture = "deepseek2"
+        metadata = {"deepseek2.block_count": 27, "general.file_type": 2, "general.size_label": "64x1.6B"}
+        tensors = {}
+    assert lb.model_desc(F) == "deepseek2 16B Q4_0"
+    assert lb.format_size(15414272) == "14.70 MiB" and lb.format_size(9 * 2**30) == "9.00 GiB"
+    assert lb.format_params(14465792) == "14.47 M" and lb.format_params(15_700_000_000) == "15.70 B"

@@ -1,0 +1,125 @@
+"""Stored steps (ikjax.runtime.compile_cache.load_step / store_step) are keyed on everything that
+shapes the executable's arguments: runs that differ only in the KV cache (-ctk, -c, -mla) or in
+the tool that made the step never get another run's executable (issue 21: "Function compiled
+with input pytree does not match", "Argument types differ ..." until steps/ was deleted), and an
+entry that does not fit the call is a miss that gets replaced, never an error.
+
+The runs are subprocesses with their own compile cache (the test process keeps it off, conftest)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ikjax.runtime import compile_cache
+
+# engines of one model that differ only in their KV cache, one after another in one process (each
+# engine's steps are looked up in steps/ before anything is traced), then the first again
+RUN = """
+import json, sys
+import numpy as np
+import ikjax
+from ikjax.runtime import compile_cache
+runs = json.loads(sys.argv[2])
+out = []
+for i, opts in enumerate(runs):
+    eng = ikjax.load(sys.argv[1], **opts)
+    logits = eng.logits(list(range(1, 9)))  # the same step as the prompt of generate below
+    toks = list(eng.generate(list(range(1, 9)), 4))
+    np.save(f"{sys.argv[3]}/{i}.npy", logits)
+    out.append(dict(compiled=eng.compile_count, from_cache=eng.compile_cache_hits, toks=toks))
+print(json.dumps(dict(runs=out, step_loads=compile_cache.step_loads())))
+"""
+
+VARIANTS = [dict(ctx=256, ubatch=64, ctk="f16"), dict(ctx=256, ubatch=64, ctk="q8_0"),
+            dict(ctx=256, ubatch=64, ctk="bf16"), dict(ctx=512, mla=2), dict(ctx=1024, mla=2)]
+
+
+def _run(model: str, runs: list[dict], out: Path, env: dict) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run([sys.executable, "-c", RUN, model, json.dumps(runs), str(out)],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_cache_layouts_get_their_own_steps(tiny_model, tmp_path):
+    env = {"IKJAX_COMPILE_CACHE": str(tmp_path / "xla"), "IKJAX_STORE_STEPS": "1"}
+    cold = _run(tiny_model, VARIANTS + VARIANTS[:1], tmp_path / "cold", env)
+    for r in cold["runs"][:len(VARIANTS)]:  # each layout compiled its own steps: no other's loaded
+        assert r["from_cache"] == 0, cold
+    assert cold["runs"][-1]["from_cache"] == cold["runs"][-1]["compiled"]  # f16 again: its own, stored
+    # a second process loads every variant's steps whole and computes the same
+    warm = _run(tiny_model, VARIANTS, tmp_path / "warm", env)
+    assert warm["step_loads"] == sum(r["compiled"] for r in warm["runs"])
+    for i, (c, w) in enumerate(zip(cold["runs"], warm["runs"])):
+        assert w["from_cache"] == w["compiled"] and w["toks"] == c["toks"]
+        np.testing.assert_array_equal(np.load(tmp_path / "cold" / f"{i}.npy"), np.load(tmp_path / "warm" / f"{i}.npy"))
+
+
+def test_stored_step_for_other_arguments_is_a_miss(tiny_model, tmp_path):
+    """An entry under a step's key whose executable takes other arguments (a stale entry, or one
+    written before the key named the cache layout): recompiled, the entry replaced, no error."""
+    env = {"IKJAX_COMPILE_CACHE": str(tmp_path / "xla"), "IKJAX_STORE_STEPS": "1"}
+    _run(tiny_model, VARIANTS[:2], tmp_path / "a", env)
+    steps = sorted((tmp_path / "xla").rglob("steps/*.pkl"))
+    assert len(steps) >= 4
+    # give every entry another entry's bytes: the keys stay, the executables are for other arguments
+    blobs = [p.read_bytes() for p in steps]
+    for p, b in zip(steps, blobs[1:] + blobs[:1]):
+        p.write_bytes(b)
+    r = _run(tiny_model, VARIANTS[:2], tmp_path / "b", env)
+    assert r["step_loads"] == 0
+    for i in range(2):
+        np.testing.assert_array_equal(np.load(tmp_path / "a" / f"{i}.npy"), np.load(tmp_path / "b" / f"{i}.npy"))
+
+
+def test_load_step_checks_the_signature(monkeypatch, tmp_path):
+    """In process: an entry whose executable's argument tree or types differ from the call's is a
+    miss and is removed; the matching one loads."""
+    import jax
+    import jax.numpy as jnp
+    monkeypatch.setattr(compile_cache, "_configured", (None, tmp_path, True))
+    f = jax.jit(lambda c, t: (c + t.sum(), c))
+    args = (jax.ShapeDtypeStruct((4,), jnp.float16), jax.ShapeDtypeStruct((2,), jnp.int32))
+    exe = f.lower(*args).compile()
+    leaves, tree = jax.tree.flatten((args, {}))
+    sig = (tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
+    compile_cache.store_step(("t",), exe)
+    path = next(tmp_path.rglob("steps/*.pkl"))
+    other = ((jax.ShapeDtypeStruct((4,), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32)), {})
+    other_sig = (jax.tree.structure(other), tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(other)))
+    assert compile_cache.load_step(("t",), other_sig) is None and not path.exists()
+    compile_cache.store_step(("t",), exe)
+    loaded = compile_cache.load_step(("t",), sig)
+    assert loaded is not None
+    out, _ = loaded(jnp.ones(4, jnp.float16), jnp.arange(2, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out), np.full(4, 2, np.float16))
+    assert compile_cache.load_step(("u",), sig) is None  # another key: absent
+
+
+@pytest.mark.slow
+def test_tools_share_one_cache(tiny_model, tmp_path):
+    """The issue's sequence on the CLI, one compile cache with stored steps: sweep-bench, bench
+    (f16 and q8_0 caches: no row skipped), generate; -ctk f16 then q8_0; -mla 2 -c 512 then 1024;
+    then all of it again, every run clean."""
+    env = {**os.environ, "IKJAX_COMPILE_CACHE": str(tmp_path / "xla"), "IKJAX_STORE_STEPS": "1"}
+    m = ["-m", tiny_model]
+    gen = ["generate", *m, "-p", "hello world", "-n", "4"]
+    cmds = [["sweep-bench", *m, "-c", "256", "-ub", "64", "-n", "4"],
+            ["bench", *m, "-p", "64", "-n", "16", "-ub", "64", "-r", "1", "-ctk", "f16,q8_0"],
+            [*gen, "-c", "256", "-ub", "64"],
+            [*gen, "-c", "256", "-ub", "64", "-ctk", "f16"], [*gen, "-c", "256", "-ub", "64", "-ctk", "q8_0"],
+            [*gen, "-mla", "2", "-c", "512"], [*gen, "-mla", "2", "-c", "1024"]]
+    for _ in range(2):
+        for cmd in cmds:
+            res = subprocess.run([sys.executable, "-c", "from ikjax.cli import app; app()", *cmd], env=env,
+                                 capture_output=True, text=True, timeout=600)
+            assert res.returncode == 0, (cmd, res.stderr)
+            assert "error" not in res.stderr.lower() and "skipp" not in (res.stdout + res.stderr).lower(), \
+                (cmd, res.stdout, res.stderr)
