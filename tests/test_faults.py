@@ -221,8 +221,12 @@ def test_truncated_file_is_refused_before_the_mapping_is_read(tiny_model, tmp_pa
 
 # -- context past the training one -----------------------------------------------------------------
 
-def test_context_past_training_context_warns(tiny_model, tmp_path, caplog):
+def test_context_past_training_context_warns(tiny_model, tmp_path, caplog, monkeypatch):
     from gguf_craft import build, parse, set_kv, u32
+    # a library imported by an earlier test may have configured logging with
+    # disable_existing_loggers (logging.config.dictConfig): the note must still reach caplog
+    monkeypatch.setattr(logging.getLogger("ikjax"), "disabled", False)
+    monkeypatch.setattr(logging.getLogger("ikjax"), "propagate", True)
     g = parse(open(tiny_model, "rb").read())
     set_kv(g, "deepseek2.context_length", u32(16))
     path = tmp_path / "m.gguf"

@@ -190,9 +190,11 @@ def test_host_placed_non_experts_next_to_an_accelerator(model4, tiny4_model, bac
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
-def test_accelerator_loader_keeps_host_experts_in_place(model4):
-    """Host-placed routed experts stay the memory map's bytes (the very array, no copy) where the
-    CUDA host-experts handler is built; without it the loader says how to build it."""
+def test_accelerator_loader_keeps_host_experts_in_place(model4, monkeypatch):
+    """Host-placed routed experts stay the memory map's bytes (the very array, no copy) with
+    IKJAX_HOST_EXPERTS=mmap where the CUDA host-experts handler is built (the default, pinned, copies
+    them into an accelerator's pinned memory: tests/test_hybrid_gpu.py); without the handler the
+    loader says how to build it."""
     from ikjax.model.weights import placer_for
     from pallas_kernels.moe_matmul import host as host_moe
     p = _place(model4, devices=ONE_GPU, ot="exps=CPU")
@@ -201,6 +203,7 @@ def test_accelerator_loader_keeps_host_experts_in_place(model4):
                                               r"\(-ot exps=CPU\), but the CUDA host-experts handler is not built"):
             placer_for(p)
         return
+    monkeypatch.setenv("IKJAX_HOST_EXPERTS", "mmap")
     data = np.zeros(64, np.uint8)
     assert placer_for(p)("blk.1.ffn_up_exps.weight", data) is data
 
