@@ -118,6 +118,11 @@ def cpu_isa() -> str:
     return _cpu.isa() if _cpu.available() else "not built"
 
 
+def default_threads() -> int:
+    """What `-t 0` means for the C++ kernels: every core this process may run on (its affinity)."""
+    return _cpu.available_cores()
+
+
 def threads() -> int:
     """The CPU kernels' thread count of the step being traced (0 = every core)."""
     return _CONTEXT.get().threads

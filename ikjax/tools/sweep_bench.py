@@ -18,12 +18,13 @@ and the accelerator memory in use since the start to each row.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
+
+from ikjax.ops import registry
 
 HEADER = "|%6s | %6s | %6s | %8s | %8s | %8s | %8s |" % (
     "PP", "TG", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s")
@@ -104,7 +105,7 @@ class RunInfo:
     def of(cls, eng, ubatch: int | None = None) -> "RunInfo":
         """`ubatch`: the -ub as given (ik prints it unclamped; the engine's is min(ub, b))."""
         o = eng.options
-        threads = o.threads or os.cpu_count() or 1
+        threads = o.threads or registry.default_threads()  # the kernels' -t 0: the affinity's cores
         return cls(o.ctx, o.batch, o.ubatch if ubatch is None else ubatch, int(o.fa), o.ngl, threads,
                    o.threads_batch or threads)
 
