@@ -315,7 +315,7 @@ _WHY = {
     "mmp": "ikjax maps the GGUF read-only and copies each tensor into its runtime buffers at load either way",
 }
 # switches a command honours itself (no note there)
-HONOURED = {"nrep": ("sweep-bench",), "no_warmup": ("sweep-bench", "bench")}
+HONOURED = {"no_warmup": ("sweep-bench", "bench")}  # -nrep keeps its own rule below (sweep-bench only)
 
 
 def _flag_bool(flag: str, value: Any) -> bool:
