@@ -18,6 +18,7 @@ and what the engine asks of it: `tp` (StepPlan.tp), `loops` (runs `decode_steps`
 """
 from __future__ import annotations
 
+import abc
 import functools
 
 import jax
@@ -39,8 +40,9 @@ def _cache_shapes(layout: kvcache.CacheLayout):
     return jax.eval_shape(lambda: kvcache.init_cache(layout))
 
 
-class Executor:
-    """What every executor answers (module docstring); the defaults are those of several devices."""
+class Executor(abc.ABC):
+    """What every executor answers (module docstring); the defaults are those of several devices.
+    `new_cache` and `compile` are each executor's own (abstract: a fourth executor must say them)."""
 
     split_mode = "none"
     tp = None                    # StepPlan.tp: -sm graph's TensorSplit, else None
@@ -65,12 +67,14 @@ class Executor:
         """Where the parts of a step run, for the log ("" where that says nothing new)."""
         return ""
 
+    @abc.abstractmethod
     def new_cache(self, layout: kvcache.CacheLayout):
-        raise NotImplementedError
+        """A zeroed KV cache on the executor's devices."""
 
+    @abc.abstractmethod
     def compile(self, weights, layout: kvcache.CacheLayout, B: int, T: int, plan: StepPlan,
                 decode: tuple | None = None):
-        raise NotImplementedError
+        """The executable of one step shape (or of the decode loop, where `loops`)."""
 
     def run(self, exe, weights, cache, *inputs):
         """Run a compiled step (tokens, start, last) or decode loop (tokens, start, n, key)."""
