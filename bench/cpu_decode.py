@@ -26,6 +26,7 @@ from ikjax.model import deepseek2 as ds
 from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, rms_norm
 from ikjax.model.moe import moe_ffn
 from ikjax.model.rope import inverse_frequencies, rope_tables
+from ikjax.model.groups import all_layers
 
 
 def best_ms(f, *args, reps: int = 7) -> float:
@@ -73,7 +74,7 @@ def main() -> None:
     rows = []
     with ctx:
         rows.append(("embed", best_ms(jax.jit(lambda t: ds.embed(W["token_embd"], t)), jnp.asarray(tokens))))
-        for i, layer in enumerate(W["layers"]):
+        for i, layer in enumerate(all_layers(W)):
             lc = {name: layers[i] for name, layers in eng.new_cache(1).items()}
             f_att = jax.jit(lambda x, L, c, s: ds.attention_block(rms_norm(x, L["attn_norm"], cfg.rms_eps), L, c, s,
                                                                    q_pos, cos, sin, cfg, plan)[0])

@@ -33,6 +33,7 @@ import ikjax  # noqa: F401  (first: it sets XLA flags before the backend starts)
 import jax
 import jax.numpy as jnp
 import numpy as np
+from ikjax.model.groups import all_layers
 
 LINES: list[str] = []
 OUT = Path(os.environ.get("OUT", "."))
@@ -129,7 +130,7 @@ def one_layer_host(eng, threads: int) -> tuple[float, float]:
     """ms of one MoE layer's host experts at N = 1 (8 random experts) and with zero weights."""
     from ikjax import ops
     cfg = eng.config
-    lay = next(l for l in eng.weights["layers"] if "gate_exps" in l)
+    lay = next(l for l in all_layers(eng.weights) if "gate_exps" in l)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, lay["gate_exps"].shape[2])), jnp.float32)
     k = cfg.n_expert_used
     out = {}
@@ -181,7 +182,7 @@ def model_runs(layers: int, threads: int, n: int, skip_gpu: bool, path: Path, nc
             f"{(plan.weights_bytes - plan.host_weights_bytes) / 2**30:.2f} | {plan.host_weights_bytes / 2**30:.2f} |")
         if "ot" in extra and extra["ot"] == "exps=CPU":
             work, zero = one_layer_host(eng, threads)
-            n_moe = sum(1 for l in eng.weights["layers"] if "gate_exps" in l)
+            n_moe = sum(1 for l in all_layers(eng.weights) if "gate_exps" in l)
             say("")
             say(f"one MoE layer's host experts alone (one custom call, N = 1, {eng.config.n_expert_used} of "
                 f"{eng.config.n_expert} experts, fresh ids each call, -t {threads}): {work:.2f} ms; the same call "
@@ -234,7 +235,7 @@ def _stream_anatomy(eng) -> None:
     from pallas_kernels.moe_matmul import host as moe_host
     if ops.stream_mode() != "active" or not moe_host.available():
         return
-    lay = [l for l in eng.weights["layers"] if "gate_exps" in l]
+    lay = [l for l in all_layers(eng.weights) if "gate_exps" in l]
     g, u, d = (lay[0][k] for k in ("gate_exps", "up_exps", "down_exps"))
     slots = ops.stream_slots(g, u, d)
     E = g.shape[0]
@@ -283,7 +284,7 @@ def sweep_runs(layers: int, threads: int, path: Path, tg: int, orders: bool, onl
         used_load, _ = device_bytes_in_use()
         say(f"{label}: loaded in {load_s:.1f} s, GPU {used_load:.2f} GiB in use; host: {_proc()}")
         if "ot" in extra:
-            lay = next(l for l in eng.weights["layers"] if "gate_exps" in l)
+            lay = next(l for l in all_layers(eng.weights) if "gate_exps" in l)
             g = lay["gate_exps"]
             say(f"  experts: {g!r}, min_batch {g.min_batch}: stream from "
                 f"{g.min_batch * eng.config.n_expert // eng.config.n_expert_used} tokens a step")

@@ -37,6 +37,10 @@ _VARS = (
     Variable("IKJAX_DTYPE", "", ("f32", "bf16", "f16"),
              "what `--dtype auto` means (default: bf16 where kernels run, f32 on the XLA path)",
              "ikjax.ops.registry"),
+    Variable("IKJAX_LAYERS", "auto", ("auto", "scan", "unroll"),
+             "runs of identical layers as one `lax.scan` (compile time independent of depth), every layer "
+             "unrolled, or `auto`: scanned, except GPU decode steps, whose scan is unrolled (faster there)",
+             "ikjax.model.groups"),
     Variable("IKJAX_TOPK", "rank", ("rank", "lax"),
              "router top-k form: `rank` (compare-and-count, fast at decode) or `lax.top_k`", "ikjax.model.moe"),
     Variable("IKJAX_STREAM", "active", ("active", "layer"),

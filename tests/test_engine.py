@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import ikjax
-from conftest import fixtures_dir
+from conftest import fixtures_dir, rel_err
 from hf_models import make_model
 from ikjax.model.cache import CacheLayout
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.writer import write_deepseek2_gguf
+from ikjax.model.groups import layer_tensors
 
 
 class CompileCounter:
@@ -139,7 +140,7 @@ def test_memory_plan_formulas():
     plan = eng.memory_plan()
     per_token = 3 * -(-272 // 32) * 34  # 3 layers, 272-wide latent in 9 q8_0 blocks of 34 bytes
     assert plan.kv_bytes_per_token == per_token
-    assert plan.kv_bytes == per_token * eng.capacity and eng.capacity >= 1000 + 24
+    assert plan.kv_bytes == per_token * eng.capacity and eng.capacity == 1024  # -c in whole KV blocks
     on_device = sum(x.nbytes for x in jax.tree_util.tree_leaves(eng.new_cache(1)))
     assert on_device == plan.kv_bytes
     file_bytes = sum(t.nbytes for t in eng.file.tensors.values())
@@ -160,16 +161,16 @@ def test_same_input_matrices_are_stacked_at_load(monkeypatch):
     they are, unstacked."""
     from ikjax import ops
     if ops.resolve_backend() == "cpu":
-        cpu = ikjax.load(fixtures_dir() / "v3dense-all-Q8_0.gguf", mla=3, ctk="f32").weights["layers"][0]
+        cpu = layer_tensors(ikjax.load(fixtures_dir() / "v3dense-all-Q8_0.gguf", mla=3, ctk="f32").weights, 0)
         assert {"q_a", "kv_a_mqa", "ffn_gate", "ffn_up"} <= cpu.keys() and "attn_in" not in cpu
     monkeypatch.setenv("IKJAX_KERNELS", "xla")
     eng = ikjax.load(fixtures_dir() / "v3dense-all-Q8_0.gguf", mla=3, ctk="f32")
-    dense, moe = eng.weights["layers"][0], eng.weights["layers"][1]
+    dense, moe = layer_tensors(eng.weights, 0), layer_tensors(eng.weights, 1)
     assert {"attn_in", "ffn_gate_up"} <= dense.keys() and not {"q_a", "kv_a_mqa", "ffn_gate"} & dense.keys()
     assert "shexp_gate_up" in moe and "gate_shexp" not in moe
     assert dense["attn_in"].shape == (256 + 272, 256)
     # a mixed-type file (Q4_K_M: some of these differ in type) keeps the pairs it cannot stack
-    mixed = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_K_M.gguf", mla=3, ctk="f32").weights["layers"][0]
+    mixed = layer_tensors(ikjax.load(fixtures_dir() / "v3tiny-all-Q4_K_M.gguf", mla=3, ctk="f32").weights, 0)
     assert ("attn_in" in mixed) != ("kv_a_mqa" in mixed)
 
 
@@ -195,3 +196,67 @@ def test_decode_loop_every_mode(monkeypatch, mla, fa, ctk):
     loop = list(eng.generate(p, 30, stop=()))
     monkeypatch.setenv("IKJAX_DECODE_LOOP", "0")
     assert list(eng.generate(p, 30, stop=())) == loop and len(loop) == 30
+
+
+def test_prompt_chunk_at_the_end_fits_the_cache(tiny_model):
+    """-c 1000 -ub 300: the cache is 1024 rows, and the last chunk of a long prompt (at 900) has a
+    token bucket (128) that runs past it. That step computes the rows left (124) instead: the
+    logits equal those of a roomy cache (-c 2048) at every position, every prompt whose last chunk
+    overflows shares that one step, and `ikjax generate`'s ahead-of-time list (_generate_shapes)
+    names it, so generation compiles nothing more."""
+    from ikjax.cli.generate import _generate_shapes, _precompile_shape
+    ids = np.random.default_rng(0).integers(0, 1024, 1000).astype(np.int32)
+    small = ikjax.load(tiny_model, ctx=1000, ubatch=300)
+    big = ikjax.load(tiny_model, ctx=2048, ubatch=300)
+    assert small.capacity == 1024 and small.token_bucket(100) == 128 and small.prompt_tokens(100, 900) == 124
+    assert small.prompt_tokens(64, 900) == 64 and big.prompt_tokens(100, 900) == 128
+    got, ref = small.logits(ids), big.logits(ids)
+    assert got.shape == ref.shape == (1000, small.config.vocab_size)
+    assert rel_err(got[900:], ref[900:]) < 1e-5 and rel_err(got, ref) < 1e-5
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.99
+    # a prompt fed after earlier context (bench -d 800 -p 200): 200 tokens at 800, bucket 256, 224 left
+    assert small.prompt_tokens(200, 800) == 224
+    _, cache = small.prefill(small.new_cache(1), ids[:800], 0)
+    tail, _ = small.prefill(cache, ids[800:], 800, all_logits=True)
+    assert rel_err(tail, ref[800:]) < 1e-5
+    shapes = _generate_shapes(small, 990, 1)
+    assert (124, 1024, 0) in shapes  # the last chunk's 90 tokens at 900: rows 900..1023
+    for n_tok, kv, chunk in shapes:
+        _precompile_shape(small, n_tok, kv, chunk, dict(temperature=0.0))
+    before = small.compile_count
+    for n in (990, 965, 1000 - 1):
+        out = list(small.generate(ids[:n], 1))
+        assert len(out) == 1
+    assert small.compile_count == before
+    assert [list(big.generate(ids[:n], 1)) for n in (990, 965)] == [list(small.generate(ids[:n], 1))
+                                                                    for n in (990, 965)]
+
+
+@pytest.mark.parametrize("ctx", [512, 500])
+def test_generate_fills_the_context_exactly(tiny_model, ctx):
+    """Prompt + generated tokens reach exactly -c (the decode loop's last chunk shortened to the
+    rows left, its last step writing row -c - 2, near the cache's end when -c is a whole number
+    of KV blocks), with the tokens of a roomy cache; a full prompt generates nothing, and one token more
+    is refused with one line, by generate, prefill and step alike."""
+    from ikjax.errors import OptionError
+    ids = list(np.random.default_rng(1).integers(0, 1024, ctx - 40))
+    small = ikjax.load(tiny_model, ctx=ctx, ubatch=128)
+    big = ikjax.load(tiny_model, ctx=1024, ubatch=128)
+    assert small.capacity == 512
+    gen = small.generate(ids, 100)
+    got = list(gen)
+    assert len(ids) + len(got) == ctx and gen.stop_reason == "context"
+    assert got == list(big.generate(ids, 40))
+    full = small.generate(list(range(3, 3 + ctx)), 5)
+    assert list(full) == [] and full.stop_reason == "context"
+    for call in (lambda: small.generate(list(range(3, 4 + ctx)), 5),
+                 lambda: small.prefill(small.new_cache(1), ids[:41], ctx - 40),
+                 lambda: small.logits(list(range(3, 4 + ctx)))):
+        with pytest.raises(OptionError) as e:
+            call()
+        assert "\n" not in str(e.value) and str(ctx) in str(e.value), str(e.value)
+    with pytest.raises(OptionError) as e:  # a step's rows must lie inside the cache
+        small.step(small.new_cache(1), np.zeros((1, 2), np.int32), np.array([small.capacity - 1]))
+    assert "\n" not in str(e.value) and "run past the cache" in str(e.value)
+    with pytest.raises(OptionError):
+        small.decode(small.new_cache(1), [5], [small.capacity - 3], 4, chunk=16)

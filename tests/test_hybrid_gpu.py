@@ -31,6 +31,7 @@ from ikjax import ops  # noqa: E402
 from ikjax.placement.host import HostQuantArray  # noqa: E402
 
 from conftest import fixture_entry, fixtures_dir, load_ref, rel_err  # noqa: E402
+from ikjax.model.groups import all_layers, layer_tensors
 
 TOL = 1e-5  # f32 compute, host vs GPU experts
 FIXTURES = ("v3tiny-all-Q4_K_M.gguf", "v2lite_tiny-kvb-Q5_1.gguf")
@@ -43,19 +44,19 @@ def _logits(path, tokens, **opts):
 
 
 def _check_host_resident(eng, n_host_layers: int | None = None):
-    layers = [i for i, lay in enumerate(eng.weights["layers"]) if "gate_exps" in lay]
-    host = [i for i in layers if isinstance(eng.weights["layers"][i]["gate_exps"], HostQuantArray)]
+    layers = [i for i, lay in enumerate(all_layers(eng.weights)) if "gate_exps" in lay]
+    host = [i for i in layers if isinstance(layer_tensors(eng.weights, i)["gate_exps"], HostQuantArray)]
     want = layers if n_host_layers is None else [i for i in layers if i < n_host_layers]
     assert host == want and host, (host, want)
     for i in host:
         for k in ("gate_exps", "up_exps", "down_exps"):
-            t = eng.weights["layers"][i][k]
+            t = layer_tensors(eng.weights, i)[k]
             assert isinstance(t, HostQuantArray) and t.streamable
             assert t.data.sharding.memory_kind == "pinned_host"
             assert t.host_address() == t.data.unsafe_buffer_pointer() != 0
     # the memory plan puts exactly those bytes on the host, none of them on the GPU
     plan = eng.memory_plan()
-    assert plan.host_weights_bytes == sum(eng.weights["layers"][i][k].nbytes for i in host
+    assert plan.host_weights_bytes == sum(layer_tensors(eng.weights, i)[k].nbytes for i in host
                                           for k in ("gate_exps", "up_exps", "down_exps"))
 
 
@@ -144,7 +145,7 @@ def test_fixture_prompt_streams_experts(monkeypatch):
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
     monkeypatch.setenv("IKJAX_MIN_OFFLOAD_BATCH", "8")
     eng = ikjax.load(path, ctx=512, ubatch=64, dtype="f32", ot="exps=CPU")
-    assert eng.weights["layers"][-1]["gate_exps"].min_batch == 8
+    assert layer_tensors(eng.weights, -1)["gate_exps"].min_batch == 8
     tokens = tokens[:192]  # three 64-token steps, each past the lowered threshold
     ref = ikjax.load(path, ctx=512, ubatch=64, dtype="f32").logits(tokens)
     got = eng.logits(tokens)
@@ -168,7 +169,7 @@ def test_active_stream_rounds(tiny4, monkeypatch, mib, dtype):
     tol = TOL if dtype == "f32" else 1e-2
     assert ops.selected("moe_experts").startswith("stream:")
     assert rel_err(got, ref) <= tol, rel_err(got, ref)
-    lay = [l for l in eng.weights["layers"] if "gate_exps" in l]
+    lay = [l for l in all_layers(eng.weights) if "gate_exps" in l]
     E = lay[0]["gate_exps"].shape[0]
     per_expert = sum(lay[0][k].nbytes for k in ("gate_exps", "up_exps", "down_exps")) // E
     slots = ops.stream_slots(*(lay[0][k] for k in ("gate_exps", "up_exps", "down_exps")))
@@ -193,7 +194,7 @@ def test_any_tensor_on_the_host(tiny4, ot):
     ref = ref_eng.logits(tokens)
     eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32", ot=ot)
     from ikjax.placement.host import HostTensor
-    assert isinstance(eng.weights["layers"][1]["attn_norm"], HostTensor)
+    assert isinstance(layer_tensors(eng.weights, 1)["attn_norm"], HostTensor)
     got = eng.logits(tokens)
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
     assert list(eng.generate(tokens, max_tokens=5)) == list(ref_eng.generate(tokens, max_tokens=5))

@@ -38,9 +38,31 @@ def test_decode_matches_reference_and_model(ctk):
     yb = mla_decode(q, cache, lengths, 0.06, dtype=jnp.bfloat16, interpret=True)
     assert rel(yb, mla_decode_ref(q, cache, lengths, 0.06)) < 1e-2
     # the model's own attention (absorbed form: k = latent entry, v = its first 512)
-    lat = kvcache.read(cache, S, 576, jnp.float32)
+    lat = kvcache.read(jax.tree.map(lambda a: a[None], cache), 0, S, 576, jnp.float32)
     m = attend_materialized(q[:, None], lat[:, :, None], lat[:, :, None, :512], (lengths - 1)[:, None], 0.06)
     assert rel(y, m[:, 0]) < 1e-5
+
+
+@pytest.mark.parametrize("ctk", ["bf16", "q8_0"])
+def test_layer_of_a_stack_read_in_place(ctk):
+    """A scanned layer group passes its cache stack [L, B, S, W] and the scan's (traced) index:
+    every implementation reads that layer, the same as given the layer's own cache."""
+    from ikjax import ops
+    from pallas_kernels.mla_decode import cpu as mla_cpu
+    rng = np.random.default_rng(13)
+    B, H, S, L = 2, 16, 64, 3
+    q = jnp.asarray(rng.standard_normal((B, H, 576)), jnp.float32)
+    per_layer = [make(B, H, S, rng, ctk)[1] for _ in range(L)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    lengths = jnp.array([5, 64], jnp.int32)
+    backends = ["xla", "interpret"] + (["cpu"] if mla_cpu.supported((B, H, 576), per_layer[0], 512) else [])
+    for backend in backends:
+        f = jax.jit(lambda q, c, l, i, b=backend: ops.mla_decode_attention(q, c, l, 0.06, dtype=jnp.float32,
+                                                                          backend=b, layer=i))
+        for li in range(L):
+            want = mla_decode_ref(q, per_layer[li], lengths, 0.06, dtype=jnp.float32)
+            got = f(q, stack, lengths, jnp.int32(li))
+            assert rel(got, want) < 1e-5, (backend, li, rel(got, want))
 
 
 def test_decode_32_heads_split():

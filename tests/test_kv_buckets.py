@@ -116,3 +116,35 @@ def test_engine_sweep_compiles_no_more_steps(tiny_model):
     pp_rows_old = sum(kb.pow2_bucket(n + 64, 64, cap) for n in sb.sweep_points(1024, 64))
     assert pp_rows_new < pp_rows_old
     assert eng.compile_count == 0  # nothing compiled to find this out
+
+
+@pytest.mark.parametrize("ctx,ub,kv_block", [(4096, 2048, 256), (1024, 256, 256), (1000, 256, 256), (1000, 300, 8),
+                                             (16384, 2048, 256), (3000, 2048, 256), (256, 512, 64)])
+def test_buckets_never_read_past_the_context(ctx, ub, kv_block):
+    """The cache is -c in whole KV blocks (no micro-batch on top) and no bucket reads past it: every
+    prompt bucket, every length a step may need up to the cache's end, and a need past the end
+    (a decode loop compiled for more steps than are left) read at most the cache."""
+    cap = capacity(ctx, ub, kv_block)
+    assert cap == -(-ctx // kv_block) * kv_block and cap - ctx < kv_block
+    buckets = kb.prompt_buckets(ctx, ub, kv_block, cap)
+    assert buckets[-1] == cap and all(b <= cap for b in buckets)
+    for n in range(1, cap + 2 * ub):
+        b = kb.kv_bucket(n, ctx, ub, kv_block, cap)
+        assert b <= cap and (b >= n or b == cap), (n, b)
+
+
+def test_engine_steps_stay_within_the_cache(tiny_model):
+    """A real engine: every step a sweep (with a TG count that fills the last row up to the cache's
+    end) and a prefill of a full context run reads at most `capacity` = -c rows and writes none
+    past them (`Engine.prompt_tokens`)."""
+    eng = ikjax.load(tiny_model, ctx=1000, ubatch=300, mla=2)
+    assert eng.capacity == 1024 and not eng.decode_kernel
+    last = sb.sweep_points(1000, 300)[-1]
+    for t, kv in sb.step_shapes(eng, eng.capacity - last):
+        assert kv <= eng.capacity and eng.kv_bucket(kv, t) <= eng.capacity
+    for n in range(1, 1001):  # every prompt length, chunk by chunk as prefill feeds it
+        for c0 in range(0, n, 300):
+            real = min(300, n - c0)
+            t = eng.prompt_tokens(real, c0)
+            assert real <= t <= eng.capacity - c0 and eng.kv_bucket(c0 + t, t) <= eng.capacity
+            assert t == eng.token_bucket(real) or (c0 == 900 and t == 124)  # one extra step shape at most

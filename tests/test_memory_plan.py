@@ -128,3 +128,32 @@ def test_available_memory_and_mapped_pages(tmp_path):
     assert (128 << 10) <= memory_plan.mapped_rss([str(f)]) <= (4 << 20)
     anon, file = memory_plan.process_memory()
     assert anon > 0 and file > 0
+
+
+def test_kv_cache_is_the_context_in_kv_blocks(tiny_model):
+    """The cache holds what -c says: `-c 4096 -ub 2048` is 4096 rows (it was 6144, one padded
+    micro-batch more: "KV cache 54.00 MiB (9216 B/token)" where ik_llama.cpp allocates 36 MiB).
+    The same number in the engine's cache, its plan and the line `ikjax info` prints; a -c that is
+    not a whole number of KV blocks rounds up to the next block (ik pads n_ctx to 256 with flash
+    attention), never by a micro-batch."""
+    from typer.testing import CliRunner
+
+    import jax
+    from ikjax.cli import app
+    from ikjax.options import RunOptions
+
+    eng = ikjax.load(tiny_model, ctx=4096, ubatch=2048)
+    plan = eng.memory_plan()
+    per = plan.kv_bytes_per_token
+    assert eng.capacity == 4096 and plan.kv_bytes == 4096 * per
+    assert sum(x.nbytes for x in jax.tree_util.tree_leaves(eng.new_cache(1))) == plan.kv_bytes
+    line = f"KV cache         {4096 * per / memory_plan.MIB:10.2f} MiB ({per} B/token)"
+    assert line in plan.lines()
+    res = CliRunner().invoke(app, ["info", tiny_model, "-c", "4096", "-ub", "2048"])
+    assert res.exit_code == 0 and line in res.stdout, res.stdout
+    # the issue's V2-Lite-shape numbers: 9216 B/token at -c 4096 is ik's 36 MiB, not 54
+    assert 9216 * memory_plan.cache_capacity(RunOptions.from_kwargs(ctx=4096, ubatch=2048)) == 36 * memory_plan.MIB
+    for ctx, ub, kv_block, rows in ((4096, 512, 256, 4096), (1000, 512, 256, 1024), (1000, 300, 8, 1000),
+                                    (4097, 2048, 256, 4352), (100, 64, 256, 256), (65536, 4096, 256, 65536)):
+        opts = RunOptions.from_kwargs(ctx=ctx, ubatch=ub, kv_block=kv_block)
+        assert memory_plan.cache_capacity(opts) == rows, (ctx, ub, kv_block)

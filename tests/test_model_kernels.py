@@ -11,6 +11,7 @@ from conftest import rel_err
 from hf_models import hf_logits, make_model, set_weights, gguf_state_dict
 from ikjax.gguf_io.writer import write_deepseek2_gguf
 from pallas_kernels.quant_matmul.packing import PackedWeight
+from ikjax.model.groups import layer_tensors
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_model_on_pallas_kernels_matches_xla_path_and_transformers(latent576, mo
     _, xla = _prompt_then_decode(path, tokens, 32, ctk=ctk)
     monkeypatch.setenv("IKJAX_KERNELS", "interpret")
     eng, pallas = _prompt_then_decode(path, tokens, 32, ctk=ctk)
-    layer = eng.weights["layers"][1]
+    layer = layer_tensors(eng.weights, 1)
     assert isinstance(layer["gate_exps"], PackedWeight) and isinstance(layer["q_b"], PackedWeight)
     # the prompt path reads attn_kv_b, as transformers does (decode reads the separately quantized
     # attn_k_b/attn_v_b, so only the prompt is held to the oracle)

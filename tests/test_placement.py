@@ -20,6 +20,7 @@ from ikjax.runtime.memory_plan import plan_memory
 from ikjax.options import RunOptions
 from ikjax.gguf_io.tensors import is_routed_expert, logical_axes
 from ikjax.placement.rules import DEVICE, HOST, TensorPlacement, plan_placement, runs_on
+from ikjax.model.groups import layer_tensors
 
 CPU_ONLY = [SimpleNamespace(platform="cpu")]
 ONE_GPU = [SimpleNamespace(platform="gpu")]
@@ -173,17 +174,19 @@ def test_host_placed_non_experts_next_to_an_accelerator(model4, tiny4_model, bac
 
     place.host_device = lambda name: dev
     w = load_weights(f, cfg, place=place, placement=p)
-    assert isinstance(w["token_embd"], HostTensor) and isinstance(w["layers"][1]["attn_norm"], HostTensor)
-    assert isinstance(w["layers"][2]["ffn_norm"], HostTensor) and not isinstance(w["layers"][2]["attn_norm"], HostTensor)
-    kinds = {a.sharding.memory_kind for a in jax.tree_util.tree_leaves(w["layers"][1]["attn_norm"])}
+    assert isinstance(w["token_embd"], HostTensor) and isinstance(layer_tensors(w, 1)["attn_norm"], HostTensor)
+    assert isinstance(layer_tensors(w, 2)["ffn_norm"], HostTensor) and not isinstance(layer_tensors(w, 2)["attn_norm"], HostTensor)
+    kinds = {a.sharding.memory_kind for a in jax.tree_util.tree_leaves(layer_tensors(w, 1)["attn_norm"])}
     assert kinds == {"pinned_host"}
     # a layer with host parts is not stacked; the others are, as on one device
-    assert "ffn_gate_up" not in w["layers"][0] and isinstance(w["layers"][0]["ffn_gate"], HostTensor)
-    assert "attn_in" not in w["layers"][1] and isinstance(w["layers"][1]["kv_a_mqa"], HostTensor)
+    assert "ffn_gate_up" not in layer_tensors(w, 0) and isinstance(layer_tensors(w, 0)["ffn_gate"], HostTensor)
+    assert "attn_in" not in layer_tensors(w, 1) and isinstance(layer_tensors(w, 1)["kv_a_mqa"], HostTensor)
     eng = ikjax.load(tiny4_model, ctx=64, dtype="f32")
     tokens = [3, 17, 5, 9, 100, 2, 44]
     want = eng.logits(tokens)
     eng.weights = w
+    eng.spans = tuple((g.first, g.count) for g in w["groups"])  # its layer groups, as loaded
+    eng._cache_specs.clear()
     eng._executables.clear()
     eng._compiled.clear()
     got = eng.logits(tokens)

@@ -123,3 +123,58 @@ def test_tools_share_one_cache(tiny_model, tmp_path):
             assert res.returncode == 0, (cmd, res.stderr)
             assert "error" not in res.stderr.lower() and "skipp" not in (res.stdout + res.stderr).lower(), \
                 (cmd, res.stdout, res.stderr)
+
+
+# A key that misses what the call passes (here: an engine of another cache length looks its steps
+# up under the first engine's descriptions, as a key blind to the cache length once did): the
+# stored step loads, passes load_step's check (it fits the arguments the key describes) and JAX
+# refuses its first call. That call must still run, on a step compiled then, with the numbers a
+# step compiled for it gives.
+LATE = """
+import json, sys
+import numpy as np
+import ikjax
+from ikjax.runtime import compile_cache, executables
+ids = list(range(1, 9))
+a = ikjax.load(sys.argv[1], ctx=256, ubatch=64)
+a_logits, a_toks = a.logits(ids), list(a.generate(ids, 4))  # compiled and stored
+b = ikjax.load(sys.argv[1], ctx=512, ubatch=64)
+b._steps._stored_step = lambda weights, key: a._steps._stored_step(a.weights, key)
+loads0 = compile_cache.step_loads()
+b_logits, b_toks = b.logits(ids), list(b.generate(ids, 4))
+loads = compile_cache.step_loads() - loads0
+late = sum(isinstance(e, executables.StoredStep) for e in b._executables.values())
+ref = ikjax.load(sys.argv[1], ctx=512, ubatch=64)
+ref._steps._stored_step = lambda weights, key: None  # compiled here, nothing loaded
+r_logits, r_toks = ref.logits(ids), list(ref.generate(ids, 4))
+np.testing.assert_array_equal(b_logits, r_logits)
+print(json.dumps(dict(loads=loads, late=late, toks=[a_toks, b_toks, r_toks],
+                      close=bool(np.allclose(a_logits, b_logits, atol=1e-4)))))
+"""
+
+
+def test_stored_step_refused_at_its_call_is_recompiled(tiny_model, tmp_path):
+    env = {**os.environ, "IKJAX_COMPILE_CACHE": str(tmp_path / "xla"), "IKJAX_STORE_STEPS": "1"}
+    res = subprocess.run([sys.executable, "-c", LATE, tiny_model], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["loads"] >= 2  # a's two prompt steps (all logits; the last one's), loaded for b's calls
+    assert r["late"] == 0  # each refused at its first call and replaced by a fresh executable
+    assert res.stderr.count("did not fit its call") == r["loads"], res.stderr[-3000:]
+    assert r["toks"][1] == r["toks"][2] == r["toks"][0] and r["close"]
+
+
+def test_counts_are_per_thread():
+    """Steps compile side by side in threads on an accelerator: a hit (or write) of JAX's cache in
+    one thread is not the step another thread compiles (it decided whether that step is stored
+    whole and whether it counts as "from the cache")."""
+    import threading
+    h0, w0 = compile_cache.thread_counts()
+    g0 = compile_cache.hits()
+    t = threading.Thread(target=compile_cache._count, args=(compile_cache.HIT_EVENT,))
+    t.start()
+    t.join()
+    assert compile_cache.hits() == g0 + 1 and compile_cache.thread_counts() == (h0, w0)
+    compile_cache._count(compile_cache.WRITE_EVENT)
+    assert compile_cache.thread_counts() == (h0, w0 + 1)

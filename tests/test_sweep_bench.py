@@ -146,3 +146,68 @@ def test_steps_compile_side_by_side(tiny_model):
     assert sorted(seen) == sorted(shapes) and eng.compile_count == len(shapes) == len(eng._executables)
     rows = list(sb.run(eng, 4))
     assert len(rows) == 4 and eng.compile_count == len(shapes)
+
+
+def _recorded_sweep(eng, tg: int) -> list[tuple[str, int, "np.ndarray"]]:
+    """Run the sweep (no warm-up runs: their random tokens depend on which shapes are new, so the
+    token streams of two -c would differ) and keep what every step returned: ("pp", start, last
+    token's logits) and ("tg", start, the tg tokens picked)."""
+    import numpy as np
+    rec = []
+    step, decode = eng.step, eng.decode
+
+    def recording_step(cache, tokens, start, *a, **k):
+        out, cache = step(cache, tokens, start, *a, **k)
+        rec.append(("pp" if tokens.shape[1] > 1 else "tg", int(start[0]), np.asarray(out, np.float32)))
+        return out, cache
+
+    def recording_decode(cache, tokens, start, n, **k):
+        out, cache = decode(cache, tokens, start, n, **k)
+        rec.append(("tg", int(start[0]), np.asarray(out)[:, :n]))
+        return out, cache
+
+    eng.step, eng.decode = recording_step, recording_decode
+    rows = list(sb.run(eng, tg, warmup=False))
+    assert [r.n_kv for r in rows] == sb.sweep_points(eng.options.ctx, eng.options.ubatch)
+    return rec
+
+
+@pytest.mark.parametrize("ctx,tg", [(1024, 16), (1000, 16), (1024, 256)])
+def test_last_rows_reach_the_context_and_match_a_roomy_cache(tiny_model, ctx, tg):
+    """The KV cache is -c (in whole KV blocks), so the last rows of a sweep run up to its end: -c
+    1024 -ub 256 -n 16 (its last prompt ends at the cache's last row), -c 1000 (not a multiple of
+    ub) and -n 256 (the last row's TG tokens fill rows 768..1023). Every step of every row returns
+    what the same row returns with a roomy cache (-c 2048): no write lands clamped on other rows."""
+    import ikjax
+    import numpy as np
+    eng = ikjax.load(tiny_model, ctx=ctx, ubatch=256)
+    assert eng.capacity == 1024
+    got = _recorded_sweep(eng, tg)
+    ref = _recorded_sweep(ikjax.load(tiny_model, ctx=2048, ubatch=256), tg)[:len(got)]
+    assert max(start for kind, start, _ in got if kind == "pp") + 256 <= ctx
+    if tg == 256:
+        assert max(start for kind, start, _ in got if kind == "tg") + tg == eng.capacity
+    assert [(k, s) for k, s, _ in got] == [(k, s) for k, s, _ in ref]
+    for (kind, start, a), (_, _, b) in zip(got, ref):
+        if kind == "tg":
+            assert (a == b).all(), (start, a, b)
+        else:
+            assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), start
+
+
+def test_tg_past_the_cache_is_refused_up_front(tiny_model):
+    """-n larger than the last row has room for (N_KV 768 + 257 > 1024 rows) is one line before
+    the model loads (ik's sweep-bench would stop at that row with "llama_decode() failed"); the
+    library's run refuses it before any step."""
+    import ikjax
+    from ikjax.errors import OptionError
+    res = CliRunner().invoke(app, ["sweep-bench", "-m", tiny_model, "-c", "1024", "-ub", "256", "-n", "257"])
+    err = res.stderr.strip().splitlines()
+    assert res.exit_code != 0 and len(err) == 1 and "-n 257" in err[0] and "-n 256 or less" in err[0], res.stderr
+    assert "loaded" not in res.stderr and res.stdout.strip() == ""
+    eng = ikjax.load(tiny_model, ctx=1024, ubatch=256)
+    with pytest.raises(OptionError, match="past the KV cache"):
+        next(sb.run(eng, 257))
+    assert eng.compile_count == 0
+    sb.check_tg_room(1024, 1024, 256, 256)  # fills the cache exactly: fine
+    sb.check_tg_room(1024, 1024, 256, 300, stride=2)  # only rows 0 and 512 run their TG

@@ -10,6 +10,7 @@ import pytest
 import ikjax
 from ikjax.tools import synthetic
 from ikjax.gguf_io.config import ModelConfig
+from ikjax.model.groups import layer_tensors
 
 
 def _cfg(preset, qtype="Q4_0", **kw):
@@ -118,7 +119,7 @@ def test_q_lora_rank_override(tmp_path):
     assert "q_lora 96" in r.fields["general.name"].contents()
     eng = ikjax.load(p, ctx=64, ubatch=16)
     assert eng.config.q_lora_rank == 96
-    assert eng.weights["layers"][0]["q_b"].shape == (8 * 96, 96)
+    assert layer_tensors(eng.weights, 0)["q_b"].shape == (8 * 96, 96)
     logits = eng.logits([0, 5, 17, 300])
     assert np.isfinite(logits).all() and 0.05 < float(logits.std()) < 50
 

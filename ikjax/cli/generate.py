@@ -99,7 +99,7 @@ def _generate_shapes(eng, n_prompt: int, n_predict: int) -> list[tuple[int, int,
     seen: dict[tuple, tuple[int, int, int]] = {}
     ub = eng.options.ubatch
     for c0 in range(0, n_prompt, ub):
-        t = eng.token_bucket(min(ub, n_prompt - c0))
+        t = eng.prompt_tokens(min(ub, n_prompt - c0), c0)
         seen.setdefault((t, eng.kv_bucket(c0 + t, t)), (t, c0 + t, 0))
     loop = eng.decode_loop()
     for pos in range(n_prompt, n_prompt + max(n_predict - 1, 0), chunk_len if loop else 1):

@@ -64,6 +64,7 @@ def sweep_bench(
 
     Example: ikjax sweep-bench -m model.gguf -c 16384 -ub 2048 -mla 3 -fa --output-format jsonl --plot sweep.png
     """
+    from ikjax.runtime.memory_plan import cache_capacity
     from ikjax.tools import sweep_bench as sb
     if output_format not in ("md", "jsonl"):
         raise OptionError(f"output-format: {output_format!r} is not md or jsonl")
@@ -79,13 +80,14 @@ def sweep_bench(
     pp = int(run.ubatch)  # ik's -ub as given: the PP column; the engine's steps are min(ub, b) tokens
     if not sb.sweep_points(checked.ctx, pp):
         raise OptionError(f"ubatch {pp} is larger than the context c={checked.ctx}: nothing to sweep")
+    tg = pp // 4 if n_gen is None or n_gen <= 0 else n_gen  # ik: n_predict > 0 ? n_predict : n_ubatch / 4
+    sb.check_tg_room(checked.ctx, cache_capacity(checked), pp, tg, sweep_stride)
     memory = sb.MemoryTracker() if sweep_memory else None
     if memory is not None:
         memory.start()  # before the model loads, as ik's baseline
     setup_compile_cache(run.compile_cache_dir)
     eng = load_engine(run.model, run.verbose, **run_opts)
     count0, hits0 = eng.compile_count, eng.compile_cache_hits
-    tg = pp // 4 if n_gen is None or n_gen <= 0 else n_gen  # ik: n_predict > 0 ? n_predict : n_ubatch / 4
     shape_args = dict(pp=pp, stride=sweep_stride)
     # the first row's steps compile (or load from the persistent cache) before it, each later
     # row's before that row, outside its timings: the first row comes as soon as its own steps exist

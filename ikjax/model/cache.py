@@ -1,7 +1,8 @@
 """KV caches: per-head K and V (mla=0) or one latent entry per token (mla=1/2/3).
 
-Every cache tensor is stored as rows `[batch, capacity, width]`, one list entry per layer, in the
-`-ctk` type: f32, f16, bf16, or q8_0 (ggml's block of 32 int8 with one f16 scale, quantized on
+Every cache tensor is stored as rows `[count, batch, capacity, width]`, one list entry per layer
+group (ikjax.model.groups: a scanned run of `count` layers carries its stack, indexed by the
+layer's place in it; a layer of its own has count 1), in the `-ctk` type: f32, f16, bf16, or q8_0 (ggml's block of 32 int8 with one f16 scale, quantized on
 write; a width that is not a multiple of 32 ends with a zero-padded block). The latent entry is
 `[c (kv_lora_rank) | k_pe (rope)]`: V is the first kv_lora_rank values of the same entry.
 """
@@ -28,13 +29,21 @@ class CacheLayout:
     batch: int
     capacity: int
     widths: tuple[tuple[str, int], ...]  # ("k", H*qk), ("v", H*v)  or  ("latent", r+rope)
+    groups: tuple[int, ...] = ()  # layers per group, in order (ikjax.model.groups); () = one per layer
+
+    @property
+    def group_counts(self) -> tuple[int, ...]:
+        return self.groups or (1,) * self.n_layer
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, mla: int, ctk: str, batch: int, capacity: int) -> "CacheLayout":
+    def for_model(cls, cfg: ModelConfig, mla: int, ctk: str, batch: int, capacity: int,
+                  groups: tuple[int, ...] = ()) -> "CacheLayout":
+        if groups and sum(groups) != cfg.n_layer:
+            raise ValueError(f"cache layout: groups {groups} do not add up to {cfg.n_layer} layers")
         if mla == 0:
             widths = (("k", cfg.n_head * cfg.qk_dim), ("v", cfg.n_head * cfg.v_dim))
-            return cls("kv", ctk, cfg.n_layer, batch, capacity, widths)
-        return cls("latent", ctk, cfg.n_layer, batch, capacity, (("latent", cfg.latent_dim),))
+            return cls("kv", ctk, cfg.n_layer, batch, capacity, widths, tuple(groups))
+        return cls("latent", ctk, cfg.n_layer, batch, capacity, (("latent", cfg.latent_dim),), tuple(groups))
 
     @staticmethod
     def bytes_per_value_row(ctk: str, width: int) -> int:
@@ -51,13 +60,13 @@ class CacheLayout:
 
 
 def init_cache(layout: CacheLayout) -> dict:
-    def one(width: int):
+    def one(n: int, width: int):
         B, S = layout.batch, layout.capacity
         if layout.ctk == "q8_0":
             nb = -(-width // Q8_BLOCK)
-            return {"q": jnp.zeros((B, S, nb, Q8_BLOCK), jnp.int8), "d": jnp.zeros((B, S, nb), jnp.float16)}
-        return jnp.zeros((B, S, width), _FLOAT_TYPES[layout.ctk])
-    return {name: [one(w) for _ in range(layout.n_layer)] for name, w in layout.widths}
+            return {"q": jnp.zeros((n, B, S, nb, Q8_BLOCK), jnp.int8), "d": jnp.zeros((n, B, S, nb), jnp.float16)}
+        return jnp.zeros((n, B, S, width), _FLOAT_TYPES[layout.ctk])
+    return {name: [one(n, w) for n in layout.group_counts] for name, w in layout.widths}
 
 
 def quantize_q8_0(x: jax.Array) -> dict:
@@ -83,25 +92,41 @@ def dequantize_q8_0(entry: dict, width: int, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
-def write(layer_cache, new: jax.Array, start: jax.Array):
-    """Store new rows [B, T, width] at positions start[b] .. start[b]+T-1 of each sequence."""
+def write(stack, j, new: jax.Array, start: jax.Array):
+    """Store new rows [B, T, width] at positions start[b] .. start[b]+T-1 of each sequence, in
+    layer j of the group's stack [count, B, S, ...] (j an int, or the scan's traced index): only
+    those rows are written, in place."""
     def put(buf, rows):
-        def one(b_buf, b_rows, s):
-            idx = (s,) + (0,) * (b_buf.ndim - 1)
-            return jax.lax.dynamic_update_slice(b_buf, b_rows.astype(b_buf.dtype), idx)
-        return jax.vmap(one)(buf, rows, start)
-    if isinstance(layer_cache, dict):
+        # one dynamic_update_slice per sequence, at (j, b, start[b]): a vmap over the batch axis
+        # made XLA keep the stack in a transposed layout and copy all of it at every scanned layer
+        for b in range(rows.shape[0]):
+            idx = (j, b, start[b]) + (0,) * (buf.ndim - 3)
+            buf = jax.lax.dynamic_update_slice(buf, rows[b][None, None].astype(buf.dtype), idx)
+        return buf
+    if isinstance(stack, dict):
         q = quantize_q8_0(new)
-        return {"q": put(layer_cache["q"], q["q"]), "d": put(layer_cache["d"], q["d"])}
-    return put(layer_cache, new)
+        return {"q": put(stack["q"], q["q"]), "d": put(stack["d"], q["d"])}
+    return put(stack, new)
 
 
-def read(layer_cache, length: int, width: int, dtype) -> jax.Array:
-    """The first `length` rows of every sequence, as [B, length, width] in `dtype`."""
-    if isinstance(layer_cache, dict):
-        sl = {k: v[:, :length] for k, v in layer_cache.items()}
-        return dequantize_q8_0(sl, width, dtype)
-    return layer_cache[:, :length].astype(dtype)
+def layer(stack, j):
+    """Layer j's whole cache [B, S, ...] (as the decode kernels read it)."""
+    if isinstance(stack, dict):
+        return {k: layer(v, j) for k, v in stack.items()}
+    if isinstance(j, int):
+        return stack[j]
+    return jax.lax.dynamic_index_in_dim(stack, j, 0, keepdims=False)
+
+
+def read(stack, j, length: int, width: int, dtype) -> jax.Array:
+    """The first `length` rows of every sequence of layer j, as [B, length, width] in `dtype`."""
+    def rows(a):
+        if isinstance(j, int):
+            return a[j, :, :length]
+        return jax.lax.dynamic_slice(a, (j,) + (0,) * (a.ndim - 1), (1, a.shape[1], length) + a.shape[3:])[0]
+    if isinstance(stack, dict):
+        return dequantize_q8_0({k: rows(v) for k, v in stack.items()}, width, dtype)
+    return rows(stack).astype(dtype)
 
 
 def host_nbytes(cache: dict) -> int:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from ikjax import ops
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
+from ikjax.model.groups import LayerGroup, unroll_scan
 from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, rms_norm, split_linear
 from ikjax.model.moe import moe_ffn
 from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
@@ -87,8 +88,9 @@ def _projections(x, layer, cfg: ModelConfig, dtype):
     return q.reshape(*x.shape[:-1], cfg.n_head, cfg.qk_dim), kv
 
 
-def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelConfig, plan: StepPlan):
-    """x [B,T,d] normed input -> (attention output [B,T,d], updated layer cache)."""
+def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: ModelConfig, plan: StepPlan):
+    """x [B,T,d] normed input -> (attention output [B,T,d], updated group cache). `group_cache`:
+    the layer group's stacked cache entries (ikjax.model.cache), this layer's at index j."""
     dtype = plan.compute_dtype
     prec = precision_for(dtype)
     B, T, _ = x.shape
@@ -116,16 +118,16 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
 
     if plan.mla == 0:
         k_new, v_new = split_heads_kv(head_kv(c), k_pe, nope)
-        new_cache = {"k": kvcache.write(layer_cache["k"], k_new.reshape(B, T, -1), start),
-                     "v": kvcache.write(layer_cache["v"], v_new.reshape(B, T, -1), start)}
+        new_cache = {"k": kvcache.write(group_cache["k"], j, k_new.reshape(B, T, -1), start),
+                     "v": kvcache.write(group_cache["v"], j, v_new.reshape(B, T, -1), start)}
         S = plan.kv_len
-        k_all = kvcache.read(new_cache["k"], S, H * cfg.qk_dim, dtype).reshape(B, S, H, cfg.qk_dim)
-        v_all = kvcache.read(new_cache["v"], S, H * cfg.v_dim, dtype).reshape(B, S, H, cfg.v_dim)
+        k_all = kvcache.read(new_cache["k"], j, S, H * cfg.qk_dim, dtype).reshape(B, S, H, cfg.qk_dim)
+        v_all = kvcache.read(new_cache["v"], j, S, H * cfg.v_dim, dtype).reshape(B, S, H, cfg.v_dim)
         o = ops.attention(q_full, k_all, v_all, q_pos, scale, flash=plan.fa, **attn)
     else:
         entry = jnp.concatenate([c, k_pe], -1)
-        new_cache = {"latent": kvcache.write(layer_cache["latent"], entry, start)}
-        lat = kvcache.read(new_cache["latent"], plan.kv_len, cfg.latent_dim, dtype)
+        new_cache = {"latent": kvcache.write(group_cache["latent"], j, entry, start)}
+        lat = kvcache.read(new_cache["latent"], j, plan.kv_len, cfg.latent_dim, dtype)
         if plan.mla in (2, 3) and T > 1:
             # K = each head's k_nope ++ the cached rope part, V its v part: the attention op takes
             # them as they are (on the CPU read in place, no concatenated copies)
@@ -144,10 +146,10 @@ def attention_block(x, layer, layer_cache, start, q_pos, cos, sin, cfg: ModelCon
             if flash and T == 1 and ops.mla_decode_supported(H, plan.kv_len, cfg.latent_dim, r):
                 # split-KV flash decoding over the whole cache, each sequence up to its own length
                 o_lat = ops.mla_decode_attention(q_abs[:, 0], new_cache["latent"], start + 1, scale,
-                                                     v_dim=r, dtype=dtype)[:, None]
-            elif flash and ops.mla_prompt_supported(q_abs.shape, new_cache["latent"], r):
+                                                 v_dim=r, dtype=dtype, layer=j)[:, None]
+            elif flash and ops.mla_prompt_supported(q_abs.shape, new_cache["latent"], r, stacked=True):
                 # prompt steps in absorbed form (mla 1): the kernel reads keys up to each query's position
-                o_lat = ops.mla_prompt_attention(q_abs, new_cache["latent"], q_pos, scale, v_dim=r)
+                o_lat = ops.mla_prompt_attention(q_abs, new_cache["latent"], q_pos, scale, v_dim=r, layer=j)
             else:
                 o_lat = ops.attention(q_abs, lat[:, :, None, :], lat[:, :, None, :r], q_pos, scale, flash=flash,
                                           **attn)
@@ -191,44 +193,64 @@ def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Step
 
 def _forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: StepPlan):
     x = embed(weights["token_embd"], tokens, axis=plan.split_axis("embd"))
-    x, new_cache = run_layers(weights["layers"], cache, x, start, 0, cfg=cfg, plan=plan)
+    x, new_cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan)
     return output_head(weights, x, last, cfg=cfg, plan=plan), new_cache
 
 
-def run_layers(layers, cache, x, start, first: int, *, cfg: ModelConfig, plan: StepPlan):
-    """Layers `first .. first + len(layers) - 1` on x [B,T,d]; `cache` holds those layers' entries
-    (lists in the same order). Returns (x, their updated cache). A whole step runs them all;
-    `-sm layer` runs one group per device (ikjax.runtime.pipeline.Pipeline)."""
+def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, plan: StepPlan):
+    """The layers of `groups` (ikjax.model.groups) on x [B,T,d]; `cache` holds those groups'
+    entries (lists in the same order). Returns (x, their updated cache). A whole step runs every
+    group; `-sm layer` runs each device's groups (ikjax.runtime.pipeline.Pipeline).
+
+    A group of several layers is one `lax.scan` whose body is one layer: x and the group's KV stack
+    are carried, the scan's index j picks layer j of every stacked weight (`ops.layer_view`: the
+    kernels read it in place) and of the KV stack (its new rows written in place), so XLA compiles
+    one layer per group, not one per layer."""
     B, T = x.shape[:2]
-    dtype = plan.compute_dtype
     q_pos = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
     cos, sin = rope_tables(inverse_frequencies(cfg), q_pos)
     new_cache = {name: list(entries) for name, entries in cache.items()}
-    for j, layer in enumerate(layers):
-        i = first + j
-        layer = fetch_all(layer)  # host-placed tensors of this layer move to the device now
-        layer_cache = {name: entries[j] for name, entries in cache.items()}
-        heads_axis = plan.split_axis(f"{i}.attn")  # -sm graph: this device's heads only
-        lcfg = dataclasses.replace(cfg, n_head=cfg.n_head // plan.tp.n) if heads_axis else cfg
-        a, layer_cache = attention_block(rms_norm(x, layer["attn_norm"], cfg.rms_eps), layer, layer_cache,
-                                         start, q_pos, cos, sin, lcfg, plan)
-        if heads_axis:
-            a = jax.lax.psum(a, heads_axis)
-        for name, value in layer_cache.items():
-            new_cache[name][j] = value
-        h = x + a
-        hn = rms_norm(h, layer["ffn_norm"], cfg.rms_eps)
-        if cfg.is_moe_layer(i):
-            f = moe_ffn(hn.reshape(B * T, -1), layer, cfg, dtype=dtype, fused=plan.fmoe, ser=plan.ser,
-                        experts_axis=plan.split_axis(f"{i}.exps"),
-                        shared_axis=plan.split_axis(f"{i}.shexp"),
-                        n_parts=plan.tp.n if plan.tp is not None else 1).reshape(B, T, -1)
+    for g, group in enumerate(groups):
+        gcache = {name: entries[g] for name, entries in cache.items()}
+        if not group.stacked:
+            x, gcache = _layer(x, fetch_all(group.tensors), gcache, 0, group.first, start, q_pos, cos, sin,
+                               cfg=cfg, plan=plan)
         else:
-            f = dense_ffn(hn, layer, DENSE_FFN, dtype)
-            if (ffn_axis := plan.split_axis(f"{i}.ffn")) is not None:
-                f = jax.lax.psum(f, ffn_axis)
-        x = h + f
+            def body(carry, _, group=group):
+                x, gc, j = carry
+                layer = ops.layer_view(group.tensors, j)  # each kernel reads layer j of the stacks in place
+                x, gc = _layer(x, layer, gc, j, group.first, start, q_pos, cos, sin, cfg=cfg, plan=plan)
+                return (x, gc, j + 1), None
+            (x, gcache, _), _ = jax.lax.scan(body, (x, gcache, jnp.int32(0)), None, length=group.count,
+                                             unroll=unroll_scan(T, plan.backend))
+        for name, value in gcache.items():
+            new_cache[name][g] = value
     return x, new_cache
+
+
+def _layer(x, layer, gcache, j, i: int, start, q_pos, cos, sin, *, cfg: ModelConfig, plan: StepPlan):
+    """One layer: `layer` its tensors, `gcache` its group's cache (its entries at index j), `i`
+    the group's first layer (what the step does is the same for every layer of a group)."""
+    B, T = x.shape[:2]
+    dtype = plan.compute_dtype
+    heads_axis = plan.split_axis(f"{i}.attn")  # -sm graph: this device's heads only
+    lcfg = dataclasses.replace(cfg, n_head=cfg.n_head // plan.tp.n) if heads_axis else cfg
+    a, gcache = attention_block(rms_norm(x, layer["attn_norm"], cfg.rms_eps), layer, gcache, j,
+                                start, q_pos, cos, sin, lcfg, plan)
+    if heads_axis:
+        a = jax.lax.psum(a, heads_axis)
+    h = x + a
+    hn = rms_norm(h, layer["ffn_norm"], cfg.rms_eps)
+    if cfg.is_moe_layer(i):
+        f = moe_ffn(hn.reshape(B * T, -1), layer, cfg, dtype=dtype, fused=plan.fmoe, ser=plan.ser,
+                    experts_axis=plan.split_axis(f"{i}.exps"),
+                    shared_axis=plan.split_axis(f"{i}.shexp"),
+                    n_parts=plan.tp.n if plan.tp is not None else 1).reshape(B, T, -1)
+    else:
+        f = dense_ffn(hn, layer, DENSE_FFN, dtype)
+        if (ffn_axis := plan.split_axis(f"{i}.ffn")) is not None:
+            f = jax.lax.psum(f, ffn_axis)
+    return h + f, gcache
 
 
 def output_head(weights, x, last, *, cfg: ModelConfig, plan: StepPlan):

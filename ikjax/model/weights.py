@@ -6,6 +6,7 @@ from the ones it has (see `attention_weights`), exactly, with no re-quantization
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -16,13 +17,15 @@ from ikjax import env, ops
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
+from ikjax.model.groups import LayerGroup, layer_spans
 from ikjax.gguf_io.tensors import FUSED_ROWS, KERNEL_MATRICES, TensorSpec, is_routed_expert, layer_specs, model_specs, validate
 from ikjax.placement import devices
 from ikjax.placement.host import HostQuantArray, host_form, min_offload_batch, pin_tree, populate_pages, release_pages, to_pinned
 from ikjax.placement.rules import Placement
 from ikjax.quant.array import QuantArray
 
-Weights = dict[str, Any]  # pytree: {"token_embd", "output_norm", "output", "layers": [dict, ...]}
+# pytree: {"token_embd", "output_norm", "output", "groups": [LayerGroup, ...]} (ikjax.model.groups)
+Weights = dict[str, Any]
 
 
 Placer = Callable[[str, np.ndarray], Any]
@@ -106,20 +109,84 @@ def placer_for(placement: Placement) -> Placer:
 
 
 def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = None,
-                 placement: Placement | None = None) -> Weights:
+                 placement: Placement | None = None, spans: tuple | None = None) -> Weights:
     """Copy each tensor's bytes from the memory map to where `place` puts it, one tensor at a time.
 
     `placement` (from `ikjax.placement.rules.plan_placement`) decides where each tensor goes when no
-    `place` is given; it stays next to the returned tree (static metadata, never a traced leaf)."""
+    `place` is given; it stays next to the returned tree (static metadata, never a traced leaf).
+    `spans`: the layer groups (ikjax.model.groups.layer_spans; computed here when not given)."""
     if place is None:
         place = placer_for(placement) if placement is not None else default_placer
     validate(gf.tensors, cfg, gf.path)
+    if spans is None:
+        spans = layer_spans(cfg, gf.tensors, placement)
     # -sm graph runs the XLA path on GSPMD-split matrices: no kernel layouts
     graph = placement is not None and placement.split_mode == "graph"
     load = TensorLoader(gf, cfg, place, placement, repack=ops.needs_repack() and not graph)
     weights: Weights = load.top()
-    weights["layers"] = [load.layer(i) for i in range(cfg.n_layer)]
+    weights["groups"] = [load.group(first, count) for first, count in spans]
     return weights
+
+
+class _Stacks:
+    """The leaves of a layer group, each stacked on a new leading axis as its layers load (so a
+    device holds the stacks and one layer's tensors, never every layer twice). Leaves on the host or
+    a CPU device are copied into 64-byte aligned NumPy buffers, which the CPU device then aliases
+    (no XLA program, no second copy); leaves on an accelerator are written into zeroed device
+    arrays in place, all of a layer's in one donated program (one compile per group, not one per
+    tensor: those small compiles were 7 of the 10 s a cold V2-Lite load took on an H100)."""
+
+    def __init__(self, leaves: list, count: int):
+        self.count = count
+        self.shardings = [getattr(a, "sharding", None) for a in leaves]
+        self.on_host = [s is None or all(d.platform == "cpu" for d in s.device_set) for s in self.shardings]
+        self.host: list = [None] * len(leaves)
+        dev_specs = []
+        for k, a in enumerate(leaves):
+            shape, dtype = (count,) + tuple(a.shape), np.dtype(a.dtype)
+            if self.on_host[k]:
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                raw = np.empty(nbytes + 64, np.uint8)
+                off = -raw.ctypes.data % 64
+                self.host[k] = raw[off:off + nbytes].view(dtype).reshape(shape)
+            else:
+                dev_specs.append((shape, dtype, self.shardings[k]))
+        self.dev = list(_zeros(tuple(dev_specs))) if dev_specs else []
+
+    def put(self, j: int, leaves: list) -> None:
+        dev_leaves = []
+        for k, a in enumerate(leaves):
+            if self.on_host[k]:
+                src = np.asarray(a)
+                self.host[k][j] = src
+                release_pages(src, evict=False)  # the file's pages of a memory-mapped source: one copy kept
+            else:
+                dev_leaves.append(a)
+        if dev_leaves:
+            self.dev = list(_put_layer(tuple(self.dev), tuple(dev_leaves), np.int32(j)))
+
+    def done(self) -> list:
+        out, dev = [], iter(self.dev)
+        for k in range(len(self.on_host)):
+            if not self.on_host[k]:
+                out.append(next(dev))
+                continue
+            try:
+                out.append(jax.device_put(self.host[k], self.shardings[k], may_alias=True))
+            except TypeError:  # a JAX without may_alias
+                out.append(jax.device_put(self.host[k], self.shardings[k]))
+        return out
+
+
+def _zeros(specs: tuple):
+    """Zeroed arrays of (shape, dtype, sharding) each, in one program."""
+    return jax.jit(lambda: tuple(jnp.zeros(sh, dt) for sh, dt, _ in specs),
+                   out_shardings=tuple(s for _, _, s in specs))()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_layer(stacks: tuple, leaves: tuple, j):
+    return tuple(jax.lax.dynamic_update_index_in_dim(s, a.astype(s.dtype), j, 0) for s, a in zip(stacks, leaves))
 
 
 # float norms and biases in NumPy: no jitted dequantize per shape at load (each one an XLA
@@ -150,16 +217,20 @@ class TensorLoader:
         self.host_arrays = {} if host_arrays is None else host_arrays
         self.hybrid = placement is not None and not placement.unified
         self.min_batch = min_offload_batch(placement.min_offload_batch) if self.hybrid else 0
+        # stacking a group on the one CPU device: the file's bytes as they are, copied once into
+        # the stack (whose pages the device then aliases), the file's pages released after
+        self._raw = False
 
     def tensor(self, spec: TensorSpec):
         info = self.gf.tensors.get(spec.gguf_name)
         if info is None:
             return None
         raw = self.gf.tensor_bytes(spec.gguf_name)
+        place = (lambda name, host: host) if self._raw else self.place
         if spec.dense_float or (spec.f32_as_float and info.qtype.name == "F32"):
-            return self.place(spec.gguf_name, _dense_float(raw, info))
+            return place(spec.gguf_name, _dense_float(raw, info))
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
-        data = self.place(spec.gguf_name, qa.data)
+        data = place(spec.gguf_name, qa.data)
         if self.hybrid and self.placement[spec.gguf_name].on_host and is_routed_expert(spec.gguf_name):
             # routed experts: the memory map's bytes (or their pinned copy), read by the host kernels
             if spec.gguf_name not in self.host_arrays:
@@ -196,6 +267,33 @@ class TensorLoader:
         if weights["output"] is None:  # tied embeddings
             weights["output"] = weights["token_embd"]
         return self._pin(weights, self._host_keys(specs))
+
+    def group(self, first: int, count: int) -> LayerGroup:
+        """Layers first .. first + count - 1 as one LayerGroup: a group of one as `layer` loads it,
+        a longer one with each leaf stacked as its layers load (`_Stacks`)."""
+        if count == 1:
+            return LayerGroup(first, 1, self.layer(first))
+        stacks, tree = None, None
+        self._raw = self.place is default_placer
+        try:
+            for j in range(count):
+                leaves, t = jax.tree.flatten(self.layer(first + j))
+                stacks, tree = self._stack_layer(stacks, tree, leaves, t, j, first, count)
+                del leaves
+        finally:
+            self._raw = False
+        return LayerGroup(first, count, jax.tree.unflatten(tree, stacks.done()))
+
+    @staticmethod
+    def _stack_layer(stacks, tree, leaves, t, j: int, first: int, count: int):
+        """Layer j of the group (its flattened leaves and tree) into the stacks (made at j = 0)."""
+        if stacks is None:
+            stacks, tree = _Stacks(leaves, count), t
+        elif t != tree:
+            raise OptionError(f"layer {first + j} is laid out unlike layer {first} of its group "
+                              f"({t} vs {tree}): a bug, please report (IKJAX_LAYERS=unroll runs it)")
+        stacks.put(j, leaves)
+        return stacks, tree
 
     def layer(self, i: int) -> dict:
         specs = layer_specs(self.cfg, i)

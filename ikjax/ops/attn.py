@@ -142,59 +142,83 @@ def _heads_padded(n_head: int) -> int:
     return -(-n_head // 16) * 16
 
 
-def _mla_xla(q, cache, lengths, scale, v_dim, dtype):
-    return mla_decode_ref(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype)
+def _one_layer(cache, layer):
+    """Layer `layer` of a cache stack (the XLA form: XLA fuses the slice into the products reading it)."""
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), cache)
 
 
-def _mla_pallas_supported(q, cache, lengths, scale, v_dim, dtype) -> bool:
+def _cache_rows(cache) -> int:
+    """S of a cache stack [L, B, S, ...] (float or q8_0)."""
+    return (cache["q"] if isinstance(cache, dict) else cache).shape[2]
+
+
+def _mla_xla(q, cache, lengths, layer, scale, v_dim, dtype):
+    return mla_decode_ref(q, _one_layer(cache, layer), lengths, scale, v_dim=v_dim, dtype=dtype)
+
+
+def _mla_pallas_supported(q, cache, lengths, layer, scale, v_dim, dtype) -> bool:
     B, H, D = q.shape
-    S = (cache["q"] if isinstance(cache, dict) else cache).shape[1]
-    return _mla.supports(_heads_padded(H), S, D, v_dim)
+    return _mla.supports(_heads_padded(H), _cache_rows(cache), D, v_dim)
 
 
 def _mla_pallas(interpret: bool):
-    def run(q, cache, lengths, scale, v_dim, dtype):
+    def run(q, cache, lengths, layer, scale, v_dim, dtype):
         H = q.shape[1]
         pad = _heads_padded(H) - H
         if pad:
             q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
-        out = _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=interpret)
+        if max(a.size for a in jax.tree_util.tree_leaves(cache)) >= 2**31:
+            # the Triton kernel's offsets are 32-bit: a stack this big is read as its one layer (a copy)
+            cache, layer = _one_layer(cache, layer), None
+        out = _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=interpret, layer=layer)
         return out[:, :H] if pad else out
     return run
 
 
-def _mla_cpu_supported(q, cache, lengths, scale, v_dim, dtype) -> bool:
-    return _mla_cpu_mod.supported(q.shape, cache, v_dim)
+def _mla_cpu_supported(q, cache, lengths, layer, scale, v_dim, dtype) -> bool:
+    return _mla_cpu_mod.supported(q.shape, cache, v_dim, stacked=True)
 
 
-def _mla_cpu(q, cache, lengths, scale, v_dim, dtype):
-    return _mla_cpu_mod.mla_decode(q, cache, lengths, scale, v_dim=v_dim, n_threads=registry.threads())
+def _mla_cpu(q, cache, lengths, layer, scale, v_dim, dtype):
+    return _mla_cpu_mod.mla_decode(q, cache, lengths, scale, v_dim=v_dim, n_threads=registry.threads(), layer=layer)
+
+
+def _stack_of(cache, layer):
+    """(stack, index): a one-layer cache as a stack of one (a reshape), or the stack as given."""
+    if layer is None:
+        return jax.tree_util.tree_map(lambda a: a[None], cache), 0
+    return cache, layer
 
 
 def mla_decode_attention(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16,
-                         backend: str | None = None):
-    """Absorbed-MLA decode: one query per sequence over latent cache entries 0..lengths[b]-1."""
+                         backend: str | None = None, layer=None):
+    """Absorbed-MLA decode: one query per sequence over latent cache entries 0..lengths[b]-1.
+    `cache`: one layer's [B, S, W] (or q8_0), or with `layer` (int or traced int32: a scanned layer
+    group's index) the group's stack [L, B, S, W], of which the kernels read that layer in place."""
     impls = {
         "xla": registry.Impl(lambda *a: True, _mla_xla),
         "pallas": registry.Impl(_mla_pallas_supported, _mla_pallas(False)),
         "interpret": registry.Impl(_mla_pallas_supported, _mla_pallas(True)),
         "cpu": registry.Impl(_mla_cpu_supported, _mla_cpu),
     }
-    return registry.dispatch("mla_decode", impls, registry.resolve_backend(backend), q, cache, lengths, scale, v_dim, dtype)
+    cache, layer = _stack_of(cache, layer)
+    return registry.dispatch("mla_decode", impls, registry.resolve_backend(backend), q, cache, lengths, layer, scale,
+                             v_dim, dtype)
 
 
-def mla_prompt_supported(q_shape, cache, v_dim: int, backend: str | None = None) -> bool:
+def mla_prompt_supported(q_shape, cache, v_dim: int, backend: str | None = None, stacked: bool = False) -> bool:
     """Whether absorbed attention for prompt steps (T > 1) has a kernel on this backend (CPU only)."""
     if registry.resolve_backend(backend) != "cpu":
         return False
-    return _mla_cpu_mod.supported(q_shape, cache, v_dim)
+    return _mla_cpu_mod.supported(q_shape, cache, v_dim, stacked)
 
 
-def mla_prompt_attention(q, cache, q_pos, scale, *, v_dim: int, backend: str | None = None):
+def mla_prompt_attention(q, cache, q_pos, scale, *, v_dim: int, backend: str | None = None, layer=None):
     """Absorbed MLA over the latent cache for T queries at positions q_pos [B, T] (causal by position);
-    only keys up to each query's position are read. q [B, T, H, D] -> [B, T, H, v_dim] float32."""
+    only keys up to each query's position are read. q [B, T, H, D] -> [B, T, H, v_dim] float32.
+    `cache`/`layer` as `mla_decode_attention`."""
     registry.ran("mla_prompt", "cpu")
-    return _mla_cpu_mod.mla_attention(q, cache, q_pos, scale, v_dim=v_dim, n_threads=registry.threads())
+    return _mla_cpu_mod.mla_attention(q, cache, q_pos, scale, v_dim=v_dim, n_threads=registry.threads(), layer=layer)
 
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ikjax.ops import registry
 from ikjax.ops.quant_matmul import cpu_ok, quant_linear
-from ikjax.quant.array import QuantArray
+from ikjax.quant.array import LayerSlice, QuantArray
 from pallas_kernels.moe_matmul import cpu as _moe_cpu_mod
 
 # -- dense SwiGLU FFN (the dense layers' FFN and the shared experts) -------------------------------
@@ -29,7 +29,12 @@ def _ffn_xla(x, gate, up, down, dtype, backend=None):
 
 
 def _expert_view(w):
-    """[F, d] as one expert [1, F, d]: the same bytes, a leading axis."""
+    """[F, d] as one expert [1, F, d]: the same bytes, a leading axis (after the layers' axis of
+    a LayerSlice's stack, which stays one)."""
+    if isinstance(w, LayerSlice):
+        d = w.stack.data
+        return LayerSlice(QuantArray(d.reshape((d.shape[0], 1) + tuple(d.shape[1:])), w.qtype, (1,) + tuple(w.shape)),
+                          w.index)
     return QuantArray(w.data.reshape((1,) + tuple(w.data.shape)), w.qtype, (1,) + tuple(w.shape))
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from ikjax import env
 from ikjax.errors import OptionError
 from ikjax.ops import registry
-from ikjax.ops.quant_matmul import packed, pallas_ok, prepare_weight
+from ikjax.ops.quant_matmul import one_layer, pallas_ok, pallas_weight, prepare_weight
 from ikjax.placement.host import is_host_resident
 from ikjax.quant.array import QuantArray
 from pallas_kernels.moe_matmul import cpu as _moe_cpu_mod
@@ -39,6 +39,7 @@ def gather_form(n_tokens: int, n_used: int, n_expert: int) -> bool:
 
 
 def _moe_xla(x, weights, ids, gate, up, down, dtype, fused=True):
+    gate, up, down = one_layer(gate), one_layer(up), one_layer(down)
     fn = moe_experts_ref if gather_form(ids.shape[0], ids.shape[1], gate.shape[0]) else moe_experts_grouped_ref
     return fn(x, weights, ids, gate, up, down, dtype, fused=fused)
 
@@ -53,8 +54,8 @@ def _moe_pallas_supported(x, weights, ids, gate, up, down, dtype, fused=True) ->
 
 def _moe_pallas(interpret: bool):
     def run(x, weights, ids, gate, up, down, dtype, fused=True):
-        return _moe.moe_experts(x, weights, ids, packed(gate), packed(up), packed(down), dtype,
-                                interpret=interpret)
+        (g, layer), (u, _), (d, _) = pallas_weight(gate), pallas_weight(up), pallas_weight(down)
+        return _moe.moe_experts(x, weights, ids, g, u, d, dtype, interpret=interpret, layer=layer)
     return run
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 
 from ikjax.ops import registry
-from ikjax.quant.array import QuantArray
+from ikjax.quant.array import LayerSlice, QuantArray
 from pallas_kernels.quant_matmul import cpu as _qm_cpu
 from pallas_kernels.quant_matmul import kernel as _qm
 from pallas_kernels.quant_matmul import packing as _qm_packing
@@ -38,6 +39,41 @@ def needs_repack(backend: str | None = None) -> bool:
     return registry.resolve_backend(backend) in ("pallas", "interpret")
 
 
+def layer_view(tensors: dict, j) -> dict:
+    """Layer j of a scanned group's stacked tensors (ikjax.model.groups), as the ops read it: each
+    quantized weight a LayerSlice (the kernels read it in place, the XLA forms slice it), each
+    float array (norms, router, biases: small) sliced."""
+    out = {}
+    for k, v in tensors.items():
+        if isinstance(v, (QuantArray, PackedWeight)):
+            out[k] = LayerSlice(v, j)
+        else:
+            out[k] = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), v)
+    return out
+
+
+def base(w):
+    """The weight a LayerSlice slices (its stack: type and per-layer shape), or w itself."""
+    return w.stack if isinstance(w, LayerSlice) else w
+
+
+def one_layer(w):
+    """w as a weight of its own: a LayerSlice sliced (for the XLA forms), anything else as it is."""
+    return w.get() if isinstance(w, LayerSlice) else w
+
+
+def pallas_weight(w):
+    """(PackedWeight, layer index or None) for the Pallas kernels: a LayerSlice of a repacked stack
+    is read in place at its index."""
+    if isinstance(w, LayerSlice):
+        # the Triton kernels' offsets are 32-bit: a stack of 2^31 bytes or more (which the layer
+        # groups avoid, ikjax.model.groups.PALLAS_MAX_STACK_BYTES) is read as its one layer (a copy)
+        if isinstance(w.stack, PackedWeight) and max(a.size for a in w.stack.arrays.values()) < 2**31:
+            return w.stack, w.index
+        return packed(w.get()), None
+    return packed(w), None
+
+
 def packed(w):
     if isinstance(w, PackedWeight):
         return w
@@ -47,12 +83,13 @@ def packed(w):
 
 
 def pallas_ok(w) -> bool:
-    name = w.qtype if isinstance(w, PackedWeight) else w.qtype.name
+    b = base(w)
+    name = b.qtype if isinstance(b, PackedWeight) else b.qtype.name
     return _qm.kernel_supports(name, w.shape[-2], w.shape[-1])
 
 
 def cpu_ok(w) -> bool:
-    return isinstance(w, QuantArray) and _qm_cpu.supported(w.qtype.name)
+    return isinstance(base(w), QuantArray) and _qm_cpu.supported(w.qtype.name)
 
 
 
@@ -99,15 +136,19 @@ def _qm_cpu_run(x, w, dtype):
     return _in_decode_groups(run, x, x.ndim - 1)
 
 
+def _qm_pallas(x, w, dtype, interpret: bool):
+    pw, layer = pallas_weight(w)
+    return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer)
+
+
 def quant_linear(x, w, dtype, *, backend: str | None = None):
     """x [..., K] @ W[N, K]^T (W QuantArray or PackedWeight), computed in `dtype`, f32 result."""
     b = registry.resolve_backend(backend)
     auto = backend is None and registry.auto_backend()
     impls = {
-        "xla": registry.Impl(lambda *a: True, quant_matmul_ref),
-        "pallas": registry.Impl(_qm_pallas_supported(auto), lambda x, w, d: _qm.quant_matmul(x, packed(w), d)),
-        "interpret": registry.Impl(_qm_pallas_supported(False),
-                          lambda x, w, d: _qm.quant_matmul(x, packed(w), d, interpret=True)),
+        "xla": registry.Impl(lambda *a: True, lambda x, w, d: quant_matmul_ref(x, one_layer(w), d)),
+        "pallas": registry.Impl(_qm_pallas_supported(auto), lambda x, w, d: _qm_pallas(x, w, d, False)),
+        "interpret": registry.Impl(_qm_pallas_supported(False), lambda x, w, d: _qm_pallas(x, w, d, True)),
         "cpu": registry.Impl(_qm_cpu_supported, _qm_cpu_run),
     }
     return registry.dispatch("quant_linear", impls, b, x, w, dtype)

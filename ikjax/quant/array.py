@@ -62,3 +62,63 @@ class QuantArray:
 
 
 jax.tree_util.register_dataclass(QuantArray)
+
+
+@dataclass(frozen=True)
+class LayerSlice:
+    """Layer `index` of a stacked weight: `stack` a QuantArray (or the Pallas repack, or any
+    pytree of arrays) whose every array has a leading axis of layers, `index` an int32 scalar —
+    inside a scanned layer group (ikjax.model.groups) the scan's traced index.
+
+    Why not slice it: a dynamic slice that feeds a custom call is a copy, so every kernel (C++
+    on CPUs, Pallas on GPUs) would copy every weight of every layer on every step (a scanned 61-
+    layer tiny model decoded at half the unrolled speed that way). The kernels take the stack and
+    the index and read the layer in place; the XLA forms slice it (`get`), which XLA fuses into
+    the dequantize that reads it. `shape` and `qtype` are the layer's (a stacked QuantArray keeps
+    its per-layer logical shape)."""
+    stack: object
+    index: object
+
+    @property
+    def shape(self) -> tuple:
+        return self.stack.shape
+
+    @property
+    def qtype(self):
+        return self.stack.qtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def n_per_row(self) -> int:
+        return self.shape[-1]
+
+    def get(self):
+        """The layer as its own weight (a slice of each array: XLA fuses it into its reader)."""
+        return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False),
+                                      self.stack)
+
+    @property
+    def data(self):
+        return self.get().data
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.get().dequantize(dtype)
+
+    def __repr__(self) -> str:
+        return f"LayerSlice({self.stack!r})"
+
+
+jax.tree_util.register_dataclass(LayerSlice, data_fields=["stack", "index"], meta_fields=[])
+
+
+def stacked_operands(w):
+    """(bytes [L, ..., rows, row_bytes], layer index int32 scalar) for a kernel that reads one layer
+    of a stack in place: a LayerSlice's stack and index, or a single weight as a stack of one
+    (a reshape, no copy) at index 0."""
+    if isinstance(w, LayerSlice):
+        return jnp.asarray(w.stack.data), jnp.asarray(w.index, jnp.int32)
+    data = jnp.asarray(w.data)
+    return data.reshape((1,) + tuple(data.shape)), jnp.zeros((), jnp.int32)

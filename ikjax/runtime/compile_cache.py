@@ -30,11 +30,14 @@ the device's host, RESULTS §13b). So ikjax also keeps each single-device step i
 made from without tracing: ikjax's and pallas_kernels' source files, jax/jaxlib versions,
 XLA_FLAGS, the devices, and the step's own key (the whole argument tree: weights, KV cache and
 inputs with every leaf's shape, dtype and placement; the run options, the model config, the step
-plan, JAX's type settings; ikjax.runtime.executables.Executables._stored_step). A later run
-loads it by that key before tracing anything (the native FFI targets registered first), and
-checks the loaded executable's argument tree and types against the call's: anything unreadable,
-stored under another key or made for other arguments is a miss (the step is compiled; the entry
-removed, and replaced where this process compiled it), never an error. Only executables
+plan, JAX's type settings, the IKJAX_* variables a trace may read;
+ikjax.runtime.executables.Executables._stored_step). A later run loads it by that key before
+tracing anything (the native FFI targets registered first), and checks the loaded executable's
+argument tree and types against those the step is made for: anything unreadable, stored under
+another key or made for other arguments is a miss (the step is compiled; the entry removed, and
+replaced where this process compiled it), never an error. A loaded step whose first call JAX
+refuses all the same (its arguments are not the ones the key described) is compiled then and
+there and the call made with it (executables.StoredStep): never a failed run. Only executables
 compiled in this process are stored (one JAX loaded from its own cache does not serialize again
 whole on XLA:CPU), and on a CPU only with IKJAX_STORE_STEPS=1 (ikjax.runtime.executables).
 
@@ -55,6 +58,7 @@ import importlib.util
 import logging
 import os
 import platform
+import threading
 from pathlib import Path
 
 import jax
@@ -73,6 +77,9 @@ WRITE_EVENT = "/jax/compilation_cache/cache_misses"
 STEP_LOAD = "ikjax/stored_step_loads"  # ours: steps loaded whole by load_step (also counted as hits)
 
 _counts = {HIT_EVENT: 0, WRITE_EVENT: 0, STEP_LOAD: 0}
+# the same counts for the calling thread alone: steps compile side by side in threads (on an
+# accelerator), and a hit in one thread must not read as a hit of the step another is compiling
+_thread_counts = threading.local()
 _listening = False
 _configured: tuple[str | None, Path | None, bool] | None = None  # (the spec set up, the directory used, ours)
 
@@ -219,12 +226,20 @@ def _replace_entry(d: Path, cache_key: str, error: Exception) -> None:
         log.info("compilation cache: replacing unreadable entry %s (%s)", cache_key, why[:200])
 
 
+def _count(event: str) -> None:
+    _counts[event] += 1
+    mine = getattr(_thread_counts, "counts", None)
+    if mine is None:
+        mine = _thread_counts.counts = dict.fromkeys(_counts, 0)
+    mine[event] += 1
+
+
 def _listen() -> None:
     global _listening
     if not _listening:
         def on_event(event: str, **_):
             if event in _counts:
-                _counts[event] += 1
+                _count(event)
         jax.monitoring.register_event_listener(on_event)
         _listening = True
 
@@ -292,15 +307,26 @@ def load_step(parts: tuple, signature: tuple | None = None):
     except Exception as e:  # noqa: BLE001 - a stale or partial entry: compile as if absent
         _drop(path, f"unreadable: {type(e).__name__}: {e}")
         return None
-    if signature is not None:
-        tree, avals = signature
-        have = tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(exe.in_avals))
-        if exe.in_tree != tree or have != avals:
-            _drop(path, "compiled for other argument types")
-            return None
-    _counts[HIT_EVENT] += 1
-    _counts[STEP_LOAD] += 1
+    if signature is not None and executable_signature(exe) != signature:
+        _drop(path, "compiled for other argument types")
+        return None
+    _count(HIT_EVENT)
+    _count(STEP_LOAD)
     return exe
+
+
+def executable_signature(exe) -> tuple:
+    """(argument tree, ((shape, dtype), ...)) of what a compiled executable takes: what JAX checks
+    a call's arguments against before it runs anything ("Function compiled with input pytree does
+    not match", "Argument types differ"), in the form `load_step`'s `signature` has."""
+    return exe.in_tree, tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(exe.in_avals))
+
+
+def drop_step(parts: tuple, why: str) -> None:
+    """Remove the entry stored under `parts` (one that loaded but did not fit its call)."""
+    path = _step_path(_step_key(parts))
+    if path is not None and path.is_file():
+        _drop(path, why)
 
 
 def store_step(parts: tuple, exe) -> None:
@@ -325,6 +351,13 @@ def store_step(parts: tuple, exe) -> None:
 def hits() -> int:
     """Executables this process loaded from the persistent cache."""
     return _counts[HIT_EVENT]
+
+
+def thread_counts() -> tuple[int, int]:
+    """(hits, writes) of the calling thread alone (see `hits`, `writes`): what a compile in this
+    thread did, whatever steps compile beside it in other threads."""
+    mine = getattr(_thread_counts, "counts", None) or {}
+    return mine.get(HIT_EVENT, 0), mine.get(WRITE_EVENT, 0)
 
 
 def step_loads() -> int:

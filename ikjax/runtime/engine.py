@@ -25,6 +25,7 @@ from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.model import cache as kvcache
+from ikjax.model.groups import layer_spans
 from ikjax.model.deepseek2 import StepPlan
 from ikjax.options import RunOptions
 from ikjax.placement import devices
@@ -56,6 +57,8 @@ class Engine:
         o, cfg = self.options, self.config
         # where every tensor lives, decided once (refuses an -ot device this machine lacks)
         self.placement = plan_placement(cfg, self.file.tensors.values(), self.options)
+        # runs of identical layers, each one lax.scan (ikjax.model.groups)
+        self.spans = layer_spans(cfg, self.file.tensors, self.placement)
         for note in self.placement.notes:
             log.warning("%s", note)
         if o.ctx > cfg.context_length:  # ik warns too: positions past training are untested ground
@@ -74,7 +77,7 @@ class Engine:
             check_devices(memory, dict(zip(self.placement.devices, devices.jax_devices(self.placement))), path)
         t0 = time.perf_counter()
         # how a step runs on these devices: one device, the -sm layer pipeline or the -sm graph mesh
-        self.executor: Executor = executor_for(self.placement, cfg, self.cache_layout(1))
+        self.executor: Executor = executor_for(self.placement, cfg, self.spans, self.cache_layout(1))
         self.weights = self.executor.load(self.file)
         after = process_memory()
         memory = charge_load(memory, before, after, mapped_rss(shard.path for shard in self.file.shards))
@@ -126,6 +129,20 @@ class Engine:
 
     def token_bucket(self, n: int) -> int:
         return min(kv_buckets.pow2_at_least(n), max(n, self.options.ubatch))
+
+    def prompt_tokens(self, n: int, pos: int) -> int:
+        """Tokens the step computes for a prompt chunk of `n` real tokens at position `pos`: its
+        token bucket (the padding rows land past the chunk, hidden by the causal mask until later
+        tokens overwrite them), or, where the bucket would run past the cache's `capacity` rows,
+        exactly the rows left (a write past the end would be clamped onto earlier rows).
+
+        Why the rows left and not `n`: prompts from position 0 meet the end only in the chunk
+        that starts at the last multiple of ubatch, so every such prompt shares that one extra
+        step (the rows left, the whole cache as its KV bucket), whatever its length; `n` would
+        be a new step for each length. `pos + n` must fit (the callers check it against ctx)."""
+        t = self.token_bucket(n)
+        room = self.capacity - pos
+        return t if t <= room else max(n, room)
 
     def compile_in_parallel(self) -> bool:
         """Whether several steps may compile at once (sweep_bench.precompile): on one accelerator.
@@ -210,7 +227,8 @@ class Engine:
         return self.executor.new_cache(self.cache_layout(batch))
 
     def cache_layout(self, batch: int = 1) -> kvcache.CacheLayout:
-        return kvcache.CacheLayout.for_model(self.config, self.options.mla, self.options.ctk, batch, self.capacity)
+        return kvcache.CacheLayout.for_model(self.config, self.options.mla, self.options.ctk, batch, self.capacity,
+                                             tuple(count for _, count in self.spans))
 
     # -- argument checks (host side, on small arrays: microseconds a step) ------------------------
     @staticmethod
@@ -244,8 +262,8 @@ class Engine:
 
     def _positions(self, name: str, x, B: int, T: int) -> np.ndarray:
         """Positions start[b] of B sequences writing T rows each: >= 0 and inside the cache (its
-        `capacity` rows: ctx plus a padded micro-batch; a write past it would land, clamped, on
-        earlier rows)."""
+        `capacity` rows: ctx in whole KV blocks; a write past it would land, clamped, on earlier
+        rows)."""
         start = self._int_array(name, x, 1, B)
         if start.min() < 0:
             raise OptionError(f"{name}: positions must be >= 0, got {start.tolist()}")
@@ -296,7 +314,8 @@ class Engine:
 
     # -- public API ----------------------------------------------------------------------------
     def prefill(self, cache, ids: np.ndarray, start: int = 0, all_logits: bool = False):
-        """Feed one sequence's ids from position `start` in ubatch chunks (batch 1).
+        """Feed one sequence's ids from position `start` in ubatch chunks (batch 1), each step
+        `prompt_tokens` long (never past the cache; start + len(ids) must fit in ctx).
 
         Returns (logits, cache): [n, V] for every token if all_logits, else [V] of the last one.
         """
@@ -310,7 +329,7 @@ class Engine:
         logits = None
         for c0 in range(0, n, self.options.ubatch):
             chunk = ids[c0:c0 + self.options.ubatch]
-            T = self.token_bucket(len(chunk))
+            T = self.prompt_tokens(len(chunk), start + c0)
             toks = np.zeros((1, T), np.int32)
             toks[0, :len(chunk)] = chunk
             logits, cache = self.step(cache, toks, np.array([start + c0]), np.array([len(chunk) - 1]),

@@ -81,6 +81,45 @@ def _describe(a) -> tuple:
             getattr(sharding, "memory_kind", None))
 
 
+# IKJAX_* variables that change nothing a compiled step is made of: where files live, what the CLI
+# prints, whether steps are stored or the decode loop is used (which steps are asked for, not what
+# one is), what the C++ runtime reads on every call. Every other one (IKJAX_TOPK, IKJAX_STREAM, a
+# new knob: by default) may change what a step traces, and its value is part of a stored step's key.
+_NOT_IN_STEPS = frozenset({"IKJAX_COMPILE_CACHE", "IKJAX_CACHE", "IKJAX_DEBUG", "IKJAX_FIXTURES", "IKJAX_STORE_STEPS",
+                           "IKJAX_DECODE_LOOP", "IKJAX_CPU_ISA", "IKJAX_SPIN"})
+
+
+class StoredStep:
+    """A step loaded whole from the store (compile_cache.load_step), until its first call: called
+    like the executable it holds (`exe`; other attributes are the executable's).
+
+    Why: the store's key describes the arguments `step_arguments` says a step takes; should a call
+    ever pass others (a key that misses something, a caller that changed), JAX refuses the call
+    before anything runs or is donated (TypeError: "Argument types differ ...", "pytree does not
+    match"; ValueError: a sharding or layout that does not match). That is a miss found late, not
+    an error: the step is compiled (`Executables.recompile`, which replaces the entry) and the call
+    made with it, so no run fails, no bench row is skipped. A first call that fits leaves the
+    executable itself in the table."""
+
+    __slots__ = ("owner", "key", "weights", "exe", "parts")
+
+    def __init__(self, owner: "Executables", key: tuple, weights, exe, parts: tuple):
+        self.owner, self.key, self.weights, self.exe, self.parts = owner, key, weights, exe, parts
+
+    def __call__(self, *args):
+        try:
+            out = self.exe(*args)
+        except (TypeError, ValueError) as e:
+            if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(args)):
+                raise  # it ran far enough to consume its arguments: not a refusal at the door
+            return self.owner.recompile(self.key, self.weights, self.parts, e)(*args)
+        self.owner.fitted(self.key, self)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.exe, name)
+
+
 class Executables:
     """The compiled steps of one engine, by key (B, T, plan, decode): `table` (key -> executable),
     `compiled` (keys counted), `count` (steps compiled or loaded by this engine, each once),
@@ -113,7 +152,7 @@ class Executables:
         with self._lock:
             self._note_compile(B, T, plan, decode)
         compile_cache.setup()
-        hits0, writes0 = compile_cache.hits(), compile_cache.writes()
+        counts0 = compile_cache.thread_counts()  # this thread's: steps may compile side by side
         before = process_memory()
         stored = self._stored_step(weights, key)
         # compiled by an earlier run: no tracing, no lowering; one made for other arguments is a miss
@@ -121,13 +160,15 @@ class Executables:
         loaded = exe is not None
         if not loaded:
             exe = self.executor.compile(weights, self.layout(B), B, T, plan, decode)
-        if stored and not loaded and compile_cache.hits() == hits0:
+        if stored and not loaded and compile_cache.thread_counts()[0] == counts0[0]:
             # only an executable compiled here: one JAX itself loaded from its cache does not
             # serialize again whole on XLA:CPU (a run of such an entry failed: "Function
-            # wrapped_iota not found"), and in threads a hit elsewhere makes this one skip too
+            # wrapped_iota not found")
             compile_cache.store_step(stored[0], exe)
         with self._lock:  # steps compiling side by side (compile_in_parallel) share this bookkeeping
-            exe = self._account(key, exe, hits0, writes0, before)
+            exe = self._account(key, exe, counts0, before)
+            if loaded:  # checked against its first call's arguments (StoredStep)
+                exe = self.table[key] = StoredStep(self, key, weights, exe, stored[0])
         if self.executor.on_cpu_only:
             # the compiler's freed memory back before the steps run beside the weights; after the
             # plan charged the compile what it grew by, which is the peak the compile reached
@@ -163,9 +204,13 @@ class Executables:
         sharding and memory kind (the cache's type and length come from -ctk, -c, -mla and the
         batch: two runs differing only there once shared a key, and the second run's call failed
         with "pytree does not match" / "Argument types differ"), the run options, the model config,
-        the step's key and the JAX settings that change traced types (x64) or numerics; the
-        sources, versions, XLA_FLAGS and devices are added by compile_cache. `signature` (the
-        argument tree and avals) is checked against a loaded executable before it is used."""
+        the step's key, the JAX settings that change traced types (x64) or numerics and the IKJAX_*
+        variables that may change what a step traces (all but `_NOT_IN_STEPS`); the sources,
+        versions, XLA_FLAGS and devices are added by compile_cache. The weights are described by
+        flattening whatever tree the executor loaded (a list of layers, stacked layer groups: a
+        custom node's static data is part of `str(tree)`). `signature` (the argument tree and
+        avals) is checked against a loaded executable before it is used, and its first call
+        against the arguments it is called with (StoredStep)."""
         store = env.choice("IKJAX_STORE_STEPS")
         if store == "0" or store == "auto" and self.executor.on_cpu_only:
             return None
@@ -179,13 +224,41 @@ class Executables:
         leaves, tree = jax.tree.flatten((args, {}))
         described = tuple(_describe(a) for a in leaves)
         settings = tuple((name, str(getattr(jax.config, name, None))) for name in _JAX_SETTINGS)
-        parts = ("step", str(tree), described, repr(self.layout(B)), repr(self.options), self.config, key, settings)
+        variables = tuple((name, env.raw(name)) for name in sorted(env.VARIABLES) if name not in _NOT_IN_STEPS)
+        parts = ("step", str(tree), described, repr(self.layout(B)), repr(self.options), self.config, key, settings,
+                 variables)
         return parts, (tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
 
-    def _account(self, key: tuple, exe, hits0: int, writes0: int, before: tuple[int, int]):
+    def recompile(self, key: tuple, weights, parts: tuple, error: Exception):
+        """A stored step that loaded but did not fit its call's arguments (StoredStep): compiled
+        here, its entry replaced, the table's too; the fresh executable."""
+        B, T, plan, decode = key
+        why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+        log.warning("compilation cache: a stored step (batch %d, %d tokens, kv_len %d) did not fit its call (%s); "
+                    "compiling it", B, T, plan.kv_len, why)
+        compile_cache.drop_step(parts, "did not fit its call")
+        before = process_memory()
+        exe = self.executor.compile(weights, self.layout(B), B, T, plan, decode)
+        compile_cache.store_step(parts, exe)
+        with self._lock:
+            self.memory = charge_compile(self.memory, before, process_memory(), exe,
+                                         f"the step of batch {B} x {T} tokens, kv_len {plan.kv_len}")
+            self.table[key] = exe
+            self.cache_hits = max(0, self.cache_hits - 1)  # counted as loaded: compiled after all
+        return exe
+
+    def fitted(self, key: tuple, stored: "StoredStep") -> None:
+        """A stored step's first call fitted: the table holds the executable itself from now on
+        (every later call of this key passes arguments of the same types)."""
+        with self._lock:
+            if self.table.get(key) is stored:
+                self.table[key] = stored.exe
+
+    def _account(self, key: tuple, exe, counts0: tuple[int, int], before: tuple[int, int]):
         """Count a new executable (cache hit or not) and put its buffers into the memory plan."""
         B, T, plan, decode = key
-        if compile_cache.hits() > hits0 and compile_cache.writes() == writes0:
+        hits, writes = compile_cache.thread_counts()
+        if hits > counts0[0] and writes == counts0[1]:
             self.cache_hits += 1
         what = f"the step of batch {B} x {T} tokens, kv_len {plan.kv_len}"
         mem = charge_compile(self.memory, before, process_memory(), exe, what)

@@ -50,15 +50,15 @@ class Executor(abc.ABC):
     stores_steps = False         # its steps may be stored whole (compile_cache.store_step)
     compiles_in_parallel = False  # several steps may compile at once (on an accelerator)
 
-    def __init__(self, placement, config: ModelConfig):
-        self.placement, self.config = placement, config
+    def __init__(self, placement, config: ModelConfig, spans: tuple):
+        self.placement, self.config, self.spans = placement, config, spans  # spans: the layer groups
         self.devices = devices.jax_devices(placement)
         self.on_cpu_only = all(d.platform == "cpu" for d in self.devices)
         self.on_gpu = any(d.platform == "gpu" for d in self.devices)
 
     def load(self, file) -> dict:
         """The weight tree, each tensor where the placement puts it."""
-        return load_weights(file, self.config, placement=self.placement)
+        return load_weights(file, self.config, placement=self.placement, spans=self.spans)
 
     def bind(self, weights) -> None:
         """After the load was measured: whatever the executor derives from the weights."""
@@ -92,8 +92,8 @@ class SingleDevice(Executor):
 
     loops = True
 
-    def __init__(self, placement, config: ModelConfig):
-        super().__init__(placement, config)
+    def __init__(self, placement, config: ModelConfig, spans: tuple):
+        super().__init__(placement, config, spans)
         self.stores_steps = len(placement.devices) == 1
         self.compiles_in_parallel = not self.on_cpu_only
         self._device = self.devices[placement.main_device] if len(placement.devices) > 1 else None
@@ -124,8 +124,8 @@ class LayerPipeline(Executor):
 
     split_mode = "layer"
 
-    def __init__(self, placement, config: ModelConfig):
-        super().__init__(placement, config)
+    def __init__(self, placement, config: ModelConfig, spans: tuple):
+        super().__init__(placement, config, spans)
         self.pipeline: Pipeline | None = None
 
     def bind(self, weights) -> None:
@@ -150,15 +150,15 @@ class GraphMesh(Executor):
 
     split_mode = "graph"
 
-    def __init__(self, placement, config: ModelConfig, layout: kvcache.CacheLayout):
-        super().__init__(placement, config)
+    def __init__(self, placement, config: ModelConfig, spans: tuple, layout: kvcache.CacheLayout):
+        super().__init__(placement, config, spans)
         self.mesh = devices.mesh_for(placement)
         self.tp = tensor_parallel.tensor_split(placement, self.mesh)
         tensor_parallel.check_cache(layout, self.tp)
 
     def load(self, file) -> dict:
         """Each device's part, read and laid out for its kernels."""
-        return tensor_parallel.load(file, self.config, self.placement, self.mesh)
+        return tensor_parallel.load(file, self.config, self.placement, self.mesh, self.spans)
 
     def new_cache(self, layout):
         return jax.jit(kvcache.init_cache, static_argnums=0,
@@ -181,11 +181,11 @@ class GraphMesh(Executor):
         return distributed.local_value(logits), cache
 
 
-def executor_for(placement, config: ModelConfig, layout: kvcache.CacheLayout) -> Executor:
-    """The executor of the placement's split mode (`layout`: the batch-1 KV cache, which -sm graph
-    checks against its split before anything loads)."""
+def executor_for(placement, config: ModelConfig, spans: tuple, layout: kvcache.CacheLayout) -> Executor:
+    """The executor of the placement's split mode (`spans`: the layer groups, ikjax.model.groups;
+    `layout`: the batch-1 KV cache, which -sm graph checks against its split before anything loads)."""
     if placement.split_mode == "layer":
-        return LayerPipeline(placement, config)
+        return LayerPipeline(placement, config, spans)
     if placement.split_mode == "graph":
-        return GraphMesh(placement, config, layout)
-    return SingleDevice(placement, config)
+        return GraphMesh(placement, config, spans, layout)
+    return SingleDevice(placement, config, spans)

@@ -58,7 +58,8 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _put_leaf(big, one, b):
-    return jax.lax.dynamic_update_index_in_dim(big, one[0].astype(big.dtype), b, 0)
+    # cache leaves are [layers of the group, batch, rows, ...]: the batch is axis 1
+    return jax.lax.dynamic_update_index_in_dim(big, one[:, 0].astype(big.dtype), b, 1)
 
 
 def _put_row(cache, one, b: int):

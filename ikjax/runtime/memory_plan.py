@@ -308,9 +308,16 @@ def available_memory() -> tuple[int | None, str]:
 
 
 def cache_capacity(options: RunOptions) -> int:
-    """Cache rows per sequence: the context plus one padded micro-batch, in whole KV blocks."""
+    """Cache rows per sequence: the context `-c` in whole KV blocks, nothing more.
+
+    ik_llama.cpp pads n_ctx the same way (GGML_PAD to llama_kv_cache_get_padding: 256 with flash
+    attention) and adds no micro-batch. The cache once held one padded micro-batch past the context
+    (`-c 4096 -ub 2048`: 6144 rows, 54 MiB where ik allocates 36) so that a prompt step padded to
+    its token bucket could never write past the end, where dynamic_update_slice would clamp it onto
+    earlier rows; a step whose bucket would now run past the end computes only the rows left
+    instead (`Engine.prompt_tokens`), and the KV buckets stop at this many rows."""
     o = options
-    return -(-(o.ctx + o.ubatch) // o.kv_block) * o.kv_block
+    return -(-o.ctx // o.kv_block) * o.kv_block
 
 
 def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tuple[str, int]] | None = None,

@@ -128,7 +128,7 @@ def _stack(trees: list, positions: list[int], mesh) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def load(gf, cfg, placement, mesh) -> dict:
+def load(gf, cfg, placement, mesh, spans) -> dict:
     """The weight tree of a -sm graph step (module docstring), one layer at a time so a device
     holds at most one layer twice while it is stacked."""
     host = [t for t in placement.tensors if t.on_host]
@@ -157,7 +157,7 @@ def load(gf, cfg, placement, mesh) -> dict:
     weights = _stack(tops, mine, mesh)
     if tied:
         weights["output"] = weights["token_embd"]
-    weights["layers"] = [_stack([ld.layer(i) for ld in loaders], mine, mesh) for i in range(cfg.n_layer)]
+    weights["groups"] = [_stack([ld.group(first, count) for ld in loaders], mine, mesh) for first, count in spans]
     return weights
 
 
@@ -166,12 +166,14 @@ def load(gf, cfg, placement, mesh) -> dict:
 def cache_specs(layout, tp: TensorSplit) -> dict:
     """PartitionSpecs of the KV cache: the latent whole on every device; -mla 0's per-head K/V
     split with the heads of layers whose attention is split."""
-    def spec(i: int, width: int):
+    def spec(i: int, width: int):  # entries [count, B, S, ...] of the group whose first layer is i
         split = layout.kind == "kv" and tp.has(f"{i}.attn")
         if layout.ctk == "q8_0":
-            return {"q": P(None, None, tp.axis, None), "d": P(None, None, tp.axis)} if split else {"q": P(), "d": P()}
-        return P(None, None, tp.axis) if split else P()
-    return {name: [spec(i, w) for i in range(layout.n_layer)] for name, w in layout.widths}
+            return {"q": P(None, None, None, tp.axis, None), "d": P(None, None, None, tp.axis)} if split else \
+                {"q": P(), "d": P()}
+        return P(None, None, None, tp.axis) if split else P()
+    firsts = np.cumsum((0,) + layout.group_counts[:-1])
+    return {name: [spec(int(i), w) for i in firsts] for name, w in layout.widths}
 
 
 def check_cache(layout, tp: TensorSplit) -> None:

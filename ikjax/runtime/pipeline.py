@@ -22,12 +22,12 @@ from ikjax.model.deepseek2 import embed, output_head, run_layers
 from ikjax.placement.devices import jax_devices
 
 
-def _stage(weights, cache, x, start, last, *, cfg, plan, first: int, embed_in: bool, head_out: bool):
+def _stage(weights, cache, x, start, last, *, cfg, plan, embed_in: bool, head_out: bool):
     """One device's part of a step: [embedding] + its layers + [output head]."""
     with ops.kernel_context(plan.backend, plan.threads, seq_tokens=x.shape[1]):  # x: tokens [B,T] or [B,T,d]
         if embed_in:
             x = embed(weights["token_embd"], x)
-        x, cache = run_layers(weights["layers"], cache, x, start, first, cfg=cfg, plan=plan)
+        x, cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan)
         if head_out:
             x = output_head(weights, x, last, cfg=cfg, plan=plan)
     return x, cache
@@ -39,7 +39,7 @@ _jitted_stage = None
 def _stage_jit():
     global _jitted_stage
     if _jitted_stage is None:
-        _jitted_stage = jax.jit(_stage, static_argnames=("cfg", "plan", "first", "embed_in", "head_out"),
+        _jitted_stage = jax.jit(_stage, static_argnames=("cfg", "plan", "embed_in", "head_out"),
                                 donate_argnums=(1,))
     return _jitted_stage
 
@@ -67,9 +67,15 @@ class Pipeline:
             groups.append([placement.output_device, n_layer, 0])
         self.stages = tuple((d, first, count, k == 0, k == len(groups) - 1)
                             for k, (d, first, count) in enumerate(groups))
+        # each stage's layer groups (a group never spans two devices: the device is part of what
+        # makes layers identical, ikjax.model.groups), by index into the whole list
+        layer_groups = weights["groups"]
+        self.stage_groups = [[g for g, grp in enumerate(layer_groups) if first <= grp.first < first + count]
+                             for _, first, count, _, _ in self.stages]
+        self.counts = tuple(grp.count for grp in layer_groups)
         self.stage_weights = []
-        for d, first, count, embed_in, head_out in self.stages:
-            w: dict[str, Any] = {"layers": weights["layers"][first:first + count]}
+        for (d, first, count, embed_in, head_out), idx in zip(self.stages, self.stage_groups):
+            w: dict[str, Any] = {"groups": [layer_groups[g] for g in idx]}
             if embed_in:
                 w["token_embd"] = weights["token_embd"]
             if head_out:  # tied embeddings: the output is the embedding, maybe on another device
@@ -88,18 +94,18 @@ class Pipeline:
     def new_cache(self, layout) -> dict:
         """The KV cache: each layer's entries on the device of its stage."""
         out: dict[str, list] = {name: [] for name, _ in layout.widths}
-        for d, first, count, _, _ in self.stages:
+        for (d, first, count, _, _), idx in zip(self.stages, self.stage_groups):
             if not count:
                 continue
             with jax.default_device(self.devices[d]):
-                part = kvcache.init_cache(dataclasses.replace(layout, n_layer=count))
+                part = kvcache.init_cache(dataclasses.replace(layout, n_layer=count,
+                                                              groups=tuple(self.counts[g] for g in idx)))
             for name in out:
                 out[name] += part[name]
         return out
 
     def _split_cache(self, cache) -> list[dict]:
-        return [{name: entries[first:first + count] for name, entries in cache.items()}
-                for _, first, count, _, _ in self.stages]
+        return [{name: [entries[g] for g in idx] for name, entries in cache.items()} for idx in self.stage_groups]
 
     def compile(self, cache_shapes, B: int, T: int, plan) -> "CompiledPipeline":
         """Compile every stage for this shape (`cache_shapes`: the whole cache's ShapeDtypeStructs)."""
@@ -111,7 +117,7 @@ class Pipeline:
             x = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh) if embed_in else \
                 jax.ShapeDtypeStruct((B, T, self.cfg.d_model), jnp.float32, sharding=sh)
             i32 = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh)
-            exes.append(_stage_jit().lower(w, c, x, i32, i32, cfg=self.cfg, plan=plan, first=first,
+            exes.append(_stage_jit().lower(w, c, x, i32, i32, cfg=self.cfg, plan=plan,
                                            embed_in=embed_in, head_out=head_out).compile())
         return CompiledPipeline(self, exes)
 

@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ikjax.errors import OptionError
 from ikjax.ops import registry
 
 HEADER = "|%6s | %6s | %6s | %8s | %8s | %8s | %8s |" % (
@@ -165,6 +166,21 @@ def measured_points(ctx: int, ubatch: int, stride: int = 1) -> list[int]:
     return sweep_points(ctx, ubatch)[::stride]
 
 
+def check_tg_room(ctx: int, capacity: int, pp: int, tg: int, stride: int = 1) -> None:
+    """Refuse, before anything loads or runs, a TG count that the last measured row cannot hold:
+    its tokens go at N_KV .. N_KV + tg - 1, which must lie inside the KV cache (`capacity`: -c
+    in whole KV blocks, as ik pads n_ctx). ik's sweep-bench stops at that row with "llama_decode()
+    failed"; here the run would end in the middle with the engine's error, after the rows before
+    it, so the one line comes first. The default tg (ub/4) always fits: every row's N_KV + ub
+    lies within -c."""
+    points = measured_points(ctx, pp, stride)
+    if points and points[-1] + tg > capacity:
+        last = points[-1]
+        raise OptionError(f"-n {tg}: the last row (N_KV {last}) would generate up to position {last + tg - 1}, "
+                          f"past the KV cache ({capacity} rows for -c {ctx}); use -n {capacity - last} or less, "
+                          f"or a larger -c")
+
+
 def _pp_chunks(eng, pp: int) -> list[int]:
     """A row's `pp` tokens as the compiled steps that process them: min(ub, b)-token steps (the
     engine's ubatch; ik's -b-sized llama_decode calls, each one micro-batch of min(b, ub)) and the
@@ -263,6 +279,7 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
     o = eng.options
     pp = o.ubatch if pp is None else pp
     tg = pp // 4 if tg is None else tg
+    check_tg_room(o.ctx, eng.capacity, pp, tg, stride)
     vocab = eng.config.vocab_size
     rng = np.random.default_rng(seed)
     cache = eng.new_cache(1)

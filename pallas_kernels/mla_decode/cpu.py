@@ -34,54 +34,62 @@ def _cache_parts(cache):
     return cache, jnp.zeros((0,), jnp.float32), cache.shape[-1]
 
 
-def supported(q_shape, cache, v_dim: int) -> bool:
+def supported(q_shape, cache, v_dim: int, stacked: bool = False) -> bool:
     """Whether the C++ kernel takes this call: extension built, cache f32/f16/bf16 [B, S, W] or q8_0
-    (int8 [B, S, nb, 32] + f16/f32 scales [B, S, nb]), q [B, T, H, D] or [B, H, D] with D <= W and
-    1 <= v_dim <= D."""
+    (int8 [B, S, nb, 32] + f16/f32 scales [B, S, nb]) — with `stacked`, a stack of such caches
+    ([L, B, S, W], ...) — q [B, T, H, D] or [B, H, D] with D <= W and 1 <= v_dim <= D."""
     if not _cpu.available():
         return False
+    lead = 1 if stacked else 0
     if isinstance(cache, dict):
         if set(cache) != {"q", "d"}:
             return False
         q, d = cache["q"], cache["d"]
-        if (q.dtype != jnp.int8 or q.ndim != 4 or q.shape[-1] != 32 or d.ndim != 3
-                or d.shape != q.shape[:3] or d.dtype not in (jnp.float16, jnp.float32)):
+        if (q.dtype != jnp.int8 or q.ndim != 4 + lead or q.shape[-1] != 32 or d.ndim != 3 + lead
+                or d.shape != q.shape[:3 + lead] or d.dtype not in (jnp.float16, jnp.float32)):
             return False
-        B, W = q.shape[0], q.shape[2] * 32
+        B, W = q.shape[lead], q.shape[lead + 2] * 32
     else:
-        if cache.ndim != 3 or not any(cache.dtype == t for t in CACHE_DTYPES):
+        if cache.ndim != 3 + lead or not any(cache.dtype == t for t in CACHE_DTYPES):
             return False
-        B, W = cache.shape[0], cache.shape[-1]
+        B, W = cache.shape[lead], cache.shape[-1]
     if len(q_shape) not in (3, 4) or q_shape[0] != B:
         return False
     D = q_shape[-1]
     return D <= W and 1 <= v_dim <= D
 
 
-def mla_attention(q, cache, q_pos, scale, *, v_dim: int, n_threads: int = 0):
+def mla_attention(q, cache, q_pos, scale, *, v_dim: int, n_threads: int = 0, layer=None):
     """q [B, T, H, D], cache (see module doc), q_pos int [B, T], scale -> [B, T, H, v_dim] float32.
+    With `layer` (an int or a traced int32 scalar, e.g. a scan's index) `cache` is a stack of layer
+    caches [L, B, S, W] (ikjax/model/cache.py's group entries) and layer `layer` of it is read in
+    place; without, one layer's cache.
 
     n_threads: the user's -t (generation) / -tb (prompt); 0 = every core."""
-    if not supported(q.shape, cache, v_dim):
+    stacked = layer is not None
+    if not supported(q.shape, cache, v_dim, stacked):
         raise ValueError(f"mla_attention (cpu): unsupported call q {q.shape}, cache "
                          f"{jax.tree_util.tree_map(lambda x: (x.shape, str(x.dtype)), cache)}, v_dim {v_dim}"
                          + (f"; {_cpu.unavailable_reason()}" if not _cpu.available() else ""))
     _cpu.register()
+    if not stacked:  # one layer: a stack of one (a reshape, no copy)
+        cache, layer = jax.tree_util.tree_map(lambda a: a[None], cache), 0
     data, scales, _ = _cache_parts(cache)
     B, T, H, _ = q.shape
     out = jax.ShapeDtypeStruct((B, T, H, v_dim), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(q.astype(jnp.float32), data, scales, q_pos.astype(jnp.int32),
+                                         jnp.asarray(layer, jnp.int32),
                                          scale=np.float32(scale), v_dim=np.int64(v_dim),
                                          n_threads=np.int64(n_threads))
 
 
-def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=None, n_threads: int = 0):
+def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=None, n_threads: int = 0, layer=None):
     """mla_decode_ref's signature: q [B, H, D], lengths [B] (entries 0..len-1 visible) -> [B, H, v_dim]
-    float32. `dtype` is accepted for the registry's uniform call and ignored: this kernel computes
-    in f32 on the stored cache values."""
+    float32 (`layer`: as `mla_attention`). `dtype` is accepted for the registry's uniform call and
+    ignored: this kernel computes in f32 on the stored cache values."""
     del dtype
     q_pos = (jnp.asarray(lengths).astype(jnp.int32) - 1)[:, None]
-    return mla_attention(q[:, None], cache, q_pos, scale, v_dim=v_dim, n_threads=n_threads)[:, 0]
+    return mla_attention(q[:, None], cache, q_pos, scale, v_dim=v_dim, n_threads=n_threads, layer=layer)[:, 0]
 
 
 def attention_supported(q_shape, k, v) -> bool:

@@ -1,8 +1,11 @@
 // XLA FFI binding of the CPU absorbed-MLA attention: ikjax_cpu_mla_attention.
 //   operands:   q f32 [B, T, H, D];
-//               cache: f32 / f16 / bf16 [B, S, W], or q8_0 data int8 [B, S, nb, 32];
-//               scales: q8_0 only, f16 or f32 [B, S, nb] (any array, ignored, for a float cache);
-//               q_pos s32 [B, T] (the query at position p sees keys 0..p)
+//               cache: a stack of L layers' caches, f32 / f16 / bf16 [L, B, S, W], or q8_0 data
+//               int8 [L, B, S, nb, 32];
+//               scales: q8_0 only, f16 or f32 [L, B, S, nb] (any array, ignored, for a float cache);
+//               q_pos s32 [B, T] (the query at position p sees keys 0..p);
+//               layer s32 [] (which of the L caches: a layer group's scan index, read at run time,
+//               so a scanned step reads its layer in place, no copy of it in the graph)
 //   attributes: scale (f32), v_dim, n_threads (<= 0: all cores)
 //   result:     out f32 [B, T, H, v_dim]
 // The cache is taken as it is stored (no bitcast or repack in the graph, which would copy it).
@@ -33,11 +36,19 @@
 namespace ffi = xla::ffi;
 
 static ffi::Error MlaAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache, ffi::AnyBuffer scales,
-                                   ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out, float scale,
-                                   int64_t v_dim, int64_t n_threads) {
+                                   ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> layer,
+                                   ffi::ResultBuffer<ffi::F32> out, float scale, int64_t v_dim, int64_t n_threads) {
   auto qd = q.dimensions();
-  auto cd = cache.dimensions();
+  auto cd_all = cache.dimensions();
+  auto sd_all = scales.dimensions();
   auto pd = q_pos.dimensions();
+  if (cd_all.size() < 1 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("mla_attention: cache must be a stack [L, ...] and layer one s32");
+  const int64_t L = cd_all[0];
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("mla_attention: layer index outside the cache stack");
+  auto cd = cd_all.last(cd_all.size() - 1);
+  auto sd = sd_all.size() > 0 ? sd_all.last(sd_all.size() - 1) : sd_all;
   if (qd.size() != 4) return ffi::Error::InvalidArgument("mla_attention: q must be [B, T, H, D]");
   ikj::MlaArgs a{};
   a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3];
@@ -45,8 +56,7 @@ static ffi::Error MlaAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache
     return ffi::Error::InvalidArgument("mla_attention: q_pos must be [B, T] like q");
   const auto et = cache.element_type();
   if (et == ffi::DataType::S8) {
-    auto sd = scales.dimensions();
-    if (cd.size() != 4 || cd[3] != 32 || sd.size() != 3 || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] != cd[2])
+    if (sd_all.size() != 4 || sd_all[0] != L || cd.size() != 4 || cd[3] != 32 || sd.size() != 3 || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] != cd[2])
       return ffi::Error::InvalidArgument("mla_attention: q8_0 cache must be int8 [B, S, nb, 32] + scales [B, S, nb]");
     if (scales.element_type() == ffi::DataType::F16)
       a.kind = ikj::MLA_Q8_0_F16D;
@@ -75,8 +85,16 @@ static ffi::Error MlaAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache
   if (od.size() != 4 || od[0] != a.B || od[1] != a.T || od[2] != a.H || od[3] != v_dim)
     return ffi::Error::InvalidArgument("mla_attention: out must be [B, T, H, v_dim]");
   a.q = q.typed_data();
-  a.cache = cache.untyped_data();
+  // layer li's cache: the stack's li-th [B, S, ...] block (row-major, so contiguous)
+  int64_t per_layer = 1;
+  for (auto d : cd) per_layer *= d;
+  a.cache = static_cast<const char*>(cache.untyped_data()) + li * per_layer * ffi::ByteWidth(et);
   a.scales = scales.untyped_data();
+  if (et == ffi::DataType::S8) {
+    int64_t per_scales = 1;
+    for (auto d : sd) per_scales *= d;
+    a.scales = static_cast<const char*>(scales.untyped_data()) + li * per_scales * ffi::ByteWidth(scales.element_type());
+  }
   a.q_pos = q_pos.typed_data();
   a.out = out->typed_data();
   a.v_dim = v_dim;
@@ -91,6 +109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaAttentionFfi, MlaAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")

@@ -28,10 +28,11 @@ NEG = -1e30
 
 def _kernel(*refs, q8, bh, bs, split, dv, dpe, scale, cdt):
     if q8:
-        len_ref, q_ref, cq_ref, cd_ref, o_ref, m_ref, l_ref = refs
+        len_ref, layer_ref, q_ref, cq_ref, cd_ref, o_ref, m_ref, l_ref = refs
     else:
-        len_ref, q_ref, c_ref, o_ref, m_ref, l_ref = refs
+        len_ref, layer_ref, q_ref, c_ref, o_ref, m_ref, l_ref = refs
     b, hi, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    li = layer_ref[0]  # which layer of the cache stack (a scanned layer group's index)
     h0 = hi * bh
     length = len_ref[b]
     n_all = (length + bs - 1) // bs                # blocks holding the sequence
@@ -44,13 +45,13 @@ def _kernel(*refs, q8, bh, bs, split, dv, dpe, scale, cdt):
 
     def load(kv0):
         if q8:
-            kc = int8_to_f32(cq_ref[b, pl.ds(kv0, bs), pl.ds(0, nbv), :]) * \
-                cd_ref[b, pl.ds(kv0, bs), pl.ds(0, nbv)].astype(F32)[..., None]
-            kp = int8_to_f32(cq_ref[b, pl.ds(kv0, bs), pl.ds(nbv, nbp), :]) * \
-                cd_ref[b, pl.ds(kv0, bs), pl.ds(nbv, nbp)].astype(F32)[..., None]
+            kc = int8_to_f32(cq_ref[li, b, pl.ds(kv0, bs), pl.ds(0, nbv), :]) * \
+                cd_ref[li, b, pl.ds(kv0, bs), pl.ds(0, nbv)].astype(F32)[..., None]
+            kp = int8_to_f32(cq_ref[li, b, pl.ds(kv0, bs), pl.ds(nbv, nbp), :]) * \
+                cd_ref[li, b, pl.ds(kv0, bs), pl.ds(nbv, nbp)].astype(F32)[..., None]
             return kc.reshape(bs, dv).astype(cdt), kp.reshape(bs, dpe).astype(cdt)
-        return (c_ref[b, pl.ds(kv0, bs), pl.ds(0, dv)].astype(cdt),
-                c_ref[b, pl.ds(kv0, bs), pl.ds(dv, dpe)].astype(cdt))
+        return (c_ref[li, b, pl.ds(kv0, bs), pl.ds(0, dv)].astype(cdt),
+                c_ref[li, b, pl.ds(kv0, bs), pl.ds(dv, dpe)].astype(cdt))
 
     def body(j, carry):
         m, l, acc = carry
@@ -93,15 +94,15 @@ def supports(H: int, S: int, D: int, v_dim: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "v_dim", "dtype", "config", "interpret"))
-def _call(q, cache, lengths, *, scale, v_dim, dtype, config, interpret):
+def _call(q, cache, lengths, layer, *, scale, v_dim, dtype, config, interpret):
     cfg = dict(config)
     B, H, D = q.shape
     q8 = isinstance(cache, dict)
-    S = (cache["q"] if q8 else cache).shape[1]
+    S = (cache["q"] if q8 else cache).shape[2]
     bh, bs, split = cfg["bh"], cfg["bs"], cfg["split"]
     kern = functools.partial(_kernel, q8=q8, bh=bh, bs=bs, split=split, dv=v_dim, dpe=D - v_dim,
                              scale=float(scale), cdt=jnp.dtype(dtype))
-    args = [lengths.astype(jnp.int32), q.astype(dtype)]
+    args = [lengths.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), q.astype(dtype)]
     args += [cache["q"], cache["d"]] if q8 else [cache]
     o, m, l = pl.pallas_call(
         kern,
@@ -122,11 +123,15 @@ def _call(q, cache, lengths, *, scale, v_dim, dtype, config, interpret):
 
 
 def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16, interpret: bool = False,
-               config: dict | None = None):
+               config: dict | None = None, layer=None):
     """q [B, H, 576], cache [B, S, 576] f16/bf16/f32 or q8_0 {"q": int8 [B,S,18,32], "d": f16 [B,S,18]},
-    lengths [B] int (entries 0..len-1 visible, len >= 1) -> [B, H, v_dim] float32."""
+    lengths [B] int (entries 0..len-1 visible, len >= 1) -> [B, H, v_dim] float32. With `layer` (an
+    int or traced int32 scalar: a scanned layer group's index) `cache` is a stack of layer caches
+    [L, B, S, 576] (or q8_0 [L, ...]) and the kernel reads layer `layer` of it in place."""
+    if layer is None:  # one layer: a stack of one (a reshape, no copy)
+        cache, layer = jax.tree_util.tree_map(lambda a: a[None], cache), 0
     B, H, D = q.shape
-    S = (cache["q"] if isinstance(cache, dict) else cache).shape[1]
+    S = (cache["q"] if isinstance(cache, dict) else cache).shape[2]
     cfg = config or pick_config(B, H, S, isinstance(cache, dict))
-    return _call(q, cache, lengths, scale=float(scale), v_dim=v_dim, dtype=jnp.dtype(dtype),
-                 config=tuple(sorted(cfg.items())), interpret=interpret)
+    return _call(q, cache, lengths, jnp.asarray(layer, jnp.int32), scale=float(scale), v_dim=v_dim,
+                 dtype=jnp.dtype(dtype), config=tuple(sorted(cfg.items())), interpret=interpret)

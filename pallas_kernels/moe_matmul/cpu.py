@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ikjax.quant.array import stacked_operands
 from pallas_kernels import cpu as _cpu
 
 TARGET = "ikjax_cpu_moe_experts"
@@ -39,7 +40,8 @@ def supported(gate, up, down) -> bool:
 
 def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0, compute: str = "f32"):
     """x [N, d] float, weights [N, k] float32, ids [N, k] int in [0, E), gate/up [E, F, d],
-    down [E, d, F] QuantArrays -> [N, d] float32. n_threads: the -t / -tb count (0 = all cores).
+    down [E, d, F] QuantArrays (or LayerSlices of stacks of them, all of the same layer, read in
+    place) -> [N, d] float32. n_threads: the -t / -tb count (0 = all cores).
     compute "f32" matches the references at dtype=float32; "bf16" rounds x, h and the weights to
     bf16 with f32 accumulation, as the references at dtype=bfloat16 (the model's default)."""
     if compute not in COMPUTE:
@@ -53,12 +55,14 @@ def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0, compute:
                          f"do not fit experts of d={d}")
     _cpu.register()
 
-    def data(t, rows):
-        return jnp.asarray(t.data).reshape(E, rows, -1)
+    def data(t, rows):  # [L, E, rows, row_bytes]: a LayerSlice's whole stack, or one layer's as a stack of one
+        stack, _ = stacked_operands(t)
+        return stack.reshape(stack.shape[0], E, rows, -1)
+    layer = stacked_operands(gate)[1]
     out = jax.ShapeDtypeStruct((x.shape[0], d), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(
         x.astype(jnp.float32), weights.astype(jnp.float32), ids.astype(jnp.int32),
-        data(gate, F), data(up, F), data(down, d),
+        data(gate, F), data(up, F), data(down, d), layer,
         gate_type=np.int64(gate.qtype.type_id), up_type=np.int64(up.qtype.type_id),
         down_type=np.int64(down.qtype.type_id), n_threads=np.int64(n_threads),
         compute=np.int64(COMPUTE[compute]))

@@ -1,27 +1,35 @@
 // XLA FFI binding of the CPU fused routed experts: ikjax_cpu_moe_experts.
 //   operands: x f32 [N, d], weights f32 [N, k], ids s32 [N, k],
-//             gate u8 [E, F, gate_row_bytes], up u8 [E, F, up_row_bytes], down u8 [E, d, down_row_bytes]
+//             gate u8 [L, E, F, gate_row_bytes], up u8 [L, E, F, up_row_bytes], down u8 [L, E, d,
+//             down_row_bytes] (stacks of layers' experts), layer s32 (which of them: cpu/stack.h)
 //   attributes: gate_type, up_type, down_type (ggml type ids), n_threads (0 = all cores),
 //               compute (0 f32, 1 bf16: QmCompute)
 //   result:   out f32 [N, d]
 #include <string>
+#include <utility>
 
 #include "moe_matmul/cpu_kernel.h"
 #include "quant_matmul/cpu_kernel.h"
 
 #include "cpu/runtime.h"
+#include "cpu/stack.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 static ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> ids,
                                  ffi::Buffer<ffi::U8> gate, ffi::Buffer<ffi::U8> up, ffi::Buffer<ffi::U8> down,
-                                 ffi::ResultBuffer<ffi::F32> out, int64_t gate_type, int64_t up_type,
+                                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t gate_type, int64_t up_type,
                                  int64_t down_type, int64_t n_threads, int64_t compute) {
   auto xd = x.dimensions(), wd = weights.dimensions(), idd = ids.dimensions();
-  auto gd = gate.dimensions(), ud = up.dimensions(), dd = down.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || idd.size() != 2 || gd.size() != 3 || ud.size() != 3 || dd.size() != 3)
-    return ffi::Error::InvalidArgument("moe_experts: expected x [N, d], weights/ids [N, k], experts [E, rows, bytes]");
+  auto gd_all = gate.dimensions(), ud_all = up.dimensions(), dd_all = down.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || idd.size() != 2 || gd_all.size() != 4 || ud_all.size() != 4 ||
+      dd_all.size() != 4)
+    return ffi::Error::InvalidArgument("moe_experts: expected x [N, d], weights/ids [N, k], experts [L, E, rows, bytes]");
+  int64_t g_off = 0, u_off = 0, d_off = 0;
+  for (auto [dims, off] : {std::pair{gd_all, &g_off}, std::pair{ud_all, &u_off}, std::pair{dd_all, &d_off}})
+    if (auto err = ikj::layer_offset("moe_experts", dims, 3, layer, 1, off); err.failure()) return err;
+  auto gd = gd_all.last(3), ud = ud_all.last(3), dd = dd_all.last(3);
   const int64_t N = xd[0], d = xd[1], k = idd[1], E = gd[0], F = gd[1];
   if (wd[0] != N || wd[1] != k || idd[0] != N)
     return ffi::Error::InvalidArgument("moe_experts: weights and ids must both be [N, k] with N = x rows");
@@ -38,9 +46,9 @@ static ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> 
       return ffi::Error::InvalidArgument("moe_experts: expert id " + std::to_string(id[i]) + " outside [0, " +
                                          std::to_string(E) + ")");
   MoeExpertsArgs a{x.typed_data(), weights.typed_data(), id, N, k, d, F, E,
-                   gate.typed_data(), gd[2], static_cast<int>(gate_type),
-                   up.typed_data(), ud[2], static_cast<int>(up_type),
-                   down.typed_data(), dd[2], static_cast<int>(down_type),
+                   gate.typed_data() + g_off, gd[2], static_cast<int>(gate_type),
+                   up.typed_data() + u_off, ud[2], static_cast<int>(up_type),
+                   down.typed_data() + d_off, dd[2], static_cast<int>(down_type),
                    out->typed_data(), static_cast<int>(n_threads), static_cast<int>(compute)};
   IKJ_DISPATCH(moe_experts)(a);
   return ffi::Error::Success();
@@ -54,6 +62,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeExpertsFfi, MoeExpertsImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("gate_type")
                                   .Attr<int64_t>("up_type")

@@ -22,18 +22,18 @@ def _combine(y, w):
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
 def moe_experts_gather(x, w, ids, gate: PackedWeight, up: PackedWeight, down: PackedWeight,
-                       dtype=jnp.bfloat16, interpret: bool = False):
+                       dtype=jnp.bfloat16, interpret: bool = False, layer=None):
     N, k = ids.shape
     e = ids.reshape(-1).astype(jnp.int32)
     xa = jnp.repeat(x.astype(dtype), k, axis=0)                       # [N*k, d]
-    h = quant_matmul_experts(xa, (gate, up), e, dtype, tile_rows=1, swiglu=True, interpret=interpret)
-    y = quant_matmul_experts(h.astype(dtype), (down,), e, dtype, tile_rows=1, interpret=interpret)
+    h = quant_matmul_experts(xa, (gate, up), e, dtype, tile_rows=1, swiglu=True, interpret=interpret, layer=layer)
+    y = quant_matmul_experts(h.astype(dtype), (down,), e, dtype, tile_rows=1, interpret=interpret, layer=layer)
     return _combine(y.reshape(N, k, -1), w)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "bm"))
 def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: PackedWeight,
-                        dtype=jnp.bfloat16, interpret: bool = False, bm: int = 64):
+                        dtype=jnp.bfloat16, interpret: bool = False, bm: int = 64, layer=None):
     N, k = ids.shape
     E = gate.shape[0]
     A = N * k
@@ -54,14 +54,17 @@ def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: P
     xp = jnp.zeros((Mp, x.shape[-1]), dtype).at[dest].set(x.astype(dtype)[tok])
     tile_e = jnp.searchsorted(ends_p, jnp.arange(n_tiles, dtype=jnp.int32) * bm, side="right")
     tile_e = jnp.where(tile_e >= E, -1, tile_e).astype(jnp.int32)
-    h = quant_matmul_experts(xp, (gate, up), tile_e, dtype, tile_rows=bm, swiglu=True, interpret=interpret)
-    y = quant_matmul_experts(h.astype(dtype), (down,), tile_e, dtype, tile_rows=bm, interpret=interpret)
+    h = quant_matmul_experts(xp, (gate, up), tile_e, dtype, tile_rows=bm, swiglu=True, interpret=interpret,
+                             layer=layer)
+    y = quant_matmul_experts(h.astype(dtype), (down,), tile_e, dtype, tile_rows=bm, interpret=interpret,
+                             layer=layer)
     ya = y[dest] * w.reshape(-1)[order][:, None]
     return jnp.zeros((N, y.shape[-1]), jnp.float32).at[tok].add(ya)
 
 
-def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False):
+def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False, layer=None):
     """x [N, d], w [N, k] f32, ids [N, k] -> [N, d] f32. Gather form while N*k <= 2*E (as the model).
+    With `layer` (int32 scalar) the experts are stacks of layers' and that layer is read in place.
 
     A slot of weight 0 adds nothing: it is computed by no tile and reads no weights (-ser drops
     experts this way, and -sm graph zeroes the slots of experts another device holds)."""
@@ -69,5 +72,5 @@ def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: boo
     E = gate.shape[0]
     ids = jnp.where(w != 0, ids, -1)
     if N * k <= 2 * E:
-        return moe_experts_gather(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret)
-    return moe_experts_grouped(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret)
+        return moe_experts_gather(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer)
+    return moe_experts_grouped(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ikjax.quant.array import stacked_operands
 from pallas_kernels import cpu as _cpu
 
 TARGET = "ikjax_cpu_quant_matmul"
@@ -40,8 +41,9 @@ def supported(type_name: str) -> bool:
 
 
 def quant_matmul(x, w, *, n_threads: int = 0, compute: str = "f32"):
-    """x [..., K] (any float dtype; computed from float32), w a QuantArray [N, K] ->
-    [..., N] float32. n_threads: the -t / -tb thread count (0 = every core)."""
+    """x [..., K] (any float dtype; computed from float32), w a QuantArray [N, K] (or a LayerSlice
+    of a stack of them, read in place) -> [..., N] float32. n_threads: the -t / -tb thread count
+    (0 = every core)."""
     if compute not in COMPUTE:
         raise ValueError(f"quant_matmul: compute must be one of {sorted(COMPUTE)}, not {compute!r}")
     if len(w.shape) != 2:
@@ -55,10 +57,11 @@ def quant_matmul(x, w, *, n_threads: int = 0, compute: str = "f32"):
     if N == 0:  # no output columns (and no rows to reshape the bytes by)
         return jnp.zeros(lead + (0,), jnp.float32)
     _cpu.register()
-    data = jnp.asarray(w.data).reshape(N, -1)  # uint8 [N, row_bytes], the blocks as stored
+    data, layer = stacked_operands(w)
+    data = data.reshape(data.shape[0], N, -1)  # uint8 [L, N, row_bytes], the blocks as stored
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(lead + (N,), jnp.float32),
                             vmap_method="expand_dims")  # vmap over x; the weight is not copied per batch
-    return call(x.astype(jnp.float32), data, type=np.int64(w.qtype.type_id),
+    return call(x.astype(jnp.float32), data, layer, type=np.int64(w.qtype.type_id),
                 n_threads=np.int64(n_threads), compute=np.int64(COMPUTE[compute]))
 
 
@@ -78,8 +81,9 @@ def quant_matmul_heads(x, w, *, n_threads: int = 0, compute: str = "f32"):
     lead = x.shape[:-2]
     M = int(np.prod(lead, dtype=np.int64))
     xg = jnp.moveaxis(x.astype(jnp.float32).reshape(M, G, K), 1, 0)       # [G, M, K]
-    data = jnp.asarray(w.data).reshape(G, N, -1)
+    data, layer = stacked_operands(w)
+    data = data.reshape(data.shape[0], G, N, -1)
     y = jax.ffi.ffi_call(TARGET + "_heads", jax.ShapeDtypeStruct((G, M, N), jnp.float32))(
-        xg, data, type=np.int64(w.qtype.type_id), n_threads=np.int64(n_threads),
+        xg, data, layer, type=np.int64(w.qtype.type_id), n_threads=np.int64(n_threads),
         compute=np.int64(COMPUTE[compute]))
     return jnp.moveaxis(y, 0, 1).reshape(*lead, G, N)

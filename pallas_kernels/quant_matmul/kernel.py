@@ -79,12 +79,13 @@ def _silu_mul(g, u):
     return g / (1.0 + jnp.exp(-g)) * u
 
 
-def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu):
+def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
     x_ref = next(it)
     e_ref = next(it) if has_expert else None
+    layer_ref = next(it) if has_layer else None
     wrefs = [{n: next(it) for n in names} for _ in range(n_w)]
     o_ref = next(it)
     j, i = pl.program_id(0), pl.program_id(1)
@@ -93,6 +94,8 @@ def _kernel(*refs, qtype, names, n_w, has_expert, mode, bm, bn, bk, nt, nt_all, 
     # graph): its loop runs no iteration, reads no weights, and writes zeros
     alive = e_ref[i] >= 0 if has_expert else True
     lead = (jnp.maximum(e_ref[i], 0),) if has_expert else ()
+    if has_layer:  # a stack of layers' weights (a scanned layer group): this layer's, in place
+        lead = (layer_ref[0],) + lead
     width = ng * L
 
     if mode == "rows":
@@ -195,7 +198,7 @@ def kernel_supports(qtype: str, N: int, K: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret"))
-def _call(x, ws, expert, *, dtype, swiglu, config, interpret):
+def _call(x, ws, expert, layer, *, dtype, swiglu, config, interpret):
     cfg = dict(config)
     w0: PackedWeight = ws[0]
     qtype = w0.qtype
@@ -215,11 +218,14 @@ def _call(x, ws, expert, *, dtype, swiglu, config, interpret):
         if e.shape[0] * bm != Mp:
             raise ValueError(f"expert index has {e.shape[0]} tiles for {Mp} rows of {bm}")
         args.append(e)
+    has_layer = layer is not None
+    if has_layer:
+        args.append(jnp.reshape(layer, (1,)).astype(jnp.int32))
     for w in ws:
         args += [w.arrays[n] for n in names]
     nt = -(-(K // bk) // split)
     grid = (N // bn, Mp // bm, split) if mode == "rows" else (N // bn, Mp // bm)
-    kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert,
+    kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
                              mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
                              swiglu=swiglu)
     late = swiglu and nt < K // bk  # split-K SwiGLU: the kernel writes [gate | up] partial sums
@@ -237,19 +243,21 @@ def _call(x, ws, expert, *, dtype, swiglu, config, interpret):
     return y[:M] if Mp != M else y
 
 
-def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False, config: dict | None = None):
-    """x [..., K] @ W[N, K]^T -> [..., N] float32 (W a PackedWeight without expert axis)."""
+def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False, config: dict | None = None,
+                 layer=None):
+    """x [..., K] @ W[N, K]^T -> [..., N] float32 (W a PackedWeight without expert axis; with `layer`,
+    an int32 scalar, W's arrays are a stack of layers' [L, ...] and layer `layer` is read in place)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     N, K = w.shape[-2], w.shape[-1]
     cfg = config or pick_config(w.qtype, x2.shape[0], N, K)
-    y = _call(x2, (w,), None, dtype=jnp.dtype(dtype), swiglu=False, config=tuple(sorted(cfg.items())),
+    y = _call(x2, (w,), None, layer, dtype=jnp.dtype(dtype), swiglu=False, config=tuple(sorted(cfg.items())),
               interpret=interpret)
     return y.reshape(*lead, N)
 
 
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
-                         interpret: bool = False, config: dict | None = None):
+                         interpret: bool = False, config: dict | None = None, layer=None):
     """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
     (PackedWeight [E, N, K]); expert -1 marks a dead tile (zeros, no weight read). `ws` = (w,) or,
     with swiglu, (gate, up). -> [M, N] float32."""
@@ -258,5 +266,5 @@ def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 
     cfg = config or pick_config(w0.qtype, x.shape[0], N, K, tile_rows=tile_rows)
     if swiglu and cfg["mode"] != "rows":
         cfg = dict(cfg, split=1)
-    return _call(x, tuple(ws), expert, dtype=jnp.dtype(dtype), swiglu=swiglu,
+    return _call(x, tuple(ws), expert, layer, dtype=jnp.dtype(dtype), swiglu=swiglu,
                  config=tuple(sorted(cfg.items())), interpret=interpret)

@@ -1,0 +1,142 @@
+"""Layer groups: runs of consecutive identical layers that a step computes with one `lax.scan`.
+
+Why: unrolled, every layer is traced, lowered and compiled again, so compile time grows with depth
+(tiny preset on a CPU: 4 layers 5.8 s, 61 layers 30.6 s; a 61-layer R1 compiled for minutes on
+every new batch or KV bucket). Scanned, a run of identical layers is one loop whose body is one
+layer: XLA compiles it once, whatever the depth (MaxText's `scan_layers`).
+
+Identical means: the same tensors (keys, GGUF types, shapes), dense or MoE alike, and placed alike
+(same memory and device, same -sm graph split). A layer with any tensor in host memory next to an
+accelerator (`-ot ...=CPU`: routed experts read by the host kernel at their own address, or
+tensors fetched into the step) is a group of its own, run as it is (unrolled). So is every layer
+with `IKJAX_LAYERS=unroll`, the old form, kept for comparison.
+
+GPU decode steps (`IKJAX_LAYERS=auto`, the default) run their groups' scan unrolled: the weights
+stay stacked and the kernels read them in place just the same, but a loop over layers inside the
+decode loop cost ~9 us a layer per token on an H100 (V2-Lite, S_TG 351 scanned vs 385 unrolled at
+N_KV 0, bench/RESULTS.md §22), the price of its trip over the host; only that step's compile still
+grows with depth.
+
+A group's weights are one `LayerGroup` pytree: each leaf stacked on a new leading axis of
+`count` (a QuantArray keeps its per-layer logical shape, its blocks gain the axis), except a group
+of one, whose tensors stay as loaded. A group's KV cache is always stacked, `[count, B, S, W]`
+(ikjax.model.cache).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from ikjax import env, ops
+from ikjax.gguf_io.tensors import layer_specs
+
+LAYER_MODES = ("auto", "scan", "unroll")
+
+
+def layer_mode() -> str:
+    """IKJAX_LAYERS: "auto" (default), "scan" or "unroll"."""
+    return env.choice("IKJAX_LAYERS")
+
+
+def unroll_scan(n_tokens: int, backend: str) -> bool:
+    """Whether a step of `n_tokens` tokens on `backend` unrolls its groups' scans (module doc)."""
+    return layer_mode() == "auto" and n_tokens == 1 and backend == "pallas"
+
+
+class LayerGroup:
+    """Layers first .. first + count - 1 of the model: `tensors` their weights, stacked on a
+    leading axis when count > 1 (else layer `first`'s dict as loaded). `first` and `count` are
+    static (pytree aux data): they decide the step's structure."""
+    __slots__ = ("first", "count", "tensors")
+
+    def __init__(self, first: int, count: int, tensors: dict):
+        self.first, self.count, self.tensors = int(first), int(count), tensors
+
+    @property
+    def stacked(self) -> bool:
+        return self.count > 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.first + self.count)
+
+    def layer(self, i: int) -> dict:
+        """Layer i's tensors (i in `layers`): the dict itself for a group of one, else a slice of
+        each stacked leaf (for tests and tools; a step never slices this way)."""
+        if i not in self.layers:
+            raise IndexError(f"layer {i} is not in group {self.first}..{self.first + self.count - 1}")
+        if not self.stacked:
+            return self.tensors
+        j = i - self.first
+        return jax.tree.map(lambda a: a[j], self.tensors)
+
+    def __repr__(self) -> str:
+        return f"LayerGroup(layers {self.first}..{self.first + self.count - 1}, {sorted(self.tensors)})"
+
+
+jax.tree_util.register_pytree_node(
+    LayerGroup, lambda g: ((g.tensors,), (g.first, g.count)), lambda aux, c: LayerGroup(aux[0], aux[1], c[0]))
+
+
+def _signature(cfg, i: int, tensors: Mapping[str, Any], placement) -> tuple | None:
+    """What must agree for layer i to share a scan with its neighbour; None: never shares."""
+    sig = [cfg.is_moe_layer(i)]
+    for spec in layer_specs(cfg, i):
+        info = tensors.get(spec.gguf_name)
+        if info is None:
+            sig.append((spec.key, None))
+            continue
+        where = None
+        if placement is not None:
+            t = placement[spec.gguf_name]
+            if t.on_host and not placement.unified:
+                return None  # read at its own host address, or fetched: run as it is
+            where = (t.memory, t.device, t.spread, t.split_dim)
+        sig.append((spec.key, getattr(info.qtype, "name", None), tuple(info.shape), where))
+    return tuple(sig)
+
+
+# The Pallas (Triton) kernels index their operands with 32-bit offsets: a stacked weight of 2^31
+# bytes or more would wrap (an illegal address on the GPU: V2-Lite's 26 MoE layers stack 2.7 GB
+# of each expert tensor). Where they run, a group stops before any of its stacks would reach it.
+PALLAS_MAX_STACK_BYTES = 2**31 - 1
+
+
+def layer_spans(cfg, tensors: Mapping[str, Any], placement=None, mode: str | None = None,
+                max_stack_bytes: int | None = None) -> tuple[tuple[int, int], ...]:
+    """(first, count) of each group, in layer order, covering layers 0 .. n_layer - 1: maximal runs
+    of consecutive layers with the same `_signature` (all ones with mode "unroll"), each of whose
+    stacked tensors stays under `max_stack_bytes` (default: `PALLAS_MAX_STACK_BYTES` where the
+    Pallas kernels read the weights, else no limit)."""
+    mode = mode or layer_mode()
+    if max_stack_bytes is None and ops.needs_repack():
+        max_stack_bytes = PALLAS_MAX_STACK_BYTES
+    spans: list[list[int]] = []
+    prev = None
+    for i in range(cfg.n_layer):
+        sig = _signature(cfg, i, tensors, placement) if mode != "unroll" else None
+        biggest = max((getattr(tensors.get(s.gguf_name), "nbytes", 0) or 0 for s in layer_specs(cfg, i)), default=0)
+        fits = max_stack_bytes is None or (spans and (spans[-1][1] + 1) * biggest <= max_stack_bytes)
+        if spans and sig is not None and sig == prev and fits:
+            spans[-1][1] += 1
+        else:
+            spans.append([i, 1])
+        prev = sig
+    return tuple((a, b) for a, b in spans)
+
+
+def layer_tensors(weights: dict, i: int) -> dict:
+    """Layer i's tensors of a loaded weight tree (see `LayerGroup.layer`; i < 0 counts from the end)."""
+    if i < 0:
+        i += sum(g.count for g in weights["groups"])
+    for g in weights["groups"]:
+        if i in g.layers:
+            return g.layer(i)
+    raise IndexError(f"layer {i}: the model has {sum(g.count for g in weights['groups'])} layers")
+
+
+def all_layers(weights: dict) -> list[dict]:
+    """Every layer's tensors, in order (`layer_tensors` of each)."""
+    return [g.layer(i) for g in weights["groups"] for i in g.layers]
