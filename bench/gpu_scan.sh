@@ -3,7 +3,7 @@
 # unrolled ones (IKJAX_LAYERS=unroll) and the code before the change (commit a95e468, unpacked
 # from .whl/old22.tar.gz), alternated in one lease. Every command timed from start to end.
 #   bash bench/gpu_scan.sh                 results: $OUT/scan.md
-# PARTS: any of "cold sweep r1 tests" (default "cold sweep").
+# PARTS: any of "cold sweep sweepnew r1 tests" (default "cold sweep"); WHO: "old new" (cold part).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-$PWD/scan_out}
 mkdir -p "$OUT"
@@ -39,6 +39,10 @@ if [[ " $PARTS " == *" sweep "* ]]; then
   IKJAX_LAYERS=unroll IKJAX_COMPILE_CACHE=/tmp/cc-16k-unroll timed unroll-cold-c16384 new sweep-bench $SB -c 16384 -ub 2048 -n 128
   IKJAX_COMPILE_CACHE=/tmp/cc-16k-old timed old-cold-c16384 old sweep-bench $SB -c 16384 -ub 2048 -n 128
   IKJAX_COMPILE_CACHE=/tmp/cc-16k-new timed new-warm-c16384 new sweep-bench $SB -c 16384 -ub 2048 -n 128
+fi
+if [[ " $PARTS " == *" sweepnew "* ]]; then
+  rm -rf /tmp/cc-16k-new
+  IKJAX_COMPILE_CACHE=/tmp/cc-16k-new timed new-cold-c16384 new sweep-bench $SB -c 16384 -ub 2048 -n 128
 fi
 if [[ " $PARTS " == *" r1 "* ]]; then
   for L in 8 61; do
