@@ -39,7 +39,7 @@ _VARS = (
              "ikjax.ops.registry"),
     Variable("IKJAX_LAYERS", "auto", ("auto", "scan", "unroll"),
              "runs of identical layers as one `lax.scan` (compile time independent of depth), every layer "
-             "unrolled, or `auto`: scanned, except GPU decode steps, whose scan is unrolled (faster there)",
+             "unrolled, or `auto`: scanned, GPU decode steps in two iterations of half a group (faster there)",
              "ikjax.model.groups"),
     Variable("IKJAX_TOPK", "rank", ("rank", "lax"),
              "router top-k form: `rank` (compare-and-count, fast at decode) or `lax.top_k`", "ikjax.model.moe"),

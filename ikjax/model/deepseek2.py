@@ -222,7 +222,7 @@ def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, p
                 x, gc = _layer(x, layer, gc, j, group.first, start, q_pos, cos, sin, cfg=cfg, plan=plan)
                 return (x, gc, j + 1), None
             (x, gcache, _), _ = jax.lax.scan(body, (x, gcache, jnp.int32(0)), None, length=group.count,
-                                             unroll=unroll_scan(T, plan.backend))
+                                             unroll=unroll_scan(T, plan.backend, group.count))
         for name, value in gcache.items():
             new_cache[name][g] = value
     return x, new_cache

@@ -11,11 +11,12 @@ accelerator (`-ot ...=CPU`: routed experts read by the host kernel at their own 
 tensors fetched into the step) is a group of its own, run as it is (unrolled). So is every layer
 with `IKJAX_LAYERS=unroll`, the old form, kept for comparison.
 
-GPU decode steps (`IKJAX_LAYERS=auto`, the default) run their groups' scan unrolled: the weights
-stay stacked and the kernels read them in place just the same, but a loop over layers inside the
-decode loop cost ~9 us a layer per token on an H100 (V2-Lite, S_TG 351 scanned vs 385 unrolled at
-N_KV 0, bench/RESULTS.md §22), the price of its trip over the host; only that step's compile still
-grows with depth.
+GPU decode steps (`IKJAX_LAYERS=auto`, the default) run each group's scan in two iterations of
+half the group each: every iteration of a loop over layers inside the decode loop costs ~10 us a
+token on an H100 (V2-Lite 27 layers, -c 4096, cold compile / S_TG at N_KV 0: scanned 16.3 s / 350,
+two iterations 16.7 s / 378, four 22.4 s / 372, unrolled 24.3 s / 385; bench/RESULTS.md §22). Two
+keep S_TG within 2 % of unrolled for about the compile time of the scan; that step's compile still
+grows with depth, at half the rate.
 
 A group's weights are one `LayerGroup` pytree: each leaf stacked on a new leading axis of
 `count` (a QuantArray keeps its per-layer logical shape, its blocks gain the axis), except a group
@@ -40,9 +41,11 @@ def layer_mode() -> str:
     return env.choice("IKJAX_LAYERS")
 
 
-def unroll_scan(n_tokens: int, backend: str) -> bool:
-    """Whether a step of `n_tokens` tokens on `backend` unrolls its groups' scans (module doc)."""
-    return layer_mode() == "auto" and n_tokens == 1 and backend == "pallas"
+def unroll_scan(n_tokens: int, backend: str, count: int) -> int:
+    """How many layers of a group of `count` one iteration of its scan runs, in a step of
+    `n_tokens` tokens on `backend` (module doc): half of them (two iterations) for GPU decode
+    under "auto", else 1."""
+    return -(-count // 2) if layer_mode() == "auto" and n_tokens == 1 and backend == "pallas" else 1
 
 
 class LayerGroup:
