@@ -28,6 +28,7 @@ import numpy as np
 from ikjax import env
 from ikjax.errors import OptionError
 from ikjax.placement.rules import MIN_OFFLOAD_BATCH, TensorPlacement, runs_on
+from ikjax.quant.array import LogicalShape
 
 # IKJAX_HOST_EXPERTS: "pinned" (default: streamable, one copy shared by both paths) or "mmap"
 # (the file's pages, host path for every batch). IKJAX_MIN_OFFLOAD_BATCH: ik's 32 (see runs_on).
@@ -42,7 +43,7 @@ def min_offload_batch(default: int = MIN_OFFLOAD_BATCH) -> int:
     return env.positive_int("IKJAX_MIN_OFFLOAD_BATCH") if env.raw("IKJAX_MIN_OFFLOAD_BATCH") is not None else default
 
 
-class HostQuantArray:
+class HostQuantArray(LogicalShape):
     """GGUF bytes in host memory: `data` uint8 `[..., rows, row_bytes]` (a pinned-host jax.Array,
     or NumPy / memmap), static `qtype`, logical `shape`, its `tensor` placement and the offload
     threshold `min_batch`. Not a QuantArray, so nothing repacks or dequantizes it by accident (the
@@ -71,14 +72,6 @@ class HostQuantArray:
     def streamable(self) -> bool:
         """Held as a pinned-host jax.Array (a step can move it to the device)."""
         return not isinstance(self.data, np.ndarray)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def n_per_row(self) -> int:
-        return self.shape[-1]
 
     @property
     def nbytes(self) -> int:

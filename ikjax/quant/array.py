@@ -11,8 +11,23 @@ from .dequant import dequantize as _dequantize
 from .types import QuantType
 
 
+class LogicalShape:
+    """What a quantized tensor's logical `shape` [..., rows, n_per_row] says, for every form of one
+    (QuantArray, a LayerSlice of a stack, ikjax.placement.host.HostQuantArray)."""
+    __slots__ = ()
+    shape: tuple
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def n_per_row(self) -> int:
+        return self.shape[-1]
+
+
 @dataclass(frozen=True)
-class QuantArray:
+class QuantArray(LogicalShape):
     """One leaf `data` (uint8 `[..., rows, row_bytes]` as laid in the file; numpy, memmap or jax);
     static `qtype` and logical `shape` `[..., rows, n_per_row]`."""
     data: object
@@ -42,14 +57,6 @@ class QuantArray:
         return cls(raw, qtype, shape)
 
     @property
-    def n_per_row(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
     def nbytes(self) -> int:
         return int(np.prod(self.data.shape, dtype=np.int64))
 
@@ -65,7 +72,7 @@ jax.tree_util.register_dataclass(QuantArray)
 
 
 @dataclass(frozen=True)
-class LayerSlice:
+class LayerSlice(LogicalShape):
     """Layer `index` of a stacked weight: `stack` a QuantArray (or the Pallas repack, or any
     pytree of arrays) whose every array has a leading axis of layers, `index` an int32 scalar —
     inside a scanned layer group (ikjax.model.groups) the scan's traced index.
@@ -86,14 +93,6 @@ class LayerSlice:
     @property
     def qtype(self):
         return self.stack.qtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def n_per_row(self) -> int:
-        return self.shape[-1]
 
     def get(self):
         """The layer as its own weight (a slice of each array: XLA fuses it into its reader)."""
