@@ -139,3 +139,59 @@ def test_q_lora_rank_cli_and_json_config(tmp_path):
     res = CliRunner().invoke(app, ["run", "--config", str(cfg)])
     assert res.exit_code == 0, res.output
     assert gguf.GGUFReader(str(out2)).fields["deepseek2.attention.q_lora_rank"].contents() == 32
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "Q6_K", "Q4_K"])
+def test_block_pools_lean_no_way(name):
+    """A pool's blocks average zero over the pool whatever the type (Q4_0's d * (q - 8) leans to
+    -d/2 in every block: without mixed signs every synthetic matrix added one vector to every token)."""
+    if name not in synthetic.SUPPORTED_TYPES:
+        pytest.skip(f"{name} is not a make-model type")
+    qt = gguf.GGMLQuantizationType[name]
+    pool = synthetic.block_pool(qt, 0.02, np.random.default_rng(1))
+    vals = gguf.quants.dequantize(pool, qt).astype(np.float64)
+    assert abs(vals.mean()) < 0.02 * 0.02 * 4, (name, vals.mean())  # well under 1/sqrt(n) of the spread
+    assert 0.015 < vals.std() < 0.025
+
+
+def _routing(path, n_tokens=512):
+    """Tokens routed to each expert of each MoE layer on a batch of random tokens."""
+    import jax
+    import ikjax.model.moe as moe
+    counts, order = {}, [0]
+    orig = moe.route
+
+    def route(x, layer, cfg, ser):
+        w, ids = orig(x, layer, cfg, ser)
+        li = order[0]
+        order[0] += 1
+        jax.debug.callback(lambda ids, li=li: counts.setdefault(li, []).append(np.asarray(ids)), ids)
+        return w, ids
+    moe.route = route
+    try:
+        eng = ikjax.load(path, ctx=n_tokens, ubatch=n_tokens, dtype="f32")
+        eng.logits(np.random.default_rng(0).integers(2, eng.config.vocab_size, n_tokens))
+    finally:
+        moe.route = orig
+    E = eng.config.n_expert
+    return [np.bincount(np.concatenate(counts[li]).reshape(-1), minlength=E) for li in sorted(counts)]
+
+
+def test_synthetic_routers_spread_tokens_at_depth(tmp_path, monkeypatch):
+    """R1's routing (sigmoid, 8 groups, 4 of them, 8 of 256 experts) on R1's own layout at a small
+    width, 24 layers of Q4_0: every MoE layer uses >= 90 % of its experts for 512 random tokens and
+    none takes more than 4x the mean (before: the hidden states of all tokens became one and a
+    batch went to 8 experts)."""
+    monkeypatch.setenv("IKJAX_LAYERS", "unroll")  # each MoE layer traced on its own: one count each
+    small = dict(synthetic.PRESETS["r1"], num_hidden_layers=24, hidden_size=256, num_attention_heads=4,
+                 num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
+                 v_head_dim=32, moe_intermediate_size=32, intermediate_size=512, vocab_size=2048, rope_scaling=None)
+    monkeypatch.setitem(synthetic.PRESETS, "r1-small-test", small)
+    monkeypatch.setitem(synthetic.PRESET_NAMES, "r1-small-test", "r1-small-test")
+    path = tmp_path / "r1s.gguf"
+    synthetic.make_model(path, "r1-small-test", "Q4_0")
+    counts = _routing(str(path))
+    assert len(counts) == 24 - 3
+    for li, c in enumerate(counts):
+        used = np.count_nonzero(c) / len(c)
+        assert used >= 0.9 and c.max() <= 4 * c.mean(), (li, used, c.max() / c.mean())
