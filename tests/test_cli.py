@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from conftest import fixtures_dir
 from ikjax.cli import app
 from ikjax.cli.parser import _rewrite
+from ikjax.tools import synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -231,7 +232,7 @@ def test_default_model_made_on_first_use(tmp_path, monkeypatch):
     monkeypatch.setenv("IKJAX_CACHE", str(tmp_path / "cache"))
     res = invoke(["sweep-bench", "-c", 256, "-ub", 128, "-n", 2])
     assert "making synthetic model tiny" in res.stderr
-    assert (tmp_path / "cache" / "tiny-Q8_0.gguf").exists()
+    assert (tmp_path / "cache" / f"tiny-Q8_0-g{synthetic.GENERATOR}.gguf").exists()
     assert len([l for l in res.stdout.splitlines() if l.startswith("|")]) == 2 + 2
     res = invoke(["info"])  # reuses the cached file
     assert "making" not in res.stderr and "16 routed, top-4" in res.stdout
