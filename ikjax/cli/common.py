@@ -161,7 +161,8 @@ def resolve_model(spec: Optional[str]) -> str:
         layers = int(parts[2])
     if preset not in synthetic.PRESETS:
         raise OptionError(f"model: unknown preset {preset!r} in {spec!r} (one of {', '.join(synthetic.PRESETS)})")
-    path = synthetic.default_model_path().with_name(f"{preset}-{qtype}{f'-{layers}L' if layers else ''}.gguf")
+    path = synthetic.default_model_path().with_name(
+        f"{preset}-{qtype}{f'-{layers}L' if layers else ''}-g{synthetic.GENERATOR}.gguf")
     if not path.exists():
         log(f"making synthetic model {preset} {qtype} -> {path} (first use)")
         size = _synthetic_size(preset, qtype, layers)
