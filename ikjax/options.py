@@ -138,6 +138,9 @@ class RunOptions:
     split_mode: str = "none"
     tensor_split: tuple[float, ...] = ()  # -ts shares per device; () = equal shares
     main_gpu: int = 0  # -mg: the device of -sm none
+    # count the tokens each MoE layer routes to each expert over every step (Engine.expert_stats);
+    # steps then call back to the host once a layer (not an ik flag: --expert-stats FILE.json)
+    expert_stats: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "RunOptions":
@@ -206,6 +209,7 @@ class RunOptions:
         boolean("fa")
         boolean("fmoe")
         boolean("cpu_moe")
+        boolean("expert_stats")
         if v.get("ctv") is None:
             v.pop("ctv", None)
         for name, allowed in (("ctk", CACHE_TYPES), ("ctv", CACHE_TYPES), ("dtype", COMPUTE_DTYPES)):
@@ -315,7 +319,7 @@ _WHY = {
     "mmp": "ikjax maps the GGUF read-only and copies each tensor into its runtime buffers at load either way",
 }
 # switches a command honours itself (no note there)
-HONOURED = {"no_warmup": ("sweep-bench", "bench")}  # -nrep keeps its own rule below (sweep-bench only)
+HONOURED = {"no_warmup": ("sweep-bench", "bench", "serve")}  # -nrep keeps its own rule below (sweep-bench only)
 
 
 def _flag_bool(flag: str, value: Any) -> bool:
@@ -355,7 +359,7 @@ def switch_notes(values: dict[str, Any], command: str, backend: str = "cpu") -> 
             elif name == "no_warmup":
                 if command not in HONOURED["no_warmup"]:
                     notes.append(f"--no-warmup has no effect in {command}: it times nothing a warm-up run would "
-                                 f"change (sweep-bench and bench honour it)")
+                                 f"change (sweep-bench, bench and serve honour it)")
             else:
                 notes.append(f"{flag} has no effect: {_WHY[name]}")
         elif kind == "bool_on":  # ik's default is on: only turning it off asks for something

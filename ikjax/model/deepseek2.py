@@ -15,6 +15,7 @@ for absorbed; a file lacking one form gets it from the other, exactly, inside th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
 from ikjax.model.groups import LayerGroup, unroll_scan
 from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, rms_norm, split_linear
-from ikjax.model.moe import moe_ffn
+from ikjax.model.moe import count_experts, moe_ffn
 from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
 from ikjax.ops import precision_for, split_heads_kv
 from ikjax.options import SmartExpertReduction
@@ -53,6 +54,8 @@ class StepPlan:
     # -sm graph: the mesh and the split groups (ikjax.runtime.mesh.TensorSplit); the step then
     # runs on each device's part inside shard_map and completes each split group with a psum
     tp: Any = None
+    # an ikjax.model.moe.ExpertCounts: MoE layers hand their routing to it (count_experts); None: off
+    expert_stats: Any = None
 
     def split_axis(self, key: str) -> str | None:
         """The mesh axis a split group's partial sums are joined over, or None (not split)."""
@@ -193,11 +196,11 @@ def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Step
 
 def _forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: StepPlan):
     x = embed(weights["token_embd"], tokens, axis=plan.split_axis("embd"))
-    x, new_cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan)
+    x, new_cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=last)
     return output_head(weights, x, last, cfg=cfg, plan=plan), new_cache
 
 
-def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, plan: StepPlan):
+def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, plan: StepPlan, last=None):
     """The layers of `groups` (ikjax.model.groups) on x [B,T,d]; `cache` holds those groups'
     entries (lists in the same order). Returns (x, their updated cache). A whole step runs every
     group; `-sm layer` runs each device's groups (ikjax.runtime.pipeline.Pipeline).
@@ -209,17 +212,24 @@ def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, p
     B, T = x.shape[:2]
     q_pos = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
     cos, sin = rope_tables(inverse_frequencies(cfg), q_pos)
+    # the real tokens (a prompt chunk's rows up to `last`; the rest pad its token bucket), for
+    # the expert statistics
+    valid = None
+    if plan.expert_stats is not None:
+        valid = (jnp.arange(T)[None, :] <= last[:, None]) if last is not None and T > 1 else jnp.ones((B, T), bool)
+        valid = valid.reshape(-1)
     new_cache = {name: list(entries) for name, entries in cache.items()}
     for g, group in enumerate(groups):
         gcache = {name: entries[g] for name, entries in cache.items()}
         if not group.stacked:
             x, gcache = _layer(x, fetch_all(group.tensors), gcache, 0, group.first, start, q_pos, cos, sin,
-                               cfg=cfg, plan=plan)
+                               cfg=cfg, plan=plan, valid=valid)
         else:
             def body(carry, _, group=group):
                 x, gc, j = carry
                 layer = ops.layer_view(group.tensors, j)  # each kernel reads layer j of the stacks in place
-                x, gc = _layer(x, layer, gc, j, group.first, start, q_pos, cos, sin, cfg=cfg, plan=plan)
+                x, gc = _layer(x, layer, gc, j, group.first, start, q_pos, cos, sin, cfg=cfg, plan=plan,
+                               valid=valid)
                 return (x, gc, j + 1), None
             (x, gcache, _), _ = jax.lax.scan(body, (x, gcache, jnp.int32(0)), None, length=group.count,
                                              unroll=unroll_scan(T, plan.backend, group.count))
@@ -228,7 +238,7 @@ def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, p
     return x, new_cache
 
 
-def _layer(x, layer, gcache, j, i: int, start, q_pos, cos, sin, *, cfg: ModelConfig, plan: StepPlan):
+def _layer(x, layer, gcache, j, i: int, start, q_pos, cos, sin, *, cfg: ModelConfig, plan: StepPlan, valid=None):
     """One layer: `layer` its tensors, `gcache` its group's cache (its entries at index j), `i`
     the group's first layer (what the step does is the same for every layer of a group)."""
     B, T = x.shape[:2]
@@ -245,7 +255,10 @@ def _layer(x, layer, gcache, j, i: int, start, q_pos, cos, sin, *, cfg: ModelCon
         f = moe_ffn(hn.reshape(B * T, -1), layer, cfg, dtype=dtype, fused=plan.fmoe, ser=plan.ser,
                     experts_axis=plan.split_axis(f"{i}.exps"),
                     shared_axis=plan.split_axis(f"{i}.shexp"),
-                    n_parts=plan.tp.n if plan.tp is not None else 1).reshape(B, T, -1)
+                    n_parts=plan.tp.n if plan.tp is not None else 1,
+                    on_route=None if valid is None else functools.partial(
+                        count_experts, plan.expert_stats, i + j, valid=valid, axis=plan.tp.axis if plan.tp is not None else None)
+                    ).reshape(B, T, -1)
     else:
         f = dense_ffn(hn, layer, DENSE_FFN, dtype)
         if (ffn_axis := plan.split_axis(f"{i}.ffn")) is not None:

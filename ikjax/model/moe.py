@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ikjax import ops
 from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
@@ -87,8 +88,45 @@ def smart_expert_reduction(w, ser: SmartExpertReduction):
     return jnp.where(keep, w, 0.0)
 
 
+class ExpertCounts:
+    """Tokens each MoE layer routed to each expert, summed over the steps that ran with
+    `StepPlan.expert_stats` (`record`, called back from the step): what `Engine.expert_stats`
+    returns and `--expert-stats FILE.json` writes. `tokens`: the real tokens those steps fed
+    (padding rows of a prompt chunk are not counted, nor routed picks of weight 0 (-ser))."""
+
+    def __init__(self, n_expert: int, first_moe_layer: int):
+        self.n_expert, self.first_moe_layer = n_expert, first_moe_layer
+        self.tokens = 0
+        self.layers: dict[int, np.ndarray] = {}
+
+    def record(self, layer, ids, picked, valid) -> None:
+        layer = int(layer)
+        keep = np.asarray(picked, bool) & np.asarray(valid, bool).reshape(-1, 1)
+        counts = np.bincount(np.asarray(ids)[keep].reshape(-1), minlength=self.n_expert)
+        if layer not in self.layers:
+            self.layers[layer] = np.zeros(self.n_expert, np.int64)
+        self.layers[layer] += counts
+        if layer == self.first_moe_layer:  # once a step: the tokens it fed
+            self.tokens += int(np.asarray(valid, bool).sum())
+
+    def as_json(self) -> dict:
+        return {"tokens": self.tokens, "layers": {str(i): c.tolist() for i, c in sorted(self.layers.items())}}
+
+
+def count_experts(sink: ExpertCounts, layer_index, ids, w, valid, axis: str | None = None) -> None:
+    """Inside a step: hand layer `layer_index`'s routing (ids [N, k], weights w [N, k], valid [N]
+    the real tokens) to `sink` (the engine's ExpertCounts, part of the step's plan: each engine's
+    steps count into its own). Under -sm graph every device routes alike: the first one counts."""
+    part = jax.lax.axis_index(axis) if axis is not None else jnp.int32(0)
+
+    def record(layer, ids, picked, valid, part):
+        if int(part) == 0:
+            sink.record(layer, ids, picked, valid)
+    jax.debug.callback(record, layer_index, ids, w != 0, valid, part)
+
+
 def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartExpertReduction | None,
-            experts_axis: str | None = None, shared_axis: str | None = None, n_parts: int = 1):
+            experts_axis: str | None = None, shared_axis: str | None = None, n_parts: int = 1, on_route=None):
     """x [N, d] float32 -> routed experts + shared experts, [N, d] float32.
 
     -sm graph (ikjax.runtime.mesh): with `experts_axis` this device holds a contiguous slice of
@@ -98,6 +136,8 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
     holds whole (host-resident: one copy for all `n_parts` devices) are divided the same way, by
     range, their ids left as they are."""
     w, ids = route(x, layer, cfg, ser)
+    if on_route is not None:
+        on_route(ids, w)
     if experts_axis is not None:
         n_local = layer["gate_exps"].shape[0]
         whole = n_local == cfg.n_expert

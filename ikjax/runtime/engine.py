@@ -25,16 +25,17 @@ from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.model import cache as kvcache
+from ikjax.model import moe
 from ikjax.model.groups import layer_spans
 from ikjax.model.deepseek2 import StepPlan
 from ikjax.options import RunOptions
 from ikjax.placement import devices
 from ikjax.placement.rules import plan_placement
 from ikjax.runtime import buckets as kv_buckets
-from ikjax.runtime import compile_cache, distributed, generation
+from ikjax.runtime import compile_cache, distributed, generation, text
 from ikjax.runtime.executables import Executables
 from ikjax.runtime.executors import Executor, executor_for
-from ikjax.runtime.generation import BatchGeneration, Generation
+from ikjax.runtime.generation import BatchGeneration, Generation, KVSession
 from ikjax.runtime.sampling import NON_FINITE, NonFiniteLogitsError, check_finite_logits
 from ikjax.runtime.memory_plan import (MemoryPlan, cache_capacity, charge_load, check_devices, check_fits, mapped_rss,
                                        plan_memory, process_memory, runtime_ready)
@@ -87,6 +88,10 @@ class Engine:
         if stages:
             log.info("-sm %s: %s", self.split_mode, stages)
         self._cache_specs: dict[int, tuple] = {}
+        # --expert-stats: the steps count each MoE layer's routing here (ikjax.model.moe)
+        self._expert_counts = None
+        if o.expert_stats and cfg.n_expert:
+            self._expert_counts = moe.ExpertCounts(cfg.n_expert, min(cfg.n_dense_lead, cfg.n_layer))
         self._steps = Executables(self.executor, config=cfg, options=self.options, layout=self.cache_layout,
                                   source=self.file.path, memory=memory)
 
@@ -116,7 +121,8 @@ class Engine:
         threads = o.threads if n_tokens == 1 else (o.threads_batch or o.threads)
         return StepPlan(mla=o.mla, fa=o.fa, amb_bytes=o.amb << 20, kv_block=o.kv_block, kv_len=kv_len,
                         dtype=o.dtype, fmoe=o.fmoe, ser=o.ser, all_logits=all_logits,
-                        backend=self.backend, threads=threads, tp=self.executor.tp)
+                        backend=self.backend, threads=threads, tp=self.executor.tp,
+                        expert_stats=self._expert_counts)
 
     def kv_bucket(self, needed: int, n_tokens: int = 0) -> int:
         """Cache rows a step reads: the bucket covering `needed` (ikjax.kv_buckets: multiples of
@@ -221,6 +227,24 @@ class Engine:
         """Compile the decode loop of `chunk` steps whose last step reads `kv_needed` entries."""
         return self._steps.precompile(self.weights, batch, 1, self._decode_plan(kv_needed - chunk, chunk),
                                       (chunk, self._sampling_key(sampling)))
+
+    def expert_stats(self) -> dict:
+        """Tokens routed to each expert of each MoE layer over every step this engine ran (loaded with
+        `expert_stats=True`, the CLI's --expert-stats): {"tokens": N, "layers": {"3": [tokens routed to
+        expert 0, 1, ...], ...}}, N the real tokens fed (prompt and generation)."""
+        if self._expert_counts is None:
+            raise OptionError("expert-stats: load the model with expert_stats=True (--expert-stats FILE.json) "
+                              "to count the experts' tokens")
+        jax.effects_barrier()  # every callback of the steps run so far has landed
+        return self._expert_counts.as_json()
+
+    def save_expert_stats(self, path) -> None:
+        """`expert_stats()` as JSON in `path`, written whole or not at all."""
+        import json
+        from ikjax.atomic_file import atomic_write
+        data = json.dumps(self.expert_stats())
+        with atomic_write(path, len(data), what="expert-stats") as tmp:
+            tmp.write_text(data)
 
     def new_cache(self, batch: int = 1):
         """A zeroed KV cache: per device with -sm layer, replicated over the mesh with -sm graph."""
@@ -351,7 +375,8 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                 stop: Iterable[int] = ()) -> Generation:
+                 stop: Iterable[int] = (), stream: bool = False, repeat_penalty: float = 1.0,
+                 repeat_last_n: int = 64, ignore_eos: bool = False, session: KVSession | None = None) -> Generation:
         """New token ids as they are produced (an iterator); stop on EOS, a stop id, `max_tokens`,
         or a full context.
 
@@ -361,9 +386,72 @@ class Engine:
         than `ctx` is refused. The iterator's `stop_reason` ("eos", "max_tokens", "context") is
         set when the last token is yielded; `generate_batch` follows the same rules. Up to
         DECODE_CHUNK tokens per dispatch where `decode_loop()`, else one step per token.
+
+        `stream=True`: one token per dispatch, each yielded as soon as it is made (the same tokens
+        for the same seed: a draw depends on its position, not on the dispatch). `repeat_penalty`
+        (llama.cpp's, over the last `repeat_last_n` tokens of prompt and answer; 1 = off) picks
+        every token on the host, one step per token. `ignore_eos`: EOS is never drawn and does not
+        stop. `session` (`session()`): a KV cache kept across calls; a prompt extending what it
+        holds feeds only the new tokens (`Generation.cached_tokens` says how many were reused).
         """
         return generation.generate(self, prompt_ids, max_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, min_p=min_p, seed=seed, stop=stop)
+                                   top_p=top_p, min_p=min_p, seed=seed, stop=stop, stream=stream,
+                                   repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                   ignore_eos=ignore_eos, session=session)
+
+    # -- text: tokenizer, chat template, completions (ikjax.runtime.text) -------------------------
+    @property
+    def tokenizer(self):
+        """The model file's tokenizer (ikjax.tokenizer.GGUFTokenizer), built on first use."""
+        tok = self.__dict__.get("_tokenizer")
+        if tok is None:
+            from ikjax.tokenizer import GGUFTokenizer
+            tok = self._tokenizer = GGUFTokenizer(self.file.metadata, source=str(self.file.path))
+        return tok
+
+    def chat_template(self, choice: str | None = None):
+        """The chat template (ikjax.chat_template.ChatTemplate): None -> the file's own, else the
+        builtin for its pre-tokenizer; a builtin name (deepseek3, deepseek2, chatml), a FILE, or
+        Jinja text. bos_token / eos_token are this model's."""
+        from ikjax.chat_template import template_for
+        if choice is None and self.__dict__.get("_default_template") is not None:
+            return self._default_template  # compiled once (and the fallback noted once)
+        tok = self.tokenizer
+        t = template_for(self.file.metadata, choice, bos_token=tok.token_text(tok.bos_id),
+                         eos_token=tok.token_text(tok.eos_id))
+        if choice is None:
+            self._default_template = t
+        return t
+
+    def session(self) -> KVSession:
+        """A KV cache kept between calls (multi-turn chat): pass it as `session=` to generate,
+        complete or chat; each call feeds only what its prompt adds to what the cache holds."""
+        return KVSession(self)
+
+    def complete(self, prompt, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None, stream: bool = False,
+                 repeat_penalty: float = 1.0, repeat_last_n: int = 64, ignore_eos: bool = False,
+                 session: KVSession | None = None):
+        """Text in, text out. `prompt`: text (BOS added as the model asks) or token ids;
+        `max_tokens` None: until EOS or the context's end; `stop`: a string or a list of strings
+        that end the answer (not included). Returns a `text.Completion` (`.text`, `.tokens`,
+        `.finish_reason` "stop" | "length", `.usage`), or with `stream=True` a `text.TextStream`:
+        an iterator of text deltas, token by token, never half a UTF-8 character or any part of
+        a stop string. The other arguments are `generate`'s."""
+        return text.complete(self, prompt, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             min_p=min_p, seed=seed, stop=stop, stream=stream, repeat_penalty=repeat_penalty,
+                             repeat_last_n=repeat_last_n, ignore_eos=ignore_eos, session=session)
+
+    def chat(self, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",
+             template_kwargs=None, stream: bool = False, **kw):
+        """A conversation (`[{"role": "user", "content": "..."}, ...]`) rendered by the chat template
+        (`chat_template`: as `chat_template()` takes it, or a ChatTemplate), then `complete`. The
+        result's `.content` / `.reasoning_content` split R1's `<think>` block off
+        (`reasoning_format="deepseek"`, llama-server's; "none" keeps it in the content). With
+        `stream=True` the deltas are the raw text; `TextStream.reasoning_opened` tells
+        `ikjax.chat_template.ReasoningSplitter` how to split them."""
+        return text.chat(self, messages, max_tokens, chat_template=chat_template, reasoning_format=reasoning_format,
+                         template_kwargs=template_kwargs, stream=stream, **kw)
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,

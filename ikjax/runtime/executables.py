@@ -214,6 +214,8 @@ class Executables:
         store = env.choice("IKJAX_STORE_STEPS")
         if store == "0" or store == "auto" and self.executor.on_cpu_only:
             return None
+        if key[2].expert_stats is not None:  # its host callback counts into this engine's object
+            return None
         if not self.executor.stores_steps:
             return None
         for a in jax.tree.leaves(weights):

@@ -27,7 +27,7 @@ def _stage(weights, cache, x, start, last, *, cfg, plan, embed_in: bool, head_ou
     with ops.kernel_context(plan.backend, plan.threads, seq_tokens=x.shape[1]):  # x: tokens [B,T] or [B,T,d]
         if embed_in:
             x = embed(weights["token_embd"], x)
-        x, cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan)
+        x, cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=last)
         if head_out:
             x = output_head(weights, x, last, cfg=cfg, plan=plan)
     return x, cache
