@@ -51,3 +51,18 @@ def test_asked_without_counting_is_one_line(tiny4_model):
     eng = ikjax.load(tiny4_model, ctx=128)
     with pytest.raises(OptionError, match="expert_stats=True"):
         eng.expert_stats()
+
+
+def test_cli_writes_the_file_at_the_end(tiny4_model, tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "stats" / "e.json"
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny4_model, "-p", "hello there", "-n", "4",
+                        "--temp", "0", "-c", "128", "--expert-stats", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = json.loads(out.read_text())
+    assert st["tokens"] > 4 and all(sum(v) == st["tokens"] * 4 for v in st["layers"].values())
+    assert f"-> {out}" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "bench", "-m", tiny4_model, "--expert-stats", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: expert-stats:")

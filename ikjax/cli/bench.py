@@ -115,6 +115,9 @@ def bench(
     """
     from ikjax.tools import llama_bench as lb
     setup_logging(run.verbose)
+    if run.expert_stats:
+        raise OptionError("expert-stats: bench does not count experts (its runs repeat); use sweep-bench, generate, "
+                          "chat or serve")
     if output not in ("md", "json", "jsonl", "csv"):
         raise OptionError(f"output: {output!r} is not md, json, jsonl or csv")
     if reps < 1:

@@ -194,16 +194,32 @@ def load_engine(model: Optional[str], verbose: bool = False, **opts: Any):
         load,  # the runtime (and JAX's backend) only when a command runs
     )
     setup_logging(verbose)
+    # --expert-stats FILE.json: the engine counts, and the file is written when the command ends
+    stats_file = opts.pop("expert_stats", None)
+    if isinstance(stats_file, str):
+        from ikjax.atomic_file import check_target
+        check_target(stats_file, 0, "expert-stats")  # a path that cannot be written is refused now
+        opts["expert_stats"] = True
     # validate the options before (possibly) making the default model
     RunOptions.from_kwargs(**opts)
     path = resolve_model(model)
     t0 = time.perf_counter()
     eng = load(path, **opts)
     log(f"loaded {path} in {time.perf_counter() - t0:.2f}s")
+    if isinstance(stats_file, str):
+        import atexit
+        atexit.register(_save_expert_stats, eng, stats_file)
     log("memory plan:")
     for line in eng.memory_plan().lines():
         log("  " + line)
     return eng
+
+
+def _save_expert_stats(eng, path: str) -> None:
+    """At the end of the command (also after Ctrl-C): what the engine counted, to `path`."""
+    eng.save_expert_stats(path)
+    st = eng.expert_stats()
+    log(f"expert stats: {st['tokens']} tokens over {len(st['layers'])} MoE layers -> {path}")
 
 
 def setup_compile_cache(spec: Optional[str]) -> None:

@@ -130,6 +130,9 @@ def _shared(
     no_gr: Annotated[Optional[str], typer.Option("-no-gr", "--no-graph-reuse", help=_NOTE)] = None,
     fit: Annotated[Optional[str], typer.Option("--fit", help="fit the model to device memory: " + _NOTE
                                                + " (the memory plan refuses what does not fit)")] = None,
+    expert_stats: Annotated[Optional[str], typer.Option(
+        "--expert-stats", metavar="FILE.json", help="count the tokens each MoE layer routes to each expert over "
+        "the whole run (prompt and generation) and write them to FILE.json when it ends (not an ik flag)")] = None,
     # how the run is carried out, not what it computes
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="log loading and compilation")] = False,
     compile_cache_dir: Annotated[Optional[str], typer.Option(
@@ -230,6 +233,8 @@ def load_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     no_fmoe = params.get("no_fmoe")
     if no_fmoe is not None and RunOptions.from_kwargs(fmoe=no_fmoe).fmoe:  # ik's -no-fmoe: fused MoE off
         kw["fmoe"] = "0"
+    if params.get("expert_stats"):  # the file (ikjax.cli.common.load_engine counts and writes it)
+        kw["expert_stats"] = params["expert_stats"]
     return {k: v for k, v in kw.items() if v is not None}
 
 
@@ -237,7 +242,7 @@ def check_options(params: dict[str, Any], command: str) -> tuple[dict[str, Any],
     """Validate a command's run options and ik switches before anything is loaded; print one note per
     option that has no effect here. Returns (ikjax.load keyword arguments, the checked RunOptions)."""
     run_opts = load_kwargs(params)
-    checked = RunOptions.from_kwargs(**run_opts)
+    checked = RunOptions.from_kwargs(**{**run_opts, **({"expert_stats": True} if run_opts.get("expert_stats") else {})})
     switches = {k: params[k] for k in SWITCH_PARAMS if k in params}
     for line in switch_notes(switches, command, backend()) + checked.notes():
         log("note: " + line)
