@@ -66,3 +66,21 @@ def test_cli_writes_the_file_at_the_end(tiny4_model, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ikjax.cli", "bench", "-m", tiny4_model, "--expert-stats", str(out)],
                        capture_output=True, text=True)
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: expert-stats:")
+
+
+def test_split_modes_count_alike(tiny4_model):
+    """-sm graph (every device routes alike: counted once) and -sm layer give the one-device counts
+    (two fake CPU devices, in a process of their own)."""
+    import subprocess
+    import sys
+    code = ("import os\nos.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+            "import json, numpy as np, ikjax\nres = {}\n"
+            "for sm in ('none', 'graph', 'layer'):\n"
+            f"    eng = ikjax.load({tiny4_model!r}, ctx=128, ubatch=32, expert_stats=True, split_mode=sm)\n"
+            "    list(eng.generate(np.arange(2, 22), 4))\n    res[sm] = eng.expert_stats()\n"
+            "print(json.dumps(res))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["none"]["tokens"] == 20 + 3
+    assert res["graph"] == res["none"] and res["layer"] == res["none"]
