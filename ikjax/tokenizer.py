@@ -48,7 +48,7 @@ PRE_REGEXES: dict[str, list[str]] = {"deepseek-v3": _DEEPSEEK_V3, "deepseek-llm"
 GPT2_PRES = ("gpt-2", "gpt2")
 KNOWN_PRES = (*PRE_REGEXES, *GPT2_PRES)
 DEFAULT_PRE = "deepseek-v3"
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
 
 
 def build_hf_tokenizer(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int] | None = None,
@@ -127,6 +127,9 @@ class GGUFTokenizer:
         self.eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens), source)
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True)) and self.bos_id is not None
         self.n_vocab = len(tokens)
+        self.tokens = tokens
+        self.token_types = [_NORMAL] * len(tokens) if types is None else [int(t) for t in _as_list(types)]
+        self._pieces: dict[int, bytes] = {}
 
     @classmethod
     def from_file(cls, path: str) -> "GGUFTokenizer":
@@ -142,6 +145,36 @@ class GGUFTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int | None) -> str:
+        """The vocabulary string of a token as the chat template writes it (bos_token, eos_token):
+        "" for None."""
+        return "" if token_id is None else self.tokens[int(token_id)]
+
+    def piece(self, token_id: int, special: bool = False) -> bytes:
+        """The bytes a generated token stands for, as llama.cpp's token_to_piece gives them: a
+        normal token's byte-level characters mapped back to bytes, a user-defined token's text
+        as is, a control token (BOS, EOS, ...) nothing unless `special`, an unused one nothing.
+        Bytes, not text: a character may be split over several tokens (`Detokenizer` joins them)."""
+        key = int(token_id) * 2 + bool(special)
+        got = self._pieces.get(key)
+        if got is None:
+            tok = self.tokens[int(token_id)]
+            ty = self.token_types[int(token_id)] if int(token_id) < len(self.token_types) else _NORMAL
+            if ty == _CONTROL:
+                got = tok.encode("utf-8") if special else b""
+            elif ty == _USER_DEFINED:
+                got = tok.encode("utf-8")
+            elif ty == _UNUSED:
+                got = b""
+            else:
+                got = b"".join(bytes([_BYTE_OF[ch]]) if ch in _BYTE_OF else ch.encode("utf-8") for ch in tok)
+            self._pieces[key] = got
+        return got
+
+    def detokenizer(self, special: bool = False) -> "Detokenizer":
+        """An incremental decoder of generated ids into text (see `Detokenizer`)."""
+        return Detokenizer(self, special)
 
     def stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Text pieces as ids arrive; holds back bytes of an incomplete UTF-8 character."""
@@ -161,6 +194,42 @@ class GGUFTokenizer:
         tail = self.decode(got)
         if tail.startswith(shown) and tail[len(shown):]:
             yield tail[len(shown):]
+
+
+class Detokenizer:
+    """Generated ids -> text, one token at a time: `feed(id)` returns the text that token completes
+    ("" while a multi-byte UTF-8 character is still incomplete: its bytes wait for the next token),
+    `finish()` the rest (an incomplete character at the very end becomes U+FFFD, as does any byte
+    sequence that is not UTF-8). The text of all the deltas is the pieces' bytes decoded at once.
+    O(1) a token, whatever the length of the answer."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, special: bool = False):
+        import codecs
+        self._tok = tokenizer
+        self._special = special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self._tok.piece(token_id, self._special))
+
+    def finish(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def _byte_of() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: printable character -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_OF = _byte_of()
 
 
 def check_text(text: Any, what: str = "text") -> None:

@@ -51,7 +51,7 @@ def generate(
         raise OptionError("prompt: empty (and the model has no BOS token)")
     if len(ids) + n_predict > eng.options.ctx:
         raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context c={eng.options.ctx}")
-    shapes = _generate_shapes(eng, len(ids), n_predict)
+    shapes = _generate_shapes(eng, len(ids), n_predict, stream=True)
     sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
     t0 = time.perf_counter()
     with Progress("compiling", total=len(shapes)) as prog:
@@ -69,7 +69,9 @@ def generate(
 
     def counted():
         nonlocal n, t_first
-        for t in eng.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed):
+        # stream=True: one token per dispatch, printed as it comes (not in bursts of DECODE_CHUNK)
+        for t in eng.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                              stream=True):
             if t_first is None:
                 t_first = time.perf_counter()
             n += 1
@@ -89,13 +91,13 @@ def generate(
                                        if n > 1 and tg_s > 0 else "") + " (compilation not included)")
 
 
-def _generate_shapes(eng, n_prompt: int, n_predict: int) -> list[tuple[int, int, int]]:
+def _generate_shapes(eng, n_prompt: int, n_predict: int, stream: bool = False) -> list[tuple[int, int, int]]:
     """(tokens, KV needed, decode-loop length or 0) of every step `eng.generate` runs for this
-    prompt: its ubatch chunks, then the decode loops of DECODE_CHUNK steps from the first generated
-    position (or, without the loop, one-token steps up to the last); the engine's prefill and
-    generation chunk the same way."""
+    prompt: its ubatch chunks, then the decode loops of DECODE_CHUNK steps (one step each with
+    `stream`, as `generate(stream=True)` runs them) from the first generated position (or, without
+    the loop, one-token steps up to the last); the engine's prefill and generation chunk the same way."""
     from ikjax.runtime import generation
-    chunk_len = generation.DECODE_CHUNK
+    chunk_len = 1 if stream else generation.DECODE_CHUNK
     seen: dict[tuple, tuple[int, int, int]] = {}
     ub = eng.options.ubatch
     for c0 in range(0, n_prompt, ub):

@@ -18,7 +18,7 @@ from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
 from ikjax import env
 from ikjax.options import SmartExpertReduction
 from ikjax.model.layers import SHARED_EXPERTS, dense_ffn
-from ikjax.ops import HIGHEST
+from ikjax.ops import HIGHEST, registry
 
 
 
@@ -56,7 +56,14 @@ def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
     """x [N, d] -> (weights [N, k] float32, expert ids [N, k] int32), as transformers' routers."""
     router = layer["gate_inp"]  # float32 [E, d] as loaded (ikjax.model.weights); a QuantArray if built by hand
     router = router.dequantize(jnp.float32) if hasattr(router, "dequantize") else router.astype(jnp.float32)
-    logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), router, precision=HIGHEST)
+    if registry.decode_step() and registry.resolve_backend() == "cpu":
+        # a decode step's router as one reduction per (token, expert): each row's logits then come
+        # out bit for bit as they do alone, whatever the batch (XLA's dot of 4 rows rounded
+        # differently from its dot of 1, enough to flip a near-tie of two experts: a batch's tokens
+        # then differed from each sequence's alone, tests/test_batch_consistency.py)
+        logits = (x.astype(jnp.float32)[:, None, :] * router[None, :, :]).sum(-1)
+    else:
+        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), router, precision=HIGHEST)
     scores = jax.nn.sigmoid(logits) if cfg.gating == GATING_SIGMOID else jax.nn.softmax(logits, axis=-1)
     choice = scores + layer["exp_probs_b"] if "exp_probs_b" in layer else scores
     G, g_used = cfg.n_expert_group, cfg.n_expert_group_used

@@ -21,7 +21,8 @@ from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.runtime import buckets as kv_buckets
-from ikjax.runtime.sampling import check_count, check_sampling, sample_device, sample_next
+from ikjax.runtime.sampling import (apply_repeat_penalty, check_count, check_finite_logits, check_penalty,
+                                    check_sampling, sample_device, sample_next)
 
 log = logging.getLogger("ikjax")
 
@@ -47,8 +48,9 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
     def body(i, carry):
         cache, tok, out, key = carry
         logits, cache = forward(weights, cache, tok[:, None], start + i, zeros, cfg=cfg, plan=plan)
-        key, sub = jax.random.split(key)
-        nxt = sample_device(logits, sub, **dict(sampling))
+        # the draw for the token after position p uses key folded with p: the same tokens whether
+        # they come 16 to a dispatch or one at a time (a streaming caller), for one seed
+        nxt = sample_device(logits, jax.random.fold_in(key, start[0] + i), **dict(sampling))
         return cache, nxt, jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i)), key
 
     out = jnp.zeros((B, chunk), jnp.int32)
@@ -68,21 +70,40 @@ def _put_row(cache, one, b: int):
     return jax.tree.map(lambda big, o: _put_leaf(big, o, np.int32(b)), cache, one)
 
 
+@jax.jit
+def _take_leaf(big, b):
+    return jax.lax.dynamic_slice_in_dim(big, b, 1, 1)
+
+
+def _take_row(cache, b: int):
+    """Row b of the batch cache `cache` as a new batch-1 cache (`cache` is kept): what `_put_row`
+    puts back. The server's scheduler continues a slot's sequence in it (a prompt fed on top of
+    the tokens the row already holds, ikjax.runtime.scheduler)."""
+    return jax.tree.map(lambda big: _take_leaf(big, np.int32(b)), cache)
+
+
 def sampling_key(sampling: dict | None) -> tuple:
-    """The static sampling setting of a decode executable; every greedy setting is one."""
+    """The static sampling setting of a decode executable; every greedy setting is one (banned
+    ids, `ban`, apart: --ignore-eos bans EOS)."""
     p = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
     if sampling and sampling.get("temperature", 0.0) > 0.0:
         p.update({k: sampling[k] for k in p if k in sampling})
+    ban = tuple(sorted({int(t) for t in (sampling or {}).get("ban", ())}))
+    if ban:
+        p["ban"] = ban
     return tuple(sorted(p.items()))
 
 
 class Generation:
     """What `Engine.generate` returns: an iterator of new token ids. `stop_reason` is None while
     more may come and, from the moment the last token is yielded, "eos" (EOS or a stop id),
-    "max_tokens", or "context" (the sequence reached `ctx` tokens)."""
+    "max_tokens", or "context" (the sequence reached `ctx` tokens). `prompt_tokens`: the prompt's
+    length; `cached_tokens`: how many of them a `KVSession` already held (not fed again)."""
 
     def __init__(self):
         self.stop_reason: str | None = None
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
         self._it: Iterator[int] = iter(())
 
     def __iter__(self) -> "Generation":
@@ -90,6 +111,64 @@ class Generation:
 
     def __next__(self) -> int:
         return next(self._it)
+
+    def close(self) -> None:
+        """Stop here (a cancelled stream): a `KVSession` keeps what the cache holds so far."""
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+
+class KVSession:
+    """One sequence's KV cache kept between generations, with the ids whose entries it holds: a
+    prompt that starts with them (the next turn of a chat: the conversation so far, re-rendered)
+    feeds only the tokens after the longest common prefix, as llama.cpp's prompt cache does.
+
+    `Engine.generate(..., session=s)` takes the cache for the generation and gives it back when
+    the generation ends or is closed (then the prompt and every token yielded but the last are in
+    it: the last is fed by the step after it); an error inside a step (the cache it was given is
+    consumed) empties the session, so the next prompt is fed whole. One generation at a time."""
+
+    def __init__(self, eng):
+        self.engine = eng
+        self.cache = None
+        self.ids: list[int] = []
+        self._busy = False
+
+    def reset(self) -> None:
+        self.cache, self.ids = None, []
+
+    def common_prefix(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of `ids` the cache holds."""
+        n = 0
+        for a, b in zip(self.ids, ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def _acquire(self, eng, ids: np.ndarray):
+        """(cache, position to feed from) for a prompt: at least its last two tokens are fed (the
+        last one's logits pick the first new token). Why two: a one-token step runs the decode
+        form of the kernels, whose numbers differ slightly from a prompt chunk's, so a prompt the
+        cache already holds whole would get other logits (and, greedy, maybe another answer)
+        than the same prompt fed fresh."""
+        if eng is not self.engine:
+            raise OptionError("session: made for another engine (use eng.session())")
+        if self._busy:
+            raise OptionError("session: already in use by an unfinished generation (close it first)")
+        self._busy = True
+        if self.cache is None:
+            return self.engine.new_cache(1), 0
+        cache, self.cache = self.cache, None
+        return cache, max(0, min(self.common_prefix(ids.tolist()), len(ids) - 2))
+
+    def _release(self, cache, ids: list[int]) -> None:
+        self._busy = False
+        if cache is None:
+            self.reset()
+        else:
+            self.cache, self.ids = cache, ids
 
 
 class BatchGeneration(list):
@@ -152,19 +231,28 @@ def stop_reason(tok: int, n_new: int, length: int, max_tokens: int, stop: set[in
 
 def generate(eng, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-             stop: Iterable[int] = ()) -> Generation:
+             stop: Iterable[int] = (), stream: bool = False, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+             ignore_eos: bool = False, session: KVSession | None = None) -> Generation:
     """`Engine.generate` (its docstring): every argument checked here, before anything runs."""
     max_tokens = check_count("max_tokens", max_tokens)
     p = check_sampling(temperature, top_k, top_p, min_p, seed)
+    penalty, last_n = check_penalty(repeat_penalty, repeat_last_n)
     ids = check_ids(prompt_ids, eng.config.vocab_size, "prompt_ids")
     check_prompt_fits(len(ids), eng.options.ctx, "prompt_ids")
-    stops = stop_ids(stop, eng.config.eos_token_id)
+    eos = eng.config.eos_token_id
+    stops = stop_ids(stop, None if ignore_eos else eos)
+    if session is not None and not isinstance(session, KVSession):
+        raise OptionError(f"session: expected a KVSession (eng.session()), got {type(session).__name__}")
     gen = Generation()
-    gen._it = _generate(eng, gen, ids, max_tokens, p, stops)
+    gen.prompt_tokens = len(ids)
+    ban = (eos,) if ignore_eos and eos is not None else ()
+    gen._it = _generate(eng, gen, ids, max_tokens, p, stops, stream=bool(stream), penalty=penalty,
+                        last_n=last_n if last_n >= 0 else eng.options.ctx, ban=ban, session=session)
     return gen
 
 
-def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, stops: set[int]):
+def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, stops: set[int], *,
+              stream: bool, penalty: float, last_n: int, ban: tuple, session: KVSession | None):
     ctx = eng.options.ctx
     if max_tokens == 0:
         gen.stop_reason = STOP_MAX_TOKENS
@@ -175,30 +263,60 @@ def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, s
         return
     rng = np.random.default_rng(p["seed"])
     sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
-    logits, cache = eng.prefill(eng.new_cache(1), ids, 0, all_logits=False)
-    length = len(ids)
-    pending = [sample_next(logits, rng=rng, **sp)]  # produced, not yet yielded
-    n_new = 0
-    key = jax.random.key(int(rng.integers(0, 2**31 - 1)))  # the device's draws follow the seed
-    while True:
-        for tok in pending:  # a stop id inside a decode chunk drops the tokens after it
-            n_new, length = n_new + 1, length + 1
-            reason = stop_reason(tok, n_new, length, max_tokens, stops, ctx)
-            gen.stop_reason = reason
-            yield tok
-            if reason is not None:
-                return
-        # the last token is not in the cache yet: it goes at position length - 1
-        if not eng.decode_loop():
-            out, cache = eng.step(cache, np.array([[tok]], np.int32), np.array([length - 1]), np.array([0]),
-                                  False)
-            pending = [sample_next(np.asarray(out, np.float32)[0], rng=rng, **sp)]
-            continue
-        # up to DECODE_CHUNK tokens in one dispatch, no further than the stopping rules allow
-        n = min(DECODE_CHUNK, max_tokens - n_new, ctx - length)
-        key, sub = jax.random.split(key)
-        out, cache = eng.decode(cache, [tok], [length - 1], n, chunk=DECODE_CHUNK, sampling=sp, key=sub)
-        pending = [int(t) for t in np.asarray(out)[0, :n]]
+    penalize = penalty != 1.0 and last_n > 0
+    history = ids.tolist()  # prompt and generated tokens: the repetition penalty's window
+
+    def pick(logits) -> int:  # the host's choice (first token; every token without the device loop)
+        logits = np.asarray(logits, np.float32)
+        check_finite_logits(logits)
+        if penalize:
+            logits = apply_repeat_penalty(logits, history[-last_n:], penalty)
+        if ban:
+            logits = np.array(logits, copy=True)
+            logits[list(ban)] = np.finfo(np.float32).min
+        return sample_next(logits, rng=rng, **sp)
+
+    device_sp = {**sp, "ban": ban} if ban else sp  # the decode loop's static sampling setting
+    cache, start = session._acquire(eng, ids) if session is not None else (eng.new_cache(1), 0)
+    gen.cached_tokens = start
+    new: list[int] = []
+    valid = False  # whether `cache` is the live cache (a step consumes the one it is given)
+    try:
+        logits, cache = eng.prefill(cache, ids[start:], start, all_logits=False)
+        valid = True
+        length = len(ids)
+        pending = [pick(logits)]  # produced, not yet yielded
+        n_new = 0
+        key = jax.random.key(int(rng.integers(0, 2**31 - 1)))  # the device's draws follow the seed
+        while True:
+            for tok in pending:  # a stop id inside a decode chunk drops the tokens after it
+                n_new, length = n_new + 1, length + 1
+                reason = stop_reason(tok, n_new, length, max_tokens, stops, ctx)
+                gen.stop_reason = reason
+                new.append(tok)
+                history.append(tok)
+                yield tok
+                if reason is not None:
+                    return
+            # the last token is not in the cache yet: it goes at position length - 1
+            if penalize or not eng.decode_loop():  # one token a dispatch, chosen on the host
+                valid = False
+                out, cache = eng.step(cache, np.array([[tok]], np.int32), np.array([length - 1]), np.array([0]),
+                                      False)
+                valid = True
+                pending = [pick(np.asarray(out, np.float32)[0])]
+                continue
+            # up to DECODE_CHUNK tokens in one dispatch, no further than the stopping rules allow;
+            # a streaming caller gets each token as it is made: one-step dispatches
+            chunk = 1 if stream else DECODE_CHUNK
+            n = min(chunk, max_tokens - n_new, ctx - length)
+            valid = False
+            out, cache = eng.decode(cache, [tok], [length - 1], n, chunk=chunk, sampling=device_sp, key=key)
+            valid = True
+            pending = [int(t) for t in np.asarray(out)[0, :n]]
+    finally:
+        if session is not None:
+            session._release(cache if valid else None, ids.tolist() + new[:-1])
 
 
 def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,

@@ -53,6 +53,30 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None) ->
                 seed=None if seed is None or seed == -1 else int(seed))
 
 
+def check_penalty(repeat_penalty=1.0, repeat_last_n=64) -> tuple[float, int]:
+    """llama.cpp's repetition penalty: `repeat_penalty` a finite number > 0 (1 = off),
+    `repeat_last_n` how many of the latest tokens it looks at (0 = off, -1 = the whole context)."""
+    if not _is_real(repeat_penalty) or not math.isfinite(repeat_penalty) or repeat_penalty <= 0:
+        raise OptionError(f"repeat_penalty: expected a finite number > 0 (1 = off), got {repeat_penalty!r}")
+    if not _is_int(repeat_last_n) or repeat_last_n < -1:
+        raise OptionError(f"repeat_last_n: expected an integer >= -1 (0 = off, -1 = the context), got "
+                          f"{repeat_last_n!r}")
+    return float(repeat_penalty), int(repeat_last_n)
+
+
+def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
+    """llama.cpp's penalty (llama_sampler_penalties, repeat part): each distinct id among the
+    `recent` tokens has its logit divided by `penalty` where positive, multiplied where not."""
+    out = np.array(logits, np.float64, copy=True)
+    if penalty == 1.0:
+        return out
+    ids = np.unique(np.asarray(list(recent), np.int64))
+    if ids.size:
+        v = out[ids]
+        out[ids] = np.where(v > 0, v / penalty, v * penalty)
+    return out
+
+
 NON_FINITE = -1  # sample_device's token for a row whose logits are not all finite
 
 
@@ -99,7 +123,7 @@ def sample_next(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0,
 
 
 def sample_device(logits, key, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  min_p: float = 0.0):
+                  min_p: float = 0.0, ban: tuple = ()):
     """`sample_next` inside a compiled step: logits [B, V] -> token ids [B] int32, the same filters
     in the same order (top-k, top-p, min-p, then temperature), drawn with a JAX key. It lets
     several decode steps run in one dispatch (Engine.decode) with nothing crossing to the host
@@ -108,11 +132,15 @@ def sample_device(logits, key, *, temperature: float = 0.0, top_k: int = 0, top_
     A row whose logits are not all finite gets NON_FINITE (-1) instead of a token: the host reads
     the tokens anyway (Engine.decode refuses them there), so the check costs one reduction over
     the logits the step already holds, nothing crosses to the host per step, and the -1 fed to the
-    next step of the loop embeds safely (ids index as jnp does: from the end, then clamped)."""
+    next step of the loop embeds safely (ids index as jnp does: from the end, then clamped).
+
+    `ban`: ids never drawn (their logits -inf after the check; --ignore-eos bans EOS)."""
     import jax.numpy as jnp
 
-    logits = logits.astype(jnp.float32)
+    logits = jnp.asarray(logits).astype(jnp.float32)
     finite = jnp.isfinite(logits).all(axis=-1)
+    if ban:
+        logits = logits.at[:, jnp.asarray(ban, jnp.int32)].set(-jnp.inf)
     return jnp.where(finite, _sample_device(logits, key, temperature, top_k, top_p, min_p), NON_FINITE)
 
 

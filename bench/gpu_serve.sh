@@ -1,0 +1,71 @@
+#!/bin/bash
+# On the GPU device machine (no network): `ikjax serve` under load (issue 23). Installs this
+# checkout (the gguf and prometheus-client wheels carried in .whl/; aiohttp is in the device's
+# Python), makes the synthetic V2-Lite shape (27 layers, Q4_0), serves it with -np 8, and runs
+# bench/serve_load.py: load at concurrency 1 and 8, a 2048-token prompt arriving while 7 streams
+# decode, a second turn over a 4000-token history against a 64-token prompt (--prompt-cache exact,
+# then prefix); and checks the server's greedy answers against Engine.generate on this GPU.
+#   OUT=/tmp/o bash bench/gpu_serve.sh [LAYERS]
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu-serve-out}; mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+LAYERS=${1:-27}
+NP=8; CTX=$((NP * 8192)); UB=512
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+"$PY" -m pip install -q --no-index --no-deps .whl/gguf-*.whl .whl/prometheus_client-*.whl || exit 1
+"$PY" -c "import aiohttp; print('aiohttp', aiohttp.__version__)" || exit 1
+t0=$(date +%s)
+"$PY" -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 \
+    || { tail -30 "$OUT/install.log"; exit 1; }
+echo "install: $(( $(date +%s) - t0 )) s"
+M=/tmp/v2lite-${LAYERS}L-Q4_0.gguf
+t0=$(date +%s)
+[ -f "$M" ] || "$PY" -m ikjax.cli make-model --preset v2-lite --type Q4_0 --layers "$LAYERS" -o "$M" > /dev/null || exit 1
+echo "make-model: $(( $(date +%s) - t0 )) s ($(du -h "$M" | cut -f1))"
+export IKJAX_COMPILE_CACHE=/tmp/ikjax-xla
+
+serve() {  # serve MODE: start a server, wait until it listens
+    t0=$(date +%s)
+    "$PY" -m ikjax.cli serve -m "$M" -c $CTX -np $NP -ub $UB --port 8080 --prompt-cache "$1" \
+        > /dev/null 2> "$OUT/serve-$1.log" &
+    SERVER=$!
+    for _ in $(seq 600); do
+        grep -q "^listening on" "$OUT/serve-$1.log" && break
+        kill -0 $SERVER 2>/dev/null || { tail -20 "$OUT/serve-$1.log"; exit 1; }
+        sleep 0.5
+    done
+    echo "server ($1): up in $(( $(date +%s) - t0 )) s; $(grep warm-up "$OUT/serve-$1.log")"
+}
+load() { timeout 300 "$PY" bench/serve_load.py --url http://127.0.0.1:8080 "$@"; }
+
+serve exact
+load --mode load --concurrency 1,8 --requests 16 --prompt-tokens 128 --max-tokens 128 --json "$OUT/load.json"
+load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens 1500 \
+    --json "$OUT/interference.json"
+load --mode multiturn --history 4000 --json "$OUT/multiturn-exact.json"
+# greedy answers equal generate on this GPU (an engine in this process with one slot's options)
+timeout 300 "$PY" - "$M" $((CTX / NP)) $UB <<'EOF'
+import json, sys, urllib.request
+import numpy as np
+import ikjax
+path, ctx, ub = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+eng = ikjax.load(path, ctx=ctx, ubatch=ub)
+rng = np.random.default_rng(0)
+same = 0
+for n in (7, 300, 700, 1100):
+    ids = [int(t) for t in rng.integers(100, eng.config.vocab_size, n)]
+    req = urllib.request.Request("http://127.0.0.1:8080/completion", json.dumps(
+        {"prompt": ids, "n_predict": 32, "temperature": 0, "return_tokens": True}).encode(),
+        {"Content-Type": "application/json"})
+    got = json.load(urllib.request.urlopen(req))["tokens"]
+    want = list(eng.generate(ids, 32))
+    same += got == want
+    print(f"prompt {n}: server == generate: {got == want}" + ("" if got == want else f"\n  {got}\n  {want}"))
+print(f"greedy equal: {same}/4")
+EOF
+kill -TERM $SERVER; wait $SERVER
+serve prefix
+load --mode multiturn --history 4000 --json "$OUT/multiturn-prefix.json"
+kill -TERM $SERVER; wait $SERVER
+grep -E "compiled|warm-up|Traceback|Error" "$OUT"/serve-*.log | head -20

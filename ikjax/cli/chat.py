@@ -1,0 +1,188 @@
+"""`ikjax chat`: a conversation on the terminal, as llama-cli -cnv.
+
+Each line read is a user turn; the conversation so far is rendered by the model's chat template
+(`--chat-template` picks another) and the answer streamed to stdout token by token. The KV cache
+is kept between turns (`Engine.session`): the next prompt repeats the conversation, and only what
+follows the longest prefix the cache already holds is fed (R1's template drops an answer's
+`<think>` block from the history, so that answer is fed again, as with llama.cpp).
+
+Ctrl-C during an answer stops that answer (what was said stays in the conversation) and returns to
+the prompt; Ctrl-C at the prompt, or end of input (Ctrl-D), ends the chat. A line ending in `\\`
+continues on the next line. Notes, the template's name and the closing summary go to stderr.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ikjax.cli.common import app, handle, load_engine, log, setup_compile_cache
+from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
+from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
+from ikjax.errors import OptionError
+
+
+@app.command("chat", cls=ExactCommand)
+@handle
+@takes_run_options(after={"prompt": "model", "n_predict": "wb"})
+def chat(
+    run: RunArgs,
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="first user message")] = "",
+    file: Annotated[Optional[str], typer.Option("-f", "--file", help="first user message from a file")] = None,
+    system_prompt: Annotated[str, typer.Option("-sys", "--system-prompt", help="system message")] = "",
+    chat_template: Annotated[Optional[str], typer.Option(
+        "--chat-template", metavar="NAME|FILE", help="chat template: a builtin name (deepseek3, deepseek2, chatml) or "
+        "a file holding a Jinja template; default: the model file's own (else a builtin chosen from its "
+        "pre-tokenizer)")] = None,
+    conversation: Annotated[bool, typer.Option("-cnv", "--conversation", help="conversation mode (always on)")] = True,
+    jinja: Annotated[bool, typer.Option("--jinja", help="Jinja chat templates (always on)")] = True,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="most tokens an answer may have "
+                                           "(-1 = until EOS or the context's end)")] = -1,
+    temp: Annotated[float, typer.Option("--temp", "--temperature", help="temperature (0 = greedy)")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="top-k sampling (0 = off)")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")] = 0.05,
+    seed: Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")] = None,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="penalize repeated tokens (1 = off)")
+                              ] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="tokens the repeat penalty looks back over "
+                                               "(0 = off, -1 = the context)")] = 64,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="never end an answer on EOS")] = False,
+    reverse_prompt: Annotated[Optional[list[str]], typer.Option(
+        "-r", "--reverse-prompt", help="stop an answer at this text (may repeat)")] = None,
+) -> None:
+    """Chat with a model on the terminal (like llama-cli -cnv): streamed answers, multi-turn with the KV cache
+    kept, Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D ends."""
+    from ikjax.chat_template import check_choice
+    from ikjax.runtime.sampling import check_penalty, check_sampling
+    from ikjax.tokenizer import check_text
+    # every value checked before the model loads
+    check_choice(chat_template)
+    check_sampling(temp, top_k, top_p, min_p, seed)
+    check_penalty(repeat_penalty, repeat_last_n)
+    if n_predict < -1:
+        raise OptionError(f"n-predict: need >= -1 (-1 = no limit), got {n_predict}")
+    first = prompt or None
+    if file is not None:
+        try:
+            first = Path(file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise OptionError(f"file {file}: cannot read it ({e.strerror or e})") from None
+        except UnicodeDecodeError:
+            raise OptionError(f"file {file}: not UTF-8 text") from None
+    for what, text in (("prompt", first), ("system-prompt", system_prompt)):
+        if text:
+            check_text(text, what)
+    run_opts, _ = check_options(run, "chat")
+    setup_compile_cache(run.compile_cache_dir)
+    eng = load_engine(run.model, run.verbose, **run_opts)
+    template = eng.chat_template(chat_template)
+    log(f"chat template: {template.name}")
+    sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, repeat_penalty=repeat_penalty,
+                    repeat_last_n=repeat_last_n, ignore_eos=ignore_eos, stop=list(reverse_prompt or []))
+    Chat(eng, template, sampling, None if n_predict < 0 else n_predict, system_prompt, run.verbose).run(first)
+
+
+class Chat:
+    """The conversation and its KV session; `run` reads turns until the end of input."""
+
+    def __init__(self, eng, template, sampling: dict, max_tokens: int | None, system_prompt: str, verbose: bool):
+        self.eng, self.template, self.sampling, self.max_tokens = eng, template, sampling, max_tokens
+        self.session = eng.session()
+        self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.verbose = verbose
+        self.turns = self.prompt_tokens = self.cached_tokens = self.generated = 0
+        self.gen_seconds = 0.0
+        self._stop_requested = False
+
+    def run(self, first: str | None) -> None:
+        log("chat: Enter sends a message (a line ending in \\ continues it); Ctrl-C stops an answer; "
+            "Ctrl-C at the prompt or Ctrl-D ends")
+        try:
+            while True:
+                if first is not None:
+                    user, first = first, None
+                    _out(f"> {user}\n")
+                else:
+                    user = self.read_user()
+                    if user is None:
+                        break
+                if not user.strip():
+                    continue
+                self.turn(user)
+        finally:
+            self.summary()
+
+    def read_user(self) -> str | None:
+        """One message from stdin (None: end of input, or Ctrl-C at the prompt)."""
+        lines: list[str] = []
+        while True:
+            _out("> " if not lines else "")
+            try:
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:
+                _out("\n")
+                raise typer.Exit(EXIT_INTERRUPTED) from None
+            if not line:  # EOF
+                _out("\n")
+                return "\n".join(lines) if lines else None
+            line = line.rstrip("\r\n")
+            if line.endswith("\\"):
+                lines.append(line[:-1])
+                continue
+            lines.append(line)
+            return "\n".join(lines)
+
+    def turn(self, user: str) -> None:
+        """Render the conversation with the new message, stream the answer; Ctrl-C ends it early."""
+        self.messages.append({"role": "user", "content": user})
+        stream = self.eng.chat(self.messages, self.max_tokens, chat_template=self.template, stream=True,
+                               session=self.session, **self.sampling)
+        t0 = time.perf_counter()
+        interrupted = False
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        self._stop_requested = False
+        try:
+            for delta in stream:
+                _out(delta)
+                if self._stop_requested:
+                    interrupted = True
+                    break
+        finally:
+            stream.close()
+            signal.signal(signal.SIGINT, previous)
+        _out("\n")
+        if interrupted:
+            log("[answer stopped]")
+        self.messages.append({"role": "assistant", "content": stream.text})
+        u = stream.usage
+        self.turns += 1
+        self.prompt_tokens += u.prompt_tokens
+        self.cached_tokens += u.cached_tokens
+        self.generated += u.completion_tokens
+        self.gen_seconds += time.perf_counter() - t0
+        if self.verbose:
+            log(f"turn {self.turns}: prompt {u.prompt_tokens} tokens ({u.cached_tokens} from the cache), "
+                f"answer {u.completion_tokens} tokens, {stream.finish_reason}")
+
+    def _on_sigint(self, signum, frame) -> None:
+        """Ctrl-C during an answer: stop it after the token in flight; a second one ends the program."""
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+
+    def summary(self) -> None:
+        if not self.turns:
+            return
+        rate = f", {self.generated / self.gen_seconds:.2f} t/s with the prompts" if self.gen_seconds > 0 else ""
+        log(f"chat: {self.turns} turns; prompt tokens {self.prompt_tokens} ({self.cached_tokens} reused from the "
+            f"KV cache, {self.prompt_tokens - self.cached_tokens} fed); {self.generated} tokens generated{rate}")
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -1,0 +1,126 @@
+"""`ikjax serve`: an OpenAI- and llama-server-compatible HTTP server (like llama-server).
+
+    ikjax serve -m model.gguf -c 32768 -np 4 --host 127.0.0.1 --port 8080 [--api-key KEY]
+
+Every run option the other commands take (-mla -fa -ctk -ot -ub ...), and llama-server's server
+flags: `-c` is the context of all slots together (each of the `-np` slots gets c/np tokens, as
+llama-server splits it), `--chat-template` a builtin name or a Jinja file, `-to` the read/write
+timeout, `--temp --top-k --top-p --min-p -s -n` the defaults of requests that do not set them.
+The endpoints and the scheduling are ikjax.server and ikjax.runtime.scheduler.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ikjax.cli.common import app, handle, load_engine, log, setup_compile_cache
+from ikjax.cli.parser import ExactCommand
+from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
+from ikjax.errors import OptionError
+
+
+@app.command("serve", cls=ExactCommand)
+@handle
+@takes_run_options(after={"host": "model"})
+def serve(
+    run: RunArgs,
+    host: Annotated[str, typer.Option("--host", help="address to listen on (127.0.0.1: this machine only)")
+                    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="port to listen on (0: any free port, printed)")] = 8080,
+    parallel: Annotated[int, typer.Option("-np", "--parallel", help="slots: requests decoded together; -c is "
+                                          "shared by them (c/np tokens each)")] = 4,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="require 'Authorization: Bearer KEY' "
+                                                   "(401 otherwise; /health and /v1/models stay open)")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(
+        "--chat-template", help="chat template: a builtin name (deepseek3, deepseek2, chatml), a Jinja file, "
+        "or Jinja text; default: the model file's own (tokenizer.chat_template)")] = None,
+    timeout: Annotated[float, typer.Option("-to", "--timeout", help="seconds a request body may take to arrive, "
+                                           "and a write of the answer to a slow reader (llama-server's "
+                                           "read/write timeout)")] = 600.0,
+    reasoning_format: Annotated[str, typer.Option(
+        "--reasoning-format", help="deepseek: R1's <think> block as reasoning_content (auto = deepseek); none: "
+        "left in content")] = "deepseek",
+    alias: Annotated[Optional[str], typer.Option("-a", "--alias", help="the model's name in the API "
+                                                 "(default: the file's name)")] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="default tokens to generate (-1: until "
+                                           "the slot's context is full)")] = -1,
+    temp: Annotated[float, typer.Option("--temp", "--temperature", help="default temperature")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="default top-k (0 = off)")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="default top-p (1 = off)")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="default min-p (0 = off)")] = 0.05,
+    seed: Annotated[int, typer.Option("-s", "--seed", help="default seed (-1: random)")] = -1,
+    prompt_cache: Annotated[str, typer.Option(
+        "--prompt-cache", help="reuse of a slot's cached tokens: exact (whole -ub chunks fed as prompt: outputs "
+        "equal a fresh run), prefix (the whole common prefix, as llama-server), off (not an ik flag)")] = "exact",
+    max_queue: Annotated[int, typer.Option("--max-queue", help="requests that may wait for a slot; more get "
+                                           "503 (not an ik flag)")] = 64,
+    cont_batching: Annotated[bool, typer.Option("-cb", "--cont-batching", help="continuous batching: always "
+                                                "on (accepted for llama-server's command lines)")] = False,
+    jinja: Annotated[bool, typer.Option("--jinja", help="Jinja chat templates: always on (accepted)")] = False,
+    metrics: Annotated[bool, typer.Option("--metrics", help="/metrics: always on (accepted)")] = False,
+) -> None:
+    """Serve the model over HTTP: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and
+    llama-server's /completion, /tokenize, /detokenize, /props, /health, /metrics, a chat page at /."""
+    from ikjax.runtime.scheduler import PROMPT_CACHE_MODES, Scheduler
+    from ikjax.server.app import REASONING_FORMATS, Server, ServerConfig, bind, run as run_server
+    from ikjax.server.openai import Defaults
+
+    if parallel < 1:
+        raise OptionError(f"-np: need at least 1 slot, got {parallel}")
+    if not 0 <= port <= 65535:
+        raise OptionError(f"--port: expected 0..65535, got {port}")
+    if not timeout > 0:
+        raise OptionError(f"--timeout: expected seconds > 0, got {timeout}")
+    if reasoning_format not in REASONING_FORMATS:
+        raise OptionError(f"--reasoning-format: expected one of {', '.join(REASONING_FORMATS)}, got "
+                          f"{reasoning_format!r}")
+    if prompt_cache not in PROMPT_CACHE_MODES:
+        raise OptionError(f"--prompt-cache: expected one of {', '.join(PROMPT_CACHE_MODES)}, got {prompt_cache!r}")
+    if max_queue < 0:
+        raise OptionError(f"--max-queue: need >= 0, got {max_queue}")
+    if chat_template:  # a name, file or Jinja text: checked before a long load, not after it
+        from ikjax.chat_template import template_for
+        template_for({}, chat_template)
+    run_opts, opts = check_options(run, "serve")
+    per_slot = opts.ctx // parallel
+    if per_slot < 2:
+        raise OptionError(f"-c {opts.ctx} over -np {parallel} slots leaves {per_slot} tokens a slot")
+    run_opts["ctx"] = per_slot  # the engine's ctx is one sequence's: each slot's row of the batch cache
+    defaults = Defaults(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_predict=n_predict)
+    _check_defaults(defaults)
+    sock = bind(host, port)  # taken now: a port in use is one line before the model loads
+    setup_compile_cache(run.compile_cache_dir)
+    eng = load_engine(run.model, run.verbose, **run_opts)
+    tok = eng.tokenizer
+    template = eng.chat_template(chat_template)
+    scheduler = Scheduler(eng, parallel, max_queue=max_queue, prompt_cache=prompt_cache)
+    if not run.no_warmup:
+        t0 = time.perf_counter()
+        n = scheduler.warmup()
+        log(f"warm-up: compiled {n} steps (decode of {parallel} slots, full prompt chunks) in "
+            f"{time.perf_counter() - t0:.1f}s")
+    path = str(eng.file.path)
+    config = ServerConfig(model_name=alias or Path(path).name, model_path=path, n_slots=parallel,
+                          api_key=api_key or None, timeout=timeout,
+                          reasoning_format="deepseek" if reasoning_format == "auto" else reasoning_format,
+                          defaults=defaults)
+    server = Server(eng, tok, template, scheduler.start(), config)
+    log(f"{parallel} slots of {per_slot} tokens (-c {opts.ctx}), chat template {template.name}, "
+        f"prompt cache {prompt_cache}")
+    run_server(server, sock, on_listening=lambda url: log(f"listening on {url}"))
+
+
+def _check_defaults(d) -> None:
+    """The sampling defaults as a request would give them (one line naming the flag)."""
+    from ikjax.runtime.sampling import check_sampling
+    try:
+        check_sampling(d.temperature, max(d.top_k, 0), d.top_p if d.top_p > 0 else 1.0, d.min_p,
+                       None if d.seed < 0 else d.seed)
+    except OptionError as e:
+        raise OptionError(f"sampling default: {e}") from None
+    if d.n_predict < -1:
+        raise OptionError(f"-n: expected >= -1 (-1 = until the context is full), got {d.n_predict}")
+

@@ -1,0 +1,482 @@
+"""Continuous batching for `ikjax serve`: one thread drives the Engine for `-np` slots.
+
+The shape is llama-server's (slots, a prompt cache per slot) run the way nano-vllm runs it (one
+loop, no locks around the model). The slots are the rows of one batch KV cache
+(`Engine.new_cache(n_slots)`), each `ctx` tokens long. Every iteration of the loop:
+
+  1. admits waiting requests to free slots (requests join at step boundaries), each on the free
+     slot whose cached tokens share the longest usable prefix with its prompt (the prompt cache:
+     llama-server's `cache_prompt`), the least recently used slot otherwise;
+  2. feeds ONE ubatch chunk of the oldest unfinished prompt, in a batch-1 cache taken out of its
+     slot's row (`generation._take_row`) and put back when the prompt is done (`_put_row`), so a
+     long prompt delays the other streams by one chunk per token, never by the whole prompt;
+  3. runs one decode step of every slot that is generating (one compiled [n_slots, 1] step; the
+     rows of idle slots compute a throw-away token just past their cached tokens, where the causal
+     mask keeps it out of any later read), and samples each row's next token on the host with its
+     own request's settings.
+
+A request that finishes, or is cancelled (its client went away, a stop string matched upstream),
+leaves at the next step boundary and frees its slot; the slot keeps its tokens' KV for the prompt
+cache.
+
+Greedy output equals `Engine.generate` for the same prompt alone (with this engine's options:
+`ctx` is one slot's context): a prompt is fed alone, chunk by chunk as `Engine.prefill` feeds it,
+and the decode step computes every row as batch 1 does (ikjax.ops.registry.decode_groups, the
+property `generate_batch` relies on). The prompt cache keeps that: in the default mode `exact` a
+slot's cached prefix is reused only in whole ubatch chunks that were fed as prompt chunks from a
+chunk boundary (their KV then holds the very bits a fresh prefill writes); mode `prefix` reuses
+the whole common prefix as llama-server does (generated tokens' KV included, computed by decode
+steps: the continuation may then differ from a fresh run in the last bits), `off` never reuses.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikjax.errors import IkjaxError, OptionError
+from ikjax.runtime import generation
+from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
+from ikjax.runtime.sampling import (NonFiniteLogitsError, apply_repeat_penalty, check_count, check_penalty,
+                                    check_sampling, sample_next)
+
+log = logging.getLogger("ikjax")
+
+STOP_CANCELLED = "cancelled"
+STOP_STRING = "stop"  # the caller matched a stop string and cancelled with this reason
+PROMPT_CACHE_MODES = ("exact", "prefix", "off")
+FINISH_REASONS = (STOP_EOS, STOP_STRING, STOP_MAX_TOKENS, STOP_CONTEXT, STOP_CANCELLED, "error")
+
+
+class QueueFullError(IkjaxError):
+    """More requests waiting for a slot than the queue holds (the server answers 503)."""
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: token ids in, token ids out through `on_event` (called on the scheduler's
+    thread: ("token", id) per new token, then ("done", finish reason) or ("error", message))."""
+    prompt: np.ndarray
+    max_tokens: int | None  # None: until the slot's context is full
+    sampling: dict  # check_sampling's result
+    stop_ids: frozenset[int]
+    on_event: Callable[[str, object], None]
+    cache_prompt: bool = True
+    ban: frozenset[int] = frozenset()  # ids never drawn (ignore_eos bans EOS, as llama-server does)
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    id: int = field(default_factory=lambda: next(_ids))
+    # the scheduler's bookkeeping, readable by the caller once "done" arrived
+    slot: int | None = None
+    n_cached: int = 0  # prompt tokens taken from the slot's cache (not computed)
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    t_submit: float = 0.0
+    t_start: float = 0.0  # its prompt's first chunk
+    t_first: float = 0.0  # its first token
+    t_end: float = 0.0
+    cancelled: str | None = None  # the reason it was cancelled with, once it was
+    _pos: int = 0  # prompt tokens in the cache so far
+    _fed_from: int = 0  # where feeding its prompt started
+    _rng: np.random.Generator | None = None
+
+    def timings(self) -> dict:
+        """llama-server's `timings` object: prompt and generation, counts and milliseconds."""
+        prompt_n = len(self.prompt) - self.n_cached
+        prompt_ms = max(self.t_first - self.t_start, 0.0) * 1e3 if self.t_first else 0.0
+        n = len(self.generated)
+        pred_ms = max(self.t_end - self.t_first, 0.0) * 1e3 if self.t_first else 0.0
+        return {"cache_n": self.n_cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,
+                "predicted_n": n, "predicted_ms": pred_ms,
+                "predicted_per_token_ms": pred_ms / (n - 1) if n > 1 else 0.0,
+                "predicted_per_second": (n - 1) / pred_ms * 1e3 if pred_ms and n > 1 else 0.0}
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    tokens: list[int] = field(default_factory=list)  # the tokens whose KV the row holds, positions 0..
+    exact: int = 0  # leading tokens whose KV is bit for bit what a fresh prefill writes (ubatch multiple)
+    req: Request | None = None
+    last_used: float = 0.0
+
+
+@dataclass
+class Stats:
+    """Counters since start (the metrics endpoint reads them; prometheus-client stays in the server)."""
+    requests: dict = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
+    prompt_tokens: int = 0  # computed
+    cached_tokens: int = 0  # taken from a slot's cache
+    generated_tokens: int = 0
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+
+
+class Scheduler:
+    """Start with `start()`; `submit` requests from any thread, `cancel` them, `stop()` at the end."""
+
+    def __init__(self, eng, n_slots: int, *, max_queue: int = 64, prompt_cache: str = "exact"):
+        if not isinstance(n_slots, int) or n_slots < 1:
+            raise OptionError(f"-np: need at least 1 slot, got {n_slots!r}")
+        if prompt_cache not in PROMPT_CACHE_MODES:
+            raise OptionError(f"prompt cache: expected one of {', '.join(PROMPT_CACHE_MODES)}, got {prompt_cache!r}")
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise OptionError(f"queue size: need an integer >= 0, got {max_queue!r}")
+        self.eng = eng
+        self.n_slots = n_slots
+        self.ctx = eng.options.ctx
+        self.ubatch = eng.options.ubatch
+        self.max_queue = max_queue
+        self.prompt_cache = prompt_cache
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.stats = Stats()
+        self._cache = eng.new_cache(n_slots)
+        self._queue: deque[Request] = deque()  # waiting for a slot
+        self._prefill: deque[Request] = deque()  # on a slot, prompt not yet in; the head is being fed
+        self._one = None  # the head's batch-1 cache while its prompt is fed
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ikjax-scheduler", daemon=True)
+
+    # -- the caller's side (any thread) ---------------------------------------------------------
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join()
+
+    def make_request(self, prompt: Sequence[int], max_tokens: int | None, *, on_event, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                     stop_ids: Sequence[int] = (), ignore_eos: bool = False, cache_prompt: bool = True,
+                     repeat_penalty: float = 1.0, repeat_last_n: int = 64) -> Request:
+        """A checked request (OptionError naming the bad field): the prompt inside the vocabulary and
+        shorter than a slot's context, the sampling settings as `Engine.generate` takes them."""
+        ids = generation.check_ids(prompt, self.eng.config.vocab_size, "prompt")
+        if len(ids) >= self.ctx:
+            raise OptionError(f"prompt: {len(ids)} tokens do not fit a slot's context ({self.ctx} tokens, -c / -np), "
+                              f"which must hold the prompt and at least one new token")
+        if max_tokens is not None:
+            max_tokens = check_count("max_tokens", max_tokens)
+        sampling = check_sampling(temperature, top_k, top_p, min_p, seed)
+        penalty, last_n = check_penalty(repeat_penalty, repeat_last_n)
+        eos = self.eng.config.eos_token_id
+        stops = generation.stop_ids(stop_ids, None if ignore_eos else eos)
+        ban = frozenset({eos} if ignore_eos and eos is not None else ())
+        return Request(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(stops),
+                       on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, repeat_penalty=penalty,
+                       repeat_last_n=last_n)
+
+    def submit(self, req: Request) -> Request:
+        with self._cv:
+            free = sum(s.req is None for s in self.slots)
+            if len(self._queue) - free >= self.max_queue:
+                raise QueueFullError(f"server busy: {len(self._queue)} requests already wait for one of "
+                                     f"{self.n_slots} slots")
+            req.t_submit = time.perf_counter()
+            self._queue.append(req)
+            self._cv.notify()
+        return req
+
+    def cancel(self, req: Request, reason: str = STOP_CANCELLED) -> None:
+        """Stop `req` at the next step boundary (its slot is freed then), finishing it with `reason`
+        (STOP_STRING: the caller found a stop string); a no-op once it is done."""
+        req.cancelled = reason
+        with self._cv:
+            self._cv.notify()
+
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    def slots_busy(self) -> int:
+        return sum(s.req is not None for s in self.slots)
+
+    def slot_info(self) -> list[dict]:
+        """llama-server's /slots, briefly: each slot's context, state and cached tokens."""
+        return [{"id": s.index, "n_ctx": self.ctx, "is_processing": s.req is not None, "n_cached": len(s.tokens),
+                 "id_task": s.req.id if s.req is not None else -1} for s in self.slots]
+
+    def warmup(self, prompts: bool = True) -> int:
+        """Compile before the first request arrives (llama-server's warm-up run): the decode step of
+        all slots at every KV bucket it can meet and, with `prompts`, the full-ubatch prompt step at
+        every KV bucket of a prompt's chunks. A step compiled while streams decode stalls them all
+        for the compile's time; the shapes left to first use are a prompt's last, partial chunk.
+        Returns the steps compiled."""
+        eng, ub = self.eng, self.ubatch
+        before = eng.compile_count
+        for kv in sorted({eng.kv_bucket(n, 1) for n in range(1, self.ctx + 1, max(1, eng.options.kv_block))}
+                         | {eng.kv_bucket(self.ctx, 1)}):
+            eng.precompile(self.n_slots, 1, kv)
+        if prompts:
+            seen = set()
+            for c0 in range(0, self.ctx - ub + 1, ub):
+                T = eng.prompt_tokens(ub, c0)
+                key = (T, eng.kv_bucket(c0 + T, T))
+                if key not in seen:
+                    seen.add(key)
+                    eng.precompile(1, T, c0 + T)
+        return eng.compile_count - before
+
+    # -- the loop (the scheduler's thread) ----------------------------------------------------------
+    def _free_slot_exists(self) -> bool:
+        return any(s.req is None for s in self.slots)
+
+    def _busy(self) -> bool:
+        return bool(self._prefill) or any(s.req is not None for s in self.slots) or (
+            bool(self._queue) and self._free_slot_exists())
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._busy() and not any(r.cancelled for r in self._queue):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+            try:
+                self._iteration()
+            except Exception as e:  # noqa: BLE001 - the loop must outlive any one failure
+                log.exception("scheduler: step failed")
+                self._reset(_one_line(e))
+        for req in list(self._queue) + [s.req for s in self.slots if s.req is not None]:
+            self._finish(req, STOP_CANCELLED)
+
+    def _iteration(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        if self._prefill:
+            self._prefill_chunk()
+        if any(s.req is not None and s.req._pos == len(s.req.prompt) for s in self.slots):
+            self._decode_step()
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            gone = [r for r in self._queue if r.cancelled]
+            for r in gone:
+                self._queue.remove(r)
+        for r in gone:
+            self._finish(r, r.cancelled)
+        for s in self.slots:
+            r = s.req
+            if r is None or not r.cancelled:
+                continue
+            if self._prefill and self._prefill[0] is r and self._one is not None:
+                self._end_prefill(r)  # what was fed so far stays in the slot's cache
+            if r in self._prefill:
+                self._prefill.remove(r)
+            self._finish(r, r.cancelled)
+
+    def _reuse(self, slot: Slot, prompt: np.ndarray, cache_prompt: bool) -> int:
+        """Prompt tokens `slot` can keep for this prompt (at least the last one is computed again:
+        its logits choose the first new token)."""
+        if not cache_prompt or self.prompt_cache == "off" or not slot.tokens:
+            return 0
+        n = min(len(slot.tokens), len(prompt) - 1)
+        if n <= 0:
+            return 0
+        differ = np.nonzero(np.asarray(slot.tokens[:n], np.int64) != prompt[:n])[0]
+        lcp = int(differ[0]) if len(differ) else n
+        if self.prompt_cache == "prefix":
+            return lcp
+        return min(lcp, slot.exact) // self.ubatch * self.ubatch
+
+    def _admit(self) -> None:
+        now = time.perf_counter()
+        while True:
+            with self._cv:
+                free = [s for s in self.slots if s.req is None]
+                if not self._queue or not free:
+                    return
+                req = self._queue.popleft()
+            best = max(free, key=lambda s: (self._reuse(s, req.prompt, req.cache_prompt), -s.last_used))
+            req.slot = best.index
+            req.n_cached = req._pos = self._reuse(best, req.prompt, req.cache_prompt)
+            req._rng = np.random.default_rng(req.sampling["seed"])
+            best.req = req
+            best.last_used = now
+            self._prefill.append(req)
+
+    def _prefill_chunk(self) -> None:
+        req = self._prefill[0]
+        slot = self.slots[req.slot]
+        if self._one is None:  # its first chunk: continue the slot's sequence after the reused prefix
+            self._one = _take_row(self._cache, slot.index)
+            req.t_start = time.perf_counter()
+            start = req._pos
+            slot.exact = min(slot.exact, start) // self.ubatch * self.ubatch
+            slot.tokens = slot.tokens[:start]
+            req._fed_from = start
+            self.stats.cached_tokens += start
+        t0 = time.perf_counter()
+        chunk = req.prompt[req._pos:req._pos + self.ubatch]
+        try:
+            logits, self._one = self.eng.prefill(self._one, chunk, start=req._pos)
+        except Exception as e:  # noqa: BLE001 - this prompt's failure, not the batch's
+            # the batch cache is untouched (the prompt is fed in its own copy of the row): the slot
+            # keeps the tokens it held before this prompt, the other requests go on
+            log.exception("scheduler: prompt step failed")
+            self._one = None
+            self._prefill.popleft()
+            slot.tokens = slot.tokens[:req._fed_from]
+            self._finish(req, "error", _one_line(e))
+            return
+        req._pos += len(chunk)
+        slot.tokens.extend(int(t) for t in chunk)
+        self.stats.prompt_tokens += len(chunk)
+        self.stats.prompt_seconds += time.perf_counter() - t0
+        if req._pos < len(req.prompt):
+            return
+        self._end_prefill(req)
+        self._prefill.popleft()
+        if req.max_tokens == 0:
+            req.t_first = time.perf_counter()
+            self._finish(req, STOP_MAX_TOKENS)
+            return
+        self._next(req, lambda: self._sample(req, logits))
+
+    def _end_prefill(self, req: Request) -> None:
+        """The head prompt's batch-1 cache back into its slot's row; whole chunks fed from a chunk
+        boundary (with an exact prefix before them) count as exact."""
+        slot = self.slots[req.slot]
+        self._cache = _put_row(self._cache, self._one, slot.index)
+        self._one = None
+        start = req._fed_from
+        if start % self.ubatch == 0 and start <= slot.exact:
+            slot.exact = start + (req._pos - start) // self.ubatch * self.ubatch
+
+    def _decode_step(self) -> None:
+        B = self.n_slots
+        toks = np.zeros((B, 1), np.int32)
+        start = np.zeros(B, np.int32)
+        rows = []
+        for s in self.slots:
+            r = s.req
+            # idle rows write a throw-away entry just past their cached tokens (never read: the
+            # causal mask hides it until a later token overwrites it); the row of a prompt being fed
+            # is replaced whole when its prompt is done
+            start[s.index] = min(len(s.tokens), self.eng.capacity - 1)
+            if r is not None and r._pos == len(r.prompt) and r.finish_reason is None:
+                toks[s.index, 0] = r.generated[-1]
+                rows.append(s)
+        t0 = time.perf_counter()
+        logits, self._cache = self.eng.step(self._cache, toks, start)
+        # greedy rows take the argmax on the device (a few bytes back, not a [rows, vocab] copy of
+        # floats and a host pass over each); rows that sample read their logits on the host
+        greedy = [s for s in rows if _plain_greedy(s.req)]
+        if greedy:
+            top, finite = (np.asarray(a) for a in _argmax_rows(logits))
+        host = np.asarray(logits, np.float32) if len(greedy) < len(rows) else None
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        for s in rows:
+            s.tokens.append(int(toks[s.index, 0]))
+            b, req = s.index, s.req
+            if host is None or _plain_greedy(req):
+                self._next(req, lambda: _checked(int(top[b]), bool(finite[b])))
+            else:
+                self._next(req, lambda: self._sample(req, host[b]))
+
+    def _next(self, req: Request, pick) -> None:
+        """Emit the token `pick()` chooses; logits that hold NaN/Inf end this request only."""
+        try:
+            tok = pick()
+        except NonFiniteLogitsError as e:
+            self._finish(req, "error", _one_line(e))
+            return
+        self._emit(req, tok)
+
+    @staticmethod
+    def _sample(req: Request, logits: np.ndarray) -> int:
+        """The next token of `req` from its logits row, on the host: its penalty, its banned ids,
+        its filters and its own random generator (per request: a seed gives the same answer whatever
+        else the batch holds)."""
+        if req.repeat_penalty != 1.0 and req.repeat_last_n != 0:
+            n = len(req.prompt) + len(req.generated) if req.repeat_last_n == -1 else req.repeat_last_n
+            gen = req.generated[-n:]
+            rest = n - len(gen)
+            recent = np.concatenate([req.prompt[max(len(req.prompt) - rest, 0):], np.asarray(gen, np.int32)])
+            logits = apply_repeat_penalty(logits, recent, req.repeat_penalty)
+        if req.ban:
+            logits = np.array(logits, np.float64, copy=True)
+            logits[list(req.ban)] = -1e30  # finite: sample_next refuses non-finite logits
+        return sample_next(logits, rng=req._rng, **_filters(req.sampling))
+
+    def _emit(self, req: Request, tok: int) -> None:
+        if not req.generated:
+            req.t_first = time.perf_counter()
+        req.generated.append(tok)
+        self.stats.generated_tokens += 1
+        n = len(req.generated)
+        limit = self.ctx if req.max_tokens is None else req.max_tokens
+        reason = generation.stop_reason(tok, n, len(req.prompt) + n, limit, req.stop_ids, self.ctx)
+        if reason == STOP_MAX_TOKENS and req.max_tokens is None:
+            reason = STOP_CONTEXT
+        req.on_event("token", tok)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str, message: str | None = None) -> None:
+        if req.finish_reason is not None:
+            return
+        req.finish_reason = reason
+        req.t_end = time.perf_counter()
+        if req.slot is not None and self.slots[req.slot].req is req:
+            self.slots[req.slot].req = None
+            self.slots[req.slot].last_used = req.t_end
+        self.stats.requests[reason] = self.stats.requests.get(reason, 0) + 1
+        if message is not None:
+            req.on_event("error", message)
+        else:
+            req.on_event("done", reason)
+
+    def _reset(self, message: str) -> None:
+        """After a failed step (the batch cache may be consumed): fail the requests on slots, start
+        the slots empty, keep serving."""
+        self._one = None
+        self._prefill.clear()
+        for s in self.slots:
+            if s.req is not None:
+                self._finish(s.req, "error", message)
+            s.tokens, s.exact = [], 0
+        self._cache = self.eng.new_cache(self.n_slots)
+
+
+@jax.jit
+def _argmax_rows(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.isfinite(logits).all(axis=-1)
+
+
+def _plain_greedy(req: Request) -> bool:
+    return req.sampling["temperature"] <= 0.0 and not req.ban and (req.repeat_penalty == 1.0
+                                                                   or req.repeat_last_n == 0)
+
+
+def _checked(tok: int, finite: bool) -> int:
+    if not finite:
+        raise NonFiniteLogitsError("non-finite logits at a decode step: the model's weights (or its arithmetic) "
+                                   "produced NaN/Inf, no token can be chosen")
+    return tok
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def _filters(sampling: dict) -> dict:
+    return {k: sampling[k] for k in ("temperature", "top_k", "top_p", "min_p")}

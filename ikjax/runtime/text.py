@@ -1,0 +1,231 @@
+"""Text in, text out: `Engine.complete(prompt)` and `Engine.chat(messages)` over the token-id API.
+
+A prompt is encoded with the model's tokenizer (ikjax.tokenizer; a chat first rendered by its chat
+template, ikjax.chat_template), generated with `Engine.generate`, and the new ids decoded one token
+at a time (`Detokenizer`: a character split over several tokens waits for its last byte, so no
+delta ever holds half a character). Stop strings (`stop`) end the answer where they begin; the
+text that could still become one is held back until it cannot, so no part of a stop string ever
+reaches a stream (llama-server's partial-stop rule). Non-streaming calls return a `Completion`;
+`stream=True` returns a `TextStream`, an iterator of text deltas whose `finish_reason`, `usage`,
+`tokens` and `text` are set once it is exhausted. Streaming asks the engine for one token per
+dispatch (`generate(stream=True)`), so deltas come token by token.
+
+finish_reason is OpenAI's: "stop" (EOS, a stop id, a stop string) or "length" (max_tokens, or the
+context full). Control tokens (EOS, BOS) are not text: they add nothing to it, as in llama-server.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ikjax.chat_template import ChatTemplate, ReasoningSplitter, flatten_content, opens_reasoning, split_reasoning
+from ikjax.errors import OptionError
+from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
+from ikjax.tokenizer import check_text
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens a session's cache already held (not fed again)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclasses.dataclass
+class Completion:
+    """A finished answer. `text` is everything generated (stop string excluded); for a chat,
+    `content` and `reasoning_content` are it split at R1's `</think>` (`reasoning_format`), and
+    for a plain completion `content` is `text`."""
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    usage: Usage
+    content: str = ""
+    reasoning_content: str | None = None
+    prompt: str | None = None  # the rendered chat prompt (chat only)
+
+
+class StopStrings:
+    """Finds stop strings in streamed text: `feed(delta) -> (text to pass on, stopped)`. Text that
+    could be the start of a stop string is held back until the next delta decides; `flush()`
+    gives it at the end (no stop came). After a stop, nothing more passes."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        text = self._held + delta
+        if not self.stops:
+            self._held = ""
+            return text, False
+        hit = min(((i, s) for s in self.stops if (i := text.find(s)) >= 0), default=None)
+        if hit is not None:
+            self.stopped, self.matched, self._held = True, hit[1], ""
+            return text[:hit[0]], True
+        keep = _partial_stop(text, self.stops)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
+
+
+def _partial_stop(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class TextStream:
+    """An iterator of text deltas (str) of one generation; see the module docstring. After the
+    last delta: `text`, `tokens`, `finish_reason`, `usage`; `close()` stops it early (a cancelled
+    request: a session keeps what its cache holds). `reasoning_opened` says whether the prompt
+    opened R1's `<think>` block (`ReasoningSplitter(opened=...)` splits the deltas)."""
+
+    def __init__(self, gen: Generation, detok, stops: Sequence[str], *, prompt: str | None = None,
+                 reasoning_opened: bool = False):
+        self._gen = gen
+        self._detok = detok
+        self._stops = StopStrings(stops)
+        self.prompt = prompt
+        self.reasoning_opened = reasoning_opened
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self._it = self._run()
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it.close()
+        self._gen.close()
+        if self.finish_reason is None:
+            self.finish_reason = FINISH_STOP
+            self._set_usage()
+
+    def _set_usage(self) -> None:
+        self.usage = Usage(self._gen.prompt_tokens, len(self.tokens), self._gen.cached_tokens)
+
+    def _run(self) -> Iterator[str]:
+        stops = self._stops
+        stopped = False
+        for tok in self._gen:
+            self.tokens.append(tok)
+            piece = self._detok.feed(tok)
+            if not piece:
+                continue
+            out, stopped = stops.feed(piece)
+            if out:
+                self.text += out
+                yield out
+            if stopped:
+                break
+        if not stopped:
+            out, stopped = stops.feed(self._detok.finish())
+            out += stops.flush()
+            if out:
+                self.text += out
+                yield out
+        self._gen.close()
+        reason = self._gen.stop_reason
+        self.finish_reason = FINISH_STOP if stopped or reason == STOP_EOS else FINISH_LENGTH
+        self._set_usage()
+
+
+def _stop_strings(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise OptionError(f"stop: expected a string or a list of strings, got {stop!r}")
+
+
+def encode_prompt(eng, prompt) -> list[int]:
+    """A prompt as ids: text (encoded with BOS as the model asks; a text that already starts with
+    the BOS token's text does not get a second one) or a list of ids (as they are)."""
+    if isinstance(prompt, str):
+        check_text(prompt, "prompt")
+        tok = eng.tokenizer
+        bos = tok.token_text(tok.bos_id)
+        ids = tok.encode(prompt, add_bos=False if bos and prompt.startswith(bos) else None)
+        if not ids:
+            raise OptionError("prompt: empty (and the model has no BOS token)")
+        return ids
+    if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Sequence):
+        raise OptionError(f"prompt: expected text or a list of token ids, got {type(prompt).__name__}")
+    return list(prompt)
+
+
+def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None, stream: bool = False,
+             repeat_penalty: float = 1.0, repeat_last_n: int = 64, ignore_eos: bool = False,
+             session: KVSession | None = None, _prompt_text: str | None = None,
+             _reasoning_opened: bool = False):
+    """`Engine.complete` (its docstring)."""
+    stops = _stop_strings(stop)
+    ids = encode_prompt(eng, prompt)
+    if max_tokens is None:  # until EOS or the context's end, as llama-server's n_predict -1
+        max_tokens = max(eng.options.ctx - len(ids), 0)
+    gen = eng.generate(ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                       stream=stream, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                       ignore_eos=ignore_eos, session=session)
+    ts = TextStream(gen, eng.tokenizer.detokenizer(), stops, prompt=_prompt_text, reasoning_opened=_reasoning_opened)
+    if stream:
+        return ts
+    for _ in ts:
+        pass
+    return Completion(ts.text, ts.tokens, ts.finish_reason, ts.usage, content=ts.text, prompt=_prompt_text)
+
+
+def render_chat(eng, messages, chat_template=None, add_generation_prompt: bool = True,
+                template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The prompt text of a conversation: `chat_template` a ChatTemplate, or a choice for
+    `Engine.chat_template` (None: the model's own)."""
+    t = chat_template if isinstance(chat_template, ChatTemplate) else eng.chat_template(chat_template)
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise OptionError("messages: expected a non-empty list of {role, content} objects")
+    return t.render(flatten_content(messages), add_generation_prompt, **dict(template_kwargs or {}))
+
+
+def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",
+         template_kwargs: Mapping[str, Any] | None = None, stream: bool = False, **kw):
+    """`Engine.chat` (its docstring)."""
+    if reasoning_format not in ("deepseek", "none"):
+        raise OptionError(f"reasoning_format: expected 'deepseek' or 'none', got {reasoning_format!r}")
+    prompt = render_chat(eng, messages, chat_template, True, template_kwargs)
+    opened = opens_reasoning(prompt)
+    out = complete(eng, prompt, max_tokens, stream=stream, _prompt_text=prompt, _reasoning_opened=opened, **kw)
+    if stream:
+        return out
+    if reasoning_format == "deepseek":
+        out.reasoning_content, out.content = split_reasoning(out.text, opened)
+    return out
+
+
+__all__ = ["Completion", "FINISH_LENGTH", "FINISH_STOP", "ReasoningSplitter", "StopStrings", "TextStream", "Usage",
+           "chat", "complete", "encode_prompt", "render_chat"]

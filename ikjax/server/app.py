@@ -1,0 +1,451 @@
+"""`ikjax serve`'s HTTP side (aiohttp): llama-server's and OpenAI's endpoints over one Scheduler.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   (OpenAI; SSE when stream)
+    POST /completion  POST /tokenize  POST /detokenize  GET /props  GET /slots  GET /health
+    GET /metrics (Prometheus)   GET / (a chat page)
+
+Each generate request becomes a `Job` on the scheduler (ikjax.runtime.scheduler); the handler
+awaits its text deltas and writes them as one JSON answer or as Server-Sent Events (`data: {...}`
+lines, OpenAI's streams ending with `data: [DONE]`). A client that goes away cancels its job
+(aiohttp cancels the handler: `handler_cancellation`), which frees its slot at the next step.
+
+Errors are JSON `{"error": {"code", "message", "type"}}` with their status, from one middleware:
+400 a malformed or too long request (the field named), 401 a missing or wrong key under
+--api-key, 404 an unknown route or model, 405, 413 a body over MAX_BODY, 503 a full queue, 500
+anything else (logged). Nothing a client sends drops the connection or leaves a slot busy.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ikjax.chat_template import ReasoningSplitter, opens_reasoning
+from ikjax.errors import OptionError
+from ikjax.runtime.scheduler import QueueFullError, Scheduler
+from ikjax.server import openai as oai
+from ikjax.server.jobs import Job
+from ikjax.server.metrics import CONTENT_TYPE, Metrics
+from ikjax.server.openai import ApiError, Defaults, GenParams, bad
+
+log = logging.getLogger("ikjax")
+
+MAX_BODY = 32 << 20  # bytes of a request body (a 128k-token prompt as JSON ids is ~1 MiB)
+PUBLIC = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html"})
+STATIC = Path(__file__).resolve().parent / "static"
+REASONING_FORMATS = ("deepseek", "none", "auto")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # the id /v1/models lists (--alias, else the file's name)
+    model_path: str
+    n_slots: int
+    api_key: str | None = None
+    timeout: float = 600.0  # seconds a read of the body or a write of the answer may take (llama-server -to)
+    reasoning_format: str = "deepseek"
+    defaults: Defaults = field(default_factory=Defaults)
+
+
+class Server:
+    """The app's state: engine, tokenizer, chat template, scheduler, metrics."""
+
+    def __init__(self, eng, tokenizer, template, scheduler: Scheduler, config: ServerConfig):
+        if config.reasoning_format not in REASONING_FORMATS:
+            raise OptionError(f"--reasoning-format: expected one of {', '.join(REASONING_FORMATS)}, got "
+                              f"{config.reasoning_format!r}")
+        self.eng, self.tok, self.template, self.scheduler, self.config = eng, tokenizer, template, scheduler, config
+        self.metrics = Metrics(scheduler)
+        self.created = int(time.time())
+        self.names = {config.model_name, config.model_path, Path(config.model_path).name,
+                      Path(config.model_path).stem}
+
+    # -- the app ---------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors, self._auth])
+        r = app.router
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_post("/chat/completions", self.chat_completions)
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/completions", self.completion)
+        r.add_post("/completion", self.completion)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/v1/health", self.health)
+        r.add_get("/props", self.props)
+        r.add_get("/slots", self.slots)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        r.add_get("/metrics", self.metrics_text)
+        r.add_get("/", self.index)
+        r.add_get("/index.html", self.index)
+        app.on_shutdown.append(self._shutdown)
+        return app
+
+    async def _shutdown(self, app) -> None:
+        await asyncio.to_thread(self.scheduler.stop)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return _error(e)
+        except web.HTTPException as e:  # the router's 404 / 405, the body limit's 413
+            if e.status < 400:
+                raise
+            msg = {404: f"no such endpoint: {request.method} {request.path}",
+                   405: f"method {request.method} not allowed on {request.path}",
+                   413: f"request body over {MAX_BODY >> 20} MiB"}.get(e.status, e.reason or "error")
+            return _error(ApiError(e.status, msg))
+        except QueueFullError as e:
+            return _error(ApiError(503, str(e)))
+        except OptionError as e:  # a prompt too long for a slot, a token outside the vocabulary
+            return _error(bad(str(e).splitlines()[0]))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.exception("%s %s failed", request.method, request.path)
+            return _error(ApiError(500, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"))
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        key = self.config.api_key
+        if key and request.path not in PUBLIC:
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-Api-Key")
+            if given != key:
+                raise ApiError(401, "Invalid API Key" if given else "missing API key (Authorization: Bearer KEY)")
+        return await handler(request)
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            raw = await asyncio.wait_for(request.read(), self.config.timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"request body not received within {self.config.timeout:g}s") from None
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad(f"request body: not valid JSON ({str(e).splitlines()[0]})") from None
+        return oai.json_object(body)
+
+    def _check_model(self, body: dict) -> str:
+        name = body.get("model")
+        if name is None or name == "":
+            return self.config.model_name
+        if not isinstance(name, str):
+            raise bad(f"model: expected a string, got {type(name).__name__}")
+        if name not in self.names:
+            raise ApiError(404, f"model {name!r} not found (this server serves {self.config.model_name!r})",
+                           "not_found_error")
+        return name
+
+    # -- text in -----------------------------------------------------------------------------------
+    async def _encode(self, text: str, add_bos: bool = True) -> list[int]:
+        try:
+            return await asyncio.to_thread(self.tok.encode, text, add_bos)
+        except OptionError as e:
+            raise bad(f"prompt: {e}") from None
+
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        ids = prompt if isinstance(prompt, list) else await self._encode(prompt)
+        if not ids:
+            raise bad("prompt: empty")
+        return ids
+
+    async def _chat_prompt(self, body: dict) -> tuple[list[int], str]:
+        messages = oai.messages_field(body)
+        extra = {}
+        if body.get("chat_template_kwargs") is not None:
+            if not isinstance(body["chat_template_kwargs"], dict):
+                raise bad("chat_template_kwargs: expected an object")
+            extra = body["chat_template_kwargs"]
+        if body.get("tools") is not None:
+            extra["tools"] = body["tools"]
+        text = self.template.render(messages, add_generation_prompt=True, **extra)
+        bos = self.tok.token_text(self.tok.bos_id)
+        # a template writes BOS itself: the text is tokenized without another one (llama-server strips
+        # the template's and adds its own: the same ids)
+        ids = await self._encode(text, add_bos=not (bos and text.startswith(bos)))
+        return ids, text
+
+    def _job(self, ids: list[int], params: GenParams) -> Job:
+        return Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe).start()
+
+    # -- generation --------------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        model = self._check_model(body)
+        params = oai.gen_params(body, self.config.defaults, max_names=("max_completion_tokens", "max_tokens",
+                                                                       "n_predict"))
+        ids, text = await self._chat_prompt(body)
+        fmt = body.get("reasoning_format", self.config.reasoning_format)
+        if fmt not in REASONING_FORMATS:
+            raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}")
+        splitter = ReasoningSplitter(opened=opens_reasoning(text)) if fmt != "none" else None
+        job = self._job(ids, params)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": cid, "created": created, "model": model, "system_fingerprint": "ikjax"}
+        try:
+            if not params.stream:
+                reasoning, content = [], []
+                async for piece in job.pieces():
+                    r, c = splitter.feed(piece) if splitter else ("", piece)
+                    reasoning.append(r)
+                    content.append(c)
+                if splitter:
+                    r, c = splitter.finish()
+                    reasoning.append(r)
+                    content.append(c)
+                message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+                if splitter and splitter.had_reasoning:
+                    message["reasoning_content"] = "".join(reasoning)
+                return web.json_response({
+                    **head, "object": "chat.completion",
+                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                                 "finish_reason": oai.FINISH[job.finish_reason]}],
+                    "usage": self._usage(job), "timings": job.req.timings()})
+            chunk = {**head, "object": "chat.completion.chunk"}
+
+            def delta(d: dict, finish: str | None = None) -> dict:
+                return {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+
+            async def events():
+                yield delta({"role": "assistant", "content": None})
+                async for piece in job.pieces():
+                    for d in _deltas(*(splitter.feed(piece) if splitter else ("", piece))):
+                        yield delta(d)
+                for d in _deltas(*splitter.finish()) if splitter else ():
+                    yield delta(d)
+                yield {**delta({}, oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
+                if params.include_usage:
+                    yield {**chunk, "choices": [], "usage": self._usage(job)}
+            return await self._stream(request, job, events(), done=True)
+        finally:
+            job.cancel()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's /v1/completions."""
+        body = await self._body(request)
+        model = self._check_model(body)
+        params = oai.gen_params(body, self.config.defaults, max_names=("max_tokens", "n_predict"))
+        prompt = oai.prompt_field(body)
+        ids = await self._prompt_ids(prompt)
+        echo = oai.bool_field(body, "echo", False)
+        job = self._job(ids, params)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
+                "system_fingerprint": "ikjax", "object": "text_completion"}
+        prefix = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else ""
+        try:
+            if not params.stream:
+                text = prefix + "".join([p async for p in job.pieces()])
+                return web.json_response({
+                    **head, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                         "finish_reason": oai.FINISH[job.finish_reason]}],
+                    "usage": self._usage(job), "timings": job.req.timings()})
+
+            def choice(text: str, finish: str | None = None) -> dict:
+                return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+            async def events():
+                if prefix:
+                    yield choice(prefix)
+                async for piece in job.pieces():
+                    yield choice(piece)
+                yield {**choice("", oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
+                if params.include_usage:
+                    yield {**head, "choices": [], "usage": self._usage(job)}
+            return await self._stream(request, job, events(), done=True)
+        finally:
+            job.cancel()
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        """llama-server's own /completion (n_predict, cache_prompt, stream; no [DONE])."""
+        body = await self._body(request)
+        params = oai.gen_params(body, self.config.defaults, max_names=("n_predict", "max_tokens"))
+        prompt = oai.prompt_field(body)
+        ids = await self._prompt_ids(prompt)
+        job = self._job(ids, params)
+        try:
+            if not params.stream:
+                text = "".join([p async for p in job.pieces()])
+                return web.json_response(self._completion_final(job, text, prompt, True))
+
+            async def events():
+                async for piece in job.pieces():
+                    yield {"content": piece, "stop": False, "id_slot": job.req.slot, "index": 0,
+                           "tokens": list(job.new_ids) if params.return_tokens else []}
+                yield self._completion_final(job, "", prompt, False)
+            return await self._stream(request, job, events(), done=False)
+        finally:
+            job.cancel()
+
+    def _completion_final(self, job: Job, text: str, prompt, whole: bool) -> dict:
+        """/completion's answer, or the last event of its stream (`whole` False: no text, no ids)."""
+        p, reason = job.params, job.finish_reason
+        return {"content": text, "id_slot": job.req.slot, "stop": True, "model": self.config.model_name,
+                "index": 0, "tokens": list(job.token_ids) if p.return_tokens and whole else [],
+                "tokens_predicted": job.n_generated,
+                "tokens_evaluated": len(job.req.prompt), "tokens_cached": len(job.req.prompt) + job.n_generated,
+                "prompt": prompt if isinstance(prompt, str) else self.tok.decode(prompt),
+                "generation_settings": {"n_ctx": self.scheduler.ctx, "n_predict": -1 if p.max_tokens is None
+                                        else p.max_tokens, **p.sampling(), "stop": p.stop,
+                                        "cache_prompt": p.cache_prompt, "ignore_eos": p.ignore_eos},
+                "truncated": False, "stop_type": {"eos": "eos", "stop": "word"}.get(reason, "limit"),
+                "stopped_eos": reason == "eos", "stopped_word": reason == "stop",
+                "stopped_limit": reason in ("max_tokens", "context"), "stopping_word": job.stopping_word,
+                "has_new_line": "\n" in text, "timings": job.req.timings()}
+
+    def _usage(self, job: Job) -> dict:
+        return oai.usage(len(job.req.prompt), job.n_generated, job.req.n_cached)
+
+    # -- SSE -----------------------------------------------------------------------------------------
+    async def _stream(self, request: web.Request, job: Job, events, done: bool) -> web.StreamResponse:
+        """Server-Sent Events: each object as `data: {...}`, then `data: [DONE]` (OpenAI's streams).
+        An error after the headers went out is one last `data: {"error": ...}` event; a reader that
+        went away or stopped reading (--timeout) ends the stream, and `job` is cancelled."""
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+        await out.prepare(request)
+        try:
+            try:
+                async for obj in events:
+                    await self._write(out, _sse(obj))
+            except ApiError as e:
+                await self._write(out, _sse(e.body()))
+            if done:
+                await self._write(out, b"data: [DONE]\n\n")
+            await out.write_eof()
+        except (ConnectionError, asyncio.TimeoutError):
+            job.cancel()
+        return out
+
+    async def _write(self, out: web.StreamResponse, data: bytes) -> None:
+        """A write that a reader who stopped reading cannot hold for longer than --timeout."""
+        await asyncio.wait_for(out.write(data), self.config.timeout)
+
+    # -- the rest ---------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        cfg = self.eng.config
+        meta = {"n_vocab": cfg.vocab_size, "n_ctx_train": cfg.context_length, "n_ctx": self.scheduler.ctx,
+                "n_slots": self.scheduler.n_slots}
+        model = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "ikjax",
+                 "meta": meta}
+        return web.json_response({"object": "list", "data": [model],
+                                  "models": [{"name": self.config.model_name, "model": self.config.model_name}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "slots_idle": self.scheduler.n_slots - self.scheduler.slots_busy(),
+                                  "slots_processing": self.scheduler.slots_busy()})
+
+    async def props(self, request: web.Request) -> web.Response:
+        d = self.config.defaults
+        return web.json_response({
+            "default_generation_settings": {"n_ctx": self.scheduler.ctx, "params": {
+                "n_predict": d.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+                "min_p": d.min_p, "seed": d.seed, "cache_prompt": True}},
+            "total_slots": self.scheduler.n_slots, "model_path": self.config.model_path,
+            "model_alias": self.config.model_name, "chat_template": self.template.source,
+            "chat_template_name": self.template.name, "bos_token": self.tok.token_text(self.tok.bos_id),
+            "eos_token": self.tok.token_text(self.tok.eos_id), "prompt_cache": self.scheduler.prompt_cache,
+            "reasoning_format": self.config.reasoning_format, "modalities": {"vision": False, "audio": False},
+            "build_info": "ikjax"})
+
+    async def slots(self, request: web.Request) -> web.Response:
+        return web.json_response(self.scheduler.slot_info())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        text = oai.text_field(body, "content")
+        ids = await self._encode(text, oai.bool_field(body, "add_special", False))
+        if oai.bool_field(body, "with_pieces", False):
+            return web.json_response({"tokens": [
+                {"id": i, "piece": self.tok.piece(i, special=True).decode("utf-8", errors="replace")} for i in ids]})
+        return web.json_response({"tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        ids = oai.tokens_field(body)
+        V = self.tok.n_vocab
+        bad_ids = [t for t in ids if not 0 <= t < V]
+        if bad_ids:
+            raise bad(f"tokens: id {bad_ids[0]} is outside the vocabulary [0, {V})")
+        return web.json_response({"content": self.tok.decode(ids)})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def index(self, request: web.Request) -> web.Response:
+        page = STATIC / "index.html"
+        if not page.exists():
+            raise ApiError(404, "no chat page in this install")
+        return web.Response(body=page.read_bytes(), content_type="text/html", charset="utf-8")
+
+
+def _deltas(reasoning: str, content: str) -> list[dict]:
+    return ([{"reasoning_content": reasoning}] if reasoning else []) + ([{"content": content}] if content else [])
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _error(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (0: any free port), or one line saying why not."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OptionError(f"--host {host}: cannot resolve ({e.strerror or e})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise OptionError(f"--host {host} --port {port}: cannot listen ({e.strerror or e})") from None
+    sock.setblocking(False)
+    return sock
+
+
+def run(server: Server, sock: socket.socket, on_listening=None) -> None:
+    """Serve on `sock` (from `bind`) until SIGINT / SIGTERM; `on_listening(url)` once it accepts."""
+    asyncio.run(_serve(server, sock, on_listening))
+
+
+async def _serve(server: Server, sock: socket.socket, on_listening) -> None:
+    runner = web.AppRunner(server.app(), handler_cancellation=True, keepalive_timeout=server.config.timeout,
+                           access_log=None)
+    await runner.setup()
+    site = web.SockSite(runner, sock, shutdown_timeout=1.0)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    host, port = sock.getsockname()[:2]
+    if on_listening is not None:
+        on_listening(f"http://{_url_host(host)}:{port}")
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

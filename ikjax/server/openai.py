@@ -1,0 +1,215 @@
+"""Request bodies in, checked parameters out; errors as OpenAI-style JSON.
+
+Every field the endpoints read is checked here, by name, before anything reaches the scheduler:
+a bad request is one `ApiError` (status 400 and a one-line message naming the field), which the
+app turns into `{"error": {"message", "type", "code"}}` — llama-server's shape, which is OpenAI's
+with the status as `code`. Unknown fields are ignored, as both servers do (clients send their own).
+
+Field names and defaults are llama-server's: `n_predict` (/completion) and `max_tokens` /
+`max_completion_tokens` (OpenAI) with -1 or absent = until the slot's context is full;
+`temperature top_k top_p min_p seed` default to the server's `--temp --top-k --top-p --min-p -s`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               500: "server_error",
+               503: "unavailable_error"}
+
+
+class ApiError(Exception):
+    """An HTTP error answered as JSON: status, one-line message, OpenAI's error type."""
+
+    def __init__(self, status: int, message: str, type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_ or ERROR_TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"code": self.status, "message": self.message, "type": self.type}}
+
+
+def bad(message: str) -> ApiError:
+    return ApiError(400, message)
+
+
+@dataclass
+class Defaults:
+    """The server's sampling defaults (its --temp --top-k --top-p --min-p -s -n flags)."""
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1
+    n_predict: int = -1
+
+
+@dataclass
+class GenParams:
+    max_tokens: int | None  # None: until the slot's context is full
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    cache_prompt: bool = True
+    ignore_eos: bool = False
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    return_tokens: bool = False
+
+    def sampling(self) -> dict:
+        """The scheduler's sampling keywords (Scheduler.make_request)."""
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    seed=self.seed, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def json_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad(f"request body: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _get(body: dict, name: str, check, what: str, default: Any) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not check(v):
+        raise bad(f"{name}: expected {what}, got {v!r}"[:300])
+    return v
+
+
+def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...]) -> GenParams:
+    """The generation fields of any of the three generate endpoints."""
+    n = None
+    for name in max_names:  # the first one given wins
+        if body.get(name) is not None:
+            n = _get(body, name, _is_int, "an integer (-1 = until the context is full)", None)
+            if n < -1:
+                raise bad(f"{name}: expected an integer >= -1 (-1 = until the context is full), got {n}")
+            break
+    if n is None:
+        n = d.n_predict
+    temperature = float(_get(body, "temperature", lambda v: _is_num(v) and v >= 0, "a number >= 0", d.temperature))
+    top_k = _get(body, "top_k", _is_int, "an integer (<= 0 = off)", d.top_k)
+    top_p = float(_get(body, "top_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", d.top_p))
+    min_p = float(_get(body, "min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", d.min_p))
+    seed = _get(body, "seed", _is_int, "an integer (-1 = random)", d.seed)
+    if top_p == 0.0:  # "only the most likely token": what top_p -> 0 means, without an empty set
+        top_p, top_k = 1.0, 1
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad(f"stop: expected a string or a list of strings, got {stop!r}"[:300])
+    if len(stop) > 16:
+        raise bad(f"stop: at most 16 stop strings, got {len(stop)}")
+    stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    include_usage = _get(opts, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
+    cache_prompt = _get(body, "cache_prompt", lambda v: isinstance(v, bool), "true or false", True)
+    ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
+    repeat_penalty = float(_get(body, "repeat_penalty", lambda v: _is_num(v) and v > 0, "a number > 0 (1 = off)",
+                                1.0))
+    repeat_last_n = _get(body, "repeat_last_n", lambda v: _is_int(v) and v >= -1,
+                         "an integer >= -1 (0 = off, -1 = the context)", 64)
+    return_tokens = _get(body, "return_tokens", lambda v: isinstance(v, bool), "true or false", False)
+    count = _get(body, "n", _is_int, "an integer", 1)
+    if count != 1:
+        raise bad(f"n: only one choice per request is supported, got {count}")
+    return GenParams(max_tokens=None if n == -1 else n, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
+                     min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
+                     include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
+                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, return_tokens=return_tokens)
+
+
+def prompt_field(body: dict, name: str = "prompt") -> str | list[int]:
+    """A prompt: text, or token ids; a list holding one of them (OpenAI's batch form) is that one."""
+    p = body.get(name)
+    if p is None:
+        raise bad(f"{name}: missing")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+        return p
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
+        raise bad(f"{name}: one prompt per request (got {len(p)})")
+    raise bad(f"{name}: expected a string or a non-empty list of token ids"
+              + (", got an empty list" if p == [] else f", got {type(p).__name__}"))
+
+
+def messages_field(body: dict) -> list[dict]:
+    """Chat messages: role and content, content as text or a list of text parts."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages: expected a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]: expected an object with role and content, got {type(m).__name__}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad(f"messages[{i}].role: expected a string, got {role!r}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise bad(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+                parts.append(part["text"])
+            content = "\n".join(parts)  # as llama-server joins a text-only model's parts
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content: expected a string or a list of text parts, got "
+                      f"{type(content).__name__}")
+        msg = dict(m, role=role, content=content)
+        out.append(msg)
+    return out
+
+
+def tokens_field(body: dict, name: str = "tokens") -> list[int]:
+    toks = body.get(name)
+    if not isinstance(toks, list) or not all(_is_int(t) for t in toks):
+        raise bad(f"{name}: expected a list of token ids")
+    return toks
+
+
+def text_field(body: dict, name: str) -> str:
+    v = body.get(name)
+    if not isinstance(v, str):
+        raise bad(f"{name}: expected a string, got {type(v).__name__ if v is not None else 'nothing'}")
+    return v
+
+
+def bool_field(body: dict, name: str, default: bool) -> bool:
+    return _get(body, name, lambda v: isinstance(v, bool), "true or false", default)
+
+
+FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context": "length"}
+
+
+def usage(prompt_n: int, completion_n: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_n, "completion_tokens": completion_n, "total_tokens": prompt_n + completion_n,
+            "prompt_tokens_details": {"cached_tokens": cached}}

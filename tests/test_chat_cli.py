@@ -1,0 +1,96 @@
+"""`ikjax chat` as a process, stdin piped: two turns equal to Engine.chat with a kept session (the
+second one fed from the cache), the first message from -f with a system prompt and another
+template, Ctrl-C stopping an answer but not the chat, a bad template refused before loading."""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import ikjax
+
+ARGS = ["-c", "256", "-ub", "64", "--temp", "0"]
+
+
+def _env():
+    return {**os.environ, "PYTHONIOENCODING": "utf-8", "IKJAX_DEBUG": "1"}
+
+
+def _chat(model, *args, stdin: bytes, timeout=240):
+    res = subprocess.run([sys.executable, "-m", "ikjax.cli", "chat", "-m", model, *ARGS, *args], input=stdin,
+                         capture_output=True, timeout=timeout, env=_env())
+    return res.returncode, res.stdout.decode("utf-8"), res.stderr.decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model):
+    return ikjax.load(tiny_model, ctx=256, ubatch=64)
+
+
+def test_two_turns_stream_the_api_s_answers_from_the_cache(eng, tiny_model):
+    rc, out, err = _chat(tiny_model, "-n", "8", "-cnv", "--jinja", stdin="Hello\nTell me\\\nmore\n".encode())
+    assert rc == 0, err
+    sess = eng.session()
+    msgs = [{"role": "user", "content": "Hello"}]
+    a1 = eng.chat(msgs, 8, session=sess).text
+    msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "Tell me\nmore"}]
+    two = eng.chat(msgs, 8, session=sess)
+    # prompts and answers on stdout, nothing else; the closing prompt met the end of input
+    assert out == f"> {a1}\n> {two.text}\n> \n"
+    assert "chat template: deepseek3" in err
+    assert "chat: 2 turns; prompt tokens" in err and f"({two.usage.cached_tokens} reused from the KV cache" in err
+    assert two.usage.cached_tokens > 0
+
+
+def test_first_message_from_a_file_with_a_system_prompt(eng, tiny_model, tmp_path):
+    f = tmp_path / "q.txt"
+    f.write_text("Why is the sky blue? ☀", encoding="utf-8")
+    rc, out, err = _chat(tiny_model, "-n", "6", "-f", str(f), "-sys", "Answer briefly.", "--chat-template", "chatml",
+                         stdin=b"")
+    assert rc == 0, err
+    want = eng.chat([{"role": "system", "content": "Answer briefly."},
+                     {"role": "user", "content": "Why is the sky blue? ☀"}], 6, chat_template="chatml").text
+    assert out == f"> Why is the sky blue? ☀\n{want}\n> \n" and "chat template: chatml" in err
+
+
+def test_bad_template_refused_before_loading(tiny_model, tmp_path):
+    rc, out, err = _chat(tiny_model, "--chat-template", "nope", stdin=b"")
+    assert rc == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: chat template 'nope'"), err
+
+
+def test_ctrl_c_stops_the_answer_not_the_chat(tiny_model):
+    p = subprocess.Popen([sys.executable, "-m", "ikjax.cli", "chat", "-m", tiny_model, *ARGS, "--ignore-eos", "-v"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    try:
+        p.stdin.write(b"Hi\n")
+        p.stdin.flush()
+        got = b""
+        deadline = time.time() + 180
+        while len(got) < 8 and time.time() < deadline:  # "> " and a few tokens of the answer
+            if select.select([p.stdout], [], [], 1)[0]:
+                got += os.read(p.stdout.fileno(), 4096)
+        assert len(got) >= 8, got
+        p.send_signal(signal.SIGINT)
+        while b"\n> " not in got and time.time() < deadline:  # back at the prompt
+            if select.select([p.stdout], [], [], 1)[0]:
+                got += os.read(p.stdout.fileno(), 4096)
+        assert b"\n> " in got
+        p.stdin.close()  # end of input ends the chat
+        rc = p.wait(60)
+        err = p.stderr.read().decode()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 0, err
+    assert "[answer stopped]" in err and "chat: 1 turns" in err
+    # the answer was cut short of the context's end (256 tokens less the prompt)
+    turn = next(line for line in err.splitlines() if line.startswith("turn 1: "))
+    n_prompt, n_answer = int(turn.split("prompt ")[1].split()[0]), int(turn.split("answer ")[1].split()[0])
+    assert 0 < n_answer < 256 - n_prompt, turn

@@ -1,0 +1,205 @@
+"""Chat templates (ikjax.chat_template): rendered as transformers' apply_chat_template renders them,
+DeepSeek R1's template byte for byte, the fallbacks by pre-tokenizer, one-line refusals, and
+R1's <think> block split off the answer (llama-server's --reasoning-format deepseek), whole and
+streamed with the tags cut anywhere."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+
+import pytest
+
+from ikjax.chat_template import (BUILTINS, ChatTemplate, ChatTemplateError, ReasoningSplitter, builtin, check_choice,
+                                 flatten_content, opens_reasoning, split_reasoning, template_for)
+from ikjax.errors import OptionError
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+# sha256 of DeepSeek-R1's tokenizer_config.json chat_template (the string, no trailing newline)
+R1_SHA256 = "56a1447ad31926fdc21fb07e56e5642bd9c850c4f52d8c8af7bbe5f079a84f5f"
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "<think>\nthe user greets\n</think>\n\nHello! 日本 \"q\" <b>"},
+     {"role": "user", "content": "And now?\nTwo lines."}],
+    [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": ""},
+     {"role": "tool", "content": "{\"t\": 21}"}, {"role": "tool", "content": "sunny"},
+     {"role": "assistant", "content": "21 and sunny"}, {"role": "user", "content": "thanks"}],
+]
+
+# every feature of the environment: whitespace control, loop controls, namespace, dict, tojson
+# (non-ASCII, HTML characters, indent), raise_exception guarded, generation blocks, the variables
+FEATURES = """{%- set ns = namespace(n=0) -%}
+{{ bos_token }}
+{% for m in messages %}
+    {% if loop.index > 3 %}{% break %}{% endif %}
+    {% set ns.n = ns.n + 1 %}
+    <{{ m.role }}>{{ m['content'] | trim }}</{{ m.role }}>
+    {% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]{% endgeneration %}{{ eos_token }}{% endif %}
+{% endfor %}
+{{ dict(a=1, b='é<&>') | tojson }} {{ messages | tojson(indent=2) }}
+{{ ns.n }} {{ tools is none }} {{ custom_var | default('none') }}
+{% if messages | length > 10 %}{{ raise_exception('too many') }}{% endif %}
+{%- if add_generation_prompt %}<assistant>{% endif %}"""
+
+
+def _hf(template: str):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), bos_token=BOS, eos_token=EOS,
+                                   chat_template=template)
+
+
+def test_r1_template_is_deepseeks_byte_for_byte():
+    t = builtin("deepseek3")
+    assert hashlib.sha256(t.source.encode("utf-8")).hexdigest() == R1_SHA256
+    assert t.source.endswith("{{'<｜Assistant｜><think>\\n'}}{% endif %}")  # R1's generation prompt opens <think>
+
+
+@pytest.mark.parametrize("name", ["deepseek3", "deepseek2", "chatml", "features"])
+def test_renders_as_transformers(name):
+    """The same template string and messages give transformers' apply_chat_template text, with and
+    without the generation prompt."""
+    src = FEATURES if name == "features" else builtin(name).source
+    ours = template_for({}, src, bos_token=BOS, eos_token=EOS)
+    hf = _hf(src)
+    for msgs in CONVERSATIONS:
+        for agp in (True, False):
+            want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=agp)
+            assert ours.render(msgs, add_generation_prompt=agp) == want, (name, msgs, agp)
+    msgs = CONVERSATIONS[2]
+    assert ours.render(msgs, custom_var="x") == hf.apply_chat_template(msgs, tokenize=False,
+                                                                       add_generation_prompt=True, custom_var="x")
+
+
+def test_r1_renders_the_turn_format():
+    t = template_for({}, "deepseek3", bos_token=BOS, eos_token=EOS)
+    got = t.render(CONVERSATIONS[2])
+    # system first, the earlier answer without its <think> block, the generation prompt opening one
+    assert got == (f"{BOS}S<｜User｜>Hi<｜Assistant｜>\n\nHello! 日本 \"q\" <b>{EOS}<｜User｜>And now?\nTwo lines."
+                   "<｜Assistant｜><think>\n")
+    assert opens_reasoning(got) and not opens_reasoning(t.render(CONVERSATIONS[2], add_generation_prompt=False))
+    # an assistant tool call (content None, as OpenAI clients send it) renders R1's tool-call block
+    calls = [{"role": "user", "content": "q"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}]
+    assert "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>" in t.render(calls)
+    v2 = template_for({}, "deepseek2", bos_token=BOS, eos_token=EOS).render(CONVERSATIONS[1])
+    assert v2 == f"{BOS}You are terse.\n\nUser: 2+2?\n\nAssistant:"
+    chatml = template_for({}, "chatml").render(CONVERSATIONS[0])
+    assert chatml == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_gguf_template_first_then_fallback_by_pre_tokenizer(caplog):
+    own = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    t = template_for({"tokenizer.chat_template": own, "tokenizer.ggml.pre": "deepseek-v3"})
+    assert t.name == "gguf" and t.render(CONVERSATIONS[0]) == "[Hi]"
+    for pre, name in (("deepseek-v3", "deepseek3"), ("deepseek-llm", "deepseek2"), ("gpt-2", "chatml"),
+                      (None, "chatml")):
+        caplog.clear()
+        meta = {} if pre is None else {"tokenizer.ggml.pre": pre}
+        with caplog.at_level(logging.WARNING, logger="ikjax"):
+            t = template_for(meta)
+        assert t.name == name and t.source == builtin(name).source
+        notes = [r.getMessage() for r in caplog.records]
+        assert len(notes) == 1 and repr(name) in notes[0] and "\n" not in notes[0], notes
+    # a choice beats the file's own
+    assert template_for({"tokenizer.chat_template": own}, "chatml").name == "chatml"
+
+
+def test_choice_name_file_or_text(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ bos_token }}{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}", encoding="utf-8")
+    t = template_for({}, str(f), bos_token="<s>")
+    assert t.name == str(f) and t.render(CONVERSATIONS[1]) == "<s>system:You are terse.;user:2+2?;"
+    assert template_for({}, "{{ messages[0].content }}").render(CONVERSATIONS[0]) == "Hi"
+    for name in BUILTINS:
+        assert template_for({}, name).name == name
+
+
+def test_bad_choices_are_one_line_errors(tmp_path):
+    bad = tmp_path / "latin1.jinja"
+    bad.write_bytes(b"{{ '\xe9' }}")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}", encoding="utf-8")
+    cases = [("deepseek9", "deepseek9"), (str(tmp_path / "missing.jinja"), "missing.jinja"),
+             (str(tmp_path), "not a file"), (str(bad), "not UTF-8"), (str(broken), "syntax error")]
+    for choice, word in cases:
+        with pytest.raises(OptionError) as e:
+            template_for({}, choice)
+        msg = str(e.value)
+        assert word in msg and "\n" not in msg, msg
+        with pytest.raises(OptionError):
+            check_choice(choice)  # the CLI refuses it before loading a model
+    with pytest.raises(OptionError, match="syntax error"):
+        template_for({"tokenizer.chat_template": "{% if %}"})
+
+
+def test_render_refusals_are_one_line():
+    t = ChatTemplate(FEATURES, "features")
+    with pytest.raises(ChatTemplateError, match="too many"):
+        t.render([{"role": "user", "content": "x"}] * 11)
+    with pytest.raises(ChatTemplateError):  # the sandbox: no reach into Python internals
+        ChatTemplate("{{ ''.__class__.__mro__ }}", "evil").render([])
+    with pytest.raises(ChatTemplateError, match="underscore|'_'"):
+        ChatTemplate("{% set ns = namespace(_x=1) %}", "evil").render([])
+    with pytest.raises(ChatTemplateError):  # R1 concatenates content: a list is refused, one line
+        builtin("deepseek3").render([{"role": "user", "content": [{"type": "text", "text": "a"}]}])
+    with pytest.raises(ChatTemplateError, match="messages"):
+        builtin("chatml").render("hello")
+
+
+def test_flatten_content_parts():
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "c"}]
+    assert flatten_content(msgs) == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c"}]
+    assert msgs[0]["content"][0] == {"type": "text", "text": "a"}  # the caller's messages untouched
+    with pytest.raises(ChatTemplateError, match="image_url"):
+        flatten_content([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+SPLITS = [
+    # (text, opened, reasoning, content)
+    ("<think>\nI should add.\n</think>\n\nFour.", False, "I should add.", "Four."),
+    ("  <think>a</think>b", False, "a", "b"),
+    ("I should add.\n</think>\n\nFour.", True, "I should add.", "Four."),
+    ("I should add.\n</think>\n\nFour.", None, "I should add.", "Four."),  # R1 left the tag to the prompt
+    ("still thinking <", True, "still thinking <", ""),  # cut off inside the reasoning
+    ("<think>\n\n</think>\n\nHi", False, None, "Hi"),  # empty reasoning: none
+    ("Plain answer, no tags.", False, None, "Plain answer, no tags."),
+    ("Plain <thin", False, None, "Plain <thin"),
+    ("  <thi", False, None, "  <thi"),  # could have been a tag, never became one
+    ("<think>x</think>y</think>z", False, "x", "y</think>z"),
+    ("a < b </thin k> c</think>  d < e", True, "a < b </thin k> c", "d < e"),
+    ("", True, None, ""),
+]
+
+
+@pytest.mark.parametrize("text,opened,reasoning,content", SPLITS)
+def test_split_reasoning(text, opened, reasoning, content):
+    assert split_reasoning(text, opened) == (reasoning, content)
+
+
+@pytest.mark.parametrize("text,opened,reasoning,content", [s for s in SPLITS if s[1] is not None])
+def test_reasoning_splitter_streams_with_tags_cut_anywhere(text, opened, reasoning, content):
+    """Deltas of every size, cut at every place (one character at a time, and random cuts): the
+    deltas add up to split_reasoning's parts, and no delta carries part of a tag or spaces that
+    end up stripped."""
+    rng = random.Random(0)
+    cuts = [list(range(1, len(text)))] + [sorted(rng.sample(range(1, len(text)), min(k, max(len(text) - 1, 0))))
+                                          for k in (1, 2, 3, 5) for _ in range(20)]
+    for cut in cuts:
+        bounds = [0, *cut, len(text)]
+        s = ReasoningSplitter(opened=bool(opened))
+        r, c = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            dr, dc = s.feed(text[a:b])
+            r.append(dr)
+            c.append(dc)
+        dr, dc = s.finish()
+        r.append(dr)
+        c.append(dc)
+        assert ("".join(r) or None, "".join(c)) == (reasoning, content), (text, cut)
+        assert not any("</think>" in x or x.endswith("</") for x in r)

@@ -1,0 +1,226 @@
+"""The serve scheduler in-process (ikjax.runtime.scheduler): continuous batching that gives each
+request exactly `Engine.generate`'s greedy tokens, prompts fed one chunk per step beside the
+others' decode, cancellation at any point freeing the slot, the prompt cache's exact reuse, a
+full queue refused, and a failed step failing only the requests on the slots (the loop goes on)."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ikjax
+from ikjax.runtime.scheduler import STOP_CANCELLED, QueueFullError, Scheduler
+
+CTX, UB = 256, 16
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model):
+    return ikjax.load(tiny_model, ctx=CTX, ubatch=UB)
+
+
+class Collect:
+    """A request's events, waited on from the test's thread."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.end = queue.Queue()
+
+    def __call__(self, kind, value):
+        if kind == "token":
+            self.tokens.append(value)
+        else:
+            self.end.put((kind, value))
+
+    def wait(self, timeout: float = 120):
+        return self.end.get(timeout=timeout)
+
+
+def ids(eng, n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(2, eng.config.vocab_size, n)]
+
+
+def submit(s: Scheduler, prompt, n, **kw) -> tuple:
+    c = Collect()
+    return s.submit(s.make_request(prompt, n, on_event=c, **kw)), c
+
+
+@pytest.fixture
+def sched(eng):
+    s = Scheduler(eng, 3, max_queue=8).start()
+    yield s
+    s.stop()
+
+
+def test_interleaved_requests_equal_generate(eng, sched):
+    """Prompts of 3..70 tokens (one to five chunks) arriving while others decode, more requests than
+    slots: every answer is generate's for that prompt alone."""
+    prompts = [ids(eng, n, i) for i, n in enumerate((5, 70, 3, 33, 17, 48, 9))]
+    runs = []
+    for p in prompts:
+        runs.append(submit(sched, p, 10))
+        time.sleep(0.02)
+    for (req, c), p in zip(runs, prompts):
+        assert c.wait()[0] == "done"
+        assert c.tokens == list(eng.generate(p, 10)), len(p)
+        assert req.finish_reason in ("eos", "max_tokens")
+    assert sched.slots_busy() == 0
+
+
+def test_prompt_fed_one_chunk_per_decode_step(eng, sched):
+    """A 96-token prompt (6 chunks) arriving while a stream decodes: the stream gets a token after
+    every chunk, not after the whole prompt."""
+    stream, sc = submit(sched, ids(eng, 4, 1), 60, ignore_eos=True)
+    while len(sc.tokens) < 3:
+        time.sleep(0.001)
+    steps0 = sched.stats.decode_steps
+    long, lc = submit(sched, ids(eng, 96, 2), 1)
+    lc.wait()
+    sc.wait()
+    # six chunk iterations, each with the stream's decode step beside it
+    assert sched.stats.decode_steps - steps0 >= 6
+    assert len(sc.tokens) == 60
+
+
+def test_cancel_in_queue_in_prefill_and_in_decode(eng):
+    s = Scheduler(eng, 1, max_queue=4).start()
+    try:
+        busy, bc = submit(s, ids(eng, 4, 3), 200, ignore_eos=True)
+        queued, qc = submit(s, ids(eng, 5, 4), 5)
+        s.cancel(queued)
+        assert qc.wait() == ("done", STOP_CANCELLED) and qc.tokens == []
+        s.cancel(busy)
+        assert bc.wait() == ("done", STOP_CANCELLED) and 0 < len(bc.tokens) < 200
+        # cancelled while its prompt is fed (the first chunk may already be in)
+        long, lc = submit(s, ids(eng, 200, 5), 5)
+        while s.slots[0].req is not long or long._pos == 0:
+            time.sleep(0.001)
+        s.cancel(long)
+        assert lc.wait() == ("done", STOP_CANCELLED)
+        assert s.slots_busy() == 0 and 0 < len(s.slots[0].tokens) < 200
+        # the slot serves the next prompt exactly, from what the cancelled feed left (whole chunks)
+        p = ids(eng, 200, 5)[:40] + [7, 8]
+        nxt, nc = submit(s, p, 8)
+        assert nc.wait()[0] == "done" and nc.tokens == list(eng.generate(p, 8))
+        assert nxt.n_cached % UB == 0
+    finally:
+        s.stop()
+
+
+def test_prompt_cache_exact_and_prefix(eng):
+    """exact: whole chunks of an earlier prompt reused, the answer generate's; a generated token's
+    KV is never reused. prefix: the whole common prefix (as llama-server)."""
+    p = ids(eng, 50, 6)
+    for mode, want in (("exact", 48), ("prefix", 50), ("off", 0)):
+        s = Scheduler(eng, 2, prompt_cache=mode).start()
+        try:
+            first, fc = submit(s, p, 6, ignore_eos=True)
+            fc.wait()
+            follow = p + fc.tokens[:3] + [9, 10]
+            second, c2 = submit(s, follow, 6)
+            c2.wait()
+            assert second.slot == first.slot or mode == "off"
+            # exact: 48 (3 whole chunks of the prompt); prefix: the prompt and the 3 generated tokens
+            # it repeats (5 of the 6 are in the cache: the last one was never fed)
+            assert second.n_cached == (want + 3 if mode == "prefix" else want), mode
+            if mode != "prefix":
+                assert c2.tokens == list(eng.generate(follow, 6))
+            # no cache_prompt: nothing reused
+            third, c3 = submit(s, follow, 2, cache_prompt=False)
+            c3.wait()
+            assert third.n_cached == 0
+        finally:
+            s.stop()
+
+
+def test_queue_full(eng):
+    s = Scheduler(eng, 1, max_queue=1)  # not started: nothing leaves the queue
+    submit(s, [5, 6], 1)  # would take the free slot
+    submit(s, [5, 6], 1)  # waits
+    with pytest.raises(QueueFullError):
+        submit(s, [5, 6], 1)
+
+
+def test_checks_before_queueing(eng, sched):
+    with pytest.raises(ikjax.OptionError, match="do not fit a slot"):
+        sched.make_request([5] * CTX, 1, on_event=print)
+    with pytest.raises(ikjax.OptionError, match="temperature"):
+        sched.make_request([5], 1, on_event=print, temperature=-1)
+    with pytest.raises(ikjax.OptionError, match="vocabulary"):
+        sched.make_request([10 ** 6], 1, on_event=print)
+
+
+def test_failed_step_fails_the_slots_and_the_loop_goes_on(eng, monkeypatch):
+    s = Scheduler(eng, 2).start()
+    try:
+        real = eng.step
+        calls = {"n": 0}
+
+        def flaky(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("device lost")
+            return real(*a, **k)
+        monkeypatch.setattr(eng, "step", flaky)
+        req, c = submit(s, ids(eng, 4, 7), 50, ignore_eos=True)
+        kind, msg = c.wait()
+        assert kind == "error" and "device lost" in msg and req.finish_reason == "error"
+        monkeypatch.setattr(eng, "step", real)
+        p = ids(eng, 6, 8)
+        _, c2 = submit(s, p, 5)
+        assert c2.wait()[0] == "done" and c2.tokens == list(eng.generate(p, 5))
+    finally:
+        s.stop()
+
+
+def test_sampling_seeded_and_ignore_eos(eng, sched):
+    p = ids(eng, 6, 9)
+    a = submit(sched, p, 12, temperature=0.9, top_k=20, seed=3)[1]
+    b = submit(sched, p, 12, temperature=0.9, top_k=20, seed=3)[1]
+    a.wait(), b.wait()
+    assert a.tokens == b.tokens
+    eos = eng.config.eos_token_id
+    r, c = submit(sched, p, 30, ignore_eos=True)
+    c.wait()
+    assert len(c.tokens) == 30 and eos not in c.tokens and r.finish_reason == "max_tokens"
+
+
+def test_stop_ends_waiting_requests(eng):
+    s = Scheduler(eng, 1).start()
+    _, c1 = submit(s, [5, 6], 1000 if CTX > 1000 else CTX - 3, ignore_eos=True)
+    _, c2 = submit(s, [5, 7], 4)
+    t = threading.Thread(target=s.stop)
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    assert c1.wait(5)[1] in (STOP_CANCELLED, "max_tokens") and c2.wait(5)[1] in (STOP_CANCELLED, "max_tokens", "eos")
+
+
+def test_failed_prompt_fails_only_its_request(eng, monkeypatch):
+    """A prompt step that fails (fed in its own copy of the slot's row) ends that request; a stream
+    decoding beside it goes on to the same tokens as alone."""
+    s = Scheduler(eng, 2).start()
+    try:
+        p = ids(eng, 5, 10)
+        stream, sc = submit(s, p, 40, ignore_eos=True)
+        while len(sc.tokens) < 2:
+            time.sleep(0.001)
+        real = eng.prefill
+
+        def failing(cache, chunk, start=0, all_logits=False):
+            if len(chunk) == 7:
+                raise RuntimeError("out of memory")
+            return real(cache, chunk, start, all_logits)
+        monkeypatch.setattr(eng, "prefill", failing)
+        bad, bc = submit(s, ids(eng, 7, 11), 5)
+        kind, msg = bc.wait()
+        assert kind == "error" and "out of memory" in msg
+        assert sc.wait() == ("done", "max_tokens")
+        monkeypatch.setattr(eng, "prefill", real)
+        assert sc.tokens == list(eng.generate(p, 40, ignore_eos=True))
+        assert s.slots_busy() == 0
+    finally:
+        s.stop()

@@ -1,0 +1,475 @@
+"""`ikjax serve` as a real process on 127.0.0.1, driven by the `openai` client and raw HTTP (issue 23).
+
+Two servers per module (each started once: a process start and its compiles cost seconds on this
+CPU): `server` (-np 4, 256 tokens a slot, -ub 16) for the answers, streams, concurrency and the
+prompt cache; `small` (-np 1, a queue of 1, --api-key) for 401, 503 and cancellation. Greedy
+answers are compared with `Engine.generate` for the same ids alone, on an engine loaded in this
+process with the options of one slot (ctx 256, ubatch 16).
+"""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+CTX, NP, UB = 256, 4, 16
+MODEL = "ikjax-tiny-2L.gguf"  # the id /v1/models lists: the file's name (conftest's tiny_model)
+START_S = 120
+
+
+class Proc:
+    """A server process: its URL once it listens, its stderr kept (read on a thread)."""
+
+    def __init__(self, model: str, *args: str):
+        cmd = [sys.executable, "-m", "ikjax.cli", "serve", "-m", model, "--port", "0", *args]
+        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        ready = threading.Event()
+
+        def read():
+            for line in self.p.stderr:
+                self.lines.append(line)
+                if line.startswith("listening on "):
+                    self.url = line.split()[-1]
+                    ready.set()
+            ready.set()
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(START_S) or self.url is None:
+            self.stop()
+            pytest.fail("server did not start:\n" + "".join(self.lines[-20:]))
+        self.host, self.port = self.url.removeprefix("http://").rsplit(":", 1)
+
+    def stop(self) -> None:
+        self.p.terminate()
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    s = Proc(tiny_model, "-c", str(CTX * NP), "-np", str(NP), "-ub", str(UB), "--temp", "0")
+    yield s
+    s.stop()
+    assert s.p.returncode == 0, "".join(s.lines[-20:])  # SIGTERM: a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def small(tiny_model):
+    s = Proc(tiny_model, "-c", "2048", "-np", "1", "-ub", str(UB), "--max-queue", "1", "--api-key", "sekret",
+             "--temp", "0")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model):
+    import ikjax
+    return ikjax.load(tiny_model, ctx=CTX, ubatch=UB)
+
+
+def client(s: Proc, key: str = "none"):
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def call(s: Proc, method: str, path: str, body=None, headers=None, raw: bytes | None = None):
+    """(status, parsed JSON or text) of one raw HTTP request."""
+    c = http.client.HTTPConnection(s.host, int(s.port), timeout=120)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    c.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    r = c.getresponse()
+    text = r.read().decode()
+    c.close()
+    try:
+        return r.status, json.loads(text)
+    except ValueError:
+        return r.status, text
+
+
+def reference(eng, ids: list[int], n: int) -> tuple[list[int], str]:
+    """Greedy ids and text of `Engine.generate` for these ids alone (EOS not part of the text)."""
+    out = list(eng.generate(ids, n))
+    detok = eng.tokenizer.detokenizer()
+    text = "".join(detok.feed(t) for t in out if t != eng.config.eos_token_id) + detok.finish()
+    return out, text
+
+
+def prompts(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "tea", "sun", "river", "stone", "cloud", "seven"]
+    return [" ".join(rng.choice(words, int(rng.integers(2, 30)))) for _ in range(n)]
+
+
+# -- answers -------------------------------------------------------------------------------------
+
+def test_health_models_props(server):
+    status, body = call(server, "GET", "/health")
+    assert status == 200 and body["status"] == "ok"
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    status, props = call(server, "GET", "/props")
+    assert status == 200 and props["total_slots"] == NP
+    assert props["default_generation_settings"]["n_ctx"] == CTX
+    assert props["chat_template"] and props["prompt_cache"] == "exact"
+
+
+def test_completion_greedy_equals_generate(server, ref):
+    """/completion with return_tokens: the very ids generate gives for each prompt alone; the
+    OpenAI client's /v1/completions: the same text."""
+    c = client(server)
+    for text in prompts(3, seed=1):
+        ids = call(server, "POST", "/tokenize", {"content": text, "add_special": True})[1]["tokens"]
+        want_ids, want_text = reference(ref, ids, 12)
+        status, body = call(server, "POST", "/completion", {"prompt": text, "n_predict": 12, "temperature": 0,
+                                                             "return_tokens": True})
+        assert status == 200 and body["tokens"] == want_ids and body["content"] == want_text
+        r = c.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want_text
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want_ids)
+        assert r.choices[0].finish_reason == ("stop" if len(want_ids) < 12 else "length")
+
+
+def test_streams_equal_whole_answers(server, ref):
+    c = client(server)
+    text = prompts(1, seed=2)[0]
+    whole = c.completions.create(model=MODEL, prompt=text, max_tokens=10, temperature=0)
+    chunks = list(c.completions.create(model=MODEL, prompt=text, max_tokens=10, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                     extra_body={"reasoning_format": "none"})
+    parts = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10,
+                                           temperature=0, stream=True, extra_body={"reasoning_format": "none"}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    # the chat prompt is the template's text, tokenized once (no second BOS)
+    rendered = ref.chat_template().render(msgs)
+    ids = ref.tokenizer.encode(rendered, add_bos=False)
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == reference(ref, ids, 10)[1]
+
+
+def test_reasoning_content(server):
+    """R1's template opens <think>: with --reasoning-format deepseek the answer is reasoning until
+    </think> (the tiny model never writes one), with none it stays in content."""
+    c = client(server)
+    msgs = [{"role": "user", "content": "why"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    plain = c.chat.completions.create(**kw, extra_body={"reasoning_format": "none"}).choices[0].message
+    split = c.chat.completions.create(**kw).choices[0].message
+    assert split.content == "" and split.model_extra["reasoning_content"] == plain.content.strip()
+    parts = list(c.chat.completions.create(**kw, stream=True))
+    assert "".join(p.choices[0].delta.model_extra.get("reasoning_content") or "" for p in parts
+                   ) == split.model_extra["reasoning_content"]
+
+
+def test_stop_string_and_sampling_fields(server):
+    c = client(server)
+    text = prompts(1, seed=3)[0]
+    full = c.completions.create(model=MODEL, prompt=text, max_tokens=16, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:7]
+    cut = c.completions.create(model=MODEL, prompt=text, max_tokens=16, temperature=0, stop=[stop],
+                               extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == full[:full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    # a seed gives the same sampled answer twice
+    a, b = (c.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=1.0, top_p=0.9,
+                                 seed=7).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_prompt_cache_reuses_whole_chunks(server, ref):
+    """The same 40-token prompt twice: the second feeds only what is past the last whole -ub
+    chunk (32 of 40 reused) and answers the same."""
+    ids = [int(t) for t in np.random.default_rng(4).integers(2, ref.config.vocab_size, 40)]
+    first = call(server, "POST", "/completion", {"prompt": ids, "n_predict": 6, "temperature": 0,
+                                                 "return_tokens": True})[1]
+    second = call(server, "POST", "/completion", {"prompt": ids + [5], "n_predict": 6, "temperature": 0,
+                                                  "return_tokens": True})[1]
+    assert second["timings"]["cache_n"] == 32 and second["timings"]["prompt_n"] == 9
+    assert first["tokens"] == reference(ref, ids, 6)[0]
+    assert second["tokens"] == reference(ref, ids + [5], 6)[0]
+
+
+def test_sixteen_concurrent_clients(server, ref):
+    texts = prompts(16, seed=5)
+    c = client(server)
+
+    def one(text):
+        return c.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, texts))
+    took = time.perf_counter() - t0
+    for text, r in zip(texts, answers):
+        ids = ref.tokenizer.encode(text)
+        assert r.choices[0].text == reference(ref, ids, 8)[1], text
+    status, slots = call(server, "GET", "/slots")
+    assert not any(s["is_processing"] for s in slots)
+    assert took < 60
+
+
+def test_tokenize_detokenize(server, ref):
+    status, body = call(server, "POST", "/tokenize", {"content": "hello world", "with_pieces": True})
+    ids = [p["id"] for p in body["tokens"]]
+    assert ids == ref.tokenizer.encode("hello world", add_bos=False)
+    assert "".join(p["piece"] for p in body["tokens"]) == "hello world"
+    assert call(server, "POST", "/detokenize", {"tokens": ids}) == (200, {"content": "hello world"})
+
+
+def test_metrics(server):
+    from prometheus_client.parser import text_string_to_metric_families
+    status, text = call(server, "GET", "/metrics")
+    assert status == 200
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["ikjax_tokens_predicted"].samples[0].value > 0
+    assert fams["ikjax_slots"].samples[0].value == NP
+    assert fams["ikjax_requests_processing"].samples[0].value == 0
+    assert "ikjax_requests_deferred" in fams and "ikjax_predicted_tokens_seconds" in fams
+    done = {s.labels["reason"]: s.value for s in fams["ikjax_requests"].samples if s.name.endswith("_total")}
+    assert done["max_tokens"] > 0
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+def _error(status_body, status: int, needle: str):
+    status_got, body = status_body
+    assert status_got == status, body
+    assert set(body["error"]) >= {"message", "type", "code"} and body["error"]["code"] == status
+    assert needle in body["error"]["message"], body
+
+
+def test_bad_requests_are_400(server):
+    _error(call(server, "POST", "/v1/completions", raw=b"{not json"), 400, "not valid JSON")
+    _error(call(server, "POST", "/v1/completions", ["a list"]), 400, "JSON object")
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}), 400, "temperature")
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": -5}), 400, "max_tokens")
+    _error(call(server, "POST", "/v1/completions", {"max_tokens": 2}), 400, "prompt")
+    _error(call(server, "POST", "/v1/completions", {"prompt": [1, 10 ** 9]}), 400, "outside the vocabulary")
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "n": 2}), 400, "one choice")
+    _error(call(server, "POST", "/v1/chat/completions", {"messages": []}), 400, "messages")
+    _error(call(server, "POST", "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400, "only text")
+    _error(call(server, "POST", "/v1/completions", {"prompt": [5] * CTX}), 400, "context")  # too long for a slot
+    _error(call(server, "POST", "/detokenize", {"tokens": [-1]}), 400, "vocabulary")
+    _error(call(server, "POST", "/v1/completions", raw=b"x" * (33 << 20)), 413, "MiB")
+    # the server is fine afterwards
+    assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
+
+
+def test_unknown_route_and_model_are_404(server):
+    _error(call(server, "GET", "/v2/nothing"), 404, "no such endpoint")
+    with pytest.raises(openai.NotFoundError):
+        client(server).completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    _error(call(server, "GET", "/v1/completions"), 405, "not allowed")
+
+
+def test_api_key_401(small):
+    _error(call(small, "POST", "/completion", {"prompt": "x", "n_predict": 1}), 401, "API key")
+    with pytest.raises(openai.AuthenticationError):
+        client(small, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert call(small, "GET", "/health")[0] == 200  # open without a key, as llama-server's
+    r = client(small, "sekret").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def _open_stream(s: Proc, prompt: str):
+    """A long stream (until the 2048-token slot is full, ignoring EOS): (connection, response)
+    with its first event read."""
+    c = http.client.HTTPConnection(s.host, int(s.port), timeout=120)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt, "stream": True, "temperature": 0,
+                                                          "ignore_eos": True}),
+              headers={"Authorization": "Bearer sekret", "Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    assert r.readline().startswith(b"data: ")
+    return c, r
+
+
+def _counter(s: Proc, name: str, labels: dict | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = call(s, "GET", "/metrics", headers={"Authorization": "Bearer sekret"})[1]
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == name and (labels is None or sample.labels == labels):
+                return sample.value
+    raise KeyError(name)
+
+
+def test_queue_full_503_and_cancellation_frees_the_slot(small):
+    auth = {"Authorization": "Bearer sekret"}
+    cancelled0 = _counter(small, "ikjax_requests_total", {"reason": "cancelled"})
+    tokens0 = _counter(small, "ikjax_tokens_predicted_total")
+    busy, _ = _open_stream(small, "one")  # holds the only slot
+    waiting = http.client.HTTPConnection(small.host, int(small.port), timeout=120)  # waits in the queue of 1
+    waiting.request("POST", "/completion", body=json.dumps({"prompt": "two", "n_predict": 3}),
+                    headers={**auth, "Content-Type": "application/json"})
+    time.sleep(0.5)
+    _error(call(small, "POST", "/completion", {"prompt": "three", "n_predict": 1}, auth), 503, "busy")
+    # the client of the stream goes away: its slot serves the queued request at once
+    t0 = time.perf_counter()
+    busy.sock.shutdown(socket.SHUT_RDWR)
+    busy.close()
+    r = waiting.getresponse()
+    assert r.status == 200 and json.loads(r.read())["tokens_predicted"] == 3
+    assert time.perf_counter() - t0 < 5  # the stream had ~2000 tokens left
+    waiting.close()
+    for _ in range(50):
+        slots = call(small, "GET", "/slots", headers=auth)[1]
+        if not slots[0]["is_processing"]:
+            break
+        time.sleep(0.1)
+    assert not slots[0]["is_processing"]
+    assert _counter(small, "ikjax_requests_total", {"reason": "cancelled"}) == cancelled0 + 1
+    assert _counter(small, "ikjax_tokens_predicted_total") - tokens0 < 1500  # the stream was cut short
+
+
+# -- the chat page in a real browser (Debian's chromium, headless, driven over the DevTools protocol) ----
+
+class Browser:
+    """Headless chromium with one page, driven over the Chrome DevTools Protocol (aiohttp's
+    websocket client: no driver package needed)."""
+
+    def __init__(self, exe: str, profile: str):
+        self.p = subprocess.Popen([exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                                   "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.ws_url = None
+        t0 = time.time()
+        while time.time() - t0 < 60:
+            line = self.p.stderr.readline()
+            if not line:
+                break
+            if "DevTools listening on " in line:
+                self.ws_url = line.split("DevTools listening on ")[1].strip()
+                break
+        if self.ws_url is None:
+            self.close()
+            pytest.fail("chromium did not start")
+        threading.Thread(target=lambda: [None for _ in self.p.stderr], daemon=True).start()
+        port = self.ws_url.split("/")[2]
+        with urllib.request.urlopen(f"http://{port}/json/list") as r:
+            self.page_ws = next(t["webSocketDebuggerUrl"] for t in json.load(r) if t["type"] == "page")
+
+    def close(self):
+        self.p.terminate()
+        try:
+            self.p.wait(20)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+
+
+class Page:
+    def __init__(self, ws):
+        self.ws, self.n = ws, 0
+
+    async def call(self, method: str, **params):
+        self.n += 1
+        await self.ws.send_json({"id": self.n, "method": method, "params": params})
+        while True:
+            msg = await self.ws.receive_json(timeout=60)
+            if msg.get("id") == self.n:
+                assert "error" not in msg, msg
+                return msg["result"]
+
+    async def js(self, expr: str):
+        r = await self.call("Runtime.evaluate", expression=expr, returnByValue=True, awaitPromise=True)
+        assert "exceptionDetails" not in r, r
+        return r["result"].get("value")
+
+    async def until(self, expr: str, timeout: float = 60):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            v = await self.js(expr)
+            if v:
+                return v
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {expr}")
+
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    import shutil
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    b = Browser(exe, str(tmp_path_factory.mktemp("chromium")))
+    yield b
+    b.close()
+
+
+def test_chat_page_streams_and_stops(small, browser):
+    """The page at / in headless chromium: an answer streams in equal to the API's own (reasoning
+    shown apart), a second turn goes on the same conversation, and Stop ends a long answer and
+    frees the server's slot."""
+    import aiohttp
+    auth = {"Authorization": "Bearer sekret"}
+    msgs = [{"role": "user", "content": "hello there"}]
+    want = call(small, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0},
+                headers=auth)[1]["choices"][0]["message"]
+
+    async def drive():
+        async with aiohttp.ClientSession() as s, s.ws_connect(browser.page_ws, max_msg_size=0) as ws:
+            page = Page(ws)
+            await page.call("Page.navigate", url=small.url + "/")
+            await page.until("document.readyState === 'complete' && !!document.getElementById('send')")
+            await page.js("""(() => { const $ = (i) => document.getElementById(i);
+                $('key').value = 'sekret'; $('temperature').value = '0'; $('max_tokens').value = '12';
+                $('input').value = 'hello there'; $('send').click(); })()""")
+            await page.until("document.querySelector('.assistant') && "
+                             "document.querySelector('.assistant').dataset.done === '1'")
+            shown = await page.js("""(() => { const a = document.querySelector('.assistant');
+                const r = a.querySelector('details div');
+                return {content: a.querySelector('.content').textContent, finish: a.dataset.finish,
+                        reasoning: r ? r.textContent : null}; })()""")
+            assert shown["content"] == want["content"]
+            assert shown["reasoning"] == want.get("reasoning_content")
+            assert shown["finish"] == "length"
+            # a long answer, stopped while it streams
+            await page.js("""(() => { const $ = (i) => document.getElementById(i);
+                $('max_tokens').value = '-1'; $('input').value = 'tell me more'; $('send').click(); })()""")
+            await page.until("(() => { const a = document.querySelectorAll('.assistant')[1];"
+                             "return a && a.textContent.length > 20; })()")
+            assert await page.js("document.getElementById('stop').disabled") is False
+            await page.js("document.getElementById('stop').click()")
+            await page.until("document.querySelectorAll('.assistant')[1].dataset.done === '1'")
+            assert await page.js("document.querySelectorAll('.assistant')[1].dataset.finish") == "stopped"
+            assert await page.js("document.getElementById('send').disabled") is False
+    asyncio.run(drive())
+    for _ in range(50):  # the server saw the connection close: the slot is free
+        if not call(small, "GET", "/slots", headers=auth)[1][0]["is_processing"]:
+            break
+        time.sleep(0.1)
+    assert not call(small, "GET", "/slots", headers=auth)[1][0]["is_processing"]
+
+
+def test_port_in_use_is_one_line_before_loading(tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "ikjax.cli", "serve", "-m", tiny_model, "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines() == [f"error: --host 127.0.0.1 --port {port}: cannot listen "
+                                               f"(Address already in use)"]

@@ -1,0 +1,186 @@
+"""The text API (ikjax.runtime.text, Engine.complete / chat / session) on the tiny synthetic model:
+text equal to generate's tokens decoded, streaming token by token with the same tokens, stop
+strings that never leak into a stream, whole UTF-8 characters only, the KV cache reused across
+turns without changing the answer, the repetition penalty and --ignore-eos."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import ikjax
+from ikjax.errors import OptionError
+from ikjax.runtime import generation
+from ikjax.runtime.sampling import apply_repeat_penalty, sample_device
+from ikjax.runtime.text import StopStrings, TextStream, encode_prompt
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model):
+    return ikjax.load(tiny_model, ctx=256, ubatch=64)
+
+
+def _text(eng, ids) -> str:
+    """generate's ids as text, llama-server's way: control tokens (BOS, EOS) are no text."""
+    tok = eng.tokenizer
+    return b"".join(tok.piece(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def test_complete_is_generate_decoded(eng):
+    ids = eng.tokenizer.encode(PROMPT)
+    want = list(eng.generate(ids, 24))
+    c = eng.complete(PROMPT, 24)
+    assert c.tokens == want and c.text == _text(eng, want) and c.content == c.text
+    assert c.finish_reason == ("stop" if want[-1] == eng.config.eos_token_id else "length")
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (len(ids), 24, len(ids) + 24)
+    s = eng.complete(PROMPT, 24, stream=True)
+    deltas = list(s)
+    assert "".join(deltas) == c.text == s.text and s.tokens == want and s.finish_reason == c.finish_reason
+    assert len(deltas) > 1 and all(deltas)
+    assert eng.complete(ids, 24).text == c.text  # token ids in, as a prompt
+
+
+def test_stream_asks_one_token_per_dispatch(eng, monkeypatch):
+    """generate(stream=True) runs decode steps of one token (chunk 1), the plain call DECODE_CHUNK
+    to a dispatch; both give the same tokens, greedy and for one seed."""
+    assert eng.decode_loop()
+    calls = []
+    real = eng.decode
+
+    def spy(cache, tokens, start, n, **kw):
+        calls.append((n, kw["chunk"]))
+        return real(cache, tokens, start, n, **kw)
+
+    monkeypatch.setattr(eng, "decode", spy)
+    ids = eng.tokenizer.encode(PROMPT)
+    for sp in (dict(), dict(temperature=1.0, top_k=40, seed=7)):
+        calls.clear()
+        plain = list(eng.generate(ids, 20, stop=(), **sp))
+        assert calls and all(c == generation.DECODE_CHUNK for _, c in calls)
+        calls.clear()
+        got = []
+        g = eng.generate(ids, 20, stop=(), stream=True, **sp)
+        for t in g:
+            got.append(t)
+            assert len(calls) == len(got) - 1  # each token yielded before the next step runs
+        assert calls and set(calls) == {(1, 1)} and got == plain
+
+
+def test_stop_strings_never_leak(eng):
+    full = eng.complete(PROMPT, 40, stop=None).text
+    stop = full[10:13]
+    k = full.index(stop)
+    c = eng.complete(PROMPT, 40, stop=[stop, "never appears \u2603"])
+    assert c.text == full[:k] and c.finish_reason == "stop" and len(c.tokens) < 40
+    s = eng.complete(PROMPT, 40, stop=stop, stream=True)
+    deltas = list(s)
+    assert "".join(deltas) == full[:k] and s.finish_reason == "stop"
+
+
+def test_stop_strings_held_back_across_deltas():
+    """StopStrings on every cut of a text: the output is the text up to the first stop string, and
+    every piece passed on is final (a later delta never reveals it was the start of a stop)."""
+    text = "abc <|im_end|> tail"
+    for stops in (["<|im_end|>"], ["<|im_", "zzz"], ["c <"], ["none"]):
+        want = text.split(stops[0])[0] if stops[0] in text else text
+        for step in (1, 2, 3, 7):
+            s = StopStrings(stops)
+            out = []
+            for i in range(0, len(text), step):
+                piece, stopped = s.feed(text[i:i + step])
+                out.append(piece)
+                if stopped:
+                    break
+            out.append(s.flush())
+            assert "".join(out) == want, (stops, step)
+            assert all(want.startswith("".join(out[:j + 1])) for j in range(len(out)))
+
+
+def test_stream_never_splits_a_character(eng):
+    """Multi-byte characters arrive over several byte tokens: no delta holds half of one (no
+    U+FFFD), and the deltas add up to the text."""
+    text = "héllo 日本語 🎉 ok ß"
+    ids = eng.tokenizer.encode(text, add_bos=False)
+    assert len(ids) > len(text)  # the synthetic vocabulary splits them into bytes
+
+    class Ids(generation.Generation):
+        def __init__(self):
+            super().__init__()
+            self._it = iter(ids)
+            self.stop_reason = "max_tokens"
+
+    s = TextStream(Ids(), eng.tokenizer.detokenizer(), [])
+    deltas = list(s)
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas) and len(deltas) < len(ids)
+    # a stop string made of multi-byte characters, cut across tokens too
+    s = TextStream(Ids(), eng.tokenizer.detokenizer(), ["語 🎉"])
+    assert "".join(s) == "héllo 日本" and s.finish_reason == "stop"
+    # the model's own (random) bytes: streamed text equals the whole decoded at once
+    c = eng.complete(PROMPT, 40)
+    assert "".join(eng.complete(PROMPT, 40, stream=True)) == c.text == _text(eng, c.tokens)
+
+
+def test_chat_session_reuses_the_cache_without_changing_answers(eng):
+    t = eng.chat_template()
+    assert t.name == "deepseek3"  # the tiny model has no template; pre-tokenizer deepseek-v3
+    sess = eng.session()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    one = eng.chat(msgs, 12, session=sess)
+    assert one.prompt == t.render(msgs) and one.usage.cached_tokens == 0
+    # R1's generation prompt opened <think>: without </think> the whole answer is reasoning
+    assert (one.reasoning_content, one.content) == ((one.text.strip() or None), "")
+    msgs += [{"role": "assistant", "content": one.text}, {"role": "user", "content": "And?"}]
+    two = eng.chat(msgs, 12, session=sess)
+    fresh = eng.chat(msgs, 12)
+    assert two.tokens == fresh.tokens and two.text == fresh.text
+    assert two.usage.cached_tokens > len(eng.tokenizer.encode(t.render(msgs[:2])[:-len("<think>\n")])) // 2
+    assert sess.ids == encode_prompt(eng, two.prompt) + two.tokens[:-1]  # one BOS: the template's
+    # the same prompt again: everything but its last two tokens comes from the cache
+    again = eng.chat(msgs, 12, session=sess)
+    assert again.tokens == two.tokens and again.usage.cached_tokens == again.usage.prompt_tokens - 2
+    # a stream closed early keeps the cache consistent for the next call
+    s = eng.chat(msgs, 12, session=sess, stream=True)
+    next(s)
+    s.close()
+    assert eng.chat(msgs, 12, session=sess).tokens == two.tokens
+    with pytest.raises(OptionError, match="reasoning_format"):
+        eng.chat(msgs, 4, reasoning_format="r1")
+
+
+def test_repeat_penalty_is_llama_cpp_s(eng):
+    """--repeat-penalty: each of the last N tokens' logits divided (positive) or multiplied
+    (negative) by the penalty before choosing; greedy tokens follow that rule step by step."""
+    logits = np.array([2.0, -1.0, 0.5, 3.0])
+    assert apply_repeat_penalty(logits, [0, 1, 1], 2.0).tolist() == [1.0, -2.0, 0.5, 3.0]
+    ids = eng.tokenizer.encode("ab ab ab ab ab ab ab ab")
+    got = list(eng.generate(ids, 6, repeat_penalty=1.5, repeat_last_n=8, stop=()))
+    # the rule applied by hand, one step a token (prompt and answer both in the window)
+    logits, cache = eng.prefill(eng.new_cache(1), np.array(ids), 0)
+    seq = list(ids)
+    for t in got:
+        assert t == int(np.argmax(apply_repeat_penalty(logits, seq[-8:], 1.5)))
+        seq.append(t)
+        out, cache = eng.step(cache, np.array([[t]], np.int32), np.array([len(seq) - 1]), np.array([0]))
+        logits = np.asarray(out, np.float32)[0]
+    with pytest.raises(OptionError, match="repeat_penalty"):
+        eng.generate(ids, 2, repeat_penalty=0.0)
+
+
+def test_ignore_eos(eng, monkeypatch):
+    """With EOS set to the token greedy picks first, generation stops on it; --ignore-eos never
+    draws it (banned on the device and on the host) and runs to max_tokens."""
+    ids = eng.tokenizer.encode(PROMPT)
+    first = list(eng.generate(ids, 8, stop=()))
+    monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, eos_token_id=first[0]))
+    g = eng.generate(ids, 8)
+    assert list(g) == first[:1] and g.stop_reason == "eos"
+    for kw in (dict(), dict(repeat_penalty=1.01)):  # the device loop, and the host's choice
+        got = list(eng.generate(ids, 8, ignore_eos=True, **kw))
+        assert len(got) == 8 and first[0] not in got, kw
+    logits = np.zeros((1, 8), np.float32)
+    logits[0, 3] = 5.0
+    import jax
+    assert int(sample_device(logits, jax.random.key(0), ban=(3,))[0]) != 3
