@@ -72,3 +72,14 @@ def test_generate_batch_equals_generate_moe(tiny4_model):
 @pytest.mark.slow
 def test_generate_batch_equals_generate_fixture():
     _check(str(fixtures_dir() / "v3dense-all-Q8_0.gguf"), [(0, [9, 9, 9, 9]), (1, [2, 9, 5, 17])])
+
+
+def test_long_sequence_in_a_big_batch_equals_alone(tiny4_model):
+    """8 rows (decode steps of 8 tokens: the C++ MLA kernel splits each sequence's keys over the
+    threads by that sequence's own length, never the batch's): a 300-token prompt's greedy tokens in
+    the batch equal its tokens alone."""
+    eng = ikjax.load(tiny4_model, ctx=512, ubatch=64, dtype=DTYPE)
+    long = _prompts(eng.config.vocab_size, [300], 3)[0]
+    alone = list(eng.generate(long, 32))
+    batch = eng.generate_batch([long] + [[5, 6, 7]] * 7, 32)
+    assert batch[0] == alone

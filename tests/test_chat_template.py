@@ -92,18 +92,36 @@ def test_r1_renders_the_turn_format():
     assert chatml == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_gguf_template_first_then_fallback_by_pre_tokenizer(caplog):
+class _Records(logging.Handler):
+    """The records of the "ikjax" logger itself: a CLI test earlier in the session may have set
+    that logger not to propagate (ikjax.cli.common.setup_logging), which hides them from caplog."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_gguf_template_first_then_fallback_by_pre_tokenizer():
     own = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
     t = template_for({"tokenizer.chat_template": own, "tokenizer.ggml.pre": "deepseek-v3"})
     assert t.name == "gguf" and t.render(CONVERSATIONS[0]) == "[Hi]"
+    logger = logging.getLogger("ikjax")
     for pre, name in (("deepseek-v3", "deepseek3"), ("deepseek-llm", "deepseek2"), ("gpt-2", "chatml"),
                       (None, "chatml")):
-        caplog.clear()
         meta = {} if pre is None else {"tokenizer.ggml.pre": pre}
-        with caplog.at_level(logging.WARNING, logger="ikjax"):
+        rec, level = _Records(), logger.level
+        logger.addHandler(rec)
+        logger.setLevel(logging.WARNING if level == logging.NOTSET or level > logging.WARNING else level)
+        try:
             t = template_for(meta)
+        finally:
+            logger.removeHandler(rec)
+            logger.setLevel(level)
         assert t.name == name and t.source == builtin(name).source
-        notes = [r.getMessage() for r in caplog.records]
+        notes = [r.getMessage() for r in rec.records]
         assert len(notes) == 1 and repr(name) in notes[0] and "\n" not in notes[0], notes
     # a choice beats the file's own
     assert template_for({"tokenizer.chat_template": own}, "chatml").name == "chatml"

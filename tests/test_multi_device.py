@@ -30,8 +30,14 @@ TOL = 1e-5
 # by 4e-5 (tiny 4-layer) to 1.1e-4 (v2lite_tiny kvb, mla 0). So a graph split is held to
 # max(TOL, 2 x that one-device gap of the same model and mode), which the worker measures next to
 # it; layer splits reorder nothing and match bit for bit.
+# the floor of a graph split's tolerance: the psum of 4 partial f32 sums measured 1.55e-5 on the
+# tiny model whose synthetic weights lean no way (issue 24's generator) while its one-device
+# order gap fell below 5e-6, so 2 x the gap alone undercut plain f32 reordering
+GRAPH_TOL_FLOOR = 3e-5
+
+
 def graph_tol(row) -> float:
-    return max(TOL, 2 * row["order_gap"])
+    return max(GRAPH_TOL_FLOOR, 2 * row["order_gap"])
 
 
 def _fixtures() -> Path | None:

@@ -636,7 +636,6 @@ void mla_attention(const ikj::MlaArgs& a) {
   // groups (b, head, tile) with their key ranges [0, kv_end), kv_end = min(S, highest position + 1)
   std::vector<Group> groups;
   std::vector<int64_t> kv_end;
-  int64_t total_blocks = 0;
   const int64_t n_heads = a.Hk == 1 ? 1 : H;  // heads with keys of their own
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t0 = 0; t0 < T; t0 += pl.tq) {
@@ -648,16 +647,20 @@ void mla_attention(const ikj::MlaArgs& a) {
       for (int64_t h = 0; h < n_heads; ++h) {
         groups.push_back({b, h, t0, t1, 1, -1});
         kv_end.push_back(end);
-        total_blocks += (end + BK - 1) / BK;
       }
     }
-  // split key ranges so that no item holds more than ~1/nth of the blocks (decode: one chunk per
-  // thread; a long prompt: no split, its many tiles keep the threads busy)
-  const int64_t target = std::max<int64_t>(1, (total_blocks + nth - 1) / nth);
+  // split key ranges so that no item holds more than ~1/nth of its sequence's blocks (decode: one
+  // chunk per thread; a long prompt: no split, its many tiles keep the threads busy). Per sequence,
+  // not per batch: a sequence's splits, hence the order its partial sums are merged in, are then the
+  // same alone or in any batch, so a batch's rows come out bit for bit as each alone (with the
+  // batch's total, rows of a batch of 5+ drifted from `generate` after ~28 tokens)
+  std::vector<int64_t> seq_blocks(static_cast<size_t>(B), 0);
+  for (size_t g = 0; g < groups.size(); ++g) seq_blocks[groups[g].b] += (kv_end[g] + BK - 1) / BK;
   std::vector<Item> items;
   int64_t n_slots = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     const int64_t nblk = (kv_end[g] + BK - 1) / BK;
+    const int64_t target = std::max<int64_t>(1, (seq_blocks[groups[g].b] + nth - 1) / nth);
     const int64_t ns = nth > 1 ? std::max<int64_t>(1, std::min<int64_t>(nblk, (nblk + target - 1) / target)) : 1;
     Group& G = groups[g];
     G.n_split = ns;
