@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from ikjax.errors import ModelFileError, OptionError
+from ikjax.gguf_io.writer import bytes_to_unicode
 
 # llama.cpp llama-vocab.cpp regexes per pre-tokenizer (DeepSeek's own tokenizer.json have the same)
 _DEEPSEEK_V3 = [
@@ -216,20 +217,8 @@ class Detokenizer:
         return self._utf8.decode(b"", final=True)
 
 
-def _byte_of() -> dict[str, int]:
-    """GPT-2's byte-level alphabet reversed: printable character -> the byte it stands for."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_BYTE_OF = _byte_of()
+# GPT-2's byte-level alphabet reversed: printable character -> the byte it stands for
+_BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def check_text(text: Any, what: str = "text") -> None:

@@ -7,7 +7,7 @@ import regex
 
 from conftest import fixtures_dir
 from ikjax.gguf_io.reader import GGUFModelFile
-from ikjax.gguf_io.writer import _bytes_to_unicode  # GPT-2's standard byte map, not the code under test
+from ikjax.gguf_io.writer import bytes_to_unicode  # GPT-2's standard byte map, not the code under test
 from ikjax.tokenizer import PRE_REGEXES, GGUFTokenizer
 
 TEXTS = [
@@ -35,7 +35,7 @@ class ReferenceBPE:
         self.ranks = {tuple(m.split(" ", 1)): i for i, m in enumerate(merges)}
         self.special = sorted((tokens[i] for i, ty in enumerate(types) if ty in (3, 4)), key=len, reverse=True)
         self.regexes = [regex.compile(r) for r in PRE_REGEXES[pre]]
-        self.b2u = _bytes_to_unicode()
+        self.b2u = bytes_to_unicode()
 
     def _split(self, pieces, rx):
         out = []

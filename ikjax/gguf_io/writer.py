@@ -235,7 +235,7 @@ def _trailing_metadata(cfg: Mapping[str, Any], layout: str) -> list[tuple[str, A
 # tokenizer
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode map (insertion order = GPT-2's token order)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -255,7 +255,7 @@ def _synth_vocab(vocab_size: int) -> dict[str, Any]:
     """Byte-level BPE vocab of exactly ``vocab_size`` tokens: 3 specials, 256 bytes, then merges."""
     tokens = list(SPECIAL_TOKENS)
     types = [int(gguf.TokenType.CONTROL)] * len(tokens)
-    byte_toks = list(_bytes_to_unicode().values())
+    byte_toks = list(bytes_to_unicode().values())
     tokens += byte_toks
     types += [int(gguf.TokenType.NORMAL)] * len(byte_toks)
     merges: list[str] = []
