@@ -112,14 +112,18 @@ def test_gguf_template_first_then_fallback_by_pre_tokenizer():
     for pre, name in (("deepseek-v3", "deepseek3"), ("deepseek-llm", "deepseek2"), ("gpt-2", "chatml"),
                       (None, "chatml")):
         meta = {} if pre is None else {"tokenizer.ggml.pre": pre}
-        rec, level = _Records(), logger.level
+        rec, level, disabled = _Records(), logger.level, logging.root.manager.disable
         logger.addHandler(rec)
         logger.setLevel(logging.WARNING if level == logging.NOTSET or level > logging.WARNING else level)
+        logging.disable(logging.NOTSET)  # a library imported earlier in the session may have disabled levels
+        was_disabled, logger.disabled = logger.disabled, False
         try:
             t = template_for(meta)
         finally:
             logger.removeHandler(rec)
             logger.setLevel(level)
+            logging.disable(disabled)
+            logger.disabled = was_disabled
         assert t.name == name and t.source == builtin(name).source
         notes = [r.getMessage() for r in rec.records]
         assert len(notes) == 1 and repr(name) in notes[0] and "\n" not in notes[0], notes
