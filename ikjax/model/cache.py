@@ -109,15 +109,6 @@ def write(stack, j, new: jax.Array, start: jax.Array):
     return put(stack, new)
 
 
-def layer(stack, j):
-    """Layer j's whole cache [B, S, ...] (as the decode kernels read it)."""
-    if isinstance(stack, dict):
-        return {k: layer(v, j) for k, v in stack.items()}
-    if isinstance(j, int):
-        return stack[j]
-    return jax.lax.dynamic_index_in_dim(stack, j, 0, keepdims=False)
-
-
 def read(stack, j, length: int, width: int, dtype) -> jax.Array:
     """The first `length` rows of every sequence of layer j, as [B, length, width] in `dtype`."""
     def rows(a):
