@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Issue 22 on one GPU: where a cold `sweep-bench -c 4096 -ub 512 -n 64` goes. JAX's start, the
+# host->device bandwidth a load can reach (pageable NumPy, the page-cached model file), and the
+# cold command under XLA flag variants (autotuning off, ...), each with a fresh compile cache and
+# per-step compile lines; then the same command warm. Results: $OUT/cold.md
+#   VARIANTS="default noautotune" bash bench/gpu_coldstart.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-$PWD/cold_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+R=$OUT/cold.md
+ikj() { python3 -m ikjax.cli "$@"; }
+V2L=/tmp/v2l-Q4_0.gguf
+t0=$(date +%s)
+[ -f "$V2L" ] || ikj make-model -o "$V2L" --preset v2-lite --type Q4_0 > /dev/null || exit 1
+echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), jax $(python3 -c 'import jax; print(jax.__version__)'), make-model $(( $(date +%s) - t0 )) s" > "$R"
+cat /tmp/v2l-Q4_0.gguf > /dev/null  # page cache, as a second run finds it
+
+python3 - >> "$R" <<'EOF'
+import time
+t0 = time.perf_counter()
+import jax, jax.numpy as jnp, numpy as np
+t1 = time.perf_counter(); jax.devices(); t2 = time.perf_counter()
+print(f"import jax {t1 - t0:.2f} s, first jax.devices() {t2 - t1:.2f} s")
+dev = jax.devices()[0]
+a = np.random.default_rng(0).integers(0, 255, 1 << 30, dtype=np.uint8)
+for _ in range(3):
+    t = time.perf_counter(); jax.device_put(a, dev).block_until_ready(); dt = time.perf_counter() - t
+print(f"device_put 1 GiB pageable NumPy: {1 / dt:.2f} GiB/s")
+m = np.memmap("/tmp/v2l-Q4_0.gguf", np.uint8, mode="r")
+n = min(len(m), 4 << 30)
+t = time.perf_counter(); jax.device_put(np.asarray(m[:n]), dev).block_until_ready(); dt = time.perf_counter() - t
+print(f"device_put {n / 2**30:.1f} GiB memmap slice (page cache): {n / 2**30 / dt:.2f} GiB/s")
+chunks = [np.asarray(m[i:i + (256 << 20)]) for i in range(0, n, 256 << 20)]
+t = time.perf_counter(); xs = [jax.device_put(c, dev) for c in chunks]; jax.block_until_ready(xs); dt = time.perf_counter() - t
+print(f"device_put {len(chunks)} x 256 MiB memmap chunks: {n / 2**30 / dt:.2f} GiB/s")
+t = time.perf_counter(); b = np.empty(n, np.uint8); b[:] = m[:n]; dt = time.perf_counter() - t
+print(f"memcpy page cache -> NumPy, one thread: {n / 2**30 / dt:.2f} GiB/s")
+EOF
+
+timed() {  # timed LABEL CMD...
+  local label=$1; shift
+  local t0 t1; t0=$(date +%s.%N)
+  "$@" > "$OUT/$label.out" 2> "$OUT/$label.err"; local rc=$?
+  t1=$(date +%s.%N)
+  { echo "### $label: rc $rc, $(python3 -c "print(f'{$t1 - $t0:.1f}')") s from command to end"
+    grep '^|' "$OUT/$label.out" | head -4; grep -h 'compiled\|sweep took\|loaded\|Error' "$OUT/$label.err" | head -12; echo; } >> "$R"
+}
+SB="-m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 64"
+for v in ${VARIANTS:-default noautotune}; do
+  case $v in
+    default) flags="" ;;
+    noautotune) flags="--xla_gpu_autotune_level=0" ;;
+    notritongemm) flags="--xla_gpu_enable_triton_gemm=false" ;;
+    both) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false" ;;
+    *) flags="$v" ;;
+  esac
+  XLA_FLAGS="$flags" python3 -c "import jax; jax.devices()" 2> "$OUT/flagcheck-$v.err" \
+    || { echo "### $v: flags rejected: $(tail -1 "$OUT/flagcheck-$v.err")" >> "$R"; continue; }
+  rm -rf /tmp/cc-$v
+  XLA_FLAGS="$flags" JAX_LOG_COMPILES=1 IKJAX_COMPILE_CACHE=/tmp/cc-$v timed "cold-$v" ikj sweep-bench $SB
+  XLA_FLAGS="$flags" IKJAX_COMPILE_CACHE=/tmp/cc-$v timed "warm-$v" ikj sweep-bench $SB
+  { echo "compile phases ($v, cold), seconds:"; grep -h "Finished" "$OUT/cold-$v.err" \
+      | sed -E 's/.*Finished ([a-zA-Z +]*)(of|for) ([^ ]*).* in ([0-9.]+) sec.*/\1 \3 \4/' | head -40; echo; } >> "$R"
+done
+cat "$R"
