@@ -42,21 +42,22 @@ ISAS = ["generic", "avx2", "avx512"]
 MS, NS, THREADS = (1, 3, 17, 512), (1, 7, 37, 300), (1, 2)
 X8_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}  # the int8 decode's types (cpu_kernel.cc)
 X8_TOL = 1e-2
-# the int8 prompt engine's types (avx512 VNNI only; Q4_1 / Q5_1 with the minimum's share from x's block sums)
+# the int8 prompt engine's types (avx512 VNNI and avx2 vpmaddubsw; Q4_1 / Q5_1 with the minimum's share
+# from x's block sums)
 X8_PROMPT_TYPES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"}
-# K-quants in the int8 decode (avx512 VNNI only; f32 decode at avx2 and generic)
+# K-quants in the int8 decode (avx512 VNNI and avx2 vpmaddubsw; f32 decode at generic)
 X8_KQ_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
 
 
 def _is_x8(name, M, compute):
     """Whether this call takes 8-bit activations at the current level (module doc)."""
     if compute == "bf16" and name in X8_KQ_TYPES:
-        return M < 4 and _cpu.isa() == "avx512"
+        return M < 4 and _cpu.isa() in ("avx2", "avx512")
     if compute != "bf16" or name not in X8_TYPES:
         return False
     if M < 4:
         return _cpu.isa() in ("avx2", "avx512")
-    return _cpu.isa() == "avx512" and name in X8_PROMPT_TYPES
+    return _cpu.isa() in ("avx2", "avx512") and name in X8_PROMPT_TYPES
 
 
 def _x8(x):

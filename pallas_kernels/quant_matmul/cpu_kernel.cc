@@ -469,8 +469,14 @@ constexpr bool kq8_type(int type) {
 constexpr bool kq16_type(int type) { return type == ikj::T_Q2_K || type == ikj::T_Q3_K || type == ikj::T_Q6_K; }
 // The 2-bit-field K-quants: x laid out per super-block to match their codes (decode_kq2).
 constexpr bool kq2_type(int type) { return type == ikj::T_Q2_K || type == ikj::T_Q3_K; }
+#elif defined(IKJ_HAVE_Q8DOT)
+// The super-block types with an int8 decode (decode_kqa at the avx2 level: vpmaddubsw / vpmaddwd).
+constexpr bool kq8_type(int type) {
+  return type == ikj::T_Q2_K || type == ikj::T_Q3_K || type == ikj::T_Q4_K || type == ikj::T_Q5_K ||
+         type == ikj::T_Q6_K || type == ikj::T_IQ4_XS;
+}
 #else
-constexpr bool kq8_type(int) { return false; }  // the K-quants' int8 decode is avx512 (VNNI) only
+constexpr bool kq8_type(int) { return false; }  // no int8 decode at the generic level
 #endif
 
 #if defined(IKJ_Q8DOT_512)
@@ -1104,6 +1110,7 @@ struct XQ8 {
   std::vector<float> d;         // [M][nb] dx
   std::vector<float> ds;        // [M][nb] dx * sum(q) (types with a minimum)
   std::vector<int32_t> corr;    // [M][nb * 8] -offset * (sum of q[4i .. 4i + 3]), added to the lane sums
+  std::vector<float> ds16;      // [M][2 nb] dx * sum(q) per 16 values, x's order (Q2_K's minimum)
   int64_t row_q() const { return nb * 32; }
 };
 
@@ -1111,6 +1118,12 @@ inline float hmax256(__m256 v) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+inline float hsum128(__m128 h) {
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
   return _mm_cvtss_f32(h);
 }
 
@@ -1127,6 +1140,8 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   o.nb = nb;
   if (static_cast<int64_t>(o.q.size()) < M * nb * 32) o.q.resize(M * nb * 32), o.corr.resize(M * nb * 8);
   if (static_cast<int64_t>(o.d.size()) < M * nb) o.d.resize(M * nb), o.ds.resize(M * nb);
+  const bool half_sums = type == ikj::T_Q2_K;
+  if (half_sums && static_cast<int64_t>(o.ds16.size()) < 2 * M * nb) o.ds16.resize(2 * M * nb);
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones8 = _mm256_set1_epi8(1),
                 ones16 = _mm256_set1_epi16(1), moff = _mm256_set1_epi32(-offset);
@@ -1151,6 +1166,10 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
     const float d = _mm256_movemask_ps(un) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
     o.d[i] = d;
     o.ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));  // exact: |sum| <= 4064
+    if (half_sums) {  // s4's lanes 0-3 cover values 0-15, 4-7 values 16-31
+      o.ds16[2 * i] = d * hsum128(_mm_cvtepi32_ps(_mm256_castsi256_si128(s4)));
+      o.ds16[2 * i + 1] = d * hsum128(_mm_cvtepi32_ps(_mm256_extracti128_si256(s4, 1)));
+    }
   }
 }
 
@@ -1232,6 +1251,172 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
     }
   }
 }
+
+// ---- K-quants (Q2_K..Q6_K, IQ4_XS) in the int8-activation decode at the avx2 level ------------
+//
+// x as for Q8_0 (blocks of 32 in x's order, the same quantization as the avx512 level). Each
+// super-block's 8 blocks of 32 weights are formed in registers in x's order (the per-type layouts
+// below), multiplied by vpmaddubsw (weights the unsigned operand, x signed: pairs of i16) and summed
+// in pairs by vpmaddwd against the sub-block scales as int16 (lanes 0-7 the scale of weights 0-15,
+// 8-15 that of 16-31), so a block's 8 int32 lanes carry scale * q * q_x exactly; one convert and one
+// FMA by d * dx per block. Signed weights (Q3_K, Q6_K, IQ4_XS) take ggml's sign trick (|w| and
+// sign(x, w)); i16 pair sums stay below 2 * 127 * 127. Q4_K / Q5_K / Q2_K keep unsigned codes and
+// subtract the minimum's share dmin * min * dx * sum(q_x) per 32 (per 16 for Q2_K: XQ8::ds16) in
+// float, as the avx512 level does. Same numbers as avx512's decode_kq8 up to float summation order.
+template <int type>
+struct KqBlocks {
+  __m256i q[8];        // unsigned operand: codes, or |w| for the signed types
+  __m256i sg[8];       // signed types: the weights (the sign source)
+  __m256i sc[8];       // int16 scales, lanes 0-7 / 8-15
+  float d = 0.f;       // super-block scale
+  __m256 mn[2];        // dmin * min per 32 (mn[0]) or per 16 (mn[0..1]); minimum types only
+};
+
+inline __m256i sc16_pair(int a, int b) { return _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(a)), _mm_set1_epi16(static_cast<int16_t>(b))); }
+
+template <int type>
+inline void kq_unpack(const uint8_t* s, KqBlocks<type>& o) {
+  const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+  if constexpr (type == ikj::T_Q4_K || type == ikj::T_Q5_K) {
+    o.d = f16(s);
+    const float dmin = f16(s + 2);
+    const uint8_t* sc = s + 4;
+    int mn[8];
+    for (int j = 0; j < 4; ++j) {
+      o.sc[j] = _mm256_set1_epi16(sc[j] & 0x3f);
+      mn[j] = sc[4 + j] & 0x3f;
+      o.sc[4 + j] = _mm256_set1_epi16((sc[8 + j] & 0xf) | ((sc[j] >> 2) & 0x30));
+      mn[4 + j] = (sc[8 + j] >> 4) | ((sc[4 + j] >> 2) & 0x30);
+    }
+    o.mn[0] = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn))));
+    const uint8_t* qs = s + (type == ikj::T_Q4_K ? 16 : 48);
+    __m256i qh = type == ikj::T_Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)) : _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {  // bytes 32g..: low nibbles block 2g, high nibbles block 2g + 1
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g));
+      o.q[2 * g] = _mm256_and_si256(raw, m4);
+      o.q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      if constexpr (type == ikj::T_Q5_K) {  // bit j of qh[l]: + 16 on weight l of block j
+        o.q[2 * g] = _mm256_or_si256(o.q[2 * g], _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+        o.q[2 * g + 1] = _mm256_or_si256(o.q[2 * g + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+        qh = _mm256_srli_epi16(qh, 2);
+      }
+    }
+  } else if constexpr (type == ikj::T_Q6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(s + 192);
+    o.d = f16(s + 208);
+    const __m256i m32 = _mm256_set1_epi8(32);
+    for (int n = 0; n < 2; ++n) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64 * n));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64 * n + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 128 + 32 * n));
+      const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+      for (int t = 0; t < 4; ++t) {  // block 4n + t: ql nibble, qh bits 2t, 2t + 1 -> bits 4, 5
+        const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * t), m3), 4);
+        const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo[t], hb), m32);
+        o.sg[4 * n + t] = w;
+        o.q[4 * n + t] = _mm256_sign_epi8(w, w);
+        o.sc[4 * n + t] = sc16_pair(sc[8 * n + 2 * t], sc[8 * n + 2 * t + 1]);
+      }
+    }
+  } else if constexpr (type == ikj::T_Q3_K || type == ikj::T_Q2_K) {
+    const uint8_t* qs = s + (type == ikj::T_Q3_K ? 32 : 16);
+    int scl[16], mn[16];
+    if constexpr (type == ikj::T_Q3_K) {
+      o.d = f16(s + 108);
+      const uint8_t* sc = s + 96;
+      for (int k = 0; k < 16; ++k)
+        scl[k] = ((k < 8 ? (sc[k] & 0xf) : (sc[k - 8] >> 4)) | (((sc[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
+    } else {
+      o.d = f16(s + 80);
+      for (int k = 0; k < 16; ++k) scl[k] = s[k] & 0xf, mn[k] = s[k] >> 4;
+      const __m256 dm = _mm256_set1_ps(f16(s + 82));
+      o.mn[0] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn))));
+      o.mn[1] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 8))));
+    }
+    const __m256i hm = type == ikj::T_Q3_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)) : _mm256_setzero_si256();
+    for (int n = 0; n < 2; ++n) {
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * n));
+      for (int j = 0; j < 4; ++j, x = _mm256_srli_epi16(x, 2)) {  // block 4n + j: bits 2j of qs[32n + l]
+        const int b = 4 * n + j;
+        __m256i v = _mm256_and_si256(x, m3);
+        if constexpr (type == ikj::T_Q3_K) {  // hmask bit b set: value = low bits, clear: - 4
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << b));
+          const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+          v = _mm256_sub_epi8(v, _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
+          o.sg[b] = v;
+          o.q[b] = _mm256_sign_epi8(v, v);
+        } else {
+          o.q[b] = v;
+        }
+        o.sc[b] = sc16_pair(scl[2 * b], scl[2 * b + 1]);
+      }
+    }
+  } else {  // IQ4_XS
+    o.d = f16(s);
+    const unsigned sh = load_u16(s + 2);
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nl)));
+    for (int j = 0; j < 8; ++j) {
+      const int ls = ((s[4 + j / 2] >> (4 * (j % 2))) & 0xf) | (((sh >> (2 * j)) & 3) << 4);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8 + 16 * j));
+      const __m256i w = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4));
+      o.sg[j] = w;
+      o.q[j] = _mm256_sign_epi8(w, w);
+      o.sc[j] = _mm256_set1_epi16(static_cast<int16_t>(ls - 32));
+    }
+  }
+}
+
+// Rows [n0, n1) of W (w at super-block kb0 / 8 of row 0) against MM quantized x rows, 32-blocks
+// [kb0, kb0 + nb) (nb a multiple of 8).
+template <int type, int MM>
+void decode_kqa(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  constexpr int bs = type == ikj::T_Q2_K ? 84 : type == ikj::T_Q3_K ? 110 : type == ikj::T_Q4_K ? 144
+                   : type == ikj::T_Q5_K ? 176 : type == ikj::T_Q6_K ? 210 : 136;
+  constexpr bool sgn = type == ikj::T_Q3_K || type == ikj::T_Q6_K || type == ikj::T_IQ4_XS;
+  constexpr bool min32 = type == ikj::T_Q4_K || type == ikj::T_Q5_K, min16 = type == ikj::T_Q2_K;
+  const int64_t nsb = nb / 8;
+  const int8_t* xqs[MM];
+  const float *xd[MM], *xs[MM];
+  for (int m = 0; m < MM; ++m) {
+    xqs[m] = xq.q.data() + (m * xq.nb + kb0) * 32;
+    xd[m] = xq.d.data() + m * xq.nb + kb0;
+    xs[m] = min16 ? xq.ds16.data() + 2 * (m * xq.nb + kb0) : xq.ds.data() + m * xq.nb + kb0;
+  }
+  KqBlocks<type> kb;
+  alignas(32) float dd[MM][8];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m256 acc[MM][2], accm[MM];
+    for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = accm[m] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      kq_unpack<type>(wr + sb * bs, kb);
+      const __m256 vd = _mm256_set1_ps(kb.d);
+      for (int m = 0; m < MM; ++m) _mm256_store_ps(dd[m], _mm256_mul_ps(vd, _mm256_loadu_ps(xd[m] + 8 * sb)));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        for (int m = 0; m < MM; ++m) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs[m] + (8 * sb + j) * 32));
+          if constexpr (sgn) xv = _mm256_sign_epi8(xv, kb.sg[j]);
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(kb.q[j], xv), kb.sc[j]);
+          acc[m][j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&dd[m][j]), acc[m][j & 1]);
+        }
+      for (int m = 0; m < MM; ++m) {
+        if constexpr (min32) accm[m] = _mm256_fmadd_ps(kb.mn[0], _mm256_loadu_ps(xs[m] + 8 * sb), accm[m]);
+        if constexpr (min16) {
+          accm[m] = _mm256_fmadd_ps(kb.mn[0], _mm256_loadu_ps(xs[m] + 16 * sb), accm[m]);
+          accm[m] = _mm256_fmadd_ps(kb.mn[1], _mm256_loadu_ps(xs[m] + 16 * sb + 8), accm[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MM; ++m) {
+      const float s = hsum256(_mm256_sub_ps(_mm256_add_ps(acc[m][0], acc[m][1]), accm[m]));
+      float* dst = y + m * ldy + n;
+      *dst = accumulate ? *dst + s : s;
+    }
+  }
+}
 #endif  // IKJ_Q8DOT_512 / AVX2
 
 #if defined(IKJ_HAVE_Q8DOT)
@@ -1251,11 +1436,18 @@ void decode_q8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_
   }
 }
 
-#if defined(IKJ_Q8DOT_512)
+#if defined(IKJ_Q8DOT_512) || defined(IKJ_HAVE_Q8DOT)
 template <int type, int bs>
 void decode_kq8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes,
                   int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
   w += kb0 / 8 * bs;  // K-quant rows are plain sequences of super-blocks of 8 x 32
+#if !defined(IKJ_Q8DOT_512)
+  switch (M) {
+    case 1: decode_kqa<type, 1>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    case 2: decode_kqa<type, 2>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+    default: decode_kqa<type, 3>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
+  }
+#else
   if constexpr (kq2_type(type)) {
     switch (M) {
       case 1: decode_kq2<type, 1>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
@@ -1269,6 +1461,7 @@ void decode_kq8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8
       default: decode_kq8<type, 3>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     }
   }
+#endif
 }
 #endif
 
@@ -1283,7 +1476,7 @@ void decode_q8_rows(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uin
     case ikj::T_Q5_0: decode_q8_m<ikj::T_Q5_0, 22>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_Q5_1: decode_q8_m<ikj::T_Q5_1, 24>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_IQ4_NL: decode_q8_m<ikj::T_IQ4_NL, 18>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
-#if defined(IKJ_Q8DOT_512)
+#if defined(IKJ_HAVE_Q8DOT)
     case ikj::T_Q2_K: decode_kq8_m<ikj::T_Q2_K, 84>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_Q3_K: decode_kq8_m<ikj::T_Q3_K, 110>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     case ikj::T_Q4_K: decode_kq8_m<ikj::T_Q4_K, 144>(xq, M, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
@@ -1727,6 +1920,229 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
     }
     if (!direct)
       for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * ldy + p0, ctile.data() + i * QNR, nr * 4);
+  }
+}
+#elif defined(IKJ_HAVE_Q8DOT) && !defined(IKJ_Q8DOT_512)  // AVX2: the int8 prompt engine with vpmaddubsw / vpmaddwd
+// The same x quantization and weight values as the avx512 engine above, for the same types (ik's
+// AVX2 prompt kernels are int8 too; the bf16-rounded f32 panels ran at 0.4-0.6x ik there). Panels
+// of QNR = 8 weight rows laid out [block][quad][row] (4 bytes of each row per 32-bit lane, an
+// 8 x 8 dword transpose of the rows' blocks), dw (and mw) per block as 8 floats. The microkernel
+// broadcasts 4 bytes of one x row against the 8 rows: vpmaddubsw (weights unsigned, x signed ->
+// i16 pairs) and vpmaddwd by ones -> i32 per row, the block's sum one convert and one FMA by
+// dw * dx. Weight operands per type:
+// - Q8_0 / IQ4_NL: signed values with ggml's sign trick (|w| stored beside w; sign(x, w) per
+//   product, pair sums <= 2 * 128 * 127 cannot saturate);
+// - Q4_0 / Q5_0 / Q4_1 / Q5_1: the stored codes (0..15 / 0..31, unsigned); Q4_0 / Q5_0's offset
+//   (8 / 16) and Q4_1 / Q5_1's minimum both become mw * dx * sum(q_x) per block (mw = -8 dw, -16 dw
+//   or m), one FMA with the x8 pack's ds. Their i16 pair sums are added over 8 (Q4) / 4 (Q5) quads
+//   before vpmaddwd (<= 8 * 2 * 15 * 127 < 2^15).
+// The int32 block sums equal avx512's exactly (same integers), so results differ from it only by
+// float summation order (tests/test_cpu_quant_matmul.py checks both against the reference).
+#define IKJ_HAVE_Q8GEMM 1
+constexpr int QNR = 8;             // weight rows per panel (one ymm of 8 int32 / f32 lanes)
+constexpr int MQ = 4;              // x rows per microkernel
+constexpr int64_t QKB = 16;        // blocks per K chunk: <= 9 KiB of the panel, L1-resident
+
+inline bool q8gemm_type(int type) {
+  return type == ikj::T_Q8_0 || type == ikj::T_Q4_0 || type == ikj::T_Q5_0 || type == ikj::T_IQ4_NL ||
+         type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
+}
+constexpr bool q8gemm_sign(int type) { return type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL; }
+// panel bytes per block: 8 quads x 32 (+ 8 x 32 |w|), 32 dw (+ 32 mw)
+constexpr int64_t q8gemm_blk(int type) { return q8gemm_sign(type) ? 544 : 320; }
+
+// x8 pack: [M][K] signed bytes q, then (64-byte aligned) [M][K / 32] floats dx, then [M][K / 32]
+// floats dx * sum(q).
+inline int64_t x8_dx_offset(int64_t M, int64_t K) { return (M * K + 63) / 64 * 64; }
+inline int64_t x8_ds_offset(int64_t M, int64_t K) { return x8_dx_offset(M, K) + M * (K / 32) * 4; }
+inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (K / 32) * 4; }
+
+// rows [r0, r1) of x [M, K] into the x8 pack at out (K a multiple of 32); quantize_x8's arithmetic
+void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1) {
+  const int64_t nb = K / 32;
+  float* dx = reinterpret_cast<float*>(out + x8_dx_offset(M, K));
+  float* ds = reinterpret_cast<float*>(out + x8_ds_offset(M, K));
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones8 = _mm256_set1_epi8(1),
+                ones16 = _mm256_set1_epi16(1);
+  for (int64_t i = r0 * nb; i < r1 * nb; ++i) {
+    const float* xb = x + i * 32;
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
+    const float amax = hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+    const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+    const __m256i p = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), perm);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 32), p);
+    const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, p), ones16);
+    const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                   _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+    const float d = _mm256_movemask_ps(un) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+    dx[i] = d;
+    ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));
+  }
+}
+
+// Weight rows [p0, p0 + nr) (nr <= QNR; missing rows zero) of nb blocks into the panel layout.
+template <int type, int bs>
+void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint8_t* panel) {
+  constexpr int64_t qblk = q8gemm_blk(type);
+  constexpr bool sgn = q8gemm_sign(type);
+  const uint8_t* rows[QNR];
+  for (int j = 0; j < QNR; ++j) rows[j] = j < nr ? w + (p0 + j) * row_bytes : nullptr;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i r[8];
+    alignas(32) float d[8], mw[8];
+    for (int j = 0; j < 8; ++j) {
+      if (!rows[j]) {
+        r[j] = _mm256_setzero_si256();
+        d[j] = mw[j] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = rows[j] + b * bs;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bs), _MM_HINT_T0);
+      r[j] = wblock_avx2<type>(blk);  // signed values (Q8_0, IQ4_NL) or unsigned codes
+      d[j] = f16(blk);
+      mw[j] = type == ikj::T_Q4_0 ? -8.f * d[j] : type == ikj::T_Q5_0 ? -16.f * d[j]
+            : (type == ikj::T_Q4_1 || type == ikj::T_Q5_1) ? f16(blk + 2) : 0.f;
+    }
+    // 8 x 8 dword transpose: out[c] = dword c (bytes 4c..4c+3) of each of the 8 rows
+    __m256i t[8], u[8];
+    for (int k = 0; k < 4; ++k) {
+      t[2 * k] = _mm256_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+      t[2 * k + 1] = _mm256_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; ++k) {
+      u[4 * k] = _mm256_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+      u[4 * k + 1] = _mm256_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+      u[4 * k + 2] = _mm256_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+      u[4 * k + 3] = _mm256_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    uint8_t* pb = panel + b * qblk;
+    for (int c = 0; c < 4; ++c) {
+      const __m256i lo = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20), hi = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 32 * c), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 32 * (c + 4)), hi);
+      if constexpr (sgn) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * c), _mm256_sign_epi8(lo, lo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * (c + 4)), _mm256_sign_epi8(hi, hi));
+      }
+    }
+    const int64_t doff = sgn ? 512 : 256;
+    _mm256_storeu_ps(reinterpret_cast<float*>(pb + doff), _mm256_load_ps(d));
+    if constexpr (!sgn) _mm256_storeu_ps(reinterpret_cast<float*>(pb + doff + 32), _mm256_load_ps(mw));
+  }
+}
+
+// C[mr][QNR] (row stride ldc) (+)= x8 rows (xq: row 0's bytes, stride K; dx / ds: row 0's scales
+// and dx * sum(q), stride nbx) x panel blocks [b0, b1).
+template <int type, int mr>
+void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int64_t nbx, const uint8_t* panel,
+              int64_t b0, int64_t b1, float* C, int64_t ldc, bool acc_c) {
+  constexpr int64_t qblk = q8gemm_blk(type);
+  constexpr bool sgn = q8gemm_sign(type);
+  constexpr int run16 = type == ikj::T_Q5_0 || type == ikj::T_Q5_1 ? 4 : 8;  // quads summed in i16
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f[mr];
+  for (int i = 0; i < mr; ++i) f[i] = _mm256_setzero_ps();
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* pb = panel + b * qblk;
+    const int8_t* xb = xq + b * 32;
+    __m256i c[mr];
+    if constexpr (sgn) {
+      for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
+        const __m256i uw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
+        for (int i = 0; i < mr; ++i) {
+          const __m256i a = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q))));
+          c[i] = _mm256_add_epi32(c[i], _mm256_madd_epi16(_mm256_maddubs_epi16(uw, _mm256_sign_epi8(a, w)), ones));
+        }
+      }
+    } else {
+      for (int h = 0; h < 8 / run16; ++h) {
+        __m256i s[mr];
+        for (int i = 0; i < mr; ++i) s[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int q = h * run16; q < (h + 1) * run16; ++q) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
+          for (int i = 0; i < mr; ++i) {
+            const __m256i a = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q))));
+            s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(w, a));
+          }
+        }
+        for (int i = 0; i < mr; ++i) {
+          const __m256i p = _mm256_madd_epi16(s[i], ones);
+          c[i] = h == 0 ? p : _mm256_add_epi32(c[i], p);
+        }
+      }
+    }
+    const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(pb + (sgn ? 512 : 256)));
+    for (int i = 0; i < mr; ++i)
+      f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[i]), _mm256_mul_ps(dv, _mm256_broadcast_ss(dx + i * nbx + b)), f[i]);
+    if constexpr (!sgn) {
+      const __m256 mv = _mm256_loadu_ps(reinterpret_cast<const float*>(pb + 288));
+      for (int i = 0; i < mr; ++i) f[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(ds + i * nbx + b), f[i]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    if (acc_c) f[i] = _mm256_add_ps(f[i], _mm256_loadu_ps(C + i * ldc));
+    _mm256_storeu_ps(C + i * ldc, f[i]);
+  }
+}
+
+template <int type, int bs>
+void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, int64_t M, int64_t K, const uint8_t* w,
+                    int64_t row_bytes, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  thread_local std::vector<uint8_t> panel;
+  thread_local std::vector<float> ctile;
+  if (static_cast<int64_t>(panel.size()) < nb * q8gemm_blk(type)) panel.resize(nb * q8gemm_blk(type));
+  if (static_cast<int64_t>(ctile.size()) < M * QNR) ctile.resize(M * QNR);
+  for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
+    const int64_t nr = std::min<int64_t>(QNR, n1 - p0);
+    build_panel_q8<type, bs>(w, row_bytes, p0, nr, nb, panel.data());
+    const bool direct = nr == QNR;
+    float* Cbase = direct ? y + p0 : ctile.data();
+    const int64_t ldc = direct ? ldy : QNR;
+    for (int64_t kb = 0; kb < nb; kb += QKB) {
+      const int64_t kb1 = std::min(nb, kb + QKB);
+      for (int64_t m0 = 0; m0 < M; m0 += MQ) {
+        const int mr = static_cast<int>(std::min<int64_t>(MQ, M - m0));
+        const int8_t* xr = xq + m0 * K;
+        const float *dr = dx + m0 * nb, *sr = ds + m0 * nb;
+        float* C = Cbase + m0 * ldc;
+        switch (mr) {
+          case 4: micro_q8<type, 4>(xr, K, dr, sr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+          case 3: micro_q8<type, 3>(xr, K, dr, sr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+          case 2: micro_q8<type, 2>(xr, K, dr, sr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+          default: micro_q8<type, 1>(xr, K, dr, sr, nb, panel.data(), kb, kb1, C, ldc, kb > 0); break;
+        }
+      }
+    }
+    if (!direct)
+      for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * ldy + p0, ctile.data() + i * QNR, nr * 4);
+  }
+}
+
+// Weight rows [n0, n1) against the x8 pack xp of M rows.
+void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
+                  int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const uint8_t* xu = static_cast<const uint8_t*>(xp);
+  const int8_t* xq = reinterpret_cast<const int8_t*>(xu);
+  const float* dx = reinterpret_cast<const float*>(xu + x8_dx_offset(M, K));
+  const float* ds = reinterpret_cast<const float*>(xu + x8_ds_offset(M, K));
+  switch (type) {
+    case ikj::T_Q8_0: return gemm_rows_q8_t<ikj::T_Q8_0, 34>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q4_0: return gemm_rows_q8_t<ikj::T_Q4_0, 18>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q5_0: return gemm_rows_q8_t<ikj::T_Q5_0, 22>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q4_1: return gemm_rows_q8_t<ikj::T_Q4_1, 20>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q5_1: return gemm_rows_q8_t<ikj::T_Q5_1, 24>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
+    default: return gemm_rows_q8_t<ikj::T_IQ4_NL, 18>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
   }
 }
 #endif
