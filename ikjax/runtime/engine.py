@@ -373,6 +373,22 @@ class Engine:
         out, _ = self.prefill(self.new_cache(1), ids, 0, all_logits=True)
         return out
 
+    def perplexity(self, ids: Sequence[int], ctx: int | None = None, *, n_chunks: int | None = None,
+                   save_base=None, on_chunk=None):
+        """llama-perplexity over a whole text's token ids (BOS first where the model adds one):
+        chunks of `ctx` tokens (default -c), each scoring its second half; returns a
+        `PerplexityResult` (ppl, ppl_err, per-chunk running PPL, every token's NLL). `save_base`:
+        also write ik's --kl-divergence-base file. The rules are ik's: ikjax.runtime.perplexity."""
+        from ikjax.runtime import perplexity
+        return perplexity.perplexity(self, ids, ctx, n_chunks=n_chunks, save_base=save_base, on_chunk=on_chunk)
+
+    def kld(self, base, *, n_chunks: int | None = None, on_chunk=None):
+        """llama-perplexity --kl-divergence against a base log-probability file (a path, or
+        `perplexity.BaseLogits`) written by `perplexity(save_base=...)` or by ik; returns a
+        `KLDResult` (`.lines()`: ik's statistics block)."""
+        from ikjax.runtime import perplexity
+        return perplexity.kld(self, base, n_chunks=n_chunks, on_chunk=on_chunk)
+
     def generate(self, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  stop: Iterable[int] = (), stream: bool = False, repeat_penalty: float = 1.0,
