@@ -3,6 +3,7 @@
     ikjax sweep-bench -m model.gguf -c 16384 -ub 2048 -mla 3 -fa
     ikjax bench -m model.gguf -p 512 -n 128 -mla 2,3 -ub 512,2048 -r 3
     ikjax generate -m model.gguf -p "Once upon a time" -n 64
+    ikjax perplexity -m model.gguf -f wiki.test.raw -c 512
     ikjax serve -m model.gguf -c 16384 -np 4 --port 8080
     ikjax info model.gguf -c 32768 -ctk q8_0
     ikjax make-model --preset v2-lite --type Q4_0 -o v2lite.gguf
@@ -15,7 +16,7 @@ imports this module back. `ikjax = "ikjax.cli:app"` (pyproject.toml) is the cons
 """
 from ikjax.cli.common import app
 # importing a command module registers its command on `app`: this order is `ikjax --help`'s
-from ikjax.cli import sweep_bench, plot, bench, generate, chat, info, make_model, serve  # noqa: F401
+from ikjax.cli import sweep_bench, plot, bench, generate, chat, perplexity, info, make_model, serve  # noqa: F401
 from ikjax.cli.run import CONFIG_COMMANDS  # `run` last
 
 __all__ = ["app", "main", "CONFIG_COMMANDS"]

@@ -16,12 +16,14 @@ from ikjax.cli.generate import generate
 from ikjax.cli.info import info
 from ikjax.cli.make_model import make_model
 from ikjax.cli.parser import ExactCommand
+from ikjax.cli.perplexity import perplexity_cmd
 from ikjax.cli.run_config import parse_config
 from ikjax.cli.serve import serve
 from ikjax.cli.sweep_bench import sweep_bench
 
 CONFIG_COMMANDS: dict[str, Callable] = {"sweep-bench": sweep_bench, "bench": bench, "generate": generate,
-                                        "info": info, "make-model": make_model, "serve": serve}
+                                        "info": info, "make-model": make_model, "serve": serve,
+                                        "perplexity": perplexity_cmd}
 
 
 @app.command("run", cls=ExactCommand)
