@@ -18,7 +18,10 @@ keyword; messages are passed as plain JSON data with the reasoning field aliases
 A file without a template gets a named fallback chosen from its pre-tokenizer
 (`tokenizer.ggml.pre`): deepseek-v3 -> `deepseek3` (DeepSeek-R1's own template, byte for byte: the
 V3/R1 turn format; its generation prompt opens a `<think>` block), deepseek-llm -> `deepseek2`
-(DeepSeek-V2-Chat's), anything else -> `chatml`. The names are llama-server's `--chat-template`
+(DeepSeek-V2-Chat's), kimi-k2 -> `kimi-k2` (Kimi K2 / Moonlight turns: `<|im_user|>user<|im_middle|>
+... <|im_end|>`), glm4 -> `chatglm4` (`[gMASK]<sop><|user|>\n...`, GLM-4.x; files from GLM's
+converter add no BOS, the template writes `[gMASK]<sop>`), anything else -> `chatml`. The kimi-k2
+and chatglm4 texts are llama.cpp's builtins of those names. The names are llama-server's `--chat-template`
 names; `--chat-template` also takes a FILE holding a Jinja template (or the template text itself,
 as llama-server does with --jinja).
 
@@ -42,9 +45,10 @@ log = logging.getLogger("ikjax")
 _TEMPLATES = Path(__file__).resolve().parent / "templates"
 # llama-server's names -> the template files shipped in ikjax/templates
 BUILTINS: dict[str, str] = {"deepseek3": "deepseek3.jinja", "deepseek2": "deepseek2.jinja",
-                            "chatml": "chatml.jinja"}
+                            "chatml": "chatml.jinja", "kimi-k2": "kimi-k2.jinja", "chatglm4": "chatglm4.jinja"}
 # tokenizer.ggml.pre -> the fallback for a file without tokenizer.chat_template
-FALLBACKS: dict[str, str] = {"deepseek-v3": "deepseek3", "deepseek-llm": "deepseek2"}
+FALLBACKS: dict[str, str] = {"deepseek-v3": "deepseek3", "deepseek-llm": "deepseek2", "kimi-k2": "kimi-k2",
+                             "glm4": "chatglm4", "chatglm-bpe": "chatglm4"}
 DEFAULT_FALLBACK = "chatml"
 GGUF_KEY = "tokenizer.chat_template"
 

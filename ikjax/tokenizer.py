@@ -2,7 +2,8 @@
 
 `tokenizer.ggml.model = gpt2` (byte-level BPE: tokens, merges, token types) and
 `tokenizer.ggml.pre` choosing the pre-tokenizer regexes as llama.cpp does (deepseek-v3,
-deepseek-llm, deepseek-coder, gpt-2; a file without the key gets deepseek-v3). CONTROL /
+deepseek-llm, deepseek-coder, glm4, kimi-k2, gpt-2 / gigachat; a file without the key gets
+deepseek-v3). CONTROL /
 USER_DEFINED tokens are added as special tokens so they are matched whole in text.
 
 What ik_llama.cpp refuses (src/llama-vocab.cpp) is refused here too, naming the key, rather than
@@ -43,12 +44,38 @@ _DEEPSEEK_CODER = [
     "[一-龥ࠀ-一가-퟿]+",
     r"\p{N}",
 ]
+# GLM-4 (llama.cpp's "glm4"/"chatglm-bpe", its CHATGLM4 type): the Llama-3 pattern, contractions
+# spelled case by case as llama.cpp writes them (what tokenizer.json says with (?i:...))
+_GLM4 = [
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+# Kimi K2 / Moonlight ("kimi-k2"): Moonshot's tiktoken pattern (tokenization_kimi.py), which
+# llama.cpp quotes above its hand-written splitter: Han runs alone, words split at case changes
+# as o200k does ("getUserName" -> get|User|Name). llama.cpp's splitter takes a whole run of
+# non-Han letters as one word there; this follows the model's own tokenizer (the reference).
+# `tokenizers`' regex engine (Oniguruma) takes the class intersections (&&) as written.
+_KIMI_K2 = [
+    r"[\p{Han}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
 PRE_REGEXES: dict[str, list[str]] = {"deepseek-v3": _DEEPSEEK_V3, "deepseek-llm": _DEEPSEEK_LLM,
-                                     "deepseek-coder": _DEEPSEEK_CODER}
-# pre-tokenizers done by `tokenizers`' own GPT-2 ByteLevel regex (ik's LLAMA_VOCAB_PRE_TYPE_GPT2 regex)
-GPT2_PRES = ("gpt-2", "gpt2")
+                                     "deepseek-coder": _DEEPSEEK_CODER, "glm4": _GLM4, "chatglm-bpe": _GLM4,
+                                     "kimi-k2": _KIMI_K2}
+# pre-tokenizers done by `tokenizers`' own GPT-2 ByteLevel regex (ik's LLAMA_VOCAB_PRE_TYPE_GPT2
+# regex; GigaChat's "gigachat" is one of the names llama.cpp maps to it)
+GPT2_PRES = ("gpt-2", "gpt2", "gigachat")
 KNOWN_PRES = (*PRE_REGEXES, *GPT2_PRES)
 DEFAULT_PRE = "deepseek-v3"
+# pre-tokenizers whose files get no BOS unless `tokenizer.ggml.add_bos_token` asks for one: llama.cpp
+# adds none by default for BPE vocabularies (and drops GLM-4's BOS id: its template writes
+# "[gMASK]<sop>" itself); DeepSeek files carry add_bos_token = true, and ikjax's own files without
+# the key keep the BOS they were made with
+NO_DEFAULT_BOS = ("glm4", "chatglm-bpe", "kimi-k2", "gigachat")
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
 
 
@@ -126,7 +153,8 @@ class GGUFTokenizer:
             raise ModelFileError(f"{source}: {e}") from None
         self.bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens), source)
         self.eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens), source)
-        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True)) and self.bos_id is not None
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self.pre not in NO_DEFAULT_BOS)) \
+            and self.bos_id is not None
         self.n_vocab = len(tokens)
         self.tokens = tokens
         self.token_types = [_NORMAL] * len(tokens) if types is None else [int(t) for t in _as_list(types)]

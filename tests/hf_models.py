@@ -76,19 +76,82 @@ VARIANTS: dict[str, dict[str, Any]] = {
     ),
 }
 VARIANTS["v3dense2"] = dict(VARIANTS["v3"], first_k_dense_replace=2, num_hidden_layers=4)
+
+# The deepseek2-GGUF families beyond DeepSeek's own (issue 27), tiny, each with the dims that set it
+# apart from V3 kept as they are where they are per-head sizes or ratios the kernels see:
+# - kimi: Kimi K2 (DeepseekV3 class): 64 heads, 384 experts in one group, 8 used + 1 shared,
+#   norm, x2.827, YaRN factor 32 with beta_fast = beta_slow = 1 (K2's config), rope base 50000.
+# - glm47: GLM-4.7-Flash (transformers' own Glm4MoeLite class): 20 heads, q_lora, the latent of
+#   every real model (512 + 64) and GLM's per-head sizes nope 192 / v 256 (v wider than nope),
+#   64 experts, 4 used + 1 shared, sigmoid + bias, norm, x1.8, rope base 1e6, no YaRN.
+# - moonlight: Moonlight-16B-A3B (DeepseekV3 class): V2-Lite's attention (no q_lora, 16 heads)
+#   with V3 routing (sigmoid + bias, one group, norm), 2 shared, x2.446, rope base 50000.
+# - v2full: DeepSeek V2 / V2.5 (DeepseekV2 class): q_lora, softmax routing over 160 experts in 8
+#   groups (top 3 groups), 6 used + 2 shared, no norm, x16, YaRN factor 40 mscale 0.707.
+# - v32: DeepSeek V3.2 (transformers' DeepseekV32 class, its lightning indexer included): with
+#   fewer tokens than the indexer's top-k every key is selected, so dense attention is exact.
+# - gigachat: GigaChat3 (DeepseekV3 class): no q_lora at a layer count other than 27, V3 routing.
+VARIANTS["kimi"] = dict(
+    arch="v3", q_lora_rank=96, num_attention_heads=64, num_key_value_heads=64, qk_nope_head_dim=16,
+    qk_rope_head_dim=16, v_head_dim=16, kv_lora_rank=64, n_routed_experts=384, num_experts_per_tok=8,
+    moe_intermediate_size=16, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
+    routed_scaling_factor=2.827,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+)
+VARIANTS["glm47"] = dict(
+    arch="glm4lite", q_lora_rank=96, num_attention_heads=20, num_key_value_heads=20, qk_nope_head_dim=192,
+    qk_rope_head_dim=64, v_head_dim=256, kv_lora_rank=512, n_routed_experts=64, num_experts_per_tok=4,
+    moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
+    routed_scaling_factor=1.8, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+)
+VARIANTS["moonlight"] = dict(
+    arch="v3", q_lora_rank=None, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+    num_experts_per_tok=6, moe_intermediate_size=32, n_shared_experts=2, n_group=1, topk_group=1,
+    norm_topk_prob=True, routed_scaling_factor=2.446, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+)
+VARIANTS["v2full"] = dict(
+    arch="v2", q_lora_rank=96, n_routed_experts=160, num_experts_per_tok=6, moe_intermediate_size=16,
+    n_shared_experts=2, n_group=8, topk_group=3, topk_method="group_limited_greedy", norm_topk_prob=False,
+    routed_scaling_factor=16.0,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "mscale": 0.707, "mscale_all_dim": 0.707},
+)
+VARIANTS["v32"] = dict(VARIANTS["v3"], arch="v32", index_n_heads=4, index_head_dim=32, index_topk=2048)
+VARIANTS["gigachat"] = dict(
+    arch="v3", q_lora_rank=None, num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4,
+    n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+)
 VARIANTS["v3h128"] = dict(VARIANTS["v3"], num_attention_heads=128, num_key_value_heads=128, qk_nope_head_dim=16,
                           qk_rope_head_dim=16, v_head_dim=16, kv_lora_rank=64, q_lora_rank=64)
 
 
+def _classes(arch: str):
+    """(config class, model class) of transformers for a variant's `arch`."""
+    import transformers as t
+    return {"v2": (t.DeepseekV2Config, t.DeepseekV2ForCausalLM), "v3": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM),
+            "v32": (t.DeepseekV32Config, t.DeepseekV32ForCausalLM),
+            "glm4lite": (t.Glm4MoeLiteConfig, t.Glm4MoeLiteForCausalLM)}[arch]
+
+
+_MODEL_TYPE_ARCH = {"deepseek_v2": "v2", "deepseek_v3": "v3", "deepseek_v32": "v32", "glm4_moe_lite": "glm4lite"}
+
+
 def build_config(variant: str, **overrides: Any):
     """The transformers config object for a variant (overrides win)."""
-    from transformers import DeepseekV2Config, DeepseekV3Config
     kw = dict(_BASE)
     kw.update(copy.deepcopy(VARIANTS[variant]))
     kw.update(overrides)
     arch = kw.pop("arch")
-    kw.pop("topk_method", None) if arch == "v3" else None
-    cls = DeepseekV3Config if arch == "v3" else DeepseekV2Config
+    kw.pop("topk_method", None) if arch != "v2" else None
+    if arch == "glm4lite":  # its layer pattern is mlp_layer_types
+        dense = kw.pop("first_k_dense_replace")
+        kw["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (kw["num_hidden_layers"] - dense)
+    cls = _classes(arch)[0]
     cfg = cls(**kw)
     cfg._attn_implementation = "eager"
     return cfg
@@ -102,6 +165,7 @@ def config_dict(cfg) -> dict[str, Any]:
     d["rope_theta"] = rp.get("rope_theta", 10000.0)
     if rp.get("rope_type", "default") != "default":
         d["rope_scaling"] = {"type": rp["rope_type"], **{k: v for k, v in rp.items() if k not in ("rope_type", "rope_theta")}}
+    is_v3 = is_v3 or d.get("model_type") in ("deepseek_v32", "glm4_moe_lite")
     d["scoring_func"] = "sigmoid" if is_v3 else "softmax"
     d["topk_method"] = "noaux_tc" if is_v3 else d.get("topk_method", "greedy")
     return d
@@ -122,10 +186,9 @@ def _randomize(model, seed: int, std: float) -> None:
 
 def make_model(variant: str = "v3", *, seed: int = 0, std: float = 0.05, **overrides: Any):
     """Build a seeded random tiny model. Returns ``(hf_model, hf_config_dict, state_dict_numpy)``."""
-    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     cfg = build_config(variant, **overrides)
     torch.manual_seed(seed)
-    cls = DeepseekV3ForCausalLM if cfg.model_type == "deepseek_v3" else DeepseekV2ForCausalLM
+    cls = _classes(_MODEL_TYPE_ARCH[cfg.model_type])[1]
     model = cls(cfg).to(torch.float32).eval()
     model.config._attn_implementation = "eager"
     _randomize(model, seed, std)

@@ -34,7 +34,9 @@ class ReferenceBPE:
             self.vocab.setdefault(t, i)
         self.ranks = {tuple(m.split(" ", 1)): i for i, m in enumerate(merges)}
         self.special = sorted((tokens[i] for i, ty in enumerate(types) if ty in (3, 4)), key=len, reverse=True)
-        self.regexes = [regex.compile(r) for r in PRE_REGEXES[pre]]
+        # Kimi K2's pattern intersects classes ([...&&[^\p{Han}]]), which the regex module reads
+        # only in its V1 mode (as Rust's regex, tiktoken's engine, does); the others as written
+        self.regexes = [regex.compile(r, regex.V1 if "&&" in r else 0) for r in PRE_REGEXES[pre]]
         self.b2u = bytes_to_unicode()
 
     def _split(self, pieces, rx):

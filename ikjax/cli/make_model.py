@@ -20,7 +20,8 @@ from ikjax.errors import OptionError
 @app.command("make-model", cls=ExactCommand)
 @handle
 def make_model(
-    preset: Annotated[str, typer.Option("--preset", help="tiny, v2-lite, v3 or r1")] = "tiny",
+    preset: Annotated[str, typer.Option("--preset", help="tiny, v2-lite, v3, r1, kimi-k2, "
+                                                       "glm-4.7-flash, moonlight or v2")] = "tiny",
     qtype: Annotated[str, typer.Option("--type", help="weight type: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K "
                                        "Q5_K Q6_K IQ4_NL IQ4_XS IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S BF16 F16 F32")] = "Q8_0",
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="GGUF file to write")] = None,

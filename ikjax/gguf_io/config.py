@@ -229,6 +229,8 @@ class ModelConfig:
             known.update(s.gguf_name for s in layer_specs(self, i))
             known.update(f"blk.{i}.nextn.{n}.weight" for n in _NEXTN_TENSORS)
         for name in tensors:
+            if _INDEXER_RE.match(name) and int(_INDEXER_RE.match(name).group(1)) < block_count:
+                continue  # V3.2's sparse-attention indexer: loaded past, named by ignored_parts
             if name not in known:
                 raise ModelFileError(f"{source}: unexpected tensor {name}: a {ARCH} model with this metadata "
                                      f"does not read it")
@@ -236,6 +238,34 @@ class ModelConfig:
 
 _BLK_RE = re.compile(r"^blk\.(\d+)\.")
 _NEXTN_TENSORS = ("eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_head", "shared_head_norm")
+# DeepSeek V3.2's lightning indexer (sparse attention): tensors gguf-py names blk.N.indexer.*
+_INDEXER_RE = re.compile(r"^blk\.(\d+)\.indexer\.(k_norm\.weight|k_norm\.bias|proj\.weight|attn_k\.weight|"
+                         r"attn_q_b\.weight)$")
+
+
+def ignored_parts(cfg: ModelConfig, tensors: Mapping[str, Any], metadata: Mapping[str, Any]) -> list[str]:
+    """One line per part of a file ikjax loads past without running it, for the loader to print
+    (never silently): the MTP layers (`nextn_predict_layers`, GLM-4.7-Flash's layer 47, a V3
+    checkpoint converted with its MTP layer), whose extra next-token head serves only speculative
+    decoding, and DeepSeek V3.2's sparse-attention indexer, which ik_llama.cpp skips as well,
+    running V3.2 with dense attention over every cached key (the same output while a sequence is
+    no longer than the indexer's top-k, 2048; past it, dense attention sees keys V3.2 would drop)."""
+    notes = []
+    if cfg.n_nextn:
+        first, last = cfg.n_layer, cfg.n_layer + cfg.n_nextn - 1
+        present = any(_BLK_RE.match(n) and first <= int(_BLK_RE.match(n).group(1)) <= last for n in tensors)
+        which = f"layer {first}" if first == last else f"layers {first}-{last}"
+        notes.append(f"MTP {which} ({ARCH}.nextn_predict_layers = {cfg.n_nextn}"
+                     f"{', tensors present' if present else ', tensors absent'}) ignored: ikjax runs the "
+                     f"{cfg.n_layer} main layers and no speculative decoding")
+    layers = {int(m.group(1)) for n in tensors if (m := _INDEXER_RE.match(n))}
+    keys = sorted(k for k in metadata if k.startswith(f"{ARCH}.attention.indexer."))
+    if layers or keys:
+        top_k = metadata.get(f"{ARCH}.attention.indexer.top_k")
+        notes.append(f"sparse-attention indexer (DeepSeek V3.2: blk.N.indexer.* tensors in {len(layers)} layers"
+                     f"{f', top_k {int(top_k)}' if top_k is not None else ''}) ignored: dense attention over "
+                     f"every cached key, as ik_llama.cpp runs it")
+    return notes
 
 
 # Keys ikjax reads. A key missing from a file falls back to a default (or is an error), so a key

@@ -69,6 +69,17 @@ _LAYER_MAP = {
     "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    # DeepSeek V3.2's sparse-attention indexer (ik runs the model with dense attention, as ikjax)
+    "self_attn.indexer.wq_b": "indexer.attn_q_b",
+    "self_attn.indexer.wk": "indexer.attn_k",
+    "self_attn.indexer.k_norm": "indexer.k_norm",
+    "self_attn.indexer.weights_proj": "indexer.proj",
+}
+# an MTP layer's own modules (beside a full layer's): HF module path -> GGUF name after "blk.N."
+_NEXTN_MAP = {
+    "eh_proj": "nextn.eh_proj", "enorm": "nextn.enorm", "hnorm": "nextn.hnorm",
+    "shared_head.norm": "nextn.shared_head_norm", "shared_head.head": "nextn.shared_head_head",
+    "embed_tokens": "nextn.embed_tokens",
 }
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -99,8 +110,29 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float | None:
     return float(rp["rope_theta"]) if rp.get("rope_theta") is not None else None
 
 
+# transformers model types (and architectures) that route as DeepSeek-V3 does: sigmoid scores with
+# the selection bias `e_score_correction_bias` (their configs may not say `scoring_func`)
+_V3_ROUTED_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe_lite")
+_V3_ROUTED_ARCHS = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Glm4MoeLiteForCausalLM")
+
+
 def _is_v3(cfg: Mapping[str, Any]) -> bool:
-    return cfg.get("model_type") == "deepseek_v3" or "DeepseekV3ForCausalLM" in (cfg.get("architectures") or [])
+    return cfg.get("model_type") in _V3_ROUTED_TYPES or any(
+        a in _V3_ROUTED_ARCHS for a in (cfg.get("architectures") or []))
+
+
+def leading_dense_layers(cfg: Mapping[str, Any]) -> int:
+    """`first_k_dense_replace`, or (Glm4MoeLite, DeepseekV32 in transformers 5) the leading "dense"
+    entries of `mlp_layer_types`: GGUF has one count of leading dense layers, so a pattern with a
+    dense layer after a MoE layer cannot be written (refused, naming it)."""
+    types = cfg.get("mlp_layer_types")
+    if types:
+        n = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+        if any(t == "dense" for t in types[n:]):
+            raise ValueError(f"mlp_layer_types {types}: a dense layer after a MoE layer has no GGUF form "
+                             f"(deepseek2 has one leading_dense_block_count)")
+        return n
+    return int(cfg.get("first_k_dense_replace") or 0)
 
 
 def _scoring_func(cfg: Mapping[str, Any]) -> str:
@@ -146,12 +178,20 @@ def _file_type(qtype: QT) -> int:
 # metadata
 
 
+def mtp_layer_count(cfg: Mapping[str, Any]) -> int:
+    """The multi-token-prediction layers the config declares (`num_nextn_predict_layers`)."""
+    return int(cfg.get("num_nextn_predict_layers") or 0)
+
+
 def deepseek2_metadata(cfg: Mapping[str, Any], *, layout: str = "all", qtype: str | QT = "F32",
-                       name: str | None = None, size_label: str | None = None
+                       name: str | None = None, size_label: str | None = None, mtp_layers: bool = False
                        ) -> list[tuple[str, Any, VT]]:
     """Model metadata (without the tokenizer block), in the order ik's converter writes it.
 
     Returns ``[(key, value, GGUFValueType)]``. ``general.architecture`` is added by the writer.
+    ``mtp_layers``: count the config's MTP layers in ``block_count`` (mainline's converter does for
+    GLM-4.7-Flash; the layers themselves are written by :func:`deepseek2_tensors`), their number in
+    ``nextn_predict_layers``; ik's converter leaves them out (the default).
     """
     if layout not in LAYOUTS:
         raise OptionError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -167,7 +207,8 @@ def deepseek2_metadata(cfg: Mapping[str, Any], *, layout: str = "all", qtype: st
     if size_label:
         kv.append(("general.size_label", size_label, VT.STRING))
     kv += [
-        (f"{a}.block_count", int(cfg["num_hidden_layers"]), VT.UINT32),
+        (f"{a}.block_count", int(cfg["num_hidden_layers"]) + (mtp_layer_count(cfg) if mtp_layers else 0),
+         VT.UINT32),
         (f"{a}.context_length", int(cfg["max_position_embeddings"]), VT.UINT32),
         (f"{a}.embedding_length", int(cfg["hidden_size"]), VT.UINT32),
         (f"{a}.feed_forward_length", int(cfg["intermediate_size"]), VT.UINT32),
@@ -181,7 +222,7 @@ def deepseek2_metadata(cfg: Mapping[str, Any], *, layout: str = "all", qtype: st
         (f"{a}.attention.layer_norm_rms_epsilon", float(cfg.get("rms_norm_eps", 1e-6)), VT.FLOAT32),
         (f"{a}.expert_used_count", int(cfg["num_experts_per_tok"]), VT.UINT32),
         ("general.file_type", _file_type(_qtype(qtype)), VT.UINT32),
-        (f"{a}.leading_dense_block_count", int(cfg.get("first_k_dense_replace") or 0), VT.UINT32),
+        (f"{a}.leading_dense_block_count", leading_dense_layers(cfg), VT.UINT32),
         (f"{a}.vocab_size", int(cfg["vocab_size"]), VT.UINT32),
     ]
     if cfg.get("q_lora_rank") is not None:
@@ -209,15 +250,29 @@ def deepseek2_metadata(cfg: Mapping[str, Any], *, layout: str = "all", qtype: st
             (f"{a}.rope.scaling.original_context_length", int(rs["original_max_position_embeddings"]), VT.UINT32),
             (f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * float(rs.get("mscale_all_dim") or 0.0), VT.FLOAT32),
         ]
+        # mainline's converter writes the betas the config gives; here only where they differ from
+        # YaRN's defaults (32, 1), so files of the usual DeepSeek configs stay byte for byte ik's.
+        # Kimi K2 has beta_fast = beta_slow = 1: without the keys its rope would be another model's
+        for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+            if rs.get(key) is not None and float(rs[key]) != default:
+                kv.append((f"{a}.rope.scaling.yarn_{key}", float(rs[key]), VT.FLOAT32))
     elif rs is not None:
         raise ValueError(f"unsupported rope scaling for deepseek2: {rs}")
     return kv
 
 
-def _trailing_metadata(cfg: Mapping[str, Any], layout: str) -> list[tuple[str, Any, VT]]:
-    """Keys written after the tokenizer block (where mainline / group-routing files carry them)."""
+def _trailing_metadata(cfg: Mapping[str, Any], layout: str, mtp_layers: bool = False) -> list[tuple[str, Any, VT]]:
+    """Keys written after the tokenizer block (where mainline / group-routing files carry them):
+    the per-head MLA sizes (mainline layout), group routing, the MTP layer count, and DeepSeek
+    V3.2's sparse-attention indexer sizes (`index_n_heads` in the config)."""
     a = ARCH
     kv: list[tuple[str, Any, VT]] = [("general.quantization_version", gguf.GGML_QUANT_VERSION, VT.UINT32)]
+    if mtp_layers and mtp_layer_count(cfg):
+        kv.append((f"{a}.nextn_predict_layers", mtp_layer_count(cfg), VT.UINT32))
+    if cfg.get("index_n_heads"):
+        kv += [(f"{a}.attention.indexer.head_count", int(cfg["index_n_heads"]), VT.UINT32),
+               (f"{a}.attention.indexer.key_length", int(cfg["index_head_dim"]), VT.UINT32),
+               (f"{a}.attention.indexer.top_k", int(cfg["index_topk"]), VT.UINT32)]
     if layout == "mainline":
         kv += [
             (f"{a}.attention.key_length_mla", int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]), VT.UINT32),
@@ -362,17 +417,19 @@ def _split_kv_b(kv_b: np.ndarray, cfg: Mapping[str, Any]) -> tuple[np.ndarray, n
 
 
 def deepseek2_tensors(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarray], *,
-                      layout: str = "all") -> Iterator[tuple[str, np.ndarray]]:
+                      layout: str = "all", mtp_layers: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(gguf_name, float32 array)`` in ik's converter order for the given MLA layout.
 
     Array shapes are NumPy (row-major) shapes: GGUF's ``ne`` is their reverse.
     ``state_dict`` maps HF names to arrays; experts may be per-expert (checkpoint names) or fused
-    (transformers 5.x module names).
+    (transformers 5.x module names). ``mtp_layers``: the config's MTP layers (``model.layers.N`` for N
+    past ``num_hidden_layers``) are written as ``blk.N.*`` with their ``nextn.*`` tensors; else skipped.
     """
     if layout not in LAYOUTS:
         raise OptionError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     sd = unfuse_experts(state_dict)
-    n_layer = int(cfg["num_hidden_layers"])
+    n_layer = int(cfg["num_hidden_layers"]) + (mtp_layer_count(cfg) if mtp_layers else 0)
+    n_main = int(cfg["num_hidden_layers"])
     n_expert = int(cfg["n_routed_experts"])
     pending: dict[int, dict[str, np.ndarray]] = {}
     for name in sorted(sd):  # safetensors stores tensors sorted by name
@@ -400,6 +457,9 @@ def deepseek2_tensors(cfg: Mapping[str, Any], state_dict: Mapping[str, np.ndarra
             yield f"blk.{bid}.exp_probs_b.bias", data
             continue
         module, _, suffix = rest.rpartition(".")
+        if bid >= n_main and module in _NEXTN_MAP and suffix == "weight":
+            yield f"blk.{bid}.{_NEXTN_MAP[module]}.weight", data
+            continue
         if module not in _LAYER_MAP or suffix not in ("weight", "bias"):
             raise ValueError(f"Can not map tensor {name!r}")
         base = f"blk.{bid}.{_LAYER_MAP[module]}"
@@ -467,7 +527,7 @@ def write_deepseek2_gguf(path: str | Path, hf_config: Mapping[str, Any], state_d
                          *, layout: str = "all", qtype: str | QT = "F32",
                          vocab: Mapping[str, Any] | None = None, name: str | None = None,
                          split_max_tensors: int = 0, keep_f32: tuple[str, ...] = ("ffn_gate_inp",),
-                         ) -> list[Path]:
+                         mtp_layers: bool = False, pre: str = "deepseek-v3") -> list[Path]:
     """Write a deepseek2 GGUF (one file, or gguf-split shards) and return the written paths.
 
     hf_config: the transformers config as a dict (``config.to_dict()`` or ``config.json``).
@@ -477,12 +537,14 @@ def write_deepseek2_gguf(path: str | Path, hf_config: Mapping[str, Any], state_d
     split_max_tensors: > 0 writes ``<stem>-0000i-of-0000N.gguf`` shards of at most that many tensors,
     the first holding all metadata, every shard ``split.no``/``split.count``/``split.tensors.count``.
     keep_f32: GGUF tensor base names that stay F32 whatever ``qtype`` (ik's converter: ffn_gate_inp).
+    mtp_layers: write the config's MTP layers (``num_nextn_predict_layers``) as mainline's converter
+    does for GLM-4.7-Flash. pre: ``tokenizer.ggml.pre`` (the model family's pre-tokenizer).
     """
     path = Path(path)
     cfg = dict(hf_config)
     _writable(qtype)  # refuse before any tensor is converted or any byte written
     tensors = [(n, *quantize_tensor(n, d, qtype, keep_f32), d.shape)
-               for n, d in deepseek2_tensors(cfg, state_dict, layout=layout)]
+               for n, d in deepseek2_tensors(cfg, state_dict, layout=layout, mtp_layers=mtp_layers)]
     # size label as ik's converter computes it for layout "all" (the other layouts' fixtures are
     # rewrites of that file and keep its label): k_b + v_b hold as many weights as kv_b
     shapes = [(n, shape) for n, _, _, shape in tensors]
@@ -493,13 +555,13 @@ def write_deepseek2_gguf(path: str | Path, hf_config: Mapping[str, Any], state_d
     label = _size_label(shapes)
 
     writer = gguf.GGUFWriter(None, ARCH, split_max_tensors=split_max_tensors)
-    kv = deepseek2_metadata(cfg, layout=layout, qtype=qtype, name=name, size_label=label)
-    kv += tokenizer_metadata(int(cfg["vocab_size"]), vocab,
+    kv = deepseek2_metadata(cfg, layout=layout, qtype=qtype, name=name, size_label=label, mtp_layers=mtp_layers)
+    kv += tokenizer_metadata(int(cfg["vocab_size"]), vocab, pre=pre,
                              bos_token_id=cfg.get("bos_token_id", 0),
                              eos_token_id=_first(cfg.get("eos_token_id", 1)),
                              pad_token_id=cfg.get("pad_token_id") if cfg.get("pad_token_id") is not None
                              else (2 if vocab is None else None))
-    kv += _trailing_metadata(cfg, layout)
+    kv += _trailing_metadata(cfg, layout, mtp_layers)
     for key, val, vtype in kv:
         if vtype == VT.ARRAY:
             writer.add_array(key, val)

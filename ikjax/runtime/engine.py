@@ -22,7 +22,7 @@ import numpy as np
 
 from ikjax import env, ops
 from ikjax.errors import OptionError
-from ikjax.gguf_io.config import ModelConfig
+from ikjax.gguf_io.config import ModelConfig, ignored_parts
 from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.model import cache as kvcache
 from ikjax.model import moe
@@ -62,6 +62,8 @@ class Engine:
         self.spans = layer_spans(cfg, self.file.tensors, self.placement)
         for note in self.placement.notes:
             log.warning("%s", note)
+        for note in ignored_parts(cfg, self.file.tensors, self.file.metadata):  # MTP layers, V3.2's indexer
+            log.warning("%s: %s", path, note)
         if o.ctx > cfg.context_length:  # ik warns too: positions past training are untested ground
             log.warning("-c %d exceeds the model's training context (context_length %d in %s): output past "
                         "position %d may degrade", o.ctx, cfg.context_length, path, cfg.context_length)

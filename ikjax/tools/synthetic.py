@@ -56,9 +56,44 @@ _TINY: dict[str, Any] = dict(
     intermediate_size=1024, vocab_size=1024, max_position_embeddings=16384,
     rope_scaling=None,
 )
-PRESETS: dict[str, dict[str, Any]] = {"tiny": _TINY, "v2-lite": _V2_LITE, "v3": _V3, "r1": _V3}
+# The other models people run as deepseek2 GGUFs (issue 27), with their published configs' shapes,
+# routing and rope; `tokenizer_pre` is the pre-tokenizer their converters write.
+_KIMI_K2: dict[str, Any] = dict(
+    _V3, model_type="kimi_k2", num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384,
+    num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+    routed_scaling_factor=2.827, vocab_size=163840, max_position_embeddings=131072, rope_theta=50000.0,
+    rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096, mscale=1.0,
+                      mscale_all_dim=1.0, beta_fast=1.0, beta_slow=1.0),
+    bos_token_id=0, eos_token_id=1, tokenizer_pre="kimi-k2",
+)
+_GLM_47_FLASH: dict[str, Any] = dict(
+    model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"],
+    num_hidden_layers=47, num_nextn_predict_layers=1, hidden_size=2048, num_attention_heads=20,
+    num_key_value_heads=20, q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192,
+    v_head_dim=256, n_routed_experts=64, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=1536,
+    intermediate_size=10240, first_k_dense_replace=1, vocab_size=154880, scoring_func="sigmoid",
+    topk_method="noaux_tc", n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+    max_position_embeddings=202752, rope_theta=1000000.0, rms_norm_eps=1e-5, rope_scaling=None,
+    bos_token_id=0, eos_token_id=1, tokenizer_pre="glm4",
+)
+_MOONLIGHT: dict[str, Any] = dict(
+    _V2_LITE, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], intermediate_size=11264,
+    scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.446,
+    vocab_size=163840, max_position_embeddings=8192, rope_theta=50000.0, rms_norm_eps=1e-5, rope_scaling=None,
+    tokenizer_pre="kimi-k2",
+)
+_V2: dict[str, Any] = dict(
+    _V2_LITE, num_hidden_layers=60, hidden_size=5120, num_attention_heads=128, num_key_value_heads=128,
+    q_lora_rank=1536, n_routed_experts=160, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1536,
+    intermediate_size=12288, topk_method="group_limited_greedy", n_group=8, topk_group=3,
+    routed_scaling_factor=16.0, max_position_embeddings=163840, tokenizer_pre="deepseek-llm",
+)
+PRESETS: dict[str, dict[str, Any]] = {"tiny": _TINY, "v2-lite": _V2_LITE, "v3": _V3, "r1": _V3, "kimi-k2": _KIMI_K2,
+                                      "glm-4.7-flash": _GLM_47_FLASH, "moonlight": _MOONLIGHT, "v2": _V2}
 PRESET_NAMES = {"tiny": "tiny", "v2-lite": "DeepSeek-V2-Lite (synthetic)", "v3": "DeepSeek-V3 (synthetic)",
-                "r1": "DeepSeek-R1 (synthetic)"}
+                "r1": "DeepSeek-R1 (synthetic)", "kimi-k2": "Kimi-K2 (synthetic)",
+                "glm-4.7-flash": "GLM-4.7-Flash (synthetic)", "moonlight": "Moonlight-16B-A3B (synthetic)",
+                "v2": "DeepSeek-V2 (synthetic)"}
 
 # Byte offsets of the f16 scale fields inside one block: ("d", off) multiplies the quants,
 # ("m", off) the min/offset term (dequantized value = d*A + m*B, linear in both).
@@ -148,8 +183,14 @@ def plan_tensors(cfg: dict[str, Any], qtype: str) -> list[TensorPlan]:
         return TensorPlan(name, (n,), QT.F32, std, fill)
 
     out = [TensorPlan("token_embd.weight", (cfg["vocab_size"], d), _fallback(qt, d), 1.0)]
-    for i in range(L):
+    # the MTP layers after the main ones (GLM-4.7-Flash's layer 47, as mainline's converter writes
+    # it): a MoE layer plus its nextn.* tensors; ikjax loads past them with a note
+    n_mtp = gw.mtp_layer_count(cfg)
+    for i in range(L + n_mtp):
         p = f"blk.{i}."
+        if i >= L:
+            out += [w(p + "nextn.eh_proj.weight", d, 2 * d), f32(p + "nextn.enorm.weight", d),
+                    f32(p + "nextn.hnorm.weight", d), f32(p + "nextn.shared_head_norm.weight", d)]
         out.append(f32(p + "attn_norm.weight", d))
         if ql:
             out += [w(p + "attn_q_a.weight", ql, d), f32(p + "attn_q_a_norm.weight", ql),
@@ -279,9 +320,10 @@ def _write_model(tmp: Path, cfg: dict, plans: list[TensorPlan], preset: str, qty
     name = PRESET_NAMES[preset] + (f" {cfg['num_hidden_layers']}L" if layers else "") + \
         (f" q_lora {cfg['q_lora_rank']}" if q_lora_rank is not None and cfg["q_lora_rank"] else "")
     label = gw._size_label([(t.name, t.shape) for t in plans])
-    kv = gw.deepseek2_metadata(cfg, layout="all", qtype=QT[qtype], name=name, size_label=label)
-    kv += gw.tokenizer_metadata(cfg["vocab_size"], None, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    kv += gw._trailing_metadata(cfg, "all")
+    kv = gw.deepseek2_metadata(cfg, layout="all", qtype=QT[qtype], name=name, size_label=label, mtp_layers=True)
+    kv += gw.tokenizer_metadata(cfg["vocab_size"], None, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                                pre=cfg.get("tokenizer_pre", "deepseek-v3"))
+    kv += gw._trailing_metadata(cfg, "all", mtp_layers=True)
     for key, val, vtype in kv:
         if vtype == gguf.GGUFValueType.ARRAY:
             writer.add_array(key, val)

@@ -1,0 +1,273 @@
+"""The deepseek2-GGUF families beyond DeepSeek V2/V3/R1 (issue 27): Kimi K2, GLM-4.7-Flash,
+Moonlight, DeepSeek V2 / V2.5, V3.2 and GigaChat3, each against transformers (an oracle nobody here
+wrote) on a tiny random model of its shape, written with our GGUF writer and compared at f32 like
+tests/test_hf_oracle.py (relative L2 error of all-position logits <= 1e-4).
+
+What sets each family apart is what the test keeps real: per-head sizes and head counts the kernels
+see (GLM's nope 192 / v 256 / rope 64 over the 512 + 64 latent, 20 heads; K2's 64 heads), expert
+counts, group layouts, scoring (softmax / sigmoid + bias), norm and scale, YaRN's betas. GLM runs
+transformers' own Glm4MoeLite class, V3.2 its DeepseekV32 class with the indexer (exactly dense for
+fewer tokens than its top-k). Files carrying parts ikjax does not run (an MTP layer, V3.2's
+indexer) load with a one-line note naming them. Also here: the families' pre-tokenizers against an
+independent regex engine (the `regex` module) on the same patterns, their BOS rules and chat
+template fallbacks, the `make-model` presets' metadata and their routers' spread.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from hf_models import hf_logits, make_model, rel_err
+from ikjax.gguf_io.writer import write_deepseek2_gguf
+
+TOL = 1e-4
+N_TOKENS = 48
+
+_MODELS: dict = {}
+
+
+def model(variant: str):
+    """(hf_model, cfg, sd), built once per session."""
+    if variant not in _MODELS:
+        _MODELS[variant] = make_model(variant, seed=0)
+    return _MODELS[variant]
+
+
+def token_ids(vocab: int, n: int = N_TOKENS, seed: int = 0) -> np.ndarray:
+    ids = np.random.default_rng(seed).integers(3, vocab, size=n)
+    ids[0] = 0
+    return ids.astype(np.int32)
+
+
+class _Notes(logging.Handler):
+    """The ikjax logger's records, read from the logger itself (another test's logging config
+    may have turned its propagation off)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def load_with_notes(path, **opts):
+    import ikjax
+    log = logging.getLogger("ikjax")
+    h, level, disabled = _Notes(), log.level, log.disabled
+    log.addHandler(h)
+    log.setLevel(logging.DEBUG)
+    log.disabled = False
+    try:
+        eng = ikjax.load(str(path), **{"mla": 0, "ctk": "f32", **opts})
+    finally:
+        log.removeHandler(h)
+        log.setLevel(level)
+        log.disabled = disabled
+    return eng, h.lines
+
+
+def check(got, ref, what, tol=TOL):
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    assert np.isfinite(got).all(), what
+    err = rel_err(got, ref)
+    print(f"{what}: rel err {err:.3e}")
+    assert err <= tol, f"{what}: relative L2 error {err:.3e} > {tol:g}"
+    return err
+
+
+def with_mtp_layer(cfg: dict, sd: dict, seed: int = 1):
+    """The config and state dict with one MTP layer appended as real checkpoints have it
+    (`model.layers.N` for N = num_hidden_layers: a full MoE layer plus eh_proj, enorm, hnorm and
+    shared_head.norm), its weights random: a model that read them would not match the reference."""
+    n = int(cfg["num_hidden_layers"])
+    rng = np.random.default_rng(seed)
+    d = int(cfg["hidden_size"])
+    out = dict(sd)
+    for k, v in sd.items():
+        pre = f"model.layers.{n - 1}."
+        if k.startswith(pre):
+            out[f"model.layers.{n}." + k[len(pre):]] = (rng.standard_normal(v.shape) * 0.05).astype(np.float32)
+    out[f"model.layers.{n}.eh_proj.weight"] = (rng.standard_normal((d, 2 * d)) * 0.05).astype(np.float32)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"model.layers.{n}.{name}.weight"] = np.ones(d, np.float32)
+    return dict(cfg, num_nextn_predict_layers=1), out
+
+
+# (variant, layout, tokenizer.ggml.pre, write an MTP layer)
+FAMILIES = [
+    ("kimi", "all", "kimi-k2", False),
+    ("glm47", "mainline", "glm4", True),
+    ("moonlight", "kvb", "kimi-k2", False),
+    ("v2full", "all", "deepseek-llm", False),
+    ("v32", "all", "deepseek-v3", False),
+    ("gigachat", "mainline", "gigachat", True),
+]
+
+
+@pytest.mark.parametrize("variant,layout,pre,mtp", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_family_matches_hf(tmp_path, variant, layout, pre, mtp):
+    """-mla 0 at f32: every dimension, expert count, group layout and scoring rule read from the
+    file reproduces transformers' logits; MTP layers and V3.2's indexer are named, not run."""
+    hf, cfg, sd = model(variant)
+    if mtp:
+        cfg, sd = with_mtp_layer(cfg, sd)
+    (path,) = write_deepseek2_gguf(tmp_path / f"{variant}.gguf", cfg, sd, layout=layout, mtp_layers=mtp, pre=pre)
+    eng, notes = load_with_notes(path)
+    ids = token_ids(cfg["vocab_size"])
+    check(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids), f"{variant}/{layout}/F32")
+    c = eng.config
+    assert (c.n_head, c.nope_dim, c.rope_dim, c.v_dim) == (cfg["num_attention_heads"], cfg["qk_nope_head_dim"],
+                                                          cfg["qk_rope_head_dim"], cfg["v_head_dim"])
+    assert (c.n_expert, c.n_expert_used) == (cfg["n_routed_experts"], cfg["num_experts_per_tok"])
+    mtp_notes = [n for n in notes if "MTP layer" in n]
+    idx_notes = [n for n in notes if "indexer" in n]
+    assert len(mtp_notes) == (1 if mtp else 0), notes
+    assert len(idx_notes) == (1 if variant == "v32" else 0), notes
+    if mtp:
+        assert c.n_nextn == 1 and c.n_layer == cfg["num_hidden_layers"]
+        assert f"layer {c.n_layer}" in mtp_notes[0] and "ignored" in mtp_notes[0]
+    if variant == "v32":
+        assert f"in {cfg['num_hidden_layers']} layers" in idx_notes[0] and "dense attention" in idx_notes[0]
+
+
+def decode_logits(eng, ids, n_prompt: int) -> np.ndarray:
+    """Logits of a prompt of `n_prompt` tokens (one prompt step) followed by the rest fed one token
+    a step (the decode path: absorbed attention on the latent cache under -mla 1/3)."""
+    out, cache = eng.prefill(eng.new_cache(1), ids[:n_prompt], 0, all_logits=True)
+    rows = [np.asarray(out, np.float32)]
+    for p in range(n_prompt, len(ids)):
+        logit, cache = eng.step(cache, np.asarray([[ids[p]]], np.int32), np.asarray([p], np.int32), all_logits=True)
+        rows.append(np.asarray(logit, np.float32).reshape(1, -1))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("opts", [{"mla": 3, "fa": True}, {"mla": 1, "fa": True}, {"mla": 2, "fa": False},
+                                  {"mla": 0, "fa": False}], ids=["mla3-fa", "mla1-fa", "mla2", "mla0-nofa"])
+def test_glm_head_sizes_every_mla_mode(tmp_path, opts):
+    """GLM-4.7-Flash's nope 192 / v 256 / rope 64, 20 heads, through every attention path: the
+    prompt step's decompressed K/V (nope != v), the absorbed prompt, and decode on the latent cache
+    (C++ kernels on the CPU backend), on a file with attn_kv_b only ("kvb": the absorbed paths run
+    on attn_k_b / attn_v_b derived at load)."""
+    hf, cfg, sd = model("glm47")
+    (path,) = write_deepseek2_gguf(tmp_path / "glm-kvb.gguf", cfg, sd, layout="kvb", pre="glm4")
+    eng, _ = load_with_notes(path, **opts)
+    ids = token_ids(cfg["vocab_size"], n=24, seed=3)
+    check(decode_logits(eng, ids, 16), hf_logits(hf, ids), f"glm47/kvb {opts}")
+
+
+def test_kimi_decode_64_heads(tmp_path):
+    """Kimi K2's 64 heads (not a multiple of the 128 R1 has) on the decode kernel path, with its
+    YaRN betas (1, 1) read from the file."""
+    hf, cfg, sd = model("kimi")
+    (path,) = write_deepseek2_gguf(tmp_path / "kimi.gguf", cfg, sd, layout="all", pre="kimi-k2")
+    eng, _ = load_with_notes(path, mla=3, fa=True)
+    assert (eng.config.yarn.beta_fast, eng.config.yarn.beta_slow) == (1.0, 1.0)
+    ids = token_ids(cfg["vocab_size"], n=20, seed=4)
+    check(decode_logits(eng, ids, 12), hf_logits(hf, ids), "kimi/all mla3-fa decode")
+
+
+def test_yarn_betas_matter(tmp_path):
+    """The file's YaRN betas are what make Kimi K2 match: the same file with the default betas
+    (32, 1) in their place is another model (so the keys are written and read, not defaulted)."""
+    import gguf
+    hf, cfg, sd = model("kimi")
+    (path,) = write_deepseek2_gguf(tmp_path / "kimi.gguf", cfg, sd, layout="all", pre="kimi-k2")
+    fields = gguf.GGUFReader(path).fields
+    assert float(fields["deepseek2.rope.scaling.yarn_beta_fast"].contents()) == 1.0
+    assert "deepseek2.rope.scaling.yarn_beta_slow" not in fields  # 1: YaRN's default, not written
+    cfg32 = dict(cfg, rope_scaling=dict(cfg["rope_scaling"], beta_fast=32.0, beta_slow=1.0))
+    cfg32.pop("rope_parameters", None)
+    (p32,) = write_deepseek2_gguf(tmp_path / "kimi32.gguf", cfg32, sd, layout="all", pre="kimi-k2")
+    ids = token_ids(cfg["vocab_size"], n=32, seed=6)
+    eng, _ = load_with_notes(p32)
+    assert rel_err(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids)) > 1e-3
+
+
+def test_v2_group_routing_is_used(tmp_path):
+    """DeepSeek V2's 8 expert groups (top 3) change its routing: the same file with the group keys
+    removed (every expert competes) gives other logits, and the file with them matches (above)."""
+    hf, cfg, sd = model("v2full")
+    flat = dict(cfg, topk_method="greedy")
+    (path,) = write_deepseek2_gguf(tmp_path / "v2-flat.gguf", flat, sd, layout="all", pre="deepseek-llm")
+    eng, _ = load_with_notes(path)
+    assert eng.config.n_expert_group == 1
+    ids = token_ids(cfg["vocab_size"], seed=7)
+    assert rel_err(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids)) > 1e-3
+
+
+def test_unknown_indexer_tensor_still_refused(tmp_path):
+    """Only V3.2's own indexer tensors, of layers the file has, are loaded past: another name under
+    blk.N.indexer, or an indexer tensor of a layer past block_count, is refused naming it."""
+    import ikjax
+    from ikjax.gguf_io.config import ModelConfig
+    from ikjax.gguf_io.reader import GGUFModelFile
+    hf, cfg, sd = model("v32")
+    (path,) = write_deepseek2_gguf(tmp_path / "v32.gguf", cfg, sd, layout="all")
+    gf = GGUFModelFile(path)
+    ModelConfig.from_metadata(gf.metadata, tensors=gf.tensors)  # as written: accepted
+    some = gf.tensors["blk.0.indexer.proj.weight"]
+    for bad in ("blk.0.indexer.bogus.weight", f"blk.{cfg['num_hidden_layers']}.indexer.proj.weight"):
+        with pytest.raises(ikjax.ModelFileError, match=bad.replace(".", "\\.")):
+            ModelConfig.from_metadata(gf.metadata, tensors={**gf.tensors, bad: some})
+
+
+def test_family_pre_tokenizers_match_regex_module():
+    """kimi-k2 and glm4 split text as the `regex` module splits it with the same pattern (an
+    independent engine: Oniguruma in `tokenizers` takes K2's class intersections as written), K2
+    keeping Han runs whole and cutting words at case changes as Moonshot's tokenizer does."""
+    import regex
+    from tokenizers import Regex, pre_tokenizers
+
+    from ikjax.tokenizer import PRE_REGEXES
+    text = ("getUserName iPhone 你好世界abc 12345  x\n\n y HELLO's 々中 I'm don'T résumé Ωmega\t\tz 3.14!!\n"
+            "Привет, мир! مرحبا 😀 emoji\r\n  tail   ")
+    for pre in ("kimi-k2", "glm4"):
+        (rx,) = PRE_REGEXES[pre]
+        split = pre_tokenizers.Split(Regex(rx), behavior="isolated")
+        got = [w for w, _ in split.pre_tokenize_str(text)]
+        assert got == regex.findall(rx, text, flags=regex.V1), pre
+        assert "".join(got) == text
+    k2 = [w for w, _ in pre_tokenizers.Split(Regex(PRE_REGEXES["kimi-k2"][0]), "isolated").pre_tokenize_str(
+        "getUserName你好abc")]
+    assert k2 == ["get", "User", "Name", "你好", "abc"]
+
+
+def _tok_metadata(pre: str, add_bos=None):
+    from ikjax.gguf_io.writer import tokenizer_metadata
+    md = {k: v for k, v, _ in tokenizer_metadata(600, pre=pre)}
+    if add_bos is not None:
+        md["tokenizer.ggml.add_bos_token"] = add_bos
+    return md
+
+
+@pytest.mark.parametrize("pre,bos", [("kimi-k2", False), ("glm4", False), ("gigachat", False),
+                                     ("deepseek-v3", True), ("deepseek-llm", True)])
+def test_family_tokenizers_load_and_bos_rule(pre, bos):
+    """Each family's pre-tokenizer builds; without tokenizer.ggml.add_bos_token, GLM-4, Kimi and
+    GigaChat files get no BOS (llama.cpp's BPE default; GLM's template writes [gMASK]<sop>), DeepSeek
+    files keep theirs; the key, where present, decides."""
+    from ikjax.tokenizer import GGUFTokenizer
+    tok = GGUFTokenizer(_tok_metadata(pre))
+    ids = tok.encode("Hello world 123")
+    assert (ids[0] == tok.bos_id) == bos
+    assert tok.decode(ids, skip_special=True) == "Hello world 123"
+    assert GGUFTokenizer(_tok_metadata(pre, add_bos=True)).encode("x")[0] == tok.bos_id
+    assert GGUFTokenizer(_tok_metadata(pre, add_bos=False)).encode("x")[0] != tok.bos_id
+
+
+@pytest.mark.parametrize("pre,name,start", [("kimi-k2", "kimi-k2", "<|im_user|>user<|im_middle|>Hi<|im_end|>"),
+                                            ("glm4", "chatglm4", "[gMASK]<sop><|user|>\nHi")])
+def test_family_chat_template_fallbacks(pre, name, start):
+    """A file without tokenizer.chat_template gets its family's turn format (llama.cpp's builtins
+    of those names), ending with the assistant's header."""
+    from ikjax.chat_template import template_for
+    t = template_for({"tokenizer.ggml.pre": pre})
+    assert t.name == name
+    text = t.render([{"role": "user", "content": "Hi"}])
+    assert text.startswith(start)
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|>" if pre == "kimi-k2" else "<|assistant|>\n")
+    own = "{{ 'OWN' }}"
+    assert template_for({"tokenizer.ggml.pre": pre, "tokenizer.chat_template": own}).render([]) == "OWN"
