@@ -151,11 +151,36 @@ def test_glm_head_sizes_every_mla_mode(tmp_path, opts):
     prompt step's decompressed K/V (nope != v), the absorbed prompt, and decode on the latent cache
     (C++ kernels on the CPU backend), on a file with attn_kv_b only ("kvb": the absorbed paths run
     on attn_k_b / attn_v_b derived at load)."""
+    from ikjax import ops
+    from ikjax.ops import registry
     hf, cfg, sd = model("glm47")
     (path,) = write_deepseek2_gguf(tmp_path / "glm-kvb.gguf", cfg, sd, layout="kvb", pre="glm4")
     eng, _ = load_with_notes(path, **opts)
     ids = token_ids(cfg["vocab_size"], n=24, seed=3)
+    registry._SELECTED.clear()
     check(decode_logits(eng, ids, 16), hf_logits(hf, ids), f"glm47/kvb {opts}")
+    if eng.backend == "cpu" and opts["fa"]:  # the C++ kernels took these head sizes (no XLA fallback)
+        assert ops.selected("mla_decode") == "cpu"
+        assert ops.selected("mla_prompt" if opts["mla"] == 1 else "attention") == "cpu"
+
+
+@pytest.mark.parametrize("H", [20, 64])
+def test_pallas_decode_family_head_counts(H):
+    """The Pallas decode kernel (interpret mode) on GLM-4.7-Flash's 20 heads (padded to its 16-head
+    blocks) and Kimi K2's 64, over the 512 + 64 latent every family shares."""
+    import jax.numpy as jnp
+
+    from ikjax import ops
+    from pallas_kernels.mla_decode.reference import mla_decode_ref
+    rng = np.random.default_rng(H)
+    q = jnp.asarray(rng.standard_normal((2, H, 576)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((2, 64, 576)), jnp.bfloat16)
+    lengths = jnp.array([7, 64], jnp.int32)
+    assert ops.mla_decode_supported(H, 64, 576, 512, backend="interpret")
+    y = ops.mla_decode_attention(q, cache, lengths, 0.07, v_dim=512, dtype=jnp.float32, backend="interpret")
+    assert ops.selected("mla_decode") == "interpret" and y.shape == (2, H, 512)
+    assert rel_err(np.asarray(y), np.asarray(mla_decode_ref(q, cache, lengths, 0.07, v_dim=512,
+                                                            dtype=jnp.float32))) < 1e-5
 
 
 def test_kimi_decode_64_heads(tmp_path):
@@ -271,3 +296,54 @@ def test_family_chat_template_fallbacks(pre, name, start):
     assert text.endswith("<|im_assistant|>assistant<|im_middle|>" if pre == "kimi-k2" else "<|assistant|>\n")
     own = "{{ 'OWN' }}"
     assert template_for({"tokenizer.ggml.pre": pre, "tokenizer.chat_template": own}).render([]) == "OWN"
+
+
+@pytest.mark.parametrize("preset", ["kimi-k2", "glm-4.7-flash", "moonlight", "v2"])
+def test_preset_metadata_reads_back(preset):
+    """Each family preset's metadata and tensor table (no file written: the real shapes are GBs)
+    read back through ModelConfig as the family's published dims, glm-4.7-flash's MTP layer named."""
+    from types import SimpleNamespace
+
+    from ikjax.gguf_io import writer as gw
+    from ikjax.gguf_io.config import ModelConfig, ignored_parts
+    from ikjax.tools import synthetic
+    cfg = synthetic.preset_config(preset, layers=2)
+    plans = synthetic.plan_tensors(cfg, "Q4_0")
+    md = {k: v for k, v, _ in gw.deepseek2_metadata(cfg, mtp_layers=True) + gw._trailing_metadata(cfg, "all", True)}
+    md["general.architecture"] = "deepseek2"
+    md["tokenizer.ggml.pre"] = cfg["tokenizer_pre"]
+    tensors = {t.name: SimpleNamespace(shape=t.shape, qtype=t.qtype) for t in plans}
+    c = ModelConfig.from_metadata(md, vocab_from_tensor=cfg["vocab_size"], tensors=tensors)
+    want = {"kimi-k2": (64, 128, 128, 384, 8, 1, 1, 2, 2.827), "glm-4.7-flash": (20, 192, 256, 64, 4, 1, 1, 2, 1.8),
+            "moonlight": (16, 128, 128, 64, 6, 2, 1, 2, 2.446), "v2": (128, 128, 128, 160, 6, 2, 8, 1, 16.0)}[preset]
+    got = (c.n_head, c.nope_dim, c.v_dim, c.n_expert, c.n_expert_used, c.n_expert_shared, c.n_expert_group, c.gating,
+           round(c.expert_weights_scale, 4))
+    assert got == want, (preset, got)
+    assert c.n_layer == 2 and c.n_nextn == (1 if preset == "glm-4.7-flash" else 0)
+    assert len(ignored_parts(c, tensors, md)) == c.n_nextn
+    assert (c.q_lora_rank == 0) == (preset == "moonlight")
+
+
+@pytest.mark.parametrize("preset", ["kimi-k2", "glm-4.7-flash"])
+def test_family_presets_spread_tokens(tmp_path, monkeypatch, preset):
+    """The routers of a synthetic model with the family's routing (K2: 8 of 384 experts in one
+    group; GLM: 4 of 64, its MTP layer in the file) at a small width spread 512 random tokens over
+    >= 90 % of the experts of every MoE layer, none above 4x the mean, as tests/test_synthetic.py
+    asks of R1's; the file loads and runs (the MTP layer noted, not run)."""
+    from test_synthetic import _routing
+
+    from ikjax.tools import synthetic
+    monkeypatch.setenv("IKJAX_LAYERS", "unroll")  # each MoE layer traced on its own: one count each
+    small = dict(synthetic.PRESETS[preset], num_hidden_layers=6, hidden_size=256, num_attention_heads=4,
+                 num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=48,
+                 v_head_dim=64, moe_intermediate_size=32, intermediate_size=512, vocab_size=2048)
+    name = f"{preset}-small-test"
+    monkeypatch.setitem(synthetic.PRESETS, name, small)
+    monkeypatch.setitem(synthetic.PRESET_NAMES, name, name)
+    path = tmp_path / f"{preset}.gguf"
+    synthetic.make_model(path, name, "Q4_0")
+    counts = _routing(str(path))
+    assert len(counts) == 6 - small["first_k_dense_replace"]
+    for li, c in enumerate(counts):
+        used = np.count_nonzero(c) / len(c)
+        assert used >= 0.9 and c.max() <= 4 * c.mean(), (li, used, c.max() / c.mean())
