@@ -171,8 +171,8 @@ def test_bf16_compute_matches_bf16_reference(isa, monkeypatch):
     prompt-sized products: only the summation order differs, which can flip a rare bf16 rounding of h.
     Decode-sized products (fewer than 4 rows per expert: one token's experts) take the quant core's
     8-bit activations at the avx2 and avx512 levels (x and h quantized per block of 32, int8 dot
-    products), f32 at the generic one; at avx512 the Q8_0 prompt-sized products take the same 8-bit
-    activations (the quant core's int8 prompt engine)."""
+    products), f32 at the generic one; at avx2 and avx512 the Q8_0 prompt-sized products take the same
+    8-bit activations (the quant core's int8 prompt engine: vpmaddubsw / VNNI)."""
     monkeypatch.setenv("IKJAX_CPU_ISA", isa)
     rng = np.random.default_rng(4)
     g, u, dn = experts(("Q8_0",) * 3, 8)
@@ -191,7 +191,7 @@ def test_bf16_compute_matches_bf16_reference(isa, monkeypatch):
     w, ids = routing(64, 8, 3, rng)  # ~24 rows per expert: every product prompt-sized
     y = np.asarray(moe_cpu.moe_experts(x, w, ids, g, u, dn, n_threads=2, compute="bf16"))
     r32 = np.asarray(_ref(x, w, ids, g, u, dn))
-    if _cpu.isa() == "avx512":  # prompt: the 8-bit-activation function (a rare flip of h's rounding)
+    if _cpu.isa() in ("avx2", "avx512"):  # prompt: the 8-bit-activation function (a rare flip of h's rounding)
         rx8 = _ref_x8(x, w, ids, g, u, dn)
         errx8 = np.linalg.norm(y - rx8) / np.linalg.norm(rx8)
         err32 = np.linalg.norm(y - r32) / np.linalg.norm(r32)
@@ -205,15 +205,16 @@ def test_bf16_compute_matches_bf16_reference(isa, monkeypatch):
         moe_cpu.moe_experts(x, w, ids, g, u, dn, compute="f16")
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("names", [("Q8_0", "Q4_0", "Q4_0"), ("Q8_0", "Q6_K", "Q8_0"), ("Q6_K", "Q4_0", "Q6_K")])
-def test_bf16_prompt_mixed_engines(names, monkeypatch):
+def test_bf16_prompt_mixed_engines(names, isa, monkeypatch):
     """Prompt-sized fused calls in bf16 mode where gate, up and down take different engines at
-    avx512 (Q8_0 / Q4_0: 8-bit activations; Q6_K: bf16), so x is packed once per distinct engine;
-    tokens spread so experts get 1 (decode-sized), 2-3 and 17+ rows. Odd row counts per expert
-    exercise the int8 microkernel's leftover rows."""
-    monkeypatch.setenv("IKJAX_CPU_ISA", "avx512")
-    if _cpu.isa() != "avx512":
-        pytest.skip("this CPU has no avx512 level")
+    avx2 and avx512 (Q8_0 / Q4_0: 8-bit activations; Q6_K: bf16), so x is packed once per distinct
+    engine; tokens spread so experts get 1 (decode-sized), 2-3 and 17+ rows. Odd row counts per
+    expert exercise the int8 microkernels' leftover rows (4-row microkernels at both levels)."""
+    monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+    if _cpu.isa() != isa:
+        pytest.skip(f"this CPU has no {isa} level")
     if not set(names) <= set(TYPES):
         pytest.skip(f"the quant core lacks one of {names}")
     rng = np.random.default_rng(11)

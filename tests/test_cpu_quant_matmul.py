@@ -303,3 +303,27 @@ def test_x8_decode_tolerance_on_dense_fixture(isa, ub, monkeypatch):
     exact = ikjax.load(path, mla=1, fa=True, ctk="f32", dtype="f32", ub=ub).logits(tokens)
     assert rel_err(exact, ref) <= entry["tol"]
     assert rel_err(fast, ref) <= 6e-2 and rel_err(fast, exact) > 1e-2, (rel_err(fast, ref), rel_err(fast, exact))
+
+
+@pytest.mark.parametrize("cap", ["", "generic", "avx2", "avx512"])
+def test_isa_report_names_the_level_and_why(cap, monkeypatch):
+    """`ikjax info`'s "cpu kernels" line (issue 26): the level that runs (what the dispatch uses,
+    _cpu.isa()), why (IKJAX_CPU_ISA's cap, or the features a higher compiled-in level needs that the
+    CPU lacks) and whether the int8 paths run there."""
+    from typer.testing import CliRunner
+
+    from ikjax.cli import app
+    monkeypatch.setenv("IKJAX_CPU_ISA", cap)
+    level = _cpu.isa()
+    monkeypatch.delenv("IKJAX_CPU_ISA")
+    best = _cpu.isa()
+    monkeypatch.setenv("IKJAX_CPU_ISA", cap)
+    rep = _cpu.isa_report()
+    assert rep.startswith(level + " ("), rep
+    assert ("capped by IKJAX_CPU_ISA=" + cap in rep) == (level != best), rep
+    if level == best and best != "avx512" and best != "generic":
+        assert "avx512 compiled in, CPU lacks avx512" in rep, rep  # x86 builds compile every level
+    assert ("int8 decode and prompt products" in rep) == (level != "generic"), rep
+    res = CliRunner().invoke(app, ["info", "synthetic:tiny"])
+    assert res.exit_code == 0, res.output
+    assert f"cpu kernels    {rep}" in res.output, res.output

@@ -88,6 +88,9 @@ def info(
     out("")
     out(f"MLA layout     {_mla_layout(set(f.tensors), cfg.n_layer)}")
     out("")
+    from pallas_kernels import cpu as _cpu_kernels
+    out(f"cpu kernels    {_cpu_kernels.isa_report()}")
+    out("")
     by_type: dict[str, list[int]] = {}
     for t in f.tensors.values():
         e = by_type.setdefault(t.type_name, [0, 0, 0])

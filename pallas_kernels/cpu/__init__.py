@@ -45,6 +45,16 @@ def isa() -> str:
     return _cpu.isa() if _cpu is not None else "none"
 
 
+def isa_report() -> str:
+    """The level that runs and why, for `ikjax info`: e.g. "avx2 (avx512 compiled in, CPU lacks
+    avx512f, ...); int8 decode and prompt products: AVX2 (vpmaddubsw/vpmaddwd)"."""
+    if _cpu is None:
+        return "not built: " + unavailable_reason()
+    if not hasattr(_cpu, "isa_report"):  # an extension older than this source: reinstall
+        return _cpu.isa() + " (reason unknown: the extension predates isa_report; reinstall)"
+    return _cpu.isa_report()
+
+
 def available_cores() -> int:
     import os
     return _cpu.available_cores() if _cpu is not None else len(os.sched_getaffinity(0))

@@ -5,6 +5,8 @@
 // can be capped with IKJAX_CPU_ISA=generic|avx2|avx512 (tests run every level on one machine).
 #pragma once
 
+#include <string>
+
 namespace ikj {
 
 enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
@@ -13,6 +15,10 @@ enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
 // so a test can switch levels in one process).
 Isa current_isa();
 const char* isa_name(Isa isa);
+// One line for `ikjax info`: the level that runs, why (the cap, or what a higher compiled-in level
+// needs that this CPU lacks) and its int8 paths, e.g.
+// "avx2 (avx512 compiled in, CPU lacks avx512f, ...); int8 decode and prompt products: AVX2 (...)".
+std::string isa_report();
 
 }  // namespace ikj
 

@@ -18,6 +18,8 @@ NB_MODULE(_cpu, m) {
   });
   m.def("isa", [] { return std::string(ikj::isa_name(ikj::current_isa())); },
         "instruction-set level the kernels run at on this CPU (IKJAX_CPU_ISA caps it)");
+  m.def("isa_report", [] { return ikj::isa_report(); },
+        "the level that runs, why (IKJAX_CPU_ISA's cap or the CPU features a higher level lacks), its int8 paths");
   m.def("available_cores", &ikj::available_cores);
   m.def("quant_type_supported", [](int type) { return IKJ_DISPATCH(quant_matmul_supported)(type); },
         "whether the quant core (qgemm_tile) has a path for this ggml type id at the current level");

@@ -21,6 +21,9 @@
 
 #include "cpu/isa.h"
 
+#include <string>
+#include <vector>
+
 namespace ikj {
 
 int available_cores() {
@@ -240,6 +243,51 @@ Isa current_isa() {
              : std::strcmp(cap, "avx2") == 0  ? Isa::avx2
                                               : Isa::avx512;
   return static_cast<int>(want) < static_cast<int>(best) ? want : best;
+}
+
+// Which level runs and why: the best compiled-in level the CPU supports, lowered by IKJAX_CPU_ISA;
+// names the CPU features a higher compiled-in level needs and this CPU lacks (what a user on a
+// Zen 3 or desktop part reads to see why it is not the avx512 level), and the int8 paths it has.
+std::string isa_report() {
+  const Isa best = detected_isa(), now = current_isa();
+  std::string why;
+  const char* cap = std::getenv("IKJAX_CPU_ISA");
+  if (now != best) {
+    why = std::string("capped by IKJAX_CPU_ISA=") + cap + "; this CPU runs " + isa_name(best);
+  } else {
+    std::vector<std::string> lacks;
+    const char* higher = nullptr;
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+#define IKJ_LACKS(f) if (!__builtin_cpu_supports(f)) lacks.push_back(f)  // the builtin takes literals only
+#if defined(IKJ_HAVE_AVX512)
+    if (best != Isa::avx512) {
+      higher = "avx512";
+      IKJ_LACKS("avx512f"); IKJ_LACKS("avx512bw"); IKJ_LACKS("avx512vl"); IKJ_LACKS("avx512dq");
+      IKJ_LACKS("avx512vnni"); IKJ_LACKS("avx512bf16");
+    }
+#endif
+#if defined(IKJ_HAVE_AVX2)
+    if (best == Isa::generic) {
+      higher = "avx2";
+      lacks.clear();
+      IKJ_LACKS("avx2"); IKJ_LACKS("fma"); IKJ_LACKS("f16c"); IKJ_LACKS("bmi2");
+    }
+#endif
+#undef IKJ_LACKS
+#endif
+    if (higher) {
+      why = std::string(higher) + " compiled in, CPU lacks";
+      for (size_t i = 0; i < lacks.size(); ++i) why += (i ? ", " : " ") + lacks[i];
+    } else {
+      why = best == Isa::generic ? "no x86 SIMD level compiled in" : "the best level compiled in";
+    }
+    if (now == best && cap && *cap && std::strcmp(cap, isa_name(best)) != 0) why += std::string("; IKJAX_CPU_ISA=") + cap + " asks for more than the CPU has";
+  }
+  const char* paths = now == Isa::avx512 ? "dtype bf16: int8 decode and prompt products, AVX-512 VNNI (vpdpbusd)"
+                    : now == Isa::avx2   ? "dtype bf16: int8 decode and prompt products, AVX2 (vpmaddubsw/vpmaddwd)"
+                                         : "no int8 paths (f32)";
+  return std::string(isa_name(now)) + " (" + why + "); " + paths;
 }
 
 const char* isa_name(Isa isa) {
