@@ -347,3 +347,22 @@ def test_family_presets_spread_tokens(tmp_path, monkeypatch, preset):
     for li, c in enumerate(counts):
         used = np.count_nonzero(c) / len(c)
         assert used >= 0.9 and c.max() <= 4 * c.mean(), (li, used, c.max() / c.mean())
+
+
+@pytest.mark.parametrize("variant,pre", [("glm47", "glm4"), ("v2full", "deepseek-llm")])
+def test_missing_gating_key_read_from_content(tmp_path, variant, pre):
+    """Files without expert_gating_func: GLM-4.7-Flash ones from early converters (sigmoid) and
+    DeepSeek V2 / V2.5 ones from before the key (softmax). ik tells them apart by layer count;
+    ikjax by the file's content (selection biases exp_probs_b come only with sigmoid scores), so a
+    tiny GLM of 3 layers still matches transformers, and V2 stays softmax."""
+    import gguf_craft as gc
+    hf, cfg, sd = model(variant)
+    (path,) = write_deepseek2_gguf(tmp_path / f"{variant}.gguf", cfg, sd, layout="all", pre=pre)
+    g = gc.parse(path.read_bytes())
+    g.kvs = [kv for kv in g.kvs if kv.key != "deepseek2.expert_gating_func"]
+    bare = tmp_path / f"{variant}-nogating.gguf"
+    bare.write_bytes(gc.build(g))
+    eng, _ = load_with_notes(bare)
+    assert eng.config.gating == (2 if variant == "glm47" else 1)
+    ids = token_ids(cfg["vocab_size"], n=32, seed=8)
+    check(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids), f"{variant} without expert_gating_func")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -86,11 +86,13 @@ class ModelConfig:
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any], *, source: str = "GGUF", vocab_from_tensor: int | None = None,
-                      tensors: Mapping[str, Any] | None = None) -> "ModelConfig":
+                      tensors: Mapping[str, Any] | None = None,
+                      tensor_names: Iterable[str] | None = None) -> "ModelConfig":
         """The config a file's metadata describes, every key checked for its GGUF type and range (the
         error names the key). With `tensors` (the file's tensor table), also checks that the table is
         exactly this model's: layers 0..block_count-1, every tensor it reads of the right shape, and
-        nothing it would ignore."""
+        nothing it would ignore. `tensor_names` (or `tensors`): the file's tensor names, which settle
+        what the metadata leaves open (the gating function of a file without the key)."""
         arch = md.get("general.architecture")
         if arch != ARCH:
             raise ModelFileError(f"{source}: unsupported architecture {arch!r} (ikjax runs {ARCH!r})")
@@ -143,7 +145,14 @@ class ModelConfig:
         if nextn >= block_count:
             raise ModelFileError(f"{source}: {ARCH}.nextn_predict_layers {nextn} leaves no layers of "
                                  f"{ARCH}.block_count {block_count}")
-        gating = m.int("expert_gating_func", GATING_SOFTMAX, lo=0)
+        gating = m.int("expert_gating_func", 0, lo=0)
+        if not gating:
+            # no key (or 0, "none"): DeepSeek V2 / V2.5 files from before the key existed are softmax
+            # (llama.cpp's reading), but GLM-4.7-Flash files from early converters lack it too and
+            # are sigmoid: ik tells them apart by layer count (47 or 48); the file's content says it
+            # without guessing: selection biases (exp_probs_b) exist only beside sigmoid scores
+            names = tensor_names if tensor_names is not None else (tensors or ())
+            gating = GATING_SIGMOID if any(n.endswith(".exp_probs_b.bias") for n in names) else GATING_SOFTMAX
         n_dense_lead = m.int("leading_dense_block_count", _REQUIRED if n_expert else 1 << 30, lo=0)
         has_dense = n_dense_lead > 0 or not n_expert
         cfg = cls(
@@ -166,8 +175,7 @@ class ModelConfig:
             n_dense_lead=n_dense_lead,
             expert_weights_scale=m.float("expert_weights_scale", _REQUIRED if n_expert else 1.0, positive=True),
             expert_weights_norm=m.bool("expert_weights_norm", False),
-            # 0 ("none"): DeepSeek V2 / V2.5 files from before the key existed; llama.cpp reads softmax
-            gating=gating or GATING_SOFTMAX,
+            gating=gating,
             rms_eps=m.float("attention.layer_norm_rms_epsilon", positive=True),
             rope_base=m.float("rope.freq_base", 10000.0, positive=True),
             yarn=yarn,

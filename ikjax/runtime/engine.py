@@ -52,7 +52,8 @@ class Engine:
         self.file = GGUFModelFile(path)
         first_tensor = self.file.tensors.get("token_embd.weight")
         self.config = ModelConfig.from_metadata(self.file.metadata, source=path,
-                                                vocab_from_tensor=first_tensor.shape[0] if first_tensor else None)
+                                                vocab_from_tensor=first_tensor.shape[0] if first_tensor else None,
+                                                tensor_names=self.file.tensors)
         self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0, ops.auto_dtype())
         self.capacity = cache_capacity(self.options)
         o, cfg = self.options, self.config
