@@ -68,14 +68,25 @@ def perplexity_cmd(
         ppl.check_ctx(ctx, ctx)
     run = RunArgs({**run, "ctx": ctx, "dtype": dtype})
     run_opts, _ = check_options(run, "perplexity")
+    # the text and the base file are checked against the model's header before it loads
+    from ikjax.cli.common import resolve_model
+    from ikjax.gguf_io.reader import GGUFModelFile
+    path = resolve_model(run.model)
+    header = GGUFModelFile(path)
+    if base is not None:
+        ppl.check_base_vocab(base, ppl.logits_width(header))
+        n_ctx = base.n_ctx
+    else:
+        t0 = time.perf_counter()
+        ids = _tokenize(header, text)
+        n_ctx = ctx
+        n_chunk = ppl.chunk_count(len(ids), n_ctx, chunks)
+        log(f"perplexity: tokenization took {1e3 * (time.perf_counter() - t0):g} ms ({len(ids)} tokens)")
+    del header
     setup_compile_cache(run.compile_cache_dir)
-    eng = load_engine(run.model, run.verbose, **run_opts)
-    n_ctx = base.n_ctx if base is not None else ctx
+    eng = load_engine(path, run.verbose, **run_opts)
     if base is not None:
         ppl.check_base(eng, base)
-    else:
-        ids = _tokenize(eng, text)
-        n_chunk = ppl.chunk_count(len(ids), n_ctx, chunks)
     n_seq = ppl.sequences_per_step(eng.options, n_ctx)
     count0, hits0 = eng.compile_count, eng.compile_cache_hits
     t0 = time.perf_counter()
@@ -101,17 +112,13 @@ def _read_text(path: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
-def _tokenize(eng, text: str) -> list[int]:
+def _tokenize(file, text: str) -> list[int]:
     """The whole text's tokens, BOS first where ik adds one (the file's add_bos_token; ik's
     default for its vocabulary type otherwise), as llama-perplexity's common_tokenize."""
     from ikjax.runtime import perplexity as ppl
     from ikjax.tokenizer import GGUFTokenizer
-    t0 = time.perf_counter()
-    log("perplexity: tokenizing the input ..")
-    tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
-    ids = tok.encode(text, add_bos=ppl.ik_add_bos(eng.file.metadata))
-    log(f"perplexity: tokenization took {1e3 * (time.perf_counter() - t0):g} ms")
-    return ids
+    tok = GGUFTokenizer(file.metadata, source=str(file.path))
+    return tok.encode(text, add_bos=ppl.ik_add_bos(file.metadata))
 
 
 def _eta(first_pass: float, n_chunk: int, n_seq: int) -> str:

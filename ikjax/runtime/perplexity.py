@@ -375,10 +375,17 @@ def perplexity(engine, ids, ctx: Optional[int] = None, *, n_chunks: Optional[int
     return PerplexityResult(ppl, err, n_ctx, n_chunk, flat.size, chunk_ppl, flat)
 
 
+def logits_width(file) -> int:
+    """Width of the logits of a model file (its output tensor's rows, else the embedding's):
+    ik's n_vocab. Read from the tensor table, so it is known before the model loads."""
+    out = file.tensors.get("output.weight") or file.tensors.get("token_embd.weight")
+    if out is None:
+        raise ModelFileError(f"{file.path}: no output.weight or token_embd.weight tensor")
+    return int(out.shape[0])
+
+
 def _vocab_of_logits(engine) -> int:
-    """Width of the logits (the output tensor's rows): ik's n_vocab."""
-    out = engine.file.tensors.get("output.weight") or engine.file.tensors.get("token_embd.weight")
-    return int(out.shape[0]) if out is not None else int(engine.config.vocab_size)
+    return logits_width(engine.file)
 
 
 # -- KL divergence -----------------------------------------------------------------------------
@@ -555,13 +562,17 @@ def summary_lines(r: KLDResult) -> list[str]:
     return out
 
 
+def check_base_vocab(base: BaseLogits, n_vocab: int) -> None:
+    """ik prints "inconsistent vocabulary" and reads on (garbage); here it is refused."""
+    if base.n_vocab != n_vocab:
+        raise OptionError(f"kl-divergence-base {base.path}: inconsistent vocabulary ({base.n_vocab} in the file vs "
+                          f"{n_vocab} in the model): the base was computed with another model's vocabulary")
+
+
 def check_base(engine, base: BaseLogits) -> None:
     """The base file fits this model and engine: its vocabulary (ik only warns, then reads garbage)
     and a context the engine can hold (ik: "Increase it with -c and retry")."""
-    V = _vocab_of_logits(engine)
-    if base.n_vocab != V:
-        raise OptionError(f"kl-divergence-base {base.path}: inconsistent vocabulary ({base.n_vocab} in the file vs "
-                          f"{V} in the model): the base was computed with another model's vocabulary")
+    check_base_vocab(base, _vocab_of_logits(engine))
     if base.n_ctx > engine.options.ctx:
         raise OptionError(f"kl-divergence-base {base.path}: computed with n_ctx {base.n_ctx}, while the current "
                           f"context is {engine.options.ctx}: increase it with -c {base.n_ctx} and retry")
