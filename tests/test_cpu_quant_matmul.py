@@ -47,12 +47,16 @@ X8_TOL = 1e-2
 X8_PROMPT_TYPES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"}
 # K-quants in the int8 decode (avx512 VNNI and avx2 vpmaddubsw; f32 decode at generic)
 X8_KQ_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+# K-quants in the avx2 int8 prompt engine (one scale per 32 weights; the avx512 level keeps bf16 for them)
+X8_PROMPT_KQ_AVX2 = {"Q4_K", "Q5_K", "IQ4_XS"}
 
 
 def _is_x8(name, M, compute):
     """Whether this call takes 8-bit activations at the current level (module doc)."""
     if compute == "bf16" and name in X8_KQ_TYPES:
-        return M < 4 and _cpu.isa() in ("avx2", "avx512")
+        if M >= 4:
+            return _cpu.isa() == "avx2" and name in X8_PROMPT_KQ_AVX2
+        return _cpu.isa() in ("avx2", "avx512")
     if compute != "bf16" or name not in X8_TYPES:
         return False
     if M < 4:
@@ -148,7 +152,8 @@ def test_kquant_types(name, monkeypatch):
         _check(name, M, N, K, nt, isa, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "F16", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "F16", "Q6_K", "Q4_K", "Q5_K",
+                                  "IQ4_XS"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_compute(name, isa, monkeypatch):
     """compute='bf16': prompt-sized products (x and W rounded to bf16, f32 accumulation) against the
@@ -162,7 +167,11 @@ def test_bf16_compute(name, isa, monkeypatch):
                         # the int8 prompt engine: odd block counts (a pair's missing second block),
                         # partial 32-row panels, 1-3 leftover x rows of its 4-row microkernel,
                         # more than one 8-block K chunk
-                        (4, 1, 32, 1), (5, 33, 96, 2), (7, 31, 288, 1), (48, 64, 2048, 2), (18, 65, 544, 2)]:
+                        (4, 1, 32, 1), (5, 33, 96, 2), (7, 31, 288, 1), (48, 64, 2048, 2), (18, 65, 544, 2),
+                        # the avx2 engine's 8-row panels and 16-block K chunks for the super-block
+                        # types too: partial panels (N = 9, 65), leftover rows (M = 7), 3 and 5
+                        # super-blocks (K chunks ending inside one)
+                        (7, 65, 768, 2), (4, 9, 1280, 1)]:
         if K % by_name(name).block_elems:
             continue
         _check(name, M, N, K, nt, isa, compute="bf16", monkeypatch=monkeypatch)

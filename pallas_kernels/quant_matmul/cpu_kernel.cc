@@ -1270,6 +1270,7 @@ struct KqBlocks {
   __m256i sc[8];       // int16 scales, lanes 0-7 / 8-15
   float d = 0.f;       // super-block scale
   __m256 mn[2];        // dmin * min per 32 (mn[0]) or per 16 (mn[0..1]); minimum types only
+  int s32[8];          // Q4_K / Q5_K / IQ4_XS: the scale of each block of 32 (the prompt engine's)
 };
 
 inline __m256i sc16_pair(int a, int b) { return _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(a)), _mm_set1_epi16(static_cast<int16_t>(b))); }
@@ -1283,11 +1284,12 @@ inline void kq_unpack(const uint8_t* s, KqBlocks<type>& o) {
     const uint8_t* sc = s + 4;
     int mn[8];
     for (int j = 0; j < 4; ++j) {
-      o.sc[j] = _mm256_set1_epi16(sc[j] & 0x3f);
+      o.s32[j] = sc[j] & 0x3f;
       mn[j] = sc[4 + j] & 0x3f;
-      o.sc[4 + j] = _mm256_set1_epi16((sc[8 + j] & 0xf) | ((sc[j] >> 2) & 0x30));
+      o.s32[4 + j] = (sc[8 + j] & 0xf) | ((sc[j] >> 2) & 0x30);
       mn[4 + j] = (sc[8 + j] >> 4) | ((sc[4 + j] >> 2) & 0x30);
     }
+    for (int j = 0; j < 8; ++j) o.sc[j] = _mm256_set1_epi16(static_cast<int16_t>(o.s32[j]));
     o.mn[0] = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn))));
     const uint8_t* qs = s + (type == ikj::T_Q4_K ? 16 : 48);
     __m256i qh = type == ikj::T_Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)) : _mm256_setzero_si256();
@@ -1363,6 +1365,7 @@ inline void kq_unpack(const uint8_t* s, KqBlocks<type>& o) {
       o.sg[j] = w;
       o.q[j] = _mm256_sign_epi8(w, w);
       o.sc[j] = _mm256_set1_epi16(static_cast<int16_t>(ls - 32));
+      o.s32[j] = ls - 32;
     }
   }
 }
@@ -1945,9 +1948,13 @@ constexpr int64_t QKB = 16;        // blocks per K chunk: <= 9 KiB of the panel,
 
 inline bool q8gemm_type(int type) {
   return type == ikj::T_Q8_0 || type == ikj::T_Q4_0 || type == ikj::T_Q5_0 || type == ikj::T_IQ4_NL ||
-         type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
+         type == ikj::T_Q4_1 || type == ikj::T_Q5_1 || type == ikj::T_Q4_K || type == ikj::T_Q5_K ||
+         type == ikj::T_IQ4_XS;
 }
-constexpr bool q8gemm_sign(int type) { return type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL; }
+constexpr bool q8gemm_sign(int type) { return type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL || type == ikj::T_IQ4_XS; }
+// super-block types of the engine: one scale (and minimum) per block of 32, so a block of a row is a
+// Q4_1 / Q5_1 / IQ4_NL block with dw = d * scale (float), mw = -dmin * min
+constexpr bool q8gemm_kq(int type) { return type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_IQ4_XS; }
 // panel bytes per block: 8 quads x 32 (+ 8 x 32 |w|), 32 dw (+ 32 mw)
 constexpr int64_t q8gemm_blk(int type) { return q8gemm_sign(type) ? 544 : 320; }
 
@@ -1993,21 +2000,49 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
   constexpr bool sgn = q8gemm_sign(type);
   const uint8_t* rows[QNR];
   for (int j = 0; j < QNR; ++j) rows[j] = j < nr ? w + (p0 + j) * row_bytes : nullptr;
+  // super-block types: the 8 rows' current super-block unpacked once (kq_unpack, as the decode)
+  alignas(32) uint8_t kq_q[8][8][32];
+  alignas(32) float kq_d[8][8], kq_m[8][8];
   for (int64_t b = 0; b < nb; ++b) {
     __m256i r[8];
     alignas(32) float d[8], mw[8];
+    if constexpr (q8gemm_kq(type)) {
+      if (b % 8 == 0) {
+        for (int j = 0; j < 8; ++j) {
+          if (!rows[j]) continue;
+          const uint8_t* sb = rows[j] + b / 8 * bs;
+          _mm_prefetch(reinterpret_cast<const char*>(sb + 2 * bs), _MM_HINT_T0);
+          KqBlocks<type> kb;
+          kq_unpack<type>(sb, kb);
+          alignas(32) float mn[8] = {};
+          if constexpr (type != ikj::T_IQ4_XS) _mm256_store_ps(mn, kb.mn[0]);
+          for (int t = 0; t < 8; ++t) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(kq_q[j][t]), sgn ? kb.sg[t] : kb.q[t]);
+            kq_d[j][t] = kb.d * static_cast<float>(kb.s32[t]);
+            kq_m[j][t] = -mn[t];
+          }
+        }
+      }
+    }
     for (int j = 0; j < 8; ++j) {
       if (!rows[j]) {
         r[j] = _mm256_setzero_si256();
         d[j] = mw[j] = 0.f;
         continue;
       }
-      const uint8_t* blk = rows[j] + b * bs;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bs), _MM_HINT_T0);
-      r[j] = wblock_avx2<type>(blk);  // signed values (Q8_0, IQ4_NL) or unsigned codes
-      d[j] = f16(blk);
-      mw[j] = type == ikj::T_Q4_0 ? -8.f * d[j] : type == ikj::T_Q5_0 ? -16.f * d[j]
-            : (type == ikj::T_Q4_1 || type == ikj::T_Q5_1) ? f16(blk + 2) : 0.f;
+      if constexpr (q8gemm_kq(type)) {
+        r[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(kq_q[j][b % 8]));
+        d[j] = kq_d[j][b % 8];
+        mw[j] = kq_m[j][b % 8];
+        continue;
+      } else {
+        const uint8_t* blk = rows[j] + b * bs;
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bs), _MM_HINT_T0);
+        r[j] = wblock_avx2<type>(blk);  // signed values (Q8_0, IQ4_NL) or unsigned codes
+        d[j] = f16(blk);
+        mw[j] = type == ikj::T_Q4_0 ? -8.f * d[j] : type == ikj::T_Q5_0 ? -16.f * d[j]
+              : (type == ikj::T_Q4_1 || type == ikj::T_Q5_1) ? f16(blk + 2) : 0.f;
+      }
     }
     // 8 x 8 dword transpose: out[c] = dword c (bytes 4c..4c+3) of each of the 8 rows
     __m256i t[8], u[8];
@@ -2044,7 +2079,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
               int64_t b0, int64_t b1, float* C, int64_t ldc, bool acc_c) {
   constexpr int64_t qblk = q8gemm_blk(type);
   constexpr bool sgn = q8gemm_sign(type);
-  constexpr int run16 = type == ikj::T_Q5_0 || type == ikj::T_Q5_1 ? 4 : 8;  // quads summed in i16
+  constexpr int run16 = type == ikj::T_Q5_0 || type == ikj::T_Q5_1 || type == ikj::T_Q5_K ? 4 : 8;  // quads summed in i16
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 f[mr];
   for (int i = 0; i < mr; ++i) f[i] = _mm256_setzero_ps();
@@ -2142,6 +2177,9 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
     case ikj::T_Q5_0: return gemm_rows_q8_t<ikj::T_Q5_0, 22>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
     case ikj::T_Q4_1: return gemm_rows_q8_t<ikj::T_Q4_1, 20>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
     case ikj::T_Q5_1: return gemm_rows_q8_t<ikj::T_Q5_1, 24>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q4_K: return gemm_rows_q8_t<ikj::T_Q4_K, 144>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q5_K: return gemm_rows_q8_t<ikj::T_Q5_K, 176>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_IQ4_XS: return gemm_rows_q8_t<ikj::T_IQ4_XS, 136>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
     default: return gemm_rows_q8_t<ikj::T_IQ4_NL, 18>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
   }
 }
