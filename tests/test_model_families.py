@@ -305,7 +305,7 @@ def test_preset_metadata_reads_back(preset):
     from types import SimpleNamespace
 
     from ikjax.gguf_io import writer as gw
-    from ikjax.gguf_io.config import ModelConfig, ignored_parts
+    from ikjax.gguf_io.config import ModelConfig, load_notes
     from ikjax.tools import synthetic
     cfg = synthetic.preset_config(preset, layers=2)
     plans = synthetic.plan_tensors(cfg, "Q4_0")
@@ -320,7 +320,7 @@ def test_preset_metadata_reads_back(preset):
            round(c.expert_weights_scale, 4))
     assert got == want, (preset, got)
     assert c.n_layer == 2 and c.n_nextn == (1 if preset == "glm-4.7-flash" else 0)
-    assert len(ignored_parts(c, tensors, md)) == c.n_nextn
+    assert len(load_notes(c, tensors, md)) == c.n_nextn
     assert (c.q_lora_rank == 0) == (preset == "moonlight")
 
 
@@ -366,3 +366,48 @@ def test_missing_gating_key_read_from_content(tmp_path, variant, pre):
     assert eng.config.gating == (2 if variant == "glm47" else 1)
     ids = token_ids(cfg["vocab_size"], n=32, seed=8)
     check(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids), f"{variant} without expert_gating_func")
+
+
+def _rewrite(src, dst, edit):
+    """A copy of GGUF `src` with `edit(g)` applied to its parsed form (tests/gguf_craft.py)."""
+    import gguf_craft as gc
+    g = gc.parse(src.read_bytes())
+    edit(g)
+    dst.write_bytes(gc.build(g))
+    return dst
+
+
+def test_key_length_of_transformers_head_dim_is_repaired(tmp_path):
+    """ik's converter writes key_length = config's head_dim where there is one, and transformers 5
+    saves DeepSeek configs with head_dim = the rope size: such a file's key_length leaves no nope
+    part. The per-head size is then taken from the query projection's rows, with a note, and the
+    model matches transformers (measured on ik's own converter: the same 1e-6 as our writer)."""
+    import gguf_craft as gc
+    hf, cfg, sd = model("moonlight")
+    (path,) = write_deepseek2_gguf(tmp_path / "m.gguf", cfg, sd, layout="all", pre="kimi-k2")
+    bad = _rewrite(path, tmp_path / "m-headdim.gguf",
+                   lambda g: gc.set_kv(g, "deepseek2.attention.key_length", gc.u32(cfg["qk_rope_head_dim"])))
+    eng, notes = load_with_notes(bad)
+    assert eng.config.nope_dim == cfg["qk_nope_head_dim"]
+    assert any("key_length 16 leaves no room" in n and "per-head key size 48" in n for n in notes), notes
+    ids = token_ids(cfg["vocab_size"], n=32, seed=9)
+    check(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids), "moonlight key_length = rope")
+
+
+def test_kimi_file_without_betas_gets_kimis(tmp_path):
+    """A Kimi K2 file without YaRN beta keys (ik's converter drops them) runs with K2's betas (1, 1),
+    with a note, and matches transformers; a file of another pre-tokenizer keeps YaRN's 32 / 1."""
+    hf, cfg, sd = model("kimi")
+    (path,) = write_deepseek2_gguf(tmp_path / "k.gguf", cfg, sd, layout="all", pre="kimi-k2")
+
+    def drop_betas(g):
+        g.kvs = [kv for kv in g.kvs if "yarn_beta" not in kv.key]
+    bare = _rewrite(path, tmp_path / "k-nobetas.gguf", drop_betas)
+    eng, notes = load_with_notes(bare)
+    assert (eng.config.yarn.beta_fast, eng.config.yarn.beta_slow) == (1.0, 1.0)
+    assert sum("YaRN betas not in the file" in n for n in notes) == 1, notes
+    ids = token_ids(cfg["vocab_size"], n=32, seed=10)
+    check(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids), "kimi without beta keys")
+    (other,) = write_deepseek2_gguf(tmp_path / "v3.gguf", cfg, sd, layout="all", pre="deepseek-v3")
+    eng, notes = load_with_notes(_rewrite(other, tmp_path / "v3-nobetas.gguf", drop_betas))
+    assert eng.config.yarn.beta_fast == 32.0 and not any("YaRN betas" in n for n in notes)

@@ -50,7 +50,7 @@ def info(
     md = f.metadata
     emb = f.tensors.get("token_embd.weight")
     cfg = ModelConfig.from_metadata(md, source=path, vocab_from_tensor=emb.shape[0] if emb else None,
-                                    tensor_names=f.tensors)
+                                    file_tensors=f.tensors)
     opts = opts.with_model(cfg.n_expert_used, cfg.n_expert > 0, ops.auto_dtype())
     out = typer.echo
     n_params = sum(_prod(t.shape) for t in f.tensors.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -87,12 +87,14 @@ class ModelConfig:
     @classmethod
     def from_metadata(cls, md: dict[str, Any], *, source: str = "GGUF", vocab_from_tensor: int | None = None,
                       tensors: Mapping[str, Any] | None = None,
-                      tensor_names: Iterable[str] | None = None) -> "ModelConfig":
+                      file_tensors: Mapping[str, Any] | None = None) -> "ModelConfig":
         """The config a file's metadata describes, every key checked for its GGUF type and range (the
         error names the key). With `tensors` (the file's tensor table), also checks that the table is
         exactly this model's: layers 0..block_count-1, every tensor it reads of the right shape, and
-        nothing it would ignore. `tensor_names` (or `tensors`): the file's tensor names, which settle
-        what the metadata leaves open (the gating function of a file without the key)."""
+        nothing it would ignore. `file_tensors` (or `tensors`): the file's tensor table, unchecked, which
+        settles what the metadata leaves open or gets wrong: the gating function of a file without
+        the key, the per-head key size of a file whose key_length is the rope size."""
+        table = tensors if tensors is not None else (file_tensors or {})
         arch = md.get("general.architecture")
         if arch != ARCH:
             raise ModelFileError(f"{source}: unsupported architecture {arch!r} (ikjax runs {ARCH!r})")
@@ -109,6 +111,8 @@ class ModelConfig:
             v_dim = m.int("attention.value_length", lo=1)
             if m.int("attention.head_count_kv", n_head, lo=1) == 1 and qk_dim == r + rope_dim:
                 raise ModelFileError(f"{source}: head_count_kv = 1 layout without key_length_mla/value_length_mla")
+            if qk_dim <= rope_dim:
+                qk_dim = _qk_dim_from_tensors(table, n_head) or qk_dim
         m.int("attention.head_count_kv", n_head, lo=1)
         yarn = None
         scaling = m.str("rope.scaling.type", "none")
@@ -117,7 +121,9 @@ class ModelConfig:
                 factor=m.float("rope.scaling.factor", positive=True),
                 original_context=m.int("rope.scaling.original_context_length", lo=1),
                 log_multiplier=m.float("rope.scaling.yarn_log_multiplier", 0.0),
-                beta_fast=m.float("rope.scaling.yarn_beta_fast", 32.0),
+                # Kimi K2's config has beta_fast = beta_slow = 1; a file without the keys (ik's
+                # converter drops them) would run it as another model with YaRN's 32 / 1
+                beta_fast=m.float("rope.scaling.yarn_beta_fast", 1.0 if _kimi_without_betas(md) else 32.0),
                 beta_slow=m.float("rope.scaling.yarn_beta_slow", 1.0),
             )
         elif scaling != "none":
@@ -151,8 +157,7 @@ class ModelConfig:
             # (llama.cpp's reading), but GLM-4.7-Flash files from early converters lack it too and
             # are sigmoid: ik tells them apart by layer count (47 or 48); the file's content says it
             # without guessing: selection biases (exp_probs_b) exist only beside sigmoid scores
-            names = tensor_names if tensor_names is not None else (tensors or ())
-            gating = GATING_SIGMOID if any(n.endswith(".exp_probs_b.bias") for n in names) else GATING_SOFTMAX
+            gating = GATING_SIGMOID if any(n.endswith(".exp_probs_b.bias") for n in table) else GATING_SOFTMAX
         n_dense_lead = m.int("leading_dense_block_count", _REQUIRED if n_expert else 1 << 30, lo=0)
         has_dense = n_dense_lead > 0 or not n_expert
         cfg = cls(
@@ -238,7 +243,7 @@ class ModelConfig:
             known.update(f"blk.{i}.nextn.{n}.weight" for n in _NEXTN_TENSORS)
         for name in tensors:
             if _INDEXER_RE.match(name) and int(_INDEXER_RE.match(name).group(1)) < block_count:
-                continue  # V3.2's sparse-attention indexer: loaded past, named by ignored_parts
+                continue  # V3.2's sparse-attention indexer: loaded past, named by load_notes
             if name not in known:
                 raise ModelFileError(f"{source}: unexpected tensor {name}: a {ARCH} model with this metadata "
                                      f"does not read it")
@@ -251,14 +256,44 @@ _INDEXER_RE = re.compile(r"^blk\.(\d+)\.indexer\.(k_norm\.weight|k_norm\.bias|pr
                          r"attn_q_b\.weight)$")
 
 
-def ignored_parts(cfg: ModelConfig, tensors: Mapping[str, Any], metadata: Mapping[str, Any]) -> list[str]:
-    """One line per part of a file ikjax loads past without running it, for the loader to print
-    (never silently): the MTP layers (`nextn_predict_layers`, GLM-4.7-Flash's layer 47, a V3
+def _kimi_without_betas(md: Mapping[str, Any]) -> bool:
+    """A Kimi-tokenizer file (Kimi K2 / K2.5, whose YaRN betas are 1 and 1) that does not say its
+    YaRN betas."""
+    return (md.get("tokenizer.ggml.pre") == "kimi-k2" and f"{ARCH}.rope.scaling.yarn_beta_fast" not in md
+            and f"{ARCH}.rope.scaling.yarn_beta_slow" not in md)
+
+
+def _qk_dim_from_tensors(table: Mapping[str, Any], n_head: int) -> int | None:
+    """The per-head query/key size (nope + rope) from layer 0's query projection's rows (attn_q_b,
+    or attn_q without q_lora): what a file says when its key_length does not. ik's converter writes
+    `key_length = head_dim` when the config has one, and transformers 5 saves DeepSeek configs with
+    `head_dim` = the rope size (16 in a tiny model, 64 in a real one): key_length then leaves no
+    nope part at all."""
+    for name in ("blk.0.attn_q_b.weight", "blk.0.attn_q.weight"):
+        info = table.get(name)
+        shape = getattr(info, "shape", None)
+        if shape is not None and len(shape) == 2 and shape[0] % n_head == 0:
+            return int(shape[0]) // n_head
+    return None
+
+
+def load_notes(cfg: ModelConfig, tensors: Mapping[str, Any], metadata: Mapping[str, Any]) -> list[str]:
+    """One line per thing the loader should say about a file rather than pass over silently: a
+    per-head key size taken from the tensors because key_length could not be it (see
+    _qk_dim_from_tensors), and each part ikjax loads past without running it: the MTP layers (`nextn_predict_layers`, GLM-4.7-Flash's layer 47, a V3
     checkpoint converted with its MTP layer), whose extra next-token head serves only speculative
     decoding, and DeepSeek V3.2's sparse-attention indexer, which ik_llama.cpp skips as well,
     running V3.2 with dense attention over every cached key (the same output while a sequence is
     no longer than the indexer's top-k, 2048; past it, dense attention sees keys V3.2 would drop)."""
     notes = []
+    key_length = metadata.get(f"{ARCH}.attention.key_length")
+    if f"{ARCH}.attention.key_length_mla" not in metadata and key_length is not None and key_length != cfg.qk_dim:
+        notes.append(f"{ARCH}.attention.key_length {int(key_length)} leaves no room for the non-rope part "
+                     f"(rope.dimension_count {cfg.rope_dim}): per-head key size {cfg.qk_dim} taken from the "
+                     f"query projection's rows (a converter wrote transformers' head_dim, the rope size)")
+    if cfg.yarn is not None and _kimi_without_betas(metadata):
+        notes.append("YaRN betas not in the file: Kimi K2's (beta_fast 1, beta_slow 1, as its config.json; "
+                     "YaRN's default 32 / 1 would rotate other dimensions) for this kimi-k2 model")
     if cfg.n_nextn:
         first, last = cfg.n_layer, cfg.n_layer + cfg.n_nextn - 1
         present = any(_BLK_RE.match(n) and first <= int(_BLK_RE.match(n).group(1)) <= last for n in tensors)
