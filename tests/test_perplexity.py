@@ -299,6 +299,22 @@ def test_cli_progress_and_final_line(files, tmp_path):
     assert "perplexity: calculating perplexity over" in res.stderr
 
 
+def test_cli_ppl_output_type_1(files, tmp_path):
+    """--ppl-output-type 1: ik's line a chunk (`%8d  %.4lf  %4lf  %4lf`: offset, PPL, mean NLL, its
+    error), the last PPL the final estimate's."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    res = invoke(["perplexity", "-m", files["f32"], "-f", text, "-c", N_CTX, "-b", N_CTX, "--ppl-output-type", "1",
+                  "-t", "1"])
+    lines = res.stdout.splitlines()
+    rows = [re.fullmatch(r"\s{0,7}(\d+)  (\d+\.\d{4})  (\d+\.\d{6})  (\d+\.\d{6})", x) for x in lines[:-2]]
+    assert rows and all(rows), lines
+    assert [int(r.group(1)) for r in rows] == [N_CTX * i for i in range(len(rows))]
+    assert lines[-2] == "" and lines[-1].startswith("Final estimate: PPL over ")
+    assert f"= {rows[-1].group(2)} +/-" in lines[-1]
+    assert abs(np.exp(float(rows[-1].group(3))) - float(rows[-1].group(2))) < 1e-3 * float(rows[-1].group(2))
+
+
 def test_cli_kl_divergence_block(files, tmp_path):
     """--kl-divergence-base FILE writes the base; with --kl-divergence the table and ik's block."""
     text = tmp_path / "t.txt"

@@ -43,6 +43,8 @@ def perplexity_cmd(
         "here (ik's file format); with it: read them")] = None,
     kl_divergence: Annotated[bool, typer.Option("--kl-divergence", help="KL divergence against "
                                                 "--kl-divergence-base FILE (its tokens; -f not needed)")] = False,
+    ppl_output_type: Annotated[int, typer.Option("--ppl-output-type", help="0: ik's [1]x,[2]y, line; 1: a line "
+                                                 "a chunk: token offset, PPL, mean NLL, its error (ik's)")] = 0,
 ) -> None:
     """Perplexity of a text, as llama-perplexity: chunks of -c tokens, each scoring its second half
     (`[1]x,[2]y,...` then `Final estimate: PPL ...`); --kl-divergence-base FILE saves the base
@@ -50,6 +52,8 @@ def perplexity_cmd(
     from ikjax.runtime import perplexity as ppl
     if kl_divergence and not kl_divergence_base:
         raise OptionError("kl-divergence: needs --kl-divergence-base FILE (the base model's log-probabilities)")
+    if ppl_output_type not in (0, 1):
+        raise OptionError(f"ppl-output-type: 0 or 1, got {ppl_output_type}")
     if chunks == 0 or chunks < -1:
         raise OptionError(f"chunks: need a count >= 1 (or -1 for all), got {chunks}")
     base = None
@@ -95,7 +99,7 @@ def perplexity_cmd(
     if base is not None:
         _run_kld(eng, base, chunks, n_seq)
     else:
-        _run_ppl(eng, ids, n_ctx, n_chunk, n_seq, kl_divergence_base)
+        _run_ppl(eng, ids, n_ctx, n_chunk, n_seq, kl_divergence_base, ppl_output_type)
 
 
 def _read_text(path: str) -> str:
@@ -127,7 +131,7 @@ def _eta(first_pass: float, n_chunk: int, n_seq: int) -> str:
     return f"{hours}{(total % 3600 if total >= 3600 else total) / 60.0:.2f} minutes"
 
 
-def _run_ppl(eng, ids, n_ctx: int, n_chunk: int, n_seq: int, save_base: Optional[str]) -> None:
+def _run_ppl(eng, ids, n_ctx: int, n_chunk: int, n_seq: int, save_base: Optional[str], output_type: int) -> None:
     from ikjax.runtime import perplexity as ppl
     if save_base:
         log(f"perplexity: saving all logits to {save_base}")
@@ -140,7 +144,11 @@ def _run_ppl(eng, ids, n_ctx: int, n_chunk: int, n_seq: int, save_base: Optional
         if i == 0:  # after the first pass (n_seq chunks), before its progress, as ik
             dt = time.perf_counter() - t0
             log(f"perplexity: {dt:.2f} seconds per pass - ETA {_eta(dt, n_chunk, n_seq)}")
-        sys.stdout.write(ppl.progress_item(i + 1, nll))
+        if output_type == 0:
+            sys.stdout.write(ppl.progress_item(i + 1, nll))
+        else:  # ik prints the first chunk of its batch of n_seq chunks times n_ctx (for each of them)
+            ik_seq = max(1, eng.options.batch // n_ctx)
+            sys.stdout.write(ppl.progress_row(i // ik_seq * ik_seq * n_ctx, nll) + "\n")
         sys.stdout.flush()
 
     res = eng.perplexity(ids, n_ctx, n_chunks=n_chunk, save_base=save_base, on_chunk=on_chunk)

@@ -301,6 +301,18 @@ def progress_item(i: int, nll_so_far: np.ndarray) -> str:
     return f"[{i}]{math.exp(float(nll.sum()) / nll.size):.4f},"
 
 
+def progress_row(first_token: int, nll_so_far: np.ndarray) -> str:
+    """ik's `--ppl-output-type 1` line: `%8d  %.4lf  %4lf  %4lf` (the token offset ik prints,
+    PPL, mean NLL, its standard error)."""
+    nll = np.asarray(nll_so_far, np.float64)
+    count = nll.size
+    av = float(nll.sum()) / count
+    av2 = float((nll * nll).sum()) / count - av * av
+    if av2 > 0:
+        av2 = math.sqrt(av2 / (count - 1)) if count > 1 else float("inf")
+    return f"{first_token:8d}  {math.exp(av):.4f}  {av:4f}  {av2:4f}"
+
+
 def final_line(nll: np.ndarray, n_chunk: int, n_ctx: int) -> str:
     ppl, err = ppl_stats(nll)
     if not err == err:  # nan
