@@ -49,8 +49,11 @@ timed() {  # timed LABEL CMD...
 }
 SB="-m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 64"
 for v in ${VARIANTS:-default noautotune}; do
+  envv="IKJAX_LAYERS=auto"
   case $v in
     default) flags="" ;;
+    xla) flags=""; envv="IKJAX_KERNELS=xla" ;;
+    kcache) flags="--xla_gpu_kernel_cache_file=/tmp/kc-$v.bin"; rm -f /tmp/kc-$v.bin ;;
     noautotune) flags="--xla_gpu_autotune_level=0" ;;
     notritongemm) flags="--xla_gpu_enable_triton_gemm=false" ;;
     both) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false" ;;
@@ -59,9 +62,22 @@ for v in ${VARIANTS:-default noautotune}; do
   XLA_FLAGS="$flags" python3 -c "import jax; jax.devices()" 2> "$OUT/flagcheck-$v.err" \
     || { echo "### $v: flags rejected: $(tail -1 "$OUT/flagcheck-$v.err")" >> "$R"; continue; }
   rm -rf /tmp/cc-$v
-  XLA_FLAGS="$flags" JAX_LOG_COMPILES=1 IKJAX_COMPILE_CACHE=/tmp/cc-$v timed "cold-$v" ikj sweep-bench $SB
-  XLA_FLAGS="$flags" IKJAX_COMPILE_CACHE=/tmp/cc-$v timed "warm-$v" ikj sweep-bench $SB
+  env $envv XLA_FLAGS="$flags" JAX_LOG_COMPILES=1 IKJAX_COMPILE_CACHE=/tmp/cc-$v timed "cold-$v" ikj sweep-bench $SB
+  env $envv XLA_FLAGS="$flags" IKJAX_COMPILE_CACHE=/tmp/cc-$v timed "warm-$v" ikj sweep-bench $SB
   { echo "compile phases ($v, cold), seconds:"; grep -h "Finished" "$OUT/cold-$v.err" \
       | sed -E 's/.*Finished ([a-zA-Z +]*)(of|for) ([^ ]*).* in ([0-9.]+) sec.*/\1 \3 \4/' | head -40; echo; } >> "$R"
 done
+if [ -n "${SEQ:-}" ]; then  # each step alone, one after the other, in one process (fresh cache)
+  rm -rf /tmp/cc-seq
+  IKJAX_COMPILE_CACHE=/tmp/cc-seq python3 - "$V2L" >> "$R" 2>&1 <<'PYEOF'
+import sys, time
+import ikjax
+from ikjax.tools import sweep_bench as sb
+eng = ikjax.load(sys.argv[1], ctx=4096, ubatch=512, mla=3, flash_attn=True)
+for kind, n, kv in sb._shapes(eng, 64, None, None, 1):
+    t = time.perf_counter()
+    eng.precompile_decode(1, 64, kv) if kind == "loop" else eng.precompile(1, n, kv)
+    print(f"step {kind} T={n} kv={kv}: compiled alone in {time.perf_counter() - t:.2f} s")
+PYEOF
+fi
 cat "$R"

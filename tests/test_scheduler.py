@@ -224,3 +224,36 @@ def test_failed_prompt_fails_only_its_request(eng, monkeypatch):
         assert s.slots_busy() == 0
     finally:
         s.stop()
+
+
+def test_device_argmax_bans_ids_and_checks_finite_before():
+    """Greedy rows with banned ids (--ignore-eos) take their argmax on the device: a banned id is
+    never picked even where it holds the maximum, padding ids past the vocabulary are dropped, and
+    the finiteness flag reads the logits before the ban."""
+    from ikjax.runtime.scheduler import _argmax_rows
+    V = 11
+    logits = np.zeros((3, V), np.float32)
+    logits[0, 4], logits[0, 7] = 5.0, 3.0
+    logits[1, 2] = 1.0
+    logits[2, 9], logits[2, 1] = 2.0, np.nan
+    banned = np.array([[4, V], [V, V], [9, 3]], np.int32)
+    top, finite = (np.asarray(a) for a in _argmax_rows(logits, banned))
+    assert top[0] == 7 and top[1] == 2
+    assert finite.tolist() == [True, True, False]
+    assert int(np.asarray(_argmax_rows(logits[:2])[0])[0]) == 4  # no ban: the plain argmax
+
+
+def test_gpu_token_buckets_are_two_sizes(eng):
+    """With the GPU kernels a prompt step is the short chunk or a full ubatch (a server never
+    compiles a new step for a prompt's length); on the CPU the powers of two up to ubatch."""
+    assert eng.prompt_step_sizes() == (1, 2, 4, 8, 16) and eng.token_bucket(5) == 8
+    was = eng.backend
+    try:
+        eng.backend = "pallas"
+        from ikjax.runtime.engine import SHORT_CHUNK
+        ub = eng.options.ubatch
+        assert eng.prompt_step_sizes() == tuple(sorted({min(SHORT_CHUNK, ub), ub}))
+        assert {eng.token_bucket(n) for n in range(1, ub + 1)} == set(eng.prompt_step_sizes())
+        assert eng.token_bucket(ub + 3) == ub + 3
+    finally:
+        eng.backend = was

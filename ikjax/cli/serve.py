@@ -100,7 +100,8 @@ def serve(
     if not run.no_warmup:
         t0 = time.perf_counter()
         n = scheduler.warmup()
-        log(f"warm-up: compiled {n} steps (decode of {parallel} slots, full prompt chunks) in "
+        sizes = "/".join(str(t) for t in eng.prompt_step_sizes()) if eng.compile_in_parallel() else str(eng.options.ubatch)
+        log(f"warm-up: compiled {n} steps (decode of {parallel} slots, prompt chunks of {sizes} tokens) in "
             f"{time.perf_counter() - t0:.1f}s")
     path = str(eng.file.path)
     config = ServerConfig(model_name=alias or Path(path).name, model_path=path, n_slots=parallel,

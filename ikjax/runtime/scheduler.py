@@ -216,14 +216,16 @@ class Scheduler:
     def warmup(self, prompts: bool = True) -> int:
         """Compile before the first request arrives (llama-server's warm-up run): the decode step of
         all slots at every KV bucket it can meet and, with `prompts`, the full-ubatch prompt step at
-        every KV bucket of a prompt's chunks. A step compiled while streams decode stalls them all
-        for the compile's time; the shapes left to first use are a prompt's last, partial chunk.
-        Returns the steps compiled."""
+        every KV bucket of a prompt's chunks; on an accelerator also the short prompt step
+        (Engine.token_bucket: a prompt's tail, a chat turn after a cached history) at every KV
+        bucket, all side by side. A step compiled while streams decode stalls them all for the
+        compile's time; on the CPU the shapes left to first use are a prompt's last, partial chunk
+        (a compile there takes a second or two). Returns the steps compiled."""
         eng, ub = self.eng, self.ubatch
         before = eng.compile_count
-        for kv in sorted({eng.kv_bucket(n, 1) for n in range(1, self.ctx + 1, max(1, eng.options.kv_block))}
-                         | {eng.kv_bucket(self.ctx, 1)}):
-            eng.precompile(self.n_slots, 1, kv)
+        jobs = [(self.n_slots, 1, kv) for kv in sorted(
+            {eng.kv_bucket(n, 1) for n in range(1, self.ctx + 1, max(1, eng.options.kv_block))}
+            | {eng.kv_bucket(self.ctx, 1)})]
         if prompts:
             seen = set()
             for c0 in range(0, self.ctx - ub + 1, ub):
@@ -231,7 +233,23 @@ class Scheduler:
                 key = (T, eng.kv_bucket(c0 + T, T))
                 if key not in seen:
                     seen.add(key)
-                    eng.precompile(1, T, c0 + T)
+                    jobs.append((1, T, c0 + T))
+            parallel = eng.compile_in_parallel()
+            for T in eng.prompt_step_sizes() if parallel else ():
+                if T == ub:
+                    continue
+                for p in range(0, self.ctx - T + 1, T):
+                    key = (T, eng.kv_bucket(p + T, T))
+                    if key not in seen:
+                        seen.add(key)
+                        jobs.append((1, T, p + T))
+        if eng.compile_in_parallel() and len(jobs) > 1:
+            from concurrent.futures import ThreadPoolExecutor  # XLA compiles with the GIL released
+            with ThreadPoolExecutor(min(len(jobs), 8)) as pool:
+                list(pool.map(lambda j: eng.precompile(*j), jobs))
+        else:
+            for j in jobs:
+                eng.precompile(*j)
         return eng.compile_count - before
 
     # -- the loop (the scheduler's thread) ----------------------------------------------------------
@@ -380,7 +398,7 @@ class Scheduler:
         # floats and a host pass over each); rows that sample read their logits on the host
         greedy = [s for s in rows if _plain_greedy(s.req)]
         if greedy:
-            top, finite = (np.asarray(a) for a in _argmax_rows(logits))
+            top, finite = (np.asarray(a) for a in _argmax_rows(logits, self._banned(greedy)))
         host = np.asarray(logits, np.float32) if len(greedy) < len(rows) else None
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
@@ -391,6 +409,18 @@ class Scheduler:
                 self._next(req, lambda: _checked(int(top[b]), bool(finite[b])))
             else:
                 self._next(req, lambda: self._sample(req, host[b]))
+
+    def _banned(self, rows: list[Slot]) -> np.ndarray:
+        """[n_slots, k] ids each greedy row may not pick (--ignore-eos bans EOS), padded with the
+        vocabulary size (dropped by the scatter): the ban then costs the device a masked argmax,
+        not a copy of every row's logits to the host (3.3 MB a step at V2's vocabulary, with a
+        float64 pass over each row: most of a token's time at one stream before)."""
+        width = max(1, max(len(s.req.ban) for s in rows))
+        out = np.full((self.n_slots, width), self.eng.config.vocab_size, np.int32)
+        for s in rows:
+            ids = sorted(s.req.ban)
+            out[s.index, :len(ids)] = ids
+        return out
 
     def _next(self, req: Request, pick) -> None:
         """Emit the token `pick()` chooses; logits that hold NaN/Inf end this request only."""
@@ -458,13 +488,19 @@ class Scheduler:
 
 
 @jax.jit
-def _argmax_rows(logits):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.isfinite(logits).all(axis=-1)
+def _argmax_rows(logits, banned=None):
+    """Each row's argmax (after its banned ids, [B, k] padded with an out-of-range id, are set to
+    -inf) and whether the row's logits were all finite before the ban."""
+    finite = jnp.isfinite(logits).all(axis=-1)
+    if banned is not None:
+        rows = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), finite
 
 
 def _plain_greedy(req: Request) -> bool:
-    return req.sampling["temperature"] <= 0.0 and not req.ban and (req.repeat_penalty == 1.0
-                                                                   or req.repeat_last_n == 0)
+    """Greedy without a repeat penalty: the argmax on the device (bans included)."""
+    return req.sampling["temperature"] <= 0.0 and (req.repeat_penalty == 1.0 or req.repeat_last_n == 0)
 
 
 def _checked(tok: int, finite: bool) -> int:

@@ -1,0 +1,100 @@
+"""Where a served token's time goes (issue 23): the scheduler in this process, no HTTP.
+
+    python bench/serve_profile.py MODEL [--np 8] [--ctx 65536] [--ub 512] [--streams 1,8] [--tokens 64]
+
+For each stream count S: S greedy requests (ignore_eos, as bench/serve_load.py sends) decode
+`--tokens` tokens together; prints per decode iteration the wall time, the time inside Engine.step
+(dispatch), the wait for the step's tokens, and the rest (the scheduler's Python), and the same
+step alone in a loop (`Engine.step` on [np, 1] and [1, 1] batches, synced each step), so the
+scheduler's overhead is the difference.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import numpy as np
+
+import ikjax
+from ikjax.runtime import scheduler as sched
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--np", type=int, default=8)
+    ap.add_argument("--ctx", type=int, default=65536)
+    ap.add_argument("--ub", type=int, default=512)
+    ap.add_argument("--streams", default="1,8")
+    ap.add_argument("--tokens", type=int, default=64)
+    a = ap.parse_args()
+    eng = ikjax.load(a.model, ctx=a.ctx // a.np, ubatch=a.ub)
+    s = sched.Scheduler(eng, a.np)
+    t = time.perf_counter()
+    s.warmup(prompts=False)
+    eng.precompile(1, eng.prompt_tokens(128, 0), 128)
+    print(f"warm-up {time.perf_counter() - t:.1f} s")
+
+    # the step alone: [np, 1] and [1, 1], synced every step
+    for B in sorted({1, a.np}):
+        cache = eng.new_cache(B)
+        toks = np.ones((B, 1), np.int32)
+        start = np.full(B, 200, np.int32)
+        eng.precompile(B, 1, 201)
+        ts = []
+        for i in range(40):
+            t = time.perf_counter()
+            logits, cache = eng.step(cache, toks, start + i)
+            d = time.perf_counter()
+            np.asarray(sched._argmax_rows(logits)[0])
+            ts.append((d - t, time.perf_counter() - t))
+        ts = ts[5:]
+        print(f"Engine.step [{B},1] alone: {statistics.median(x[1] for x in ts) * 1e3:.2f} ms a step "
+              f"(dispatch {statistics.median(x[0] for x in ts) * 1e3:.2f} ms)")
+
+    # instrument the scheduler's decode iteration
+    rec: list[tuple[float, float, float]] = []
+    step0 = eng.step
+
+    def timed_step(*args, **kw):
+        t = time.perf_counter()
+        out = step0(*args, **kw)
+        timed_step.dispatch = time.perf_counter() - t
+        return out
+    eng.step = timed_step
+    dec0 = s._decode_step
+
+    def timed_decode():
+        t = time.perf_counter()
+        dec0()
+        rec.append((time.perf_counter() - t, timed_step.dispatch, 0.0))
+    s._decode_step = timed_decode
+    s.start()
+    rng = np.random.default_rng(0)
+    for S in [int(x) for x in a.streams.split(",")]:
+        rec.clear()
+        done = threading.Semaphore(0)
+        reqs = []
+        t0 = time.perf_counter()
+        for _ in range(S):
+            ids = rng.integers(100, eng.config.vocab_size, 128)
+            r = s.make_request(ids, a.tokens, ignore_eos=True,
+                               on_event=lambda kind, v: done.release() if kind in ("done", "error") else None)
+            reqs.append(s.submit(r))
+        for _ in range(S):
+            done.acquire()
+        wall = time.perf_counter() - t0
+        it = [x[0] for x in rec[S:]]  # past the admissions
+        disp = [x[1] for x in rec[S:]]
+        gen = sum(len(r.generated) for r in reqs)
+        print(f"{S} streams: {gen} tokens in {wall:.2f} s = {gen / wall:.1f} t/s; decode iteration "
+              f"median {statistics.median(it) * 1e3:.2f} ms (Engine.step dispatch {statistics.median(disp) * 1e3:.2f} ms), "
+              f"{len(rec)} iterations")
+        print("  finish:", sorted({r.finish_reason for r in reqs}))
+    s.stop()
+
+
+if __name__ == "__main__":
+    main()
