@@ -196,6 +196,9 @@ def _kld_rows(logits, targets, scale, min_log_prob, q):
 
 # -- running the chunks ------------------------------------------------------------------------
 def check_ctx(n_ctx, engine_ctx: int) -> int:
+    """A chunk length the engine can hold. Odd lengths are refused (ik takes them, scoring
+    positions floor(c/2)..c-2): every published PPL uses an even -c, and refusing keeps the two
+    halves of a chunk the same size, as this project's callers were asked to guarantee."""
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)) or n_ctx < 4:
         raise OptionError(f"ctx: need an integer context of at least 4 tokens for perplexity, got {n_ctx!r}")
     if n_ctx % 2:
