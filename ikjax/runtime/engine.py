@@ -42,6 +42,9 @@ from ikjax.runtime.memory_plan import (MemoryPlan, cache_capacity, charge_load, 
 
 log = logging.getLogger("ikjax")
 
+# the short prompt step's tokens on a GPU (Engine.token_bucket): chat turns and prompt tails
+SHORT_CHUNK = 64
+
 
 class Engine:
     """Load with `ikjax.load(path, **options)`."""
@@ -137,7 +140,25 @@ class Engine:
         return kv_buckets.kv_bucket(needed, o.ctx, o.ubatch, o.kv_block, self.capacity)
 
     def token_bucket(self, n: int) -> int:
-        return min(kv_buckets.pow2_at_least(n), max(n, self.options.ubatch))
+        """Tokens a prompt step of `n` real tokens computes (the rest padding, masked). On the CPU
+        the next power of two up to ubatch: padding costs compute there, a compile a second or two.
+        With the GPU kernels only two sizes, SHORT_CHUNK and ubatch: a step compiles in about ten
+        seconds there, computing 512 rows instead of 100 some tens of milliseconds; so a server whose
+        prompts end at any length never stalls its streams on a compile (Scheduler.warmup compiles
+        both sizes at every KV bucket) and `generate` pads exactly as the server does (same steps,
+        same bits)."""
+        ub = self.options.ubatch
+        if self.backend == "pallas" and n <= ub:
+            return min(SHORT_CHUNK, ub) if n <= SHORT_CHUNK else ub
+        return min(kv_buckets.pow2_at_least(n), max(n, ub))
+
+    def prompt_step_sizes(self) -> tuple[int, ...]:
+        """The token counts of full prompt chunks and of the padded short ones that `token_bucket`
+        can give (what a server compiles ahead): every power of two up to ubatch on the CPU."""
+        ub = self.options.ubatch
+        if self.backend == "pallas":
+            return tuple(sorted({min(SHORT_CHUNK, ub), ub}))
+        return tuple(sorted({self.token_bucket(n) for n in range(1, ub + 1)}))
 
     def prompt_tokens(self, n: int, pos: int) -> int:
         """Tokens the step computes for a prompt chunk of `n` real tokens at position `pos`: its
