@@ -24,6 +24,8 @@ t0=$(date +%s)
 [ -f "$M" ] || "$PY" -m ikjax.cli make-model --preset v2-lite --type Q4_0 --layers "$LAYERS" -o "$M" > /dev/null || exit 1
 echo "make-model: $(( $(date +%s) - t0 )) s ($(du -h "$M" | cut -f1))"
 export IKJAX_COMPILE_CACHE=/tmp/ikjax-xla
+# the server and the checking engine share the GPU: neither may take XLA's default 75 %
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
 
 serve() {  # serve MODE: start a server, wait until it listens
     t0=$(date +%s)
@@ -69,3 +71,23 @@ serve prefix
 load --mode multiturn --history 4000 --json "$OUT/multiturn-prefix.json"
 kill -TERM $SERVER; wait $SERVER
 grep -E "compiled|warm-up|Traceback|Error" "$OUT"/serve-*.log | head -20
+# llama-server beside it, same file, same loads (IK: an ik_llama.cpp CUDA build's bin/, bench/gpu_ik_build.sh)
+IK=${IK:-/tmp/ikc/build/bin}
+if [ -x "$IK/llama-server" ]; then
+    t0=$(date +%s)
+    "$IK/llama-server" -m "$M" -c $CTX -np $NP -cb -ub $UB -b 2048 -mla 3 -fa on -ngl 99 --port 8081 \
+        > "$OUT/llama-server.log" 2>&1 &
+    IKS=$!
+    for _ in $(seq 600); do
+        "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8081/health', timeout=2)" 2>/dev/null && break
+        kill -0 $IKS 2>/dev/null || { tail -20 "$OUT/llama-server.log"; exit 1; }
+        sleep 0.5
+    done
+    echo "llama-server: up in $(( $(date +%s) - t0 )) s"
+    iload() { timeout 300 "$PY" bench/serve_load.py --url http://127.0.0.1:8081 "$@"; }
+    iload --mode load --concurrency 1,8 --requests 16 --prompt-tokens 128 --max-tokens 128 --json "$OUT/ik-load.json"
+    iload --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens 1500 \
+        --json "$OUT/ik-interference.json"
+    iload --mode multiturn --history 4000 --json "$OUT/ik-multiturn.json"
+    kill -TERM $IKS; wait $IKS
+fi
