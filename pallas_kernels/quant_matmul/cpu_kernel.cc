@@ -2089,7 +2089,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
     __m256i c[mr];
     if constexpr (sgn) {
       for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
+#pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
       for (int q = 0; q < 8; ++q) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
         const __m256i uw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
@@ -2102,7 +2102,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
       for (int h = 0; h < 8 / run16; ++h) {
         __m256i s[mr];
         for (int i = 0; i < mr; ++i) s[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
+#pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
         for (int q = h * run16; q < (h + 1) * run16; ++q) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
           for (int i = 0; i < mr; ++i) {
