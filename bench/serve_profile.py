@@ -33,7 +33,7 @@ def main() -> None:
     eng = ikjax.load(a.model, ctx=a.ctx // a.np, ubatch=a.ub)
     s = sched.Scheduler(eng, a.np)
     t = time.perf_counter()
-    s.warmup(prompts=False)
+    s.warmup()
     eng.precompile(1, eng.prompt_tokens(128, 0), 128)
     print(f"warm-up {time.perf_counter() - t:.1f} s")
 
@@ -71,6 +71,21 @@ def main() -> None:
         dec0()
         rec.append((time.perf_counter() - t, timed_step.dispatch, 0.0))
     s._decode_step = timed_decode
+    events: list[tuple[str, float, float]] = []  # (kind, start, end) of every prompt chunk and decode step
+    pre0 = s._prefill_chunk
+
+    def timed_prefill():
+        t = time.perf_counter()
+        pre0()
+        events.append(("chunk", t, time.perf_counter()))
+    s._prefill_chunk = timed_prefill
+    dec1 = s._decode_step
+
+    def traced_decode():
+        t = time.perf_counter()
+        dec1()
+        events.append(("decode", t, time.perf_counter()))
+    s._decode_step = traced_decode
     s.start()
     rng = np.random.default_rng(0)
     for S in [int(x) for x in a.streams.split(",")]:
@@ -93,6 +108,27 @@ def main() -> None:
               f"median {statistics.median(it) * 1e3:.2f} ms (Engine.step dispatch {statistics.median(disp) * 1e3:.2f} ms), "
               f"{len(rec)} iterations")
         print("  finish:", sorted({r.finish_reason for r in reqs}))
+    # interference: 7 streams decode, a 2048-token prompt arrives; gaps between their tokens
+    done = threading.Semaphore(0)
+    streams = [s.submit(s.make_request(rng.integers(100, eng.config.vocab_size, 64), 400, ignore_eos=True,
+                                       on_event=lambda k, v: done.release() if k in ("done", "error") else None))
+               for _ in range(min(7, a.np - 1))]
+    while sum(len(r.generated) for r in streams) < 20 * len(streams):
+        time.sleep(0.01)
+    events.clear()
+    long = s.submit(s.make_request(rng.integers(100, eng.config.vocab_size, 2048), 1, ignore_eos=True,
+                                   on_event=lambda k, v: done.release() if k in ("done", "error") else None))
+    for _ in range(len(streams) + 1):
+        done.acquire()
+    ev = list(events)
+    chunks = [e for e in ev if e[0] == "chunk"]
+    if chunks:
+        t0, t1 = chunks[0][1], chunks[-1][2]
+        ends = [e[2] for e in ev if e[0] == "decode" and t0 - 0.5 < e[2] < t1 + 0.5]
+        gaps = np.diff(ends) if len(ends) > 1 else np.array([0.0])
+        print(f"interference: {len(chunks)} chunks, each {statistics.median(c[2] - c[1] for c in chunks) * 1e3:.1f} ms; "
+              f"decode steps around them: median gap {np.median(gaps) * 1e3:.1f} ms, max gap {gaps.max() * 1e3:.1f} ms; "
+              f"long prompt's first token {long.t_first - long.t_submit:.3f} s after submit")
     s.stop()
 
 
