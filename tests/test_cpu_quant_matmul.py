@@ -9,8 +9,11 @@ K-split decode path from N = 1).
 compute="bf16" is the fast mode: bf16 products for prompt-sized calls (M >= 4, against the bf16
 reference at 2e-3) and, at the avx512 (VNNI) and avx2 levels for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
 IQ4_NL, 8-bit activations for decode-sized ones (M < 4): x quantized per block of 32 (dx = max|x| / 127,
-round to nearest even) and int8 dot products. At the avx512 level Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
-IQ4_NL prompt-sized calls take the same 8-bit activations (the int8 prompt engine, X8_PROMPT_TYPES). Those are checked twice: against the f32 reference of
+round to nearest even) and int8 dot products; the K-quants and IQ4_XS likewise (X8_KQ_TYPES). At the
+avx512 and avx2 levels Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL prompt-sized calls take the same 8-bit
+activations (the int8 prompt engine, X8_PROMPT_TYPES), at avx2 also Q4_K, Q5_K and IQ4_XS
+(X8_PROMPT_KQ_AVX2). Each level runs where the CPU has it (IKJAX_CPU_ISA caps; _is_x8 asks the level
+that actually ran). Those are checked twice: against the f32 reference of
 the 8-bit-rounded x (`_x8`: the same function, so 1e-5), and against the f32 reference of x itself
 with the mode's stated tolerance X8_TOL = 1e-2 of sum_k |x||w| per element (measured on these
 Gaussian activations: <= 3e-3 at K = 32..96, ~5e-4 at K = 2048; norm-relative ~0.5-0.8 %). The

@@ -13,11 +13,14 @@
 //   is exact for bf16 products.
 // With compute = bf16, decode-sized products of the legacy block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 // IQ4_NL) at the avx512 (VNNI) and avx2 levels take a third path, as ik_llama.cpp does
-// for token generation: x quantized to 8 bits per block of 32 and vpdpbusd per weight block (see
-// "int8-activation decode" below); so do Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS at the avx512 level
-// (decode_kq8, decode_kq2). Every other decode-sized product is f32 in both modes. Prompt-sized
-// products of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL with compute = bf16 at the avx512 (VNNI) level
-// take the int8 prompt engine instead of bf16 panels (see "int8 prompt engine" below).
+// for token generation: x quantized to 8 bits per block of 32 and vpdpbusd (avx2: vpmaddubsw +
+// vpmaddwd) per weight block (see "int8-activation decode" below); so do Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+// and IQ4_XS at both levels (avx512: decode_kq8, decode_kq2; avx2: decode_kqa). Every other
+// decode-sized product is f32 in both modes. Prompt-sized products of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+// and IQ4_NL with compute = bf16 at the avx512 (VNNI) and avx2 levels take the int8 prompt engine
+// instead of bf16 panels (see "int8 prompt engine" below); at the avx2 level so do Q4_K, Q5_K and
+// IQ4_XS (one scale per 32 weights; the avx512 level keeps bf16 panels for them). The same x
+// quantization everywhere (dx = max|x| / 127, round to nearest even, per block of 32).
 #include "quant_matmul/cpu_kernel.h"
 #include "quant_matmul/cpu_dequant.h"
 

@@ -12,17 +12,18 @@
 //   IQ4_NL at the avx512 (VNNI vpdpbusd) and avx2 (vpmaddubsw) levels: each x row
 //   quantized per block of 32 (scale max|x| / 127, round to nearest) and int32 block dots scaled by
 //   the two block scales, ~0.5 % of the result's norm for Gaussian x; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and
-//   IQ4_XS the same at the avx512 level only (the same x quantization, vpdpbusd on the super-blocks' quants); decode of
-//   other types and at the generic level is computed in f32.
+//   IQ4_XS the same at both levels (the same x quantization, int8 dot products on the super-blocks'
+//   quants); decode of other types and at the generic level is computed in f32.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
 #include "cpu/isa.h"
 
-//   Prompt-sized Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL products at the avx512 (VNNI) level take
-//   the same 8-bit activations (QM_Q8 below) instead of bf16: int8 dot products on the weights' own
-//   quants (Q4_1 / Q5_1's minimum times x's block sums in float).
+//   Prompt-sized Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL products at the avx512 (VNNI) and avx2
+//   levels take the same 8-bit activations (QM_Q8 below) instead of bf16: int8 dot products on the
+//   weights' own quants (Q4_1 / Q5_1's minimum times x's block sums in float); at avx2 Q4_K / Q5_K /
+//   IQ4_XS too.
 // - QM_Q8: internal to the packed API (never a caller's mode): what qgemm_packed_compute returns
 //   for QM_BF16 where the int8 prompt engine applies; x then packed as 8-bit blocks.
 enum QmCompute : int { QM_F32 = 0, QM_BF16 = 1, QM_Q8 = 2 };
