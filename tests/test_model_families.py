@@ -205,7 +205,8 @@ def test_yarn_betas_matter(tmp_path):
     assert "deepseek2.rope.scaling.yarn_beta_slow" not in fields  # 1: YaRN's default, not written
     cfg32 = dict(cfg, rope_scaling=dict(cfg["rope_scaling"], beta_fast=32.0, beta_slow=1.0))
     cfg32.pop("rope_parameters", None)
-    (p32,) = write_deepseek2_gguf(tmp_path / "kimi32.gguf", cfg32, sd, layout="all", pre="kimi-k2")
+    # (another pre-tokenizer: a kimi-k2 file without the keys would get K2's betas back, see below)
+    (p32,) = write_deepseek2_gguf(tmp_path / "kimi32.gguf", cfg32, sd, layout="all", pre="deepseek-v3")
     ids = token_ids(cfg["vocab_size"], n=32, seed=6)
     eng, _ = load_with_notes(p32)
     assert rel_err(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids)) > 1e-3
