@@ -412,3 +412,60 @@ def test_kimi_file_without_betas_gets_kimis(tmp_path):
     (other,) = write_deepseek2_gguf(tmp_path / "v3.gguf", cfg, sd, layout="all", pre="deepseek-v3")
     eng, notes = load_with_notes(_rewrite(other, tmp_path / "v3-nobetas.gguf", drop_betas))
     assert eng.config.yarn.beta_fast == 32.0 and not any("YaRN betas" in n for n in notes)
+
+
+@pytest.mark.parametrize("case", [
+    (1, 64, 130, 20, 192, 64, 256, "bf16", "f32"),   # GLM-4.7-Flash's prompt: bf16 q, the f32 kv_b product
+    (2, 9, 40, 20, 192, 64, 256, "f32", "f32"),       # exact mode
+    (1, 33, 70, 64, 128, 64, 128, "bf16", "bf16")],   # Kimi K2's 64 heads
+    ids=lambda c: "B{}-T{}-S{}-H{}-nope{}-R{}-v{}-q{}-kv{}".format(*c))
+def test_cpu_attention_kv_family_sizes(case, monkeypatch):
+    """The C++ prompt kernel of -mla 2/3 (K = k_nope ++ shared rope key, V = v, read in place) at
+    GLM-4.7-Flash's nope 192 / v 256 / rope 64 with 20 heads and at K2's 64 heads, every
+    instruction-set level, against the XLA flash reference (tests/test_cpu_mla.py's)."""
+    import jax.numpy as jnp
+    import zlib
+
+    from pallas_kernels import cpu as _cpu
+    if not _cpu.available():
+        pytest.skip(_cpu.unavailable_reason() or "no C++ kernels")
+    from pallas_kernels.mla_decode import cpu as mla_cpu
+    from test_cpu_mla import FLOAT, ISAS, _kv_reference, positions
+    B, T, S, H, nope, R, Dv, qd, kvd = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    q = jnp.asarray(rng.standard_normal((B, T, H, nope + R)), FLOAT[qd])
+    kv = jnp.asarray(rng.standard_normal((B, S, H, nope + Dv)), FLOAT[kvd])
+    kr = jnp.asarray(rng.standard_normal((B, S, R)), FLOAT[qd])
+    q_pos = positions(rng, B, T, S)
+    ref = np.asarray(_kv_reference(q, kv, kr, q_pos, 0.06, nope), np.float64)
+    for isa in ISAS:
+        monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+        y = np.asarray(mla_cpu.attention_kv(q, kv, kr, q_pos, 0.06, nope=nope, n_threads=2), np.float64)
+        assert y.shape == (B, T, H, Dv)
+        rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+        assert np.isfinite(y).all() and rel < (1e-5 if qd == "f32" else 5e-3), (isa, rel)
+
+
+@pytest.mark.parametrize("H", [20, 64])
+@pytest.mark.parametrize("ctk", ["f32", "bf16", "q8_0"])
+def test_cpu_decode_family_heads(H, ctk, monkeypatch):
+    """The C++ absorbed decode kernel at 20 and 64 heads over the 512 + 64 latent, every cache type,
+    against mla_decode_ref on the same stored values."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import cpu as _cpu
+    if not _cpu.available():
+        pytest.skip(_cpu.unavailable_reason() or "no C++ kernels")
+    from pallas_kernels.mla_decode import cpu as mla_cpu
+    from pallas_kernels.mla_decode.reference import mla_decode_ref
+    from test_cpu_mla import ISAS, make_cache, stored_values
+    rng = np.random.default_rng(H)
+    q = jnp.asarray(rng.standard_normal((2, H, 576)), jnp.float32)
+    cache = make_cache(jnp.asarray(rng.standard_normal((2, 96, 576)), jnp.float32), ctk)
+    lengths = jnp.array([5, 96], jnp.int32)
+    ref = np.asarray(mla_decode_ref(q, stored_values(cache, 576), lengths, 0.07, v_dim=512, dtype=jnp.float32))
+    for isa in ISAS:
+        monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+        y = np.asarray(mla_cpu.mla_decode(q, cache, lengths, 0.07, v_dim=512, n_threads=2))
+        assert y.shape == (2, H, 512)
+        assert rel_err(y, ref) < 1e-5, (isa, rel_err(y, ref))
