@@ -39,7 +39,7 @@ def info(
     """Architecture, hyper-parameters, tensor types and sizes, MLA layout, and the memory plan for the given
     options (-c, -ctk, -mla, -ub, -fa, -ot) — from the header only, instant on any file size."""
     from ikjax import ops  # the runtime only when the command runs: `--help` stays light
-    from ikjax.gguf_io.config import ModelConfig
+    from ikjax.gguf_io.config import ModelConfig, load_notes
     from ikjax.gguf_io.reader import GGUFModelFile
     from ikjax.runtime.memory_plan import plan_memory
     _, opts = check_options(run, "info")
@@ -88,6 +88,8 @@ def info(
         out(f"  {k:<16} {v}")
     out("")
     out(f"MLA layout     {_mla_layout(set(f.tensors), cfg.n_layer)}")
+    for note in load_notes(cfg, f.tensors, md):  # what the loader will say it passes over (MTP, indexer)
+        out(f"note           {note}")
     out("")
     from pallas_kernels import cpu as _cpu_kernels
     out(f"cpu kernels    {_cpu_kernels.isa_report()}")
