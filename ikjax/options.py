@@ -112,6 +112,16 @@ class TensorOverride:
         return tuple(rules)
 
 
+def parse_gpu_experts(value) -> str:
+    """`--gpu-experts`: "auto" or a count of experts per layer (>= 0); "" = off."""
+    if value is None or value == "" or value is False:
+        return ""
+    v = str(value).strip().lower()
+    if v == "auto" or (v.isdigit() and int(v) >= 0):
+        return v
+    raise OptionError(f"gpu-experts: expected auto or a number of experts per layer, got {value!r}")
+
+
 @dataclass(frozen=True)
 class RunOptions:
     mla: int = 3
@@ -141,6 +151,10 @@ class RunOptions:
     # count the tokens each MoE layer routes to each expert over every step (Engine.expert_stats);
     # steps then call back to the host once a layer (not an ik flag: --expert-stats FILE.json)
     expert_stats: bool = False
+    # --gpu-experts auto|N: the most used routed experts of host-resident layers also on the GPU,
+    # chosen from `expert_counts` (an --expert-stats JSON file of an earlier run; ikjax.placement.hot)
+    gpu_experts: str = ""
+    expert_counts: str = ""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "RunOptions":
@@ -210,6 +224,12 @@ class RunOptions:
         boolean("fmoe")
         boolean("cpu_moe")
         boolean("expert_stats")
+        if "gpu_experts" in v:
+            v["gpu_experts"] = parse_gpu_experts(v["gpu_experts"])
+        if v.get("expert_counts") is None:
+            v.pop("expert_counts", None)
+        elif "expert_counts" in v:
+            v["expert_counts"] = str(v["expert_counts"])
         if v.get("ctv") is None:
             v.pop("ctv", None)
         for name, allowed in (("ctk", CACHE_TYPES), ("ctv", CACHE_TYPES), ("dtype", COMPUTE_DTYPES)):

@@ -84,3 +84,49 @@ def test_split_modes_count_alike(tiny4_model):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["none"]["tokens"] == 20 + 3
     assert res["graph"] == res["none"] and res["layer"] == res["none"]
+
+
+def test_gpu_experts_split_the_picks_and_change_nothing(tiny4_model, tmp_path, caplog):
+    """--gpu-experts: the top experts of each host-resident layer get a second copy (on a GPU; on
+    this CPU-only machine a second set in RAM), each routed pick runs on exactly one side, and
+    the logits are the run's without them (f32: the two partial sums only reassociate)."""
+    from ikjax.placement import hot
+    stats = tmp_path / "stats.json"
+    base = ikjax.load(tiny4_model, ctx=256, ubatch=32, ot="exps=CPU", expert_stats=True, dtype="f32")
+    ids = np.arange(2, 40)
+    want = base.logits(ids)
+    base.save_expert_stats(stats)
+    counts = hot.read_counts(str(stats), base.config.n_expert)
+    with caplog.at_level("INFO", logger="ikjax"):
+        eng = ikjax.load(tiny4_model, ctx=256, ubatch=32, ot="exps=CPU", dtype="f32", gpu_experts="2",
+                         expert_counts=str(stats))
+    chosen = dict(eng.placement.hot_experts)
+    assert sorted(chosen) == sorted(counts)  # every MoE layer (all host-resident)
+    for i, e in chosen.items():
+        assert len(e) == 2 and set(e) == set(np.argsort(-counts[i], kind="stable")[:2].tolist())
+    assert any("gpu experts: " in r.getMessage() for r in caplog.records)
+    got = eng.logits(ids)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # the split really ran: the layers carry the copies and their slot map
+    from ikjax.model.groups import layer_tensors
+    layer = layer_tensors(eng.weights, max(chosen))
+    assert "hot_experts" in layer and int((np.asarray(layer["hot_experts"]["slot"]) >= 0).sum()) == 2
+
+
+def test_gpu_experts_budget_and_refusals(tiny4_model, tmp_path):
+    from ikjax.placement import hot
+    counts = {3: np.array([5, 0, 9, 1]), 4: np.array([1, 1, 1, 40])}
+    # budget: the pairs with the largest share of their layer first, while their bytes fit
+    assert hot.choose(counts, [3, 4], {3: 10, 4: 10}, budget=25) == {3: (2,), 4: (3,)}
+    assert hot.choose(counts, [3, 4], {3: 10, 4: 10}, per_layer=3) == {3: (0, 2, 3), 4: (0, 1, 3)}
+    assert hot.coverage(counts, {4: (3,)}) == pytest.approx(40 / 58)
+    with pytest.raises(OptionError, match="no routed experts are in host memory"):
+        ikjax.load(tiny4_model, ctx=256, gpu_experts="2", expert_counts=str(tmp_path / "x.json"))
+    with pytest.raises(OptionError, match="needs expert statistics"):
+        ikjax.load(tiny4_model, ctx=256, ot="exps=CPU", gpu_experts="auto")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"tokens": 3, "layers": {"1": [1, 2]}}))
+    with pytest.raises(OptionError, match="token counts"):
+        ikjax.load(tiny4_model, ctx=256, ot="exps=CPU", gpu_experts="1", expert_counts=str(bad))
+    with pytest.raises(OptionError, match="gpu-experts: expected auto"):
+        ikjax.load(tiny4_model, ctx=256, ot="exps=CPU", gpu_experts="many")

@@ -12,6 +12,7 @@ import functools
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional
 
 import typer
@@ -212,13 +213,27 @@ def load_engine(model: Optional[str], verbose: bool = False, **opts: Any):
     log("memory plan:")
     for line in eng.memory_plan().lines():
         log("  " + line)
+    if eng.gpu_experts_note:
+        log(eng.gpu_experts_note)
     return eng
 
 
 def _save_expert_stats(eng, path: str) -> None:
-    """At the end of the command (also after Ctrl-C): what the engine counted, to `path`."""
-    eng.save_expert_stats(path)
+    """At the end of the command (also after Ctrl-C): what the engine counted, to `path`; where
+    --gpu-experts read `path` first, its counts plus this run's (a profile that grows run by run,
+    never replaced by one short run's)."""
     st = eng.expert_stats()
+    if eng.options.expert_counts == path:
+        import json
+        try:
+            old = json.loads(Path(path).read_text())
+            for k, v in old.get("layers", {}).items():
+                mine = st["layers"].get(k, [0] * len(v))
+                st["layers"][k] = [a + b for a, b in zip(mine, v)]
+            st["tokens"] += int(old.get("tokens", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass  # --gpu-experts checked the file when the run started; a file changed since is replaced
+    eng.save_expert_stats(path, st)
     log(f"expert stats: {st['tokens']} tokens over {len(st['layers'])} MoE layers -> {path}")
 
 

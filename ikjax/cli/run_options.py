@@ -133,6 +133,11 @@ def _shared(
     expert_stats: Annotated[Optional[str], typer.Option(
         "--expert-stats", metavar="FILE.json", help="count the tokens each MoE layer routes to each expert over "
         "the whole run (prompt and generation) and write them to FILE.json when it ends (not an ik flag)")] = None,
+    gpu_experts: Annotated[Optional[str], typer.Option(
+        "--gpu-experts", metavar="auto|N", help="with routed experts in host memory (-ot exps=CPU, --cpu-moe, "
+        "--n-cpu-moe): also keep the most used ones on the GPU, chosen from the --expert-stats FILE.json of an "
+        "earlier run (which this run then adds its own counts to): auto = as many as the memory plan leaves "
+        "room for, N = the top N of each layer (not an ik flag)")] = None,
     # how the run is carried out, not what it computes
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="log loading and compilation")] = False,
     compile_cache_dir: Annotated[Optional[str], typer.Option(
@@ -160,7 +165,8 @@ PLAN_OPTIONS = ("model", "ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "c
 
 # the shared options that become ikjax.load keyword arguments (RunOptions names), and ik's switches
 RUN_OPTION_PARAMS = ("ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "ctv", "fmoe", "ser", "ot", "ngl", "threads",
-                     "threads_batch", "cpu_moe", "n_cpu_moe", "dtype", "kv_block", "split_mode", "main_gpu", "ts")
+                     "threads_batch", "cpu_moe", "n_cpu_moe", "dtype", "kv_block", "split_mode", "main_gpu", "ts",
+                     "gpu_experts")
 SWITCH_PARAMS = ("split_mode", "main_gpu", "ts", "rtr", "thp", "no_mmap", "numa", "nkvo", "ooae", "no_ooae", "op",
                  "cuda", "muge", "mqkv", "ger", "wb", "nrep", "no_warmup", "gr", "no_gr", "fit", "mmp")
 
@@ -235,6 +241,8 @@ def load_kwargs(params: dict[str, Any]) -> dict[str, Any]:
         kw["fmoe"] = "0"
     if params.get("expert_stats"):  # the file (ikjax.cli.common.load_engine counts and writes it)
         kw["expert_stats"] = params["expert_stats"]
+        if params.get("gpu_experts"):  # --gpu-experts reads it first (ikjax.placement.hot)
+            kw["expert_counts"] = params["expert_stats"]
     return {k: v for k, v in kw.items() if v is not None}
 
 

@@ -120,6 +120,8 @@ def layer_spans(cfg, tensors: Mapping[str, Any], placement=None, mode: str | Non
     prev = None
     for i in range(cfg.n_layer):
         sig = _signature(cfg, i, tensors, placement) if mode != "unroll" else None
+        if sig is not None and placement is not None and placement.hot(i):
+            sig = ("gpu experts", i)  # its own set of GPU copies (--gpu-experts): a group of one
         biggest = max((getattr(tensors.get(s.gguf_name), "nbytes", 0) or 0 for s in layer_specs(cfg, i)), default=0)
         fits = max_stack_bytes is None or (spans and (spans[-1][1] + 1) * biggest <= max_stack_bytes)
         if spans and sig is not None and sig == prev and fits:

@@ -154,7 +154,19 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
         w = jnp.where(mine, w, 0.0)
         if not whole:
             ids = jnp.where(mine, local, 0)
-    out = ops.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
+    hot = layer.get("hot_experts")
+    if hot is not None:
+        # --gpu-experts: the picks of experts with a GPU copy run there, the rest on the host
+        # (each side skips the picks whose weight is zeroed: the host kernel reads no bytes of
+        # them, a big batch streams only the experts it still needs)
+        s = hot["slot"][ids]
+        on = s >= 0
+        out = ops.moe_experts(x, jnp.where(on, w, 0.0), jnp.where(on, s, 0), hot["gate"], hot["up"], hot["down"],
+                              dtype, fused=fused)
+        out = out + ops.moe_experts(x, jnp.where(on, 0.0, w), ids, layer["gate_exps"], layer["up_exps"],
+                                    layer["down_exps"], dtype, fused=fused)
+    else:
+        out = ops.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
                               fused=fused)
     if "down_shexp" not in layer:
         return jax.lax.psum(out, experts_axis) if experts_axis else out

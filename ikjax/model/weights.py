@@ -304,4 +304,28 @@ class TensorLoader:
         # a layer with host-placed tensors is not stacked (its parts live on two devices)
         if ops.resolve_backend() != "cpu" and not host_keys:
             tensors = fuse_rows(tensors)
+        hot = self.placement.hot(i) if self.placement is not None else ()
+        if hot:
+            tensors["hot_experts"] = self._hot_experts(i, hot)
         return self._pin(self.for_kernels(tensors), host_keys)
+
+    def _hot_experts(self, i: int, ids: tuple[int, ...]) -> dict:
+        """--gpu-experts: copies of layer i's experts `ids` on the GPU beside the host-resident
+        tensors, laid out as device-resident experts are (gate/up/down [H, ...], the kernels'
+        repack), and `slot` [E] int32: each expert's row in them, -1 where the host computes it
+        (ikjax.model.moe.moe_ffn splits the routed picks between the two)."""
+        out = {}
+        host_device = getattr(self.place, "host_device", None)  # next to an accelerator: its GPU
+        device = host_device(f"blk.{i}.ffn_gate_exps.weight") if host_device else jax.devices()[0]
+        for key, suffix in (("gate", "ffn_gate_exps.weight"), ("up", "ffn_up_exps.weight"),
+                            ("down", "ffn_down_exps.weight")):
+            name = f"blk.{i}.{suffix}"
+            info = self.gf.tensors[name]
+            qa = QuantArray.from_bytes(self.gf.tensor_bytes(name), info.qtype, info.shape)
+            rows = np.ascontiguousarray(np.asarray(qa.data)[list(ids)])  # [H, rows, row_bytes]
+            out[key] = QuantArray(jax.device_put(rows, device), qa.qtype, (len(ids),) + tuple(info.shape[1:]))
+        out = {k: ops.prepare_weight(v) for k, v in out.items()} if self.repack else out
+        slot = np.full(self.cfg.n_expert, -1, np.int32)
+        slot[list(ids)] = np.arange(len(ids), dtype=np.int32)
+        out["slot"] = jax.device_put(slot, device)
+        return out

@@ -101,6 +101,13 @@ class Placement:
     embed_device: int = 0
     output_device: int = 0
     main_device: int = 0
+    # --gpu-experts: (layer, expert ids) whose copies a GPU keeps beside the host-resident
+    # routed experts of that layer (ikjax.placement.hot)
+    hot_experts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def hot(self, layer: int) -> tuple[int, ...]:
+        """The experts of `layer` kept on the GPU (--gpu-experts), () for none."""
+        return dict(self.hot_experts).get(layer, ())
 
     def stage_device(self, name: str) -> int:
         """The index (in `devices`, i.e. in this process's JAX device list) of the device whose

@@ -30,6 +30,7 @@ from ikjax.model.groups import layer_spans
 from ikjax.model.deepseek2 import StepPlan
 from ikjax.options import RunOptions
 from ikjax.placement import devices
+from ikjax.placement import hot as hot_experts
 from ikjax.placement.rules import plan_placement
 from ikjax.runtime import buckets as kv_buckets
 from ikjax.runtime import compile_cache, distributed, generation, text
@@ -80,6 +81,18 @@ class Engine:
         memory = dataclasses.replace(self._static_plan(1), runtime_bytes=sum(before), load_copy_bytes=0,
                                      compile_bytes=0)
         check_fits(memory, self.options, path)
+        self.gpu_experts_note = ""
+        if o.gpu_experts:  # copies of the most used host-resident experts in the VRAM left
+            free = None
+            if o.gpu_experts == "auto":
+                limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit") or 0
+                # headroom past the plan: XLA's compile-time buffers and the streaming rounds
+                free = limit - memory.device_bytes - max(1536 << 20, limit // 20)
+            self.placement, line, _ = hot_experts.plan(self.placement, cfg.n_expert, self.file.tensors,
+                                                       o.gpu_experts, o.expert_counts, free)
+            self.gpu_experts_note = line  # the CLI prints it beside the memory plan
+            log.info("%s", line)
+            self.spans = layer_spans(cfg, self.file.tensors, self.placement)
         if len(self.placement.devices) > 1:
             check_devices(memory, dict(zip(self.placement.devices, devices.jax_devices(self.placement))), path)
         t0 = time.perf_counter()
@@ -262,11 +275,11 @@ class Engine:
         jax.effects_barrier()  # every callback of the steps run so far has landed
         return self._expert_counts.as_json()
 
-    def save_expert_stats(self, path) -> None:
-        """`expert_stats()` as JSON in `path`, written whole or not at all."""
+    def save_expert_stats(self, path, stats: dict | None = None) -> None:
+        """`expert_stats()` (or `stats` in its form) as JSON in `path`, written whole or not at all."""
         import json
         from ikjax.atomic_file import atomic_write
-        data = json.dumps(self.expert_stats())
+        data = json.dumps(self.expert_stats() if stats is None else stats)
         with atomic_write(path, len(data), what="expert-stats") as tmp:
             tmp.write_text(data)
 
