@@ -5,7 +5,7 @@
 # bench/serve_load.py: load at concurrency 1 and 8, a 2048-token prompt arriving while 7 streams
 # decode, a second turn over a 4000-token history against a 64-token prompt (--prompt-cache exact,
 # then prefix); and checks the server's greedy answers against Engine.generate on this GPU.
-#   OUT=/tmp/o bash bench/gpu_serve.sh [LAYERS]
+#   OUT=/tmp/o bash bench/gpu_serve.sh [LAYERS]      (SKIP_IKJAX=1: only llama-server, when IK has a build)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-serve-out}; mkdir -p "$OUT"
@@ -41,6 +41,7 @@ serve() {  # serve MODE: start a server, wait until it listens
 }
 load() { timeout 300 "$PY" bench/serve_load.py --url http://127.0.0.1:8080 "$@"; }
 
+if [ -z "${SKIP_IKJAX:-}" ]; then
 serve exact
 load --mode load --concurrency 1,8 --requests 16 --prompt-tokens 128 --max-tokens 128 --json "$OUT/load.json"
 load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens 1500 \
@@ -71,6 +72,7 @@ serve prefix
 load --mode multiturn --history 4000 --json "$OUT/multiturn-prefix.json"
 kill -TERM $SERVER; wait $SERVER
 grep -E "compiled|warm-up|Traceback|Error" "$OUT"/serve-*.log | head -20
+fi
 # llama-server beside it, same file, same loads (IK: an ik_llama.cpp CUDA build's bin/, bench/gpu_ik_build.sh)
 IK=${IK:-/tmp/ikc/build/bin}
 if [ -x "$IK/llama-server" ]; then
