@@ -211,3 +211,25 @@ def test_any_tensor_on_the_host_fixture():
     eng, got = _logits(path, tokens, ot=r"blk\.[01]\.=CPU,output=CPU")
     assert rel_err(got, gpu) <= TOL, rel_err(got, gpu)
     assert rel_err(got, ref) <= entry["tol"], rel_err(got, ref)
+
+
+@pytest.mark.parametrize("n_tokens, dtype", [(39, "f32"), (STREAM_TOKENS, "f32"), (39, "bf16")])
+def test_tiny4_gpu_experts(tiny4, tmp_path, n_tokens, dtype):
+    """--gpu-experts 3: copies of each host layer's 3 most used experts on the GPU (the Pallas or
+    XLA MoE there), the other picks on the host (small batches) or streamed (big ones: only the
+    experts left); logits as the plain -ot exps=CPU run's, and the device holds the copies."""
+    tokens = (np.arange(n_tokens) * 7 + 3) % 1000
+    stats = tmp_path / "s.json"
+    base = ikjax.load(tiny4, ctx=512, ubatch=256, dtype=dtype, ot="exps=CPU", expert_stats=True)
+    ref = base.logits(tokens)
+    base.save_expert_stats(stats)
+    eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype=dtype, ot="exps=CPU", gpu_experts="3",
+                     expert_counts=str(stats))
+    _check_host_resident(eng)
+    hot = dict(eng.placement.hot_experts)
+    assert hot and all(len(e) == 3 for e in hot.values())
+    for i in hot:
+        copies = layer_tensors(eng.weights, i)["hot_experts"]
+        assert all(d.platform == "gpu" for d in copies["slot"].devices())
+    got = eng.logits(tokens)
+    assert rel_err(got, ref) <= (TOL if dtype == "f32" else 1e-2), rel_err(got, ref)
