@@ -469,3 +469,29 @@ def test_cpu_decode_family_heads(H, ctk, monkeypatch):
         y = np.asarray(mla_cpu.mla_decode(q, cache, lengths, 0.07, v_dim=512, n_threads=2))
         assert y.shape == (2, H, 512)
         assert rel_err(y, ref) < 1e-5, (isa, rel_err(y, ref))
+
+
+@pytest.mark.parametrize("variant,experts,groups", [("v2full", 160, (8, 3)), ("v3", 256, (8, 4))])
+def test_group_layout_of_files_without_group_keys(tmp_path, variant, experts, groups):
+    """V2 / V2.5 (160 softmax experts) and V3 / R1 (256 sigmoid experts) files without
+    expert_group_count (ik's converter writes none) route over their known groups, with a note,
+    and match transformers; the same shapes with the keys present take the keys."""
+    import gguf_craft as gc
+    overrides = dict(n_routed_experts=experts, n_group=groups[0], topk_group=groups[1], num_experts_per_tok=6,
+                     moe_intermediate_size=16)
+    hf, cfg, sd = make_model(variant, seed=0, **overrides)
+    pre = "deepseek-llm" if variant == "v2full" else "deepseek-v3"
+    (path,) = write_deepseek2_gguf(tmp_path / f"{variant}.gguf", cfg, sd, layout="all", pre=pre)
+
+    def drop_groups(g):
+        g.kvs = [kv for kv in g.kvs if "expert_group" not in kv.key]
+    bare = _rewrite(path, tmp_path / f"{variant}-nogroups.gguf", drop_groups)
+    eng, notes = load_with_notes(bare)
+    assert (eng.config.n_expert_group, eng.config.n_expert_group_used) == groups
+    assert sum("expert groups not in the file" in n for n in notes) == 1, notes
+    ids = token_ids(cfg["vocab_size"], n=32, seed=11)
+    check(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids), f"{variant} {experts} experts without group keys")
+    one = _rewrite(path, tmp_path / f"{variant}-1group.gguf", lambda g: (
+        gc.set_kv(g, "deepseek2.expert_group_count", gc.u32(1)), gc.set_kv(g, "deepseek2.expert_group_used_count", gc.u32(1))))
+    eng, notes = load_with_notes(one)
+    assert eng.config.n_expert_group == 1 and not any("expert groups" in n for n in notes)

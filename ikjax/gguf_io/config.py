@@ -158,6 +158,7 @@ class ModelConfig:
             # are sigmoid: ik tells them apart by layer count (47 or 48); the file's content says it
             # without guessing: selection biases (exp_probs_b) exist only beside sigmoid scores
             gating = GATING_SIGMOID if any(n.endswith(".exp_probs_b.bias") for n in table) else GATING_SOFTMAX
+        groups = _known_groups(md, n_expert, gating)
         n_dense_lead = m.int("leading_dense_block_count", _REQUIRED if n_expert else 1 << 30, lo=0)
         has_dense = n_dense_lead > 0 or not n_expert
         cfg = cls(
@@ -175,8 +176,8 @@ class ModelConfig:
             n_expert=n_expert,
             n_expert_used=m.int("expert_used_count", _REQUIRED if n_expert else 0, lo=0),
             n_expert_shared=m.int("expert_shared_count", _REQUIRED if n_expert else 0, lo=0),
-            n_expert_group=m.int("expert_group_count", 1, lo=0) or 1,
-            n_expert_group_used=m.int("expert_group_used_count", 1, lo=0) or 1,
+            n_expert_group=m.int("expert_group_count", groups[0], lo=0) or 1,
+            n_expert_group_used=m.int("expert_group_used_count", groups[1], lo=0) or 1,
             n_dense_lead=n_dense_lead,
             expert_weights_scale=m.float("expert_weights_scale", _REQUIRED if n_expert else 1.0, positive=True),
             expert_weights_norm=m.bool("expert_weights_norm", False),
@@ -256,6 +257,22 @@ _INDEXER_RE = re.compile(r"^blk\.(\d+)\.indexer\.(k_norm\.weight|k_norm\.bias|pr
                          r"attn_q_b\.weight)$")
 
 
+# Expert groups of the models that route by groups, for files that do not say (ik's converter and
+# mainline's before 2025 wrote no expert_group_count; ik then skips the group step, which moves a
+# grouped model's logits 34-52 % from the reference, SPEC §1): (routed experts, gating) -> (groups,
+# groups used). Every model of those two shapes has them: DeepSeek V3 / V3.1 / V3.2 / R1 (256
+# sigmoid-scored experts, 8 groups, top 4); DeepSeek V2 / V2.5 / Coder-V2 (160 softmax-scored
+# experts, group_limited_greedy over 8 groups, top 3). Other shapes keep one group.
+KNOWN_GROUPS = {(256, GATING_SIGMOID): (8, 4), (160, GATING_SOFTMAX): (8, 3)}
+
+
+def _known_groups(md: Mapping[str, Any], n_expert: int, gating: int) -> tuple[int, int]:
+    """(groups, groups used) defaults: KNOWN_GROUPS where the file has neither group key."""
+    if f"{ARCH}.expert_group_count" in md or f"{ARCH}.expert_group_used_count" in md:
+        return 1, 1
+    return KNOWN_GROUPS.get((n_expert, gating), (1, 1))
+
+
 def _kimi_without_betas(md: Mapping[str, Any]) -> bool:
     """A Kimi-tokenizer file (Kimi K2 / K2.5, whose YaRN betas are 1 and 1) that does not say its
     YaRN betas."""
@@ -291,6 +308,11 @@ def load_notes(cfg: ModelConfig, tensors: Mapping[str, Any], metadata: Mapping[s
         notes.append(f"{ARCH}.attention.key_length {int(key_length)} leaves no room for the non-rope part "
                      f"(rope.dimension_count {cfg.rope_dim}): per-head key size {cfg.qk_dim} taken from the "
                      f"query projection's rows (a converter wrote transformers' head_dim, the rope size)")
+    if cfg.n_expert_group > 1 and _known_groups(metadata, cfg.n_expert, cfg.gating) != (1, 1):
+        notes.append(f"expert groups not in the file: {cfg.n_expert_group} groups, top {cfg.n_expert_group_used} "
+                     f"(every model of {cfg.n_expert} {'sigmoid' if cfg.gating == GATING_SIGMOID else 'softmax'}"
+                     f"-scored experts routes so: DeepSeek {'V3 / R1' if cfg.gating == GATING_SIGMOID else 'V2 / V2.5'}"
+                     f"; ik_llama.cpp skips the group step)")
     if cfg.yarn is not None and _kimi_without_betas(metadata):
         notes.append("YaRN betas not in the file: Kimi K2's (beta_fast 1, beta_slow 1, as its config.json; "
                      "YaRN's default 32 / 1 would rotate other dimensions) for this kimi-k2 model")
