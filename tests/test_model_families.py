@@ -495,3 +495,26 @@ def test_group_layout_of_files_without_group_keys(tmp_path, variant, experts, gr
         gc.set_kv(g, "deepseek2.expert_group_count", gc.u32(1)), gc.set_kv(g, "deepseek2.expert_group_used_count", gc.u32(1))))
     eng, notes = load_with_notes(one)
     assert eng.config.n_expert_group == 1 and not any("expert groups" in n for n in notes)
+
+
+@pytest.mark.parametrize("pre,bos", [("kimi-k2", False), ("glm4", False), ("deepseek-v3", True)])
+def test_server_prompts_follow_the_bos_rule(pre, bos):
+    """llama-server's prompts (a completion's text, a chat's rendered template) get a BOS only where
+    the model's tokenizer adds one: none for Kimi / GLM files (their templates open the turn
+    themselves), DeepSeek's as before; never a second one after a template that writes it."""
+    import asyncio
+
+    from ikjax.chat_template import ChatTemplate
+    from ikjax.server.app import Server
+    from ikjax.tokenizer import GGUFTokenizer
+    tok = GGUFTokenizer(_tok_metadata(pre))
+    srv = object.__new__(Server)  # only the tokenizer and template are read by these two paths
+    srv.tok, srv.template = tok, ChatTemplate("{{ messages[0]['content'] }}", "test")
+    ids = asyncio.run(srv._prompt_ids("Hello"))
+    assert (ids[0] == tok.bos_id) == bos and ids[int(bos):] == tok.encode("Hello", add_bos=False)
+    chat, _ = asyncio.run(srv._chat_prompt({"messages": [{"role": "user", "content": "Hi"}]}))
+    assert (chat[0] == tok.bos_id) == bos
+    srv.template = ChatTemplate("{{ bos }}{{ messages[0]['content'] }}".replace("{{ bos }}", tok.token_text(tok.bos_id)),
+                                "test")
+    chat, _ = asyncio.run(srv._chat_prompt({"messages": [{"role": "user", "content": "Hi"}]}))
+    assert chat[0] == tok.bos_id and chat[1] != tok.bos_id

@@ -151,7 +151,9 @@ class Server:
         return name
 
     # -- text in -----------------------------------------------------------------------------------
-    async def _encode(self, text: str, add_bos: bool = True) -> list[int]:
+    async def _encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; `add_bos` None: a BOS where the model's tokenizer adds one (DeepSeek
+        files; not GLM-4 / Kimi / GigaChat ones, as llama-server)."""
         try:
             return await asyncio.to_thread(self.tok.encode, text, add_bos)
         except OptionError as e:
@@ -176,7 +178,7 @@ class Server:
         bos = self.tok.token_text(self.tok.bos_id)
         # a template writes BOS itself: the text is tokenized without another one (llama-server strips
         # the template's and adds its own: the same ids)
-        ids = await self._encode(text, add_bos=not (bos and text.startswith(bos)))
+        ids = await self._encode(text, add_bos=False if bos and text.startswith(bos) else None)
         return ids, text
 
     def _job(self, ids: list[int], params: GenParams) -> Job:
