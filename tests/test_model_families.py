@@ -213,12 +213,14 @@ def test_yarn_betas_matter(tmp_path):
 
 
 def test_v2_group_routing_is_used(tmp_path):
-    """DeepSeek V2's 8 expert groups (top 3) change its routing: the same file with the group keys
-    removed (every expert competes) gives other logits, and the file with them matches (above)."""
+    """DeepSeek V2's 8 expert groups (top 3) change its routing: the same file saying one group
+    (every expert competes) gives other logits, and the file with its groups matches (above)."""
+    import gguf_craft as gc
     hf, cfg, sd = model("v2full")
-    flat = dict(cfg, topk_method="greedy")
-    (path,) = write_deepseek2_gguf(tmp_path / "v2-flat.gguf", flat, sd, layout="all", pre="deepseek-llm")
-    eng, _ = load_with_notes(path)
+    (path,) = write_deepseek2_gguf(tmp_path / "v2.gguf", cfg, sd, layout="all", pre="deepseek-llm")
+    flat = _rewrite(path, tmp_path / "v2-flat.gguf", lambda g: (
+        gc.set_kv(g, "deepseek2.expert_group_count", gc.u32(1)), gc.set_kv(g, "deepseek2.expert_group_used_count", gc.u32(1))))
+    eng, _ = load_with_notes(flat)
     assert eng.config.n_expert_group == 1
     ids = token_ids(cfg["vocab_size"], seed=7)
     assert rel_err(np.asarray(eng.logits(ids), np.float32), hf_logits(hf, ids)) > 1e-3
