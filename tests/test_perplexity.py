@@ -386,3 +386,47 @@ def test_api_bad_input(files):
                         (lambda: eng.perplexity(ids, N_CTX, n_chunks=0), "chunks")]:
         with pytest.raises(IkjaxError, match=re.escape(words)):
             call()
+
+
+# -- a base file written by ik_llama.cpp itself ----------------------------------------------------
+IK_BASE = "data/ik_base_v3g1_c64.kld"
+
+
+def test_reads_a_base_file_ik_wrote(tmp_path):
+    """tests/data/ik_base_v3g1_c64.kld was written by ik's llama-perplexity (CPU build; -fa 0, its
+    path without the flash kernel's f16 rounding; its default f16 latent cache) for
+    `make_model("v3", seed=0, n_group=1, topk_group=1)` written by ikjax's GGUF writer at F32, on 2
+    chunks of 64 tokens of an English text:
+        llama-perplexity -m v3g1-F32.gguf -f text.txt -c 64 --chunks 2 -t 2 -fa 0 \
+            --kl-divergence-base tests/data/ik_base_v3g1_c64.kld       (it printed PPL 686.4726)
+    ikjax reads it as ik does: the same model run by ikjax with the same cache type writes the
+    same rows (each 16-bit log-probability within one unit: the last bits of the logits), its KLD
+    against the file is ~0, PPL(base) read back is ik's, and the rows are transformers' log-probs
+    up to the f16 cache's rounding. If tests/hf_models.py's v3 model changes, regenerate the file
+    with that command."""
+    from pathlib import Path
+
+    from ikjax.runtime import perplexity as ppl
+    base = ppl.BaseLogits.open(Path(__file__).parent / IK_BASE)
+    assert (base.n_ctx, base.n_vocab, base.n_chunk) == (64, 512, 2)
+    hf, cfg, sd = make_model("v3", seed=0, n_group=1, topk_group=1)
+    scale, minlp, q = ppl.split_rows(base.rows.reshape(-1, base.rows.shape[-1]), 512)
+    lg, _ = ref_scored_logits(hf, base.tokens, 64)
+    lp = lg.astype(np.float64) - lg.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    ik_lp = scale[:, None].astype(np.float64) * q + minlp[:, None]
+    above = ik_lp > minlp[:, None] + 1e-6
+    assert np.abs(np.where(above, ik_lp - lp, 0)).max() < 3e-3  # f16 cache rounding, not another model
+    (path,) = write_deepseek2_gguf(tmp_path / "v3g1.gguf", cfg, sd, layout="all")
+    eng = _load(path, fa=False)  # ik's defaults otherwise: -mla 3, f16 cache
+    mine = tmp_path / "mine.kld"
+    eng.perplexity(base.tokens, 64, save_base=mine)
+    assert Path(mine).read_bytes()[:20 + 4 * 128] == (Path(__file__).parent / IK_BASE).read_bytes()[:20 + 4 * 128]
+    _, _, q2 = ppl.split_rows(ppl.BaseLogits.open(mine).rows.reshape(-1, base.rows.shape[-1]), 512)
+    diff = np.abs(q.astype(np.int64) - q2)
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.7, (diff.max(), (diff == 0).mean())
+    kl = eng.kld(base)
+    assert kl.count == 2 * 31
+    assert abs(kl.mean_kld) < 1e-6 and kl.same_top_fraction == 1.0
+    assert abs(kl.ppl_base / 686.4726 - 1) < 1e-4, kl.ppl_base
+    assert abs(kl.ppl / 686.4726 - 1) < 1e-4, kl.ppl
