@@ -1255,6 +1255,72 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
   }
 }
 
+// M = 1: two weight rows per pass (n and n + h, h = half the range: two sequential memory streams,
+// as avx512's decode_q8_r2), sharing each block's load of x and its scale; four blocks' f16 scales
+// converted at once. Same integer sums and float products as decode_q8<type, bs, 1>.
+template <int type, int bs>
+void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                  int64_t n1, float* y, bool accumulate) {
+  constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
+  constexpr bool sgn = type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL;
+  constexpr int off = q8_offset(type);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const int8_t* xqs = xq.q.data() + kb0 * 32;
+  const int32_t* xc = xq.corr.data() + kb0 * 8;
+  const float* xd = xq.d.data() + kb0;
+  const float* xs = xq.ds.data() + kb0;
+  const int64_t h = (n1 - n0) / 2;
+  for (int64_t n = n0; n < n0 + h; ++n) {
+    const uint8_t* wr[2] = {w + n * row_bytes, w + (n + h) * row_bytes};
+    __m256 acc[2][2];
+    float accm[2] = {0.f, 0.f};
+    for (int r = 0; r < 2; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    alignas(16) float sc[2][4];
+    // one block of both rows into acc[.][a] (a a compile-time constant: with a run-time index the
+    // accumulators lived in memory and the pass ran at half the speed)
+    auto step = [&](int64_t b, auto a_c) {
+      constexpr int a = decltype(a_c)::value;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs + b * 32));
+      for (int r = 0; r < 2; ++r) {
+        const uint8_t* wb = wr[r] + b * bs;
+        const __m256i wv = wblock_avx2<type>(wb);
+        __m256i xv = x0, uw = wv;
+        if constexpr (sgn) xv = _mm256_sign_epi8(x0, wv), uw = _mm256_sign_epi8(wv, wv);
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), ones16);
+        if constexpr (off != 0) p = _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + b * 8)));
+        acc[r][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sc[r][b % 4]), acc[r][a]);
+        if constexpr (has_min) accm[r] += f16(wb + 2) * xs[b];
+      }
+    };
+    for (int64_t b = 0; b < nb; b += 4) {  // dw * dx of (up to) 4 blocks of both rows, then the blocks
+      const int nq = static_cast<int>(std::min<int64_t>(4, nb - b));
+      const __m128 xdv = nq == 4 ? _mm_loadu_ps(xd + b) : _mm_setr_ps(xd[b], nq > 1 ? xd[b + 1] : 0.f, nq > 2 ? xd[b + 2] : 0.f, 0.f);
+      for (int r = 0; r < 2; ++r) {  // (vpinsrw, not a store of 4 halves and a 16-byte load: that
+                                     // load cannot take its data from the narrow stores)
+        const uint8_t* p0 = wr[r] + b * bs;
+        const __m128i hv = _mm_setr_epi16(static_cast<short>(load_u16(p0)), static_cast<short>(nq > 1 ? load_u16(p0 + bs) : 0),
+                                          static_cast<short>(nq > 2 ? load_u16(p0 + 2 * bs) : 0),
+                                          static_cast<short>(nq > 3 ? load_u16(p0 + 3 * bs) : 0), 0, 0, 0, 0);
+        _mm_store_ps(sc[r], _mm_mul_ps(_mm_cvtph_ps(hv), xdv));
+      }
+      if (nq == 4) {
+        step(b, std::integral_constant<int, 0>());
+        step(b + 1, std::integral_constant<int, 1>());
+        step(b + 2, std::integral_constant<int, 0>());
+        step(b + 3, std::integral_constant<int, 1>());
+      } else {
+        for (int i = 0; i < nq; ++i) step(b + i, std::integral_constant<int, 0>());
+      }
+    }
+    for (int r = 0; r < 2; ++r) {
+      const float s = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) + accm[r];
+      float* dst = y + n + r * h;
+      *dst = accumulate ? *dst + s : s;
+    }
+  }
+  if ((n1 - n0) % 2) decode_q8<type, bs, 1>(xq, kb0, nb, w, row_bytes, n0 + 2 * h, n1, y, 1, accumulate);
+}
+
 // ---- K-quants (Q2_K..Q6_K, IQ4_XS) in the int8-activation decode at the avx2 level ------------
 //
 // x as for Q8_0 (blocks of 32 in x's order, the same quantization as the avx512 level). Each
@@ -1432,11 +1498,7 @@ void decode_q8_m(const XQ8& xq, int64_t M, int64_t kb0, int64_t nb, const uint8_
   w += kb0 * bs;  // legacy rows are plain sequences of equal blocks
   switch (M) {
     case 1:
-#if defined(IKJ_Q8DOT_512)
       return decode_q8_r2<type, bs>(xq, kb0, nb, w, row_bytes, n0, n1, y, accumulate);
-#else
-      return decode_q8<type, bs, 1>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate);
-#endif
     case 2: decode_q8<type, bs, 2>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
     default: decode_q8<type, bs, 3>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate); return;
   }
@@ -2487,17 +2549,23 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     return;
   }
   compute = qgemm_packed_compute(type, compute);
-  std::unique_ptr<uint8_t[]> xp(new uint8_t[pack_x(x, M, K, compute, nullptr)]);  // filled below, no memset
+  // the caller thread's pack buffer, kept between calls: a fresh one per call (up to ~22 MiB for a
+  // 512-row f32 x of K = 10944) was mapped and zeroed by the kernel on every call (clear_page was
+  // ~8 % of a Q8_0 sweep-bench profile on the 2-core EPYC)
+  thread_local std::vector<uint8_t> xp_buf;
+  const size_t xp_bytes = pack_x(x, M, K, compute, nullptr);
+  if (xp_buf.size() < xp_bytes) xp_buf.resize(xp_bytes);
+  uint8_t* const xp_data = xp_buf.data();
   ikj::parallel(n_threads, [&](int ith, int nth) {
     int64_t a, b;
     ikj::split_range((M + MR - 1) / MR, ith, nth, &a, &b);
-    pack_x(x, M, K, compute, xp.get(), a, b);
+    pack_x(x, M, K, compute, xp_data, a, b);
   });
   const int64_t panels = (N + NR - 1) / NR;
   std::atomic<int64_t> next{0};  // panels handed out one at a time (see the decode split)
   ikj::parallel(n_threads, [&](int, int) {
     for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < panels;)
-      gemm_rows(xp.get(), M, K, w, row_bytes, type, p * NR, std::min(N, (p + 1) * NR), y, N, compute);
+      gemm_rows(xp_data, M, K, w, row_bytes, type, p * NR, std::min(N, (p + 1) * NR), y, N, compute);
   });
 }
 
