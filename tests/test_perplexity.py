@@ -12,9 +12,9 @@ import re
 
 import numpy as np
 import pytest
+from hf_models import gguf_state_dict, hf_logits, make_model, set_weights
 from typer.testing import CliRunner
 
-from hf_models import gguf_state_dict, hf_logits, make_model, set_weights
 from ikjax.gguf_io.writer import write_deepseek2_gguf
 
 N_CTX = 64
@@ -430,3 +430,24 @@ def test_reads_a_base_file_ik_wrote(tmp_path):
     assert abs(kl.mean_kld) < 1e-6 and kl.same_top_fraction == 1.0
     assert abs(kl.ppl_base / 686.4726 - 1) < 1e-4, kl.ppl_base
     assert abs(kl.ppl / 686.4726 - 1) < 1e-4, kl.ppl
+
+
+@pytest.mark.parametrize("sm", ["layer", "graph"])
+def test_cli_split_modes_give_the_one_device_ppl(files, tmp_path, sm):
+    """-sm layer / -sm graph over 2 CPU devices (a subprocess: the device count is fixed before JAX
+    starts) print the PPL of one device: the chunks' logits come back whole from every executor."""
+    import os
+    import subprocess
+    import sys
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    args = ["perplexity", "-m", str(files["f32"]), "-f", str(text), "-c", str(N_CTX), "-t", "1"]
+    one = invoke(args).stdout.splitlines()[-1]
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2")
+    out = subprocess.run([sys.executable, "-m", "ikjax.cli", *args, "-sm", sm], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    two = out.stdout.splitlines()[-1]
+    assert "on CPU1" in out.stderr and f"(-sm {sm})" in out.stderr, out.stderr  # the split ran over 2 devices
+    get = lambda line: float(re.search(r"= (\d+\.\d+) \+/-", line).group(1))
+    assert abs(get(two) / get(one) - 1) < 1e-5, (one, two)

@@ -31,8 +31,8 @@ import dataclasses
 import functools
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +66,7 @@ def ik_add_bos(metadata: dict) -> bool:
     return str(metadata.get("tokenizer.ggml.model", "")) in ("llama", "bert")
 
 
-def bos_token(metadata: dict) -> Optional[int]:
+def bos_token(metadata: dict) -> int | None:
     """BOS id of the file, or None when the file names none."""
     v = metadata.get("tokenizer.ggml.bos_token_id")
     return None if v is None else int(v)
@@ -86,7 +86,7 @@ class BaseLogits:
     rows: np.ndarray  # memmap [n_chunk, n_scored, row_words] uint16
 
     @classmethod
-    def open(cls, path) -> "BaseLogits":
+    def open(cls, path) -> BaseLogits:
         path = str(path)
         try:
             size = os.path.getsize(path)
@@ -236,7 +236,7 @@ def precompile(engine, n_ctx: int) -> int:
     return len(shapes)
 
 
-def _chunk_scores(engine, cache, toks: np.ndarray, n_ctx: int, bos: Optional[int], score: Callable):
+def _chunk_scores(engine, cache, toks: np.ndarray, n_ctx: int, bos: int | None, score: Callable):
     """Feed chunks toks [B, n_ctx] (BOS first where given) and call `score(b_slice_logits [B, k, V],
     targets [B, k], p0)` for each step's scored rows at chunk positions p0..p0+k-1. Returns the cache."""
     first, last = n_ctx // 2, n_ctx - 2
@@ -318,12 +318,12 @@ def progress_row(first_token: int, nll_so_far: np.ndarray) -> str:
 
 def final_line(nll: np.ndarray, n_chunk: int, n_ctx: int) -> str:
     ppl, err = ppl_stats(nll)
-    if not err == err:  # nan
+    if math.isnan(err):
         return "Unexpected negative standard deviation of log(prob)"
     return f"Final estimate: PPL over {n_chunk} chunks for n_ctx={n_ctx} = {ppl:.4f} +/- {err:.5f}"
 
 
-def chunk_count(n_tokens: int, n_ctx: int, n_chunks: Optional[int]) -> int:
+def chunk_count(n_tokens: int, n_ctx: int, n_chunks: int | None) -> int:
     if n_tokens < 2 * n_ctx:
         raise OptionError(f"perplexity: you need at least {2 * n_ctx} tokens to evaluate perplexity with a context of "
                           f"{n_ctx}; the text tokenizes to only {n_tokens} tokens")
@@ -334,8 +334,8 @@ def chunk_count(n_tokens: int, n_ctx: int, n_chunks: Optional[int]) -> int:
     return most if n_chunks is None or n_chunks < 0 else min(int(n_chunks), most)
 
 
-def perplexity(engine, ids, ctx: Optional[int] = None, *, n_chunks: Optional[int] = None, save_base=None,
-               on_chunk: Optional[Callable[[int, np.ndarray], None]] = None) -> PerplexityResult:
+def perplexity(engine, ids, ctx: int | None = None, *, n_chunks: int | None = None, save_base=None,
+               on_chunk: Callable[[int, np.ndarray], None] | None = None) -> PerplexityResult:
     """llama-perplexity on the token ids of a whole text (BOS first where the model adds one, as
     the tokenizer gives them): chunks of `ctx` (default: the engine's -c). `save_base`: also write
     ik's --kl-divergence-base file there. `on_chunk(i, nll so far)` after each chunk (the CLI's
@@ -420,7 +420,7 @@ class KLDResult:
     def count(self) -> int:
         return int(self.nll.size)
 
-    def _upto(self, n: int) -> "KLDResult":
+    def _upto(self, n: int) -> KLDResult:
         return KLDResult(self.n_ctx, self.n_chunk, *(a[:n] for a in (self.nll, self.nll_base, self.kld,
                                                                        self.p_diff, self.same_top)))
 
@@ -598,8 +598,8 @@ def check_base(engine, base: BaseLogits) -> None:
                           f"[0, {engine.config.vocab_size})")
 
 
-def kld(engine, base, *, n_chunks: Optional[int] = None,
-        on_chunk: Optional[Callable[[int, "KLDResult"], None]] = None) -> KLDResult:
+def kld(engine, base, *, n_chunks: int | None = None,
+        on_chunk: Callable[[int, KLDResult], None] | None = None) -> KLDResult:
     """llama-perplexity --kl-divergence: this model against the base log-probabilities of `base`
     (a path or `BaseLogits`), over the base's own tokens and n_ctx. `on_chunk(i, result so far)`
     after each chunk (the CLI's table row)."""
