@@ -349,7 +349,8 @@ def perplexity(engine, ids, ctx: int | None = None, *, n_chunks: int | None = No
     n_seq = sequences_per_step(engine.options, n_ctx)
     ns = n_scored(n_ctx)
     writer = None
-    if save_base is not None:
+    from ikjax.runtime import distributed
+    if save_base is not None and distributed.is_primary():  # several processes: process 0 writes it
         V = _vocab_of_logits(engine)
         writer = BaseLogitsWriter(save_base, n_ctx, V, n_chunk, ids)
     nll = np.zeros((n_chunk, ns), np.float64)
