@@ -1339,27 +1339,36 @@ struct KqBlocks {
   __m256i sc[8];       // int16 scales, lanes 0-7 / 8-15
   float d = 0.f;       // super-block scale
   __m256 mn[2];        // dmin * min per 32 (mn[0]) or per 16 (mn[0..1]); minimum types only
-  int s32[8];          // Q4_K / Q5_K / IQ4_XS: the scale of each block of 32 (the prompt engine's)
+  int s32[8];          // IQ4_XS: the scale of each block of 32 (the prompt engine's)
+  __m256 dsc;          // Q4_K / Q5_K: d * scale of each block of 32 (the prompt engine's)
 };
 
 inline __m256i sc16_pair(int a, int b) { return _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(a)), _mm_set1_epi16(static_cast<int16_t>(b))); }
 
-template <int type>
+// prompt: for the prompt engine's panels, which take s32 and not the int16 scale vectors
+template <int type, bool prompt = false>
 inline void kq_unpack(const uint8_t* s, KqBlocks<type>& o) {
   const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
   if constexpr (type == ikj::T_Q4_K || type == ikj::T_Q5_K) {
     o.d = f16(s);
     const float dmin = f16(s + 2);
     const uint8_t* sc = s + 4;
-    int mn[8];
-    for (int j = 0; j < 4; ++j) {
-      o.s32[j] = sc[j] & 0x3f;
-      mn[j] = sc[4 + j] & 0x3f;
-      o.s32[4 + j] = (sc[8 + j] & 0xf) | ((sc[j] >> 2) & 0x30);
-      mn[4 + j] = (sc[8 + j] >> 4) | ((sc[4 + j] >> 2) & 0x30);
-    }
-    for (int j = 0; j < 8; ++j) o.sc[j] = _mm256_set1_epi16(static_cast<int16_t>(o.s32[j]));
-    o.mn[0] = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn))));
+    // the 12 bytes as 32-bit words: 8 6-bit scales (words 0-1) and 8 mins (words 2-3) as bytes, in
+    // registers (the scalar per-byte decode stored ints that one wide load then read back: a
+    // failed store forward per super-block, half the panel build's time)
+    uint32_t u[4];
+    std::memcpy(u, sc, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mlo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mlo;
+    u[0] &= k1;
+    const __m128i sm = _mm_setr_epi32(static_cast<int>(u[0]), static_cast<int>(u[1]), static_cast<int>(u[2]), static_cast<int>(u[3]));
+    if constexpr (!prompt)
+      for (int j = 0; j < 8; ++j) o.sc[j] = _mm256_set1_epi16(static_cast<int16_t>((u[j / 4] >> (8 * (j % 4))) & 0xff));
+    o.dsc = _mm256_mul_ps(_mm256_set1_ps(o.d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+    o.mn[0] = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
     const uint8_t* qs = s + (type == ikj::T_Q4_K ? 16 : 48);
     __m256i qh = type == ikj::T_Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)) : _mm256_setzero_si256();
     for (int g = 0; g < 4; ++g) {  // bytes 32g..: low nibbles block 2g, high nibbles block 2g + 1
@@ -1392,7 +1401,7 @@ inline void kq_unpack(const uint8_t* s, KqBlocks<type>& o) {
     }
   } else if constexpr (type == ikj::T_Q3_K || type == ikj::T_Q2_K) {
     const uint8_t* qs = s + (type == ikj::T_Q3_K ? 32 : 16);
-    int scl[16], mn[16];
+    int scl[16];
     if constexpr (type == ikj::T_Q3_K) {
       o.d = f16(s + 108);
       const uint8_t* sc = s + 96;
@@ -1400,10 +1409,11 @@ inline void kq_unpack(const uint8_t* s, KqBlocks<type>& o) {
         scl[k] = ((k < 8 ? (sc[k] & 0xf) : (sc[k - 8] >> 4)) | (((sc[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
     } else {
       o.d = f16(s + 80);
-      for (int k = 0; k < 16; ++k) scl[k] = s[k] & 0xf, mn[k] = s[k] >> 4;
+      for (int k = 0; k < 16; ++k) scl[k] = s[k] & 0xf;
       const __m256 dm = _mm256_set1_ps(f16(s + 82));
-      o.mn[0] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn))));
-      o.mn[1] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 8))));
+      const __m128i mb = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)), 4), _mm_set1_epi8(0x0f));
+      o.mn[0] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mb)));
+      o.mn[1] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mb, 8))));
     }
     const __m256i hm = type == ikj::T_Q3_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)) : _mm256_setzero_si256();
     for (int n = 0; n < 2; ++n) {
@@ -1432,8 +1442,10 @@ inline void kq_unpack(const uint8_t* s, KqBlocks<type>& o) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8 + 16 * j));
       const __m256i w = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4));
       o.sg[j] = w;
-      o.q[j] = _mm256_sign_epi8(w, w);
-      o.sc[j] = _mm256_set1_epi16(static_cast<int16_t>(ls - 32));
+      if constexpr (!prompt) {
+        o.q[j] = _mm256_sign_epi8(w, w);
+        o.sc[j] = _mm256_set1_epi16(static_cast<int16_t>(ls - 32));
+      }
       o.s32[j] = ls - 32;
     }
   }
@@ -2078,13 +2090,14 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
           const uint8_t* sb = rows[j] + b / 8 * bs;
           _mm_prefetch(reinterpret_cast<const char*>(sb + 2 * bs), _MM_HINT_T0);
           KqBlocks<type> kb;
-          kq_unpack<type>(sb, kb);
-          alignas(32) float mn[8] = {};
-          if constexpr (type != ikj::T_IQ4_XS) _mm256_store_ps(mn, kb.mn[0]);
-          for (int t = 0; t < 8; ++t) {
+          kq_unpack<type, true>(sb, kb);
+          for (int t = 0; t < 8; ++t)
             _mm256_store_si256(reinterpret_cast<__m256i*>(kq_q[j][t]), sgn ? kb.sg[t] : kb.q[t]);
-            kq_d[j][t] = kb.d * static_cast<float>(kb.s32[t]);
-            kq_m[j][t] = -mn[t];
+          if constexpr (type == ikj::T_IQ4_XS) {
+            for (int t = 0; t < 8; ++t) kq_d[j][t] = kb.d * static_cast<float>(kb.s32[t]), kq_m[j][t] = 0.f;
+          } else {
+            _mm256_store_ps(kq_d[j], kb.dsc);
+            _mm256_store_ps(kq_m[j], _mm256_sub_ps(_mm256_setzero_ps(), kb.mn[0]));
           }
         }
       }
