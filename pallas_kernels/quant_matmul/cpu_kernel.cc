@@ -2082,7 +2082,11 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
   alignas(32) float kq_d[8][8], kq_m[8][8];
   for (int64_t b = 0; b < nb; ++b) {
     __m256i r[8];
-    alignas(32) float d[8], mw[8];
+    // dw / mw straight into the panel (8 scalar stores read back by one 32-byte load stalled on the
+    // store forward once per block)
+    uint8_t* pb = panel + b * qblk;
+    float* d = reinterpret_cast<float*>(pb + (sgn ? 512 : 256));
+    float* mw = d + 8;  // (sign types: unused, past their dw)
     if constexpr (q8gemm_kq(type)) {
       if (b % 8 == 0) {
         for (int j = 0; j < 8; ++j) {
@@ -2105,21 +2109,24 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
     for (int j = 0; j < 8; ++j) {
       if (!rows[j]) {
         r[j] = _mm256_setzero_si256();
-        d[j] = mw[j] = 0.f;
+        d[j] = 0.f;
+        if constexpr (!sgn) mw[j] = 0.f;
         continue;
       }
       if constexpr (q8gemm_kq(type)) {
         r[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(kq_q[j][b % 8]));
         d[j] = kq_d[j][b % 8];
-        mw[j] = kq_m[j][b % 8];
+        if constexpr (!sgn) mw[j] = kq_m[j][b % 8];
         continue;
       } else {
         const uint8_t* blk = rows[j] + b * bs;
         _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bs), _MM_HINT_T0);
         r[j] = wblock_avx2<type>(blk);  // signed values (Q8_0, IQ4_NL) or unsigned codes
-        d[j] = f16(blk);
-        mw[j] = type == ikj::T_Q4_0 ? -8.f * d[j] : type == ikj::T_Q5_0 ? -16.f * d[j]
-              : (type == ikj::T_Q4_1 || type == ikj::T_Q5_1) ? f16(blk + 2) : 0.f;
+        const float dj = f16(blk);
+        d[j] = dj;
+        if constexpr (!sgn)
+          mw[j] = type == ikj::T_Q4_0 ? -8.f * dj : type == ikj::T_Q5_0 ? -16.f * dj
+                : (type == ikj::T_Q4_1 || type == ikj::T_Q5_1) ? f16(blk + 2) : 0.f;
       }
     }
     // 8 x 8 dword transpose: out[c] = dword c (bytes 4c..4c+3) of each of the 8 rows
@@ -2134,7 +2141,6 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
       u[4 * k + 2] = _mm256_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
       u[4 * k + 3] = _mm256_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
     }
-    uint8_t* pb = panel + b * qblk;
     for (int c = 0; c < 4; ++c) {
       const __m256i lo = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20), hi = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 32 * c), lo);
@@ -2144,9 +2150,6 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * (c + 4)), _mm256_sign_epi8(hi, hi));
       }
     }
-    const int64_t doff = sgn ? 512 : 256;
-    _mm256_storeu_ps(reinterpret_cast<float*>(pb + doff), _mm256_load_ps(d));
-    if constexpr (!sgn) _mm256_storeu_ps(reinterpret_cast<float*>(pb + doff + 32), _mm256_load_ps(mw));
   }
 }
 
