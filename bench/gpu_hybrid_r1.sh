@@ -34,10 +34,11 @@ if [[ " $PARTS " == *" ikjax "* ]]; then
   S=/tmp/r1-stats.json; rm -f "$S"
   ikj() { python3 -m ikjax.cli sweep-bench -m "$M" $FLAGS -fa 1 -ot exps=CPU -n 64 "$@"; }
   timed ikjax-default ikj --expert-stats "$S"
-  timed ikjax-stream-layer env IKJAX_STREAM=layer python3 -m ikjax.cli sweep-bench -m "$M" $FLAGS -fa 1 -ot exps=CPU -n 64
+  [ -n "${SKIP_LAYER:-}" ] || timed ikjax-stream-layer env IKJAX_STREAM=layer python3 -m ikjax.cli sweep-bench -m "$M" $FLAGS -fa 1 -ot exps=CPU -n 64
   cp "$S" "$OUT/r1-stats.json"
-  timed ikjax-gpu-experts-24GB env XLA_PYTHON_CLIENT_MEM_FRACTION=0.30 python3 -m ikjax.cli sweep-bench -m "$M" $FLAGS \
+  frac=$(python3 -c "print(round(24 * 1024 / $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1), 3))")
+  timed ikjax-gpu-experts-24GB env XLA_PYTHON_CLIENT_MEM_FRACTION=$frac python3 -m ikjax.cli sweep-bench -m "$M" $FLAGS \
       -fa 1 -ot exps=CPU -n 64 --gpu-experts auto --expert-stats "$S"
-  timed ikjax-gpu-experts-all-card ikj --gpu-experts auto --expert-stats "$S"
+  [ -n "${SKIP_ALL:-}" ] || timed ikjax-gpu-experts-all-card ikj --gpu-experts auto --expert-stats "$S"
 fi
 cat "$R"

@@ -86,8 +86,9 @@ class Engine:
             free = None
             if o.gpu_experts == "auto":
                 limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit") or 0
-                # headroom past the plan: XLA's compile-time buffers and the streaming rounds
-                free = limit - memory.device_bytes - max(1536 << 20, limit // 20)
+                # headroom past the plan: a prompt step's temporaries (4.6 GiB at R1's width and
+                # -ub 2048 on an H200, beyond what the plan counts) and the streaming rounds
+                free = limit - memory.device_bytes - max(6 << 30, limit // 5)
             self.placement, line, _ = hot_experts.plan(self.placement, cfg.n_expert, self.file.tensors,
                                                        o.gpu_experts, o.expert_counts, free)
             self.gpu_experts_note = line  # the CLI prints it beside the memory plan
