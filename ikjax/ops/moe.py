@@ -153,9 +153,14 @@ def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fus
         *blocks, slot_of = fetch(weights, ids, r)
         s = slot_of[ids]
         keep = s >= 0
-        if b not in ("pallas", "interpret"):
+        xla_reads = b not in ("pallas", "interpret") or (
+            jnp.dtype(dtype) == jnp.float32 and not gather_form(ids.shape[0], ids.shape[1], slots))
+        if xla_reads:
             # the XLA forms may multiply every slot's weights (by zero); unfilled slots hold
-            # arbitrary bytes, so they are zeroed there (the kernels never read them)
+            # arbitrary bytes (NaN, once dequantized), so they are zeroed there (the kernels never
+            # read them). Not only off the GPU: f32 prompt-sized work takes XLA's grouped form there
+            # too (_moe_pallas_supported), which read NaN from the slots a round left unfilled
+            # once --gpu-experts took some experts out of the stream
             filled = jnp.zeros((slots,), bool).at[jnp.where(slot_of >= 0, slot_of, slots)].set(True, mode="drop")
             blocks = [jnp.where(filled[:, None, None], blk, jnp.zeros((), blk.dtype)) for blk in blocks]
         dev = [_streamed(blk, t, (slots, *t.shape[1:]), b) for t, blk in zip((gate, up, down), blocks)]
