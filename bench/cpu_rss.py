@@ -17,7 +17,6 @@ and RssAnon are the split, and the sampler catches their high points inside a st
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time

@@ -270,7 +270,7 @@ def test_zero_weight_expert_is_not_read():
     """A zero-weight assignment is skipped, not multiplied by 0: an expert picked only with weight 0
     may hold NaNs without touching the output (ik's smart expert reduction does the same)."""
     rng = np.random.default_rng(11)
-    E, d, F = 4, 48, 80
+    E, d, _ = 4, 48, 80
     g, u, dn = experts(("F32",) * 3, E)
     poisoned = [QuantArray.from_bytes(np.array(t.data), t.qtype, t.shape) for t in (g, u, dn)]
     for t in poisoned:

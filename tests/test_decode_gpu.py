@@ -5,7 +5,6 @@ sampling on the device reproducible from the seed. Run with `pytest -m gpu`; the
 on CPU in test_engine.py."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import jax

@@ -148,7 +148,7 @@ def test_steps_compile_side_by_side(tiny_model):
     assert len(rows) == 4 and eng.compile_count == len(shapes)
 
 
-def _recorded_sweep(eng, tg: int) -> list[tuple[str, int, "np.ndarray"]]:
+def _recorded_sweep(eng, tg: int) -> list[tuple]:
     """Run the sweep (no warm-up runs: their random tokens depend on which shapes are new, so the
     token streams of two -c would differ) and keep what every step returned: ("pp", start, last
     token's logits) and ("tg", start, the tg tokens picked)."""

@@ -91,8 +91,8 @@ def info(
     for note in load_notes(cfg, f.tensors, md):  # what the loader will say it passes over (MTP, indexer)
         out(f"note           {note}")
     out("")
-    from pallas_kernels import cpu as _cpu_kernels
-    out(f"cpu kernels    {_cpu_kernels.isa_report()}")
+    from ikjax import ops
+    out(f"cpu kernels    {ops.cpu_kernel_report()}")
     out("")
     by_type: dict[str, list[int]] = {}
     for t in f.tensors.values():

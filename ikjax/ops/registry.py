@@ -74,6 +74,12 @@ def kernel_context(backend: str | None = None, threads: int = 0, seq_tokens: int
         _CONTEXT.reset(token)
 
 
+def cpu_kernel_report() -> str:
+    """Which instruction-set level the C++ kernels run at here and why (`ikjax info`): the
+    surfaces ask the registry, which owns the kernels, never the kernels themselves."""
+    return _cpu.isa_report()
+
+
 _warned_no_cpu = False
 
 
