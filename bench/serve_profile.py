@@ -72,20 +72,15 @@ def main() -> None:
         rec.append((time.perf_counter() - t, timed_step.dispatch, 0.0))
     s._decode_step = timed_decode
     events: list[tuple[str, float, float]] = []  # (kind, start, end) of every prompt chunk and decode step
-    pre0 = s._prefill_chunk
 
-    def timed_prefill():
-        t = time.perf_counter()
-        pre0()
-        events.append(("chunk", t, time.perf_counter()))
-    s._prefill_chunk = timed_prefill
-    dec1 = s._decode_step
-
-    def traced_decode():
-        t = time.perf_counter()
-        dec1()
-        events.append(("decode", t, time.perf_counter()))
-    s._decode_step = traced_decode
+    def traced(kind: str, fn):
+        def run():
+            t = time.perf_counter()
+            fn()
+            events.append((kind, t, time.perf_counter()))
+        return run
+    s._prefill_chunk = traced("chunk", s._prefill_chunk)
+    s._decode_step = traced("decode", s._decode_step)
     s.start()
     rng = np.random.default_rng(0)
     for S in [int(x) for x in a.streams.split(",")]:
