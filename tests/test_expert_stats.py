@@ -86,7 +86,7 @@ def test_split_modes_count_alike(tiny4_model):
     assert res["graph"] == res["none"] and res["layer"] == res["none"]
 
 
-def test_gpu_experts_split_the_picks_and_change_nothing(tiny4_model, tmp_path, caplog):
+def test_gpu_experts_split_the_picks_and_change_nothing(tiny4_model, tmp_path):
     """--gpu-experts: the top experts of each host-resident layer get a second copy (on a GPU; on
     this CPU-only machine a second set in RAM), each routed pick runs on exactly one side, and
     the logits are the run's without them (f32: the two partial sums only reassociate)."""
@@ -97,14 +97,13 @@ def test_gpu_experts_split_the_picks_and_change_nothing(tiny4_model, tmp_path, c
     want = base.logits(ids)
     base.save_expert_stats(stats)
     counts = hot.read_counts(str(stats), base.config.n_expert)
-    with caplog.at_level("INFO", logger="ikjax"):
-        eng = ikjax.load(tiny4_model, ctx=256, ubatch=32, ot="exps=CPU", dtype="f32", gpu_experts="2",
-                         expert_counts=str(stats))
+    eng = ikjax.load(tiny4_model, ctx=256, ubatch=32, ot="exps=CPU", dtype="f32", gpu_experts="2",
+                     expert_counts=str(stats))
     chosen = dict(eng.placement.hot_experts)
     assert sorted(chosen) == sorted(counts)  # every MoE layer (all host-resident)
     for i, e in chosen.items():
         assert len(e) == 2 and set(e) == set(np.argsort(-counts[i], kind="stable")[:2].tolist())
-    assert any("gpu experts: " in r.getMessage() for r in caplog.records)
+    assert eng.gpu_experts_note.startswith(f"gpu experts: {2 * len(chosen)} of ")  # what the CLI prints
     got = eng.logits(ids)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     # the split really ran: the layers carry the copies and their slot map
@@ -130,3 +129,27 @@ def test_gpu_experts_budget_and_refusals(tiny4_model, tmp_path):
         ikjax.load(tiny4_model, ctx=256, ot="exps=CPU", gpu_experts="1", expert_counts=str(bad))
     with pytest.raises(OptionError, match="gpu-experts: expected auto"):
         ikjax.load(tiny4_model, ctx=256, ot="exps=CPU", gpu_experts="many")
+
+
+def test_cli_gpu_experts_reads_then_adds_to_the_file(tiny4_model, tmp_path):
+    """`--gpu-experts N --expert-stats F`: the placement comes from F's counts (the CLI prints
+    what it kept), and at the end F holds F's counts plus this run's; without F's statistics the
+    command ends with one error line."""
+    import subprocess
+    import sys
+    f = tmp_path / "e.json"
+    gen = [sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny4_model, "-p", "hello there", "-n", "4",
+           "--temp", "0", "-c", "128", "-ot", "exps=CPU", "--expert-stats", str(f)]
+    r = subprocess.run(gen, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = json.loads(f.read_text())
+    r = subprocess.run(gen + ["--gpu-experts", "2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "gpu experts: 6 of 48 host-resident experts" in r.stderr  # 2 in each of the 3 MoE layers
+    both = json.loads(f.read_text())
+    assert both["tokens"] == 2 * first["tokens"]  # the same prompt, 4 tokens each: twice the tokens
+    assert all(sum(v) == both["tokens"] * 4 for v in both["layers"].values())
+    assert all(all(b >= a for a, b in zip(v, both["layers"][k])) for k, v in first["layers"].items())
+    missing = tmp_path / "none.json"
+    r = subprocess.run(gen[:-1] + [str(missing), "--gpu-experts", "2"], capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: gpu-experts: no expert statistics")

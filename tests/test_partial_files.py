@@ -109,7 +109,7 @@ def _small_write(path, monkeypatch, split=0):
     cfg = synthetic.preset_config("tiny", layers=1)
     rng = np.random.default_rng(0)
     fake = [(f"blk.0.t{i}.weight", rng.standard_normal((4, 32)).astype(np.float32)) for i in range(3)]
-    monkeypatch.setattr(gw, "deepseek2_tensors", lambda cfg, sd, layout="all": iter(fake))
+    monkeypatch.setattr(gw, "deepseek2_tensors", lambda cfg, sd, layout="all", **kw: iter(fake))
     return gw.write_deepseek2_gguf(path, cfg, {}, qtype="F32", split_max_tensors=split)
 
 

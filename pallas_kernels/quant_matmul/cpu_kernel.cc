@@ -1137,6 +1137,30 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
+// One block of 32 floats as the int8 paths quantize x (the avx512 level's arithmetic): the 32
+// signed bytes round(x * 127 / amax) in x's order (stored at q), their sums per 4 values (s4, dword
+// lanes), and the scale amax / 127, NaN where the block holds a NaN (max drops it; the NaN then
+// reaches y as in f32). One copy for quantize_x8 (decode) and pack_x8 (the prompt engine).
+inline float q8_block_avx2(const float* xb, void* q, __m256i* s4) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
+  const float amax = hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+  const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i qi[4];
+  for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+  // packs work per 128-bit lane: the dword order comes out 0 2 4 6 1 3 5 7 of 4-value groups
+  const __m256i p = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+  *s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p), _mm256_set1_epi16(1));
+  const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                 _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+  return _mm256_movemask_ps(un) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+}
+
 void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   const int64_t nb = K / 32;
   const int offset = q8_offset(type);
@@ -1145,28 +1169,11 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   if (static_cast<int64_t>(o.d.size()) < M * nb) o.d.resize(M * nb), o.ds.resize(M * nb);
   const bool half_sums = type == ikj::T_Q2_K;
   if (half_sums && static_cast<int64_t>(o.ds16.size()) < 2 * M * nb) o.ds16.resize(2 * M * nb);
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones8 = _mm256_set1_epi8(1),
-                ones16 = _mm256_set1_epi16(1), moff = _mm256_set1_epi32(-offset);
+  const __m256i moff = _mm256_set1_epi32(-offset);
   for (int64_t i = 0; i < M * nb; ++i) {
-    const float* xb = x + i * 32;
-    __m256 v[4];
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
-    const float amax = hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
-    const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    __m256i q[4];
-    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-    // packs work per 128-bit lane: the dword order comes out 0 2 4 6 1 3 5 7 of 4-value groups
-    const __m256i p = _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), perm);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q.data() + i * 32), p);
-    const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, p), ones16);
+    __m256i s4;
+    const float d = q8_block_avx2(x + i * 32, o.q.data() + i * 32, &s4);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.corr.data() + i * 8), _mm256_mullo_epi32(s4, moff));
-    // a NaN in the block (which max drops) makes its scale NaN: it reaches y as in f32
-    const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
-                                   _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
-    const float d = _mm256_movemask_ps(un) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
     o.d[i] = d;
     o.ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));  // exact: |sum| <= 4064
     if (half_sums) {  // s4's lanes 0-3 cover values 0-15, 4-7 values 16-31
@@ -1308,8 +1315,12 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
         step(b + 1, std::integral_constant<int, 1>());
         step(b + 2, std::integral_constant<int, 0>());
         step(b + 3, std::integral_constant<int, 1>());
-      } else {
-        for (int i = 0; i < nq; ++i) step(b + i, std::integral_constant<int, 0>());
+      } else {  // the last 1-3 blocks on the accumulators decode_q8 gives them (by the block's
+                // parity): the same sums in the same order, so a row alone (this pass) and in a
+                // batch of 2-3 (decode_q8<type, bs, MM>) get the same bits
+        step(b, std::integral_constant<int, 0>());
+        if (nq > 1) step(b + 1, std::integral_constant<int, 1>());
+        if (nq > 2) step(b + 2, std::integral_constant<int, 0>());
       }
     }
     for (int r = 0; r < 2; ++r) {
@@ -2046,25 +2057,9 @@ void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int
   const int64_t nb = K / 32;
   float* dx = reinterpret_cast<float*>(out + x8_dx_offset(M, K));
   float* ds = reinterpret_cast<float*>(out + x8_ds_offset(M, K));
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones8 = _mm256_set1_epi8(1),
-                ones16 = _mm256_set1_epi16(1);
   for (int64_t i = r0 * nb; i < r1 * nb; ++i) {
-    const float* xb = x + i * 32;
-    __m256 v[4];
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
-    const float amax = hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
-    const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    __m256i q[4];
-    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-    const __m256i p = _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), perm);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 32), p);
-    const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, p), ones16);
-    const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
-                                   _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
-    const float d = _mm256_movemask_ps(un) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+    __m256i s4;
+    const float d = q8_block_avx2(x + i * 32, out + i * 32, &s4);
     dx[i] = d;
     ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));
   }
