@@ -83,3 +83,15 @@ def test_long_sequence_in_a_big_batch_equals_alone(tiny4_model):
     alone = list(eng.generate(long, 32))
     batch = eng.generate_batch([long] + [[5, 6, 7]] * 7, 32)
     assert batch[0] == alone
+
+
+def test_k_quant_rows_in_a_batch_equal_alone(tmp_path):
+    """The same property on a Q4_K file (the type most users run): its int8 decode at every level
+    (decode_kqa at avx2) computes a row in a batch of 2-3 as it computes it alone."""
+    from ikjax.tools.synthetic import make_model
+    path = tmp_path / "tiny4-Q4_K.gguf"
+    make_model(path, "tiny", "Q4_K", layers=4)
+    eng = ikjax.load(str(path), ctx=512, ubatch=64, dtype=DTYPE)
+    long = _prompts(eng.config.vocab_size, [300], 3)[0]
+    alone = list(eng.generate(long, 24))
+    assert eng.generate_batch([long] + [[5, 6, 7]] * 7, 24)[0] == alone
