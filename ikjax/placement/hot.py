@@ -14,12 +14,14 @@ memory plan leaves), or the top N of every layer (`N`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 
 from ikjax.errors import OptionError
+from ikjax.gguf_io.tensors import is_routed_expert, layer_of
 
 
 def read_counts(path: str, n_expert: int) -> dict[int, np.ndarray]:
@@ -92,9 +94,7 @@ def plan(placement, n_expert: int, tensors: dict, gpu_experts: str, counts_path:
     """The placement with `hot_experts` set for --gpu-experts (`free_bytes`: what the device has
     left after the memory plan, for `auto`), and a line saying what was kept. Refuses a run with
     no host-resident routed experts, several devices, or no statistics."""
-    import dataclasses
 
-    from ikjax.gguf_io.tensors import is_routed_expert, layer_of
     if placement.split_mode != "none" or len(placement.devices) > 1:
         raise OptionError(f"gpu-experts: one GPU only for now (this run: -sm {placement.split_mode}, "
                           f"{len(placement.devices)} devices)")
