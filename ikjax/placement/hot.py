@@ -94,7 +94,6 @@ def plan(placement, n_expert: int, tensors: dict, gpu_experts: str, counts_path:
     """The placement with `hot_experts` set for --gpu-experts (`free_bytes`: what the device has
     left after the memory plan, for `auto`), and a line saying what was kept. Refuses a run with
     no host-resident routed experts, several devices, or no statistics."""
-
     if placement.split_mode != "none" or len(placement.devices) > 1:
         raise OptionError(f"gpu-experts: one GPU only for now (this run: -sm {placement.split_mode}, "
                           f"{len(placement.devices)} devices)")
