@@ -56,6 +56,9 @@ _VARS = (
              "stream them to the GPU", "ikjax.placement.host"),
     Variable("IKJAX_WEIGHTS", "", ("copy",),
              "`copy`: copy CPU weights out of the memory map instead of aliasing its pages", "ikjax.model.weights"),
+    Variable("IKJAX_BATCH_INVARIANT", "1", ("1", "0"),
+             "`0`: GPU decode kernels sized by the batch (each row's bits may then depend on the batch: a "
+             "server's greedy answers may part from `generate`'s)", "ikjax.ops.registry"),
     Variable("IKJAX_DECODE_LOOP", "1", ("1", "0"),
              "`0`: one dispatch per generated token instead of the on-device decode loop", "ikjax.runtime.engine"),
     Variable("IKJAX_STORE_STEPS", "auto", ("auto", "1", "0"),

@@ -10,6 +10,7 @@ The endpoints and the scheduling are ikjax.server and ikjax.runtime.scheduler.
 """
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -108,6 +109,11 @@ def serve(
                           api_key=api_key or None, timeout=timeout,
                           reasoning_format="deepseek" if reasoning_format == "auto" else reasoning_format,
                           defaults=defaults)
+    # everything alive now (weights' Python objects, compiled steps, the tokenizer) lives as long
+    # as the server: out of the collector's reach, a full collection no longer walks it, which
+    # on a loaded server showed as a stall of every stream at once
+    gc.collect()
+    gc.freeze()
     server = Server(eng, tok, template, scheduler.start(), config)
     log(f"{parallel} slots of {per_slot} tokens (-c {opts.ctx}), chat template {template.name}, "
         f"prompt cache {prompt_cache}")

@@ -56,7 +56,7 @@ def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
     """x [N, d] -> (weights [N, k] float32, expert ids [N, k] int32), as transformers' routers."""
     router = layer["gate_inp"]  # float32 [E, d] as loaded (ikjax.model.weights); a QuantArray if built by hand
     router = router.dequantize(jnp.float32) if hasattr(router, "dequantize") else router.astype(jnp.float32)
-    if registry.decode_step() and registry.resolve_backend() == "cpu":
+    if registry.decode_step() and (registry.resolve_backend() == "cpu" or registry.batch_invariant()):
         # a decode step's router as one reduction per (token, expert): each row's logits then come
         # out bit for bit as they do alone, whatever the batch (XLA's dot of 4 rows rounded
         # differently from its dot of 1, enough to flip a near-tie of two experts: a batch's tokens

@@ -170,7 +170,8 @@ def _mla_pallas(interpret: bool):
         if max(a.size for a in jax.tree_util.tree_leaves(cache)) >= 2**31:
             # the Triton kernel's offsets are 32-bit: a stack this big is read as its one layer (a copy)
             cache, layer = _one_layer(cache, layer), None
-        out = _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=interpret, layer=layer)
+        out = _mla.mla_decode(q, cache, lengths, scale, v_dim=v_dim, dtype=dtype, interpret=interpret, layer=layer,
+                              row_invariant=registry.batch_invariant())
         return out[:, :H] if pad else out
     return run
 

@@ -105,7 +105,7 @@ AUTO_MAX_ROWS = 4
 def _qm_pallas_supported(auto: bool):
     def supported(x, w, dtype) -> bool:
         rows = registry.rows(x)
-        if auto and rows > AUTO_MAX_ROWS:
+        if auto and rows > AUTO_MAX_ROWS and not (registry.batch_invariant() and rows <= registry.INVARIANT_MAX_ROWS):
             return False
         if rows > AUTO_MAX_ROWS and jnp.dtype(dtype) == jnp.float32:  # no TF32 in f32 mode
             return False
@@ -138,7 +138,8 @@ def _qm_cpu_run(x, w, dtype):
 
 def _qm_pallas(x, w, dtype, interpret: bool):
     pw, layer = pallas_weight(w)
-    return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer)
+    invariant = registry.batch_invariant() and registry.rows(x) <= registry.INVARIANT_MAX_ROWS
+    return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer, row_invariant=invariant)
 
 
 def quant_linear(x, w, dtype, *, backend: str | None = None):
@@ -157,6 +158,12 @@ def quant_linear(x, w, dtype, *, backend: str | None = None):
 # -- per-head products (MLA's absorbed W_kb / W_vb) ----------------------------------------------------
 
 def _heads_xla(x, w, dtype):
+    if registry.batch_invariant():
+        # each (row, head, output) one product-and-sum over k (f32 products of dtype-rounded
+        # values): a batched dot's algorithm, and its rounding, would depend on the batch
+        xf = x.astype(dtype).astype(jnp.float32)
+        wf = w.dequantize(dtype).astype(jnp.float32)
+        return (xf[..., :, None, :] * wf).sum(-1)
     prec = registry.precision_for(dtype)
     return jnp.einsum("...hk,hnk->...hn", x.astype(dtype), w.dequantize(dtype), precision=prec,
                       preferred_element_type=jnp.float32)

@@ -226,6 +226,22 @@ def decode_step() -> bool:
     return 0 < _CONTEXT.get().seq_tokens <= CPU_DECODE_MAX_ROWS
 
 
+# The largest decode batch (rows of a product) the GPU kernels compute row by row in a decode step
+# (`batch_invariant`); a bigger one takes the batch-sized path.
+INVARIANT_MAX_ROWS = 64
+
+
+def batch_invariant() -> bool:
+    """Whether the step being traced is a decode step whose GPU kernels compute every row as it is
+    computed alone: one-row tiles and splits sized for one sequence (pallas_kernels' pick_config
+    `split_rows` / `split_batch`), sums over a few terms as products and reductions rather than
+    batched dots (whose algorithm XLA picks by the shape), the router as one reduction per
+    (token, expert). Why: a server's greedy answer must equal `generate`'s for the same prompt
+    alone, and a batch's rounding differing in the last bit is enough to flip a near-tie. The CPU
+    kernels get the same property from `decode_groups`. IKJAX_BATCH_INVARIANT=0 turns it off."""
+    return decode_step() and env.choice("IKJAX_BATCH_INVARIANT") == "1"
+
+
 def rows(x) -> int:
     """Rows of x: the product of every dim but the last."""
     n = 1

@@ -250,7 +250,18 @@ class Scheduler:
         else:
             for j in jobs:
                 eng.precompile(*j)
+        self._warm_helpers()
         return eng.compile_count - before
+
+    def _warm_helpers(self) -> None:
+        """Run the loop's small jitted helpers once at their shapes (a slot's row taken out and put
+        back, the greedy rows' argmax with and without banned ids): compiled on first use, each
+        would otherwise stall every stream for its compile when the first prompt or ban arrives."""
+        row = _take_row(self._cache, 0)
+        self._cache = _put_row(self._cache, row, 0)
+        logits = jnp.zeros((self.n_slots, self.eng.config.vocab_size), jnp.float32)
+        banned = np.full((self.n_slots, 1), self.eng.config.vocab_size, np.int32)
+        jax.block_until_ready((_argmax_rows(logits), _argmax_rows(logits, banned)))
 
     # -- the loop (the scheduler's thread) ----------------------------------------------------------
     def _free_slot_exists(self) -> bool:

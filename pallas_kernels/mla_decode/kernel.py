@@ -78,11 +78,13 @@ def _kernel(*refs, q8, bh, bs, split, dv, dpe, scale, cdt):
     l_ref[b, sp, pl.ds(h0, bh)] = l
 
 
-def pick_config(B: int, H: int, S: int, q8: bool = False):
+def pick_config(B: int, H: int, S: int, q8: bool = False, split_batch: int | None = None):
+    """`split_batch`: size the KV split for this many sequences instead of B (1: every sequence cut
+    as it is alone, so its partial sums, and its bits, do not depend on the batch)."""
     bh = _pow2_divisor(H, 16)
     bs = _pow2_divisor(S, 32 if q8 else 64)       # H100 sweep: bf16 cache 64 rows 31 us vs 32 rows 45 us
     n_blocks = S // bs
-    tiles = B * (H // bh)
+    tiles = (B if split_batch is None else split_batch) * (H // bh)
     # about one wave of programs (132 SMs) over the longest sequence, at most one block each;
     # every split writes a [bh, 512] f32 partial, so not more than that
     split = max(1, min(64, 132 // tiles, n_blocks))
@@ -118,12 +120,14 @@ def _call(q, cache, lengths, layer, *, scale, v_dim, dtype, config, interpret):
         return o[:, 0] / l[:, 0, :, None]
     mx = m.max(axis=1, keepdims=True)
     wgt = jnp.exp(m - mx)                                     # [B, split, H]
-    num = jnp.einsum("bsh,bshd->bhd", wgt, o, precision=lax.Precision.HIGHEST)
+    # products and a sum over the splits (f32), not a batched dot, whose algorithm (and rounding)
+    # XLA picks by the batch's shape
+    num = (wgt[..., None] * o).sum(axis=1)
     return num / jnp.sum(wgt * l, axis=1)[..., None]
 
 
 def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16, interpret: bool = False,
-               config: dict | None = None, layer=None):
+               config: dict | None = None, layer=None, row_invariant: bool = False):
     """q [B, H, 576], cache [B, S, 576] f16/bf16/f32 or q8_0 {"q": int8 [B,S,18,32], "d": f16 [B,S,18]},
     lengths [B] int (entries 0..len-1 visible, len >= 1) -> [B, H, v_dim] float32. With `layer` (an
     int or traced int32 scalar: a scanned layer group's index) `cache` is a stack of layer caches
@@ -132,6 +136,6 @@ def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16
         cache, layer = jax.tree_util.tree_map(lambda a: a[None], cache), 0
     B, H, D = q.shape
     S = (cache["q"] if isinstance(cache, dict) else cache).shape[2]
-    cfg = config or pick_config(B, H, S, isinstance(cache, dict))
+    cfg = config or pick_config(B, H, S, isinstance(cache, dict), split_batch=1 if row_invariant else None)
     return _call(q, cache, lengths, jnp.asarray(layer, jnp.int32), scale=float(scale), v_dim=v_dim,
                  dtype=jnp.dtype(dtype), config=tuple(sorted(cfg.items())), interpret=interpret)

@@ -17,17 +17,24 @@ from pallas_kernels.quant_matmul.packing import PackedWeight
 
 
 def _combine(y, w):
-    return jnp.einsum("nkd,nk->nd", y, w, precision=jax.lax.Precision.HIGHEST)
+    # a product and a sum over k per token (f32), not a batched dot: a dot's algorithm is chosen by
+    # the shape, so a token's sum could round differently in a batch of other size
+    return (y * w[..., None]).sum(axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "row_invariant"))
 def moe_experts_gather(x, w, ids, gate: PackedWeight, up: PackedWeight, down: PackedWeight,
-                       dtype=jnp.bfloat16, interpret: bool = False, layer=None):
+                       dtype=jnp.bfloat16, interpret: bool = False, layer=None, row_invariant: bool = False):
+    """One tile per (token, expert) slot. `row_invariant`: the split-K sized for one token's k
+    slots whatever N is, so each token's experts compute the bits they do for it alone."""
     N, k = ids.shape
     e = ids.reshape(-1).astype(jnp.int32)
     xa = jnp.repeat(x.astype(dtype), k, axis=0)                       # [N*k, d]
-    h = quant_matmul_experts(xa, (gate, up), e, dtype, tile_rows=1, swiglu=True, interpret=interpret, layer=layer)
-    y = quant_matmul_experts(h.astype(dtype), (down,), e, dtype, tile_rows=1, interpret=interpret, layer=layer)
+    split_rows = k if row_invariant else None
+    h = quant_matmul_experts(xa, (gate, up), e, dtype, tile_rows=1, swiglu=True, interpret=interpret, layer=layer,
+                             split_rows=split_rows)
+    y = quant_matmul_experts(h.astype(dtype), (down,), e, dtype, tile_rows=1, interpret=interpret, layer=layer,
+                             split_rows=split_rows)
     return _combine(y.reshape(N, k, -1), w)
 
 
@@ -62,7 +69,8 @@ def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: P
     return jnp.zeros((N, y.shape[-1]), jnp.float32).at[tok].add(ya)
 
 
-def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False, layer=None):
+def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False, layer=None,
+                row_invariant: bool = False):
     """x [N, d], w [N, k] f32, ids [N, k] -> [N, d] f32. Gather form while N*k <= 2*E (as the model).
     With `layer` (int32 scalar) the experts are stacks of layers' and that layer is read in place.
 
@@ -72,5 +80,6 @@ def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: boo
     E = gate.shape[0]
     ids = jnp.where(w != 0, ids, -1)
     if N * k <= 2 * E:
-        return moe_experts_gather(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer)
+        return moe_experts_gather(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer,
+                                  row_invariant=row_invariant)
     return moe_experts_grouped(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer)

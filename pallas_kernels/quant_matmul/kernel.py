@@ -160,8 +160,14 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = y
 
 
-def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_rows: int | None = None):
-    """Static schedule for one call (mode, bm, bn, bk, split, warps, stages)."""
+def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_rows: int | None = None,
+                split_rows: int | None = None):
+    """Static schedule for one call (mode, bm, bn, bk, split, warps, stages).
+
+    `split_rows` (rows mode): size the split-K for this many rows instead of M. With `tile_rows=1`
+    every row is then computed by the same program, with the same k-order and the same partial
+    sums, whatever M is: a batch's decode step gives each sequence the bits it gets alone
+    (`ikjax.ops.registry.batch_invariant`)."""
     G, P, L, R = GEOMETRY[qtype]
     kmin = G * R
     if tile_rows is not None and tile_rows <= rows_max or tile_rows is None and M <= rows_max:
@@ -172,7 +178,7 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
         bk = max(kmin, _pow2_divisor(K, P * width_target))
         width = bk // P
         bn = max(1, min(_pow2_divisor(N, 32), _pow2_floor(max(1, budget // width))))
-        tiles = N // bn * max(1, M // bm)
+        tiles = N // bn * max(1, (M if split_rows is None else split_rows) // bm)
         nt_all = K // bk
         # split-K until about 4 waves of programs, each with >= 2 k-steps; the splits need not
         # divide the k-steps evenly (a down projection's K is often 11 * 2^n: with even splits
@@ -244,26 +250,32 @@ def _call(x, ws, expert, layer, *, dtype, swiglu, config, interpret):
 
 
 def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False, config: dict | None = None,
-                 layer=None):
+                 layer=None, row_invariant: bool = False):
     """x [..., K] @ W[N, K]^T -> [..., N] float32 (W a PackedWeight without expert axis; with `layer`,
-    an int32 scalar, W's arrays are a stack of layers' [L, ...] and layer `layer` is read in place)."""
+    an int32 scalar, W's arrays are a stack of layers' [L, ...] and layer `layer` is read in place).
+    `row_invariant`: every row computed by the program a single row gets (one-row tiles, the
+    one-row split), so each row's result is the same whatever the row count (see pick_config)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     N, K = w.shape[-2], w.shape[-1]
-    cfg = config or pick_config(w.qtype, x2.shape[0], N, K)
+    if row_invariant:
+        cfg = config or pick_config(w.qtype, x2.shape[0], N, K, rows_max=1, tile_rows=1, split_rows=1)
+    else:
+        cfg = config or pick_config(w.qtype, x2.shape[0], N, K)
     y = _call(x2, (w,), None, layer, dtype=jnp.dtype(dtype), swiglu=False, config=tuple(sorted(cfg.items())),
               interpret=interpret)
     return y.reshape(*lead, N)
 
 
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
-                         interpret: bool = False, config: dict | None = None, layer=None):
+                         interpret: bool = False, config: dict | None = None, layer=None,
+                         split_rows: int | None = None):
     """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
     (PackedWeight [E, N, K]); expert -1 marks a dead tile (zeros, no weight read). `ws` = (w,) or,
     with swiglu, (gate, up). -> [M, N] float32."""
     w0 = ws[0]
     N, K = w0.shape[-2], w0.shape[-1]
-    cfg = config or pick_config(w0.qtype, x.shape[0], N, K, tile_rows=tile_rows)
+    cfg = config or pick_config(w0.qtype, x.shape[0], N, K, tile_rows=tile_rows, split_rows=split_rows)
     if swiglu and cfg["mode"] != "rows":
         cfg = dict(cfg, split=1)
     return _call(x, tuple(ws), expert, layer, dtype=jnp.dtype(dtype), swiglu=swiglu,

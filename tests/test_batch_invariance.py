@@ -1,0 +1,111 @@
+"""The GPU kernels' decode form gives each row the bits it gets alone (ikjax.ops.registry.batch_invariant).
+
+A server's batched decode step must answer each sequence greedily as `generate` does for it alone;
+on a GPU a kernel whose schedule (split-K, tiles) is sized by the batch rounds a row differently
+in a batch of 8 than alone (RESULTS §23: logits apart by 0.09, 0 of 4 answers equal). Here the
+Pallas kernels run in interpret mode: the schedule, not the hardware, is what decides the order of
+the sums, so equal schedules and equal bits here are the property the GPU inherits (the GPU check
+is bench/gpu_batch_invariance.py)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ikjax import ops
+from ikjax.ops import registry
+from pallas_kernels.mla_decode import kernel as mla
+from pallas_kernels.moe_matmul import moe_experts
+from pallas_kernels.quant_matmul import prepare, quant_matmul
+from pallas_kernels.quant_matmul.kernel import pick_config
+from pallas_kernels.testing import random_quant_array
+
+
+def rows_alone(f, x, *rest):
+    """f on each row of x (with its rows of `rest`) alone, stacked."""
+    return np.concatenate([np.asarray(f(x[i:i + 1], *(r[i:i + 1] for r in rest))) for i in range(x.shape[0])])
+
+
+def test_schedules_do_not_depend_on_the_batch():
+    """The one-row schedule for any row count: same tiles, k-steps and split (the bits follow)."""
+    for qtype, N, K in [("Q4_0", 2048, 10944), ("Q8_0", 102400, 2048), ("Q4_K", 1536, 2048)]:
+        one = pick_config(qtype, 1, N, K)
+        for M in (2, 5, 8, 48):
+            cfg = pick_config(qtype, M, N, K, rows_max=1, tile_rows=1, split_rows=1)
+            assert cfg == one, (qtype, M, cfg, one)
+            # and the batch-sized schedule does differ (what the invariant form is for)
+        assert pick_config(qtype, 4, N, K) != one
+    # experts: the split sized for one token's k slots whatever the tokens
+    one = pick_config("Q4_0", 6, 1408, 2048, tile_rows=1)
+    assert all(pick_config("Q4_0", 6 * n, 1408, 2048, tile_rows=1, split_rows=6) == one for n in (2, 8, 16))
+    assert pick_config("Q4_0", 48, 1408, 2048, tile_rows=1) != one
+    # attention: the KV split of one sequence for any batch
+    one = mla.pick_config(1, 16, 8192)
+    assert all(mla.pick_config(B, 16, 8192, split_batch=1) == one for B in (2, 8, 32))
+    assert mla.pick_config(8, 16, 8192) != one
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
+def test_quant_matmul_rows_equal_alone(name):
+    rng = np.random.default_rng(abs(hash(name + "inv")) % 2**32)
+    N, K = 48, 512
+    pw = prepare(random_quant_array(name, (N, K), rng))
+    x = jnp.asarray(rng.standard_normal((7, K)), jnp.float32)
+    f = lambda x: quant_matmul(x, pw, jnp.bfloat16, interpret=True, row_invariant=True)
+    y = np.asarray(f(x))
+    assert np.array_equal(y, rows_alone(f, x))
+    # the plain form of one row is the invariant form (decode at batch 1 keeps its schedule)
+    assert np.array_equal(y[:1], np.asarray(quant_matmul(x[:1], pw, jnp.bfloat16, interpret=True)))
+
+
+def test_moe_gather_tokens_equal_alone():
+    rng = np.random.default_rng(5)
+    E, F, d, k, N = 8, 256, 256, 3, 5
+    pws = [prepare(random_quant_array("Q4_0", s, rng)) for s in ((E, F, d), (E, F, d), (E, d, F))]
+    x = jnp.asarray(rng.standard_normal((N, d)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (N, k)), jnp.float32)
+    f = lambda x, w, ids: moe_experts(x, w, ids, *pws, interpret=True, row_invariant=True)
+    y = np.asarray(f(x, w, ids))
+    assert np.array_equal(y, rows_alone(f, x, w, ids))
+    assert np.array_equal(y[:1], np.asarray(moe_experts(x[:1], w[:1], ids[:1], *pws, interpret=True)))
+
+
+def test_mla_decode_sequences_equal_alone():
+    rng = np.random.default_rng(9)
+    B, H, S = 4, 16, 256
+    q = jnp.asarray(rng.standard_normal((B, H, 576)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((B, S, 576)), jnp.bfloat16)
+    lengths = jnp.array([1, 90, 256, 17], jnp.int32)
+    f = lambda q, c, n: mla.mla_decode(q, c, n, 0.06, interpret=True, row_invariant=True)
+    y = np.asarray(f(q, cache, lengths))
+    assert np.array_equal(y, rows_alone(f, q, cache, lengths))
+    assert np.array_equal(y[:1], np.asarray(mla.mla_decode(q[:1], cache[:1], lengths[:1], 0.06, interpret=True)))
+
+
+def test_registry_decode_steps_only():
+    """The invariant form is a decode step's (< 4 tokens a sequence), and IKJAX_BATCH_INVARIANT=0 ends it."""
+    with ops.kernel_context("pallas", 1, seq_tokens=1):
+        assert registry.batch_invariant()
+    with ops.kernel_context("pallas", 1, seq_tokens=512):
+        assert not registry.batch_invariant()
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setenv("IKJAX_BATCH_INVARIANT", "0")
+    with ops.kernel_context("pallas", 1, seq_tokens=1):
+        assert not registry.batch_invariant()
+
+
+def test_head_products_rows_equal_alone():
+    """MLA's per-head products (XLA) in a decode step: each row's bits as alone, close to the dot."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((6, 1, 4, 32)), jnp.float32)
+    w = random_quant_array("Q8_0", (4, 64, 32), rng)
+    with ops.kernel_context("xla", 1, seq_tokens=1):
+        f = lambda x: ops.head_linear(x, w, jnp.bfloat16, backend="xla")
+        y = np.asarray(f(x))
+        assert np.array_equal(y, rows_alone(f, x))
+    with ops.kernel_context("xla", 1, seq_tokens=64):
+        ref = np.asarray(ops.head_linear(x, w, jnp.bfloat16, backend="xla"))
+    assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
