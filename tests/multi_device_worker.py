@@ -37,6 +37,40 @@ def load_with(path, kernels: str | None, **opts):
             os.environ["IKJAX_KERNELS"] = old
 
 
+def decode_checks(eng, ids) -> dict:
+    """What the decode loop produces on this engine: greedy (n = 19 over two dispatches of the
+    16-step loop; then n = 4 < chunk), sampled with one seed, and a batch of two sequences at
+    different positions with banned ids (one-device greedy picks, in both halves of the
+    vocabulary: on both devices of a -sm graph mesh)."""
+    from ikjax.runtime.generation import _put_row
+    out = {"greedy": list(eng.generate(ids, 20)), "short": list(eng.generate(ids, 5)),
+           "sampled": list(eng.generate(ids, 12, temperature=0.8, top_k=20, seed=3))}
+    prompts = [ids, ids[:9]]
+    cache = eng.new_cache(2)
+    first = []
+    for b, p in enumerate(prompts):
+        logits, one = eng.prefill(eng.new_cache(1), p, 0)
+        first.append(int(np.argmax(logits)))
+        cache = _put_row(cache, one, b)
+    ban = tuple(sorted(set(out["greedy"][1:7])))
+    toks, _ = eng.decode(cache, first, [len(p) for p in prompts], 6, chunk=16, sampling={"ban": ban})
+    out["batch_banned"] = np.asarray(toks)[:, :6].tolist()
+    out["ban"] = list(ban)
+    return out
+
+
+def decode_collectives(eng) -> list:
+    """The collectives of each compiled decode loop under -sm graph (ikjax.runtime.mesh.collectives)."""
+    from ikjax.runtime.mesh import collectives
+    rows = []
+    for (B, _, _, decode), exe in eng._executables.items():
+        if decode is not None and hasattr(exe, "as_text"):
+            c = collectives(exe.as_text())
+            rows.append(dict(batch=B, sampling=dict(decode[1]), per_step=c.per_step, outside=c.outside,
+                             kinds=c.kinds, bytes=c.per_step_bytes))
+    return rows
+
+
 def main(spec_path: str) -> None:
     import jax
     spec = json.loads(open(spec_path).read())
@@ -50,7 +84,7 @@ def main(spec_path: str) -> None:
             refs[key] = load_with(model, "xla" if xla else None, mla=mla).logits(ids)
         return refs[key]
 
-    for c in spec["cases"]:
+    for c in spec.get("cases", []):
         graph = c["sm"] == "graph"
         ref = reference(c["model"], c["mla"], False)
         eng = load_with(c["model"], None, mla=c["mla"], sm=c["sm"], ts=c["ts"])
@@ -70,6 +104,17 @@ def main(spec_path: str) -> None:
         one = list(load_with(c["model"], None, mla=c["mla"]).generate(ids, 8))
         many = list(load_with(c["model"], None, mla=c["mla"], sm=c["sm"], ts=c["ts"]).generate(ids, 8))
         emit(check="generate", case=c, one=one, many=many)
+
+    decode_refs: dict = {}
+    for c in spec.get("decode", []):
+        key = (c["model"], c["mla"])
+        if key not in decode_refs:
+            decode_refs[key] = decode_checks(load_with(c["model"], None, mla=c["mla"]), ids)
+        many = load_with(c["model"], None, mla=c["mla"], sm=c["sm"], ts=c["ts"])
+        emit(check="decode", case=c, loops=many.decode_loop(), n_layer=many.config.n_layer, one=decode_refs[key],
+             many=decode_checks(many, ids), collectives=decode_collectives(many), stages=many.executor.describe())
+        del many
+        jax.clear_caches()
 
     r = spec.get("refusals")
     if r:

@@ -266,12 +266,14 @@ def _layer(x, layer, gcache, j, i: int, start, q_pos, cos, sin, *, cfg: ModelCon
     return h + f, gcache
 
 
-def output_head(weights, x, last, *, cfg: ModelConfig, plan: StepPlan):
-    """x [B,T,d] -> logits [B,T,V] (plan.all_logits) or [B,V] of the token at `last`."""
+def output_head(weights, x, last, *, cfg: ModelConfig, plan: StepPlan, gather: bool = True):
+    """x [B,T,d] -> logits [B,T,V] (plan.all_logits) or [B,V] of the token at `last`. With the
+    head split by vocabulary rows (-sm graph) and `gather=False`: this device's rows only, [.., V/n]
+    (the -sm graph decode loop picks its token from them without gathering the logits)."""
     if not plan.all_logits:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     logits = linear(rms_norm(x, fetch(weights["output_norm"]), cfg.rms_eps), fetch(weights["output"]),
                     plan.compute_dtype)
-    if (axis := plan.split_axis("out")) is not None:  # each device's vocabulary rows, in device order
+    if gather and (axis := plan.split_axis("out")) is not None:  # each device's vocabulary rows, in device order
         logits = jax.lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
     return logits

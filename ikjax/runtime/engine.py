@@ -3,7 +3,8 @@
 One jitted step per (batch bucket, token bucket, KV-length bucket, mode); the cache is donated so
 XLA updates it in place. Prompts run in `ubatch` chunks. Generation runs several decode steps per
 dispatch (`Engine.decode`: a loop in one executable, the next token chosen on the device), which
-on a GPU XLA captures whole as one CUDA graph; with -sm layer / -sm graph one token per step.
+on a GPU XLA captures whole as one CUDA graph; -sm graph runs the same loop inside its shard_map,
+-sm layer dispatches its stages token after token without the host reading anything in between.
 
 The parts it composes: `executors` (how a step runs on the placement's devices: one device, the
 -sm layer pipeline, the -sm graph mesh), `executables` (the compiled steps, their cache and their
@@ -221,9 +222,9 @@ class Engine:
                                       self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits, n_tokens))
 
     def decode_loop(self) -> bool:
-        """Whether generation runs several steps per dispatch (`decode`): on one device (the
-        -sm layer pipeline and the -sm graph mesh step one token at a time), with every weight
-        in that device's memory: weights kept in host RAM next to an accelerator (-ot ...=CPU,
+        """Whether generation runs several steps per dispatch (`decode`): under every split
+        mode (one device, the -sm layer pipeline, the -sm graph mesh), with every weight in
+        device memory: weights kept in host RAM next to an accelerator (-ot ...=CPU,
         --n-cpu-moe) are read by host custom calls that no CUDA graph can hold, so the loop
         gains nothing there and that path keeps its GPU-tested one token per dispatch.
         IKJAX_DECODE_LOOP=0 turns it off everywhere (for comparison)."""

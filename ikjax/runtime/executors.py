@@ -3,12 +3,16 @@
 Three, chosen by `executor_for` from the placement's split mode:
 
 - `SingleDevice` (-sm none): the whole step as one executable on one device (the main device -mg
-  where there are several); the only one that runs the on-device decode loop and whose steps
-  are stored whole (ikjax.runtime.compile_cache).
+  where there are several); the only one whose steps are stored whole (ikjax.runtime.compile_cache).
 - `LayerPipeline` (-sm layer): stages of consecutive layers, one per device, run in turn
-  (ikjax.runtime.pipeline).
+  (ikjax.runtime.pipeline); its decode loop dispatches every stage of every token without the
+  host waiting in between (pipeline.DecodePipeline).
 - `GraphMesh` (-sm graph): every layer split over a mesh inside `jax.shard_map`
-  (ikjax.runtime.mesh), inputs given as global arrays so the mesh may span processes.
+  (ikjax.runtime.mesh), inputs given as global arrays so the mesh may span processes; its decode
+  loop is one executable, the loop inside the shard_map (mesh.decode).
+
+All three run the decode loop (`loops`: several tokens per dispatch, the token picked on the
+device).
 
 The interface (`Executor`): `load(file)` the weight tree; `bind(weights)` once the load was
 measured (the pipeline cuts its stages then); `new_cache(layout)`; `compile(weights, layout, B, T,
@@ -24,7 +28,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import StepPlan
@@ -32,12 +35,19 @@ from ikjax.model.weights import load_weights
 from ikjax.placement import devices
 from ikjax.runtime import distributed
 from ikjax.runtime import mesh as tensor_parallel
-from ikjax.runtime.executables import compile_step
+from ikjax.runtime.executables import _DECODE_GPU_OPTIONS, compile_step
 from ikjax.runtime.pipeline import Pipeline
 
 
 def _cache_shapes(layout: kvcache.CacheLayout):
     return jax.eval_shape(lambda: kvcache.init_cache(layout))
+
+
+_KEY_DATA = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))  # a PRNG key's raw data
+
+
+def _is_key(a) -> bool:
+    return isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
 
 
 class Executor(abc.ABC):
@@ -80,11 +90,6 @@ class Executor(abc.ABC):
         """Run a compiled step (tokens, start, last) or decode loop (tokens, start, n, key)."""
         return exe(weights, cache, *inputs)
 
-    def _refuse_decode(self, decode) -> None:
-        if decode is not None:
-            raise OptionError(f"decode: the on-device decode loop runs on one device; -sm {self.split_mode} "
-                              f"steps one token at a time (Engine.step)")
-
 
 class SingleDevice(Executor):
     """-sm none: one executable on one device; with several devices, on the main device -mg (its
@@ -123,6 +128,7 @@ class LayerPipeline(Executor):
     step is a `CompiledPipeline`, called like the one-device executable (it ignores `weights`)."""
 
     split_mode = "layer"
+    loops = True
 
     def __init__(self, placement, config: ModelConfig, spans: tuple):
         super().__init__(placement, config, spans)
@@ -139,7 +145,10 @@ class LayerPipeline(Executor):
         return self.pipeline.new_cache(layout)
 
     def compile(self, weights, layout, B, T, plan, decode=None):
-        self._refuse_decode(decode)
+        if decode is not None:  # the stages' decode steps, sampling on the last (pipeline.DecodePipeline)
+            chunk, sampling = decode
+            return self.pipeline.compile_decode(_cache_shapes(layout), B, plan, chunk, sampling,
+                                                _DECODE_GPU_OPTIONS if self.on_gpu else None)
         return self.pipeline.compile(_cache_shapes(layout), B, T, plan)
 
 
@@ -149,6 +158,7 @@ class GraphMesh(Executor):
     `mesh.cache_shardings` says; -mla 0 with a q8_0 cache is checked against the split at once."""
 
     split_mode = "graph"
+    loops = True
 
     def __init__(self, placement, config: ModelConfig, spans: tuple, layout: kvcache.CacheLayout):
         super().__init__(placement, config, spans)
@@ -165,20 +175,28 @@ class GraphMesh(Executor):
                        out_shardings=tensor_parallel.cache_shardings(layout, self.tp))(layout)
 
     def compile(self, weights, layout, B, T, plan, decode=None):
-        self._refuse_decode(decode)
         sh = devices.replicated(self.mesh)
         cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), _cache_shapes(layout),
                              tensor_parallel.cache_shardings(layout, self.tp))
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sh)
+        if decode is not None:  # the decode loop inside the shard_map (mesh.decode)
+            chunk, sampling = decode
+            key = jax.ShapeDtypeStruct(_KEY_DATA.shape, _KEY_DATA.dtype, sharding=sh)
+            lowered = tensor_parallel.decode().lower(weights, cache, i32((B,)), i32((B,)), i32(()), key,
+                                                     cfg=self.config, plan=plan, layout=layout, chunk=chunk,
+                                                     sampling=sampling)
+            return lowered.compile(_DECODE_GPU_OPTIONS if self.on_gpu else None)
         return tensor_parallel.step().lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
                                             plan=plan, layout=layout).compile()
 
     def run(self, exe, weights, cache, *inputs):
         # the mesh may span other processes' devices: inputs as global arrays (the same values on
-        # every process), the replicated logits read from this process's own copy
+        # every process), the replicated logits (or tokens) read from this process's own copy;
+        # the decode loop's PRNG key travels as its raw data
         rep = devices.replicated(self.mesh)
-        logits, cache = exe(weights, cache, *(distributed.global_input(a, rep) for a in inputs))
-        return distributed.local_value(logits), cache
+        inputs = tuple(jax.random.key_data(a) if _is_key(a) else a for a in inputs)
+        out, cache = exe(weights, cache, *(distributed.global_input(a, rep) for a in inputs))
+        return distributed.local_value(out), cache
 
 
 def executor_for(placement, config: ModelConfig, spans: tuple, layout: kvcache.CacheLayout) -> Executor:

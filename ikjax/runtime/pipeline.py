@@ -9,17 +9,20 @@ keeps every kernel (C++ CPU custom calls, Pallas) usable unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from ikjax import ops
 from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import embed, output_head, run_layers
 from ikjax.placement.devices import jax_devices
+from ikjax.runtime.sampling import sample_device
 
 
 def _stage(weights, cache, x, start, last, *, cfg, plan, embed_in: bool, head_out: bool):
@@ -33,7 +36,33 @@ def _stage(weights, cache, x, start, last, *, cfg, plan, embed_in: bool, head_ou
     return x, cache
 
 
+def _decode_stage(weights, cache, x, start, key, *, cfg, plan, embed_in: bool, head_out: bool, sampling: tuple):
+    """One device's part of one decode step of the -sm layer decode loop: x is the token ids [B]
+    (a first stage) or the activation [B,1,d]; the last stage picks the next token on its device
+    (`sample_device`, the draw keyed by the position as `generation.decode_steps` keys it), so
+    what leaves the stage is ids [B], never logits."""
+    B = x.shape[0]
+    zeros = jnp.zeros((B,), jnp.int32)
+    with ops.kernel_context(plan.backend, plan.threads, seq_tokens=1):
+        if embed_in:
+            x = embed(weights["token_embd"], x[:, None])
+        x, cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=zeros)
+        if head_out:
+            logits = output_head(weights, x, zeros, cfg=cfg, plan=plan)
+            x = sample_device(logits, jax.random.fold_in(key, start[0]), **dict(sampling))
+    return x, cache
+
+
 _jitted_stage = None
+_jitted_decode_stage = None
+
+
+def _decode_stage_jit():
+    global _jitted_decode_stage
+    if _jitted_decode_stage is None:
+        _jitted_decode_stage = jax.jit(_decode_stage, static_argnames=("cfg", "plan", "embed_in", "head_out",
+                                                                       "sampling"), donate_argnums=(1,))
+    return _jitted_decode_stage
 
 
 def _stage_jit():
@@ -122,6 +151,26 @@ class Pipeline:
         return CompiledPipeline(self, exes)
 
 
+    def compile_decode(self, cache_shapes, B: int, plan, chunk: int, sampling: tuple, options=None) -> "DecodePipeline":
+        """Compile every stage's decode step (`_decode_stage`) for batch B: the -sm layer decode
+        loop (`DecodePipeline`). `options`: XLA compile options of each stage (on a GPU the
+        decode loop's command buffers, so each stage's kernels launch as one graph)."""
+        exes = []
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        for (d, first, count, embed_in, head_out), w, c in zip(self.stages, self.stage_weights,
+                                                              self._split_cache(cache_shapes)):
+            sh = SingleDeviceSharding(self.devices[d])
+            c = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), c)
+            x = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh) if embed_in else \
+                jax.ShapeDtypeStruct((B, 1, self.cfg.d_model), jnp.float32, sharding=sh)
+            i32 = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh)
+            k = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sh) if head_out else None
+            lowered = _decode_stage_jit().lower(w, c, x, i32, k, cfg=self.cfg, plan=plan, embed_in=embed_in,
+                                                head_out=head_out, sampling=sampling)
+            exes.append(lowered.compile(options))
+        return DecodePipeline(self, exes, chunk)
+
+
 class CompiledPipeline:
     """A compiled -sm layer step: called like the one-device executable, (weights, cache, tokens,
     start, last) -> (logits, cache); `weights` is ignored (each stage holds its own part)."""
@@ -148,3 +197,50 @@ class CompiledPipeline:
             for k in vars(total):
                 setattr(total, k, getattr(total, k) + getattr(ma, k))
         return total
+
+
+class DecodePipeline(CompiledPipeline):
+    """The -sm layer decode loop, called like the one-device decode executable: (weights, cache,
+    tokens [B], start [B], n, key) -> (tokens [B, chunk] on the last stage's device, the first n
+    produced; cache); `weights` is ignored.
+
+    Each token runs the stages in turn, the activation handed to the next device and the picked
+    token back to the first with `jax.device_put`, all dispatched without the host waiting for
+    any of it (JAX dispatch and device-to-device copies are asynchronous): the host queues the n
+    tokens' stages ahead of the devices and reads nothing until the caller reads the tokens, once
+    a chunk. Why not one executable: one jit cannot hold weights committed to different devices
+    (module docstring), and a mesh program would need every stage's weights in the same shapes."""
+
+    def __init__(self, pipeline: Pipeline, exes: list, chunk: int):
+        super().__init__(pipeline, exes)
+        self.chunk = chunk
+
+    def __call__(self, weights, cache, tokens, start, n, key):
+        p = self.pipeline
+        n = int(n)
+        start = np.asarray(start, np.int32)
+        caches = p._split_cache(cache)
+        devs = [p.devices[d] for d, *_ in p.stages]
+        keys = [jax.device_put(key, dev) if head_out else None
+                for dev, (_, _, _, _, head_out) in zip(devs, p.stages)]
+        tok = tokens
+        out = []
+        for i in range(n):
+            pos = start + np.int32(i)
+            x = tok
+            for s, (w, exe, dev) in enumerate(zip(p.stage_weights, self.exes, devs)):
+                x, caches[s] = exe(w, caches[s], jax.device_put(x, dev), jax.device_put(pos, dev), keys[s])
+            out.append(tok := x)
+        toks = _gather_tokens(tuple(out), self.chunk)
+        new_cache: dict[str, list] = {name: [] for name in cache}
+        for c in caches:
+            for name in new_cache:
+                new_cache[name] += c[name]
+        return toks, new_cache
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _gather_tokens(out: tuple, chunk: int):
+    """The loop's tokens [B] each -> [B, chunk], zeros past the n produced."""
+    toks = jnp.stack(out, axis=1)
+    return jnp.pad(toks, ((0, 0), (0, chunk - toks.shape[1])))
