@@ -2,6 +2,11 @@
 # Issue 13's matrix on one multi-GPU lease (nvidia-h100-x4 / nvidia-h200-x4), inside one call:
 #   v2l: the 27-layer V2-Lite-shape Q4_0 model (`make-model --preset v2-lite --type Q4_0`),
 #        sweep-bench -c 16384 -ub 2048 -n 128 -mla 3 -fa 1 on 1 GPU, -sm layer and -sm graph on 2 and 4;
+#        the TG rows run the decode loop under every split mode (issue 25: the -sm graph loop is one
+#        executable, the -sm layer loop dispatches its stages without host waits); each -sm graph
+#        run prints its collectives per decode step (its log, the table's notes);
+#        issue 25's V2-Lite table on 2 GPUs in one call: PARTS="v2l v2l_step" on nvidia-h100-x2
+#        (v2l_step: -sm layer / graph with IKJAX_DECODE_LOOP=0, one token per dispatch, beside them);
 #   r1:  the R1 shape cut to R1_LAYERS (16) layers (80.5 GiB), the same runs, plus
 #        -ot exps=CPU -sm graph (-c OT_CTX 4096 -n OT_TG 32: its prompts run on the host CPU);
 #   fix: bench/multi_gpu_fixtures.py, the fixtures at f32 on 2- and 4-GPU meshes.
@@ -12,8 +17,8 @@
 # On the device, from the repo root, carrying .whl (the gguf wheel) and .gpufix (the fixtures):
 #   bash bench/multi_gpu.sh          results: $OUT/{table.md,multi_gpu.log,runs.log,mem.csv,hlo.txt,fixtures.txt}
 #   PARTS="r1_graph4 r1_ot_graph4" bash bench/multi_gpu.sh   # a second call: parts or single runs
-# PARTS: v2l, r1, fix and/or run names (v2l_gpu1 v2l_layer2 v2l_layer4 v2l_graph2 v2l_graph4
-# r1_layer2 r1_layer4 r1_gpu1 r1_graph4 r1_graph2 r1_ot_graph4); the log's last line names the
+# PARTS: v2l, r1, fix, v2l_step and/or run names (v2l_gpu1 v2l_layer2 v2l_layer4 v2l_graph2 v2l_graph4
+# v2l_layer2_step v2l_graph2_step ... r1_layer2 r1_layer4 r1_gpu1 r1_graph4 r1_graph2 r1_ot_graph4); the log's last line names the
 # runs the deadline left out. A second call on the same warm machine reuses the model files
 # (/tmp/mg) and the compiled steps (JAX's persistent cache under ~/.cache/ikjax).
 #
@@ -274,7 +279,7 @@ if not FAKE:
 # -- the models --------------------------------------------------------------------------------------
 def planned_gib(make_args: str) -> float:
     """The file size make-model will write (ikjax.tools.synthetic's plan), GiB."""
-    from ikjax import synthetic
+    from ikjax.tools import synthetic
     a = make_args.split()
     get = lambda k, d=None: a[a.index(k) + 1] if k in a else d  # noqa: E731
     cfg = synthetic.preset_config(get("--preset", "tiny"), int(get("--layers")) if get("--layers") else None)
@@ -310,8 +315,10 @@ def want_model(key: str, make_args: str) -> None:
 
 # -- the configurations ------------------------------------------------------------------------------
 class Config:
-    def __init__(self, model, name, gpus, flags, ctx, tg, sensitive, measure_cap, measure_min, warm_cap=300.0):
+    def __init__(self, model, name, gpus, flags, ctx, tg, sensitive, measure_cap, measure_min, warm_cap=300.0,
+                 env=None, note=""):
         self.model, self.name, self.gpus, self.flags = model, name, gpus, flags
+        self.env, self.note = dict(env or {}), note  # e.g. IKJAX_DECODE_LOOP=0 for the *_step runs
         self.ctx, self.tg, self.sensitive = ctx, tg, sensitive
         self.measure_cap, self.measure_min, self.warm_cap = measure_cap * SCALE, measure_min * SCALE, warm_cap * SCALE
         self.state = "pending"  # pending, warming, ready, measuring, done, refused, skipped
@@ -337,10 +344,11 @@ class Config:
     def meta(self) -> dict:
         m = MODELS[self.model]
         return dict(model=self.model, model_desc=f"make-model {m['args']} ({m['gib']:.2f} GiB)",
-                    n_gpus=len(self.gpus), flags=" ".join(self.flags + ([f"-c {self.ctx}", f"-n {self.tg}"]
+                    n_gpus=len(self.gpus), flags=" ".join([f"{k}={v}" for k, v in self.env.items()] + self.flags + ([f"-c {self.ctx}", f"-n {self.tg}"]
                                                                      if (self.ctx, self.tg) != (CTX, TG) else [])),
                     cmd_base=f"ikjax sweep-bench -m {m['path']} -c {CTX} -ub {UB} -n {TG} -mla 3 -fa 1",
-                    sensitive=self.sensitive, order=CONFIGS.index(self) if self in CONFIGS else 0)
+                    sensitive=self.sensitive, order=CONFIGS.index(self) if self in CONFIGS else 0,
+                    note=self.note)
 
 
 # priority order (what the deadline cuts last comes first); model, name, GPUs, flags, -c, -n,
@@ -349,6 +357,12 @@ HOST_T = str(max(1, (os.cpu_count() or NG) // NG))  # -ot: each GPU's host call 
 ALL: list[Config] = [Config("v2l", "v2l_gpu1", [0], [], CTX, TG, True, 150, 30)]
 ALL += [Config("v2l", f"v2l_layer{m}", list(range(m)), ["-sm", "layer"], CTX, TG, True, 150, 35) for m in MESHES]
 ALL += [Config("v2l", f"v2l_graph{m}", list(range(m)), ["-sm", "graph"], GCTX, GTG, True, 150, 35) for m in MESHES]
+# only when named in PARTS: the split modes one token per dispatch (IKJAX_DECODE_LOOP=0, the path
+# before the decode loop), side by side with the loop's rows of the same call
+STEP_RUNS = [Config("v2l", f"v2l_{sm}{m}_step", list(range(m)), ["-sm", sm], GCTX if sm == "graph" else CTX,
+                    GTG if sm == "graph" else TG, True, 150, 35, env={"IKJAX_DECODE_LOOP": "0"},
+                    note="one token per dispatch")
+             for sm in ("layer", "graph") for m in MESHES]
 # the 2-GPU layer split on the last two GPUs: its warm-up fits beside others on the first two
 ALL += [Config("r1", f"r1_layer{m}", list(range(NG - m, NG)), ["-sm", "layer"], R1_CTX, R1_TG, True, 200, 60)
         for m in MESHES]
@@ -358,10 +372,12 @@ ALL += [Config("r1", f"r1_graph{m}", list(range(m)), ["-sm", "graph"], R1_GCTX, 
 ALL += [Config("r1", f"r1_ot_graph{NG}", list(range(NG)), ["-ot", "exps=CPU", "-sm", "graph", "-t", HOST_T],
                OT_CTX, OT_TG, True, 200, 60)]
 # PARTS names a model (all its runs) or single runs (e.g. PARTS="r1_graph4 r1_graph2")
-CONFIGS: list[Config] = [c for c in ALL if c.model in PARTS or c.name in PARTS]
-unknown = PARTS - {"v2l", "r1", "fix"} - {c.name for c in ALL}
+CONFIGS: list[Config] = [c for c in ALL if c.model in PARTS or c.name in PARTS] + \
+    [c for c in STEP_RUNS if c.name in PARTS or "v2l_step" in PARTS]
+unknown = PARTS - {"v2l", "r1", "fix", "v2l_step"} - {c.name for c in ALL + STEP_RUNS}
 if unknown:
-    log(f"PARTS: unknown {', '.join(sorted(unknown))}: give v2l, r1, fix or run names ({', '.join(c.name for c in ALL)})")
+    log(f"PARTS: unknown {', '.join(sorted(unknown))}: give v2l, r1, fix, v2l_step or run names "
+        f"({', '.join(c.name for c in ALL + STEP_RUNS)})")
     sys.exit(1)
 WANT = {c.model for c in CONFIGS}
 if "v2l" in WANT:
@@ -485,6 +501,9 @@ def finish(job: Job) -> None:
             + (f"; {err}" if err else ""))
         for l in rows:
             log("    " + l)
+        for l in txt.splitlines():  # -sm graph: what each step pays between the GPUs (Engine.collectives)
+            if l.startswith("-sm graph ") and "collectives a step" in l:
+                log("    " + l)
         job.record(refused=err[len('error: '):] if err and not rows else None)
         (OUT / "table.md").write_text(tbl.build(OUT) + "\n")
 
@@ -493,7 +512,8 @@ def start_warm(cfg: Config) -> None:
     env = {}
     if cfg.graph and HLO:
         env["MG_XLA_JOB"] = (f"--xla_dump_to={WORK / ('hlo_' + cfg.name)} --xla_dump_hlo_as_text "
-                             f"--xla_dump_hlo_module_re=step|forward")
+                             f"--xla_dump_hlo_module_re=step|forward|decode")
+    env.update(cfg.env)
     job = Job("warm", cfg.name, CLI + cfg.args(), cfg.gpus, cfg.est_gib(), cfg.warm_cap, env, cfg.meta())
     cfg.warm_alone = not on_gpus(cfg, ("warm", "measure", "fixtures"))
     cfg.state = "warming"
@@ -503,7 +523,7 @@ def start_warm(cfg: Config) -> None:
 
 def start_measure(cfg: Config) -> None:
     timeout = min(cfg.measure_cap, left() - RESERVE)
-    job = Job("measure", cfg.name, CLI + cfg.args(), cfg.gpus, cfg.est_gib(), timeout, None, cfg.meta())
+    job = Job("measure", cfg.name, CLI + cfg.args(), cfg.gpus, cfg.est_gib(), timeout, cfg.env, cfg.meta())
     cfg.state = "measuring"
     job.start()
     RUNNING.append(job)

@@ -28,6 +28,8 @@ PLAN_DEV1 = re.compile(r"^\s*on device (\S+)\s+([\d.]+) MiB")
 PLAN_HOST = re.compile(r"^\s*on host\s+([\d.]+) MiB")
 PLAN_W = re.compile(r"^\s*weights\s+([\d.]+) MiB")
 PLAN_KV = re.compile(r"^\s*KV cache\s+([\d.]+) MiB")
+# sweep-bench's -sm graph line (ikjax.runtime.mesh.Collectives.line) for the decode loop
+LOOP_COLL = re.compile(r"^-sm graph decode loop, batch 1\b.*?: (\d+) collectives a step \(([^)]*)\)")
 BEGIN = re.compile(r"^=== BEGIN (\S+) (\S+)\s*$")
 END = re.compile(r"^=== END (\S+) (\S+) (\{.*\})\s*$")
 GIB = 1024.0
@@ -69,7 +71,7 @@ def read_blocks(path: Path) -> list[dict]:
 def parse_output(lines: list[str]) -> dict:
     """What one sweep-bench process printed: rows, compile, load, plan, error."""
     out: dict = {"rows": [], "compile": None, "load_s": None, "plan_dev": {}, "plan_host_mib": 0.0,
-                 "weights_mib": None, "kv_mib": None, "error": None}
+                 "weights_mib": None, "kv_mib": None, "error": None, "loop_collectives": None}
     for line in lines:
         m = ROW.match(line)
         if m:
@@ -82,6 +84,10 @@ def parse_output(lines: list[str]) -> dict:
             n, hits, s = int(m.group(1)), int(m.group(2)) if m.group(2) else None, float(m.group(3))
             # "compiled N steps, H from the cache": N compiled, H loaded; the older line: N in all
             out["compile"] = dict(compiled=n, hits=hits, seconds=s)
+            continue
+        m = LOOP_COLL.match(line)
+        if m:
+            out["loop_collectives"] = f"{m.group(1)} collectives a decode step ({m.group(2)})"
             continue
         m = LOADED.match(line)
         if m:
@@ -193,14 +199,18 @@ def step_tokens(text: str) -> str:
 
 
 def hlo_summary(dump: Path) -> list[str]:
-    """One line per optimized step module in an XLA dump folder (`--xla_dump_to`, text)."""
+    """One line per optimized step module in an XLA dump folder (`--xla_dump_to`, text): the
+    collectives each step (each decode-loop iteration) runs, scan bodies counted once per layer
+    (ikjax.runtime.mesh.collectives), and the module's collectives as written (`hlo_collectives`)."""
+    from ikjax.runtime.mesh import collectives
     lines = []
     for f in sorted(dump.glob("*after_optimizations.txt")):
         text = f.read_text(errors="replace")
         coll = hlo_collectives(text)
         what = ", ".join(f"{k} {c} ({b / 2**20:.2f} MiB)" for k, (c, b) in sorted(coll.items())) or "no collectives"
         mod = f.name.split(".")[1] if "." in f.name else f.name
-        lines.append(f"{mod} [{step_tokens(text)}]: {what}")
+        tokens = "decode loop" if "decode" in mod else step_tokens(text)
+        lines.append(f"{mod} [{tokens}]: {collectives(text).line()}; as written: {what}")
     return lines
 
 
@@ -306,6 +316,8 @@ def build(out_dir: Path) -> str:
                 notes.append("beside: " + ", ".join(meta["concurrent"]))
             if meta.get("note"):
                 notes.append(meta["note"])
+            if p["loop_collectives"]:
+                notes.append(p["loop_collectives"])
             ng = meta.get("n_gpus", "?")
             label = (f"`{meta['flags']}`, " if meta.get("flags") else "") + f"{ng} GPU" + ("s" if ng != 1 else "")
             md.append(f"| {label} | {pp} | {tg} | {tgs} | {pps} | {mem or '-'} | {plan or '-'} | {comp} | "

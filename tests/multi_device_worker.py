@@ -112,7 +112,8 @@ def main(spec_path: str) -> None:
             decode_refs[key] = decode_checks(load_with(c["model"], None, mla=c["mla"]), ids)
         many = load_with(c["model"], None, mla=c["mla"], sm=c["sm"], ts=c["ts"])
         emit(check="decode", case=c, loops=many.decode_loop(), n_layer=many.config.n_layer, one=decode_refs[key],
-             many=decode_checks(many, ids), collectives=decode_collectives(many), stages=many.executor.describe())
+             many=decode_checks(many, ids), collectives=decode_collectives(many), stages=many.executor.describe(),
+             engine_lines=[f"{what}: {c.line()}" for what, c in many.collectives()])
         del many
         jax.clear_caches()
 

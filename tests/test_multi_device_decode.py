@@ -61,6 +61,13 @@ def test_graph_collectives_per_step(rows):
         assert c["bytes"] == B * 4 * (2 * L * d + 2 * (3 + d)), c
     c = got[(1, True)]
     assert (c["per_step"], c["outside"]) == (2 * L + 2, 0), c
+    # what sweep-bench prints (Engine.collectives): every compiled step, the loops among them
+    lines = r["engine_lines"]
+    assert any(line.startswith("decode loop, batch 1, kv_len ") and
+               f": {2 * L + 1} collectives a step (1 all-gather, {2 * L} all-reduce; " in line for line in lines), lines
+    assert any(line.startswith("step of batch 1 x 16 tokens") and f": {2 * L + 2} collectives" in line
+               for line in lines), lines
+    assert _case(rows, "layer")["engine_lines"] == []
 
 
 HLO = """HloModule m

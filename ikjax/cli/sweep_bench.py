@@ -105,6 +105,8 @@ def sweep_bench(
     compile_s = time.perf_counter() - t0
     log(compiled_line(eng, count0, hits0, compile_s)
         + (f" for the first row; the other {n_shapes - len(first)} before their rows" if n_shapes > len(first) else ""))
+    for what, c in eng.collectives():  # -sm graph: what each step pays between the devices
+        log(f"-sm graph {what}: {c.line()}")
     info = sb.RunInfo.of(eng, ubatch=pp)
     rows = []
     later = [0.0]

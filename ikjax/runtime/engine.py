@@ -109,6 +109,7 @@ class Engine:
         if stages:
             log.info("-sm %s: %s", self.split_mode, stages)
         self._cache_specs: dict[int, tuple] = {}
+        self._collectives: dict[tuple, object] = {}  # Engine.collectives, by step key
         # --expert-stats: the steps count each MoE layer's routing here (ikjax.model.moe)
         self._expert_counts = None
         if o.expert_stats and cfg.n_expert:
@@ -261,6 +262,23 @@ class Engine:
             b, i = (int(v[0]) for v in np.nonzero(bad))
             raise self._non_finite(f" at decode step {i} of sequence {b} (position {int(start[b]) + i})")
         return out, cache
+
+    def collectives(self) -> list[tuple[str, object]]:
+        """-sm graph: (what, `ikjax.runtime.mesh.Collectives`) of every step compiled so far, e.g.
+        ("decode loop, batch 1", 55 collectives a step); [] under the other split modes. The
+        count a token pays over one device, printed by sweep-bench and the multi-GPU bench."""
+        out = []
+        for (B, T, plan, decode), exe in sorted(self._steps.table.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                                         kv[0][3] is None)):
+            c = self._collectives.get((B, T, plan, decode))
+            if c is None:
+                c = self.executor.collectives(getattr(exe, "exe", exe))  # a StoredStep holds the executable
+                if c is None:
+                    return []
+                self._collectives[(B, T, plan, decode)] = c
+            what = f"decode loop, batch {B}" if decode else f"step of batch {B} x {T} tokens"
+            out.append((f"{what}, kv_len {plan.kv_len}", c))
+        return out
 
     def precompile_decode(self, batch: int, chunk: int, kv_needed: int, sampling: dict | None = None) -> float:
         """Compile the decode loop of `chunk` steps whose last step reads `kv_needed` entries."""

@@ -90,6 +90,10 @@ class Executor(abc.ABC):
         """Run a compiled step (tokens, start, last) or decode loop (tokens, start, n, key)."""
         return exe(weights, cache, *inputs)
 
+    def collectives(self, exe) -> "tensor_parallel.Collectives | None":
+        """The collectives a compiled step runs between devices (-sm graph), else None."""
+        return None
+
 
 class SingleDevice(Executor):
     """-sm none: one executable on one device; with several devices, on the main device -mg (its
@@ -197,6 +201,11 @@ class GraphMesh(Executor):
         inputs = tuple(jax.random.key_data(a) if _is_key(a) else a for a in inputs)
         out, cache = exe(weights, cache, *(distributed.global_input(a, rep) for a in inputs))
         return distributed.local_value(out), cache
+
+
+    def collectives(self, exe):
+        # from XLA's optimized HLO (mesh.collectives); the text of a big step takes a moment
+        return tensor_parallel.collectives(exe.as_text())
 
 
 def executor_for(placement, config: ModelConfig, spans: tuple, layout: kvcache.CacheLayout) -> Executor:
