@@ -4,7 +4,7 @@ second turn's time goes.
 
     python bench/gpu_batch_invariance.py MODEL [--ctx 8192] [--ub 512] [--np 8] [--parts all]
 
-Parts (comma list): greedy, logits, steps, turn. Run it once with IKJAX_BATCH_INVARIANT=1 (the
+Parts (comma list): greedy, logits, steps, turn, ops, profile. Run it once with IKJAX_BATCH_INVARIANT=1 (the
 default) and once with =0 to see what the row-invariant decode kernels change (and cost).
 """
 from __future__ import annotations
@@ -125,6 +125,101 @@ def turn(eng, a, rng):
               f"{(r2.t_first - r2.t_submit) / ts:.2f}x")
 
 
+def ops_rows(eng, a, rng):
+    """Each decode op alone at V2-Lite's shapes: row 0 of a batch of np against the row alone
+    (inside a decode step's kernel context, jitted as the step jits them)."""
+    import jax.numpy as jnp
+
+    from ikjax import ops
+    from ikjax.model.layers import rms_norm
+    from pallas_kernels.quant_matmul import prepare
+    from pallas_kernels.testing import random_quant_array
+    B = a.np
+    bf = jnp.bfloat16
+    gpu = jax.default_backend() == "gpu"
+    backend, z = ("pallas", 1) if gpu else ("interpret", 16)  # a CPU smoke run: interpret mode, small shapes
+
+    def check(name, f, *xs):
+        def run(*args):
+            with ops.kernel_context(backend, 1, seq_tokens=1):
+                return f(*args)
+        full = np.asarray(jax.jit(run)(*xs))
+        one = np.asarray(jax.jit(run)(*(x[:1] for x in xs)))
+        d = float(np.abs(full[:1].astype(np.float64) - one.astype(np.float64)).max())
+        print(f"  {name}: row 0 of {B} vs alone: max |diff| {d:.3g}{'' if d else ' (bitwise)'}")
+
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    for qt, N, K in [("Q4_0", 3072, 2048), ("Q4_0", 2048, 2048), ("Q6_K", 102400, 2048), ("Q8_0", 576, 2048)]:
+        N, K = max(N // z, 64), max(K // z, 256)
+        w = prepare(random_quant_array(qt, (N, K), rng, fast=True))
+        check(f"quant_linear {qt} {N}x{K}", lambda x, w=w: ops.quant_linear(x, w, bf), r(B, K))
+    kb = random_quant_array("Q8_0", (16, 512, 128), rng, fast=True)
+    check("head_linear k_b", lambda x: ops.head_linear(x, kb, bf), r(B, 1, 16, 128))
+    E, F, d, k = 64 // (z // 4 or 1), max(1408 // z, 256), max(2048 // z, 256), 6
+    g, u, dn = (prepare(random_quant_array("Q4_0", s, rng, fast=True)) for s in ((E, F, d), (E, F, d), (E, d, F)))
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(B)]), jnp.int32)
+    wt = jnp.asarray(rng.uniform(0.1, 1, (B, k)), jnp.float32)
+    check("moe_experts", lambda x, w, i: ops.moe_experts(x, w, i, g, u, dn, bf), r(B, d), wt, ids)
+    S = 8192 // z
+    cache = r(B, 1, S, 576).astype(bf)  # batch first for check's slicing; the op takes [L, B, S, W]
+    lens = jnp.asarray(rng.integers(1, S, B), jnp.int32)
+    check("mla_decode", lambda q, n, c: ops.mla_decode_attention(q, jnp.moveaxis(c, 0, 1), n, 0.07, v_dim=512,
+                                                                 dtype=bf, layer=0),
+          r(B, 16, 576), lens, cache)
+    nw = r(2048)
+    check("rms_norm", lambda x: rms_norm(x, nw, 1e-6), r(B, 2048))
+    router = r(64, 2048)
+    check("router", lambda x: (x[:, None, :] * router[None]).sum(-1), r(B, 2048))
+
+
+def kernel_profile(eng, a, rng):
+    """GPU kernel time by kernel name (profiler trace, 5 calls each) of: a 64-token prompt step at
+    position 0 and at 4000 (a second turn's step: what grows with the history), an [np,1] and a
+    [1,1] decode step. Device busy time against wall time says launch-bound or kernel-bound."""
+    import collections
+    import gzip
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    def trace(tag, B, T, start, reps=5):
+        cache = eng.new_cache(B)
+        toks = np.ones((B, T), np.int32)
+        st = np.full(B, start, np.int32)
+        eng.precompile(B, T, start + T)
+        logits, cache = eng.step(cache, toks, st)
+        jax.block_until_ready(logits)
+        tmp = tempfile.mkdtemp()
+        t = time.perf_counter()
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(reps):
+                logits, cache = eng.step(cache, toks, st)
+            jax.block_until_ready(logits)
+        wall = (time.perf_counter() - t) / reps
+        busy = collections.Counter()
+        count = collections.Counter()
+        for path in Path(tmp).rglob("perfetto_trace.json.gz"):
+            ev = json.load(gzip.open(path))["traceEvents"]
+            gpu = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and "GPU" in e["args"]["name"]}
+            for e in ev:
+                if e.get("ph") == "X" and e["pid"] in gpu:
+                    busy[e["name"][:60]] += e["dur"] * 1e-3 / reps
+                    count[e["name"][:60]] += 1
+        shutil.rmtree(tmp, ignore_errors=True)
+        total = sum(busy.values())
+        print(f"  {tag}: wall {wall * 1e3:.2f} ms a step (traced), kernels {total:.2f} ms, "
+              f"{sum(count.values()) // reps} kernels")
+        for name, ms in busy.most_common(8):
+            print(f"      {ms:7.3f} ms  x{count[name] // reps:4d}  {name}")
+
+    trace("[1,64] at 0", 1, 64, 0)
+    trace("[1,64] at 4000", 1, 64, 4000)
+    trace(f"[{a.np},1] at 300", a.np, 1, 300)
+    trace("[1,1] at 300", 1, 1, 300)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -139,7 +234,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for part in a.parts.split(","):
         t = time.perf_counter()
-        {"greedy": greedy, "logits": logits_diff, "steps": steps, "turn": turn}[part](eng, a, rng)
+        {"greedy": greedy, "logits": logits_diff, "steps": steps, "turn": turn, "ops": ops_rows,
+         "profile": kernel_profile}[part](eng, a, rng)
         print(f"[{part}: {time.perf_counter() - t:.1f} s]", flush=True)
 
 

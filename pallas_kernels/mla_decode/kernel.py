@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.quant_matmul.kernel import _compiler_params, _pow2_divisor
+from pallas_kernels.quant_matmul.kernel import _compiler_params, _pow2_divisor, chain_sum
 from pallas_kernels.quant_matmul.packing import int8_to_f32
 
 F32 = jnp.float32
@@ -100,7 +100,6 @@ def _call(q, cache, lengths, layer, *, scale, v_dim, dtype, config, interpret):
     cfg = dict(config)
     B, H, D = q.shape
     q8 = isinstance(cache, dict)
-    S = (cache["q"] if q8 else cache).shape[2]
     bh, bs, split = cfg["bh"], cfg["bs"], cfg["split"]
     kern = functools.partial(_kernel, q8=q8, bh=bh, bs=bs, split=split, dv=v_dim, dpe=D - v_dim,
                              scale=float(scale), cdt=jnp.dtype(dtype))
@@ -120,10 +119,10 @@ def _call(q, cache, lengths, layer, *, scale, v_dim, dtype, config, interpret):
         return o[:, 0] / l[:, 0, :, None]
     mx = m.max(axis=1, keepdims=True)
     wgt = jnp.exp(m - mx)                                     # [B, split, H]
-    # products and a sum over the splits (f32), not a batched dot, whose algorithm (and rounding)
-    # XLA picks by the batch's shape
-    num = (wgt[..., None] * o).sum(axis=1)
-    return num / jnp.sum(wgt * l, axis=1)[..., None]
+    # the splits added in order (f32), not a batched dot or a reduction, whose algorithm (and
+    # order of additions) XLA picks by the whole shape, batch included (chain_sum)
+    num = chain_sum(jnp.moveaxis(wgt[..., None] * o, 1, 0))
+    return num / chain_sum(jnp.moveaxis(wgt * l, 1, 0))[..., None]
 
 
 def mla_decode(q, cache, lengths, scale, *, v_dim: int = 512, dtype=jnp.bfloat16, interpret: bool = False,

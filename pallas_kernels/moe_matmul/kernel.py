@@ -12,14 +12,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant_matmul.kernel import quant_matmul_experts
+from pallas_kernels.quant_matmul.kernel import chain_sum, quant_matmul_experts
 from pallas_kernels.quant_matmul.packing import PackedWeight
 
 
 def _combine(y, w):
-    # a product and a sum over k per token (f32), not a batched dot: a dot's algorithm is chosen by
-    # the shape, so a token's sum could round differently in a batch of other size
-    return (y * w[..., None]).sum(axis=1)
+    # each token's k weighted outputs added in slot order (f32), not a batched dot or a reduction,
+    # whose algorithm and order XLA picks by the whole shape: a token's sum must not depend on
+    # how many tokens came with it (chain_sum)
+    return chain_sum(jnp.moveaxis(y * w[..., None], 1, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "row_invariant"))

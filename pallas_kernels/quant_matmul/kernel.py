@@ -196,6 +196,17 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
     return dict(mode="dot", bm=bm, bn=bn, bk=bk, split=1, num_warps=warps, num_stages=3 if bk <= 128 else 2)
 
 
+def chain_sum(parts):
+    """parts[0] + parts[1] + ... in that order (elementwise, f32): the split-K partial sums added
+    the same way whatever the other dims are. A reduction over the leading axis would be XLA's
+    column reduction, whose tiling (and so its order of additions) follows the whole shape: a
+    row's result would then depend on how many rows came with it."""
+    y = parts[0]
+    for i in range(1, parts.shape[0]):
+        y = y + parts[i]
+    return y
+
+
 def kernel_supports(qtype: str, N: int, K: int) -> bool:
     if qtype not in GEOMETRY:
         return False
@@ -243,7 +254,7 @@ def _call(x, ws, expert, layer, *, dtype, swiglu, config, interpret):
         compiler_params=None if interpret else _compiler_params(cfg["num_warps"], cfg["num_stages"]),
         name=f"quant_matmul_{qtype.lower()}_{mode}",
     )(*args)
-    y = out[0] if split == 1 else out.sum(0)
+    y = chain_sum(out)
     if late:
         y = _silu_mul(y[:, :N], y[:, N:])
     return y[:M] if Mp != M else y
