@@ -61,6 +61,9 @@ _VARS = (
              "server's greedy answers may part from `generate`'s)", "ikjax.ops.registry"),
     Variable("IKJAX_DECODE_LOOP", "1", ("1", "0"),
              "`0`: one dispatch per generated token instead of the on-device decode loop", "ikjax.runtime.engine"),
+    Variable("IKJAX_MESH_GRAPH", "0", ("0", "1"),
+             "`1`: on GPUs the `-sm graph` decode loop's command buffers also capture its collectives "
+             "(NCCL inside the CUDA graph: the whole loop one graph, as on one device)", "ikjax.runtime.executors"),
     Variable("IKJAX_STORE_STEPS", "auto", ("auto", "1", "0"),
              "store compiled steps as executables beside JAX's cache (auto: on accelerators only)",
              "ikjax.runtime.executables"),

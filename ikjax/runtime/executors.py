@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ikjax import env
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import StepPlan
@@ -189,9 +190,21 @@ class GraphMesh(Executor):
             lowered = tensor_parallel.decode().lower(weights, cache, i32((B,)), i32((B,)), i32(()), key,
                                                      cfg=self.config, plan=plan, layout=layout, chunk=chunk,
                                                      sampling=sampling)
-            return lowered.compile(_DECODE_GPU_OPTIONS if self.on_gpu else None)
+            return lowered.compile(self._decode_options())
         return tensor_parallel.step().lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
                                             plan=plan, layout=layout).compile()
+
+    def _decode_options(self) -> dict | None:
+        """XLA options of the decode loop: on GPUs the one-device loop's command buffers, whose
+        WHILE capture cannot hold a loop with collectives in it (the segments between them become
+        graphs); IKJAX_MESH_GRAPH=1 adds the collectives (NCCL kernels captured in the graph), so
+        the loop may become one graph as on one device."""
+        if not self.on_gpu:
+            return None
+        if env.choice("IKJAX_MESH_GRAPH") == "1":
+            key = "xla_gpu_enable_command_buffer"
+            return {**_DECODE_GPU_OPTIONS, key: _DECODE_GPU_OPTIONS[key] + ",COLLECTIVES"}
+        return _DECODE_GPU_OPTIONS
 
     def run(self, exe, weights, cache, *inputs):
         # the mesh may span other processes' devices: inputs as global arrays (the same values on
