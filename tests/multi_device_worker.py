@@ -39,8 +39,8 @@ def load_with(path, kernels: str | None, **opts):
 
 def decode_checks(eng, ids) -> dict:
     """What the decode loop produces on this engine: greedy (n = 19 over two dispatches of the
-    16-step loop; then n = 4 < chunk), sampled with one seed, and a batch of two sequences at
-    different positions with banned ids (one-device greedy picks, in both halves of the
+    16-step loop; then n = 4 < chunk), sampled with one seed, `generate_batch` of two prompts, and
+    a batch of two sequences at different positions with banned ids (one-device greedy picks, in both halves of the
     vocabulary: on both devices of a -sm graph mesh)."""
     from ikjax.runtime.generation import _put_row
     out = {"greedy": list(eng.generate(ids, 20)), "short": list(eng.generate(ids, 5)),
@@ -56,6 +56,8 @@ def decode_checks(eng, ids) -> dict:
     toks, _ = eng.decode(cache, first, [len(p) for p in prompts], 6, chunk=16, sampling={"ban": ban})
     out["batch_banned"] = np.asarray(toks)[:, :6].tolist()
     out["ban"] = list(ban)
+    # generate_batch runs the loop over its rows (a 2-row batch, sequences at different positions)
+    out["generate_batch"] = [list(r) for r in eng.generate_batch(prompts, 6)]
     return out
 
 

@@ -1,7 +1,7 @@
 """The decode loop (several tokens per dispatch, the token picked on the device) under -sm graph
 and -sm layer, on 2 fake CPU devices (tests/multi_device_worker.py in a subprocess, as
 test_multi_device does): its tokens equal the one-device loop's, greedy and sampled, for n < chunk,
-a batch of two sequences and banned ids; and the -sm graph loop's collectives per step are the
+a batch of two sequences and banned ids, and `generate_batch`'s; and the -sm graph loop's collectives per step are the
 fewest the split allows (`ikjax.runtime.mesh.collectives`).
 
 The 4- and 8-device meshes and pipelines run the same loop in test_multi_device's generate
@@ -32,8 +32,9 @@ def test_decode_loop_equals_one_device(rows, sm):
     assert r["loops"], "the split engine does not run the decode loop"
     one, many = r["one"], r["many"]
     assert len(one["greedy"]) == 20 and len(one["short"]) == 5 and len(one["sampled"]) == 12
-    for what in ("greedy", "short", "sampled", "batch_banned"):
+    for what in ("greedy", "short", "sampled", "batch_banned", "generate_batch"):
         assert many[what] == one[what], (what, many[what], one[what])
+    assert one["generate_batch"][0] == one["greedy"][:6]  # a row of the batch = the prompt alone
     # the bans bit: the first sequence's greedy picks are banned, so it takes other tokens
     assert not set(one["batch_banned"][0]) & set(one["ban"])
     assert one["batch_banned"][0] != one["greedy"][1:7]

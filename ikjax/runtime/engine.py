@@ -533,10 +533,10 @@ class Engine:
 
         Same checks and stopping rules as `generate` (each sequence stops on its own at EOS / a
         stop id, `max_tokens`, or `ctx` tokens in all); the returned list's `stop_reasons` says
-        which, per sequence. Prompts are fed together in ubatch chunks (a shorter prompt's padding
-        lands past its end, where the causal mask hides it until its own generated tokens
-        overwrite it); then every step decodes one token per unfinished sequence. The batch is
-        padded to a power of two.
+        which, per sequence. Each prompt is fed alone in ubatch chunks into its row of the batch's
+        cache; then the decode loop runs every row up to DECODE_CHUNK tokens per dispatch where
+        `decode_loop()` (else one step per token for every unfinished sequence). The batch is
+        padded to a power of two; greedy, each sequence gets the tokens `generate` gives it.
         """
         return generation.generate_batch(self, prompts, max_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, min_p=min_p, seed=seed, stop=stop)

@@ -323,8 +323,9 @@ def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, te
                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                    stop: Iterable[int] = ()) -> BatchGeneration:
     """`Engine.generate_batch` (its docstring): each prompt fed alone in ubatch chunks (as
-    `generate` does) into its row of the batch's cache, then one step per token for every
-    unfinished sequence, the batch padded to a power of two."""
+    `generate` does) into its row of the batch's cache, then the decode loop over every row
+    (`_batch_loop`, where `Engine.decode_loop`) or one step per token for every unfinished
+    sequence, the batch padded to a power of two."""
     max_tokens = check_count("max_tokens", max_tokens)
     p = check_sampling(temperature, top_k, top_p, min_p, seed)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
@@ -364,6 +365,10 @@ def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, te
             log.warning("context full (ctx=%d): prompts[%d] fills it, no token generated", ctx, b)
             reasons[b] = STOP_CONTEXT
     done = np.array([r is not None for r in reasons] + [True] * (B - n))
+    if eng.decode_loop():
+        _batch_loop(eng, out, reasons, done, last_logits, lengths, cache, max_tokens, stops, rng, sp)
+        out.stop_reasons = reasons
+        return out
     pos = lengths.copy()  # where each sequence's next token goes; frozen once it is done
     while not done.all():
         toks = np.zeros((B, 1), np.int32)
@@ -383,3 +388,43 @@ def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, te
         pos = np.where(fed & ~done, pos + 1, pos)
     out.stop_reasons = reasons
     return out
+
+
+def _batch_loop(eng, out: BatchGeneration, reasons: list, done: np.ndarray, last_logits: np.ndarray,
+                lengths: np.ndarray, cache, max_tokens: int, stops: set[int], rng, sp: dict) -> None:
+    """`generate_batch`'s decode where the engine loops on the device (`Engine.decode_loop`):
+    every unfinished sequence's first token picked on the host from its prompt's logits (as
+    `generate` picks it), then up to DECODE_CHUNK tokens of every row per dispatch, each row's
+    tokens read once a chunk and cut at its own stop. `out`, `reasons` and `done` are filled in.
+
+    A row that has stopped (and the padding rows) still rides along in the batch: it is fed
+    token 0 at position 0 (its cache row is not read again), so the chunk's positions stay inside
+    the cache whatever it held. A chunk is as long as the shortest room any unfinished row has
+    left (max_tokens, ctx), so no row runs past its own rules."""
+    n, B = len(out), len(done)
+    ctx = eng.options.ctx
+    tok = np.zeros(B, np.int32)
+    pending: list[list[int]] = [[] for _ in range(B)]
+    for b in range(n):
+        if not done[b]:
+            pending[b] = [sample_next(last_logits[b], rng=rng, **sp)]
+    key = jax.random.key(int(rng.integers(0, 2**31 - 1)))  # the device's draws follow the seed
+    while True:
+        for b in range(n):
+            for t in pending[b]:
+                if done[b]:
+                    break
+                out[b].append(t)
+                reasons[b] = stop_reason(t, len(out[b]), int(lengths[b]) + len(out[b]), max_tokens, stops, ctx)
+                done[b] = reasons[b] is not None
+                tok[b] = t
+        if done.all():
+            return
+        live = ~done
+        length = lengths + np.array([len(o) for o in out] + [0] * (B - n))  # prompt + new tokens
+        k = min(DECODE_CHUNK, int((ctx - length)[live].min()), max_tokens - max(len(out[b]) for b in range(n) if live[b]))
+        # the last token of each row is not in the cache yet: it goes at position length - 1
+        toks, cache = eng.decode(cache, np.where(live, tok, 0), np.where(live, length - 1, 0), k, chunk=DECODE_CHUNK,
+                                 sampling=sp, key=key)
+        got = np.asarray(toks)[:, :k]
+        pending = [got[b].tolist() if live[b] else [] for b in range(B)]
