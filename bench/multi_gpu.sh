@@ -5,9 +5,11 @@
 #        the TG rows run the decode loop under every split mode (issue 25: the -sm graph loop is one
 #        executable, the -sm layer loop dispatches its stages without host waits); each -sm graph
 #        run prints its collectives per decode step (its log, the table's notes);
-#        issue 25's V2-Lite table on 2 GPUs in one call: PARTS="v2l v2l_step v2l_cmdbuf" on
-#        nvidia-h100-x2 (v2l_step: -sm layer / graph with IKJAX_DECODE_LOOP=0, one token per dispatch;
-#        v2l_cmdbuf: -sm graph with IKJAX_MESH_GRAPH=1, the collectives inside the loop's CUDA graph);
+#        issue 25's V2-Lite table on 2 GPUs in one call: PARTS="v2l v2l_cmdbuf v2l_mb1 v2l_step" on
+#        nvidia-h100-x2, A/B runs after the three main ones (v2l_cmdbuf: -sm graph with
+#        IKJAX_MESH_GRAPH=1, the collectives inside the loop's CUDA graph; v2l_mb1: -sm layer with
+#        IKJAX_PIPELINE_MB=1, prompts without micro-batches in flight; v2l_step: -sm layer / graph
+#        with IKJAX_DECODE_LOOP=0, one token per dispatch, the path before the loop);
 #   r1:  the R1 shape cut to R1_LAYERS (16) layers (80.5 GiB), the same runs, plus
 #        -ot exps=CPU -sm graph (-c OT_CTX 4096 -n OT_TG 32: its prompts run on the host CPU);
 #   fix: bench/multi_gpu_fixtures.py, the fixtures at f32 on 2- and 4-GPU meshes.
@@ -18,8 +20,8 @@
 # On the device, from the repo root, carrying .whl (the gguf wheel) and .gpufix (the fixtures):
 #   bash bench/multi_gpu.sh          results: $OUT/{table.md,multi_gpu.log,runs.log,mem.csv,hlo.txt,fixtures.txt}
 #   PARTS="r1_graph4 r1_ot_graph4" bash bench/multi_gpu.sh   # a second call: parts or single runs
-# PARTS: v2l, r1, fix, v2l_step, v2l_cmdbuf and/or run names (v2l_gpu1 v2l_layer2 v2l_layer4 v2l_graph2
-# v2l_graph4 v2l_graph2_cmdbuf v2l_layer2_step v2l_graph2_step ... r1_layer2 r1_layer4 r1_gpu1 r1_graph4
+# PARTS: v2l, r1, fix, v2l_cmdbuf, v2l_mb1, v2l_step and/or run names (v2l_gpu1 v2l_layer2 v2l_layer4
+# v2l_graph2 v2l_graph4 v2l_graph2_cmdbuf v2l_layer2_mb1 v2l_layer2_step ... r1_layer2 r1_layer4 r1_gpu1 r1_graph4
 # r1_graph2 r1_ot_graph4); the log's last line names the
 # runs the deadline left out. A second call on the same warm machine reuses the model files
 # (/tmp/mg) and the compiled steps (JAX's persistent cache under ~/.cache/ikjax).
@@ -369,6 +371,11 @@ STEP_RUNS = [Config("v2l", f"v2l_{sm}{m}_step", list(range(m)), ["-sm", sm], GCT
 STEP_RUNS += [Config("v2l", f"v2l_graph{m}_cmdbuf", list(range(m)), ["-sm", "graph"], GCTX, GTG, True, 150, 35,
                      env={"IKJAX_MESH_GRAPH": "1"}, note="collectives captured in the loop's CUDA graph")
               for m in MESHES]
+# v2l_mb1: -sm layer prompts without micro-batches in flight (IKJAX_PIPELINE_MB=1; auto: 4 of 512 at -ub 2048)
+STEP_RUNS += [Config("v2l", f"v2l_layer{m}_mb1", list(range(m)), ["-sm", "layer"], CTX, TG, True, 150, 35,
+                     env={"IKJAX_PIPELINE_MB": "1"}, note="prompt steps without micro-batches")
+              for m in MESHES]
+GROUPS = ("v2l_cmdbuf", "v2l_mb1", "v2l_step")  # their runs, in this order, after the others
 # the 2-GPU layer split on the last two GPUs: its warm-up fits beside others on the first two
 ALL += [Config("r1", f"r1_layer{m}", list(range(NG - m, NG)), ["-sm", "layer"], R1_CTX, R1_TG, True, 200, 60)
         for m in MESHES]
@@ -379,12 +386,11 @@ ALL += [Config("r1", f"r1_ot_graph{NG}", list(range(NG)), ["-ot", "exps=CPU", "-
                OT_CTX, OT_TG, True, 200, 60)]
 # PARTS names a model (all its runs) or single runs (e.g. PARTS="r1_graph4 r1_graph2")
 CONFIGS: list[Config] = [c for c in ALL if c.model in PARTS or c.name in PARTS] + \
-    sorted([c for c in STEP_RUNS if c.name in PARTS or any(g in PARTS and c.name.endswith(g[3:])
-                                                           for g in ("v2l_step", "v2l_cmdbuf"))],
-           key=lambda c: not c.name.endswith("_cmdbuf"))  # the A/B of the loop's graph before the old path
-unknown = PARTS - {"v2l", "r1", "fix", "v2l_step", "v2l_cmdbuf"} - {c.name for c in ALL + STEP_RUNS}
+    sorted([c for c in STEP_RUNS if c.name in PARTS or any(g in PARTS and c.name.endswith(g[3:]) for g in GROUPS)],
+           key=lambda c: next(i for i, g in enumerate(GROUPS) if c.name.endswith(g[3:])))
+unknown = PARTS - {"v2l", "r1", "fix", *GROUPS} - {c.name for c in ALL + STEP_RUNS}
 if unknown:
-    log(f"PARTS: unknown {', '.join(sorted(unknown))}: give v2l, r1, fix, v2l_step, v2l_cmdbuf or run names "
+    log(f"PARTS: unknown {', '.join(sorted(unknown))}: give v2l, r1, fix, {', '.join(GROUPS)} or run names "
         f"({', '.join(c.name for c in ALL + STEP_RUNS)})")
     sys.exit(1)
 WANT = {c.model for c in CONFIGS}

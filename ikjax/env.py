@@ -61,6 +61,9 @@ _VARS = (
              "server's greedy answers may part from `generate`'s)", "ikjax.ops.registry"),
     Variable("IKJAX_DECODE_LOOP", "1", ("1", "0"),
              "`0`: one dispatch per generated token instead of the on-device decode loop", "ikjax.runtime.engine"),
+    Variable("IKJAX_PIPELINE_MB", "auto", ("auto", "1", "2", "4", "8"),
+             "`-sm layer` prompt steps as this many micro-batches in flight (stage k on one while stage "
+             "k+1 runs the one before); auto: on GPUs, up to 4 of at least 256 tokens", "ikjax.runtime.pipeline"),
     Variable("IKJAX_MESH_GRAPH", "0", ("0", "1"),
              "`1`: on GPUs the `-sm graph` decode loop's command buffers also capture its collectives "
              "(NCCL inside the CUDA graph: the whole loop one graph, as on one device)", "ikjax.runtime.executors"),

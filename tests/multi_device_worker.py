@@ -30,7 +30,7 @@ def load_with(path, kernels: str | None, **opts):
     if kernels:
         os.environ["IKJAX_KERNELS"] = kernels
     try:
-        return ikjax.load(path, ctx=64, ubatch=16, **opts)
+        return ikjax.load(path, **{"ctx": 64, "ubatch": 16, **opts})
     finally:
         os.environ.pop("IKJAX_KERNELS", None)
         if old is not None:
@@ -116,6 +116,31 @@ def main(spec_path: str) -> None:
         emit(check="decode", case=c, loops=many.decode_loop(), n_layer=many.config.n_layer, one=decode_refs[key],
              many=decode_checks(many, ids), collectives=decode_collectives(many), stages=many.executor.describe(),
              engine_lines=[f"{what}: {c.line()}" for what, c in many.collectives()])
+        del many
+        jax.clear_caches()
+
+    for c in spec.get("micro", []):  # -sm layer prompt steps as micro-batches (IKJAX_PIPELINE_MB)
+        # the oracle: one device fed the same chunks (ubatch = 16 / mb), which -sm layer's stages
+        # must match bit for bit, as they match one device's whole steps
+        mb = c["mb"]
+        one = load_with(c["model"], None, mla=c["mla"], ubatch=16 // mb)
+        toks = np.array([ids + [5, 6, 7], ids[3:] + ids[:3] + [5, 6, 7]], np.int32)
+        cache, parts = one.new_cache(2), []
+        for j in range(mb):  # rows 0 and 1 end at tokens 3 and 15: in the first and the last chunk
+            t = 16 // mb
+            out, cache = one.step(cache, toks[:, j * t:(j + 1) * t], np.array([j * t] * 2), np.clip([3 - j * t, 15 - j * t], 0, t - 1))
+            parts.append(np.asarray(out))
+        ref = dict(logits=one.logits(ids), last=np.stack([parts[0][0], parts[-1][1]]), greedy=list(one.generate(ids, 6)))
+        os.environ["IKJAX_PIPELINE_MB"] = str(mb)
+        try:
+            many = load_with(c["model"], None, mla=c["mla"], sm="layer", ts=c["ts"])
+            last, _ = many.step(many.new_cache(2), toks, np.array([0, 0]), np.array([3, 15]))
+            got = dict(logits=many.logits(ids), last=np.asarray(last), greedy=list(many.generate(ids, 6)))
+            exe = next(e for k, e in many._executables.items() if k[1] == 16)
+        finally:
+            os.environ.pop("IKJAX_PIPELINE_MB", None)
+        emit(check="micro", case=c, micro=exe.micro, rel_logits=rel(got["logits"], ref["logits"]),
+             rel_last=rel(got["last"], ref["last"]), one=ref["greedy"], many=got["greedy"])
         del many
         jax.clear_caches()
 

@@ -1,7 +1,8 @@
 """The decode loop (several tokens per dispatch, the token picked on the device) under -sm graph
 and -sm layer, on 2 fake CPU devices (tests/multi_device_worker.py in a subprocess, as
 test_multi_device does): its tokens equal the one-device loop's, greedy and sampled, for n < chunk,
-a batch of two sequences and banned ids, and `generate_batch`'s; and the -sm graph loop's collectives per step are the
+a batch of two sequences and banned ids, and `generate_batch`'s; -sm layer's prompt micro-batches
+equal one device fed the same chunks; and the -sm graph loop's collectives per step are the
 fewest the split allows (`ikjax.runtime.mesh.collectives`).
 
 The 4- and 8-device meshes and pipelines run the same loop in test_multi_device's generate
@@ -17,7 +18,8 @@ from test_multi_device import _of, _run_worker
 @pytest.fixture(scope="module")
 def rows(tiny4_model, tmp_path_factory) -> list[dict]:
     cases = {"decode": [dict(model=tiny4_model, mla=3, sm="graph", ts=""),
-                        dict(model=tiny4_model, mla=3, sm="layer", ts="")]}
+                        dict(model=tiny4_model, mla=3, sm="layer", ts="")],
+             "micro": [dict(model=tiny4_model, mla=3, ts="", mb=2)]}
     return _run_worker(cases, 2, tmp_path_factory)
 
 
@@ -69,6 +71,36 @@ def test_graph_collectives_per_step(rows):
     assert any(line.startswith("step of batch 1 x 16 tokens") and f": {2 * L + 2} collectives" in line
                for line in lines), lines
     assert _case(rows, "layer")["engine_lines"] == []
+
+
+def test_layer_prompt_micro_batches(rows):
+    """-sm layer with a prompt step of 16 tokens as 2 micro-batches in flight (IKJAX_PIPELINE_MB=2):
+    the logits equal, bit for bit, one device fed the same 8-token chunks, for every token, for
+    rows whose last token falls in either micro-batch (a step of batch 2), and greedy tokens too."""
+    r = _of(rows, "micro")[0]
+    assert r["micro"] == 2
+    assert r["rel_logits"] == 0.0 and r["rel_last"] == 0.0, r
+    assert len(r["one"]) == 6 and r["many"] == r["one"]
+
+
+def test_micro_batch_rule(monkeypatch):
+    """auto: on GPUs only, halving while each micro-batch keeps MICRO_MIN tokens, at most
+    MICRO_MAX; never where one stage holds all the layers or the tokens do not divide."""
+    from types import SimpleNamespace
+    from ikjax.runtime import pipeline as pl
+    p = pl.Pipeline.__new__(pl.Pipeline)
+    p.stages = ((0, 0, 13, True, False), (1, 13, 14, False, True))
+    p.devices = [SimpleNamespace(platform="gpu")] * 2
+    monkeypatch.delenv("IKJAX_PIPELINE_MB", raising=False)
+    assert [p.micro_batches(t) for t in (1, 64, 256, 512, 1024, 2048, 4096, 1000, 1001)] == [1, 1, 1, 2, 4, 4, 4, 2, 1]
+    p.devices = [SimpleNamespace(platform="cpu")] * 2
+    assert p.micro_batches(2048) == 1
+    monkeypatch.setenv("IKJAX_PIPELINE_MB", "4")
+    assert (p.micro_batches(2048), p.micro_batches(6), p.micro_batches(1)) == (4, 1, 1)
+    p.stages = ((0, 0, 27, True, False), (1, 27, 0, False, True))  # the head alone on device 1
+    monkeypatch.setenv("IKJAX_PIPELINE_MB", "auto")
+    p.devices = [SimpleNamespace(platform="gpu")] * 2
+    assert p.micro_batches(2048) == 1
 
 
 HLO = """HloModule m

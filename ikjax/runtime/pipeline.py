@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from ikjax import ops
+from ikjax import env, ops
 from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import embed, output_head, run_layers
 from ikjax.placement.devices import jax_devices
@@ -52,6 +52,9 @@ def _decode_stage(weights, cache, x, start, key, *, cfg, plan, embed_in: bool, h
             x = sample_device(logits, jax.random.fold_in(key, start[0]), **dict(sampling))
     return x, cache
 
+
+# prompt micro-batches (IKJAX_PIPELINE_MB=auto): tokens each at least, and how many at most
+MICRO_MIN, MICRO_MAX = 256, 4
 
 _jitted_stage = None
 _jitted_decode_stage = None
@@ -136,8 +139,27 @@ class Pipeline:
     def _split_cache(self, cache) -> list[dict]:
         return [{name: [entries[g] for g in idx] for name, entries in cache.items()} for idx in self.stage_groups]
 
+    def micro_batches(self, T: int) -> int:
+        """How many micro-batches a step of T tokens runs as (IKJAX_PIPELINE_MB; auto: on GPUs,
+        as many as keep each at MICRO_MIN tokens or more, at most MICRO_MAX; one where the stages
+        cannot overlap: one stage with layers, or T not a multiple of them)."""
+        with_layers = sum(1 for _, _, count, _, _ in self.stages if count)
+        choice = env.choice("IKJAX_PIPELINE_MB")
+        if choice == "auto":
+            if not any(d.platform == "gpu" for d in self.devices) or with_layers < 2:
+                return 1
+            m = 1
+            while m * 2 <= MICRO_MAX and T // (m * 2) >= MICRO_MIN and T % (m * 2) == 0:
+                m *= 2
+            return m
+        m = int(choice)
+        return m if T % m == 0 and T >= m else 1
+
     def compile(self, cache_shapes, B: int, T: int, plan) -> "CompiledPipeline":
-        """Compile every stage for this shape (`cache_shapes`: the whole cache's ShapeDtypeStructs)."""
+        """Compile every stage for this shape (`cache_shapes`: the whole cache's ShapeDtypeStructs),
+        each for one micro-batch of T / `micro_batches(T)` tokens."""
+        m = self.micro_batches(T)
+        T //= m
         exes = []
         for (d, first, count, embed_in, head_out), w, c in zip(self.stages, self.stage_weights,
                                                               self._split_cache(cache_shapes)):
@@ -148,8 +170,7 @@ class Pipeline:
             i32 = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh)
             exes.append(_stage_jit().lower(w, c, x, i32, i32, cfg=self.cfg, plan=plan,
                                            embed_in=embed_in, head_out=head_out).compile())
-        return CompiledPipeline(self, exes)
-
+        return CompiledPipeline(self, exes, m)
 
     def compile_decode(self, cache_shapes, B: int, plan, chunk: int, sampling: tuple, options=None) -> "DecodePipeline":
         """Compile every stage's decode step (`_decode_stage`) for batch B: the -sm layer decode
@@ -173,21 +194,43 @@ class Pipeline:
 
 class CompiledPipeline:
     """A compiled -sm layer step: called like the one-device executable, (weights, cache, tokens,
-    start, last) -> (logits, cache); `weights` is ignored (each stage holds its own part)."""
+    start, last) -> (logits, cache); `weights` is ignored (each stage holds its own part).
 
-    def __init__(self, pipeline: Pipeline, exes: list):
-        self.pipeline, self.exes = pipeline, exes
+    With `micro` > 1 the step's T tokens run as `micro` micro-batches of consecutive tokens, one
+    after the other through the stages, as chunks of a prompt do (each attends to the cache
+    entries the ones before it wrote, on each stage's device): dispatched micro-batch by
+    micro-batch without waiting, stage k works on micro-batch j while stage k+1 works on j-1, so
+    every device works on a long prompt chunk instead of waiting for the stage before it."""
+
+    def __init__(self, pipeline: Pipeline, exes: list, micro: int = 1):
+        self.pipeline, self.exes, self.micro = pipeline, exes, micro
 
     def __call__(self, weights, cache, tokens, start, last):
         p = self.pipeline
-        x = tokens
+        caches = p._split_cache(cache)
+        devs = [p.devices[d] for d, *_ in p.stages]
+        tokens, start, last = np.asarray(tokens), np.asarray(start, np.int32), np.asarray(last, np.int32)
+        Tm = tokens.shape[1] // self.micro
+        outs = []
+        for j in range(self.micro):
+            x = tokens[:, j * Tm:(j + 1) * Tm]
+            # `last` inside this micro-batch: -1 before it (no real token here is the last one; its
+            # rows all count as real), Tm - 1 past it
+            lj = np.clip(last - j * Tm, -1, Tm - 1).astype(np.int32)
+            sj = start + np.int32(j * Tm)
+            for s, (w, exe, dev) in enumerate(zip(p.stage_weights, self.exes, devs)):
+                x, caches[s] = exe(w, caches[s], jax.device_put(x, dev), jax.device_put(sj, dev),
+                                   jax.device_put(lj, dev))
+            outs.append(x)
         out_cache: dict[str, list] = {name: [] for name in cache}
-        for (d, _, _, _, _), w, c, exe in zip(p.stages, p.stage_weights, p._split_cache(cache), self.exes):
-            dev = p.devices[d]
-            x, c = exe(w, c, jax.device_put(x, dev), jax.device_put(start, dev), jax.device_put(last, dev))
+        for c in caches:
             for name in out_cache:
                 out_cache[name] += c[name]
-        return x, out_cache
+        if self.micro == 1:
+            return outs[0], out_cache
+        if outs[0].ndim == 3:  # every token's logits [B, Tm, V]: in token order
+            return _concat_tokens(tuple(outs)), out_cache
+        return _pick_micro(tuple(outs), jax.device_put(last // Tm, outs[0].devices().pop())), out_cache
 
     def memory_analysis(self):
         """XLA's buffers of all stages together (each stage's on its own device)."""
@@ -244,3 +287,15 @@ def _gather_tokens(out: tuple, chunk: int):
     """The loop's tokens [B] each -> [B, chunk], zeros past the n produced."""
     toks = jnp.stack(out, axis=1)
     return jnp.pad(toks, ((0, 0), (0, chunk - toks.shape[1])))
+
+
+@jax.jit
+def _concat_tokens(outs: tuple):
+    return jnp.concatenate(outs, axis=1)
+
+
+@jax.jit
+def _pick_micro(outs: tuple, which):
+    """Each row's logits [B, V] from the micro-batch that holds its `last` token (`which` [B])."""
+    every = jnp.stack(outs)  # [m, B, V]
+    return jnp.take_along_axis(every, which[None, :, None], axis=0)[0]
