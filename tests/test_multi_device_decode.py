@@ -76,11 +76,10 @@ def test_graph_collectives_per_step(rows):
 def test_layer_prompt_micro_batches(rows):
     """-sm layer with a prompt step of 16 tokens as 2 micro-batches in flight (IKJAX_PIPELINE_MB=2):
     the logits equal, bit for bit, one device fed the same 8-token chunks, for every token, for
-    rows whose last token falls in either micro-batch (a step of batch 2), and greedy tokens too."""
+    rows whose last token falls in either micro-batch (a step of batch 2)."""
     r = _of(rows, "micro")[0]
     assert r["micro"] == 2
     assert r["rel_logits"] == 0.0 and r["rel_last"] == 0.0, r
-    assert len(r["one"]) == 6 and r["many"] == r["one"]
 
 
 def test_micro_batch_rule(monkeypatch):

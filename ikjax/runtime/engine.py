@@ -273,8 +273,8 @@ class Engine:
             c = self._collectives.get((B, T, plan, decode))
             if c is None:
                 c = self.executor.collectives(getattr(exe, "exe", exe))  # a StoredStep holds the executable
-                if c is None:
-                    return []
+                if c is None:  # not a mesh step, or its HLO text is not to be had
+                    continue
                 self._collectives[(B, T, plan, decode)] = c
             what = f"decode loop, batch {B}" if decode else f"step of batch {B} x {T} tokens"
             out.append((f"{what}, kv_len {plan.kv_len}", c))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,8 @@ from ikjax.runtime import distributed
 from ikjax.runtime import mesh as tensor_parallel
 from ikjax.runtime.executables import _DECODE_GPU_OPTIONS, compile_step
 from ikjax.runtime.pipeline import Pipeline
+
+log = logging.getLogger("ikjax")
 
 
 def _cache_shapes(layout: kvcache.CacheLayout):
@@ -217,8 +220,15 @@ class GraphMesh(Executor):
 
 
     def collectives(self, exe):
-        # from XLA's optimized HLO (mesh.collectives); the text of a big step takes a moment
-        return tensor_parallel.collectives(exe.as_text())
+        # from XLA's optimized HLO (mesh.collectives); the text of a big step takes a moment. A
+        # count is a report, not part of the run: an executable that cannot print its HLO (a
+        # backend without it) reports none
+        try:
+            text = exe.as_text()
+        except Exception as e:  # noqa: BLE001 - any backend's refusal; logged, never fatal
+            log.info("-sm graph: no HLO text of a compiled step (%s: %s)", type(e).__name__, e)
+            return None
+        return tensor_parallel.collectives(text)
 
 
 def executor_for(placement, config: ModelConfig, spans: tuple, layout: kvcache.CacheLayout) -> Executor:

@@ -9,7 +9,6 @@ keeps every kernel (C++ CPU custom calls, Pallas) usable unchanged.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,11 +35,14 @@ def _stage(weights, cache, x, start, last, *, cfg, plan, embed_in: bool, head_ou
     return x, cache
 
 
-def _decode_stage(weights, cache, x, start, key, *, cfg, plan, embed_in: bool, head_out: bool, sampling: tuple):
+def _decode_stage(weights, cache, x, start, key, out, i, *, cfg, plan, embed_in: bool, head_out: bool,
+                  sampling: tuple):
     """One device's part of one decode step of the -sm layer decode loop: x is the token ids [B]
     (a first stage) or the activation [B,1,d]; the last stage picks the next token on its device
-    (`sample_device`, the draw keyed by the position as `generation.decode_steps` keys it), so
-    what leaves the stage is ids [B], never logits."""
+    (`sample_device`, the draw keyed by the position as `generation.decode_steps` keys it) and
+    writes it into column i of the chunk's tokens `out` [B, chunk] (donated: one buffer for the
+    chunk, whatever n is), so what leaves the stage is ids [B], never logits. Returns
+    (x, cache, out); `key`, `out` and `i` are None on the other stages."""
     B = x.shape[0]
     zeros = jnp.zeros((B,), jnp.int32)
     with ops.kernel_context(plan.backend, plan.threads, seq_tokens=1):
@@ -50,7 +52,8 @@ def _decode_stage(weights, cache, x, start, key, *, cfg, plan, embed_in: bool, h
         if head_out:
             logits = output_head(weights, x, zeros, cfg=cfg, plan=plan)
             x = sample_device(logits, jax.random.fold_in(key, start[0]), **dict(sampling))
-    return x, cache
+            out = jax.lax.dynamic_update_slice(out, x[:, None], (0, i))
+    return x, cache, out
 
 
 # prompt micro-batches (IKJAX_PIPELINE_MB=auto): tokens each at least, and how many at most
@@ -64,7 +67,7 @@ def _decode_stage_jit():
     global _jitted_decode_stage
     if _jitted_decode_stage is None:
         _jitted_decode_stage = jax.jit(_decode_stage, static_argnames=("cfg", "plan", "embed_in", "head_out",
-                                                                       "sampling"), donate_argnums=(1,))
+                                                                       "sampling"), donate_argnums=(1, 5))
     return _jitted_decode_stage
 
 
@@ -186,7 +189,9 @@ class Pipeline:
                 jax.ShapeDtypeStruct((B, 1, self.cfg.d_model), jnp.float32, sharding=sh)
             i32 = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh)
             k = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sh) if head_out else None
-            lowered = _decode_stage_jit().lower(w, c, x, i32, k, cfg=self.cfg, plan=plan, embed_in=embed_in,
+            out = jax.ShapeDtypeStruct((B, chunk), jnp.int32, sharding=sh) if head_out else None
+            i = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh) if head_out else None
+            lowered = _decode_stage_jit().lower(w, c, x, i32, k, out, i, cfg=self.cfg, plan=plan, embed_in=embed_in,
                                                 head_out=head_out, sampling=sampling)
             exes.append(lowered.compile(options))
         return DecodePipeline(self, exes, chunk)
@@ -264,29 +269,24 @@ class DecodePipeline(CompiledPipeline):
         start = np.asarray(start, np.int32)
         caches = p._split_cache(cache)
         devs = [p.devices[d] for d, *_ in p.stages]
-        keys = [jax.device_put(key, dev) if head_out else None
-                for dev, (_, _, _, _, head_out) in zip(devs, p.stages)]
+        last = len(devs) - 1  # the head's stage (the pipeline ends with it)
+        key = jax.device_put(key, devs[last])
+        out = jax.device_put(np.zeros((len(start), self.chunk), np.int32), devs[last])
         tok = tokens
-        out = []
         for i in range(n):
             pos = start + np.int32(i)
             x = tok
             for s, (w, exe, dev) in enumerate(zip(p.stage_weights, self.exes, devs)):
-                x, caches[s] = exe(w, caches[s], jax.device_put(x, dev), jax.device_put(pos, dev), keys[s])
-            out.append(tok := x)
-        toks = _gather_tokens(tuple(out), self.chunk)
+                head = (key, out, jax.device_put(np.int32(i), dev)) if s == last else (None, None, None)
+                x, caches[s], o = exe(w, caches[s], jax.device_put(x, dev), jax.device_put(pos, dev), *head)
+                if s == last:
+                    out = o
+            tok = x
         new_cache: dict[str, list] = {name: [] for name in cache}
         for c in caches:
             for name in new_cache:
                 new_cache[name] += c[name]
-        return toks, new_cache
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _gather_tokens(out: tuple, chunk: int):
-    """The loop's tokens [B] each -> [B, chunk], zeros past the n produced."""
-    toks = jnp.stack(out, axis=1)
-    return jnp.pad(toks, ((0, 0), (0, chunk - toks.shape[1])))
+        return out, new_cache
 
 
 @jax.jit
