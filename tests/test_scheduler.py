@@ -1,6 +1,6 @@
 """The serve scheduler in-process (ikjax.runtime.scheduler): continuous batching that gives each
 request exactly `Engine.generate`'s greedy tokens, prompts fed one chunk per step beside the
-others' decode, cancellation at any point freeing the slot, the prompt cache's exact reuse, a
+others' decode, greedy streams several tokens per dispatch when nothing waits, cancellation at any point freeing the slot, the prompt cache's exact reuse, a
 full queue refused, and a failed step failing only the requests on the slots (the loop goes on)."""
 from __future__ import annotations
 
@@ -68,6 +68,35 @@ def test_interleaved_requests_equal_generate(eng, sched):
         assert c.tokens == list(eng.generate(p, 10)), len(p)
         assert req.finish_reason in ("eos", "max_tokens")
     assert sched.slots_busy() == 0
+
+
+def test_greedy_streams_decode_in_loops(eng):
+    """Nothing waiting and every stream plain greedy: LOOP_STEPS tokens of every slot per dispatch
+    (the engine's decode loop, compiled for the slots' batch). Answers stay generate's, each
+    stream stops at its own max_tokens / EOS inside a dispatch, a cancel inside one stops the
+    stream there, and a request arriving meanwhile joins at the next dispatch."""
+    from ikjax.runtime.scheduler import LOOP_STEPS
+    s = Scheduler(eng, 2).start()
+    try:
+        a, b = ids(eng, 5, 11), ids(eng, 9, 12)
+        (ra, ca), (rb, cb) = submit(s, a, 21), submit(s, b, 13)
+        assert ca.wait()[0] == "done" and cb.wait()[0] == "done"
+        assert ca.tokens == list(eng.generate(a, 21)) and cb.tokens == list(eng.generate(b, 13))
+        assert {ra.finish_reason, rb.finish_reason} <= {"eos", "max_tokens"}
+        assert any(k[0] == 2 and k[3] is not None and k[3][0] == LOOP_STEPS for k in eng._executables)
+        steps = s.stats.decode_steps
+        long, lc = submit(s, a, 200)
+        while len(lc.tokens) < 3:
+            time.sleep(0.001)
+        late = ids(eng, 7, 13)
+        _, c2 = submit(s, late, 6)
+        s.cancel(long)
+        assert lc.wait() == ("done", STOP_CANCELLED) and len(lc.tokens) < 200
+        assert lc.tokens == list(eng.generate(a, len(lc.tokens)))
+        assert c2.wait()[0] == "done" and c2.tokens == list(eng.generate(late, 6))
+        assert s.stats.decode_steps > steps
+    finally:
+        s.stop()
 
 
 def test_prompt_fed_one_chunk_per_decode_step(eng, sched):

@@ -238,12 +238,13 @@ class Engine:
         return self._plan(self.kv_bucket(start_max + chunk, 1), False, 1)
 
     def decode(self, cache, tokens, start, n: int, *, chunk: int | None = None, sampling: dict | None = None,
-               key=None):
+               key=None, check_finite: bool = True):
         """n decode steps in one dispatch (see `generation.decode_steps`): tokens [B] at positions
         start [B]; returns (new tokens [B, chunk] on the device, the first n valid; cache). The
         cache is donated. `chunk` (default n) is the compiled length, so calls with n <= chunk
         share one executable; `sampling`: `check_sampling`'s keys (default greedy); `key`: a JAX
-        PRNG key."""
+        PRNG key. A token made from non-finite logits (NON_FINITE) is refused here unless
+        `check_finite=False` (the server ends only that row's request)."""
         tokens = self._ids("tokens", tokens, 1)
         chunk = n if chunk is None else chunk
         if not _is_int(n) or not _is_int(chunk) or not 0 < n <= chunk:
@@ -258,7 +259,7 @@ class Engine:
         # the tokens are tiny and every caller reads them next (generate) or waits for them
         # (the benches): checked here, the host copy stays cached on the array
         bad = np.asarray(out)[:, :n] == NON_FINITE
-        if bad.any():
+        if check_finite and bad.any():
             b, i = (int(v[0]) for v in np.nonzero(bad))
             raise self._non_finite(f" at decode step {i} of sequence {b} (position {int(start[b]) + i})")
         return out, cache

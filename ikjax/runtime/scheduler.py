@@ -13,7 +13,10 @@ loop, no locks around the model). The slots are the rows of one batch KV cache
   3. runs one decode step of every slot that is generating (one compiled [n_slots, 1] step; the
      rows of idle slots compute a throw-away token just past their cached tokens, where the causal
      mask keeps it out of any later read), and samples each row's next token on the host with its
-     own request's settings.
+     own request's settings; or, where nothing waits (no prompt to feed, no request queued) and
+     every stream is plain greedy, up to LOOP_STEPS tokens of every slot in one dispatch of the
+     engine's decode loop (`_decode_loop`: on a GPU one CUDA graph for them all, under every split
+     mode), each stream's tokens emitted when the dispatch ends.
 
 A request that finishes, or is cancelled (its client went away, a stop string matched upstream),
 leaves at the next step boundary and frees its slot; the slot keeps its tokens' KV for the prompt
@@ -45,10 +48,15 @@ import numpy as np
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.runtime import generation
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
-from ikjax.runtime.sampling import (NonFiniteLogitsError, apply_repeat_penalty, check_count, check_penalty,
-                                    check_sampling, sample_next)
+from ikjax.runtime.sampling import (NON_FINITE, NonFiniteLogitsError, apply_repeat_penalty, check_count,
+                                    check_penalty, check_sampling, sample_next)
 
 log = logging.getLogger("ikjax")
+
+# tokens per dispatch when every stream is plain greedy and nothing waits (`_decode_loop`): a
+# request that arrives meanwhile waits at most this many steps, a stream gets its tokens this many
+# at a time
+LOOP_STEPS = 8
 
 STOP_CANCELLED = "cancelled"
 STOP_STRING = "stop"  # the caller matched a stop string and cancelled with this reason
@@ -226,6 +234,10 @@ class Scheduler:
         jobs = [(self.n_slots, 1, kv) for kv in sorted(
             {eng.kv_bucket(n, 1) for n in range(1, self.ctx + 1, max(1, eng.options.kv_block))}
             | {eng.kv_bucket(self.ctx, 1)})]
+        # the decode loop of all slots (_decode_loop) at the same buckets: its kv_needed is its
+        # last step's (Engine.precompile_decode)
+        loops = [(self.n_slots, LOOP_STEPS, kv) for _, _, kv in jobs if kv >= LOOP_STEPS] \
+            if eng.decode_loop() else []
         if prompts:
             seen = set()
             for c0 in range(0, self.ctx - ub + 1, ub):
@@ -243,13 +255,14 @@ class Scheduler:
                     if key not in seen:
                         seen.add(key)
                         jobs.append((1, T, p + T))
-        if eng.compile_in_parallel() and len(jobs) > 1:
+        work = [(eng.precompile, j) for j in jobs] + [(eng.precompile_decode, j) for j in loops]
+        if eng.compile_in_parallel() and len(work) > 1:
             from concurrent.futures import ThreadPoolExecutor  # XLA compiles with the GIL released
-            with ThreadPoolExecutor(min(len(jobs), 8)) as pool:
-                list(pool.map(lambda j: eng.precompile(*j), jobs))
+            with ThreadPoolExecutor(min(len(work), 8)) as pool:
+                list(pool.map(lambda w: w[0](*w[1]), work))
         else:
-            for j in jobs:
-                eng.precompile(*j)
+            for fn, j in work:
+                fn(*j)
         self._warm_helpers()
         return eng.compile_count - before
 
@@ -403,6 +416,10 @@ class Scheduler:
             if r is not None and r._pos == len(r.prompt) and r.finish_reason is None:
                 toks[s.index, 0] = r.generated[-1]
                 rows.append(s)
+        k = self._loop_steps(rows)
+        if k > 1:
+            self._decode_loop(rows, toks[:, 0], k)
+            return
         t0 = time.perf_counter()
         logits, self._cache = self.eng.step(self._cache, toks, start)
         # greedy rows take the argmax on the device (a few bytes back, not a [rows, vocab] copy of
@@ -420,6 +437,43 @@ class Scheduler:
                 self._next(req, lambda: _checked(int(top[b]), bool(finite[b])))
             else:
                 self._next(req, lambda: self._sample(req, host[b]))
+
+    def _loop_steps(self, rows: list[Slot]) -> int:
+        """How many tokens the next dispatch makes for every generating slot: more than one only
+        where the engine loops on the device (`Engine.decode_loop`), no prompt is being fed and no
+        request waits (they join at step boundaries), every stream is plain greedy without banned
+        ids (one compiled loop, warmed up ahead), and every slot has the room: its request's token
+        limit and context, and every row's cache past its tokens (an idle row's throw-away entries
+        must not land on the tokens its slot keeps for the prompt cache)."""
+        if not rows or self._prefill or self._queue or not self.eng.decode_loop():
+            return 1
+        if any(not _plain_greedy(s.req) or s.req.ban or s.req.cancelled for s in rows):
+            return 1
+        k = LOOP_STEPS
+        for s in rows:
+            req = s.req
+            limit = self.ctx if req.max_tokens is None else req.max_tokens
+            k = min(k, limit - len(req.generated), self.ctx - len(req.prompt) - len(req.generated))
+        return min(k, min(self.eng.capacity - len(s.tokens) for s in self.slots))
+
+    def _decode_loop(self, rows: list[Slot], toks: np.ndarray, k: int) -> None:
+        """k decode steps of every slot in one dispatch (`_loop_steps` said they fit); each stream's
+        tokens then emitted one by one as `_decode_step` emits them, up to its stop or cancel (the
+        entries of the tokens fed after that lie past its slot's tokens: never read)."""
+        start = np.array([len(s.tokens) for s in self.slots], np.int32)
+        t0 = time.perf_counter()
+        out, self._cache = self.eng.decode(self._cache, toks, start, k, chunk=LOOP_STEPS, check_finite=False)
+        got = np.asarray(out)[:, :k]
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += k
+        for s in rows:
+            b, req, fed = s.index, s.req, int(toks[s.index])
+            for i in range(k):
+                if req.finish_reason is not None or req.cancelled:
+                    break
+                s.tokens.append(fed)
+                fed = int(got[b, i])
+                self._next(req, lambda t=fed: _checked(t, t != NON_FINITE))
 
     def _banned(self, rows: list[Slot]) -> np.ndarray:
         """[n_slots, k] ids each greedy row may not pick (--ignore-eos bans EOS), padded with the
