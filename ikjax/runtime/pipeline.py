@@ -42,7 +42,8 @@ def _decode_stage(weights, cache, x, start, key, out, i, *, cfg, plan, embed_in:
     (`sample_device`, the draw keyed by the position as `generation.decode_steps` keys it) and
     writes it into column i of the chunk's tokens `out` [B, chunk] (donated: one buffer for the
     chunk, whatever n is), so what leaves the stage is ids [B], never logits. Returns
-    (x, cache, out); `key`, `out` and `i` are None on the other stages."""
+    (x, cache, start + 1, out, i + 1): the next token's positions and column stay on the device
+    (no host-to-device copy per token); `key`, `out` and `i` are None on the other stages."""
     B = x.shape[0]
     zeros = jnp.zeros((B,), jnp.int32)
     with ops.kernel_context(plan.backend, plan.threads, seq_tokens=1):
@@ -53,7 +54,8 @@ def _decode_stage(weights, cache, x, start, key, out, i, *, cfg, plan, embed_in:
             logits = output_head(weights, x, zeros, cfg=cfg, plan=plan)
             x = sample_device(logits, jax.random.fold_in(key, start[0]), **dict(sampling))
             out = jax.lax.dynamic_update_slice(out, x[:, None], (0, i))
-    return x, cache, out
+            i = i + 1
+    return x, cache, start + 1, out, i
 
 
 # prompt micro-batches (IKJAX_PIPELINE_MB=auto): tokens each at least, and how many at most
@@ -272,15 +274,16 @@ class DecodePipeline(CompiledPipeline):
         last = len(devs) - 1  # the head's stage (the pipeline ends with it)
         key = jax.device_put(key, devs[last])
         out = jax.device_put(np.zeros((len(start), self.chunk), np.int32), devs[last])
+        col = jax.device_put(np.int32(0), devs[last])
+        pos = [jax.device_put(start, dev) for dev in devs]  # each stage's positions, advanced by the stage
         tok = tokens
-        for i in range(n):
-            pos = start + np.int32(i)
+        for _ in range(n):
             x = tok
             for s, (w, exe, dev) in enumerate(zip(p.stage_weights, self.exes, devs)):
-                head = (key, out, jax.device_put(np.int32(i), dev)) if s == last else (None, None, None)
-                x, caches[s], o = exe(w, caches[s], jax.device_put(x, dev), jax.device_put(pos, dev), *head)
+                head = (key, out, col) if s == last else (None, None, None)
+                x, caches[s], pos[s], o, c = exe(w, caches[s], jax.device_put(x, dev), pos[s], *head)
                 if s == last:
-                    out = o
+                    out, col = o, c
             tok = x
         new_cache: dict[str, list] = {name: [] for name in cache}
         for c in caches:
