@@ -166,10 +166,14 @@ def ops_rows(eng, a, rng):
     check("mla_decode", lambda q, n, c: ops.mla_decode_attention(q, jnp.moveaxis(c, 0, 1), n, 0.07, v_dim=512,
                                                                  dtype=bf, layer=0),
           r(B, 16, 576), lens, cache)
-    nw = r(2048)
-    check("rms_norm", lambda x: rms_norm(x, nw, 1e-6), r(B, 2048))
+    for d in (2048, 512):
+        nw = r(d)
+        check(f"rms_norm {d}", lambda x, nw=nw: rms_norm(x, nw, 1e-6), r(B, 1, d))
     router = r(64, 2048)
-    check("router", lambda x: (x[:, None, :] * router[None]).sum(-1), r(B, 2048))
+    check("router_logits", lambda x: ops.router_logits(x, router), r(B, 2048))
+    from ikjax.ops import registry
+    check("softmax_rows (64)", registry.softmax_rows, r(B, 64))
+    check("sum_rows_small (6)", registry.sum_rows_small, r(B, 6))
 
 
 def kernel_profile(eng, a, rng):

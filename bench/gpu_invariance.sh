@@ -26,9 +26,16 @@ sweep() {  # sweep NAME [env...]
     env "$@" timeout 200 "$PY" -m ikjax.cli sweep-bench -m "$M" -c 4096 -ub 512 -n 64 -mla 3 -fa 1 > "$OUT/sweep-$name.txt" 2>&1
     echo "== sweep $name ($*) rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^\|" "$OUT/sweep-$name.txt" | head -12
 }
-probe inv1 "${PARTS1:-greedy,logits,steps,turn}" IKJAX_BATCH_INVARIANT=1
-probe inv0 "${PARTS0:-logits,steps}" IKJAX_BATCH_INVARIANT=0
-sweep inv1 IKJAX_BATCH_INVARIANT=1
-sweep inv0 IKJAX_BATCH_INVARIANT=0
-probe unroll steps IKJAX_LAYERS=unroll
+# STAGES: which of these run (default all), e.g. STAGES="inv1 sweep1 long"
+STAGES=${STAGES:-inv1 inv0 sweep1 sweep0 unroll}
+for st in $STAGES; do case $st in
+    inv1) probe inv1 "${PARTS1:-greedy,logits,steps,turn}" IKJAX_BATCH_INVARIANT=1 ;;
+    inv0) probe inv0 "${PARTS0:-logits,steps}" IKJAX_BATCH_INVARIANT=0 ;;
+    sweep1) sweep inv1 IKJAX_BATCH_INVARIANT=1 ;;
+    sweep0) sweep inv0 IKJAX_BATCH_INVARIANT=0 ;;
+    unroll) probe unroll steps IKJAX_LAYERS=unroll ;;
+    long)  # the issue-22 row set: -c 16384 -ub 2048 -n 128
+        timeout 200 "$PY" -m ikjax.cli sweep-bench -m "$M" -c 16384 -ub 2048 -n 128 -mla 3 -fa 1 > "$OUT/sweep-long.txt" 2>&1
+        echo "== sweep long rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^\|" "$OUT/sweep-long.txt" | head -12 ;;
+esac; done
 echo "done at $(( $(date +%s) - T0 )) s"

@@ -29,8 +29,8 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
 
 serve() {  # serve MODE: start a server, wait until it listens
     t0=$(date +%s)
-    "$PY" -m ikjax.cli serve -m "$M" -c $CTX -np $NP -ub $UB --port 8080 --prompt-cache "$1" \
-        > /dev/null 2> "$OUT/serve-$1.log" &
+    IKJAX_SERVE_TRACE="$OUT/trace-$1.jsonl" "$PY" -m ikjax.cli serve -m "$M" -c $CTX -np $NP -ub $UB --port 8080 \
+        --prompt-cache "$1" > /dev/null 2> "$OUT/serve-$1.log" &
     SERVER=$!
     for _ in $(seq 600); do
         grep -q "^listening on" "$OUT/serve-$1.log" && break
@@ -68,6 +68,7 @@ for n in (7, 300, 700, 1100):
 print(f"greedy equal: {same}/4")
 EOF
 kill -TERM $SERVER; wait $SERVER
+"$PY" bench/serve_trace.py "$OUT/trace-exact.jsonl"   # the server's side of the interference
 serve prefix
 load --mode multiturn --history 4000 --json "$OUT/multiturn-prefix.json"
 kill -TERM $SERVER; wait $SERVER

@@ -56,9 +56,13 @@ _VARS = (
              "stream them to the GPU", "ikjax.placement.host"),
     Variable("IKJAX_WEIGHTS", "", ("copy",),
              "`copy`: copy CPU weights out of the memory map instead of aliasing its pages", "ikjax.model.weights"),
-    Variable("IKJAX_BATCH_INVARIANT", "1", ("1", "0"),
-             "`0`: GPU decode kernels sized by the batch (each row's bits may then depend on the batch: a "
-             "server's greedy answers may part from `generate`'s)", "ikjax.ops.registry"),
+    Variable("IKJAX_BATCH_INVARIANT", "0", ("1", "0"),
+             "`1`: decode steps in batch-invariant form (GPU kernels in one-row tiles, order-fixed sums): "
+             "every op gives a row the bits it gets alone, the whole GPU step not yet (RESULTS §23b); "
+             "costs ~5 % of GPU S_TG", "ikjax.ops.registry"),
+    Variable("IKJAX_SERVE_TRACE", "", (),
+             "a file: `serve` writes every prompt chunk and decode step's start and end there (JSON lines) "
+             "when it stops, to see where a stream's token waited", "ikjax.runtime.scheduler"),
     Variable("IKJAX_DECODE_LOOP", "1", ("1", "0"),
              "`0`: one dispatch per generated token instead of the on-device decode loop", "ikjax.runtime.engine"),
     Variable("IKJAX_PIPELINE_MB", "auto", ("auto", "1", "2", "4", "8"),

@@ -83,29 +83,67 @@ def test_mla_decode_sequences_equal_alone():
     assert np.array_equal(y[:1], np.asarray(mla.mla_decode(q[:1], cache[:1], lengths[:1], 0.06, interpret=True)))
 
 
-def test_registry_decode_steps_only():
-    """The invariant form is a decode step's (< 4 tokens a sequence), and IKJAX_BATCH_INVARIANT=0 ends it."""
+@pytest.fixture
+def invariant(monkeypatch):
+    monkeypatch.setenv("IKJAX_BATCH_INVARIANT", "1")
+
+
+def test_registry_decode_steps_only(invariant):
+    """The invariant form is a decode step's (< 4 tokens a sequence), asked for with IKJAX_BATCH_INVARIANT=1."""
     with ops.kernel_context("pallas", 1, seq_tokens=1):
         assert registry.batch_invariant()
     with ops.kernel_context("pallas", 1, seq_tokens=512):
         assert not registry.batch_invariant()
 
 
-def test_switch_off(monkeypatch):
-    monkeypatch.setenv("IKJAX_BATCH_INVARIANT", "0")
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("IKJAX_BATCH_INVARIANT", raising=False)
     with ops.kernel_context("pallas", 1, seq_tokens=1):
         assert not registry.batch_invariant()
 
 
-def test_head_products_rows_equal_alone():
-    """MLA's per-head products (XLA) in a decode step: each row's bits as alone, close to the dot."""
+def test_head_products_rows_equal_alone(invariant):
+    """MLA's per-head products in a decode step: each (row, head) a one-row tile of the rows kernel
+    (interpret mode), each row's bits as alone, close to XLA's dot; a prompt step keeps the dot."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((6, 1, 4, 32)), jnp.float32)
-    w = random_quant_array("Q8_0", (4, 64, 32), rng)
-    with ops.kernel_context("xla", 1, seq_tokens=1):
-        f = lambda x: ops.head_linear(x, w, jnp.bfloat16, backend="xla")
+    w = prepare(random_quant_array("Q8_0", (4, 64, 32), rng))
+    with ops.kernel_context("interpret", 1, seq_tokens=1):
+        f = lambda x: ops.head_linear(x, w, jnp.bfloat16)
         y = np.asarray(f(x))
         assert np.array_equal(y, rows_alone(f, x))
-    with ops.kernel_context("xla", 1, seq_tokens=64):
-        ref = np.asarray(ops.head_linear(x, w, jnp.bfloat16, backend="xla"))
+        assert registry.selected("head_linear") == "interpret"
+    with ops.kernel_context("interpret", 1, seq_tokens=64):
+        ref = np.asarray(ops.head_linear(x, w, jnp.bfloat16))
+        assert registry.selected("head_linear") == "xla"
+    assert np.abs(y - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+def test_router_rows_equal_alone(invariant):
+    """The router's f32 logits in a decode step: the rows kernel's F32 form, each token's bits as
+    alone and equal to the f32 dot within f32 rounding."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.float32)
+    router = jnp.asarray(rng.standard_normal((32, 256)), jnp.float32)
+    with ops.kernel_context("interpret", 1, seq_tokens=1):
+        y = np.asarray(ops.router_logits(x, router))
+        assert np.array_equal(y, rows_alone(lambda x: ops.router_logits(x, router), x))
+        assert registry.selected("router_logits") == "interpret"
+    ref = np.asarray(x, np.float64) @ np.asarray(router, np.float64).T
     assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_softmax_and_small_sums_rows_equal_alone(invariant):
+    """The router's softmax (fixed-point denominator) and the top-k weights' sum (in order) in a
+    decode step: each row's bits as alone, within f32 rounding of the plain forms."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((7, 160)) * 4, jnp.float32)
+    w = jnp.asarray(rng.uniform(0, 1, (7, 8)), jnp.float32)
+    with ops.kernel_context("xla", 1, seq_tokens=1):
+        p = np.asarray(registry.softmax_rows(x))
+        assert np.array_equal(p, rows_alone(registry.softmax_rows, x))
+        s = np.asarray(registry.sum_rows_small(w))
+        assert np.array_equal(s, rows_alone(registry.sum_rows_small, w))
+    import jax
+    assert np.abs(p - np.asarray(jax.nn.softmax(x, axis=-1))).max() < 1e-6
+    assert np.abs(s - np.asarray(w).sum(-1)).max() < 1e-6

@@ -18,7 +18,7 @@ from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
 from ikjax import env
 from ikjax.options import SmartExpertReduction
 from ikjax.model.layers import SHARED_EXPERTS, dense_ffn
-from ikjax.ops import HIGHEST, registry
+from ikjax.ops import registry
 
 
 
@@ -56,15 +56,8 @@ def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
     """x [N, d] -> (weights [N, k] float32, expert ids [N, k] int32), as transformers' routers."""
     router = layer["gate_inp"]  # float32 [E, d] as loaded (ikjax.model.weights); a QuantArray if built by hand
     router = router.dequantize(jnp.float32) if hasattr(router, "dequantize") else router.astype(jnp.float32)
-    if registry.decode_step() and (registry.resolve_backend() == "cpu" or registry.batch_invariant()):
-        # a decode step's router as one reduction per (token, expert): each row's logits then come
-        # out bit for bit as they do alone, whatever the batch (XLA's dot of 4 rows rounded
-        # differently from its dot of 1, enough to flip a near-tie of two experts: a batch's tokens
-        # then differed from each sequence's alone, tests/test_batch_consistency.py)
-        logits = (x.astype(jnp.float32)[:, None, :] * router[None, :, :]).sum(-1)
-    else:
-        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), router, precision=HIGHEST)
-    scores = jax.nn.sigmoid(logits) if cfg.gating == GATING_SIGMOID else jax.nn.softmax(logits, axis=-1)
+    logits = ops.router_logits(x, router)  # in a decode step, each token's bits as alone
+    scores = jax.nn.sigmoid(logits) if cfg.gating == GATING_SIGMOID else registry.softmax_rows(logits)
     choice = scores + layer["exp_probs_b"] if "exp_probs_b" in layer else scores
     G, g_used = cfg.n_expert_group, cfg.n_expert_group_used
     if G > 1 and g_used < G:
@@ -79,7 +72,7 @@ def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
     _, ids = top_k(choice, cfg.n_expert_used)
     w = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.expert_weights_norm:
-        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+        w = w / (registry.sum_rows_small(w)[..., None] + 1e-20)
     w = w * cfg.expert_weights_scale
     if ser is not None:
         w = smart_expert_reduction(w, ser)

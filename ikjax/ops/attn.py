@@ -116,8 +116,30 @@ def split_heads_kv(kv, k_rope, nope: int):
     return k, kv[..., nope:]
 
 
+# On a GPU the blocked form's scan over KV blocks is a while loop the host steps through, each
+# iteration a handful of small kernels and copies of its carry: at 256-row blocks a 64-token step
+# at 4000 tokens of context ran 16 iterations a layer, 2.2x its time at context 0 (RESULTS §23b).
+# There the blocks are as large as this many bytes of f32 scores allow: one block (no loop, the
+# scores in memory) up to 8k of context for a 512-token ubatch of 16 heads.
+GPU_SCORES_BYTES = 256 << 20
+
+
+def gpu_kv_block(B: int, T: int, H: int, S: int, kv_block: int) -> int:
+    """The KV block of the blocked form on a GPU: the largest power of two of rows (at least
+    `kv_block`) whose [B, H, T, rows] f32 scores fit GPU_SCORES_BYTES; S when all of it fits."""
+    rows = max(kv_block, GPU_SCORES_BYTES // max(1, B * T * H * 4))
+    if rows >= S:
+        return S
+    return max(kv_block, 1 << (rows.bit_length() - 1))
+
+
 def attend(q, k, v, q_pos, scale, *, flash: bool, amb_bytes: int, kv_block: int):
     if flash:
+        if jax.default_backend() == "gpu":
+            B, T, H, _ = q.shape
+            kv_block = gpu_kv_block(B, T, H, k.shape[1], kv_block)
+            if kv_block >= k.shape[1]:
+                return attend_materialized(q, k, v, q_pos, scale)
         return attend_flash(q, k, v, q_pos, scale, kv_block)
     return attend_materialized(q, k, v, q_pos, scale, amb_bytes)
 

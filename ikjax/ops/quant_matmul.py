@@ -158,12 +158,6 @@ def quant_linear(x, w, dtype, *, backend: str | None = None):
 # -- per-head products (MLA's absorbed W_kb / W_vb) ----------------------------------------------------
 
 def _heads_xla(x, w, dtype):
-    if registry.batch_invariant():
-        # each (row, head, output) one product-and-sum over k (f32 products of dtype-rounded
-        # values): a batched dot's algorithm, and its rounding, would depend on the batch
-        xf = x.astype(dtype).astype(jnp.float32)
-        wf = w.dequantize(dtype).astype(jnp.float32)
-        return (xf[..., :, None, :] * wf).sum(-1)
     prec = registry.precision_for(dtype)
     return jnp.einsum("...hk,hnk->...hn", x.astype(dtype), w.dequantize(dtype), precision=prec,
                       preferred_element_type=jnp.float32)
@@ -179,11 +173,76 @@ def _heads_cpu(x, w, dtype):
     return _in_decode_groups(run, x, x.ndim - 2)
 
 
+def _heads_pallas_supported(x, w, dtype) -> bool:
+    # the decode step's form only (registry.batch_invariant): XLA's batched dot serves prompts
+    rows = registry.rows(x)
+    return (registry.batch_invariant() and len(w.shape) == 3 and rows <= registry.INVARIANT_MAX_ROWS * w.shape[0]
+            and pallas_ok(w))
+
+
+def _heads_pallas(interpret: bool):
+    def run(x, w, dtype):
+        """Each (row, head) a one-row tile of the rows kernel with the head as its "expert": every
+        row computed by the program it gets alone (XLA's batched dot of 8 rows rounded differently
+        from its dot of 1: RESULTS §23b)."""
+        pw, layer = pallas_weight(w)
+        H, K = x.shape[-2], x.shape[-1]
+        x2 = x.reshape(-1, K)
+        heads = jnp.tile(jnp.arange(H, dtype=jnp.int32), x2.shape[0] // H)
+        y = _qm.quant_matmul_experts(x2, (pw,), heads, dtype, tile_rows=1, interpret=interpret, layer=layer,
+                                     split_rows=H)
+        return y.reshape(x.shape[:-1] + (y.shape[-1],))
+    return run
+
+
 def head_linear(x, w, dtype, *, backend: str | None = None):
     """Per-head products y[..., h, :] = x[..., h, :] @ W[h]^T: x [..., H, K], W [H, N, K] -> [..., H, N]
     float32 (MLA's absorbed form: q_lat = W_kb q_nope and o = W_vb o_lat, head by head)."""
     impls = {
         "xla": registry.Impl(lambda *a: True, _heads_xla),
+        "pallas": registry.Impl(_heads_pallas_supported, _heads_pallas(False)),
+        "interpret": registry.Impl(_heads_pallas_supported, _heads_pallas(True)),
         "cpu": registry.Impl(_heads_cpu_supported, _heads_cpu),
     }
     return registry.dispatch("head_linear", impls, registry.resolve_backend(backend), x, w, dtype)
+
+
+# -- the router's logits -----------------------------------------------------------------------------
+
+def _router_reduce(x, router):
+    # one reduction per (token, expert): on the CPU each row's logits come out bit for bit as they
+    # do alone (XLA's dot of 4 rows rounded differently from its dot of 1, enough to flip a
+    # near-tie of two experts: tests/test_batch_consistency.py)
+    return (x[:, None, :] * router[None, :, :]).sum(-1)
+
+
+def _router_pallas_supported(x, router) -> bool:
+    E, d = router.shape
+    return registry.batch_invariant() and E % 16 == 0 and d % 32 == 0 and x.shape[0] <= registry.INVARIANT_MAX_ROWS
+
+
+def _router_pallas(interpret: bool):
+    def run(x, router):
+        """The f32 router as an F32 weight of the rows kernel, one-row tiles: on a GPU an XLA
+        reduction's order follows the whole shape, so even one reduction per (token, expert)
+        gave a token other bits in a batch (RESULTS §23b)."""
+        E, d = router.shape
+        pw = PackedWeight({"w": router.reshape(E, d // 32, 32)}, "F32", (E, d))
+        return _qm.quant_matmul(x, pw, jnp.float32, interpret=interpret, row_invariant=True)
+    return run
+
+
+def router_logits(x, router):
+    """x [N, d] @ router[E, d]^T in float32 -> [N, E]: the MoE router's logits. Prompt steps take
+    XLA's f32 dot; a decode step takes a form that gives each token the bits it gets alone
+    (registry.batch_invariant): the rows kernel on a GPU, one reduction per (token, expert)
+    elsewhere."""
+    x = x.astype(jnp.float32)
+    if registry.decode_step() and (registry.resolve_backend() == "cpu" or registry.batch_invariant()):
+        impls = {
+            "xla": registry.Impl(lambda *a: True, _router_reduce),
+            "pallas": registry.Impl(_router_pallas_supported, _router_pallas(False)),
+            "interpret": registry.Impl(_router_pallas_supported, _router_pallas(True)),
+        }
+        return registry.dispatch("router_logits", impls, registry.resolve_backend(), x, router)
+    return jnp.einsum("nd,ed->ne", x, router, precision=registry.HIGHEST)

@@ -191,6 +191,33 @@ def precision_for(dtype):
     return HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def softmax_rows(x):
+    """Softmax over the last axis; in a batch-invariant decode step (`batch_invariant`) with the
+    denominator summed in 32-bit fixed point. Why: on a GPU an XLA reduction's order of additions
+    follows the whole shape, batch included (a router's softmax over 64 experts gave a token other
+    bits in a batch of 8 than alone, RESULTS §23b); integer sums do not depend on the order. The
+    terms are exp(x - max) in (0, 1], so a scale of 2^(31 - ceil(log2 n)) keeps n of them inside
+    uint32 and the sum (>= 1: the max's term is 1) within ~n * 2^-32 of the exact one."""
+    if not batch_invariant():
+        return jax.nn.softmax(x, axis=-1)
+    e = jnp.exp(x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True)))
+    n = x.shape[-1]
+    scale = float(2 ** (31 - max(0, (n - 1).bit_length())))
+    total = jnp.round(e * scale).astype(jnp.uint32).sum(axis=-1, dtype=jnp.uint32).astype(jnp.float32) / scale
+    return e / total[..., None]
+
+
+def sum_rows_small(x):
+    """Sum over a short last axis (an MoE token's k weights); in a batch-invariant decode step
+    added in order, term by term (elementwise, so the same bits whatever the batch)."""
+    if not batch_invariant():
+        return x.sum(axis=-1)
+    y = x[..., 0]
+    for i in range(1, x.shape[-1]):
+        y = y + x[..., i]
+    return y
+
+
 def compute(dtype) -> str:
     """The C++ kernels' compute mode for a step dtype."""
     return "bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f32"
@@ -238,7 +265,10 @@ def batch_invariant() -> bool:
     batched dots (whose algorithm XLA picks by the shape), the router as one reduction per
     (token, expert). Why: a server's greedy answer must equal `generate`'s for the same prompt
     alone, and a batch's rounding differing in the last bit is enough to flip a near-tie. The CPU
-    kernels get the same property from `decode_groups`. IKJAX_BATCH_INVARIANT=0 turns it off."""
+    kernels get the same property from `decode_groups`, always. On a GPU it is opt-in
+    (IKJAX_BATCH_INVARIANT=1): each op is row-invariant there (bench/gpu_batch_invariance.py
+    checks them one by one), but a whole step's row still differs from the row alone (0.02-0.06
+    in the logits on an H200, RESULTS §23b), and the form costs ~5 % of S_TG."""
     return decode_step() and env.choice("IKJAX_BATCH_INVARIANT") == "1"
 
 

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ikjax import env
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.runtime import generation
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
@@ -159,6 +160,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ikjax-scheduler", daemon=True)
+        self._trace_path = env.raw("IKJAX_SERVE_TRACE")
+        self._trace = deque(maxlen=100_000) if self._trace_path else None
 
     # -- the caller's side (any thread) ---------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -298,14 +301,31 @@ class Scheduler:
                 self._reset(_one_line(e))
         for req in list(self._queue) + [s.req for s in self.slots if s.req is not None]:
             self._finish(req, STOP_CANCELLED)
+        if self._trace is not None:
+            self._write_trace()
 
     def _iteration(self) -> None:
         self._drop_cancelled()
         self._admit()
         if self._prefill:
+            t = time.perf_counter()
             self._prefill_chunk()
+            self._record("chunk", t)
         if any(s.req is not None and s.req._pos == len(s.req.prompt) for s in self.slots):
+            t = time.perf_counter()
             self._decode_step()
+            self._record("decode", t)
+
+    def _record(self, kind: str, t0: float) -> None:
+        """IKJAX_SERVE_TRACE: the step's (kind, start, end) in the trace (the last 100,000 kept)."""
+        if self._trace is not None:
+            self._trace.append((kind, t0, time.perf_counter()))
+
+    def _write_trace(self) -> None:
+        import json
+        with open(self._trace_path, "w") as f:
+            for kind, t0, t1 in self._trace:
+                f.write(json.dumps({"kind": kind, "t0": t0, "t1": t1}) + "\n")
 
     def _drop_cancelled(self) -> None:
         with self._cv:
