@@ -55,8 +55,9 @@ void split_cols(int64_t n, int ith, int nth, int64_t* begin, int64_t* end) {
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 
-// h[j] = silu(h[j]) * u[j], j < n. Vectorized at the avx512 level: a prompt step's 512 x 6 rows of
-// 1408 took ~6 % of the fused call in scalar expf. A NaN in h stays NaN (h / (1 + e^-h)).
+// h[j] = silu(h[j]) * u[j], j < n. Vectorized at the avx512 and avx2 levels: a prompt step's 512 x 6
+// rows of 1408 took ~6 % of the fused call in scalar expf (avx2: ~3 % of a Q8_0 prompt step on the
+// 2-core EPYC). A NaN in h stays NaN (h / (1 + e^-h)).
 inline void silu_mul(float* h, const float* u, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
@@ -64,6 +65,12 @@ inline void silu_mul(float* h, const float* u, int64_t n) {
     const __m512 v = _mm512_loadu_ps(h + j);
     const __m512 e = ikj_exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
     _mm512_storeu_ps(h + j, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(u + j)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(h + j);
+    const __m256 e = ikj_exp256(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_storeu_ps(h + j, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(u + j)));
   }
 #endif
   for (; j < n; ++j) h[j] = silu(h[j]) * u[j];
