@@ -4,7 +4,7 @@ second turn's time goes.
 
     python bench/gpu_batch_invariance.py MODEL [--ctx 8192] [--ub 512] [--np 8] [--parts all]
 
-Parts (comma list): greedy, logits, steps, turn, ops, profile. Run it once with IKJAX_BATCH_INVARIANT=1 (the
+Parts (comma list): greedy, logits, steps, turn, ops, profile, gil. Run it once with IKJAX_BATCH_INVARIANT=1 (the
 default) and once with =0 to see what the row-invariant decode kernels change (and cost).
 """
 from __future__ import annotations
@@ -224,6 +224,50 @@ def kernel_profile(eng, a, rng):
     trace("[1,1] at 300", 1, 1, 300)
 
 
+def gil(eng, a, rng):
+    """Whether the scheduler's thread lets others run (the HTTP server's event loop shares the
+    process): a watchdog thread sleeps 2 ms in a loop and records how late it wakes, while 7
+    streams decode and while a 2048-token prompt is fed among them; the same with a 0.5 ms GIL
+    switch interval."""
+    import sys
+    for interval in (sys.getswitchinterval(), 0.0005):
+        sys.setswitchinterval(interval)
+        s = sched.Scheduler(eng, a.np)
+        s.warmup()
+        s.start()
+        late: list[tuple[float, float]] = []
+        stop = threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                t = time.perf_counter()
+                time.sleep(0.002)
+                late.append((t, time.perf_counter() - t - 0.002))
+        w = threading.Thread(target=watch, daemon=True)
+        w.start()
+        done = threading.Semaphore(0)
+        cb = lambda k, v: done.release() if k in ("done", "error") else None
+        streams = [s.submit(s.make_request(rng.integers(100, eng.config.vocab_size, 64), 300, ignore_eos=True,
+                                           on_event=cb)) for _ in range(min(7, a.np - 1))]
+        while sum(len(r.generated) for r in streams) < 20 * len(streams):
+            time.sleep(0.01)
+        t_long = time.perf_counter()
+        long = s.submit(s.make_request(rng.integers(100, eng.config.vocab_size, 2048), 1, ignore_eos=True,
+                                       on_event=cb))
+        for _ in range(len(streams) + 1):
+            done.acquire()
+        stop.set()
+        w.join()
+        s.stop()
+        steady = [x for t, x in late if t < t_long]
+        during = [x for t, x in late if t_long <= t <= long.t_first]
+        print(f"  switch interval {interval * 1e3:.1f} ms: a 2 ms sleep wakes late by median "
+              f"{statistics.median(steady) * 1e3:.2f} / max {max(steady) * 1e3:.1f} ms while streams decode, "
+              f"max {max(during, default=0) * 1e3:.1f} ms while the long prompt is fed "
+              f"({(long.t_first - t_long) * 1e3:.0f} ms)")
+    sys.setswitchinterval(0.005)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -239,7 +283,7 @@ def main() -> None:
     for part in a.parts.split(","):
         t = time.perf_counter()
         {"greedy": greedy, "logits": logits_diff, "steps": steps, "turn": turn, "ops": ops_rows,
-         "profile": kernel_profile}[part](eng, a, rng)
+         "profile": kernel_profile, "gil": gil}[part](eng, a, rng)
         print(f"[{part}: {time.perf_counter() - t:.1f} s]", flush=True)
 
 

@@ -27,9 +27,13 @@ export IKJAX_COMPILE_CACHE=/tmp/ikjax-xla
 # the server and the checking engine share the GPU: neither may take XLA's default 75 %
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
 
-serve() {  # serve MODE: start a server, wait until it listens
+serve() {  # serve MODE [GIL switch interval, s]: start a server, wait until it listens
     t0=$(date +%s)
-    IKJAX_SERVE_TRACE="$OUT/trace-$1.jsonl" "$PY" -m ikjax.cli serve -m "$M" -c $CTX -np $NP -ub $UB --port 8080 \
+    IKJAX_SERVE_TRACE="$OUT/trace-$1.jsonl" "$PY" -c 'import runpy, sys
+if len(sys.argv) > 1 and sys.argv[1] != "-":
+    sys.setswitchinterval(float(sys.argv[1]))
+sys.argv = ["ikjax"] + sys.argv[2:]
+runpy.run_module("ikjax.cli", run_name="__main__")' "${2:--}" serve -m "$M" -c $CTX -np $NP -ub $UB --port 8080 \
         --prompt-cache "$1" > /dev/null 2> "$OUT/serve-$1.log" &
     SERVER=$!
     for _ in $(seq 600); do
@@ -41,6 +45,18 @@ serve() {  # serve MODE: start a server, wait until it listens
 }
 load() { timeout 300 "$PY" bench/serve_load.py --url http://127.0.0.1:8080 "$@"; }
 
+if [ -n "${QUICK:-}" ]; then  # only the interference: default GIL switch interval, then ${SWITCH:-0.0005} s
+    serve exact
+    load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens 1500
+    kill -TERM $SERVER; wait $SERVER
+    "$PY" bench/serve_trace.py "$OUT/trace-exact.jsonl" | tail -3
+    [ "$QUICK" = one ] && exit 0
+    serve exact "${SWITCH:-0.0005}"
+    load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens 1500
+    kill -TERM $SERVER; wait $SERVER
+    "$PY" bench/serve_trace.py "$OUT/trace-exact.jsonl" | tail -3
+    exit 0
+fi
 if [ -z "${SKIP_IKJAX:-}" ]; then
 serve exact
 load --mode load --concurrency 1,8 --requests 16 --prompt-tokens 128 --max-tokens 128 --json "$OUT/load.json"

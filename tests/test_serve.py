@@ -168,6 +168,25 @@ def test_streams_equal_whole_answers(server, ref):
     assert chat.choices[0].message.content == reference(ref, ids, 10)[1]
 
 
+def test_stream_with_return_tokens_sends_every_token(server, ref):
+    """/completion streamed with return_tokens: one event per generated token, even where its text
+    is held back (random ids: byte tokens, incomplete UTF-8), the ids those of the whole answer."""
+    rng = np.random.default_rng(7)
+    ids = [int(t) for t in rng.integers(100, ref.config.vocab_size, 20)]
+    body = {"prompt": ids, "n_predict": 16, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    whole = call(server, "POST", "/completion", body)[1]
+    c = http.client.HTTPConnection(server.host, int(server.port), timeout=120)
+    c.request("POST", "/completion", body=json.dumps({**body, "stream": True}),
+              headers={"Content-Type": "application/json"})
+    events = [json.loads(line[6:]) for line in c.getresponse().read().decode().splitlines()
+              if line.startswith("data: ")]
+    c.close()
+    steps = [e for e in events if not e["stop"]]
+    assert len(steps) == 16 and all(len(e["tokens"]) == 1 for e in steps)
+    assert [e["tokens"][0] for e in steps] == whole["tokens"]
+    assert "".join(e["content"] for e in events) == whole["content"]
+
+
 def test_reasoning_content(server):
     """R1's template opens <think>: with --reasoning-format deepseek the answer is reasoning until
     </think> (the tiny model never writes one), with none it stays in content."""

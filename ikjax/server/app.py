@@ -284,7 +284,8 @@ class Server:
                 return web.json_response(self._completion_final(job, text, prompt, True))
 
             async def events():
-                async for piece in job.pieces():
+                # with return_tokens, an event per token (its text may be "" while held back)
+                async for piece in job.pieces(every_token=params.return_tokens):
                     yield {"content": piece, "stop": False, "id_slot": job.req.slot, "index": 0,
                            "tokens": list(job.new_ids) if params.return_tokens else []}
                 yield self._completion_final(job, "", prompt, False)

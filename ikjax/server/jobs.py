@@ -48,8 +48,12 @@ class Job:
             self.done = True
             self.scheduler.cancel(self.req, reason)
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Text deltas until the request ends; then `finish_reason` is set."""
+    async def pieces(self, every_token: bool = False) -> AsyncIterator[str]:
+        """Text deltas until the request ends; then `finish_reason` is set. `every_token`: one
+        piece per generated token, "" when its text is held back (an incomplete UTF-8 character,
+        a possible stop string), so a client that asked for token ids gets each id as it is made:
+        random-id prompts (bench/serve_load.py) make byte tokens whose text waits, and a stream
+        seemed to stall for 4 tokens when it was only the text that waited (RESULTS §23b)."""
         detok = self.tokenizer.detokenizer()
         stops = StopStrings(self.params.stop)
         hidden = self.req.stop_ids  # EOS and the stop ids: ends of generation, not text
@@ -64,7 +68,7 @@ class Job:
                 if value in hidden:
                     continue
                 text, stopped = stops.feed(detok.feed(value))
-                if text:
+                if text or (every_token and not stopped):
                     yield text
                     self.new_ids = []
                 if stopped:
