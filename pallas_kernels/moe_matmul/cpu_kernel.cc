@@ -6,7 +6,9 @@
 //   1. counting sort of the (token, slot) assignments with a non-zero weight by expert id;
 //   2. phase 1, threads split F: for every active expert, its tokens' x rows are gathered into a
 //      thread-local tile and gate and up are computed for the thread's F columns from that same
-//      tile, block by block, followed by SiLU(g)·u into h [assignments, F];
+//      tile, block by block, followed by SiLU(g)·u into h [assignments, F]; a prompt-sized
+//      expert's x is gathered and packed once before (threads split the experts), into a buffer
+//      all threads read, and so is its h before phase 2;
 //   3. phase 2, threads split d: each thread zeroes its columns of out, then for every active expert
 //      computes down(h) for its d columns and adds weight·y into out. A thread owns its columns of
 //      every output row, so there are no races and no [N*k, d] staging buffer or reduction.
@@ -15,6 +17,7 @@
 #include "moe_matmul/cpu_kernel.h"
 
 #include <algorithm>
+#include <atomic>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -86,6 +89,8 @@ struct Scratch {
   std::vector<int64_t> tok;     // [A] token of each assignment, grouped by expert
   std::vector<float> wt;        // [A] its routing weight
   std::vector<float> h;         // [A, F] silu(gate x) * up x
+  std::vector<int64_t> poff;    // [3 E] byte offsets of each expert's packs: x for gate, x for up, h
+  std::vector<uint8_t> pk;      // the packs (prompt-sized experts), made once and read by every thread
 };
 std::mutex scratch_mu;
 Scratch& scratch() {
@@ -127,6 +132,45 @@ void moe_experts(const MoeExpertsArgs& a) {
   float* h = s.h.data();
   const std::vector<int32_t>& active = s.active;
 
+  // Each prompt-sized expert's x (gathered) and h packed once, into one buffer every thread reads: a
+  // pack per thread repeated the quantization (and x's gather) n_threads times, a few % of the
+  // layer at -t 16 (phase 2 splits F and phase 3 splits d, so every thread reads every expert's x / h)
+  const int cg = qgemm_packed_compute(a.gate_type, a.compute), cu = qgemm_packed_compute(a.up_type, a.compute);
+  const int cd = qgemm_packed_compute(a.down_type, a.compute);
+  const int64_t min_rows = qgemm_packed_min_rows();
+  s.poff.assign(3 * E, -1);
+  int64_t pbytes = 0;
+  for (int32_t e : active) {
+    const int64_t M = start[e + 1] - start[e];
+    if (M < min_rows) continue;
+    s.poff[3 * e] = pbytes;
+    pbytes += (qgemm_pack_x(nullptr, M, d, cg, nullptr) + 63) / 64 * 64;
+    if (cu != cg) {
+      s.poff[3 * e + 1] = pbytes;
+      pbytes += (qgemm_pack_x(nullptr, M, d, cu, nullptr) + 63) / 64 * 64;
+    }
+    s.poff[3 * e + 2] = pbytes;
+    pbytes += (qgemm_pack_x(nullptr, M, F, cd, nullptr) + 63) / 64 * 64;
+  }
+  if (static_cast<int64_t>(s.pk.size()) < pbytes) s.pk.resize(pbytes);
+  const int64_t* poff = s.poff.data();
+  uint8_t* pk = s.pk.data();
+  if (pbytes > 0 && A > 0) {
+    std::atomic<size_t> next{0};
+    ikj::parallel(a.n_threads, [&](int, int) {
+      thread_local std::vector<float> xg;
+      for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < active.size();) {
+        const int32_t e = active[i];
+        if (poff[3 * e] < 0) continue;
+        const int64_t off = start[e], M = start[e + 1] - off;
+        if (static_cast<int64_t>(xg.size()) < M * d) xg.resize(M * d);
+        for (int64_t m = 0; m < M; ++m) std::memcpy(xg.data() + m * d, a.x + tok[off + m] * d, d * sizeof(float));
+        qgemm_pack_x(xg.data(), M, d, cg, pk + poff[3 * e]);
+        if (cu != cg) qgemm_pack_x(xg.data(), M, d, cu, pk + poff[3 * e + 1]);
+      }
+    });
+  }
+
   // 2. gate and up from one gathered x tile per expert, SiLU·mul into h
   if (A > 0) {
     ikj::parallel(a.n_threads, [&](int ith, int nth) {
@@ -134,33 +178,21 @@ void moe_experts(const MoeExpertsArgs& a) {
       split_cols(F, ith, nth, &f0, &f1);
       if (f0 >= f1) return;
       thread_local std::vector<float> xt, ut;
-      thread_local std::vector<uint8_t> xp, xp_up;
-      // the pack each matrix takes (bf16 pairs, or 8-bit blocks for the int8 prompt engine's types);
-      // up packed separately only when its type needs another pack than gate's
-      const int cg = qgemm_packed_compute(a.gate_type, a.compute), cu = qgemm_packed_compute(a.up_type, a.compute);
+      // prompt-sized experts: the shared packs above (the pack each matrix takes: bf16 pairs, or 8-bit
+      // blocks for the int8 prompt engine's types; up's own only when its type needs another pack)
       for (int32_t e : active) {
         const int64_t off = start[e], M = start[e + 1] - off;
-        const float* xe;
+        const bool packed = M >= min_rows;
+        const float* xe = nullptr;
         if (M == 1) {
           xe = a.x + tok[off] * d;
-        } else {
+        } else if (!packed) {
           if (static_cast<int64_t>(xt.size()) < M * d) xt.resize(M * d);
           for (int64_t m = 0; m < M; ++m) std::memcpy(xt.data() + m * d, a.x + tok[off + m] * d, d * sizeof(float));
           xe = xt.data();
         }
-        // prompt-sized: the gathered x packed once for all of this thread's blocks of gate and up
-        const bool packed = M >= qgemm_packed_min_rows();
-        if (packed) {
-          const size_t bytes = qgemm_pack_x(xe, M, d, cg, nullptr);
-          if (xp.size() < bytes) xp.resize(bytes);
-          qgemm_pack_x(xe, M, d, cg, xp.data());
-          if (cu != cg) {
-            const size_t ub = qgemm_pack_x(xe, M, d, cu, nullptr);
-            if (xp_up.size() < ub) xp_up.resize(ub);
-            qgemm_pack_x(xe, M, d, cu, xp_up.data());
-          }
-        }
-        const uint8_t* xpu = cu != cg ? xp_up.data() : xp.data();
+        const uint8_t* xpg = packed ? pk + poff[3 * e] : nullptr;
+        const uint8_t* xpu = packed ? pk + poff[3 * e + (cu != cg ? 1 : 0)] : nullptr;
         const int64_t blk = col_block(M, f1 - f0);
         if (static_cast<int64_t>(ut.size()) < M * blk) ut.resize(M * blk);
         const uint8_t* ge = a.gate + e * F * a.gate_row_bytes;
@@ -169,7 +201,7 @@ void moe_experts(const MoeExpertsArgs& a) {
         for (int64_t c = f0; c < f1; c += blk) {
           const int64_t w = std::min(blk, f1 - c);
           if (packed) {
-            qgemm_tile_packed(xp.data(), M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, cg);
+            qgemm_tile_packed(xpg, M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, cg);
             qgemm_tile_packed(xpu, M, d, ue + c * a.up_row_bytes, a.up_row_bytes, a.up_type, 0, w, ut.data(), w, cu);
           } else {
             qgemm_tile_ex(xe, M, d, ge, a.gate_row_bytes, a.gate_type, c, c + w, he, F, a.compute);
@@ -181,6 +213,19 @@ void moe_experts(const MoeExpertsArgs& a) {
     });
   }
 
+  // h of each prompt-sized expert packed once (see the x packs above)
+  if (pbytes > 0 && A > 0) {
+    std::atomic<size_t> next{0};
+    ikj::parallel(a.n_threads, [&](int, int) {
+      for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < active.size();) {
+        const int32_t e = active[i];
+        if (poff[3 * e + 2] < 0) continue;
+        const int64_t off = start[e], M = start[e + 1] - off;
+        qgemm_pack_x(h + off * F, M, F, cd, pk + poff[3 * e + 2]);
+      }
+    });
+  }
+
   // 3. down and the weighted sum; each thread owns columns [c0, c1) of every output row
   ikj::parallel(a.n_threads, [&](int ith, int nth) {
     int64_t c0, c1;
@@ -188,24 +233,18 @@ void moe_experts(const MoeExpertsArgs& a) {
     if (c0 >= c1) return;
     for (int64_t n = 0; n < N; ++n) std::memset(a.out + n * d + c0, 0, (c1 - c0) * sizeof(float));
     thread_local std::vector<float> yt;
-    thread_local std::vector<uint8_t> hp;
-    const int cd = qgemm_packed_compute(a.down_type, a.compute);
     for (int32_t e : active) {
       const int64_t off = start[e], M = start[e + 1] - off;
       const int64_t blk = col_block(M, c1 - c0);
       if (static_cast<int64_t>(yt.size()) < M * blk) yt.resize(M * blk);
       const uint8_t* de = a.down + e * d * a.down_row_bytes;
       const float* he = h + off * F;
-      const bool packed = M >= qgemm_packed_min_rows();  // h packed once for this thread's blocks
-      if (packed) {
-        const size_t bytes = qgemm_pack_x(he, M, F, cd, nullptr);
-        if (hp.size() < bytes) hp.resize(bytes);
-        qgemm_pack_x(he, M, F, cd, hp.data());
-      }
+      const bool packed = M >= min_rows;  // h packed once above
+      const uint8_t* hpk = packed ? pk + poff[3 * e + 2] : nullptr;
       for (int64_t c = c0; c < c1; c += blk) {
         const int64_t w = std::min(blk, c1 - c);
         if (packed)
-          qgemm_tile_packed(hp.data(), M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w,
+          qgemm_tile_packed(hpk, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w,
                             yt.data(), w, cd);
         else
           qgemm_tile_ex(he, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w, yt.data(),

@@ -2584,10 +2584,17 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     ikj::split_range((M + MR - 1) / MR, ith, nth, &a, &b);
     pack_x(x, M, K, compute, xp_data, a, b);
   });
+  // output columns per unit of work: the int8 engine's QUNIT (its panels swept together), halved
+  // (down to NR) while that would leave fewer than 3 units a thread (-t 16 on a 576-column product:
+  // 18 units of 32 kept some threads idle half the time)
+  int64_t unit = NR;
 #if defined(IKJ_HAVE_Q8GEMM)
-  const int64_t unit = compute == QM_Q8 ? std::max<int64_t>(NR, QUNIT) : NR;  // output columns per unit
-#else
-  const int64_t unit = NR;
+  if (compute == QM_Q8) {
+    const int64_t nth = std::min(n_threads > 0 ? n_threads : ikj::available_cores(), ikj::available_cores());
+    unit = std::max<int64_t>(NR, QUNIT);
+    while (unit > NR && N < 3 * nth * unit) unit /= 2;
+    unit = std::max<int64_t>(unit, NR);
+  }
 #endif
   const int64_t units = (N + unit - 1) / unit;
   std::atomic<int64_t> next{0};  // units handed out one at a time (see the decode split)
