@@ -65,24 +65,30 @@ def logits_diff(eng, a, rng):
     print(f"logits: row 0 of [{a.np},1] vs [1,1]: max |diff| {d:.3g} (bitwise equal: {d == 0.0})")
 
 
+def step_alone(eng, B: int, reps: int = 40) -> tuple[float, float]:
+    """(median seconds until Engine.step returns, median seconds of a whole iteration: the step
+    and its argmax's ids on the host) of [B, 1] steps in a loop, as the server's loop runs them."""
+    cache = eng.new_cache(B)
+    toks = np.ones((B, 1), np.int32)
+    start = np.full(B, 200, np.int32)
+    eng.precompile(B, 1, 200 + reps)
+    ts = []
+    for i in range(reps):
+        t = time.perf_counter()
+        logits, cache = eng.step(cache, toks, start + i)
+        d = time.perf_counter()
+        toks = np.asarray(sched._argmax_rows(logits)[0])[:, None]
+        ts.append((d - t, time.perf_counter() - t))
+    ts = ts[5:]
+    return statistics.median(x[0] for x in ts), statistics.median(x[1] for x in ts)
+
+
 def steps(eng, a, rng):
     """A server iteration's step: dispatch (until Engine.step returns) and the whole iteration
     (the argmax's ids on the host), for [np,1] and [1,1]; the decode loop per token at batch 1."""
     for B in sorted({1, a.np}):
-        cache = eng.new_cache(B)
-        toks = np.ones((B, 1), np.int32)
-        start = np.full(B, 200, np.int32)
-        eng.precompile(B, 1, 260)
-        ts = []
-        for i in range(40):
-            t = time.perf_counter()
-            logits, cache = eng.step(cache, toks, start + i)
-            d = time.perf_counter()
-            toks = np.asarray(sched._argmax_rows(logits)[0])[:, None]
-            ts.append((d - t, time.perf_counter() - t))
-        ts = ts[5:]
-        print(f"Engine.step [{B},1]: {statistics.median(x[1] for x in ts) * 1e3:.2f} ms an iteration "
-              f"(returns after {statistics.median(x[0] for x in ts) * 1e3:.2f} ms)")
+        ret, whole = step_alone(eng, B)
+        print(f"Engine.step [{B},1]: {whole * 1e3:.2f} ms an iteration (returns after {ret * 1e3:.2f} ms)")
     for B in sorted({1, a.np}):
         cache = eng.new_cache(B)
         tok = np.ones(B, np.int32)
@@ -181,11 +187,10 @@ def kernel_profile(eng, a, rng):
     position 0 and at 4000 (a second turn's step: what grows with the history), an [np,1] and a
     [1,1] decode step. Device busy time against wall time says launch-bound or kernel-bound."""
     import collections
-    import gzip
-    import json
     import shutil
     import tempfile
-    from pathlib import Path
+
+    from gpu_trace import gpu_kernels  # bench/ is the script's directory
 
     def trace(tag, B, T, start, reps=5):
         cache = eng.new_cache(B)
@@ -203,14 +208,9 @@ def kernel_profile(eng, a, rng):
         wall = (time.perf_counter() - t) / reps
         busy = collections.Counter()
         count = collections.Counter()
-        for path in Path(tmp).rglob("perfetto_trace.json.gz"):
-            ev = json.load(gzip.open(path))["traceEvents"]
-            gpu = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and "GPU" in e["args"]["name"]}
-            for e in ev:
-                if e.get("ph") == "X" and e["pid"] in gpu:
-                    busy[e["name"][:60]] += e["dur"] * 1e-3 / reps
-                    count[e["name"][:60]] += 1
+        for e in gpu_kernels(tmp):
+            busy[e["name"][:60]] += e["dur"] * 1e-3 / reps
+            count[e["name"][:60]] += 1
         shutil.rmtree(tmp, ignore_errors=True)
         total = sum(busy.values())
         print(f"  {tag}: wall {wall * 1e3:.2f} ms a step (traced), kernels {total:.2f} ms, "

@@ -44,10 +44,10 @@ def device_times(fns: list, args: tuple, reps: int = 5) -> dict:
     """{name: GPU kernel time per call (s)} from one profiler trace: every kernel the executable
     `jit_<name>` launched (the schedule's GEMV and its split-K sum), without host launch gaps."""
     import collections
-    import gzip
-    import json
     import shutil
     import tempfile
+
+    from gpu_trace import gpu_kernels  # bench/ is the script's directory
     tmp = tempfile.mkdtemp()
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
         for _, f in fns:
@@ -55,13 +55,8 @@ def device_times(fns: list, args: tuple, reps: int = 5) -> dict:
                 out = f(*args)
             jax.block_until_ready(out)
     busy = collections.Counter()
-    for path in Path(tmp).rglob("perfetto_trace.json.gz"):
-        ev = json.load(gzip.open(path))["traceEvents"]
-        gpu = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
-               and "GPU" in e["args"]["name"]}
-        for e in ev:
-            if e.get("ph") == "X" and e["pid"] in gpu:
-                busy[e.get("args", {}).get("hlo_module", "")] += e["dur"] * 1e-6
+    for e in gpu_kernels(tmp):
+        busy[e.get("args", {}).get("hlo_module", "")] += e["dur"] * 1e-6
     shutil.rmtree(tmp, ignore_errors=True)
     return {name: busy.get(f"jit_{name}", float("nan")) / reps for name, _ in fns}
 

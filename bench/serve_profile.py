@@ -19,6 +19,7 @@ import numpy as np
 
 import ikjax
 from ikjax.runtime import scheduler as sched
+from gpu_batch_invariance import step_alone  # bench/ is the script's directory
 
 
 def main() -> None:
@@ -39,20 +40,8 @@ def main() -> None:
 
     # the step alone: [np, 1] and [1, 1], synced every step
     for B in sorted({1, a.np}):
-        cache = eng.new_cache(B)
-        toks = np.ones((B, 1), np.int32)
-        start = np.full(B, 200, np.int32)
-        eng.precompile(B, 1, 201)
-        ts = []
-        for i in range(40):
-            t = time.perf_counter()
-            logits, cache = eng.step(cache, toks, start + i)
-            d = time.perf_counter()
-            np.asarray(sched._argmax_rows(logits)[0])
-            ts.append((d - t, time.perf_counter() - t))
-        ts = ts[5:]
-        print(f"Engine.step [{B},1] alone: {statistics.median(x[1] for x in ts) * 1e3:.2f} ms a step "
-              f"(dispatch {statistics.median(x[0] for x in ts) * 1e3:.2f} ms)")
+        ret, whole = step_alone(eng, B)
+        print(f"Engine.step [{B},1] alone: {whole * 1e3:.2f} ms a step (dispatch {ret * 1e3:.2f} ms)")
 
     # instrument the scheduler's decode iteration
     rec: list[tuple[float, float, float]] = []
