@@ -1,0 +1,73 @@
+"""IKJAX_SERVE_TRACE (the scheduler's steps written out when it stops) and the GPU prompt
+attention's block choice (ikjax.ops.attn.gpu_kv_block): the two diagnostics behind RESULTS §23b."""
+from __future__ import annotations
+
+import json
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikjax.ops import attn
+
+
+def test_trace_records_every_chunk_and_decode_step(tiny_model, tmp_path, monkeypatch):
+    import ikjax
+    from ikjax.runtime.scheduler import Scheduler
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("IKJAX_SERVE_TRACE", str(path))
+    eng = ikjax.load(tiny_model, ctx=256, ubatch=32)
+    s = Scheduler(eng, 2).start()
+    done = threading.Semaphore(0)
+    cb = lambda k, v: done.release() if k in ("done", "error") else None
+    rng = np.random.default_rng(0)
+    reqs = [s.submit(s.make_request(rng.integers(10, eng.config.vocab_size, n), 5, ignore_eos=True, on_event=cb))
+            for n in (40, 7)]
+    for _ in reqs:
+        done.acquire()
+    s.stop()
+    ev = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = [e["kind"] for e in ev]
+    # 40 tokens in chunks of 32 (2) + 7 (1) = 3 chunks; 5 tokens each: the first from the prompt's
+    # logits, 4 from decode steps
+    assert kinds.count("chunk") == 3 and kinds.count("decode") >= 4
+    assert all(e["t1"] >= e["t0"] for e in ev)
+    assert all(a["t1"] <= b["t0"] + 1e-6 for a, b in zip(ev, ev[1:]))  # one thread, in order
+
+
+def test_no_trace_unless_asked(tiny_model, tmp_path, monkeypatch):
+    import ikjax
+    from ikjax.runtime.scheduler import Scheduler
+    monkeypatch.delenv("IKJAX_SERVE_TRACE", raising=False)
+    s = Scheduler(ikjax.load(tiny_model, ctx=128, ubatch=32), 1).start()
+    s.stop()
+    assert s._trace is None
+
+
+def test_gpu_kv_block():
+    # a 512-token ubatch of 16 heads: one block (no loop) up to 8k rows of context
+    assert attn.gpu_kv_block(1, 512, 16, 8192, 256) == 8192
+    assert attn.gpu_kv_block(1, 512, 16, 16384, 256) == 8192
+    # a 2048-token ubatch: 2048-row blocks
+    assert attn.gpu_kv_block(1, 2048, 16, 16384, 256) == 2048
+    # never below kv_block
+    assert attn.gpu_kv_block(1, 4096, 128, 65536, 256) == 256
+
+
+def test_attend_on_gpu_path_matches_blocked(monkeypatch):
+    """The GPU branch (one block: scores in memory; larger blocks) gives the blocked form's
+    result: checked on the CPU by telling `attend` it runs on a GPU."""
+    rng = np.random.default_rng(1)
+    B, T, H, S, D = 1, 8, 2, 600, 16
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.float32)
+    q_pos = jnp.asarray([[590 + i for i in range(T)]], jnp.int32)
+    ref = attn.attend_flash(q, k, v, q_pos, 0.25, 64)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    one_block = attn.attend(q, k, v, q_pos, 0.25, flash=True, amb_bytes=0, kv_block=64)
+    monkeypatch.setattr(attn, "GPU_SCORES_BYTES", B * T * H * 4 * 128)  # 128-row blocks: 5 of them
+    blocks = attn.attend(q, k, v, q_pos, 0.25, flash=True, amb_bytes=0, kv_block=64)
+    assert np.abs(np.asarray(one_block) - np.asarray(ref)).max() < 1e-5
+    assert np.abs(np.asarray(blocks) - np.asarray(ref)).max() < 1e-5
