@@ -77,6 +77,48 @@ def rel_err(got, ref) -> float:
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
+# The default run is spread over worker processes (pytest-xdist, pyproject.toml's addopts: `-n auto
+# --dist loadfile`): each test file runs whole on one worker, so its module fixtures (a subprocess of
+# fake devices, a server) are made once. Workers: one per core this process may use, at most 4 (each
+# holds JAX, the compiled steps of its files and, for the oracle tests, torch). `-n 0` runs serially.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
+# Files sent to the workers first, longest first (seconds on a quiet 2-core box, serial run): with
+# the long files at the end of the queue one worker would finish them alone while the other waits.
+# A file not named here keeps its place after these; the order is only a schedule, nothing in a
+# file depends on another having run.
+LONG_FILES = (
+    "test_multi_device.py",      # 4 and 8 fake devices, one subprocess each (~130 s)
+    "test_engine.py",
+    "test_multi_host.py",        # two processes per check
+    "test_layer_groups.py",
+    "test_modes.py",
+    "test_perplexity.py",
+    "test_model_families.py",
+    "test_serve.py",
+    "test_model_kernels.py",
+    "test_real_geometry.py",
+    "test_expert_stats.py",
+    "test_kernels_moe.py",
+    "test_cpu_mla.py",
+    "test_cpu_quant_matmul.py",
+    "test_stored_steps.py",
+    "test_cache_sequence.py",
+    "test_batch_consistency.py",
+    "test_moe.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: tests of a file stay in order
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_steps():
     """Engines share compiled steps through one jit; a long session of distinct options would
