@@ -96,6 +96,7 @@ LONG_FILES = (
     "test_multi_device.py",      # 4 and 8 fake devices, one subprocess each (~130 s)
     "test_engine.py",
     "test_multi_host.py",        # two processes per check
+    "test_multi_device_decode.py",
     "test_layer_groups.py",
     "test_modes.py",
     "test_perplexity.py",
