@@ -85,7 +85,8 @@ MAX_WORKERS = 4
 
 
 def pytest_xdist_auto_num_workers(config):
-    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_WORKERS, cores))
 
 
 # Files sent to the workers first, longest first (seconds on a quiet 2-core box, serial run): with
