@@ -26,6 +26,7 @@ from ikjax.errors import OptionError
 HERE = Path(__file__).parent
 WORKER = HERE / "multi_host_worker.py"
 TOL = 1e-5
+GRAPH_TOL_FLOOR = 3e-5  # as tests/test_multi_device.py (its comment says why)
 IDS = (np.arange(1, 14) * 37 % 500 + 3).tolist()
 
 
@@ -113,7 +114,11 @@ def test_logits_equal_one_process(run, monkeypatch):
         ref = _reference(c["model"], c["mla"], None, monkeypatch)
         gap = rel(_reference(c["model"], c["mla"], "xla", monkeypatch), ref)
         assert a.shape == ref.shape
-        assert rel(a, ref) <= max(TOL, 2 * gap), (c, rel(a, ref), gap)
+        # a graph split sums partial products in another order (psum of 4 devices' f32 partials):
+        # held to test_multi_device's floor for that, not only to 2 x the one-device gap, which
+        # can fall below plain f32 reordering (here 9.5e-6 against 2.5e-5 after the avx2 kernel
+        # changes of c09fb40 / 6388c19, which moved the one-device order gap)
+        assert rel(a, ref) <= max(TOL, 2 * gap, GRAPH_TOL_FLOOR), (c, rel(a, ref), gap)
 
 
 def test_generate_same_tokens_everywhere(run, model4, monkeypatch):
