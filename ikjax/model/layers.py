@@ -8,8 +8,9 @@ from ikjax import ops
 
 
 def rms_norm(x, weight, eps: float):
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    """x / sqrt(mean(x^2) + eps) * weight, float32 (the `rms_norm` op: XLA's, or one row per
+    program where a batch-invariant decode step needs it)."""
+    return ops.rms_norm(x, weight, eps)
 
 
 def linear(x, w, dtype):

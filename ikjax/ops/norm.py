@@ -1,0 +1,23 @@
+"""RMSNorm. Reference: XLA's fused reduction (pallas_kernels/rms_norm/reference.py); `pallas`: one
+program per row, in batch-invariant decode steps only (`registry.batch_invariant`), where a row
+must get the bits it gets alone: XLA lays a reduction's threads out by the whole shape, so its
+sum of squares differs in the last bit between a batch of 8 and one row. Everywhere else XLA's
+norm fuses into its neighbours and stays."""
+from __future__ import annotations
+
+from ikjax.ops import registry
+from pallas_kernels.rms_norm import rms_norm_ref, rms_norm_rows
+
+
+def _rows_supported(x, weight, eps) -> bool:
+    return registry.batch_invariant() and registry.rows(x) <= registry.INVARIANT_MAX_ROWS
+
+
+def rms_norm(x, weight, eps: float, *, backend: str | None = None):
+    """x [..., d] -> float32 x / sqrt(mean(x^2) + eps) * weight."""
+    impls = {
+        "xla": registry.Impl(lambda *a: True, rms_norm_ref),
+        "pallas": registry.Impl(_rows_supported, lambda x, w, e: rms_norm_rows(x, w, e)),
+        "interpret": registry.Impl(_rows_supported, lambda x, w, e: rms_norm_rows(x, w, e, interpret=True)),
+    }
+    return registry.dispatch("rms_norm", impls, registry.resolve_backend(backend), x, weight, eps)
