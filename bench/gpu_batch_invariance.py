@@ -65,6 +65,58 @@ def logits_diff(eng, a, rng):
     print(f"logits: row 0 of [{a.np},1] vs [1,1]: max |diff| {d:.3g} (bitwise equal: {d == 0.0})")
 
 
+def paths(eng, a, rng, n: int = 32):
+    """Which executables give a prompt's greedy tokens the same bits: generate (the decode loop,
+    chunk 16) against per-token steps and decode loops at batch 1 and batch np (row 0 the prompt,
+    the other rows other prompts)."""
+    from ikjax.runtime.scheduler import LOOP_STEPS
+    V = eng.config.vocab_size
+    for plen in (300, 1100):
+        p = rng.integers(100, V, plen)
+        others = [rng.integers(100, V, 40 + 60 * b) for b in range(1, a.np)]
+        want = list(eng.generate(p, n, ignore_eos=True))
+
+        def batch_cache(B):
+            logits, one = eng.prefill(eng.new_cache(1), p)
+            first = [int(np.argmax(np.asarray(logits, np.float32).reshape(-1)))]
+            cache = sched._put_row(eng.new_cache(B), one, 0) if B > 1 else one
+            starts = [plen]
+            for b in range(1, B):
+                lo, c = eng.prefill(eng.new_cache(1), others[b - 1])
+                cache = sched._put_row(cache, c, b)
+                first.append(int(np.argmax(np.asarray(lo, np.float32).reshape(-1))))
+                starts.append(len(others[b - 1]))
+            return cache, np.asarray(first, np.int32), np.asarray(starts, np.int32)
+
+        def by_steps(B):
+            cache, tok, start = batch_cache(B)
+            out = [int(tok[0])]
+            for i in range(n - 1):
+                logits, cache = eng.step(cache, tok[:, None], start + i)
+                tok = np.asarray(sched._argmax_rows(logits)[0]).astype(np.int32)
+                out.append(int(tok[0]))
+            return out
+
+        def by_loop(B, chunk):
+            cache, tok, start = batch_cache(B)
+            out = [int(tok[0])]
+            while len(out) < n:
+                k = min(chunk, n - len(out))
+                got, cache = eng.decode(cache, tok, start + len(out) - 1, k, chunk=chunk)
+                got = np.asarray(got)[:, :k]
+                out += [int(t) for t in got[0]]
+                tok = got[:, -1].astype(np.int32)
+            return out
+        for name, f in (("generate again", lambda: list(eng.generate(p, n, ignore_eos=True))),
+                        ("step B=1", lambda: by_steps(1)), (f"step B={a.np}", lambda: by_steps(a.np)),
+                        (f"loop B=1 chunk {LOOP_STEPS}", lambda: by_loop(1, LOOP_STEPS)),
+                        (f"loop B={a.np} chunk {LOOP_STEPS}", lambda: by_loop(a.np, LOOP_STEPS)),
+                        (f"loop B={a.np} chunk 16", lambda: by_loop(a.np, 16))):
+            got = f()
+            first = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)
+            print(f"  prompt {plen}: {name:22s} == generate: {got == want}" + ("" if first is None else f" (parts at {first})"))
+
+
 def step_alone(eng, B: int, reps: int = 40) -> tuple[float, float]:
     """(median seconds until Engine.step returns, median seconds of a whole iteration: the step
     and its argmax's ids on the host) of [B, 1] steps in a loop, as the server's loop runs them."""
@@ -282,7 +334,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for part in a.parts.split(","):
         t = time.perf_counter()
-        {"greedy": greedy, "logits": logits_diff, "steps": steps, "turn": turn, "ops": ops_rows,
+        {"greedy": greedy, "paths": paths, "logits": logits_diff, "steps": steps, "turn": turn, "ops": ops_rows,
          "profile": kernel_profile, "gil": gil}[part](eng, a, rng)
         print(f"[{part}: {time.perf_counter() - t:.1f} s]", flush=True)
 

@@ -16,6 +16,12 @@ from pallas_kernels.quant_matmul.kernel import chain_sum, quant_matmul_experts
 from pallas_kernels.quant_matmul.packing import PackedWeight
 
 
+def slot_rank(order):
+    """The inverse of the permutation `order`: where each slot landed in the sorted order."""
+    A = order.shape[0]
+    return jnp.zeros(A, jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32))
+
+
 def _combine(y, w):
     # each token's k weighted outputs added in slot order (f32), not a batched dot or a reduction,
     # whose algorithm and order XLA picks by the whole shape: a token's sum must not depend on
@@ -66,8 +72,10 @@ def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: P
                              layer=layer)
     y = quant_matmul_experts(h.astype(dtype), (down,), tile_e, dtype, tile_rows=bm, interpret=interpret,
                              layer=layer)
-    ya = y[dest] * w.reshape(-1)[order][:, None]
-    return jnp.zeros((N, y.shape[-1]), jnp.float32).at[tok].add(ya)
+    # back to token order by a gather, then each token's k outputs added in slot order: a
+    # scatter-add (`.at[tok].add`) runs as atomics on a GPU, whose order changes from run to
+    # run, so the same prompt would leave other KV bits in the cache on every run
+    return _combine(y[dest[slot_rank(order)]].reshape(N, k, -1), w)
 
 
 def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False, layer=None,

@@ -57,5 +57,12 @@ def moe_experts_grouped_ref(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, fu
     else:
         g, u = rdot(xs, gate.dequantize(dtype)), rdot(xs, up.dequantize(dtype))
     h = (jax.nn.silu(g) * u).astype(dtype)
-    y = rdot(h, down.dequantize(dtype)) * w.reshape(-1)[order][:, None]
-    return jnp.zeros((N, y.shape[-1]), jnp.float32).at[tok].add(y)
+    y = rdot(h, down.dequantize(dtype))
+    # token order by a gather (no scatter-add: atomics on a GPU add in a different order each run),
+    # each token's k outputs added in slot order
+    back = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
+    yt = y[back].reshape(N, k, -1) * w[..., None]
+    out = yt[:, 0]
+    for j in range(1, k):
+        out = out + yt[:, j]
+    return out
