@@ -244,6 +244,8 @@ def kernel_profile(eng, a, rng):
 
     from gpu_trace import gpu_kernels  # bench/ is the script's directory
 
+    top = 8 if a.parts != "profile1" else 18
+
     def trace(tag, B, T, start, reps=5):
         cache = eng.new_cache(B)
         toks = np.ones((B, T), np.int32)
@@ -267,9 +269,12 @@ def kernel_profile(eng, a, rng):
         total = sum(busy.values())
         print(f"  {tag}: wall {wall * 1e3:.2f} ms a step (traced), kernels {total:.2f} ms, "
               f"{sum(count.values()) // reps} kernels")
-        for name, ms in busy.most_common(8):
+        for name, ms in busy.most_common(top):
             print(f"      {ms:7.3f} ms  x{count[name] // reps:4d}  {name}")
 
+    if a.parts == "profile1":  # the batch-1 decode step alone, more kernels shown
+        trace("[1,1] at 300", 1, 1, 300)
+        return
     trace("[1,64] at 0", 1, 64, 0)
     trace("[1,64] at 4000", 1, 64, 4000)
     trace(f"[{a.np},1] at 300", a.np, 1, 300)
@@ -335,7 +340,7 @@ def main() -> None:
     for part in a.parts.split(","):
         t = time.perf_counter()
         {"greedy": greedy, "paths": paths, "logits": logits_diff, "steps": steps, "turn": turn, "ops": ops_rows,
-         "profile": kernel_profile, "gil": gil}[part](eng, a, rng)
+         "profile": kernel_profile, "profile1": kernel_profile, "gil": gil}[part](eng, a, rng)
         print(f"[{part}: {time.perf_counter() - t:.1f} s]", flush=True)
 
 

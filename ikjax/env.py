@@ -57,9 +57,10 @@ _VARS = (
     Variable("IKJAX_WEIGHTS", "", ("copy",),
              "`copy`: copy CPU weights out of the memory map instead of aliasing its pages", "ikjax.model.weights"),
     Variable("IKJAX_BATCH_INVARIANT", "0", ("1", "0"),
-             "`1`: decode steps in batch-invariant form (GPU kernels in one-row tiles, order-fixed sums): "
-             "every op gives a row the bits it gets alone, the whole GPU step not yet (RESULTS §23b); "
-             "costs ~5 % of GPU S_TG", "ikjax.ops.registry"),
+             "`1`: decode steps in batch-invariant form (GPU kernels in one-row tiles, order-fixed sums, "
+             "RMSNorm one row per program): a batched row gets the bits it gets alone, so greedy answers "
+             "do not depend on the batch (RESULTS §23c); `serve` sets it unless told otherwise "
+             "(`--no-batch-invariant`); costs ~8 % of GPU S_TG at batch 1", "ikjax.ops.registry"),
     Variable("IKJAX_SERVE_TRACE", "", (),
              "a file: `serve` writes every prompt chunk and decode step's start and end there (JSON lines) "
              "when it stops, to see where a stream's token waited", "ikjax.runtime.scheduler"),
@@ -106,6 +107,14 @@ def raw(name: str) -> str | None:
 
 def is_set(name: str) -> bool:
     return bool(raw(name))
+
+
+def set_choice(name: str, value: str) -> None:
+    """Set a choice variable for this process and the ones it starts (a surface's default for a
+    setting the traces read: the stored compiled steps are keyed on these variables)."""
+    if value not in _var(name).choices:
+        raise OptionError(f"{name} must be one of {', '.join(_var(name).choices)}, got {value!r}")
+    os.environ[name] = value
 
 
 def choice(name: str) -> str:

@@ -25,8 +25,8 @@ cache.
 Greedy output equals `Engine.generate` for the same prompt alone (with this engine's options:
 `ctx` is one slot's context): a prompt is fed alone, chunk by chunk as `Engine.prefill` feeds it,
 and the decode step computes every row as batch 1 does (ikjax.ops.registry.decode_groups, the
-property `generate_batch` relies on; on a GPU not yet for a whole step, even with
-IKJAX_BATCH_INVARIANT=1, see registry.batch_invariant). The prompt cache keeps that: in the default mode `exact` a
+property `generate_batch` relies on; on a GPU with IKJAX_BATCH_INVARIANT=1, which `serve` sets by
+default, see registry.batch_invariant). The prompt cache keeps that: in the default mode `exact` a
 slot's cached prefix is reused only in whole ubatch chunks that were fed as prompt chunks from a
 chunk boundary (their KV then holds the very bits a fresh prefill writes); mode `prefix` reuses
 the whole common prefix as llama-server does (generated tokens' KV included, computed by decode
