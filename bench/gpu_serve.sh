@@ -64,7 +64,7 @@ load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --strea
     --json "$OUT/interference.json"
 load --mode multiturn --history 4000 --json "$OUT/multiturn-exact.json"
 # greedy answers equal generate on this GPU (an engine in this process with one slot's options)
-timeout 300 "$PY" - "$M" $((CTX / NP)) $UB <<'EOF'
+IKJAX_BATCH_INVARIANT=1 timeout 300 "$PY" - "$M" $((CTX / NP)) $UB <<'EOF'  # the server's decode form (its default)
 import json, sys, urllib.request
 import numpy as np
 import ikjax
