@@ -165,6 +165,31 @@ def test_prompt_cache_exact_and_prefix(eng):
             s.stop()
 
 
+def test_prompt_cache_auto(eng):
+    """auto: the same prompt again reuses whole chunks only (the answer generate's, bit for bit); a
+    next turn that goes on into the answer reuses the whole common prefix, as prefix does."""
+    p = ids(eng, 50, 6)
+    s = Scheduler(eng, 1).start()
+    assert s.prompt_cache == "auto"
+    try:
+        first, fc = submit(s, p, 6, ignore_eos=True)
+        fc.wait()
+        again, ca = submit(s, p, 6, ignore_eos=True)
+        ca.wait()
+        assert again.n_cached == 48 and ca.tokens == fc.tokens == list(eng.generate(p, 6, ignore_eos=True))
+        follow = p + ca.tokens[:3] + [9, 10]
+        turn, ct = submit(s, follow, 4)
+        ct.wait()
+        assert turn.n_cached == 53  # the prompt and the 3 answer tokens it repeats
+        # a prompt sharing only part of the last one (a system prompt): whole chunks again
+        other = p[:40] + [11, 12, 13]
+        third, c3 = submit(s, other, 4)
+        c3.wait()
+        assert third.n_cached == 32 and c3.tokens == list(eng.generate(other, 4))
+    finally:
+        s.stop()
+
+
 def test_queue_full(eng):
     s = Scheduler(eng, 1, max_queue=1)  # not started: nothing leaves the queue
     submit(s, [5, 6], 1)  # would take the free slot

@@ -125,7 +125,7 @@ def test_health_models_props(server):
     status, props = call(server, "GET", "/props")
     assert status == 200 and props["total_slots"] == NP
     assert props["default_generation_settings"]["n_ctx"] == CTX
-    assert props["chat_template"] and props["prompt_cache"] == "exact"
+    assert props["chat_template"] and props["prompt_cache"] == "auto"
 
 
 def test_completion_greedy_equals_generate(server, ref):

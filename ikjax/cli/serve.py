@@ -54,8 +54,9 @@ def serve(
     min_p: Annotated[float, typer.Option("--min-p", help="default min-p (0 = off)")] = 0.05,
     seed: Annotated[int, typer.Option("-s", "--seed", help="default seed (-1: random)")] = -1,
     prompt_cache: Annotated[str, typer.Option(
-        "--prompt-cache", help="reuse of a slot's cached tokens: exact (whole -ub chunks fed as prompt: outputs "
-        "equal a fresh run), prefix (the whole common prefix, as llama-server), off (not an ik flag)")] = "exact",
+        "--prompt-cache", help="reuse of a slot's cached tokens: auto (a conversation's next turn reuses the whole "
+        "common prefix, as llama-server; other prompts whole -ub chunks, so their answers equal a fresh run), "
+        "exact (whole -ub chunks only), prefix (always the whole common prefix), off (not an ik flag)")] = "auto",
     max_queue: Annotated[int, typer.Option("--max-queue", help="requests that may wait for a slot; more get "
                                            "503 (not an ik flag)")] = 64,
     cont_batching: Annotated[bool, typer.Option("-cb", "--cont-batching", help="continuous batching: always "

@@ -26,11 +26,15 @@ Greedy output equals `Engine.generate` for the same prompt alone (with this engi
 `ctx` is one slot's context): a prompt is fed alone, chunk by chunk as `Engine.prefill` feeds it,
 and the decode step computes every row as batch 1 does (ikjax.ops.registry.decode_groups, the
 property `generate_batch` relies on; on a GPU with IKJAX_BATCH_INVARIANT=1, which `serve` sets by
-default, see registry.batch_invariant). The prompt cache keeps that: in the default mode `exact` a
-slot's cached prefix is reused only in whole ubatch chunks that were fed as prompt chunks from a
-chunk boundary (their KV then holds the very bits a fresh prefill writes); mode `prefix` reuses
-the whole common prefix as llama-server does (generated tokens' KV included, computed by decode
-steps: the continuation may then differ from a fresh run in the last bits), `off` never reuses.
+default, see registry.batch_invariant). The prompt cache keeps that wherever a fresh run is the
+question: mode `exact` reuses a slot's cached prefix only in whole ubatch chunks that were fed as
+prompt chunks from a chunk boundary (their KV then holds the very bits a fresh prefill writes);
+mode `prefix` reuses the whole common prefix as llama-server does (generated tokens' KV included,
+computed by decode steps: the continuation may then differ from a fresh run in the last bits);
+the default `auto` is `prefix` for a conversation's next turn (a prompt that goes on past the
+slot's last prompt into the tokens it generated: only the new turn is fed) and `exact` otherwise
+(the same prompt again, or one sharing a system prompt: the answer stays generate's, bit for
+bit); `off` never reuses.
 
 IKJAX_SERVE_TRACE=FILE records each iteration's prompt chunk and decode step (start, end) and writes
 them when the scheduler stops (bench/serve_trace.py): the server's side of a stream's delay, to
@@ -66,7 +70,7 @@ LOOP_STEPS = 8
 
 STOP_CANCELLED = "cancelled"
 STOP_STRING = "stop"  # the caller matched a stop string and cancelled with this reason
-PROMPT_CACHE_MODES = ("exact", "prefix", "off")
+PROMPT_CACHE_MODES = ("auto", "exact", "prefix", "off")
 FINISH_REASONS = (STOP_EOS, STOP_STRING, STOP_MAX_TOKENS, STOP_CONTEXT, STOP_CANCELLED, "error")
 
 
@@ -124,6 +128,7 @@ class Slot:
     index: int
     tokens: list[int] = field(default_factory=list)  # the tokens whose KV the row holds, positions 0..
     exact: int = 0  # leading tokens whose KV is bit for bit what a fresh prefill writes (ubatch multiple)
+    prompt_end: int = 0  # leading tokens fed as the last request's prompt (the rest: what it generated)
     req: Request | None = None
     last_used: float = 0.0
 
@@ -143,7 +148,7 @@ class Stats:
 class Scheduler:
     """Start with `start()`; `submit` requests from any thread, `cancel` them, `stop()` at the end."""
 
-    def __init__(self, eng, n_slots: int, *, max_queue: int = 64, prompt_cache: str = "exact"):
+    def __init__(self, eng, n_slots: int, *, max_queue: int = 64, prompt_cache: str = "auto"):
         if not isinstance(n_slots, int) or n_slots < 1:
             raise OptionError(f"-np: need at least 1 slot, got {n_slots!r}")
         if prompt_cache not in PROMPT_CACHE_MODES:
@@ -359,7 +364,7 @@ class Scheduler:
             return 0
         differ = np.nonzero(np.asarray(slot.tokens[:n], np.int64) != prompt[:n])[0]
         lcp = int(differ[0]) if len(differ) else n
-        if self.prompt_cache == "prefix":
+        if self.prompt_cache == "prefix" or (self.prompt_cache == "auto" and lcp > slot.prompt_end):
             return lcp
         return min(lcp, slot.exact) // self.ubatch * self.ubatch
 
@@ -387,6 +392,7 @@ class Scheduler:
             req.t_start = time.perf_counter()
             start = req._pos
             slot.exact = min(slot.exact, start) // self.ubatch * self.ubatch
+            slot.prompt_end = min(slot.prompt_end, start)
             slot.tokens = slot.tokens[:start]
             req._fed_from = start
             self.stats.cached_tokens += start
@@ -423,6 +429,7 @@ class Scheduler:
         slot = self.slots[req.slot]
         self._cache = _put_row(self._cache, self._one, slot.index)
         self._one = None
+        slot.prompt_end = req._pos
         start = req._fed_from
         if start % self.ubatch == 0 and start <= slot.exact:
             slot.exact = start + (req._pos - start) // self.ubatch * self.ubatch
@@ -573,7 +580,7 @@ class Scheduler:
         for s in self.slots:
             if s.req is not None:
                 self._finish(s.req, "error", message)
-            s.tokens, s.exact = [], 0
+            s.tokens, s.exact, s.prompt_end = [], 0, 0
         self._cache = self.eng.new_cache(self.n_slots)
 
 
