@@ -58,11 +58,11 @@ if [ -n "${QUICK:-}" ]; then  # only the interference: default GIL switch interv
     exit 0
 fi
 if [ -z "${SKIP_IKJAX:-}" ]; then
-serve exact
+serve ${MODE1:-auto}
 load --mode load --concurrency 1,8 --requests 16 --prompt-tokens 128 --max-tokens 128 --json "$OUT/load.json"
 load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens 1500 \
     --json "$OUT/interference.json"
-load --mode multiturn --history 4000 --json "$OUT/multiturn-exact.json"
+load --mode multiturn --history 4000 --json "$OUT/multiturn-${MODE1:-auto}.json"
 # greedy answers equal generate on this GPU (an engine in this process with one slot's options)
 IKJAX_BATCH_INVARIANT=1 timeout 300 "$PY" - "$M" $((CTX / NP)) $UB <<'EOF'  # the server's decode form (its default)
 import json, sys, urllib.request
@@ -84,7 +84,7 @@ for n in (7, 300, 700, 1100):
 print(f"greedy equal: {same}/4")
 EOF
 kill -TERM $SERVER; wait $SERVER
-"$PY" bench/serve_trace.py "$OUT/trace-exact.jsonl"   # the server's side of the interference
+"$PY" bench/serve_trace.py "$OUT/trace-${MODE1:-auto}.jsonl"   # the server's side of the interference
 serve prefix
 load --mode multiturn --history 4000 --json "$OUT/multiturn-prefix.json"
 kill -TERM $SERVER; wait $SERVER
