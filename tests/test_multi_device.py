@@ -60,9 +60,12 @@ def _cases(model4: str) -> dict:
     if fx is not None:
         a = str(fx / "v3tiny-all-Q4_0.gguf")  # MoE, every MLA tensor form, 3 layers
         b = str(fx / "v2lite_tiny-kvb-Q5_1.gguf")  # attn_kv_b only: k_b/v_b derived in the graph
-        for mla in (0, 1, 2, 3):
-            cases += [dict(model=a, mla=mla, sm="layer", ts="1,1,2"),
-                      dict(model=a, mla=mla, sm="graph", ts="1,1,1")]
+        # every MLA mode once on ik's file and each split kind in two modes: the tiny model above
+        # runs every mode under both splits; here the converter's tensors (attn_kv_b beside
+        # attn_k_b/attn_v_b) take mla 0 (attn_kv_b) and mla 3 (k_b/v_b) under the graph split, whose
+        # head split differs between the two, and mla 1 and 2 through an odd layer split
+        cases += [dict(model=a, mla=1, sm="layer", ts="1,1,2"), dict(model=a, mla=2, sm="layer", ts="1,1,2"),
+                  dict(model=a, mla=0, sm="graph", ts="1,1,1"), dict(model=a, mla=3, sm="graph", ts="1,1,1")]
         cases += [dict(model=b, mla=3, sm="layer", ts="5,2,1"), dict(model=b, mla=0, sm="graph", ts="")]
     return {"cases": cases,
             "generate": [dict(model=model4, mla=3, sm="layer", ts="1,3"), dict(model=model4, mla=1, sm="graph", ts="")],

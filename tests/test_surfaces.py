@@ -260,7 +260,15 @@ def test_ctrl_c_while_compiling_exits_130(args, tmp_path):
     """Before: `error: interrupted`, then SIGSEGV (139) as the interpreter finalized under XLA's
     compile threads (sweep-bench compiles a row's steps on a thread pool)."""
     env = dict(os.environ, IKJAX_COMPILE_CACHE="off")
-    p = subprocess.Popen([IKJAX, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # a test run started in the background of a shell (`pytest &`, nohup, some CI runners) has
+    # SIGINT ignored, which a child inherits, and Python then installs no KeyboardInterrupt
+    # handler: the Ctrl-C below would be ignored, not tested. A handler (not SIG_IGN) here while
+    # the child starts gives it SIGINT's default, as a terminal's Ctrl-C finds it.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen([IKJAX, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    finally:
+        signal.signal(signal.SIGINT, old)
     lines = []
     deadline = time.monotonic() + 150
     for raw in p.stderr:

@@ -148,10 +148,12 @@ def test_steps_compile_side_by_side(tiny_model):
     assert len(rows) == 4 and eng.compile_count == len(shapes)
 
 
-def _recorded_sweep(eng, tg: int) -> list[tuple]:
+def _recorded_sweep(eng, tg: int, rows: int | None = None) -> list[tuple]:
     """Run the sweep (no warm-up runs: their random tokens depend on which shapes are new, so the
     token streams of two -c would differ) and keep what every step returned: ("pp", start, last
-    token's logits) and ("tg", start, the tg tokens picked)."""
+    token's logits) and ("tg", start, the tg tokens picked). `rows`: stop after that many rows."""
+    import itertools
+
     import numpy as np
     rec = []
     step, decode = eng.step, eng.decode
@@ -167,9 +169,21 @@ def _recorded_sweep(eng, tg: int) -> list[tuple]:
         return out, cache
 
     eng.step, eng.decode = recording_step, recording_decode
-    rows = list(sb.run(eng, tg, warmup=False))
-    assert [r.n_kv for r in rows] == sb.sweep_points(eng.options.ctx, eng.options.ubatch)
+    got = list(itertools.islice(sb.run(eng, tg, warmup=False), rows))
+    assert [r.n_kv for r in got] == sb.sweep_points(eng.options.ctx, eng.options.ubatch)[:rows]
     return rec
+
+
+_ROOMY: dict[int, list] = {}
+
+
+def _roomy_sweep(tiny_model, tg: int) -> list[tuple]:
+    """The sweep of a roomy cache (-c 2048), its first 4 rows (N_KV 0..768: as far as a -c 1024
+    sweep goes), recorded once per -n for the parametrizations below."""
+    import ikjax
+    if tg not in _ROOMY:
+        _ROOMY[tg] = _recorded_sweep(ikjax.load(tiny_model, ctx=2048, ubatch=256), tg, rows=4)
+    return _ROOMY[tg]
 
 
 @pytest.mark.parametrize("ctx,tg", [(1024, 16), (1000, 16), (1024, 256)])
@@ -183,7 +197,7 @@ def test_last_rows_reach_the_context_and_match_a_roomy_cache(tiny_model, ctx, tg
     eng = ikjax.load(tiny_model, ctx=ctx, ubatch=256)
     assert eng.capacity == 1024
     got = _recorded_sweep(eng, tg)
-    ref = _recorded_sweep(ikjax.load(tiny_model, ctx=2048, ubatch=256), tg)[:len(got)]
+    ref = _roomy_sweep(tiny_model, tg)[:len(got)]
     assert max(start for kind, start, _ in got if kind == "pp") + 256 <= ctx
     if tg == 256:
         assert max(start for kind, start, _ in got if kind == "tg") + tg == eng.capacity
