@@ -62,6 +62,27 @@ def test_batch_generate_equals_single_sequences():
         assert out == list(eng.generate(p, 6))
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_last_token_step_trims_the_last_layer(dtype):
+    """A CPU prompt step that keeps one token's logits runs the last layer's FFN on that token of
+    each sequence only (ik's inp_out_ids; deepseek2.trims_last_layer): its logits are the
+    all-logits step's rows at `last`, the trimmed FFN's rows in the decode form (f32 1e-5; bf16
+    mode, where that form takes 8-bit x and the full step the bf16 / int8 prompt products: 1e-2,
+    measured 2.3e-3)."""
+    from ikjax.model.deepseek2 import trims_last_layer
+    eng = ikjax.load(fixtures_dir() / "v3dense-all-BF16.gguf", mla=3, ctk="f32", ubatch=16, ctx=128, dtype=dtype)
+    if eng.backend != "cpu":
+        pytest.skip("the trim is the C++ CPU kernels' steps'")
+    toks = np.random.default_rng(7).integers(2, 1000, (2, 16)).astype(np.int32)
+    start, last = np.zeros(2, np.int32), np.array([15, 9], np.int32)
+    assert trims_last_layer(eng._plan(eng.kv_bucket(16, 16), False, 16), 16)
+    assert not trims_last_layer(eng._plan(eng.kv_bucket(16, 16), True, 16), 16)
+    one, _ = eng.step(eng.new_cache(2), toks, start, last)
+    every, _ = eng.step(eng.new_cache(2), toks, start, last, all_logits=True)
+    want = np.asarray(every)[np.arange(2), last]
+    assert rel_err(one, want) < (1e-5 if dtype == "f32" else 1e-2), rel_err(one, want)
+
+
 def test_sampling_is_seeded_and_filters():
     eng = ikjax.load(fixtures_dir() / "v3dense-all-BF16.gguf", mla=3, ctk="f32", ctx=128)
     p = [1, 50, 60, 70]
@@ -199,37 +220,38 @@ def test_decode_loop_every_mode(monkeypatch, mla, fa, ctk):
 
 
 def test_prompt_chunk_at_the_end_fits_the_cache(tiny_model):
-    """-c 1000 -ub 300: the cache is 1024 rows, and the last chunk of a long prompt (at 900) has a
-    token bucket (128) that runs past it. That step computes the rows left (124) instead: the
-    logits equal those of a roomy cache (-c 2048) at every position, every prompt whose last chunk
-    overflows shares that one step, and `ikjax generate`'s ahead-of-time list (_generate_shapes)
-    names it, so generation compiles nothing more."""
+    """-c 250 -ub 75 (KV blocks of 64): the cache is 256 rows, and the last chunk of a long prompt
+    (at 225) has a token bucket (32) that runs past it. That step computes the rows left (31)
+    instead: the logits equal those of a roomy cache (-c 512) at every position, every prompt whose
+    last chunk overflows shares that one step, and `ikjax generate`'s ahead-of-time list
+    (_generate_shapes) names it, so generation compiles nothing more. (The shapes of -c 1000
+    -ub 300, a quarter: the same arithmetic at a quarter of the tokens and compiles.)"""
     from ikjax.cli.generate import _generate_shapes, _precompile_shape
-    ids = np.random.default_rng(0).integers(0, 1024, 1000).astype(np.int32)
-    small = ikjax.load(tiny_model, ctx=1000, ubatch=300)
-    big = ikjax.load(tiny_model, ctx=2048, ubatch=300)
-    assert small.capacity == 1024 and small.token_bucket(100) == 128 and small.prompt_tokens(100, 900) == 124
-    assert small.prompt_tokens(64, 900) == 64 and big.prompt_tokens(100, 900) == 128
+    ids = np.random.default_rng(0).integers(0, 1024, 250).astype(np.int32)
+    small = ikjax.load(tiny_model, ctx=250, ubatch=75, kv_block=64)
+    big = ikjax.load(tiny_model, ctx=512, ubatch=75, kv_block=64)
+    assert small.capacity == 256 and small.token_bucket(25) == 32 and small.prompt_tokens(25, 225) == 31
+    assert small.prompt_tokens(16, 225) == 16 and big.prompt_tokens(25, 225) == 32
     got, ref = small.logits(ids), big.logits(ids)
-    assert got.shape == ref.shape == (1000, small.config.vocab_size)
-    assert rel_err(got[900:], ref[900:]) < 1e-5 and rel_err(got, ref) < 1e-5
+    assert got.shape == ref.shape == (250, small.config.vocab_size)
+    assert rel_err(got[225:], ref[225:]) < 1e-5 and rel_err(got, ref) < 1e-5
     assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.99
-    # a prompt fed after earlier context (bench -d 800 -p 200): 200 tokens at 800, bucket 256, 224 left
-    assert small.prompt_tokens(200, 800) == 224
-    _, cache = small.prefill(small.new_cache(1), ids[:800], 0)
-    tail, _ = small.prefill(cache, ids[800:], 800, all_logits=True)
-    assert rel_err(tail, ref[800:]) < 1e-5
-    shapes = _generate_shapes(small, 990, 1)
-    assert (124, 1024, 0) in shapes  # the last chunk's 90 tokens at 900: rows 900..1023
+    # a prompt fed after earlier context (bench -d 200 -p 50): 50 tokens at 200, bucket 64, 56 left
+    assert small.prompt_tokens(50, 200) == 56
+    _, cache = small.prefill(small.new_cache(1), ids[:200], 0)
+    tail, _ = small.prefill(cache, ids[200:], 200, all_logits=True)
+    assert rel_err(tail, ref[200:]) < 1e-5
+    shapes = _generate_shapes(small, 247, 1)
+    assert (31, 256, 0) in shapes  # the last chunk's 22 tokens at 225: rows 225..255
     for n_tok, kv, chunk in shapes:
         _precompile_shape(small, n_tok, kv, chunk, dict(temperature=0.0))
     before = small.compile_count
-    for n in (990, 965, 1000 - 1):
+    for n in (247, 243, 250 - 1):  # last chunks of 22, 18, 24 tokens: each past the cache
         out = list(small.generate(ids[:n], 1))
         assert len(out) == 1
     assert small.compile_count == before
-    assert [list(big.generate(ids[:n], 1)) for n in (990, 965)] == [list(small.generate(ids[:n], 1))
-                                                                    for n in (990, 965)]
+    assert [list(big.generate(ids[:n], 1)) for n in (247, 243)] == [list(small.generate(ids[:n], 1))
+                                                                    for n in (247, 243)]
 
 
 @pytest.mark.parametrize("ctx", [512, 500])

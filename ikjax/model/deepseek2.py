@@ -194,16 +194,32 @@ def forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: Step
         return _forward(weights, cache, tokens, start, last, cfg=cfg, plan=plan)
 
 
+def trims_last_layer(plan: StepPlan, n_tokens: int) -> bool:
+    """Whether a step computes its last layer's FFN for the token at `last` only (ik's
+    inp_out_ids: a prompt step that keeps one token's logits needs no other row past the last
+    attention; 1 / n_layer of the FFN work, a quarter of a 4-layer test model's). The C++ CPU
+    kernels' steps only: the GPU steps would compile one more layer body (their compile time is
+    what RESULTS §22 measures); not with expert statistics (they count every token's routing)."""
+    return (plan.backend == "cpu" and not plan.all_logits and n_tokens > 1 and plan.expert_stats is None
+            and plan.tp is None)
+
+
 def _forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: StepPlan):
     x = embed(weights["token_embd"], tokens, axis=plan.split_axis("embd"))
-    x, new_cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=last)
+    trim = trims_last_layer(plan, tokens.shape[1])
+    x, new_cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=last, trim_last=trim)
+    if trim:  # x is [B, 1, d]: the rows at `last` already
+        last = jnp.zeros_like(last)
     return output_head(weights, x, last, cfg=cfg, plan=plan), new_cache
 
 
-def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, plan: StepPlan, last=None):
+def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, plan: StepPlan, last=None,
+               trim_last: bool = False):
     """The layers of `groups` (ikjax.model.groups) on x [B,T,d]; `cache` holds those groups'
     entries (lists in the same order). Returns (x, their updated cache). A whole step runs every
-    group; `-sm layer` runs each device's groups (ikjax.runtime.pipeline.Pipeline).
+    group; `-sm layer` runs each device's groups (ikjax.runtime.pipeline.Pipeline). With
+    `trim_last` (`trims_last_layer`) the last layer's FFN runs on the rows at `last` only and x
+    comes back [B,1,d].
 
     A group of several layers is one `lax.scan` whose body is one layer: x and the group's KV stack
     are carried, the scan's index j picks layer j of every stacked weight (`ops.layer_view`: the
@@ -221,9 +237,10 @@ def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, p
     new_cache = {name: list(entries) for name, entries in cache.items()}
     for g, group in enumerate(groups):
         gcache = {name: entries[g] for name, entries in cache.items()}
+        out_rows = last if trim_last and g == len(groups) - 1 else None  # the model's last layer
         if not group.stacked:
             x, gcache = _layer(x, fetch_all(group.tensors), gcache, 0, group.first, start, q_pos, cos, sin,
-                               cfg=cfg, plan=plan, valid=valid)
+                               cfg=cfg, plan=plan, valid=valid, out_rows=out_rows)
         else:
             def body(carry, _, group=group):
                 x, gc, j = carry
@@ -231,24 +248,42 @@ def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, p
                 x, gc = _layer(x, layer, gc, j, group.first, start, q_pos, cos, sin, cfg=cfg, plan=plan,
                                valid=valid)
                 return (x, gc, j + 1), None
-            (x, gcache, _), _ = jax.lax.scan(body, (x, gcache, jnp.int32(0)), None, length=group.count,
-                                             unroll=unroll_scan(T, plan.backend, group.count))
+            n_scan = group.count - (out_rows is not None)  # a trimmed last layer runs after the scan
+            (x, gcache, _), _ = jax.lax.scan(body, (x, gcache, jnp.int32(0)), None, length=n_scan,
+                                             unroll=unroll_scan(T, plan.backend, n_scan))
+            if out_rows is not None:
+                j = jnp.int32(n_scan)
+                x, gcache = _layer(x, ops.layer_view(group.tensors, j), gcache, j, group.first, start, q_pos,
+                                   cos, sin, cfg=cfg, plan=plan, valid=valid, out_rows=out_rows)
         for name, value in gcache.items():
             new_cache[name][g] = value
     return x, new_cache
 
 
-def _layer(x, layer, gcache, j, i: int, start, q_pos, cos, sin, *, cfg: ModelConfig, plan: StepPlan, valid=None):
+def _layer(x, layer, gcache, j, i: int, start, q_pos, cos, sin, *, cfg: ModelConfig, plan: StepPlan, valid=None,
+           out_rows=None):
     """One layer: `layer` its tensors, `gcache` its group's cache (its entries at index j), `i`
-    the group's first layer (what the step does is the same for every layer of a group)."""
-    B, T = x.shape[:2]
-    dtype = plan.compute_dtype
+    the group's first layer (what the step does is the same for every layer of a group).
+    `out_rows` [B]: after the attention (every row's KV written), only row out_rows[b] of each
+    sequence goes on, through the FFN, as a decode step's token would (returns [B,1,d])."""
     heads_axis = plan.split_axis(f"{i}.attn")  # -sm graph: this device's heads only
     lcfg = dataclasses.replace(cfg, n_head=cfg.n_head // plan.tp.n) if heads_axis else cfg
     a, gcache = attention_block(rms_norm(x, layer["attn_norm"], cfg.rms_eps), layer, gcache, j,
                                 start, q_pos, cos, sin, lcfg, plan)
     if heads_axis:
         a = jax.lax.psum(a, heads_axis)
+    if out_rows is not None:
+        pick = out_rows[:, None, None]
+        x, a = jnp.take_along_axis(x, pick, axis=1), jnp.take_along_axis(a, pick, axis=1)
+        with ops.seq_tokens(1):
+            return _ffn_part(x, a, layer, gcache, j, i, cfg=cfg, plan=plan, valid=None)
+    return _ffn_part(x, a, layer, gcache, j, i, cfg=cfg, plan=plan, valid=valid)
+
+
+def _ffn_part(x, a, layer, gcache, j, i: int, *, cfg: ModelConfig, plan: StepPlan, valid=None):
+    """The layer's second half: h = x + a, h + FFN(RMSNorm(h)); returns it and gcache."""
+    B, T = x.shape[:2]
+    dtype = plan.compute_dtype
     h = x + a
     hn = rms_norm(h, layer["ffn_norm"], cfg.rms_eps)
     if cfg.is_moe_layer(i):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -229,6 +230,18 @@ def compute(dtype) -> str:
 # the row count, but the two forms differ (pallas_kernels/quant_matmul/cpu_kernel.cc
 # kGemmMinRows; tests/test_batch_consistency.py checks both halves of that).
 CPU_DECODE_MAX_ROWS = 3
+
+
+@contextlib.contextmanager
+def seq_tokens(t: int):
+    """Inside a step, a part traced for `t` tokens per sequence instead of the step's (the last
+    layer's FFN of a step that keeps the last token's logits only runs on that token: t = 1, so
+    its rows take the decode form, in groups, as that token alone would: `decode_groups`)."""
+    token = _CONTEXT.set(dataclasses.replace(_CONTEXT.get(), seq_tokens=t))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
 
 
 def decode_groups(n_rows: int) -> list[tuple[int, int]] | None:
