@@ -132,6 +132,27 @@ def test_reads_only_visible_keys(ctk, monkeypatch):
             check(d, ref[:, 0], (ctk, isa, "decode"))   # query rows are independent
 
 
+@pytest.mark.parametrize("T", [1, 6])
+def test_nan_query_row_stays_nan(T, monkeypatch):
+    """A NaN in one query row gives that row NaN at every level (its scores' e^NaN is NaN, as the
+    reference's softmax; the avx2 exp once clamped NaN to e^-87, a finite row) and no other row."""
+    rng = np.random.default_rng(5)
+    B, H, S, D, v = 2, 4, 40, 48, 32
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    q[1, T - 1, 2, 7] = np.nan
+    c = jnp.asarray(rng.standard_normal((B, S, D)), jnp.float32)
+    q_pos = jnp.asarray(np.array([[S - T], [S - T - 3]]) + np.arange(T)[None], jnp.int32)
+    bad = np.zeros((B, T, H), bool)
+    bad[1, T - 1, 2] = True
+    qc = jnp.asarray(np.where(bad[..., None], 0.0, q))
+    ref = _materialized(qc, c[:, :, None], c[:, :, None, :v], q_pos, 0.2)
+    for isa in ISAS:
+        monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+        y = np.asarray(mla_cpu.mla_attention(jnp.asarray(q), c, q_pos, 0.2, v_dim=v, n_threads=2))
+        assert np.isnan(y[bad]).all(), isa
+        check(y[~bad], np.asarray(ref)[~bad], isa)
+
+
 def test_wider_cache_row_and_f32_scales_and_jit():
     """q narrower than the cache row (only the first D values are keys), q8_0 with f32 scales,
     inside jit with bf16 queries (converted to f32 by the wrapper)."""

@@ -52,10 +52,6 @@ inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
-// exp: Cephes (cpu/vmath.h); exact 0 below -87.3 (masked keys, -inf)
-inline V vexp(V x) {
-  return _mm512_mask_mov_ps(ikj_exp512(x), _mm512_cmp_ps_mask(x, vbc(-87.33654f), _CMP_LT_OQ), vzero());
-}
 #elif defined(__AVX2__)
 constexpr int L = 8;
 constexpr int RJ = 4, NV1 = 3;  // 12 acc + 3 loads + 1 broadcast = 16 ymm
@@ -70,24 +66,6 @@ inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
-inline V vexp(V x) {
-  const V lo = vbc(-87.33654f);
-  V xc = _mm256_min_ps(_mm256_max_ps(x, lo), vbc(88.0f));
-  V n = _mm256_round_ps(vmul(xc, vbc(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = _mm256_fnmadd_ps(n, vbc(0.693359375f), xc);
-  r = _mm256_fnmadd_ps(n, vbc(-2.12194440e-4f), r);
-  V p = vbc(1.9875691500e-4f);
-  p = vfma(p, r, vbc(1.3981999507e-3f));
-  p = vfma(p, r, vbc(8.3334519073e-3f));
-  p = vfma(p, r, vbc(4.1665795894e-2f));
-  p = vfma(p, r, vbc(1.6666665459e-1f));
-  p = vfma(p, r, vbc(5.0000001201e-1f));
-  p = vfma(p, vmul(r, r), vadd(r, vbc(1.0f)));
-  // 2^n for n in [-126, 127] (the clamp above keeps it there)
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  V res = vmul(p, _mm256_castsi256_ps(e));
-  return _mm256_blendv_ps(res, vzero(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-}
 #else
 // Portable level: GCC/Clang vector extensions (SSE2 on x86-64, NEON on Arm), libm exp.
 constexpr int L = 4;
@@ -104,6 +82,10 @@ inline V vadd(V a, V b) { return a + b; }
 inline V vsub(V a, V b) { return a - b; }
 inline V vmax(V a, V b) { V r; for (int i = 0; i < L; ++i) r[i] = a[i] > b[i] ? a[i] : b[i]; return r; }
 inline V vexp(V x) { V r; for (int i = 0; i < L; ++i) r[i] = std::exp(x[i]); return r; }
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+// exp: cpu/vmath.h (exact 0 below -87.3: masked keys, -inf; NaN stays NaN)
+inline V vexp(V x) { return ikj_exp(x); }
 #endif
 
 constexpr int BK = 64;                    // keys per block (a multiple of RJ)

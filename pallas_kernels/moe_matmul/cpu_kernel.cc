@@ -66,13 +66,13 @@ inline void silu_mul(float* h, const float* u, int64_t n) {
 #if defined(__AVX512F__)
   for (; j + 16 <= n; j += 16) {
     const __m512 v = _mm512_loadu_ps(h + j);
-    const __m512 e = ikj_exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    const __m512 e = ikj_exp(_mm512_sub_ps(_mm512_setzero_ps(), v));
     _mm512_storeu_ps(h + j, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(u + j)));
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   for (; j + 8 <= n; j += 8) {
     const __m256 v = _mm256_loadu_ps(h + j);
-    const __m256 e = ikj_exp256(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    const __m256 e = ikj_exp(_mm256_sub_ps(_mm256_setzero_ps(), v));
     _mm256_storeu_ps(h + j, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(u + j)));
   }
 #endif
