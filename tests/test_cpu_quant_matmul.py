@@ -9,7 +9,8 @@ K-split decode path from N = 1).
 compute="bf16" is the fast mode: bf16 products for prompt-sized calls (M >= 4, against the bf16
 reference at 2e-3) and, at the avx512 (VNNI) and avx2 levels for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
 IQ4_NL, 8-bit activations for decode-sized ones (M < 4): x quantized per block of 32 (dx = max|x| / 127,
-round to nearest even) and int8 dot products; the K-quants and IQ4_XS likewise (X8_KQ_TYPES). At the
+round to nearest even) and int8 dot products; the K-quants and IQ4_XS likewise (X8_KQ_TYPES; at
+avx2 with one x scale per 256 values, Q8_K's grouping: `_x8_group`). At the
 avx512 and avx2 levels Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL prompt-sized calls take the same 8-bit
 activations (the int8 prompt engine, X8_PROMPT_TYPES), at avx2 also Q4_K, Q5_K and IQ4_XS
 (X8_PROMPT_KQ_AVX2). Each level runs where the CPU has it (IKJAX_CPU_ISA caps; _is_x8 asks the level
@@ -67,11 +68,17 @@ def _is_x8(name, M, compute):
     return _cpu.isa() in ("avx2", "avx512") and name in X8_PROMPT_TYPES
 
 
-def _x8(x):
-    """x as the int8 decode sees it: blocks of 32 scaled by 127 / max|x| in float32, rounded to
-    nearest even, times max|x| / 127."""
+def _x8_group(name, M):
+    """Values sharing one x scale in the int8 path this call takes: 256 in the avx2 K-quant /
+    IQ4_XS decode (Q8_K's grouping, decode_kqa), 32 elsewhere."""
+    return 256 if M < 4 and name in X8_KQ_TYPES and _cpu.isa() == "avx2" else 32
+
+
+def _x8(x, group=32):
+    """x as the int8 paths see it: groups of `group` values scaled by 127 / max|x| in float32,
+    rounded to nearest even, times max|x| / 127."""
     x = np.asarray(x, np.float32)
-    b = x.reshape(*x.shape[:-1], -1, 32)
+    b = x.reshape(*x.shape[:-1], -1, group)
     amax = np.abs(b).max(-1, keepdims=True)
     with np.errstate(divide="ignore"):
         iscale = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
@@ -128,7 +135,7 @@ def _check(name, M, N, K, n_threads, isa, compute="f32", monkeypatch=None):
     # prompt-sized ones 8-bit activations at avx512 (module doc)
     x8 = _is_x8(name, M, compute)
     ref_dtype = jnp.float32 if compute == "f32" or M < 4 or x8 else jnp.bfloat16
-    ref = np.asarray(quant_matmul_ref(_x8(x) if x8 else x, w, ref_dtype))
+    ref = np.asarray(quant_matmul_ref(_x8(x, _x8_group(name, M)) if x8 else x, w, ref_dtype))
     assert got.shape == (M, N)
     # error relative to sum_k |x||w| (what rounding scales with; a cancelling sum can be ~0)
     scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(w.dequantize(jnp.float32))).T

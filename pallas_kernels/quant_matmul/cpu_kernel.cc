@@ -1137,16 +1137,22 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
+// max |x| over 32 floats (a NaN may or may not survive: q8_block_avx2 marks NaN blocks itself)
+inline __m256 absmax32_avx2(const float* xb) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  for (int j = 0; j < 4; ++j) v[j] = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j));
+  return _mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3]));
+}
+
 // One block of 32 floats as the int8 paths quantize x (the avx512 level's arithmetic): the 32
 // signed bytes round(x * 127 / amax) in x's order (stored at q), their sums per 4 values (s4, dword
 // lanes), and the scale amax / 127, NaN where the block holds a NaN (max drops it; the NaN then
-// reaches y as in f32). One copy for quantize_x8 (decode) and pack_x8 (the prompt engine).
-inline float q8_block_avx2(const float* xb, void* q, __m256i* s4) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
+// reaches y as in f32). amax: the block's own max |x|, or its super-block's (the K-quant decode's
+// x per 256). One copy for quantize_x8 (decode) and pack_x8 (the prompt engine).
+inline float q8_block_avx2(const float* xb, void* q, __m256i* s4, float amax) {
   __m256 v[4];
   for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
-  const float amax = hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
   const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   __m256i qi[4];
   for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
@@ -1160,7 +1166,14 @@ inline float q8_block_avx2(const float* xb, void* q, __m256i* s4) {
                                  _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
   return _mm256_movemask_ps(un) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
 }
+inline float q8_block_avx2(const float* xb, void* q, __m256i* s4) {
+  return q8_block_avx2(xb, q, s4, hmax256(absmax32_avx2(xb)));
+}
 
+// x for the int8 decode: blocks of 32, each with its own scale; for the K-quants and IQ4_XS
+// (decode_kqa) one scale per super-block of 256 (Q8_K's grouping: the 8 blocks' int32 sums then add
+// up before one convert and FMA), d[] repeating it for each of the 8 blocks (NaN for all 8 when one
+// holds a NaN), ds[] / ds16[] that scale times the block's (half-block's) sum of q.
 void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   const int64_t nb = K / 32;
   const int offset = q8_offset(type);
@@ -1170,16 +1183,30 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   const bool half_sums = type == ikj::T_Q2_K;
   if (half_sums && static_cast<int64_t>(o.ds16.size()) < 2 * M * nb) o.ds16.resize(2 * M * nb);
   const __m256i moff = _mm256_set1_epi32(-offset);
-  for (int64_t i = 0; i < M * nb; ++i) {
-    __m256i s4;
-    const float d = q8_block_avx2(x + i * 32, o.q.data() + i * 32, &s4);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.corr.data() + i * 8), _mm256_mullo_epi32(s4, moff));
-    o.d[i] = d;
-    o.ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));  // exact: |sum| <= 4064
-    if (half_sums) {  // s4's lanes 0-3 cover values 0-15, 4-7 values 16-31
-      o.ds16[2 * i] = d * hsum128(_mm_cvtepi32_ps(_mm256_castsi256_si128(s4)));
-      o.ds16[2 * i + 1] = d * hsum128(_mm_cvtepi32_ps(_mm256_extracti128_si256(s4, 1)));
+  const int64_t g = kq8_type(type) && nb % 8 == 0 ? 8 : 1;  // blocks sharing a scale (rows hold whole groups)
+  for (int64_t i0 = 0; i0 < M * nb; i0 += g) {
+    float amax = 0.f;
+    if (g > 1) {
+      __m256 a = absmax32_avx2(x + i0 * 32);
+      for (int64_t j = 1; j < g; ++j) a = _mm256_max_ps(a, absmax32_avx2(x + (i0 + j) * 32));
+      amax = hmax256(a);
     }
+    bool nan = false;
+    for (int64_t i = i0; i < i0 + g; ++i) {
+      __m256i s4;
+      const float d = g > 1 ? q8_block_avx2(x + i * 32, o.q.data() + i * 32, &s4, amax)
+                            : q8_block_avx2(x + i * 32, o.q.data() + i * 32, &s4);
+      nan |= d != d;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.corr.data() + i * 8), _mm256_mullo_epi32(s4, moff));
+      o.d[i] = d;
+      o.ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));  // exact: |sum| <= 4064
+      if (half_sums) {  // s4's lanes 0-3 cover values 0-15, 4-7 values 16-31
+        o.ds16[2 * i] = d * hsum128(_mm_cvtepi32_ps(_mm256_castsi256_si128(s4)));
+        o.ds16[2 * i + 1] = d * hsum128(_mm_cvtepi32_ps(_mm256_extracti128_si256(s4, 1)));
+      }
+    }
+    if (nan)
+      for (int64_t i = i0; i < i0 + g; ++i) o.d[i] = std::numeric_limits<float>::quiet_NaN();
   }
 }
 
@@ -1334,15 +1361,17 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
 
 // ---- K-quants (Q2_K..Q6_K, IQ4_XS) in the int8-activation decode at the avx2 level ------------
 //
-// x as for Q8_0 (blocks of 32 in x's order, the same quantization as the avx512 level). Each
-// super-block's 8 blocks of 32 weights are formed in registers in x's order (the per-type layouts
-// below), multiplied by vpmaddubsw (weights the unsigned operand, x signed: pairs of i16) and summed
-// in pairs by vpmaddwd against the sub-block scales as int16 (lanes 0-7 the scale of weights 0-15,
-// 8-15 that of 16-31), so a block's 8 int32 lanes carry scale * q * q_x exactly; one convert and one
-// FMA by d * dx per block. Signed weights (Q3_K, Q6_K, IQ4_XS) take ggml's sign trick (|w| and
-// sign(x, w)); i16 pair sums stay below 2 * 127 * 127. Q4_K / Q5_K / Q2_K keep unsigned codes and
-// subtract the minimum's share dmin * min * dx * sum(q_x) per 32 (per 16 for Q2_K: XQ8::ds16) in
-// float, as the avx512 level does. Same numbers as avx512's decode_kq8 up to float summation order.
+// x in blocks of 32 in x's order with one scale per super-block of 256 (quantize_x8; Q8_K's
+// grouping, where the avx512 level's decode keeps one per 32). Each super-block's 8 blocks of 32
+// weights are formed in registers in x's order (the per-type layouts below), multiplied by
+// vpmaddubsw (weights the unsigned operand, x signed: pairs of i16) and summed in pairs by vpmaddwd
+// against the sub-block scales as int16 (lanes 0-7 the scale of weights 0-15, 8-15 that of 16-31),
+// so a block's 8 int32 lanes carry scale * q * q_x exactly; the 8 blocks' lanes add up in int32
+// (|sum| < 2^24 for every type: exact, also as a float), then one convert and one FMA by d * dx per
+// super-block (per 32 before: 1.14-1.24x slower than ik's Q8_K decode, RESULTS §26b). Signed weights
+// (Q3_K, Q6_K, IQ4_XS) take ggml's sign trick (|w| and sign(x, w)); i16 pair sums stay below
+// 2 * 127 * 127. Q4_K / Q5_K / Q2_K keep unsigned codes and subtract the minimum's share
+// dmin * min * dx * sum(q_x) per 32 (per 16 for Q2_K: XQ8::ds16) in float, as the avx512 level does.
 template <int type>
 struct KqBlocks {
   __m256i q[8];        // unsigned operand: codes, or |w| for the signed types
@@ -1480,23 +1509,25 @@ void decode_kqa(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
     xs[m] = min16 ? xq.ds16.data() + 2 * (m * xq.nb + kb0) : xq.ds.data() + m * xq.nb + kb0;
   }
   KqBlocks<type> kb;
-  alignas(32) float dd[MM][8];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
-    __m256 acc[MM][2], accm[MM];
-    for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = accm[m] = _mm256_setzero_ps();
+    __m256 acc[MM], accm[MM];
+    for (int m = 0; m < MM; ++m) acc[m] = accm[m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       kq_unpack<type>(wr + sb * bs, kb);
-      const __m256 vd = _mm256_set1_ps(kb.d);
-      for (int m = 0; m < MM; ++m) _mm256_store_ps(dd[m], _mm256_mul_ps(vd, _mm256_loadu_ps(xd[m] + 8 * sb)));
+      // x's one scale per super-block (quantize_x8): the 8 blocks' int32 sums add up exactly
+      // (|sum| < 2^25 for every type) before one convert and one FMA by d * dx
+      __m256i is[MM];
+      for (int m = 0; m < MM; ++m) is[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j)
         for (int m = 0; m < MM; ++m) {
           __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs[m] + (8 * sb + j) * 32));
           if constexpr (sgn) xv = _mm256_sign_epi8(xv, kb.sg[j]);
-          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(kb.q[j], xv), kb.sc[j]);
-          acc[m][j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&dd[m][j]), acc[m][j & 1]);
+          is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(_mm256_maddubs_epi16(kb.q[j], xv), kb.sc[j]));
         }
+      for (int m = 0; m < MM; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), _mm256_set1_ps(kb.d * xd[m][8 * sb]), acc[m]);
       for (int m = 0; m < MM; ++m) {
         if constexpr (min32) accm[m] = _mm256_fmadd_ps(kb.mn[0], _mm256_loadu_ps(xs[m] + 8 * sb), accm[m]);
         if constexpr (min16) {
@@ -1506,7 +1537,7 @@ void decode_kqa(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
       }
     }
     for (int m = 0; m < MM; ++m) {
-      const float s = hsum256(_mm256_sub_ps(_mm256_add_ps(acc[m][0], acc[m][1]), accm[m]));
+      const float s = hsum256(_mm256_sub_ps(acc[m], accm[m]));
       float* dst = y + m * ldy + n;
       *dst = accumulate ? *dst + s : s;
     }
