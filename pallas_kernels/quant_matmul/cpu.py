@@ -11,8 +11,9 @@ are rounded to:
   than 4 rows): x quantized per block of 32 (scale max|x| / 127) and int8 dot products with the
   stored Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL blocks, as ik_llama.cpp generates tokens, at
   the avx2 and avx512 (VNNI) levels (within 1e-2 of sum|x||w| of the f32 result per element,
-  ~0.5 % of its norm; tests/test_cpu_quant_matmul.py). Other types, and the generic level, decode
-  in f32.
+  ~0.5 % of its norm; tests/test_cpu_quant_matmul.py); the K-quants and IQ4_XS likewise, at the
+  avx2 level with one x scale per 256 values (Q8_K's grouping: one float FMA per super-block).
+  Other types, and the generic level, decode in f32.
 """
 from __future__ import annotations
 
