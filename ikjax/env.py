@@ -60,7 +60,7 @@ _VARS = (
              "`1`: decode steps in batch-invariant form (GPU kernels in one-row tiles, order-fixed sums, "
              "RMSNorm one row per program): a batched row gets the bits it gets alone, so greedy answers "
              "do not depend on the batch (RESULTS §23c); `serve` sets it unless told otherwise "
-             "(`--no-batch-invariant`); costs ~8 % of GPU S_TG at batch 1", "ikjax.ops.registry"),
+             "(`--no-batch-invariant`), `generate --batch-invariant` too; costs ~8 % of GPU S_TG at batch 1", "ikjax.ops.registry"),
     Variable("IKJAX_SERVE_TRACE", "", (),
              "a file: `serve` writes every prompt chunk and decode step's start and end there (JSON lines) "
              "when it stops, to see where a stream's token waited", "ikjax.runtime.scheduler"),

@@ -307,3 +307,20 @@ class Progress:
         sys.stdout.flush()
         if live:
             self.prog.start()
+
+
+def batch_invariance(flag: bool | None, *, default: bool) -> bool:
+    """A command's decode form (--batch-invariant / --no-batch-invariant), set before anything is
+    traced: the flag, else IKJAX_BATCH_INVARIANT if the user set it, else `default` (on for
+    `serve`, off for the one-sequence commands). Why on by default only there: a server batches
+    requests, and a request's greedy answer must not depend on who it was batched with (a
+    last-bit difference flips a near-tie some tokens later: RESULTS §23c); alone, a sequence has no
+    batch to differ from and keeps the ~8 % faster kernels. `generate --batch-invariant` gives the
+    server's answer bit for bit. The variable, not a private flag, carries it: the stored compiled
+    steps are keyed on the IKJAX_* variables (ikjax.runtime.compile_cache), so a step compiled in
+    one form is never loaded for the other."""
+    from ikjax import env
+    if flag is None:
+        flag = env.choice("IKJAX_BATCH_INVARIANT") == "1" if env.is_set("IKJAX_BATCH_INVARIANT") else default
+    env.set_choice("IKJAX_BATCH_INVARIANT", "1" if flag else "0")
+    return flag

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import Progress, app, compiled_line, handle, load_engine, log, setup_compile_cache
+from ikjax.cli.common import Progress, app, batch_invariance, compiled_line, handle, load_engine, log, setup_compile_cache
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -32,6 +32,10 @@ def generate(
     min_p: Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")] = 0.05,
     seed: Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")] = None,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
+    batch_invariant: Annotated[Optional[bool], typer.Option(
+        "--batch-invariant/--no-batch-invariant", help="decode in the batch-invariant form `serve` uses by default "
+        "(the same greedy tokens as a server answer, bit for bit; ~8 % slower on a GPU); default off, or as "
+        "IKJAX_BATCH_INVARIANT says (not an ik flag)")] = None,
 ) -> None:
     """Generate text from a prompt, streamed to stdout (like llama-cli -p ... -n ...).
 
@@ -42,6 +46,7 @@ def generate(
         raise OptionError(f"n-predict: need >= 0, got {n_predict}")
     check_text(prompt, "prompt")  # before loading: a prompt that is not UTF-8 is refused at once
     run_opts, _ = check_options(run, "generate")
+    batch_invariance(batch_invariant, default=False)
     setup_compile_cache(run.compile_cache_dir)
     eng = load_engine(run.model, run.verbose, **run_opts)
     count0, hits0 = eng.compile_count, eng.compile_cache_hits

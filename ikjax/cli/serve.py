@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import app, handle, load_engine, log, setup_compile_cache
+from ikjax.cli.common import app, batch_invariance, handle, load_engine, log, setup_compile_cache
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -98,7 +98,7 @@ def serve(
     defaults = Defaults(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_predict=n_predict)
     _check_defaults(defaults)
     sock = bind(host, port)  # taken now: a port in use is one line before the model loads
-    invariant = _batch_invariance(batch_invariant)
+    invariant = batch_invariance(batch_invariant, default=True)
     setup_compile_cache(run.compile_cache_dir)
     eng = load_engine(run.model, run.verbose, **run_opts)
     tok = eng.tokenizer
@@ -124,21 +124,6 @@ def serve(
     log(f"{parallel} slots of {per_slot} tokens (-c {opts.ctx}), chat template {template.name}, "
         f"prompt cache {prompt_cache}, batch-invariant decode {'on' if invariant else 'off'}")
     run_server(server, sock, on_listening=lambda url: log(f"listening on {url}"))
-
-
-def _batch_invariance(flag: bool | None) -> bool:
-    """The server's decode form, set before anything is traced: the flag, else IKJAX_BATCH_INVARIANT
-    if the user set it, else on. Why on by default here and not in the one-sequence commands: a
-    server batches requests, and a request's greedy answer must not depend on who it was batched
-    with (a last-bit difference flips a near-tie some tokens later: RESULTS §23c); alone, a
-    sequence has no batch to differ from and keeps the faster kernels. The variable, not a private
-    flag, carries it: the stored compiled steps are keyed on the IKJAX_* variables
-    (ikjax.runtime.compile_cache), so a step compiled in one form is never loaded for the other."""
-    from ikjax import env
-    if flag is None:
-        flag = env.choice("IKJAX_BATCH_INVARIANT") == "1" if env.is_set("IKJAX_BATCH_INVARIANT") else True
-    env.set_choice("IKJAX_BATCH_INVARIANT", "1" if flag else "0")
-    return flag
 
 
 def _check_defaults(d) -> None:
