@@ -244,7 +244,7 @@ def kernel_profile(eng, a, rng):
 
     from gpu_trace import gpu_kernels  # bench/ is the script's directory
 
-    top = 8 if a.parts != "profile1" else 1000
+    top = 8 if a.parts not in ("profile1", "profile64") else 1000
 
     def trace(tag, B, T, start, reps=5):
         cache = eng.new_cache(B)
@@ -272,8 +272,12 @@ def kernel_profile(eng, a, rng):
         for name, ms in busy.most_common(top):
             print(f"      {ms:7.3f} ms  x{count[name] // reps:4d}  {name}")
 
-    if a.parts == "profile1":  # the batch-1 decode step alone, more kernels shown
+    if a.parts == "profile1":  # the batch-1 decode step alone, every kernel shown
         trace("[1,1] at 300", 1, 1, 300)
+        return
+    if a.parts == "profile64":  # a second turn's 64-token step against a first prompt's, every kernel
+        trace("[1,64] at 0", 1, 64, 0)
+        trace("[1,64] at 4000", 1, 64, 4000)
         return
     trace("[1,64] at 0", 1, 64, 0)
     trace("[1,64] at 4000", 1, 64, 4000)
@@ -340,7 +344,7 @@ def main() -> None:
     for part in a.parts.split(","):
         t = time.perf_counter()
         {"greedy": greedy, "paths": paths, "logits": logits_diff, "steps": steps, "turn": turn, "ops": ops_rows,
-         "profile": kernel_profile, "profile1": kernel_profile, "gil": gil}[part](eng, a, rng)
+         "profile": kernel_profile, "profile1": kernel_profile, "profile64": kernel_profile, "gil": gil}[part](eng, a, rng)
         print(f"[{part}: {time.perf_counter() - t:.1f} s]", flush=True)
 
 
