@@ -1848,6 +1848,7 @@ inline bool q8gemm_type(int type) {
   return type == ikj::T_Q8_0 || type == ikj::T_Q4_0 || type == ikj::T_Q5_0 || type == ikj::T_IQ4_NL ||
          type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
 }
+constexpr bool q8gemm_k256(int) { return false; }  // x per 256 (QM_Q8K): the avx2 engine's IQ4_XS only
 constexpr bool q8gemm_min(int type) { return type == ikj::T_Q4_1 || type == ikj::T_Q5_1; }
 
 // x8 pack: [M][K] bytes q + 128, then (64-byte aligned) [M][K / 32] floats dx, then [M][K / 32]
@@ -1857,7 +1858,7 @@ inline int64_t x8_ds_offset(int64_t M, int64_t K) { return x8_dx_offset(M, K) + 
 inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (K / 32) * 4; }
 
 // rows [r0, r1) of x [M, K] into the x8 pack at out (K a multiple of 32)
-void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1) {
+void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1, bool /*k256: never here*/ = false) {
   const int64_t nb = K / 32;
   float* dx = reinterpret_cast<float*>(out + x8_dx_offset(M, K));
   float* ds = reinterpret_cast<float*>(out + x8_ds_offset(M, K));
@@ -2074,11 +2075,14 @@ inline bool q8gemm_type(int type) {
          type == ikj::T_IQ4_XS;
 }
 constexpr bool q8gemm_sign(int type) { return type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL || type == ikj::T_IQ4_XS; }
+// x per 256 (QM_Q8K: Q8_K's grouping), the block scales in vpmaddwd, one FMA per super-block
+constexpr bool q8gemm_k256(int type) { return type == ikj::T_IQ4_XS; }
 // super-block types of the engine: one scale (and minimum) per block of 32, so a block of a row is a
 // Q4_1 / Q5_1 / IQ4_NL block with dw = d * scale (float), mw = -dmin * min
 constexpr bool q8gemm_kq(int type) { return type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_IQ4_XS; }
-// panel bytes per block: 8 quads x 32 (+ 8 x 32 |w|), 32 dw (+ 32 mw)
-constexpr int64_t q8gemm_blk(int type) { return q8gemm_sign(type) ? 544 : 320; }
+// panel bytes per block: 8 quads x 32 (+ 8 x 32 |w|), 32 dw (+ 32 mw); IQ4_XS (x per 256: QM_Q8K):
+// the 8 rows' int16 block scales, each twice (32), and their super-block's d (32) in place of dw
+constexpr int64_t q8gemm_blk(int type) { return type == ikj::T_IQ4_XS ? 576 : q8gemm_sign(type) ? 544 : 320; }
 
 // x8 pack: [M][K] signed bytes q, then (64-byte aligned) [M][K / 32] floats dx, then [M][K / 32]
 // floats dx * sum(q).
@@ -2086,16 +2090,30 @@ inline int64_t x8_dx_offset(int64_t M, int64_t K) { return (M * K + 63) / 64 * 6
 inline int64_t x8_ds_offset(int64_t M, int64_t K) { return x8_dx_offset(M, K) + M * (K / 32) * 4; }
 inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (K / 32) * 4; }
 
-// rows [r0, r1) of x [M, K] into the x8 pack at out (K a multiple of 32); quantize_x8's arithmetic
-void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1) {
-  const int64_t nb = K / 32;
+// rows [r0, r1) of x [M, K] into the x8 pack at out (K a multiple of 32); quantize_x8's arithmetic:
+// one scale per block of 32, or (k256: QM_Q8K, K a multiple of 256) per 256 values, dx repeating it
+// for the super-block's 8 blocks (all NaN when one holds a NaN)
+void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1, bool k256 = false) {
+  const int64_t nb = K / 32, g = k256 ? 8 : 1;
   float* dx = reinterpret_cast<float*>(out + x8_dx_offset(M, K));
   float* ds = reinterpret_cast<float*>(out + x8_ds_offset(M, K));
-  for (int64_t i = r0 * nb; i < r1 * nb; ++i) {
-    __m256i s4;
-    const float d = q8_block_avx2(x + i * 32, out + i * 32, &s4);
-    dx[i] = d;
-    ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));
+  for (int64_t i0 = r0 * nb; i0 < r1 * nb; i0 += g) {
+    float amax = 0.f;
+    if (g > 1) {
+      __m256 a = absmax32_avx2(x + i0 * 32);
+      for (int64_t j = 1; j < g; ++j) a = _mm256_max_ps(a, absmax32_avx2(x + (i0 + j) * 32));
+      amax = hmax256(a);
+    }
+    bool nan = false;
+    for (int64_t i = i0; i < i0 + g; ++i) {
+      __m256i s4;
+      const float d = g > 1 ? q8_block_avx2(x + i * 32, out + i * 32, &s4, amax) : q8_block_avx2(x + i * 32, out + i * 32, &s4);
+      nan |= d != d;
+      dx[i] = d;
+      ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));
+    }
+    if (nan)
+      for (int64_t i = i0; i < i0 + g; ++i) dx[i] = std::numeric_limits<float>::quiet_NaN();
   }
 }
 
@@ -2109,6 +2127,7 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
   // super-block types: the 8 rows' current super-block unpacked once (kq_unpack, as the decode)
   alignas(32) uint8_t kq_q[8][8][32];
   alignas(32) float kq_d[8][8], kq_m[8][8];
+  alignas(32) int16_t kq_s[8][8];  // IQ4_XS: the block scales (kq_d[j][0] its d)
   for (int64_t b = 0; b < nb; ++b) {
     __m256i r[8];
     // dw / mw straight into the panel (8 scalar stores read back by one 32-byte load stalled on the
@@ -2127,7 +2146,8 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
           for (int t = 0; t < 8; ++t)
             _mm256_store_si256(reinterpret_cast<__m256i*>(kq_q[j][t]), sgn ? kb.sg[t] : kb.q[t]);
           if constexpr (type == ikj::T_IQ4_XS) {
-            for (int t = 0; t < 8; ++t) kq_d[j][t] = kb.d * static_cast<float>(kb.s32[t]), kq_m[j][t] = 0.f;
+            for (int t = 0; t < 8; ++t) kq_s[j][t] = static_cast<int16_t>(kb.s32[t]);
+            kq_d[j][0] = kb.d;
           } else {
             _mm256_store_ps(kq_d[j], kb.dsc);
             _mm256_store_ps(kq_m[j], _mm256_sub_ps(_mm256_setzero_ps(), kb.mn[0]));
@@ -2135,6 +2155,15 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
         }
       }
     }
+    if constexpr (type == ikj::T_IQ4_XS) {  // [16] int16 scales (row j at lanes 2j, 2j + 1), [8] d
+      int16_t* sc = reinterpret_cast<int16_t*>(pb + 512);
+      float* dd = reinterpret_cast<float*>(pb + 544);
+      for (int j = 0; j < 8; ++j) {
+        r[j] = rows[j] ? _mm256_load_si256(reinterpret_cast<const __m256i*>(kq_q[j][b % 8])) : _mm256_setzero_si256();
+        sc[2 * j] = sc[2 * j + 1] = rows[j] ? kq_s[j][b % 8] : int16_t{0};
+        dd[j] = rows[j] ? kq_d[j][0] : 0.f;
+      }
+    } else
     for (int j = 0; j < 8; ++j) {
       if (!rows[j]) {
         r[j] = _mm256_setzero_si256();
@@ -2193,6 +2222,33 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 f[mr];
   for (int i = 0; i < mr; ++i) f[i] = _mm256_setzero_ps();
+  if constexpr (type == ikj::T_IQ4_XS) {
+    // x per 256 (QM_Q8K): each block's int16 scales in vpmaddwd, the int32 sums of a super-block's
+    // 8 blocks added up (|sum| < 2^28), one convert and FMA by d * dx per super-block ([b0, b1) are
+    // whole super-blocks: the chunks are multiples of 8 blocks)
+    __m256i c[mr];
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* pb = panel + b * qblk;
+      const int8_t* xb = xq + b * 32;
+      const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 512));
+      if (b % 8 == 0)
+        for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int q = 0; q < 8; ++q) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
+        const __m256i uw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
+        for (int i = 0; i < mr; ++i) {
+          const __m256i a = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q))));
+          c[i] = _mm256_add_epi32(c[i], _mm256_madd_epi16(_mm256_maddubs_epi16(uw, _mm256_sign_epi8(a, w)), sc));
+        }
+      }
+      if (b % 8 == 7) {
+        const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(pb + 544));
+        for (int i = 0; i < mr; ++i)
+          f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[i]), _mm256_mul_ps(dv, _mm256_broadcast_ss(dx + i * nbx + b)), f[i]);
+      }
+    }
+  } else
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* pb = panel + b * qblk;
     const int8_t* xb = xq + b * 32;
@@ -2321,7 +2377,7 @@ void for_mr(int mr, F&& f) {
 void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
                int64_t n0, int64_t n1, float* y, int64_t ldy, int compute) {
 #if defined(IKJ_HAVE_Q8GEMM)
-  if (compute == QM_Q8) return gemm_rows_q8(xp, M, K, w, row_bytes, type, n0, n1, y, ldy);
+  if (compute == QM_Q8 || compute == QM_Q8K) return gemm_rows_q8(xp, M, K, w, row_bytes, type, n0, n1, y, ldy);
 #endif
   thread_local std::vector<float> buf, panel, ctile;
   thread_local std::vector<uint16_t> panel_bf;
@@ -2416,10 +2472,10 @@ void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t r
 size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out, int64_t t0 = 0, int64_t t1 = -1) {
   const int64_t tiles = (M + MR - 1) / MR, Kp = (K + 1) / 2;
 #if defined(IKJ_HAVE_Q8GEMM)
-  if (compute == QM_Q8) {  // the int8 prompt engine's x8 pack (rows of the tiles [t0, t1))
+  if (compute == QM_Q8 || compute == QM_Q8K) {  // the int8 prompt engine's x8 pack (rows of the tiles [t0, t1))
     if (!out) return x8_bytes(M, K);
     if (t1 < 0) t1 = tiles;
-    pack_x8(x, M, K, static_cast<uint8_t*>(out), std::min(M, t0 * MR), std::min(M, t1 * MR));
+    pack_x8(x, M, K, static_cast<uint8_t*>(out), std::min(M, t0 * MR), std::min(M, t1 * MR), compute == QM_Q8K);
     return 0;
   }
 #endif
@@ -2527,7 +2583,7 @@ int64_t qgemm_packed_min_rows() { return kGemmMinRows; }
 
 int qgemm_packed_compute(int type, int compute) {
 #if defined(IKJ_HAVE_Q8GEMM)
-  if (compute == QM_BF16 && q8gemm_type(type)) return QM_Q8;
+  if (compute == QM_BF16 && q8gemm_type(type)) return q8gemm_k256(type) ? QM_Q8K : QM_Q8;
 #endif
   (void)type;
   return compute;
@@ -2620,7 +2676,7 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
   // 18 units of 32 kept some threads idle half the time)
   int64_t unit = NR;
 #if defined(IKJ_HAVE_Q8GEMM)
-  if (compute == QM_Q8) {
+  if (compute == QM_Q8 || compute == QM_Q8K) {
     const int64_t nth = std::min(n_threads > 0 ? n_threads : ikj::available_cores(), ikj::available_cores());
     unit = std::max<int64_t>(NR, QUNIT);
     while (unit > NR && N < 3 * nth * unit) unit /= 2;

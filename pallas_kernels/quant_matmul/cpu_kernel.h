@@ -26,7 +26,9 @@
 //   IQ4_XS too.
 // - QM_Q8: internal to the packed API (never a caller's mode): what qgemm_packed_compute returns
 //   for QM_BF16 where the int8 prompt engine applies; x then packed as 8-bit blocks.
-enum QmCompute : int { QM_F32 = 0, QM_BF16 = 1, QM_Q8 = 2 };
+// - QM_Q8K: the same pack with one x scale per 256 values (Q8_K's grouping): avx2 IQ4_XS, whose
+//   block scales then go into the engine's vpmaddwd and its float work is once per super-block.
+enum QmCompute : int { QM_F32 = 0, QM_BF16 = 1, QM_Q8 = 2, QM_Q8K = 3 };
 
 // Whether `type` (ggml type id) has a C++ path at this level.
 IKJ_DECLARE(bool, quant_matmul_supported, (int type))
