@@ -214,7 +214,7 @@ def test_bf16_decode_nonfinite_x_propagates(isa, monkeypatch):
     calls (M = 5: the int8 prompt engine at avx512, bf16 elsewhere)."""
     monkeypatch.setenv("IKJAX_CPU_ISA", isa)
     rng = np.random.default_rng(5)
-    for name in ("Q8_0", "Q4_0", "Q5_1"):
+    for name in ("Q8_0", "Q4_0", "Q5_1", "Q4_K", "IQ4_XS"):  # (the last two: x per 256 at avx2)
         w = _weights(name, 7, 256, rng)
         for bad in (np.nan, np.inf):
             for M in (2, 5):

@@ -1170,6 +1170,32 @@ inline float q8_block_avx2(const float* xb, void* q, __m256i* s4) {
   return q8_block_avx2(xb, q, s4, hmax256(absmax32_avx2(xb)));
 }
 
+// Blocks [i0, i1) of x (32 floats each) into q (32 bytes each) in groups of g blocks sharing one
+// scale (g = 1: a scale per block; 8: per 256), each block's scale into d[i] (NaN for a whole group
+// where one block holds a NaN) and store(i, its scale, its s4) for what else the caller keeps.
+template <class Store>
+void q8_groups_avx2(const float* x, void* q, int64_t i0, int64_t i1, int64_t g, float* d, Store store) {
+  uint8_t* qb = static_cast<uint8_t*>(q);
+  for (int64_t j0 = i0; j0 < i1; j0 += g) {
+    float amax = 0.f;
+    if (g > 1) {
+      __m256 a = absmax32_avx2(x + j0 * 32);
+      for (int64_t j = 1; j < g; ++j) a = _mm256_max_ps(a, absmax32_avx2(x + (j0 + j) * 32));
+      amax = hmax256(a);
+    }
+    bool nan = false;
+    for (int64_t i = j0; i < j0 + g; ++i) {
+      __m256i s4;
+      const float di = g > 1 ? q8_block_avx2(x + i * 32, qb + i * 32, &s4, amax) : q8_block_avx2(x + i * 32, qb + i * 32, &s4);
+      nan |= di != di;
+      d[i] = di;
+      store(i, di, s4);
+    }
+    if (nan)
+      for (int64_t i = j0; i < j0 + g; ++i) d[i] = std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
 // x for the int8 decode: blocks of 32, each with its own scale; for the K-quants and IQ4_XS
 // (decode_kqa) one scale per super-block of 256 (Q8_K's grouping: the 8 blocks' int32 sums then add
 // up before one convert and FMA), d[] repeating it for each of the 8 blocks (NaN for all 8 when one
@@ -1184,30 +1210,14 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
   if (half_sums && static_cast<int64_t>(o.ds16.size()) < 2 * M * nb) o.ds16.resize(2 * M * nb);
   const __m256i moff = _mm256_set1_epi32(-offset);
   const int64_t g = kq8_type(type) && nb % 8 == 0 ? 8 : 1;  // blocks sharing a scale (rows hold whole groups)
-  for (int64_t i0 = 0; i0 < M * nb; i0 += g) {
-    float amax = 0.f;
-    if (g > 1) {
-      __m256 a = absmax32_avx2(x + i0 * 32);
-      for (int64_t j = 1; j < g; ++j) a = _mm256_max_ps(a, absmax32_avx2(x + (i0 + j) * 32));
-      amax = hmax256(a);
+  q8_groups_avx2(x, o.q.data(), 0, M * nb, g, o.d.data(), [&](int64_t i, float d, __m256i s4) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.corr.data() + i * 8), _mm256_mullo_epi32(s4, moff));
+    o.ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));  // exact: |sum| <= 4064
+    if (half_sums) {  // s4's lanes 0-3 cover values 0-15, 4-7 values 16-31
+      o.ds16[2 * i] = d * hsum128(_mm_cvtepi32_ps(_mm256_castsi256_si128(s4)));
+      o.ds16[2 * i + 1] = d * hsum128(_mm_cvtepi32_ps(_mm256_extracti128_si256(s4, 1)));
     }
-    bool nan = false;
-    for (int64_t i = i0; i < i0 + g; ++i) {
-      __m256i s4;
-      const float d = g > 1 ? q8_block_avx2(x + i * 32, o.q.data() + i * 32, &s4, amax)
-                            : q8_block_avx2(x + i * 32, o.q.data() + i * 32, &s4);
-      nan |= d != d;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.corr.data() + i * 8), _mm256_mullo_epi32(s4, moff));
-      o.d[i] = d;
-      o.ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));  // exact: |sum| <= 4064
-      if (half_sums) {  // s4's lanes 0-3 cover values 0-15, 4-7 values 16-31
-        o.ds16[2 * i] = d * hsum128(_mm_cvtepi32_ps(_mm256_castsi256_si128(s4)));
-        o.ds16[2 * i + 1] = d * hsum128(_mm_cvtepi32_ps(_mm256_extracti128_si256(s4, 1)));
-      }
-    }
-    if (nan)
-      for (int64_t i = i0; i < i0 + g; ++i) o.d[i] = std::numeric_limits<float>::quiet_NaN();
-  }
+  });
 }
 
 // One block as 32 bytes in x's order: signed values for Q8_0 / IQ4_NL (sign trick), unsigned
@@ -2094,27 +2104,10 @@ inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (
 // one scale per block of 32, or (k256: QM_Q8K, K a multiple of 256) per 256 values, dx repeating it
 // for the super-block's 8 blocks (all NaN when one holds a NaN)
 void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1, bool k256 = false) {
-  const int64_t nb = K / 32, g = k256 ? 8 : 1;
-  float* dx = reinterpret_cast<float*>(out + x8_dx_offset(M, K));
+  const int64_t nb = K / 32;
   float* ds = reinterpret_cast<float*>(out + x8_ds_offset(M, K));
-  for (int64_t i0 = r0 * nb; i0 < r1 * nb; i0 += g) {
-    float amax = 0.f;
-    if (g > 1) {
-      __m256 a = absmax32_avx2(x + i0 * 32);
-      for (int64_t j = 1; j < g; ++j) a = _mm256_max_ps(a, absmax32_avx2(x + (i0 + j) * 32));
-      amax = hmax256(a);
-    }
-    bool nan = false;
-    for (int64_t i = i0; i < i0 + g; ++i) {
-      __m256i s4;
-      const float d = g > 1 ? q8_block_avx2(x + i * 32, out + i * 32, &s4, amax) : q8_block_avx2(x + i * 32, out + i * 32, &s4);
-      nan |= d != d;
-      dx[i] = d;
-      ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));
-    }
-    if (nan)
-      for (int64_t i = i0; i < i0 + g; ++i) dx[i] = std::numeric_limits<float>::quiet_NaN();
-  }
+  q8_groups_avx2(x, out, r0 * nb, r1 * nb, k256 ? 8 : 1, reinterpret_cast<float*>(out + x8_dx_offset(M, K)),
+                 [&](int64_t i, float d, __m256i s4) { ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4)); });
 }
 
 // Weight rows [p0, p0 + nr) (nr <= QNR; missing rows zero) of nb blocks into the panel layout.
