@@ -89,30 +89,49 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, cores))
 
 
-# Files sent to the workers first, longest first (seconds on a quiet 2-core box, serial run): with
-# the long files at the end of the queue one worker would finish them alone while the other waits.
-# A file not named here keeps its place after these; the order is only a schedule, nothing in a
-# file depends on another having run.
+# Files sent to the workers first, longest first (seconds per file in a default run on this
+# workplace's 2-core box, 2 workers, ordered by what each file took there): with the long files at
+# the end of the queue one worker would finish them alone while the other waits. A file not named
+# here keeps its place after these; the order is only a schedule, nothing in a file depends on
+# another having run.
 LONG_FILES = (
-    "test_multi_device.py",      # 4 and 8 fake devices, one subprocess each (~130 s)
+    "test_multi_device.py",      # 4 and 8 fake devices, one subprocess each
     "test_engine.py",
-    "test_multi_host.py",        # two processes per check
-    "test_multi_device_decode.py",
-    "test_layer_groups.py",
-    "test_modes.py",
-    "test_perplexity.py",
-    "test_model_families.py",
-    "test_serve.py",
-    "test_model_kernels.py",
-    "test_real_geometry.py",
-    "test_expert_stats.py",
-    "test_kernels_moe.py",
-    "test_cpu_mla.py",
     "test_cpu_quant_matmul.py",
-    "test_stored_steps.py",
-    "test_cache_sequence.py",
+    "test_fixtures.py",
+    "test_modes.py",
+    "test_cpu_mla.py",
+    "test_model_families.py",
+    "test_sweep_bench.py",
+    "test_perplexity.py",
+    "test_layer_groups.py",
+    "test_kernels_quant_matmul.py",
+    "test_kernels_moe.py",
     "test_batch_consistency.py",
     "test_moe.py",
+    "test_cpu_moe.py",
+    "test_quant.py",
+    "test_host_stream.py",
+    "test_fuzz.py",
+    "test_multi_host.py",        # two processes per check
+    "test_expert_stats.py",
+    "test_compile_cache.py",
+    "test_surfaces.py",
+    "test_serve.py",
+    "test_placement.py",
+    "test_stored_steps.py",
+    "test_kernels_mla.py",
+    "test_scheduler.py",
+    "test_multi_device_decode.py",
+    "test_real_geometry.py",
+    "test_model_kernels.py",
+    "test_batch_invariance.py",
+    "test_synthetic.py",
+    "test_faults.py",
+    "test_cli.py",
+    "test_chat_cli.py",
+    "test_text_api.py",
+    "test_cache_sequence.py",
 )
 
 

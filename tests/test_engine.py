@@ -36,17 +36,17 @@ def hf_v3(tmp_path_factory):
     model, cfg, sd = make_model("v3", seed=11)
     path = tmp_path_factory.mktemp("gen") / "v3-F32.gguf"
     write_deepseek2_gguf(path, cfg, sd, layout="all", qtype="F32")
-    return model, str(path)
-
-
-@pytest.mark.parametrize("mla,fa", [(0, False), (3, True)])
-def test_greedy_generate_matches_transformers(hf_v3, mla, fa):
-    model, path = hf_v3
+    # transformers' greedy continuation, once for the modes below
     prompt = np.random.default_rng(1).integers(2, 500, 40)
     with torch.no_grad():
         hf = model.generate(torch.tensor(prompt[None]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                             pad_token_id=0)
-    want = hf[0, len(prompt):].tolist()
+    return prompt, hf[0, len(prompt):].tolist(), str(path)
+
+
+@pytest.mark.parametrize("mla,fa", [(0, False), (3, True)])
+def test_greedy_generate_matches_transformers(hf_v3, mla, fa):
+    prompt, want, path = hf_v3
     eng = ikjax.load(path, mla=mla, fa=fa, ctk="f32", ubatch=16)
     got = list(eng.generate(prompt, 20, stop=()))
     # EOS (id 1) would stop us early: transformers was told to ignore it, so compare up to there
