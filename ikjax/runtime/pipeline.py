@@ -19,7 +19,7 @@ from jax.sharding import SingleDeviceSharding
 
 from ikjax import env, ops
 from ikjax.model import cache as kvcache
-from ikjax.model.deepseek2 import embed, output_head, run_layers
+from ikjax.model.deepseek2 import embed, output_head, run_layers, trims_last_layer
 from ikjax.placement.devices import jax_devices
 from ikjax.runtime.sampling import sample_device
 
@@ -29,9 +29,12 @@ def _stage(weights, cache, x, start, last, *, cfg, plan, embed_in: bool, head_ou
     with ops.kernel_context(plan.backend, plan.threads, seq_tokens=x.shape[1]):  # x: tokens [B,T] or [B,T,d]
         if embed_in:
             x = embed(weights["token_embd"], x)
-        x, cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=last)
+        # the head's stage holds the model's last layer: trimmed as one device trims it
+        # (deepseek2.trims_last_layer), so -sm layer gives one device's bits
+        trim = head_out and bool(weights["groups"]) and trims_last_layer(plan, x.shape[1])
+        x, cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=last, trim_last=trim)
         if head_out:
-            x = output_head(weights, x, last, cfg=cfg, plan=plan)
+            x = output_head(weights, x, jnp.zeros_like(last) if trim else last, cfg=cfg, plan=plan)
     return x, cache
 
 
