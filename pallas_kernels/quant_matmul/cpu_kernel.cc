@@ -1526,7 +1526,7 @@ void decode_kqa(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_
     for (int64_t sb = 0; sb < nsb; ++sb) {
       kq_unpack<type>(wr + sb * bs, kb);
       // x's one scale per super-block (quantize_x8): the 8 blocks' int32 sums add up exactly
-      // (|sum| < 2^25 for every type) before one convert and one FMA by d * dx
+      // (|sum| < 2^24 for every type) before one convert and one FMA by d * dx
       __m256i is[MM];
       for (int m = 0; m < MM; ++m) is[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
