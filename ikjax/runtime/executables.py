@@ -26,7 +26,8 @@ from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.options import RunOptions
 from ikjax.runtime import compile_cache
 from ikjax.runtime.generation import decode_steps
-from ikjax.runtime.memory_plan import MemoryPlan, charge_compile, check_fits, process_memory, release_freed_memory
+from ikjax.runtime.memory_plan import (MemoryPlan, charge_compile, check_fits, process_memory, release_freed_memory,
+                                       settle_compile)
 
 log = logging.getLogger("ikjax")
 
@@ -171,8 +172,12 @@ class Executables:
                 exe = self.table[key] = StoredStep(self, key, weights, exe, stored[0])
         if self.executor.on_cpu_only:
             # the compiler's freed memory back before the steps run beside the weights; after the
-            # plan charged the compile what it grew by, which is the peak the compile reached
+            # plan charged the compile what it grew by, which is the peak the compile reached (what
+            # the release hands back is then its working memory: settle_compile)
+            peak = process_memory()
             release_freed_memory()
+            with self._lock:
+                self.memory = settle_compile(self.memory, peak, process_memory())
         return exe
 
     def precompile(self, weights, B: int, T: int, plan: StepPlan, decode: tuple | None = None) -> float:
