@@ -12,21 +12,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant_matmul.kernel import chain_sum, quant_matmul_experts
+from pallas_kernels.moe_matmul.reference import combine_slots, slot_rank
+from pallas_kernels.quant_matmul.kernel import quant_matmul_experts
 from pallas_kernels.quant_matmul.packing import PackedWeight
-
-
-def slot_rank(order):
-    """The inverse of the permutation `order`: where each slot landed in the sorted order."""
-    A = order.shape[0]
-    return jnp.zeros(A, jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32))
-
-
-def _combine(y, w):
-    # each token's k weighted outputs added in slot order (f32), not a batched dot or a reduction,
-    # whose algorithm and order XLA picks by the whole shape: a token's sum must not depend on
-    # how many tokens came with it (chain_sum)
-    return chain_sum(jnp.moveaxis(y * w[..., None], 1, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "row_invariant"))
@@ -42,7 +30,7 @@ def moe_experts_gather(x, w, ids, gate: PackedWeight, up: PackedWeight, down: Pa
                              split_rows=split_rows)
     y = quant_matmul_experts(h.astype(dtype), (down,), e, dtype, tile_rows=1, interpret=interpret, layer=layer,
                              split_rows=split_rows)
-    return _combine(y.reshape(N, k, -1), w)
+    return combine_slots(y.reshape(N, k, -1), w)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "bm"))
@@ -75,7 +63,7 @@ def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: P
     # back to token order by a gather, then each token's k outputs added in slot order: a
     # scatter-add (`.at[tok].add`) runs as atomics on a GPU, whose order changes from run to
     # run, so the same prompt would leave other KV bits in the cache on every run
-    return _combine(y[dest[slot_rank(order)]].reshape(N, k, -1), w)
+    return combine_slots(y[dest[slot_rank(order)]].reshape(N, k, -1), w)
 
 
 def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False, layer=None,

@@ -58,11 +58,22 @@ def moe_experts_grouped_ref(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, fu
         g, u = rdot(xs, gate.dequantize(dtype)), rdot(xs, up.dequantize(dtype))
     h = (jax.nn.silu(g) * u).astype(dtype)
     y = rdot(h, down.dequantize(dtype))
-    # token order by a gather (no scatter-add: atomics on a GPU add in a different order each run),
-    # each token's k outputs added in slot order
-    back = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
-    yt = y[back].reshape(N, k, -1) * w[..., None]
-    out = yt[:, 0]
-    for j in range(1, k):
-        out = out + yt[:, j]
+    # token order by a gather (no scatter-add: atomics on a GPU add in a different order each run)
+    return combine_slots(y[slot_rank(order)].reshape(N, k, -1), w)
+
+
+def slot_rank(order):
+    """The inverse of the permutation `order`: where each slot landed in the sorted order."""
+    A = order.shape[0]
+    return jnp.zeros(A, jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32))
+
+
+def combine_slots(y, w):
+    """y [N, k, d] f32, w [N, k] -> each token's k weighted outputs added in slot order, term by
+    term (elementwise), not a batched dot or a reduction, whose algorithm and order XLA picks by
+    the whole shape: a token's sum must not depend on how many tokens came with it."""
+    yw = y * w[..., None]
+    out = yw[:, 0]
+    for j in range(1, y.shape[1]):
+        out = out + yw[:, j]
     return out
