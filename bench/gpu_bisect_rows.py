@@ -93,6 +93,8 @@ def main() -> None:
         plan = eng._plan(eng.kv_bucket(int(starts.max()) + 1, 1), False, 1)
         last = np.zeros(B, np.int32)
 
+        names: list[str] = []  # the taps' names, filled while tracing
+
         def f(w, c, t, s, l_):
             TAPS.clear()
             ON[0] = True
@@ -100,17 +102,10 @@ def main() -> None:
                 logits, _ = deepseek2.forward(w, c, t, s, l_, cfg=eng.config, plan=plan)
             finally:
                 ON[0] = False
-            names = [n for n, _ in TAPS]
-            return logits, [v for _, v in TAPS], names
-
-        names_box = []
-
-        def g(w, c, t, s, l_):
-            logits, vals, names = f(w, c, t, s, l_)
-            names_box.append(names)
-            return logits, vals
-        logits, vals = jax.jit(g)(eng.weights, cache, toks, starts, last)
-        return np.asarray(logits, np.float32), [np.asarray(v, np.float32) for v in vals], names_box[-1]
+            names[:] = [n for n, _ in TAPS]
+            return logits, [v for _, v in TAPS]
+        logits, vals = jax.jit(f)(eng.weights, cache, toks, starts, last)
+        return np.asarray(logits, np.float32), [np.asarray(v, np.float32) for v in vals], names
 
     L1, V1, N1 = run(sched._take_row(fresh(), 0), t8[:1], s8[:1])
     L8, V8, N8 = run(fresh(), t8, s8)
