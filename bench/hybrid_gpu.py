@@ -233,10 +233,12 @@ def _stream_anatomy(eng) -> None:
     bytes copied over PCIe, copy runs, against the whole layers' bytes."""
     from ikjax import ops
     from pallas_kernels.moe_matmul import host as moe_host
-    if ops.stream_mode() != "active" or not moe_host.available():
+    if not moe_host.available():
         return
     lay = [l for l in all_layers(eng.weights) if "gate_exps" in l]
     g, u, d = (lay[0][k] for k in ("gate_exps", "up_exps", "down_exps"))
+    if ops.stream_mode(2048, g.shape[0], eng.config.n_expert_used) != "active":
+        return
     slots = ops.stream_slots(g, u, d)
     E = g.shape[0]
     rounds = -(-E // slots)

@@ -43,8 +43,9 @@ _VARS = (
              "ikjax.model.groups"),
     Variable("IKJAX_TOPK", "rank", ("rank", "lax"),
              "router top-k form: `rank` (compare-and-count, fast at decode) or `lax.top_k`", "ikjax.model.moe"),
-    Variable("IKJAX_STREAM", "active", ("active", "layer"),
-             "host experts of a big batch: stream only the routed experts (ik's -ooae) or the whole layer",
+    Variable("IKJAX_STREAM", "auto", ("auto", "active", "layer"),
+             "host experts of a big batch: stream only the routed experts (ik's -ooae), the whole layer, or "
+             "`auto`: the whole layer once the batch's picks would touch nearly every expert (no `--gpu-experts`)",
              "ikjax.ops.moe"),
     Variable("IKJAX_STREAM_ORDER", "prev", ("prev", "self", "free"),
              "when a streamed layer's host-to-device copy may start (`IKJAX_STREAM=layer`)", "ikjax.ops.moe"),

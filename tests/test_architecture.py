@@ -120,12 +120,12 @@ def test_environment_read_in_one_place():
 def test_env_choice_refuses_a_bad_value(monkeypatch):
     from ikjax.errors import OptionError
     monkeypatch.setenv("IKJAX_STREAM", "sideways")
-    with pytest.raises(OptionError, match="IKJAX_STREAM must be one of active, layer"):
+    with pytest.raises(OptionError, match="IKJAX_STREAM must be one of auto, active, layer"):
         env.choice("IKJAX_STREAM")
     monkeypatch.setenv("IKJAX_STREAM", "LAYER")
     assert env.choice("IKJAX_STREAM") == "layer"
     monkeypatch.delenv("IKJAX_STREAM")
-    assert env.choice("IKJAX_STREAM") == "active"
+    assert env.choice("IKJAX_STREAM") == "auto"
 
 
 def test_readme_lists_every_variable():

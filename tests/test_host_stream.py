@@ -132,7 +132,7 @@ def test_release_pages_only_touches_mapped_bytes(tmp_path):
     np.testing.assert_array_equal(anon, payload)
 
 
-# -- IKJAX_STREAM=active (default): only the experts a batch routes to, in rounds -----------------
+# -- IKJAX_STREAM=active: only the experts a batch routes to, in rounds ----------------------------
 
 def _routed(n, seed=2, experts_used=None):
     """Routing over a subset of the experts (a batch rarely uses all of them) with some zero
@@ -196,6 +196,7 @@ def test_active_stream_in_step(experts, monkeypatch):
 
     monkeypatch.setattr(ops.moe, "_fetch_active", fake_fetch)
     monkeypatch.setattr(moe_host, "stream_supported", lambda *a: True)
+    monkeypatch.setenv("IKJAX_STREAM", "active")  # auto would take the whole layer: 200 x 2 picks >= 4 x 8
     per_expert = sum(t.nbytes for t in experts) // E
     monkeypatch.setenv("IKJAX_STREAM_MIB", str(3 * per_expert / 2**20))
     x, w, ids = _routed(200)
@@ -213,6 +214,7 @@ def test_active_stream_refuses_without_handler(experts, monkeypatch):
     from pallas_kernels.moe_matmul import host as moe_host
     x, w, ids = _inputs(200)
     host = [_pinned(t, 32) for t in experts]
+    monkeypatch.setenv("IKJAX_STREAM", "active")
     if not moe_host.available():
         with pytest.raises(OptionError, match="streaming host experts"):
             _two_layers()(x, w, ids, *host)
@@ -247,3 +249,17 @@ def test_rounds_run_only_while_experts_remain(experts, used, rounds):
     assert sorted(ran) == rounds
     ref = ops.moe_experts(x, w, ids, *experts, jnp.float32, backend="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_stream_auto_picks_by_coverage(monkeypatch):
+    """IKJAX_STREAM=auto (default): the whole layer once the batch's picks reach 4 per expert
+    (a trained router then leaves ~2 % of them untouched), the routed experts alone below that or
+    when --gpu-experts holds the hot ones; an explicit mode is kept whatever the batch."""
+    monkeypatch.delenv("IKJAX_STREAM", raising=False)
+    assert ops.stream_mode(128, 256, 8) == "layer"     # 1024 picks = 4 x 256
+    assert ops.stream_mode(127, 256, 8) == "active"
+    assert ops.stream_mode(2048, 256, 8, hot=True) == "active"
+    assert ops.stream_mode() == "active"
+    for m in ("active", "layer"):
+        monkeypatch.setenv("IKJAX_STREAM", m)
+        assert ops.stream_mode(1, 256, 8) == ops.stream_mode(8192, 256, 8, hot=True) == m

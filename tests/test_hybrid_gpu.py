@@ -155,11 +155,12 @@ def test_fixture_prompt_streams_experts(monkeypatch):
 
 @pytest.mark.parametrize("mib,dtype", [("1024", "f32"), ("0.01", "f32"), ("0.01", "bf16")])
 def test_active_stream_rounds(tiny4, monkeypatch, mib, dtype):
-    """IKJAX_STREAM=active (default): only the experts the prompt routes to cross PCIe, in one
+    """IKJAX_STREAM=active: only the experts the prompt routes to cross PCIe, in one
     round (1024 MiB) or one expert a round (0.01 MiB): the same logits as the all-GPU run, every
     copied byte accounted (copied experts x their blocks), never more experts than the batch uses;
     IKJAX_STREAM=layer (the whole layer) agrees too."""
     monkeypatch.setenv("IKJAX_STREAM_MIB", mib)
+    monkeypatch.setenv("IKJAX_STREAM", "active")
     tokens = (np.arange(STREAM_TOKENS) * 3 + 2) % 1000
     ref = ikjax.load(tiny4, ctx=512, ubatch=256, dtype=dtype).logits(tokens)
     eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype=dtype, ot="exps=CPU")

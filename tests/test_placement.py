@@ -351,17 +351,21 @@ def test_host_placement_keeps_logits_fixtures(name):
 def test_memory_plan_counts_the_stream_buffer(model4, monkeypatch):
     """Next to an accelerator, host experts streamed by big prompt steps take device memory: one
     round (IKJAX_STREAM_MIB of blocks, capped at a layer) twice (as stored + kernel layout) with
-    IKJAX_STREAM=active, two layers twice with =layer; none below ik's threshold or on a CPU."""
+    IKJAX_STREAM=active, two layers twice with =layer (and =auto, the default, at these batches
+    unless --gpu-experts holds hot experts); none below ik's threshold or on a CPU."""
     cfg, f = model4
     layer = max(sum(t.nbytes for n, t in f.tensors.items() if n.startswith(f"blk.{i}.") and "_exps" in n)
                 for i in range(cfg.n_layer))
     per_expert = layer // cfg.n_expert
 
-    def plan(ub, devices=ONE_GPU):
-        o = RunOptions.from_kwargs(ot="exps=CPU", ubatch=ub)
+    def plan(ub, devices=ONE_GPU, **kw):
+        o = RunOptions.from_kwargs(ot="exps=CPU", ubatch=ub, **kw)
         return plan_memory(cfg, o, placement=_place(model4, devices=devices, ot="exps=CPU", ubatch=ub))
 
     big = 32 * cfg.n_expert // cfg.n_expert_used  # ik's rule: the smallest batch that streams
+    assert plan(big).stream_buffer_bytes == 4 * layer  # auto: 32 picks an expert, the whole layer
+    assert plan(big, gpu_experts="2").stream_buffer_bytes == 2 * layer  # hot experts: the rest, by round
+    monkeypatch.setenv("IKJAX_STREAM", "active")
     assert plan(big).stream_buffer_bytes == 2 * layer
     assert plan(big - 1).stream_buffer_bytes == 0 and plan(big, CPU_ONLY).stream_buffer_bytes == 0
     monkeypatch.setenv("IKJAX_STREAM_MIB", str(3 * per_expert / 2**20))

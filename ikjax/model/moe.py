@@ -157,7 +157,7 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
         out = ops.moe_experts(x, jnp.where(on, w, 0.0), jnp.where(on, s, 0), hot["gate"], hot["up"], hot["down"],
                               dtype, fused=fused)
         out = out + ops.moe_experts(x, jnp.where(on, 0.0, w), ids, layer["gate_exps"], layer["up_exps"],
-                                    layer["down_exps"], dtype, fused=fused)
+                                    layer["down_exps"], dtype, fused=fused, hot=True)
     else:
         out = ops.moe_experts(x, w, ids, layer["gate_exps"], layer["up_exps"], layer["down_exps"], dtype,
                               fused=fused)

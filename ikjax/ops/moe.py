@@ -105,14 +105,32 @@ def _stream_order() -> str:
     return env.choice("IKJAX_STREAM_ORDER")
 
 
-# IKJAX_STREAM: how a big batch moves host-resident experts to the GPU. "active" (default, ik's
-# -ooae): only the experts the batch routes to, in rounds of IKJAX_STREAM_MIB (512) MiB of blocks;
-# "layer": every expert of the layer, the whole tensors in one host-to-device transfer.
-STREAM_MODES = ("active", "layer")
+# IKJAX_STREAM: how a big batch moves host-resident experts to the GPU. "active" (ik's -ooae):
+# only the experts the batch routes to, in rounds of IKJAX_STREAM_MIB (512) MiB of blocks; "layer":
+# every expert of the layer, the whole tensors in one host-to-device transfer; "auto" (default):
+# "layer" where the batch's picks would touch nearly every expert anyway, else "active".
+STREAM_MODES = ("auto", "active", "layer")
+
+# auto: the whole layer from n_tokens * n_expert_used >= LAYER_PICKS * n_expert. Picks spread as a
+# trained router's leave about exp(-LAYER_PICKS) of the experts untouched (1.8 % at 4), so "active"
+# would copy nearly the same bytes, but in rounds that each wait for the routing on the host
+# (a stream sync) and copy on the compute stream; the whole layer's copy needs no ids, so XLA starts
+# it while the layer before computes (IKJAX_STREAM_ORDER=prev). Measured on an H200 with the
+# realistically routed 8-layer R1 at -ub 2048: 2858 vs 2191 t/s (bench/RESULTS.md §24b).
+LAYER_PICKS = 4
 
 
-def stream_mode() -> str:
-    return env.choice("IKJAX_STREAM")
+def stream_mode(n_tokens: int | None = None, n_expert: int = 0, n_expert_used: int = 0, *,
+                hot: bool = False) -> str:
+    """The streaming form for a batch of `n_tokens` ("active" or "layer"; IKJAX_STREAM unless it
+    says auto). `hot`: some of the layer's experts have GPU copies (--gpu-experts) and the batch
+    streams only the rest: "active" then, as the layer's whole tensors would bring the hot ones too."""
+    m = env.choice("IKJAX_STREAM")
+    if m != "auto":
+        return m
+    if hot or n_tokens is None or not n_expert:
+        return "active"
+    return "layer" if n_tokens * n_expert_used >= LAYER_PICKS * n_expert else "active"
 
 
 def stream_slots(gate, up, down) -> int:
@@ -177,15 +195,15 @@ def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fus
     return out
 
 
-def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend):
+def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=False):
     """Host-resident (pinned) experts, big batches (ik's rule, `HostQuantArray.runs_on`): the GPU
     implementation the all-GPU run would pick computes them after they cross PCIe inside the step.
     IKJAX_STREAM=active (default): only the experts this batch routes to, a round at a time
     (`moe_rounds` + the `ikjax_stream_experts` custom call, which waits for the ids); =layer: the
     whole layer's tensors, whose copy may start when `IKJAX_STREAM_ORDER` says (an optimization
     barrier ties the host parameter to an earlier activation, so the transfer cannot be hoisted to
-    the start of the step); XLA frees them after the layer."""
-    if stream_mode() == "active":
+    the start of the step); XLA frees them after the layer; =auto: `stream_mode`'s rule."""
+    if stream_mode(ids.shape[0], gate.shape[0], ids.shape[1], hot=hot) == "active":
         from pallas_kernels.moe_matmul import host as moe_host
         if not moe_host.stream_supported(gate, up, down):
             raise OptionError(f"ot: streaming host experts to the GPU: "
@@ -215,16 +233,18 @@ def _fetch_active(weights, ids, r, *, gate, up, down, slots):
     return moe_host.stream_experts(weights, ids, gate, up, down, slots=slots, round=r)
 
 
-def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, backend: str | None = None):
+def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, backend: str | None = None,
+                hot: bool = False):
     """Routed experts of N tokens: sum_j weights[n,j] * down_e(silu(gate_e x) * up_e x), e = ids[n,j].
     The kernels always fuse gate and up; `fused` only changes the XLA form (ik's -fmoe).
     Host-resident experts (`-ot exps=CPU` next to a GPU) take the `host` implementation, or, for a
-    batch where `ikjax.placement.rules.runs_on` says "device" and the experts are pinned, `stream:<impl>`."""
+    batch where `ikjax.placement.rules.runs_on` says "device" and the experts are pinned, `stream:<impl>`
+    (`hot`: the layer's most used experts have GPU copies and these picks are the rest: see `stream_mode`)."""
     if any(is_host_resident(t) for t in (gate, up, down)):
         N, k = ids.shape
         if all(is_host_resident(t) and t.streamable and t.runs_on(N, gate.shape[0], k) == "device"
                for t in (gate, up, down)):
-            return _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend)
+            return _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot)
         return _moe_host(x, weights, ids, gate, up, down, dtype)
     impls = {
         "xla": registry.Impl(lambda *a: True, _moe_xla),

@@ -359,14 +359,15 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
                       placement.host_bytes, device_weights=tuple(placement.device_bytes().items()),
                       unified=placement.unified, device_kv=kv_per_device(placement, layout),
                       split_mode=placement.split_mode,
-                      stream_buffer_bytes=stream_buffer(placement, o.ubatch))
+                      stream_buffer_bytes=stream_buffer(placement, o.ubatch, hot=bool(o.gpu_experts)))
 
 
-def stream_buffer(placement: Placement, ubatch: int) -> int:
+def stream_buffer(placement: Placement, ubatch: int, hot: bool = False) -> int:
     """Device bytes of host-resident tensors in flight: any non-expert one while its op runs, and
     routed experts during a prompt step that streams them (ik's rule: ubatch x n_expert_used >= min_offload_batch x n_expert; ikjax.kernels
     `_moe_stream`): IKJAX_STREAM=active holds one round (IKJAX_STREAM_MIB of raw blocks, at most a
-    layer) as stored plus in the kernels' layout; =layer two layers' tensors, both forms."""
+    layer) as stored plus in the kernels' layout; =layer two layers' tensors, both forms; =auto
+    whichever `ops.stream_mode` picks for a batch of `ubatch` (`hot`: --gpu-experts is given)."""
     if placement.unified:
         return 0
     # any other host-placed tensor is moved to the device by every step that reads it
@@ -385,7 +386,7 @@ def stream_buffer(placement: Placement, ubatch: int) -> int:
     if not per_layer:
         return transient
     layer = max(per_layer.values())
-    if ops.stream_mode() == "layer":
+    if ops.stream_mode(ubatch, placement.n_expert, placement.n_expert_used, hot=hot) == "layer":
         return transient + 2 * 2 * layer
     per_expert = layer // placement.n_expert
     return transient + 2 * ops.stream_slots_for(per_expert, placement.n_expert) * per_expert
