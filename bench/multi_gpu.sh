@@ -11,7 +11,7 @@
 #        IKJAX_PIPELINE_MB=1, prompts without micro-batches in flight; v2l_step: -sm layer / graph
 #        with IKJAX_DECODE_LOOP=0, one token per dispatch, the path before the loop);
 #   r1:  the R1 shape cut to R1_LAYERS (16) layers (80.5 GiB), the same runs, plus
-#        -ot exps=CPU -sm graph (-c OT_CTX 4096 -n OT_TG 32: its prompts run on the host CPU);
+#        -ot exps=CPU -sm graph and -sm layer (-c OT_CTX 4096 -n OT_TG 32);
 #   fix: bench/multi_gpu_fixtures.py, the fixtures at f32 on 2- and 4-GPU meshes.
 # Per-GPU memory (nvidia-smi every 0.5 s, only while a run is alone on a GPU) and the memory plan
 # of every run; for -sm graph the collectives of each compiled step (XLA's optimized HLO, dumped
@@ -22,7 +22,7 @@
 #   PARTS="r1_graph4 r1_ot_graph4" bash bench/multi_gpu.sh   # a second call: parts or single runs
 # PARTS: v2l, r1, fix, v2l_cmdbuf, v2l_mb1, v2l_step and/or run names (v2l_gpu1 v2l_layer2 v2l_layer4
 # v2l_graph2 v2l_graph4 v2l_graph2_cmdbuf v2l_layer2_mb1 v2l_layer2_step ... r1_layer2 r1_layer4 r1_gpu1 r1_graph4
-# r1_graph2 r1_ot_graph4); the log's last line names the
+# r1_graph2 r1_ot_graph4 r1_ot_layer4); the log's last line names the
 # runs the deadline left out. A second call on the same warm machine reuses the model files
 # (/tmp/mg) and the compiled steps (JAX's persistent cache under ~/.cache/ikjax).
 #
@@ -383,6 +383,8 @@ ALL += [Config("r1", "r1_gpu1", [0], [], R1_CTX, R1_TG, True, 200, 50)]
 ALL += [Config("r1", f"r1_graph{m}", list(range(m)), ["-sm", "graph"], R1_GCTX, GTG, True, 200, 60)
         for m in reversed(MESHES)]
 ALL += [Config("r1", f"r1_ot_graph{NG}", list(range(NG)), ["-ot", "exps=CPU", "-sm", "graph", "-t", HOST_T],
+               OT_CTX, OT_TG, True, 200, 60)]
+ALL += [Config("r1", f"r1_ot_layer{NG}", list(range(NG)), ["-ot", "exps=CPU", "-sm", "layer", "-t", HOST_T],
                OT_CTX, OT_TG, True, 200, 60)]
 # PARTS names a model (all its runs) or single runs (e.g. PARTS="r1_graph4 r1_graph2")
 CONFIGS: list[Config] = [c for c in ALL if c.model in PARTS or c.name in PARTS] + \

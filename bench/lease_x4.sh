@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Issues 24 and 25 beside ik_llama.cpp on one 4-GPU lease (nvidia-h100-x4 / nvidia-h200-x4), in
+# three calls on the same warm machine (each under 10 minutes; the machine stays between them):
+#   STAGE=1: install; start ik_llama.cpp's CUDA build in the background (bench/gpu_ik_build.sh,
+#            nice'd, most cores); write the 8-layer R1 (issue 24) in the background; the R1 of
+#            R1_LAYERS (16) layers on 2 and 4 GPUs under -sm layer / graph (bench/multi_gpu.sh).
+#   STAGE=2: issue 24's ikjax runs on GPU 0 (bench/gpu_hybrid_r1.sh: auto stream, the old active
+#            form, -ub 4096 / 8192, hot experts), then R1 -ot exps=CPU under both split modes.
+#   STAGE=3: ik_llama.cpp on the same files and flags: the R1 split rows and the hybrid rows.
+# Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
+#   STAGE=1 bash bench/lease_x4.sh      results under $OUT
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/lease_out}
+mkdir -p "$OUT"
+export CUDA_DEVICE_ORDER=PCI_BUS_ID XLA_PYTHON_CLIENT_PREALLOCATE=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STAGE=${STAGE:-1}
+T0=$(date +%s)
+el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+ikprog() {
+  if [ -f /tmp/ikc/build.log ]; then
+    el "ik build: $(grep -o '^\[[0-9]*/[0-9]*\]' /tmp/ikc/build.log | tail -1) $(grep BUILD_DONE /tmp/ikc/build.log)"
+  else el "ik build: not started"; fi
+}
+if [ ! -f /tmp/lease_installed ]; then
+  python3 -m pip install -q --no-index --no-deps .whl/gguf-*.whl .whl/prometheus_client-*.whl || exit 1
+  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 \
+    || { tail -30 "$OUT/install.log"; exit 1; }
+  python3 -c "import pallas_kernels._cuda_host" || { echo "no CUDA host handler"; exit 1; }
+  touch /tmp/lease_installed
+  el "installed"
+fi
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+el "$(nproc) cores; $(lscpu | grep 'Model name' | sed 's/ \+/ /g'); $(lscpu | grep -o -E 'amx_[a-z0-9]+' | sort -u | tr '\n' ' ')"
+ikprog
+
+case $STAGE in
+1)
+  [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh "${IK_JOBS:-44}"
+  if [ ! -f /tmp/r1-8.gguf ] && [ ! -f /tmp/r1-8.started ]; then
+    touch /tmp/r1-8.started
+    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/r1-8.tmp.gguf --preset r1 --layers 8 --type Q4_0 \
+      > /tmp/r1-8.log 2>&1 && mv /tmp/r1-8.tmp.gguf /tmp/r1-8.gguf" > /dev/null 2>&1 < /dev/null &
+  fi
+  OUT=$OUT/mg1 PARTS=${PARTS1:-"r1_layer4 r1_graph4 r1_layer2 r1_graph2"} DEADLINE=${DEADLINE:-500} BUILD_CUDA=0 \
+    MG_NO_INSTALL=1 MG_WORK=/tmp/mg bash bench/multi_gpu.sh 2>&1 | tail -40
+  ;;
+2)
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt 200 ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail /tmp/r1-8.log; exit 1; }
+  OUT=$OUT/hyb HYB_GPU=0 timeout ${HYB_BUDGET:-360} bash bench/gpu_hybrid_r1.sh \
+    "${PARTS2:-ikjax-default ikjax-ub8192 ikjax-active ikjax-ub4096}" 2>&1 | tail -60
+  left=$(( ${DEADLINE:-540} - ($(date +%s) - T0) ))
+  if [ $left -gt 120 ]; then
+    OUT=$OUT/mg2 PARTS=${PARTS2MG:-"r1_ot_layer4 r1_ot_graph4"} DEADLINE=$left BUILD_CUDA=0 MG_NO_INSTALL=1 \
+      MG_WORK=/tmp/mg bash bench/multi_gpu.sh 2>&1 | tail -30
+  fi
+  ;;
+3)
+  IK=/tmp/ikc/build/bin
+  [ -x $IK/llama-sweep-bench ] || { tail -5 /tmp/ikc/build.log; exit 1; }
+  R1=$(ls /tmp/mg/r1*.gguf | head -1)
+  ikr() {  # ikr LABEL GPUS ARGS...: one ik sweep on these GPUs, its table
+    local label=$1 gpus=$2; shift 2
+    el "ik $label"
+    CUDA_VISIBLE_DEVICES=$gpus timeout ${IK_RUN_S:-150} $IK/llama-sweep-bench -m "$R1" -ngl 99 -mla 3 -fa on "$@" \
+      > "$OUT/ik_$label.out" 2> "$OUT/ik_$label.err"; echo "rc $?" >> "$OUT/ik_$label.out"
+    grep '^|' "$OUT/ik_$label.out"; grep -i -E 'error|failed|CUDA0 buffer|model buffer' "$OUT/ik_$label.err" | head -4
+  }
+  for run in ${IK_RUNS:-hyb layer4 graph4 layer2 graph2}; do
+    [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-500} ] || { el "deadline: not run: $run"; continue; }
+    case $run in
+      hyb) OUT=$OUT/hyb3 HYB_GPU=0 IK=$IK timeout 200 bash bench/gpu_hybrid_r1.sh "${IK_HYB:-ik-ooae ik-ub4096}" 2>&1 | grep -v '^$' | tail -30 ;;
+      layer4) ikr layer4 0,1,2,3 -c 16384 -ub 2048 -n 128 -sm layer ;;
+      graph4) ikr graph4 0,1,2,3 -c 16384 -ub 2048 -n 128 -sm graph ;;
+      layer2) ikr layer2 2,3 -c 16384 -ub 2048 -n 128 -sm layer ;;
+      graph2) ikr graph2 0,1 -c 16384 -ub 2048 -n 128 -sm graph ;;
+      ot_layer4) ikr ot_layer4 0,1,2,3 -c 4096 -ub 2048 -n 32 -sm layer -ot exps=CPU -t 16 ;;
+    esac
+  done
+  ;;
+esac
+ikprog
+el "stage $STAGE done"
