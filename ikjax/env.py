@@ -83,7 +83,7 @@ _VARS = (
              "ikjax.tools.synthetic"),
     Variable("IKJAX_DEBUG", "", (), "any value: the CLI prints a traceback instead of the one-line error",
              "ikjax.cli"),
-    Variable("IKJAX_CPU_ISA", "", ("generic", "avx2", "avx512"),
+    Variable("IKJAX_CPU_ISA", "", ("generic", "avx2", "avx512", "amx"),
              "cap the C++ kernels' instruction-set level (read by the C++ runtime per call)",
              "pallas_kernels/cpu/runtime.cc"),
     Variable("IKJAX_SPIN", "", (), "microseconds a C++ pool worker spins before sleeping (read once)",

@@ -59,14 +59,14 @@ X8_PROMPT_KQ_AVX2 = {"Q4_K", "Q5_K", "IQ4_XS"}
 def _is_x8(name, M, compute):
     """Whether this call takes 8-bit activations at the current level (module doc)."""
     if compute == "bf16" and name in X8_KQ_TYPES:
-        if M >= 4:
-            return _cpu.isa() == "avx2" and name in X8_PROMPT_KQ_AVX2
-        return _cpu.isa() in ("avx2", "avx512")
+        if M >= 4:  # the amx level's engine takes them too (tests/test_cpu_amx.py)
+            return _cpu.isa() in ("avx2", "amx") and name in X8_PROMPT_KQ_AVX2
+        return _cpu.isa() in ("avx2", "avx512", "amx")
     if compute != "bf16" or name not in X8_TYPES:
         return False
     if M < 4:
-        return _cpu.isa() in ("avx2", "avx512")
-    return _cpu.isa() in ("avx2", "avx512") and name in X8_PROMPT_TYPES
+        return _cpu.isa() in ("avx2", "avx512", "amx")
+    return _cpu.isa() in ("avx2", "avx512", "amx") and name in X8_PROMPT_TYPES
 
 
 def _x8_group(name, M):
@@ -328,7 +328,7 @@ def test_x8_decode_tolerance_on_dense_fixture(isa, ub, monkeypatch):
     assert rel_err(fast, ref) <= 6e-2 and rel_err(fast, exact) > 1e-2, (rel_err(fast, ref), rel_err(fast, exact))
 
 
-@pytest.mark.parametrize("cap", ["", "generic", "avx2", "avx512"])
+@pytest.mark.parametrize("cap", ["", "generic", "avx2", "avx512", "amx"])
 def test_isa_report_names_the_level_and_why(cap, monkeypatch):
     """`ikjax info`'s "cpu kernels" line (issue 26): the level that runs (what the dispatch uses,
     _cpu.isa()), why (IKJAX_CPU_ISA's cap, or the features a higher compiled-in level needs that the
@@ -344,7 +344,7 @@ def test_isa_report_names_the_level_and_why(cap, monkeypatch):
     rep = _cpu.isa_report()
     assert rep.startswith(level + " ("), rep
     assert ("capped by IKJAX_CPU_ISA=" + cap in rep) == (level != best), rep
-    if level == best and best != "avx512" and best != "generic":
+    if level == best and best not in ("avx512", "amx", "generic"):
         assert "avx512 compiled in, CPU lacks avx512" in rep, rep  # x86 builds compile every level
     assert ("int8 decode and prompt products" in rep) == (level != "generic"), rep
     res = CliRunner().invoke(app, ["info", "synthetic:tiny"])

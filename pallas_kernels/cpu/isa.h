@@ -2,14 +2,17 @@
 //
 // Each kernel source is compiled once per level into namespace ikj_<level> (CMakeLists.txt); an
 // FFI handler calls IKJ_DISPATCH(fn)(args...) to reach the best level this CPU runs. The choice
-// can be capped with IKJAX_CPU_ISA=generic|avx2|avx512 (tests run every level on one machine).
+// can be capped with IKJAX_CPU_ISA=generic|avx2|avx512|amx (tests run every level on one machine).
+// amx is the avx512 level plus AMX int8 tiles for prompt-sized int8 products (quant_matmul/cpu_amx.h);
+// it needs the CPU's AMX-TILE and AMX-INT8 and the Linux kernel's permission for the tile data
+// state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once, before any tile is used).
 #pragma once
 
 #include <string>
 
 namespace ikj {
 
-enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
+enum class Isa { generic = 0, avx2 = 1, avx512 = 2, amx = 3 };
 
 // Best level both compiled in and supported by this CPU, capped by IKJAX_CPU_ISA (read per call,
 // so a test can switch levels in one process).
@@ -19,13 +22,27 @@ const char* isa_name(Isa isa);
 // needs that this CPU lacks) and its int8 paths, e.g.
 // "avx2 (avx512 compiled in, CPU lacks avx512f, ...); int8 decode and prompt products: AVX2 (...)".
 std::string isa_report();
+// Why the amx level does not run here ("" where it can): "not compiled in", "cpu has no amx_int8",
+// "kernel refused XTILEDATA (...)", ...
+const char* amx_unavailable_reason();
+
+// The function of the level that runs now (one per level, in order).
+template <class F>
+F isa_pick(F generic, F avx2, F avx512, F amx) {
+  switch (current_isa()) {
+    case Isa::amx: return amx;
+    case Isa::avx512: return avx512;
+    case Isa::avx2: return avx2;
+    default: return generic;
+  }
+}
 
 }  // namespace ikj
 
-#if defined(IKJ_HAVE_AVX512) && defined(IKJ_HAVE_AVX2)
-#define IKJ_DISPATCH(fn)                                                          \
-  (::ikj::current_isa() == ::ikj::Isa::avx512 ? &ikj_avx512::fn                   \
-   : ::ikj::current_isa() == ::ikj::Isa::avx2 ? &ikj_avx2::fn : &ikj_generic::fn)
+#if defined(IKJ_HAVE_AMX) && defined(IKJ_HAVE_AVX512) && defined(IKJ_HAVE_AVX2)
+#define IKJ_DISPATCH(fn) (::ikj::isa_pick(&ikj_generic::fn, &ikj_avx2::fn, &ikj_avx512::fn, &ikj_amx::fn))
+#elif defined(IKJ_HAVE_AVX512) && defined(IKJ_HAVE_AVX2)
+#define IKJ_DISPATCH(fn) (::ikj::isa_pick(&ikj_generic::fn, &ikj_avx2::fn, &ikj_avx512::fn, &ikj_avx512::fn))
 #else
 #define IKJ_DISPATCH(fn) (&ikj_generic::fn)
 #endif
@@ -34,4 +51,5 @@ std::string isa_report();
 #define IKJ_DECLARE(ret, name, params) \
   namespace ikj_generic { ret name params; } \
   namespace ikj_avx2 { ret name params; } \
-  namespace ikj_avx512 { ret name params; }
+  namespace ikj_avx512 { ret name params; } \
+  namespace ikj_amx { ret name params; }

@@ -1,6 +1,14 @@
 #include "cpu/runtime.h"
 
 #include <sched.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+#include <cerrno>
 
 #include <algorithm>
 
@@ -217,6 +225,47 @@ std::vector<FfiEntry>& ffi_registry() {
 
 // ---- instruction-set level -------------------------------------------------------------------
 
+// Whether the amx level can run: the CPU's AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25), the
+// OS's XSAVE of the tile state (XCR0 bits 17, 18) and the Linux kernel's permission for the tile
+// data (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), granted per process; a tile
+// instruction without it faults). Asked once, at the first level query, before any tile is used.
+// Returns "" or why not.
+static std::string amx_check() {
+#if !defined(IKJ_HAVE_AMX)
+  return "not compiled in";
+#elif !(defined(__x86_64__) && defined(__GNUC__) && defined(__linux__))
+  return "not supported on this OS";
+#else
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "cpu has no amx_tile (no CPUID leaf 7)";
+  const bool tile = d & (1u << 24), int8 = d & (1u << 25);
+  if (!tile && !int8) return "cpu has no amx_tile, amx_int8";
+  if (!tile) return "cpu has no amx_tile";
+  if (!int8) return "cpu has no amx_int8";
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  if (!__get_cpuid(1, &a1, &b1, &c1, &d1) || !(c1 & (1u << 27))) return "OS has XSAVE off (no OSXSAVE)";
+  unsigned xlo = 0, xhi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+  if ((xlo & (3u << 17)) != (3u << 17)) return "OS does not enable the tile state (XCR0 bits 17, 18)";
+  constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+    const int e = errno;
+    return std::string("kernel refused XTILEDATA (arch_prctl: ") + std::strerror(e) + ")";
+  }
+  unsigned long perm = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &perm) != 0 || !(perm & (1ul << kXfeatureXtiledata)))
+    return "kernel refused XTILEDATA (not in ARCH_GET_XCOMP_PERM)";
+  return "";
+#endif
+}
+
+static const std::string& amx_why() {
+  static const std::string why = amx_check();
+  return why;
+}
+
+const char* amx_unavailable_reason() { return amx_why().c_str(); }
+
 static Isa detected_isa() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
@@ -224,7 +273,7 @@ static Isa detected_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16"))
-    return Isa::avx512;
+    return amx_why().empty() ? Isa::amx : Isa::avx512;
 #endif
 #if defined(IKJ_HAVE_AVX2)
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
@@ -239,15 +288,18 @@ Isa current_isa() {
   static const Isa best = detected_isa();
   const char* cap = std::getenv("IKJAX_CPU_ISA");
   if (!cap || !*cap) return best;
-  Isa want = std::strcmp(cap, "generic") == 0 ? Isa::generic
-             : std::strcmp(cap, "avx2") == 0  ? Isa::avx2
-                                              : Isa::avx512;
+  Isa want = std::strcmp(cap, "generic") == 0  ? Isa::generic
+             : std::strcmp(cap, "avx2") == 0   ? Isa::avx2
+             : std::strcmp(cap, "avx512") == 0 ? Isa::avx512
+                                               : Isa::amx;
   return static_cast<int>(want) < static_cast<int>(best) ? want : best;
 }
 
 // Which level runs and why: the best compiled-in level the CPU supports, lowered by IKJAX_CPU_ISA;
 // names the CPU features a higher compiled-in level needs and this CPU lacks (what a user on a
-// Zen 3 or desktop part reads to see why it is not the avx512 level), and the int8 paths it has.
+// Zen 3 or desktop part reads to see why it is not the avx512 level), why amx does not run where it
+// is compiled in and the level below it does ("amx: cpu has no amx_int8", "amx: kernel refused
+// XTILEDATA (...)"), and the int8 paths of the level that runs.
 std::string isa_report() {
   const Isa best = detected_isa(), now = current_isa();
   std::string why;
@@ -261,7 +313,7 @@ std::string isa_report() {
     __builtin_cpu_init();
 #define IKJ_LACKS(f) if (!__builtin_cpu_supports(f)) lacks.push_back(f)  // the builtin takes literals only
 #if defined(IKJ_HAVE_AVX512)
-    if (best != Isa::avx512) {
+    if (best != Isa::avx512 && best != Isa::amx) {
       higher = "avx512";
       IKJ_LACKS("avx512f"); IKJ_LACKS("avx512bw"); IKJ_LACKS("avx512vl"); IKJ_LACKS("avx512dq");
       IKJ_LACKS("avx512vnni"); IKJ_LACKS("avx512bf16");
@@ -282,16 +334,22 @@ std::string isa_report() {
     } else {
       why = best == Isa::generic ? "no x86 SIMD level compiled in" : "the best level compiled in";
     }
+#if defined(IKJ_HAVE_AMX)
+    if (best != Isa::amx) why += std::string("; amx: ") + amx_why();
+#endif
     if (now == best && cap && *cap && std::strcmp(cap, isa_name(best)) != 0) why += std::string("; IKJAX_CPU_ISA=") + cap + " asks for more than the CPU has";
   }
-  const char* paths = now == Isa::avx512 ? "dtype bf16: int8 decode and prompt products, AVX-512 VNNI (vpdpbusd)"
-                    : now == Isa::avx2   ? "dtype bf16: int8 decode and prompt products, AVX2 (vpmaddubsw/vpmaddwd)"
-                                         : "no int8 paths (f32)";
+  const char* paths =
+      now == Isa::amx      ? "dtype bf16: int8 decode and prompt products, AMX int8 tiles (tdpbusd) for prompt products of 16+ rows, AVX-512 VNNI (vpdpbusd) below"
+      : now == Isa::avx512 ? "dtype bf16: int8 decode and prompt products, AVX-512 VNNI (vpdpbusd)"
+      : now == Isa::avx2   ? "dtype bf16: int8 decode and prompt products, AVX2 (vpmaddubsw/vpmaddwd)"
+                           : "no int8 paths (f32)";
   return std::string(isa_name(now)) + " (" + why + "); " + paths;
 }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::amx: return "amx";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "generic";

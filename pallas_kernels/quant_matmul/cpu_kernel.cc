@@ -22,6 +22,7 @@
 // IQ4_XS (one scale per 32 weights; the avx512 level keeps bf16 panels for them). The same x
 // quantization everywhere (dx = max|x| / 127, round to nearest even, per block of 32).
 #include "quant_matmul/cpu_kernel.h"
+#include "quant_matmul/cpu_amx.h"
 #include "quant_matmul/cpu_dequant.h"
 
 #include "cpu/common.h"
@@ -1854,12 +1855,22 @@ constexpr int64_t QBLK_MIN = 1408; // the same + 2 x 64 mw (types with a minimum
 constexpr int64_t QKB = 8;         // blocks per K chunk: a 10 KiB slice of the panel, L1-resident
 constexpr int64_t QUNIT = QNR;    // output columns per unit of quant_matmul_ex's thread split
 
+static_assert(QBLK == amx::kBlk && QBLK_MIN == amx::kBlkMin && QNR == amx::kPanelRows, "cpu_amx.h's panel layout");
+
+// The amx level (this code plus AMX tiles, cpu_amx.h) also takes Q4_K / Q5_K / IQ4_XS, their panels
+// from amx::build_panel (one scale per 32 weights); prompt products of amx::kMinRows rows or more
+// run on the tiles, fewer through micro_q8 below (the same panels).
 inline bool q8gemm_type(int type) {
+#if defined(IKJ_HAVE_AMX_TILES)
+  if (type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_IQ4_XS) return true;
+#endif
   return type == ikj::T_Q8_0 || type == ikj::T_Q4_0 || type == ikj::T_Q5_0 || type == ikj::T_IQ4_NL ||
          type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
 }
 constexpr bool q8gemm_k256(int) { return false; }  // x per 256 (QM_Q8K): the avx2 engine's IQ4_XS only
-constexpr bool q8gemm_min(int type) { return type == ikj::T_Q4_1 || type == ikj::T_Q5_1; }
+constexpr bool q8gemm_min(int type) {
+  return type == ikj::T_Q4_1 || type == ikj::T_Q5_1 || type == ikj::T_Q4_K || type == ikj::T_Q5_K;
+}
 
 // x8 pack: [M][K] bytes q + 128, then (64-byte aligned) [M][K / 32] floats dx, then [M][K / 32]
 // floats dx * sum(q) (the minimum's share; one layout for every type, so a pack serves any weight).
@@ -2027,8 +2038,15 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
       case ikj::T_Q5_0: build_panel_q8<ikj::T_Q5_0, 22>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_Q4_1: build_panel_q8<ikj::T_Q4_1, 20>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_Q5_1: build_panel_q8<ikj::T_Q5_1, 24>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      default: build_panel_q8<ikj::T_IQ4_NL, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
+      case ikj::T_IQ4_NL: build_panel_q8<ikj::T_IQ4_NL, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
+      default: amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data()); break;  // amx level's K-quants
     }
+#if defined(IKJ_HAVE_AMX_TILES)
+    if (M >= amx::kMinRows) {
+      amx::panel_gemm_hw(xu, M, K, dx, ds, panel.data(), nb, has_min, y + p0, ldy, nr);
+      continue;
+    }
+#endif
     const bool direct = nr == QNR;
     float* Cbase = direct ? y + p0 : ctile.data();
     const int64_t ldc = direct ? ldy : QNR;

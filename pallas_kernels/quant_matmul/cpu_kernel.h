@@ -17,13 +17,15 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "cpu/isa.h"
 
 //   Prompt-sized Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL products at the avx512 (VNNI) and avx2
 //   levels take the same 8-bit activations (QM_Q8 below) instead of bf16: int8 dot products on the
 //   weights' own quants (Q4_1 / Q5_1's minimum times x's block sums in float); at avx2 Q4_K / Q5_K /
-//   IQ4_XS too.
+//   IQ4_XS too. The amx level is the avx512 one whose engine also takes Q4_K / Q5_K / IQ4_XS and
+//   multiplies products of 16+ rows on AMX int8 tiles (cpu_amx.h), the same int32 sums.
 // - QM_Q8: internal to the packed API (never a caller's mode): what qgemm_packed_compute returns
 //   for QM_BF16 where the int8 prompt engine applies; x then packed as 8-bit blocks.
 // - QM_Q8K: the same pack with one x scale per 256 values (Q8_K's grouping): avx2 IQ4_XS, whose
@@ -55,5 +57,11 @@ IKJ_DECLARE(void, qgemm_tile_packed, (const void* xp, int64_t M, int64_t K, cons
 // x [M, K] f32 row-major, w [N, row_bytes] GGUF blocks of `type`, y [M, N] f32; n_threads <= 0: all.
 IKJ_DECLARE(void, quant_matmul, (const float* x, const uint8_t* w, float* y, int64_t M, int64_t N,
                                  int64_t K, int64_t row_bytes, int type, int n_threads))
+// Test-only: y [M, N] (row-major) = the AMX int8 prompt engine (cpu_amx.h) on an exact scalar
+// emulation of the tile instructions, with its portable x pack and panel builder; "" or why not
+// (a type it does not take, a bad shape, a tile misuse the emulation caught). Any level runs it.
+IKJ_DECLARE(std::string, qgemm_amx_emulated, (const float* x, int64_t M, int64_t K, const uint8_t* w,
+                                              int64_t row_bytes, int type, int64_t N, float* y))
+
 IKJ_DECLARE(void, quant_matmul_ex, (const float* x, const uint8_t* w, float* y, int64_t M, int64_t N,
                                     int64_t K, int64_t row_bytes, int type, int n_threads, int compute))

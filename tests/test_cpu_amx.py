@@ -1,0 +1,142 @@
+"""The amx level's int8 prompt engine (issue 26 item 2; pallas_kernels/quant_matmul/cpu_amx.h,
+cpu_kernel_amx.cc) against the dequantize-and-multiply reference (gguf.quants.dequantize).
+
+Two halves:
+- the engine on an exact scalar emulation of the AMX tile instructions (`_cpu.qmatmul_amx_emulated`,
+  any CPU): its tile config, the tiles' shapes and addresses, the partial tiles (M, N not multiples of
+  16 / 32), the VNNI panel layout and the per-block scaling, for every type it takes, on odd shapes.
+  The emulation refuses what the hardware would fault on or compute wrongly (no config, palette not
+  1, disagreeing tdpbusd shapes, tiles not released), which fails the call.
+- the hardware (IKJAX_CPU_ISA=amx through the public product), only where the CPU has AMX and Linux
+  grants its tile state; skipped elsewhere with the reason `ikjax info` gives.
+
+Both against f32 x @ dequantize(W).T of x rounded as the int8 paths round it (blocks of 32, scale
+max|x| / 127, nearest even): the int32 sums are exact, so 1e-5 of sum_k |x||w|; and against x itself
+within the int8 mode's X8_TOL (tests/test_cpu_quant_matmul.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+import ikjax  # noqa: F401  (first: the quant_matmul package imports ikjax, which imports it back)
+from ikjax.quant import by_name
+from pallas_kernels import cpu as _cpu
+from pallas_kernels.testing import random_bytes
+
+pytestmark = pytest.mark.skipif(not _cpu.available(), reason=_cpu.unavailable_reason() or "no C++ kernels")
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS"]
+X8_TOL = 1e-2
+# (M, N, K): M across one / two A tiles, partial tiles and several 32-row groups; N across partial
+# 16-column B tiles and several 32-row panels; K odd block counts (K-quants: super-blocks of 256)
+SHAPES = [(1, 7, 96), (17, 45, 160), (50, 33, 32), (33, 16, 224)]
+SHAPES_K = [(1, 7, 256), (17, 45, 512), (50, 33, 256), (33, 16, 768)]
+
+
+def _weights(name, N, K, rng):
+    raw = random_bytes(name, (N,), K, rng, fast=True).reshape(N, -1)
+    if name in ("Q4_1", "Q5_1"):  # a realistic minimum (random f16 bits can be huge)
+        qt = by_name(name)
+        blocks = raw.reshape(N, K // 32, qt.block_bytes)
+        m = rng.uniform(-0.05, 0.05, (N, K // 32)).astype(np.float16)
+        blocks[..., 2:4] = m[..., None].view(np.uint8).reshape(N, K // 32, 2)
+    raw = np.ascontiguousarray(raw)
+    wf = dequantize(raw, GGMLQuantizationType[name]).astype(np.float64).reshape(N, K)
+    return raw, wf
+
+
+def _x8(x):
+    b = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(b * iscale)
+    return (q * (amax / np.float32(127))).astype(np.float32).reshape(x.shape)
+
+
+def _check(got, x, wf, what):
+    ref = _x8(x).astype(np.float64) @ wf.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(wf).T
+    err = (np.abs(got - ref) / (scale + 1e-30)).max()
+    assert np.isfinite(got).all() and err < 1e-5, (what, err)
+    err32 = (np.abs(got - x.astype(np.float64) @ wf.T) / (scale + 1e-30)).max()
+    assert err32 < X8_TOL, (what, err32)
+
+
+def _emulated(x, raw, name, N):
+    M, K = x.shape
+    tid = int(GGMLQuantizationType[name])
+    y = _cpu._cpu.qmatmul_amx_emulated(x.tobytes(), M, K, raw.tobytes(), raw.shape[1], tid, N)
+    return np.frombuffer(y, np.float32).reshape(M, N)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_emulated_engine_every_type_odd_shapes(name):
+    rng = np.random.default_rng(sum(map(ord, name)))
+    for M, N, K in SHAPES_K if name.endswith(("_K", "_XS")) else SHAPES:
+        raw, wf = _weights(name, N, K, rng)
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        x[0, :32] *= 40  # blocks of very different scales in one row
+        _check(_emulated(x, raw, name, N), x, wf, (name, M, N, K))
+
+
+def test_emulated_engine_refuses_other_types():
+    rng = np.random.default_rng(0)
+    raw = random_bytes("Q6_K", (4,), 256, rng, fast=True).reshape(4, -1)
+    x = np.ones((16, 256), np.float32)
+    with pytest.raises(RuntimeError, match="not an AMX engine type"):
+        _cpu._cpu.qmatmul_amx_emulated(x.tobytes(), 16, 256, raw.tobytes(), raw.shape[1],
+                                       int(GGMLQuantizationType.Q6_K), 4)
+
+
+def test_amx_level_reported_with_its_reason(monkeypatch):
+    """Where AMX does not run, `ikjax info`'s line says why ("amx: cpu has no amx_int8", "amx: kernel
+    refused XTILEDATA (...)"); IKJAX_CPU_ISA=amx then runs the best level there is."""
+    monkeypatch.delenv("IKJAX_CPU_ISA", raising=False)
+    best, why = _cpu.isa(), _cpu._cpu.amx_unavailable_reason()
+    assert (best == "amx") == (why == ""), (best, why)
+    monkeypatch.setenv("IKJAX_CPU_ISA", "amx")
+    assert _cpu.isa() == best
+    rep = _cpu.isa_report()
+    if best != "amx":
+        assert "; amx: " + why in rep, rep
+    else:
+        assert rep.startswith("amx (the best level compiled in)") and "AMX int8 tiles" in rep, rep
+        monkeypatch.setenv("IKJAX_CPU_ISA", "avx512")
+        assert _cpu.isa() == "avx512" and "capped by IKJAX_CPU_ISA=avx512; this CPU runs amx" in _cpu.isa_report()
+
+
+def _has_amx():
+    return _cpu.available() and _cpu._cpu.amx_unavailable_reason() == ""
+
+
+@pytest.mark.skipif(not _has_amx(), reason="no AMX here: " + (_cpu._cpu.amx_unavailable_reason()
+                                                             if _cpu.available() else "no C++ kernels"))
+@pytest.mark.parametrize("name", TYPES)
+def test_hardware_amx_matches_reference_and_emulation(name, monkeypatch):
+    """The public product at the amx level (M >= 16 on tiles; M = 5: the avx512 vpdpbusd kernel on the
+    same panels, which for the K-quants come from the amx level's portable builder), 1 and 3 threads
+    (tile state is per thread), against the reference and the emulated engine (the same int32 sums)."""
+    import jax.numpy as jnp
+
+    from ikjax.quant import QuantArray
+    from pallas_kernels.quant_matmul import cpu
+    monkeypatch.setenv("IKJAX_CPU_ISA", "amx")
+    assert _cpu.isa() == "amx"
+    rng = np.random.default_rng(sum(map(ord, name)) + 1)
+    kq = name.endswith(("_K", "_XS"))
+    for M, N, K in [(5, 37, 256), (16, 32, 512), (17, 45, 256), (48, 100, 2048), (77, 300, 512)]:
+        if not kq:
+            K = K - 32 if K > 256 else K + 32  # odd block counts
+        raw, wf = _weights(name, N, K, rng)
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        w = QuantArray.from_bytes(raw, by_name(name), (N, K))
+        for n_threads in (1, 3):
+            got = np.asarray(cpu.quant_matmul(jnp.asarray(x), w, n_threads=n_threads, compute="bf16"))
+            _check(got, x, wf, (name, M, N, K, n_threads))
+            emu = _emulated(x, raw, name, N)
+            scale = np.abs(x).astype(np.float64) @ np.abs(wf).T
+            assert (np.abs(got - emu) / (scale + 1e-30)).max() < 1e-6, (name, M, N, K, n_threads)
