@@ -37,7 +37,9 @@ constexpr int64_t kMinRows = 16;
 bool type_ok(int type);
 bool type_has_min(int type);  // the kBlkMin layout
 // The portable panel builder (scalar, every type above): weight rows [p0, p0 + nr) (nr <= 32,
-// missing rows zero) of nb blocks into the panel layout; false for a type it does not take.
+// missing rows zero) of nb blocks into the panel layout; false for a type it does not take. The
+// emulated engine's; on the hardware the avx512 engine's vectorized build_panel_q8 builds the same
+// bytes (its K-quant blocks, wvals / wscale, written to match this one).
 bool build_panel(int type, const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb,
                  uint8_t* panel);
 // The portable x8 pack (scalar; the avx512 pack_x8's arithmetic): rows [0, M) into out, which

@@ -1857,8 +1857,8 @@ constexpr int64_t QUNIT = QNR;    // output columns per unit of quant_matmul_ex'
 
 static_assert(QBLK == amx::kBlk && QBLK_MIN == amx::kBlkMin && QNR == amx::kPanelRows, "cpu_amx.h's panel layout");
 
-// The amx level (this code plus AMX tiles, cpu_amx.h) also takes Q4_K / Q5_K / IQ4_XS, their panels
-// from amx::build_panel (one scale per 32 weights); prompt products of amx::kMinRows rows or more
+// The amx level (this code plus AMX tiles, cpu_amx.h) also takes Q4_K / Q5_K / IQ4_XS (one scale per
+// 32 weights: wvals / wscale below; the scalar amx::build_panel is their reference); prompt products of amx::kMinRows rows or more
 // run on the tiles, fewer through micro_q8 below (the same panels).
 inline bool q8gemm_type(int type) {
 #if defined(IKJ_HAVE_AMX_TILES)
@@ -1926,10 +1926,59 @@ inline __m256i wsigned(const uint8_t* blk) {
   }
 }
 
+constexpr bool q8gemm_kq(int type) { return type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_IQ4_XS; }
+
+// Block b (32 weights) of a row of `type` (bs bytes per block; the K-quants' per super-block of 256,
+// whose block b is sub-block b % 8 of super-block b / 8, the amx level's only): its 32 values in
+// order, and (wscale) its dw and mw, the dequantized value being dw * v + mw. The K-quants' as
+// amx::build_panel (cpu_kernel_amx.cc) forms them, which the tests compare against.
+template <int type, int bs>
+inline __m256i wvals(const uint8_t* row, int64_t b) {
+  if constexpr (type == ikj::T_Q4_K || type == ikj::T_Q5_K) {
+    const uint8_t* p = row + (b / 8) * bs;
+    const int s = static_cast<int>(b % 8);
+    // sub-blocks 2i / 2i + 1: the low / high nibbles of the 32 bytes at qs + 32 i
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (type == ikj::T_Q5_K ? 48 : 16) + 32 * (s / 2)));
+    __m256i v = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(4 * (s & 1))), _mm256_set1_epi8(0x0f));
+    if constexpr (type == ikj::T_Q5_K) {  // + 16 where bit s of qh[l] (32 bytes at 16) is set
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      const __m256i h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1));
+      v = _mm256_or_si256(v, _mm256_slli_epi16(h, 4));
+    }
+    return v;
+  } else if constexpr (type == ikj::T_IQ4_XS) {  // sub-block s: an IQ4_NL block's 16 bytes at 8 + 16 s
+    return wsigned<ikj::T_IQ4_NL>(row + (b / 8) * bs + 8 + 16 * (b % 8) - 2);  // (wsigned reads at blk + 2)
+  } else {
+    return wsigned<type>(row + b * bs);
+  }
+}
+template <int type, int bs>
+inline void wscale(const uint8_t* row, int64_t b, float& dw, float& mw) {
+  mw = 0.f;
+  if constexpr (type == ikj::T_Q4_K || type == ikj::T_Q5_K) {
+    const uint8_t* p = row + (b / 8) * bs;
+    const uint8_t* q = p + 4;  // 12 scale bytes: ggml's get_scale_min_k4
+    const int j = static_cast<int>(b % 8);
+    const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    dw = f16(p) * static_cast<float>(sc);
+    mw = -f16(p + 2) * static_cast<float>(m);
+  } else if constexpr (type == ikj::T_IQ4_XS) {
+    const uint8_t* p = row + (b / 8) * bs;
+    const int s = static_cast<int>(b % 8);
+    const int ls = ((p[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((load_u16(p + 2) >> (2 * s)) & 3) << 4);
+    dw = f16(p) * static_cast<float>(ls - 32);
+  } else {
+    dw = f16(row + b * bs);
+    if constexpr (q8gemm_min(type)) mw = f16(row + b * bs + 2);
+  }
+}
+
 // Weight rows [p0, p0 + nr) (nr <= QNR; missing rows zero) of nb blocks into the panel layout.
 template <int type, int bs>
 void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint8_t* panel) {
   constexpr int64_t qblk = q8gemm_min(type) ? QBLK_MIN : QBLK;
+  constexpr int64_t bpb = q8gemm_kq(type) ? bs / 8 : bs;  // bytes per block of 32 (for the prefetch)
   const __m512i ones = _mm512_set1_epi8(1);
   for (int g = 0; g < 2; ++g) {
     const uint8_t* rows[16];
@@ -1942,12 +1991,11 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
           r[j] = _mm512_setzero_si512();
           continue;
         }
-        const uint8_t* blk = rows[j] + b * bs;
         // 8 blocks ahead on each of the 16 row streams (an expert's rows come from DRAM; the MoE
         // prompt layer measured Q4_0 116 -> 105-110 ms, Q8_0 within noise; 16 ahead no better)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bs), _MM_HINT_T0);
-        r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wsigned<type>(blk)),
-                                  two ? wsigned<type>(blk + bs) : _mm256_setzero_si256(), 1);
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + (b + 8) * bpb), _MM_HINT_T0);
+        r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wvals<type, bs>(rows[j], b)),
+                                  two ? wvals<type, bs>(rows[j], b + 1) : _mm256_setzero_si256(), 1);
       }
       transpose16x16(r);  // r[c]: 4 bytes c of each of the 16 rows (c < 8: block b, else b + 1)
       for (int h = 0; h < (two ? 2 : 1); ++h) {
@@ -1958,13 +2006,13 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
           s = _mm512_dpbusd_epi32(s, ones, r[8 * h + c]);
         }
         _mm512_storeu_si512(pb + 1024 + g * 64, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
-        alignas(64) float d[16];
-        for (int j = 0; j < 16; ++j) d[j] = rows[j] ? f16(rows[j] + (b + h) * bs) : 0.f;
-        _mm512_storeu_ps(pb + 1152 + g * 64, _mm512_load_ps(d));
-        if constexpr (q8gemm_min(type)) {
-          for (int j = 0; j < 16; ++j) d[j] = rows[j] ? f16(rows[j] + (b + h) * bs + 2) : 0.f;
-          _mm512_storeu_ps(pb + 1280 + g * 64, _mm512_load_ps(d));
+        alignas(64) float d[16], m[16];
+        for (int j = 0; j < 16; ++j) {
+          d[j] = m[j] = 0.f;
+          if (rows[j]) wscale<type, bs>(rows[j], b + h, d[j], m[j]);
         }
+        _mm512_storeu_ps(pb + 1152 + g * 64, _mm512_load_ps(d));
+        if constexpr (q8gemm_min(type)) _mm512_storeu_ps(pb + 1280 + g * 64, _mm512_load_ps(m));
       }
     }
   }
@@ -2039,7 +2087,12 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
       case ikj::T_Q4_1: build_panel_q8<ikj::T_Q4_1, 20>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_Q5_1: build_panel_q8<ikj::T_Q5_1, 24>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_IQ4_NL: build_panel_q8<ikj::T_IQ4_NL, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      default: amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data()); break;  // amx level's K-quants
+#if defined(IKJ_HAVE_AMX_TILES)  // the amx level's K-quants (q8gemm_type)
+      case ikj::T_Q4_K: build_panel_q8<ikj::T_Q4_K, 144>(w, row_bytes, p0, nr, nb, panel.data()); break;
+      case ikj::T_Q5_K: build_panel_q8<ikj::T_Q5_K, 176>(w, row_bytes, p0, nr, nb, panel.data()); break;
+      case ikj::T_IQ4_XS: build_panel_q8<ikj::T_IQ4_XS, 136>(w, row_bytes, p0, nr, nb, panel.data()); break;
+#endif
+      default: amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data()); break;  // (no other type gets here)
     }
 #if defined(IKJ_HAVE_AMX_TILES)
     if (M >= amx::kMinRows) {
