@@ -278,8 +278,10 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
   }
 }
 
-// Block b (of 32 weights) of a row: its values v (the dequantized value = dw * v + mw, exactly) .
-bool block_values(int type, const uint8_t* row, int64_t b, int8_t v[32], float& dw, float& mw) {
+// Block b (of 32 weights) of a row: its values v (the dequantized value = dw * v + mw, exactly).
+// A template on the type so that the panel builder's per-block work has no type switch.
+template <int type>
+inline bool block_values(const uint8_t* row, int64_t b, int8_t v[32], float& dw, float& mw) {
   mw = 0.f;
   switch (type) {
     case ikj::T_Q8_0: {
@@ -362,19 +364,20 @@ bool type_ok(int type) {
   }
 }
 
-bool type_has_min(int type) {
+bool type_has_min(int type) {  // (cpu_amx.h)
   return type == ikj::T_Q4_1 || type == ikj::T_Q5_1 || type == ikj::T_Q4_K || type == ikj::T_Q5_K;
 }
 
-bool build_panel(int type, const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint8_t* panel) {
-  if (!type_ok(type)) return false;
+namespace {
+template <int type>
+void build_panel_t(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint8_t* panel) {
   const int64_t qblk = type_has_min(type) ? kBlkMin : kBlk;
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* pb = panel + b * qblk;
     for (int r = 0; r < kPanelRows; ++r) {
       int8_t v[32] = {};
       float dw = 0.f, mw = 0.f;
-      if (r < nr) block_values(type, w + (p0 + r) * row_bytes, b, v, dw, mw);
+      if (r < nr) block_values<type>(w + (p0 + r) * row_bytes, b, v, dw, mw);
       int32_t sum = 0;
       for (int c = 0; c < 8; ++c)  // quad c of row r: B tile (r / 16), row c, bytes 4 (r % 16) ..
         std::memcpy(pb + (r / 16) * 512 + c * 64 + (r % 16) * 4, v + 4 * c, 4);
@@ -385,7 +388,17 @@ bool build_panel(int type, const uint8_t* w, int64_t row_bytes, int64_t p0, int6
       if (qblk == kBlkMin) std::memcpy(pb + 1280 + r * 4, &mw, 4);
     }
   }
-  return true;
+}
+}  // namespace
+
+bool build_panel(int type, const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint8_t* panel) {
+  switch (type) {
+#define IKJ_CASE(T) case ikj::T: build_panel_t<ikj::T>(w, row_bytes, p0, nr, nb, panel); return true;
+    IKJ_CASE(T_Q8_0) IKJ_CASE(T_Q4_0) IKJ_CASE(T_Q4_1) IKJ_CASE(T_Q5_0) IKJ_CASE(T_Q5_1) IKJ_CASE(T_IQ4_NL)
+    IKJ_CASE(T_Q4_K) IKJ_CASE(T_Q5_K) IKJ_CASE(T_IQ4_XS)
+#undef IKJ_CASE
+    default: return false;
+  }
 }
 
 int64_t x8_dx_offset(int64_t M, int64_t K) { return (M * K + 63) / 64 * 64; }
