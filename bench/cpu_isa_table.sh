@@ -124,7 +124,7 @@ for T in $TYPES; do
   f=/tmp/cpuisa_${LAYERS}l_$T.gguf
   [ -s "$f" ] && continue
   log "make-model $T"
-  ( timeout 240 $PY -m ikjax.cli make-model --preset v2-lite --layers $LAYERS --q-lora-rank 1536 --type $T -o "$f.part" \
+  ( timeout $(( $(left) > 300 ? 240 : ($(left) > 90 ? $(left) - 60 : 30) )) $PY -m ikjax.cli make-model --preset v2-lite --layers $LAYERS --q-lora-rank 1536 --type $T -o "$f.part" \
       > "$OUT/make-model-$T.log" 2>&1 && mv "$f.part" "$f" || log "make-model $T FAILED ($OUT/make-model-$T.log)" ) &
   PIDS_MODELS="$PIDS_MODELS $!"
 done
