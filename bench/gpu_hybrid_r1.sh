@@ -28,7 +28,7 @@ timed() {  # timed LABEL CMD...: wall time, the table, peak device memory
   "$@" > "$OUT/$label.out" 2> "$OUT/$label.err"; local rc=$?
   kill $sampler 2>/dev/null
   { echo "### $label: rc $rc, $(( $(date +%s) - t0 )) s, peak device memory $(sort -n "$OUT/$label.mem" | tail -1) MiB"
-    grep '^|' "$OUT/$label.out"; grep -h 'gpu experts\|compiled\|loaded\|rror' "$OUT/$label.err" | head -4; echo; } >> "$R"
+    grep -h '^|' "$OUT/$label.out" "$OUT/$label.err"; grep -h 'gpu experts\|compiled\|loaded\|rror' "$OUT/$label.err" | head -4; echo; } >> "$R"
 }
 export CUDA_VISIBLE_DEVICES=${HYB_GPU:-0}
 want() { [[ " $PARTS " == *" $1 "* ]] || [[ " $PARTS " == *" ${1%%-*} "* && " $2 " == *" ${1#*-} "* ]]; }

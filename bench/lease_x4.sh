@@ -65,7 +65,7 @@ case $STAGE in
     el "ik $label"
     CUDA_VISIBLE_DEVICES=$gpus timeout ${IK_RUN_S:-150} $IK/llama-sweep-bench -m "$R1" -ngl 99 -mla 3 -fa on "$@" \
       > "$OUT/ik_$label.out" 2> "$OUT/ik_$label.err"; echo "rc $?" >> "$OUT/ik_$label.out"
-    grep '^|' "$OUT/ik_$label.out"; grep -i -E 'error|failed|CUDA0 buffer|model buffer' "$OUT/ik_$label.err" | head -4
+    grep -h '^|' "$OUT/ik_$label.out" "$OUT/ik_$label.err"; grep -i -E 'error|failed|CUDA0 buffer|model buffer' "$OUT/ik_$label.err" | head -4
   }
   for run in ${IK_RUNS:-hyb layer4 graph4 layer2 graph2}; do
     [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-500} ] || { el "deadline: not run: $run"; continue; }
