@@ -41,6 +41,9 @@ _VARS = (
              "runs of identical layers as one `lax.scan` (compile time independent of depth), every layer "
              "unrolled, or `auto`: scanned, GPU decode steps in two iterations of half a group (faster there)",
              "ikjax.model.groups"),
+    Variable("IKJAX_PROMPT_ATTN", "xla", ("xla", "pallas"),
+             "GPU prompt attention of -mla 2/3 (-fa): XLA over the whole KV bucket, or the Pallas flash "
+             "kernel that reads keys up to each query's position (not yet measured on a GPU)", "ikjax.ops.attn"),
     Variable("IKJAX_TOPK", "rank", ("rank", "lax"),
              "router top-k form: `rank` (compare-and-count, fast at decode) or `lax.top_k`", "ikjax.model.moe"),
     Variable("IKJAX_STREAM", "auto", ("auto", "active", "layer"),
@@ -104,6 +107,13 @@ def raw(name: str) -> str | None:
     """The variable's value as set (None when unset)."""
     _var(name)
     return os.environ.get(name)
+
+
+def values(names: tuple[str, ...]) -> tuple:
+    """(name, value or None) of these registered variables, as set now: one pass over
+    os.environ, cheap enough for every step call (the StepPlan's settings)."""
+    get = os.environ.get
+    return tuple((n, get(n)) for n in names)
 
 
 def is_set(name: str) -> bool:

@@ -55,3 +55,18 @@ def test_model_on_pallas_kernels_matches_xla_path_and_transformers(latent576, mo
     tol = 1e-5 if ctk == "f32" else 1e-3
     assert rel_err(pallas[:32], xla[:32]) < tol
     assert rel_err(pallas[32:], xla[32:]) < tol  # the MLA decode kernel, the GEMV, the MoE gather kernel
+
+
+def test_prompt_attention_kernel_in_the_model(latent576, monkeypatch):
+    """IKJAX_PROMPT_ATTN=pallas: the -mla 3 prompt attention runs the Pallas flash kernel (keys up
+    to each query's position) in both prompt chunks (the second at start 16 of a larger bucket) and
+    gives the XLA form's logits."""
+    from ikjax import ops
+    _, path = latent576
+    tokens = np.random.default_rng(5).integers(2, 500, 32)
+    monkeypatch.setenv("IKJAX_KERNELS", "interpret")
+    _, xla = _prompt_then_decode(path, tokens, 32)
+    monkeypatch.setenv("IKJAX_PROMPT_ATTN", "pallas")
+    _, flash = _prompt_then_decode(path, tokens, 32)
+    assert ops.selected("attention") == "interpret"
+    assert rel_err(flash, xla) < 1e-5

@@ -56,6 +56,10 @@ class StepPlan:
     tp: Any = None
     # an ikjax.model.moe.ExpertCounts: MoE layers hand their routing to it (count_experts); None: off
     expert_stats: Any = None
+    # the IKJAX_* settings a trace may read (name, value), as the engine saw them: part of the jit
+    # cache key, so a setting changed between two engines in one process is never served the
+    # other's trace (ikjax.runtime.executables.trace_variables)
+    settings: tuple = ()
 
     def split_axis(self, key: str) -> str | None:
         """The mesh axis a split group's partial sums are joined over, or None (not split)."""

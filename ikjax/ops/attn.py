@@ -15,12 +15,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ikjax import env
 from ikjax.ops import registry
 from ikjax.ops.registry import precision_for
 from pallas_kernels import cpu as _cpu
 from pallas_kernels.mla_decode import cpu as _mla_cpu_mod
 from pallas_kernels.mla_decode import kernel as _mla
 from pallas_kernels.mla_decode.reference import mla_decode_ref
+from pallas_kernels.prompt_attention import attention_kv_flash, supports as _prompt_kernel_supports
 
 # -- the XLA reference ------------------------------------------------------------------------------
 
@@ -292,16 +294,34 @@ def _attend_kv_cpu(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block
     return _mla_cpu_mod.attention_kv(q, kv, k_rope, q_pos, scale, nope=nope, n_threads=registry.threads())
 
 
+def _attend_kv_pallas_supported(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block) -> bool:
+    # flash only, and only when asked for (IKJAX_PROMPT_ATTN=pallas) until a GPU run has measured it
+    # against XLA's form at every KV bucket
+    return (flash and env.choice("IKJAX_PROMPT_ATTN") == "pallas" and q.shape[1] > 1
+            and _prompt_kernel_supports(nope, q.shape[-1] - nope, kv.shape[-1] - nope))
+
+
+def _attend_kv_pallas(interpret: bool):
+    def run(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block):
+        return attention_kv_flash(q, kv.astype(q.dtype), k_rope.astype(q.dtype), q_pos, scale, nope,
+                                  interpret=interpret)
+    return run
+
+
 def attention_kv(q, kv, k_rope, q_pos, scale, *, nope: int, flash: bool, amb_bytes: int = 0, kv_block: int = 256,
                  backend: str | None = None):
     """`attention` over the keys and values as the -mla 2/3 prompt's kv_b product gives them: kv [B,
     S, H, nope + Dv] (each head's k_nope | v) and the rope part k_rope [B, S, >= R] shared by the
     heads; K = kv[..., :nope] ++ k_rope[..., :R], V = kv[..., nope:], both taken at q's dtype.
     `xla` builds K and V (concatenate, broadcast, converts) and runs `attend`; `cpu` (flash) reads
-    them in place (RESULTS §9h: those copies were ~40 ms of a 512-token V2-Lite step)."""
+    them in place (RESULTS §9h: those copies were ~40 ms of a 512-token V2-Lite step); `pallas`
+    (IKJAX_PROMPT_ATTN=pallas, flash, T > 1): pallas_kernels/prompt_attention, which walks each
+    query block's keys up to its last position only (XLA's form pays for the whole bucket, §25b)."""
     impls = {
         "xla": registry.Impl(lambda *a: True, _attend_kv_xla),
         "cpu": registry.Impl(_attend_kv_cpu_supported, _attend_kv_cpu),
+        "pallas": registry.Impl(_attend_kv_pallas_supported, _attend_kv_pallas(False)),
+        "interpret": registry.Impl(_attend_kv_pallas_supported, _attend_kv_pallas(True)),
     }
     return registry.dispatch("attention", impls, registry.resolve_backend(backend), q, kv, k_rope, q_pos, scale, nope, flash,
                      amb_bytes, kv_block)

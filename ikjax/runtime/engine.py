@@ -35,7 +35,7 @@ from ikjax.placement import hot as hot_experts
 from ikjax.placement.rules import plan_placement
 from ikjax.runtime import buckets as kv_buckets
 from ikjax.runtime import compile_cache, distributed, generation, text
-from ikjax.runtime.executables import Executables
+from ikjax.runtime.executables import Executables, trace_variables
 from ikjax.runtime.executors import Executor, executor_for
 from ikjax.runtime.generation import BatchGeneration, Generation, KVSession
 from ikjax.runtime.sampling import NON_FINITE, NonFiniteLogitsError, check_finite_logits
@@ -144,7 +144,7 @@ class Engine:
         return StepPlan(mla=o.mla, fa=o.fa, amb_bytes=o.amb << 20, kv_block=o.kv_block, kv_len=kv_len,
                         dtype=o.dtype, fmoe=o.fmoe, ser=o.ser, all_logits=all_logits,
                         backend=self.backend, threads=threads, tp=self.executor.tp,
-                        expert_stats=self._expert_counts)
+                        expert_stats=self._expert_counts, settings=trace_variables())
 
     def kv_bucket(self, needed: int, n_tokens: int = 0) -> int:
         """Cache rows a step reads: the bucket covering `needed` (ikjax.kv_buckets: multiples of

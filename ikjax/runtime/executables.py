@@ -90,6 +90,15 @@ _NOT_IN_STEPS = frozenset({"IKJAX_COMPILE_CACHE", "IKJAX_CACHE", "IKJAX_DEBUG", 
                            "IKJAX_DECODE_LOOP", "IKJAX_CPU_ISA", "IKJAX_SPIN", "IKJAX_SERVE_TRACE"})
 
 
+_IN_STEPS = tuple(sorted(name for name in env.VARIABLES if name not in _NOT_IN_STEPS))
+
+
+def trace_variables() -> tuple:
+    """(name, value) of every IKJAX_* variable that may change what a step traces, as set now:
+    in the StepPlan (the in-process jit cache's key) and in a stored step's key."""
+    return env.values(_IN_STEPS)
+
+
 class StoredStep:
     """A step loaded whole from the store (compile_cache.load_step), until its first call: called
     like the executable it holds (`exe`; other attributes are the executable's).
@@ -231,7 +240,7 @@ class Executables:
         leaves, tree = jax.tree.flatten((args, {}))
         described = tuple(_describe(a) for a in leaves)
         settings = tuple((name, str(getattr(jax.config, name, None))) for name in _JAX_SETTINGS)
-        variables = tuple((name, env.raw(name)) for name in sorted(env.VARIABLES) if name not in _NOT_IN_STEPS)
+        variables = trace_variables()
         parts = ("step", str(tree), described, repr(self.layout(B)), repr(self.options), self.config, key, settings,
                  variables)
         return parts, (tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
