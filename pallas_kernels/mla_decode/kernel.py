@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.flash import online_softmax_step
 from pallas_kernels.quant_matmul.kernel import _compiler_params, _pow2_divisor, chain_sum
 from pallas_kernels.quant_matmul.packing import int8_to_f32
 
@@ -63,13 +64,7 @@ def _kernel(*refs, q8, bh, bs, split, dv, dpe, scale, cdt):
         s = s * scale
         pos = kv0 + lax.broadcasted_iota(jnp.int32, (bh, bs), 1)
         s = jnp.where(pos < length, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        corr = jnp.exp(m - m_new)
-        l_new = l * corr + jnp.sum(p, axis=1)
-        acc_new = acc * corr[:, None] + lax.dot_general(p.astype(cdt), kc, (((1,), (0,)), ((), ())),
-                                                        preferred_element_type=F32)
-        return m_new, l_new, acc_new
+        return online_softmax_step(m, l, acc, s, kc, cdt)  # V: the entry's first 512 values
 
     init = (jnp.full((bh,), NEG, F32), jnp.zeros((bh,), F32), jnp.zeros((bh, dv), F32))
     m, l, acc = lax.fori_loop(0, n_blk, body, init)

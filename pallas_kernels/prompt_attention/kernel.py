@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.flash import online_softmax_step
 from pallas_kernels.quant_matmul.kernel import _compiler_params
 
 F32 = jnp.float32
@@ -60,13 +61,7 @@ def _kernel(pos_ref, q_ref, kv_ref, kr_ref, o_ref, *, bq, bk, nope, rope, dv, sc
              + lax.dot_general(qr, kr, dn, preferred_element_type=F32)) * scale
         kpos = k0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
         s = jnp.where(kpos <= qpos[:, None], s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        corr = jnp.exp(m - m_new)
-        l_new = l * corr + jnp.sum(p, axis=1)
-        acc_new = acc * corr[:, None] + lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())),
-                                                        preferred_element_type=F32)
-        return m_new, l_new, acc_new
+        return online_softmax_step(m, l, acc, s, v, cdt)
 
     init = (jnp.full((bq,), NEG, F32), jnp.zeros((bq,), F32), jnp.zeros((bq, dv), F32))
     m, l, acc = lax.fori_loop(0, n_blk, body, init)
