@@ -263,3 +263,55 @@ def test_stream_auto_picks_by_coverage(monkeypatch):
     for m in ("active", "layer"):
         monkeypatch.setenv("IKJAX_STREAM", m)
         assert ops.stream_mode(1, 256, 8) == ops.stream_mode(8192, 256, 8, hot=True) == m
+
+
+def test_by_address_experts_stream_by_round(experts, monkeypatch):
+    """-sm graph's host experts (one pinned copy for the mesh, reached by address): no step
+    argument (no pytree leaf), so a big batch streams them by round through the custom call even
+    where auto would move whole layers, and gives the device-resident result; asking for whole
+    layers is refused by name."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    calls = []
+
+    def fake_fetch(w_, i_, r, *, gate, up, down, slots):
+        calls.append(r)
+        dev = [QuantArray(jnp.asarray(np.asarray(t.data)), t.qtype, t.shape) for t in (gate, up, down)]
+        return moe_host.stream_experts_ref(w_, i_, *dev, slots=slots, round=r)
+
+    monkeypatch.setattr(ops.moe, "_fetch_active", fake_fetch)
+    monkeypatch.setattr(moe_host, "stream_supported", lambda *a: True)
+    host = [_pinned(t, 32) for t in experts]
+    by_addr = [HostQuantArray(h.data, Q, h.shape, min_batch=32, by_address=True) for h in host]
+    assert jax.tree.leaves(by_addr) == [] and not by_addr[0].streamable and by_addr[0].pinned
+    assert "by address" in repr(by_addr[0])
+    x, w, ids = _routed(200)
+    got = _two_layers()(x, w, ids, *by_addr)
+    assert ops.selected("moe_experts") == "stream:xla" and calls  # auto alone would copy whole layers
+    ref = _two_layers()(x, w, ids, *experts)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    monkeypatch.setenv("IKJAX_STREAM", "layer")
+    with pytest.raises(OptionError, match="IKJAX_STREAM=layer: under -sm graph"):
+        _two_layers()(x, w, ids, *by_addr)
+
+
+def test_mesh_placer_pins_host_experts_once(experts):
+    """ikjax.runtime.mesh: every mesh position's placer returns the same pinned copy of a host
+    expert tensor (one copy for the mesh, in the first device's pinned memory)."""
+    from types import SimpleNamespace
+    from ikjax.runtime.mesh import _part_placer
+
+    class Placement:  # only what the placer reads: every tensor host-resident, next to accelerators
+        unified = False
+
+        def __getitem__(self, name):
+            return SimpleNamespace(on_host=True)
+
+    data = np.asarray(experts[0].data).copy()
+    placement = Placement()
+    pinned = {"__device__": jax.devices()[0]}
+    a = _part_placer(placement, 0, 2, jax.devices()[0], pinned)("blk.3.ffn_up_exps.weight", data)
+    b = _part_placer(placement, 1, 2, jax.devices()[0], pinned)("blk.3.ffn_up_exps.weight", data)
+    assert a is b and a.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(experts[0].data))
+    mapped = _part_placer(placement, 0, 2, jax.devices()[0], None)("blk.3.ffn_up_exps.weight", data)
+    assert mapped is data  # IKJAX_HOST_EXPERTS=mmap: the memory map's bytes

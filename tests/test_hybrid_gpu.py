@@ -234,3 +234,22 @@ def test_tiny4_gpu_experts(tiny4, tmp_path, n_tokens, dtype):
         assert all(d.platform == "gpu" for d in copies["slot"].devices())
     got = eng.logits(tokens)
     assert rel_err(got, ref) <= (TOL if dtype == "f32" else 1e-2), rel_err(got, ref)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="-sm graph needs 2 or more GPUs")
+def test_graph_split_streams_host_experts(tiny4):
+    """-sm graph with -ot exps=CPU: one pinned copy for the mesh, reached by address; a 200-token
+    prompt streams each device's range of the used experts by round (stream_experts), the decode
+    after it computes them on the host. Both equal the one-GPU all-device run."""
+    tokens = (np.arange(STREAM_TOKENS) * 7 + 3) % 1000
+    ref = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32").logits(tokens)
+    eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32", ot="exps=CPU", sm="graph")
+    lay = [l for l in all_layers(eng.weights) if "gate_exps" in l]
+    assert all(isinstance(l["gate_exps"], HostQuantArray) and l["gate_exps"].by_address and l["gate_exps"].pinned
+               for l in lay)
+    host_moe.stream_stats(reset=True)
+    got = eng.logits(tokens)
+    st = host_moe.stream_stats(reset=True)
+    assert ops.selected("moe_experts").startswith("stream:")
+    assert st["copied"] > 0, st
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)

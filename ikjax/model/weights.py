@@ -213,8 +213,10 @@ class TensorLoader:
     def __init__(self, gf: GGUFModelFile, cfg: ModelConfig, place: Placer, placement: Placement | None,
                  repack: bool, host_arrays: dict | None = None):
         self.gf, self.cfg, self.place, self.placement, self.repack = gf, cfg, place, placement, repack
-        # host-resident tensors by name: loaders of several devices share one (ikjax.runtime.mesh)
+        # host-resident tensors by name: loaders of several devices share one (ikjax.runtime.mesh),
+        # which steps then reach by address only (HostQuantArray.by_address)
         self.host_arrays = {} if host_arrays is None else host_arrays
+        self.by_address = host_arrays is not None
         self.hybrid = placement is not None and not placement.unified
         self.min_batch = min_offload_batch(placement.min_offload_batch) if self.hybrid else 0
         # stacking a group on the one CPU device: the file's bytes as they are, copied once into
@@ -235,7 +237,8 @@ class TensorLoader:
             # routed experts: the memory map's bytes (or their pinned copy), read by the host kernels
             if spec.gguf_name not in self.host_arrays:
                 self.host_arrays[spec.gguf_name] = HostQuantArray(data, qa.qtype, qa.shape, min_batch=self.min_batch,
-                                                                  tensor=self.placement[spec.gguf_name])
+                                                                  tensor=self.placement[spec.gguf_name],
+                                                                  by_address=self.by_address)
             return self.host_arrays[spec.gguf_name]
         shape = qa.shape
         if tuple(data.shape) != tuple(qa.data.shape):  # a part: its rows, and its share of each row

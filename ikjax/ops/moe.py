@@ -203,7 +203,13 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=Fals
     whole layer's tensors, whose copy may start when `IKJAX_STREAM_ORDER` says (an optimization
     barrier ties the host parameter to an earlier activation, so the transfer cannot be hoisted to
     the start of the step); XLA frees them after the layer; =auto: `stream_mode`'s rule."""
-    if stream_mode(ids.shape[0], gate.shape[0], ids.shape[1], hot=hot) == "active":
+    # experts reached by address only (-sm graph: one pinned copy for the whole mesh) cannot be a
+    # step's argument, so only the custom call's by-round copies move them
+    by_address = any(t.by_address for t in (gate, up, down))
+    if by_address and env.choice("IKJAX_STREAM") == "layer":
+        raise OptionError("IKJAX_STREAM=layer: under -sm graph the host experts are one pinned copy for every "
+                          "device, streamed by round (IKJAX_STREAM=active or auto), never whole layers")
+    if by_address or stream_mode(ids.shape[0], gate.shape[0], ids.shape[1], hot=hot) == "active":
         from pallas_kernels.moe_matmul import host as moe_host
         if not moe_host.stream_supported(gate, up, down):
             raise OptionError(f"ot: streaming host experts to the GPU: "
@@ -242,7 +248,7 @@ def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, b
     (`hot`: the layer's most used experts have GPU copies and these picks are the rest: see `stream_mode`)."""
     if any(is_host_resident(t) for t in (gate, up, down)):
         N, k = ids.shape
-        if all(is_host_resident(t) and t.streamable and t.runs_on(N, gate.shape[0], k) == "device"
+        if all(is_host_resident(t) and t.pinned and t.runs_on(N, gate.shape[0], k) == "device"
                for t in (gate, up, down)):
             return _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot)
         return _moe_host(x, weights, ids, gate, up, down, dtype)

@@ -48,15 +48,19 @@ class HostQuantArray(LogicalShape):
     or NumPy / memmap), static `qtype`, logical `shape`, its `tensor` placement and the offload
     threshold `min_batch`. Not a QuantArray, so nothing repacks or dequantizes it by accident (the
     Pallas repack and the XLA reference would copy it whole to the device)."""
-    __slots__ = ("data", "qtype", "shape", "tensor", "min_batch", "_origin", "_addr")
+    __slots__ = ("data", "qtype", "shape", "tensor", "min_batch", "by_address", "_origin", "_addr")
 
     def __init__(self, data, qtype, shape: tuple, *, tensor: TensorPlacement | None = None,
-                 min_batch: int = MIN_OFFLOAD_BATCH):
+                 min_batch: int = MIN_OFFLOAD_BATCH, by_address: bool = False):
         if not isinstance(data, np.ndarray) and not _is_pinned(data):
             raise TypeError(f"HostQuantArray: data must be host NumPy bytes or a pinned_host jax.Array, got "
                             f"{type(data).__name__} {getattr(getattr(data, 'sharding', None), 'memory_kind', '')}")
         self.data, self.qtype, self.shape = data, qtype, tuple(shape)
         self.tensor, self.min_batch = tensor, int(min_batch)
+        # by_address: steps reach the bytes only through their host address (the custom calls),
+        # never as a step argument: -sm graph, where every device of the mesh reads the one copy
+        # (a step argument would have to be one device's array)
+        self.by_address = bool(by_address)
         self._origin = None
         self._addr = int(data.ctypes.data) if isinstance(data, np.ndarray) else int(data.unsafe_buffer_pointer())
 
@@ -65,12 +69,19 @@ class HostQuantArray(LogicalShape):
         """The node rebuilt around a traced (or replaced) leaf; host facts come from `origin`."""
         v = object.__new__(cls)
         v.data, v.qtype, v.shape, v.tensor, v.min_batch = data, origin.qtype, origin.shape, origin.tensor, origin.min_batch
-        v._origin, v._addr = origin, origin._addr
+        v.by_address, v._origin, v._addr = origin.by_address, origin, origin._addr
         return v
 
     @property
     def streamable(self) -> bool:
-        """Held as a pinned-host jax.Array (a step can move it to the device)."""
+        """Held as a pinned-host jax.Array that steps take as an argument: a step can move the
+        whole tensor to the device (IKJAX_STREAM=layer) or copy the experts a batch uses."""
+        return self.pinned and not self.by_address
+
+    @property
+    def pinned(self) -> bool:
+        """Held in pinned host memory (not the memory map's pages): the stream_experts custom call
+        copies a batch's experts from its address to any GPU at the link's speed, also by address."""
         return not isinstance(self.data, np.ndarray)
 
     @property
@@ -100,7 +111,7 @@ class HostQuantArray(LogicalShape):
                           f"host path (only routed experts run from host memory next to an accelerator)")
 
     def __repr__(self) -> str:
-        form = "pinned" if self.streamable else "mapped"
+        form = ("pinned" if self.pinned else "mapped") + (", by address" if self.by_address else "")
         return f"HostQuantArray({self.qtype.name}, shape={self.shape}, nbytes={self.nbytes}, {form})"
 
 
@@ -127,7 +138,7 @@ class _Key:
 
 def _flatten(h: HostQuantArray):
     origin = h._origin or h
-    return ((h.data,), _Key(origin)) if origin.streamable else ((), _Key(origin))
+    return ((h.data,), _Key(origin)) if origin.streamable else ((), _Key(origin))  # by_address: no leaf
 
 
 def _unflatten(key: _Key, leaves):

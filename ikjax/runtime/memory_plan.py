@@ -359,7 +359,8 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
                       placement.host_bytes, device_weights=tuple(placement.device_bytes().items()),
                       unified=placement.unified, device_kv=kv_per_device(placement, layout),
                       split_mode=placement.split_mode,
-                      stream_buffer_bytes=stream_buffer(placement, o.ubatch, hot=bool(o.gpu_experts)))
+                      stream_buffer_bytes=stream_buffer(placement, o.ubatch,
+                                                        hot=bool(o.gpu_experts) or placement.split_mode == "graph"))
 
 
 def stream_buffer(placement: Placement, ubatch: int, hot: bool = False) -> int:
@@ -367,7 +368,8 @@ def stream_buffer(placement: Placement, ubatch: int, hot: bool = False) -> int:
     routed experts during a prompt step that streams them (ik's rule: ubatch x n_expert_used >= min_offload_batch x n_expert; ikjax.kernels
     `_moe_stream`): IKJAX_STREAM=active holds one round (IKJAX_STREAM_MIB of raw blocks, at most a
     layer) as stored plus in the kernels' layout; =layer two layers' tensors, both forms; =auto
-    whichever `ops.stream_mode` picks for a batch of `ubatch` (`hot`: --gpu-experts is given)."""
+    whichever `ops.stream_mode` picks for a batch of `ubatch` (`hot`: --gpu-experts is given, or
+    -sm graph, whose devices stream by round from one copy)."""
     if placement.unified:
         return 0
     # any other host-placed tensor is moved to the device by every step that reads it

@@ -19,11 +19,15 @@ kernels on that device exactly as one device would (`ikjax.model.weights.TensorL
 becomes one array `[n_devices, *part]` split on its first axis (whole copies for what is not
 split): inside the step each device sees its own part, whatever its layout.
 
-Routed experts in host RAM (`-ot exps=CPU`) stay one copy, the file's memory map: every device's
-step calls the host-experts kernel (pallas_kernels/moe_matmul/host.py) with the slots of its own
-range of experts (the others' weights zeroed, which the kernel skips), so the host computes each
-selected expert once per step, whichever device asked; the psum joins the ranges. Big batches
-are computed there too (no streaming under -sm graph yet).
+Routed experts in host RAM (`-ot exps=CPU`) stay one copy, in the first device's pinned host
+memory (the memory map's pages with IKJAX_HOST_EXPERTS=mmap), which steps reach by address only
+(`HostQuantArray.by_address`). Small batches: every device's step calls the host-experts kernel
+(pallas_kernels/moe_matmul/host.py) with the slots of its own range of experts (the others'
+weights zeroed, which the kernel skips), so the host computes each selected expert once per step,
+whichever device asked; the psum joins the ranges. Big batches (ik's rule): each device copies
+the experts of its range that the batch uses from that copy (the `stream_experts` custom call, by
+round) and computes them on the GPU, so the link of every device carries its share (before, the
+host computed them: 241 vs ik's 1008 t/s, RESULTS §25b).
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from ikjax.gguf_io.tensors import is_routed_expert, layer_of, split_group, valid
 from ikjax.model.deepseek2 import embed, forward, output_head, run_layers
 from ikjax.model.weights import TensorLoader
 from ikjax.placement.devices import BYTES_READ
+from ikjax.placement.host import host_form, release_pages, to_pinned
 from ikjax.placement.splits import MESH_AXIS
 from ikjax.runtime.generation import decode_steps
 from ikjax.runtime.sampling import NON_FINITE
@@ -89,14 +94,21 @@ def tensor_split(placement, mesh) -> TensorSplit:
 
 # -- loading -----------------------------------------------------------------------------------------
 
-def _part_placer(placement, k: int, n: int, device):
+def _part_placer(placement, k: int, n: int, device, pinned: dict | None = None):
     """The placer of mesh position k: the k-th of n equal parts of each split tensor (its
     `split_dim`), the whole of the others, copied to `device`. Host-resident routed experts next to
-    accelerators stay the memory map's bytes, one copy for all devices."""
+    accelerators are one copy for all devices: in the first device's pinned host memory (`pinned`,
+    shared by the placers of all positions; the memory map's pages released after), or the memory
+    map's bytes themselves with IKJAX_HOST_EXPERTS=mmap."""
     def place(name: str, data):
         t = placement[name]
         if t.on_host and not placement.unified:
-            return data
+            if pinned is None:
+                return data
+            if name not in pinned:
+                pinned[name] = to_pinned(data, pinned["__device__"])
+                release_pages(data)
+            return pinned[name]
         if t.split_dim is not None:
             d = t.split_dim % data.ndim
             size = data.shape[d] // n
@@ -150,8 +162,10 @@ def load(gf, cfg, placement, mesh, spans) -> dict:
     me = jax.process_index()
     mine = [k for k, d in enumerate(devices) if d.process_index == me]
     repack = ops.needs_repack()
-    shared: dict = {}  # host-resident experts: one HostQuantArray (memory-map bytes) for every device
-    loaders = [TensorLoader(gf, cfg, _part_placer(placement, k, n, devices[k]), placement, repack, shared)
+    shared: dict = {}  # host-resident experts: one HostQuantArray for every device, reached by address
+    # their bytes: one pinned copy (big batches stream the experts each device computes from it)
+    pinned = {"__device__": devices[mine[0]]} if host and not placement.unified and host_form() == "pinned" else None
+    loaders = [TensorLoader(gf, cfg, _part_placer(placement, k, n, devices[k], pinned), placement, repack, shared)
                for k in mine]
     tops = [ld.top() for ld in loaders]
     tied = tops[0]["output"] is tops[0]["token_embd"]
