@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Issues 24 and 25 beside ik_llama.cpp on one 4-GPU lease (nvidia-h100-x4 / nvidia-h200-x4), in
 # three calls on the same warm machine (each under 10 minutes; the machine stays between them):
+#   STAGE=0: the ik build and the R1-8 file started as in 1; the Pallas prompt attention against
+#            XLA's (bench/gpu_prompt_attn.py, then the V2-Lite sweep on one GPU both ways); the
+#            -sm graph host-experts streaming test on 2 GPUs.
 #   STAGE=1: install; start ik_llama.cpp's CUDA build in the background (bench/gpu_ik_build.sh,
 #            nice'd, most cores); write the 8-layer R1 (issue 24) in the background; the R1 of
 #            R1_LAYERS (16) layers on 2 and 4 GPUs under -sm layer / graph (bench/multi_gpu.sh).
@@ -34,14 +37,34 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 el "$(nproc) cores; $(lscpu | grep 'Model name' | sed 's/ \+/ /g'); $(lscpu | grep -o -E 'amx_[a-z0-9]+' | sort -u | tr '\n' ' ')"
 ikprog
 
-case $STAGE in
-1)
+start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent)
   [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh "${IK_JOBS:-44}"
   if [ ! -f /tmp/r1-8.gguf ] && [ ! -f /tmp/r1-8.started ]; then
     touch /tmp/r1-8.started
     setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/r1-8.tmp.gguf --preset r1 --layers 8 --type Q4_0 \
       > /tmp/r1-8.log 2>&1 && mv /tmp/r1-8.tmp.gguf /tmp/r1-8.gguf" > /dev/null 2>&1 < /dev/null &
   fi
+}
+case $STAGE in
+0)
+  # the Pallas prompt attention (IKJAX_PROMPT_ATTN=pallas) against XLA's form: the kernel alone,
+  # then the 27-layer V2-Lite sweep on one GPU both ways; the -sm graph host-experts stream test
+  start_bg
+  timeout 150 python3 bench/gpu_prompt_attn.py --heads 128 16 --bq 64 128 --bk 64 128 2>&1 | grep -v Warning
+  V2L=/tmp/mg/v2l.gguf; mkdir -p /tmp/mg
+  [ -f $V2L ] || { python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null \
+    && printf %s "--preset v2-lite --type Q4_0" > /tmp/mg/v2l.args; }  # multi_gpu.sh reuses it
+  for form in xla pallas; do
+    el "v2l one GPU, IKJAX_PROMPT_ATTN=$form"
+    CUDA_VISIBLE_DEVICES=0 IKJAX_PROMPT_ATTN=$form timeout 150 python3 -m ikjax.cli sweep-bench -m $V2L -c 16384 \
+      -ub 2048 -n 32 -mla 3 -fa 1 2> "$OUT/v2l_$form.err" | grep '^|'
+    grep -h "compiled\|rror" "$OUT/v2l_$form.err" | head -3
+  done
+  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 \
+    tests/test_hybrid_gpu.py -k "graph_split or prompt_streams" 2>&1 | tail -5
+  ;;
+1)
+  start_bg
   OUT=$OUT/mg1 PARTS=${PARTS1:-"r1_layer4 r1_graph4 r1_layer2 r1_graph2"} DEADLINE=${DEADLINE:-500} BUILD_CUDA=0 \
     MG_NO_INSTALL=1 MG_WORK=/tmp/mg bash bench/multi_gpu.sh 2>&1 | tail -40
   ;;
