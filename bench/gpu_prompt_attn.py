@@ -16,6 +16,9 @@ from ikjax import ops
 from pallas_kernels.prompt_attention import attention_kv_flash
 
 
+CPU = jax.default_backend() == "cpu"  # a rehearsal: the kernel in interpret mode
+
+
 def timed(fn, *args, reps=5):
     out = fn(*args)
     out.block_until_ready()
@@ -49,8 +52,8 @@ def main():
             row = f"H {H:3d} start {start:5d}: xla {tx:7.2f} ms"
             for bq in a.bq:
                 for bk in a.bk:
-                    f = jax.jit(lambda q, kv, kr, p, bq=bq, bk=bk: attention_kv_flash(q, kv, kr, p, 0.07, nope,
-                                                                                      bq=bq, bk=bk))
+                    f = jax.jit(lambda q, kv, kr, p, bq=bq, bk=bk: attention_kv_flash(
+                        q, kv, kr, p, 0.07, nope, bq=bq, bk=bk, interpret=CPU))
                     tp, op = timed(f, q, kv, kr, pos)
                     err = float(jnp.abs(op - ox).max() / jnp.abs(ox).max())
                     row += f" | pallas bq {bq} bk {bk}: {tp:7.2f} ms ({tx / tp:4.1f}x, rel err {err:.1e})"
