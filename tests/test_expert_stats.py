@@ -73,7 +73,8 @@ def test_split_modes_count_alike(tiny4_model):
     (two fake CPU devices, in a process of their own)."""
     import subprocess
     import sys
-    code = ("import os\nos.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+    from conftest import TEST_XLA_FLAGS
+    code = (f"import os\nos.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}'\n"
             "import json, numpy as np, ikjax\nres = {}\n"
             "for sm in ('none', 'graph', 'layer'):\n"
             f"    eng = ikjax.load({tiny4_model!r}, ctx=128, ubatch=32, expert_stats=True, split_mode=sm)\n"

@@ -20,7 +20,7 @@ import pytest
 
 import ikjax
 import ikjax.errors
-from conftest import FIXTURES_MISSING
+from conftest import FIXTURES_MISSING, TEST_XLA_FLAGS
 
 WORKER = Path(__file__).with_name("multi_device_worker.py")
 TOL = 1e-5
@@ -76,8 +76,7 @@ def _run_worker(cases: dict, n_devices: int, tmp_path_factory) -> list[dict]:
     spec = tmp_path_factory.mktemp("md") / "spec.json"
     spec.write_text(json.dumps(cases))
     env = dict(os.environ, IKJAX_DTYPE="f32",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices} --xla_backend_optimization_level=0 "
-                         "--xla_llvm_disable_expensive_passes=true")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices} {TEST_XLA_FLAGS}")
     env.pop("IKJAX_KERNELS", None)
     run = subprocess.run([sys.executable, str(WORKER), str(spec)], env=env, capture_output=True, text=True,
                          timeout=600, cwd=str(WORKER.parent))

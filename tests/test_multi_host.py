@@ -22,6 +22,7 @@ import pytest
 import ikjax
 from ikjax.runtime import distributed
 from ikjax.errors import OptionError
+from conftest import TEST_XLA_FLAGS
 
 HERE = Path(__file__).parent
 WORKER = HERE / "multi_host_worker.py"
@@ -38,8 +39,7 @@ def _free_port() -> int:
 
 def _env() -> dict:
     env = dict(os.environ, IKJAX_DTYPE="f32",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0 "
-                         "--xla_llvm_disable_expensive_passes=true")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}")
     env.pop("IKJAX_KERNELS", None)
     return env
 
