@@ -253,3 +253,19 @@ def test_graph_split_streams_host_experts(tiny4):
     assert ops.selected("moe_experts").startswith("stream:")
     assert st["copied"] > 0, st
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="-sm layer over GPUs needs 2 or more")
+def test_layer_split_host_experts_in_their_stage_memory(tiny4):
+    """-sm layer with -ot exps=CPU: each layer's host experts sit in the pinned memory of the GPU
+    whose stage reads them (a step takes only its own device's arrays), and a streamed prompt and
+    the host-computed decode after it equal the one-GPU all-device run."""
+    tokens = (np.arange(STREAM_TOKENS) * 7 + 3) % 1000
+    ref = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32").logits(tokens)
+    eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32", ot="exps=CPU", sm="layer")
+    devs = {d for i, lay in enumerate(all_layers(eng.weights)) if "gate_exps" in lay
+            for d in lay["gate_exps"].data.sharding.device_set}
+    assert len(devs) == 2, devs  # the 3 MoE layers of 4 span both stages
+    got = eng.logits(tokens)
+    assert ops.selected("moe_experts").startswith("stream:")
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)

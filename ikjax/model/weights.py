@@ -69,8 +69,8 @@ def placer_for(placement: Placement) -> Placer:
     """Put each tensor where the Placement says. On a CPU-only machine (`placement.unified`) every
     place is the one CPU device and `device_put` of the mmapped blocks is zero-copy, so host- and
     device-placed tensors both stay in the file's pages. On an accelerator, device-placed tensors go
-    to their device; host-placed routed experts (`ffn_*_exps`) are copied into the first
-    accelerator's pinned host memory, one tensor at a time, and the memory map's pages of that
+    to their device; host-placed routed experts (`ffn_*_exps`) are copied into the pinned host
+    memory of the accelerator whose step reads them, one tensor at a time, and the memory map's pages of that
     tensor are released right after (one copy in RAM; both the host-experts custom call and the
     streaming of big batches read it: ikjax.placement.host). With IKJAX_HOST_EXPERTS=mmap they stay
     the memory map's bytes (no copy at all; every batch then runs on the host).
@@ -99,7 +99,9 @@ def placer_for(placement: Placement) -> Placer:
         if t.on_host:
             if not pinned:
                 return data
-            out = to_pinned(data, accel[0])
+            # in the pinned memory of the device whose step reads it (-sm layer: its layer's
+            # stage; -mg: the main device): a step takes only its own device's arrays
+            out = to_pinned(data, accel[placement.stage_device(name)])
             release_pages(data)
             return out
         return jax.device_put(data, by_label[t.device])
