@@ -315,3 +315,29 @@ def test_mesh_placer_pins_host_experts_once(experts):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(experts[0].data))
     mapped = _part_placer(placement, 0, 2, jax.devices()[0], None)("blk.3.ffn_up_exps.weight", data)
     assert mapped is data  # IKJAX_HOST_EXPERTS=mmap: the memory map's bytes
+
+
+def test_sweep_reports_streamed_bytes_against_the_link(experts, monkeypatch):
+    """sweep-bench's line for issue 24: a prompt step past ik's rule moves every host expert of
+    every such layer (whole layers, the default) or the routed ones by round (-sm graph's
+    by-address copy, counted by the custom call); the rate at the rows' mean prompt time is put
+    against a measured pinned host -> device copy."""
+    from types import SimpleNamespace
+    from ikjax.model import groups
+    from ikjax.tools import sweep_bench as sb
+    monkeypatch.delenv("IKJAX_STREAM", raising=False)
+    host = [_pinned(t, 32) for t in experts]
+    layers = [{"gate_exps": host[0], "up_exps": host[1], "down_exps": host[2]}, {"attn_q": None}] * 2
+    monkeypatch.setattr(groups, "all_layers", lambda weights: layers)
+    eng = SimpleNamespace(weights=None, config=SimpleNamespace(n_expert_used=K), options=SimpleNamespace(ubatch=256))
+    per_layer = sum(t.nbytes for t in host)
+    assert sb.streamed_bytes(eng, 256) == (2 * per_layer, "layer")
+    assert sb.streamed_bytes(eng, 64) is None  # 64 x 2 picks < 32 x 8: computed on the host
+    rows = [SimpleNamespace(t_pp=0.5), SimpleNamespace(t_pp=0.7)]
+    line = sb.stream_report(eng, 512, rows)  # -ub 512 in steps of 256: 0.3 s a step
+    assert f"{2 * per_layer / 1e9:.2f} GB cross" in line and "0.300 s a step" in line and "GB/s (" in line
+    by_addr = [HostQuantArray(h.data, Q, h.shape, min_batch=32, by_address=True) for h in host]
+    layers[0] = layers[2] = {"gate_exps": by_addr[0], "up_exps": by_addr[1], "down_exps": by_addr[2]}
+    assert sb.streamed_bytes(eng, 256)[1] == "active"
+    assert "3.00 GB over" in sb.stream_report(eng, 512, rows, active_bytes=3 * 10**9)
+    assert sb.h2d_bandwidth(jax.devices()[0], nbytes=1 << 20, reps=1) > 0

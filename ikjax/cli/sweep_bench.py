@@ -64,6 +64,7 @@ def sweep_bench(
 
     Example: ikjax sweep-bench -m model.gguf -c 16384 -ub 2048 -mla 3 -fa --output-format jsonl --plot sweep.png
     """
+    from ikjax import ops
     from ikjax.runtime.memory_plan import cache_capacity
     from ikjax.tools import sweep_bench as sb
     if output_format not in ("md", "jsonl"):
@@ -116,6 +117,9 @@ def sweep_bench(
         sb.precompile(eng, tg, n_kv=n_kv, **shape_args)
         later[0] += time.perf_counter() - t1
 
+    streams = sb.streamed_bytes(eng, eng.options.ubatch)
+    if streams is not None and streams[1] == "active":
+        ops.streamed_bytes_counted(reset=True)
     t0 = time.perf_counter()
     with Progress("sweep-bench", total=sb.total_work(eng, tg, reps, **shape_args), eta=True) as prog:
         if output_format == "md":
@@ -130,6 +134,10 @@ def sweep_bench(
     if n_shapes > len(first):
         log(compiled_line(eng, count0, hits0, compile_s + later[0]) + " in all")
     log(f"sweep took {time.perf_counter() - t0 - later[0]:.2f}s (+ {compile_s + later[0]:.2f}s compile)")
+    if streams is not None:  # issue 24: what the link carried, against what it can carry
+        line = sb.stream_report(eng, pp, rows, ops.streamed_bytes_counted() if streams[1] == "active" else 0)
+        if line:
+            log(line)
     if plot:
         import json
         from ikjax.tools.plot import plot_runs

@@ -234,6 +234,13 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=Fals
     return out
 
 
+def streamed_bytes_counted(reset: bool = False) -> int:
+    """Bytes of routed experts the by-round stream (the `ikjax_stream_experts` custom call) has
+    copied to devices since the process started or the last reset; 0 without the CUDA handler."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    return int(moe_host.stream_stats(reset).get("bytes", 0))
+
+
 def _fetch_active(weights, ids, r, *, gate, up, down, slots):
     from pallas_kernels.moe_matmul import host as moe_host
     return moe_host.stream_experts(weights, ids, gate, up, down, slots=slots, round=r)

@@ -343,3 +343,64 @@ def total_work(eng, tg: int, nrep: int = 1, *, pp: int | None = None, stride: in
     pp = eng.options.ubatch if pp is None else pp
     n = len(measured_points(eng.options.ctx, pp, stride))
     return (n + (nrep - 1 if n else 0)) * (tg + pp)
+
+
+# -- host experts crossing the link (issue 24: bytes a prompt step moves, against the link) --------
+
+def streamed_bytes(eng, n_tokens: int) -> tuple[int, str] | None:
+    """(bytes, form) of routed experts a prompt step of `n_tokens` moves from host RAM to the
+    device, or None when none cross (no host experts, a batch computed on the host, a CPU-only
+    run). "layer": every host expert of every such layer, known before the step runs; "active":
+    only the experts the batch routes to, counted by the custom call (bytes None until measured)."""
+    from ikjax import ops
+    from ikjax.model.groups import all_layers
+    from ikjax.placement.host import is_host_resident
+    total, form = 0, None
+    for lay in all_layers(eng.weights):
+        ts = [lay.get(k) for k in ("gate_exps", "up_exps", "down_exps")]
+        if not all(is_host_resident(t) for t in ts):
+            continue
+        E, k = ts[0].shape[0], eng.config.n_expert_used
+        if not all(t.pinned and t.runs_on(n_tokens, E, k) == "device" for t in ts):
+            continue
+        hot = "hot_experts" in lay
+        whole = not any(t.by_address for t in ts) and ops.stream_mode(n_tokens, E, k, hot=hot) == "layer"
+        form = "layer" if whole and form in (None, "layer") else "active"
+        total += sum(t.nbytes for t in ts)
+    return None if form is None else (total, form)
+
+
+def h2d_bandwidth(device, nbytes: int = 512 << 20, reps: int = 3) -> float:
+    """Pinned host -> `device` copy rate in bytes/s: the best of `reps` copies of `nbytes` (what a
+    step's stream of host experts can reach at most)."""
+    import jax
+    from ikjax.placement.host import to_pinned
+    src = to_pinned(np.zeros(nbytes, np.uint8), device)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first copy warms up the path
+        t0 = time.perf_counter()
+        jax.device_put(src, jax.memory.Space.Device).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def stream_report(eng, pp: int, rows: list, active_bytes: int = 0) -> str | None:
+    """One line for the log. Whole layers: the bytes each prompt step of the sweep moved over the
+    link, the rate that is at the rows' mean prompt time, and the measured pinned host -> device
+    bandwidth. By round (`active_bytes`: what the custom call counted over the sweep, warm-up steps
+    included): the total."""
+    import jax
+    step = eng.options.ubatch
+    got = streamed_bytes(eng, step)
+    if got is None or not rows:
+        return None
+    per_step, form = got
+    if form == "active":
+        return (f"host experts: the routed experts cross to the device by round: {active_bytes / 1e9:.2f} GB over "
+                f"the sweep's prompt steps (warm-ups included)") if active_bytes else None
+    t_step = sum(r.t_pp for r in rows) / len(rows) / -(-pp // step)
+    rate = per_step / t_step
+    peak = h2d_bandwidth(jax.devices()[0])
+    return (f"host experts: {per_step / 1e9:.2f} GB cross to the device per {step}-token prompt step (whole "
+            f"layers); at the PP rows' mean {t_step:.3f} s a step that is {rate / 1e9:.1f} GB/s; pinned host -> "
+            f"device copies measured {peak / 1e9:.1f} GB/s ({100 * rate / peak:.0f} %)")
