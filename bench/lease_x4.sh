@@ -61,7 +61,8 @@ case $STAGE in
     grep -h "compiled\|rror" "$OUT/v2l_$form.err" | head -3
   done
   CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 \
-    tests/test_hybrid_gpu.py -k "graph_split or layer_split or prompt_streams" tests/test_prompt_attention.py 2>&1 | tail -5
+    tests/test_hybrid_gpu.py -k "graph_split or layer_split or prompt_streams" 2>&1 | tail -5
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_prompt_attention.py 2>&1 | tail -3
   ;;
 1)
   start_bg
