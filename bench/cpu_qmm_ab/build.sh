@@ -11,7 +11,8 @@ out=${3:-$here/harness}
 tmp=$(mktemp -d)
 mkdir -p $tmp/inc/cpu
 # IKJ_DECLARE also in ikj_A / ikj_B
-sed 's/  namespace ikj_avx512 { ret name params; }$/  namespace ikj_avx512 { ret name params; } \\\n  namespace ikj_A { ret name params; } \\\n  namespace ikj_B { ret name params; }/' $PK/cpu/isa.h > $tmp/inc/cpu/isa.h
+# (after the namespace line of ikj_avx512: the last one, or followed by ikj_amx's)
+sed 's/^\(  namespace ikj_avx512 { ret name params; }\)\( \\\)\{0,1\}$/\1 \\\n  namespace ikj_A { ret name params; } \\\n  namespace ikj_B { ret name params; }\2/' $PK/cpu/isa.h > $tmp/inc/cpu/isa.h
 FL="-O3 -fno-math-errno -fno-trapping-math -mavx2 -mfma -mf16c -mbmi2 -std=c++17 -I$tmp/inc -I$PK -DIKJ_LEVEL_avx2=1"
 g++ $FL -DIKJ_NS=ikj_A -c $1/cpu_kernel.cc -o $tmp/kA.o &
 g++ $FL -DIKJ_NS=ikj_A -c $1/cpu_kernel_kquants.cc -o $tmp/kqA.o &
