@@ -275,7 +275,7 @@ def test_by_address_experts_stream_by_round(experts, monkeypatch):
 
     def fake_fetch(w_, i_, r, *, gate, up, down, slots):
         calls.append(r)
-        dev = [QuantArray(jnp.asarray(np.asarray(t.data)), t.qtype, t.shape) for t in (gate, up, down)]
+        dev = [QuantArray(jax.device_put(t.data, jax.memory.Space.Device), t.qtype, t.shape) for t in (gate, up, down)]
         return moe_host.stream_experts_ref(w_, i_, *dev, slots=slots, round=r)
 
     monkeypatch.setattr(ops.moe, "_fetch_active", fake_fetch)
@@ -289,6 +289,14 @@ def test_by_address_experts_stream_by_round(experts, monkeypatch):
     assert ops.selected("moe_experts") == "stream:xla" and calls  # auto alone would copy whole layers
     ref = _two_layers()(x, w, ids, *experts)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    # pinned step arguments the engine's plan had no room to move whole (whole_ok False): by round too
+    calls.clear()
+    tight = [_pinned(t, 32) for t in experts]
+    for t in tight:
+        t.whole_ok = False
+    np.testing.assert_allclose(np.asarray(_two_layers()(x, w, ids, *tight)), np.asarray(ref), rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(ref).max()))
+    assert calls and ops.selected("moe_experts") == "stream:xla"
     monkeypatch.setenv("IKJAX_STREAM", "layer")
     with pytest.raises(OptionError, match="IKJAX_STREAM=layer: under -sm graph"):
         _two_layers()(x, w, ids, *by_addr)

@@ -365,6 +365,10 @@ def test_memory_plan_counts_the_stream_buffer(model4, monkeypatch):
     big = 32 * cfg.n_expert // cfg.n_expert_used  # ik's rule: the smallest batch that streams
     assert plan(big).stream_buffer_bytes == 4 * layer  # auto: 32 picks an expert, the whole layer
     assert plan(big, gpu_experts="2").stream_buffer_bytes == 2 * layer  # hot experts: the rest, by round
+    # the engine's fallback where two whole layers do not fit the device: by round
+    assert plan_memory(cfg, RunOptions.from_kwargs(ot="exps=CPU", ubatch=big), stream_whole=False,
+                       placement=_place(model4, devices=ONE_GPU, ot="exps=CPU", ubatch=big)
+                       ).stream_buffer_bytes == 2 * layer
     monkeypatch.setenv("IKJAX_STREAM", "active")
     assert plan(big).stream_buffer_bytes == 2 * layer
     assert plan(big - 1).stream_buffer_bytes == 0 and plan(big, CPU_ONLY).stream_buffer_bytes == 0

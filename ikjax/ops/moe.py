@@ -209,7 +209,8 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=Fals
     if by_address and env.choice("IKJAX_STREAM") == "layer":
         raise OptionError("IKJAX_STREAM=layer: under -sm graph the host experts are one pinned copy for every "
                           "device, streamed by round (IKJAX_STREAM=active or auto), never whole layers")
-    if by_address or stream_mode(ids.shape[0], gate.shape[0], ids.shape[1], hot=hot) == "active":
+    by_round = by_address or not all(t.whole_ok for t in (gate, up, down))  # the plan's room (Engine)
+    if by_round or stream_mode(ids.shape[0], gate.shape[0], ids.shape[1], hot=hot) == "active":
         from pallas_kernels.moe_matmul import host as moe_host
         if not moe_host.stream_supported(gate, up, down):
             raise OptionError(f"ot: streaming host experts to the GPU: "

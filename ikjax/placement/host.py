@@ -48,7 +48,7 @@ class HostQuantArray(LogicalShape):
     or NumPy / memmap), static `qtype`, logical `shape`, its `tensor` placement and the offload
     threshold `min_batch`. Not a QuantArray, so nothing repacks or dequantizes it by accident (the
     Pallas repack and the XLA reference would copy it whole to the device)."""
-    __slots__ = ("data", "qtype", "shape", "tensor", "min_batch", "by_address", "_origin", "_addr")
+    __slots__ = ("data", "qtype", "shape", "tensor", "min_batch", "by_address", "whole_ok", "_origin", "_addr")
 
     def __init__(self, data, qtype, shape: tuple, *, tensor: TensorPlacement | None = None,
                  min_batch: int = MIN_OFFLOAD_BATCH, by_address: bool = False):
@@ -61,6 +61,9 @@ class HostQuantArray(LogicalShape):
         # never as a step argument: -sm graph, where every device of the mesh reads the one copy
         # (a step argument would have to be one device's array)
         self.by_address = bool(by_address)
+        # whole_ok: big batches may move this tensor whole (IKJAX_STREAM=auto's layer form); False
+        # where the engine's memory plan has no room for two whole layers on the device
+        self.whole_ok = True
         self._origin = None
         self._addr = int(data.ctypes.data) if isinstance(data, np.ndarray) else int(data.unsafe_buffer_pointer())
 
@@ -69,7 +72,7 @@ class HostQuantArray(LogicalShape):
         """The node rebuilt around a traced (or replaced) leaf; host facts come from `origin`."""
         v = object.__new__(cls)
         v.data, v.qtype, v.shape, v.tensor, v.min_batch = data, origin.qtype, origin.shape, origin.tensor, origin.min_batch
-        v.by_address, v._origin, v._addr = origin.by_address, origin, origin._addr
+        v.by_address, v.whole_ok, v._origin, v._addr = origin.by_address, origin.whole_ok, origin, origin._addr
         return v
 
     @property

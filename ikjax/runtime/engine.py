@@ -22,16 +22,17 @@ import jax
 import numpy as np
 
 from ikjax import env, ops
-from ikjax.errors import OptionError
+from ikjax.errors import DoesNotFitError, OptionError
 from ikjax.gguf_io.config import ModelConfig, load_notes
 from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.model import cache as kvcache
 from ikjax.model import moe
-from ikjax.model.groups import layer_spans
+from ikjax.model.groups import all_layers, layer_spans
 from ikjax.model.deepseek2 import StepPlan
 from ikjax.options import RunOptions
 from ikjax.placement import devices
 from ikjax.placement import hot as hot_experts
+from ikjax.placement.host import is_host_resident
 from ikjax.placement.rules import plan_placement
 from ikjax.runtime import buckets as kv_buckets
 from ikjax.runtime import compile_cache, distributed, generation, text
@@ -79,9 +80,22 @@ class Engine:
         self.decode_kernel = (o.fa and o.mla in (1, 3) and self.backend != "jnp"
                               and ops.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
                                                                cfg.kv_lora_rank, backend=self.backend))
+        # host experts of big batches cross whole layers (IKJAX_STREAM=auto) only where two of them
+        # fit beside the rest; else by round, as ik's -ooae (a 24 GB card next to R1, say)
+        self.stream_whole = True
         memory = dataclasses.replace(self._static_plan(1), runtime_bytes=sum(before), load_copy_bytes=0,
                                      compile_bytes=0)
-        check_fits(memory, self.options, path)
+        try:
+            check_fits(memory, self.options, path)
+        except DoesNotFitError:
+            if not memory.stream_buffer_bytes or env.choice("IKJAX_STREAM") != "auto":
+                raise
+            self.stream_whole = False
+            memory = dataclasses.replace(self._static_plan(1), runtime_bytes=sum(before), load_copy_bytes=0,
+                                         compile_bytes=0)
+            check_fits(memory, self.options, path)
+            log.info("host experts: two whole layers do not fit the device beside the rest; big batches stream "
+                     "the routed experts by round (IKJAX_STREAM=active's form)")
         self.gpu_experts_note = ""
         if o.gpu_experts:  # copies of the most used host-resident experts in the VRAM left
             free = None
@@ -101,6 +115,11 @@ class Engine:
         # how a step runs on these devices: one device, the -sm layer pipeline or the -sm graph mesh
         self.executor: Executor = executor_for(self.placement, cfg, self.spans, self.cache_layout(1))
         self.weights = self.executor.load(self.file)
+        if not self.stream_whole:
+            for lay in all_layers(self.weights):
+                for t in lay.values():
+                    if is_host_resident(t):
+                        t.whole_ok = False
         after = process_memory()
         memory = charge_load(memory, before, after, mapped_rss(shard.path for shard in self.file.shards))
         log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
@@ -543,7 +562,8 @@ class Engine:
                                          top_p=top_p, min_p=min_p, seed=seed, stop=stop)
 
     def _static_plan(self, batch: int) -> MemoryPlan:
-        return plan_memory(self.config, self.options, batch=batch, placement=self.placement)
+        return plan_memory(self.config, self.options, batch=batch, placement=self.placement,
+                           stream_whole=self.stream_whole)
 
     def memory_plan(self, batch: int = 1) -> MemoryPlan:
         """Weights (as stored, per place), KV cache and attention-buffer bytes for these options;

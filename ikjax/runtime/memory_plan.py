@@ -341,9 +341,11 @@ def cache_capacity(options: RunOptions) -> int:
 
 
 def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tuple[str, int]] | None = None,
-                batch: int = 1, *, placement: Placement | None = None) -> MemoryPlan:
+                batch: int = 1, *, placement: Placement | None = None, stream_whole: bool = True) -> MemoryPlan:
     """The plan from the header and the options. Weights per place come from the `Placement`
-    (given by a loaded engine; else made here from (name, nbytes) pairs, as `ikjax info` does)."""
+    (given by a loaded engine; else made here from (name, nbytes) pairs, as `ikjax info` does).
+    `stream_whole=False`: host experts of big batches cross by round even where IKJAX_STREAM=auto
+    would move whole layers (the engine's choice when two whole layers do not fit the device)."""
     o = options
     capacity = cache_capacity(o)
     layout = CacheLayout.for_model(cfg, o.mla, o.ctk, batch, capacity)
@@ -359,8 +361,8 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
                       placement.host_bytes, device_weights=tuple(placement.device_bytes().items()),
                       unified=placement.unified, device_kv=kv_per_device(placement, layout),
                       split_mode=placement.split_mode,
-                      stream_buffer_bytes=stream_buffer(placement, o.ubatch,
-                                                        hot=bool(o.gpu_experts) or placement.split_mode == "graph"))
+                      stream_buffer_bytes=stream_buffer(placement, o.ubatch, hot=bool(o.gpu_experts) or not stream_whole
+                                                        or placement.split_mode == "graph"))
 
 
 def stream_buffer(placement: Placement, ubatch: int, hot: bool = False) -> int:
