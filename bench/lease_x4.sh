@@ -6,7 +6,8 @@
 #            -sm graph host-experts streaming test on 2 GPUs.
 #   STAGE=1: install; start ik_llama.cpp's CUDA build in the background (bench/gpu_ik_build.sh,
 #            nice'd, most cores); write the 8-layer R1 (issue 24) in the background; the R1 of
-#            R1_LAYERS (16) layers on 2 and 4 GPUs under -sm layer / graph (bench/multi_gpu.sh).
+#            R1_LAYERS layers (16 on H100s, 28 on H200s: more than one GPU holds) on 2 and 4 GPUs
+#            under -sm layer / graph (bench/multi_gpu.sh).
 #   STAGE=2: issue 24's ikjax runs on GPU 0 (bench/gpu_hybrid_r1.sh: auto stream, the old active
 #            form, -ub 4096 / 8192, hot experts), then R1 -ot exps=CPU under both split modes.
 #   STAGE=3: ik_llama.cpp on the same files and flags: the R1 split rows and the hybrid rows.
@@ -66,6 +67,10 @@ case $STAGE in
   ;;
 1)
   start_bg
+  # R1 deeper than one GPU holds: 16 layers (80.5 GiB) past an H100's 80 GiB, 28 (~160 GiB) past an H200's 141
+  gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  export R1_LAYERS=${R1_LAYERS:-$([ "${gib:-0}" -gt 100000 ] && echo 28 || echo 16)}
+  el "R1 file: $R1_LAYERS layers (a GPU holds ${gib} MiB)"
   OUT=$OUT/mg1 PARTS=${PARTS1:-"r1_layer4 r1_graph4 r1_layer2 r1_graph2"} DEADLINE=${DEADLINE:-500} BUILD_CUDA=0 \
     MG_NO_INSTALL=1 MG_WORK=/tmp/mg bash bench/multi_gpu.sh 2>&1 | tail -40
   ;;
