@@ -58,6 +58,9 @@ _VARS = (
     Variable("IKJAX_MIN_OFFLOAD_BATCH", "32", (),
              "ik's rule for host experts: batches of at least this x n_expert / n_expert_used tokens "
              "stream them to the GPU", "ikjax.placement.host"),
+    Variable("IKJAX_LOAD_OVERLAP", "auto", ("auto", "1", "0"),
+             "load the weights in a thread while the first steps compile from their shapes; `auto`: where "
+             "steps compile side by side (one accelerator, weights all on it)", "ikjax.runtime.engine"),
     Variable("IKJAX_WEIGHTS", "", ("copy",),
              "`copy`: copy CPU weights out of the memory map instead of aliasing its pages", "ikjax.model.weights"),
     Variable("IKJAX_BATCH_INVARIANT", "0", ("1", "0"),

@@ -189,8 +189,11 @@ def _synthetic_size(preset: str, qtype: str, layers: int | None) -> int | None:
     return sum(t.nbytes for t in synthetic.plan_tensors(cfg, qtype))
 
 
-def load_engine(model: Optional[str], verbose: bool = False, **opts: Any):
-    """Load `-m` (after `resolve_model`) with these run options; the memory plan goes to stderr."""
+def load_engine(model: Optional[str], verbose: bool = False, while_loading: Optional[Callable] = None,
+                **opts: Any):
+    """Load `-m` (after `resolve_model`) with these run options; the memory plan goes to stderr.
+    `while_loading(engine)`: the command's first compiles, run while the weights still stream in
+    where the engine loads them in a thread (Engine._overlaps_load), before the memory plan."""
     from ikjax.runtime.engine import (
         load,  # the runtime (and JAX's backend) only when a command runs
     )
@@ -206,7 +209,17 @@ def load_engine(model: Optional[str], verbose: bool = False, **opts: Any):
     path = resolve_model(model)
     t0 = time.perf_counter()
     eng = load(path, **opts)
-    log(f"loaded {path} in {time.perf_counter() - t0:.2f}s")
+    if not eng.load_overlapped:
+        log(f"loaded {path} in {time.perf_counter() - t0:.2f}s")
+    if while_loading is not None:
+        try:
+            while_loading(eng)
+        except BaseException:
+            eng.cancel_load()  # the command's error (or Ctrl-C) now, the load stopped at its next layer
+            raise
+    eng.wait_loaded()
+    if eng.load_overlapped:
+        log(f"loaded {path} in {eng.loaded_at - t0:.2f}s, in a thread beside the compile")
     if isinstance(stats_file, str):
         import atexit
         atexit.register(_save_expert_stats, eng, stats_file)

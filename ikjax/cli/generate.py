@@ -48,24 +48,33 @@ def generate(
     run_opts, _ = check_options(run, "generate")
     batch_invariance(batch_invariant, default=False)
     setup_compile_cache(run.compile_cache_dir)
-    eng = load_engine(run.model, run.verbose, **run_opts)
-    count0, hits0 = eng.compile_count, eng.compile_cache_hits
-    tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
-    ids = tok.encode(prompt)
-    if not ids:
-        raise OptionError("prompt: empty (and the model has no BOS token)")
-    if len(ids) + n_predict > eng.options.ctx:
-        raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context c={eng.options.ctx}")
-    shapes = _generate_shapes(eng, len(ids), n_predict, stream=True)
     sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
-    t0 = time.perf_counter()
-    with Progress("compiling", total=len(shapes)) as prog:
-        for k, (n_tok, kv, chunk) in enumerate(shapes, 1):
-            what = f"decode loop of {chunk} steps" if chunk else f"{n_tok} tokens"
-            prog.status(f"compiling step {k}/{len(shapes)} ({what}, KV bucket {eng.kv_bucket(kv, n_tok)})")
-            _precompile_shape(eng, n_tok, kv, chunk, sampling)
-            prog.update(advance=1)
-    log(compiled_line(eng, count0, hits0, time.perf_counter() - t0))
+    prepared: dict = {}
+
+    def prepare(eng) -> None:
+        """The prompt's tokens and the run's steps, compiled while the weights stream in (where
+        the engine loads them in a thread, Engine._overlaps_load)."""
+        count0, hits0 = eng.compile_count, eng.compile_cache_hits
+        tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
+        ids = tok.encode(prompt)
+        if not ids:
+            raise OptionError("prompt: empty (and the model has no BOS token)")
+        if len(ids) + n_predict > eng.options.ctx:
+            raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context "
+                              f"c={eng.options.ctx}")
+        shapes = _generate_shapes(eng, len(ids), n_predict, stream=True)
+        t0 = time.perf_counter()
+        with Progress("compiling", total=len(shapes)) as prog:
+            for k, (n_tok, kv, chunk) in enumerate(shapes, 1):
+                what = f"decode loop of {chunk} steps" if chunk else f"{n_tok} tokens"
+                prog.status(f"compiling step {k}/{len(shapes)} ({what}, KV bucket {eng.kv_bucket(kv, n_tok)})")
+                _precompile_shape(eng, n_tok, kv, chunk, sampling)
+                prog.update(advance=1)
+        log(compiled_line(eng, count0, hits0, time.perf_counter() - t0))
+        prepared.update(tok=tok, ids=ids)
+
+    eng = load_engine(run.model, run.verbose, while_loading=prepare, **run_opts)
+    tok, ids = prepared["tok"], prepared["ids"]
     if not no_echo:
         typer.echo(prompt, nl=False)
     n = 0

@@ -100,16 +100,23 @@ def serve(
     sock = bind(host, port)  # taken now: a port in use is one line before the model loads
     invariant = batch_invariance(batch_invariant, default=True)
     setup_compile_cache(run.compile_cache_dir)
-    eng = load_engine(run.model, run.verbose, **run_opts)
-    tok = eng.tokenizer
-    template = eng.chat_template(chat_template)
-    scheduler = Scheduler(eng, parallel, max_queue=max_queue, prompt_cache=prompt_cache)
-    if not run.no_warmup:
-        t0 = time.perf_counter()
-        n = scheduler.warmup()
-        sizes = "/".join(str(t) for t in eng.prompt_step_sizes()) if eng.compile_in_parallel() else str(eng.options.ubatch)
-        log(f"warm-up: compiled {n} steps (decode of {parallel} slots, prompt chunks of {sizes} tokens) in "
-            f"{time.perf_counter() - t0:.1f}s")
+    made: dict = {}
+
+    def warm_up(eng) -> None:
+        """The template, the scheduler and its steps, compiled while the weights stream in (where
+        the engine loads them in a thread, Engine._overlaps_load)."""
+        made["template"] = eng.chat_template(chat_template)
+        made["scheduler"] = scheduler = Scheduler(eng, parallel, max_queue=max_queue, prompt_cache=prompt_cache)
+        if not run.no_warmup:
+            t0 = time.perf_counter()
+            n = scheduler.warmup()
+            sizes = "/".join(str(t) for t in eng.prompt_step_sizes()) if eng.compile_in_parallel() \
+                else str(eng.options.ubatch)
+            log(f"warm-up: compiled {n} steps (decode of {parallel} slots, prompt chunks of {sizes} tokens) in "
+                f"{time.perf_counter() - t0:.1f}s")
+
+    eng = load_engine(run.model, run.verbose, while_loading=warm_up, **run_opts)
+    tok, template, scheduler = eng.tokenizer, made["template"], made["scheduler"]
     path = str(eng.file.path)
     config = ServerConfig(model_name=alias or Path(path).name, model_path=path, n_slots=parallel,
                           api_key=api_key or None, timeout=timeout,

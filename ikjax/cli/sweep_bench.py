@@ -87,25 +87,36 @@ def sweep_bench(
     if memory is not None:
         memory.start()  # before the model loads, as ik's baseline
     setup_compile_cache(run.compile_cache_dir)
-    eng = load_engine(run.model, run.verbose, **run_opts)
-    count0, hits0 = eng.compile_count, eng.compile_cache_hits
     shape_args = dict(pp=pp, stride=sweep_stride)
-    # outside every row's timings: where steps compile side by side (an accelerator) all of them
-    # at once before the first row (they take about as long as the longest: V2-Lite on an H100,
-    # 5 steps 22.5 s one row after the other, RESULTS §22); else the first row's steps before it
-    # and each later row's before that row, so the first row comes as soon as its own steps exist
-    n_shapes = len(sb.step_shapes(eng, tg, **shape_args))
-    all_at_once = eng.compile_in_parallel()
-    first = sb.step_shapes(eng, tg, None if all_at_once else 0, **shape_args)
-    t0 = time.perf_counter()
-    what = "" if all_at_once else " of the first row"
-    with Progress("compiling", total=len(first)) as prog:
-        sb.precompile(eng, tg, n_kv=None if all_at_once else 0, on_shape=lambda *_: prog.update(advance=1),
-                      on_begin=lambda k, n, t, kv: prog.status(f"compiling step {k}/{n}{what} "
-                                                               f"({t} tokens, KV bucket {kv})"), **shape_args)
-    compile_s = time.perf_counter() - t0
-    log(compiled_line(eng, count0, hits0, compile_s)
-        + (f" for the first row; the other {n_shapes - len(first)} before their rows" if n_shapes > len(first) else ""))
+    first_compile: dict = {}
+
+    def compile_first(eng) -> None:
+        """Outside every row's timings, while the weights stream in (Engine._overlaps_load): where
+        steps compile side by side (an accelerator) all of them at once before the first row
+        (they take about as long as the longest: V2-Lite on an H100, 5 steps 22.5 s one row after
+        the other, RESULTS §22); else the first row's steps before it and each later row's before
+        that row, so the first row comes as soon as its own steps exist."""
+        count0, hits0 = eng.compile_count, eng.compile_cache_hits
+        n_shapes = len(sb.step_shapes(eng, tg, **shape_args))
+        all_at_once = eng.compile_in_parallel()
+        first = sb.step_shapes(eng, tg, None if all_at_once else 0, **shape_args)
+        t0 = time.perf_counter()
+        what = "" if all_at_once else " of the first row"
+        with Progress("compiling", total=len(first)) as prog:
+            sb.precompile(eng, tg, n_kv=None if all_at_once else 0, on_shape=lambda *_: prog.update(advance=1),
+                          on_begin=lambda k, n, t, kv: prog.status(f"compiling step {k}/{n}{what} "
+                                                                   f"({t} tokens, KV bucket {kv})"), **shape_args)
+        compile_s = time.perf_counter() - t0
+        later = f" for the first row; the other {n_shapes - len(first)} before their rows" \
+            if n_shapes > len(first) else ""
+        log(compiled_line(eng, count0, hits0, compile_s) + later
+            + (" (the weights loading meanwhile)" if eng.loading else ""))
+        first_compile.update(count0=count0, hits0=hits0, compile_s=compile_s, n_shapes=n_shapes,
+                             n_first=len(first))
+
+    eng = load_engine(run.model, run.verbose, while_loading=compile_first, **run_opts)
+    count0, hits0, compile_s = first_compile["count0"], first_compile["hits0"], first_compile["compile_s"]
+    n_shapes, n_first = first_compile["n_shapes"], first_compile["n_first"]
     for what, c in eng.collectives():  # -sm graph: what each step pays between the devices
         log(f"-sm graph {what}: {c.line()}")
     info = sb.RunInfo.of(eng, ubatch=pp)
@@ -131,7 +142,7 @@ def sweep_bench(
             rows.append(row)
             prog.update(description=f"sweep-bench N_KV {row.n_kv + pp}")
             prog.echo(row.markdown() if output_format == "md" else row.jsonl(info))
-    if n_shapes > len(first):
+    if n_shapes > n_first:
         log(compiled_line(eng, count0, hits0, compile_s + later[0]) + " in all")
     log(f"sweep took {time.perf_counter() - t0 - later[0]:.2f}s (+ {compile_s + later[0]:.2f}s compile)")
     if streams is not None:  # issue 24: what the link carried, against what it can carry

@@ -6,6 +6,7 @@ from the ones it has (see `attention_weights`), exactly, with no re-quantization
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -111,12 +112,21 @@ def placer_for(placement: Placement) -> Placer:
 
 
 def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = None,
-                 placement: Placement | None = None, spans: tuple | None = None) -> Weights:
+                 placement: Placement | None = None, spans: tuple | None = None,
+                 on_shapes: Callable[[Weights], None] | None = None, cancel: Any = None) -> Weights:
     """Copy each tensor's bytes from the memory map to where `place` puts it, one tensor at a time.
 
     `placement` (from `ikjax.placement.rules.plan_placement`) decides where each tensor goes when no
     `place` is given; it stays next to the returned tree (static metadata, never a traced leaf).
-    `spans`: the layer groups (ikjax.model.groups.layer_spans; computed here when not given)."""
+    `spans`: the layer groups (ikjax.model.groups.layer_spans; computed here when not given).
+
+    `on_shapes(tree)` is called once the tree's shapes are known, long before its bytes are all
+    in: the top-level tensors and the first layer of every group are loaded first (a group's
+    stacks take their shapes from its first layer), then `tree` — the weights as
+    ShapeDtypeStructs with their shardings, what a step is lowered against — is handed over, and
+    the other layers load after. A caller compiles its steps from it while the bytes stream in
+    (ikjax.runtime.engine: the load in a thread of its own, issue 22's load/compile overlap).
+    `cancel` (a threading.Event): once set, the load stops at the next layer (LoadCancelled)."""
     if place is None:
         place = placer_for(placement) if placement is not None else default_placer
     validate(gf.tensors, cfg, gf.path)
@@ -125,9 +135,25 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
     # -sm graph runs the XLA path on GSPMD-split matrices: no kernel layouts
     graph = placement is not None and placement.split_mode == "graph"
     load = TensorLoader(gf, cfg, place, placement, repack=ops.needs_repack() and not graph)
+    load.cancel = cancel
     weights: Weights = load.top()
-    weights["groups"] = [load.group(first, count) for first, count in spans]
+    groups = [load.group_start(first, count) for first, count in spans]
+    if on_shapes is not None:
+        on_shapes(abstract({**weights, "groups": [g.shapes() for g in groups]}))
+    weights["groups"] = [g.finish() for g in groups]
     return weights
+
+
+def _abstract_leaf(a):
+    if isinstance(a, jax.Array):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+    return a
+
+
+def abstract(tree):
+    """`tree` with every array a ShapeDtypeStruct of its shape, dtype and sharding (what
+    `jit.lower` needs of an argument; ShapeDtypeStructs already in it stay)."""
+    return jax.tree.map(_abstract_leaf, tree)
 
 
 class _Stacks:
@@ -166,6 +192,20 @@ class _Stacks:
                 dev_leaves.append(a)
         if dev_leaves:
             self.dev = list(_put_layer(tuple(self.dev), tuple(dev_leaves), np.int32(j)))
+
+    def shapes(self) -> list:
+        """The stacks as ShapeDtypeStructs (shape, dtype, sharding), as `done` will give them."""
+        out, dev = [], iter(self.dev)
+        for k in range(len(self.on_host)):
+            if not self.on_host[k]:
+                a = next(dev)
+                out.append(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding))
+            else:  # where `done` puts it: its sharding, or (None) the default device, as device_put picks it
+                h, sh = self.host[k], self.shardings[k]
+                if sh is None:
+                    sh = jax.device_put(np.zeros((), h.dtype)).sharding
+                out.append(jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=sh))
+        return out
 
     def done(self) -> list:
         out, dev = [], iter(self.dev)
@@ -224,6 +264,7 @@ class TensorLoader:
         # stacking a group on the one CPU device: the file's bytes as they are, copied once into
         # the stack (whose pages the device then aliases), the file's pages released after
         self._raw = False
+        self.cancel = None  # load_weights's `cancel`
 
     def tensor(self, spec: TensorSpec):
         info = self.gf.tensors.get(spec.gguf_name)
@@ -276,29 +317,21 @@ class TensorLoader:
     def group(self, first: int, count: int) -> LayerGroup:
         """Layers first .. first + count - 1 as one LayerGroup: a group of one as `layer` loads it,
         a longer one with each leaf stacked as its layers load (`_Stacks`)."""
-        if count == 1:
-            return LayerGroup(first, 1, self.layer(first))
-        stacks, tree = None, None
-        self._raw = self.place is default_placer
+        return self.group_start(first, count).finish()
+
+    def group_start(self, first: int, count: int) -> "_GroupLoad":
+        """A group whose first layer is in (and so its shapes known): `finish()` loads the rest."""
+        return _GroupLoad(self, first, count)
+
+    @contextlib.contextmanager
+    def raw(self, on: bool):
+        """Stacking a group on the one CPU device: `tensor` gives the file's bytes as they are."""
+        self._raw = on and self.place is default_placer
         try:
-            for j in range(count):
-                leaves, t = jax.tree.flatten(self.layer(first + j))
-                stacks, tree = self._stack_layer(stacks, tree, leaves, t, j, first, count)
-                del leaves
+            yield
         finally:
             self._raw = False
-        return LayerGroup(first, count, jax.tree.unflatten(tree, stacks.done()))
 
-    @staticmethod
-    def _stack_layer(stacks, tree, leaves, t, j: int, first: int, count: int):
-        """Layer j of the group (its flattened leaves and tree) into the stacks (made at j = 0)."""
-        if stacks is None:
-            stacks, tree = _Stacks(leaves, count), t
-        elif t != tree:
-            raise OptionError(f"layer {first + j} is laid out unlike layer {first} of its group "
-                              f"({t} vs {tree}): a bug, please report (IKJAX_LAYERS=unroll runs it)")
-        stacks.put(j, leaves)
-        return stacks, tree
 
     def layer(self, i: int) -> dict:
         specs = layer_specs(self.cfg, i)
@@ -334,3 +367,47 @@ class TensorLoader:
         slot[list(ids)] = np.arange(len(ids), dtype=np.int32)
         out["slot"] = jax.device_put(slot, device)
         return out
+
+
+class LoadCancelled(Exception):
+    """A load stopped by its caller (load_weights's `cancel`): nobody waits for its weights."""
+
+
+class _GroupLoad:
+    """One layer group as it loads: its first layer at once (a group of one is then whole, a
+    longer one has its stacks, `_Stacks`, made from that layer's leaves), the rest in `finish`.
+    `shapes()` is the group's tree of ShapeDtypeStructs from the start."""
+
+    def __init__(self, load: TensorLoader, first: int, count: int):
+        self.load, self.first, self.count = load, first, count
+        self.whole: LayerGroup | None = None
+        if count == 1:
+            self.whole = LayerGroup(first, 1, load.layer(first))
+            return
+        with load.raw(True):
+            leaves, self.tree = jax.tree.flatten(load.layer(first))
+            self.stacks = _Stacks(leaves, count)
+            self.stacks.put(0, leaves)
+
+    def shapes(self) -> LayerGroup:
+        if self.whole is not None:
+            return abstract(self.whole)
+        return LayerGroup(self.first, self.count, jax.tree.unflatten(self.tree, self.stacks.shapes()))
+
+    def finish(self) -> LayerGroup:
+        if self.whole is not None:
+            return self.whole
+        first, count = self.first, self.count
+        with self.load.raw(True):
+            for j in range(1, count):
+                if self.load.cancel is not None and self.load.cancel.is_set():
+                    raise LoadCancelled(f"load stopped before layer {first + j}")
+                leaves, t = jax.tree.flatten(self.load.layer(first + j))
+                if t != self.tree:
+                    raise OptionError(f"layer {first + j} is laid out unlike layer {first} of its group "
+                                      f"({t} vs {self.tree}): a bug, please report (IKJAX_LAYERS=unroll runs it)")
+                self.stacks.put(j, leaves)
+                del leaves
+        self.whole = LayerGroup(first, count, jax.tree.unflatten(self.tree, self.stacks.done()))
+        self.stacks = None
+        return self.whole

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 
@@ -37,7 +38,7 @@ from ikjax.placement.rules import plan_placement
 from ikjax.runtime import buckets as kv_buckets
 from ikjax.runtime import compile_cache, distributed, generation, text
 from ikjax.runtime.executables import Executables, trace_variables
-from ikjax.runtime.executors import Executor, executor_for
+from ikjax.runtime.executors import BackgroundLoad, Executor, executor_for
 from ikjax.runtime.generation import BatchGeneration, Generation, KVSession
 from ikjax.runtime.sampling import NON_FINITE, NonFiniteLogitsError, check_finite_logits
 from ikjax.runtime.memory_plan import (MemoryPlan, cache_capacity, charge_load, check_devices, check_fits, mapped_rss,
@@ -111,22 +112,20 @@ class Engine:
             self.spans = layer_spans(cfg, self.file.tensors, self.placement)
         if len(self.placement.devices) > 1:
             check_devices(memory, dict(zip(self.placement.devices, devices.jax_devices(self.placement))), path)
-        t0 = time.perf_counter()
         # how a step runs on these devices: one device, the -sm layer pipeline or the -sm graph mesh
         self.executor: Executor = executor_for(self.placement, cfg, self.spans, self.cache_layout(1))
-        self.weights = self.executor.load(self.file)
-        if not self.stream_whole:
-            for lay in all_layers(self.weights):
-                for t in lay.values():
-                    if is_host_resident(t):
-                        t.whole_ok = False
-        after = process_memory()
-        memory = charge_load(memory, before, after, mapped_rss(shard.path for shard in self.file.shards))
-        log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
-        self.executor.bind(self.weights)
-        stages = self.executor.describe()
-        if stages:
-            log.info("-sm %s: %s", self.split_mode, stages)
+        self._weights = None
+        self._loading: BackgroundLoad | None = None
+        self._load_lock = threading.Lock()
+        self._load_start = (time.perf_counter(), before)
+        if self._overlaps_load():
+            # the bytes stream in on a thread of their own; steps compile meanwhile from `_shapes`
+            self._loading = BackgroundLoad(self.executor.load, self.file)
+            self._shapes = self._loading.shapes()
+        else:
+            self._weights = self._shapes = self.executor.load(self.file)
+            memory = self._loaded(memory, compiled_bytes=0)
+        self.load_overlapped = self._loading is not None
         self._cache_specs: dict[int, tuple] = {}
         self._collectives: dict[tuple, object] = {}  # Engine.collectives, by step key
         # --expert-stats: the steps count each MoE layer's routing here (ikjax.model.moe)
@@ -135,6 +134,71 @@ class Engine:
             self._expert_counts = moe.ExpertCounts(cfg.n_expert, min(cfg.n_dense_lead, cfg.n_layer))
         self._steps = Executables(self.executor, config=cfg, options=self.options, layout=self.cache_layout,
                                   source=self.file.path, memory=memory)
+
+    # -- the weights (loaded here, or in a thread while steps compile: IKJAX_LOAD_OVERLAP) -------
+
+    @property
+    def weights(self):
+        """The weight tree on its devices; waits for a load still under way (`_overlaps_load`)."""
+        if self._weights is None:
+            self.wait_loaded()
+        return self._weights
+
+    def wait_loaded(self) -> None:
+        """Wait for the weights (a no-op once in); a load that failed raises its error here."""
+        if self._loading is None:
+            return
+        with self._load_lock:
+            if self._loading is None:
+                return
+            weights = self._loading.result()  # its own error, if it failed
+            end = self._loading.finished_at
+            self._weights, self._loading = weights, None
+            self._steps.update_memory(lambda m: self._loaded(m, compiled_bytes=m.compile_bytes or 0, end=end))
+
+    def cancel_load(self) -> None:
+        """Stop a load still under way (its thread ends at its next layer); the engine then has no
+        weights, and using it raises. For a command whose own work failed while it loaded."""
+        if self._loading is not None:
+            self._loading.cancel()
+
+    @property
+    def loading(self) -> bool:
+        """Whether the weights are still streaming in (steps may compile meanwhile)."""
+        return self._loading is not None and not self._loading.done()
+
+    def _overlaps_load(self) -> bool:
+        """Whether the load runs in a thread while steps compile from the weights' shapes: on one
+        accelerator whose steps compile side by side, every weight on it (a pipeline or mesh
+        derives its stages from the loaded arrays; host-resident experts get flags set after the
+        load); IKJAX_LOAD_OVERLAP=1 anywhere those hold (the CPU too), =0 never."""
+        choice = env.choice("IKJAX_LOAD_OVERLAP")
+        if choice == "0" or not self.executor.overlaps_load:
+            return False
+        if not self.placement.unified or self.options.gpu_experts:
+            return False
+        return choice == "1" or self.executor.compiles_in_parallel
+
+    def _loaded(self, memory: MemoryPlan, compiled_bytes: int, end: float | None = None) -> MemoryPlan:
+        """After the load: the host-expert flags, the plan charged with what the load added
+        (less what steps compiling beside it grew the process by, `compiled_bytes`, charged to
+        them already), the log line, the executor's view of the weights."""
+        t0, before = self._load_start
+        if not self.stream_whole:
+            for lay in all_layers(self._weights):
+                for t in lay.values():
+                    if is_host_resident(t):
+                        t.whole_ok = False
+        after = process_memory()
+        mapped = mapped_rss(shard.path for shard in self.file.shards)
+        memory = charge_load(memory, before, (after[0] - compiled_bytes, after[1]), mapped)
+        self.loaded_at = end or time.perf_counter()  # perf_counter when the load ended (its thread's end)
+        log.info("loaded %s in %.2fs", self.file.path, self.loaded_at - t0)
+        self.executor.bind(self._weights)
+        stages = self.executor.describe()
+        if stages:
+            log.info("-sm %s: %s", self.split_mode, stages)
+        return memory
 
     # -- compiled steps (ikjax.runtime.executables) ----------------------------------------------
     @property
@@ -233,12 +297,13 @@ class Engine:
         self._check_cache(cache, B)
         self.file.check_unchanged()
         plan = self._plan(self.kv_bucket(int(start.max()) + T, T), all_logits, T)
-        exe = self._steps.get(self.weights, B, T, plan)
-        return self.executor.run(exe, self.weights, cache, tokens, start, last)
+        weights = self.weights
+        exe = self._steps.get(self._shapes, B, T, plan)
+        return self.executor.run(exe, weights, cache, tokens, start, last)
 
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
-        return self._steps.precompile(self.weights, batch, n_tokens,
+        return self._steps.precompile(self._shapes, batch, n_tokens,
                                       self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits, n_tokens))
 
     def decode_loop(self) -> bool:
@@ -272,8 +337,9 @@ class Engine:
         self._check_cache(cache, len(tokens))
         self.file.check_unchanged()
         plan = self._decode_plan(int(start.max()), chunk)
-        exe = self._steps.get(self.weights, len(tokens), 1, plan, (chunk, self._sampling_key(sampling)))
-        out, cache = self.executor.run(exe, self.weights, cache, tokens, start, np.int32(n),
+        weights = self.weights
+        exe = self._steps.get(self._shapes, len(tokens), 1, plan, (chunk, self._sampling_key(sampling)))
+        out, cache = self.executor.run(exe, weights, cache, tokens, start, np.int32(n),
                                        jax.random.key(0) if key is None else key)
         # the tokens are tiny and every caller reads them next (generate) or waits for them
         # (the benches): checked here, the host copy stays cached on the array
@@ -302,7 +368,7 @@ class Engine:
 
     def precompile_decode(self, batch: int, chunk: int, kv_needed: int, sampling: dict | None = None) -> float:
         """Compile the decode loop of `chunk` steps whose last step reads `kv_needed` entries."""
-        return self._steps.precompile(self.weights, batch, 1, self._decode_plan(kv_needed - chunk, chunk),
+        return self._steps.precompile(self._shapes, batch, 1, self._decode_plan(kv_needed - chunk, chunk),
                                       (chunk, self._sampling_key(sampling)))
 
     def expert_stats(self) -> dict:
@@ -569,7 +635,10 @@ class Engine:
         """Weights (as stored, per place), KV cache and attention-buffer bytes for these options;
         for batch 1 also what this engine measured: runtime, load copies, compiled steps, and
         XLA's buffers of the largest step compiled so far (`peak_bytes`, `peak_lines()`)."""
-        return self._steps.memory if batch == 1 else self._static_plan(batch)
+        if batch != 1:
+            return self._static_plan(batch)
+        self.wait_loaded()  # the load's own charge
+        return self._steps.memory
 
 
 def _is_int(x) -> bool:

@@ -87,7 +87,8 @@ def _describe(a) -> tuple:
 # one is), what the C++ runtime reads on every call. Every other one (IKJAX_TOPK, IKJAX_STREAM, a
 # new knob: by default) may change what a step traces, and its value is part of a stored step's key.
 _NOT_IN_STEPS = frozenset({"IKJAX_COMPILE_CACHE", "IKJAX_CACHE", "IKJAX_DEBUG", "IKJAX_FIXTURES", "IKJAX_STORE_STEPS",
-                           "IKJAX_DECODE_LOOP", "IKJAX_CPU_ISA", "IKJAX_SPIN", "IKJAX_SERVE_TRACE"})
+                           "IKJAX_DECODE_LOOP", "IKJAX_CPU_ISA", "IKJAX_SPIN", "IKJAX_SERVE_TRACE",
+                           "IKJAX_LOAD_OVERLAP"})
 
 
 _IN_STEPS = tuple(sorted(name for name in env.VARIABLES if name not in _NOT_IN_STEPS))
@@ -189,6 +190,11 @@ class Executables:
                 self.memory = settle_compile(self.memory, peak, process_memory())
         return exe
 
+    def update_memory(self, change: Callable[[MemoryPlan], MemoryPlan]) -> None:
+        """The memory plan replaced by `change(plan)`, with no step's charge in between."""
+        with self._lock:
+            self.memory = change(self.memory)
+
     def precompile(self, weights, B: int, T: int, plan: StepPlan, decode: tuple | None = None) -> float:
         """Compile (no execution, no cache allocated) unless there already; seconds taken."""
         if (B, T, plan, decode) in self.table:
@@ -232,8 +238,9 @@ class Executables:
             return None
         if not self.executor.stores_steps:
             return None
-        for a in jax.tree.leaves(weights):
-            if not isinstance(a, jax.Array) or getattr(a.sharding, "memory_kind", None) not in (None, "device"):
+        for a in jax.tree.leaves(weights):  # arrays, or their ShapeDtypeStructs while they load
+            if not isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) or \
+                    getattr(a.sharding, "memory_kind", None) not in (None, "device"):
                 return None
         B, T, _, decode = key
         args = step_arguments(weights, self.layout(B), B, T, decode)

@@ -1,0 +1,168 @@
+"""The weights load in a thread while the first steps compile from their shapes (issue 22, item 4;
+IKJAX_LOAD_OVERLAP, ikjax.runtime.executors.BackgroundLoad).
+
+Why: a cold start loaded every weight, then compiled (V2-Lite on an H100: 4.6 s load, then 16.7 s
+of compiles, RESULTS §22). A step needs only the weights' shapes and shardings, known once the top
+tensors and each layer group's first layer are in. What must hold: the steps compiled from the
+shapes compute what steps compiled from the arrays compute, bit for bit; they compile before the
+bytes are in (the test holds the load at its second layer until the compile is done); a stored
+step made one way is found by a run made the other way (the key sees the same arguments); and a
+load that fails in its thread raises its own error in the caller's thread, not a hang."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import ikjax
+from ikjax.errors import IkjaxError
+from ikjax.model import weights as weights_mod
+
+PROMPT = list(range(1, 12))
+
+
+def _engine(path, overlap: str, monkeypatch, **opts):
+    monkeypatch.setenv("IKJAX_LOAD_OVERLAP", overlap)
+    return ikjax.load(path, ctx=256, ubatch=64, **opts)
+
+
+def test_overlap_computes_what_a_plain_load_does(tiny4_model, monkeypatch):
+    plain = _engine(tiny4_model, "0", monkeypatch)
+    assert not plain.load_overlapped
+    ref_logits = plain.logits(PROMPT)
+    ref_tokens = list(plain.generate(PROMPT, 6))
+    eng = _engine(tiny4_model, "1", monkeypatch)
+    assert eng.load_overlapped  # one CPU device, every weight on it: the overlap applies
+    eng.precompile(1, 16, 32)  # from the shapes, possibly before the load is done
+    np.testing.assert_array_equal(eng.logits(PROMPT), ref_logits)
+    assert list(eng.generate(PROMPT, 6)) == ref_tokens
+    # the plan charged the load once it was waited for, and the tree is the arrays themselves
+    assert eng.memory_plan().load_copy_bytes is not None
+    assert all(hasattr(a, "block_until_ready") for a in __import__("jax").tree.leaves(eng.weights))
+
+
+def test_steps_compile_before_the_bytes_are_in(tiny4_model, monkeypatch):
+    """The load is held after its shapes are known (each group's first layer in) until the
+    compile is done: a compile that needed the weights would wait forever (timeout)."""
+    gate = threading.Event()
+    finish = weights_mod._GroupLoad.finish
+
+    def held(self):
+        assert gate.wait(120), "the compile did not finish while the load was held"
+        return finish(self)
+    monkeypatch.setattr(weights_mod._GroupLoad, "finish", held)
+    eng = _engine(tiny4_model, "1", monkeypatch)
+    seconds = eng.precompile(1, 16, 32) + eng.precompile_decode(1, 4, 32)
+    assert seconds > 0 and eng.compile_count == 2
+    assert eng.loading  # still held: the two steps compiled from the shapes alone
+    gate.set()
+    plain = _engine(tiny4_model, "0", monkeypatch)
+    monkeypatch.setattr(weights_mod._GroupLoad, "finish", finish)
+    np.testing.assert_array_equal(eng.logits(PROMPT[:16]), plain.logits(PROMPT[:16]))
+    assert eng.compile_count >= 2 and not eng.loading
+
+
+def test_a_failed_load_raises_its_error_in_the_caller(tiny4_model, monkeypatch):
+    def broken(self):
+        raise IkjaxError(f"layer {self.first + 1}: bytes missing (test)")
+    monkeypatch.setattr(weights_mod._GroupLoad, "finish", broken)
+    eng = _engine(tiny4_model, "1", monkeypatch)  # the shapes were known: the engine is made
+    with pytest.raises(IkjaxError, match="bytes missing"):
+        eng.logits(PROMPT)
+    with pytest.raises(IkjaxError, match="bytes missing"):  # and again: not a hang, not a None
+        eng.wait_loaded()
+
+
+def test_a_load_that_fails_before_its_shapes_raises_at_load(tiny4_model, monkeypatch):
+    def broken(self, first, count):
+        raise IkjaxError("first layer unreadable (test)")
+    monkeypatch.setattr(weights_mod.TensorLoader, "group_start", broken)
+    with pytest.raises(IkjaxError, match="first layer unreadable"):
+        _engine(tiny4_model, "1", monkeypatch)
+
+
+RUN = """
+import json, sys
+import ikjax
+eng = ikjax.load(sys.argv[1], ctx=256, ubatch=64)
+eng.precompile(1, 64, 64)
+logits = eng.logits(list(range(1, 9)))
+print(json.dumps(dict(overlapped=eng.load_overlapped, compiled=eng.compile_count, from_cache=eng.compile_cache_hits,
+                      logits=[float(x) for x in logits.reshape(-1)[:64]])))
+"""
+
+
+def _run(model, overlap: str, cache) -> dict:
+    env = {**os.environ, "IKJAX_COMPILE_CACHE": str(cache), "IKJAX_STORE_STEPS": "1", "IKJAX_LOAD_OVERLAP": overlap}
+    res = subprocess.run([sys.executable, "-c", RUN, model], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_a_step_stored_one_way_is_found_the_other(tiny4_model, tmp_path):
+    """Steps stored by an overlapped run (compiled from ShapeDtypeStructs) are found whole by a
+    plain run (arrays), and the other way round: the key describes the same arguments."""
+    a = _run(tiny4_model, "1", tmp_path / "a")
+    assert a["overlapped"] and a["from_cache"] == 0 and a["compiled"] >= 2
+    b = _run(tiny4_model, "0", tmp_path / "a")
+    assert not b["overlapped"] and b["from_cache"] == b["compiled"] == a["compiled"], (a, b)
+    assert b["logits"] == a["logits"]
+    c = _run(tiny4_model, "0", tmp_path / "c")
+    d = _run(tiny4_model, "1", tmp_path / "c")
+    assert d["from_cache"] == d["compiled"] == c["compiled"] and d["logits"] == c["logits"], (c, d)
+
+
+# -- the commands, as a user runs them: the same output with the load beside the compile ---------
+
+def _invoke(args, monkeypatch, overlap: str, code: int = 0):
+    from typer.testing import CliRunner
+    from ikjax.cli import app
+    monkeypatch.setenv("IKJAX_LOAD_OVERLAP", overlap)
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    assert res.exit_code == code, f"exit {res.exit_code}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    return res
+
+
+def test_sweep_bench_and_generate_beside_the_load(tiny4_model, monkeypatch):
+    sweep = ["sweep-bench", "-m", tiny4_model, "-c", 512, "-ub", 128, "-n", 8]
+    rows = {}
+    for ov in ("0", "1"):
+        res = _invoke(sweep, monkeypatch, ov)
+        assert ("in a thread beside the compile" in res.stderr) == (ov == "1"), res.stderr
+        assert res.stderr.index("compiled") < res.stderr.index("memory plan"), res.stderr
+        rows[ov] = [line.split("|")[1:4] for line in res.stdout.splitlines() if line.startswith("|  ")]
+    assert rows["0"] == rows["1"] and len(rows["1"]) == 5, rows  # the header and 4 rows
+    gen = ["generate", "-m", tiny4_model, "-p", "Hello world", "-n", 8, "--temp", 0, "-c", 256, "-ub", 64]
+    a, b = _invoke(gen, monkeypatch, "0"), _invoke(gen, monkeypatch, "1")
+    assert a.stdout == b.stdout and "Hello world" in b.stdout
+
+
+def test_a_command_error_while_loading_stops_the_load(tiny4_model, monkeypatch):
+    """generate's prompt check runs beside the load: its one-line error, and the load's thread
+    stopped (cancel_load), not left copying as the process ends."""
+    from ikjax.runtime import engine as engine_mod
+    made = []
+    init = engine_mod.Engine.__init__
+
+    def keep(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+    monkeypatch.setattr(engine_mod.Engine, "__init__", keep)
+    finish = weights_mod._GroupLoad.finish
+
+    def held(self):  # the load is still under way when the command fails, until it is told to stop
+        assert self.load.cancel.wait(120), "the load was never cancelled"
+        return finish(self)
+    monkeypatch.setattr(weights_mod._GroupLoad, "finish", held)
+    res = _invoke(["generate", "-m", tiny4_model, "-p", "word " * 300, "-n", 8, "-c", 256, "-ub", 64],
+                  monkeypatch, "1", code=1)
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "exceed the context" in err[0], res.stderr
+    assert made and made[0].load_overlapped and not made[0].loading
+    with pytest.raises(weights_mod.LoadCancelled):
+        made[0].wait_loaded()  # stopped at its next layer
