@@ -122,6 +122,31 @@ def test_amb_chunking_is_exact():
     np.testing.assert_allclose(attend_flash(q, k, v, pos, 0.3, kv_block=8), full, rtol=1e-5, atol=1e-5)
 
 
+def test_flash_reads_only_the_blocks_a_query_sees():
+    """attend_flash's loop stops at the block of the last query position (a step compiled for a
+    KV bucket pays for the context it has, RESULTS §25b): NaN rows of V in the blocks after it are
+    never read (a scan over every block gave NaN there: 0 x NaN), and over the rows it reads it
+    equals the materialized reference, for a batch whose sequences end in different blocks."""
+    import jax
+    import jax.numpy as jnp
+    from ikjax.ops.attn import attend_flash, attend_materialized
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(1), 3)
+    B, T, S, H, blk = 2, 4, 96, 3, 16
+    q = jax.random.normal(k1, (B, T, H, 24))
+    k = jax.random.normal(k2, (B, S, H, 24))
+    v = jax.random.normal(k3, (B, S, H, 16))
+    pos = jnp.array([[40, 41, 42, 43], [5, 6, 7, 8]])  # last position 43: blocks 0-2 of 6
+    v_nan = v.at[:, 48:].set(jnp.nan)
+    out = jax.jit(attend_flash, static_argnames="kv_block")(q, k, v_nan, pos, 0.3, kv_block=blk)
+    assert bool(jnp.isfinite(out).all())
+    ref = attend_materialized(q, k[:, :48], v[:, :48], pos, 0.3)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # a query past every key (position >= S) still sees all S rows, and no more
+    far = jnp.full((B, T), S + 7)
+    np.testing.assert_allclose(attend_flash(q, k, v, far, 0.3, kv_block=40), attend_materialized(q, k, v, far, 0.3),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_128_heads(model_128_heads):
     check(model_128_heads, "f32", mla=3, fa=True, **SHORT)
     check(model_128_heads, "q8_0", mla=3, fa=True, **SHORT)
