@@ -58,6 +58,9 @@ _VARS = (
     Variable("IKJAX_MIN_OFFLOAD_BATCH", "32", (),
              "ik's rule for host experts: batches of at least this x n_expert / n_expert_used tokens "
              "stream them to the GPU", "ikjax.placement.host"),
+    Variable("IKJAX_SHORT_STEPS", "absorbed", ("absorbed", "expanded"),
+             "-mla 3 steps of few tokens (T < 171 at DeepSeek's dims): attention over the latent cache as "
+             "decode's, or expanded by kv_b as prompts'", "ikjax.model.deepseek2"),
     Variable("IKJAX_LOAD_OVERLAP", "auto", ("auto", "1", "0"),
              "load the weights in a thread while the first steps compile from their shapes; `auto`: where "
              "steps compile side by side (one accelerator, weights all on it)", "ikjax.runtime.engine"),

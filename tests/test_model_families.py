@@ -144,15 +144,20 @@ def decode_logits(eng, ids, n_prompt: int) -> np.ndarray:
     return np.concatenate(rows)
 
 
-@pytest.mark.parametrize("opts", [{"mla": 3, "fa": True}, {"mla": 1, "fa": True}, {"mla": 2, "fa": False},
-                                  {"mla": 0, "fa": False}], ids=["mla3-fa", "mla1-fa", "mla2", "mla0-nofa"])
-def test_glm_head_sizes_every_mla_mode(tmp_path, opts):
+@pytest.mark.parametrize("opts", [{"mla": 3, "fa": True}, {"mla": 3, "fa": True, "short": "expanded"},
+                                  {"mla": 1, "fa": True}, {"mla": 2, "fa": False}, {"mla": 0, "fa": False}],
+                         ids=["mla3-fa", "mla3-fa-expanded", "mla1-fa", "mla2", "mla0-nofa"])
+def test_glm_head_sizes_every_mla_mode(tmp_path, opts, monkeypatch):
     """GLM-4.7-Flash's nope 192 / v 256 / rope 64, 20 heads, through every attention path: the
     prompt step's decompressed K/V (nope != v), the absorbed prompt, and decode on the latent cache
     (C++ kernels on the CPU backend), on a file with attn_kv_b only ("kvb": the absorbed paths run
-    on attn_k_b / attn_v_b derived at load)."""
+    on attn_k_b / attn_v_b derived at load). The 24-token prompt is a short step: -mla 3 runs it
+    absorbed (deepseek2.absorbed_pays: T < 398 at GLM's dims), or expanded when told."""
     from ikjax import ops
     from ikjax.ops import registry
+    opts = dict(opts)
+    short = opts.pop("short", "absorbed")
+    monkeypatch.setenv("IKJAX_SHORT_STEPS", short)
     hf, cfg, sd = model("glm47")
     (path,) = write_deepseek2_gguf(tmp_path / "glm-kvb.gguf", cfg, sd, layout="kvb", pre="glm4")
     eng, _ = load_with_notes(path, **opts)
@@ -161,7 +166,8 @@ def test_glm_head_sizes_every_mla_mode(tmp_path, opts):
     check(decode_logits(eng, ids, 16), hf_logits(hf, ids), f"glm47/kvb {opts}")
     if eng.backend == "cpu" and opts["fa"]:  # the C++ kernels took these head sizes (no XLA fallback)
         assert ops.selected("mla_decode") == "cpu"
-        assert ops.selected("mla_prompt" if opts["mla"] == 1 else "attention") == "cpu"
+        absorbed = opts["mla"] == 1 or opts["mla"] == 3 and short == "absorbed"
+        assert ops.selected("mla_prompt" if absorbed else "attention") == "cpu"
 
 
 @pytest.mark.parametrize("H", [20, 64])

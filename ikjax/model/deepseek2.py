@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ikjax import ops
+from ikjax import env, ops
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
 from ikjax.model.groups import LayerGroup, unroll_scan
@@ -95,6 +95,22 @@ def _projections(x, layer, cfg: ModelConfig, dtype):
     return q.reshape(*x.shape[:-1], cfg.n_head, cfg.qk_dim), kv
 
 
+def absorbed_pays(T: int, cfg: ModelConfig) -> bool:
+    """Whether a -mla 3 step of T tokens attends in absorbed form (as decode does) rather than
+    expanded (as prompts do). The expanded form first multiplies every cached row by kv_b, S·r·H·
+    (nope + v) multiply-adds, then attends, T·S·H·(qk + v); the absorbed form attends over the
+    latent rows as they are, T·S·H·(2r + rope) (plus T·H·r·(nope + v) for q and the output, no S
+    in it). So it does less while T·(2r + rope − qk − v) < r·(nope + v): T < 171 at DeepSeek's
+    dimensions, whatever the context. Those are a server's short steps: a chat turn after a cached
+    history, a prompt's tail (SHORT_CHUNK = 64 on a GPU), where the expanded form's kv_b product
+    over the history was most of the step (a second turn over 4k tokens of history took 1.26x a
+    64-token prompt's time, RESULTS §23c). IKJAX_SHORT_STEPS=expanded keeps the expanded form."""
+    if env.choice("IKJAX_SHORT_STEPS") != "absorbed":
+        return False
+    r = cfg.kv_lora_rank
+    return T * (2 * r + cfg.rope_dim - cfg.qk_dim - cfg.v_dim) < r * (cfg.nope_dim + cfg.v_dim)
+
+
 def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: ModelConfig, plan: StepPlan):
     """x [B,T,d] normed input -> (attention output [B,T,d], updated group cache). `group_cache`:
     the layer group's stacked cache entries (ikjax.model.cache), this layer's at index j."""
@@ -135,7 +151,7 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
         entry = jnp.concatenate([c, k_pe], -1)
         new_cache = {"latent": kvcache.write(group_cache["latent"], j, entry, start)}
         lat = kvcache.read(new_cache["latent"], j, plan.kv_len, cfg.latent_dim, dtype)
-        if plan.mla in (2, 3) and T > 1:
+        if plan.mla in (2, 3) and T > 1 and not (plan.mla == 3 and absorbed_pays(T, cfg)):
             # K = each head's k_nope ++ the cached rope part, V its v part: the attention op takes
             # them as they are (on the CPU read in place, no concatenated copies)
             o = ops.attention_kv(q_full, head_kv(lat[..., :r]), lat[..., r:], q_pos, scale, nope=nope,
