@@ -61,6 +61,8 @@ _VARS = (
     Variable("IKJAX_SHORT_STEPS", "absorbed", ("absorbed", "expanded"),
              "-mla 3 steps of few tokens (T < 171 at DeepSeek's dims): attention over the latent cache as "
              "decode's, or expanded by kv_b as prompts'", "ikjax.model.deepseek2"),
+    Variable("IKJAX_PREFETCH", "1", ("1", "0"),
+             "fault in the next layer's file pages on a thread while a layer loads", "ikjax.model.weights"),
     Variable("IKJAX_LOAD_OVERLAP", "auto", ("auto", "1", "0"),
              "load the weights in a thread while the first steps compile from their shapes; `auto`: where "
              "steps compile side by side (one accelerator, weights all on it)", "ikjax.runtime.engine"),

@@ -181,6 +181,24 @@ def populate_pages(data: np.ndarray) -> bool:
     return libc.madvise(lo, hi - lo, _MADV_POPULATE_READ) == 0
 
 
+def cached_fraction(data: np.ndarray) -> float:
+    """The share of the file pages under `data` in the page cache now (mincore; 0.0 where that
+    cannot be asked): mapping cached pages ahead of a reader pays, reading uncached ones from a
+    second thread competes with the reader's own sequential reads (`TensorLoader.prefetch`)."""
+    if not hasattr(os, "sched_getaffinity") or not _is_mapped(data) or data.nbytes == 0:
+        return 0.0
+    page = mmap.PAGESIZE
+    a0 = int(data.ctypes.data)
+    lo, hi = a0 // page * page, a0 + int(data.nbytes)
+    n = -(-(hi - lo) // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    if libc.mincore(lo, hi - lo, vec) != 0:
+        return 0.0
+    return float((np.frombuffer(vec, np.uint8) & 1).sum()) / n
+
+
 def _is_mapped(data: np.ndarray) -> bool:
     """Whether `data` is a view of a memory-mapped file (never madvise anonymous memory: that
     would zero it)."""

@@ -144,6 +144,12 @@ class Engine:
             self.wait_loaded()
         return self._weights
 
+    @weights.setter
+    def weights(self, tree) -> None:
+        """Another weight tree for this engine's steps (tests load one by hand); no load under way."""
+        self.wait_loaded()
+        self._weights = self._shapes = tree
+
     def wait_loaded(self) -> None:
         """Wait for the weights (a no-op once in); a load that failed raises its error here."""
         if self._loading is None:
