@@ -4,6 +4,7 @@
 # cold command under XLA flag variants (autotuning off, ...), each with a fresh compile cache and
 # per-step compile lines; then the same command warm. Results: $OUT/cold.md
 #   VARIANTS="default noautotune" bash bench/gpu_coldstart.sh
+#   VARIANTS="default nooverlap noprefetch" bash bench/gpu_coldstart.sh   (issue 22 item 4's A/B)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-$PWD/cold_out}
 mkdir -p "$OUT"
@@ -53,6 +54,8 @@ for v in ${VARIANTS:-default noautotune}; do
   case $v in
     default) flags="" ;;
     xla) flags=""; envv="IKJAX_KERNELS=xla" ;;
+    nooverlap) flags=""; envv="IKJAX_LOAD_OVERLAP=0" ;;    # the load before the compile (as before 6f1e339)
+    noprefetch) flags=""; envv="IKJAX_PREFETCH=0" ;;
     kcache) flags="--xla_gpu_kernel_cache_file=/tmp/kc-$v.bin"; rm -f /tmp/kc-$v.bin ;;
     noautotune) flags="--xla_gpu_autotune_level=0" ;;
     notritongemm) flags="--xla_gpu_enable_triton_gemm=false" ;;

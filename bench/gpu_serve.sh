@@ -85,8 +85,9 @@ print(f"greedy equal: {same}/4")
 EOF
 kill -TERM $SERVER; wait $SERVER
 "$PY" bench/serve_trace.py "$OUT/trace-${MODE1:-auto}.jsonl"   # the server's side of the interference
-serve prefix
-load --mode multiturn --history 4000 --json "$OUT/multiturn-prefix.json"
+# the second turn's short steps in the expanded form they had before 5d09b7c (deepseek2.absorbed_pays)
+IKJAX_SHORT_STEPS=expanded serve ${MODE1:-auto}
+load --mode multiturn --history 4000 --json "$OUT/multiturn-expanded.json"
 kill -TERM $SERVER; wait $SERVER
 grep -E "compiled|warm-up|Traceback|Error" "$OUT"/serve-*.log | head -20
 fi
