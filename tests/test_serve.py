@@ -216,6 +216,36 @@ def test_stop_string_and_sampling_fields(server):
     assert a == b
 
 
+def test_frequency_and_presence_penalties(server, ref):
+    """OpenAI's frequency_penalty / presence_penalty (and llama-server's /completion fields of the
+    same names): greedy answers equal `generate` with the same penalties, and differ from the
+    answer without them; a value outside [-2, 2] is a 400 naming it."""
+    c = client(server)
+    text = prompts(1, seed=4)[0]
+    ids = call(server, "POST", "/tokenize", {"content": text, "add_special": True})[1]["tokens"]
+    seq = list(ids)  # the prompt and its greedy continuation up to greedy's first repeat
+    for t in ref.generate(ids, 160, ignore_eos=True):
+        if t in seq:
+            break
+        seq.append(t)
+    else:
+        raise AssertionError("no greedy repeat within 160 tokens: pick another prompt")
+    kw = dict(frequency_penalty=1.5, presence_penalty=0.75)
+    n = 8
+    want = list(ref.generate(seq, n, repeat_last_n=-1, ignore_eos=True, **kw))
+    assert want != list(ref.generate(seq, n, ignore_eos=True))
+    extra = {"repeat_last_n": -1, "ignore_eos": True}
+    status, body = call(server, "POST", "/completion", {"prompt": seq, "n_predict": n, "temperature": 0,
+                                                         "return_tokens": True, **extra, **kw})
+    assert status == 200 and body["tokens"] == want
+    detok = ref.tokenizer.detokenizer()
+    want_text = "".join(detok.feed(t) for t in want) + detok.finish()
+    r = c.completions.create(model=MODEL, prompt=seq, max_tokens=n, temperature=0, extra_body=extra, **kw)
+    assert r.choices[0].text == want_text
+    for name in kw:
+        _error(call(server, "POST", "/v1/completions", {"prompt": "x", name: 3}), 400, name)
+
+
 def test_prompt_cache_reuses_whole_chunks(server, ref):
     """The same 40-token prompt twice: the second feeds only what is past the last whole -ub
     chunk (32 of 40 reused) and answers the same."""

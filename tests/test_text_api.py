@@ -12,7 +12,7 @@ import pytest
 import ikjax
 from ikjax.errors import OptionError
 from ikjax.runtime import generation
-from ikjax.runtime.sampling import apply_repeat_penalty, sample_device
+from ikjax.runtime.sampling import apply_penalties, apply_repeat_penalty, sample_device
 from ikjax.runtime.text import StopStrings, TextStream, encode_prompt
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -167,6 +167,40 @@ def test_repeat_penalty_is_llama_cpp_s(eng):
         logits = np.asarray(out, np.float32)[0]
     with pytest.raises(OptionError, match="repeat_penalty"):
         eng.generate(ids, 2, repeat_penalty=0.0)
+
+
+def repeating_prompt(eng, ids: list[int], n: int = 160) -> list[int]:
+    """`ids` and its greedy continuation up to where greedy would next pick a token already in it:
+    a prompt on which a penalty on the window's tokens changes the answer."""
+    seq = list(ids)
+    for t in eng.generate(ids, n, stop=()):
+        if t in seq:
+            return seq
+        seq.append(t)
+    raise AssertionError(f"no greedy repeat within {n} tokens: pick another prompt")
+
+
+def test_frequency_and_presence_penalties_are_llama_cpp_s(eng):
+    """frequency_penalty / presence_penalty (OpenAI's names, llama.cpp's penalties sampler): after
+    the repeat part, each id of the window loses count x frequency + presence; greedy tokens
+    follow that rule step by step; a value outside [-2, 2] is refused naming it."""
+    logits = np.array([2.0, -1.0, 0.5, 3.0])
+    got = apply_penalties(logits, [0, 1, 1, 3], repeat=2.0, frequency=0.25, presence=0.5).tolist()
+    assert got == [2.0 / 2 - 0.25 - 0.5, -1.0 * 2 - 0.5 - 0.5, 0.5, 3.0 / 2 - 0.25 - 0.5]
+    ids = repeating_prompt(eng, eng.tokenizer.encode("ab ab ab ab ab ab ab ab"))
+    kw = dict(frequency_penalty=1.5, presence_penalty=0.75, repeat_last_n=-1)  # the whole context
+    got = list(eng.generate(ids, 24, stop=(), **kw))
+    logits, cache = eng.prefill(eng.new_cache(1), np.array(ids), 0)
+    seq = list(ids)
+    for t in got:
+        assert t == int(np.argmax(apply_penalties(logits, seq, 1.0, 1.5, 0.75)))
+        seq.append(t)
+        out, cache = eng.step(cache, np.array([[t]], np.int32), np.array([len(seq) - 1]), np.array([0]))
+        logits = np.asarray(out, np.float32)[0]
+    assert got != list(eng.generate(ids, 24, stop=()))  # the penalties changed the answer
+    for name in ("frequency_penalty", "presence_penalty"):
+        with pytest.raises(OptionError, match=name):
+            eng.generate(ids, 2, **{name: 2.5})
 
 
 def test_ignore_eos(eng, monkeypatch):

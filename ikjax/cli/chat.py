@@ -51,6 +51,10 @@ def chat(
                               ] = 1.0,
     repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="tokens the repeat penalty looks back over "
                                                "(0 = off, -1 = the context)")] = 64,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="penalize tokens already in the "
+                                                    "window, once (0 = off)")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="penalize tokens by how often "
+                                                     "they are in the window (0 = off)")] = 0.0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="never end an answer on EOS")] = False,
     reverse_prompt: Annotated[Optional[list[str]], typer.Option(
         "-r", "--reverse-prompt", help="stop an answer at this text (may repeat)")] = None,
@@ -63,7 +67,7 @@ def chat(
     # every value checked before the model loads
     check_choice(chat_template)
     check_sampling(temp, top_k, top_p, min_p, seed)
-    check_penalty(repeat_penalty, repeat_last_n)
+    check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     if n_predict < -1:
         raise OptionError(f"n-predict: need >= -1 (-1 = no limit), got {n_predict}")
     first = prompt or None
@@ -83,7 +87,8 @@ def chat(
     template = eng.chat_template(chat_template)
     log(f"chat template: {template.name}")
     sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, repeat_penalty=repeat_penalty,
-                    repeat_last_n=repeat_last_n, ignore_eos=ignore_eos, stop=list(reverse_prompt or []))
+                    repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                    ignore_eos=ignore_eos, stop=list(reverse_prompt or []))
     Chat(eng, template, sampling, None if n_predict < 0 else n_predict, system_prompt, run.verbose).run(first)
 
 

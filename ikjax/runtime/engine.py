@@ -541,7 +541,8 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  stop: Iterable[int] = (), stream: bool = False, repeat_penalty: float = 1.0,
-                 repeat_last_n: int = 64, ignore_eos: bool = False, session: KVSession | None = None) -> Generation:
+                 repeat_last_n: int = 64, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 ignore_eos: bool = False, session: KVSession | None = None) -> Generation:
         """New token ids as they are produced (an iterator); stop on EOS, a stop id, `max_tokens`,
         or a full context.
 
@@ -554,14 +555,16 @@ class Engine:
 
         `stream=True`: one token per dispatch, each yielded as soon as it is made (the same tokens
         for the same seed: a draw depends on its position, not on the dispatch). `repeat_penalty`
-        (llama.cpp's, over the last `repeat_last_n` tokens of prompt and answer; 1 = off) picks
-        every token on the host, one step per token. `ignore_eos`: EOS is never drawn and does not
+        (llama.cpp's, over the last `repeat_last_n` tokens of prompt and answer; 1 = off), and
+        `frequency_penalty` / `presence_penalty` (OpenAI's, as llama.cpp applies them over the same
+        window; 0 = off), pick every token on the host, one step per token. `ignore_eos`: EOS is never drawn and does not
         stop. `session` (`session()`): a KV cache kept across calls; a prompt extending what it
         holds feeds only the new tokens (`Generation.cached_tokens` says how many were reused).
         """
         return generation.generate(self, prompt_ids, max_tokens, temperature=temperature, top_k=top_k,
                                    top_p=top_p, min_p=min_p, seed=seed, stop=stop, stream=stream,
                                    repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                   frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                                    ignore_eos=ignore_eos, session=session)
 
     # -- text: tokenizer, chat template, completions (ikjax.runtime.text) -------------------------
@@ -595,8 +598,8 @@ class Engine:
 
     def complete(self, prompt, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None, stream: bool = False,
-                 repeat_penalty: float = 1.0, repeat_last_n: int = 64, ignore_eos: bool = False,
-                 session: KVSession | None = None):
+                 repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
+                 presence_penalty: float = 0.0, ignore_eos: bool = False, session: KVSession | None = None):
         """Text in, text out. `prompt`: text (BOS added as the model asks) or token ids;
         `max_tokens` None: until EOS or the context's end; `stop`: a string or a list of strings
         that end the answer (not included). Returns a `text.Completion` (`.text`, `.tokens`,
@@ -605,7 +608,8 @@ class Engine:
         a stop string. The other arguments are `generate`'s."""
         return text.complete(self, prompt, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              min_p=min_p, seed=seed, stop=stop, stream=stream, repeat_penalty=repeat_penalty,
-                             repeat_last_n=repeat_last_n, ignore_eos=ignore_eos, session=session)
+                             repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                             presence_penalty=presence_penalty, ignore_eos=ignore_eos, session=session)
 
     def chat(self, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",
              template_kwargs=None, stream: bool = False, **kw):

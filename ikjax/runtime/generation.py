@@ -21,7 +21,7 @@ from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.runtime import buckets as kv_buckets
-from ikjax.runtime.sampling import (apply_repeat_penalty, check_count, check_finite_logits, check_penalty,
+from ikjax.runtime.sampling import (Penalties, check_count, check_finite_logits, check_penalty,
                                     check_sampling, sample_device, sample_next)
 
 log = logging.getLogger("ikjax")
@@ -232,11 +232,12 @@ def stop_reason(tok: int, n_new: int, length: int, max_tokens: int, stop: set[in
 def generate(eng, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
              stop: Iterable[int] = (), stream: bool = False, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+             frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
              ignore_eos: bool = False, session: KVSession | None = None) -> Generation:
     """`Engine.generate` (its docstring): every argument checked here, before anything runs."""
     max_tokens = check_count("max_tokens", max_tokens)
     p = check_sampling(temperature, top_k, top_p, min_p, seed)
-    penalty, last_n = check_penalty(repeat_penalty, repeat_last_n)
+    pen = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     ids = check_ids(prompt_ids, eng.config.vocab_size, "prompt_ids")
     check_prompt_fits(len(ids), eng.options.ctx, "prompt_ids")
     eos = eng.config.eos_token_id
@@ -246,13 +247,12 @@ def generate(eng, prompt_ids: Sequence[int], max_tokens: int, *, temperature: fl
     gen = Generation()
     gen.prompt_tokens = len(ids)
     ban = (eos,) if ignore_eos and eos is not None else ()
-    gen._it = _generate(eng, gen, ids, max_tokens, p, stops, stream=bool(stream), penalty=penalty,
-                        last_n=last_n if last_n >= 0 else eng.options.ctx, ban=ban, session=session)
+    gen._it = _generate(eng, gen, ids, max_tokens, p, stops, stream=bool(stream), pen=pen, ban=ban, session=session)
     return gen
 
 
 def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, stops: set[int], *,
-              stream: bool, penalty: float, last_n: int, ban: tuple, session: KVSession | None):
+              stream: bool, pen: Penalties, ban: tuple, session: KVSession | None):
     ctx = eng.options.ctx
     if max_tokens == 0:
         gen.stop_reason = STOP_MAX_TOKENS
@@ -263,14 +263,15 @@ def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, s
         return
     rng = np.random.default_rng(p["seed"])
     sp = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p")}
-    penalize = penalty != 1.0 and last_n > 0
-    history = ids.tolist()  # prompt and generated tokens: the repetition penalty's window
+    penalize = pen.active
+    last_n = pen.window(ctx)
+    history = ids.tolist()  # prompt and generated tokens: the penalties' window
 
     def pick(logits) -> int:  # the host's choice (first token; every token without the device loop)
         logits = np.asarray(logits, np.float32)
         check_finite_logits(logits)
         if penalize:
-            logits = apply_repeat_penalty(logits, history[-last_n:], penalty)
+            logits = pen.apply(logits, history[-last_n:])
         if ban:
             logits = np.array(logits, copy=True)
             logits[list(ban)] = np.finfo(np.float32).min

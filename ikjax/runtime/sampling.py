@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,28 +54,67 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None) ->
                 seed=None if seed is None or seed == -1 else int(seed))
 
 
-def check_penalty(repeat_penalty=1.0, repeat_last_n=64) -> tuple[float, int]:
-    """llama.cpp's repetition penalty: `repeat_penalty` a finite number > 0 (1 = off),
-    `repeat_last_n` how many of the latest tokens it looks at (0 = off, -1 = the whole context)."""
+@dataclass(frozen=True)
+class Penalties:
+    """llama.cpp's penalties sampler (llama-server's `repeat_penalty`, `frequency_penalty`,
+    `presence_penalty`, `repeat_last_n`) over the last `last_n` tokens of prompt and answer (0: off,
+    -1: the whole context): `apply`."""
+    repeat: float = 1.0
+    last_n: int = 64
+    frequency: float = 0.0
+    presence: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.last_n != 0 and (self.repeat != 1.0 or self.frequency != 0.0 or self.presence != 0.0)
+
+    def window(self, ctx: int) -> int:
+        """How many of the latest tokens it looks at in a context of `ctx`."""
+        return ctx if self.last_n == -1 else self.last_n
+
+    def apply(self, logits: np.ndarray, recent) -> np.ndarray:
+        return apply_penalties(logits, recent, self.repeat, self.frequency, self.presence)
+
+
+def _penalty_value(name: str, v, lo: float, hi: float, what: str) -> float:
+    if not _is_real(v) or not math.isfinite(v) or not lo <= v <= hi:
+        raise OptionError(f"{name}: expected {what}, got {v!r}")
+    return float(v)
+
+
+def check_penalty(repeat_penalty=1.0, repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0) -> Penalties:
+    """The penalties' rules: `repeat_penalty` a finite number > 0 (1 = off), `frequency_penalty` and
+    `presence_penalty` in [-2, 2] (OpenAI's range; 0 = off), `repeat_last_n` how many of the latest
+    tokens they look at (0 = off, -1 = the whole context)."""
     if not _is_real(repeat_penalty) or not math.isfinite(repeat_penalty) or repeat_penalty <= 0:
         raise OptionError(f"repeat_penalty: expected a finite number > 0 (1 = off), got {repeat_penalty!r}")
     if not _is_int(repeat_last_n) or repeat_last_n < -1:
         raise OptionError(f"repeat_last_n: expected an integer >= -1 (0 = off, -1 = the context), got "
                           f"{repeat_last_n!r}")
-    return float(repeat_penalty), int(repeat_last_n)
+    freq = _penalty_value("frequency_penalty", frequency_penalty, -2.0, 2.0, "a number in [-2, 2] (0 = off)")
+    pres = _penalty_value("presence_penalty", presence_penalty, -2.0, 2.0, "a number in [-2, 2] (0 = off)")
+    return Penalties(float(repeat_penalty), int(repeat_last_n), freq, pres)
+
+
+def apply_penalties(logits: np.ndarray, recent, repeat: float = 1.0, frequency: float = 0.0,
+                    presence: float = 0.0) -> np.ndarray:
+    """llama.cpp's penalties (llama_sampler_penalties): each distinct id among the `recent` tokens,
+    seen c times there, has its logit divided by `repeat` where positive (multiplied where not), then
+    c * `frequency` + `presence` taken off it."""
+    out = np.array(logits, np.float64, copy=True)
+    ids, counts = np.unique(np.asarray(list(recent), np.int64), return_counts=True)
+    if ids.size == 0:
+        return out
+    v = out[ids]
+    if repeat != 1.0:
+        v = np.where(v > 0, v / repeat, v * repeat)
+    out[ids] = v - counts * frequency - presence
+    return out
 
 
 def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
-    """llama.cpp's penalty (llama_sampler_penalties, repeat part): each distinct id among the
-    `recent` tokens has its logit divided by `penalty` where positive, multiplied where not."""
-    out = np.array(logits, np.float64, copy=True)
-    if penalty == 1.0:
-        return out
-    ids = np.unique(np.asarray(list(recent), np.int64))
-    if ids.size:
-        v = out[ids]
-        out[ids] = np.where(v > 0, v / penalty, v * penalty)
-    return out
+    """`apply_penalties` with the repeat part alone."""
+    return apply_penalties(logits, recent, penalty)
 
 
 NON_FINITE = -1  # sample_device's token for a row whose logits are not all finite

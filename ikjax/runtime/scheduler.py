@@ -58,7 +58,7 @@ from ikjax import env
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.runtime import generation
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
-from ikjax.runtime.sampling import (NON_FINITE, NonFiniteLogitsError, apply_repeat_penalty, check_count,
+from ikjax.runtime.sampling import (NON_FINITE, NonFiniteLogitsError, Penalties, check_count,
                                     check_penalty, check_sampling, sample_next)
 
 log = logging.getLogger("ikjax")
@@ -92,8 +92,7 @@ class Request:
     on_event: Callable[[str, object], None]
     cache_prompt: bool = True
     ban: frozenset[int] = frozenset()  # ids never drawn (ignore_eos bans EOS, as llama-server does)
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    penalties: Penalties = Penalties()  # llama.cpp's repeat / frequency / presence penalties
     id: int = field(default_factory=lambda: next(_ids))
     # the scheduler's bookkeeping, readable by the caller once "done" arrived
     slot: int | None = None
@@ -187,7 +186,8 @@ class Scheduler:
     def make_request(self, prompt: Sequence[int], max_tokens: int | None, *, on_event, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                      stop_ids: Sequence[int] = (), ignore_eos: bool = False, cache_prompt: bool = True,
-                     repeat_penalty: float = 1.0, repeat_last_n: int = 64) -> Request:
+                     repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
+                     presence_penalty: float = 0.0) -> Request:
         """A checked request (OptionError naming the bad field): the prompt inside the vocabulary and
         shorter than a slot's context, the sampling settings as `Engine.generate` takes them."""
         ids = generation.check_ids(prompt, self.eng.config.vocab_size, "prompt")
@@ -197,13 +197,12 @@ class Scheduler:
         if max_tokens is not None:
             max_tokens = check_count("max_tokens", max_tokens)
         sampling = check_sampling(temperature, top_k, top_p, min_p, seed)
-        penalty, last_n = check_penalty(repeat_penalty, repeat_last_n)
+        pen = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
         eos = self.eng.config.eos_token_id
         stops = generation.stop_ids(stop_ids, None if ignore_eos else eos)
         ban = frozenset({eos} if ignore_eos and eos is not None else ())
         return Request(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(stops),
-                       on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, repeat_penalty=penalty,
-                       repeat_last_n=last_n)
+                       on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, penalties=pen)
 
     def submit(self, req: Request) -> Request:
         with self._cv:
@@ -533,12 +532,13 @@ class Scheduler:
         """The next token of `req` from its logits row, on the host: its penalty, its banned ids,
         its filters and its own random generator (per request: a seed gives the same answer whatever
         else the batch holds)."""
-        if req.repeat_penalty != 1.0 and req.repeat_last_n != 0:
-            n = len(req.prompt) + len(req.generated) if req.repeat_last_n == -1 else req.repeat_last_n
+        pen = req.penalties
+        if pen.active:
+            n = pen.window(len(req.prompt) + len(req.generated))
             gen = req.generated[-n:]
             rest = n - len(gen)
             recent = np.concatenate([req.prompt[max(len(req.prompt) - rest, 0):], np.asarray(gen, np.int32)])
-            logits = apply_repeat_penalty(logits, recent, req.repeat_penalty)
+            logits = pen.apply(logits, recent)
         if req.ban:
             logits = np.array(logits, np.float64, copy=True)
             logits[list(req.ban)] = -1e30  # finite: sample_next refuses non-finite logits
@@ -596,8 +596,8 @@ def _argmax_rows(logits, banned=None):
 
 
 def _plain_greedy(req: Request) -> bool:
-    """Greedy without a repeat penalty: the argmax on the device (bans included)."""
-    return req.sampling["temperature"] <= 0.0 and (req.repeat_penalty == 1.0 or req.repeat_last_n == 0)
+    """Greedy without a penalty: the argmax on the device (bans included)."""
+    return req.sampling["temperature"] <= 0.0 and not req.penalties.active
 
 
 def _checked(tok: int, finite: bool) -> int:

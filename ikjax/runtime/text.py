@@ -183,7 +183,8 @@ def encode_prompt(eng, prompt) -> list[int]:
 
 def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None, stream: bool = False,
-             repeat_penalty: float = 1.0, repeat_last_n: int = 64, ignore_eos: bool = False,
+             repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
+             presence_penalty: float = 0.0, ignore_eos: bool = False,
              session: KVSession | None = None, _prompt_text: str | None = None,
              _reasoning_opened: bool = False):
     """`Engine.complete` (its docstring)."""
@@ -193,6 +194,7 @@ def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float =
         max_tokens = max(eng.options.ctx - len(ids), 0)
     gen = eng.generate(ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                        stream=stream, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                       frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                        ignore_eos=ignore_eos, session=session)
     ts = TextStream(gen, eng.tokenizer.detokenizer(), stops, prompt=_prompt_text, reasoning_opened=_reasoning_opened)
     if stream:

@@ -64,12 +64,15 @@ class GenParams:
     ignore_eos: bool = False
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     return_tokens: bool = False
 
     def sampling(self) -> dict:
         """The scheduler's sampling keywords (Scheduler.make_request)."""
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                    seed=self.seed, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n)
+                    seed=self.seed, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
+                    frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
 
 
 def _is_int(x: Any) -> bool:
@@ -131,6 +134,9 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...]) -> GenPar
                                 1.0))
     repeat_last_n = _get(body, "repeat_last_n", lambda v: _is_int(v) and v >= -1,
                          "an integer >= -1 (0 = off, -1 = the context)", 64)
+    penalty = (lambda v: _is_num(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)", 0.0)
+    frequency_penalty = float(_get(body, "frequency_penalty", *penalty))
+    presence_penalty = float(_get(body, "presence_penalty", *penalty))
     return_tokens = _get(body, "return_tokens", lambda v: isinstance(v, bool), "true or false", False)
     count = _get(body, "n", _is_int, "an integer", 1)
     if count != 1:
@@ -138,7 +144,8 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...]) -> GenPar
     return GenParams(max_tokens=None if n == -1 else n, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                      min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
-                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, return_tokens=return_tokens)
+                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                     presence_penalty=presence_penalty, return_tokens=return_tokens)
 
 
 def prompt_field(body: dict, name: str = "prompt") -> str | list[int]:
