@@ -60,10 +60,12 @@ def test_model_on_pallas_kernels_matches_xla_path_and_transformers(latent576, mo
 def test_prompt_attention_kernel_in_the_model(latent576, monkeypatch):
     """IKJAX_PROMPT_ATTN=pallas: the -mla 3 prompt attention runs the Pallas flash kernel (keys up
     to each query's position) in both prompt chunks (the second at start 16 of a larger bucket) and
-    gives the XLA form's logits."""
+    gives the XLA form's logits. The chunks are short steps, which -mla 3 runs absorbed by default
+    (deepseek2.absorbed_pays): here they are held in the expanded form the kernel is for."""
     from ikjax import ops
     _, path = latent576
     tokens = np.random.default_rng(5).integers(2, 500, 32)
+    monkeypatch.setenv("IKJAX_SHORT_STEPS", "expanded")
     monkeypatch.setenv("IKJAX_KERNELS", "interpret")
     _, xla = _prompt_then_decode(path, tokens, 32)
     monkeypatch.setenv("IKJAX_PROMPT_ATTN", "pallas")

@@ -223,8 +223,9 @@ def test_frequency_and_presence_penalties(server, ref):
     c = client(server)
     text = prompts(1, seed=4)[0]
     ids = call(server, "POST", "/tokenize", {"content": text, "add_special": True})[1]["tokens"]
-    seq = list(ids)  # the prompt and its greedy continuation up to greedy's first repeat
-    for t in ref.generate(ids, 160, ignore_eos=True):
+    seq = list(ids)  # the prompt grown by greedy's choice after it, until that choice is in it
+    for _ in range(160):
+        t = list(ref.generate(seq, 1, ignore_eos=True))[0]
         if t in seq:
             break
         seq.append(t)

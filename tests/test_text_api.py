@@ -173,7 +173,8 @@ def repeating_prompt(eng, ids: list[int], n: int = 160) -> list[int]:
     """`ids` and its greedy continuation up to where greedy would next pick a token already in it:
     a prompt on which a penalty on the window's tokens changes the answer."""
     seq = list(ids)
-    for t in eng.generate(ids, n, stop=()):
+    for _ in range(n):
+        t = list(eng.generate(seq, 1, stop=()))[0]  # greedy's choice after the whole prompt as it is
         if t in seq:
             return seq
         seq.append(t)

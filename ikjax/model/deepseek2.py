@@ -157,12 +157,20 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
             o = ops.attention_kv(q_full, head_kv(lat[..., :r]), lat[..., r:], q_pos, scale, nope=nope,
                                      flash=plan.fa, **attn)
         else:
-            per_head = "k_b" in layer and "v_b" in layer  # stored per head: one op, no dequantized copy
+            # a -mla 3 prompt step in absorbed form (absorbed_pays) reads attn_kv_b as the expanded
+            # form does, so a prompt's logits do not depend on the form its steps took (the
+            # separately quantized attn_k_b / attn_v_b are decode's, as in ik's -mla 3)
+            prompt_kv_b = plan.mla == 3 and T > 1 and "kv_b" in layer
+            per_head = "k_b" in layer and "v_b" in layer and not prompt_kv_b  # one op, no dequantized copy
+            # those short steps' head products in f32: a few tokens' worth (XLA:CPU has no bf16 x bf16
+            # -> f32 dot, which the per-head C++ op otherwise covers)
+            hdtype = jnp.float32 if prompt_kv_b else dtype
+            hprec = precision_for(hdtype)
             if per_head:
                 q_lat = ops.head_linear(q_nope, layer["k_b"], dtype)
             else:
-                wk, wv = head_matrices(layer, cfg, prefer_kv_b=False, dtype=dtype)
-                q_lat = jnp.einsum("bthn,hnr->bthr", q_nope.astype(dtype), wk, precision=prec,
+                wk, wv = head_matrices(layer, cfg, prefer_kv_b=prompt_kv_b, dtype=hdtype)
+                q_lat = jnp.einsum("bthn,hnr->bthr", q_nope.astype(hdtype), wk, precision=hprec,
                                    preferred_element_type=jnp.float32)
             q_abs = jnp.concatenate([q_lat, q_pe], -1).astype(dtype)
             flash = plan.fa and plan.mla != 2
@@ -184,7 +192,7 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
             if per_head:
                 o = ops.head_linear(o_lat, layer["v_b"], dtype)
             else:
-                o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), wv, precision=prec,
+                o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(hdtype), wv, precision=hprec,
                                preferred_element_type=jnp.float32)
     out = linear(o.reshape(B, T, H * cfg.v_dim), layer["attn_output"], dtype)
     return out, new_cache
