@@ -523,3 +523,69 @@ def test_port_in_use_is_one_line_before_loading(tiny_model):
     assert res.returncode == 1
     assert res.stderr.strip().splitlines() == [f"error: --host 127.0.0.1 --port {port}: cannot listen "
                                                f"(Address already in use)"]
+
+
+def _ref_logprobs(eng, ids: list[int], out: list[int]) -> list[np.ndarray]:
+    """The log-softmax of the engine's logits before each token of `out` (one step a token)."""
+    logits, cache = eng.prefill(eng.new_cache(1), np.array(ids), 0)
+    rows, seq = [], list(ids)
+    for t in out:
+        x = np.asarray(logits, np.float64).ravel()
+        rows.append(x - (x.max() + np.log(np.exp(x - x.max()).sum())))
+        seq.append(t)
+        o, cache = eng.step(cache, np.array([[t]], np.int32), np.array([len(seq) - 1]), np.array([0]))
+        logits = np.asarray(o, np.float32)[0]
+    return rows
+
+
+def test_logprobs_every_endpoint(server, ref):
+    """OpenAI's logprobs (chat: logprobs + top_logprobs; completions: logprobs N) and llama-server's
+    n_probs: each answer token's log-probability is the log-softmax of the model's logits there
+    (the engine's own steps, alone), its alternatives the most likely ids in order, the tokens'
+    bytes make the text; the greedy answer is the one without logprobs; streamed the same."""
+    c = client(server)
+    text = prompts(1, seed=5)[0]
+    ids = call(server, "POST", "/tokenize", {"content": text, "add_special": True})[1]["tokens"]
+    n = 6
+    want_ids, want_text = reference(ref, ids, n)
+    ref_rows = _ref_logprobs(ref, ids, want_ids)
+    eos = ref.config.eos_token_id
+    shown = [(i, t) for i, t in enumerate(want_ids) if t != eos]
+    # /v1/completions, logprobs=3
+    r = c.completions.create(model=MODEL, prompt=text, max_tokens=n, temperature=0, logprobs=3)
+    ch = r.choices[0]
+    assert ch.text == want_text
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(shown) and len(lp.top_logprobs) == len(shown)
+    for (i, t), tok_lp, top, off in zip(shown, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
+        assert abs(tok_lp - ref_rows[i][t]) < 2e-3, (tok_lp, ref_rows[i][t])
+        assert len(top) == 3 and max(top.values()) == pytest.approx(tok_lp, abs=1e-9)  # greedy: the top one
+        assert 0 <= off <= len(ch.text)
+    assert lp.text_offset == sorted(lp.text_offset)
+    # /v1/chat/completions: logprobs + top_logprobs, whole and streamed
+    msgs = [{"role": "user", "content": text}]
+    raw = {"reasoning_format": "none"}  # the whole answer in `content`, as the tokens make it
+    whole = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=n, temperature=0, logprobs=True,
+                                      top_logprobs=2, extra_body=raw)
+    plain = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=n, temperature=0, extra_body=raw)
+    content = whole.choices[0].logprobs.content
+    assert whole.choices[0].message.content == plain.choices[0].message.content
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == whole.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.top_logprobs[0].token == e.token and e.logprob <= 0
+    streamed = []
+    for chunk in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=n, temperature=0, logprobs=True,
+                                          top_logprobs=2, stream=True, extra_body=raw):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # llama-server's /completion n_probs
+    status, body = call(server, "POST", "/completion", {"prompt": text, "n_predict": n, "temperature": 0, "n_probs": 2})
+    assert status == 200 and [p["id"] for p in body["completion_probabilities"]] == [t for _, t in shown]
+    assert all(len(p["top_logprobs"]) == 2 for p in body["completion_probabilities"])
+    # refusals
+    _error(call(server, "POST", "/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}), 400, "top_logprobs")
+    _error(call(server, "POST", "/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21}),
+           400, "top_logprobs")
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "logprobs": -1}), 400, "logprobs")

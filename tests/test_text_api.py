@@ -219,3 +219,19 @@ def test_ignore_eos(eng, monkeypatch):
     logits[0, 3] = 5.0
     import jax
     assert int(sample_device(logits, jax.random.key(0), ban=(3,))[0]) != 3
+
+
+def test_token_logprobs_are_the_log_softmax():
+    """sampling.token_logprobs: the chosen id's log-softmax value and the k most likely, in order;
+    check_top_logprobs' bounds."""
+    from ikjax.runtime.sampling import check_top_logprobs, token_logprobs
+    x = np.array([1.0, 3.0, -2.0, 3.5, 0.0])
+    ref = x - np.log(np.exp(x).sum())
+    lp, top = token_logprobs(x, 2, 3)
+    assert lp == pytest.approx(ref[2], abs=1e-12)
+    assert [i for i, _ in top] == [3, 1, 0] and [v for _, v in top] == pytest.approx(ref[[3, 1, 0]].tolist(), abs=1e-12)
+    assert token_logprobs(x, 0, 0)[1] == () and len(token_logprobs(x, 0, 20)[1]) == 5
+    assert check_top_logprobs(None) is None and check_top_logprobs(0) == 0
+    for bad_k in (-1, 21, 2.0, True):
+        with pytest.raises(OptionError, match="top_logprobs"):
+            check_top_logprobs(bad_k)

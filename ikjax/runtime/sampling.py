@@ -112,6 +112,31 @@ def apply_penalties(logits: np.ndarray, recent, repeat: float = 1.0, frequency: 
     return out
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
+
+
+def check_top_logprobs(k, name: str = "top_logprobs") -> int | None:
+    """None (no log-probabilities) or how many alternatives to report beside each token, 0..20."""
+    if k is None:
+        return None
+    if not _is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise OptionError(f"{name}: expected an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+    return int(k)
+
+
+def token_logprobs(logits, tok: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of `tok` under the model's distribution (log-softmax of the raw logits,
+    before penalties, filters and temperature: what OpenAI's `logprobs` and llama-server report by
+    default) and the `k` most likely ids with theirs, most likely first."""
+    x = np.asarray(logits, np.float64).ravel()
+    m = x.max()
+    lp = x - (m + math.log(float(np.exp(x - m).sum())))
+    k = min(k, lp.size)
+    top = np.argpartition(-lp, k - 1)[:k] if k else np.zeros(0, np.int64)
+    top = top[np.argsort(-lp[top], kind="stable")]
+    return float(lp[tok]), tuple((int(i), float(lp[i])) for i in top)
+
+
 def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
     """`apply_penalties` with the repeat part alone."""
     return apply_penalties(logits, recent, penalty)

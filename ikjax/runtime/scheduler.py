@@ -59,7 +59,8 @@ from ikjax.errors import IkjaxError, OptionError
 from ikjax.runtime import generation
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
 from ikjax.runtime.sampling import (NON_FINITE, NonFiniteLogitsError, Penalties, check_count,
-                                    check_penalty, check_sampling, sample_next)
+                                    check_penalty, check_sampling, check_top_logprobs, sample_next,
+                                    token_logprobs)
 
 log = logging.getLogger("ikjax")
 
@@ -93,11 +94,15 @@ class Request:
     cache_prompt: bool = True
     ban: frozenset[int] = frozenset()  # ids never drawn (ignore_eos bans EOS, as llama-server does)
     penalties: Penalties = Penalties()  # llama.cpp's repeat / frequency / presence penalties
+    # each new token's log-probability and this many alternatives (`token_logprobs`); None: none
+    top_logprobs: int | None = None
     id: int = field(default_factory=lambda: next(_ids))
     # the scheduler's bookkeeping, readable by the caller once "done" arrived
     slot: int | None = None
     n_cached: int = 0  # prompt tokens taken from the slot's cache (not computed)
     generated: list[int] = field(default_factory=list)
+    # with top_logprobs: (logprob, ((id, logprob), ...)) of generated[i], filled before its event
+    token_logprobs: list[tuple] = field(default_factory=list)
     finish_reason: str | None = None
     t_submit: float = 0.0
     t_start: float = 0.0  # its prompt's first chunk
@@ -187,7 +192,7 @@ class Scheduler:
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                      stop_ids: Sequence[int] = (), ignore_eos: bool = False, cache_prompt: bool = True,
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
-                     presence_penalty: float = 0.0) -> Request:
+                     presence_penalty: float = 0.0, top_logprobs: int | None = None) -> Request:
         """A checked request (OptionError naming the bad field): the prompt inside the vocabulary and
         shorter than a slot's context, the sampling settings as `Engine.generate` takes them."""
         ids = generation.check_ids(prompt, self.eng.config.vocab_size, "prompt")
@@ -198,11 +203,13 @@ class Scheduler:
             max_tokens = check_count("max_tokens", max_tokens)
         sampling = check_sampling(temperature, top_k, top_p, min_p, seed)
         pen = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
+        top_logprobs = check_top_logprobs(top_logprobs)
         eos = self.eng.config.eos_token_id
         stops = generation.stop_ids(stop_ids, None if ignore_eos else eos)
         ban = frozenset({eos} if ignore_eos and eos is not None else ())
         return Request(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(stops),
-                       on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, penalties=pen)
+                       on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, penalties=pen,
+                       top_logprobs=top_logprobs)
 
     def submit(self, req: Request) -> Request:
         with self._cv:
@@ -531,7 +538,8 @@ class Scheduler:
     def _sample(req: Request, logits: np.ndarray) -> int:
         """The next token of `req` from its logits row, on the host: its penalty, its banned ids,
         its filters and its own random generator (per request: a seed gives the same answer whatever
-        else the batch holds)."""
+        else the batch holds); with `top_logprobs`, the token's log-probability from the raw row."""
+        raw = logits
         pen = req.penalties
         if pen.active:
             n = pen.window(len(req.prompt) + len(req.generated))
@@ -542,7 +550,10 @@ class Scheduler:
         if req.ban:
             logits = np.array(logits, np.float64, copy=True)
             logits[list(req.ban)] = -1e30  # finite: sample_next refuses non-finite logits
-        return sample_next(logits, rng=req._rng, **_filters(req.sampling))
+        tok = sample_next(logits, rng=req._rng, **_filters(req.sampling))
+        if req.top_logprobs is not None:
+            req.token_logprobs.append(token_logprobs(raw, tok, req.top_logprobs))
+        return tok
 
     def _emit(self, req: Request, tok: int) -> None:
         if not req.generated:
@@ -596,8 +607,8 @@ def _argmax_rows(logits, banned=None):
 
 
 def _plain_greedy(req: Request) -> bool:
-    """Greedy without a penalty: the argmax on the device (bans included)."""
-    return req.sampling["temperature"] <= 0.0 and not req.penalties.active
+    """Greedy without a penalty or log-probabilities: the argmax on the device (bans included)."""
+    return req.sampling["temperature"] <= 0.0 and not req.penalties.active and req.top_logprobs is None
 
 
 def _checked(tok: int, finite: bool) -> int:

@@ -189,7 +189,7 @@ class Server:
         body = await self._body(request)
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_completion_tokens", "max_tokens",
-                                                                       "n_predict"))
+                                                                       "n_predict"), endpoint="chat")
         ids, text = await self._chat_prompt(body)
         fmt = body.get("reasoning_format", self.config.reasoning_format)
         if fmt not in REASONING_FORMATS:
@@ -214,19 +214,23 @@ class Server:
                     message["reasoning_content"] = "".join(reasoning)
                 return web.json_response({
                     **head, "object": "chat.completion",
-                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                    "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(job),
                                  "finish_reason": oai.FINISH[job.finish_reason]}],
                     "usage": self._usage(job), "timings": job.req.timings()})
             chunk = {**head, "object": "chat.completion.chunk"}
 
-            def delta(d: dict, finish: str | None = None) -> dict:
-                return {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+            def delta(d: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+                return {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}
 
             async def events():
                 yield delta({"role": "assistant", "content": None})
                 async for piece in job.pieces():
+                    lp = self._chat_logprobs(job, piece=True)  # the piece's tokens, with its first delta
                     for d in _deltas(*(splitter.feed(piece) if splitter else ("", piece))):
-                        yield delta(d)
+                        yield delta(d, logprobs=lp)
+                        lp = None
+                    if lp is not None and lp["content"]:  # text held back (a <think> tag): its tokens still
+                        yield delta({"content": ""}, logprobs=lp)
                 for d in _deltas(*splitter.finish()) if splitter else ():
                     yield delta(d)
                 yield {**delta({}, oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
@@ -240,7 +244,8 @@ class Server:
         """OpenAI's /v1/completions."""
         body = await self._body(request)
         model = self._check_model(body)
-        params = oai.gen_params(body, self.config.defaults, max_names=("max_tokens", "n_predict"))
+        params = oai.gen_params(body, self.config.defaults, max_names=("max_tokens", "n_predict"),
+                                endpoint="completions")
         prompt = oai.prompt_field(body)
         ids = await self._prompt_ids(prompt)
         echo = oai.bool_field(body, "echo", False)
@@ -252,18 +257,21 @@ class Server:
             if not params.stream:
                 text = prefix + "".join([p async for p in job.pieces()])
                 return web.json_response({
-                    **head, "choices": [{"index": 0, "text": text, "logprobs": None,
+                    **head, "choices": [{"index": 0, "text": text,
+                                         "logprobs": self._completions_logprobs(job, len(prefix)),
                                          "finish_reason": oai.FINISH[job.finish_reason]}],
                     "usage": self._usage(job), "timings": job.req.timings()})
 
-            def choice(text: str, finish: str | None = None) -> dict:
-                return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            def choice(text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
+                return {**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
             async def events():
+                offset = len(prefix)
                 if prefix:
                     yield choice(prefix)
                 async for piece in job.pieces():
-                    yield choice(piece)
+                    yield choice(piece, logprobs=self._completions_logprobs(job, offset, piece=True))
+                    offset += len(piece)
                 yield {**choice("", oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
                 if params.include_usage:
                     yield {**head, "choices": [], "usage": self._usage(job)}
@@ -286,8 +294,11 @@ class Server:
             async def events():
                 # with return_tokens, an event per token (its text may be "" while held back)
                 async for piece in job.pieces(every_token=params.return_tokens):
-                    yield {"content": piece, "stop": False, "id_slot": job.req.slot, "index": 0,
-                           "tokens": list(job.new_ids) if params.return_tokens else []}
+                    event = {"content": piece, "stop": False, "id_slot": job.req.slot, "index": 0,
+                             "tokens": list(job.new_ids) if params.return_tokens else []}
+                    if params.top_logprobs is not None:
+                        event["completion_probabilities"] = self._probabilities(job, piece=True)
+                    yield event
                 yield self._completion_final(job, "", prompt, False)
             return await self._stream(request, job, events(), done=False)
         finally:
@@ -296,7 +307,8 @@ class Server:
     def _completion_final(self, job: Job, text: str, prompt, whole: bool) -> dict:
         """/completion's answer, or the last event of its stream (`whole` False: no text, no ids)."""
         p, reason = job.params, job.finish_reason
-        return {"content": text, "id_slot": job.req.slot, "stop": True, "model": self.config.model_name,
+        probs = {"completion_probabilities": self._probabilities(job)} if p.top_logprobs is not None and whole else {}
+        return {**probs, "content": text, "id_slot": job.req.slot, "stop": True, "model": self.config.model_name,
                 "index": 0, "tokens": list(job.token_ids) if p.return_tokens and whole else [],
                 "tokens_predicted": job.n_generated,
                 "tokens_evaluated": len(job.req.prompt), "tokens_cached": len(job.req.prompt) + job.n_generated,
@@ -308,6 +320,59 @@ class Server:
                 "stopped_eos": reason == "eos", "stopped_word": reason == "stop",
                 "stopped_limit": reason in ("max_tokens", "context"), "stopping_word": job.stopping_word,
                 "has_new_line": "\n" in text, "timings": job.req.timings()}
+
+    # -- log-probabilities (the scheduler's Request.token_logprobs, in each endpoint's form) ---------
+    def _logprob_rows(self, job: Job, piece: bool) -> list[tuple[int, float, tuple]]:
+        """(id, logprob, alternatives) of the answer's tokens, the ends of generation (EOS, stop
+        ids) left out: all of them, or (`piece`) those whose text the delta just taken carries."""
+        ids = job.token_ids
+        lo = len(ids) - len(job.new_ids) if piece else 0
+        rows = job.req.token_logprobs
+        return [(ids[i], *rows[i]) for i in range(lo, min(len(ids), len(rows))) if ids[i] not in job.req.stop_ids]
+
+    def _token(self, tid: int) -> tuple[str, list[int]]:
+        b = self.tok.piece(tid)
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def _chat_logprobs(self, job: Job, piece: bool = False) -> dict | None:
+        """OpenAI chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+        if job.params.top_logprobs is None:
+            return None
+        out = []
+        for tid, lp, alts in self._logprob_rows(job, piece):
+            text, b = self._token(tid)
+            top = []
+            for aid, alp in alts:
+                at, ab = self._token(aid)
+                top.append({"token": at, "logprob": alp, "bytes": ab})
+            out.append({"token": text, "logprob": lp, "bytes": b, "top_logprobs": top})
+        return {"content": out}
+
+    def _completions_logprobs(self, job: Job, offset: int, piece: bool = False) -> dict | None:
+        """OpenAI completions' `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob}
+        each), text_offset (where each token's text starts in the choice's text)."""
+        if job.params.top_logprobs is None:
+            return None
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp, alts in self._logprob_rows(job, piece):
+            text, _ = self._token(tid)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self._token(aid)[0]: alp for aid, alp in alts})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def _probabilities(self, job: Job, piece: bool = False) -> list[dict]:
+        """llama-server's `completion_probabilities` (n_probs): id, token, logprob, bytes and
+        top_logprobs (id, token, logprob, bytes) of each token."""
+        out = []
+        for tid, lp, alts in self._logprob_rows(job, piece):
+            text, b = self._token(tid)
+            out.append({"id": tid, "token": text, "logprob": lp, "bytes": b,
+                        "top_logprobs": [{"id": aid, "token": self._token(aid)[0], "logprob": alp,
+                                          "bytes": self._token(aid)[1]} for aid, alp in alts]})
+        return out
 
     def _usage(self, job: Job) -> dict:
         return oai.usage(len(job.req.prompt), job.n_generated, job.req.n_cached)

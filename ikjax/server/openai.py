@@ -67,12 +67,14 @@ class GenParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     return_tokens: bool = False
+    top_logprobs: int | None = None  # log-probabilities of each token and this many alternatives; None: none
 
     def sampling(self) -> dict:
         """The scheduler's sampling keywords (Scheduler.make_request)."""
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     seed=self.seed, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
-                    frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+                    frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                    top_logprobs=self.top_logprobs)
 
 
 def _is_int(x: Any) -> bool:
@@ -98,8 +100,25 @@ def _get(body: dict, name: str, check, what: str, default: Any) -> Any:
     return v
 
 
-def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...]) -> GenParams:
-    """The generation fields of any of the three generate endpoints."""
+def logprobs_field(body: dict, endpoint: str) -> int | None:
+    """How many alternatives to report beside each token's log-probability, None for none, as each
+    endpoint asks: chat `logprobs` (true/false) with `top_logprobs` (0-20); completions `logprobs`
+    (an integer, 0-5 in OpenAI's API, up to 20 here); /completion `n_probs` (0 = none)."""
+    if endpoint == "chat":
+        on = _get(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+        k = _get(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]", None)
+        if k is not None and not on:
+            raise bad("top_logprobs: needs logprobs: true")
+        return (k or 0) if on else None
+    if endpoint == "completions":
+        return _get(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]", None)
+    n = _get(body, "n_probs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]", 0)
+    return n or None
+
+
+def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint: str = "completion") -> GenParams:
+    """The generation fields of any of the three generate endpoints (`endpoint`: chat,
+    completions or completion, which say how log-probabilities are asked for)."""
     n = None
     for name in max_names:  # the first one given wins
         if body.get(name) is not None:
@@ -145,7 +164,8 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...]) -> GenPar
                      min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
-                     presence_penalty=presence_penalty, return_tokens=return_tokens)
+                     presence_penalty=presence_penalty, return_tokens=return_tokens,
+                     top_logprobs=logprobs_field(body, endpoint))
 
 
 def prompt_field(body: dict, name: str = "prompt") -> str | list[int]:
