@@ -11,6 +11,10 @@
 #   STAGE=2: issue 24's ikjax runs on GPU 0 (bench/gpu_hybrid_r1.sh: auto stream, the old active
 #            form, -ub 4096 / 8192, hot experts), then R1 -ot exps=CPU under both split modes.
 #   STAGE=3: ik_llama.cpp on the same files and flags: the R1 split rows and the hybrid rows.
+#   STAGE=4: issues 22 and 23 on GPU 0: the cold start with the load beside the compile and
+#            without (bench/gpu_coldstart.sh default / nooverlap), then serve beside llama-server
+#            (bench/gpu_serve.sh; its second server runs the short steps expanded, the A/B of
+#            the absorbed second turn).
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT
 set -uo pipefail
@@ -107,6 +111,13 @@ case $STAGE in
       ot_layer4) ikr ot_layer4 0,1,2,3 -c 4096 -ub 2048 -n 32 -sm layer -ot exps=CPU -t 16 ;;
     esac
   done
+  ;;
+4)
+  export CUDA_VISIBLE_DEVICES=0
+  OUT=$OUT/cold VARIANTS=${VARIANTS:-"default nooverlap"} timeout ${COLD_S:-240} bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  cat "$OUT/cold/cold.md" 2>/dev/null | head -60
+  left=$(( ${DEADLINE:-560} - ($(date +%s) - T0) ))
+  OUT=$OUT/serve IK=/tmp/ikc/build/bin timeout $left bash bench/gpu_serve.sh 2>&1 | tail -60
   ;;
 esac
 ikprog
