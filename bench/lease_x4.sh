@@ -59,9 +59,12 @@ case $STAGE in
   V2L=/tmp/mg/v2l.gguf; mkdir -p /tmp/mg
   [ -f $V2L ] || { python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null \
     && printf %s "--preset v2-lite --type Q4_0" > /tmp/mg/v2l.args; }  # multi_gpu.sh reuses it
-  for form in xla pallas; do
-    el "v2l one GPU, IKJAX_PROMPT_ATTN=$form"
-    CUDA_VISIBLE_DEVICES=0 IKJAX_PROMPT_ATTN=$form timeout 150 python3 -m ikjax.cli sweep-bench -m $V2L -c 16384 \
+  # xla: XLA's blocked form up to the last query's block (default); bucket: over the whole bucket
+  # (IKJAX_FLASH_LOOP=bucket, the form before 640540b); pallas: the Pallas kernel
+  for form in xla bucket pallas; do
+    el "v2l one GPU, prompt attention $form"
+    case $form in bucket) fenv="IKJAX_PROMPT_ATTN=xla IKJAX_FLASH_LOOP=bucket" ;; *) fenv="IKJAX_PROMPT_ATTN=$form" ;; esac
+    env CUDA_VISIBLE_DEVICES=0 $fenv timeout 150 python3 -m ikjax.cli sweep-bench -m $V2L -c 16384 \
       -ub 2048 -n 32 -mla 3 -fa 1 2> "$OUT/v2l_$form.err" | grep '^|'
     grep -h "compiled\|rror" "$OUT/v2l_$form.err" | head -3
   done

@@ -58,6 +58,9 @@ _VARS = (
     Variable("IKJAX_MIN_OFFLOAD_BATCH", "32", (),
              "ik's rule for host experts: batches of at least this x n_expert / n_expert_used tokens "
              "stream them to the GPU", "ikjax.placement.host"),
+    Variable("IKJAX_FLASH_LOOP", "context", ("context", "bucket"),
+             "XLA's blocked attention: loop over the KV blocks up to the last query's, or over the whole bucket",
+             "ikjax.ops.attn"),
     Variable("IKJAX_SHORT_STEPS", "absorbed", ("absorbed", "expanded"),
              "-mla 3 steps of few tokens (T < 171 at DeepSeek's dims): attention over the latent cache as "
              "decode's, or expanded by kv_b as prompts'", "ikjax.model.deepseek2"),

@@ -122,7 +122,7 @@ def test_amb_chunking_is_exact():
     np.testing.assert_allclose(attend_flash(q, k, v, pos, 0.3, kv_block=8), full, rtol=1e-5, atol=1e-5)
 
 
-def test_flash_reads_only_the_blocks_a_query_sees():
+def test_flash_reads_only_the_blocks_a_query_sees(monkeypatch):
     """attend_flash's loop stops at the block of the last query position (a step compiled for a
     KV bucket pays for the context it has, RESULTS §25b): NaN rows of V in the blocks after it are
     never read (a scan over every block gave NaN there: 0 x NaN), and over the rows it reads it
@@ -141,6 +141,14 @@ def test_flash_reads_only_the_blocks_a_query_sees():
     assert bool(jnp.isfinite(out).all())
     ref = attend_materialized(q, k[:, :48], v[:, :48], pos, 0.3)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # IKJAX_FLASH_LOOP=bucket: every block (a trip count XLA knows), the same bits where V is
+    # finite, and the NaN rows past the last query's block read again (eager: the variable is read
+    # at each call)
+    monkeypatch.setenv("IKJAX_FLASH_LOOP", "bucket")
+    whole = attend_flash(q, k, v, pos, 0.3, kv_block=blk)
+    assert not bool(jnp.isfinite(attend_flash(q, k, v_nan, pos, 0.3, kv_block=blk)).all())
+    monkeypatch.setenv("IKJAX_FLASH_LOOP", "context")
+    np.testing.assert_array_equal(whole, attend_flash(q, k, v, pos, 0.3, kv_block=blk))
     # a query past every key (position >= S) still sees all S rows, and no more
     far = jnp.full((B, T), S + 7)
     np.testing.assert_allclose(attend_flash(q, k, v, far, 0.3, kv_block=40), attend_materialized(q, k, v, far, 0.3),

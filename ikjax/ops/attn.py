@@ -90,8 +90,13 @@ def attend_flash(q, k, v, q_pos, scale, kv_block: int):
     if pad:
         k = jnp.pad(k, [(0, 0), (0, pad), (0, 0), (0, 0)])
         v = jnp.pad(v, [(0, 0), (0, pad), (0, 0), (0, 0)])
-    # blocks 0 .. the last query position's (at least one, at most all)
-    n_live = jnp.clip(jnp.max(q_pos) // blk + 1, 1, n_blocks).astype(jnp.int32)
+    # blocks 0 .. the last query position's (at least one, at most all); IKJAX_FLASH_LOOP=bucket: all,
+    # a trip count XLA knows (on a GPU a loop of unknown count waits for its predicate on the host
+    # every iteration, ~10-20 us: the A/B for the device, where the skipped blocks should pay more)
+    if env.choice("IKJAX_FLASH_LOOP") == "bucket":
+        n_live = n_blocks
+    else:
+        n_live = jnp.clip(jnp.max(q_pos) // blk + 1, 1, n_blocks).astype(jnp.int32)
 
     def step(j, carry):
         m, l, acc = carry
