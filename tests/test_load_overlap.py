@@ -166,3 +166,35 @@ def test_a_command_error_while_loading_stops_the_load(tiny4_model, monkeypatch):
     assert made and made[0].load_overlapped and not made[0].loading
     with pytest.raises(weights_mod.LoadCancelled):
         made[0].wait_loaded()  # stopped at its next layer
+
+
+def test_interrupted_wait_stops_the_load(tiny4_model, monkeypatch):
+    """Ctrl-C while the engine waits for its load: the load's thread is stopped (at its next
+    layer) before the interrupt goes on, not left running as the interpreter exits."""
+    from ikjax.runtime import executors
+    gate = threading.Event()
+    finish = weights_mod._GroupLoad.finish
+
+    def held(self):  # the load sits between layers until it is cancelled
+        assert self.load.cancel.wait(120), "the load was never cancelled"
+        gate.set()
+        return finish(self)
+    monkeypatch.setattr(weights_mod._GroupLoad, "finish", held)
+    eng = _engine(tiny4_model, "1", monkeypatch)
+    loading = eng._loading
+
+    calls = []
+    real_join = loading._thread.join
+
+    def join(*a):  # the first wait is interrupted (Ctrl-C); cancel's own join then waits for real
+        calls.append(a)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_join(*a)
+    monkeypatch.setattr(loading._thread, "join", join)
+    with pytest.raises(KeyboardInterrupt):
+        eng.wait_loaded()
+    assert len(calls) == 2 and gate.is_set()  # cancel reached the load and waited for its thread
+    assert not loading._thread.is_alive() and isinstance(loading._error, weights_mod.LoadCancelled)
+    assert isinstance(loading, executors.BackgroundLoad)
+

@@ -280,10 +280,19 @@ class BackgroundLoad:
         self._have_shapes.set()
 
     def shapes(self):
-        self._have_shapes.wait()
+        self._wait(self._have_shapes.wait)
         if self._shapes is None:
             self.result()  # the load failed before its shapes were known: its error
         return self._shapes
+
+    def _wait(self, wait) -> None:
+        """Wait; interrupted (Ctrl-C), stop the load at its next layer first, so no thread is left
+        copying into device memory as the interpreter exits."""
+        try:
+            wait()
+        except BaseException:
+            self.cancel()
+            raise
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -295,7 +304,7 @@ class BackgroundLoad:
         self._thread.join()
 
     def result(self):
-        self._thread.join()
+        self._wait(self._thread.join)
         if self._error is not None:
             raise self._error
         return self._weights
