@@ -227,6 +227,28 @@ def test_generate_streams_text(tiny_model):
     assert "generated" in res.stderr
 
 
+def test_generate_penalties_are_the_apis(tiny_model):
+    """llama-cli's --repeat-penalty / --presence-penalty / --frequency-penalty / --repeat-last-n:
+    generate prints what Engine.generate gives with the same penalties (greedy), and the
+    penalties' one-token host steps are compiled before the timer (no compile line after it)."""
+    import ikjax
+    prompt = "ab ab ab ab ab ab ab ab"
+    args = ["generate", "-m", tiny_model, "-p", prompt, "-n", 16, "--temp", 0, "-c", 256, "-ub", 64,
+            "--presence-penalty", 1.5, "--frequency-penalty", 0.75, "--repeat-last-n", -1]
+    res = invoke(args)
+    eng = ikjax.load(tiny_model, ctx=256, ubatch=64)
+    ids = eng.tokenizer.encode(prompt)
+    out = []
+    for t in eng.generate(ids, 16, presence_penalty=1.5, frequency_penalty=0.75, repeat_last_n=-1):
+        if t == eng.config.eos_token_id:
+            break
+        out.append(t)
+    assert res.stdout == prompt + eng.tokenizer.decode(out) + "\n", (res.stdout, out)
+    after = res.stderr.split("compiled", 1)[1]
+    assert "compiling step" not in after, res.stderr
+    assert_one_line_error(invoke(args[:-6] + ["--presence-penalty", 3], code=1), "presence_penalty")
+
+
 def test_default_model_made_on_first_use(tmp_path, monkeypatch):
     """README's first command: `ikjax sweep-bench` with no -m makes and caches the tiny model."""
     monkeypatch.setenv("IKJAX_CACHE", str(tmp_path / "cache"))

@@ -31,6 +31,14 @@ def generate(
     top_p: Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")] = 0.95,
     min_p: Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")] = 0.05,
     seed: Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")] = None,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="penalize repeated tokens (1 = off)")
+                              ] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="tokens the penalties look back over "
+                                               "(0 = off, -1 = the context)")] = 64,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="penalize tokens already in the "
+                                                    "window, once (0 = off)")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="penalize tokens by how often "
+                                                     "they are in the window (0 = off)")] = 0.0,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
     batch_invariant: Annotated[Optional[bool], typer.Option(
         "--batch-invariant/--no-batch-invariant", help="decode in the batch-invariant form `serve` uses by default "
@@ -45,6 +53,8 @@ def generate(
     if n_predict < 0:
         raise OptionError(f"n-predict: need >= 0, got {n_predict}")
     check_text(prompt, "prompt")  # before loading: a prompt that is not UTF-8 is refused at once
+    from ikjax.runtime.sampling import check_penalty
+    penalties = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     run_opts, _ = check_options(run, "generate")
     batch_invariance(batch_invariant, default=False)
     setup_compile_cache(run.compile_cache_dir)
@@ -62,7 +72,8 @@ def generate(
         if len(ids) + n_predict > eng.options.ctx:
             raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context "
                               f"c={eng.options.ctx}")
-        shapes = _generate_shapes(eng, len(ids), n_predict, stream=True)
+        # with a penalty every token is chosen on the host after a one-token step (Engine.generate)
+        shapes = _generate_shapes(eng, len(ids), n_predict, stream=True, host_steps=penalties.active)
         t0 = time.perf_counter()
         with Progress("compiling", total=len(shapes)) as prog:
             for k, (n_tok, kv, chunk) in enumerate(shapes, 1):
@@ -85,7 +96,8 @@ def generate(
         nonlocal n, t_first
         # stream=True: one token per dispatch, printed as it comes (not in bursts of DECODE_CHUNK)
         for t in eng.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                              stream=True):
+                              stream=True, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty):
             if t_first is None:
                 t_first = time.perf_counter()
             n += 1
@@ -105,11 +117,13 @@ def generate(
                                        if n > 1 and tg_s > 0 else "") + " (compilation not included)")
 
 
-def _generate_shapes(eng, n_prompt: int, n_predict: int, stream: bool = False) -> list[tuple[int, int, int]]:
+def _generate_shapes(eng, n_prompt: int, n_predict: int, stream: bool = False,
+                     host_steps: bool = False) -> list[tuple[int, int, int]]:
     """(tokens, KV needed, decode-loop length or 0) of every step `eng.generate` runs for this
     prompt: its ubatch chunks, then the decode loops of DECODE_CHUNK steps (one step each with
     `stream`, as `generate(stream=True)` runs them) from the first generated position (or, without
-    the loop, one-token steps up to the last); the engine's prefill and generation chunk the same way."""
+    the loop or with `host_steps` — a penalty — one-token steps up to the last); the engine's
+    prefill and generation chunk the same way."""
     from ikjax.runtime import generation
     chunk_len = 1 if stream else generation.DECODE_CHUNK
     seen: dict[tuple, tuple[int, int, int]] = {}
@@ -117,7 +131,7 @@ def _generate_shapes(eng, n_prompt: int, n_predict: int, stream: bool = False) -
     for c0 in range(0, n_prompt, ub):
         t = eng.prompt_tokens(min(ub, n_prompt - c0), c0)
         seen.setdefault((t, eng.kv_bucket(c0 + t, t)), (t, c0 + t, 0))
-    loop = eng.decode_loop()
+    loop = eng.decode_loop() and not host_steps
     for pos in range(n_prompt, n_prompt + max(n_predict - 1, 0), chunk_len if loop else 1):
         kv = pos + chunk_len if loop else pos + 1
         seen.setdefault((1, eng.kv_bucket(kv, 1), loop), (1, kv, chunk_len if loop else 0))
