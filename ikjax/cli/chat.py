@@ -20,7 +20,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import app, handle, load_engine, log, setup_compile_cache
+from ikjax.cli.common import (FrequencyPenalty, PresencePenalty, RepeatLastN, RepeatPenalty, app, handle, load_engine, log,
+                              setup_compile_cache)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -47,14 +48,10 @@ def chat(
     top_p: Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")] = 0.95,
     min_p: Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")] = 0.05,
     seed: Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")] = None,
-    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="penalize repeated tokens (1 = off)")
-                              ] = 1.0,
-    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="tokens the repeat penalty looks back over "
-                                               "(0 = off, -1 = the context)")] = 64,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="penalize tokens already in the "
-                                                    "window, once (0 = off)")] = 0.0,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="penalize tokens by how often "
-                                                     "they are in the window (0 = off)")] = 0.0,
+    repeat_penalty: RepeatPenalty = 1.0,
+    repeat_last_n: RepeatLastN = 64,
+    presence_penalty: PresencePenalty = 0.0,
+    frequency_penalty: FrequencyPenalty = 0.0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="never end an answer on EOS")] = False,
     reverse_prompt: Annotated[Optional[list[str]], typer.Option(
         "-r", "--reverse-prompt", help="stop an answer at this text (may repeat)")] = None,

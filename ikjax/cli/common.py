@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 
@@ -187,6 +187,16 @@ def _synthetic_size(preset: str, qtype: str, layers: int | None) -> int | None:
         return None
     cfg = synthetic.preset_config(preset, layers, None, None)
     return sum(t.nbytes for t in synthetic.plan_tensors(cfg, qtype))
+
+
+# llama-cli's penalty flags (sampling.check_penalty's rules), shared by `generate` and `chat`
+RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="penalize repeated tokens (1 = off)")]
+RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", help="tokens the penalties look back over "
+                                          "(0 = off, -1 = the context)")]
+PresencePenalty = Annotated[float, typer.Option("--presence-penalty", help="penalize tokens already in the "
+                                                "window, once (0 = off)")]
+FrequencyPenalty = Annotated[float, typer.Option("--frequency-penalty", help="penalize tokens by how often they "
+                                                 "are in the window (0 = off)")]
 
 
 def load_engine(model: Optional[str], verbose: bool = False, while_loading: Optional[Callable] = None,

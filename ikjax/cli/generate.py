@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import Progress, app, batch_invariance, compiled_line, handle, load_engine, log, setup_compile_cache
+from ikjax.cli.common import (FrequencyPenalty, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, app, batch_invariance,
+                              compiled_line, handle, load_engine, log, setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -31,14 +32,10 @@ def generate(
     top_p: Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")] = 0.95,
     min_p: Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")] = 0.05,
     seed: Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")] = None,
-    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="penalize repeated tokens (1 = off)")
-                              ] = 1.0,
-    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="tokens the penalties look back over "
-                                               "(0 = off, -1 = the context)")] = 64,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="penalize tokens already in the "
-                                                    "window, once (0 = off)")] = 0.0,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="penalize tokens by how often "
-                                                     "they are in the window (0 = off)")] = 0.0,
+    repeat_penalty: RepeatPenalty = 1.0,
+    repeat_last_n: RepeatLastN = 64,
+    presence_penalty: PresencePenalty = 0.0,
+    frequency_penalty: FrequencyPenalty = 0.0,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
     batch_invariant: Annotated[Optional[bool], typer.Option(
         "--batch-invariant/--no-batch-invariant", help="decode in the batch-invariant form `serve` uses by default "

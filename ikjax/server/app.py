@@ -334,19 +334,21 @@ class Server:
         b = self.tok.piece(tid)
         return b.decode("utf-8", errors="replace"), list(b)
 
+    def _entry(self, tid: int, lp: float, with_id: bool = False) -> dict:
+        """One token's {token, logprob, bytes} (llama-server's form adds its id)."""
+        text, b = self._token(tid)
+        return {**({"id": tid} if with_id else {}), "token": text, "logprob": lp, "bytes": b}
+
+    def _entries(self, job: Job, piece: bool, with_id: bool = False) -> list[dict]:
+        """Each answer token's entry with its alternatives' (`top_logprobs`)."""
+        return [{**self._entry(tid, lp, with_id), "top_logprobs": [self._entry(a, alp, with_id) for a, alp in alts]}
+                for tid, lp, alts in self._logprob_rows(job, piece)]
+
     def _chat_logprobs(self, job: Job, piece: bool = False) -> dict | None:
         """OpenAI chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
         if job.params.top_logprobs is None:
             return None
-        out = []
-        for tid, lp, alts in self._logprob_rows(job, piece):
-            text, b = self._token(tid)
-            top = []
-            for aid, alp in alts:
-                at, ab = self._token(aid)
-                top.append({"token": at, "logprob": alp, "bytes": ab})
-            out.append({"token": text, "logprob": lp, "bytes": b, "top_logprobs": top})
-        return {"content": out}
+        return {"content": self._entries(job, piece)}
 
     def _completions_logprobs(self, job: Job, offset: int, piece: bool = False) -> dict | None:
         """OpenAI completions' `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob}
@@ -366,13 +368,7 @@ class Server:
     def _probabilities(self, job: Job, piece: bool = False) -> list[dict]:
         """llama-server's `completion_probabilities` (n_probs): id, token, logprob, bytes and
         top_logprobs (id, token, logprob, bytes) of each token."""
-        out = []
-        for tid, lp, alts in self._logprob_rows(job, piece):
-            text, b = self._token(tid)
-            out.append({"id": tid, "token": text, "logprob": lp, "bytes": b,
-                        "top_logprobs": [{"id": aid, "token": self._token(aid)[0], "logprob": alp,
-                                          "bytes": self._token(aid)[1]} for aid, alp in alts]})
-        return out
+        return self._entries(job, piece, with_id=True)
 
     def _usage(self, job: Job) -> dict:
         return oai.usage(len(job.req.prompt), job.n_generated, job.req.n_cached)

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ikjax.runtime.sampling import check_top_logprobs
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
                500: "server_error",
@@ -106,14 +108,13 @@ def logprobs_field(body: dict, endpoint: str) -> int | None:
     (an integer, 0-5 in OpenAI's API, up to 20 here); /completion `n_probs` (0 = none)."""
     if endpoint == "chat":
         on = _get(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
-        k = _get(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]", None)
+        k = check_top_logprobs(body.get("top_logprobs"), "top_logprobs")
         if k is not None and not on:
             raise bad("top_logprobs: needs logprobs: true")
         return (k or 0) if on else None
     if endpoint == "completions":
-        return _get(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]", None)
-    n = _get(body, "n_probs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]", 0)
-    return n or None
+        return check_top_logprobs(body.get("logprobs"), "logprobs")
+    return check_top_logprobs(body.get("n_probs"), "n_probs") or None
 
 
 def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint: str = "completion") -> GenParams:
@@ -153,9 +154,9 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
                                 1.0))
     repeat_last_n = _get(body, "repeat_last_n", lambda v: _is_int(v) and v >= -1,
                          "an integer >= -1 (0 = off, -1 = the context)", 64)
-    penalty = (lambda v: _is_num(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)", 0.0)
-    frequency_penalty = float(_get(body, "frequency_penalty", *penalty))
-    presence_penalty = float(_get(body, "presence_penalty", *penalty))
+    # checked with the other penalties by sampling.check_penalty (Scheduler.make_request; a 400)
+    frequency_penalty = body.get("frequency_penalty", 0.0)
+    presence_penalty = body.get("presence_penalty", 0.0)
     return_tokens = _get(body, "return_tokens", lambda v: isinstance(v, bool), "true or false", False)
     count = _get(body, "n", _is_int, "an integer", 1)
     if count != 1:
