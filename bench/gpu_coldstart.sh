@@ -65,8 +65,10 @@ for v in ${VARIANTS:-default noautotune}; do
   XLA_FLAGS="$flags" python3 -c "import jax; jax.devices()" 2> "$OUT/flagcheck-$v.err" \
     || { echo "### $v: flags rejected: $(tail -1 "$OUT/flagcheck-$v.err")" >> "$R"; continue; }
   rm -rf /tmp/cc-$v
-  env $envv XLA_FLAGS="$flags" JAX_LOG_COMPILES=1 IKJAX_COMPILE_CACHE=/tmp/cc-$v timed "cold-$v" ikj sweep-bench $SB
-  env $envv XLA_FLAGS="$flags" IKJAX_COMPILE_CACHE=/tmp/cc-$v timed "warm-$v" ikj sweep-bench $SB
+  # a subshell, not `env`: timed is a shell function, which env cannot run
+  ( export $envv XLA_FLAGS="$flags" IKJAX_COMPILE_CACHE=/tmp/cc-$v
+    JAX_LOG_COMPILES=1 timed "cold-$v" ikj sweep-bench $SB
+    timed "warm-$v" ikj sweep-bench $SB )
   { echo "compile phases ($v, cold), seconds:"; grep -h "Finished" "$OUT/cold-$v.err" \
       | sed -E 's/.*Finished ([a-zA-Z +]*)(of|for) ([^ ]*).* in ([0-9.]+) sec.*/\1 \3 \4/' | head -40; echo; } >> "$R"
 done

@@ -41,9 +41,10 @@ _VARS = (
              "runs of identical layers as one `lax.scan` (compile time independent of depth), every layer "
              "unrolled, or `auto`: scanned, GPU decode steps in two iterations of half a group (faster there)",
              "ikjax.model.groups"),
-    Variable("IKJAX_PROMPT_ATTN", "xla", ("xla", "pallas"),
-             "GPU prompt attention of -mla 2/3 (-fa): XLA over the whole KV bucket, or the Pallas flash "
-             "kernel that reads keys up to each query's position (not yet measured on a GPU)", "ikjax.ops.attn"),
+    Variable("IKJAX_PROMPT_ATTN", "pallas", ("pallas", "xla"),
+             "GPU prompt attention of -mla 2/3 (-fa): the Pallas flash kernel that reads keys up to each "
+             "query's position (H200, V2-Lite -ub 2048: 1.09-1.49x XLA's S_PP, RESULTS §25c), or XLA's "
+             "blocked form", "ikjax.ops.attn"),
     Variable("IKJAX_TOPK", "rank", ("rank", "lax"),
              "router top-k form: `rank` (compare-and-count, fast at decode) or `lax.top_k`", "ikjax.model.moe"),
     Variable("IKJAX_STREAM", "auto", ("auto", "active", "layer"),

@@ -309,8 +309,8 @@ def _attend_kv_cpu(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block
 
 
 def _attend_kv_pallas_supported(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block) -> bool:
-    # flash only, and only when asked for (IKJAX_PROMPT_ATTN=pallas) until a GPU run has measured it
-    # against XLA's form at every KV bucket
+    # flash only; IKJAX_PROMPT_ATTN=xla keeps XLA's form (the kernel measured 1.09-1.49x its S_PP
+    # on an H200, growing with the context: RESULTS §25c)
     return (flash and env.choice("IKJAX_PROMPT_ATTN") == "pallas" and q.shape[1] > 1
             and _prompt_kernel_supports(nope, q.shape[-1] - nope, kv.shape[-1] - nope))
 
@@ -329,7 +329,7 @@ def attention_kv(q, kv, k_rope, q_pos, scale, *, nope: int, flash: bool, amb_byt
     heads; K = kv[..., :nope] ++ k_rope[..., :R], V = kv[..., nope:], both taken at q's dtype.
     `xla` builds K and V (concatenate, broadcast, converts) and runs `attend`; `cpu` (flash) reads
     them in place (RESULTS §9h: those copies were ~40 ms of a 512-token V2-Lite step); `pallas`
-    (IKJAX_PROMPT_ATTN=pallas, flash, T > 1): pallas_kernels/prompt_attention, which walks each
+    (flash, T > 1; the default, IKJAX_PROMPT_ATTN=xla turns it off): pallas_kernels/prompt_attention, which walks each
     query block's keys up to its last position only (XLA's form pays for the whole bucket, §25b)."""
     impls = {
         "xla": registry.Impl(lambda *a: True, _attend_kv_xla),
