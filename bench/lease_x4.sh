@@ -42,7 +42,8 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 el "$(nproc) cores; $(lscpu | grep 'Model name' | sed 's/ \+/ /g'); $(lscpu | grep -o -E 'amx_[a-z0-9]+' | sort -u | tr '\n' ' ')"
 ikprog
 
-start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent)
+start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent; NO_BG=1: neither)
+  [ -n "${NO_BG:-}" ] && return
   [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh "${IK_JOBS:-44}"
   if [ ! -f /tmp/r1-8.gguf ] && [ ! -f /tmp/r1-8.started ]; then
     touch /tmp/r1-8.started
