@@ -13,8 +13,8 @@ round to nearest even) and int8 dot products; the K-quants and IQ4_XS likewise (
 avx2 with one x scale per 256 values, Q8_K's grouping: `_x8_group`, as the avx2 IQ4_XS prompt
 engine). At the
 avx512 and avx2 levels Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL prompt-sized calls take the same 8-bit
-activations (the int8 prompt engine, X8_PROMPT_TYPES), at avx2 also Q4_K, Q5_K and IQ4_XS
-(X8_PROMPT_KQ_AVX2). Each level runs where the CPU has it (IKJAX_CPU_ISA caps; _is_x8 asks the level
+activations (the int8 prompt engine, X8_PROMPT_TYPES), and so do Q4_K, Q5_K and IQ4_XS
+(X8_PROMPT_KQ). Each level runs where the CPU has it (IKJAX_CPU_ISA caps; _is_x8 asks the level
 that actually ran). Those are checked twice: against the f32 reference of
 the 8-bit-rounded x (`_x8`: the same function, so 1e-5), and against the f32 reference of x itself
 with the mode's stated tolerance X8_TOL = 1e-2 of sum_k |x||w| per element (measured on these
@@ -53,14 +53,14 @@ X8_PROMPT_TYPES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"}
 # K-quants in the int8 decode (avx512 VNNI and avx2 vpmaddubsw; f32 decode at generic)
 X8_KQ_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
 # K-quants in the avx2 int8 prompt engine (one scale per 32 weights; the avx512 level keeps bf16 for them)
-X8_PROMPT_KQ_AVX2 = {"Q4_K", "Q5_K", "IQ4_XS"}
+X8_PROMPT_KQ = {"Q4_K", "Q5_K", "IQ4_XS"}
 
 
 def _is_x8(name, M, compute):
     """Whether this call takes 8-bit activations at the current level (module doc)."""
     if compute == "bf16" and name in X8_KQ_TYPES:
-        if M >= 4:  # the amx level's engine takes them too (tests/test_cpu_amx.py)
-            return _cpu.isa() in ("avx2", "amx") and name in X8_PROMPT_KQ_AVX2
+        if M >= 4:  # every level's int8 prompt engine (the amx level's: tests/test_cpu_amx.py too)
+            return _cpu.isa() in ("avx2", "avx512", "amx") and name in X8_PROMPT_KQ
         return _cpu.isa() in ("avx2", "avx512", "amx")
     if compute != "bf16" or name not in X8_TYPES:
         return False

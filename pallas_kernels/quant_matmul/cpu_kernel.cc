@@ -18,8 +18,8 @@
 // and IQ4_XS at both levels (avx512: decode_kq8, decode_kq2; avx2: decode_kqa). Every other
 // decode-sized product is f32 in both modes. Prompt-sized products of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
 // and IQ4_NL with compute = bf16 at the avx512 (VNNI) and avx2 levels take the int8 prompt engine
-// instead of bf16 panels (see "int8 prompt engine" below); at the avx2 level so do Q4_K, Q5_K and
-// IQ4_XS (one scale per 32 weights; the avx512 level keeps bf16 panels for them). The same x
+// instead of bf16 panels (see "int8 prompt engine" below); so do Q4_K, Q5_K and IQ4_XS (one scale
+// per 32 weights) at every level that has the engine. The same x
 // quantization everywhere (dx = max|x| / 127, round to nearest even, per block of 32).
 #include "quant_matmul/cpu_kernel.h"
 #include "quant_matmul/cpu_amx.h"
@@ -1930,13 +1930,14 @@ constexpr int64_t QUNIT = QNR;    // output columns per unit of quant_matmul_ex'
 
 static_assert(QBLK == amx::kBlk && QBLK_MIN == amx::kBlkMin && QNR == amx::kPanelRows, "cpu_amx.h's panel layout");
 
-// The amx level (this code plus AMX tiles, cpu_amx.h) also takes Q4_K / Q5_K / IQ4_XS (one scale per
-// 32 weights: wvals / wscale below; the scalar amx::build_panel is their reference); prompt products of amx::kMinRows rows or more
-// run on the tiles, fewer through micro_q8 below (the same panels).
+// Q4_K / Q5_K / IQ4_XS (one scale per 32 weights: wvals / wscale below; the scalar amx::build_panel
+// is their reference) take it too. At the amx level (this code plus AMX tiles, cpu_amx.h) prompt
+// products of amx::kMinRows rows or more run on the tiles, fewer through micro_q8 below (the same
+// panels); at the avx512 level all of them run through micro_q8 (its bf16 panels for these types ran
+// at 0.51x ik's native build on a Sapphire Rapids host at -t 16, RESULTS §26g, against 1.09-1.18x
+// for the amx level's same panels).
 inline bool q8gemm_type(int type) {
-#if defined(IKJ_HAVE_AMX_TILES)
   if (type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_IQ4_XS) return true;
-#endif
   return type == ikj::T_Q8_0 || type == ikj::T_Q4_0 || type == ikj::T_Q5_0 || type == ikj::T_IQ4_NL ||
          type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
 }
@@ -2160,11 +2161,9 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
       case ikj::T_Q4_1: build_panel_q8<ikj::T_Q4_1, 20>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_Q5_1: build_panel_q8<ikj::T_Q5_1, 24>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_IQ4_NL: build_panel_q8<ikj::T_IQ4_NL, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
-#if defined(IKJ_HAVE_AMX_TILES)  // the amx level's K-quants (q8gemm_type)
       case ikj::T_Q4_K: build_panel_q8<ikj::T_Q4_K, 144>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_Q5_K: build_panel_q8<ikj::T_Q5_K, 176>(w, row_bytes, p0, nr, nb, panel.data()); break;
       case ikj::T_IQ4_XS: build_panel_q8<ikj::T_IQ4_XS, 136>(w, row_bytes, p0, nr, nb, panel.data()); break;
-#endif
       default: amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data()); break;  // (no other type gets here)
     }
 #if defined(IKJ_HAVE_AMX_TILES)
