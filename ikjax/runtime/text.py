@@ -19,7 +19,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ikjax.chat_template import ChatTemplate, ReasoningSplitter, flatten_content, opens_reasoning, split_reasoning
+from ikjax.chat_template import (ChatTemplate, ReasoningSplitter, check_tools, flatten_content, opens_reasoning,
+                                 parse_tool_calls, split_reasoning, tool_messages)
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
@@ -50,6 +51,7 @@ class Completion:
     content: str = ""
     reasoning_content: str | None = None
     prompt: str | None = None  # the rendered chat prompt (chat only)
+    tool_calls: list = dataclasses.field(default_factory=list)  # chat with tools: ikjax.chat_template.ToolCall each
 
 
 class StopStrings:
@@ -205,27 +207,34 @@ def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float =
 
 
 def render_chat(eng, messages, chat_template=None, add_generation_prompt: bool = True,
-                template_kwargs: Mapping[str, Any] | None = None) -> str:
+                template_kwargs: Mapping[str, Any] | None = None, tools: list | None = None) -> str:
     """The prompt text of a conversation: `chat_template` a ChatTemplate, or a choice for
-    `Engine.chat_template` (None: the model's own)."""
+    `Engine.chat_template` (None: the model's own); `tools` OpenAI's function tools
+    (`chat_template.tool_messages`: in the template's system prompt where it does not render them)."""
     t = chat_template if isinstance(chat_template, ChatTemplate) else eng.chat_template(chat_template)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise OptionError("messages: expected a non-empty list of {role, content} objects")
-    return t.render(flatten_content(messages), add_generation_prompt, **dict(template_kwargs or {}))
+    kwargs = dict(template_kwargs or {})
+    if tools:
+        check_tools(tools, None)
+        kwargs["tools"] = tools
+    return t.render(tool_messages(flatten_content(messages), tools, t.source), add_generation_prompt, **kwargs)
 
 
 def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",
-         template_kwargs: Mapping[str, Any] | None = None, stream: bool = False, **kw):
+         template_kwargs: Mapping[str, Any] | None = None, stream: bool = False, tools: list | None = None, **kw):
     """`Engine.chat` (its docstring)."""
     if reasoning_format not in ("deepseek", "none"):
         raise OptionError(f"reasoning_format: expected 'deepseek' or 'none', got {reasoning_format!r}")
-    prompt = render_chat(eng, messages, chat_template, True, template_kwargs)
+    prompt = render_chat(eng, messages, chat_template, True, template_kwargs, tools)
     opened = opens_reasoning(prompt)
     out = complete(eng, prompt, max_tokens, stream=stream, _prompt_text=prompt, _reasoning_opened=opened, **kw)
     if stream:
         return out
     if reasoning_format == "deepseek":
         out.reasoning_content, out.content = split_reasoning(out.text, opened)
+    if tools:
+        out.content, out.tool_calls = parse_tool_calls(out.content)
     return out
 
 

@@ -29,7 +29,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ikjax.chat_template import ReasoningSplitter, opens_reasoning
+from ikjax.chat_template import (ReasoningSplitter, ToolCallSplitter, check_tools, opens_reasoning, parse_tool_calls,
+                                 tool_messages)
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
 from ikjax.server import openai as oai
@@ -172,8 +173,10 @@ class Server:
             if not isinstance(body["chat_template_kwargs"], dict):
                 raise bad("chat_template_kwargs: expected an object")
             extra = body["chat_template_kwargs"]
-        if body.get("tools") is not None:
-            extra["tools"] = body["tools"]
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        messages = tool_messages(messages, tools, self.template.source)
+        if tools:
+            extra["tools"] = tools
         text = self.template.render(messages, add_generation_prompt=True, **extra)
         bos = self.tok.token_text(self.tok.bos_id)
         # a template writes BOS itself: the text is tokenized without another one (llama-server strips
@@ -190,6 +193,11 @@ class Server:
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_completion_tokens", "max_tokens",
                                                                        "n_predict"), endpoint="chat")
+        try:
+            check_tools(body.get("tools"), body.get("tool_choice"))
+        except OptionError as e:
+            raise bad(str(e)) from None
+        use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         ids, text = await self._chat_prompt(body)
         fmt = body.get("reasoning_format", self.config.reasoning_format)
         if fmt not in REASONING_FORMATS:
@@ -209,31 +217,47 @@ class Server:
                     r, c = splitter.finish()
                     reasoning.append(r)
                     content.append(c)
-                message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+                answer, calls = parse_tool_calls("".join(content)) if use_tools else ("".join(content), [])
+                message: dict[str, Any] = {"role": "assistant",
+                                           "content": answer if answer.strip() or not calls else None}
                 if splitter and splitter.had_reasoning:
                     message["reasoning_content"] = "".join(reasoning)
+                if calls:
+                    message["tool_calls"] = [c.openai() for c in calls]
                 return web.json_response({
                     **head, "object": "chat.completion",
                     "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(job),
-                                 "finish_reason": oai.FINISH[job.finish_reason]}],
+                                 "finish_reason": _finish(job, calls)}],
                     "usage": self._usage(job), "timings": job.req.timings()})
             chunk = {**head, "object": "chat.completion.chunk"}
 
             def delta(d: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
                 return {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}
 
+            tsplit = ToolCallSplitter() if use_tools else None
+
+            def split(r: str, c: str) -> list[dict]:  # content through the tool-call splitter
+                return _deltas(r, tsplit.feed(c) if tsplit else c)
+
             async def events():
                 yield delta({"role": "assistant", "content": None})
                 async for piece in job.pieces():
                     lp = self._chat_logprobs(job, piece=True)  # the piece's tokens, with its first delta
-                    for d in _deltas(*(splitter.feed(piece) if splitter else ("", piece))):
+                    for d in split(*(splitter.feed(piece) if splitter else ("", piece))):
                         yield delta(d, logprobs=lp)
                         lp = None
-                    if lp is not None and lp["content"]:  # text held back (a <think> tag): its tokens still
+                    if lp is not None and lp["content"]:  # text held back (a tag): its tokens still
                         yield delta({"content": ""}, logprobs=lp)
-                for d in _deltas(*splitter.finish()) if splitter else ():
+                for d in split(*splitter.finish()) if splitter else ():
                     yield delta(d)
-                yield {**delta({}, oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
+                calls = []
+                if tsplit:
+                    rest, calls = tsplit.finish()
+                    for d in _deltas("", rest):
+                        yield delta(d)
+                    if calls:  # each call whole in one delta (OpenAI's clients add the deltas up)
+                        yield delta({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]})
+                yield {**delta({}, _finish(job, calls)), "timings": job.req.timings()}
                 if params.include_usage:
                     yield {**chunk, "choices": [], "usage": self._usage(job)}
             return await self._stream(request, job, events(), done=True)
@@ -454,6 +478,11 @@ class Server:
         if not page.exists():
             raise ApiError(404, "no chat page in this install")
         return web.Response(body=page.read_bytes(), content_type="text/html", charset="utf-8")
+
+
+def _finish(job: Job, calls: list) -> str:
+    """OpenAI's finish_reason: "tool_calls" for an answer that called tools and stopped by itself."""
+    return "tool_calls" if calls and oai.FINISH[job.finish_reason] == "stop" else oai.FINISH[job.finish_reason]
 
 
 def _deltas(reasoning: str, content: str) -> list[dict]:

@@ -207,8 +207,8 @@ def messages_field(body: dict) -> list[dict]:
                     raise bad(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
                 parts.append(part["text"])
             content = "\n".join(parts)  # as llama-server joins a text-only model's parts
-        elif content is None:
-            content = ""
+        elif content is None:  # kept None beside tool_calls: R1's template tells a call turn by it
+            content = None if m.get("role") == "assistant" and m.get("tool_calls") else ""
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content: expected a string or a list of text parts, got "
                       f"{type(content).__name__}")

@@ -1,0 +1,285 @@
+"""Tool calls (issue 23): OpenAI's `tools` rendered into the prompt, the model's call syntax parsed
+back into `tool_calls`, whole and streamed, through the real server app driven by the `openai`
+client.
+
+The tiny random model never writes a call, so the end-to-end tests give the app a scheduler whose
+answer is scripted: the answer's text is encoded by the model's own tokenizer and handed to the
+app token by token through the scheduler's event interface, as the real scheduler hands them; the
+template, the tokenizer, the Job's detokenization, the handlers and the client are the real ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+
+import pytest
+
+from ikjax.chat_template import (DS_CALL_BEGIN, DS_CALLS_BEGIN, ToolCall, ToolCallSplitter, builtin, call_text,
+                                 check_tools, parse_tool_calls, tool_family, tool_messages)
+from ikjax.errors import OptionError
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+R1_ANSWER = ("Let me look.\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+             "```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+             "get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+SAMPLES = {
+    "r1": (R1_ANSWER, "Let me look.\n", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    "v31": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Oslo\"}"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [("get_weather", {"city": "Oslo"})]),
+    "kimi": ("ok <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+             "{\"city\": \"Rome\"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1"
+             "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>", "ok ",
+             [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    "glm": ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Bern</arg_value>\n<arg_key>days</arg_key>"
+            "\n<arg_value>3</arg_value>\n</tool_call>", "", [("get_weather", {"city": "Bern", "days": 3})]),
+    "hermes": ("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lima\"}}\n</tool_call>", "",
+               [("get_weather", {"city": "Lima"})]),
+}
+
+
+def _calls(calls: list[ToolCall]) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("form", sorted(SAMPLES))
+def test_parse_every_call_syntax(form):
+    text, content, want = SAMPLES[form]
+    got_content, calls = parse_tool_calls(text)
+    assert got_content == content and _calls(calls) == want
+    assert len({c.id for c in calls}) == len(calls)  # an id each
+    if form == "kimi":
+        assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+
+
+@pytest.mark.parametrize("text", ["no call here", "a <tool_call> that never ends",
+                                  "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weath",
+                                  "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n</tool_call>"])
+def test_what_is_not_a_complete_call_stays_content(text):
+    assert parse_tool_calls(text) == (text, [])
+
+
+@pytest.mark.parametrize("form", sorted(SAMPLES) + ["plain", "cut"])
+def test_streamed_split_equals_the_whole(form):
+    """At every split point (and every pair of them for the short texts) the streamed content plus
+    finish() equals parse_tool_calls of the whole, and no marker's start is ever sent as content."""
+    text = {"plain": "just <tool text, no call <", "cut": R1_ANSWER[:60]}.get(form) or SAMPLES[form][0]
+    want_content, want_calls = parse_tool_calls(text)
+    cuts = [(i,) for i in range(len(text) + 1)]
+    if len(text) < 120:
+        cuts += [(i, j) for i in range(0, len(text), 3) for j in range(i, len(text), 5)]
+    for cut in cuts:
+        bounds = [0, *cut, len(text)]
+        s = ToolCallSplitter()
+        sent = [s.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
+        rest, calls = s.finish()
+        assert "".join(sent) + rest == want_content, cut
+        assert _calls(calls) == _calls(want_calls), cut
+        if want_calls:
+            assert all("<｜tool" not in x and "<tool_call>" not in x and "<|tool" not in x for x in sent), cut
+
+
+@pytest.mark.parametrize("family", ["deepseek", "kimi", "glm", "hermes"])
+def test_each_family_parses_its_own_call_text(family):
+    calls = [ToolCall("get_weather", '{"city": "Paris", "days": 2}'), ToolCall("get_time", "{}")]
+    content, got = parse_tool_calls(call_text(calls, family))
+    assert content == "" and _calls(got) == _calls(calls)
+
+
+def test_template_families():
+    assert tool_family(builtin("deepseek3").source) == "deepseek"
+    assert tool_family(builtin("deepseek2").source) == "deepseek"
+    assert tool_family(builtin("kimi-k2").source) == "kimi"
+    assert tool_family(builtin("chatglm4").source) == "glm"
+    assert tool_family(builtin("chatml").source) == "hermes"
+
+
+def test_r1_template_renders_tools_and_earlier_calls():
+    """R1's template has a tool_calls branch (content None) and tool outputs but no `tools`: the
+    tool list goes into the system prompt with R1's call syntax; an earlier call whose arguments a
+    client sent as an object renders as JSON text; its result as R1's tool output."""
+    t = builtin("deepseek3")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}]
+    text = t.render(tool_messages(msgs, [WEATHER], t.source), add_generation_prompt=True, tools=[WEATHER])
+    head = text.split("<｜User｜>")[0]
+    assert head.startswith("Be brief.\n\n") and '"get_weather"' in head and DS_CALLS_BEGIN + DS_CALL_BEGIN in head
+    assert ("<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+            '{"city": "Paris"}\n```<｜tool▁call▁end｜>') in text
+    assert "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny, 21 C<｜tool▁output▁end｜><｜tool▁outputs▁end｜>" in text
+    # no tools: the prompt is the template's alone
+    plain = [{"role": "user", "content": "hi"}]
+    assert t.render(tool_messages(plain, None, t.source)) == t.render(plain)
+
+
+def test_templates_without_tool_branches_get_calls_as_text():
+    """chatml has no tool_calls branch and no tool role test: an earlier call is written in the
+    family's syntax into the assistant's content, a result becomes a user turn naming the tool."""
+    t = builtin("deepseek2")
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_time", "content": "noon"}]
+    text = t.render(tool_messages(msgs, [TIME], t.source), bos_token="", eos_token="<eos>")
+    assert "Assistant: <｜tool▁calls▁begin｜>" in text and "Tool result (get_time):\nnoon" in text
+    assert text.index('"get_time"') < text.index("User: q")  # the tool list first, in the system part
+
+
+@pytest.mark.parametrize("tools, choice", [
+    ("x", None), ([{"type": "function"}], None), ([{"type": "retrieval", "function": {"name": "a"}}], None),
+    ([WEATHER], "sometimes"), ([WEATHER], {"type": "function", "function": {"name": "nope"}}), (None, 3)])
+def test_bad_tools_are_refused(tools, choice):
+    with pytest.raises(OptionError):
+        check_tools(tools, choice)
+
+
+def test_good_tools_pass():
+    for choice in (None, "auto", "none", "required", {"type": "function", "function": {"name": "get_time"}}):
+        check_tools([WEATHER, TIME], choice)
+
+
+# -- through the app, with the openai client ------------------------------------------------------
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def app_server(tiny_model):
+    """The real server app on 127.0.0.1 (its own event loop on a thread), with a scheduler that
+    answers every request with `answer["text"]`, token by token, and keeps the prompts it got."""
+    import ikjax
+    from ikjax.runtime.scheduler import Scheduler
+    from ikjax.server.app import Server, ServerConfig
+
+    eng = ikjax.load(tiny_model, ctx=2048, ubatch=16)
+    answer = {"text": ""}
+    prompts: list[list[int]] = []
+
+    class Scripted(Scheduler):
+        def submit(self, req):
+            prompts.append(list(req.prompt))
+            ids = eng.tokenizer.encode(answer["text"], False)
+
+            def run():
+                for t in ids:
+                    req.on_event("token", t)
+                req.on_event("done", "eos")
+            threading.Thread(target=run, daemon=True).start()
+            return req
+
+    sched = Scripted(eng, 1).start()  # its loop idles: submit never queues
+    server = Server(eng, eng.tokenizer, eng.chat_template("deepseek3"), sched,
+                    ServerConfig(model_name="m", model_path=str(tiny_model), n_slots=1))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    ready, url = threading.Event(), {}
+    loop = asyncio.new_event_loop()
+
+    def on_listening(u):
+        url["u"] = u
+        ready.set()
+
+    async def main():
+        task = asyncio.ensure_future(_serve_until(server, sock, on_listening, stop))
+        await task
+
+    stop = asyncio.Event()
+
+    async def _serve_until(server, sock, on_listening, stop):
+        from aiohttp import web
+        runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        on_listening(f"http://127.0.0.1:{sock.getsockname()[1]}")
+        await stop.wait()
+        await runner.cleanup()
+
+    th = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
+    th.start()
+    assert ready.wait(60)
+    yield {"url": url["u"], "answer": answer, "prompts": prompts, "tok": eng.tokenizer, "eng": eng}
+    loop.call_soon_threadsafe(stop.set)
+    th.join(30)
+
+
+def _client(s):
+    return openai.OpenAI(base_url=s["url"] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_tool_calls_whole_and_streamed(app_server):
+    tok = app_server["tok"]
+    assert tok.decode(tok.encode(R1_ANSWER, False)) == R1_ANSWER  # the script survives the tokenizer
+    app_server["answer"]["text"] = R1_ANSWER
+    c = _client(app_server)
+    kw = dict(model="m", messages=[{"role": "user", "content": "Weather in Paris, and the time?"}],
+              tools=[WEATHER, TIME], extra_body={"reasoning_format": "none"})
+    whole = c.chat.completions.create(**kw)
+    ch = whole.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Let me look.\n"
+    got = [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls]
+    assert got == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert all(t.type == "function" and t.id.startswith("call_") for t in ch.message.tool_calls)
+    prompt = tok.decode(app_server["prompts"][-1])
+    assert '"get_weather"' in prompt and "get_time" in prompt and DS_CALL_BEGIN in prompt  # the tool list
+
+    parts = list(c.chat.completions.create(**kw, stream=True))
+    content = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    deltas = [t for p in parts if p.choices for t in (p.choices[0].delta.tool_calls or [])]
+    assert content == "Let me look.\n" and "<｜" not in content
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
+        [(0, "get_weather", {"city": "Paris"}), (1, "get_time", {})]
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "tool_calls"
+
+    # tool_choice "none": no tool list in the prompt, the answer's text left as it is
+    none = c.chat.completions.create(**kw, tool_choice="none").choices[0]
+    assert none.finish_reason == "stop" and none.message.tool_calls is None and none.message.content == R1_ANSWER
+    assert '"get_weather"' not in tok.decode(app_server["prompts"][-1])
+
+
+def test_answer_without_calls_and_bad_tools(app_server):
+    app_server["answer"]["text"] = "It is sunny."
+    c = _client(app_server)
+    ch = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
+                                   extra_body={"reasoning_format": "none"}).choices[0]
+    assert ch.finish_reason == "stop" and ch.message.content == "It is sunny." and ch.message.tool_calls is None
+    for bad in ({"tools": "x"}, {"tools": [WEATHER], "tool_choice": "sometimes"},
+                {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], **bad)
+        assert e.value.status_code == 400 and "tool" in str(e.value)
+
+
+def test_a_conversation_with_a_call_and_its_result(app_server):
+    """The second request of an agent loop: the assistant's call (arguments as the client got them)
+    and the tool's result come back; R1's template renders them in its own tokens."""
+    app_server["answer"]["text"] = "It is sunny in Paris."
+    c = _client(app_server)
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    ch = c.chat.completions.create(model="m", messages=msgs, tools=[WEATHER]).choices[0]
+    assert ch.message.content == "It is sunny in Paris."
+    prompt = app_server["tok"].decode(app_server["prompts"][-1])
+    assert "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```" in prompt
+    assert "<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>" in prompt
+
+
+def test_python_chat_with_tools(app_server):
+    """`Engine.chat(tools=...)`: the tool list in the rendered prompt, `.tool_calls` parsed out of the
+    answer (none from the random model: the content is the whole answer), bad tools refused."""
+    eng = app_server["eng"]
+    msgs = [{"role": "user", "content": "Weather?"}]
+    out = eng.chat(msgs, 4, tools=[WEATHER], chat_template="deepseek3", reasoning_format="none")
+    assert '"get_weather"' in out.prompt and out.tool_calls == [] and out.content == out.text
+    assert '"get_weather"' not in eng.chat(msgs, 1, chat_template="deepseek3").prompt
+    with pytest.raises(OptionError):
+        eng.chat(msgs, 1, tools=[{"type": "function"}])
