@@ -161,7 +161,10 @@ def table(rows: list[dict]) -> str:
 
 async def main_async(a) -> list[dict]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
+    # a new connection per request: llama-server dropped reused keep-alive connections after a
+    # streamed answer (ServerDisconnected on the next request, nothing in its log; RESULTS §23e), and
+    # a localhost connect costs ~0.1 ms of a request's time to first token for either server
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as s:
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
         cl = Client(s, a.url, a.api_key, await vocab_size(s, a.url, headers), a.seed)
         await cl.stream(cl.prompt(8), 2)  # warm: the first request may compile

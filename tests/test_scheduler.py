@@ -311,3 +311,22 @@ def test_gpu_token_buckets_are_two_sizes(eng):
         assert eng.token_bucket(ub + 3) == ub + 3
     finally:
         eng.backend = was
+
+
+def test_warmup_side_by_side_compiles_every_step_it_uses(tiny_model):
+    """On an accelerator the warm-up compiles its steps on threads (compile_side_by_side), forced
+    here on CPU: each step once, and requests then compile nothing more and answer as generate."""
+    eng = ikjax.load(tiny_model, ctx=CTX, ubatch=UB)
+    eng.compile_in_parallel = lambda: True
+    s = Scheduler(eng, 2)
+    n = s.warmup()
+    assert n > 2 and eng.compile_count == n == len(eng._executables)
+    s.start()
+    try:
+        runs = [(p, submit(s, p, 6)) for p in (ids(eng, 40, 1), ids(eng, 5, 2))]
+        assert [c.wait()[0] for _, (_, c) in runs] == ["done", "done"]
+    finally:
+        s.stop()
+    assert eng.compile_count == n  # (generate's own batch-1 steps compile below)
+    for p, (_, c) in runs:
+        assert c.tokens == list(eng.generate(p, 6))

@@ -148,6 +148,42 @@ def test_steps_compile_side_by_side(tiny_model):
     assert len(rows) == 4 and eng.compile_count == len(shapes)
 
 
+def test_compile_side_by_side_runs_each_family_first_before_the_rest():
+    """The first job of each family runs before the rest of its family starts (they reuse what its
+    compile autotuned); the first jobs of different families run at the same time; results come back
+    in the jobs' order; an error reaches the caller."""
+    import threading
+    import time
+
+    from ikjax.runtime.executables import compile_side_by_side
+    log, lock = [], threading.Lock()
+    both_firsts = threading.Barrier(2, timeout=10)  # the two families' first jobs meet: side by side
+
+    def job(name, first=False):
+        def run():
+            with lock:
+                log.append(("start", name))
+            if first:
+                both_firsts.wait()
+            time.sleep(0.05)
+            with lock:
+                log.append(("end", name))
+            return name
+        return run
+    work = [("pp", job("pp0", True)), ("pp", job("pp1")), ("loop", job("loop0", True)), ("pp", job("pp2"))]
+    assert compile_side_by_side(work) == ["pp0", "pp1", "loop0", "pp2"]
+    assert log.index(("end", "pp0")) < log.index(("start", "pp1")) and log.index(("end", "pp0")) < log.index(
+        ("start", "pp2"))
+    # the followers of one family run side by side too
+    assert max(log.index(("start", "pp1")), log.index(("start", "pp2"))) < min(
+        log.index(("end", "pp1")), log.index(("end", "pp2")))
+
+    def boom():
+        raise ValueError("compile failed")
+    with pytest.raises(ValueError, match="compile failed"):
+        compile_side_by_side([("a", boom), ("a", job("x"))])
+
+
 def _recorded_sweep(eng, tg: int, rows: int | None = None) -> list[tuple]:
     """Run the sweep (no warm-up runs: their random tokens depend on which shapes are new, so the
     token streams of two -c would differ) and keep what every step returned: ("pp", start, last

@@ -42,6 +42,7 @@ hold against what a client measures.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -57,6 +58,7 @@ import numpy as np
 from ikjax import env
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.runtime import generation
+from ikjax.runtime.executables import compile_side_by_side
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
 from ikjax.runtime.sampling import (NON_FINITE, NonFiniteLogitsError, Penalties, check_count,
                                     check_penalty, check_sampling, check_top_logprobs, sample_next,
@@ -275,10 +277,8 @@ class Scheduler:
                         seen.add(key)
                         jobs.append((1, T, p + T))
         work = [(eng.precompile, j) for j in jobs] + [(eng.precompile_decode, j) for j in loops]
-        if eng.compile_in_parallel() and len(work) > 1:
-            from concurrent.futures import ThreadPoolExecutor  # XLA compiles with the GIL released
-            with ThreadPoolExecutor(min(len(work), 8)) as pool:
-                list(pool.map(lambda w: w[0](*w[1]), work))
+        if eng.compile_in_parallel() and len(work) > 1:  # a family: one kind of step, one token count
+            compile_side_by_side([((fn.__name__, j[1]), functools.partial(fn, *j)) for fn, j in work])
         else:
             for fn, j in work:
                 fn(*j)

@@ -18,6 +18,7 @@ and the accelerator memory in use since the start to each row.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -26,6 +27,7 @@ import numpy as np
 
 from ikjax.errors import OptionError
 from ikjax.ops import registry
+from ikjax.runtime.executables import compile_side_by_side
 
 HEADER = "|%6s | %6s | %6s | %8s | %8s | %8s | %8s |" % (
     "PP", "TG", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s")
@@ -248,10 +250,9 @@ def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None 
     if eng.compile_in_parallel() and len(jobs) > 1:
         # XLA compiles (and loads cached executables) with the GIL released: a row's steps side
         # by side take about as long as the longest (warm start: the first row's 2 steps came from
-        # the cache in 4.8 s one after the other)
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            return sum(pool.map(lambda j: one(*j), jobs))
+        # the cache in 4.8 s one after the other); the first step of each (kind, token count)
+        # before the rest of its family (compile_side_by_side: they reuse its GEMM autotuning)
+        return sum(compile_side_by_side([((j[1], j[2]), functools.partial(one, *j)) for j in jobs]))
     return sum(one(*j) for j in jobs)
 
 
