@@ -330,3 +330,20 @@ def test_warmup_side_by_side_compiles_every_step_it_uses(tiny_model):
     assert eng.compile_count == n  # (generate's own batch-1 steps compile below)
     for p, (_, c) in runs:
         assert c.tokens == list(eng.generate(p, 6))
+
+
+def test_logit_bias(eng, sched):
+    """A bias is added to its id's logit before sampling (the host path), a bias of -100 or less
+    bans the id (the device argmax honours bans); bad biases are refused before queueing."""
+    p = ids(eng, 12, 5)
+    plain = list(eng.generate(p, 6))
+    t = next(x for x in range(3, 100) if x not in plain and x != eng.config.eos_token_id)
+    _, c = submit(sched, p, 6, logit_bias={t: 100.0})
+    assert c.wait()[0] == "done" and c.tokens == [t] * 6
+    _, c = submit(sched, p, 6, logit_bias=[[plain[0], False]])
+    assert c.wait()[0] == "done" and c.tokens[0] != plain[0]
+    req, c = submit(sched, p, 3, logit_bias={str(plain[0]): -100.0, str(t): 0.5})
+    assert c.wait()[0] == "done" and plain[0] in req.ban and req.logit_bias == ((t, 0.5),)
+    for bad in ({eng.config.vocab_size: 1.0}, {"a": 1.0}, {1: "x"}, {1: float("nan")}, [[1]], 5):
+        with pytest.raises(ikjax.OptionError, match="logit_bias"):
+            sched.make_request(p, 2, on_event=Collect(), logit_bias=bad)

@@ -308,6 +308,22 @@ def _error(status_body, status: int, needle: str):
     assert needle in body["error"]["message"], body
 
 
+def test_logit_bias(server, ref):
+    """OpenAI's logit_bias (object of id strings) and llama-server's (list of [id, bias | false]):
+    +100 on one id makes a greedy answer that id alone; a ban (false, or -100) keeps the greedy
+    answer's first token out of it, on the device argmax path too."""
+    ids = [int(t) for t in np.random.default_rng(7).integers(3, ref.config.vocab_size, 9)]
+    plain, _ = reference(ref, ids, 4)
+    t = next(x for x in range(3, 100) if x not in plain and x != ref.config.eos_token_id)
+    c = client(server)
+    got = c.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, logit_bias={str(t): 100})
+    assert got.choices[0].text == ref.tokenizer.decode([t] * 4)
+    for bias in ([[plain[0], False]], {str(plain[0]): -100}):
+        st, body = call(server, "POST", "/completion", {"prompt": ids, "n_predict": 2, "temperature": 0,
+                                                        "logit_bias": bias, "return_tokens": True})
+        assert st == 200 and body["tokens"][0] != plain[0], bias
+
+
 def test_bad_requests_are_400(server):
     _error(call(server, "POST", "/v1/completions", raw=b"{not json"), 400, "not valid JSON")
     _error(call(server, "POST", "/v1/completions", ["a list"]), 400, "JSON object")
@@ -316,6 +332,11 @@ def test_bad_requests_are_400(server):
     _error(call(server, "POST", "/v1/completions", {"max_tokens": 2}), 400, "prompt")
     _error(call(server, "POST", "/v1/completions", {"prompt": [1, 10 ** 9]}), 400, "outside the vocabulary")
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "n": 2}), 400, "one choice")
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 5}}), 400, "token id")
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"7": "up"}}), 400, "logit_bias")
+    _error(call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                          "response_format": {"type": "json_object"}}),
+           400, "response_format")
     _error(call(server, "POST", "/v1/chat/completions", {"messages": []}), 400, "messages")
     _error(call(server, "POST", "/v1/chat/completions",
                 {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400, "only text")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,6 +114,35 @@ def apply_penalties(logits: np.ndarray, recent, repeat: float = 1.0, frequency: 
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
+
+
+LOGIT_BAN = -100.0  # a bias this low bans the token (OpenAI: "-100 should result in a ban")
+
+
+def check_logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's / llama-server's `logit_bias` as (token id, bias) pairs: a mapping of ids (or their
+    decimal strings) to numbers, or llama-server's list of [id, number | false] pairs (false: never
+    drawn, as a bias of -100 or less). Ids must be in the vocabulary, biases finite."""
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias):
+        items = [tuple(p) for p in bias]
+    else:
+        raise OptionError(f"logit_bias: expected an object of token id -> bias or a list of [id, bias] pairs, "
+                          f"got {type(bias).__name__}")
+    out = {}
+    for k, v in items:
+        tok = int(k) if _is_int(k) or (isinstance(k, str) and k.strip().lstrip("-").isdigit()) else None
+        if tok is None or not 0 <= tok < vocab_size:
+            raise OptionError(f"logit_bias: {k!r} is not a token id of this model (0..{vocab_size - 1})")
+        if v is False:
+            v = LOGIT_BAN
+        if not _is_real(v) or not math.isfinite(v):
+            raise OptionError(f"logit_bias[{k!r}]: expected a finite number (or false), got {v!r}")
+        out[tok] = float(v)
+    return tuple(sorted(out.items()))
 
 
 def check_top_logprobs(k, name: str = "top_logprobs") -> int | None:

@@ -60,7 +60,8 @@ from ikjax.errors import IkjaxError, OptionError
 from ikjax.runtime import generation
 from ikjax.runtime.executables import compile_side_by_side
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
-from ikjax.runtime.sampling import (NON_FINITE, NonFiniteLogitsError, Penalties, check_count,
+from ikjax.runtime.sampling import (LOGIT_BAN, NON_FINITE, NonFiniteLogitsError, Penalties, check_count,
+                                    check_logit_bias,
                                     check_penalty, check_sampling, check_top_logprobs, sample_next,
                                     token_logprobs)
 
@@ -96,6 +97,7 @@ class Request:
     cache_prompt: bool = True
     ban: frozenset[int] = frozenset()  # ids never drawn (ignore_eos bans EOS, as llama-server does)
     penalties: Penalties = Penalties()  # llama.cpp's repeat / frequency / presence penalties
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit), before the penalties
     # each new token's log-probability and this many alternatives (`token_logprobs`); None: none
     top_logprobs: int | None = None
     id: int = field(default_factory=lambda: next(_ids))
@@ -194,7 +196,7 @@ class Scheduler:
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                      stop_ids: Sequence[int] = (), ignore_eos: bool = False, cache_prompt: bool = True,
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
-                     presence_penalty: float = 0.0, top_logprobs: int | None = None) -> Request:
+                     presence_penalty: float = 0.0, top_logprobs: int | None = None, logit_bias=None) -> Request:
         """A checked request (OptionError naming the bad field): the prompt inside the vocabulary and
         shorter than a slot's context, the sampling settings as `Engine.generate` takes them."""
         ids = generation.check_ids(prompt, self.eng.config.vocab_size, "prompt")
@@ -208,10 +210,12 @@ class Scheduler:
         top_logprobs = check_top_logprobs(top_logprobs)
         eos = self.eng.config.eos_token_id
         stops = generation.stop_ids(stop_ids, None if ignore_eos else eos)
-        ban = frozenset({eos} if ignore_eos and eos is not None else ())
+        bias = check_logit_bias(logit_bias, self.eng.config.vocab_size)
+        # a bias of -100 or less is a ban (the device argmax honours bans; other biases sample on the host)
+        ban = frozenset(({eos} if ignore_eos and eos is not None else set()) | {t for t, b in bias if b <= LOGIT_BAN})
         return Request(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(stops),
                        on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, penalties=pen,
-                       top_logprobs=top_logprobs)
+                       top_logprobs=top_logprobs, logit_bias=tuple((t, b) for t, b in bias if b > LOGIT_BAN))
 
     def submit(self, req: Request) -> Request:
         with self._cv:
@@ -540,6 +544,10 @@ class Scheduler:
         its filters and its own random generator (per request: a seed gives the same answer whatever
         else the batch holds); with `top_logprobs`, the token's log-probability from the raw row."""
         raw = logits
+        if req.logit_bias:  # first, as llama.cpp's sampler chain does
+            logits = np.array(logits, np.float64, copy=True)
+            ids, bias = zip(*req.logit_bias)
+            logits[list(ids)] += bias
         pen = req.penalties
         if pen.active:
             n = pen.window(len(req.prompt) + len(req.generated))
@@ -607,8 +615,10 @@ def _argmax_rows(logits, banned=None):
 
 
 def _plain_greedy(req: Request) -> bool:
-    """Greedy without a penalty or log-probabilities: the argmax on the device (bans included)."""
-    return req.sampling["temperature"] <= 0.0 and not req.penalties.active and req.top_logprobs is None
+    """Greedy without a penalty, a logit bias or log-probabilities: the argmax on the device (bans
+    included)."""
+    return (req.sampling["temperature"] <= 0.0 and not req.penalties.active and req.top_logprobs is None
+            and not req.logit_bias)
 
 
 def _checked(tok: int, finite: bool) -> int:

@@ -70,13 +70,14 @@ class GenParams:
     presence_penalty: float = 0.0
     return_tokens: bool = False
     top_logprobs: int | None = None  # log-probabilities of each token and this many alternatives; None: none
+    logit_bias: Any = None  # as the request gave it: checked against the vocabulary by Scheduler.make_request
 
     def sampling(self) -> dict:
         """The scheduler's sampling keywords (Scheduler.make_request)."""
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     seed=self.seed, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
                     frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                    top_logprobs=self.top_logprobs)
+                    top_logprobs=self.top_logprobs, logit_bias=self.logit_bias)
 
 
 def _is_int(x: Any) -> bool:
@@ -161,12 +162,17 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     count = _get(body, "n", _is_int, "an integer", 1)
     if count != 1:
         raise bad(f"n: only one choice per request is supported, got {count}")
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if fmt is not None and kind != "text":  # refused, not ignored: an answer would not keep to the format
+        raise bad(f"response_format: {kind!r} is not supported (no grammar-constrained sampling here); "
+                  f"only {{\"type\": \"text\"}}")
     return GenParams(max_tokens=None if n == -1 else n, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                      min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
                      presence_penalty=presence_penalty, return_tokens=return_tokens,
-                     top_logprobs=logprobs_field(body, endpoint))
+                     top_logprobs=logprobs_field(body, endpoint), logit_bias=body.get("logit_bias"))
 
 
 def prompt_field(body: dict, name: str = "prompt") -> str | list[int]:
