@@ -311,6 +311,9 @@ DS_CALL_BEGIN, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁
 KIMI_CALLS_BEGIN, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 KIMI_CALL_BEGIN, KIMI_ARG, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 XML_CALL_BEGIN, XML_CALL_END = "<tool_call>", "</tool_call>"
+# every marker a call syntax has: the tokens a detokenizer must show when tools are offered
+TOOL_MARKERS = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_SEP, DS_CALL_END, KIMI_CALLS_BEGIN, KIMI_CALLS_END,
+                KIMI_CALL_BEGIN, KIMI_ARG, KIMI_CALL_END, XML_CALL_BEGIN, XML_CALL_END)
 # where a call section can start: what `ToolCallSplitter` holds back once it appears
 _CALL_STARTS = (DS_CALLS_BEGIN, DS_CALL_BEGIN, KIMI_CALLS_BEGIN, KIMI_CALL_BEGIN, XML_CALL_BEGIN)
 _CALL_FORMS = ((DS_CALL_BEGIN, DS_CALL_END), (KIMI_CALL_BEGIN, KIMI_CALL_END), (XML_CALL_BEGIN, XML_CALL_END))

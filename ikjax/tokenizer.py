@@ -201,9 +201,18 @@ class GGUFTokenizer:
             self._pieces[key] = got
         return got
 
-    def detokenizer(self, special: bool = False) -> "Detokenizer":
-        """An incremental decoder of generated ids into text (see `Detokenizer`)."""
-        return Detokenizer(self, special)
+    def detokenizer(self, special: bool = False, keep: frozenset[int] = frozenset()) -> "Detokenizer":
+        """An incremental decoder of generated ids into text (see `Detokenizer`); `keep`: control
+        tokens whose text is shown all the same (`ids_of`)."""
+        return Detokenizer(self, special, keep)
+
+    def ids_of(self, texts: Iterable[str]) -> frozenset[int]:
+        """The ids of the vocabulary entries spelled exactly as one of `texts` (tool-call markers:
+        the converter makes DeepSeek's and Kimi's control tokens, whose text a generated answer must
+        still show for its calls to be parsed, as llama-server's preserved tokens)."""
+        if self.__dict__.get("_index") is None:
+            self._index = {t: i for i, t in enumerate(self.tokens)}
+        return frozenset(self._index[t] for t in texts if t in self._index)
 
     def stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Text pieces as ids arrive; holds back bytes of an incomplete UTF-8 character."""
@@ -232,14 +241,15 @@ class Detokenizer:
     sequence that is not UTF-8). The text of all the deltas is the pieces' bytes decoded at once.
     O(1) a token, whatever the length of the answer."""
 
-    def __init__(self, tokenizer: GGUFTokenizer, special: bool = False):
+    def __init__(self, tokenizer: GGUFTokenizer, special: bool = False, keep: frozenset[int] = frozenset()):
         import codecs
         self._tok = tokenizer
         self._special = special
+        self._keep = keep
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        return self._utf8.decode(self._tok.piece(token_id, self._special))
+        return self._utf8.decode(self._tok.piece(token_id, self._special or token_id in self._keep))
 
     def finish(self) -> str:
         return self._utf8.decode(b"", final=True)

@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from ikjax.chat_template import (DS_CALL_BEGIN, DS_CALLS_BEGIN, ToolCall, ToolCallSplitter, builtin, call_text,
+from ikjax.chat_template import (DS_CALL_BEGIN, DS_CALLS_BEGIN, TOOL_MARKERS, ToolCall, ToolCallSplitter, builtin, call_text,
                                  check_tools, parse_tool_calls, tool_family, tool_messages)
 from ikjax.errors import OptionError
 
@@ -217,6 +217,13 @@ def _client(s):
 def test_tool_calls_whole_and_streamed(app_server):
     tok = app_server["tok"]
     assert tok.decode(tok.encode(R1_ANSWER, False)) == R1_ANSWER  # the script survives the tokenizer
+    # its markers are single control tokens, as in a real R1 file: hidden from plain text (so the
+    # server must show them when tools are offered, as llama-server's preserved tokens)
+    marks = tok.ids_of(TOOL_MARKERS)
+    ids = tok.encode(R1_ANSWER, False)
+    assert len(marks) == 5 and sum(i in marks for i in ids) == 8
+    plain = tok.detokenizer()
+    assert "<｜" not in "".join(plain.feed(i) for i in ids) + plain.finish()
     app_server["answer"]["text"] = R1_ANSWER
     c = _client(app_server)
     kw = dict(model="m", messages=[{"role": "user", "content": "Weather in Paris, and the time?"}],
@@ -238,9 +245,11 @@ def test_tool_calls_whole_and_streamed(app_server):
         [(0, "get_weather", {"city": "Paris"}), (1, "get_time", {})]
     assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "tool_calls"
 
-    # tool_choice "none": no tool list in the prompt, the answer's text left as it is
+    # tool_choice "none": no tool list in the prompt, nothing parsed, the control tokens hidden as in
+    # any answer without tools
     none = c.chat.completions.create(**kw, tool_choice="none").choices[0]
-    assert none.finish_reason == "stop" and none.message.tool_calls is None and none.message.content == R1_ANSWER
+    assert none.finish_reason == "stop" and none.message.tool_calls is None
+    assert "<｜" not in none.message.content and none.message.content.startswith("Let me look.\nfunctionget_weather")
     assert '"get_weather"' not in tok.decode(app_server["prompts"][-1])
 
 

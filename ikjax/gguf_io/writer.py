@@ -304,15 +304,23 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")
+# DeepSeek V3 / R1's tool-call tokens, control tokens as ik's converter types them (their text looks
+# special: `<｜...｜>`), so a synthetic model's tool calls tokenize and detokenize as a real one's
+TOOL_TOKENS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+               "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+               "<｜tool▁output▁end｜>")
 
 
 def _synth_vocab(vocab_size: int) -> dict[str, Any]:
-    """Byte-level BPE vocab of exactly ``vocab_size`` tokens: 3 specials, 256 bytes, then merges."""
+    """Byte-level BPE vocab of exactly ``vocab_size`` tokens: 3 specials, 256 bytes, DeepSeek's tool
+    tokens (control), then merges."""
     tokens = list(SPECIAL_TOKENS)
     types = [int(gguf.TokenType.CONTROL)] * len(tokens)
     byte_toks = list(bytes_to_unicode().values())
     tokens += byte_toks
     types += [int(gguf.TokenType.NORMAL)] * len(byte_toks)
+    tokens += TOOL_TOKENS
+    types += [int(gguf.TokenType.CONTROL)] * len(TOOL_TOKENS)
     merges: list[str] = []
     seen = set(tokens)
     want = vocab_size - len(tokens)

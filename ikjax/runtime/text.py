@@ -19,8 +19,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ikjax.chat_template import (ChatTemplate, ReasoningSplitter, check_tools, flatten_content, opens_reasoning,
-                                 parse_tool_calls, split_reasoning, tool_messages)
+from ikjax.chat_template import (TOOL_MARKERS, ChatTemplate, ReasoningSplitter, check_tools, flatten_content,
+                                 opens_reasoning, parse_tool_calls, split_reasoning, tool_messages)
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
@@ -188,7 +188,7 @@ def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float =
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
              presence_penalty: float = 0.0, ignore_eos: bool = False,
              session: KVSession | None = None, _prompt_text: str | None = None,
-             _reasoning_opened: bool = False):
+             _reasoning_opened: bool = False, _keep: frozenset[int] = frozenset()):
     """`Engine.complete` (its docstring)."""
     stops = _stop_strings(stop)
     ids = encode_prompt(eng, prompt)
@@ -198,7 +198,8 @@ def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float =
                        stream=stream, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                        ignore_eos=ignore_eos, session=session)
-    ts = TextStream(gen, eng.tokenizer.detokenizer(), stops, prompt=_prompt_text, reasoning_opened=_reasoning_opened)
+    ts = TextStream(gen, eng.tokenizer.detokenizer(keep=_keep), stops, prompt=_prompt_text,
+                    reasoning_opened=_reasoning_opened)
     if stream:
         return ts
     for _ in ts:
@@ -228,7 +229,9 @@ def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, re
         raise OptionError(f"reasoning_format: expected 'deepseek' or 'none', got {reasoning_format!r}")
     prompt = render_chat(eng, messages, chat_template, True, template_kwargs, tools)
     opened = opens_reasoning(prompt)
-    out = complete(eng, prompt, max_tokens, stream=stream, _prompt_text=prompt, _reasoning_opened=opened, **kw)
+    keep = eng.tokenizer.ids_of(TOOL_MARKERS) if tools else frozenset()  # a call's markers: control tokens
+    out = complete(eng, prompt, max_tokens, stream=stream, _prompt_text=prompt, _reasoning_opened=opened,
+                   _keep=keep, **kw)
     if stream:
         return out
     if reasoning_format == "deepseek":

@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ikjax.chat_template import (ReasoningSplitter, ToolCallSplitter, check_tools, opens_reasoning, parse_tool_calls,
+from ikjax.chat_template import (TOOL_MARKERS, ReasoningSplitter, ToolCallSplitter, check_tools, opens_reasoning, parse_tool_calls,
                                  tool_messages)
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
@@ -184,8 +184,8 @@ class Server:
         ids = await self._encode(text, add_bos=False if bos and text.startswith(bos) else None)
         return ids, text
 
-    def _job(self, ids: list[int], params: GenParams) -> Job:
-        return Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe).start()
+    def _job(self, ids: list[int], params: GenParams, keep: frozenset[int] = frozenset()) -> Job:
+        return Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe, keep=keep).start()
 
     # -- generation --------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -203,7 +203,8 @@ class Server:
         if fmt not in REASONING_FORMATS:
             raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}")
         splitter = ReasoningSplitter(opened=opens_reasoning(text)) if fmt != "none" else None
-        job = self._job(ids, params)
+        # a call's markers are control tokens in DeepSeek's and Kimi's vocabularies: shown, to be parsed
+        job = self._job(ids, params, self.tok.ids_of(TOOL_MARKERS) if use_tools else frozenset())
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": "ikjax"}
         try:

@@ -18,7 +18,8 @@ from ikjax.server.openai import ApiError, GenParams
 
 
 class Job:
-    def __init__(self, scheduler: Scheduler, tokenizer, ids: list[int], params: GenParams, *, on_first=None):
+    def __init__(self, scheduler: Scheduler, tokenizer, ids: list[int], params: GenParams, *, on_first=None,
+                 keep: frozenset[int] = frozenset()):
         self.loop = asyncio.get_running_loop()
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -26,6 +27,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.t_arrival = time.perf_counter()
         self._on_first = on_first
+        self._keep = keep  # control tokens shown as text (a tool call's markers)
         self.req: Request = scheduler.make_request(
             ids, params.max_tokens, on_event=self._from_scheduler, cache_prompt=params.cache_prompt,
             ignore_eos=params.ignore_eos, **params.sampling())
@@ -54,7 +56,7 @@ class Job:
         a possible stop string), so a client that asked for token ids gets each id as it is made:
         random-id prompts (bench/serve_load.py) make byte tokens whose text waits, and a stream
         seemed to stall for 4 tokens when it was only the text that waited (RESULTS §23b)."""
-        detok = self.tokenizer.detokenizer()
+        detok = self.tokenizer.detokenizer(keep=self._keep)
         stops = StopStrings(self.params.stop)
         hidden = self.req.stop_ids  # EOS and the stop ids: ends of generation, not text
         while True:
