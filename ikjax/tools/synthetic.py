@@ -361,8 +361,9 @@ def _write_model(tmp: Path, cfg: dict, plans: list[TensorPlan], preset: str, qty
 
 
 # bumped whenever the generator's output changes, so a cached default model is made again
-# (2: zero-mean blocks and attn_output at half spread, issue 24)
-GENERATOR = 2
+# (2: zero-mean blocks and attn_output at half spread, issue 24; 3: DeepSeek's tool-call tokens in
+# the vocabulary, gguf_io.writer.TOOL_TOKENS)
+GENERATOR = 3
 
 
 def default_model_path() -> Path:
