@@ -278,6 +278,20 @@ def test_sixteen_concurrent_clients(server, ref):
     assert took < 60
 
 
+def test_apply_template(server, ref):
+    """llama-server's /apply-template: the prompt a chat request renders to (the file's template,
+    tools in its system part), which /v1/chat/completions then counts as its prompt tokens."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    st, body = call(server, "POST", "/apply-template", {"messages": msgs})
+    assert st == 200 and body["prompt"] == ref.chat_template().render(msgs)
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    st, with_tools = call(server, "POST", "/apply-template", {"messages": msgs, "tools": [tool]})
+    assert st == 200 and '"get_time"' in with_tools["prompt"].split("<｜User｜>")[0]
+    got = client(server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
+    assert got.usage.prompt_tokens == len(ref.tokenizer.encode(body["prompt"], False))
+    _error(call(server, "POST", "/apply-template", {"messages": msgs, "tools": "x"}), 400, "tools")
+
+
 def test_tokenize_detokenize(server, ref):
     status, body = call(server, "POST", "/tokenize", {"content": "hello world", "with_pieces": True})
     ids = [p["id"] for p in body["tokens"]]

@@ -85,6 +85,7 @@ class Server:
         r.add_get("/v1/health", self.health)
         r.add_get("/props", self.props)
         r.add_get("/slots", self.slots)
+        r.add_post("/apply-template", self.apply_template)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         r.add_get("/metrics", self.metrics_text)
@@ -452,6 +453,17 @@ class Server:
 
     async def slots(self, request: web.Request) -> web.Response:
         return web.json_response(self.scheduler.slot_info())
+
+    async def apply_template(self, request: web.Request) -> web.Response:
+        """llama-server's /apply-template: the prompt text a chat request's messages (and tools)
+        render to, without generating: {"prompt": ...}."""
+        body = await self._body(request)
+        try:
+            check_tools(body.get("tools"), body.get("tool_choice"))
+        except OptionError as e:
+            raise bad(str(e)) from None
+        _, text = await self._chat_prompt(body)
+        return web.json_response({"prompt": text})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
