@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 CTX, NP, UB = 256, 4, 16
+TEMPLATES = Path(__file__).resolve().parents[1] / "ikjax" / "templates"
 MODEL = "ikjax-tiny-2L.gguf"  # the id /v1/models lists: the file's name (conftest's tiny_model)
 START_S = 120
 
@@ -63,16 +65,21 @@ class Proc:
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    s = Proc(tiny_model, "-c", str(CTX * NP), "-np", str(NP), "-ub", str(UB), "--temp", "0")
+    # llama-server's flags for the template file and the page: R1's template (the one a file without
+    # its own gets: /apply-template's test checks the text) and no page at /
+    s = Proc(tiny_model, "-c", str(CTX * NP), "-np", str(NP), "-ub", str(UB), "--temp", "0",
+             "--chat-template-file", str(TEMPLATES / "deepseek3.jinja"), "--no-webui", "--slots")
     yield s
     s.stop()
     assert s.p.returncode == 0, "".join(s.lines[-20:])  # SIGTERM: a clean shutdown
 
 
 @pytest.fixture(scope="module")
-def small(tiny_model):
+def small(tiny_model, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("\nother-key\n  third  \n")  # llama-server's --api-key-file: a key a line
     s = Proc(tiny_model, "-c", "2048", "-np", "1", "-ub", str(UB), "--max-queue", "1", "--api-key", "sekret",
-             "--temp", "0")
+             "--api-key-file", str(keys), "--temp", "0")
     yield s
     s.stop()
 
@@ -363,6 +370,7 @@ def test_bad_requests_are_400(server):
 
 def test_unknown_route_and_model_are_404(server):
     _error(call(server, "GET", "/v2/nothing"), 404, "no such endpoint")
+    _error(call(server, "GET", "/"), 404, "--no-webui")
     with pytest.raises(openai.NotFoundError):
         client(server).completions.create(model="gpt-4", prompt="x", max_tokens=2)
     _error(call(server, "GET", "/v1/completions"), 405, "not allowed")
@@ -375,6 +383,8 @@ def test_api_key_401(small):
     assert call(small, "GET", "/health")[0] == 200  # open without a key, as llama-server's
     r = client(small, "sekret").completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert r.usage.completion_tokens >= 1
+    for key in ("other-key", "third"):  # --api-key-file's keys pass too
+        assert client(small, key).completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens
 
 
 def _open_stream(s: Proc, prompt: str):
@@ -624,3 +634,13 @@ def test_logprobs_every_endpoint(server, ref):
     _error(call(server, "POST", "/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21}),
            400, "top_logprobs")
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "logprobs": -1}), 400, "logprobs")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--api-key-file", "/nonexistent/keys"], "--api-key-file /nonexistent/keys: cannot read"),
+    (["--chat-template-file", "/nonexistent.jinja"], "--chat-template-file /nonexistent.jinja: no such file"),
+    (["--chat-template", "chatml", "--chat-template-file", __file__], "give one of them")])
+def test_server_flag_errors_are_one_line_before_loading(tiny_model, args, message):
+    res = subprocess.run([sys.executable, "-m", "ikjax.cli", "serve", "-m", tiny_model, "--port", "0", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1 and message in res.stderr, res.stderr

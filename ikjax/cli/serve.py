@@ -35,9 +35,16 @@ def serve(
                                           "shared by them (c/np tokens each)")] = 4,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="require 'Authorization: Bearer KEY' "
                                                    "(401 otherwise; /health and /v1/models stay open)")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(
+        "--api-key-file", help="a file of API keys, one a line: any of them passes (with --api-key too)")] = None,
     chat_template: Annotated[Optional[str], typer.Option(
         "--chat-template", help="chat template: a builtin name (deepseek3, deepseek2, chatml), a Jinja file, "
         "or Jinja text; default: the model file's own (tokenizer.chat_template)")] = None,
+    chat_template_file: Annotated[Optional[str], typer.Option(
+        "--chat-template-file", help="a Jinja chat template file (llama-server's flag; --chat-template takes "
+        "one too)")] = None,
+    no_webui: Annotated[bool, typer.Option("--no-webui", help="no chat page at / (a 404 there)")] = False,
+    slots: Annotated[bool, typer.Option("--slots", help="/slots: always on (accepted)")] = False,
     timeout: Annotated[float, typer.Option("-to", "--timeout", help="seconds a request body may take to arrive, "
                                            "and a write of the answer to a slow reader (llama-server's "
                                            "read/write timeout)")] = 600.0,
@@ -87,6 +94,21 @@ def serve(
         raise OptionError(f"--prompt-cache: expected one of {', '.join(PROMPT_CACHE_MODES)}, got {prompt_cache!r}")
     if max_queue < 0:
         raise OptionError(f"--max-queue: need >= 0, got {max_queue}")
+    if chat_template_file is not None:
+        if chat_template:
+            raise OptionError("--chat-template and --chat-template-file: give one of them")
+        if not Path(chat_template_file).is_file():
+            raise OptionError(f"--chat-template-file {chat_template_file}: no such file")
+        chat_template = chat_template_file
+    keys = [api_key] if api_key else []
+    if api_key_file is not None:
+        try:
+            keys += [k.strip() for k in api_key_file.read_text(encoding="utf-8").splitlines() if k.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise OptionError(f"--api-key-file {api_key_file}: cannot read ({getattr(e, 'strerror', None) or e})") \
+                from None
+        if len(keys) == (1 if api_key else 0):
+            raise OptionError(f"--api-key-file {api_key_file}: no key in it")
     if chat_template:  # a name, file or Jinja text: checked before a long load, not after it
         from ikjax.chat_template import template_for
         template_for({}, chat_template)
@@ -119,7 +141,7 @@ def serve(
     tok, template, scheduler = eng.tokenizer, made["template"], made["scheduler"]
     path = str(eng.file.path)
     config = ServerConfig(model_name=alias or Path(path).name, model_path=path, n_slots=parallel,
-                          api_key=api_key or None, timeout=timeout,
+                          api_key=tuple(keys) or None, timeout=timeout, webui=not no_webui,
                           reasoning_format="deepseek" if reasoning_format == "auto" else reasoning_format,
                           defaults=defaults)
     # everything alive now (weights' Python objects, compiled steps, the tokenizer) lives as long

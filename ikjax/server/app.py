@@ -51,7 +51,8 @@ class ServerConfig:
     model_name: str  # the id /v1/models lists (--alias, else the file's name)
     model_path: str
     n_slots: int
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # one key, or several (--api-key-file): any of them passes
+    webui: bool = True  # the chat page at / (--no-webui: a 404 there)
     timeout: float = 600.0  # seconds a read of the body or a write of the answer may take (llama-server -to)
     reasoning_format: str = "deepseek"
     defaults: Defaults = field(default_factory=Defaults)
@@ -123,10 +124,11 @@ class Server:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         key = self.config.api_key
-        if key and request.path not in PUBLIC:
+        keys = (key,) if isinstance(key, str) else tuple(key or ())
+        if keys and request.path not in PUBLIC:
             auth = request.headers.get("Authorization", "")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-Api-Key")
-            if given != key:
+            if given not in keys:
                 raise ApiError(401, "Invalid API Key" if given else "missing API key (Authorization: Bearer KEY)")
         return await handler(request)
 
@@ -488,6 +490,8 @@ class Server:
 
     async def index(self, request: web.Request) -> web.Response:
         page = STATIC / "index.html"
+        if not self.config.webui:
+            raise ApiError(404, "the chat page is off (--no-webui)")
         if not page.exists():
             raise ApiError(404, "no chat page in this install")
         return web.Response(body=page.read_bytes(), content_type="text/html", charset="utf-8")
