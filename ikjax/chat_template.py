@@ -533,6 +533,34 @@ class ToolCallSplitter:
         return content, calls
 
 
+class AnswerSplitter:
+    """A chat answer as the endpoints return it, from its text deltas: R1's reasoning
+    (`ReasoningSplitter`, when `opened` is not None: whether the prompt opened the `<think>` block),
+    then the content with the tool calls taken out (`ToolCallSplitter`, when `tools`).
+    `feed(delta) -> (reasoning_delta, content_delta)`; `finish() -> (reasoning_delta,
+    content_delta, calls)`. A whole answer is the deltas joined: one code path for both."""
+
+    def __init__(self, opened: bool | None, tools: bool):
+        self._reasoning = ReasoningSplitter(opened=opened) if opened is not None else None
+        self._tools = ToolCallSplitter() if tools else None
+
+    @property
+    def had_reasoning(self) -> bool:
+        return bool(self._reasoning and self._reasoning.had_reasoning)
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        r, c = self._reasoning.feed(delta) if self._reasoning else ("", delta)
+        return r, self._tools.feed(c) if self._tools else c
+
+    def finish(self) -> tuple[str, str, list[ToolCall]]:
+        r, c = self._reasoning.finish() if self._reasoning else ("", "")
+        if not self._tools:
+            return r, c, []
+        c = self._tools.feed(c)
+        rest, calls = self._tools.finish()
+        return r, c + rest, calls
+
+
 def _partial_suffix(text: str, words: Iterable[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `words`."""
     best = 0

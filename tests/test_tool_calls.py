@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from ikjax.chat_template import (DS_CALL_BEGIN, DS_CALLS_BEGIN, TOOL_MARKERS, ToolCall, ToolCallSplitter, builtin, call_text,
+from ikjax.chat_template import (DS_CALL_BEGIN, DS_CALLS_BEGIN, TOOL_MARKERS, AnswerSplitter, ToolCall, ToolCallSplitter, builtin, call_text,
                                  check_tools, parse_tool_calls, tool_family, tool_messages)
 from ikjax.errors import OptionError
 
@@ -82,6 +82,21 @@ def test_streamed_split_equals_the_whole(form):
         assert _calls(calls) == _calls(want_calls), cut
         if want_calls:
             assert all("<｜tool" not in x and "<tool_call>" not in x and "<|tool" not in x for x in sent), cut
+
+
+def test_answer_splitter_reasoning_then_calls():
+    """R1's answer with tools: reasoning (the prompt opened <think>), then content and calls. Fed at
+    every split point into two deltas, the joined deltas are the whole answer's split."""
+    text = "weighing it up </think>\n\n" + R1_ANSWER
+    for cut in range(len(text) + 1):
+        a = AnswerSplitter(opened=True, tools=True)
+        r1, c1 = a.feed(text[:cut])
+        r2, c2 = a.feed(text[cut:])
+        r3, c3, calls = a.finish()
+        assert (r1 + r2 + r3, c1 + c2 + c3) == ("weighing it up", "Let me look.\n"), cut
+        assert a.had_reasoning and [c.name for c in calls] == ["get_weather", "get_time"], cut
+    plain = AnswerSplitter(opened=None, tools=False)
+    assert plain.feed(text) == ("", text) and plain.finish() == ("", "", []) and not plain.had_reasoning
 
 
 @pytest.mark.parametrize("family", ["deepseek", "kimi", "glm", "hermes"])

@@ -29,8 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ikjax.chat_template import (TOOL_MARKERS, ReasoningSplitter, ToolCallSplitter, check_tools, opens_reasoning, parse_tool_calls,
-                                 tool_messages)
+from ikjax.chat_template import (TOOL_MARKERS, AnswerSplitter, check_tools, opens_reasoning, tool_messages)
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
 from ikjax.server import openai as oai
@@ -205,29 +204,22 @@ class Server:
         fmt = body.get("reasoning_format", self.config.reasoning_format)
         if fmt not in REASONING_FORMATS:
             raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}")
-        splitter = ReasoningSplitter(opened=opens_reasoning(text)) if fmt != "none" else None
+        answer = AnswerSplitter(opened=opens_reasoning(text) if fmt != "none" else None, tools=use_tools)
         # a call's markers are control tokens in DeepSeek's and Kimi's vocabularies: shown, to be parsed
         job = self._job(ids, params, self.tok.ids_of(TOOL_MARKERS) if use_tools else frozenset())
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": "ikjax"}
         try:
             if not params.stream:
-                reasoning, content = [], []
-                async for piece in job.pieces():
-                    r, c = splitter.feed(piece) if splitter else ("", piece)
-                    reasoning.append(r)
-                    content.append(c)
-                if splitter:
-                    r, c = splitter.finish()
-                    reasoning.append(r)
-                    content.append(c)
-                answer, calls = parse_tool_calls("".join(content)) if use_tools else ("".join(content), [])
+                parts = [answer.feed(piece) async for piece in job.pieces()]
+                r, c, calls = answer.finish()
+                content = "".join(p[1] for p in parts) + c
                 message: dict[str, Any] = {"role": "assistant",
-                                           "content": answer if answer.strip() or not calls else None}
-                if splitter and splitter.had_reasoning:
-                    message["reasoning_content"] = "".join(reasoning)
+                                           "content": content if content.strip() or not calls else None}
+                if answer.had_reasoning:
+                    message["reasoning_content"] = "".join(p[0] for p in parts) + r
                 if calls:
-                    message["tool_calls"] = [c.openai() for c in calls]
+                    message["tool_calls"] = [t.openai() for t in calls]
                 return web.json_response({
                     **head, "object": "chat.completion",
                     "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(job),
@@ -238,29 +230,20 @@ class Server:
             def delta(d: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
                 return {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}
 
-            tsplit = ToolCallSplitter() if use_tools else None
-
-            def split(r: str, c: str) -> list[dict]:  # content through the tool-call splitter
-                return _deltas(r, tsplit.feed(c) if tsplit else c)
-
             async def events():
                 yield delta({"role": "assistant", "content": None})
                 async for piece in job.pieces():
                     lp = self._chat_logprobs(job, piece=True)  # the piece's tokens, with its first delta
-                    for d in split(*(splitter.feed(piece) if splitter else ("", piece))):
+                    for d in _deltas(*answer.feed(piece)):
                         yield delta(d, logprobs=lp)
                         lp = None
                     if lp is not None and lp["content"]:  # text held back (a tag): its tokens still
                         yield delta({"content": ""}, logprobs=lp)
-                for d in split(*splitter.finish()) if splitter else ():
+                r, c, calls = answer.finish()
+                for d in _deltas(r, c):
                     yield delta(d)
-                calls = []
-                if tsplit:
-                    rest, calls = tsplit.finish()
-                    for d in _deltas("", rest):
-                        yield delta(d)
-                    if calls:  # each call whole in one delta (OpenAI's clients add the deltas up)
-                        yield delta({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]})
+                if calls:  # each call whole in one delta (OpenAI's clients add the deltas up)
+                    yield delta({"tool_calls": [t.openai(i) for i, t in enumerate(calls)]})
                 yield {**delta({}, _finish(job, calls)), "timings": job.req.timings()}
                 if params.include_usage:
                     yield {**chunk, "choices": [], "usage": self._usage(job)}
