@@ -313,7 +313,8 @@ KIMI_CALL_BEGIN, KIMI_ARG, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_a
 XML_CALL_BEGIN, XML_CALL_END = "<tool_call>", "</tool_call>"
 # every marker a call syntax has: the tokens a detokenizer must show when tools are offered
 TOOL_MARKERS = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_SEP, DS_CALL_END, KIMI_CALLS_BEGIN, KIMI_CALLS_END,
-                KIMI_CALL_BEGIN, KIMI_ARG, KIMI_CALL_END, XML_CALL_BEGIN, XML_CALL_END)
+                KIMI_CALL_BEGIN, KIMI_ARG, KIMI_CALL_END, XML_CALL_BEGIN, XML_CALL_END,
+                "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")  # GLM-4.5+'s argument tags
 # where a call section can start: what `ToolCallSplitter` holds back once it appears
 _CALL_STARTS = (DS_CALLS_BEGIN, DS_CALL_BEGIN, KIMI_CALLS_BEGIN, KIMI_CALL_BEGIN, XML_CALL_BEGIN)
 _CALL_FORMS = ((DS_CALL_BEGIN, DS_CALL_END), (KIMI_CALL_BEGIN, KIMI_CALL_END), (XML_CALL_BEGIN, XML_CALL_END))
