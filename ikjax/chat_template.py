@@ -29,30 +29,20 @@ as llama-server does with --jinja).
 of a `<think>…</think>` block is returned apart (`reasoning_content`), stripped, and the answer
 after it (`content`) without the spaces that follow `</think>`.
 
-Tool calls (OpenAI's `tools` / `tool_calls`, as llama-server --jinja gives them): `tool_messages`
-prepares a conversation with tools for a template (the tool list in the system prompt where the
-template does not render `tools` itself, as none of the DeepSeek, Kimi and GLM templates shipped here
-does; earlier calls written in the model family's own call syntax where the template has no
-`tool_calls` branch), and `parse_tool_calls` / `ToolCallSplitter` take the calls back out of an
-answer. The call syntaxes recognised, whatever the template: DeepSeek V3/R1's
-`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + a json fence, DeepSeek V3.1's
-`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS`, Kimi K2's `<|tool_call_begin|>functions.NAME:i
-<|tool_call_argument_begin|>ARGS`, GLM-4.5+'s `<tool_call>NAME<arg_key>k</arg_key><arg_value>v
-</arg_value></tool_call>`, and the Hermes / Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+`AnswerSplitter` splits a chat answer into reasoning, content and tool calls (ikjax.tool_calls) on
+a stream, the same way for a whole answer.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
-import uuid
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ikjax.errors import OptionError
+from ikjax.tool_calls import ToolCall, ToolCallSplitter, partial_suffix
 
 log = logging.getLogger("ikjax")
 
@@ -283,7 +273,7 @@ class ReasoningSplitter:
                     self._buf = ""
                     break
                 # hold back a possible start of "</think>" and the trailing spaces
-                keep = _partial_suffix(buf, (THINK_CLOSE,))
+                keep = partial_suffix(buf, (THINK_CLOSE,))
                 body = buf[:len(buf) - keep]
                 emit = body.rstrip()
                 if emit:
@@ -302,236 +292,6 @@ class ReasoningSplitter:
             self._buf = ""
             break
         return "".join(reasoning), "".join(content)
-
-
-# -- tool calls: OpenAI's tools in, tool_calls out ---------------------------------------------------
-
-DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-DS_CALL_BEGIN, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
-KIMI_CALLS_BEGIN, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-KIMI_CALL_BEGIN, KIMI_ARG, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
-XML_CALL_BEGIN, XML_CALL_END = "<tool_call>", "</tool_call>"
-# every marker a call syntax has: the tokens a detokenizer must show when tools are offered
-TOOL_MARKERS = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_SEP, DS_CALL_END, KIMI_CALLS_BEGIN, KIMI_CALLS_END,
-                KIMI_CALL_BEGIN, KIMI_ARG, KIMI_CALL_END, XML_CALL_BEGIN, XML_CALL_END,
-                "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")  # GLM-4.5+'s argument tags
-# where a call section can start: what `ToolCallSplitter` holds back once it appears
-_CALL_STARTS = (DS_CALLS_BEGIN, DS_CALL_BEGIN, KIMI_CALLS_BEGIN, KIMI_CALL_BEGIN, XML_CALL_BEGIN)
-_CALL_FORMS = ((DS_CALL_BEGIN, DS_CALL_END), (KIMI_CALL_BEGIN, KIMI_CALL_END), (XML_CALL_BEGIN, XML_CALL_END))
-_FENCED = re.compile(r"\s*([^\n`]+?)\s*\n?```(?:json)?\s*\n?(.*?)\n?```\s*$", re.S)
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
-TOOL_CHOICES = ("none", "auto", "required")
-
-
-@dataclass
-class ToolCall:
-    """One call: the function's name and its arguments as JSON text (OpenAI's form: a string the
-    client parses), with the id OpenAI's messages carry (Kimi's own id where the model wrote one)."""
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
-
-    def openai(self, index: int | None = None) -> dict:
-        d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return d if index is None else {"index": index, **d}
-
-
-def tool_family(source: str) -> str:
-    """The call syntax a template's model writes: deepseek, kimi, glm or hermes (the rest)."""
-    if "tool▁call" in source or "｜Assistant｜" in source or "Assistant:" in source:
-        return "deepseek"
-    if "<|im_middle|>" in source or "tool_calls_section" in source:
-        return "kimi"
-    if "[gMASK]" in source or "<arg_key>" in source:
-        return "glm"
-    return "hermes"
-
-
-def call_text(calls: Iterable[ToolCall], family: str) -> str:
-    """`calls` written as the family's model writes them (earlier turns, and the prompt's example)."""
-    calls = list(calls)
-    if family == "deepseek":
-        return DS_CALLS_BEGIN + "\n".join(
-            f"{DS_CALL_BEGIN}function{DS_SEP}{c.name}\n```json\n{c.arguments}\n```{DS_CALL_END}" for c in calls
-        ) + DS_CALLS_END
-    if family == "kimi":
-        return KIMI_CALLS_BEGIN + "".join(
-            f"{KIMI_CALL_BEGIN}functions.{c.name}:{i}{KIMI_ARG}{c.arguments}{KIMI_CALL_END}" for i, c in enumerate(calls)
-        ) + KIMI_CALLS_END
-    if family == "glm":
-        out = []
-        for c in calls:
-            try:
-                args = json.loads(c.arguments)
-            except ValueError:
-                args = None
-            pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}"
-                            f"</arg_value>\n" for k, v in args.items()) if isinstance(args, dict) else ""
-            out.append(f"{XML_CALL_BEGIN}{c.name}\n{pairs}{XML_CALL_END}")
-        return "\n".join(out)
-    return "\n".join(f'{XML_CALL_BEGIN}\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n{XML_CALL_END}'
-                     for c in calls)
-
-
-def tools_prompt(tools: list, family: str) -> str:
-    """The system prompt's part that lists the tools, for a template that does not render `tools`
-    (llama-server does the same for such templates): the tools' JSON and the call syntax."""
-    example = call_text([ToolCall("function_name", '{"argument": "value"}')], family)
-    return ("You can call the following tools. Each is described by a JSON schema in OpenAI's format:\n"
-            + json.dumps(tools, ensure_ascii=False) + "\n\nTo call tools, answer with the calls alone, in "
-            "this form (one call per tool, the arguments a JSON object):\n" + example
-            + "\nA tool's result comes back in the next message.")
-
-
-def check_tools(tools: Any, tool_choice: Any) -> None:
-    """OpenAI's `tools` (a list of {"type": "function", "function": {"name": ...}}) and `tool_choice`
-    ("none", "auto", "required" or {"type": "function", "function": {"name": ...}}), or OptionError."""
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise OptionError(f"tools: expected a list of function tools, got {type(tools).__name__}")
-        for i, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, Mapping) else None
-            if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping) \
-                    or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise OptionError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
-    if tool_choice is None or tool_choice in TOOL_CHOICES:
-        return
-    fn = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
-    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-        raise OptionError(f"tool_choice: expected one of {', '.join(TOOL_CHOICES)} or {{\"type\": \"function\", "
-                          f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
-    if not any(isinstance(t, Mapping) and t["function"]["name"] == fn["name"] for t in tools or ()):
-        raise OptionError(f"tool_choice: no tool named {fn['name']!r} in tools")
-
-
-def tool_messages(messages: list[dict], tools: list | None, source: str) -> list[dict]:
-    """`messages` made ready for a template whose Jinja text is `source`: assistant `tool_calls`
-    with their arguments as JSON text (a client may send an object) and, where the template has a
-    `tool_calls` branch, content None as R1's template expects (it then renders the calls, not the
-    text); where it has none, the calls appended to the content in the family's own syntax; `tool`
-    results as user turns where the template knows no `tool` role; and the tool list in the system
-    prompt when `tools` is given and the template does not render them."""
-    family = tool_family(source)
-    out = []
-    for m in messages:
-        m = dict(m)
-        calls = m.get("tool_calls")
-        if m.get("role") == "assistant" and calls:
-            norm = []
-            for c in calls:
-                fn = c.get("function") or {}
-                args = fn.get("arguments", "{}")
-                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-                norm.append({**c, "type": c.get("type", "function"), "function": {**fn, "arguments": args}})
-            if "tool_calls" in source:
-                m.update(tool_calls=norm, content=None)
-            else:
-                text = call_text([ToolCall(c["function"].get("name", ""), c["function"]["arguments"]) for c in norm],
-                                 family)
-                m.pop("tool_calls")
-                m["content"] = ((m.get("content") or "") + ("\n" if m.get("content") else "") + text)
-        elif m.get("role") == "tool" and "'tool'" not in source and '"tool"' not in source:
-            m = {"role": "user", "content": f"Tool result ({m.get('name') or m.get('tool_call_id') or 'tool'}):\n"
-                                            f"{m.get('content') or ''}"}
-        out.append(m)
-    if tools and "tools" not in source:
-        text = tools_prompt(tools, family)
-        if out and out[0].get("role") == "system":
-            out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}
-        else:
-            out.insert(0, {"role": "system", "content": text})
-    return out
-
-
-def _one_call(kind: str, body: str) -> ToolCall | None:
-    """The call between one form's begin and end markers, or None when it is not one."""
-    if kind == DS_CALL_BEGIN:
-        if DS_SEP not in body:
-            return None
-        head, rest = body.split(DS_SEP, 1)
-        m = _FENCED.match(rest)
-        if m:  # V3 / R1: function<sep>NAME\n```json\nARGS\n```
-            return ToolCall(m.group(1), m.group(2).strip())
-        return ToolCall(head.strip(), rest.strip()) if head.strip() else None  # V3.1: NAME<sep>ARGS
-    if kind == KIMI_CALL_BEGIN:
-        if KIMI_ARG not in body:
-            return None
-        ident, args = body.split(KIMI_ARG, 1)
-        ident = ident.strip()
-        name = ident.removeprefix("functions.").rsplit(":", 1)[0]
-        return ToolCall(name, args.strip(), id=ident) if name else None
-    body = body.strip()  # <tool_call>: Hermes JSON, or GLM's NAME + arg_key / arg_value pairs
-    if body.startswith("{"):
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-    name = body.split("<arg_key>", 1)[0].strip()
-    if not name or "\n" in name:
-        return None
-    args = {}
-    for k, v in _GLM_ARG.findall(body):
-        try:
-            args[k.strip()] = json.loads(v)
-        except ValueError:
-            args[k.strip()] = v
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of an answer: the text before the first call section, and every complete
-    call in it. An answer with no complete call is all content (nothing is lost: a malformed or
-    cut-off call stays text)."""
-    starts = [i for i in (text.find(w) for w in _CALL_STARTS) if i >= 0]
-    if not starts:
-        return text, []
-    i = min(starts)
-    calls = []
-    rest = text[i:]
-    for begin, end in _CALL_FORMS:
-        for m in re.finditer(re.escape(begin) + "(.*?)" + re.escape(end), rest, re.S):
-            c = _one_call(begin, m.group(1))
-            if c is not None:
-                calls.append((m.start(), c))
-    if not calls:
-        return text, []
-    return text[:i], [c for _, c in sorted(calls, key=lambda p: p[0])]
-
-
-class ToolCallSplitter:
-    """`parse_tool_calls` on a stream: `feed(delta)` returns the content that can go out now (text
-    that may still become a call marker waits); once a call section starts everything is held;
-    `finish()` gives the rest of the content and the calls. The streamed content plus `finish()`'s
-    equals `parse_tool_calls` of the whole text."""
-
-    def __init__(self):
-        self._buf = ""
-        self._in_calls = False
-
-    def feed(self, delta: str) -> str:
-        text = self._buf + delta
-        if self._in_calls:
-            self._buf = text
-            return ""
-        starts = [i for i in (text.find(w) for w in _CALL_STARTS) if i >= 0]
-        if starts:
-            i = min(starts)
-            self._in_calls, self._buf = True, text[i:]
-            return text[:i]
-        keep = _partial_suffix(text, _CALL_STARTS)
-        self._buf = text[len(text) - keep:]
-        return text[:len(text) - keep]
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        text, self._buf = self._buf, ""
-        if not self._in_calls:
-            return text, []
-        content, calls = parse_tool_calls(text)
-        return content, calls
 
 
 class AnswerSplitter:
@@ -560,17 +320,6 @@ class AnswerSplitter:
         c = self._tools.feed(c)
         rest, calls = self._tools.finish()
         return r, c + rest, calls
-
-
-def _partial_suffix(text: str, words: Iterable[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `words`."""
-    best = 0
-    for w in words:
-        for k in range(min(len(w) - 1, len(text)), best, -1):
-            if text.endswith(w[:k]):
-                best = k
-                break
-    return best
 
 
 # -- the Jinja environment (transformers' apply_chat_template) ------------------------------------

@@ -16,9 +16,10 @@ import threading
 
 import pytest
 
-from ikjax.chat_template import (DS_CALL_BEGIN, DS_CALLS_BEGIN, TOOL_MARKERS, AnswerSplitter, ToolCall, ToolCallSplitter, builtin, call_text,
-                                 check_tools, parse_tool_calls, tool_family, tool_messages)
+from ikjax.chat_template import AnswerSplitter, builtin
 from ikjax.errors import OptionError
+from ikjax.tool_calls import (DS_CALL_BEGIN, DS_CALLS_BEGIN, TOOL_MARKERS, ToolCall, ToolCallSplitter, call_text,
+                              check_tools, parse_tool_calls, tool_family, tool_messages)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object",

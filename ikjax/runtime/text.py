@@ -19,11 +19,11 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ikjax.chat_template import (TOOL_MARKERS, ChatTemplate, ReasoningSplitter, check_tools, flatten_content,
-                                 opens_reasoning, parse_tool_calls, split_reasoning, tool_messages)
+from ikjax.chat_template import ChatTemplate, ReasoningSplitter, flatten_content, opens_reasoning, split_reasoning
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
+from ikjax.tool_calls import TOOL_MARKERS, check_tools, parse_tool_calls, tool_messages
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 

@@ -29,13 +29,14 @@ from typing import Any
 
 from aiohttp import web
 
-from ikjax.chat_template import (TOOL_MARKERS, AnswerSplitter, check_tools, opens_reasoning, tool_messages)
+from ikjax.chat_template import AnswerSplitter, opens_reasoning
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
 from ikjax.server import openai as oai
 from ikjax.server.jobs import Job
 from ikjax.server.metrics import CONTENT_TYPE, Metrics
 from ikjax.server.openai import ApiError, Defaults, GenParams, bad
+from ikjax.tool_calls import TOOL_MARKERS, check_tools, tool_messages
 
 log = logging.getLogger("ikjax")
 
