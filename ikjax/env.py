@@ -37,10 +37,11 @@ _VARS = (
     Variable("IKJAX_DTYPE", "", ("f32", "bf16", "f16"),
              "what `--dtype auto` means (default: bf16 where kernels run, f32 on the XLA path)",
              "ikjax.ops.registry"),
-    Variable("IKJAX_LAYERS", "auto", ("auto", "scan", "unroll"),
+    Variable("IKJAX_LAYERS", "auto", ("auto", "scan", "halves", "unroll"),
              "runs of identical layers as one `lax.scan` (compile time independent of depth), every layer "
-             "unrolled, or `auto`: scanned, GPU decode steps in two iterations of half a group (faster there)",
-             "ikjax.model.groups"),
+             "unrolled, or `auto`: scanned, GPU decode steps with up to 4 layers an iteration (fewer loop "
+             "iterations, compile still independent of depth); `halves`: GPU decode in two iterations of half "
+             "a group (the form before, its compile growing with depth)", "ikjax.model.groups"),
     Variable("IKJAX_PROMPT_ATTN", "pallas", ("pallas", "xla"),
              "GPU prompt attention of -mla 2/3 (-fa): the Pallas flash kernel that reads keys up to each "
              "query's position (H200, V2-Lite -ub 2048: 1.09-1.49x XLA's S_PP, RESULTS §25c), or XLA's "

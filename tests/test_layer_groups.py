@@ -186,3 +186,41 @@ def test_compile_time_does_not_grow_with_depth(tmp_path, monkeypatch):
     assert c4 == c24 == 1, got
     assert n24 == n4, got  # one layer's program, whatever the depth
     assert t24 < 2.0 * t4 + 1.0, got
+
+
+def test_gpu_decode_unroll_bounded_and_equal(tmp_path, monkeypatch):
+    """GPU decode steps scan at most DECODE_UNROLL layers an iteration (a remainder traced apart):
+    the layers traced stay under 2 x DECODE_UNROLL whatever the group's size, and the form gives
+    the scanned model's tokens and logits (the GPU path's kernels in interpret mode: an 8-layer
+    model, 7 MoE layers = one iteration of 4 and a remainder of 3)."""
+    from ikjax.model import groups
+    from ikjax.tools.synthetic import make_model
+
+    monkeypatch.setenv("IKJAX_LAYERS", "auto")
+    for count in range(1, 130):
+        k = groups.unroll_scan(1, "pallas", count)
+        assert 1 <= k <= groups.DECODE_UNROLL and k + count % k < 2 * groups.DECODE_UNROLL, count
+        assert groups.unroll_scan(7, "pallas", count) == groups.unroll_scan(1, "cpu", count) == 1
+    assert [groups.unroll_scan(1, "pallas", n) for n in (26, 58, 7, 5, 3)] == [4, 4, 4, 3, 3]
+    monkeypatch.setenv("IKJAX_LAYERS", "halves")
+    assert groups.unroll_scan(1, "pallas", 26) == 13
+
+    path = tmp_path / "m8.gguf"
+    make_model(path, "tiny", "Q8_0", layers=8)
+    monkeypatch.setenv("IKJAX_KERNELS", "interpret")
+    ids = np.random.default_rng(3).integers(2, 200, 9)
+    out = {}
+    for mode in ("scan", "auto"):
+        monkeypatch.setenv("IKJAX_LAYERS", mode)
+        eng = ikjax.load(path, ctx=64, ubatch=16, dtype="f32")
+        logits, cache = eng.prefill(eng.new_cache(1), ids, 0)
+        steps = []
+        for t in range(3):
+            tok = int(np.argmax(np.asarray(logits)))
+            o, cache = eng.step(cache, np.array([[tok]], np.int32), np.array([len(ids) + t]), np.array([0]))
+            logits = np.asarray(o, np.float32)[0]
+            steps.append((tok, logits))
+        out[mode] = steps
+    for (ta, la), (tb, lb) in zip(out["scan"], out["auto"]):
+        assert ta == tb
+        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5 * np.abs(lb).max())

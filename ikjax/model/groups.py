@@ -11,12 +11,15 @@ accelerator (`-ot ...=CPU`: routed experts read by the host kernel at their own 
 tensors fetched into the step) is a group of its own, run as it is (unrolled). So is every layer
 with `IKJAX_LAYERS=unroll`, the old form, kept for comparison.
 
-GPU decode steps (`IKJAX_LAYERS=auto`, the default) run each group's scan in two iterations of
-half the group each: every iteration of a loop over layers inside the decode loop costs ~10 us a
-token on an H100 (V2-Lite 27 layers, -c 4096, cold compile / S_TG at N_KV 0: scanned 16.3 s / 350,
-two iterations 16.7 s / 378, four 22.4 s / 372, unrolled 24.3 s / 385; bench/RESULTS.md §22). Two
-keep S_TG within 2 % of unrolled for about the compile time of the scan; that step's compile still
-grows with depth, at half the rate.
+GPU decode steps (`IKJAX_LAYERS=auto`, the default) run each group's scan with up to
+DECODE_UNROLL (4) layers an iteration: every iteration of a loop over layers inside the decode
+loop costs ~6-10 us a token (H100, V2-Lite 27 layers, -c 4096, cold compile / S_TG at N_KV 0:
+scanned 16.3 s / 350, two iterations 16.7 s / 378, four 22.4 s / 372, unrolled 24.3 s / 385,
+RESULTS §22; H200: scanned 355 against two iterations' 375, the decode loop's compile 5.7 s against
+10.6 s, §22e). Up to 4 layers an iteration keeps most of that (V2-Lite: 7 iterations, not 26) while
+the step traces at most 2 x 4 - 1 layers a group (a scan's remainder is traced apart), whatever the
+depth: two iterations of half a group (`IKJAX_LAYERS=halves`, the form before) traced half the
+group, so a 61-layer R1's decode compiled ~6x the layers of an 8-layer one.
 
 A group's weights are one `LayerGroup` pytree: each leaf stacked on a new leading axis of
 `count` (a QuantArray keeps its per-layer logical shape, its blocks gain the axis), except a group
@@ -33,19 +36,30 @@ import jax
 from ikjax import env, ops
 from ikjax.gguf_io.tensors import layer_specs
 
-LAYER_MODES = ("auto", "scan", "unroll")
+LAYER_MODES = ("auto", "scan", "halves", "unroll")
 
 
 def layer_mode() -> str:
-    """IKJAX_LAYERS: "auto" (default), "scan" or "unroll"."""
+    """IKJAX_LAYERS: "auto" (default), "scan", "halves" or "unroll"."""
     return env.choice("IKJAX_LAYERS")
+
+
+DECODE_UNROLL = 4  # layers an iteration of a GPU decode step's scan, at most (module doc)
 
 
 def unroll_scan(n_tokens: int, backend: str, count: int) -> int:
     """How many layers of a group of `count` one iteration of its scan runs, in a step of
-    `n_tokens` tokens on `backend` (module doc): half of them (two iterations) for GPU decode
-    under "auto", else 1."""
-    return -(-count // 2) if layer_mode() == "auto" and n_tokens == 1 and backend == "pallas" else 1
+    `n_tokens` tokens on `backend` (module doc): for GPU decode under "auto", the count split into
+    the fewest iterations of at most DECODE_UNROLL layers, as even as they go (26 -> 7 iterations
+    of 4; a remainder of 2 traced apart), under "halves" two iterations of half; else 1."""
+    mode = layer_mode()
+    # "interpret": the GPU path's kernels run on a CPU (the tests' check of the GPU form)
+    if n_tokens != 1 or backend not in ("pallas", "interpret") or mode not in ("auto", "halves"):
+        return 1
+    if mode == "halves":
+        return -(-count // 2)
+    iterations = -(-count // DECODE_UNROLL)
+    return -(-count // iterations)
 
 
 class LayerGroup:
