@@ -57,6 +57,7 @@ for v in ${VARIANTS:-default noautotune}; do
     nooverlap) flags=""; envv="IKJAX_LOAD_OVERLAP=0" ;;    # the load before the compile (as before 6f1e339)
     noprefetch) flags=""; envv="IKJAX_PREFETCH=0" ;;
     scan) flags=""; envv="IKJAX_LAYERS=scan" ;;            # GPU decode scanned one layer an iteration
+    halves) flags=""; envv="IKJAX_LAYERS=halves" ;;        # GPU decode in two halves of a group (before dd68929)
     kcache) flags="--xla_gpu_kernel_cache_file=/tmp/kc-$v.bin"; rm -f /tmp/kc-$v.bin ;;
     noautotune) flags="--xla_gpu_autotune_level=0" ;;
     notritongemm) flags="--xla_gpu_enable_triton_gemm=false" ;;
