@@ -17,7 +17,8 @@
 #            the absorbed second turn).
 #   STAGE=5: after STAGE=0 (the ik build): issue 22's cold start with compile_side_by_side and the
 #            4-layer decode iterations (default) against two halves (IKJAX_LAYERS=halves, the decode
-#            form before dd68929: S_TG and compile), then serve beside llama-server
+#            form before dd68929: S_TG and compile) and XLA's kernel cache file (kcache: do the steps
+#            compiled after the first reuse its Triton kernels?), then serve beside llama-server
 #            (bench/gpu_serve.sh, a connection per request).
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
@@ -130,7 +131,7 @@ case $STAGE in
   ;;
 5)
   export CUDA_VISIBLE_DEVICES=0
-  OUT=$OUT/cold VARIANTS="${VARIANTS:-default halves}" timeout ${COLD_S:-200} bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  OUT=$OUT/cold VARIANTS="${VARIANTS:-default halves kcache}" timeout ${COLD_S:-240} bash bench/gpu_coldstart.sh > /dev/null 2>&1
   grep -v "^jit\|tracing\|Finished\|XLA comp" "$OUT/cold/cold.md" 2>/dev/null | head -40
   left=$(( ${DEADLINE:-560} - ($(date +%s) - T0) ))
   OUT=$OUT/serve IK=/tmp/ikc/build/bin timeout $left bash bench/gpu_serve.sh 2>&1 | tail -60
