@@ -133,13 +133,18 @@ def tool_messages(messages: list[dict], tools: list | None, source: str) -> list
     prompt when `tools` is given and the template does not render them."""
     family = tool_family(source)
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         m = dict(m)
         calls = m.get("tool_calls")
         if m.get("role") == "assistant" and calls:
+            if not isinstance(calls, list):
+                raise OptionError(f"messages[{i}].tool_calls: expected a list of calls")
             norm = []
-            for c in calls:
-                fn = c.get("function") or {}
+            for j, c in enumerate(calls):
+                fn = c.get("function") if isinstance(c, Mapping) else None
+                if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                    raise OptionError(f"messages[{i}].tool_calls[{j}]: expected {{\"function\": {{\"name\": ..., "
+                                      f"\"arguments\": ...}}}}")
                 args = fn.get("arguments", "{}")
                 args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
                 norm.append({**c, "type": c.get("type", "function"), "function": {**fn, "arguments": args}})

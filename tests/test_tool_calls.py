@@ -156,6 +156,13 @@ def test_bad_tools_are_refused(tools, choice):
         check_tools(tools, choice)
 
 
+@pytest.mark.parametrize("calls", ["x", ["x"], [{"function": "f"}], [{"function": {"arguments": "{}"}}]])
+def test_malformed_earlier_calls_are_refused(calls):
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+    with pytest.raises(OptionError, match=r"messages\[1\]\.tool_calls"):
+        tool_messages(msgs, None, builtin("deepseek3").source)
+
+
 def test_good_tools_pass():
     for choice in (None, "auto", "none", "required", {"type": "function", "function": {"name": "get_time"}}):
         check_tools([WEATHER, TIME], choice)
@@ -276,9 +283,10 @@ def test_answer_without_calls_and_bad_tools(app_server):
                                    extra_body={"reasoning_format": "none"}).choices[0]
     assert ch.finish_reason == "stop" and ch.message.content == "It is sunny." and ch.message.tool_calls is None
     for bad in ({"tools": "x"}, {"tools": [WEATHER], "tool_choice": "sometimes"},
+                {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": ["x"]}]},
                 {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}):
         with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], **bad)
+            c.chat.completions.create(**{"model": "m", "messages": [{"role": "user", "content": "hi"}], **bad})
         assert e.value.status_code == 400 and "tool" in str(e.value)
 
 
