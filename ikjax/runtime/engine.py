@@ -618,10 +618,10 @@ class Engine:
         result's `.content` / `.reasoning_content` split R1's `<think>` block off
         (`reasoning_format="deepseek"`, llama-server's; "none" keeps it in the content). `tools`:
         OpenAI's function tools, offered to the model; the calls it answers with are in
-        `.tool_calls` (`ikjax.chat_template.ToolCall`: name, arguments as JSON text), taken out of
+        `.tool_calls` (`ikjax.tool_calls.ToolCall`: name, arguments as JSON text), taken out of
         `.content`. With `stream=True` the deltas are the raw text; `TextStream.reasoning_opened`
         tells `ikjax.chat_template.ReasoningSplitter` how to split them, and
-        `ikjax.chat_template.ToolCallSplitter` takes the calls out."""
+        `ikjax.tool_calls.ToolCallSplitter` takes the calls out."""
         return text.chat(self, messages, max_tokens, chat_template=chat_template, reasoning_format=reasoning_format,
                          template_kwargs=template_kwargs, stream=stream, tools=tools, **kw)
 

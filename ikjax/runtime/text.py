@@ -51,7 +51,7 @@ class Completion:
     content: str = ""
     reasoning_content: str | None = None
     prompt: str | None = None  # the rendered chat prompt (chat only)
-    tool_calls: list = dataclasses.field(default_factory=list)  # chat with tools: ikjax.chat_template.ToolCall each
+    tool_calls: list = dataclasses.field(default_factory=list)  # chat with tools: ikjax.tool_calls.ToolCall each
 
 
 class StopStrings:
