@@ -260,7 +260,9 @@ class ToolCallSplitter:
 
 
 def partial_suffix(text: str, words: Iterable[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `words`."""
+    """Length of the longest suffix of `text` that is a proper prefix of one of `words`: what a
+    stream holds back until the next delta decides (a call marker here, a `<think>` tag in
+    chat_template, a stop string in runtime.text)."""
     best = 0
     for w in words:
         for k in range(min(len(w) - 1, len(text)), best, -1):

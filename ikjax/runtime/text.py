@@ -23,7 +23,7 @@ from ikjax.chat_template import ChatTemplate, ReasoningSplitter, flatten_content
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
-from ikjax.tool_calls import TOOL_MARKERS, check_tools, parse_tool_calls, tool_messages
+from ikjax.tool_calls import TOOL_MARKERS, check_tools, parse_tool_calls, partial_suffix, tool_messages
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
@@ -76,24 +76,13 @@ class StopStrings:
         if hit is not None:
             self.stopped, self.matched, self._held = True, hit[1], ""
             return text[:hit[0]], True
-        keep = _partial_stop(text, self.stops)
+        keep = partial_suffix(text, self.stops)
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], False
 
     def flush(self) -> str:
         out, self._held = ("" if self.stopped else self._held), ""
         return out
-
-
-def _partial_stop(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 class TextStream:
