@@ -93,14 +93,24 @@ def call_text(calls: Iterable[ToolCall], family: str) -> str:
                      for c in calls)
 
 
-def tools_prompt(tools: list, family: str) -> str:
+def tools_prompt(tools: list, family: str, tool_choice: Any = None) -> str:
     """The system prompt's part that lists the tools, for a template that does not render `tools`
-    (llama-server does the same for such templates): the tools' JSON and the call syntax."""
+    (llama-server does the same for such templates): the tools' JSON and the call syntax, and for
+    `tool_choice` "required" or one function, the instruction to call (asked in words: there is no
+    grammar here to force a call, as llama-server's)."""
     example = call_text([ToolCall("function_name", '{"argument": "value"}')], family)
     return ("You can call the following tools. Each is described by a JSON schema in OpenAI's format:\n"
             + json.dumps(tools, ensure_ascii=False) + "\n\nTo call tools, answer with the calls alone, in "
             "this form (one call per tool, the arguments a JSON object):\n" + example
-            + "\nA tool's result comes back in the next message.")
+            + "\nA tool's result comes back in the next message." + _must_call(tool_choice))
+
+
+def _must_call(tool_choice: Any) -> str:
+    if tool_choice == "required":
+        return "\nAnswer with at least one tool call."
+    if isinstance(tool_choice, Mapping):
+        return f"\nAnswer with a call of {tool_choice['function']['name']}."
+    return ""
 
 
 def check_tools(tools: Any, tool_choice: Any) -> None:
@@ -124,7 +134,7 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
         raise OptionError(f"tool_choice: no tool named {fn['name']!r} in tools")
 
 
-def tool_messages(messages: list[dict], tools: list | None, source: str) -> list[dict]:
+def tool_messages(messages: list[dict], tools: list | None, source: str, tool_choice: Any = None) -> list[dict]:
     """`messages` made ready for a template whose Jinja text is `source`: assistant `tool_calls`
     with their arguments as JSON text (a client may send an object) and, where the template has a
     `tool_calls` branch, content None as R1's template expects (it then renders the calls, not the
@@ -160,7 +170,7 @@ def tool_messages(messages: list[dict], tools: list | None, source: str) -> list
                                             f"{m.get('content') or ''}"}
         out.append(m)
     if tools and "tools" not in source:
-        text = tools_prompt(tools, family)
+        text = tools_prompt(tools, family, tool_choice)
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}
         else:

@@ -130,6 +130,10 @@ def test_r1_template_renders_tools_and_earlier_calls():
     assert ("<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
             '{"city": "Paris"}\n```<｜tool▁call▁end｜>') in text
     assert "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny, 21 C<｜tool▁output▁end｜><｜tool▁outputs▁end｜>" in text
+    # tool_choice "required" / one function: asked for in words (no grammar forces a call here)
+    req = t.render(tool_messages(msgs[:2], [WEATHER], t.source, "required"))
+    one = t.render(tool_messages(msgs[:2], [WEATHER], t.source, {"type": "function", "function": {"name": "get_weather"}}))
+    assert "at least one tool call" in req and "a call of get_weather" in one and "at least one" not in one
     # no tools: the prompt is the template's alone
     plain = [{"role": "user", "content": "hi"}]
     assert t.render(tool_messages(plain, None, t.source)) == t.render(plain)

@@ -177,7 +177,7 @@ class Server:
                 raise bad("chat_template_kwargs: expected an object")
             extra = body["chat_template_kwargs"]
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        messages = tool_messages(messages, tools, self.template.source)
+        messages = tool_messages(messages, tools, self.template.source, body.get("tool_choice"))
         if tools:
             extra["tools"] = tools
         text = self.template.render(messages, add_generation_prompt=True, **extra)
