@@ -134,6 +134,14 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
         raise OptionError(f"tool_choice: no tool named {fn['name']!r} in tools")
 
 
+def _template_uses(source: str, word: str) -> bool:
+    """Whether a Jinja template's code (its `{% %}` / `{{ }}` blocks, not its text or comments)
+    names `word`: a template renders `tools` / `tool_calls` / a 'tool' role only where its code reads
+    them."""
+    return any(re.search(rf"(?<!\w){re.escape(word)}(?!\w)", block)
+               for block in re.findall(r"\{[{%].*?[%}]\}", source, re.S))
+
+
 def tool_messages(messages: list[dict], tools: list | None, source: str, tool_choice: Any = None) -> list[dict]:
     """`messages` made ready for a template whose Jinja text is `source`: assistant `tool_calls`
     with their arguments as JSON text (a client may send an object) and, where the template has a
@@ -158,18 +166,18 @@ def tool_messages(messages: list[dict], tools: list | None, source: str, tool_ch
                 args = fn.get("arguments", "{}")
                 args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
                 norm.append({**c, "type": c.get("type", "function"), "function": {**fn, "arguments": args}})
-            if "tool_calls" in source:
+            if _template_uses(source, "tool_calls"):
                 m.update(tool_calls=norm, content=None)
             else:
                 text = call_text([ToolCall(c["function"].get("name", ""), c["function"]["arguments"]) for c in norm],
                                  family)
                 m.pop("tool_calls")
                 m["content"] = ((m.get("content") or "") + ("\n" if m.get("content") else "") + text)
-        elif m.get("role") == "tool" and "'tool'" not in source and '"tool"' not in source:
+        elif m.get("role") == "tool" and not _template_uses(source, "'tool'") and not _template_uses(source, '"tool"'):
             m = {"role": "user", "content": f"Tool result ({m.get('name') or m.get('tool_call_id') or 'tool'}):\n"
                                             f"{m.get('content') or ''}"}
         out.append(m)
-    if tools and "tools" not in source:
+    if tools and not _template_uses(source, "tools"):
         text = tools_prompt(tools, family, tool_choice)
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}

@@ -107,6 +107,17 @@ def test_each_family_parses_its_own_call_text(family):
     assert content == "" and _calls(got) == _calls(calls)
 
 
+def test_a_template_renders_tools_only_where_its_code_reads_them():
+    """The tool list goes into the system prompt unless the template's code reads `tools`: a word in
+    its text or a comment does not count; a template that reads them gets them as a variable only."""
+    reads = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}[{{ tools | length }} tools]{% endif %}"
+    mentions = "{# no tools here #}tools: {% for m in messages %}{{ m['content'] }}{% endfor %}"
+    msgs = [{"role": "user", "content": "q"}]
+    assert tool_messages(msgs, [WEATHER], reads) == msgs
+    injected = tool_messages(msgs, [WEATHER], mentions)
+    assert injected[0]["role"] == "system" and '"get_weather"' in injected[0]["content"]
+
+
 def test_template_families():
     assert tool_family(builtin("deepseek3").source) == "deepseek"
     assert tool_family(builtin("deepseek2").source) == "deepseek"
