@@ -12,7 +12,7 @@ import pytest
 import ikjax
 from ikjax.errors import OptionError
 from ikjax.runtime import generation
-from ikjax.runtime.sampling import apply_penalties, apply_repeat_penalty, sample_device
+from ikjax.runtime.sampling import apply_penalties, sample_device
 from ikjax.runtime.text import StopStrings, TextStream, encode_prompt
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -154,14 +154,14 @@ def test_repeat_penalty_is_llama_cpp_s(eng):
     """--repeat-penalty: each of the last N tokens' logits divided (positive) or multiplied
     (negative) by the penalty before choosing; greedy tokens follow that rule step by step."""
     logits = np.array([2.0, -1.0, 0.5, 3.0])
-    assert apply_repeat_penalty(logits, [0, 1, 1], 2.0).tolist() == [1.0, -2.0, 0.5, 3.0]
+    assert apply_penalties(logits, [0, 1, 1], 2.0).tolist() == [1.0, -2.0, 0.5, 3.0]
     ids = eng.tokenizer.encode("ab ab ab ab ab ab ab ab")
     got = list(eng.generate(ids, 6, repeat_penalty=1.5, repeat_last_n=8, stop=()))
     # the rule applied by hand, one step a token (prompt and answer both in the window)
     logits, cache = eng.prefill(eng.new_cache(1), np.array(ids), 0)
     seq = list(ids)
     for t in got:
-        assert t == int(np.argmax(apply_repeat_penalty(logits, seq[-8:], 1.5)))
+        assert t == int(np.argmax(apply_penalties(logits, seq[-8:], 1.5)))
         seq.append(t)
         out, cache = eng.step(cache, np.array([[t]], np.int32), np.array([len(seq) - 1]), np.array([0]))
         logits = np.asarray(out, np.float32)[0]

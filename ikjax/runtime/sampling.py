@@ -167,11 +167,6 @@ def token_logprobs(logits, tok: int, k: int) -> tuple[float, tuple[tuple[int, fl
     return float(lp[tok]), tuple((int(i), float(lp[i])) for i in top)
 
 
-def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
-    """`apply_penalties` with the repeat part alone."""
-    return apply_penalties(logits, recent, penalty)
-
-
 NON_FINITE = -1  # sample_device's token for a row whose logits are not all finite
 
 

@@ -544,8 +544,9 @@ class Scheduler:
         its filters and its own random generator (per request: a seed gives the same answer whatever
         else the batch holds); with `top_logprobs`, the token's log-probability from the raw row."""
         raw = logits
-        if req.logit_bias:  # first, as llama.cpp's sampler chain does
+        if req.logit_bias or req.ban:  # one copy for the biases (first, as llama.cpp's chain) and the bans
             logits = np.array(logits, np.float64, copy=True)
+        if req.logit_bias:
             ids, bias = zip(*req.logit_bias)
             logits[list(ids)] += bias
         pen = req.penalties
@@ -555,8 +556,7 @@ class Scheduler:
             rest = n - len(gen)
             recent = np.concatenate([req.prompt[max(len(req.prompt) - rest, 0):], np.asarray(gen, np.int32)])
             logits = pen.apply(logits, recent)
-        if req.ban:
-            logits = np.array(logits, np.float64, copy=True)
+        if req.ban:  # (pen.apply returned a copy of the copy: still not the caller's row)
             logits[list(req.ban)] = -1e30  # finite: sample_next refuses non-finite logits
         tok = sample_next(logits, rng=req._rng, **_filters(req.sampling))
         if req.top_logprobs is not None:

@@ -19,11 +19,11 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ikjax.chat_template import ChatTemplate, ReasoningSplitter, flatten_content, opens_reasoning, split_reasoning
+from ikjax.chat_template import AnswerSplitter, ChatTemplate, ReasoningSplitter, flatten_content, opens_reasoning
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
-from ikjax.tool_calls import TOOL_MARKERS, check_tools, parse_tool_calls, partial_suffix, tool_messages
+from ikjax.tool_calls import TOOL_MARKERS, check_tools, partial_suffix, tool_messages
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
@@ -223,10 +223,12 @@ def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, re
                    _keep=keep, **kw)
     if stream:
         return out
-    if reasoning_format == "deepseek":
-        out.reasoning_content, out.content = split_reasoning(out.text, opened)
-    if tools:
-        out.content, out.tool_calls = parse_tool_calls(out.content)
+    # the server's split of a chat answer (reasoning, then content without its tool calls)
+    answer = AnswerSplitter(opened if reasoning_format == "deepseek" else None, tools=bool(tools))
+    r, c = answer.feed(out.text)
+    r2, c2, out.tool_calls = answer.finish()
+    out.content = c + c2
+    out.reasoning_content = (r + r2) if answer.had_reasoning and r + r2 else None
     return out
 
 

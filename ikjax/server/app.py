@@ -67,6 +67,8 @@ class Server:
                               f"{config.reasoning_format!r}")
         self.eng, self.tok, self.template, self.scheduler, self.config = eng, tokenizer, template, scheduler, config
         self.metrics = Metrics(scheduler)
+        key = config.api_key
+        self._keys = frozenset((key,) if isinstance(key, str) else key or ())  # any of them passes
         self.created = int(time.time())
         self.names = {config.model_name, config.model_path, Path(config.model_path).name,
                       Path(config.model_path).stem}
@@ -123,8 +125,7 @@ class Server:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        key = self.config.api_key
-        keys = (key,) if isinstance(key, str) else tuple(key or ())
+        keys = self._keys
         if keys and request.path not in PUBLIC:
             auth = request.headers.get("Authorization", "")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-Api-Key")
@@ -176,6 +177,7 @@ class Server:
             if not isinstance(body["chat_template_kwargs"], dict):
                 raise bad("chat_template_kwargs: expected an object")
             extra = body["chat_template_kwargs"]
+        check_tools(body.get("tools"), body.get("tool_choice"))  # an OptionError: the 400 of _errors
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
         messages = tool_messages(messages, tools, self.template.source, body.get("tool_choice"))
         if tools:
@@ -196,10 +198,6 @@ class Server:
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_completion_tokens", "max_tokens",
                                                                        "n_predict"), endpoint="chat")
-        try:
-            check_tools(body.get("tools"), body.get("tool_choice"))
-        except OptionError as e:
-            raise bad(str(e)) from None
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         ids, text = await self._chat_prompt(body)
         fmt = body.get("reasoning_format", self.config.reasoning_format)
@@ -444,10 +442,6 @@ class Server:
         """llama-server's /apply-template: the prompt text a chat request's messages (and tools)
         render to, without generating: {"prompt": ...}."""
         body = await self._body(request)
-        try:
-            check_tools(body.get("tools"), body.get("tool_choice"))
-        except OptionError as e:
-            raise bad(str(e)) from None
         _, text = await self._chat_prompt(body)
         return web.json_response({"prompt": text})
 
