@@ -17,6 +17,7 @@ detokenizer must show when tools are offered (llama-server's preserved tokens).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -134,6 +135,7 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
         raise OptionError(f"tool_choice: no tool named {fn['name']!r} in tools")
 
 
+@functools.lru_cache(maxsize=64)  # a server asks the same few of its one template on every request
 def _template_uses(source: str, word: str) -> bool:
     """Whether a Jinja template's code (its `{% %}` / `{{ }}` blocks, not its text or comments)
     names `word`: a template renders `tools` / `tool_calls` / a 'tool' role only where its code reads

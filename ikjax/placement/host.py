@@ -19,6 +19,7 @@ Identity is the static key: two engines' tensors never share a compiled step, an
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 
@@ -167,34 +168,46 @@ def to_pinned(data: np.ndarray, device) -> jax.Array:
 _MADV_DONTNEED, _MADV_PAGEOUT, _MADV_POPULATE_READ = 4, 21, 22
 
 
+@functools.cache
+def _libc():
+    """The C library with madvise and mincore typed (Linux: the callers check `_file_pages` first)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    return libc
+
+
+def _file_pages(data: np.ndarray, inner: bool = False) -> tuple[int, int] | None:
+    """(start, length) of the pages under `data` where they are a file's mapped pages on Linux
+    (never madvise anonymous memory: that would zero it), else None: every page it touches, or
+    (`inner`) the whole pages inside it only."""
+    if not hasattr(os, "sched_getaffinity") or not _is_mapped(data) or data.nbytes == 0:  # not Linux / a file
+        return None
+    page = mmap.PAGESIZE
+    a0 = int(data.ctypes.data)
+    a1 = a0 + int(data.nbytes)
+    lo, hi = (-(-a0 // page) * page, a1 // page * page) if inner else (a0 // page * page, a1)
+    return (lo, hi - lo) if hi > lo else None
+
+
 def populate_pages(data: np.ndarray) -> bool:
     """Fault in the file pages under `data` now (MADV_POPULATE_READ, Linux >= 5.14; best effort):
     a step that reads weights aliased from the memory map then takes no page fault per 4 KiB, which
     otherwise lands in the first generated tokens."""
-    if not hasattr(os, "sched_getaffinity") or not _is_mapped(data):
-        return False
-    page = mmap.PAGESIZE
-    a0 = int(data.ctypes.data)
-    lo, hi = a0 // page * page, a0 + int(data.nbytes)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(lo, hi - lo, _MADV_POPULATE_READ) == 0
+    span = _file_pages(data)
+    return span is not None and _libc().madvise(*span, _MADV_POPULATE_READ) == 0
 
 
 def cached_fraction(data: np.ndarray) -> float:
     """The share of the file pages under `data` in the page cache now (mincore; 0.0 where that
     cannot be asked): mapping cached pages ahead of a reader pays, reading uncached ones from a
     second thread competes with the reader's own sequential reads (`TensorLoader.prefetch`)."""
-    if not hasattr(os, "sched_getaffinity") or not _is_mapped(data) or data.nbytes == 0:
+    span = _file_pages(data)
+    if span is None:
         return 0.0
-    page = mmap.PAGESIZE
-    a0 = int(data.ctypes.data)
-    lo, hi = a0 // page * page, a0 + int(data.nbytes)
-    n = -(-(hi - lo) // page)
+    n = -(-span[1] // mmap.PAGESIZE)
     vec = (ctypes.c_ubyte * n)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    if libc.mincore(lo, hi - lo, vec) != 0:
+    if _libc().mincore(*span, vec) != 0:
         return 0.0
     return float((np.frombuffer(vec, np.uint8) & 1).sum()) / n
 
@@ -216,21 +229,16 @@ def release_pages(data: np.ndarray, evict: bool = True) -> int:
     MADV_DONTNEED (unmaps them from this process; without `evict` they stay cached for the next
     load). Only whole pages inside the range; reading `data` again faults them back in from the
     file. Returns the bytes released (0 where not Linux)."""
-    if not hasattr(os, "sched_getaffinity") or not _is_mapped(data):  # not Linux / not a file's pages
+    span = _file_pages(data, inner=True)
+    if span is None:
         return 0
-    page = mmap.PAGESIZE
-    a0, a1 = int(data.ctypes.data), int(data.ctypes.data) + int(data.nbytes)
-    lo, hi = -(-a0 // page) * page, a1 // page * page
-    if hi <= lo:
-        return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc = _libc()
     if evict:
-        libc.madvise(lo, hi - lo, _MADV_PAGEOUT)  # best effort: older kernels refuse it (EINVAL)
-    if libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+        libc.madvise(*span, _MADV_PAGEOUT)  # best effort: older kernels refuse it (EINVAL)
+    if libc.madvise(*span, _MADV_DONTNEED) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_DONTNEED) on {hi - lo} mapped bytes: {os.strerror(err)}")
-    return hi - lo
+        raise OSError(err, f"madvise(MADV_DONTNEED) on {span[1]} mapped bytes: {os.strerror(err)}")
+    return span[1]
 
 
 class HostTensor:
