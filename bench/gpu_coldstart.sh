@@ -5,6 +5,7 @@
 # per-step compile lines; then the same command warm. Results: $OUT/cold.md
 #   VARIANTS="default noautotune" bash bench/gpu_coldstart.sh
 #   VARIANTS="default nooverlap noprefetch" bash bench/gpu_coldstart.sh   (issue 22 item 4's A/B)
+#   PROFILE=1: first each step's compile alone under jax.profiler (bench/gpu_compile_profile.py)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-$PWD/cold_out}
 mkdir -p "$OUT"
@@ -40,6 +41,8 @@ t = time.perf_counter(); b = np.empty(n, np.uint8); b[:] = m[:n]; dt = time.perf
 print(f"memcpy page cache -> NumPy, one thread: {n / 2**30 / dt:.2f} GiB/s")
 EOF
 
+[ -n "${PROFILE:-}" ] && python3 bench/gpu_compile_profile.py "$V2L" --top 30 2>&1 | grep -v Warning >> "$R"
+
 timed() {  # timed LABEL CMD...
   local label=$1; shift
   local t0 t1; t0=$(date +%s.%N)
@@ -48,7 +51,7 @@ timed() {  # timed LABEL CMD...
   { echo "### $label: rc $rc, $(python3 -c "print(f'{$t1 - $t0:.1f}')") s from command to end"
     grep '^|' "$OUT/$label.out" | head -4; grep -h 'compiled\|sweep took\|loaded\|Error' "$OUT/$label.err" | head -12; echo; } >> "$R"
 }
-SB="-m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 64"
+SB="-m $V2L -mla 3 -fa 1 ${SHAPE:--c 4096 -ub 512 -n 64}"   # SHAPE="-c 16384 -ub 2048 -n 32": the deep shape
 for v in ${VARIANTS:-default noautotune}; do
   envv="IKJAX_LAYERS=auto"
   case $v in

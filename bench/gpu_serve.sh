@@ -6,6 +6,9 @@
 # decode, a second turn over a 4000-token history against a 64-token prompt (--prompt-cache exact,
 # then prefix); and checks the server's greedy answers against Engine.generate on this GPU.
 #   OUT=/tmp/o bash bench/gpu_serve.sh [LAYERS]      (SKIP_IKJAX=1: only llama-server, when IK has a build)
+#   MODEL=/tmp/r1-8.gguf EXTRA="-ot exps=CPU -t 16" NO_CHECK=1 bash bench/gpu_serve.sh   (issue 23's R1
+#   rows: another file and flags for both servers; NO_CHECK: no greedy check, no expanded A/B;
+#   REQS, MAXTOK, STREAM_TOKENS: shorter loads for a slower model)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-serve-out}; mkdir -p "$OUT"
@@ -19,7 +22,8 @@ t0=$(date +%s)
 "$PY" -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 \
     || { tail -30 "$OUT/install.log"; exit 1; }
 echo "install: $(( $(date +%s) - t0 )) s"
-M=/tmp/v2lite-${LAYERS}L-Q4_0.gguf
+M=${MODEL:-/tmp/v2lite-${LAYERS}L-Q4_0.gguf}
+EXTRA=${EXTRA:-}
 t0=$(date +%s)
 [ -f "$M" ] || "$PY" -m ikjax.cli make-model --preset v2-lite --type Q4_0 --layers "$LAYERS" -o "$M" > /dev/null || exit 1
 echo "make-model: $(( $(date +%s) - t0 )) s ($(du -h "$M" | cut -f1))"
@@ -34,7 +38,7 @@ if len(sys.argv) > 1 and sys.argv[1] != "-":
     sys.setswitchinterval(float(sys.argv[1]))
 sys.argv = ["ikjax"] + sys.argv[2:]
 runpy.run_module("ikjax.cli", run_name="__main__")' "${2:--}" serve -m "$M" -c $CTX -np $NP -ub $UB --port 8080 \
-        --prompt-cache "$1" > /dev/null 2> "$OUT/serve-$1.log" &
+        --prompt-cache "$1" $EXTRA > /dev/null 2> "$OUT/serve-$1.log" &
     SERVER=$!
     for _ in $(seq 600); do
         grep -q "^listening on" "$OUT/serve-$1.log" && break
@@ -59,12 +63,12 @@ if [ -n "${QUICK:-}" ]; then  # only the interference: default GIL switch interv
 fi
 if [ -z "${SKIP_IKJAX:-}" ]; then
 serve ${MODE1:-auto}
-load --mode load --concurrency 1,8 --requests 16 --prompt-tokens 128 --max-tokens 128 --json "$OUT/load.json"
-load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens 1500 \
+load --mode load --concurrency 1,8 --requests ${REQS:-16} --prompt-tokens 128 --max-tokens ${MAXTOK:-128} --json "$OUT/load.json"
+load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens ${STREAM_TOKENS:-1500} \
     --json "$OUT/interference.json"
 load --mode multiturn --history 4000 --json "$OUT/multiturn-${MODE1:-auto}.json"
 # greedy answers equal generate on this GPU (an engine in this process with one slot's options)
-IKJAX_BATCH_INVARIANT=1 timeout 300 "$PY" - "$M" $((CTX / NP)) $UB <<'EOF'  # the server's decode form (its default)
+[ -z "${NO_CHECK:-}" ] && IKJAX_BATCH_INVARIANT=1 timeout 300 "$PY" - "$M" $((CTX / NP)) $UB <<'EOF'  # the server's decode form (its default)
 import json, sys, urllib.request
 import numpy as np
 import ikjax
@@ -86,16 +90,18 @@ EOF
 kill -TERM $SERVER; wait $SERVER
 "$PY" bench/serve_trace.py "$OUT/trace-${MODE1:-auto}.jsonl"   # the server's side of the interference
 # the second turn's short steps in the expanded form they had before 5d09b7c (deepseek2.absorbed_pays)
+if [ -z "${NO_CHECK:-}" ]; then
 IKJAX_SHORT_STEPS=expanded serve ${MODE1:-auto}
 load --mode multiturn --history 4000 --json "$OUT/multiturn-expanded.json"
 kill -TERM $SERVER; wait $SERVER
+fi
 grep -E "compiled|warm-up|Traceback|Error" "$OUT"/serve-*.log | head -20
 fi
 # llama-server beside it, same file, same loads (IK: an ik_llama.cpp CUDA build's bin/, bench/gpu_ik_build.sh)
 IK=${IK:-/tmp/ikc/build/bin}
 if [ -x "$IK/llama-server" ]; then
     t0=$(date +%s)
-    "$IK/llama-server" -m "$M" -c $CTX -np $NP -cb -ub $UB -b 2048 -mla 3 -fa on -ngl 99 --port 8081 \
+    "$IK/llama-server" -m "$M" -c $CTX -np $NP -cb -ub $UB -b 2048 -mla 3 -fa on -ngl 99 --port 8081 $EXTRA \
         > "$OUT/llama-server.log" 2>&1 &
     IKS=$!
     for _ in $(seq 600); do
@@ -105,8 +111,8 @@ if [ -x "$IK/llama-server" ]; then
     done
     echo "llama-server: up in $(( $(date +%s) - t0 )) s"
     iload() { timeout 300 "$PY" bench/serve_load.py --url http://127.0.0.1:8081 "$@"; }
-    iload --mode load --concurrency 1,8 --requests 16 --prompt-tokens 128 --max-tokens 128 --json "$OUT/ik-load.json"
-    iload --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens 1500 \
+    iload --mode load --concurrency 1,8 --requests ${REQS:-16} --prompt-tokens 128 --max-tokens ${MAXTOK:-128} --json "$OUT/ik-load.json"
+    iload --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens ${STREAM_TOKENS:-1500} \
         --json "$OUT/ik-interference.json"
     iload --mode multiturn --history 4000 --json "$OUT/ik-multiturn.json"
     kill -TERM $IKS; wait $IKS

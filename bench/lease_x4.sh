@@ -20,6 +20,11 @@
 #            form before dd68929: S_TG and compile) and XLA's kernel cache file (kcache: do the steps
 #            compiled after the first reuse its Triton kernels?), then serve beside llama-server
 #            (bench/gpu_serve.sh, a connection per request).
+#   STAGE=6: issue 22 without the ik build: each cold step's compile profiled (PROFILE=1), the cold
+#            start default / halves at -c 4096 -ub 512 and default at -c 16384 -ub 2048 (the first
+#            row); then the 8-layer R1 written in the background for STAGE=7.
+#   STAGE=7: issue 24's ikjax rows on the R1-8 file (PARTS7, bench/gpu_hybrid_r1.sh), then issue 23's
+#            R1 rows: serve -ot exps=CPU -t 16 under load (bench/gpu_serve.sh, MODEL=/tmp/r1-8.gguf).
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
 #                                       tool returns only a few files a call: one archive returns all)
@@ -135,6 +140,27 @@ case $STAGE in
   grep -v "^jit\|tracing\|Finished\|XLA comp" "$OUT/cold/cold.md" 2>/dev/null | head -40
   left=$(( ${DEADLINE:-560} - ($(date +%s) - T0) ))
   OUT=$OUT/serve IK=/tmp/ikc/build/bin timeout $left bash bench/gpu_serve.sh 2>&1 | tail -60
+  ;;
+6)
+  export CUDA_VISIBLE_DEVICES=0
+  OUT=$OUT/cold PROFILE=1 VARIANTS="${VARIANTS:-default halves}" timeout ${COLD_S:-330} bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  grep -v "^jit\|tracing\|Finished\|XLA comp" "$OUT/cold/cold.md" 2>/dev/null | head -150
+  OUT=$OUT/cold16k SHAPE="-c 16384 -ub 2048 -n 32" VARIANTS=default timeout 150 bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  grep -A8 "^### " "$OUT/cold16k/cold.md" | grep -v "^jit\|tracing\|Finished\|XLA comp"
+  NO_BG= ; IK_JOBS=0; [ -f /tmp/r1-8.gguf ] || [ -f /tmp/r1-8.started ] || { touch /tmp/r1-8.started
+    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/r1-8.tmp.gguf --preset r1 --layers 8 --type Q4_0 \
+      > /tmp/r1-8.log 2>&1 && mv /tmp/r1-8.tmp.gguf /tmp/r1-8.gguf" > /dev/null 2>&1 < /dev/null & }
+  ;;
+7)
+  export CUDA_VISIBLE_DEVICES=0
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt 300 ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail /tmp/r1-8.log; exit 1; }
+  OUT=$OUT/hyb HYB_GPU=0 timeout ${HYB_BUDGET:-300} bash bench/gpu_hybrid_r1.sh \
+    "${PARTS7:-ikjax-default ikjax-active ikjax-gpu-experts-24GB}" > /dev/null 2>&1
+  cat "$OUT/hyb/hybrid.md"
+  left=$(( ${DEADLINE:-570} - ($(date +%s) - T0) ))
+  OUT=$OUT/serve_r1 MODEL=/tmp/r1-8.gguf EXTRA="-ot exps=CPU -t 16" NO_CHECK=1 IK=/none REQS=8 MAXTOK=64 STREAM_TOKENS=200 timeout $left \
+    bash bench/gpu_serve.sh 2>&1 | tail -40
   ;;
 esac
 ikprog
