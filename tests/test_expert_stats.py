@@ -154,3 +154,33 @@ def test_cli_gpu_experts_reads_then_adds_to_the_file(tiny4_model, tmp_path):
     missing = tmp_path / "none.json"
     r = subprocess.run(gen[:-1] + [str(missing), "--gpu-experts", "2"], capture_output=True, text=True)
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: gpu-experts: no expert statistics")
+
+
+def test_idle_rows_route_to_no_expert(tiny4_model):
+    """The server's free slots in a decode batch (Engine.step's last -1, Engine.decode's idle):
+    their rows write a throw-away KV entry but pick no expert (with experts in host RAM every
+    pick is bytes read from RAM: an idle slot made a one-stream decode read 8 slots' experts),
+    and the live rows compute what they compute in a full batch."""
+    eng = ikjax.load(tiny4_model, ctx=128, ubatch=32, expert_stats=True)
+    cfg = eng.config
+    toks = np.array([[5], [7], [9], [11]], np.int32)
+    start = np.array([3, 0, 6, 2], np.int32)
+    full, _ = eng.step(eng.new_cache(4), toks, start)
+    before = eng.expert_stats()
+    some, _ = eng.step(eng.new_cache(4), toks, start, np.array([0, -1, 0, -1]))
+    after = eng.expert_stats()
+    np.testing.assert_array_equal(np.asarray(some)[[0, 2]], np.asarray(full)[[0, 2]])
+    assert after["tokens"] - before["tokens"] == 2
+    for k, v in after["layers"].items():
+        assert sum(v) - sum(before["layers"][k]) == 2 * cfg.n_expert_used
+    # the decode loop: idle rows stay -1, the live ones make the tokens a loop without them makes
+    want, _ = eng.decode(eng.new_cache(4), toks[:, 0], start, 5)
+    before = eng.expert_stats()
+    got, _ = eng.decode(eng.new_cache(4), toks[:, 0], start, 5, idle=np.array([False, True, False, True]))
+    after = eng.expert_stats()
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(got[[0, 2]], want[[0, 2]])
+    assert (got[[1, 3]] == -1).all()
+    assert after["tokens"] - before["tokens"] == 2 * 5
+    with pytest.raises(OptionError, match="idle"):
+        eng.step(eng.new_cache(4), toks, start, np.array([0, -2, 0, 0]))

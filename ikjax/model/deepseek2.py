@@ -256,16 +256,16 @@ def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, p
     B, T = x.shape[:2]
     q_pos = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
     cos, sin = rope_tables(inverse_frequencies(cfg), q_pos)
-    # the real tokens (a prompt chunk's rows up to `last`; the rest pad its token bucket), for
-    # the expert statistics
-    valid = None
-    if plan.expert_stats is not None:
-        valid = (jnp.arange(T)[None, :] <= last[:, None]) if last is not None and T > 1 else jnp.ones((B, T), bool)
-        valid = valid.reshape(-1)
+    # the real tokens: a prompt chunk's rows up to `last` (the rest pad its token bucket), and no
+    # row of a sequence whose `last` is -1 (an idle slot of the server's decode batch). The routed
+    # experts of the others are skipped (their weights zeroed: no kernel reads those experts' bytes,
+    # which is what a host-experts decode step is made of: RESULTS §23f) and the expert statistics
+    # count only the real ones.
+    valid = None if last is None else (jnp.arange(T)[None, :] <= last[:, None]).reshape(-1)
     new_cache = {name: list(entries) for name, entries in cache.items()}
     for g, group in enumerate(groups):
         gcache = {name: entries[g] for name, entries in cache.items()}
-        out_rows = last if trim_last and g == len(groups) - 1 else None  # the model's last layer
+        out_rows = jnp.maximum(last, 0) if trim_last and g == len(groups) - 1 else None  # the model's last layer
         if not group.stacked:
             x, gcache = _layer(x, fetch_all(group.tensors), gcache, 0, group.first, start, q_pos, cos, sin,
                                cfg=cfg, plan=plan, valid=valid, out_rows=out_rows)
@@ -319,7 +319,8 @@ def _ffn_part(x, a, layer, gcache, j, i: int, *, cfg: ModelConfig, plan: StepPla
                     experts_axis=plan.split_axis(f"{i}.exps"),
                     shared_axis=plan.split_axis(f"{i}.shexp"),
                     n_parts=plan.tp.n if plan.tp is not None else 1,
-                    on_route=None if valid is None else functools.partial(
+                    valid=valid,
+                    on_route=None if valid is None or plan.expert_stats is None else functools.partial(
                         count_experts, plan.expert_stats, i + j, valid=valid, axis=plan.tp.axis if plan.tp is not None else None)
                     ).reshape(B, T, -1)
     else:
@@ -334,7 +335,7 @@ def output_head(weights, x, last, *, cfg: ModelConfig, plan: StepPlan, gather: b
     head split by vocabulary rows (-sm graph) and `gather=False`: this device's rows only, [.., V/n]
     (the -sm graph decode loop picks its token from them without gathering the logits)."""
     if not plan.all_logits:
-        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+        x = jnp.take_along_axis(x, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]  # -1: an idle row
     logits = linear(rms_norm(x, fetch(weights["output_norm"]), cfg.rms_eps), fetch(weights["output"]),
                     plan.compute_dtype)
     if gather and (axis := plan.split_axis("out")) is not None:  # each device's vocabulary rows, in device order

@@ -126,7 +126,8 @@ def count_experts(sink: ExpertCounts, layer_index, ids, w, valid, axis: str | No
 
 
 def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartExpertReduction | None,
-            experts_axis: str | None = None, shared_axis: str | None = None, n_parts: int = 1, on_route=None):
+            experts_axis: str | None = None, shared_axis: str | None = None, n_parts: int = 1, on_route=None,
+            valid=None):
     """x [N, d] float32 -> routed experts + shared experts, [N, d] float32.
 
     -sm graph (ikjax.runtime.mesh): with `experts_axis` this device holds a contiguous slice of
@@ -134,8 +135,13 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
     (the others' weights zeroed) and a psum adds the devices' parts; with `shared_axis` the shared
     experts' hidden rows are split and their partial sums join the same psum. Experts every device
     holds whole (host-resident: one copy for all `n_parts` devices) are divided the same way, by
-    range, their ids left as they are."""
+    range, their ids left as they are.
+
+    `valid` [N] bool: the rows whose output is used; the others (padding, idle slots) route to no
+    expert (their weights zeroed, so no kernel computes or reads their picks)."""
     w, ids = route(x, layer, cfg, ser)
+    if valid is not None:
+        w = jnp.where(valid[:, None], w, 0.0)
     if on_route is not None:
         on_route(ids, w)
     if experts_axis is not None:

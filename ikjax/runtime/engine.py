@@ -292,13 +292,18 @@ class Engine:
 
         The cache passed in is donated (consumed); use the one returned. Rows past a sequence's
         position are ignored by the causal mask, so "removing" tokens is moving `start` back.
+        `last` [B]: the token whose logits sequence b returns (default T-1); the tokens after it
+        are padding, and -1 marks an idle sequence (the server's free slots in a decode batch):
+        its rows still write their KV, but route to no expert (with experts in host RAM, each
+        row's experts are bytes read from RAM) and its logits are meaningless.
         """
         tokens = self._ids("tokens", tokens, 2)
         B, T = tokens.shape
         start = self._positions("start", start, B, T)
         last = np.full(B, T - 1, np.int32) if last is None else self._int_array("last", last, 1, B)
-        if (last < 0).any() or (last >= T).any():
-            raise OptionError(f"last: indices must lie in [0, {T}) for {T} tokens a sequence, got {last.tolist()}")
+        if (last < -1).any() or (last >= T).any():
+            raise OptionError(f"last: indices must lie in [0, {T}) for {T} tokens a sequence (or be -1: an idle "
+                              f"sequence), got {last.tolist()}")
         last = last.astype(np.int32)
         self._check_cache(cache, B)
         self.file.check_unchanged()
@@ -328,14 +333,18 @@ class Engine:
         return self._plan(self.kv_bucket(start_max + chunk, 1), False, 1)
 
     def decode(self, cache, tokens, start, n: int, *, chunk: int | None = None, sampling: dict | None = None,
-               key=None, check_finite: bool = True):
+               key=None, check_finite: bool = True, idle=None):
         """n decode steps in one dispatch (see `generation.decode_steps`): tokens [B] at positions
         start [B]; returns (new tokens [B, chunk] on the device, the first n valid; cache). The
         cache is donated. `chunk` (default n) is the compiled length, so calls with n <= chunk
         share one executable; `sampling`: `check_sampling`'s keys (default greedy); `key`: a JAX
         PRNG key. A token made from non-finite logits (NON_FINITE) is refused here unless
-        `check_finite=False` (the server ends only that row's request)."""
+        `check_finite=False` (the server ends only that row's request). `idle` [B] bool: rows whose
+        tokens nobody reads (the server's free slots): on one device they route to no expert, as
+        `step`'s last = -1 (elsewhere they compute as any row; their tokens are meaningless)."""
         tokens = self._ids("tokens", tokens, 1)
+        if idle is not None and np.asarray(idle, bool).any():
+            tokens = np.where(np.asarray(idle, bool), -1 if self.executor.idle_rows else 0, tokens).astype(np.int32)
         chunk = n if chunk is None else chunk
         if not _is_int(n) or not _is_int(chunk) or not 0 < n <= chunk:
             raise OptionError(f"decode: need integers 0 < n <= chunk, got n={n!r}, chunk={chunk!r}")
@@ -350,6 +359,8 @@ class Engine:
         # the tokens are tiny and every caller reads them next (generate) or waits for them
         # (the benches): checked here, the host copy stays cached on the array
         bad = np.asarray(out)[:, :n] == NON_FINITE
+        if idle is not None:
+            bad &= ~np.asarray(idle, bool)[:, None]
         if check_finite and bad.any():
             b, i = (int(v[0]) for v in np.nonzero(bad))
             raise self._non_finite(f" at decode step {i} of sequence {b} (position {int(start[b]) + i})")

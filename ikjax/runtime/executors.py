@@ -64,6 +64,7 @@ class Executor(abc.ABC):
     split_mode = "none"
     tp = None                    # StepPlan.tp: -sm graph's TensorSplit, else None
     loops = False                # runs the decode loop (several steps per dispatch)
+    idle_rows = False            # its decode loop takes token -1 as an idle row (decode_steps)
     stores_steps = False         # its steps may be stored whole (compile_cache.store_step)
     compiles_in_parallel = False  # several steps may compile at once (on an accelerator)
 
@@ -113,6 +114,7 @@ class SingleDevice(Executor):
     inputs and cache placed there)."""
 
     loops = True
+    idle_rows = True
     overlaps_load = True
 
     def __init__(self, placement, config: ModelConfig, spans: tuple):

@@ -42,15 +42,19 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
     launches (~5 us each) set the pace, and a per-step CUDA graph is re-recorded whenever a
     buffer moves. A loop with a trip count read on the device is one executable whose body XLA
     captures as one CUDA graph (a WHILE command, see ikjax.runtime.executables._DECODE_GPU_OPTIONS)."""
+    # token -1: an idle row (the server's free slots, Engine.decode's `idle`): it computes a
+    # throw-away token at its position, as any row, but routes to no expert (`forward`'s last
+    # -1) and stays -1
     B = tok.shape[0]
-    zeros = jnp.zeros((B,), jnp.int32)
+    live = tok >= 0
+    last = jnp.where(live, 0, -1).astype(jnp.int32)
 
     def body(i, carry):
         cache, tok, out, key = carry
-        logits, cache = forward(weights, cache, tok[:, None], start + i, zeros, cfg=cfg, plan=plan)
+        logits, cache = forward(weights, cache, jnp.maximum(tok, 0)[:, None], start + i, last, cfg=cfg, plan=plan)
         # the draw for the token after position p uses key folded with p: the same tokens whether
         # they come 16 to a dispatch or one at a time (a streaming caller), for one seed
-        nxt = sample_device(logits, jax.random.fold_in(key, start[0] + i), **dict(sampling))
+        nxt = jnp.where(live, sample_device(logits, jax.random.fold_in(key, start[0] + i), **dict(sampling)), -1)
         return cache, nxt, jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i)), key
 
     out = jnp.zeros((B, chunk), jnp.int32)

@@ -12,11 +12,12 @@ loop, no locks around the model). The slots are the rows of one batch KV cache
      long prompt delays the other streams by one chunk per token, never by the whole prompt;
   3. runs one decode step of every slot that is generating (one compiled [n_slots, 1] step; the
      rows of idle slots compute a throw-away token just past their cached tokens, where the causal
-     mask keeps it out of any later read), and samples each row's next token on the host with its
-     own request's settings; or, where nothing waits (no prompt to feed, no request queued) and
-     every stream is plain greedy, up to LOOP_STEPS tokens of every slot in one dispatch of the
-     engine's decode loop (`_decode_loop`: on a GPU one CUDA graph for them all, under every split
-     mode), each stream's tokens emitted when the dispatch ends.
+     mask keeps it out of any later read, and route to no expert: `Engine.step`'s last -1), and
+     samples each row's next token on the host with its own request's settings; or, where nothing
+     waits (no prompt to feed, no request queued) and every stream is plain greedy, up to
+     LOOP_STEPS tokens of every slot in one dispatch of the engine's decode loop (`_decode_loop`:
+     on a GPU one CUDA graph for them all, under every split mode), each stream's tokens emitted
+     when the dispatch ends.
 
 A request that finishes, or is cancelled (its client went away, a stop string matched upstream),
 leaves at the next step boundary and frees its slot; the slot keeps its tokens' KV for the prompt
@@ -448,6 +449,7 @@ class Scheduler:
         B = self.n_slots
         toks = np.zeros((B, 1), np.int32)
         start = np.zeros(B, np.int32)
+        last = np.full(B, -1, np.int32)  # idle rows route to no expert (Engine.step)
         rows = []
         for s in self.slots:
             r = s.req
@@ -457,13 +459,14 @@ class Scheduler:
             start[s.index] = min(len(s.tokens), self.eng.capacity - 1)
             if r is not None and r._pos == len(r.prompt) and r.finish_reason is None:
                 toks[s.index, 0] = r.generated[-1]
+                last[s.index] = 0
                 rows.append(s)
         k = self._loop_steps(rows)
         if k > 1:
-            self._decode_loop(rows, toks[:, 0], k)
+            self._decode_loop(rows, toks[:, 0], k, last)
             return
         t0 = time.perf_counter()
-        logits, self._cache = self.eng.step(self._cache, toks, start)
+        logits, self._cache = self.eng.step(self._cache, toks, start, last)
         # greedy rows take the argmax on the device (a few bytes back, not a [rows, vocab] copy of
         # floats and a host pass over each); rows that sample read their logits on the host
         greedy = [s for s in rows if _plain_greedy(s.req)]
@@ -498,13 +501,14 @@ class Scheduler:
             k = min(k, limit - len(req.generated), self.ctx - len(req.prompt) - len(req.generated))
         return min(k, min(self.eng.capacity - len(s.tokens) for s in self.slots))
 
-    def _decode_loop(self, rows: list[Slot], toks: np.ndarray, k: int) -> None:
+    def _decode_loop(self, rows: list[Slot], toks: np.ndarray, k: int, last: np.ndarray) -> None:
         """k decode steps of every slot in one dispatch (`_loop_steps` said they fit); each stream's
         tokens then emitted one by one as `_decode_step` emits them, up to its stop or cancel (the
         entries of the tokens fed after that lie past its slot's tokens: never read)."""
         start = np.array([len(s.tokens) for s in self.slots], np.int32)
         t0 = time.perf_counter()
-        out, self._cache = self.eng.decode(self._cache, toks, start, k, chunk=LOOP_STEPS, check_finite=False)
+        out, self._cache = self.eng.decode(self._cache, toks, start, k, chunk=LOOP_STEPS, check_finite=False,
+                                           idle=last < 0)
         got = np.asarray(out)[:, :k]
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += k
