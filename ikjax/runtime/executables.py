@@ -176,6 +176,7 @@ class Executables:
         self.count = 0
         self.cache_hits = 0
         self._lock = threading.Lock()
+        self._compiling: dict[tuple, threading.Event] = {}  # keys a thread is compiling now
 
     def get(self, weights, B: int, T: int, plan: StepPlan, decode: tuple | None = None):
         """The compiled step for this shape: compiled once, its XLA buffers (temp + outputs) put
@@ -187,7 +188,29 @@ class Executables:
         if exe is not None:
             return exe
         with self._lock:
-            self._note_compile(B, T, plan, decode)
+            exe = self.table.get(key)
+            if exe is not None:
+                return exe
+            busy = self._compiling.get(key)
+            if busy is None:
+                self._compiling[key] = threading.Event()
+                self._note_compile(B, T, plan, decode)
+        if busy is not None:
+            # another thread compiles this very step (sweep-bench compiles later rows' steps in the
+            # background while the first rows run): wait for it, not compile it a second time; if
+            # it failed there, compile here, where its error then reaches the caller
+            busy.wait()
+            exe = self.table.get(key)
+            return exe if exe is not None else self.get(weights, B, T, plan, decode)
+        try:
+            return self._compile(key, weights)
+        finally:
+            with self._lock:
+                self._compiling.pop(key).set()
+
+    def _compile(self, key: tuple, weights):
+        """`get`'s work for a step no thread has: load it stored or compile it, then account for it."""
+        B, T, plan, decode = key
         compile_cache.setup()
         counts0 = compile_cache.thread_counts()  # this thread's: steps may compile side by side
         before = process_memory()
