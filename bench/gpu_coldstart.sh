@@ -46,9 +46,14 @@ EOF
 timed() {  # timed LABEL CMD...
   local label=$1; shift
   local t0 t1; t0=$(date +%s.%N)
-  "$@" > "$OUT/$label.out" 2> "$OUT/$label.err"; local rc=$?
+  # each stdout line stamped with the seconds since the command started (the first row's time)
+  "$@" 2> "$OUT/$label.err" | python3 -u -c 'import sys, time
+t0 = float(sys.argv[1])
+for line in sys.stdin:
+    print(f"{time.time() - t0:7.2f} {line}", end="", flush=True)' "$t0" > "$OUT/$label.stamped"; local rc=${PIPESTATUS[0]}
+  cut -c9- "$OUT/$label.stamped" > "$OUT/$label.out"
   t1=$(date +%s.%N)
-  { echo "### $label: rc $rc, $(python3 -c "print(f'{$t1 - $t0:.1f}')") s from command to end"
+  { echo "### $label: rc $rc, $(python3 -c "print(f'{$t1 - $t0:.1f}')") s from command to end, first row at $(grep -m1 -E '^ *[0-9.]+ \| +[0-9]+ \| +[0-9]+ \| +0 \|' "$OUT/$label.stamped" | awk '{print $1}') s"
     grep '^|' "$OUT/$label.out" | head -4; grep -h 'compiled\|sweep took\|loaded\|Error' "$OUT/$label.err" | head -12; echo; } >> "$R"
 }
 SB="-m $V2L -mla 3 -fa 1 ${SHAPE:--c 4096 -ub 512 -n 64}"   # SHAPE="-c 16384 -ub 2048 -n 32": the deep shape
@@ -61,6 +66,7 @@ for v in ${VARIANTS:-default noautotune}; do
     noprefetch) flags=""; envv="IKJAX_PREFETCH=0" ;;
     scan) flags=""; envv="IKJAX_LAYERS=scan" ;;            # GPU decode scanned one layer an iteration
     halves) flags=""; envv="IKJAX_LAYERS=halves" ;;        # GPU decode in two halves of a group (before dd68929)
+    before) flags=""; envv="IKJAX_COMPILE_AHEAD=before" ;;  # every step before the first row (before e6a3892)
     kcache) flags="--xla_gpu_kernel_cache_file=/tmp/kc-$v.bin"; rm -f /tmp/kc-$v.bin ;;
     noautotune) flags="--xla_gpu_autotune_level=0" ;;
     notritongemm) flags="--xla_gpu_enable_triton_gemm=false" ;;

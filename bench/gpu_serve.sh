@@ -64,6 +64,7 @@ fi
 if [ -z "${SKIP_IKJAX:-}" ]; then
 serve ${MODE1:-auto}
 load --mode load --concurrency 1,8 --requests ${REQS:-16} --prompt-tokens 128 --max-tokens ${MAXTOK:-128} --json "$OUT/load.json"
+if [ -n "${LOAD_ONLY:-}" ]; then kill -TERM $SERVER; wait $SERVER; exit 0; fi   # LOAD_ONLY=1: the load rows only
 load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens ${STREAM_TOKENS:-1500} \
     --json "$OUT/interference.json"
 load --mode multiturn --history 4000 --json "$OUT/multiturn-${MODE1:-auto}.json"

@@ -25,6 +25,12 @@
 #            row); then the 8-layer R1 written in the background for STAGE=7.
 #   STAGE=7: issue 24's ikjax rows on the R1-8 file (PARTS7, bench/gpu_hybrid_r1.sh), then issue 23's
 #            R1 rows: serve -ot exps=CPU -t 16 under load (bench/gpu_serve.sh, MODEL=/tmp/r1-8.gguf).
+#   STAGE=8: issue 22's cold start, default (e6a3892: the later rows' steps compiled while the first
+#            rows run) against `before` (every step first) and `kcache`, at -c 4096 -ub 512 and the
+#            default at -c 16384 -ub 2048 (its first row's time); then the 8-layer R1 written in the
+#            background while serve's load rows run on V2-Lite (the idle-slot fix, 0b69011).
+#   STAGE=9: serve's load rows on the R1-8 file with -ot exps=CPU (the idle-slot fix), then
+#            sweep-bench's active / default rows.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
 #                                       tool returns only a few files a call: one archive returns all)
@@ -161,6 +167,28 @@ case $STAGE in
   left=$(( ${DEADLINE:-570} - ($(date +%s) - T0) ))
   OUT=$OUT/serve_r1 MODEL=/tmp/r1-8.gguf EXTRA="-ot exps=CPU -t 16" NO_CHECK=1 IK=/none REQS=8 MAXTOK=64 STREAM_TOKENS=200 timeout $left \
     bash bench/gpu_serve.sh 2>&1 | tail -40
+  ;;
+8)
+  export CUDA_VISIBLE_DEVICES=0
+  OUT=$OUT/cold VARIANTS="${VARIANTS:-default before kcache}" timeout ${COLD_S:-300} bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  grep -E "^###|^\|  +[0-9]|compiled|loaded|sweep took" "$OUT/cold/cold.md" | head -80
+  OUT=$OUT/cold16k SHAPE="-c 16384 -ub 2048 -n 32" VARIANTS="default" timeout 120 bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  grep -E "^###|^\|  +[0-9]|compiled|loaded|sweep took" "$OUT/cold16k/cold.md" | head -40
+  [ -f /tmp/r1-8.gguf ] || [ -f /tmp/r1-8.started ] || { touch /tmp/r1-8.started
+    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/r1-8.tmp.gguf --preset r1 --layers 8 --type Q4_0 \
+      > /tmp/r1-8.log 2>&1 && mv /tmp/r1-8.tmp.gguf /tmp/r1-8.gguf" > /dev/null 2>&1 < /dev/null & }
+  left=$(( ${DEADLINE:-570} - ($(date +%s) - T0) ))
+  OUT=$OUT/serve MODEL=/tmp/v2l-Q4_0.gguf LOAD_ONLY=1 IK=/none timeout $left bash bench/gpu_serve.sh 2>&1 | tail -12
+  ;;
+9)
+  export CUDA_VISIBLE_DEVICES=0
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt 300 ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail /tmp/r1-8.log; exit 1; }
+  OUT=$OUT/serve_r1 MODEL=/tmp/r1-8.gguf EXTRA="-ot exps=CPU -t 16" NO_CHECK=1 LOAD_ONLY=1 IK=/none REQS=8 MAXTOK=64 \
+    timeout 300 bash bench/gpu_serve.sh 2>&1 | tail -12
+  left=$(( ${DEADLINE:-570} - ($(date +%s) - T0) ))
+  [ $left -gt 100 ] && { OUT=$OUT/hyb HYB_GPU=0 timeout $left bash bench/gpu_hybrid_r1.sh "${PARTS9:-ikjax-active ikjax-default}" > /dev/null 2>&1
+    cat "$OUT/hyb/hybrid.md"; }
   ;;
 esac
 ikprog
