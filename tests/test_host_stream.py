@@ -336,7 +336,7 @@ def test_sweep_reports_streamed_bytes_against_the_link(experts, monkeypatch):
     monkeypatch.delenv("IKJAX_STREAM", raising=False)
     host = [_pinned(t, 32) for t in experts]
     layers = [{"gate_exps": host[0], "up_exps": host[1], "down_exps": host[2]}, {"attn_q": None}] * 2
-    monkeypatch.setattr(groups, "all_layers", lambda weights: layers)
+    monkeypatch.setattr(groups, "host_layers", lambda weights: layers)
     eng = SimpleNamespace(weights=None, config=SimpleNamespace(n_expert_used=K), options=SimpleNamespace(ubatch=256))
     per_layer = sum(t.nbytes for t in host)
     assert sb.streamed_bytes(eng, 256) == (2 * per_layer, "layer")

@@ -224,3 +224,32 @@ def test_gpu_decode_unroll_bounded_and_equal(tmp_path, monkeypatch):
     for (ta, la), (tb, lb) in zip(out["scan"], out["auto"]):
         assert ta == tb
         np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5 * np.abs(lb).max())
+
+
+def test_host_layers_slices_no_device_group(tiny4_model):
+    """`host_layers` (sweep-bench's streamed-bytes line, the load's host-expert flags) returns the
+    layers holding host-memory tensors without slicing the groups that are all on the device: an
+    eager slice of a stacked device array is a compile and a copy (81 of them in a cold V2-Lite
+    start on a GPU, RESULTS §22g). Here no tensor is on the host: nothing to return, nothing run."""
+    from jax._src import array as jarray
+
+    import ikjax
+    from ikjax.model.groups import all_layers, host_layers
+    eng = ikjax.load(tiny4_model, ctx=128)
+    sliced = []
+    assert host_layers(eng.weights) == []
+    stacked = [g for g in eng.weights["groups"] if g.stacked]
+    assert stacked  # the file has a group the old all_layers sliced
+    orig = jarray.ArrayImpl.__getitem__
+
+    def spy(self, idx):
+        sliced.append(idx)
+        return orig(self, idx)
+    jarray.ArrayImpl.__getitem__ = spy
+    try:
+        host_layers(eng.weights)
+        assert sliced == []
+        all_layers(eng.weights)
+        assert sliced  # the contrast: all_layers does slice every stacked leaf
+    finally:
+        jarray.ArrayImpl.__getitem__ = orig

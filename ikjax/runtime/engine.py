@@ -28,7 +28,7 @@ from ikjax.gguf_io.config import ModelConfig, load_notes
 from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.model import cache as kvcache
 from ikjax.model import moe
-from ikjax.model.groups import all_layers, layer_spans
+from ikjax.model.groups import host_layers, layer_spans
 from ikjax.model.deepseek2 import StepPlan
 from ikjax.options import RunOptions
 from ikjax.placement import devices
@@ -191,7 +191,7 @@ class Engine:
         them already), the log line, the executor's view of the weights."""
         t0, before = self._load_start
         if not self.stream_whole:
-            for lay in all_layers(self._weights):
+            for lay in host_layers(self._weights):
                 for t in lay.values():
                     if is_host_resident(t):
                         t.whole_ok = False

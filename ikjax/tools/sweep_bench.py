@@ -354,10 +354,10 @@ def streamed_bytes(eng, n_tokens: int) -> tuple[int, str] | None:
     run). "layer": every host expert of every such layer, known before the step runs; "active":
     only the experts the batch routes to, counted by the custom call (bytes None until measured)."""
     from ikjax import ops
-    from ikjax.model.groups import all_layers
+    from ikjax.model.groups import host_layers
     from ikjax.placement.host import is_host_resident
     total, form = 0, None
-    for lay in all_layers(eng.weights):
+    for lay in host_layers(eng.weights):
         ts = [lay.get(k) for k in ("gate_exps", "up_exps", "down_exps")]
         if not all(is_host_resident(t) for t in ts):
             continue
