@@ -71,10 +71,6 @@ _VARS = (
     Variable("IKJAX_LOAD_OVERLAP", "auto", ("auto", "1", "0"),
              "load the weights in a thread while the first steps compile from their shapes; `auto`: where "
              "steps compile side by side (one accelerator, weights all on it)", "ikjax.runtime.engine"),
-    Variable("IKJAX_COMPILE_AHEAD", "background", ("background", "before"),
-             "sweep-bench where steps compile side by side (an accelerator): `background` compiles the first "
-             "row's steps, then the later rows' in a thread while the first rows run (each row waits for its "
-             "own); `before`: every step before the first row", "ikjax.cli.sweep_bench"),
     Variable("IKJAX_WEIGHTS", "", ("copy",),
              "`copy`: copy CPU weights out of the memory map instead of aliasing its pages", "ikjax.model.weights"),
     Variable("IKJAX_BATCH_INVARIANT", "0", ("1", "0"),

@@ -149,9 +149,9 @@ def test_steps_compile_side_by_side(tiny_model):
 
 
 def test_a_step_compiling_in_one_thread_is_not_compiled_again_in_another(tiny_model, monkeypatch):
-    """sweep-bench compiles later rows' steps in a thread while the first rows run: a row asking for
-    a step that thread is compiling waits for it (one compile, one count, the same executable); a
-    compile that fails there is done again by the waiter, whose caller gets the error."""
+    """Two threads asking for one step: the second waits for the first's compile (one compile,
+    one count, the same executable); a compile that fails there is done again by the waiter,
+    whose caller gets the error."""
     import threading
     import time
 
@@ -194,25 +194,6 @@ def test_a_step_compiling_in_one_thread_is_not_compiled_again_in_another(tiny_mo
     assert calls[1:] == ["c", "d"]
     assert isinstance(out["c"], RuntimeError) and isinstance(out["d"], float)
     assert eng.compile_count == 2 and len(eng._executables) == 2
-
-
-@pytest.mark.parametrize("ahead", ["background", "before"])
-def test_cli_compiles_later_rows_while_the_first_run(tiny_model, monkeypatch, ahead):
-    """Where steps compile side by side (forced here on CPU), the first row's steps compile before
-    it and, by default, the later rows' in a thread meanwhile (IKJAX_COMPILE_AHEAD=before: all of
-    them first): the same rows either way, every step compiled once."""
-    from ikjax.runtime.engine import Engine
-    monkeypatch.setattr(Engine, "compile_in_parallel", lambda self: True)
-    monkeypatch.setenv("IKJAX_COMPILE_AHEAD", ahead)
-    res = _invoke(["sweep-bench", "-m", tiny_model, "-c", "512", "-ub", "128", "-n", "4", "-mla", "3", "-fa"])
-    rows = [l for l in res.stdout.splitlines() if l.startswith("|") and "---" not in l and "PP" not in l]
-    assert [int(r.split("|")[3]) for r in rows] == [0, 128, 256, 384]
-    first = next(l for l in res.stderr.splitlines() if l.startswith("compiled"))
-    if ahead == "background":
-        assert "for the first row; the other" in first and "compiling meanwhile" in first
-        assert any(l.startswith("compiled") and l.endswith("in all") for l in res.stderr.splitlines())
-    else:
-        assert "first row" not in first
 
 
 def test_compile_side_by_side_runs_each_family_first_before_the_rest():

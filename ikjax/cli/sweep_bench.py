@@ -6,24 +6,13 @@ is timed, and keeping the table (or JSONL) alone on stdout while progress goes t
 """
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ikjax import env
-from ikjax.cli.common import (
-    Progress,
-    app,
-    compiled_line,
-    handle,
-    load_engine,
-    log,
-    setup_compile_cache,
-)
+from ikjax.cli.common import Progress, app, compiled_line, handle, load_engine, log, setup_compile_cache
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -102,16 +91,17 @@ def sweep_bench(
     first_compile: dict = {}
 
     def compile_first(eng) -> None:
-        """Outside every row's timings, while the weights stream in (Engine._overlaps_load): the
-        first row's steps before it, so the first row comes as soon as its own steps exist. Where
-        steps compile side by side (an accelerator) they do, and the later rows' steps then
-        compile in a thread while the first rows run (IKJAX_COMPILE_AHEAD=background: a cold
-        V2-Lite sweep on an H200 spent 16.3 of its 29.3 s compiling 5 steps before its first row,
-        RESULTS §22f; `before` keeps that); each row waits for its own steps (`before_row`).
-        Elsewhere each later row's steps compile before that row."""
+        """Outside every row's timings, while the weights stream in (Engine._overlaps_load): where
+        steps compile side by side (an accelerator) all of them at once before the first row
+        (they take about as long as the longest: V2-Lite on an H100, 5 steps 22.5 s one row after
+        the other, RESULTS §22); else the first row's steps before it and each later row's before
+        that row, so the first row comes as soon as its own steps exist. Compiling the later rows'
+        steps in a thread while the first rows run was tried (RESULTS §22g): the compiles' Python
+        tracing holds the GIL the timed rows' dispatches need, and their first rows' S_PP fell to
+        0.3-0.6x."""
         count0, hits0 = eng.compile_count, eng.compile_cache_hits
         n_shapes = len(sb.step_shapes(eng, tg, **shape_args))
-        all_at_once = eng.compile_in_parallel() and env.choice("IKJAX_COMPILE_AHEAD") == "before"
+        all_at_once = eng.compile_in_parallel()
         first = sb.step_shapes(eng, tg, None if all_at_once else 0, **shape_args)
         t0 = time.perf_counter()
         what = "" if all_at_once else " of the first row"
@@ -120,23 +110,12 @@ def sweep_bench(
                           on_begin=lambda k, n, t, kv: prog.status(f"compiling step {k}/{n}{what} "
                                                                    f"({t} tokens, KV bucket {kv})"), **shape_args)
         compile_s = time.perf_counter() - t0
-        ahead = n_shapes > len(first) and eng.compile_in_parallel() and not all_at_once
-        if ahead:
-            threading.Thread(target=compile_ahead, args=(eng,), name="ikjax-compile-ahead", daemon=True).start()
-        later = (f" for the first row; the other {n_shapes - len(first)} "
-                 + ("compiling meanwhile" if ahead else "before their rows")) if n_shapes > len(first) else ""
+        later = f" for the first row; the other {n_shapes - len(first)} before their rows" \
+            if n_shapes > len(first) else ""
         log(compiled_line(eng, count0, hits0, compile_s) + later
             + (" (the weights loading meanwhile)" if eng.loading else ""))
         first_compile.update(count0=count0, hits0=hits0, compile_s=compile_s, n_shapes=n_shapes,
                              n_first=len(first))
-
-    def compile_ahead(eng) -> None:
-        """The later rows' steps, side by side, while the first rows run. A step that fails here is
-        compiled again by its row (`before_row`), where its error reaches the user."""
-        try:
-            sb.precompile(eng, tg, **shape_args)
-        except Exception as e:  # noqa: BLE001 - the row's own compile reports it
-            logging.getLogger("ikjax").debug("compiling ahead stopped: %s", e)
 
     eng = load_engine(run.model, run.verbose, while_loading=compile_first, **run_opts)
     count0, hits0, compile_s = first_compile["count0"], first_compile["hits0"], first_compile["compile_s"]
@@ -175,7 +154,6 @@ def sweep_bench(
             log(line)
     if plot:
         import json
-
         from ikjax.tools.plot import plot_runs
         recs = [json.loads(r.jsonl(info)) for r in rows]
         label = f"{Path(str(eng.file.path)).stem} mla={eng.options.mla} fa={int(eng.options.fa)}"

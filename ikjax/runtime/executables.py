@@ -196,9 +196,9 @@ class Executables:
                 self._compiling[key] = threading.Event()
                 self._note_compile(B, T, plan, decode)
         if busy is not None:
-            # another thread compiles this very step (sweep-bench compiles later rows' steps in the
-            # background while the first rows run): wait for it, not compile it a second time; if
-            # it failed there, compile here, where its error then reaches the caller
+            # another thread compiles this very step (the server's warm-up beside a request, two
+            # callers of precompile): wait for it, not compile it a second time; if it failed
+            # there, compile here, where its error then reaches the caller
             busy.wait()
             exe = self.table.get(key)
             return exe if exe is not None else self.get(weights, B, T, plan, decode)
