@@ -99,6 +99,32 @@ def test_greedy_streams_decode_in_loops(eng):
         s.stop()
 
 
+def test_streams_banning_the_same_ids_decode_in_loops(eng):
+    """ignore_eos bans EOS: such greedy streams loop too (the loop compiled with that ban), their
+    answers generate's with ignore_eos; streams banning different ids fall back to one step a
+    token, with the same answers."""
+    from ikjax.runtime.scheduler import LOOP_STEPS
+    eos = eng.config.eos_token_id
+    s = Scheduler(eng, 2).start()
+    try:
+        a, b = ids(eng, 5, 21), ids(eng, 9, 22)
+        steps0 = s.stats.decode_steps
+        (_, ca), (_, cb) = submit(s, a, 30, ignore_eos=True), submit(s, b, 25, ignore_eos=True)
+        assert ca.wait()[0] == "done" and cb.wait()[0] == "done"
+        assert ca.tokens == list(eng.generate(a, 30, ignore_eos=True))
+        assert cb.tokens == list(eng.generate(b, 25, ignore_eos=True))
+        banned_loops = [k for k in eng._executables if k[0] == 2 and k[3] is not None and k[3][0] == LOOP_STEPS
+                        and dict(k[3][1]).get("ban") == (eos,)]
+        assert banned_loops, "the EOS-banning loop ran"
+        assert s.stats.decode_steps > steps0
+        # different bans in one batch: one step a token, the same answers
+        (_, cc), (_, cd) = submit(s, a, 12, ignore_eos=True), submit(s, b, 12)
+        assert cc.wait()[0] == "done" and cd.wait()[0] == "done"
+        assert cc.tokens == list(eng.generate(a, 12, ignore_eos=True)) and cd.tokens == list(eng.generate(b, 12))
+    finally:
+        s.stop()
+
+
 def test_prompt_fed_one_chunk_per_decode_step(eng, sched):
     """A 96-token prompt (6 chunks) arriving while a stream decodes: the stream gets a token after
     every chunk, not after the whole prompt."""
@@ -210,19 +236,23 @@ def test_checks_before_queueing(eng, sched):
 def test_failed_step_fails_the_slots_and_the_loop_goes_on(eng, monkeypatch):
     s = Scheduler(eng, 2).start()
     try:
-        real = eng.step
+        real_step, real_decode = eng.step, eng.decode
         calls = {"n": 0}
 
-        def flaky(*a, **k):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("device lost")
-            return real(*a, **k)
-        monkeypatch.setattr(eng, "step", flaky)
+        def flaky(real):  # the third dispatch fails, a single step or the decode loop
+            def run(*a, **k):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("device lost")
+                return real(*a, **k)
+            return run
+        monkeypatch.setattr(eng, "step", flaky(real_step))
+        monkeypatch.setattr(eng, "decode", flaky(real_decode))
         req, c = submit(s, ids(eng, 4, 7), 50, ignore_eos=True)
         kind, msg = c.wait()
         assert kind == "error" and "device lost" in msg and req.finish_reason == "error"
-        monkeypatch.setattr(eng, "step", real)
+        monkeypatch.setattr(eng, "step", real_step)
+        monkeypatch.setattr(eng, "decode", real_decode)
         p = ids(eng, 6, 8)
         _, c2 = submit(s, p, 5)
         assert c2.wait()[0] == "done" and c2.tokens == list(eng.generate(p, 5))

@@ -264,6 +264,11 @@ class Scheduler:
         # last step's (Engine.precompile_decode)
         loops = [(self.n_slots, LOOP_STEPS, kv) for _, _, kv in jobs if kv >= LOOP_STEPS] \
             if eng.decode_loop() else []
+        # and, side by side on an accelerator, its form that bans EOS (ignore_eos streams loop too,
+        # _loop_steps; compiled when first asked for, it would stall every stream for its compile)
+        eos = eng.config.eos_token_id
+        if loops and eos is not None and eng.compile_in_parallel():
+            loops += [(*j, {"ban": [eos]}) for j in loops]
         if prompts:
             seen = set()
             for c0 in range(0, self.ctx - ub + 1, ub):
@@ -283,7 +288,8 @@ class Scheduler:
                         jobs.append((1, T, p + T))
         work = [(eng.precompile, j) for j in jobs] + [(eng.precompile_decode, j) for j in loops]
         if eng.compile_in_parallel() and len(work) > 1:  # a family: one kind of step, one token count
-            compile_side_by_side([((fn.__name__, j[1]), functools.partial(fn, *j)) for fn, j in work])
+            # (the EOS-banning loop its own family: it starts at once beside the plain one)
+            compile_side_by_side([((fn.__name__, j[1], len(j)), functools.partial(fn, *j)) for fn, j in work])
         else:
             for fn, j in work:
                 fn(*j)
@@ -486,13 +492,19 @@ class Scheduler:
     def _loop_steps(self, rows: list[Slot]) -> int:
         """How many tokens the next dispatch makes for every generating slot: more than one only
         where the engine loops on the device (`Engine.decode_loop`), no prompt is being fed and no
-        request waits (they join at step boundaries), every stream is plain greedy without banned
-        ids (one compiled loop, warmed up ahead), and every slot has the room: its request's token
+        request waits (they join at step boundaries), every stream is plain greedy (one compiled
+        loop, warmed up ahead), and every slot has the room: its request's token
         limit and context, and every row's cache past its tokens (an idle row's throw-away entries
-        must not land on the tokens its slot keeps for the prompt cache)."""
+        must not land on the tokens its slot keeps for the prompt cache). Streams that ban ids
+        (ignore_eos bans EOS) loop too where they all ban the same ones: the loop's sampler takes
+        them (one executable per set, compiled when the set first comes); before, every such
+        stream ran one dispatch a token (bench/serve_load.py asks ignore_eos: its one-stream row
+        measured that, RESULTS §23g)."""
         if not rows or self._prefill or self._queue or not self.eng.decode_loop():
             return 1
-        if any(not _plain_greedy(s.req) or s.req.ban or s.req.cancelled for s in rows):
+        if any(not _plain_greedy(s.req) or s.req.cancelled for s in rows):
+            return 1
+        if len({frozenset(s.req.ban) for s in rows}) > 1:  # one loop bans one set (ignore_eos: EOS)
             return 1
         k = LOOP_STEPS
         for s in rows:
@@ -507,8 +519,9 @@ class Scheduler:
         entries of the tokens fed after that lie past its slot's tokens: never read)."""
         start = np.array([len(s.tokens) for s in self.slots], np.int32)
         t0 = time.perf_counter()
+        ban = sorted(rows[0].req.ban)  # the same for every row (_loop_steps)
         out, self._cache = self.eng.decode(self._cache, toks, start, k, chunk=LOOP_STEPS, check_finite=False,
-                                           idle=last < 0)
+                                           idle=last < 0, sampling={"ban": ban} if ban else None)
         got = np.asarray(out)[:, :k]
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += k
