@@ -17,6 +17,9 @@ def test_trace_records_every_chunk_and_decode_step(tiny_model, tmp_path, monkeyp
     from ikjax.runtime.scheduler import Scheduler
     path = tmp_path / "trace.jsonl"
     monkeypatch.setenv("IKJAX_SERVE_TRACE", str(path))
+    # one dispatch a token (no decode loop: ignore_eos streams loop too since d0aa682), so every
+    # generated token after the first is one decode event
+    monkeypatch.setenv("IKJAX_DECODE_LOOP", "0")
     eng = ikjax.load(tiny_model, ctx=256, ubatch=32)
     s = Scheduler(eng, 2).start()
     done = threading.Semaphore(0)

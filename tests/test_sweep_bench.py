@@ -175,22 +175,20 @@ def test_a_step_compiling_in_one_thread_is_not_compiled_again_in_another(tiny_mo
             out[name] = eng.precompile(1, 128, kv)
         except Exception as e:  # noqa: BLE001
             out[name] = e
-    threads = [threading.Thread(target=ask, args=(n, 256), name=n) for n in ("a", "b")]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    for t in threads:
-        t.join()
+
+    def both(names, kv):  # two threads ask for the same step, the second 50 ms after the first
+        threads = [threading.Thread(target=ask, args=(n, kv), name=n) for n in names]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+    both(("a", "b"), 256)
     assert len(calls) == 1 and eng.compile_count == 1 and len(eng._executables) == 1
     assert isinstance(out["a"], float) and isinstance(out["b"], float)
     # the first thread's compile fails: the second compiles it again and succeeds
     fail.append(1)
-    threads = [threading.Thread(target=ask, args=(n, 512), name=n) for n in ("c", "d")]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    for t in threads:
-        t.join()
+    both(("c", "d"), 512)
     assert calls[1:] == ["c", "d"]
     assert isinstance(out["c"], RuntimeError) and isinstance(out["d"], float)
     assert eng.compile_count == 2 and len(eng._executables) == 2

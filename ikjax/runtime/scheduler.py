@@ -334,13 +334,14 @@ class Scheduler:
     def _iteration(self) -> None:
         self._drop_cancelled()
         self._admit()
-        if self._prefill:
+        fed = bool(self._prefill)
+        if fed:
             t = time.perf_counter()
             self._prefill_chunk()
             self._record("chunk", t)
         if any(s.req is not None and s.req._pos == len(s.req.prompt) for s in self.slots):
             t = time.perf_counter()
-            self._decode_step()
+            self._decode_step(single=fed)
             self._record("decode", t)
 
     def _record(self, kind: str, t0: float) -> None:
@@ -451,7 +452,11 @@ class Scheduler:
         if start % self.ubatch == 0 and start <= slot.exact:
             slot.exact = start + (req._pos - start) // self.ubatch * self.ubatch
 
-    def _decode_step(self) -> None:
+    def _decode_step(self, single: bool = False) -> None:
+        """One decode step of every generating slot, or a loop of them (`_loop_steps`) unless
+        `single`: after a prompt chunk the streams have waited a chunk, and their next token comes
+        from one step; a loop would hold it until the loop's last (RESULTS §23h: the token after a
+        2048-token prompt came a whole dispatch late)."""
         B = self.n_slots
         toks = np.zeros((B, 1), np.int32)
         start = np.zeros(B, np.int32)
@@ -467,7 +472,7 @@ class Scheduler:
                 toks[s.index, 0] = r.generated[-1]
                 last[s.index] = 0
                 rows.append(s)
-        k = self._loop_steps(rows)
+        k = 1 if single else self._loop_steps(rows)
         if k > 1:
             self._decode_loop(rows, toks[:, 0], k, last)
             return
