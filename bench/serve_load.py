@@ -41,8 +41,10 @@ def pct(xs: list[float], p: float) -> float:
 
 
 class Client:
-    def __init__(self, session: aiohttp.ClientSession, url: str, key: str | None, vocab: int, seed: int):
+    def __init__(self, session: aiohttp.ClientSession, url: str, key: str | None, vocab: int, seed: int,
+                 temperature: float = 0.0):
         self.s, self.url, self.vocab = session, url.rstrip("/"), vocab
+        self.temperature = temperature  # > 0: sampled, with the server's default filters (--top-k --top-p --min-p)
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.rng = random.Random(seed)
         self.live: list[list[float]] = []  # token times of the streams under way
@@ -52,8 +54,8 @@ class Client:
 
     async def stream(self, ids: list[int], n_predict: int) -> dict:
         """One streamed request: arrival-relative times of every token event."""
-        body = {"prompt": ids, "n_predict": n_predict, "stream": True, "ignore_eos": True, "temperature": 0,
-                "cache_prompt": True, "return_tokens": True}
+        body = {"prompt": ids, "n_predict": n_predict, "stream": True, "ignore_eos": True,
+                "temperature": self.temperature, "cache_prompt": True, "return_tokens": True}
         t0 = time.perf_counter()
         times: list[float] = []
         absolute: list[float] = []
@@ -177,7 +179,7 @@ async def main_async(a) -> list[dict]:
     # a localhost connect costs ~0.1 ms of a request's time to first token for either server
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as s:
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-        cl = Client(s, a.url, a.api_key, await vocab_size(s, a.url, headers), a.seed)
+        cl = Client(s, a.url, a.api_key, await vocab_size(s, a.url, headers), a.seed, a.temperature)
         await cl.stream(cl.prompt(8), 2)  # warm: the first request may compile
         if a.mode == "load":
             rows = []
@@ -205,6 +207,7 @@ def main() -> None:
     ap.add_argument("--ubatch", type=int, default=512, help="interference: the server's -ub (a prompt chunk)")
     ap.add_argument("--history", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled streams (default greedy)")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     rows = asyncio.run(main_async(a))

@@ -125,6 +125,33 @@ def test_streams_banning_the_same_ids_decode_in_loops(eng):
         s.stop()
 
 
+def test_sampled_streams_draw_generates_tokens_in_loops_and_steps(eng):
+    """Sampled streams (no penalty, bias or logprobs) draw on the device with a key from their own
+    seed, as Engine.generate draws: the same tokens as generate's for that seed, whether they run
+    in the decode loop (alone, or beside a stream of the same setting) or one step a token (beside a
+    stream of another setting, or a greedy one)."""
+    from ikjax.runtime.scheduler import LOOP_STEPS
+    p, q = ids(eng, 6, 31), ids(eng, 8, 32)
+    kw = dict(temperature=0.9, top_k=20, seed=3)
+    want_p = list(eng.generate(p, 20, ignore_eos=True, **kw))
+    want_q = list(eng.generate(q, 20, ignore_eos=True, temperature=0.7, top_p=0.9, seed=5))
+    s = Scheduler(eng, 2).start()
+    try:
+        _, alone = submit(s, p, 20, ignore_eos=True, **kw)  # the loop
+        assert alone.wait()[0] == "done" and alone.tokens == want_p
+        assert any(k[3] is not None and k[3][0] == LOOP_STEPS and dict(k[3][1]).get("rows")
+                   for k in eng._executables), "the sampled loop ran"
+        (_, a), (_, b) = submit(s, p, 20, ignore_eos=True, **kw), submit(s, q, 20, ignore_eos=True, temperature=0.7,
+                                                                          top_p=0.9, seed=5)
+        assert a.wait()[0] == "done" and b.wait()[0] == "done"
+        assert a.tokens == want_p and b.tokens == want_q  # two settings: one step a token
+        (_, c), (_, d) = submit(s, p, 20, ignore_eos=True, **kw), submit(s, q, 20)
+        assert c.wait()[0] == "done" and d.wait()[0] == "done"
+        assert c.tokens == want_p and d.tokens == list(eng.generate(q, 20))
+    finally:
+        s.stop()
+
+
 def test_prompt_fed_one_chunk_per_decode_step(eng, sched):
     """A 96-token prompt (6 chunks) arriving while a stream decodes: the stream gets a token after
     every chunk, not after the whole prompt."""

@@ -327,6 +327,11 @@ class Engine:
         hybrid = not self.placement.unified and self.placement.host_bytes > 0
         return self.executor.loops and not hybrid and env.choice("IKJAX_DECODE_LOOP") == "1"
 
+    def row_sampling(self) -> bool:
+        """Whether `decode` can draw each row with its own key (sampling "rows": the server's
+        sampled streams in the decode loop): the loop on one device."""
+        return self.decode_loop() and self.executor.row_keys
+
     _sampling_key = staticmethod(generation.sampling_key)
 
     def _decode_plan(self, start_max: int, chunk: int) -> StepPlan:
@@ -341,8 +346,16 @@ class Engine:
         PRNG key. A token made from non-finite logits (NON_FINITE) is refused here unless
         `check_finite=False` (the server ends only that row's request). `idle` [B] bool: rows whose
         tokens nobody reads (the server's free slots): on one device they route to no expert, as
-        `step`'s last = -1 (elsewhere they compute as any row; their tokens are meaningless)."""
+        `step`'s last = -1 (elsewhere they compute as any row; their tokens are meaningless).
+        `sampling` with "rows": True takes `key` as a key per row (`sampling.sample_rows`; on one
+        device, `row_sampling()`)."""
         tokens = self._ids("tokens", tokens, 1)
+        if (sampling or {}).get("rows"):
+            if not self.row_sampling():
+                raise OptionError("decode: a key per row needs the one-device decode loop")
+            if key is None or getattr(key, "shape", ()) != (len(tokens),):
+                raise OptionError(f"decode: sampling by rows needs a key per row ({len(tokens)}), got "
+                                  f"{getattr(key, 'shape', None)}")
         if idle is not None and np.asarray(idle, bool).any():
             tokens = np.where(np.asarray(idle, bool), -1 if self.executor.idle_rows else 0, tokens).astype(np.int32)
         chunk = n if chunk is None else chunk

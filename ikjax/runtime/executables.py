@@ -77,9 +77,8 @@ def compile_step(weights, cache, B: int, T: int, *, cfg: ModelConfig, plan: Step
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sharding)
     if decode is not None:
         chunk, sampling = decode
-        lowered = _jitted_decode.lower(weights, cache, i32((B,)), i32((B,)), i32(()),
-                                       jax.eval_shape(lambda: jax.random.key(0)), cfg=cfg,
-                                       plan=plan, chunk=chunk, sampling=sampling)
+        lowered = _jitted_decode.lower(weights, cache, i32((B,)), i32((B,)), i32(()), _decode_key(B, sampling),
+                                       cfg=cfg, plan=plan, chunk=chunk, sampling=sampling)
         return lowered.compile(_DECODE_GPU_OPTIONS if gpu else None)
     return _jitted_forward.lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=cfg, plan=plan).compile()
 
@@ -97,8 +96,16 @@ def step_arguments(weights, layout, B: int, T: int, decode: tuple | None) -> tup
     cache = jax.eval_shape(lambda: kvcache.init_cache(layout))
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     if decode is not None:
-        return (weights, cache, i32((B,)), i32((B,)), i32(()), jax.eval_shape(lambda: jax.random.key(0)))
+        return (weights, cache, i32((B,)), i32((B,)), i32(()), _decode_key(B, decode[1]))
     return (weights, cache, i32((B, T)), i32((B,)), i32((B,)))
+
+
+def _decode_key(B: int, sampling: tuple):
+    """The decode loop's key argument: one PRNG key, or one a row where `sampling` says ("rows",
+    True) (generation.decode_steps, sampling.sample_rows)."""
+    if dict(sampling).get("rows"):
+        return jax.eval_shape(lambda: jax.random.split(jax.random.key(0), B))
+    return jax.eval_shape(lambda: jax.random.key(0))
 
 
 def _describe(a) -> tuple:

@@ -65,6 +65,7 @@ class Executor(abc.ABC):
     tp = None                    # StepPlan.tp: -sm graph's TensorSplit, else None
     loops = False                # runs the decode loop (several steps per dispatch)
     idle_rows = False            # its decode loop takes token -1 as an idle row (decode_steps)
+    row_keys = False             # its decode loop takes a PRNG key per row (sampling ("rows", True))
     stores_steps = False         # its steps may be stored whole (compile_cache.store_step)
     compiles_in_parallel = False  # several steps may compile at once (on an accelerator)
 
@@ -115,6 +116,7 @@ class SingleDevice(Executor):
 
     loops = True
     idle_rows = True
+    row_keys = True
     overlaps_load = True
 
     def __init__(self, placement, config: ModelConfig, spans: tuple):

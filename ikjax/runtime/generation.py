@@ -22,7 +22,7 @@ from ikjax.gguf_io.config import ModelConfig
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.runtime import buckets as kv_buckets
 from ikjax.runtime.sampling import (Penalties, check_count, check_finite_logits, check_penalty,
-                                    check_sampling, sample_device, sample_next)
+                                    check_sampling, sample_device, sample_next, sample_rows)
 
 log = logging.getLogger("ikjax")
 
@@ -44,8 +44,10 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
     captures as one CUDA graph (a WHILE command, see ikjax.runtime.executables._DECODE_GPU_OPTIONS)."""
     # token -1: an idle row (the server's free slots, Engine.decode's `idle`): it computes a
     # throw-away token at its position, as any row, but routes to no expert (`forward`'s last
-    # -1) and stays -1
+    # -1) and stays -1. sampling's ("rows", True): `key` holds a key per row (sample_rows)
     B = tok.shape[0]
+    filters = {k: v for k, v in sampling if k != "rows"}
+    per_row = dict(sampling).get("rows", False)
     live = tok >= 0
     last = jnp.where(live, 0, -1).astype(jnp.int32)
 
@@ -54,7 +56,11 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
         logits, cache = forward(weights, cache, jnp.maximum(tok, 0)[:, None], start + i, last, cfg=cfg, plan=plan)
         # the draw for the token after position p uses key folded with p: the same tokens whether
         # they come 16 to a dispatch or one at a time (a streaming caller), for one seed
-        nxt = jnp.where(live, sample_device(logits, jax.random.fold_in(key, start[0] + i), **dict(sampling)), -1)
+        if per_row:
+            drawn = sample_rows(logits, key, start + i, **filters)
+        else:
+            drawn = sample_device(logits, jax.random.fold_in(key, start[0] + i), **filters)
+        nxt = jnp.where(live, drawn, -1)
         return cache, nxt, jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i)), key
 
     out = jnp.zeros((B, chunk), jnp.int32)
@@ -95,6 +101,8 @@ def sampling_key(sampling: dict | None) -> tuple:
     ban = tuple(sorted({int(t) for t in (sampling or {}).get("ban", ())}))
     if ban:
         p["ban"] = ban
+    if (sampling or {}).get("rows"):  # a key per row (sampling.sample_rows): the server's sampled streams
+        p["rows"] = True
     return tuple(sorted(p.items()))
 
 

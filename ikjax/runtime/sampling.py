@@ -234,6 +234,22 @@ def sample_device(logits, key, *, temperature: float = 0.0, top_k: int = 0, top_
     return jnp.where(finite, _sample_device(logits, key, temperature, top_k, top_p, min_p), NON_FINITE)
 
 
+def sample_rows(logits, keys, positions, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0, ban: tuple = ()):
+    """`sample_device` with a key per row: row b's token drawn with fold_in(keys[b], positions[b])
+    (positions: the fed token's), from its row alone. Each row then draws what a batch-1 decode
+    loop with that key draws at that position (`generation.decode_steps`: fold_in(key, start + i)
+    over a [1, V] row), whatever else the batch holds: the server's sampled streams give
+    `generate`'s tokens for their seed, in one-step dispatches and in its decode loop alike."""
+    import jax
+    import jax.numpy as jnp
+
+    def one(row, key, pos):
+        return sample_device(row[None], jax.random.fold_in(key, pos), temperature=temperature, top_k=top_k,
+                             top_p=top_p, min_p=min_p, ban=ban)[0]
+    return jax.vmap(one)(jnp.asarray(logits), keys, jnp.asarray(positions, jnp.int32))
+
+
 def _sample_device(logits, key, temperature, top_k, top_p, min_p):
     import jax
     import jax.numpy as jnp

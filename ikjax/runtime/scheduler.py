@@ -64,7 +64,7 @@ from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _p
 from ikjax.runtime.sampling import (LOGIT_BAN, NON_FINITE, NonFiniteLogitsError, Penalties, check_count,
                                     check_logit_bias,
                                     check_penalty, check_sampling, check_top_logprobs, sample_next,
-                                    token_logprobs)
+                                    sample_rows, token_logprobs)
 
 log = logging.getLogger("ikjax")
 
@@ -117,6 +117,7 @@ class Request:
     _pos: int = 0  # prompt tokens in the cache so far
     _fed_from: int = 0  # where feeding its prompt started
     _rng: np.random.Generator | None = None
+    _key: object = None  # its PRNG key for device draws (Scheduler._device_sampled), after its first token
 
     def timings(self) -> dict:
         """llama-server's `timings` object: prompt and generation, counts and milliseconds."""
@@ -179,6 +180,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ikjax-scheduler", daemon=True)
+        self._row_keys = eng.row_sampling()  # sampled streams draw on the device, a key per row
         self._trace_path = env.raw("IKJAX_SERVE_TRACE")
         self._trace = deque(maxlen=100_000) if self._trace_path else None
 
@@ -440,6 +442,10 @@ class Scheduler:
             self._finish(req, STOP_MAX_TOKENS)
             return
         self._next(req, lambda: self._sample(req, logits))
+        if self._row_keys and req.sampling["temperature"] > 0.0:
+            # the device's draws follow the seed, as generate's: a key from the request's generator
+            # right after its first token (Engine.generate draws it there too)
+            req._key = jax.random.key(int(req._rng.integers(0, 2**31 - 1)))
 
     def _end_prefill(self, req: Request) -> None:
         """The head prompt's batch-1 cache back into its slot's row; whole chunks fed from a chunk
@@ -483,16 +489,44 @@ class Scheduler:
         greedy = [s for s in rows if _plain_greedy(s.req)]
         if greedy:
             top, finite = (np.asarray(a) for a in _argmax_rows(logits, self._banned(greedy)))
-        host = np.asarray(logits, np.float32) if len(greedy) < len(rows) else None
+        # sampled rows without penalties, biases or logprobs draw on the device with their own
+        # key, as the loop draws them (sampling.sample_rows): one call per sampling setting
+        drawn: dict[int, int] = {}
+        sampled = [s for s in rows if s not in greedy and self._device_sampled(s.req)]
+        for setting in {self._setting(s.req) for s in sampled}:
+            got = np.asarray(_sample_rows(logits, self._keys(sampled), start, setting))
+            drawn.update({s.index: int(got[s.index]) for s in sampled if self._setting(s.req) == setting})
+        host = np.asarray(logits, np.float32) if len(greedy) + len(drawn) < len(rows) else None
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
         for s in rows:
             s.tokens.append(int(toks[s.index, 0]))
             b, req = s.index, s.req
-            if host is None or _plain_greedy(req):
+            if _plain_greedy(req):
                 self._next(req, lambda: _checked(int(top[b]), bool(finite[b])))
+            elif b in drawn:
+                self._next(req, lambda: _checked(drawn[b], drawn[b] != NON_FINITE))
             else:
                 self._next(req, lambda: self._sample(req, host[b]))
+
+    def _device_sampled(self, req: Request) -> bool:
+        """Whether `req`'s tokens after its first are drawn on the device with its own key (in
+        one-step dispatches and in the loop alike: the same tokens, `generate`'s for its seed):
+        sampling without a penalty, a logit bias or log-probabilities, where the engine's loop
+        takes a key per row (one device)."""
+        return (req.sampling["temperature"] > 0.0 and not req.penalties.active and req.top_logprobs is None
+                and not req.logit_bias and req._key is not None)
+
+    @staticmethod
+    def _setting(req: Request) -> tuple:
+        """The static sampling setting a device draw for `req` is compiled for (its bans in it)."""
+        return generation.sampling_key({**_filters(req.sampling), "ban": sorted(req.ban), "rows": True})
+
+    def _keys(self, rows: list[Slot]):
+        """[n_slots] PRNG keys: each row's request's key, a fixed one for the others."""
+        mine = {s.index: s.req._key for s in rows}
+        idle = _idle_key()
+        return jnp.stack([mine.get(i, idle) for i in range(self.n_slots)])
 
     def _loop_steps(self, rows: list[Slot]) -> int:
         """How many tokens the next dispatch makes for every generating slot: more than one only
@@ -507,10 +541,13 @@ class Scheduler:
         measured that, RESULTS §23g)."""
         if not rows or self._prefill or self._queue or not self.eng.decode_loop():
             return 1
-        if any(not _plain_greedy(s.req) or s.req.cancelled for s in rows):
+        if any(s.req.cancelled for s in rows):
             return 1
-        if len({frozenset(s.req.ban) for s in rows}) > 1:  # one loop bans one set (ignore_eos: EOS)
-            return 1
+        if all(_plain_greedy(s.req) for s in rows):
+            if len({frozenset(s.req.ban) for s in rows}) > 1:  # one loop bans one set (ignore_eos: EOS)
+                return 1
+        elif not all(self._device_sampled(s.req) for s in rows) or len({self._setting(s.req) for s in rows}) > 1:
+            return 1  # one loop draws with one setting (each row with its own key)
         k = LOOP_STEPS
         for s in rows:
             req = s.req
@@ -524,9 +561,14 @@ class Scheduler:
         entries of the tokens fed after that lie past its slot's tokens: never read)."""
         start = np.array([len(s.tokens) for s in self.slots], np.int32)
         t0 = time.perf_counter()
-        ban = sorted(rows[0].req.ban)  # the same for every row (_loop_steps)
+        req0 = rows[0].req  # every row's setting is the same (_loop_steps)
+        if _plain_greedy(req0):
+            ban = sorted(req0.ban)
+            sampling, key = ({"ban": ban} if ban else None), None
+        else:
+            sampling, key = dict(self._setting(req0)), self._keys(rows)
         out, self._cache = self.eng.decode(self._cache, toks, start, k, chunk=LOOP_STEPS, check_finite=False,
-                                           idle=last < 0, sampling={"ban": ban} if ban else None)
+                                           idle=last < 0, sampling=sampling, key=key)
         got = np.asarray(out)[:, :k]
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += k
@@ -623,6 +665,20 @@ class Scheduler:
                 self._finish(s.req, "error", message)
             s.tokens, s.exact, s.prompt_end = [], 0, 0
         self._cache = self.eng.new_cache(self.n_slots)
+
+
+@functools.lru_cache(maxsize=1)
+def _idle_key():
+    """The key of a row that draws nothing (idle, greedy, or of another setting); made on first
+    use, not at import (that would start the JAX backend before the CLI sets its flags)."""
+    return jax.random.key(0)
+
+
+@functools.partial(jax.jit, static_argnames=("setting",))
+def _sample_rows(logits, keys, positions, setting: tuple):
+    """Every row's draw with its own key at its position (sampling.sample_rows) under one static
+    setting; the caller keeps the rows that use it (one compile per setting, not per row count)."""
+    return sample_rows(logits, keys, positions, **{k: v for k, v in setting if k != "rows"})
 
 
 @jax.jit
