@@ -389,6 +389,36 @@ def test_warmup_side_by_side_compiles_every_step_it_uses(tiny_model):
         assert c.tokens == list(eng.generate(p, 6))
 
 
+def test_warmup_compiles_the_loops_of_ignore_eos_and_the_default_sampling(tiny_model):
+    """The warm-up (side by side, forced here on CPU) also compiles the loop that bans EOS and,
+    given the server's default sampling, the sampled loop of that setting: streams asking
+    ignore_eos, or sampling with the defaults, then loop without compiling anything."""
+    from ikjax.runtime.sampling import check_sampling
+    from ikjax.runtime.scheduler import LOOP_STEPS
+    eng = ikjax.load(tiny_model, ctx=CTX, ubatch=UB)
+    eng.compile_in_parallel = lambda: True
+    d = check_sampling(0.8, 40, 0.95, 0.05)
+    s = Scheduler(eng, 2)
+    n = s.warmup(sampling=d)
+    loops = [dict(k[3][1]) for k in eng._executables if k[3] is not None and k[3][0] == LOOP_STEPS]
+    assert any(not f.get("rows") and not f.get("ban") for f in loops)  # greedy
+    assert any(f.get("ban") == (eng.config.eos_token_id,) for f in loops)  # ignore_eos
+    assert any(f.get("rows") and f["temperature"] == 0.8 and f["top_k"] == 40 for f in loops)  # the defaults
+    s.start()
+    try:
+        p, q = ids(eng, 9, 41), ids(eng, 7, 42)
+        (_, a), (_, b) = submit(s, p, 20, ignore_eos=True), submit(s, q, 20, ignore_eos=True)
+        assert a.wait()[0] == "done" and b.wait()[0] == "done"
+        (_, c), (_, e) = (submit(s, p, 20, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7),
+                          submit(s, q, 20, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=8))
+        assert c.wait()[0] == "done" and e.wait()[0] == "done"
+    finally:
+        s.stop()
+    assert eng.compile_count == n
+    assert a.tokens == list(eng.generate(p, 20, ignore_eos=True))
+    assert c.tokens == list(eng.generate(p, 20, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7))
+
+
 def test_logit_bias(eng, sched):
     """A bias is added to its id's logit before sampling (the host path), a bias of -100 or less
     bans the id (the device argmax honours bans); bad biases are refused before queueing."""

@@ -131,7 +131,7 @@ def serve(
         made["scheduler"] = scheduler = Scheduler(eng, parallel, max_queue=max_queue, prompt_cache=prompt_cache)
         if not run.no_warmup:
             t0 = time.perf_counter()
-            n = scheduler.warmup()
+            n = scheduler.warmup(sampling=_default_sampling(defaults))
             sizes = "/".join(str(t) for t in eng.prompt_step_sizes()) if eng.compile_in_parallel() \
                 else str(eng.options.ubatch)
             log(f"warm-up: compiled {n} steps (decode of {parallel} slots, prompt chunks of {sizes} tokens) in "
@@ -155,12 +155,18 @@ def serve(
     run_server(server, sock, on_listening=lambda url: log(f"listening on {url}"))
 
 
+def _default_sampling(d) -> dict:
+    """The sampling a request that sets none gets (the flags' defaults, as check_sampling gives
+    them): the scheduler warms up its decode loop."""
+    from ikjax.runtime.sampling import check_sampling
+    return check_sampling(d.temperature, max(d.top_k, 0), d.top_p if d.top_p > 0 else 1.0, d.min_p,
+                          None if d.seed < 0 else d.seed)
+
+
 def _check_defaults(d) -> None:
     """The sampling defaults as a request would give them (one line naming the flag)."""
-    from ikjax.runtime.sampling import check_sampling
     try:
-        check_sampling(d.temperature, max(d.top_k, 0), d.top_p if d.top_p > 0 else 1.0, d.min_p,
-                       None if d.seed < 0 else d.seed)
+        _default_sampling(d)
     except OptionError as e:
         raise OptionError(f"sampling default: {e}") from None
     if d.n_predict < -1:

@@ -249,14 +249,17 @@ class Scheduler:
         return [{"id": s.index, "n_ctx": self.ctx, "is_processing": s.req is not None, "n_cached": len(s.tokens),
                  "id_task": s.req.id if s.req is not None else -1} for s in self.slots]
 
-    def warmup(self, prompts: bool = True) -> int:
+    def warmup(self, prompts: bool = True, sampling: dict | None = None) -> int:
         """Compile before the first request arrives (llama-server's warm-up run): the decode step of
         all slots at every KV bucket it can meet and, with `prompts`, the full-ubatch prompt step at
         every KV bucket of a prompt's chunks; on an accelerator also the short prompt step
         (Engine.token_bucket: a prompt's tail, a chat turn after a cached history) at every KV
         bucket, all side by side. A step compiled while streams decode stalls them all for the
         compile's time; on the CPU the shapes left to first use are a prompt's last, partial chunk
-        (a compile there takes a second or two). Returns the steps compiled."""
+        (a compile there takes a second or two). `sampling` (the server's request defaults, as
+        check_sampling returns them): on an accelerator also the loop of sampled streams with that
+        setting, so requests that leave their sampling to the defaults loop without a compile.
+        Returns the steps compiled."""
         eng, ub = self.eng, self.ubatch
         before = eng.compile_count
         jobs = [(self.n_slots, 1, kv) for kv in sorted(
@@ -269,8 +272,12 @@ class Scheduler:
         # and, side by side on an accelerator, its form that bans EOS (ignore_eos streams loop too,
         # _loop_steps; compiled when first asked for, it would stall every stream for its compile)
         eos = eng.config.eos_token_id
-        if loops and eos is not None and eng.compile_in_parallel():
-            loops += [(*j, {"ban": [eos]}) for j in loops]
+        plain = list(loops)
+        if plain and eos is not None and eng.compile_in_parallel():
+            loops += [(*j, {"ban": [eos]}) for j in plain]
+        if plain and sampling and sampling.get("temperature", 0.0) > 0.0 and self._row_keys \
+                and eng.compile_in_parallel():
+            loops += [(*j, dict(_setting_of(sampling, ()))) for j in plain]
         if prompts:
             seen = set()
             for c0 in range(0, self.ctx - ub + 1, ub):
@@ -290,8 +297,8 @@ class Scheduler:
                         jobs.append((1, T, p + T))
         work = [(eng.precompile, j) for j in jobs] + [(eng.precompile_decode, j) for j in loops]
         if eng.compile_in_parallel() and len(work) > 1:  # a family: one kind of step, one token count
-            # (the EOS-banning loop its own family: it starts at once beside the plain one)
-            compile_side_by_side([((fn.__name__, j[1], len(j)), functools.partial(fn, *j)) for fn, j in work])
+            # (each loop form its own family: they start at once beside the plain one)
+            compile_side_by_side([((fn.__name__, j[1], repr(j[3:])), functools.partial(fn, *j)) for fn, j in work])
         else:
             for fn, j in work:
                 fn(*j)
@@ -520,7 +527,7 @@ class Scheduler:
     @staticmethod
     def _setting(req: Request) -> tuple:
         """The static sampling setting a device draw for `req` is compiled for (its bans in it)."""
-        return generation.sampling_key({**_filters(req.sampling), "ban": sorted(req.ban), "rows": True})
+        return _setting_of(req.sampling, req.ban)
 
     def _keys(self, rows: list[Slot]):
         """[n_slots] PRNG keys: each row's request's key, a fixed one for the others."""
@@ -708,6 +715,11 @@ def _checked(tok: int, finite: bool) -> int:
 
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def _setting_of(sampling: dict, ban) -> tuple:
+    """The decode loop's static setting for sampled streams with these filters and banned ids."""
+    return generation.sampling_key({**_filters(sampling), "ban": sorted(ban), "rows": True})
 
 
 def _filters(sampling: dict) -> dict:
