@@ -133,6 +133,27 @@ def test_device_sampler_draws_as_the_host_sampler():
     assert int(sample_device(logits[None], keys[0])[0]) == int(np.argmax(logits))
 
 
+def test_row_sampler_draws_each_row_as_alone():
+    """sample_rows (the server's sampled streams): row b drawn with fold_in(keys[b], positions[b])
+    gives the token sample_device gives that row alone with that folded key, whatever the other
+    rows hold; bans and non-finite rows as sample_device treats them."""
+    from ikjax.runtime.sampling import NON_FINITE, sample_device, sample_rows
+    logits = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32) * 2
+    logits[3, 7] = np.nan
+    keys = jax.random.split(jax.random.key(4), 5)
+    pos = np.array([0, 7, 7, 2, 100], np.int32)
+    for sp in (dict(temperature=0.8), dict(temperature=1.0, top_k=10, top_p=0.9, min_p=0.05, ban=(5, 9))):
+        got = np.asarray(sample_rows(logits, keys, pos, **sp))
+        for b in range(5):
+            alone = int(sample_device(logits[b:b + 1], jax.random.fold_in(keys[b], int(pos[b])), **sp)[0])
+            assert got[b] == alone, (sp, b)
+        assert got[3] == NON_FINITE and not set(got.tolist()) & set(sp.get("ban", ()))
+        # another row's logits change nothing for row 0
+        other = logits.copy()
+        other[1:] = -other[1:]
+        assert int(np.asarray(sample_rows(other, keys, pos, **sp))[0]) == got[0]
+
+
 def test_warm_engine_does_not_recompile_inside_a_bucket():
     eng = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_0.gguf", mla=3, ctk="q8_0", ubatch=32, ctx=256, kv_block=64)
     list(eng.generate(np.arange(2, 40), 10, stop=()))  # 38 = 32 + 6 (token buckets 32, 8), kv bucket 64
