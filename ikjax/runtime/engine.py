@@ -330,7 +330,7 @@ class Engine:
     def row_sampling(self) -> bool:
         """Whether `decode` can draw each row with its own key (sampling "rows": the server's
         sampled streams in the decode loop): the loop on one device."""
-        return self.decode_loop() and self.executor.row_keys
+        return self.decode_loop() and self.executor.plain_loop
 
     _sampling_key = staticmethod(generation.sampling_key)
 
@@ -357,7 +357,7 @@ class Engine:
                 raise OptionError(f"decode: sampling by rows needs a key per row ({len(tokens)}), got "
                                   f"{getattr(key, 'shape', None)}")
         if idle is not None and np.asarray(idle, bool).any():
-            tokens = np.where(np.asarray(idle, bool), -1 if self.executor.idle_rows else 0, tokens).astype(np.int32)
+            tokens = np.where(np.asarray(idle, bool), -1 if self.executor.plain_loop else 0, tokens).astype(np.int32)
         chunk = n if chunk is None else chunk
         if not _is_int(n) or not _is_int(chunk) or not 0 < n <= chunk:
             raise OptionError(f"decode: need integers 0 < n <= chunk, got n={n!r}, chunk={chunk!r}")

@@ -64,8 +64,8 @@ class Executor(abc.ABC):
     split_mode = "none"
     tp = None                    # StepPlan.tp: -sm graph's TensorSplit, else None
     loops = False                # runs the decode loop (several steps per dispatch)
-    idle_rows = False            # its decode loop takes token -1 as an idle row (decode_steps)
-    row_keys = False             # its decode loop takes a PRNG key per row (sampling ("rows", True))
+    plain_loop = False           # its decode loop is generation.decode_steps itself: token -1 an idle
+                                 # row, a PRNG key per row with sampling ("rows", True)
     stores_steps = False         # its steps may be stored whole (compile_cache.store_step)
     compiles_in_parallel = False  # several steps may compile at once (on an accelerator)
 
@@ -115,8 +115,7 @@ class SingleDevice(Executor):
     inputs and cache placed there)."""
 
     loops = True
-    idle_rows = True
-    row_keys = True
+    plain_loop = True
     overlaps_load = True
 
     def __init__(self, placement, config: ModelConfig, spans: tuple):

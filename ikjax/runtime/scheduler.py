@@ -117,7 +117,8 @@ class Request:
     _pos: int = 0  # prompt tokens in the cache so far
     _fed_from: int = 0  # where feeding its prompt started
     _rng: np.random.Generator | None = None
-    _key: object = None  # its PRNG key for device draws (Scheduler._device_sampled), after its first token
+    _key: object = None  # its PRNG key for device draws (Scheduler._start_device_draws), after its first token
+    _setting: tuple | None = None  # with _key: the static sampling setting of those draws
 
     def timings(self) -> dict:
         """llama-server's `timings` object: prompt and generation, counts and milliseconds."""
@@ -449,10 +450,7 @@ class Scheduler:
             self._finish(req, STOP_MAX_TOKENS)
             return
         self._next(req, lambda: self._sample(req, logits))
-        if self._row_keys and req.sampling["temperature"] > 0.0:
-            # the device's draws follow the seed, as generate's: a key from the request's generator
-            # right after its first token (Engine.generate draws it there too)
-            req._key = jax.random.key(int(req._rng.integers(0, 2**31 - 1)))
+        self._start_device_draws(req)
 
     def _end_prefill(self, req: Request) -> None:
         """The head prompt's batch-1 cache back into its slot's row; whole chunks fed from a chunk
@@ -499,10 +497,12 @@ class Scheduler:
         # sampled rows without penalties, biases or logprobs draw on the device with their own
         # key, as the loop draws them (sampling.sample_rows): one call per sampling setting
         drawn: dict[int, int] = {}
-        sampled = [s for s in rows if s not in greedy and self._device_sampled(s.req)]
-        for setting in {self._setting(s.req) for s in sampled}:
-            got = np.asarray(_sample_rows(logits, self._keys(sampled), start, setting))
-            drawn.update({s.index: int(got[s.index]) for s in sampled if self._setting(s.req) == setting})
+        settings = {s.index: s.req._setting for s in rows if s.req._setting is not None}
+        if settings:
+            keys = self._keys([s for s in rows if s.index in settings])
+            for setting in set(settings.values()):
+                got = np.asarray(_sample_rows(logits, keys, start, setting))
+                drawn.update({b: int(got[b]) for b, st in settings.items() if st == setting})
         host = np.asarray(logits, np.float32) if len(greedy) + len(drawn) < len(rows) else None
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
@@ -516,18 +516,16 @@ class Scheduler:
             else:
                 self._next(req, lambda: self._sample(req, host[b]))
 
-    def _device_sampled(self, req: Request) -> bool:
-        """Whether `req`'s tokens after its first are drawn on the device with its own key (in
-        one-step dispatches and in the loop alike: the same tokens, `generate`'s for its seed):
-        sampling without a penalty, a logit bias or log-probabilities, where the engine's loop
-        takes a key per row (one device)."""
-        return (req.sampling["temperature"] > 0.0 and not req.penalties.active and req.top_logprobs is None
-                and not req.logit_bias and req._key is not None)
-
-    @staticmethod
-    def _setting(req: Request) -> tuple:
-        """The static sampling setting a device draw for `req` is compiled for (its bans in it)."""
-        return _setting_of(req.sampling, req.ban)
+    def _start_device_draws(self, req: Request) -> None:
+        """After `req`'s first token (drawn on the host): whether its later tokens are drawn on the
+        device with its own key, in one-step dispatches and in the loop alike (the same tokens,
+        `generate`'s for its seed): sampling without a penalty, a logit bias or log-probabilities,
+        where the engine's loop takes a key per row (one device). The key comes from the request's
+        generator right after its first token, where Engine.generate draws it."""
+        if (self._row_keys and req.sampling["temperature"] > 0.0 and not req.penalties.active
+                and req.top_logprobs is None and not req.logit_bias):
+            req._key = jax.random.key(int(req._rng.integers(0, 2**31 - 1)))
+            req._setting = _setting_of(req.sampling, req.ban)
 
     def _keys(self, rows: list[Slot]):
         """[n_slots] PRNG keys: each row's request's key, a fixed one for the others."""
@@ -553,7 +551,7 @@ class Scheduler:
         if all(_plain_greedy(s.req) for s in rows):
             if len({frozenset(s.req.ban) for s in rows}) > 1:  # one loop bans one set (ignore_eos: EOS)
                 return 1
-        elif not all(self._device_sampled(s.req) for s in rows) or len({self._setting(s.req) for s in rows}) > 1:
+        elif len({s.req._setting for s in rows}) > 1 or rows[0].req._setting is None:
             return 1  # one loop draws with one setting (each row with its own key)
         k = LOOP_STEPS
         for s in rows:
@@ -573,7 +571,7 @@ class Scheduler:
             ban = sorted(req0.ban)
             sampling, key = ({"ban": ban} if ban else None), None
         else:
-            sampling, key = dict(self._setting(req0)), self._keys(rows)
+            sampling, key = dict(req0._setting), self._keys(rows)
         out, self._cache = self.eng.decode(self._cache, toks, start, k, chunk=LOOP_STEPS, check_finite=False,
                                            idle=last < 0, sampling=sampling, key=key)
         got = np.asarray(out)[:, :k]
