@@ -59,14 +59,17 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 el "$(nproc) cores; $(lscpu | grep 'Model name' | sed 's/ \+/ /g'); $(lscpu | grep -o -E 'amx_[a-z0-9]+' | sort -u | tr '\n' ' ')"
 ikprog
 
-start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent; NO_BG=1: neither)
-  [ -n "${NO_BG:-}" ] && return
-  [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh "${IK_JOBS:-44}"
+start_r1_8() {  # the 8-layer R1 written in the background (idempotent)
   if [ ! -f /tmp/r1-8.gguf ] && [ ! -f /tmp/r1-8.started ]; then
     touch /tmp/r1-8.started
     setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/r1-8.tmp.gguf --preset r1 --layers 8 --type Q4_0 \
       > /tmp/r1-8.log 2>&1 && mv /tmp/r1-8.tmp.gguf /tmp/r1-8.gguf" > /dev/null 2>&1 < /dev/null &
   fi
+}
+start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent; NO_BG=1: neither)
+  [ -n "${NO_BG:-}" ] && return
+  [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh "${IK_JOBS:-44}"
+  start_r1_8
 }
 case $STAGE in
 0)
@@ -153,9 +156,7 @@ case $STAGE in
   grep -v "^jit\|tracing\|Finished\|XLA comp" "$OUT/cold/cold.md" 2>/dev/null | head -150
   OUT=$OUT/cold16k SHAPE="-c 16384 -ub 2048 -n 32" VARIANTS=default timeout 150 bash bench/gpu_coldstart.sh > /dev/null 2>&1
   grep -A8 "^### " "$OUT/cold16k/cold.md" | grep -v "^jit\|tracing\|Finished\|XLA comp"
-  NO_BG= ; IK_JOBS=0; [ -f /tmp/r1-8.gguf ] || [ -f /tmp/r1-8.started ] || { touch /tmp/r1-8.started
-    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/r1-8.tmp.gguf --preset r1 --layers 8 --type Q4_0 \
-      > /tmp/r1-8.log 2>&1 && mv /tmp/r1-8.tmp.gguf /tmp/r1-8.gguf" > /dev/null 2>&1 < /dev/null & }
+  start_r1_8
   ;;
 7)
   export CUDA_VISIBLE_DEVICES=0
@@ -174,9 +175,7 @@ case $STAGE in
   grep -E "^###|^\|  +[0-9]|compiled|loaded|sweep took" "$OUT/cold/cold.md" | head -80
   OUT=$OUT/cold16k SHAPE="-c 16384 -ub 2048 -n 32" VARIANTS="default" timeout 120 bash bench/gpu_coldstart.sh > /dev/null 2>&1
   grep -E "^###|^\|  +[0-9]|compiled|loaded|sweep took" "$OUT/cold16k/cold.md" | head -40
-  [ -f /tmp/r1-8.gguf ] || [ -f /tmp/r1-8.started ] || { touch /tmp/r1-8.started
-    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/r1-8.tmp.gguf --preset r1 --layers 8 --type Q4_0 \
-      > /tmp/r1-8.log 2>&1 && mv /tmp/r1-8.tmp.gguf /tmp/r1-8.gguf" > /dev/null 2>&1 < /dev/null & }
+  start_r1_8
   left=$(( ${DEADLINE:-570} - ($(date +%s) - T0) ))
   OUT=$OUT/serve MODEL=/tmp/v2l-Q4_0.gguf LOAD_ONLY=1 IK=/none timeout $left bash bench/gpu_serve.sh 2>&1 | tail -12
   ;;
