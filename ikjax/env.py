@@ -60,6 +60,10 @@ _VARS = (
     Variable("IKJAX_MIN_OFFLOAD_BATCH", "32", (),
              "ik's rule for host experts: batches of at least this x n_expert / n_expert_used tokens "
              "stream them to the GPU", "ikjax.placement.host"),
+    Variable("IKJAX_PROMPT_BUCKETS", "one", ("one", "many"),
+             "GPU -mla 2/3 -fa prompt steps (one device, Pallas prompt attention): one compiled step over the "
+             "whole cache, its kv_b expansion bounded by the step's last position at run time, or one step per "
+             "KV bucket (the form before)", "ikjax.runtime.engine"),
     Variable("IKJAX_FLASH_LOOP", "context", ("context", "bucket"),
              "XLA's blocked attention: loop over the KV blocks up to the last query's, or over the whole bucket",
              "ikjax.ops.attn"),

@@ -38,6 +38,27 @@ def test_dispatch_paths_agree():
     assert np.allclose(a, c, rtol=0, atol=0) and float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 5e-3
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "IQ4_XS"])
+def test_quant_linear_live_every_form(qtype):
+    """ops.quant_linear_live: each form's live rows (xla, interpret, the C++ kernels) equal the
+    plain product's, at an odd live count, two sequences of 48 rows; the forms that compute every
+    row give zeros past it."""
+    rng = np.random.default_rng(2)
+    qa = random_quant_array(qtype, (64, 256), rng)
+    pw = ops.prepare_weight(qa)
+    x = jnp.asarray(rng.standard_normal((2, 48, 256)), jnp.float32)
+    live = jnp.int32(21)
+    want = np.asarray(ops.quant_linear(x, qa, jnp.float32, backend="xla"))
+    for backend, w in (("xla", qa), ("interpret", pw), ("cpu", qa)):
+        y = np.asarray(ops.quant_linear_live(x, w, jnp.float32, live, backend=backend), np.float32)
+        assert ops.selected("quant_linear_live") == backend
+        assert y.shape == (2, 48, 64)
+        err = np.linalg.norm(y[:, :21] - want[:, :21]) / np.linalg.norm(want[:, :21])
+        assert err < 2e-2, (backend, qtype, err)
+        if backend != "interpret":
+            assert not y[:, 21:].any()
+
+
 def test_unsupported_type_falls_back():
     rng = np.random.default_rng(1)
     qa = random_quant_array("Q5_0", (32, 256), rng)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.quant_matmul import KERNEL_TYPES, dequantize_packed, prepare, quant_matmul, quant_matmul_ref
-from pallas_kernels.quant_matmul.kernel import pick_config, quant_matmul_experts
+from pallas_kernels.quant_matmul.kernel import pick_config, quant_matmul_experts, quant_matmul_live
 from pallas_kernels.testing import random_quant_array
 
 TYPES = list(KERNEL_TYPES)
@@ -100,6 +100,59 @@ def test_split_k_swiglu_experts():
         y = quant_matmul_experts(x, (g, u), e, jnp.float32, tile_rows=1, swiglu=True, interpret=True, config=cfg)
         assert y.shape == (3, 32) and rel(y, want) < 1e-5, (split, rel(y, want))
     assert pick_config("Q4_0", 6, 1408, 2048, tile_rows=1)["split"] > 1  # V2-Lite's gate|up GEMV splits
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K"])
+def test_live_rows_interpret(name):
+    """quant_matmul_live: each sequence's rows below `live` equal the dot schedule's product; rows
+    at or past it are not written (the output buffer keeps what XLA gave it), whatever tile they
+    start. Odd live counts, inside and at the edges of tiles, one and two sequences, a stacked
+    layer read in place."""
+    rng = np.random.default_rng(abs(hash(name + "live")) % 2**32)
+    N, K, S = 48, 512, 64                            # tiles of 16 rows: four a sequence
+    layers = [random_quant_array(name, (N, K), rng) for _ in range(3)]
+    stack = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[prepare(qa) for qa in layers])
+    one = prepare(random_quant_array(name, (N, K), rng))
+    for B in (1, 2):
+        x = jnp.asarray(rng.standard_normal((B, S, K)), jnp.float32)
+        want = quant_matmul_ref(x, one, jnp.bfloat16)
+        for live in (1, 15, 16, 17, 40, S):
+            cfg = dict(pick_config(name, B * S, N, K), bm=16)
+            y = quant_matmul_live(x, one, jnp.int32(live), jnp.bfloat16, interpret=True, config=cfg)
+            assert y.shape == (B, S, N) and y.dtype == jnp.bfloat16
+            got = np.asarray(y[:, :live], np.float32)
+            assert rel(got, np.asarray(want[:, :live], np.float32)) < 1e-2, (name, B, live)
+            assert np.isfinite(got).all()
+    x = jnp.asarray(rng.standard_normal((1, S, K)), jnp.float32)
+    y = quant_matmul_live(x, stack, jnp.int32(S), jnp.bfloat16, interpret=True, layer=jnp.int32(1))
+    want = quant_matmul_ref(x, layers[1], jnp.bfloat16)
+    assert rel(np.asarray(y, np.float32), np.asarray(want, np.float32)) < 1e-2
+
+
+def test_live_rows_bound_at_a_tile_edge():
+    """Live rows read nothing past the bound: with x's rows from `live` on made NaN (as unwritten
+    cache rows could be), the live rows are finite and exact, at a bound on a tile edge and inside
+    a tile (the tile that straddles the bound computes its dead rows; nothing leaks across rows)."""
+    rng = np.random.default_rng(7)
+    N, K, S = 32, 256, 64
+    w = prepare(random_quant_array("Q4_0", (N, K), rng))
+    for live in (32, 40):
+        x = np.asarray(rng.standard_normal((1, S, K)), np.float32)
+        x[:, live:] = np.nan
+        cfg = dict(pick_config("Q4_0", S, N, K), bm=16)
+        y = np.asarray(quant_matmul_live(jnp.asarray(x), w, jnp.int32(live), jnp.bfloat16, interpret=True,
+                                         config=cfg), np.float32)
+        want = np.asarray(quant_matmul_ref(jnp.asarray(x[:, :live]), w, jnp.bfloat16), np.float32)
+        assert np.isfinite(y[:, :live]).all() and rel(y[:, :live], want) < 1e-2, live
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+def test_live_rows_triton_lowering(name):
+    """The bounded kernel lowers to Triton (the live test and the skipped tiles' branch)."""
+    rng = np.random.default_rng(3)
+    pw = prepare(random_quant_array(name, (256, 512), rng, fast=True))
+    cuda_lowering(lambda x, w, n: quant_matmul_live(x, w, n), jnp.zeros((1, 1024, 512), jnp.bfloat16), pw,
+                  jnp.int32(5))
 
 
 def test_pick_config_shapes():

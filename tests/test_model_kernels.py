@@ -72,3 +72,27 @@ def test_prompt_attention_kernel_in_the_model(latent576, monkeypatch):
     _, flash = _prompt_then_decode(path, tokens, 32)
     assert ops.selected("attention") == "interpret"
     assert rel_err(flash, xla) < 1e-5
+
+
+def test_one_prompt_step_for_every_depth(latent576, monkeypatch):
+    """IKJAX_PROMPT_BUCKETS=one (the default with the Pallas prompt attention): every prompt chunk,
+    at any depth, runs the one step over the whole cache, its kv_b expansion bounded by the chunk's
+    last position (ops.quant_linear_live, interpret mode here), and gives the logits of the steps
+    per KV bucket; with `many` the chunks' buckets differ and so do their steps."""
+    from ikjax import ops
+    _, path = latent576
+    tokens = np.random.default_rng(6).integers(2, 500, 56)
+    monkeypatch.setenv("IKJAX_SHORT_STEPS", "expanded")
+    monkeypatch.setenv("IKJAX_KERNELS", "interpret")
+    monkeypatch.setenv("IKJAX_PROMPT_BUCKETS", "many")
+    many, want = _prompt_then_decode(path, tokens, 48, kv_block=16)
+    assert len({many.kv_bucket(p + 16, 16) for p in (0, 16, 32)}) > 1
+    monkeypatch.setenv("IKJAX_PROMPT_BUCKETS", "one")
+    one, got = _prompt_then_decode(path, tokens, 48, kv_block=16)
+    assert one.prompt_whole_cache and not many.prompt_whole_cache
+    assert {one.kv_bucket(p + 16, 16) for p in (0, 16, 32, 100)} == {one.capacity}
+    assert ops.selected("quant_linear_live") == "interpret"
+    assert rel_err(got, want) < 1e-5
+    # (B, T, plan, decode) keys: three chunks, one prompt step (`many`: one per bucket)
+    assert len({k for k in one._compiled if k[1] > 1}) == 1
+    assert len({k for k in many._compiled if k[1] > 1}) > 1

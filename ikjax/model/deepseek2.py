@@ -60,6 +60,10 @@ class StepPlan:
     # cache key, so a setting changed between two engines in one process is never served the
     # other's trace (ikjax.runtime.executables.trace_variables)
     settings: tuple = ()
+    # a prompt step over the whole cache (Engine.prompt_whole_cache): the kv_b expansion computes
+    # only the rows up to the step's last position (ops.quant_linear_live), the only ones its
+    # attention (the Pallas kernel, which stops at each query block's last position) reads
+    kv_live: bool = False
 
     def split_axis(self, key: str) -> str | None:
         """The mesh axis a split group's partial sums are joined over, or None (not split)."""
@@ -154,8 +158,13 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
         if plan.mla in (2, 3) and T > 1 and not (plan.mla == 3 and absorbed_pays(T, cfg)):
             # K = each head's k_nope ++ the cached rope part, V its v part: the attention op takes
             # them as they are (on the CPU read in place, no concatenated copies)
-            o = ops.attention_kv(q_full, head_kv(lat[..., :r]), lat[..., r:], q_pos, scale, nope=nope,
-                                     flash=plan.fa, **attn)
+            if plan.kv_live and reads_kv_b(layer, True):
+                live = jnp.max(q_pos) + 1  # rows some query of the step sees
+                kvh = ops.quant_linear_live(lat[..., :r], layer["kv_b"], dtype, live)
+                kvh = kvh.reshape(B, plan.kv_len, H, nope + cfg.v_dim)
+            else:
+                kvh = head_kv(lat[..., :r])
+            o = ops.attention_kv(q_full, kvh, lat[..., r:], q_pos, scale, nope=nope, flash=plan.fa, **attn)
         else:
             # a -mla 3 prompt step in absorbed form (absorbed_pays) reads attn_kv_b as the expanded
             # form does, so a prompt's logits do not depend on the form its steps took (the

@@ -315,6 +315,14 @@ def _attend_kv_pallas_supported(q, kv, k_rope, q_pos, scale, nope, flash, amb_by
             and _prompt_kernel_supports(nope, q.shape[-1] - nope, kv.shape[-1] - nope))
 
 
+def prompt_kernel_bounded(backend: str, nope: int, rope: int, v_dim: int) -> bool:
+    """Whether -mla 2/3 -fa prompt steps on `backend` attend with the Pallas kernel, which reads keys
+    only up to each query block's last position (never the rows past the context): the engine's
+    condition for one prompt step over the whole cache (ikjax.runtime.engine.Engine.kv_bucket)."""
+    return (backend in ("pallas", "interpret") and env.choice("IKJAX_PROMPT_ATTN") == "pallas"
+            and _prompt_kernel_supports(nope, rope, v_dim))
+
+
 def _attend_kv_pallas(interpret: bool):
     def run(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block):
         return attention_kv_flash(q, kv.astype(q.dtype), k_rope.astype(q.dtype), q_pos, scale, nope,

@@ -155,6 +155,43 @@ def quant_linear(x, w, dtype, *, backend: str | None = None):
     return registry.dispatch("quant_linear", impls, b, x, w, dtype)
 
 
+def _live_mask(y, live, dtype):
+    rows = jnp.arange(y.shape[1])[None, :, None]
+    return jnp.where(rows < live, y, 0).astype(dtype)
+
+
+def _ql_live_pallas_supported(gpu: bool):
+    def supported(x, w, dtype, live) -> bool:
+        # f32 on a GPU: no TF32 in f32 mode (as quant_linear's prompt-sized products)
+        return (x.ndim == 3 and x.shape[1] % 16 == 0 and not (gpu and jnp.dtype(dtype) == jnp.float32)
+                and pallas_ok(w))
+    return supported
+
+
+def _ql_live_pallas(interpret: bool):
+    def run(x, w, dtype, live):
+        pw, layer = pallas_weight(w)
+        return _qm.quant_matmul_live(x, pw, live, dtype, interpret=interpret, layer=layer)
+    return run
+
+
+def quant_linear_live(x, w, dtype, live, *, backend: str | None = None):
+    """x [B, S, K] @ W[N, K]^T -> [B, S, N] in `dtype`, where only each sequence's first `live` rows
+    (an int32 scalar of the step) are needed: the Pallas kernel computes and writes those rows
+    alone (pallas_kernels.quant_matmul.kernel.quant_matmul_live), the other forms compute every row
+    and zero the rest. Rows at or past `live` are unspecified; callers read the live ones only.
+    The prompt step's kv_b expansion over the whole cache (one compiled step for every depth)."""
+    impls = {
+        "xla": registry.Impl(lambda *a: True,
+                             lambda x, w, d, n: _live_mask(quant_matmul_ref(x, one_layer(w), d), n, d)),
+        "pallas": registry.Impl(_ql_live_pallas_supported(True), _ql_live_pallas(False)),
+        "interpret": registry.Impl(_ql_live_pallas_supported(False), _ql_live_pallas(True)),
+        "cpu": registry.Impl(lambda x, w, d, n: _qm_cpu_supported(x, w, d),
+                             lambda x, w, d, n: _live_mask(_qm_cpu_run(x, w, d), n, d)),
+    }
+    return registry.dispatch("quant_linear_live", impls, registry.resolve_backend(backend), x, w, dtype, live)
+
+
 # -- per-head products (MLA's absorbed W_kb / W_vb) ----------------------------------------------------
 
 def _heads_xla(x, w, dtype):

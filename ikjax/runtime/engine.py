@@ -81,6 +81,13 @@ class Engine:
         self.decode_kernel = (o.fa and o.mla in (1, 3) and self.backend != "jnp"
                               and ops.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
                                                                cfg.kv_lora_rank, backend=self.backend))
+        # one prompt step for every depth (issue 22): where the prompt attention reads keys only up
+        # to each query's position (the Pallas kernel) and the kv_b expansion computes only the rows
+        # in use (ops.quant_linear_live), a step over the whole cache costs what a step over its
+        # bucket did, and compiles once instead of once per KV bucket
+        self.prompt_whole_cache = (o.fa and o.mla in (2, 3) and self.split_mode == "none"
+                                   and env.choice("IKJAX_PROMPT_BUCKETS") == "one"
+                                   and ops.prompt_kernel_bounded(self.backend, cfg.nope_dim, cfg.rope_dim, cfg.v_dim))
         # host experts of big batches cross whole layers (IKJAX_STREAM=auto) only where two of them
         # fit beside the rest; else by round, as ik's -ooae (a 24 GB card next to R1, say)
         self.stream_whole = True
@@ -233,13 +240,14 @@ class Engine:
         return StepPlan(mla=o.mla, fa=o.fa, amb_bytes=o.amb << 20, kv_block=o.kv_block, kv_len=kv_len,
                         dtype=o.dtype, fmoe=o.fmoe, ser=o.ser, all_logits=all_logits,
                         backend=self.backend, threads=threads, tp=self.executor.tp,
-                        expert_stats=self._expert_counts, settings=trace_variables())
+                        expert_stats=self._expert_counts, settings=trace_variables(),
+                        kv_live=n_tokens > 1 and self.prompt_whole_cache)
 
     def kv_bucket(self, needed: int, n_tokens: int = 0) -> int:
         """Cache rows a step reads: the bucket covering `needed` (ikjax.kv_buckets: multiples of
         ubatch placed by length, as many as powers of two would be). Decode steps that run the
         split-KV MLA kernel read each sequence only up to its own length, so they share one bucket."""
-        if n_tokens == 1 and self.decode_kernel:
+        if n_tokens == 1 and self.decode_kernel or n_tokens > 1 and self.prompt_whole_cache:
             return self.capacity
         o = self.options
         return kv_buckets.kv_bucket(needed, o.ctx, o.ubatch, o.kv_block, self.capacity)

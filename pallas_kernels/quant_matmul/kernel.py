@@ -79,13 +79,15 @@ def _silu_mul(g, u):
     return g / (1.0 + jnp.exp(-g)) * u
 
 
-def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu):
+def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu,
+            seq_rows=0):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
     x_ref = next(it)
     e_ref = next(it) if has_expert else None
     layer_ref = next(it) if has_layer else None
+    live_ref = next(it) if seq_rows else None
     wrefs = [{n: next(it) for n in names} for _ in range(n_w)]
     o_ref = next(it)
     j, i = pl.program_id(0), pl.program_id(1)
@@ -153,6 +155,14 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
         return tuple(new)
 
     init = tuple(jnp.zeros((bm, bn), F32) for _ in range(n_w))
+    if seq_rows:
+        # rows at or past the live count of their sequence (x is [sequences x seq_rows] rows, a
+        # tile never straddles two): neither computed nor written, their output left as it was
+        @pl.when((m0 % seq_rows) < live_ref[0])
+        def _():
+            accs = lax.fori_loop(0, nt, body, init)
+            o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = accs[0].astype(o_ref.dtype)
+        return
     # both bounds of one integer type (Triton's scf.for requires it)
     hi = jnp.where(alive, jnp.int32(nt), jnp.int32(0)) if has_expert else nt
     accs = lax.fori_loop(jnp.int32(0) if has_expert else 0, hi, body, init)
@@ -214,8 +224,8 @@ def kernel_supports(qtype: str, N: int, K: int) -> bool:
     return K % (G * R) == 0 and N % 16 == 0
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret"))
-def _call(x, ws, expert, layer, *, dtype, swiglu, config, interpret):
+@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret", "seq_rows", "out_dtype"))
+def _call(x, ws, expert, layer, live=None, *, dtype, swiglu, config, interpret, seq_rows=0, out_dtype=F32):
     cfg = dict(config)
     w0: PackedWeight = ws[0]
     qtype = w0.qtype
@@ -238,17 +248,22 @@ def _call(x, ws, expert, layer, *, dtype, swiglu, config, interpret):
     has_layer = layer is not None
     if has_layer:
         args.append(jnp.reshape(layer, (1,)).astype(jnp.int32))
+    if seq_rows:
+        if mode != "dot" or has_expert or swiglu or M % seq_rows or seq_rows % bm:
+            raise ValueError(f"live rows need the dot schedule over whole sequences of {seq_rows} rows in tiles "
+                             f"of {bm}, got {mode} over {M} rows")
+        args.append(jnp.reshape(live, (1,)).astype(jnp.int32))
     for w in ws:
         args += [w.arrays[n] for n in names]
     nt = -(-(K // bk) // split)
     grid = (N // bn, Mp // bm, split) if mode == "rows" else (N // bn, Mp // bm)
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
                              mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
-                             swiglu=swiglu)
+                             swiglu=swiglu, seq_rows=seq_rows)
     late = swiglu and nt < K // bk  # split-K SwiGLU: the kernel writes [gate | up] partial sums
     out = pl.pallas_call(
         kern,
-        out_shape=jax.ShapeDtypeStruct((split, Mp, 2 * N if late else N), F32),
+        out_shape=jax.ShapeDtypeStruct((split, Mp, 2 * N if late else N), out_dtype),
         grid=grid,
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(cfg["num_warps"], cfg["num_stages"]),
@@ -276,6 +291,29 @@ def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = Fa
     y = _call(x2, (w,), None, layer, dtype=jnp.dtype(dtype), swiglu=False, config=tuple(sorted(cfg.items())),
               interpret=interpret)
     return y.reshape(*lead, N)
+
+
+def quant_matmul_live(x, w: PackedWeight, live, dtype=jnp.bfloat16, *, interpret: bool = False, layer=None,
+                      config: dict | None = None):
+    """x [B, S, K] @ W[N, K]^T -> [B, S, N] in `dtype`, computed only for each sequence's rows
+    0 .. live - 1 (live: an int32 scalar known when the step runs); the other rows are neither
+    computed nor written (their values are unspecified: callers read live rows only).
+
+    Why: a prompt step that expands the latent cache by kv_b (-mla 2/3) over a static number of
+    rows pays for every row of it. With this bound one step serves every depth of the cache at the
+    cost of the rows in use: one compiled prompt step instead of one per KV bucket (issue 22), the
+    rows past the context neither read nor written."""
+    B, S, K = x.shape
+    N = w.shape[-2]
+    cfg = dict(config or pick_config(w.qtype, B * S, N, K))
+    if cfg["mode"] != "dot":
+        cfg = pick_config(w.qtype, max(B * S, 128), N, K)
+    while S % cfg["bm"]:
+        cfg["bm"] //= 2
+    y = _call(x.reshape(B * S, K), (w,), None, layer, jnp.asarray(live, jnp.int32), dtype=jnp.dtype(dtype),
+              swiglu=False, config=tuple(sorted(cfg.items())), interpret=interpret, seq_rows=S,
+              out_dtype=jnp.dtype(dtype))
+    return y.reshape(B, S, N)
 
 
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
