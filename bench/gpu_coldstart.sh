@@ -67,6 +67,7 @@ for v in ${VARIANTS:-default noautotune}; do
     scan) flags=""; envv="IKJAX_LAYERS=scan" ;;            # GPU decode scanned one layer an iteration
     halves) flags=""; envv="IKJAX_LAYERS=halves" ;;        # GPU decode in two halves of a group (before dd68929)
     before) flags=""; envv="IKJAX_COMPILE_AHEAD=before" ;;  # every step before the first row (before e6a3892)
+    many) flags=""; envv="IKJAX_PROMPT_BUCKETS=many" ;;     # a prompt step per KV bucket (before ccd6438)
     kcache) flags="--xla_gpu_kernel_cache_file=/tmp/kc-$v.bin"; rm -f /tmp/kc-$v.bin ;;
     noautotune) flags="--xla_gpu_autotune_level=0" ;;
     notritongemm) flags="--xla_gpu_enable_triton_gemm=false" ;;

@@ -8,7 +8,8 @@
 #   OUT=/tmp/o bash bench/gpu_serve.sh [LAYERS]      (SKIP_IKJAX=1: only llama-server, when IK has a build)
 #   MODEL=/tmp/r1-8.gguf EXTRA="-ot exps=CPU -t 16" NO_CHECK=1 bash bench/gpu_serve.sh   (issue 23's R1
 #   rows: another file and flags for both servers; NO_CHECK: no greedy check, no expanded A/B;
-#   REQS, MAXTOK, STREAM_TOKENS: shorter loads for a slower model)
+#   REQS, MAXTOK, STREAM_TOKENS: shorter loads for a slower model; LOAD_ONLY=1: the load rows
+#   alone, both servers)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-serve-out}; mkdir -p "$OUT"
@@ -64,7 +65,7 @@ fi
 if [ -z "${SKIP_IKJAX:-}" ]; then
 serve ${MODE1:-auto}
 load --mode load --concurrency 1,8 --requests ${REQS:-16} --prompt-tokens 128 --max-tokens ${MAXTOK:-128} --json "$OUT/load.json"
-if [ -n "${LOAD_ONLY:-}" ]; then kill -TERM $SERVER; wait $SERVER; exit 0; fi   # LOAD_ONLY=1: the load rows only
+if [ -z "${LOAD_ONLY:-}" ]; then   # LOAD_ONLY=1: the load rows only (llama-server's too)
 load --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens ${STREAM_TOKENS:-1500} \
     --json "$OUT/interference.json"
 load --mode multiturn --history 4000 --json "$OUT/multiturn-${MODE1:-auto}.json"
@@ -96,6 +97,8 @@ IKJAX_SHORT_STEPS=expanded serve ${MODE1:-auto}
 load --mode multiturn --history 4000 --json "$OUT/multiturn-expanded.json"
 kill -TERM $SERVER; wait $SERVER
 fi
+fi   # LOAD_ONLY
+[ -n "${LOAD_ONLY:-}" ] && { kill -TERM $SERVER; wait $SERVER; }
 grep -E "compiled|warm-up|Traceback|Error" "$OUT"/serve-*.log | head -20
 fi
 # llama-server beside it, same file, same loads (IK: an ik_llama.cpp CUDA build's bin/, bench/gpu_ik_build.sh)
@@ -113,8 +116,10 @@ if [ -x "$IK/llama-server" ]; then
     echo "llama-server: up in $(( $(date +%s) - t0 )) s"
     iload() { timeout 300 "$PY" bench/serve_load.py --url http://127.0.0.1:8081 "$@"; }
     iload --mode load --concurrency 1,8 --requests ${REQS:-16} --prompt-tokens 128 --max-tokens ${MAXTOK:-128} --json "$OUT/ik-load.json"
+    if [ -z "${LOAD_ONLY:-}" ]; then
     iload --mode interference --concurrency 7 --long-prompt 2048 --ubatch $UB --stream-tokens ${STREAM_TOKENS:-1500} \
         --json "$OUT/ik-interference.json"
     iload --mode multiturn --history 4000 --json "$OUT/ik-multiturn.json"
+    fi
     kill -TERM $IKS; wait $IKS
 fi

@@ -31,6 +31,13 @@
 #            background while serve's load rows run on V2-Lite (the idle-slot fix, 0b69011).
 #   STAGE=9: serve's load rows on the R1-8 file with -ot exps=CPU (the idle-slot fix), then
 #            sweep-bench's active / default rows.
+#   STAGE=10: issue 22's one prompt step for every depth (ccd6438): the GPU kernel tests, the cold
+#            start default (one step) against `many` (a step per KV bucket) at -c 4096 -ub 512 and at
+#            -c 16384 -ub 2048 (every row's S_PP / S_TG), then the ik build (all cores) and the R1-8
+#            file started in the background, and the bounded kv_b expansion alone (bench/gpu_live_kv.py).
+#   STAGE=11: waits for the ik build (its progress every 30 s) until DEADLINE.
+#   STAGE=12: after the build: serve beside llama-server, same loads, same lease: the V2-Lite shape
+#            (load, interference, second turn), then the 8-layer R1 with -ot exps=CPU (load rows).
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
 #                                       tool returns only a few files a call: one archive returns all)
@@ -188,6 +195,32 @@ case $STAGE in
   left=$(( ${DEADLINE:-570} - ($(date +%s) - T0) ))
   [ $left -gt 100 ] && { OUT=$OUT/hyb HYB_GPU=0 timeout $left bash bench/gpu_hybrid_r1.sh "${PARTS9:-ikjax-active ikjax-default}" > /dev/null 2>&1
     cat "$OUT/hyb/hybrid.md"; }
+  ;;
+10)
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_quant_matmul.py \
+    tests/test_prompt_attention.py 2>&1 | tail -4
+  OUT=$OUT/cold VARIANTS="${VARIANTS:-default many}" timeout ${COLD_S:-230} bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  grep -E "^###|^\|  +[0-9]|compiled|loaded|sweep took" "$OUT/cold/cold.md" | head -60
+  OUT=$OUT/cold16k SHAPE="-c 16384 -ub 2048 -n 32" VARIANTS="default many" timeout 170 bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  grep -E "^###|^\|  +[0-9]|compiled|loaded|sweep took" "$OUT/cold16k/cold.md" | head -40
+  NO_BG= IK_JOBS=16 start_bg
+  left=$(( ${DEADLINE:-570} - ($(date +%s) - T0) ))
+  [ $left -gt 30 ] && timeout $left python3 bench/gpu_live_kv.py 2>&1 | grep -v Warning
+  ;;
+11)
+  while ! grep -q BUILD_DONE /tmp/ikc/build.log 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-560} ]; do
+    sleep 30; ikprog; done
+  ls -la /tmp/r1-8.gguf 2>&1 | tail -1
+  ;;
+12)
+  export CUDA_VISIBLE_DEVICES=0
+  while ! grep -q BUILD_DONE /tmp/ikc/build.log 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt 300 ]; do sleep 10; done
+  ikprog
+  OUT=$OUT/serve NO_CHECK=1 MODEL=/tmp/v2l-Q4_0.gguf IK=/tmp/ikc/build/bin timeout ${SERVE_S:-330} bash bench/gpu_serve.sh 2>&1 | tail -40
+  left=$(( ${DEADLINE:-575} - ($(date +%s) - T0) ))
+  [ -f /tmp/r1-8.gguf ] && [ $left -gt 60 ] && OUT=$OUT/serve_r1 MODEL=/tmp/r1-8.gguf EXTRA="-ot exps=CPU -t 16" NO_CHECK=1 \
+    LOAD_ONLY=1 IK=/tmp/ikc/build/bin REQS=8 MAXTOK=64 timeout $left bash bench/gpu_serve.sh 2>&1 | tail -20
   ;;
 esac
 ikprog

@@ -187,3 +187,17 @@ def test_gpu_real_size(name):
         for M in (1, 4, 16, 300):
             x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
             assert rel(quant_matmul(x, pw), quant_matmul_ref(x, pw)) < 6e-3, (name, N, K, M)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K"])
+def test_gpu_live_rows_real_size(name):
+    """The bounded kv_b expansion at V2-Lite's size on the GPU: live rows as the reference's."""
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng()
+    pw = prepare(random_quant_array(name, (4096, 512), rng, fast=True))
+    x = jnp.asarray(rng.standard_normal((1, 4096, 512)), jnp.bfloat16)
+    for live in (1, 700, 4096):
+        y = np.asarray(quant_matmul_live(x, pw, jnp.int32(live), jnp.bfloat16), np.float32)
+        want = np.asarray(quant_matmul_ref(x[:, :live], pw, jnp.bfloat16), np.float32)
+        assert rel(y[:, :live], want) < 1e-2, (name, live)
