@@ -198,3 +198,28 @@ def test_interrupted_wait_stops_the_load(tiny4_model, monkeypatch):
     assert not loading._thread.is_alive() and isinstance(loading._error, weights_mod.LoadCancelled)
     assert isinstance(loading, executors.BackgroundLoad)
 
+
+
+def test_overlap_decision_on_an_accelerator(monkeypatch):
+    """Engine._overlaps_load on a GPU placement (host and device memories apart): auto overlaps
+    when every weight is on the device, not with host-resident tensors (-ot exps=CPU: flags set
+    after the load) nor --gpu-experts. Until ccd6438's GPU run the test read `unified`, true only
+    on a CPU-only machine, and no GPU load ever ran beside the compile."""
+    from types import SimpleNamespace
+    from ikjax.placement.rules import Placement, TensorPlacement
+    from ikjax.runtime.engine import Engine
+
+    def decide(memories, gpu_experts=None, overlap="auto"):
+        monkeypatch.setenv("IKJAX_LOAD_OVERLAP", overlap)
+        tensors = tuple(TensorPlacement(f"blk.0.t{i}", m, "GPU0" if m == "device" else "CPU", 0, None, 100, "default")
+                        for i, m in enumerate(memories))
+        eng = SimpleNamespace(
+            executor=SimpleNamespace(overlaps_load=True, compiles_in_parallel=True),
+            placement=Placement(tensors, ("GPU0",), unified=False),
+            options=SimpleNamespace(gpu_experts=gpu_experts))
+        return Engine._overlaps_load(eng)
+
+    assert decide(["device", "device"])
+    assert not decide(["device", "host"])
+    assert not decide(["device", "device"], gpu_experts="auto")
+    assert not decide(["device", "device"], overlap="0")

@@ -188,7 +188,9 @@ class Engine:
         choice = env.choice("IKJAX_LOAD_OVERLAP")
         if choice == "0" or not self.executor.overlaps_load:
             return False
-        if not self.placement.unified or self.options.gpu_experts:
+        # every weight on the accelerator (on a CPU-only machine host and device are one memory):
+        # `unified` alone, as here until ccd6438's GPU run showed, kept every GPU load serial
+        if self.options.gpu_experts or (not self.placement.unified and self.placement.host_bytes):
             return False
         return choice == "1" or self.executor.compiles_in_parallel
 
