@@ -152,3 +152,33 @@ def test_softmax_and_small_sums_rows_equal_alone(invariant):
     import jax
     assert np.abs(p - np.asarray(jax.nn.softmax(x, axis=-1))).max() < 1e-6
     assert np.abs(s - np.asarray(w).sum(-1)).max() < 1e-6
+
+
+def test_idle_rows_skipped_and_live_rows_as_alone(tiny4_model, monkeypatch):
+    """A batch-invariant decode step (interpret mode) with an idle row (last -1, a server's free
+    slot): the row-by-row products get the live-rows mask and skip that row, and the live rows'
+    logits are bit for bit those of the same step with every row live (and finite)."""
+    import ikjax
+    from pallas_kernels.quant_matmul import kernel as qk
+    monkeypatch.setenv("IKJAX_KERNELS", "interpret")
+    monkeypatch.setenv("IKJAX_BATCH_INVARIANT", "1")
+    seen = []
+    call = qk._call
+
+    def spy(*a, **k):
+        seen.append((a[5] if len(a) > 5 else k.get("row_live")) is not None)
+        return call(*a, **k)
+    monkeypatch.setattr(qk, "_call", spy)
+    eng = ikjax.load(tiny4_model, ctx=64, ubatch=16)
+    tokens = np.asarray([[5, 9, 2, 7], [11, 3, 8, 4], [6, 6, 1, 9]], np.int32)
+    nxt = np.asarray([[3], [0], [7]], np.int32)
+    out = {}
+    for name, last in (("all", [0, 0, 0]), ("idle", [0, -1, 0])):
+        _, cache = eng.step(eng.new_cache(3), tokens, np.zeros(3, np.int32))
+        seen.clear()
+        logits, _ = eng.step(cache, nxt, np.full(3, 4, np.int32), last=np.asarray(last, np.int32))
+        out[name] = np.asarray(logits)
+        if name == "all":  # traced (and compiled) once: `last` is an argument of the step, the mask of it
+            assert any(seen), "no product got the live-rows mask"
+    assert np.array_equal(out["idle"][[0, 2]], out["all"][[0, 2]])
+    assert np.isfinite(out["idle"]).all()

@@ -201,3 +201,20 @@ def test_gpu_live_rows_real_size(name):
         y = np.asarray(quant_matmul_live(x, pw, jnp.int32(live), jnp.bfloat16), np.float32)
         want = np.asarray(quant_matmul_ref(x[:, :live], pw, jnp.bfloat16), np.float32)
         assert rel(y[:, :live], want) < 1e-2, (name, live)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K"])
+def test_row_invariant_skips_dead_rows(name):
+    """quant_matmul(row_invariant=True, live_rows=mask): the live rows are bit for bit what the
+    product without a mask gives (each row its own program either way), the dead rows (a server's
+    idle slots) zeros; with split-K too (a K of several k-steps)."""
+    rng = np.random.default_rng(abs(hash(name + "dead")) % 2**32)
+    for N, K in [(48, 768), (32, 4096)]:
+        pw = prepare(random_quant_array(name, (N, K), rng))
+        x = jnp.asarray(rng.standard_normal((6, K)), jnp.float32)
+        mask = jnp.asarray([1, 0, 0, 1, 0, 1], jnp.int32)
+        full = np.asarray(quant_matmul(x, pw, jnp.bfloat16, interpret=True, row_invariant=True))
+        got = np.asarray(quant_matmul(x, pw, jnp.bfloat16, interpret=True, row_invariant=True, live_rows=mask))
+        live = np.asarray(mask, bool)
+        assert np.array_equal(got[live], full[live]), (name, N, K)
+        assert not got[~live].any()

@@ -242,12 +242,15 @@ def trims_last_layer(plan: StepPlan, n_tokens: int) -> bool:
 
 
 def _forward(weights, cache, tokens, start, last, *, cfg: ModelConfig, plan: StepPlan):
-    x = embed(weights["token_embd"], tokens, axis=plan.split_axis("embd"))
-    trim = trims_last_layer(plan, tokens.shape[1])
-    x, new_cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=last, trim_last=trim)
-    if trim:  # x is [B, 1, d]: the rows at `last` already
-        last = jnp.zeros_like(last)
-    return output_head(weights, x, last, cfg=cfg, plan=plan), new_cache
+    # a decode step's idle rows (last -1: a server's free slots) skipped by the row-by-row kernels
+    live = (last >= 0).astype(jnp.int32) if last is not None and tokens.shape[1] == 1 else None
+    with ops.live_rows(live):
+        x = embed(weights["token_embd"], tokens, axis=plan.split_axis("embd"))
+        trim = trims_last_layer(plan, tokens.shape[1])
+        x, new_cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=last, trim_last=trim)
+        if trim:  # x is [B, 1, d]: the rows at `last` already
+            last = jnp.zeros_like(last)
+        return output_head(weights, x, last, cfg=cfg, plan=plan), new_cache
 
 
 def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, plan: StepPlan, last=None,

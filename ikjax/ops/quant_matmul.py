@@ -139,7 +139,9 @@ def _qm_cpu_run(x, w, dtype):
 def _qm_pallas(x, w, dtype, interpret: bool):
     pw, layer = pallas_weight(w)
     invariant = registry.batch_invariant() and registry.rows(x) <= registry.INVARIANT_MAX_ROWS
-    return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer, row_invariant=invariant)
+    # row by row: the idle slots' rows of a server's decode batch are skipped (registry.live_rows)
+    live = registry.live_rows_mask(registry.rows(x)) if invariant else None
+    return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer, row_invariant=invariant, live_rows=live)
 
 
 def quant_linear(x, w, dtype, *, backend: str | None = None):

@@ -80,7 +80,7 @@ def _silu_mul(g, u):
 
 
 def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu,
-            seq_rows=0):
+            seq_rows=0, has_row_live=False):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
@@ -88,6 +88,7 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     e_ref = next(it) if has_expert else None
     layer_ref = next(it) if has_layer else None
     live_ref = next(it) if seq_rows else None
+    row_live_ref = next(it) if has_row_live else None
     wrefs = [{n: next(it) for n in names} for _ in range(n_w)]
     o_ref = next(it)
     j, i = pl.program_id(0), pl.program_id(1)
@@ -95,6 +96,8 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     # expert -1: a dead tile (a slot whose weight is 0, e.g. another device's expert under -sm
     # graph): its loop runs no iteration, reads no weights, and writes zeros
     alive = e_ref[i] >= 0 if has_expert else True
+    if has_row_live:  # one-row tiles: a dead row (an idle slot) runs no k-step and writes zeros
+        alive = row_live_ref[i] != 0
     lead = (jnp.maximum(e_ref[i], 0),) if has_expert else ()
     if has_layer:  # a stack of layers' weights (a scanned layer group): this layer's, in place
         lead = (layer_ref[0],) + lead
@@ -130,7 +133,7 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
         init = tuple(tuple(jnp.zeros((bn, ng), F32) for _ in range(bm)) for _ in range(n_w))
         lo = s * nt
         end = jnp.minimum(lo + nt, nt_all)  # the last split may have fewer k-steps
-        hi = jnp.where(alive, end, lo).astype(lo.dtype) if has_expert else end
+        hi = jnp.where(alive, end, lo).astype(lo.dtype) if has_expert or has_row_live else end
         accs = lax.fori_loop(lo, hi, body, init)
         for r in range(bm):
             ys = [jnp.sum(accs[wi][r], axis=1) for wi in range(n_w)]
@@ -225,7 +228,8 @@ def kernel_supports(qtype: str, N: int, K: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret", "seq_rows", "out_dtype"))
-def _call(x, ws, expert, layer, live=None, *, dtype, swiglu, config, interpret, seq_rows=0, out_dtype=F32):
+def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, config, interpret, seq_rows=0,
+          out_dtype=F32):
     cfg = dict(config)
     w0: PackedWeight = ws[0]
     qtype = w0.qtype
@@ -253,13 +257,18 @@ def _call(x, ws, expert, layer, live=None, *, dtype, swiglu, config, interpret, 
             raise ValueError(f"live rows need the dot schedule over whole sequences of {seq_rows} rows in tiles "
                              f"of {bm}, got {mode} over {M} rows")
         args.append(jnp.reshape(live, (1,)).astype(jnp.int32))
+    has_row_live = row_live is not None
+    if has_row_live:
+        if mode != "rows" or bm != 1 or has_expert or row_live.shape[0] != Mp:
+            raise ValueError(f"live rows need one-row tiles of the rows schedule, got {mode} with bm {bm}")
+        args.append(row_live.astype(jnp.int32))
     for w in ws:
         args += [w.arrays[n] for n in names]
     nt = -(-(K // bk) // split)
     grid = (N // bn, Mp // bm, split) if mode == "rows" else (N // bn, Mp // bm)
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
                              mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
-                             swiglu=swiglu, seq_rows=seq_rows)
+                             swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live)
     late = swiglu and nt < K // bk  # split-K SwiGLU: the kernel writes [gate | up] partial sums
     out = pl.pallas_call(
         kern,
@@ -276,11 +285,13 @@ def _call(x, ws, expert, layer, live=None, *, dtype, swiglu, config, interpret, 
 
 
 def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False, config: dict | None = None,
-                 layer=None, row_invariant: bool = False):
+                 layer=None, row_invariant: bool = False, live_rows=None):
     """x [..., K] @ W[N, K]^T -> [..., N] float32 (W a PackedWeight without expert axis; with `layer`,
     an int32 scalar, W's arrays are a stack of layers' [L, ...] and layer `layer` is read in place).
     `row_invariant`: every row computed by the program a single row gets (one-row tiles, the
-    one-row split), so each row's result is the same whatever the row count (see pick_config)."""
+    one-row split), so each row's result is the same whatever the row count (see pick_config).
+    `live_rows` (with row_invariant; [rows] int, nonzero = live): the other rows are not computed
+    (zeros): a server's idle slots."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     N, K = w.shape[-2], w.shape[-1]
@@ -288,8 +299,10 @@ def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = Fa
         cfg = config or pick_config(w.qtype, x2.shape[0], N, K, rows_max=1, tile_rows=1, split_rows=1)
     else:
         cfg = config or pick_config(w.qtype, x2.shape[0], N, K)
-    y = _call(x2, (w,), None, layer, dtype=jnp.dtype(dtype), swiglu=False, config=tuple(sorted(cfg.items())),
-              interpret=interpret)
+    if live_rows is not None and not (row_invariant and cfg["mode"] == "rows" and cfg["bm"] == 1):
+        live_rows = None  # only one-row tiles can skip a row
+    y = _call(x2, (w,), None, layer, None, live_rows, dtype=jnp.dtype(dtype), swiglu=False,
+              config=tuple(sorted(cfg.items())), interpret=interpret)
     return y.reshape(*lead, N)
 
 
