@@ -19,7 +19,7 @@ t0=$(date +%s)
 echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), jax $(python3 -c 'import jax; print(jax.__version__)'), make-model $(( $(date +%s) - t0 )) s" > "$R"
 cat /tmp/v2l-Q4_0.gguf > /dev/null  # page cache, as a second run finds it
 
-python3 - >> "$R" <<'EOF'
+[ -z "${NO_PROBE:-}" ] && python3 - >> "$R" <<'EOF'   # NO_PROBE=1: no JAX start / bandwidth lines
 import time
 t0 = time.perf_counter()
 import jax, jax.numpy as jnp, numpy as np

@@ -38,6 +38,8 @@
 #   STAGE=11: waits for the ik build (its progress every 30 s) until DEADLINE.
 #   STAGE=12: after the build: serve beside llama-server, same loads, same lease: the V2-Lite shape
 #            (load, interference, second turn), then the 8-layer R1 with -ot exps=CPU (load rows).
+#   STAGE=13: a short lease: the cold start at -c 4096 -ub 512 with the load beside the compile
+#            (80b1963), then serve's load rows on the V2-Lite shape (idle slots skipped, 154e713).
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
 #                                       tool returns only a few files a call: one archive returns all)
@@ -221,6 +223,13 @@ case $STAGE in
   left=$(( ${DEADLINE:-575} - ($(date +%s) - T0) ))
   [ -f /tmp/r1-8.gguf ] && [ $left -gt 60 ] && OUT=$OUT/serve_r1 MODEL=/tmp/r1-8.gguf EXTRA="-ot exps=CPU -t 16" NO_CHECK=1 \
     LOAD_ONLY=1 IK=/tmp/ikc/build/bin REQS=8 MAXTOK=64 timeout $left bash bench/gpu_serve.sh 2>&1 | tail -20
+  ;;
+13)
+  export CUDA_VISIBLE_DEVICES=0
+  OUT=$OUT/cold NO_PROBE=1 VARIANTS=default timeout ${COLD_S:-100} bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  grep -E "^###|^\|  +[0-9]|compiled|loaded|sweep took" "$OUT/cold/cold.md" | head -20
+  left=$(( ${DEADLINE:-230} - ($(date +%s) - T0) ))
+  OUT=$OUT/serve MODEL=/tmp/v2l-Q4_0.gguf LOAD_ONLY=1 IK=/none timeout $left bash bench/gpu_serve.sh 2>&1 | tail -8
   ;;
 esac
 ikprog
