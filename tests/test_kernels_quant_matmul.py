@@ -218,3 +218,12 @@ def test_row_invariant_skips_dead_rows(name):
         live = np.asarray(mask, bool)
         assert np.array_equal(got[live], full[live]), (name, N, K)
         assert not got[~live].any()
+
+
+def test_dead_rows_triton_lowering():
+    """The row-by-row product with a live-rows mask lowers to Triton (split-K and not)."""
+    rng = np.random.default_rng(4)
+    for K in (512, 4096):
+        pw = prepare(random_quant_array("Q4_0", (256, K), rng, fast=True))
+        cuda_lowering(lambda x, w, m: quant_matmul(x, w, row_invariant=True, live_rows=m),
+                      jnp.zeros((8, K), jnp.bfloat16), pw, jnp.ones((8,), jnp.int32))
