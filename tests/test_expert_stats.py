@@ -184,3 +184,26 @@ def test_idle_rows_route_to_no_expert(tiny4_model):
     assert after["tokens"] - before["tokens"] == 2 * 5
     with pytest.raises(OptionError, match="idle"):
         eng.step(eng.new_cache(4), toks, start, np.array([0, -2, 0, 0]))
+
+
+def test_one_host_call_a_step(tiny4_model, monkeypatch):
+    """The MoE layers' counts are made on the device and handed to the host once a step (each
+    layer's own callback stalled the device's stream: 25 % of a host-experts R1 decode, RESULTS
+    §24e): one call for a prompt step and one a decode step, every MoE layer in it (the scanned
+    group's from the scan's outputs)."""
+    from ikjax.model.moe import ExpertCounts
+    calls = []
+    record = ExpertCounts.record_counts
+
+    def spy(self, layers, counts, n_valid):
+        calls.append(sorted(np.asarray(layers).reshape(-1).tolist()))
+        return record(self, layers, counts, n_valid)
+    monkeypatch.setattr(ExpertCounts, "record_counts", spy)
+    eng = ikjax.load(tiny4_model, ctx=128, ubatch=64, expert_stats=True)
+    moe_layers = [i for i in range(eng.config.n_layer) if eng.config.is_moe_layer(i)]
+    assert len(moe_layers) > 1
+    eng.logits(list(range(2, 14)))
+    assert calls == [moe_layers], calls
+    calls.clear()
+    list(eng.generate(list(range(2, 14)), 3))
+    assert calls and all(c == moe_layers for c in calls), calls

@@ -14,6 +14,8 @@ for absorbed; a file lacking one form gets it from the other, exactly, inside th
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
 from ikjax.model.groups import LayerGroup, unroll_scan
 from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, rms_norm, split_linear
-from ikjax.model.moe import count_experts, moe_ffn
+from ikjax.model.moe import count_experts, counting as moe_counting, flush_counts, moe_ffn
 from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
 from ikjax.ops import precision_for, split_heads_kv
 from ikjax.options import SmartExpertReduction
@@ -274,6 +276,22 @@ def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, p
     # which is what a host-experts decode step is made of: RESULTS §23f) and the expert statistics
     # count only the real ones.
     valid = None if last is None else (jnp.arange(T)[None, :] <= last[:, None]).reshape(-1)
+    counts = plan.expert_stats is not None and valid is not None
+    with (moe_counting() if counts else contextlib.nullcontext()) as pending:
+        x, new_cache = _run_groups(groups, cache, x, start, q_pos, cos, sin, valid, pending, cfg=cfg, plan=plan,
+                                   last=last, trim_last=trim_last)
+    if counts:  # the step's (or this pipeline stage's) expert counts: one call to the host
+        flush_counts(plan.expert_stats, pending, jnp.sum(valid.astype(jnp.int32)),
+                     plan.tp.axis if plan.tp is not None else None)
+    return x, new_cache
+
+
+def _run_groups(groups, cache, x, start, q_pos, cos, sin, valid, pending, *, cfg: ModelConfig, plan: StepPlan,
+                last, trim_last: bool):
+    """run_layers' loop over the groups. `pending` (expert statistics, else None): the MoE layers'
+    counts; a scanned group's come out of its scan as stacked outputs (a value made in the scan's
+    body exists only there)."""
+    T = x.shape[1]
     new_cache = {name: list(entries) for name, entries in cache.items()}
     for g, group in enumerate(groups):
         gcache = {name: entries[g] for name, entries in cache.items()}
@@ -285,12 +303,19 @@ def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, p
             def body(carry, _, group=group):
                 x, gc, j = carry
                 layer = ops.layer_view(group.tensors, j)  # each kernel reads layer j of the stacks in place
+                n0 = len(pending) if pending is not None else 0
                 x, gc = _layer(x, layer, gc, j, group.first, start, q_pos, cos, sin, cfg=cfg, plan=plan,
                                valid=valid)
-                return (x, gc, j + 1), None
+                mine = None
+                if pending is not None and len(pending) > n0:  # this layer's counts leave as the scan's ys
+                    mine = (jnp.stack([l for l, _ in pending[n0:]]), jnp.stack([c for _, c in pending[n0:]]))
+                    del pending[n0:]
+                return (x, gc, j + 1), mine
             n_scan = group.count - (out_rows is not None)  # a trimmed last layer runs after the scan
-            (x, gcache, _), _ = jax.lax.scan(body, (x, gcache, jnp.int32(0)), None, length=n_scan,
-                                             unroll=unroll_scan(T, plan.backend, n_scan))
+            (x, gcache, _), ys = jax.lax.scan(body, (x, gcache, jnp.int32(0)), None, length=n_scan,
+                                              unroll=unroll_scan(T, plan.backend, n_scan))
+            if ys is not None:
+                pending.append(ys)
             if out_rows is not None:
                 j = jnp.int32(n_scan)
                 x, gcache = _layer(x, ops.layer_view(group.tensors, j), gcache, j, group.first, start, q_pos,
