@@ -182,3 +182,33 @@ def test_idle_rows_skipped_and_live_rows_as_alone(tiny4_model, monkeypatch):
             assert any(seen), "no product got the live-rows mask"
     assert np.array_equal(out["idle"][[0, 2]], out["all"][[0, 2]])
     assert np.isfinite(out["idle"]).all()
+
+
+def test_idle_rows_attend_to_one_key(tiny4_model, monkeypatch):
+    """A decode step's idle row (last -1) keeps its slot's cached history (the prompt cache) but
+    its throw-away token attends to one key, not to that history; the live row's logits are those
+    of the same step with both rows live."""
+    import jax
+    import ikjax
+    from ikjax.model import deepseek2
+    seen = []
+    attend = deepseek2.ops.mla_decode_attention
+
+    def spy(q, cache, lengths, *a, **k):
+        jax.debug.callback(lambda n: seen.append(np.asarray(n).tolist()), lengths)
+        return attend(q, cache, lengths, *a, **k)
+    monkeypatch.setattr(deepseek2.ops, "mla_decode_attention", spy)
+    eng = ikjax.load(tiny4_model, ctx=64, ubatch=16, mla=3, fa=True)
+    if not eng.decode_kernel:
+        pytest.skip("no split-KV decode kernel on this backend")
+    tokens = np.asarray([[5, 9, 2, 7, 1, 3], [11, 3, 8, 4, 2, 6]], np.int32)
+    out = {}
+    for name, last in (("both", [0, 0]), ("idle", [0, -1])):
+        _, cache = eng.step(eng.new_cache(2), tokens, np.zeros(2, np.int32))
+        seen.clear()
+        logits, _ = eng.step(cache, np.asarray([[3], [4]], np.int32), np.full(2, 6, np.int32),
+                             last=np.asarray(last, np.int32))
+        out[name] = np.asarray(logits)
+        jax.effects_barrier()
+        assert seen and all(s == ([7, 7] if name == "both" else [7, 1]) for s in seen), (name, seen)
+    assert np.array_equal(out["idle"][0], out["both"][0])

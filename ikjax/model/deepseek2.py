@@ -187,7 +187,12 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
             flash = plan.fa and plan.mla != 2
             if flash and T == 1 and ops.mla_decode_supported(H, plan.kv_len, cfg.latent_dim, r):
                 # split-KV flash decoding over the whole cache, each sequence up to its own length
-                o_lat = ops.mla_decode_attention(q_abs[:, 0], new_cache["latent"], start + 1, scale,
+                lengths = start + 1
+                if (live := ops.live_rows_mask(B)) is not None:
+                    # an idle slot (a server's free row) keeps its cached history for the prompt
+                    # cache; its throw-away token attends to one row, not to that whole history
+                    lengths = jnp.where(live != 0, lengths, 1)
+                o_lat = ops.mla_decode_attention(q_abs[:, 0], new_cache["latent"], lengths, scale,
                                                  v_dim=r, dtype=dtype, layer=j)[:, None]
             elif flash and ops.mla_prompt_supported(q_abs.shape, new_cache["latent"], r, stacked=True):
                 # prompt steps in absorbed form (mla 1): the kernel reads keys up to each query's position

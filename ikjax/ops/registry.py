@@ -242,7 +242,8 @@ def live_rows(mask):
     others are the idle slots of a server's decode batch. Why: in the batch-invariant form each
     row is its own program in every product (`batch_invariant`), so an 8-slot step serving one
     stream ran every product 8 times: one V2-Lite stream decoded at 150 t/s under `serve` against
-    368 t/s alone (H200, RESULTS §23i). The row-by-row kernels skip the idle rows (zeros out)."""
+    368 t/s alone (H200, RESULTS §23i). The row-by-row kernels skip the idle rows (zeros out), and
+    the decode attention gives an idle row one key, not its slot's whole cached history."""
     token = _LIVE_ROWS.set(mask)
     try:
         yield
