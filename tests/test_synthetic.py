@@ -94,6 +94,17 @@ def test_bad_requests():
         synthetic.preset_config("huge")
     with pytest.raises(ikjax.OptionError, match="experts"):
         synthetic.preset_config("v3", experts=12)  # not a multiple of 8 groups
+    # 8 experts in R1's 8 groups: the router's 4 groups would hold 4, fewer than the 8 it picks
+    # (make-model wrote such a file and the loader refused it); every count make-model accepts
+    # makes a config the loader takes
+    with pytest.raises(ikjax.OptionError, match=">= 16"):
+        synthetic.preset_config("r1", experts=8)
+    from ikjax.gguf_io.config import ModelConfig
+    from ikjax.gguf_io.writer import deepseek2_metadata
+    for preset, n in (("r1", 16), ("v3", 16), ("kimi-k2", 8), ("tiny", 4)):
+        meta = {k: v for k, v, _ in deepseek2_metadata(synthetic.preset_config(preset, layers=2, experts=n))}
+        cfg = ModelConfig.from_metadata({"general.architecture": "deepseek2", **meta}, source=preset)
+        assert cfg.n_expert == n
     with pytest.raises(ikjax.OptionError, match="type"):
         synthetic.make_model("/tmp/never.gguf", "tiny", "Q9_9")
 

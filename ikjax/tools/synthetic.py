@@ -142,9 +142,13 @@ def preset_config(preset: str, layers: int | None = None, experts: int | None = 
     if experts is not None:
         used = cfg["num_experts_per_tok"]
         groups = cfg.get("n_group") or 1
-        if experts < used or experts % groups:
-            raise OptionError(f"experts: need >= {used} (experts per token) and a multiple of {groups} groups, "
-                              f"got {experts}")
+        topk_groups = cfg.get("topk_group") or groups
+        # the router picks `used` experts from `topk_groups` of the groups: those must hold that many
+        # (R1: 8 of 4 groups of 8, so >= 2 a group: 16 experts, not 8; a file the loader refuses)
+        least = groups * max(1, -(-used // topk_groups)) if groups > 1 else used
+        if experts < least or experts % groups:
+            raise OptionError(f"experts: need a multiple of {groups} groups and >= {least} (the router picks "
+                              f"{used} from {topk_groups} groups), got {experts}")
         cfg["n_routed_experts"] = experts
     if q_lora_rank is not None:
         if isinstance(q_lora_rank, bool) or not isinstance(q_lora_rank, int) or q_lora_rank < 0:
