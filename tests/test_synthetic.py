@@ -100,11 +100,15 @@ def test_bad_requests():
     with pytest.raises(ikjax.OptionError, match=">= 16"):
         synthetic.preset_config("r1", experts=8)
     from ikjax.gguf_io.config import ModelConfig
-    from ikjax.gguf_io.writer import deepseek2_metadata
+    from ikjax.gguf_io.writer import _trailing_metadata, deepseek2_metadata
+
+    def config(hf):
+        meta = {k: v for k, v, _ in deepseek2_metadata(hf) + _trailing_metadata(hf, "all")}
+        return ModelConfig.from_metadata({"general.architecture": "deepseek2", **meta}, source="make-model")
     for preset, n in (("r1", 16), ("v3", 16), ("kimi-k2", 8), ("tiny", 4)):
-        meta = {k: v for k, v, _ in deepseek2_metadata(synthetic.preset_config(preset, layers=2, experts=n))}
-        cfg = ModelConfig.from_metadata({"general.architecture": "deepseek2", **meta}, source=preset)
-        assert cfg.n_expert == n
+        assert config(synthetic.preset_config(preset, layers=2, experts=n)).n_expert == n
+    with pytest.raises(ikjax.errors.ModelFileError, match="groups"):  # what such a file met at load
+        config(dict(synthetic.preset_config("r1", layers=2), n_routed_experts=8))
     with pytest.raises(ikjax.OptionError, match="type"):
         synthetic.make_model("/tmp/never.gguf", "tiny", "Q9_9")
 
