@@ -7,6 +7,7 @@ model runs in the default suite; the 4-layer V2-Lite and R1 shapes (GBs to write
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -157,3 +158,20 @@ def test_kv_cache_is_the_context_in_kv_blocks(tiny_model):
                                     (4097, 2048, 256, 4352), (100, 64, 256, 256), (65536, 4096, 256, 65536)):
         opts = RunOptions.from_kwargs(ctx=ctx, ubatch=ub, kv_block=kv_block)
         assert memory_plan.cache_capacity(opts) == rows, (ctx, ub, kv_block)
+
+
+def test_stacked_layers_count_once(tiny4_model):
+    """A CPU load stacks a scanned group's layers into arrays of its own: those bytes are the
+    weights (MemoryPlan.weights_bytes counts them), not load copies on top. Counted twice, the
+    61-layer R1 shape of 18.4 GiB was refused on a 23 GiB machine as needing 36.7 GiB."""
+    eng = ikjax.load(tiny4_model, ctx=256, ubatch=64)
+    stacked = eng._stacked_host_bytes()
+    assert stacked > 0 and any(count > 1 for _, count in eng.spans)
+    plan = eng.memory_plan()
+    # the plan's measured part holds no second copy of the stacked weights
+    assert plan.load_copy_bytes < stacked
+    # charge_load itself: the held bytes come off what the load grew by, never below zero
+    base = dataclasses.replace(plan, load_copy_bytes=None)
+    grown = memory_plan.charge_load(base, (100, 0), (100 + 5000, 0), mapped=0, held=4000)
+    assert grown.load_copy_bytes == 1000
+    assert memory_plan.charge_load(base, (100, 0), (200, 0), mapped=0, held=4000).load_copy_bytes == 0

@@ -206,7 +206,7 @@ class Engine:
                         t.whole_ok = False
         after = process_memory()
         mapped = mapped_rss(shard.path for shard in self.file.shards)
-        memory = charge_load(memory, before, (after[0] - compiled_bytes, after[1]), mapped)
+        memory = charge_load(memory, before, (after[0] - compiled_bytes, after[1]), mapped, self._stacked_host_bytes())
         self.loaded_at = end or time.perf_counter()  # perf_counter when the load ended (its thread's end)
         log.info("loaded %s in %.2fs", self.file.path, self.loaded_at - t0)
         self.executor.bind(self._weights)
@@ -214,6 +214,15 @@ class Engine:
         if stages:
             log.info("-sm %s: %s", self.split_mode, stages)
         return memory
+
+    def _stacked_host_bytes(self) -> int:
+        """File bytes of the weights a CPU-only load holds as stacked copies (the layers of scanned
+        groups: a stack is one array, built from the file's per-layer tensors), which the plan
+        counts in its weights already (memory_plan.charge_load)."""
+        if not self.placement.unified:
+            return 0
+        stacked = {i for first, count in self.spans if count > 1 for i in range(first, first + count)}
+        return sum(t.nbytes for t in self.placement.tensors if t.layer in stacked)
 
     # -- compiled steps (ikjax.runtime.executables) ----------------------------------------------
     @property

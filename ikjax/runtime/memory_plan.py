@@ -55,7 +55,7 @@ class MemoryPlan:
     split_mode: str = "none"
     # Measured on the running process (None where there is none: `ikjax info`):
     runtime_bytes: int | None = None  # RSS before the model: Python, JAX and XLA's runtime
-    load_copy_bytes: int | None = None  # anonymous memory the load added (stacked matrices, f32 norms)
+    load_copy_bytes: int | None = None  # anonymous memory the load added besides the weights (f32 norms, repacks)
     compile_bytes: int | None = None  # what the XLA compilations of the steps kept
     # the most a compilation grew the process by beyond what it kept (its freed memory handed back
     # after it, `settle_compile`): compiles run one at a time, so only the largest counts
@@ -128,7 +128,7 @@ class MemoryPlan:
         if self.runtime_bytes is None:
             return []
         out = [f"runtime          {self.runtime_bytes / MIB:10.2f} MiB (Python, JAX/XLA, measured)",
-               f"load copies      {(self.load_copy_bytes or 0) / MIB:10.2f} MiB (stacked matrices, f32 norms)",
+               f"load copies      {(self.load_copy_bytes or 0) / MIB:10.2f} MiB (f32 norms, repacks; stacked layers count as weights)",
                f"compiled steps   {(self.compile_bytes or 0) / MIB:10.2f} MiB (compiler state kept)"]
         if self.compile_transient_bytes:
             out.append(f"compiling        {self.compile_transient_bytes / MIB:10.2f} MiB (the largest compile's "
@@ -200,11 +200,16 @@ def runtime_ready() -> None:
     jax.jit(lambda x: x + 1)(np.int32(0)).block_until_ready()
 
 
-def charge_load(plan: MemoryPlan, before: tuple[int, int], after: tuple[int, int], mapped: int) -> MemoryPlan:
-    """The plan with what a load added besides the mapped file's pages (`mapped`, counted in full
-    as weights_bytes): stacked matrices, f32 norms, repacked layouts, the modules and helpers it
-    brought in. `before` / `after`: `process_memory()` around the load."""
-    return dataclasses.replace(plan, load_copy_bytes=max(0, sum(after) - mapped - sum(before)))
+def charge_load(plan: MemoryPlan, before: tuple[int, int], after: tuple[int, int], mapped: int,
+                held: int = 0) -> MemoryPlan:
+    """The plan with what a load added besides the weights, which weights_bytes counts in full:
+    the mapped file's pages (`mapped`) and the weights the load copied whole into memory of its
+    own (`held`: a scanned layer group's stacked matrices on a CPU-only machine) are the weights;
+    the rest is f32 norms, repacked layouts, the modules and helpers it brought in. `before` /
+    `after`: `process_memory()` around the load. Why `held`: counted as load copies too, a CPU
+    model's stacked layers counted twice (the 61-layer R1 shape of 18.4 GiB was refused on a
+    23 GiB machine as needing 36.7 GiB; the 8-layer one planned 5.0 GiB for 2.6 GiB held)."""
+    return dataclasses.replace(plan, load_copy_bytes=max(0, sum(after) - mapped - sum(before) - held))
 
 
 def charge_compile(plan: MemoryPlan, before: tuple[int, int], after: tuple[int, int], exe, what: str) -> MemoryPlan:
