@@ -123,6 +123,21 @@ def test_head_products_rows_equal_alone(invariant):
     assert np.abs(y - ref).max() <= 2e-2 * np.abs(ref).max()
 
 
+def test_head_products_skip_idle_rows(invariant):
+    """Under the decode step's live-rows mask (a server's idle slots), the per-head products give
+    the live rows' bits unchanged and zeros for the idle rows' heads (dead tiles: no weight read)."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((3, 1, 4, 32)), jnp.float32)
+    w = prepare(random_quant_array("Q8_0", (4, 64, 32), rng))
+    with ops.kernel_context("interpret", 1, seq_tokens=1):
+        full = np.asarray(ops.head_linear(x, w, jnp.bfloat16))
+        with ops.live_rows(jnp.asarray([1, 0, 1], jnp.int32)):
+            got = np.asarray(ops.head_linear(x, w, jnp.bfloat16))
+        assert registry.selected("head_linear") == "interpret"
+    assert np.array_equal(got[[0, 2]], full[[0, 2]])
+    assert not got[1].any() and full[1].any()
+
+
 def test_router_rows_equal_alone(invariant):
     """The router's f32 logits in a decode step: the rows kernel's F32 form, each token's bits as
     alone and equal to the f32 dot within f32 rounding."""

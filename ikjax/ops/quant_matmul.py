@@ -228,6 +228,9 @@ def _heads_pallas(interpret: bool):
         H, K = x.shape[-2], x.shape[-1]
         x2 = x.reshape(-1, K)
         heads = jnp.tile(jnp.arange(H, dtype=jnp.int32), x2.shape[0] // H)
+        live = registry.live_rows_mask(x2.shape[0] // H)
+        if live is not None:  # a server's idle slots: their heads are dead tiles (no weight read, zeros)
+            heads = jnp.where(jnp.repeat(live != 0, H), heads, -1)
         y = _qm.quant_matmul_experts(x2, (pw,), heads, dtype, tile_rows=1, interpret=interpret, layer=layer,
                                      split_rows=H)
         return y.reshape(x.shape[:-1] + (y.shape[-1],))
