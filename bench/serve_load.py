@@ -74,8 +74,13 @@ class Client:
                     n_tokens = ev.get("tokens_predicted", n_tokens)
                     timings = ev.get("timings", {})
                     break
-                out_ids.extend(ev.get("tokens") or [])
-                k = max(len(ev.get("tokens") or []), 1 if ev.get("content") else 0)
+                toks = ev.get("tokens") or []
+                out_ids.extend(toks)
+                # a data event is one token unless it lists several (ikjax's decode loop sends a
+                # dispatch's tokens together): llama-server sends one event a token and, for a token
+                # whose text is an incomplete UTF-8 sequence, empty content and no token list, which
+                # counted as nothing left its multi-turn rows without a first token (RESULTS §23i)
+                k = len(toks) or 1
                 if k:
                     now = time.perf_counter()
                     times.extend([now - t0] * k)
