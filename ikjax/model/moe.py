@@ -122,6 +122,17 @@ class ExpertCounts:
 _PENDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("ikjax_expert_counts", default=None)
 
 
+def counting_outside() -> bool:
+    """Whether an enclosing trace collects the counts already (the decode loop's, one host call a
+    dispatch): run_layers then hands them to it instead of calling the host itself."""
+    return _PENDING.get() is not None
+
+
+def pending() -> list:
+    """The enclosing collector's pending (layer, counts) pairs (`counting_outside`)."""
+    return _PENDING.get()
+
+
 @contextlib.contextmanager
 def counting():
     """While the layers of a step are traced: each MoE layer's counts are kept (made on the device)

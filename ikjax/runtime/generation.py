@@ -19,6 +19,7 @@ import numpy as np
 
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
+from ikjax.model import moe
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.runtime import buckets as kv_buckets
 from ikjax.runtime.sampling import (Penalties, check_count, check_finite_logits, check_penalty,
@@ -51,9 +52,26 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
     live = tok >= 0
     last = jnp.where(live, 0, -1).astype(jnp.int32)
 
+    # expert statistics (plan.expert_stats): each step's counts summed in the loop's carry and handed
+    # to the host once a dispatch, not once a step (a host call stalls the device's stream)
+    sink = plan.expert_stats
+    moe_layers = [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)] if sink is not None else []
+
+    def step(i, cache, tok):
+        if not moe_layers:
+            return forward(weights, cache, jnp.maximum(tok, 0)[:, None], start + i, last, cfg=cfg, plan=plan), None
+        with moe.counting() as pending:
+            res = forward(weights, cache, jnp.maximum(tok, 0)[:, None], start + i, last, cfg=cfg, plan=plan)
+        layers = jnp.concatenate([jnp.reshape(l, (-1,)) for l, _ in pending])
+        counts = jnp.concatenate([jnp.reshape(c, (-1, sink.n_expert)) for _, c in pending])
+        # the scanned groups' layer indices come out of their scans: order them as moe_layers
+        return res, jnp.zeros((cfg.n_layer, sink.n_expert), jnp.int32).at[layers].add(counts)[jnp.asarray(moe_layers)]
+
     def body(i, carry):
-        cache, tok, out, key = carry
-        logits, cache = forward(weights, cache, jnp.maximum(tok, 0)[:, None], start + i, last, cfg=cfg, plan=plan)
+        cache, tok, out, key, acc = carry
+        (logits, cache), counted = step(i, cache, tok)
+        if counted is not None:
+            acc = acc + counted
         # the draw for the token after position p uses key folded with p: the same tokens whether
         # they come 16 to a dispatch or one at a time (a streaming caller), for one seed
         if per_row:
@@ -61,10 +79,14 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
         else:
             drawn = sample_device(logits, jax.random.fold_in(key, start[0] + i), **filters)
         nxt = jnp.where(live, drawn, -1)
-        return cache, nxt, jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i)), key
+        return cache, nxt, jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i)), key, acc
 
     out = jnp.zeros((B, chunk), jnp.int32)
-    cache, _, out, _ = jax.lax.fori_loop(0, n, body, (cache, tok, out, key))
+    acc = jnp.zeros((len(moe_layers), sink.n_expert if sink is not None else 0), jnp.int32)
+    cache, _, out, _, acc = jax.lax.fori_loop(0, n, body, (cache, tok, out, key, acc))
+    if moe_layers:
+        moe.flush_counts(sink, [(jnp.asarray(moe_layers, jnp.int32), acc)], n * jnp.sum(live.astype(jnp.int32)),
+                         plan.tp.axis if plan.tp is not None else None)
     return out, cache
 
 
