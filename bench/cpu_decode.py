@@ -27,16 +27,11 @@ from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, rms_norm
 from ikjax.model.moe import moe_ffn
 from ikjax.model.rope import inverse_frequencies, rope_tables
 from ikjax.model.groups import all_layers
+from pallas_kernels.cpu.bench_util import call_times
 
 
 def best_ms(f, *args, reps: int = 7) -> float:
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return min(ts) * 1e3
+    return min(call_times(f, *args, reps=reps)) * 1e3
 
 
 def main() -> None:

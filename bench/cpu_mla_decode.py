@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu as _cpu
+from pallas_kernels.cpu.bench_util import call_times
 from pallas_kernels.mla_decode import cpu as mla_cpu
 from pallas_kernels.mla_decode.reference import latent_values, mla_decode_ref
 
@@ -41,12 +42,7 @@ def _time(fn):
 
 
 def timeit(fn, *args, reps: int):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
+    ts = call_times(fn, *args, reps=reps)
     return min(ts), statistics.median(ts)
 
 

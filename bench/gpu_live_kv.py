@@ -5,25 +5,19 @@ bucket of the same rows (what a step per KV bucket computes) and over the whole 
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu.bench_util import call_times
 from pallas_kernels.quant_matmul import prepare, quant_matmul_ref
 from pallas_kernels.quant_matmul.kernel import quant_matmul_live
 from pallas_kernels.testing import random_quant_array
 
 
 def timed(f, *args, n=20):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e6
+    return float(np.median(call_times(f, *args, reps=n))) * 1e6
 
 
 def main():

@@ -1,4 +1,5 @@
-"""The CPU's floor for the kernels' micro-benchmarks: measured read bandwidth and nominal FMA peak."""
+"""What the kernels' micro-benchmarks share: the CPU's floor (measured read bandwidth, nominal FMA
+peak) and the timing of a call (`call_times`)."""
 from __future__ import annotations
 
 import threading
@@ -35,3 +36,16 @@ def fma_peak(n_threads: int) -> float:
             if line.startswith("cpu MHz"):
                 mhz = max(mhz, float(line.split(":")[1]))
     return n_threads * mhz / 1e3 * 32
+
+
+def call_times(fn, *args, reps: int) -> list[float]:
+    """Seconds of `reps` calls of fn(*args), each waited for (jax.block_until_ready), after one
+    untimed call (its compile)."""
+    import jax
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return ts
