@@ -15,7 +15,6 @@ for absorbed; a file lacking one form gets it from the other, exactly, inside th
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -29,8 +28,7 @@ from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
 from ikjax.model.groups import LayerGroup, unroll_scan
 from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, rms_norm, split_linear
-from ikjax.model.moe import (count_experts, counting as moe_counting, counting_outside, flush_counts, moe_ffn,
-                              pending as outer_pending)
+from ikjax.model.moe import count_experts, counting as moe_counting, flush_counts, moe_ffn
 from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
 from ikjax.ops import precision_for, split_heads_kv
 from ikjax.options import SmartExpertReduction
@@ -283,13 +281,10 @@ def run_layers(groups: list[LayerGroup], cache, x, start, *, cfg: ModelConfig, p
     # count only the real ones.
     valid = None if last is None else (jnp.arange(T)[None, :] <= last[:, None]).reshape(-1)
     counts = plan.expert_stats is not None and valid is not None
-    outer = counts and counting_outside()  # the decode loop collects them for its dispatch
-    with (moe_counting() if counts else contextlib.nullcontext()) as pending:
+    with (moe_counting() if counts else contextlib.nullcontext((None, False))) as (pending, owner):
         x, new_cache = _run_groups(groups, cache, x, start, q_pos, cos, sin, valid, pending, cfg=cfg, plan=plan,
                                    last=last, trim_last=trim_last)
-    if outer:
-        outer_pending().extend(pending)
-    elif counts:  # the step's (or this pipeline stage's) expert counts: one call to the host
+    if owner:  # the step's (or this pipeline stage's) expert counts: one call to the host
         flush_counts(plan.expert_stats, pending, jnp.sum(valid.astype(jnp.int32)),
                      plan.tp.axis if plan.tp is not None else None)
     return x, new_cache

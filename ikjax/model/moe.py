@@ -122,29 +122,31 @@ class ExpertCounts:
 _PENDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("ikjax_expert_counts", default=None)
 
 
-def counting_outside() -> bool:
-    """Whether an enclosing trace collects the counts already (the decode loop's, one host call a
-    dispatch): run_layers then hands them to it instead of calling the host itself."""
-    return _PENDING.get() is not None
-
-
-def pending() -> list:
-    """The enclosing collector's pending (layer, counts) pairs (`counting_outside`)."""
-    return _PENDING.get()
-
-
 @contextlib.contextmanager
 def counting():
     """While the layers of a step are traced: each MoE layer's counts are kept (made on the device)
-    for one host call at the end (`flush_counts`), not one call per layer. Why: a host callback
-    stalls the device's stream; one per MoE layer cost 25 % of the 8-layer R1's decode with the
-    experts in host RAM (58.9 -> 43.8 t/s on an H200, RESULTS §24e). Yields the pending list."""
+    for one host call (`flush_counts`), not one call per layer. Why: a host callback stalls the
+    device's stream; one per MoE layer cost 25 % of the 8-layer R1's decode with the experts in
+    host RAM (58.9 -> 43.8 t/s on an H200, RESULTS §24e). Yields (pending list, owner): inside an
+    enclosing `counting` (the decode loop's, one host call a dispatch) the enclosing list, and
+    owner False: the enclosing collector calls the host, not this one."""
+    outer = _PENDING.get()
+    if outer is not None:
+        yield outer, False
+        return
     pending: list = []
     token = _PENDING.set(pending)
     try:
-        yield pending
+        yield pending, True
     finally:
         _PENDING.reset(token)
+
+
+def stacked_counts(pending: list, n_expert: int):
+    """(layers [n], counts [n, E]) of pending (layer, counts) pairs, a scanned group's stacked ones
+    included."""
+    return (jnp.concatenate([jnp.reshape(l, (-1,)) for l, _ in pending]),
+            jnp.concatenate([jnp.reshape(c, (-1, n_expert)) for _, c in pending]))
 
 
 def count_experts(sink: ExpertCounts, layer_index, ids, w, valid, axis: str | None = None) -> None:
@@ -166,8 +168,7 @@ def flush_counts(sink: ExpertCounts, pending: list, n_valid, axis: str | None = 
     """The pending (layer, counts) pairs of a step to `sink`, in one host call."""
     if not pending:
         return
-    layers = jnp.concatenate([jnp.reshape(l, (-1,)) for l, _ in pending])
-    counts = jnp.concatenate([jnp.reshape(c, (-1, sink.n_expert)) for _, c in pending])
+    layers, counts = stacked_counts(pending, sink.n_expert)
     part = jax.lax.axis_index(axis) if axis is not None else jnp.int32(0)
 
     def record(layers, counts, n_valid, part):

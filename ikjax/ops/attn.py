@@ -311,16 +311,18 @@ def _attend_kv_cpu(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block
 def _attend_kv_pallas_supported(q, kv, k_rope, q_pos, scale, nope, flash, amb_bytes, kv_block) -> bool:
     # flash only; IKJAX_PROMPT_ATTN=xla keeps XLA's form (the kernel measured 1.09-1.49x its S_PP
     # on an H200, growing with the context: RESULTS §25c)
-    return (flash and env.choice("IKJAX_PROMPT_ATTN") == "pallas" and q.shape[1] > 1
-            and _prompt_kernel_supports(nope, q.shape[-1] - nope, kv.shape[-1] - nope))
+    return flash and q.shape[1] > 1 and _prompt_kernel_on(nope, q.shape[-1] - nope, kv.shape[-1] - nope)
+
+
+def _prompt_kernel_on(nope: int, rope: int, v_dim: int) -> bool:
+    return env.choice("IKJAX_PROMPT_ATTN") == "pallas" and _prompt_kernel_supports(nope, rope, v_dim)
 
 
 def prompt_kernel_bounded(backend: str, nope: int, rope: int, v_dim: int) -> bool:
     """Whether -mla 2/3 -fa prompt steps on `backend` attend with the Pallas kernel, which reads keys
     only up to each query block's last position (never the rows past the context): the engine's
     condition for one prompt step over the whole cache (ikjax.runtime.engine.Engine.kv_bucket)."""
-    return (backend in ("pallas", "interpret") and env.choice("IKJAX_PROMPT_ATTN") == "pallas"
-            and _prompt_kernel_supports(nope, rope, v_dim))
+    return backend in ("pallas", "interpret") and _prompt_kernel_on(nope, rope, v_dim)
 
 
 def _attend_kv_pallas(interpret: bool):

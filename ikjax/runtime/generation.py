@@ -60,10 +60,9 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
     def step(i, cache, tok):
         if not moe_layers:
             return forward(weights, cache, jnp.maximum(tok, 0)[:, None], start + i, last, cfg=cfg, plan=plan), None
-        with moe.counting() as pending:
+        with moe.counting() as (pending, _):  # run_layers adds to it and leaves the host call to the loop
             res = forward(weights, cache, jnp.maximum(tok, 0)[:, None], start + i, last, cfg=cfg, plan=plan)
-        layers = jnp.concatenate([jnp.reshape(l, (-1,)) for l, _ in pending])
-        counts = jnp.concatenate([jnp.reshape(c, (-1, sink.n_expert)) for _, c in pending])
+        layers, counts = moe.stacked_counts(pending, sink.n_expert)
         # the scanned groups' layer indices come out of their scans: order them as moe_layers
         return res, jnp.zeros((cfg.n_layer, sink.n_expert), jnp.int32).at[layers].add(counts)[jnp.asarray(moe_layers)]
 
