@@ -4,7 +4,7 @@ second turn's time goes.
 
     python bench/gpu_batch_invariance.py MODEL [--ctx 8192] [--ub 512] [--np 8] [--parts all]
 
-Parts (comma list): greedy, logits, steps, turn, ops, profile, gil. Run it once with IKJAX_BATCH_INVARIANT=1 (the
+Parts (comma list): greedy, logits, steps, turn, ops, profile, profile1, profile8, profile64, gil. Run it once with IKJAX_BATCH_INVARIANT=1 (the
 default) and once with =0 to see what the row-invariant decode kernels change (and cost).
 """
 from __future__ import annotations
@@ -244,20 +244,20 @@ def kernel_profile(eng, a, rng):
 
     from gpu_trace import gpu_kernels  # bench/ is the script's directory
 
-    top = 8 if a.parts not in ("profile1", "profile64") else 1000
+    top = 8 if a.parts not in ("profile1", "profile64", "profile8") else 1000
 
-    def trace(tag, B, T, start, reps=5):
+    def trace(tag, B, T, start, reps=5, last=None):
         cache = eng.new_cache(B)
         toks = np.ones((B, T), np.int32)
         st = np.full(B, start, np.int32)
         eng.precompile(B, T, start + T)
-        logits, cache = eng.step(cache, toks, st)
+        logits, cache = eng.step(cache, toks, st, last)
         jax.block_until_ready(logits)
         tmp = tempfile.mkdtemp()
         t = time.perf_counter()
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             for _ in range(reps):
-                logits, cache = eng.step(cache, toks, st)
+                logits, cache = eng.step(cache, toks, st, last)
             jax.block_until_ready(logits)
         wall = (time.perf_counter() - t) / reps
         busy = collections.Counter()
@@ -274,6 +274,11 @@ def kernel_profile(eng, a, rng):
 
     if a.parts == "profile1":  # the batch-1 decode step alone, every kernel shown
         trace("[1,1] at 300", 1, 1, 300)
+        return
+    if a.parts == "profile8":  # a server's decode batch: every slot live, one live, against [1,1]
+        trace("[1,1] at 300", 1, 1, 300)
+        trace(f"[{a.np},1] at 300, every row live", a.np, 1, 300)
+        trace(f"[{a.np},1] at 300, one row live", a.np, 1, 300, last=np.array([0] + [-1] * (a.np - 1), np.int32))
         return
     if a.parts == "profile64":  # a second turn's 64-token step against a first prompt's, every kernel
         trace("[1,64] at 0", 1, 64, 0)
@@ -344,7 +349,7 @@ def main() -> None:
     for part in a.parts.split(","):
         t = time.perf_counter()
         {"greedy": greedy, "paths": paths, "logits": logits_diff, "steps": steps, "turn": turn, "ops": ops_rows,
-         "profile": kernel_profile, "profile1": kernel_profile, "profile64": kernel_profile, "gil": gil}[part](eng, a, rng)
+         "profile": kernel_profile, "profile1": kernel_profile, "profile8": kernel_profile, "profile64": kernel_profile, "gil": gil}[part](eng, a, rng)
         print(f"[{part}: {time.perf_counter() - t:.1f} s]", flush=True)
 
 
