@@ -9,7 +9,7 @@
 #   MODEL=/tmp/r1-8.gguf EXTRA="-ot exps=CPU -t 16" NO_CHECK=1 bash bench/gpu_serve.sh   (issue 23's R1
 #   rows: another file and flags for both servers; NO_CHECK: no greedy check, no expanded A/B;
 #   REQS, MAXTOK, STREAM_TOKENS: shorter loads for a slower model; LOAD_ONLY=1: the load rows
-#   alone, both servers)
+#   alone, both servers; NO_EXPANDED=1: not the expanded short steps' A/B)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-serve-out}; mkdir -p "$OUT"
@@ -92,7 +92,7 @@ EOF
 kill -TERM $SERVER; wait $SERVER
 "$PY" bench/serve_trace.py "$OUT/trace-${MODE1:-auto}.jsonl"   # the server's side of the interference
 # the second turn's short steps in the expanded form they had before 5d09b7c (deepseek2.absorbed_pays)
-if [ -z "${NO_CHECK:-}" ]; then
+if [ -z "${NO_CHECK:-}" ] && [ -z "${NO_EXPANDED:-}" ]; then
 IKJAX_SHORT_STEPS=expanded serve ${MODE1:-auto}
 load --mode multiturn --history 4000 --json "$OUT/multiturn-expanded.json"
 kill -TERM $SERVER; wait $SERVER

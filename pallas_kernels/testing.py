@@ -43,3 +43,12 @@ def random_quant_array(name: str, shape: tuple, rng, fast: bool = False) -> Quan
     shape = tuple(shape)
     raw = random_bytes(name, shape[:-1], shape[-1], rng, fast=fast)
     return QuantArray.from_bytes(raw, by_name(name), shape)
+
+
+def cuda_lowering(f, *args):
+    """Lower f for CUDA on this (CPU) machine: runs the Pallas -> Triton IR lowering, so a kernel
+    the GPU would refuse fails a test without a GPU."""
+    import jax
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    chk = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=chk)(*specs)

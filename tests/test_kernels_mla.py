@@ -75,7 +75,7 @@ def test_decode_32_heads_split():
 
 
 def test_triton_lowering():
-    from test_kernels_quant_matmul import cuda_lowering
+    from pallas_kernels.testing import cuda_lowering
     lengths = jnp.ones((2,), jnp.int32)
     q = jnp.zeros((2, 128, 576), jnp.bfloat16)
     cuda_lowering(lambda q, c, l: mla_decode(q, c, l, 0.1), q, jnp.zeros((2, 1024, 576), jnp.bfloat16), lengths)
