@@ -40,11 +40,10 @@
 #            (load, interference, second turn), then the 8-layer R1 with -ot exps=CPU (load rows).
 #   STAGE=13: a short lease: the cold start at -c 4096 -ub 512 with the load beside the compile
 #            (80b1963), then serve's load rows on the V2-Lite shape (idle slots skipped, 154e713).
-#   STAGE=14: the shared-row invariant decode (IKJAX_INVARIANT_ROWS, §23k): its GPU kernel tests (rows
-#            sharing a program bit for bit as alone), then the [8,1] step's kernels (profile8) with
-#            rows sharing programs (8) and a program per row (1).
-#   STAGE=15: serve on the V2-Lite shape with the shared rows (load, interference, second turn,
-#            greedy against generate), then the load rows with a program per row (the A/B).
+#   STAGE=14: the GPU kernel tests of the decode products (invariant rows, live rows, real sizes),
+#            then the [8,1] decode step's kernels (profile8: every row live, one live, against [1,1]).
+#   STAGE=15: serve on the V2-Lite shape (load, interference, second turn, greedy against generate).
+#            (§23k: both ran for 77b3bfb's shared-row form, backed out; its A/B variable is gone.)
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
 #                                       tool returns only a few files a call: one archive returns all)
@@ -88,17 +87,12 @@ start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent; N
 case $STAGE in
 14)
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_kernels_quant_matmul.py \
-    tests/test_kernels_moe.py -k "invariant or shared or live_rows or real_size or v2_lite" 2>&1 | tail -5
-  for rows in 8 1; do
-    el "profile8, IKJAX_INVARIANT_ROWS=$rows"
-    OUT=$OUT/inv$rows STAGES=inv1 PARTS1=profile8 IKJAX_INVARIANT_ROWS=$rows bash bench/gpu_invariance.sh 2>&1 \
-      | grep -E "wall|ready|rc="
-  done
+    tests/test_kernels_moe.py -k "invariant or live_rows or real_size or v2_lite" 2>&1 | tail -5
+  el "profile8"
+  OUT=$OUT/inv STAGES=inv1 PARTS1=profile8 bash bench/gpu_invariance.sh 2>&1 | grep -E "wall|ready|rc="
   ;;
 15)
-  OUT=$OUT/serve8 NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
-  el "serve, a program per row (IKJAX_INVARIANT_ROWS=1): load rows"
-  OUT=$OUT/serve1 LOAD_ONLY=1 IKJAX_INVARIANT_ROWS=1 timeout 180 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -20
+  OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
   ;;
 0)
   # the Pallas prompt attention (IKJAX_PROMPT_ATTN=pallas) against XLA's form: the kernel alone,

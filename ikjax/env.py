@@ -82,10 +82,6 @@ _VARS = (
              "RMSNorm one row per program): a batched row gets the bits it gets alone, so greedy answers "
              "do not depend on the batch (RESULTS §23c); `serve` sets it unless told otherwise "
              "(`--no-batch-invariant`), `generate --batch-invariant` too; costs ~8 % of GPU S_TG at batch 1", "ikjax.ops.registry"),
-    Variable("IKJAX_INVARIANT_ROWS", "8", (),
-             "batch-invariant decode products: rows sharing one program's weight loads (each row still "
-             "computed by the one-row program's instructions); `1`: a program per row, the form before "
-             "RESULTS §23k", "ikjax.ops.registry"),
     Variable("IKJAX_SERVE_TRACE", "", (),
              "a file: `serve` writes every prompt chunk and decode step's start and end there (JSON lines) "
              "when it stops, to see where a stream's token waited", "ikjax.runtime.scheduler"),

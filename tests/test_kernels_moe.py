@@ -10,7 +10,7 @@ import pytest
 from ikjax import ops
 from pallas_kernels.moe_matmul import moe_experts_gather, moe_experts_grouped, moe_experts_ref, moe_experts_grouped_ref
 from pallas_kernels.quant_matmul import prepare
-from pallas_kernels.testing import cuda_lowering, random_quant_array
+from pallas_kernels.testing import random_quant_array
 
 
 def rel(a, b):
@@ -73,36 +73,6 @@ def test_gpu_v2_lite_experts():
         w, ids = routing(N, E, k, rng)
         ref = moe_experts_ref if N * k <= 2 * E else moe_experts_grouped_ref
         assert rel(moe_experts(x, w, ids, *pws), ref(x, w, ids, *pws)) < 6e-3
-
-
-@pytest.mark.gpu
-def test_gpu_shared_expert_tiles_bit_for_bit():
-    """On the hardware, V2-Lite's experts: the shared-tile invariant form (an expert's tokens in
-    one program) gives each of 8 tokens the bits of the gather form and of the token alone."""
-    assert jax.default_backend() == "gpu"
-    from pallas_kernels.moe_matmul import moe_experts
-    rng = np.random.default_rng(11)
-    E, F, d, k, N = 64, 1408, 2048, 6, 8
-    _, pws = experts("Q4_0", E, F, d, rng)
-    x = jnp.asarray(rng.standard_normal((N, d)), jnp.float32)
-    ids = jnp.asarray(np.stack([rng.choice(16, k, replace=False) for _ in range(N)]), jnp.int32)  # shared picks
-    w = jnp.asarray(rng.uniform(0.1, 1.0, (N, k)), jnp.float32).at[5].set(0.0)                  # an idle row
-    gather = np.asarray(moe_experts(x, w, ids, *pws, row_invariant=True))
-    shared = np.asarray(moe_experts(x, w, ids, *pws, row_invariant=True, tile_rows=8))
-    alone = np.concatenate([np.asarray(moe_experts(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *pws, row_invariant=True))
-                            for i in range(N)])
-    assert np.array_equal(gather, alone) and np.array_equal(shared, alone)
-
-
-def test_shared_expert_tiles_triton_lowering():
-    """The shared-tile form (tiles of several rows in the one-row schedule, SwiGLU, split-K)
-    lowers to Triton."""
-    from pallas_kernels.moe_matmul.kernel import moe_experts_shared
-    rng = np.random.default_rng(2)
-    _, pws = experts("Q4_0", 16, 256, 2048, rng)
-    cuda_lowering(lambda x, w, ids, g, u, dn: moe_experts_shared(x, w, ids, g, u, dn),
-                  jnp.zeros((8, 2048), jnp.float32), jnp.ones((8, 3), jnp.float32),
-                  jnp.zeros((8, 3), jnp.int32), *pws)
 
 
 @pytest.mark.parametrize("N", [1, 3, 11])

@@ -141,8 +141,7 @@ def _qm_pallas(x, w, dtype, interpret: bool):
     invariant = registry.batch_invariant() and registry.rows(x) <= registry.INVARIANT_MAX_ROWS
     # row by row: the idle slots' rows of a server's decode batch are skipped (registry.live_rows)
     live = registry.live_rows_mask(registry.rows(x)) if invariant else None
-    return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer, row_invariant=invariant, live_rows=live,
-                            tile_rows=registry.invariant_tile_rows() if invariant else 1)
+    return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer, row_invariant=invariant, live_rows=live)
 
 
 def quant_linear(x, w, dtype, *, backend: str | None = None):
@@ -222,25 +221,18 @@ def _heads_pallas_supported(x, w, dtype) -> bool:
 
 def _heads_pallas(interpret: bool):
     def run(x, w, dtype):
-        """The rows kernel with the head as its "expert", each head's rows (up to
-        IKJAX_INVARIANT_ROWS of them) one tile: every row computed by the instructions it gets
-        alone (XLA's batched dot of 8 rows rounded differently from its dot of 1: RESULTS §23b),
-        each head's weights read once for its tile's rows."""
+        """Each (row, head) a one-row tile of the rows kernel with the head as its "expert": every
+        row computed by the program it gets alone (XLA's batched dot of 8 rows rounded differently
+        from its dot of 1: RESULTS §23b)."""
         pw, layer = pallas_weight(w)
         H, K = x.shape[-2], x.shape[-1]
-        n = registry.rows(x) // H
-        bm = _qm.invariant_config(pw.qtype, n, 1, K, max_tile_rows=registry.invariant_tile_rows())["bm"]
-        n_p = -(-n // bm) * bm
-        xh = jnp.swapaxes(x.reshape(n, H, K), 0, 1)                       # [H, rows, K]: a head's rows together
-        xh = jnp.pad(xh, ((0, 0), (0, n_p - n), (0, 0))).reshape(H * n_p, K)
-        heads = jnp.repeat(jnp.arange(H, dtype=jnp.int32), n_p // bm)
-        live = registry.live_rows_mask(n)
-        row_live = None
-        if live is not None:  # a server's idle slots: zeros, and a tile of idle rows reads no weight
-            row_live = jnp.tile(jnp.pad(live != 0, (0, n_p - n)), H).astype(jnp.int32)
-        y = _qm.quant_matmul_experts(xh, (pw,), heads, dtype, tile_rows=bm, interpret=interpret, layer=layer,
-                                     split_rows=H, row_invariant=True, live_rows=row_live)
-        y = jnp.swapaxes(y.reshape(H, n_p, -1)[:, :n], 0, 1)
+        x2 = x.reshape(-1, K)
+        heads = jnp.tile(jnp.arange(H, dtype=jnp.int32), x2.shape[0] // H)
+        live = registry.live_rows_mask(x2.shape[0] // H)
+        if live is not None:  # a server's idle slots: their heads are dead tiles (no weight read, zeros)
+            heads = jnp.where(jnp.repeat(live != 0, H), heads, -1)
+        y = _qm.quant_matmul_experts(x2, (pw,), heads, dtype, tile_rows=1, interpret=interpret, layer=layer,
+                                     split_rows=H)
         return y.reshape(x.shape[:-1] + (y.shape[-1],))
     return run
 

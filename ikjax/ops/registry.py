@@ -312,13 +312,6 @@ def batch_invariant() -> bool:
     return decode_step() and env.choice("IKJAX_BATCH_INVARIANT") == "1" and resolve_backend() in ("pallas", "interpret")
 
 
-def invariant_tile_rows() -> int:
-    """Rows of a batch-invariant decode product that share a program (IKJAX_INVARIANT_ROWS): they
-    share its weight loads, each row keeps the one-row program's instructions (pallas_kernels'
-    invariant_config)."""
-    return env.positive_int("IKJAX_INVARIANT_ROWS")
-
-
 def rows(x) -> int:
     """Rows of x: the product of every dim but the last."""
     n = 1

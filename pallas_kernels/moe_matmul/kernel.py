@@ -33,44 +33,6 @@ def moe_experts_gather(x, w, ids, gate: PackedWeight, up: PackedWeight, down: Pa
     return combine_slots(y.reshape(N, k, -1), w)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "max_tile_rows"))
-def moe_experts_shared(x, w, ids, gate: PackedWeight, up: PackedWeight, down: PackedWeight,
-                       dtype=jnp.bfloat16, interpret: bool = False, layer=None, max_tile_rows: int = 8):
-    """The batch-invariant decode form with an expert's tokens sharing a program: (token, expert)
-    slots grouped by expert as in the grouped form, tiles of `bm` rows with the one-row program's
-    schedule (invariant_config: split-K sized for one token's k slots), so each slot's bits are
-    the gather form's and those of its token alone, while an expert picked by several tokens of
-    the batch is read and decoded once for them. Why: one tile per slot read every expert once
-    per token that picked it (an 8-slot server step paid ~5x a one-row step for its experts,
-    RESULTS §23k). `bm` = 2 x the slots an expert gets on average (at least 2, at most
-    `max_tile_rows`): a tile's padding rows are computed (zeros in, zeros out)."""
-    N, k = ids.shape
-    E = gate.shape[0]
-    A = N * k
-    bm = max(1, min(max_tile_rows, max(2, 2 * -(-A // E))))
-    flat = jnp.where(ids.reshape(-1) < 0, E, ids.reshape(-1)).astype(jnp.int32)  # a dropped slot: group E
-    order = jnp.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    sizes = jnp.bincount(flat, length=E + 1).astype(jnp.int32)
-    padded = (sizes + bm - 1) // bm * bm
-    ends_p = jnp.cumsum(padded)
-    starts_p = ends_p - padded
-    starts = jnp.cumsum(sizes) - sizes
-    dest = starts_p[sorted_e] + (jnp.arange(A, dtype=jnp.int32) - starts[sorted_e])
-    n_tiles = min(A, -(-A // bm) + E + 1)      # a group's tiles hold at least one slot each
-    Mp = n_tiles * bm
-    xp = jnp.zeros((Mp, x.shape[-1]), dtype).at[dest].set(x.astype(dtype)[order // k], mode="drop")
-    tile_e = jnp.searchsorted(ends_p, jnp.arange(n_tiles, dtype=jnp.int32) * bm, side="right")
-    tile_e = jnp.where(tile_e >= E, -1, tile_e).astype(jnp.int32)
-    h = quant_matmul_experts(xp, (gate, up), tile_e, dtype, tile_rows=bm, swiglu=True, interpret=interpret,
-                             layer=layer, split_rows=k, row_invariant=True)
-    y = quant_matmul_experts(h.astype(dtype), (down,), tile_e, dtype, tile_rows=bm, interpret=interpret,
-                             layer=layer, split_rows=k, row_invariant=True)
-    # slots of group E (dropped) may lie past the tiles: their row reads as zeros (weight 0 anyway)
-    ys = jnp.take(y, dest[slot_rank(order)], axis=0, mode="fill", fill_value=0)
-    return combine_slots(ys.reshape(N, k, -1), w)
-
-
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "bm"))
 def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: PackedWeight,
                         dtype=jnp.bfloat16, interpret: bool = False, bm: int = 64, layer=None):
@@ -105,7 +67,7 @@ def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: P
 
 
 def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False, layer=None,
-                row_invariant: bool = False, tile_rows: int = 1):
+                row_invariant: bool = False):
     """x [N, d], w [N, k] f32, ids [N, k] -> [N, d] f32. Gather form while N*k <= 2*E (as the model).
     With `layer` (int32 scalar) the experts are stacks of layers' and that layer is read in place.
 
@@ -114,9 +76,6 @@ def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: boo
     N, k = ids.shape
     E = gate.shape[0]
     ids = jnp.where(w != 0, ids, -1)
-    if row_invariant and tile_rows > 1 and N > 1 and N * k <= 2 * E:
-        return moe_experts_shared(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer,
-                                  max_tile_rows=tile_rows)
     if N * k <= 2 * E:
         return moe_experts_gather(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer,
                                   row_invariant=row_invariant)

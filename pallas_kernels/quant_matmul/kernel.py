@@ -96,9 +96,8 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     # expert -1: a dead tile (a slot whose weight is 0, e.g. another device's expert under -sm
     # graph): its loop runs no iteration, reads no weights, and writes zeros
     alive = e_ref[i] >= 0 if has_expert else True
-    if has_row_live:  # a tile of dead rows only (idle slots) runs no k-step and writes zeros
-        row_alive = [row_live_ref[m0 + r] != 0 for r in range(bm)]
-        alive = jnp.logical_and(alive, functools.reduce(jnp.logical_or, row_alive))
+    if has_row_live:  # one-row tiles: a dead row (an idle slot) runs no k-step and writes zeros
+        alive = row_live_ref[i] != 0
     lead = (jnp.maximum(e_ref[i], 0),) if has_expert else ()
     if has_layer:  # a stack of layers' weights (a scanned layer group): this layer's, in place
         lead = (layer_ref[0],) + lead
@@ -107,30 +106,28 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     if mode == "rows":
         s = pl.program_id(2)
 
-        def row_step(acc, r, t, p, q, scale, bias, sub):
-            # x rows rounded to the compute dtype as the reference does, then float32
-            xr = x_ref[m0 + r, pl.ds(t * ng, ng), p, :].astype(cdt).astype(F32)
-            if sub:
-                prod = jnp.sum(q.reshape(bn, ng, 2, L // 2) * xr.reshape(1, ng, 2, L // 2), axis=3)
-                xsum = jnp.sum(xr.reshape(ng, 2, L // 2), axis=2)[None]
-                c = jnp.sum(scale * prod + bias * xsum, axis=2)
-            else:
-                c = jnp.sum(q * xr[None], axis=2)
-                if scale is not None:
-                    c = c * scale
-                if bias is not None:
-                    c = c + bias * jnp.sum(xr, axis=1)[None]
-            return acc + c
-
         def body(t, accs):
             new = [list(a) for a in accs]
             caches = [dict() for _ in range(n_w)]
             for p in range(P):
+                # x rows rounded to the compute dtype as the reference does, then float32
+                xs = [x_ref[m0 + r, pl.ds(t * ng, ng), p, :].astype(cdt).astype(F32) for r in range(bm)]
                 for wi in range(n_w):
                     tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p, caches[wi])
                     q, scale, bias, sub = decode_part_factored(qtype, tiles, p)
                     for r in range(bm):
-                        new[wi][r] = row_step(new[wi][r], r, t, p, q, scale, bias, sub)
+                        xr = xs[r]
+                        if sub:
+                            prod = jnp.sum(q.reshape(bn, ng, 2, L // 2) * xr.reshape(1, ng, 2, L // 2), axis=3)
+                            xsum = jnp.sum(xr.reshape(ng, 2, L // 2), axis=2)[None]
+                            c = jnp.sum(scale * prod + bias * xsum, axis=2)
+                        else:
+                            c = jnp.sum(q * xr[None], axis=2)
+                            if scale is not None:
+                                c = c * scale
+                            if bias is not None:
+                                c = c + bias * jnp.sum(xr, axis=1)[None]
+                        new[wi][r] = new[wi][r] + c
             return tuple(tuple(a) for a in new)
 
         init = tuple(tuple(jnp.zeros((bn, ng), F32) for _ in range(bm)) for _ in range(n_w))
@@ -140,11 +137,6 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
         accs = lax.fori_loop(lo, hi, body, init)
         for r in range(bm):
             ys = [jnp.sum(accs[wi][r], axis=1) for wi in range(n_w)]
-            if has_row_live and bm > 1:
-                # a dead row beside live ones (an idle slot, a group's padding) is computed (a
-                # branch per row would cost the live rows their bits in interpret mode) and
-                # written as zeros
-                ys = [jnp.where(row_alive[r], y, 0.0) for y in ys]
             if swiglu and nt < nt_all:  # split-K: gate and up partial sums side by side, SiLU after the sum
                 o_ref[s, m0 + r, pl.ds(n0, bn)] = ys[0]
                 o_ref[s, m0 + r, pl.ds(n_out + n0, bn)] = ys[1]
@@ -217,21 +209,6 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
     return dict(mode="dot", bm=bm, bn=bn, bk=bk, split=1, num_warps=warps, num_stages=3 if bk <= 128 else 2)
 
 
-def invariant_config(qtype: str, M: int, N: int, K: int, *, split_rows: int = 1, tile_rows: int | None = None,
-                     max_tile_rows: int = 8):
-    """The rows schedule of a batch-invariant decode product: the one-row program's tile, k-steps
-    and split-K (pick_config with `tile_rows=1`), with `tile_rows` rows per program (default: M
-    spread over the fewest programs of at most `max_tile_rows` rows). Each row still runs the
-    one-row program's instructions on its own accumulators, so its bits do not depend on how many
-    rows share the program; the rows share each weight tile's load and dequantization. Why: one
-    row per program read and decoded every weight once per row, and an 8-slot server step paid
-    3-5x a one-row step in every product (H200, RESULTS §23k)."""
-    cfg = pick_config(qtype, M, N, K, rows_max=1, tile_rows=1, split_rows=split_rows)
-    if tile_rows is None:
-        tile_rows = -(-M // -(-M // max(1, max_tile_rows)))
-    return dict(cfg, bm=max(1, tile_rows))
-
-
 def chain_sum(parts):
     """parts[0] + parts[1] + ... in that order (elementwise, f32): the split-K partial sums added
     the same way whatever the other dims are. A reduction over the leading axis would be XLA's
@@ -282,9 +259,9 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
         args.append(jnp.reshape(live, (1,)).astype(jnp.int32))
     has_row_live = row_live is not None
     if has_row_live:
-        if mode != "rows" or row_live.shape[0] != M:
-            raise ValueError(f"live rows need the rows schedule over {M} rows, got {mode} over {row_live.shape[0]}")
-        args.append(jnp.pad(row_live.astype(jnp.int32), (0, Mp - M)))
+        if mode != "rows" or bm != 1 or has_expert or row_live.shape[0] != Mp:
+            raise ValueError(f"live rows need one-row tiles of the rows schedule, got {mode} with bm {bm}")
+        args.append(row_live.astype(jnp.int32))
     for w in ws:
         args += [w.arrays[n] for n in names]
     nt = -(-(K // bk) // split)
@@ -308,23 +285,22 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
 
 
 def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False, config: dict | None = None,
-                 layer=None, row_invariant: bool = False, live_rows=None, tile_rows: int = 8):
+                 layer=None, row_invariant: bool = False, live_rows=None):
     """x [..., K] @ W[N, K]^T -> [..., N] float32 (W a PackedWeight without expert axis; with `layer`,
     an int32 scalar, W's arrays are a stack of layers' [L, ...] and layer `layer` is read in place).
-    `row_invariant`: every row computed by the instructions a single row gets (the one-row tile
-    and split, up to `tile_rows` rows a program: invariant_config), so each row's result is the
-    same whatever the row count. `live_rows` (with row_invariant; [rows] int, nonzero = live): the
-    other rows come out as zeros, and a program whose rows are all dead reads no weight: a
-    server's idle slots."""
+    `row_invariant`: every row computed by the program a single row gets (one-row tiles, the
+    one-row split), so each row's result is the same whatever the row count (see pick_config).
+    `live_rows` (with row_invariant; [rows] int, nonzero = live): the other rows are not computed
+    (zeros): a server's idle slots."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     N, K = w.shape[-2], w.shape[-1]
     if row_invariant:
-        cfg = config or invariant_config(w.qtype, x2.shape[0], N, K, max_tile_rows=tile_rows)
+        cfg = config or pick_config(w.qtype, x2.shape[0], N, K, rows_max=1, tile_rows=1, split_rows=1)
     else:
         cfg = config or pick_config(w.qtype, x2.shape[0], N, K)
-    if live_rows is not None and not (row_invariant and cfg["mode"] == "rows"):
-        live_rows = None  # the rows schedule alone skips rows
+    if live_rows is not None and not (row_invariant and cfg["mode"] == "rows" and cfg["bm"] == 1):
+        live_rows = None  # only one-row tiles can skip a row
     y = _call(x2, (w,), None, layer, None, live_rows, dtype=jnp.dtype(dtype), swiglu=False,
               config=tuple(sorted(cfg.items())), interpret=interpret)
     return y.reshape(*lead, N)
@@ -355,20 +331,14 @@ def quant_matmul_live(x, w: PackedWeight, live, dtype=jnp.bfloat16, *, interpret
 
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
                          interpret: bool = False, config: dict | None = None, layer=None,
-                         split_rows: int | None = None, row_invariant: bool = False, live_rows=None):
+                         split_rows: int | None = None):
     """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
     (PackedWeight [E, N, K]); expert -1 marks a dead tile (zeros, no weight read). `ws` = (w,) or,
-    with swiglu, (gate, up). -> [M, N] float32. `row_invariant`: tiles of `tile_rows` rows with
-    the one-row program's schedule (split-K sized for `split_rows` one-row tiles: invariant_config),
-    each row computed as alone; `live_rows` ([M] int, nonzero = live) then marks the rows
-    computed, the others zeros."""
+    with swiglu, (gate, up). -> [M, N] float32."""
     w0 = ws[0]
     N, K = w0.shape[-2], w0.shape[-1]
-    if row_invariant:
-        cfg = config or invariant_config(w0.qtype, x.shape[0], N, K, split_rows=split_rows or 1, tile_rows=tile_rows)
-    else:
-        cfg = config or pick_config(w0.qtype, x.shape[0], N, K, tile_rows=tile_rows, split_rows=split_rows)
+    cfg = config or pick_config(w0.qtype, x.shape[0], N, K, tile_rows=tile_rows, split_rows=split_rows)
     if swiglu and cfg["mode"] != "rows":
         cfg = dict(cfg, split=1)
-    return _call(x, tuple(ws), expert, layer, None, live_rows, dtype=jnp.dtype(dtype), swiglu=swiglu,
+    return _call(x, tuple(ws), expert, layer, dtype=jnp.dtype(dtype), swiglu=swiglu,
                  config=tuple(sorted(cfg.items())), interpret=interpret)
