@@ -219,6 +219,26 @@ def _heads_pallas_supported(x, w, dtype) -> bool:
             and pallas_ok(w))
 
 
+def _heads_dot(x, pw, layer, dtype, interpret: bool):
+    """The per-head products in the batch-invariant matrix-unit schedule: a head's rows (every
+    sequence's, padded to the schedule's tile) one tile with that head as its "expert"; a tile of
+    idle rows reads no weight."""
+    H, K = x.shape[-2], x.shape[-1]
+    n = registry.rows(x) // H
+    bm = _qm.INVARIANT_BM
+    n_p = -(-n // bm) * bm
+    xh = jnp.swapaxes(x.reshape(n, H, K), 0, 1)                           # [H, rows, K]
+    xh = jnp.pad(xh, ((0, 0), (0, n_p - n), (0, 0))).reshape(H * n_p, K)
+    heads = jnp.repeat(jnp.arange(H, dtype=jnp.int32), n_p // bm)
+    live = registry.live_rows_mask(n)
+    live = jnp.ones((n,), jnp.int32) if live is None else (live != 0).astype(jnp.int32)
+    row_live = jnp.tile(jnp.pad(live, (0, n_p - n)), H)
+    y = _qm.quant_matmul_experts(xh, (pw,), heads, dtype, tile_rows=bm, interpret=interpret, layer=layer,
+                                 split_rows=H, config="invariant", live_rows=row_live)
+    y = jnp.swapaxes(y.reshape(H, n_p, -1)[:, :n], 0, 1)
+    return y.reshape(x.shape[:-1] + (y.shape[-1],))
+
+
 def _heads_pallas(interpret: bool):
     def run(x, w, dtype):
         """Each (row, head) a one-row tile of the rows kernel with the head as its "expert": every
@@ -226,6 +246,8 @@ def _heads_pallas(interpret: bool):
         from its dot of 1: RESULTS §23b)."""
         pw, layer = pallas_weight(w)
         H, K = x.shape[-2], x.shape[-1]
+        if _qm.invariant_dot(pw.qtype, dtype):
+            return _heads_dot(x, pw, layer, dtype, interpret)
         x2 = x.reshape(-1, K)
         heads = jnp.tile(jnp.arange(H, dtype=jnp.int32), x2.shape[0] // H)
         live = registry.live_rows_mask(x2.shape[0] // H)
