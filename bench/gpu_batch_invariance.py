@@ -248,7 +248,8 @@ def kernel_profile(eng, a, rng):
 
     def trace(tag, B, T, start, reps=5, last=None):
         cache = eng.new_cache(B)
-        toks = np.ones((B, T), np.int32)
+        # a token per row: rows alike would route alike (one row's experts for the whole batch)
+        toks = rng.integers(100, eng.config.vocab_size, (B, T)).astype(np.int32)
         st = np.full(B, start, np.int32)
         eng.precompile(B, T, start + T)
         logits, cache = eng.step(cache, toks, st, last)

@@ -41,7 +41,8 @@
 #   STAGE=13: a short lease: the cold start at -c 4096 -ub 512 with the load beside the compile
 #            (80b1963), then serve's load rows on the V2-Lite shape (idle slots skipped, 154e713).
 #   STAGE=14: the GPU kernel tests of the decode products (invariant rows, live rows, real sizes),
-#            then the [8,1] decode step's kernels (profile8: every row live, one live, against [1,1]).
+#            then for each IKJAX_INVARIANT_FORM in FORMS (rows dot) the [8,1] decode step's kernels
+#            (profile8: every row live, one live, against [1,1]) and serve's load rows.
 #   STAGE=15: serve on the V2-Lite shape (load, interference, second turn, greedy against generate).
 #            (§23k: both ran for 77b3bfb's shared-row form, backed out; its A/B variable is gone.)
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -87,9 +88,17 @@ start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent; N
 case $STAGE in
 14)
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_kernels_quant_matmul.py \
-    tests/test_kernels_moe.py -k "invariant or live_rows or real_size or v2_lite" 2>&1 | tail -5
-  el "profile8"
-  OUT=$OUT/inv STAGES=inv1 PARTS1=profile8 bash bench/gpu_invariance.sh 2>&1 | grep -E "wall|ready|rc="
+    tests/test_kernels_moe.py -k "${GPU_TESTS:-invariant or live_rows or real_size or v2_lite}" 2>&1 | tail -5
+  for form in ${FORMS:-rows dot}; do
+    el "profile8, IKJAX_INVARIANT_FORM=$form"
+    OUT=$OUT/inv-$form STAGES=inv1 PARTS1=profile8 IKJAX_INVARIANT_FORM=$form bash bench/gpu_invariance.sh 2>&1 \
+      | grep -E "wall|ready|rc="
+  done
+  for form in ${FORMS:-rows dot}; do
+    el "serve load rows, IKJAX_INVARIANT_FORM=$form"
+    OUT=$OUT/serve-$form LOAD_ONLY=1 IKJAX_INVARIANT_FORM=$form timeout 200 bash bench/gpu_serve.sh 2>&1 \
+      | grep -E "^\||up in"
+  done
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40

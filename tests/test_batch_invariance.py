@@ -15,7 +15,7 @@ import pytest
 from ikjax import ops
 from ikjax.ops import registry
 from pallas_kernels.mla_decode import kernel as mla
-from pallas_kernels.moe_matmul import moe_experts, moe_experts_ref
+from pallas_kernels.moe_matmul import moe_experts
 from pallas_kernels.quant_matmul import prepare, quant_matmul, quant_matmul_ref
 from pallas_kernels.quant_matmul.kernel import pick_config
 from pallas_kernels.testing import random_quant_array
@@ -46,19 +46,23 @@ def test_schedules_do_not_depend_on_the_batch():
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
-def test_quant_matmul_rows_equal_alone(name):
+@pytest.mark.parametrize("matrix_unit", [False, True])
+def test_quant_matmul_rows_equal_alone(name, matrix_unit):
+    """A program per row, or the matrix-unit schedule (tiles of 16 rows, split-K by (N, K) alone):
+    each row as alone, 13 rows as their first 13 of 40, close to the reference."""
     rng = np.random.default_rng(abs(hash(name + "inv")) % 2**32)
     N, K = 48, 512
     pw = prepare(random_quant_array(name, (N, K), rng))
     x = jnp.asarray(rng.standard_normal((13, K)), jnp.float32)
-    f = lambda x: quant_matmul(x, pw, jnp.bfloat16, interpret=True, row_invariant=True)
+    f = lambda x: quant_matmul(x, pw, jnp.bfloat16, interpret=True, row_invariant=True, matrix_unit=matrix_unit)
     y = np.asarray(f(x))
     assert np.array_equal(y, rows_alone(f, x))
-    # the matrix-unit schedule (tiles of 16 rows): 13 rows and 40 rows alike, close to the reference
     x40 = jnp.concatenate([x, jnp.asarray(rng.standard_normal((27, K)), jnp.float32)])
     assert np.array_equal(np.asarray(f(x40))[:13], y)
     ref = np.asarray(quant_matmul_ref(x, pw, jnp.bfloat16))
     assert np.abs(y - ref).max() <= 2e-2 * np.abs(ref).max()
+    if not matrix_unit:  # the plain form of one row is the row form (decode at batch 1 keeps its schedule)
+        assert np.array_equal(y[:1], np.asarray(quant_matmul(x[:1], pw, jnp.bfloat16, interpret=True)))
 
 
 def test_moe_gather_tokens_equal_alone():
@@ -71,45 +75,22 @@ def test_moe_gather_tokens_equal_alone():
     f = lambda x, w, ids: moe_experts(x, w, ids, *pws, interpret=True, row_invariant=True)
     y = np.asarray(f(x, w, ids))
     assert np.array_equal(y, rows_alone(f, x, w, ids))
-    # the matrix-unit tiles (moe_experts_tiles): near the reference, which rounds as they do
-    ref = np.asarray(moe_experts_ref(x, w, ids, *pws))
-    assert np.linalg.norm(y - ref) <= 2e-3 * np.linalg.norm(ref)
-
-
-@pytest.mark.parametrize("N, E", [(5, 8), (20, 4)])
-def test_moe_expert_tiles_tokens_equal_alone(N, E):
-    """The invariant experts' matrix-unit tiles (a tile per expert picked, its rows the tokens):
-    each token's bits as alone, with dropped slots (weight 0: idle rows, -ser) among them; 20
-    tokens take two token tiles, and with 4 experts every expert is a tile."""
-    from pallas_kernels.moe_matmul.kernel import moe_experts_tiles
-    rng = np.random.default_rng(N * E)
-    F, d, k = 256, 1024, 3
-    pws = [prepare(random_quant_array("Q4_0", s, rng)) for s in ((E, F, d), (E, F, d), (E, d, F))]
-    x = jnp.asarray(rng.standard_normal((N, d)), jnp.float32)
-    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
-    w = jnp.asarray(rng.uniform(0.1, 1.0, (N, k)), jnp.float32).at[1, 2].set(0.0).at[3].set(0.0)
-    dead = jnp.where(w != 0, ids, -1)
-    f = lambda x, w, ids: moe_experts_tiles(x, w, ids, *pws, interpret=True)
-    y = np.asarray(f(x, w, dead))
-    assert np.array_equal(y, rows_alone(f, x, w, dead))
-    assert not y[3].any()
-    ref = np.asarray(moe_experts_ref(x, w, ids, *pws))
-    assert np.linalg.norm(y - ref) <= 2e-3 * np.linalg.norm(ref)
+    assert np.array_equal(y[:1], np.asarray(moe_experts(x[:1], w[:1], ids[:1], *pws, interpret=True)))
 
 
 def test_invariant_schedules_lower_to_triton():
-    """The matrix-unit invariant schedules lower to Triton: a dense product with split-K and
-    live rows, the experts' tiles (shared x tiles, unwritten dead tiles, bf16 out)."""
-    from pallas_kernels.moe_matmul.kernel import moe_experts_tiles
+    """The matrix-unit invariant schedule lowers to Triton: a dense product with split-K and live
+    rows, and the per-head form (a head's rows one tile, heads as experts)."""
+    from pallas_kernels.quant_matmul.kernel import quant_matmul_experts
     from pallas_kernels.testing import cuda_lowering
     rng = np.random.default_rng(9)
     pw = prepare(random_quant_array("Q4_0", (576, 2048), rng, fast=True))
-    cuda_lowering(lambda x, w, m: quant_matmul(x, w, row_invariant=True, live_rows=m),
+    cuda_lowering(lambda x, w, m: quant_matmul(x, w, row_invariant=True, live_rows=m, matrix_unit=True),
                   jnp.zeros((8, 2048), jnp.bfloat16), pw, jnp.ones((8,), jnp.int32))
-    pws = [prepare(random_quant_array("Q4_0", s, rng, fast=True)) for s in ((16, 256, 2048), (16, 256, 2048),
-                                                                            (16, 2048, 256))]
-    cuda_lowering(lambda x, w, ids, g, u, dn: moe_experts_tiles(x, w, ids, g, u, dn),
-                  jnp.zeros((8, 2048), jnp.float32), jnp.ones((8, 3), jnp.float32), jnp.zeros((8, 3), jnp.int32), *pws)
+    ph = prepare(random_quant_array("Q4_0", (16, 128, 512), rng, fast=True))
+    cuda_lowering(lambda x, w, e, m: quant_matmul_experts(x, (w,), e, tile_rows=16, split_rows=16, config="invariant",
+                                                          live_rows=m),
+                  jnp.zeros((256, 512), jnp.bfloat16), ph, jnp.arange(16, dtype=jnp.int32), jnp.ones((256,), jnp.int32))
 
 
 def test_mla_decode_sequences_equal_alone():
@@ -147,9 +128,12 @@ def test_off_by_default(monkeypatch):
         assert not registry.batch_invariant()
 
 
-def test_head_products_rows_equal_alone(invariant):
+@pytest.mark.parametrize("form", ["rows", "dot"])
+def test_head_products_rows_equal_alone(invariant, monkeypatch, form):
     """MLA's per-head products in a decode step: each (row, head) a one-row tile of the rows kernel
-    (interpret mode), each row's bits as alone, close to XLA's dot; a prompt step keeps the dot."""
+    or (IKJAX_INVARIANT_FORM=dot) a head's rows one matrix-unit tile (interpret mode), each row's
+    bits as alone, close to XLA's dot; a prompt step keeps the dot."""
+    monkeypatch.setenv("IKJAX_INVARIANT_FORM", form)
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((6, 1, 4, 32)), jnp.float32)
     w = prepare(random_quant_array("Q8_0", (4, 64, 32), rng))
@@ -164,9 +148,11 @@ def test_head_products_rows_equal_alone(invariant):
     assert np.abs(y - ref).max() <= 2e-2 * np.abs(ref).max()
 
 
-def test_head_products_skip_idle_rows(invariant):
+@pytest.mark.parametrize("form", ["rows", "dot"])
+def test_head_products_skip_idle_rows(invariant, monkeypatch, form):
     """Under the decode step's live-rows mask (a server's idle slots), the per-head products give
     the live rows' bits unchanged and zeros for the idle rows' heads (dead tiles: no weight read)."""
+    monkeypatch.setenv("IKJAX_INVARIANT_FORM", form)
     rng = np.random.default_rng(8)
     x = jnp.asarray(rng.standard_normal((3, 1, 4, 32)), jnp.float32)
     w = prepare(random_quant_array("Q8_0", (4, 64, 32), rng))
@@ -210,14 +196,17 @@ def test_softmax_and_small_sums_rows_equal_alone(invariant):
     assert np.abs(s - np.asarray(w).sum(-1)).max() < 1e-6
 
 
-def test_idle_rows_skipped_and_live_rows_as_alone(tiny4_model, monkeypatch):
-    """A batch-invariant decode step (interpret mode) with an idle row (last -1, a server's free
-    slot): the row-by-row products get the live-rows mask and skip that row, and the live rows'
-    logits are bit for bit those of the same step with every row live (and finite)."""
+@pytest.mark.parametrize("form", ["rows", "dot"])
+def test_idle_rows_skipped_and_live_rows_as_alone(tiny4_model, monkeypatch, form):
+    """A batch-invariant decode step (interpret mode; products a program per row, or on the
+    matrix unit) with an idle row (last -1, a server's free slot): the products get the live-rows
+    mask, and the live rows' logits are bit for bit those of the same step with every row live
+    (and finite)."""
     import ikjax
     from pallas_kernels.quant_matmul import kernel as qk
     monkeypatch.setenv("IKJAX_KERNELS", "interpret")
     monkeypatch.setenv("IKJAX_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("IKJAX_INVARIANT_FORM", form)
     seen = []
     call = qk._call
 

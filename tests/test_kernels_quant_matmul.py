@@ -2,6 +2,8 @@
 Triton lowering of every type and schedule (on CPU, through jax.export), GPU at real sizes."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,10 +188,8 @@ def test_gpu_real_size(name):
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "IQ4_XS", "BF16"])
 def test_gpu_invariant_rows_bit_for_bit(name):
     """On the hardware (the matrix unit's order, not the interpreter's): each of 8 rows of the
-    invariant schedule equals the row alone bit for bit, at V2-Lite's sizes (split-K among them),
-    idle rows zeros; the per-head products and the experts' tiles likewise; all near the reference."""
-    from pallas_kernels.moe_matmul.kernel import moe_experts_tiles
-    from pallas_kernels.moe_matmul.reference import moe_experts_ref
+    matrix-unit invariant schedule equals the row alone bit for bit, at V2-Lite's sizes (split-K
+    among them), idle rows zeros, near the reference."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(7)
     for N, K in [(2048, 1408), (3072, 2048), (576, 2048), (102400, 2048)]:
@@ -198,26 +198,13 @@ def test_gpu_invariant_rows_bit_for_bit(name):
         except ValueError:
             continue
         x = jnp.asarray(rng.standard_normal((8, K)), jnp.float32)
-        alone = np.concatenate([np.asarray(quant_matmul(x[i:i + 1], pw, row_invariant=True)) for i in range(8)])
-        assert np.array_equal(np.asarray(quant_matmul(x, pw, row_invariant=True)), alone), (name, N, K)
+        f = functools.partial(quant_matmul, w=pw, row_invariant=True, matrix_unit=True)
+        alone = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(8)])
+        assert np.array_equal(np.asarray(f(x)), alone), (name, N, K)
         mask = jnp.asarray([1, 0, 0, 1, 0, 0, 0, 1], jnp.int32)
-        got = np.asarray(quant_matmul(x, pw, row_invariant=True, live_rows=mask))
+        got = np.asarray(f(x, live_rows=mask))
         assert np.array_equal(got[[0, 3, 7]], alone[[0, 3, 7]]) and not got[[1, 2, 4, 5, 6]].any(), (name, N, K)
         assert rel(alone, quant_matmul_ref(x, pw)) < 6e-3, (name, N, K)
-    if name == "BF16":
-        return
-    E, F, d, k = 64, 1408, 2048, 6
-    pws = [prepare(random_quant_array(name, s, rng, fast=True)) for s in ((E, F, d), (E, F, d), (E, d, F))]
-    x = jnp.asarray(rng.standard_normal((8, d)), jnp.float32)
-    ids = jnp.asarray(np.stack([rng.choice(16, k, replace=False) for _ in range(8)]), jnp.int32)  # shared picks
-    w = jnp.asarray(rng.uniform(0.1, 1.0, (8, k)), jnp.float32)
-    dead = ids.at[5].set(-1)                                                                      # an idle row
-    y = np.asarray(moe_experts_tiles(x, w, dead, *pws))
-    alone = np.concatenate([np.asarray(moe_experts_tiles(x[i:i + 1], w[i:i + 1], dead[i:i + 1], *pws))
-                            for i in range(8)])
-    assert np.array_equal(y, alone) and not y[5].any(), name
-    live = np.arange(8) != 5
-    assert rel(y[live], np.asarray(moe_experts_ref(x, w, ids, *pws))[live]) < 6e-3, name
 
 
 @pytest.mark.gpu

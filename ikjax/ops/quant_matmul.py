@@ -141,7 +141,8 @@ def _qm_pallas(x, w, dtype, interpret: bool):
     invariant = registry.batch_invariant() and registry.rows(x) <= registry.INVARIANT_MAX_ROWS
     # row by row: the idle slots' rows of a server's decode batch are skipped (registry.live_rows)
     live = registry.live_rows_mask(registry.rows(x)) if invariant else None
-    return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer, row_invariant=invariant, live_rows=live)
+    return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer, row_invariant=invariant, live_rows=live,
+                            matrix_unit=invariant and registry.invariant_matrix_unit())
 
 
 def quant_linear(x, w, dtype, *, backend: str | None = None):
@@ -246,7 +247,7 @@ def _heads_pallas(interpret: bool):
         from its dot of 1: RESULTS §23b)."""
         pw, layer = pallas_weight(w)
         H, K = x.shape[-2], x.shape[-1]
-        if _qm.invariant_dot(pw.qtype, dtype):
+        if registry.invariant_matrix_unit() and _qm.invariant_dot(pw.qtype, dtype):
             return _heads_dot(x, pw, layer, dtype, interpret)
         x2 = x.reshape(-1, K)
         heads = jnp.tile(jnp.arange(H, dtype=jnp.int32), x2.shape[0] // H)

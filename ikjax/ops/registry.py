@@ -312,6 +312,13 @@ def batch_invariant() -> bool:
     return decode_step() and env.choice("IKJAX_BATCH_INVARIANT") == "1" and resolve_backend() in ("pallas", "interpret")
 
 
+def invariant_matrix_unit() -> bool:
+    """Whether the batch-invariant decode's dense and per-head products take the matrix-unit
+    schedule (IKJAX_INVARIANT_FORM=dot; pallas_kernels' invariant_config) rather than a program
+    per row: eight rows for about the price of one, one row ~1.5x the row kernel's (RESULTS §23l)."""
+    return env.choice("IKJAX_INVARIANT_FORM") == "dot"
+
+
 def rows(x) -> int:
     """Rows of x: the product of every dim but the last."""
     n = 1

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe_matmul.reference import combine_slots, slot_rank
-from pallas_kernels.quant_matmul.kernel import INVARIANT_BM, invariant_dot, quant_matmul_experts
+from pallas_kernels.quant_matmul.kernel import quant_matmul_experts
 from pallas_kernels.quant_matmul.packing import PackedWeight
 
 
@@ -31,44 +31,6 @@ def moe_experts_gather(x, w, ids, gate: PackedWeight, up: PackedWeight, down: Pa
     y = quant_matmul_experts(h.astype(dtype), (down,), e, dtype, tile_rows=1, interpret=interpret, layer=layer,
                              split_rows=split_rows)
     return combine_slots(y.reshape(N, k, -1), w)
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
-def moe_experts_tiles(x, w, ids, gate: PackedWeight, up: PackedWeight, down: PackedWeight,
-                      dtype=jnp.bfloat16, interpret: bool = False, layer=None):
-    """The batch-invariant decode form: a matrix-unit tile per expert the batch picks (at most
-    min(E, N k) of them), its rows the batch's tokens (tiles of INVARIANT_BM tokens), each token's
-    row kept where it picked that expert. Why: one tile per (token, expert) slot read and decoded
-    an expert once per token that picked it, with per-row arithmetic that cost a batch of 8 five
-    times one token (RESULTS §23k); here an expert is decoded once for the batch and its products
-    run on the matrix unit. The schedule is fixed by (N, K, k) alone (invariant_config, one pass),
-    so each token gets the bits it gets alone; no sort (a few fused index ops)."""
-    N, k = ids.shape
-    E = gate.shape[0]
-    bm = INVARIANT_BM
-    nb = -(-N // bm)                 # token tiles
-    T = min(E, N * k)                # expert tiles: at most the distinct experts picked
-    live = ids >= 0
-    used = jnp.zeros((E + 1,), jnp.bool_).at[jnp.where(live, ids, E)].set(True)[:E]
-    pos = (jnp.cumsum(used) - 1).astype(jnp.int32)                          # an expert's tile
-    tile_e = jnp.full((T,), -1, jnp.int32).at[jnp.where(used, pos, T)].set(jnp.arange(E, dtype=jnp.int32),
-                                                                            mode="drop")
-    # row (t, token): the token picked tile t's expert
-    picks = jnp.any((ids[None, :, :] == tile_e[:, None, None]) & live[None], axis=-1)   # [T, N]
-    row_live = jnp.pad(picks, ((0, 0), (0, nb * bm - N))).reshape(T, nb, bm)
-    tiles_e = jnp.repeat(tile_e, nb)
-    row_live = row_live.reshape(-1).astype(jnp.int32)
-    h = quant_matmul_experts(x, (gate, up), tiles_e, dtype, tile_rows=bm, swiglu=True, interpret=interpret,
-                             layer=layer, split_rows=k, config="invariant", live_rows=row_live, x_tiles=nb,
-                             out_dtype=dtype)
-    y = quant_matmul_experts(h, (down,), tiles_e, dtype, tile_rows=bm, interpret=interpret, layer=layer,
-                             split_rows=k, config="invariant", live_rows=row_live, x_tiles=0)
-    # each slot's row: its expert's tile, its token's row in it (a dropped slot: zeros; the rows
-    # of dead tiles were never written)
-    tok = jnp.arange(N, dtype=jnp.int32)[:, None]
-    rows = (pos[jnp.maximum(ids, 0)] * nb + tok // bm) * bm + tok % bm
-    ys = jnp.where(live[..., None], y[rows], 0.0)
-    return combine_slots(ys, w)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "bm"))
@@ -114,8 +76,6 @@ def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: boo
     N, k = ids.shape
     E = gate.shape[0]
     ids = jnp.where(w != 0, ids, -1)
-    if row_invariant and invariant_dot(gate.qtype, dtype) and N * k <= 2 * E:
-        return moe_experts_tiles(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer)
     if N * k <= 2 * E:
         return moe_experts_gather(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer,
                                   row_invariant=row_invariant)

@@ -80,7 +80,7 @@ def _silu_mul(g, u):
 
 
 def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu,
-            seq_rows=0, has_row_live=False, x_tiles=0):
+            seq_rows=0, has_row_live=False):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
@@ -147,10 +147,8 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
                 o_ref[s, m0 + r, pl.ds(n0, bn)] = _silu_mul(ys[0], ys[1]) if swiglu else ys[0]
         return
 
-    m0x = (i % x_tiles) * bm if x_tiles else m0
-
     def body(t, accs):
-        xs = [x_ref[pl.ds(m0x, bm), pl.ds(t * ng, ng), p, :].reshape(bm, width) for p in range(P)]
+        xs = [x_ref[pl.ds(m0, bm), pl.ds(t * ng, ng), p, :].reshape(bm, width) for p in range(P)]
         new = []
         for wi in range(n_w):
             acc = accs[wi]
@@ -171,7 +169,7 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
             accs = lax.fori_loop(0, nt, body, init)
             o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = accs[0].astype(o_ref.dtype)
         return
-    if nt == nt_all and not has_row_live and not x_tiles:
+    if nt == nt_all and not has_row_live:
         # both bounds of one integer type (Triton's scf.for requires it)
         hi = jnp.where(alive, jnp.int32(nt), jnp.int32(0)) if has_expert else nt
         accs = lax.fori_loop(jnp.int32(0) if has_expert else 0, hi, body, init)
@@ -189,16 +187,11 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     if has_row_live:  # a dead row (an idle slot) beside live ones: computed, written as zeros
         accs = tuple(jnp.where(row_mask[:, None], a, 0.0) for a in accs)
 
-    def write():
-        if swiglu and nt < nt_all:  # gate and up partial sums side by side, SiLU after the sum
-            o_ref[s, pl.ds(m0, bm), pl.ds(n0, bn)] = accs[0].astype(o_ref.dtype)
-            o_ref[s, pl.ds(m0, bm), pl.ds(n_out + n0, bn)] = accs[1].astype(o_ref.dtype)
-        else:
-            o_ref[s, pl.ds(m0, bm), pl.ds(n0, bn)] = (_silu_mul(accs[0], accs[1]) if swiglu else accs[0]).astype(o_ref.dtype)
-    if x_tiles:  # a dead tile's output is left unwritten
-        pl.when(alive)(write)
+    if swiglu and nt < nt_all:  # gate and up partial sums side by side, SiLU after the sum
+        o_ref[s, pl.ds(m0, bm), pl.ds(n0, bn)] = accs[0]
+        o_ref[s, pl.ds(m0, bm), pl.ds(n_out + n0, bn)] = accs[1]
     else:
-        write()
+        o_ref[s, pl.ds(m0, bm), pl.ds(n0, bn)] = _silu_mul(accs[0], accs[1]) if swiglu else accs[0]
 
 
 def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_rows: int | None = None,
@@ -242,7 +235,7 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
 INVARIANT_BM = 16
 
 
-def invariant_config(qtype: str, N: int, K: int, *, split_rows: int = 1, one_pass: bool = False):
+def invariant_config(qtype: str, N: int, K: int, *, split_rows: int = 1):
     """The batch-invariant decode schedule: `tl.dot` tiles of INVARIANT_BM rows, tile, k-steps and
     split-K from (N, K) alone, split sized as if `split_rows` one-row tiles shared the columns
     (an MoE token's k slots, a row's heads). Each row's result is a fixed sequence of matrix-unit
@@ -252,12 +245,6 @@ def invariant_config(qtype: str, N: int, K: int, *, split_rows: int = 1, one_pas
     G, P, L, R = GEOMETRY[qtype]
     bk = max(G * R, _pow2_divisor(K, 128))
     nt_all = K // bk
-    if one_pass:
-        # no split-K: narrower column tiles for the programs instead (an expert tile's output is
-        # 16 rows for the one or two tokens that picked it: partial sums of it would be bytes)
-        bn = _pow2_divisor(N, max(16, min(64, _pow2_floor(N * max(1, split_rows) // 528))))
-        return dict(mode="dot", bm=INVARIANT_BM, bn=bn, bk=bk, split=1, num_warps=4,
-                    num_stages=3 if bk <= 128 else 2)
     bn = _pow2_divisor(N, 64)
     tiles = N // bn * max(1, split_rows)
     split = 1
@@ -291,25 +278,19 @@ def kernel_supports(qtype: str, N: int, K: int) -> bool:
     return K % (G * R) == 0 and N % 16 == 0
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret", "seq_rows", "out_dtype", "x_tiles"))
+@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret", "seq_rows", "out_dtype"))
 def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, config, interpret, seq_rows=0,
-          out_dtype=F32, x_tiles=0):
+          out_dtype=F32):
     cfg = dict(config)
     w0: PackedWeight = ws[0]
     qtype = w0.qtype
     N, K = w0.shape[-2], w0.shape[-1]
     mode, bm, bn, bk, split = cfg["mode"], cfg["bm"], cfg["bn"], cfg["bk"], cfg["split"]
-    # x_tiles (dot schedule, with experts): x holds x_tiles tiles of rows that every expert tile
-    # reads in turn (tile i reads x's tile i % x_tiles), and the output has a tile per expert tile;
-    # a dead tile's output is left unwritten (callers read live tiles only)
-    Mx = x_tiles * bm if x_tiles else -(-x.shape[0] // bm) * bm
-    M = expert.shape[0] * bm if x_tiles else x.shape[0]
+    M = x.shape[0]
     Mp = -(-M // bm) * bm
-    if x_tiles and (mode != "dot" or x.shape[0] > Mx or seq_rows):
-        raise ValueError(f"x_tiles needs the dot schedule and at most {Mx} rows of x, got {mode} over {x.shape[0]}")
     xc = x.astype(dtype) if mode == "dot" else x
-    if Mx != x.shape[0]:
-        xc = jnp.pad(xc, ((0, Mx - x.shape[0]), (0, 0)))
+    if Mp != M:
+        xc = jnp.pad(xc, ((0, Mp - M), (0, 0)))
     xv = x_view(xc, qtype)
     names = tuple(sorted(w0.arrays))
     args = [xv]
@@ -336,10 +317,10 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
     for w in ws:
         args += [w.arrays[n] for n in names]
     nt = -(-(K // bk) // split)
-    grid = (N // bn, Mp // bm, split) if mode == "rows" or split > 1 or has_row_live or x_tiles else (N // bn, Mp // bm)
+    grid = (N // bn, Mp // bm, split) if mode == "rows" or split > 1 or has_row_live else (N // bn, Mp // bm)
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
                              mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
-                             swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live, x_tiles=x_tiles)
+                             swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live)
     late = swiglu and nt < K // bk  # split-K SwiGLU: the kernel writes [gate | up] partial sums
     out = pl.pallas_call(
         kern,
@@ -356,17 +337,18 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
 
 
 def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False, config: dict | None = None,
-                 layer=None, row_invariant: bool = False, live_rows=None):
+                 layer=None, row_invariant: bool = False, live_rows=None, matrix_unit: bool = False):
     """x [..., K] @ W[N, K]^T -> [..., N] float32 (W a PackedWeight without expert axis; with `layer`,
     an int32 scalar, W's arrays are a stack of layers' [L, ...] and layer `layer` is read in place).
     `row_invariant`: every row computed by the program a single row gets (one-row tiles, the
-    one-row split), so each row's result is the same whatever the row count (see pick_config).
+    one-row split), so each row's result is the same whatever the row count (see pick_config);
+    with `matrix_unit`, by the matrix-unit schedule of invariant_config instead.
     `live_rows` (with row_invariant; [rows] int, nonzero = live): the other rows are not computed
     (zeros): a server's idle slots."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     N, K = w.shape[-2], w.shape[-1]
-    if row_invariant and invariant_dot(w.qtype, dtype):
+    if row_invariant and matrix_unit and invariant_dot(w.qtype, dtype):
         cfg = config or invariant_config(w.qtype, N, K)
     elif row_invariant:
         cfg = config or pick_config(w.qtype, x2.shape[0], N, K, rows_max=1, tile_rows=1, split_rows=1)
@@ -404,18 +386,16 @@ def quant_matmul_live(x, w: PackedWeight, live, dtype=jnp.bfloat16, *, interpret
 
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
                          interpret: bool = False, config: dict | None = None, layer=None,
-                         split_rows: int | None = None, live_rows=None, x_tiles: int = 0, out_dtype=F32):
+                         split_rows: int | None = None, live_rows=None):
     """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
     (PackedWeight [E, N, K]); expert -1 marks a dead tile (zeros, no weight read). `ws` = (w,) or,
     with swiglu, (gate, up). -> [M, N] float32. `config`="invariant": the batch-invariant
     decode schedule (invariant_config, tiles of INVARIANT_BM rows, split for `split_rows`), where
-    `live_rows` ([M] int, nonzero = live) marks rows whose output is kept (the others zeros), and
-    `x_tiles` > 0 makes x [x_tiles * INVARIANT_BM, K] rows every expert tile reads in turn (the
-    output then has len(expert) tiles, a dead one unwritten; one pass, no split-K), in `out_dtype`."""
+    `live_rows` ([M] int, nonzero = live) marks rows whose output is kept (the others zeros)."""
     w0 = ws[0]
     N, K = w0.shape[-2], w0.shape[-1]
     if config == "invariant":
-        cfg = invariant_config(w0.qtype, N, K, split_rows=split_rows or 1, one_pass=bool(x_tiles))
+        cfg = invariant_config(w0.qtype, N, K, split_rows=split_rows or 1)
         if tile_rows != cfg["bm"]:
             raise ValueError(f"the invariant schedule takes tiles of {cfg['bm']} rows, got {tile_rows}")
     else:
@@ -424,5 +404,4 @@ def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 
         if swiglu and cfg["mode"] != "rows":
             cfg = dict(cfg, split=1)
     return _call(x, tuple(ws), expert, layer, None, live_rows, dtype=jnp.dtype(dtype), swiglu=swiglu,
-                 config=tuple(sorted(cfg.items())), interpret=interpret, x_tiles=x_tiles,
-                 out_dtype=jnp.dtype(out_dtype))
+                 config=tuple(sorted(cfg.items())), interpret=interpret)
