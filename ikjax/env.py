@@ -84,8 +84,8 @@ _VARS = (
              "(`--no-batch-invariant`), `generate --batch-invariant` too; costs ~8 % of GPU S_TG at batch 1", "ikjax.ops.registry"),
     Variable("IKJAX_INVARIANT_FORM", "rows", ("rows", "dot"),
              "batch-invariant decode products (IKJAX_BATCH_INVARIANT=1): `rows`, a program per row; `dot`, the "
-             "dense, per-head and routed-expert products on the matrix unit in tiles of 16 rows (an expert a "
-             "tile, the batch's tokens its rows): faster at 8 rows, slower at 1 (RESULTS §23l)", "ikjax.ops.registry"),
+             "dense and per-head products on the matrix unit in tiles of 16 rows (faster at 8 rows, slower at 1: "
+             "RESULTS §23l)", "ikjax.ops.registry"),
     Variable("IKJAX_SERVE_TRACE", "", (),
              "a file: `serve` writes every prompt chunk and decode step's start and end there (JSON lines) "
              "when it stops, to see where a stream's token waited", "ikjax.runtime.scheduler"),

@@ -55,9 +55,8 @@ def _moe_pallas_supported(x, weights, ids, gate, up, down, dtype, fused=True) ->
 def _moe_pallas(interpret: bool):
     def run(x, weights, ids, gate, up, down, dtype, fused=True):
         (g, layer), (u, _), (d, _) = pallas_weight(gate), pallas_weight(up), pallas_weight(down)
-        invariant = registry.batch_invariant()
         return _moe.moe_experts(x, weights, ids, g, u, d, dtype, interpret=interpret, layer=layer,
-                                row_invariant=invariant, matrix_unit=invariant and registry.invariant_matrix_unit())
+                                row_invariant=registry.batch_invariant())
     return run
 
 

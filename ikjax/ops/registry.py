@@ -313,10 +313,9 @@ def batch_invariant() -> bool:
 
 
 def invariant_matrix_unit() -> bool:
-    """Whether the batch-invariant decode's products (dense, per-head, routed experts) take the
-    matrix-unit schedule (IKJAX_INVARIANT_FORM=dot; pallas_kernels' invariant_config,
-    moe_experts_dot) rather than a program per row: eight rows for about the price of one, one
-    row dearer than the row kernel's (RESULTS §23l)."""
+    """Whether the batch-invariant decode's dense and per-head products take the matrix-unit
+    schedule (IKJAX_INVARIANT_FORM=dot; pallas_kernels' invariant_config) rather than a program
+    per row: eight rows for about the price of one, one row ~1.5x the row kernel's (RESULTS §23l)."""
     return env.choice("IKJAX_INVARIANT_FORM") == "dot"
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe_matmul.reference import combine_slots, slot_rank
-from pallas_kernels.quant_matmul.kernel import INVARIANT_BM, invariant_dot, quant_matmul_experts
+from pallas_kernels.quant_matmul.kernel import quant_matmul_experts
 from pallas_kernels.quant_matmul.packing import PackedWeight
 
 
@@ -31,44 +31,6 @@ def moe_experts_gather(x, w, ids, gate: PackedWeight, up: PackedWeight, down: Pa
     y = quant_matmul_experts(h.astype(dtype), (down,), e, dtype, tile_rows=1, interpret=interpret, layer=layer,
                              split_rows=split_rows)
     return combine_slots(y.reshape(N, k, -1), w)
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
-def moe_experts_dot(x, w, ids, gate: PackedWeight, up: PackedWeight, down: PackedWeight,
-                    dtype=jnp.bfloat16, interpret: bool = False, layer=None):
-    """The batch-invariant decode form on the matrix unit: a tile per expert the batch picks (at
-    most min(E, N k), found without a sort), its rows the batch's tokens (INVARIANT_BM a tile),
-    the schedule fixed by (N_out, K, k) alone (invariant_config, split-K summed in order), each
-    token's row of a tile written straight to its slot's row (out_rows), so partial sums cost
-    the slots' bytes, not the tiles'. An expert picked by several tokens is read and decoded once
-    for them, and each token gets the bits it gets alone. Why: the one-row gather tiles re-read an
-    expert per token and paid per row in arithmetic: 8 tokens cost ~5x one (RESULTS §23k)."""
-    N, k = ids.shape
-    E = gate.shape[0]
-    bm = INVARIANT_BM
-    nb = -(-N // bm)                       # token tiles
-    T = min(E, N * k)                      # expert tiles
-    live = ids >= 0
-    used = jnp.zeros((E + 1,), jnp.bool_).at[jnp.where(live, ids, E)].set(True)[:E]
-    pos = (jnp.cumsum(used) - 1).astype(jnp.int32)
-    tile_e = jnp.full((T,), -1, jnp.int32).at[jnp.where(used, pos, T)].set(jnp.arange(E, dtype=jnp.int32),
-                                                                            mode="drop")
-    # row (tile t, token n) -> the slot n * k + j where token n picked tile t's expert, else -1
-    match = (ids[None, :, :] == tile_e[:, None, None]) & live[None]                     # [T, N, k]
-    slot = jnp.arange(N, dtype=jnp.int32)[:, None] * k + jnp.arange(k, dtype=jnp.int32)[None]
-    rows = jnp.where(match.any(-1), jnp.sum(jnp.where(match, slot[None], 0), axis=-1), -1)  # [T, N]
-    rows = jnp.pad(rows, ((0, 0), (0, nb * bm - N)), constant_values=-1).reshape(-1)     # [T*nb*bm]
-    tiles_e = jnp.repeat(tile_e, nb)
-    xp = jnp.pad(x.astype(dtype), ((0, nb * bm - N), (0, 0)))
-    xt = jnp.broadcast_to(xp[None], (T,) + xp.shape).reshape(T * nb * bm, x.shape[-1])
-    h = quant_matmul_experts(xt, (gate, up), tiles_e, dtype, tile_rows=bm, swiglu=True, interpret=interpret,
-                             layer=layer, split_rows=k, config="invariant", out_rows=rows, out_count=N * k)
-    ht = h.astype(dtype)[jnp.maximum(rows, 0)]            # each tile row's hidden (a dead row's: any)
-    y = quant_matmul_experts(ht, (down,), tiles_e, dtype, tile_rows=bm, interpret=interpret, layer=layer,
-                             split_rows=k, config="invariant", out_rows=rows, out_count=N * k)
-    # a dropped slot's row was never written
-    ys = jnp.where(live.reshape(-1, 1), y, 0.0).reshape(N, k, -1)
-    return combine_slots(ys, w)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "bm"))
@@ -105,7 +67,7 @@ def moe_experts_grouped(x, w, ids, gate: PackedWeight, up: PackedWeight, down: P
 
 
 def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: bool = False, layer=None,
-                row_invariant: bool = False, matrix_unit: bool = False):
+                row_invariant: bool = False):
     """x [N, d], w [N, k] f32, ids [N, k] -> [N, d] f32. Gather form while N*k <= 2*E (as the model).
     With `layer` (int32 scalar) the experts are stacks of layers' and that layer is read in place.
 
@@ -114,8 +76,6 @@ def moe_experts(x, w, ids, gate, up, down, dtype=jnp.bfloat16, *, interpret: boo
     N, k = ids.shape
     E = gate.shape[0]
     ids = jnp.where(w != 0, ids, -1)
-    if row_invariant and matrix_unit and invariant_dot(gate.qtype, dtype) and N * k <= 2 * E:
-        return moe_experts_dot(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer)
     if N * k <= 2 * E:
         return moe_experts_gather(x, w, ids, gate, up, down, dtype=jnp.dtype(dtype), interpret=interpret, layer=layer,
                                   row_invariant=row_invariant)

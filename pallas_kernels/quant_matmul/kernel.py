@@ -80,7 +80,7 @@ def _silu_mul(g, u):
 
 
 def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu,
-            seq_rows=0, has_row_live=False, has_out_rows=False):
+            seq_rows=0, has_row_live=False):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
@@ -89,7 +89,6 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     layer_ref = next(it) if has_layer else None
     live_ref = next(it) if seq_rows else None
     row_live_ref = next(it) if has_row_live else None
-    out_rows_ref = next(it) if has_out_rows else None
     wrefs = [{n: next(it) for n in names} for _ in range(n_w)]
     o_ref = next(it)
     j, i = pl.program_id(0), pl.program_id(1)
@@ -102,8 +101,6 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     elif has_row_live:  # matrix-unit tiles: one of dead rows only runs no k-step
         row_mask = row_live_ref[pl.ds(m0, bm)] != 0
         alive = jnp.logical_and(alive, jnp.max(row_mask.astype(jnp.int32)) > 0)
-    if has_out_rows:  # rows written to out_rows' rows (-1: not written); a tile writing none runs no k-step
-        alive = jnp.logical_and(alive, jnp.max(out_rows_ref[pl.ds(m0, bm)]) >= 0)
     lead = (jnp.maximum(e_ref[i], 0),) if has_expert else ()
     if has_layer:  # a stack of layers' weights (a scanned layer group): this layer's, in place
         lead = (layer_ref[0],) + lead
@@ -172,7 +169,7 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
             accs = lax.fori_loop(0, nt, body, init)
             o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = accs[0].astype(o_ref.dtype)
         return
-    if nt == nt_all and not has_row_live and not has_out_rows:
+    if nt == nt_all and not has_row_live:
         # both bounds of one integer type (Triton's scf.for requires it)
         hi = jnp.where(alive, jnp.int32(nt), jnp.int32(0)) if has_expert else nt
         accs = lax.fori_loop(jnp.int32(0) if has_expert else 0, hi, body, init)
@@ -185,22 +182,8 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     s = pl.program_id(2)
     lo = s * nt
     end = jnp.minimum(lo + nt, nt_all)
-    hi = jnp.where(alive, end, lo).astype(lo.dtype) if has_expert or has_row_live or has_out_rows else end
+    hi = jnp.where(alive, end, lo).astype(lo.dtype) if has_expert or has_row_live else end
     accs = lax.fori_loop(lo, hi, body, init)
-    if has_out_rows:
-        # each live row to its own output row: the row picked out of the tile by a sum with zeros
-        # (exact), stored at a run-time row index
-        late = swiglu and nt < nt_all
-        ys = accs if late else ((_silu_mul(accs[0], accs[1]) if swiglu else accs[0]),)
-        rid = lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
-        for r in range(bm):
-            dest = out_rows_ref[m0 + r]
-
-            @pl.when(dest >= 0)
-            def _(r=r, dest=dest):
-                for q, y in enumerate(ys):
-                    o_ref[s, dest, pl.ds(q * n_out + n0, bn)] = jnp.sum(jnp.where(rid == r, y, 0.0), axis=0)
-        return
     if has_row_live:  # a dead row (an idle slot) beside live ones: computed, written as zeros
         accs = tuple(jnp.where(row_mask[:, None], a, 0.0) for a in accs)
 
@@ -295,9 +278,9 @@ def kernel_supports(qtype: str, N: int, K: int) -> bool:
     return K % (G * R) == 0 and N % 16 == 0
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret", "seq_rows", "out_dtype", "out_count"))
-def _call(x, ws, expert, layer, live=None, row_live=None, out_rows=None, *, dtype, swiglu, config, interpret,
-          seq_rows=0, out_dtype=F32, out_count=0):
+@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret", "seq_rows", "out_dtype"))
+def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, config, interpret, seq_rows=0,
+          out_dtype=F32):
     cfg = dict(config)
     w0: PackedWeight = ws[0]
     qtype = w0.qtype
@@ -331,23 +314,17 @@ def _call(x, ws, expert, layer, live=None, row_live=None, out_rows=None, *, dtyp
             raise ValueError(f"live rows need one-row tiles of the rows schedule or the dot schedule over {M} rows, "
                              f"got {mode} with bm {bm} over {row_live.shape[0]}")
         args.append(jnp.pad(row_live.astype(jnp.int32), (0, Mp - M)))
-    has_out_rows = out_rows is not None
-    if has_out_rows:
-        if mode != "dot" or seq_rows or out_rows.shape[0] != M or not out_count:
-            raise ValueError(f"out_rows need the dot schedule, {M} row indices and an output row count")
-        args.append(jnp.pad(out_rows.astype(jnp.int32), (0, Mp - M), constant_values=-1))
     for w in ws:
         args += [w.arrays[n] for n in names]
     nt = -(-(K // bk) // split)
-    grid = ((N // bn, Mp // bm, split) if mode == "rows" or split > 1 or has_row_live or has_out_rows
-            else (N // bn, Mp // bm))
+    grid = (N // bn, Mp // bm, split) if mode == "rows" or split > 1 or has_row_live else (N // bn, Mp // bm)
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
                              mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
-                             swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live, has_out_rows=has_out_rows)
+                             swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live)
     late = swiglu and nt < K // bk  # split-K SwiGLU: the kernel writes [gate | up] partial sums
     out = pl.pallas_call(
         kern,
-        out_shape=jax.ShapeDtypeStruct((split, out_count if has_out_rows else Mp, 2 * N if late else N), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((split, Mp, 2 * N if late else N), out_dtype),
         grid=grid,
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(cfg["num_warps"], cfg["num_stages"]),
@@ -356,8 +333,6 @@ def _call(x, ws, expert, layer, live=None, row_live=None, out_rows=None, *, dtyp
     y = chain_sum(out)
     if late:
         y = _silu_mul(y[:, :N], y[:, N:])
-    if has_out_rows:
-        return y
     return y[:M] if Mp != M else y
 
 
@@ -411,14 +386,12 @@ def quant_matmul_live(x, w: PackedWeight, live, dtype=jnp.bfloat16, *, interpret
 
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
                          interpret: bool = False, config: dict | None = None, layer=None,
-                         split_rows: int | None = None, live_rows=None, out_rows=None, out_count: int = 0):
+                         split_rows: int | None = None, live_rows=None):
     """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
     (PackedWeight [E, N, K]); expert -1 marks a dead tile (zeros, no weight read). `ws` = (w,) or,
     with swiglu, (gate, up). -> [M, N] float32. `config`="invariant": the batch-invariant
     decode schedule (invariant_config, tiles of INVARIANT_BM rows, split for `split_rows`), where
-    `live_rows` ([M] int, nonzero = live) marks rows whose output is kept (the others zeros), or
-    `out_rows` ([M] int) gives each row's output row in a [out_count, N] result (-1: not
-    written; an output row no tile row names is left unwritten)."""
+    `live_rows` ([M] int, nonzero = live) marks rows whose output is kept (the others zeros)."""
     w0 = ws[0]
     N, K = w0.shape[-2], w0.shape[-1]
     if config == "invariant":
@@ -430,5 +403,5 @@ def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 
         live_rows = None
         if swiglu and cfg["mode"] != "rows":
             cfg = dict(cfg, split=1)
-    return _call(x, tuple(ws), expert, layer, None, live_rows, out_rows, dtype=jnp.dtype(dtype), swiglu=swiglu,
-                 config=tuple(sorted(cfg.items())), interpret=interpret, out_count=out_count)
+    return _call(x, tuple(ws), expert, layer, None, live_rows, dtype=jnp.dtype(dtype), swiglu=swiglu,
+                 config=tuple(sorted(cfg.items())), interpret=interpret)
