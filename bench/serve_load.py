@@ -150,7 +150,11 @@ async def run_interference(cl: Client, streams: int, long_prompt: int, stream_to
     chunk_ms = prompt_ms / -(-long_prompt // ubatch)
     if max(r["abs"][-1] for r in done) < hi:
         raise RuntimeError("the streams ended before the long prompt was fed: raise --stream-tokens")
+    # where the worst gaps lie: (start, end) in ms from the long prompt's arrival, for the trace
+    worst = sorted(((b - a, a - lo, b - lo) for r in done for a, b in zip(r["abs"], r["abs"][1:])
+                    if b > lo and a < hi), reverse=True)[:5]
     return {"streams": streams, "long_prompt": long_prompt, "prompt_ms": prompt_ms, "chunk_ms": chunk_ms,
+            "_window_ms": (hi - lo) * 1e3, "_worst_gaps_at_ms": [[round(x * 1e3, 1) for x in g[1:]] for g in worst],
             "itl_p50_ms": pct(steady, 50) * 1e3, "token_ms": token_s * 1e3,
             "worst_gap_during_ms": max(during, default=0.0) * 1e3,
             "delay_in_chunks": (max(during, default=0.0) - token_s) * 1e3 / chunk_ms}

@@ -86,6 +86,10 @@ _VARS = (
              "batch-invariant decode products (IKJAX_BATCH_INVARIANT=1): `rows`, a program per row; `dot`, the "
              "dense and per-head products on the matrix unit in tiles of 16 rows (faster at 8 rows, slower at 1: "
              "RESULTS §23l)", "ikjax.ops.registry"),
+    Variable("IKJAX_SERVE_BURST_MS", "40", (),
+             "`serve`: a decode dispatch makes as many tokens (up to 8) as fit this many ms at the last "
+             "dispatch's pace; its tokens reach the streams together, and a request arriving meanwhile "
+             "waits for its end (RESULTS §23m)", "ikjax.runtime.scheduler"),
     Variable("IKJAX_SERVE_TRACE", "", (),
              "a file: `serve` writes every prompt chunk and decode step's start and end there (JSON lines) "
              "when it stops, to see where a stream's token waited", "ikjax.runtime.scheduler"),

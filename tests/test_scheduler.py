@@ -70,6 +70,39 @@ def test_interleaved_requests_equal_generate(eng, sched):
     assert sched.slots_busy() == 0
 
 
+def test_loop_length_follows_the_burst_budget(eng, monkeypatch):
+    """A decode dispatch makes as many tokens as fit IKJAX_SERVE_BURST_MS at the last dispatch's
+    pace: a roomy budget gives whole loops, one below a step's time one token a dispatch (single
+    steps); the answers stay generate's either way, and a budget of 0 is refused."""
+    from ikjax.runtime.scheduler import LOOP_STEPS
+    made = []
+    decode = eng.decode
+
+    def spy(*a, **k):
+        made.append(a[3])
+        return decode(*a, **k)
+    monkeypatch.setattr(eng, "decode", spy)
+    for budget in ("1000", "0.001"):
+        monkeypatch.setenv("IKJAX_SERVE_BURST_MS", budget)
+        made.clear()
+        s = Scheduler(eng, 2).start()
+        try:
+            a = ids(eng, 5, 21)
+            _, c = submit(s, a, 30)
+            assert c.wait()[0] == "done"
+        finally:
+            s.stop()
+        ran = list(made)
+        assert c.tokens == list(eng.generate(a, 30))
+        if budget == "1000":  # whole loops (where the context and token limits let them)
+            assert max(ran) == LOOP_STEPS, ran
+        else:                 # one token a dispatch: single steps (the step after the prompt set the pace)
+            assert ran == [] and s.stats.decode_steps >= 29, ran
+    monkeypatch.setenv("IKJAX_SERVE_BURST_MS", "0")
+    with pytest.raises(ikjax.OptionError):
+        Scheduler(eng, 2)
+
+
 def test_greedy_streams_decode_in_loops(eng):
     """Nothing waiting and every stream plain greedy: LOOP_STEPS tokens of every slot per dispatch
     (the engine's decode loop, compiled for the slots' batch). Answers stay generate's, each

@@ -70,7 +70,7 @@ log = logging.getLogger("ikjax")
 
 # tokens per dispatch when every stream is plain greedy and nothing waits (`_decode_loop`): a
 # request that arrives meanwhile waits at most this many steps, a stream gets its tokens this many
-# at a time
+# at a time (fewer where IKJAX_SERVE_BURST_MS says so: `_loop_steps`)
 LOOP_STEPS = 8
 
 STOP_CANCELLED = "cancelled"
@@ -182,6 +182,8 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ikjax-scheduler", daemon=True)
         self._row_keys = eng.row_sampling()  # sampled streams draw on the device, a key per row
+        self._step_s = 0.0  # the last decode dispatch's time a step (the loop's length follows it)
+        self._burst_s = env.positive_float("IKJAX_SERVE_BURST_MS") / 1e3
         self._trace_path = env.raw("IKJAX_SERVE_TRACE")
         self._trace = deque(maxlen=100_000) if self._trace_path else None
 
@@ -504,6 +506,7 @@ class Scheduler:
                 got = np.asarray(_sample_rows(logits, keys, start, setting))
                 drawn.update({b: int(got[b]) for b, st in settings.items() if st == setting})
         host = np.asarray(logits, np.float32) if len(greedy) + len(drawn) < len(rows) else None
+        self._step_s = time.perf_counter() - t0
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
         for s in rows:
@@ -553,7 +556,10 @@ class Scheduler:
                 return 1
         elif len({s.req._setting for s in rows}) > 1 or rows[0].req._setting is None:
             return 1  # one loop draws with one setting (each row with its own key)
-        k = LOOP_STEPS
+        # a dispatch's steps within the burst budget at the last dispatch's pace: its tokens reach
+        # the streams together, and a prompt arriving meanwhile waits for its end (RESULTS §23m:
+        # 8 steps of an 8-stream batch held tokens 75 ms, longer than a 512-token chunk)
+        k = LOOP_STEPS if not self._step_s else max(1, min(LOOP_STEPS, int(self._burst_s / self._step_s)))
         for s in rows:
             req = s.req
             limit = self.ctx if req.max_tokens is None else req.max_tokens
@@ -575,6 +581,7 @@ class Scheduler:
         out, self._cache = self.eng.decode(self._cache, toks, start, k, chunk=LOOP_STEPS, check_finite=False,
                                            idle=last < 0, sampling=sampling, key=key)
         got = np.asarray(out)[:, :k]
+        self._step_s = (time.perf_counter() - t0) / k
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += k
         for s in rows:
