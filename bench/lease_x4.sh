@@ -45,6 +45,8 @@
 #            (profile8: every row live, one live, against [1,1]) and serve's load rows.
 #   STAGE=15: serve on the V2-Lite shape (load, interference, second turn, greedy against generate).
 #            (§23k: both ran for 77b3bfb's shared-row form, backed out; its A/B variable is gone.)
+#   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
+#            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
 #                                       tool returns only a few files a call: one archive returns all)
@@ -98,6 +100,13 @@ case $STAGE in
     el "serve load rows, IKJAX_INVARIANT_FORM=$form"
     OUT=$OUT/serve-$form LOAD_ONLY=1 IKJAX_INVARIANT_FORM=$form timeout 200 bash bench/gpu_serve.sh 2>&1 \
       | grep -E "^\||up in"
+  done
+  ;;
+16)
+  for rows in 1 8; do
+    el "dot schedules, $rows rows"
+    PYTHONPATH=$PWD timeout 280 python3 bench/gpu_gemv_tune.py --form dot --rows $rows --budget ${TUNE_S:-240} \
+      --out "$OUT" 2>&1 | grep -v Warning | tail -40
   done
   ;;
 15)
