@@ -90,6 +90,10 @@ _VARS = (
              "`serve`: a decode dispatch makes as many tokens (up to 8) as fit this many ms at the last "
              "dispatch's pace; its tokens reach the streams together, and a request arriving meanwhile "
              "waits for its end (RESULTS §23m)", "ikjax.runtime.scheduler"),
+    Variable("IKJAX_SERVE_SOLO", "1", ("1", "0"),
+             "`serve`: a lone decoding stream runs as a batch of one (its slot's row taken out of the slots' "
+             "cache until anything else happens), not as one live row among idle ones (RESULTS §23n)",
+             "ikjax.runtime.scheduler"),
     Variable("IKJAX_SERVE_TRACE", "", (),
              "a file: `serve` writes every prompt chunk and decode step's start and end there (JSON lines) "
              "when it stops, to see where a stream's token waited", "ikjax.runtime.scheduler"),

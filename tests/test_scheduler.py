@@ -103,6 +103,50 @@ def test_loop_length_follows_the_burst_budget(eng, monkeypatch):
         Scheduler(eng, 2)
 
 
+def test_lone_stream_decodes_as_a_batch_of_one(eng, monkeypatch):
+    """One stream decoding alone runs as a batch of one (IKJAX_SERVE_SOLO=1, its row out of the
+    slots' cache); a second request puts it back and both decode in the slots' batch; answers are
+    generate's, and the next turn on the lone stream's slot, which reuses the KV written alone
+    (the row went back), answers as with IKJAX_SERVE_SOLO=0 (always the slots' batch) bit for bit."""
+    batches = []
+    step, decode = eng.step, eng.decode
+
+    def spy_step(cache, toks, *a, **k):
+        if np.shape(toks)[1] == 1:  # a decode step (a prompt's chunks go through step too)
+            batches.append(len(toks))
+        return step(cache, toks, *a, **k)
+
+    def spy_decode(cache, toks, *a, **k):
+        batches.append(len(toks))
+        return decode(cache, toks, *a, **k)
+    monkeypatch.setattr(eng, "step", spy_step)
+    monkeypatch.setattr(eng, "decode", spy_decode)
+    a, b, more = ids(eng, 9, 31), ids(eng, 7, 32), ids(eng, 5, 33)
+    answers = {}
+    for solo in ("1", "0"):
+        monkeypatch.setenv("IKJAX_SERVE_SOLO", solo)
+        batches.clear()
+        s = Scheduler(eng, 3).start()
+        try:
+            ra, ca = submit(s, a, 40, ignore_eos=True)
+            while len(ca.tokens) < 6:
+                time.sleep(0.001)
+            alone = list(batches)
+            _, cb = submit(s, b, 12, ignore_eos=True)
+            assert ca.wait()[0] == "done" and cb.wait()[0] == "done"
+            assert ca.tokens == list(eng.generate(a, 40, ignore_eos=True))
+            assert cb.tokens == list(eng.generate(b, 12, ignore_eos=True))
+            assert alone and set(alone) == ({1} if solo == "1" else {3}), (solo, alone)
+            assert 3 in batches                                # the two streams: the slots' batch
+            turn = a + ca.tokens + more                         # the next turn on a's slot
+            rt, ct = submit(s, turn, 8)
+            assert ct.wait()[0] == "done" and rt.n_cached >= len(a) + len(ca.tokens) - 1, rt.n_cached
+            answers[solo] = ct.tokens
+        finally:
+            s.stop()
+    assert answers["1"] == answers["0"]
+
+
 def test_greedy_streams_decode_in_loops(eng):
     """Nothing waiting and every stream plain greedy: LOOP_STEPS tokens of every slot per dispatch
     (the engine's decode loop, compiled for the slots' batch). Answers stay generate's, each

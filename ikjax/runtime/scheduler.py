@@ -178,6 +178,9 @@ class Scheduler:
         self._queue: deque[Request] = deque()  # waiting for a slot
         self._prefill: deque[Request] = deque()  # on a slot, prompt not yet in; the head is being fed
         self._one = None  # the head's batch-1 cache while its prompt is fed
+        # (slot index, its row as a batch-1 cache) while one stream decodes alone (`_sync_solo`)
+        self._solo = None
+        self._solo_on = env.choice("IKJAX_SERVE_SOLO") == "1" and n_slots > 1
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ikjax-scheduler", daemon=True)
@@ -254,7 +257,7 @@ class Scheduler:
 
     def warmup(self, prompts: bool = True, sampling: dict | None = None) -> int:
         """Compile before the first request arrives (llama-server's warm-up run): the decode step of
-        all slots at every KV bucket it can meet and, with `prompts`, the full-ubatch prompt step at
+        all slots (and of a lone stream's row, `_sync_solo`) at every KV bucket it can meet and, with `prompts`, the full-ubatch prompt step at
         every KV bucket of a prompt's chunks; on an accelerator also the short prompt step
         (Engine.token_bucket: a prompt's tail, a chat turn after a cached history) at every KV
         bucket, all side by side. A step compiled while streams decode stalls them all for the
@@ -265,12 +268,14 @@ class Scheduler:
         Returns the steps compiled."""
         eng, ub = self.eng, self.ubatch
         before = eng.compile_count
-        jobs = [(self.n_slots, 1, kv) for kv in sorted(
-            {eng.kv_bucket(n, 1) for n in range(1, self.ctx + 1, max(1, eng.options.kv_block))}
-            | {eng.kv_bucket(self.ctx, 1)})]
-        # the decode loop of all slots (_decode_loop) at the same buckets: its kv_needed is its
+        # the decode batches: all slots, and a lone stream's row (_sync_solo)
+        batches = (self.n_slots, 1) if self._solo_on else (self.n_slots,)
+        kvs = sorted({eng.kv_bucket(n, 1) for n in range(1, self.ctx + 1, max(1, eng.options.kv_block))}
+                     | {eng.kv_bucket(self.ctx, 1)})
+        jobs = [(b, 1, kv) for b in batches for kv in kvs]
+        # the decode loop of each batch (_decode_loop) at the same buckets: its kv_needed is its
         # last step's (Engine.precompile_decode)
-        loops = [(self.n_slots, LOOP_STEPS, kv) for _, _, kv in jobs if kv >= LOOP_STEPS] \
+        loops = [(b, LOOP_STEPS, kv) for b, _, kv in jobs if kv >= LOOP_STEPS] \
             if eng.decode_loop() else []
         # and, side by side on an accelerator, its form that bans EOS (ignore_eos streams loop too,
         # _loop_steps; compiled when first asked for, it would stall every stream for its compile)
@@ -346,15 +351,53 @@ class Scheduler:
     def _iteration(self) -> None:
         self._drop_cancelled()
         self._admit()
+        self._sync_solo()
         fed = bool(self._prefill)
         if fed:
             t = time.perf_counter()
             self._prefill_chunk()
             self._record("chunk", t)
+            self._sync_solo()  # a prompt just done may leave one stream: its first step alone
         if any(s.req is not None and s.req._pos == len(s.req.prompt) for s in self.slots):
             t = time.perf_counter()
             self._decode_step(single=fed)
             self._record("decode", t)
+
+    def _generating(self) -> list[Slot]:
+        return [s for s in self.slots if s.req is not None and s.req._pos == len(s.req.prompt)
+                and s.req.finish_reason is None]
+
+    def _sync_solo(self) -> None:
+        """One stream decoding and nothing else to do: its slot's row decodes as a batch of one
+        (IKJAX_SERVE_SOLO), taken out of the slots' cache once and put back when anything else
+        happens (a prompt to feed, a request waiting, a second stream, its end). Why: a decode step
+        of all the slots costs the idle ones too (their rows, their attention, their tiles): a
+        one-row step of the tiny model on this CPU takes a third of an 8-slot step's time, and on
+        an H200 the V2-Lite shape's 2.60 against 3.61 ms (RESULTS §23k, §23n). Its bits are the
+        row's in the batch (the decode forms are batch-invariant), so answers do not change."""
+        want = None
+        if self._solo_on and not self._prefill and not self._queue:
+            gen = self._generating()
+            if len(gen) == 1:
+                want = gen[0].index
+        if self._solo is not None and self._solo[0] != want:
+            self._cache = _put_row(self._cache, self._solo[1], self._solo[0])
+            self._solo = None
+        if want is not None and self._solo is None:
+            self._solo = (want, _take_row(self._cache, want))
+
+    def _batch(self) -> list[Slot]:
+        """The decode batch's slots in row order: the lone stream's (`_sync_solo`) or every slot."""
+        return [self.slots[self._solo[0]]] if self._solo is not None else self.slots
+
+    def _batch_cache(self):
+        return self._solo[1] if self._solo is not None else self._cache
+
+    def _set_batch_cache(self, cache) -> None:
+        if self._solo is not None:
+            self._solo = (self._solo[0], cache)
+        else:
+            self._cache = cache
 
     def _record(self, kind: str, t0: float) -> None:
         """IKJAX_SERVE_TRACE: the step's (kind, start, end) in the trace (the last 100,000 kept)."""
@@ -470,38 +513,41 @@ class Scheduler:
         `single`: after a prompt chunk the streams have waited a chunk, and their next token comes
         from one step; a loop would hold it until the loop's last (RESULTS §23h: the token after a
         2048-token prompt came a whole dispatch late)."""
-        B = self.n_slots
+        batch = self._batch()
+        row = {s.index: i for i, s in enumerate(batch)}  # a slot's row in the batch
+        B = len(batch)
         toks = np.zeros((B, 1), np.int32)
         start = np.zeros(B, np.int32)
         last = np.full(B, -1, np.int32)  # idle rows route to no expert (Engine.step)
         rows = []
-        for s in self.slots:
+        for i, s in enumerate(batch):
             r = s.req
             # idle rows write a throw-away entry just past their cached tokens (never read: the
             # causal mask hides it until a later token overwrites it); the row of a prompt being fed
             # is replaced whole when its prompt is done
-            start[s.index] = min(len(s.tokens), self.eng.capacity - 1)
+            start[i] = min(len(s.tokens), self.eng.capacity - 1)
             if r is not None and r._pos == len(r.prompt) and r.finish_reason is None:
-                toks[s.index, 0] = r.generated[-1]
-                last[s.index] = 0
+                toks[i, 0] = r.generated[-1]
+                last[i] = 0
                 rows.append(s)
-        k = 1 if single else self._loop_steps(rows)
+        k = 1 if single else self._loop_steps(rows, batch)
         if k > 1:
-            self._decode_loop(rows, toks[:, 0], k, last)
+            self._decode_loop(rows, batch, toks[:, 0], k, last)
             return
         t0 = time.perf_counter()
-        logits, self._cache = self.eng.step(self._cache, toks, start, last)
+        logits, cache = self.eng.step(self._batch_cache(), toks, start, last)
+        self._set_batch_cache(cache)
         # greedy rows take the argmax on the device (a few bytes back, not a [rows, vocab] copy of
         # floats and a host pass over each); rows that sample read their logits on the host
         greedy = [s for s in rows if _plain_greedy(s.req)]
         if greedy:
-            top, finite = (np.asarray(a) for a in _argmax_rows(logits, self._banned(greedy)))
+            top, finite = (np.asarray(a) for a in _argmax_rows(logits, self._banned(greedy, row, B)))
         # sampled rows without penalties, biases or logprobs draw on the device with their own
         # key, as the loop draws them (sampling.sample_rows): one call per sampling setting
         drawn: dict[int, int] = {}
-        settings = {s.index: s.req._setting for s in rows if s.req._setting is not None}
+        settings = {row[s.index]: s.req._setting for s in rows if s.req._setting is not None}
         if settings:
-            keys = self._keys([s for s in rows if s.index in settings])
+            keys = self._keys([s for s in rows if row[s.index] in settings], row, B)
             for setting in set(settings.values()):
                 got = np.asarray(_sample_rows(logits, keys, start, setting))
                 drawn.update({b: int(got[b]) for b, st in settings.items() if st == setting})
@@ -510,8 +556,8 @@ class Scheduler:
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
         for s in rows:
-            s.tokens.append(int(toks[s.index, 0]))
-            b, req = s.index, s.req
+            b, req = row[s.index], s.req
+            s.tokens.append(int(toks[b, 0]))
             if _plain_greedy(req):
                 self._next(req, lambda: _checked(int(top[b]), bool(finite[b])))
             elif b in drawn:
@@ -530,13 +576,14 @@ class Scheduler:
             req._key = jax.random.key(int(req._rng.integers(0, 2**31 - 1)))
             req._setting = _setting_of(req.sampling, req.ban)
 
-    def _keys(self, rows: list[Slot]):
-        """[n_slots] PRNG keys: each row's request's key, a fixed one for the others."""
-        mine = {s.index: s.req._key for s in rows}
+    def _keys(self, rows: list[Slot], row: dict, B: int):
+        """[B] PRNG keys of the decode batch: each row's request's key, a fixed one for the others
+        (`row`: a slot's row in the batch)."""
+        mine = {row[s.index]: s.req._key for s in rows}
         idle = _idle_key()
-        return jnp.stack([mine.get(i, idle) for i in range(self.n_slots)])
+        return jnp.stack([mine.get(i, idle) for i in range(B)])
 
-    def _loop_steps(self, rows: list[Slot]) -> int:
+    def _loop_steps(self, rows: list[Slot], batch: list[Slot]) -> int:
         """How many tokens the next dispatch makes for every generating slot: more than one only
         where the engine loops on the device (`Engine.decode_loop`), no prompt is being fed and no
         request waits (they join at step boundaries), every stream is plain greedy (one compiled
@@ -564,28 +611,30 @@ class Scheduler:
             req = s.req
             limit = self.ctx if req.max_tokens is None else req.max_tokens
             k = min(k, limit - len(req.generated), self.ctx - len(req.prompt) - len(req.generated))
-        return min(k, min(self.eng.capacity - len(s.tokens) for s in self.slots))
+        return min(k, min(self.eng.capacity - len(s.tokens) for s in batch))
 
-    def _decode_loop(self, rows: list[Slot], toks: np.ndarray, k: int, last: np.ndarray) -> None:
+    def _decode_loop(self, rows: list[Slot], batch: list[Slot], toks: np.ndarray, k: int, last: np.ndarray) -> None:
         """k decode steps of every slot in one dispatch (`_loop_steps` said they fit); each stream's
         tokens then emitted one by one as `_decode_step` emits them, up to its stop or cancel (the
         entries of the tokens fed after that lie past its slot's tokens: never read)."""
-        start = np.array([len(s.tokens) for s in self.slots], np.int32)
+        start = np.array([len(s.tokens) for s in batch], np.int32)
+        row = {s.index: i for i, s in enumerate(batch)}
         t0 = time.perf_counter()
         req0 = rows[0].req  # every row's setting is the same (_loop_steps)
         if _plain_greedy(req0):
             ban = sorted(req0.ban)
             sampling, key = ({"ban": ban} if ban else None), None
         else:
-            sampling, key = dict(req0._setting), self._keys(rows)
-        out, self._cache = self.eng.decode(self._cache, toks, start, k, chunk=LOOP_STEPS, check_finite=False,
-                                           idle=last < 0, sampling=sampling, key=key)
+            sampling, key = dict(req0._setting), self._keys(rows, row, len(batch))
+        out, cache = self.eng.decode(self._batch_cache(), toks, start, k, chunk=LOOP_STEPS, check_finite=False,
+                                     idle=last < 0, sampling=sampling, key=key)
+        self._set_batch_cache(cache)
         got = np.asarray(out)[:, :k]
         self._step_s = (time.perf_counter() - t0) / k
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += k
         for s in rows:
-            b, req, fed = s.index, s.req, int(toks[s.index])
+            b, req, fed = row[s.index], s.req, int(toks[row[s.index]])
             for i in range(k):
                 if req.finish_reason is not None or req.cancelled:
                     break
@@ -593,16 +642,16 @@ class Scheduler:
                 fed = int(got[b, i])
                 self._next(req, lambda t=fed: _checked(t, t != NON_FINITE))
 
-    def _banned(self, rows: list[Slot]) -> np.ndarray:
-        """[n_slots, k] ids each greedy row may not pick (--ignore-eos bans EOS), padded with the
+    def _banned(self, rows: list[Slot], row: dict, B: int) -> np.ndarray:
+        """[B, k] ids each greedy row of the batch may not pick (--ignore-eos bans EOS), padded with the
         vocabulary size (dropped by the scatter): the ban then costs the device a masked argmax,
         not a copy of every row's logits to the host (3.3 MB a step at V2's vocabulary, with a
         float64 pass over each row: most of a token's time at one stream before)."""
         width = max(1, max(len(s.req.ban) for s in rows))
-        out = np.full((self.n_slots, width), self.eng.config.vocab_size, np.int32)
+        out = np.full((B, width), self.eng.config.vocab_size, np.int32)
         for s in rows:
             ids = sorted(s.req.ban)
-            out[s.index, :len(ids)] = ids
+            out[row[s.index], :len(ids)] = ids
         return out
 
     def _next(self, req: Request, pick) -> None:
@@ -671,6 +720,7 @@ class Scheduler:
         """After a failed step (the batch cache may be consumed): fail the requests on slots, start
         the slots empty, keep serving."""
         self._one = None
+        self._solo = None
         self._prefill.clear()
         for s in self.slots:
             if s.req is not None:
