@@ -16,8 +16,11 @@ loop, no locks around the model). The slots are the rows of one batch KV cache
      samples each row's next token on the host with its own request's settings; or, where nothing
      waits (no prompt to feed, no request queued) and every stream is plain greedy, up to
      LOOP_STEPS tokens of every slot in one dispatch of the engine's decode loop (`_decode_loop`:
-     on a GPU one CUDA graph for them all, under every split mode), each stream's tokens emitted
-     when the dispatch ends.
+     on a GPU one CUDA graph for them all, under every split mode), as many as fit
+     IKJAX_SERVE_BURST_MS at the last dispatch's pace, each stream's tokens emitted when the
+     dispatch ends. A stream generating alone with nothing else to do decodes as a batch of one
+     (`_sync_solo`: its row taken out as in 2, put back when anything else happens), so the idle
+     slots cost it nothing.
 
 A request that finishes, or is cancelled (its client went away, a stop string matched upstream),
 leaves at the next step boundary and frees its slot; the slot keeps its tokens' KV for the prompt
