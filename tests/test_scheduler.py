@@ -147,6 +147,35 @@ def test_lone_stream_decodes_as_a_batch_of_one(eng, monkeypatch):
     assert answers["1"] == answers["0"]
 
 
+def test_split_modes_serve_a_lone_stream_and_two(tiny4_model):
+    """-sm layer and -sm graph (two fake CPU devices, a process of their own): a stream alone (the
+    batch of one: its row taken out of a cache split over the devices) and then beside a second
+    one give generate's answers."""
+    import subprocess
+    import sys
+    from conftest import TEST_XLA_FLAGS
+    code = (f"import os\nos.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}'\n"
+            "import time, numpy as np, ikjax\nfrom ikjax.runtime.scheduler import Scheduler\n"
+            "class C:\n    def __init__(s): s.tokens, s.end = [], None\n"
+            "    def __call__(s, kind, v):\n        if kind == 'token': s.tokens.append(v)\n        else: s.end = kind\n"
+            "for sm in ('layer', 'graph'):\n"
+            f"    eng = ikjax.load({tiny4_model!r}, ctx=128, ubatch=16, split_mode=sm)\n"
+            "    s = Scheduler(eng, 2).start()\n"
+            "    a, b = list(range(3, 14)), list(range(20, 27))\n"
+            "    ca, cb = C(), C()\n"
+            "    s.submit(s.make_request(a, 24, on_event=ca, ignore_eos=True))\n"
+            "    while len(ca.tokens) < 5: time.sleep(0.001)\n"
+            "    s.submit(s.make_request(b, 8, on_event=cb, ignore_eos=True))\n"
+            "    while ca.end is None or cb.end is None: time.sleep(0.01)\n"
+            "    s.stop()\n"
+            "    assert ca.tokens == list(eng.generate(a, 24, ignore_eos=True)), (sm, 'a')\n"
+            "    assert cb.tokens == list(eng.generate(b, 8, ignore_eos=True)), (sm, 'b')\n"
+            "    print(sm, 'ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "layer ok" in r.stdout and "graph ok" in r.stdout
+
+
 def test_greedy_streams_decode_in_loops(eng):
     """Nothing waiting and every stream plain greedy: LOOP_STEPS tokens of every slot per dispatch
     (the engine's decode loop, compiled for the slots' batch). Answers stay generate's, each
