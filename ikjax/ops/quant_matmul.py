@@ -231,9 +231,8 @@ def _heads_dot(x, pw, layer, dtype, interpret: bool):
     xh = jnp.swapaxes(x.reshape(n, H, K), 0, 1)                           # [H, rows, K]
     xh = jnp.pad(xh, ((0, 0), (0, n_p - n), (0, 0))).reshape(H * n_p, K)
     heads = jnp.repeat(jnp.arange(H, dtype=jnp.int32), n_p // bm)
-    live = registry.live_rows_mask(n)
-    live = jnp.ones((n,), jnp.int32) if live is None else (live != 0).astype(jnp.int32)
-    row_live = jnp.tile(jnp.pad(live, (0, n_p - n)), H)
+    live = registry.live_rows_mask(n)  # the padding rows are computed on zeros and dropped
+    row_live = None if live is None else jnp.tile(jnp.pad((live != 0).astype(jnp.int32), (0, n_p - n)), H)
     y = _qm.quant_matmul_experts(xh, (pw,), heads, dtype, tile_rows=bm, interpret=interpret, layer=layer,
                                  split_rows=H, config="invariant", live_rows=row_live)
     y = jnp.swapaxes(y.reshape(H, n_p, -1)[:, :n], 0, 1)

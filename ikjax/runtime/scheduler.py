@@ -260,8 +260,8 @@ class Scheduler:
 
     def warmup(self, prompts: bool = True, sampling: dict | None = None) -> int:
         """Compile before the first request arrives (llama-server's warm-up run): the decode step of
-        all slots (and of a lone stream's row, `_sync_solo`) at every KV bucket it can meet and, with `prompts`, the full-ubatch prompt step at
-        every KV bucket of a prompt's chunks; on an accelerator also the short prompt step
+        all slots (and of a lone stream's row, `_sync_solo`) at every KV bucket it can meet and,
+        with `prompts`, the full-ubatch prompt step at every KV bucket of a prompt's chunks; on an accelerator also the short prompt step
         (Engine.token_bucket: a prompt's tail, a chat turn after a cached history) at every KV
         bucket, all side by side. A step compiled while streams decode stalls them all for the
         compile's time; on the CPU the shapes left to first use are a prompt's last, partial chunk
@@ -366,9 +366,11 @@ class Scheduler:
             self._decode_step(single=fed)
             self._record("decode", t)
 
-    def _generating(self) -> list[Slot]:
-        return [s for s in self.slots if s.req is not None and s.req._pos == len(s.req.prompt)
-                and s.req.finish_reason is None]
+    @staticmethod
+    def _decoding(s: Slot) -> bool:
+        """Whether slot `s` holds a request past its prompt, not yet finished: a row the decode feeds."""
+        r = s.req
+        return r is not None and r._pos == len(r.prompt) and r.finish_reason is None
 
     def _sync_solo(self) -> None:
         """One stream decoding and nothing else to do: its slot's row decodes as a batch of one
@@ -380,7 +382,7 @@ class Scheduler:
         row's in the batch (the decode forms are batch-invariant), so answers do not change."""
         want = None
         if self._solo_on and not self._prefill and not self._queue:
-            gen = self._generating()
+            gen = [s for s in self.slots if self._decoding(s)]
             if len(gen) == 1:
                 want = gen[0].index
         if self._solo is not None and self._solo[0] != want:
@@ -524,18 +526,17 @@ class Scheduler:
         last = np.full(B, -1, np.int32)  # idle rows route to no expert (Engine.step)
         rows = []
         for i, s in enumerate(batch):
-            r = s.req
             # idle rows write a throw-away entry just past their cached tokens (never read: the
             # causal mask hides it until a later token overwrites it); the row of a prompt being fed
             # is replaced whole when its prompt is done
             start[i] = min(len(s.tokens), self.eng.capacity - 1)
-            if r is not None and r._pos == len(r.prompt) and r.finish_reason is None:
-                toks[i, 0] = r.generated[-1]
+            if self._decoding(s):
+                toks[i, 0] = s.req.generated[-1]
                 last[i] = 0
                 rows.append(s)
         k = 1 if single else self._loop_steps(rows, batch)
         if k > 1:
-            self._decode_loop(rows, batch, toks[:, 0], k, last)
+            self._decode_loop(rows, batch, row, toks[:, 0], k, last)
             return
         t0 = time.perf_counter()
         logits, cache = self.eng.step(self._batch_cache(), toks, start, last)
@@ -556,7 +557,7 @@ class Scheduler:
                 drawn.update({b: int(got[b]) for b, st in settings.items() if st == setting})
         host = np.asarray(logits, np.float32) if len(greedy) + len(drawn) < len(rows) else None
         self._step_s = time.perf_counter() - t0
-        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_seconds += self._step_s
         self.stats.decode_steps += 1
         for s in rows:
             b, req = row[s.index], s.req
@@ -616,12 +617,12 @@ class Scheduler:
             k = min(k, limit - len(req.generated), self.ctx - len(req.prompt) - len(req.generated))
         return min(k, min(self.eng.capacity - len(s.tokens) for s in batch))
 
-    def _decode_loop(self, rows: list[Slot], batch: list[Slot], toks: np.ndarray, k: int, last: np.ndarray) -> None:
+    def _decode_loop(self, rows: list[Slot], batch: list[Slot], row: dict, toks: np.ndarray, k: int,
+                     last: np.ndarray) -> None:
         """k decode steps of every slot in one dispatch (`_loop_steps` said they fit); each stream's
         tokens then emitted one by one as `_decode_step` emits them, up to its stop or cancel (the
         entries of the tokens fed after that lie past its slot's tokens: never read)."""
         start = np.array([len(s.tokens) for s in batch], np.int32)
-        row = {s.index: i for i, s in enumerate(batch)}
         t0 = time.perf_counter()
         req0 = rows[0].req  # every row's setting is the same (_loop_steps)
         if _plain_greedy(req0):
@@ -633,8 +634,9 @@ class Scheduler:
                                      idle=last < 0, sampling=sampling, key=key)
         self._set_batch_cache(cache)
         got = np.asarray(out)[:, :k]
-        self._step_s = (time.perf_counter() - t0) / k
-        self.stats.decode_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self._step_s = dt / k
+        self.stats.decode_seconds += dt
         self.stats.decode_steps += k
         for s in rows:
             b, req, fed = row[s.index], s.req, int(toks[row[s.index]])

@@ -194,6 +194,17 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
         o_ref[s, pl.ds(m0, bm), pl.ds(n0, bn)] = _silu_mul(accs[0], accs[1]) if swiglu else accs[0]
 
 
+def _split_k(tiles: int, nt_all: int) -> int:
+    """Split-K for `tiles` output tiles of `nt_all` k-steps: until about 4 waves of programs, each
+    with >= 2 k-steps. The splits need not divide the k-steps evenly (a down projection's K is
+    often 11 * 2^n: with even splits only, V2-Lite's 2048 x 10944 ran on 64 programs, 143 us for
+    12.6 MB)."""
+    split = 1
+    while tiles * split < 528 and -(-nt_all // (split * 2)) >= 2:
+        split *= 2
+    return -(-nt_all // -(-nt_all // split))  # no empty split
+
+
 def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_rows: int | None = None,
                 split_rows: int | None = None):
     """Static schedule for one call (mode, bm, bn, bk, split, warps, stages).
@@ -213,15 +224,7 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
         width = bk // P
         bn = max(1, min(_pow2_divisor(N, 32), _pow2_floor(max(1, budget // width))))
         tiles = N // bn * max(1, (M if split_rows is None else split_rows) // bm)
-        nt_all = K // bk
-        # split-K until about 4 waves of programs, each with >= 2 k-steps; the splits need not
-        # divide the k-steps evenly (a down projection's K is often 11 * 2^n: with even splits
-        # only, V2-Lite's 2048 x 10944 ran on 64 programs, 143 us for 12.6 MB)
-        split = 1
-        while tiles * split < 528 and -(-nt_all // (split * 2)) >= 2:
-            split *= 2
-        split = -(-nt_all // -(-nt_all // split))  # no empty split
-        return dict(mode="rows", bm=bm, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3)
+        return dict(mode="rows", bm=bm, bn=bn, bk=bk, split=_split_k(tiles, K // bk), num_warps=4, num_stages=3)
     bm = tile_rows or (16 if M <= 16 else 64 if M <= 128 else 128)
     wide = bm >= 128 and qtype not in ("F32", "F16", "BF16")     # float tiles: 256 wide overflows smem
     bn = _pow2_divisor(N, 64 if M <= 16 else 256 if wide else 128)
@@ -244,13 +247,8 @@ def invariant_config(qtype: str, N: int, K: int, *, split_rows: int = 1):
     rows schedule paid per row in arithmetic: RESULTS §23k)."""
     G, P, L, R = GEOMETRY[qtype]
     bk = max(G * R, _pow2_divisor(K, 128))
-    nt_all = K // bk
     bn = _pow2_divisor(N, 64)
-    tiles = N // bn * max(1, split_rows)
-    split = 1
-    while tiles * split < 528 and -(-nt_all // (split * 2)) >= 2:
-        split *= 2
-    split = -(-nt_all // -(-nt_all // split))  # no empty split
+    split = _split_k(N // bn * max(1, split_rows), K // bk)
     return dict(mode="dot", bm=INVARIANT_BM, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3 if bk <= 128 else 2)
 
 
@@ -285,8 +283,8 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
     w0: PackedWeight = ws[0]
     qtype = w0.qtype
     N, K = w0.shape[-2], w0.shape[-1]
-    mode, bm, bn, bk, split = cfg["mode"], cfg["bm"], cfg["bn"], cfg["bk"], cfg["split"]
     M = x.shape[0]
+    mode, bm, bn, bk, split = cfg["mode"], cfg["bm"], cfg["bn"], cfg["bk"], cfg["split"]
     Mp = -(-M // bm) * bm
     xc = x.astype(dtype) if mode == "dot" else x
     if Mp != M:
