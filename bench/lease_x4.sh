@@ -45,6 +45,8 @@
 #            (profile8: every row live, one live, against [1,1]) and serve's load rows.
 #   STAGE=15: serve on the V2-Lite shape (load, interference, second turn, greedy against generate).
 #            (§23k: both ran for 77b3bfb's shared-row form, backed out; its A/B variable is gone.)
+#   STAGE=17: issue 26's CPU prompt step by op at -t 2 / 16, avx2 and amx (cpu_prompt_profile.py);
+#            issue 22's warm sweep-bench under cProfile after a cold run (where its seconds go).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -108,6 +110,23 @@ case $STAGE in
     PYTHONPATH=$PWD timeout 280 python3 bench/gpu_gemv_tune.py --form dot --rows $rows --budget ${TUNE_S:-240} \
       --out "$OUT" 2>&1 | grep -v Warning | tail -40
   done
+  ;;
+17)
+  # issue 26: where the CPU prompt step goes at -t 2 and -t 16 per level (bench/cpu_prompt_profile.py),
+  # then issue 22: a warm sweep-bench's own timeline (cProfile of the whole command, after a cold run)
+  for t in ${TYPES17:-Q8_0 Q4_0}; do
+    f=/tmp/m26_$t.gguf
+    [ -f $f ] || python3 -m ikjax.cli make-model -o $f --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t > /dev/null
+    for lv in ${LEVELS17:-avx2 amx}; do for th in ${THREADS17:-2 16}; do
+      IKJAX_CPU_ISA=$lv taskset -c 0-$((th - 1)) timeout 200 python3 bench/cpu_prompt_profile.py $f --threads $th 2>&1 \
+        | grep -v Warn | head -${TOP17:-9}
+    done; done
+  done
+  OUT=$OUT/cold VARIANTS=default NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | head -30
+  IKJAX_COMPILE_CACHE=/tmp/cc-default python3 -m cProfile -o $OUT/warm.prof -m ikjax.cli sweep-bench \
+    -m /tmp/v2l-Q4_0.gguf -mla 3 -fa 1 -c 4096 -ub 512 -n 64 2>&1 | grep -E "compiled|loaded|sweep took"
+  python3 -c "import pstats; pstats.Stats('$OUT/warm.prof').sort_stats('cumulative').print_stats(60)" \
+    | grep -v '^$' | cut -c1-170 | head -80
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
