@@ -46,7 +46,8 @@
 #   STAGE=15: serve on the V2-Lite shape (load, interference, second turn, greedy against generate).
 #            (§23k: both ran for 77b3bfb's shared-row form, backed out; its A/B variable is gone.)
 #   STAGE=17: issue 26's CPU prompt step by op at -t 2 / 16, avx2 and amx (cpu_prompt_profile.py);
-#            issue 22's warm sweep-bench under cProfile after a cold run (where its seconds go).
+#            issue 22's cold and warm sweep-bench, then bench/gpu_load_probe.py (the load's rate from
+#            1..8 threads; whether JAX's backend start holds the GIL).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -118,15 +119,12 @@ case $STAGE in
     f=/tmp/m26_$t.gguf
     [ -f $f ] || python3 -m ikjax.cli make-model -o $f --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t > /dev/null
     for lv in ${LEVELS17:-avx2 amx}; do for th in ${THREADS17:-2 16}; do
-      IKJAX_CPU_ISA=$lv taskset -c 0-$((th - 1)) timeout 200 python3 bench/cpu_prompt_profile.py $f --threads $th 2>&1 \
+      JAX_PLATFORMS=cpu IKJAX_CPU_ISA=$lv taskset -c 0-$((th - 1)) timeout 200 python3 bench/cpu_prompt_profile.py $f --threads $th 2>&1 \
         | grep -v Warn | head -${TOP17:-9}
     done; done
   done
-  OUT=$OUT/cold VARIANTS=default NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | head -30
-  IKJAX_COMPILE_CACHE=/tmp/cc-default python3 -m cProfile -o $OUT/warm.prof -m ikjax.cli sweep-bench \
-    -m /tmp/v2l-Q4_0.gguf -mla 3 -fa 1 -c 4096 -ub 512 -n 64 2>&1 | grep -E "compiled|loaded|sweep took"
-  python3 -c "import pstats; pstats.Stats('$OUT/warm.prof').sort_stats('cumulative').print_stats(60)" \
-    | grep -v '^$' | cut -c1-170 | head -80
+  [ -n "${NO_COLD17:-}" ] || OUT=$OUT/cold VARIANTS=default NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | head -30
+  timeout 120 python3 bench/gpu_load_probe.py /tmp/v2l-Q4_0.gguf 2>&1 | grep -v Warn
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
