@@ -124,6 +124,7 @@ case $STAGE in
     done; done
   done
   [ -n "${NO_COLD17:-}" ] || OUT=$OUT/cold VARIANTS=default NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | head -30
+  [ -f /tmp/v2l-Q4_0.gguf ] || python3 -m ikjax.cli make-model -o /tmp/v2l-Q4_0.gguf --preset v2-lite --type Q4_0 > /dev/null
   timeout 120 python3 bench/gpu_load_probe.py /tmp/v2l-Q4_0.gguf 2>&1 | grep -v Warn
   ;;
 15)
