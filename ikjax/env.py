@@ -75,6 +75,9 @@ _VARS = (
     Variable("IKJAX_LOAD_OVERLAP", "auto", ("auto", "1", "0"),
              "load the weights in a thread while the first steps compile from their shapes; `auto`: where "
              "steps compile side by side (one accelerator, weights all on it)", "ikjax.runtime.engine"),
+    Variable("IKJAX_EARLY_BACKEND", "1", ("1", "0"),
+             "start JAX's backend on a thread as the command line starts (beside its imports and parsing)",
+             "ikjax.cli.early_backend"),
     Variable("IKJAX_WEIGHTS", "", ("copy",),
              "`copy`: copy CPU weights out of the memory map instead of aliasing its pages", "ikjax.model.weights"),
     Variable("IKJAX_BATCH_INVARIANT", "0", ("1", "0"),

@@ -223,3 +223,43 @@ def test_overlap_decision_on_an_accelerator(monkeypatch):
     assert not decide(["device", "host"])
     assert not decide(["device", "device"], gpu_experts="auto")
     assert not decide(["device", "device"], overlap="0")
+
+
+# --- JAX's backend started on a thread as the command line starts (ikjax.cli.early_backend) ---
+
+def test_early_backend_only_for_model_commands_without_a_coordinator(monkeypatch):
+    from ikjax.cli import early_backend as eb
+    monkeypatch.delenv("IKJAX_EARLY_BACKEND", raising=False)
+    assert eb.wanted(["sweep-bench", "-m", "x.gguf"])
+    assert eb.wanted(["serve", "-m", "x.gguf", "--port", "8080"])
+    for args in ([], ["info", "x.gguf"], ["make-model", "-o", "x"], ["run", "--config", "c.json"],
+                 ["generate", "-m", "x", "--coordinator", "h:1"], ["bench", "--coordinator=h:1"],
+                 ["generate", "--help"]):
+        assert not eb.wanted(args), args  # a coordinator must join before any backend exists
+    monkeypatch.setenv("IKJAX_EARLY_BACKEND", "0")
+    assert not eb.wanted(["sweep-bench", "-m", "x.gguf"])
+
+
+EARLY = """
+import sys, threading
+sys.argv = ["ikjax"] + sys.argv[1:]
+import ikjax.cli
+names = [t.name for t in threading.enumerate()]
+print("started", "ikjax-backend-start" in names or ikjax.cli._early._thread is not None)
+ikjax.cli.main()
+"""
+
+
+@pytest.mark.parametrize("early", ["1", "0"])
+def test_early_backend_command_runs_and_errors_as_before(tiny4_model, early, tmp_path):
+    """With the thread or without: the same table, and a bad file still one line and exit 1 (the
+    thread joined at exit, no traceback from a backend left half-started)."""
+    env = dict(os.environ, IKJAX_EARLY_BACKEND=early, IKJAX_COMPILE_CACHE=str(tmp_path / "cc"))
+    ok = subprocess.run([sys.executable, "-c", EARLY, "generate", "-m", tiny4_model, "-p", "1,2,3", "-n", "4",
+                         "--temp", "0"], env=env, capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.stdout.splitlines()[0] == f"started {early == '1'}"
+    bad = subprocess.run([sys.executable, "-c", EARLY, "generate", "-m", str(tmp_path / "missing.gguf"), "-p", "1"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1
+    assert "Traceback" not in bad.stderr and "missing.gguf" in bad.stderr.strip().splitlines()[-1]
