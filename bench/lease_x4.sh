@@ -48,6 +48,8 @@
 #   STAGE=17: issue 26's CPU prompt step by op at -t 2 / 16, avx2 and amx (cpu_prompt_profile.py);
 #            issue 22's cold and warm sweep-bench, then bench/gpu_load_probe.py (the load's rate from
 #            1..8 threads; whether JAX's backend start holds the GIL).
+#   STAGE=18: issue 22's warm start: the load's stack samples, cold / warm, and the backend started
+#            early or not (IKJAX_EARLY_BACKEND), interleaved warm runs.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -126,6 +128,21 @@ case $STAGE in
   [ -n "${NO_COLD17:-}" ] || OUT=$OUT/cold VARIANTS=default NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | head -30
   [ -f /tmp/v2l-Q4_0.gguf ] || python3 -m ikjax.cli make-model -o /tmp/v2l-Q4_0.gguf --preset v2-lite --type Q4_0 > /dev/null
   timeout 120 python3 bench/gpu_load_probe.py /tmp/v2l-Q4_0.gguf 2>&1 | grep -v Warn
+  ;;
+18)
+  # issue 22's warm start: where the load's time goes (bench/load_sampler.py), then cold / warm
+  # sweep-bench and warm runs with and without the backend started early, interleaved
+  V2L=/tmp/v2l-Q4_0.gguf
+  [ -f $V2L ] || python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null
+  timeout 120 python3 bench/load_sampler.py $V2L 2>&1 | grep -v Warn | head -40
+  [ -n "${NO_COLD18:-}" ] || OUT=$OUT/cold VARIANTS=default NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 \
+    | grep -E "^###|compiled|loaded" | head -12
+  for r in 1 2; do for e in 1 0; do
+    t0=$(date +%s.%N)
+    IKJAX_EARLY_BACKEND=$e IKJAX_COMPILE_CACHE=/tmp/cc-default python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
+      -c 4096 -ub 512 -n 64 2>&1 | grep -E "loaded|sweep took" | tr '\n' ' '
+    echo " early=$e: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s command to end"
+  done; done
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
