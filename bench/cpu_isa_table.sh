@@ -21,6 +21,9 @@
 # ik columns when present and IK_DIR is not set, DEADLINE 420).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
+# the columns run (VARIANTS="ik_native jx_amx jx_amxint8": only those, and only the ik builds named);
+# jx_amxint8: the amx level's int8 form (IKJAX_AMX=int8; jx_amx runs its default, bf16 where the CPU has it)
+VARIANTS=${VARIANTS:-"ik_avx2 jx_avx2 ik_native jx_avx512 jx_amx"}
 START=$(date +%s)
 FAKE=${CPUTABLE_FAKE:-0}
 OUT=${OUT:-/tmp/cpu_isa_out}
@@ -75,6 +78,8 @@ if [ -z "${IK_AVX2_BIN:-}" ] || [ -z "${IK_NATIVE_BIN:-}" ]; then
     printf 'add_subdirectory(sweep-bench)\n' > "$IK_DIR/src/examples/CMakeLists.txt"
   fi
   log "building ik (avx2, native) with -j $JOBS each"
+  [[ " $VARIANTS " == *" ik_avx2 "* ]] || IK_AVX2_BIN=${IK_AVX2_BIN:-none}
+  [[ " $VARIANTS " == *" ik_native "* ]] || IK_NATIVE_BIN=${IK_NATIVE_BIN:-none}
   [ -z "${IK_AVX2_BIN:-}" ] && { ik_build avx2 > "$OUT/.ik-avx2" & PID_IKA=$!; }
   [ -z "${IK_NATIVE_BIN:-}" ] && { ik_build native > "$OUT/.ik-native" & PID_IKN=$!; }
 fi
@@ -171,7 +176,6 @@ run_one() {  # $1 = key, $2 = log name, $3 = timeout s, rest = command
   [ $rc -ne 0 ] && CELL[$key]="${CELL[$key]} (rc $rc)"
   log "  $name: ${CELL[$key]}"
 }
-VARIANTS="ik_avx2 jx_avx2 ik_native jx_avx512 jx_amx"
 for t in $THREADS; do
   CPUS=$(cores_for "$t")
   PIN[$t]="-t $t: taskset -c $CPUS ($(physical_of "$CPUS") physical cores)"
@@ -185,6 +189,8 @@ for t in $THREADS; do
                  run_one "$key" "ik-avx2-$T-t$t" 120 taskset -c "$CPUS" env -C "$OUT" "$IK_AVX2_BIN" -m "$f" $FLAGS -t "$t" ;;
         ik_native) [ -n "${IK_NATIVE_BIN:-}" ] || { CELL[$key]="no build"; continue; }
                  run_one "$key" "ik-native-$T-t$t" 120 taskset -c "$CPUS" env -C "$OUT" "$IK_NATIVE_BIN" -m "$f" $FLAGS -t "$t" ;;
+        jx_amxint8) run_one "$key" "ikjax-amxint8-$T-t$t" 180 env IKJAX_CPU_ISA=amx IKJAX_AMX=int8 taskset -c "$CPUS" \
+                   $PY -m ikjax.cli sweep-bench -m "$f" $FLAGS -t "$t" ;;
         jx_*)    lv=${v#jx_}
                  run_one "$key" "ikjax-$lv-$T-t$t" 180 env IKJAX_CPU_ISA=$lv taskset -c "$CPUS" \
                    $PY -m ikjax.cli sweep-bench -m "$f" $FLAGS -t "$t" ;;
@@ -209,13 +215,13 @@ ratio() {  # "$1" / "$2" S_PP ratio (cells "pp / tg")
   echo
   for t in $THREADS; do echo "    ${PIN[$t]:--t $t: not run}"; done
   echo
-  echo "| file, -t | ik AVX2 | ikjax avx2 | avx2 / ik AVX2 | ik native | ikjax avx512 | ikjax amx | avx512 / ik native | amx / ik native |"
-  echo "|---|---|---|---|---|---|---|---|---|"
+  echo "| file, -t | ik AVX2 | ikjax avx2 | avx2 / ik AVX2 | ik native | ikjax avx512 | ikjax amx | avx512 / ik native | amx / ik native | ikjax amx int8 | int8 / ik native |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|"
   for t in $THREADS; do
     for T in $TYPES; do
       a="${CELL[$T,$t,ik_avx2]:--}"; b="${CELL[$T,$t,jx_avx2]:--}"; c="${CELL[$T,$t,ik_native]:--}"
-      d="${CELL[$T,$t,jx_avx512]:--}"; e="${CELL[$T,$t,jx_amx]:--}"
-      echo "| $T, -t $t | $a | $b | $(ratio "$b" "$a") | $c | $d | $e | $(ratio "$d" "$c") | $(ratio "$e" "$c") |"
+      d="${CELL[$T,$t,jx_avx512]:--}"; e="${CELL[$T,$t,jx_amx]:--}"; g="${CELL[$T,$t,jx_amxint8]:--}"
+      echo "| $T, -t $t | $a | $b | $(ratio "$b" "$a") | $c | $d | $e | $(ratio "$d" "$c") | $(ratio "$e" "$c") | $g | $(ratio "$g" "$c") |"
     done
   done
   echo

@@ -1,5 +1,7 @@
-"""The amx level's int8 prompt engine (issue 26 item 2; pallas_kernels/quant_matmul/cpu_amx.h,
-cpu_kernel_amx.cc) against the dequantize-and-multiply reference (gguf.quants.dequantize).
+"""The amx level's prompt engine (issue 26 item 2; pallas_kernels/quant_matmul/cpu_amx.h,
+cpu_kernel_amx.cc), in its int8 form (tdpbusd) and its bf16 form (tdpbf16ps, the default where the
+CPU has amx_bf16; IKJAX_AMX=int8 keeps the int8 one), against the dequantize-and-multiply reference
+(gguf.quants.dequantize).
 
 Two halves:
 - the engine on an exact scalar emulation of the AMX tile instructions (`_cpu.qmatmul_amx_emulated`,
@@ -10,8 +12,10 @@ Two halves:
 - the hardware (IKJAX_CPU_ISA=amx through the public product), only where the CPU has AMX and Linux
   grants its tile state; skipped elsewhere with the reason `ikjax info` gives.
 
-Both against f32 x @ dequantize(W).T of x rounded as the int8 paths round it (blocks of 32, scale
-max|x| / 127, nearest even): the int32 sums are exact, so 1e-5 of sum_k |x||w|; and against x itself
+The int8 form against f32 x @ dequantize(W).T of x rounded as the int8 paths round it (blocks of
+32, scale max|x| / 127, nearest even): the int32 sums are exact, so 1e-5 of sum_k |x||w|; the bf16
+form against bf16(x) @ bf16(dequantize(W)).T (f32 sums in another order, and a weight whose f32 value
+lies on a bf16 rounding tie may round the other way: 1e-4 of sum_k |x||w|); both against x itself
 within the int8 mode's X8_TOL (tests/test_cpu_quant_matmul.py).
 """
 from __future__ import annotations
@@ -66,10 +70,24 @@ def _check(got, x, wf, what):
     assert err32 < X8_TOL, (what, err32)
 
 
-def _emulated(x, raw, name, N):
+def _bf16(a):
+    import ml_dtypes
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _check_bf16(got, x, wf, what):
+    ref = _bf16(x) @ _bf16(wf).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(wf).T
+    err = (np.abs(got - ref) / (scale + 1e-30)).max()
+    assert np.isfinite(got).all() and err < 1e-4, (what, err)
+    err32 = (np.abs(got - x.astype(np.float64) @ wf.T) / (scale + 1e-30)).max()
+    assert err32 < X8_TOL, (what, err32)
+
+
+def _emulated(x, raw, name, N, bf16=False):
     M, K = x.shape
     tid = int(GGMLQuantizationType[name])
-    y = _cpu._cpu.qmatmul_amx_emulated(x.tobytes(), M, K, raw.tobytes(), raw.shape[1], tid, N)
+    y = _cpu._cpu.qmatmul_amx_emulated(x.tobytes(), M, K, raw.tobytes(), raw.shape[1], tid, N, bf16=bf16)
     return np.frombuffer(y, np.float32).reshape(M, N)
 
 
@@ -81,6 +99,19 @@ def test_emulated_engine_every_type_odd_shapes(name):
         x = rng.standard_normal((M, K)).astype(np.float32)
         x[0, :32] *= 40  # blocks of very different scales in one row
         _check(_emulated(x, raw, name, N), x, wf, (name, M, N, K))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_emulated_bf16_form_every_type_odd_shapes(name):
+    """The bf16 form: the int8 panel's values converted to dw * v + mw in bf16 pairs (B tiles of
+    [k / 2][n][k % 2]), x in bf16 rows, C in f32 tiles over the whole K (partial groups of rows and
+    panels of columns through the store buffer)."""
+    rng = np.random.default_rng(sum(map(ord, name)) + 7)
+    for M, N, K in SHAPES_K if name.endswith(("_K", "_XS")) else SHAPES + [(64, 32, 64)]:
+        raw, wf = _weights(name, N, K, rng)
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        x[0, :32] *= 40
+        _check_bf16(_emulated(x, raw, name, N, bf16=True), x, wf, (name, M, N, K))
 
 
 def test_emulated_engine_refuses_other_types():
@@ -104,7 +135,10 @@ def test_amx_level_reported_with_its_reason(monkeypatch):
     if best != "amx":
         assert "; amx: " + why in rep, rep
     else:
-        assert rep.startswith("amx (the best level compiled in)") and "AMX int8 tiles" in rep, rep
+        monkeypatch.setenv("IKJAX_AMX", "int8")
+        assert "AMX int8 tiles" in _cpu.isa_report()
+        monkeypatch.delenv("IKJAX_AMX")
+        assert rep.startswith("amx (the best level compiled in)") and "AMX " in rep, rep
         monkeypatch.setenv("IKJAX_CPU_ISA", "avx512")
         assert _cpu.isa() == "avx512" and "capped by IKJAX_CPU_ISA=avx512; this CPU runs amx" in _cpu.isa_report()
 
@@ -115,17 +149,22 @@ def _has_amx():
 
 @pytest.mark.skipif(not _has_amx(), reason="no AMX here: " + (_cpu._cpu.amx_unavailable_reason()
                                                              if _cpu.available() else "no C++ kernels"))
+@pytest.mark.parametrize("form", ["int8", "bf16"])
 @pytest.mark.parametrize("name", TYPES)
-def test_hardware_amx_matches_reference_and_emulation(name, monkeypatch):
+def test_hardware_amx_matches_reference_and_emulation(name, form, monkeypatch):
     """The public product at the amx level (M >= 16 on tiles; M = 5: the avx512 vpdpbusd kernel on the
     same panels, which for the K-quants come from the amx level's portable builder), 1 and 3 threads
-    (tile state is per thread), against the reference and the emulated engine (the same int32 sums)."""
+    (tile state is per thread), against the reference and the emulated engine (int8: the same int32
+    sums; bf16: the same bf16 operands, f32 sums in the tiles' order). The bf16 form where the CPU
+    has amx_bf16 (else IKJAX_AMX=bf16 runs the int8 one, checked as such)."""
     import jax.numpy as jnp
 
     from ikjax.quant import QuantArray
     from pallas_kernels.quant_matmul import cpu
     monkeypatch.setenv("IKJAX_CPU_ISA", "amx")
+    monkeypatch.setenv("IKJAX_AMX", form)
     assert _cpu.isa() == "amx"
+    bf16 = form == "bf16" and "AMX bf16 tiles" in _cpu.isa_report()
     rng = np.random.default_rng(sum(map(ord, name)) + 1)
     kq = name.endswith(("_K", "_XS"))
     for M, N, K in [(5, 37, 256), (16, 32, 512), (17, 45, 256), (48, 100, 2048), (77, 300, 512)]:
@@ -136,7 +175,9 @@ def test_hardware_amx_matches_reference_and_emulation(name, monkeypatch):
         w = QuantArray.from_bytes(raw, by_name(name), (N, K))
         for n_threads in (1, 3):
             got = np.asarray(cpu.quant_matmul(jnp.asarray(x), w, n_threads=n_threads, compute="bf16"))
-            _check(got, x, wf, (name, M, N, K, n_threads))
-            emu = _emulated(x, raw, name, N)
+            tiles_bf16 = bf16 and M >= 16  # (M = 5: the int8 vpdpbusd kernel in both forms)
+            (_check_bf16 if tiles_bf16 else _check)(got, x, wf, (name, M, N, K, n_threads))
+            emu = _emulated(x, raw, name, N, bf16=tiles_bf16)
             scale = np.abs(x).astype(np.float64) @ np.abs(wf).T
-            assert (np.abs(got - emu) / (scale + 1e-30)).max() < 1e-6, (name, M, N, K, n_threads)
+            tol = 1e-5 if tiles_bf16 else 1e-6
+            assert (np.abs(got - emu) / (scale + 1e-30)).max() < tol, (name, M, N, K, n_threads)

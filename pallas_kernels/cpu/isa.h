@@ -25,6 +25,9 @@ std::string isa_report();
 // Why the amx level does not run here ("" where it can): "not compiled in", "cpu has no amx_int8",
 // "kernel refused XTILEDATA (...)", ...
 const char* amx_unavailable_reason();
+// Whether the amx level multiplies prompt products in its bf16 form (quant_matmul/cpu_amx.h): the
+// CPU has amx_bf16 (CPUID.(7,0):EDX bit 22) and IKJAX_AMX is not "int8" (read per call).
+bool amx_bf16_on();
 
 // The function of the level that runs now (one per level, in order).
 template <class F>

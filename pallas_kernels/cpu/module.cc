@@ -28,18 +28,20 @@ NB_MODULE(_cpu, m) {
   m.def("available_cores", &ikj::available_cores);
   m.def(
       "qmatmul_amx_emulated",
-      [](nb::bytes x, int64_t M, int64_t K, nb::bytes w, int64_t row_bytes, int type, int64_t N) {
+      [](nb::bytes x, int64_t M, int64_t K, nb::bytes w, int64_t row_bytes, int type, int64_t N, bool bf16) {
         if (static_cast<int64_t>(x.size()) != M * K * 4 || static_cast<int64_t>(w.size()) != N * row_bytes)
           throw std::invalid_argument("qmatmul_amx_emulated: x must be M * K float32, w N * row_bytes bytes");
         std::vector<float> y(static_cast<size_t>(M * N));
         const std::string err = ikj_generic::qgemm_amx_emulated(
             reinterpret_cast<const float*>(x.c_str()), M, K, reinterpret_cast<const uint8_t*>(w.c_str()), row_bytes,
-            type, N, y.data());
+            type, N, y.data(), bf16);
         if (!err.empty()) throw std::runtime_error(err);
         return nb::bytes(reinterpret_cast<const char*>(y.data()), y.size() * 4);
       },
-      "test only: y = x @ W.T (float32 bytes, [M, N]) by the AMX int8 prompt engine on emulated tiles "
-      "(quant_matmul/cpu_amx.h), at any level");
+      nb::arg("x"), nb::arg("M"), nb::arg("K"), nb::arg("w"), nb::arg("row_bytes"), nb::arg("type"), nb::arg("N"),
+      nb::arg("bf16") = false,
+      "test only: y = x @ W.T (float32 bytes, [M, N]) by the AMX prompt engine on emulated tiles "
+      "(quant_matmul/cpu_amx.h; bf16: its bf16 form, else int8), at any level");
   m.def("quant_type_supported", [](int type) { return IKJ_DISPATCH(quant_matmul_supported)(type); },
         "whether the quant core (qgemm_tile) has a path for this ggml type id at the current level");
 }

@@ -266,6 +266,22 @@ static const std::string& amx_why() {
 
 const char* amx_unavailable_reason() { return amx_why().c_str(); }
 
+static bool cpu_has_amx_bf16() {
+#if defined(IKJ_HAVE_AMX) && defined(__x86_64__) && defined(__GNUC__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
+#else
+  return false;
+#endif
+}
+
+bool amx_bf16_on() {
+  static const bool has = cpu_has_amx_bf16();
+  if (!has) return false;
+  const char* form = std::getenv("IKJAX_AMX");
+  return !(form && std::strcmp(form, "int8") == 0);
+}
+
 static Isa detected_isa() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
@@ -340,7 +356,8 @@ std::string isa_report() {
     if (now == best && cap && *cap && std::strcmp(cap, isa_name(best)) != 0) why += std::string("; IKJAX_CPU_ISA=") + cap + " asks for more than the CPU has";
   }
   const char* paths =
-      now == Isa::amx      ? "dtype bf16: int8 decode and prompt products, AMX int8 tiles (tdpbusd) for prompt products of 16+ rows, AVX-512 VNNI (vpdpbusd) below"
+      now == Isa::amx      ? (amx_bf16_on() ? "dtype bf16: int8 decode and prompt products, AMX bf16 tiles (tdpbf16ps) for prompt products of 16+ rows, AVX-512 VNNI (vpdpbusd) below"
+                                            : "dtype bf16: int8 decode and prompt products, AMX int8 tiles (tdpbusd) for prompt products of 16+ rows, AVX-512 VNNI (vpdpbusd) below")
       : now == Isa::avx512 ? "dtype bf16: int8 decode and prompt products, AVX-512 VNNI (vpdpbusd)"
       : now == Isa::avx2   ? "dtype bf16: int8 decode and prompt products, AVX2 (vpmaddubsw/vpmaddwd)"
                            : "no int8 paths (f32)";

@@ -49,12 +49,36 @@ int64_t x8_dx_offset(int64_t M, int64_t K);
 int64_t x8_ds_offset(int64_t M, int64_t K);
 int64_t x8_bytes(int64_t M, int64_t K);
 
+// The bf16 form (the amx level's default where the CPU has amx_bf16; IKJAX_AMX=int8 keeps the int8
+// form): each block of a panel converted to its weights' values dw * v + mw in bf16, laid out as two
+// tdpbf16ps B tiles (16 pair rows x 16 columns x 2: element [k / 2][n][k % 2]), kBfBlk uint16 a
+// block; x as bf16 rows [bf_rows(M)][bf_ld(K)] (the rows past M zero). C accumulates in f32 tiles
+// over the whole K and is stored once. Why: the int8 form stores every block's int32 sums and
+// scales them on the vector unit (dw * dx per block and row), ~4x the tiles' own time, which left
+// the amx level 1.05x the avx512 level's vpdpbusd (RESULTS §26g); bf16 products need no per-block
+// scale. Its arithmetic is the avx512 level's bf16 compute (x and w rounded to bf16, f32 sums).
+constexpr int64_t kBfBlk = 1024;
+inline int64_t bf_rows(int64_t M) { return (M + 31) / 32 * 32; }
+inline int64_t bf_ld(int64_t K) { return K + 32; }  // + 64 bytes: 16 rows of a tile not 4 KiB apart
+// The portable forms (scalar; the emulated engine's): a panel's nb blocks into bf16 blocks at out,
+// x's M rows into bf16 rows (rows M .. bf_rows(M) zeroed).
+void panel_to_bf16(const uint8_t* panel, int64_t nb, bool has_min, uint16_t* out);
+void x_to_bf16(const float* x, int64_t M, int64_t K, uint16_t* out);
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define IKJ_HAVE_AMX_TILES 1
 // y[m * ldy + j] = the product of x8 rows [0, M) (M >= 1) and panel columns j < nr, on the
 // hardware's tiles (the calling thread configures them and releases them before returning).
 void panel_gemm_hw(const uint8_t* xu, int64_t M, int64_t K, const float* dx, const float* ds, const uint8_t* panel,
                    int64_t nb, bool has_min, float* y, int64_t ldy, int64_t nr);
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define IKJ_HAVE_AMX_BF16 1
+// The bf16 form on the hardware: the panel's blocks converted (AVX-512 BF16, the same bits as
+// panel_to_bf16), then y rows [0, M) x columns [0, nr) from the bf16 x rows xb (row stride ldx).
+void panel_to_bf16_hw(const uint8_t* panel, int64_t nb, bool has_min, uint16_t* out);
+void panel_gemm_bf16_hw(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* bp, int64_t nb, float* y,
+                        int64_t ldy, int64_t nr);
+#endif
 #endif
 
 }  // namespace amx

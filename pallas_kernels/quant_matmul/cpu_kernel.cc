@@ -1950,11 +1950,29 @@ constexpr bool q8gemm_min(int type) {
 // floats dx * sum(q) (the minimum's share; one layout for every type, so a pack serves any weight).
 inline int64_t x8_dx_offset(int64_t M, int64_t K) { return (M * K + 63) / 64 * 64; }
 inline int64_t x8_ds_offset(int64_t M, int64_t K) { return x8_dx_offset(M, K) + M * (K / 32) * 4; }
+#if defined(IKJ_HAVE_AMX_BF16)
+// the amx level's bf16 form (cpu_amx.h): after them, 64-byte aligned, x as bf16 rows
+// [bf_rows(M)][bf_ld(K)] (written only while ikj::amx_bf16_on())
+inline int64_t x8_bf_offset(int64_t M, int64_t K) { return (x8_ds_offset(M, K) + M * (K / 32) * 4 + 63) / 64 * 64; }
+inline size_t x8_bytes(int64_t M, int64_t K) { return x8_bf_offset(M, K) + amx::bf_rows(M) * amx::bf_ld(K) * 2; }
+#else
 inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (K / 32) * 4; }
+#endif
 
 // rows [r0, r1) of x [M, K] into the x8 pack at out (K a multiple of 32)
 void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1, bool /*k256: never here*/ = false) {
   const int64_t nb = K / 32;
+#if defined(IKJ_HAVE_AMX_BF16)
+  if (ikj::amx_bf16_on()) {  // the bf16 rows (vcvtneps2bf16), the padding rows zero with the last rows
+    uint16_t* xb = reinterpret_cast<uint16_t*>(out + x8_bf_offset(M, K));
+    const int64_t ld = amx::bf_ld(K);
+    for (int64_t m = r0; m < r1; ++m)
+      for (int64_t k = 0; k < K; k += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + m * ld + k),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * K + k))));
+    if (r1 == M) std::memset(xb + M * ld, 0, static_cast<size_t>((amx::bf_rows(M) - M) * ld * 2));
+  }
+#endif
   float* dx = reinterpret_cast<float*>(out + x8_dx_offset(M, K));
   float* ds = reinterpret_cast<float*>(out + x8_ds_offset(M, K));
   const __m512i bias = _mm512_set1_epi32(128);
@@ -2168,6 +2186,16 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
     }
 #if defined(IKJ_HAVE_AMX_TILES)
     if (M >= amx::kMinRows) {
+#if defined(IKJ_HAVE_AMX_BF16)
+      if (ikj::amx_bf16_on()) {
+        thread_local std::vector<uint16_t> bpanel;
+        if (static_cast<int64_t>(bpanel.size()) < nb * amx::kBfBlk) bpanel.resize(nb * amx::kBfBlk);
+        amx::panel_to_bf16_hw(panel.data(), nb, has_min, bpanel.data());
+        amx::panel_gemm_bf16_hw(reinterpret_cast<const uint16_t*>(xu + x8_bf_offset(M, K)), amx::bf_ld(K), M,
+                                bpanel.data(), nb, y + p0, ldy, nr);
+        continue;
+      }
+#endif
       amx::panel_gemm_hw(xu, M, K, dx, ds, panel.data(), nb, has_min, y + p0, ldy, nr);
       continue;
     }

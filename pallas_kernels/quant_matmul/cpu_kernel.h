@@ -60,8 +60,9 @@ IKJ_DECLARE(void, quant_matmul, (const float* x, const uint8_t* w, float* y, int
 // Test-only: y [M, N] (row-major) = the AMX int8 prompt engine (cpu_amx.h) on an exact scalar
 // emulation of the tile instructions, with its portable x pack and panel builder; "" or why not
 // (a type it does not take, a bad shape, a tile misuse the emulation caught). Any level runs it.
+// bf16: the engine's bf16 form (cpu_amx.h) instead of its int8 one.
 IKJ_DECLARE(std::string, qgemm_amx_emulated, (const float* x, int64_t M, int64_t K, const uint8_t* w,
-                                              int64_t row_bytes, int type, int64_t N, float* y))
+                                              int64_t row_bytes, int type, int64_t N, float* y, bool bf16))
 
 IKJ_DECLARE(void, quant_matmul_ex, (const float* x, const uint8_t* w, float* y, int64_t M, int64_t N,
                                     int64_t K, int64_t row_bytes, int type, int n_threads, int compute))

@@ -107,6 +107,18 @@ struct AmxHw {
     else if constexpr (c == 2) _tile_dpbusd(2, 5, 6);
     else _tile_dpbusd(3, 5, 7);
   }
+#if defined(IKJ_HAVE_AMX_BF16)
+  template <int c, int a, int b>
+  static void dpbf16ps() {
+    static_assert((c == 0 && a == 4 && b == 6) || (c == 1 && a == 4 && b == 7) || (c == 2 && a == 5 && b == 6) ||
+                      (c == 3 && a == 5 && b == 7),
+                  "add the tile triple here");
+    if constexpr (c == 0) _tile_dpbf16ps(0, 4, 6);
+    else if constexpr (c == 1) _tile_dpbf16ps(1, 4, 7);
+    else if constexpr (c == 2) _tile_dpbf16ps(2, 5, 6);
+    else _tile_dpbf16ps(3, 5, 7);
+  }
+#endif
   static void release() { _tile_release(); }
 };
 #undef IKJ_TILE_SWITCH
@@ -189,6 +201,32 @@ struct AmxEmu {
         std::memcpy(s.t[c] + m * 64 + 4 * n, &acc, 4);
       }
   }
+  // tdpbf16ps: C[m][n] (f32) += A[m][2k] * B[k][2n] + A[m][2k + 1] * B[k][2n + 1] (bf16 pairs), the
+  // two products added in turn
+  template <int c, int a, int b>
+  static void dpbf16ps() {
+    static_assert(c != a && c != b && a != b, "tdpbf16ps's three tiles must differ (#UD)");
+    if (!shape_ok(c, "tdpbf16ps") || !shape_ok(a, "tdpbf16ps") || !shape_ok(b, "tdpbf16ps")) return;
+    State& s = st();
+    const TileCfg& g = s.cfg;
+    if (g.colsb[a] % 4 || g.colsb[c] % 4 || g.colsb[a] / 4 != g.rows[b] || g.rows[c] != g.rows[a] ||
+        g.colsb[c] != g.colsb[b])
+      return fail("tdpbf16ps: tile shapes disagree");
+    auto bf = [](const uint8_t* p) {
+      uint32_t u = static_cast<uint32_t>(p[0] | (p[1] << 8)) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      return f;
+    };
+    for (int m = 0; m < g.rows[c]; ++m)
+      for (int n = 0; n < g.colsb[c] / 4; ++n) {
+        float acc;
+        std::memcpy(&acc, s.t[c] + m * 64 + 4 * n, 4);
+        for (int k = 0; k < g.colsb[a] / 4; ++k)
+          for (int i = 0; i < 2; ++i) acc += bf(s.t[a] + m * 64 + 4 * k + 2 * i) * bf(s.t[b] + k * 64 + 4 * n + 2 * i);
+        std::memcpy(s.t[c] + m * 64 + 4 * n, &acc, 4);
+      }
+  }
   static void release() {
     State& s = st();
     if (!s.configured) fail("tilerelease without a tile config");
@@ -263,6 +301,74 @@ void panel_gemm(const uint8_t* xu, int64_t M, int64_t K, const float* dx, const 
     for (int64_t i = 0; i < mr; ++i) std::memcpy(y + (m0 + i) * ldy, acc + i * 32, static_cast<size_t>(nr) * 4);
   }
   T::release();
+}
+
+// The bf16 form (cpu_amx.h): y rows [0, M), columns [0, nr) = bf16 x rows (xb, row stride ldx,
+// rows to bf_rows(M) readable) x the bf16 panel bp (nb blocks of two B tiles). Per group of 32 rows,
+// four C tiles (2 A tiles x 2 B tiles) accumulate over every block and are stored once: straight
+// into y where the group's rows and the panel's 32 columns are all there, else through cbuf.
+template <class T>
+void panel_gemm_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* bp, int64_t nb, float* y,
+                     int64_t ldy, int64_t nr) {
+  TileCfg cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C 16 x 16 f32, A 16 x 32 bf16, B 16 x 16 pairs
+  T::config(cfg);
+  alignas(64) float cbuf[32 * 32];
+  const int64_t sx = ldx * 2;
+  for (int64_t m0 = 0; m0 < M; m0 += 32) {
+    const int64_t mr = std::min<int64_t>(32, M - m0);
+    const bool two = mr > 16;
+    const uint16_t* a0 = xb + m0 * ldx;
+    const uint16_t* a1 = a0 + 16 * ldx;
+    T::template zero<0>();
+    T::template zero<1>();
+    if (two) {
+      T::template zero<2>();
+      T::template zero<3>();
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint16_t* pb = bp + b * kBfBlk;
+      T::template load<6>(pb, 64);
+      T::template load<7>(pb + 512, 64);
+      T::template load<4>(a0 + b * 32, sx);
+      T::template dpbf16ps<0, 4, 6>();
+      T::template dpbf16ps<1, 4, 7>();
+      if (two) {
+        T::template load<5>(a1 + b * 32, sx);
+        T::template dpbf16ps<2, 5, 6>();
+        T::template dpbf16ps<3, 5, 7>();
+      }
+    }
+    if (nr == 32 && mr == (two ? 32 : 16)) {
+      float* yr = y + m0 * ldy;
+      T::template store<0>(yr, ldy * 4);
+      T::template store<1>(yr + 16, ldy * 4);
+      if (two) {
+        T::template store<2>(yr + 16 * ldy, ldy * 4);
+        T::template store<3>(yr + 16 * ldy + 16, ldy * 4);
+      }
+      continue;
+    }
+    T::template store<0>(cbuf, 128);
+    T::template store<1>(cbuf + 16, 128);
+    if (two) {
+      T::template store<2>(cbuf + 16 * 32, 128);
+      T::template store<3>(cbuf + 16 * 32 + 16, 128);
+    }
+    for (int64_t i = 0; i < mr; ++i) std::memcpy(y + (m0 + i) * ldy, cbuf + i * 32, static_cast<size_t>(nr) * 4);
+  }
+  T::release();
+}
+
+// f32 -> bf16, round to nearest even (vcvtneps2bf16's result for finite values)
+inline uint16_t bf16_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN: quiet
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
 }
 
 // ---- the portable panel builder: one block of a row -> 32 signed values, dw, mw ----------------
@@ -427,6 +533,73 @@ void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out) {
     }
 }
 
+void panel_to_bf16(const uint8_t* panel, int64_t nb, bool has_min, uint16_t* out) {
+  const int64_t qblk = has_min ? kBlkMin : kBlk;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + b * qblk;
+    uint16_t* ob = out + b * kBfBlk;
+    float dw[32], mw[32] = {};
+    std::memcpy(dw, pb + 1152, 128);
+    if (has_min) std::memcpy(mw, pb + 1280, 128);
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 8; ++c)      // quad c: k = 4c .. 4c + 3
+        for (int nn = 0; nn < 16; ++nn)
+          for (int i = 0; i < 4; ++i) {
+            const int n = 16 * h + nn;
+            const float v = static_cast<float>(static_cast<int8_t>(pb[h * 512 + c * 64 + nn * 4 + i]));
+            ob[h * 512 + (2 * c + i / 2) * 32 + nn * 2 + (i & 1)] = bf16_rne(std::fma(v, dw[n], mw[n]));
+          }
+  }
+}
+
+void x_to_bf16(const float* x, int64_t M, int64_t K, uint16_t* out) {
+  const int64_t ld = bf_ld(K);
+  for (int64_t m = 0; m < bf_rows(M); ++m)
+    for (int64_t k = 0; k < ld; ++k) out[m * ld + k] = m < M && k < K ? bf16_rne(x[m * K + k]) : 0;
+}
+
+#if defined(IKJ_HAVE_AMX_BF16)
+void panel_to_bf16_hw(const uint8_t* panel, int64_t nb, bool has_min, uint16_t* out) {
+  const int64_t qblk = has_min ? kBlkMin : kBlk;
+  alignas(64) int32_t even[16], odd[16], sel[4][16];
+  for (int i = 0; i < 16; ++i) {
+    even[i] = 2 * i, odd[i] = 2 * i + 1;  // (16 + j: element j of the second operand)
+    for (int j = 0; j < 4; ++j) sel[j][i] = 4 * j + i / 4;  // lane i of quarter j: column 4j + i / 4
+  }
+  const __m512i ie = _mm512_load_si512(even), io = _mm512_load_si512(odd);
+  __m512i is[4];
+  for (int j = 0; j < 4; ++j) is[j] = _mm512_load_si512(sel[j]);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + b * qblk;
+    uint16_t* ob = out + b * kBfBlk;
+    for (int h = 0; h < 2; ++h) {
+      const __m512 dw = _mm512_loadu_ps(pb + 1152 + 64 * h);
+      const __m512 mw = has_min ? _mm512_loadu_ps(pb + 1280 + 64 * h) : _mm512_setzero_ps();
+      __m512 dx[4], mx[4];
+      for (int j = 0; j < 4; ++j) dx[j] = _mm512_permutexvar_ps(is[j], dw), mx[j] = _mm512_permutexvar_ps(is[j], mw);
+      for (int c = 0; c < 8; ++c) {
+        const uint8_t* q = pb + h * 512 + c * 64;
+        __m512 f[4];
+        for (int j = 0; j < 4; ++j)
+          f[j] = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)))),
+              dx[j], mx[j]);
+        // dword i of lo: elements 2i, 2i + 1 of [f0, f1] (columns 0-7, k pairs (4c, 4c+1), (4c+2, 4c+3) in turn)
+        const __m512i lo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+        const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[3], f[2]));
+        _mm512_storeu_si512(ob + h * 512 + (2 * c) * 32, _mm512_permutex2var_epi32(lo, ie, hi));
+        _mm512_storeu_si512(ob + h * 512 + (2 * c + 1) * 32, _mm512_permutex2var_epi32(lo, io, hi));
+      }
+    }
+  }
+}
+
+void panel_gemm_bf16_hw(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* bp, int64_t nb, float* y,
+                        int64_t ldy, int64_t nr) {
+  panel_gemm_bf16<AmxHw>(xb, ldx, M, bp, nb, y, ldy, nr);
+}
+#endif
+
 #if defined(IKJ_HAVE_AMX_TILES)
 void panel_gemm_hw(const uint8_t* xu, int64_t M, int64_t K, const float* dx, const float* ds, const uint8_t* panel,
                    int64_t nb, bool has_min, float* y, int64_t ldy, int64_t nr) {
@@ -437,7 +610,7 @@ void panel_gemm_hw(const uint8_t* xu, int64_t M, int64_t K, const float* dx, con
 }  // namespace amx
 
 std::string qgemm_amx_emulated(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
-                               int64_t N, float* y) {
+                               int64_t N, float* y, bool bf16) {
   if (!amx::type_ok(type)) return "type " + std::to_string(type) + " is not an AMX engine type";
   if (M <= 0 || N <= 0 || K <= 0 || K % 32 || ((type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_IQ4_XS) && K % 256))
     return "bad shape";
@@ -448,11 +621,22 @@ std::string qgemm_amx_emulated(const float* x, int64_t M, int64_t K, const uint8
   const float* ds = reinterpret_cast<const float*>(xp.data() + amx::x8_ds_offset(M, K));
   const bool has_min = amx::type_has_min(type);
   std::vector<uint8_t> panel(static_cast<size_t>(nb * amx::kBlkMin));
+  std::vector<uint16_t> xb, bp;
+  if (bf16) {
+    xb.resize(static_cast<size_t>(amx::bf_rows(M) * amx::bf_ld(K)));
+    amx::x_to_bf16(x, M, K, xb.data());
+    bp.resize(static_cast<size_t>(nb * amx::kBfBlk));
+  }
   amx::AmxEmu::st().error.clear();
   for (int64_t p0 = 0; p0 < N; p0 += amx::kPanelRows) {
     const int64_t nr = std::min<int64_t>(amx::kPanelRows, N - p0);
     amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data());
-    amx::panel_gemm<amx::AmxEmu>(xp.data(), M, K, dx, ds, panel.data(), nb, has_min, y + p0, N, nr);
+    if (bf16) {
+      amx::panel_to_bf16(panel.data(), nb, has_min, bp.data());
+      amx::panel_gemm_bf16<amx::AmxEmu>(xb.data(), amx::bf_ld(K), M, bp.data(), nb, y + p0, N, nr);
+    } else {
+      amx::panel_gemm<amx::AmxEmu>(xp.data(), M, K, dx, ds, panel.data(), nb, has_min, y + p0, N, nr);
+    }
     if (!amx::AmxEmu::st().error.empty()) return "emulated AMX: " + amx::AmxEmu::st().error;
     if (amx::AmxEmu::st().configured) return "emulated AMX: tiles not released";
   }
