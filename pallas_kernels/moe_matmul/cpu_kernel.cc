@@ -200,17 +200,24 @@ void moe_experts(const MoeExpertsArgs& a) {
     for (int64_t m = 0; m < M; ++m) silu_mul(he + m * F + c, ut.data() + m * w, w);
   };
   if (A > 0 && pbytes > 0) {
-    // a prompt: (expert, kBlock columns) items handed out one at a time, expert by expert. A static
+    // a prompt: (expert, column block) items handed out one at a time, expert by expert. A static
     // split of F gave threads unequal shares (V2-Lite's F = 1408 is 44 units of 32: 3 or 2 a thread
     // at -t 16, 9 % of the phase lost waiting), and each item writes its own part of h
-    const int64_t nblk = (F + kBlock - 1) / kBlock;
-    const int64_t items = static_cast<int64_t>(active.size()) * nblk;
+    // Items of kBlock columns, narrower (down to kAlign) while there would be fewer than 8 a thread:
+    // one expert (a shared expert, a dense FFN through this call) has few (2816 columns: 22 of 128)
+    const int64_t nth = std::min<int64_t>(a.n_threads > 0 ? a.n_threads : ikj::available_cores(),
+                                          ikj::available_cores());
+    const int64_t n_act = static_cast<int64_t>(active.size());
+    int64_t bw = kBlock;
+    while (bw > kAlign && n_act * ((F + bw - 1) / bw) < 8 * nth) bw /= 2;
+    const int64_t nblk = (F + bw - 1) / bw;
+    const int64_t items = n_act * nblk;
     std::atomic<int64_t> next{0};
     ikj::parallel(a.n_threads, [&](int, int) {
       thread_local std::vector<float> xt, ut;
       for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-        const int64_t c = (it % nblk) * kBlock;
-        gate_up(active[it / nblk], c, std::min(kBlock, F - c), xt, ut);
+        const int64_t c = (it % nblk) * bw;
+        gate_up(active[it / nblk], c, std::min(bw, F - c), xt, ut);
       }
     });
   } else if (A > 0) {
