@@ -32,6 +32,13 @@ Weights = dict[str, Any]
 
 Placer = Callable[[str, np.ndarray], Any]
 
+@jax.jit
+def _concat_rows(parts: tuple):
+    """One program for the fused matrix (eager `jnp.concatenate` also ran a dtype-conversion program
+    per part: each its own compile-cache read at load)."""
+    return jax.lax.concatenate(list(parts), 0)
+
+
 def fuse_rows(layer: dict) -> dict:
     """Stack the matrices that read the same input (`FUSED_ROWS`, from the tensor kinds) into one,
     where their types and columns agree: one product instead of two in every step."""
@@ -43,7 +50,7 @@ def fuse_rows(layer: dict) -> dict:
         if any(p.qtype != qt or p.ndim != 2 or p.shape[-1] != cols or p.shape[0] % qt.interleave for p in parts):
             continue
         rows = sum(p.shape[0] for p in parts)
-        layer[fused] = QuantArray(jnp.concatenate([p.data for p in parts], axis=0), qt, (rows, cols))
+        layer[fused] = QuantArray(_concat_rows(tuple(p.data for p in parts)), qt, (rows, cols))
         for k in keys:
             del layer[k]
     return layer
@@ -293,7 +300,7 @@ class TensorLoader:
     def for_kernels(self, tensors: dict) -> dict:
         if not self.repack:
             return tensors
-        return {k: ops.prepare_weight(v) if k in KERNEL_MATRICES else v for k, v in tensors.items()}
+        return ops.prepare_weights(tensors, [k for k in tensors if k in KERNEL_MATRICES])
 
     def _host_keys(self, specs) -> dict[str, str]:
         """key -> tensor name of the non-expert tensors placed in host memory next to an accelerator."""

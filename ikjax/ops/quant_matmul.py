@@ -22,16 +22,34 @@ from pallas_kernels.quant_matmul.reference import quant_matmul_ref
 
 # -- weights --------------------------------------------------------------------------------------
 
+def _repackable(qa) -> bool:
+    if isinstance(qa, PackedWeight) or not isinstance(qa, QuantArray):
+        return False
+    if not _qm_packing.supported(qa.qtype.name):
+        return False
+    G, P, L, R = _qm_packing.GEOMETRY[qa.qtype.name]
+    return qa.shape[-1] % (G * R) == 0
+
+
 def prepare_weight(qa):
     """Load-time repack for the Pallas kernels; returns `qa` unchanged when its type has no kernel layout."""
-    if isinstance(qa, PackedWeight) or not isinstance(qa, QuantArray):
-        return qa
-    if not _qm_packing.supported(qa.qtype.name):
-        return qa
-    G, P, L, R = _qm_packing.GEOMETRY[qa.qtype.name]
-    if qa.shape[-1] % (G * R):
-        return qa
-    return _prepare(qa)
+    return _prepare(qa) if _repackable(qa) else qa
+
+
+def prepare_weights(tensors: dict, keys) -> dict:
+    """`prepare_weight` of tensors[k] for each k in `keys`, in one compiled program per device set
+    (packing.prepare_many: one compile-cache read a layer, not one a weight shape)."""
+    groups: dict = {}
+    for k in keys:
+        v = tensors.get(k)
+        if _repackable(v):
+            devs = getattr(v.data, "sharding", None)
+            groups.setdefault(frozenset(devs.device_set) if devs is not None else None, []).append(k)
+    out = dict(tensors)
+    for ks in groups.values():
+        for k, pw in zip(ks, _qm_packing.prepare_many([tensors[k] for k in ks])):
+            out[k] = pw
+    return out
 
 
 def needs_repack(backend: str | None = None) -> bool:
