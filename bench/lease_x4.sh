@@ -50,6 +50,7 @@
 #            1..8 threads; whether JAX's backend start holds the GIL).
 #   STAGE=18: issue 22's warm start: the load's stack samples, cold / warm, and the backend started
 #            early or not (IKJAX_EARLY_BACKEND), interleaved warm runs.
+#   STAGE=19: issue 22's cold / warm sweep-bench, then issue 26's CPU table at -t 16 beside ik.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -143,6 +144,15 @@ case $STAGE in
       -c 4096 -ub 512 -n 64 2>&1 | grep -E "loaded|sweep took" | tr '\n' ' '
     echo " early=$e: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s command to end"
   done; done
+  ;;
+19)
+  # the session's last lease: issue 22's cold / warm sweep-bench (the load's programs folded, the
+  # backend started early), then issue 26's CPU table at -t 16 with both ik builds (cpu_isa_table.sh)
+  OUT=$OUT/cold VARIANTS=default NO_PROBE=1 timeout 150 bash bench/gpu_coldstart.sh 2>&1 \
+    | grep -E "^###|^\||compiled|loaded" | head -16
+  THREADS=16 TYPES="${TYPES19:-Q8_0 Q4_0 Q4_K IQ4_XS}" VARIANTS="${VARIANTS19:-ik_avx2 jx_avx2 ik_native jx_amx jx_amxint8}" \
+    DEADLINE=${DEADLINE19:-400} JOBS=8 NO_INSTALL=1 IK_DIR=/tmp/ikt OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
+    | grep -E "^\||passed|failed|rc=|physical" | head -20
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
