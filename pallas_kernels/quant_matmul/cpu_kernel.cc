@@ -1970,7 +1970,8 @@ void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int
       for (int64_t k = 0; k < K; k += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + m * ld + k),
                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * K + k))));
-    if (r1 == M) std::memset(xb + M * ld, 0, static_cast<size_t>((amx::bf_rows(M) - M) * ld * 2));
+    if (r0 < r1 && r1 == M)  // (one writer: the thread whose rows end the pack)
+      std::memset(xb + M * ld, 0, static_cast<size_t>((amx::bf_rows(M) - M) * ld * 2));
   }
 #endif
   float* dx = reinterpret_cast<float*>(out + x8_dx_offset(M, K));
