@@ -96,29 +96,23 @@ struct AmxHw {
     IKJ_TILE_SWITCH(t, IKJ_OP)
 #undef IKJ_OP
   }
-  // the four products panel_gemm uses (C tile 2 a + h, A tile 4 + a, B tile 6 + h)
+  // the four products the engines use (C tile 2 a + h, A tile 4 + a, B tile 6 + h), each tile
+  // number a literal (see IKJ_TILE_SWITCH)
+#define IKJ_TILE_TRIPLES(INSN)                                                                          \
+  static_assert((c == 0 && a == 4 && b == 6) || (c == 1 && a == 4 && b == 7) || (c == 2 && a == 5 && b == 6) || \
+                    (c == 3 && a == 5 && b == 7),                                                       \
+                "add the tile triple here");                                                            \
+  if constexpr (c == 0) INSN(0, 4, 6);                                                                  \
+  else if constexpr (c == 1) INSN(1, 4, 7);                                                             \
+  else if constexpr (c == 2) INSN(2, 5, 6);                                                             \
+  else INSN(3, 5, 7);
   template <int c, int a, int b>
-  static void dpbusd() {
-    static_assert((c == 0 && a == 4 && b == 6) || (c == 1 && a == 4 && b == 7) || (c == 2 && a == 5 && b == 6) ||
-                      (c == 3 && a == 5 && b == 7),
-                  "add the tile triple here");
-    if constexpr (c == 0) _tile_dpbusd(0, 4, 6);
-    else if constexpr (c == 1) _tile_dpbusd(1, 4, 7);
-    else if constexpr (c == 2) _tile_dpbusd(2, 5, 6);
-    else _tile_dpbusd(3, 5, 7);
-  }
+  static void dpbusd() { IKJ_TILE_TRIPLES(_tile_dpbusd) }
 #if defined(IKJ_HAVE_AMX_BF16)
   template <int c, int a, int b>
-  static void dpbf16ps() {
-    static_assert((c == 0 && a == 4 && b == 6) || (c == 1 && a == 4 && b == 7) || (c == 2 && a == 5 && b == 6) ||
-                      (c == 3 && a == 5 && b == 7),
-                  "add the tile triple here");
-    if constexpr (c == 0) _tile_dpbf16ps(0, 4, 6);
-    else if constexpr (c == 1) _tile_dpbf16ps(1, 4, 7);
-    else if constexpr (c == 2) _tile_dpbf16ps(2, 5, 6);
-    else _tile_dpbf16ps(3, 5, 7);
-  }
+  static void dpbf16ps() { IKJ_TILE_TRIPLES(_tile_dpbf16ps) }
 #endif
+#undef IKJ_TILE_TRIPLES
   static void release() { _tile_release(); }
 };
 #undef IKJ_TILE_SWITCH
