@@ -146,10 +146,18 @@ def raw(name: str) -> str | None:
 
 
 def values(names: tuple[str, ...]) -> tuple:
-    """(name, value or None) of these registered variables, as set now: one pass over
-    os.environ, cheap enough for every step call (the StepPlan's settings)."""
+    """(name, effective value) of these registered variables now: the value set, or the default
+    where unset or empty; a choice in lower case (as `choice` reads it). One pass over os.environ,
+    cheap enough for every step call (the StepPlan's settings, a stored step's key): a variable left
+    unset and one set to its default trace the same step, so they must key it the same (RESULTS
+    §22k: IKJAX_LAYERS unset and `auto` were two keys, and a warm run recompiled)."""
     get = os.environ.get
-    return tuple((n, get(n)) for n in names)
+    out = []
+    for n in names:
+        v = VARIABLES[n]
+        value = get(n) or v.default
+        out.append((n, value.lower() if v.choices else value))
+    return tuple(out)
 
 
 def is_set(name: str) -> bool:

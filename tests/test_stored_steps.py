@@ -178,3 +178,22 @@ def test_counts_are_per_thread():
     assert compile_cache.hits() == g0 + 1 and compile_cache.thread_counts() == (h0, w0)
     compile_cache._count(compile_cache.WRITE_EVENT)
     assert compile_cache.thread_counts() == (h0, w0 + 1)
+
+
+def test_unset_and_default_variables_key_a_step_alike(monkeypatch):
+    """A variable left unset, set to its default, or to it in capitals traces the same step: the
+    StepPlan's settings and a stored step's key must not tell them apart (RESULTS §22k: a warm run
+    without IKJAX_LAYERS recompiled the steps a cold run with IKJAX_LAYERS=auto had stored); a
+    value that changes the trace still does."""
+    from ikjax.runtime.executables import trace_variables
+    monkeypatch.delenv("IKJAX_LAYERS", raising=False)
+    monkeypatch.delenv("IKJAX_STREAM_MIB", raising=False)
+    unset = trace_variables()
+    assert ("IKJAX_LAYERS", "auto") in unset
+    for value in ("auto", "AUTO", ""):
+        monkeypatch.setenv("IKJAX_LAYERS", value)
+        assert trace_variables() == unset, value
+    monkeypatch.setenv("IKJAX_STREAM_MIB", "512")  # a number at its default
+    assert trace_variables() == unset
+    monkeypatch.setenv("IKJAX_LAYERS", "unroll")
+    assert trace_variables() != unset
