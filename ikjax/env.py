@@ -121,6 +121,9 @@ _VARS = (
     Variable("IKJAX_CPU_ISA", "", ("generic", "avx2", "avx512", "amx"),
              "cap the C++ kernels' instruction-set level (read by the C++ runtime per call)",
              "pallas_kernels/cpu/runtime.cc"),
+    Variable("IKJAX_AVXVNNI", "1", ("1", "0"),
+             "`0`: the avx2 level's int8 products without AVX-VNNI where the CPU has it (vpmaddubsw + "
+             "vpmaddwd instead of vpdpbusd; the same integers)", "pallas_kernels/cpu/runtime.cc"),
     Variable("IKJAX_AMX", "bf16", ("bf16", "int8"),
              "the amx level's prompt products of 16+ rows: bf16 tiles (tdpbf16ps, f32 sums over the whole row, "
              "where the CPU has amx_bf16) or int8 tiles (tdpbusd, each block's sums scaled on the vector unit)",

@@ -350,3 +350,40 @@ def test_isa_report_names_the_level_and_why(cap, monkeypatch):
     res = CliRunner().invoke(app, ["info", "synthetic:tiny"])
     assert res.exit_code == 0, res.output
     assert f"cpu kernels    {rep}" in res.output, res.output
+
+
+def _avx_vnni_runs() -> bool:
+    import os
+    saved = os.environ.get("IKJAX_CPU_ISA")
+    os.environ["IKJAX_CPU_ISA"] = "avx2"
+    try:
+        return _cpu.available() and "AVX-VNNI" in _cpu.isa_report()
+    finally:
+        if saved is None:
+            del os.environ["IKJAX_CPU_ISA"]
+        else:
+            os.environ["IKJAX_CPU_ISA"] = saved
+
+
+@pytest.mark.skipif(not _avx_vnni_runs(), reason="the CPU has no AVX-VNNI (or the avxvnni objects are not built): "
+                                                  "the avx2 level runs its plain AVX2 build here")
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "Q4_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_avx_vnni_build_gives_the_avx2_integers(name, monkeypatch):
+    """The avx2 level's AVX-VNNI build (vpdpbusd where AVX2 takes vpmaddubsw + vpmaddwd +
+    vpaddd) computes the same int32 sums, so every int8 product of the level, decode-sized (M = 1, 3)
+    and prompt-sized (the int8 engine, M = 5, 48), is bit for bit the one without it
+    (IKJAX_AVXVNNI=0), and `ikjax info` names the instructions."""
+    monkeypatch.setenv("IKJAX_CPU_ISA", "avx2")
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    K = 512
+    raw = random_bytes(name, (96,), K, rng, fast=True).reshape(96, -1)
+    w = QuantArray.from_bytes(np.ascontiguousarray(raw), by_name(name), (96, K))
+    for M in (1, 3, 5, 48):
+        x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+        out = {}
+        for vnni in ("1", "0"):
+            monkeypatch.setenv("IKJAX_AVXVNNI", vnni)
+            assert ("AVX-VNNI" in _cpu.isa_report()) == (vnni == "1")
+            out[vnni] = np.asarray(cpu.quant_matmul(x, w, n_threads=2, compute="bf16"))
+        assert np.isfinite(out["1"]).all()
+        np.testing.assert_array_equal(out["1"], out["0"], err_msg=f"{name} M={M}")

@@ -4,6 +4,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace ikj {
 
 inline float fp16_to_f32(uint16_t h) {
@@ -48,5 +52,21 @@ enum TypeId : int {
   T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
   T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30,
 };
+
+#if defined(__AVX2__)
+// acc + the sum over each group of 4 bytes of u (unsigned) x s (signed), per int32 lane. The avx2
+// level's code is also compiled with AVX-VNNI (the avxvnni objects, picked at run time on CPUs that
+// have it: cpu/isa.h), where one VEX instruction does what AVX2 does in three; both give the same
+// integers, since the callers keep vpmaddubsw's i16 pair sums from saturating (|u| <= 128 against
+// |s| <= 127). Its latency (~5 cycles) is the callers' to hide: a sum updated every step by it
+// waits on it (micro_q8 keeps two a row).
+inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
 
 }  // namespace ikj

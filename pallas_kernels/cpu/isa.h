@@ -3,6 +3,8 @@
 // Each kernel source is compiled once per level into namespace ikj_<level> (CMakeLists.txt); an
 // FFI handler calls IKJ_DISPATCH(fn)(args...) to reach the best level this CPU runs. The choice
 // can be capped with IKJAX_CPU_ISA=generic|avx2|avx512|amx (tests run every level on one machine).
+// The avx2 level has two builds: plain AVX2, and with AVX-VNNI (ikj_avxvnni), which runs in its place
+// where the CPU has AVX-VNNI (avx_vnni_on).
 // amx is the avx512 level plus AMX int8 tiles for prompt-sized int8 products (quant_matmul/cpu_amx.h);
 // it needs the CPU's AMX-TILE and AMX-INT8 and the Linux kernel's permission for the tile data
 // state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once, before any tile is used).
@@ -29,23 +31,34 @@ const char* amx_unavailable_reason();
 // CPU has amx_bf16 (CPUID.(7,0):EDX bit 22) and IKJAX_AMX is not "int8" (read per call).
 bool amx_bf16_on();
 
-// The function of the level that runs now (one per level, in order).
+// Whether the avx2 level runs its AVX-VNNI build (the avxvnni objects: the same code with vpdpbusd
+// on ymm, the same integers): compiled in, the CPU has AVX-VNNI (CPUID.(7,1):EAX bit 4),
+// and IKJAX_AVXVNNI is not "0" (read per call).
+bool avx_vnni_on();
+
+// The function of the level that runs now (one per level, in order; avxvnni: the avx2 level's AVX-VNNI
+// build, in its place where avx_vnni_on()).
 template <class F>
-F isa_pick(F generic, F avx2, F avx512, F amx) {
+F isa_pick(F generic, F avx2, F avxvnni, F avx512, F amx) {
   switch (current_isa()) {
     case Isa::amx: return amx;
     case Isa::avx512: return avx512;
-    case Isa::avx2: return avx2;
+    case Isa::avx2: return avx_vnni_on() ? avxvnni : avx2;
     default: return generic;
   }
 }
 
 }  // namespace ikj
 
+#if defined(IKJ_HAVE_AVXVNNI)
+#define IKJ_AVXVNNI_FN(fn) &ikj_avxvnni::fn
+#else
+#define IKJ_AVXVNNI_FN(fn) &ikj_avx2::fn
+#endif
 #if defined(IKJ_HAVE_AMX) && defined(IKJ_HAVE_AVX512) && defined(IKJ_HAVE_AVX2)
-#define IKJ_DISPATCH(fn) (::ikj::isa_pick(&ikj_generic::fn, &ikj_avx2::fn, &ikj_avx512::fn, &ikj_amx::fn))
+#define IKJ_DISPATCH(fn) (::ikj::isa_pick(&ikj_generic::fn, &ikj_avx2::fn, IKJ_AVXVNNI_FN(fn), &ikj_avx512::fn, &ikj_amx::fn))
 #elif defined(IKJ_HAVE_AVX512) && defined(IKJ_HAVE_AVX2)
-#define IKJ_DISPATCH(fn) (::ikj::isa_pick(&ikj_generic::fn, &ikj_avx2::fn, &ikj_avx512::fn, &ikj_avx512::fn))
+#define IKJ_DISPATCH(fn) (::ikj::isa_pick(&ikj_generic::fn, &ikj_avx2::fn, IKJ_AVXVNNI_FN(fn), &ikj_avx512::fn, &ikj_avx512::fn))
 #else
 #define IKJ_DISPATCH(fn) (&ikj_generic::fn)
 #endif
@@ -54,5 +67,6 @@ F isa_pick(F generic, F avx2, F avx512, F amx) {
 #define IKJ_DECLARE(ret, name, params) \
   namespace ikj_generic { ret name params; } \
   namespace ikj_avx2 { ret name params; } \
+  namespace ikj_avxvnni { ret name params; } \
   namespace ikj_avx512 { ret name params; } \
   namespace ikj_amx { ret name params; }

@@ -275,6 +275,22 @@ static bool cpu_has_amx_bf16() {
 #endif
 }
 
+static bool cpu_has_avx_vnni() {
+#if defined(IKJ_HAVE_AVXVNNI) && defined(__x86_64__) && defined(__GNUC__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
+#else
+  return false;
+#endif
+}
+
+bool avx_vnni_on() {
+  static const bool has = cpu_has_avx_vnni();
+  if (!has) return false;
+  const char* v = std::getenv("IKJAX_AVXVNNI");
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
 bool amx_bf16_on() {
   static const bool has = cpu_has_amx_bf16();
   if (!has) return false;
@@ -359,7 +375,8 @@ std::string isa_report() {
       now == Isa::amx      ? (amx_bf16_on() ? "dtype bf16: int8 decode and prompt products, AMX bf16 tiles (tdpbf16ps) for prompt products of 16+ rows, AVX-512 VNNI (vpdpbusd) below"
                                             : "dtype bf16: int8 decode and prompt products, AMX int8 tiles (tdpbusd) for prompt products of 16+ rows, AVX-512 VNNI (vpdpbusd) below")
       : now == Isa::avx512 ? "dtype bf16: int8 decode and prompt products, AVX-512 VNNI (vpdpbusd)"
-      : now == Isa::avx2   ? "dtype bf16: int8 decode and prompt products, AVX2 (vpmaddubsw/vpmaddwd)"
+      : now == Isa::avx2   ? (avx_vnni_on() ? "dtype bf16: int8 decode and prompt products, AVX2 with AVX-VNNI (vpdpbusd)"
+                                            : "dtype bf16: int8 decode and prompt products, AVX2 (vpmaddubsw/vpmaddwd)")
                            : "no int8 paths (f32)";
   return std::string(isa_name(now)) + " (" + why + "); " + paths;
 }

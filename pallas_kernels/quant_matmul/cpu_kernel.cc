@@ -1257,7 +1257,6 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
   constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
   constexpr bool sgn = type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL;
   constexpr int off = q8_offset(type);
-  const __m256i ones16 = _mm256_set1_epi16(1);
   const int64_t pf = decode_prefetch_bytes();
   const int8_t* xqs[MM];
   const float *xd[MM], *xs[MM];
@@ -1284,7 +1283,7 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
       for (int m = 0; m < MM; ++m) {
         __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs[m] + b * 32));
         if constexpr (sgn) xv = _mm256_sign_epi8(xv, wv);
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), ones16);
+        __m256i p = ikj::dot4_u8s8(_mm256_setzero_si256(), uw, xv);
         if constexpr (off != 0) p = _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + b * 8)));
         acc[m][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[m][b]), acc[m][a]);
         if constexpr (has_min) accm[m] += f16(wb + 2) * xs[m][b];
@@ -1314,7 +1313,6 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
   constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
   constexpr bool sgn = type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL;
   constexpr int off = q8_offset(type);
-  const __m256i ones16 = _mm256_set1_epi16(1);
   const int8_t* xqs = xq.q.data() + kb0 * 32;
   const int32_t* xc = xq.corr.data() + kb0 * 8;
   const float* xd = xq.d.data() + kb0;
@@ -1336,7 +1334,7 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
         const __m256i wv = wblock_avx2<type>(wb);
         __m256i xv = x0, uw = wv;
         if constexpr (sgn) xv = _mm256_sign_epi8(x0, wv), uw = _mm256_sign_epi8(wv, wv);
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), ones16);
+        __m256i p = ikj::dot4_u8s8(_mm256_setzero_si256(), uw, xv);
         if constexpr (off != 0) p = _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + b * 8)));
         acc[r][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sc[r][b % 4]), acc[r][a]);
         if constexpr (has_min) accm[r] += f16(wb + 2) * xs[b];
@@ -2262,7 +2260,11 @@ constexpr bool q8gemm_k256(int type) { return type == ikj::T_IQ4_XS; }
 // x rows per microkernel: 6 for the sign types (their two weight loads a quad, w and |w|, shared by
 // more rows; one thread, M = 32..512: Q8_0 +5-9 %, IQ4_XS +3-8 %, RESULTS §26e), 4 for the nibble
 // types (3-15 % slower with 6)
+#if defined(__AVXVNNI__)
+constexpr int q8gemm_mq(int) { return MQ; }  // AVX-VNNI: two sums a row (micro_q8), 4 rows fit the registers
+#else
 constexpr int q8gemm_mq(int type) { return q8gemm_sign(type) ? 6 : MQ; }
+#endif
 // super-block types of the engine: one scale (and minimum) per block of 32, so a block of a row is a
 // Q4_1 / Q5_1 / IQ4_NL block with dw = d * scale (float), mw = -dmin * min
 constexpr bool q8gemm_kq(int type) { return type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_IQ4_XS; }
@@ -2424,15 +2426,36 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
     __m256i c[mr];
     if constexpr (sgn) {
       for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
+#if defined(__AVXVNNI__)
+      // AVX-VNNI: one vpdpbusd a product (for vpmaddubsw + vpmaddwd + vpaddd), into two sums a row
+      // (even and odd quads, the same integers once added): one sum would wait ~5 cycles (the
+      // instruction's latency) between a row's quads
+      __m256i c2[mr];
+      for (int i = 0; i < mr; ++i) c2[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int q = 0; q < 8; q += 2) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
+        const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q + 32));
+        const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q + 32));
+        for (int i = 0; i < mr; ++i) {
+          const uint8_t* xr = reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q);
+          c[i] = ikj::dot4_u8s8(c[i], u0, _mm256_sign_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(xr))), w0));
+          c2[i] = ikj::dot4_u8s8(c2[i], u1, _mm256_sign_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(xr + 4))), w1));
+        }
+      }
+      for (int i = 0; i < mr; ++i) c[i] = _mm256_add_epi32(c[i], c2[i]);
+#else
 #pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
       for (int q = 0; q < 8; ++q) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
         const __m256i uw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
         for (int i = 0; i < mr; ++i) {
           const __m256i a = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q))));
-          c[i] = _mm256_add_epi32(c[i], _mm256_madd_epi16(_mm256_maddubs_epi16(uw, _mm256_sign_epi8(a, w)), ones));
+          c[i] = ikj::dot4_u8s8(c[i], uw, _mm256_sign_epi8(a, w));
         }
       }
+#endif
     } else {
       for (int h = 0; h < 8 / run16; ++h) {
         __m256i s[mr];
