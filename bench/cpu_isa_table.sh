@@ -22,7 +22,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
 # the columns run (VARIANTS="ik_native jx_amx jx_amxint8": only those, and only the ik builds named);
-# jx_amxint8: the amx level's int8 form (IKJAX_AMX=int8; jx_amx runs its default, bf16 where the CPU has it)
+# jx_amxint8: the amx level's int8 form (IKJAX_AMX=int8; jx_amx runs its default, bf16 where the CPU has it);
+# jx_avx2plain: the avx2 level without its AVX-VNNI build (IKJAX_AVXVNNI=0; jx_avx2 runs it where the CPU has it)
 VARIANTS=${VARIANTS:-"ik_avx2 jx_avx2 ik_native jx_avx512 jx_amx"}
 START=$(date +%s)
 FAKE=${CPUTABLE_FAKE:-0}
@@ -191,6 +192,8 @@ for t in $THREADS; do
                  run_one "$key" "ik-native-$T-t$t" 120 taskset -c "$CPUS" env -C "$OUT" "$IK_NATIVE_BIN" -m "$f" $FLAGS -t "$t" ;;
         jx_amxint8) run_one "$key" "ikjax-amxint8-$T-t$t" 180 env IKJAX_CPU_ISA=amx IKJAX_AMX=int8 taskset -c "$CPUS" \
                    $PY -m ikjax.cli sweep-bench -m "$f" $FLAGS -t "$t" ;;
+        jx_avx2plain) run_one "$key" "ikjax-avx2plain-$T-t$t" 180 env IKJAX_CPU_ISA=avx2 IKJAX_AVXVNNI=0 taskset -c "$CPUS" \
+                   $PY -m ikjax.cli sweep-bench -m "$f" $FLAGS -t "$t" ;;
         jx_*)    lv=${v#jx_}
                  run_one "$key" "ikjax-$lv-$T-t$t" 180 env IKJAX_CPU_ISA=$lv taskset -c "$CPUS" \
                    $PY -m ikjax.cli sweep-bench -m "$f" $FLAGS -t "$t" ;;
@@ -215,13 +218,14 @@ ratio() {  # "$1" / "$2" S_PP ratio (cells "pp / tg")
   echo
   for t in $THREADS; do echo "    ${PIN[$t]:--t $t: not run}"; done
   echo
-  echo "| file, -t | ik AVX2 | ikjax avx2 | avx2 / ik AVX2 | ik native | ikjax avx512 | ikjax amx | avx512 / ik native | amx / ik native | ikjax amx int8 | int8 / ik native |"
-  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+  echo "| file, -t | ik AVX2 | ikjax avx2 | avx2 / ik AVX2 | ik native | ikjax avx512 | ikjax amx | avx512 / ik native | amx / ik native | ikjax amx int8 | int8 / ik native | ikjax avx2, no AVX-VNNI | / ik AVX2 |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   for t in $THREADS; do
     for T in $TYPES; do
       a="${CELL[$T,$t,ik_avx2]:--}"; b="${CELL[$T,$t,jx_avx2]:--}"; c="${CELL[$T,$t,ik_native]:--}"
       d="${CELL[$T,$t,jx_avx512]:--}"; e="${CELL[$T,$t,jx_amx]:--}"; g="${CELL[$T,$t,jx_amxint8]:--}"
-      echo "| $T, -t $t | $a | $b | $(ratio "$b" "$a") | $c | $d | $e | $(ratio "$d" "$c") | $(ratio "$e" "$c") | $g | $(ratio "$g" "$c") |"
+      p="${CELL[$T,$t,jx_avx2plain]:--}"
+      echo "| $T, -t $t | $a | $b | $(ratio "$b" "$a") | $c | $d | $e | $(ratio "$d" "$c") | $(ratio "$e" "$c") | $g | $(ratio "$g" "$c") | $p | $(ratio "$p" "$a") |"
     done
   done
   echo

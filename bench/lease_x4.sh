@@ -150,7 +150,7 @@ case $STAGE in
   # backend started early), then issue 26's CPU table at -t 16 with both ik builds (cpu_isa_table.sh)
   OUT=$OUT/cold VARIANTS=default NO_PROBE=1 timeout 150 bash bench/gpu_coldstart.sh 2>&1 \
     | grep -E "^###|^\||compiled|loaded" | head -16
-  THREADS=16 TYPES="${TYPES19:-Q8_0 Q4_0 Q4_K IQ4_XS}" VARIANTS="${VARIANTS19:-ik_avx2 jx_avx2 ik_native jx_amx jx_amxint8}" \
+  THREADS=16 TYPES="${TYPES19:-Q8_0 Q4_0 Q4_K IQ4_XS}" VARIANTS="${VARIANTS19:-ik_avx2 jx_avx2 jx_avx2plain ik_native jx_amx jx_amxint8}" \
     DEADLINE=${DEADLINE19:-400} JOBS=8 NO_INSTALL=1 IK_DIR=/tmp/ikt OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
     | grep -E "^\||passed|failed|rc=|physical" | head -20
   ;;
