@@ -108,7 +108,7 @@ cat "$OUT/host.txt"
 
 # ---- (b) the kernel tests: in the background on CPUs the runs do not use (the last 8 by number, the
 # siblings / cores farthest from the runs' first ones) where the host has room, else now ------------
-TESTK="amx or isa_report or (test_bf16_compute and (Q8_0 or Q4_0 or Q4_K or IQ4_XS)) or (int8_decode and (Q4_K or Q6_K))"
+TESTK="amx or avx_vnni or isa_report or (test_bf16_compute and (Q8_0 or Q4_0 or Q4_K or IQ4_XS)) or (int8_decode and (Q4_K or Q6_K))"
 MAXT=0; for t in $THREADS; do [ "$t" -gt "$MAXT" ] && MAXT=$t; done
 XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 0"
 run_tests() {
