@@ -32,6 +32,7 @@ Weights = dict[str, Any]
 
 Placer = Callable[[str, np.ndarray], Any]
 
+
 @jax.jit
 def _concat_rows(parts: tuple):
     """One program for the fused matrix (eager `jnp.concatenate` also ran a dtype-conversion program
