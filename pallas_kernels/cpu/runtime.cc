@@ -266,36 +266,39 @@ static const std::string& amx_why() {
 
 const char* amx_unavailable_reason() { return amx_why().c_str(); }
 
-static bool cpu_has_amx_bf16() {
-#if defined(IKJ_HAVE_AMX) && defined(__x86_64__) && defined(__GNUC__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
+// CPUID.(leaf, sub):EAX (reg 0) or EDX (reg 3) bit `bit`
+static bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  unsigned r[4] = {};
+  return __get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3]) && (r[reg] & (1u << bit));
 #else
+  (void)leaf, (void)sub, (void)reg, (void)bit;
   return false;
 #endif
 }
 
-static bool cpu_has_avx_vnni() {
-#if defined(IKJ_HAVE_AVXVNNI) && defined(__x86_64__) && defined(__GNUC__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
-#else
-  return false;
-#endif
+// A feature the CPU has (`has`, asked once by the caller), unless `var` (read per call) is `off`.
+static bool on_unless(bool has, const char* var, const char* off) {
+  const char* v = has ? std::getenv(var) : nullptr;
+  return has && !(v && std::strcmp(v, off) == 0);
 }
 
 bool avx_vnni_on() {
-  static const bool has = cpu_has_avx_vnni();
-  if (!has) return false;
-  const char* v = std::getenv("IKJAX_AVXVNNI");
-  return !(v && std::strcmp(v, "0") == 0);
+#if defined(IKJ_HAVE_AVXVNNI)
+  static const bool has = cpuid_bit(7, 1, 0, 4);  // AVX-VNNI
+#else
+  static const bool has = false;
+#endif
+  return on_unless(has, "IKJAX_AVXVNNI", "0");
 }
 
 bool amx_bf16_on() {
-  static const bool has = cpu_has_amx_bf16();
-  if (!has) return false;
-  const char* form = std::getenv("IKJAX_AMX");
-  return !(form && std::strcmp(form, "int8") == 0);
+#if defined(IKJ_HAVE_AMX)
+  static const bool has = cpuid_bit(7, 0, 3, 22);  // AMX-BF16
+#else
+  static const bool has = false;
+#endif
+  return on_unless(has, "IKJAX_AMX", "int8");
 }
 
 static Isa detected_isa() {

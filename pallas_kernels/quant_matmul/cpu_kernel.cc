@@ -1950,9 +1950,11 @@ inline int64_t x8_dx_offset(int64_t M, int64_t K) { return (M * K + 63) / 64 * 6
 inline int64_t x8_ds_offset(int64_t M, int64_t K) { return x8_dx_offset(M, K) + M * (K / 32) * 4; }
 #if defined(IKJ_HAVE_AMX_BF16)
 // the amx level's bf16 form (cpu_amx.h): after them, 64-byte aligned, x as bf16 rows
-// [bf_rows(M)][bf_ld(K)] (written only while ikj::amx_bf16_on())
+// [bf_rows(M)][bf_ld(K)] (written only where bf16_tiles(M))
 inline int64_t x8_bf_offset(int64_t M, int64_t K) { return (x8_ds_offset(M, K) + M * (K / 32) * 4 + 63) / 64 * 64; }
 inline size_t x8_bytes(int64_t M, int64_t K) { return x8_bf_offset(M, K) + amx::bf_rows(M) * amx::bf_ld(K) * 2; }
+// whether a product of M rows runs on bf16 tiles: the pack writes its bf16 rows, the gemm reads them
+inline bool bf16_tiles(int64_t M) { return M >= amx::kMinRows && ikj::amx_bf16_on(); }
 #else
 inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (K / 32) * 4; }
 #endif
@@ -1961,7 +1963,7 @@ inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (
 void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1, bool /*k256: never here*/ = false) {
   const int64_t nb = K / 32;
 #if defined(IKJ_HAVE_AMX_BF16)
-  if (ikj::amx_bf16_on()) {  // the bf16 rows (vcvtneps2bf16), the padding rows zero with the last rows
+  if (bf16_tiles(M)) {  // the bf16 rows (vcvtneps2bf16), the padding rows zero with the last rows
     uint16_t* xb = reinterpret_cast<uint16_t*>(out + x8_bf_offset(M, K));
     const int64_t ld = amx::bf_ld(K);
     for (int64_t m = r0; m < r1; ++m)
@@ -2168,6 +2170,9 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
   thread_local std::vector<uint8_t> panel;
   thread_local std::vector<float> ctile;
   if (static_cast<int64_t>(panel.size()) < nb * QBLK_MIN) panel.resize(nb * QBLK_MIN);
+#if defined(IKJ_HAVE_AMX_BF16)
+  const bool bf16 = bf16_tiles(M);  // (once a call: it reads the environment)
+#endif
   if (static_cast<int64_t>(ctile.size()) < M * QNR) ctile.resize(M * QNR);
   for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
     const int64_t nr = std::min<int64_t>(QNR, n1 - p0);
@@ -2186,7 +2191,7 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
 #if defined(IKJ_HAVE_AMX_TILES)
     if (M >= amx::kMinRows) {
 #if defined(IKJ_HAVE_AMX_BF16)
-      if (ikj::amx_bf16_on()) {
+      if (bf16) {
         thread_local std::vector<uint16_t> bpanel;
         if (static_cast<int64_t>(bpanel.size()) < nb * amx::kBfBlk) bpanel.resize(nb * amx::kBfBlk);
         amx::panel_to_bf16_hw(panel.data(), nb, has_min, bpanel.data());

@@ -171,17 +171,25 @@ struct AmxEmu {
     if (!shape_ok(t, "tilezero")) return;
     std::memset(st().t[t], 0, sizeof(st().t[t]));
   }
+  // a product's three tiles configured and of agreeing shapes (4 bytes of A a B row: K / 4 rows of B;
+  // C as many rows as A and as many bytes a row as B)
+  static bool product_ok(int c, int a, int b, const char* op) {
+    if (!shape_ok(c, op) || !shape_ok(a, op) || !shape_ok(b, op)) return false;
+    const TileCfg& g = st().cfg;
+    if (g.colsb[a] % 4 || g.colsb[c] % 4 || g.colsb[a] / 4 != g.rows[b] || g.rows[c] != g.rows[a] ||
+        g.colsb[c] != g.colsb[b])
+      return fail(std::string(op) + ": tile shapes disagree (C " + std::to_string(g.rows[c]) + "x" +
+                  std::to_string(g.colsb[c]) + ", A " + std::to_string(g.rows[a]) + "x" + std::to_string(g.colsb[a]) +
+                  ", B " + std::to_string(g.rows[b]) + "x" + std::to_string(g.colsb[b]) + ")"),
+             false;
+    return true;
+  }
   template <int c, int a, int b>
   static void dpbusd() {
     static_assert(c != a && c != b && a != b, "tdpbusd's three tiles must differ (#UD)");
-    if (!shape_ok(c, "tdpbusd") || !shape_ok(a, "tdpbusd") || !shape_ok(b, "tdpbusd")) return;
+    if (!product_ok(c, a, b, "tdpbusd")) return;
     State& s = st();
     const TileCfg& g = s.cfg;
-    if (g.colsb[a] % 4 || g.colsb[c] % 4 || g.colsb[a] / 4 != g.rows[b] || g.rows[c] != g.rows[a] ||
-        g.colsb[c] != g.colsb[b])
-      return fail("tdpbusd: tile shapes disagree (C " + std::to_string(g.rows[c]) + "x" + std::to_string(g.colsb[c]) +
-                  ", A " + std::to_string(g.rows[a]) + "x" + std::to_string(g.colsb[a]) + ", B " +
-                  std::to_string(g.rows[b]) + "x" + std::to_string(g.colsb[b]) + ")");
     for (int m = 0; m < g.rows[c]; ++m)
       for (int n = 0; n < g.colsb[c] / 4; ++n) {
         int32_t acc;
@@ -200,12 +208,9 @@ struct AmxEmu {
   template <int c, int a, int b>
   static void dpbf16ps() {
     static_assert(c != a && c != b && a != b, "tdpbf16ps's three tiles must differ (#UD)");
-    if (!shape_ok(c, "tdpbf16ps") || !shape_ok(a, "tdpbf16ps") || !shape_ok(b, "tdpbf16ps")) return;
+    if (!product_ok(c, a, b, "tdpbf16ps")) return;
     State& s = st();
     const TileCfg& g = s.cfg;
-    if (g.colsb[a] % 4 || g.colsb[c] % 4 || g.colsb[a] / 4 != g.rows[b] || g.rows[c] != g.rows[a] ||
-        g.colsb[c] != g.colsb[b])
-      return fail("tdpbf16ps: tile shapes disagree");
     auto bf = [](const uint8_t* p) {
       uint32_t u = static_cast<uint32_t>(p[0] | (p[1] << 8)) << 16;
       float f;
@@ -555,14 +560,12 @@ void x_to_bf16(const float* x, int64_t M, int64_t K, uint16_t* out) {
 #if defined(IKJ_HAVE_AMX_BF16)
 void panel_to_bf16_hw(const uint8_t* panel, int64_t nb, bool has_min, uint16_t* out) {
   const int64_t qblk = has_min ? kBlkMin : kBlk;
-  alignas(64) int32_t even[16], odd[16], sel[4][16];
-  for (int i = 0; i < 16; ++i) {
-    even[i] = 2 * i, odd[i] = 2 * i + 1;  // (16 + j: element j of the second operand)
-    for (int j = 0; j < 4; ++j) sel[j][i] = 4 * j + i / 4;  // lane i of quarter j: column 4j + i / 4
-  }
-  const __m512i ie = _mm512_load_si512(even), io = _mm512_load_si512(odd);
+  // even / odd dwords of two vectors (16 + j: element j of the second); lane i of quarter j: column 4j + i / 4
+  const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i io = _mm512_add_epi32(ie, _mm512_set1_epi32(1));
+  const __m512i q0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   __m512i is[4];
-  for (int j = 0; j < 4; ++j) is[j] = _mm512_load_si512(sel[j]);
+  for (int j = 0; j < 4; ++j) is[j] = _mm512_add_epi32(q0, _mm512_set1_epi32(4 * j));
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* pb = panel + b * qblk;
     uint16_t* ob = out + b * kBfBlk;

@@ -121,9 +121,6 @@ def _prepare(data, qtype: str, shape: tuple):
     raise ValueError(f"no planar layout for {qtype}")
 
 
-_prepare_jit = jax.jit(_prepare, static_argnums=(1, 2))
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _prepare_many(datas, metas):
     return tuple(_prepare(d, qt, sh) for d, (qt, sh) in zip(datas, metas))
@@ -134,30 +131,30 @@ def packed_shape(qa: QuantArray) -> tuple:
     return tuple(qa.shape) if len(qa.shape) > 1 else (1,) + tuple(qa.shape)
 
 
-def prepare_many(qas: list) -> list:
-    """`prepare` of each QuantArray, all in one compiled program: at load a program per weight cost a
-    compile-cache read (and, on a GPU, its kernels' module load) per distinct shape, ~half of the
-    V2-Lite load's 1.2 s on an H200 (RESULTS §22k); a layer's weights then cost one. The arrays must
-    share their devices (one call per device set)."""
-    for qa in qas:
-        G = GEOMETRY[qa.qtype.name][0] * GEOMETRY[qa.qtype.name][3]
-        if qa.shape[-1] % G:
-            raise ValueError(f"{qa.qtype.name}: row of {qa.shape[-1]} is not a multiple of {G}")
-    metas = tuple((qa.qtype.name, packed_shape(qa)) for qa in qas)
-    outs = _prepare_many(tuple(qa.data for qa in qas), metas)
-    return [PackedWeight(o, qt, sh) for o, (qt, sh) in zip(outs, metas)]
-
-
-def prepare(qa: QuantArray) -> PackedWeight:
-    """QuantArray [..., N, K] -> PackedWeight (lossless; runs on the array's device, once at load)."""
+def _meta(qa: QuantArray) -> tuple:
+    """(type name, packed shape) of a weight the planar layouts take; ValueError otherwise."""
     name = qa.qtype.name
     if name not in GEOMETRY:
         raise ValueError(f"{name}: no Pallas kernel layout (supported: {', '.join(KERNEL_TYPES)})")
     G = GEOMETRY[name][0] * GEOMETRY[name][3]
     if qa.shape[-1] % G:
         raise ValueError(f"{name}: row of {qa.shape[-1]} is not a multiple of {G}")
-    shape = packed_shape(qa)
-    return PackedWeight(_prepare_jit(qa.data, name, shape), name, shape)
+    return name, packed_shape(qa)
+
+
+def prepare_many(qas: list) -> list:
+    """`prepare` of each QuantArray, all in one compiled program: at load a program per weight cost a
+    compile-cache read (and, on a GPU, its kernels' module load) per distinct shape, ~half of the
+    V2-Lite load's 1.2 s on an H200 (RESULTS §22k); a layer's weights then cost one. The arrays must
+    share their devices (one call per device set)."""
+    metas = tuple(_meta(qa) for qa in qas)
+    outs = _prepare_many(tuple(qa.data for qa in qas), metas)
+    return [PackedWeight(o, qt, sh) for o, (qt, sh) in zip(outs, metas)]
+
+
+def prepare(qa: QuantArray) -> PackedWeight:
+    """QuantArray [..., N, K] -> PackedWeight (lossless; runs on the array's device, once at load)."""
+    return prepare_many([qa])[0]
 
 
 # ----------------------------------------------------------------------------------------------
