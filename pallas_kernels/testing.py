@@ -6,8 +6,9 @@ import numpy as np
 from ikjax.quant import QuantArray, by_name
 
 # byte offsets of the f16 scale fields inside one block, for types quantized from random bytes
+# (Q4_1 / Q5_1: d and the minimum m; random bytes there can be an f16 NaN or infinity)
 _F16_FIELDS = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-               "IQ4_NL": [0], "IQ4_XS": [0]}
+               "IQ4_NL": [0], "IQ4_XS": [0], "Q4_1": [0, 2], "Q5_1": [0, 2]}
 _GGUF_QUANTIZE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
