@@ -4,6 +4,10 @@ the seconds spent tracing+lowering (Python, under the GIL) against XLA's compile
 the XLA compiler's own trace events (HLO passes, autotuning, Triton / LLVM / ptxas) summed by name.
 
     python3 bench/gpu_compile_profile.py MODEL.gguf [--ctx 4096 --ubatch 512 --tg 64] [--top 18]
+
+--cprofile: the steps under cProfile instead (no jax.profiler): the Python functions that the
+trace + lower spends its time in, by own time and by cumulative time (cProfile's overhead inflates
+the Python share; the ranking is what it is for).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=64)
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--steps", default="", help="indices of the sweep's steps to profile (default all)")
+    ap.add_argument("--cprofile", action="store_true", help="Python functions under cProfile, not XLA's events")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-prof-"))
     import jax
@@ -55,6 +60,25 @@ def main() -> None:
         logdir = tempfile.mkdtemp(prefix="prof-")
         spent["compile"] = 0.0
         t = time.perf_counter()
+        if a.cprofile:
+            import cProfile
+            import io
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            eng.precompile_decode(1, a.tg, kv) if kind == "loop" else eng.precompile(1, n, kv)
+            prof.disable()
+            total = time.perf_counter() - t
+            print(f"\n### step {i}: {kind} T={n} kv_needed={kv}: {total:.2f} s under cProfile "
+                  f"(XLA compile {spent['compile']:.2f} s of it)")
+            for order in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(a.top)
+                lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+                start = next((k for k, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
+                print(f"  by {order}:")
+                print("\n".join("    " + ln[:160] for ln in lines[start:start + a.top + 1]))
+            continue
         opts = jax.profiler.ProfileOptions()
         opts.python_tracer_level = 0  # Python's own frames would slow the tracing being measured
         with jax.profiler.trace(logdir, create_perfetto_trace=True, profiler_options=opts):
