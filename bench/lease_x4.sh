@@ -163,7 +163,7 @@ case $STAGE in
   cat $V2L > /dev/null
   el "cProfile of the first row's steps"
   IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --cprofile --top ${TOP20:-30} \
-    --steps ${STEPS20:-0,4} 2>&1 | grep -v Warning > "$OUT/cprofile.txt"; head -c 20000 "$OUT/cprofile.txt"
+    --steps ${STEPS20:-0,3} 2>&1 | grep -v Warning > "$OUT/cprofile.txt"; head -c 20000 "$OUT/cprofile.txt"
   SB="-m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 64"
   rm -rf /tmp/cc20; el "cold"
   IKJAX_COMPILE_CACHE=/tmp/cc20 timeout 100 python3 -m ikjax.cli sweep-bench $SB 2>&1 | grep -E "compiled|loaded|sweep took"
