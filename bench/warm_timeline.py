@@ -99,6 +99,14 @@ def main() -> None:
             tot[lab] += b - a + every
         top = ", ".join(f"{lab} {sec:.2f} s" for lab, sec in tot.most_common(6))
         print(f"  most time: {top}", file=out)
+        if name == "MainThread":  # what the short runs add up to, a quarter second at a time
+            win: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+            for t, lab in rows:
+                win[int(t / 0.25)][lab] += 1
+            for w in sorted(win):
+                c, n = win[w], sum(win[w].values())
+                print(f"  [{w * 0.25:5.2f} s] " + ", ".join(f"{lab} {k * 100 // n}%" for lab, k in c.most_common(3)),
+                      file=out)
     sys.exit(rc)
 
 

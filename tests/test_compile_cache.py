@@ -29,7 +29,8 @@ out = eng.logits(list(range(1, 41)))  # two prompt chunks: two step shapes
 np.save(sys.argv[2], out)
 print(json.dumps(dict(compiled=eng.compile_count, from_cache=eng.compile_cache_hits, hits=compile_cache.hits(),
                       writes=compile_cache.writes(), dir=str(compile_cache.directory()),
-                      step_loads=compile_cache.step_loads(), replaced=compile_cache.replaced())))
+                      step_loads=compile_cache.step_loads(), replaced=compile_cache.replaced(),
+                      read_ahead=compile_cache.steps_read_ahead())))
 """
 
 
@@ -75,6 +76,34 @@ def test_second_process_compiles_nothing_and_matches(tiny_model, tmp_path):
     # by default a CPU stores no steps
     default = _run(tiny_model, tmp_path / "d.npy", {"IKJAX_COMPILE_CACHE": str(tmp_path / "xla2")})
     assert default["writes"] >= 2 and not [p for p in _files(tmp_path / "xla2") if p.parent.name == "steps"]
+
+
+def test_warm_run_reads_its_steps_ahead(tiny_model, tmp_path):
+    """A run notes the stored steps it used under its model and options; the next such run reads
+    them on a thread while its weights load (issue 22's warm start) and takes them from there,
+    checked as any stored step: an entry holding another step's executable is not used (the step
+    comes from JAX's cache, the entry is removed), and IKJAX_PREFETCH_STEPS=0 reads nothing ahead."""
+    cache = tmp_path / "xla"
+    env = {"IKJAX_COMPILE_CACHE": str(cache), "IKJAX_STORE_STEPS": "1"}
+    cold = _run(tiny_model, tmp_path / "a.npy", env)
+    assert cold["compiled"] == 2 and cold["read_ahead"] == 0
+    lists = list(cache.rglob("recent/*.txt"))
+    assert len(lists) == 1
+    names = lists[0].read_text().split()
+    steps = {p.name: p for p in _files(cache) if p.parent.name == "steps"}
+    assert sorted(names) == sorted(steps)  # both steps, each once
+    warm = _run(tiny_model, tmp_path / "b.npy", env)
+    assert warm["step_loads"] == 2 and warm["read_ahead"] == 2 and warm["writes"] == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+    off = _run(tiny_model, tmp_path / "c.npy", {**env, "IKJAX_PREFETCH_STEPS": "0"})
+    assert off["step_loads"] == 2 and off["read_ahead"] == 0
+    # another step's executable under this step's name: read ahead, refused by its key, compiled
+    first, second = (steps[n] for n in names)
+    second.write_bytes(first.read_bytes())
+    mixed = _run(tiny_model, tmp_path / "d.npy", env)
+    assert mixed["step_loads"] == 1 and mixed["read_ahead"] == 1 and mixed["from_cache"] == 2
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "d.npy"))
+    assert not second.exists()  # removed, not read again
 
 
 def test_off_writes_nothing(tiny_model, tmp_path):

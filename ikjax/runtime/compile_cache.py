@@ -60,6 +60,7 @@ import os
 import platform
 import threading
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -280,30 +281,42 @@ def _drop(path: Path, why: str) -> None:
         pass
 
 
-def load_step(parts: tuple, signature: tuple | None = None):
+def _read_step(path: Path) -> tuple[str | None, Any]:
+    """(the full key an entry was stored under, its executable) of a stored step's file; (None,
+    None) for an entry that is not a stored step at all. Raises what reading or deserializing it
+    raised."""
+    # a stored step names our C++ kernels by FFI target only: they must be registered with XLA
+    # before it is deserialized (tracing registers them, and a stored step is never traced)
+    from ikjax import ops
+    ops.register_native_targets()
+    import pickle
+    from jax.experimental.serialize_executable import deserialize_and_load
+    entry = pickle.loads(path.read_bytes())
+    if not (isinstance(entry, tuple) and len(entry) == 4 and isinstance(entry[0], str)):
+        return None, None
+    stored_key, payload, in_tree, out_tree = entry
+    return stored_key, deserialize_and_load(payload, in_tree, out_tree)
+
+
+def load_step(parts: tuple, signature: tuple | None = None, *, label: str | None = None):
     """The executable stored under `parts` by `store_step` (counted as a cache hit), or None.
 
     None (a miss, never an error) for anything that cannot serve this call: an unreadable or
     partial entry, one stored under another key (its full key is kept beside it), or one whose
     argument tree and types differ from `signature` ((tree, ((shape, dtype), ...)) of the
-    arguments it will be called with); such an entry is removed."""
+    arguments it will be called with); such an entry is removed. One `prefetch_steps` already
+    read is taken from there, with the same checks. `label`: the run's `recent_label`, under
+    which the step is noted as used (`note_used`)."""
     key = _step_key(parts)
     path = _step_path(key)
     if path is None or not path.is_file():
         return None
-    # a stored step names our C++ kernels by FFI target only: they must be registered with XLA
-    # before it is deserialized (tracing registers them, and a stored step is never traced)
-    from ikjax import ops
-    ops.register_native_targets()
     try:
-        import pickle
-        from jax.experimental.serialize_executable import deserialize_and_load
-        entry = pickle.loads(path.read_bytes())
-        if not (isinstance(entry, tuple) and len(entry) == 4 and entry[0] == key):
+        ahead = _take_prefetched(path)
+        stored_key, exe = ahead if ahead is not None else _read_step(path)
+        if stored_key != key:
             _drop(path, "stored for other arguments or by another version")
             return None
-        _, payload, in_tree, out_tree = entry
-        exe = deserialize_and_load(payload, in_tree, out_tree)
     except Exception as e:  # noqa: BLE001 - a stale or partial entry: compile as if absent
         _drop(path, f"unreadable: {type(e).__name__}: {e}")
         return None
@@ -312,7 +325,109 @@ def load_step(parts: tuple, signature: tuple | None = None):
         return None
     _count(HIT_EVENT)
     _count(STEP_LOAD)
+    if ahead is not None:
+        _count(STEP_PREFETCHED)
+    note_used(label, path)
     return exe
+
+
+# -- stored steps read ahead: a warm run's steps deserialized while its weights load ---------------
+#
+# Why: a stored step is looked up by a key made of the whole argument tree, which a run knows only
+# once the weights' shapes are in (the first layer of each group loaded), and its deserialization
+# then took 1.1-1.3 s on an H200 (the decode loop's executable: ~130 kernel modules), in line
+# before the first row (RESULTS §22n: a warm V2-Lite sweep-bench's main thread waited 0.85 s for
+# the shapes, then 1.26 s for the steps). So each run notes which stored steps it used under a
+# label of the model file and the run options (`recent_label`: no tracing, known before the
+# load), and the next run with that label starts reading those entries on a thread before its load
+# begins. Nothing is trusted for being read ahead: `load_step` checks the full key stored in the
+# entry and the executable's argument types exactly as for an entry it reads itself; an entry
+# read ahead that no step asks for is only work lost.
+
+STEP_PREFETCHED = "ikjax/stored_steps_read_ahead"  # of STEP_LOAD: loads taken from prefetch_steps
+_counts[STEP_PREFETCHED] = 0
+_RECENT_KEEP = 6          # step names a label's list keeps (most recently used first)
+_prefetch_lock = threading.Lock()
+_prefetched: dict[Path, Any] = {}  # entry path -> Future of _read_step(path)
+_used: dict[str, list[str]] = {}   # label -> entry names this process used, in order
+
+
+def recent_label(model_path: str, options: Any) -> str:
+    """A run's label for its list of used steps: the model file (path, size, modification time)
+    and the run options; the same command on the same file finds the list of its last run."""
+    try:
+        st = os.stat(model_path)
+        ident = (os.path.realpath(model_path), st.st_size, st.st_mtime_ns)
+    except OSError:
+        ident = (model_path,)
+    return hashlib.sha256(repr((ident, repr(options))).encode()).hexdigest()[:32]
+
+
+def _recent_path(label: str) -> Path | None:
+    d = directory()
+    return None if d is None else d / "recent" / f"{label}.txt"
+
+
+def note_used(label: str | None, path: Path | None) -> None:
+    """Put a stored step's entry at the front of `label`'s list (written whole each time: a list
+    a crash cut short is only a shorter list)."""
+    if label is None or path is None:
+        return
+    rp = _recent_path(label)
+    if rp is None:
+        return
+    with _prefetch_lock:
+        mine = _used.setdefault(label, [])
+        if path.name in mine:
+            return
+        mine.append(path.name)
+        try:
+            old = [n for n in rp.read_text().split() if n not in mine] if rp.is_file() else []
+        except OSError:
+            old = []
+        names = (mine + old)[:_RECENT_KEEP]
+        try:
+            from ikjax.atomic_file import atomic_write
+            data = "\n".join(names) + "\n"
+            rp.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with atomic_write(rp, len(data), "list of recent steps") as tmp:
+                tmp.write_text(data)
+        except Exception as e:  # noqa: BLE001 - a list not written costs the next run its head start
+            log.info("compilation cache: list of recent steps not written (%s)", e)
+
+
+def prefetch_steps(label: str) -> int:
+    """Start reading, on a thread, the stored steps `label`'s last runs used (at most
+    `_RECENT_KEEP`, most recent first); the number of entries started. IKJAX_PREFETCH_STEPS=0:
+    none."""
+    if env.choice("IKJAX_PREFETCH_STEPS") == "0":
+        return 0
+    rp = _recent_path(label)
+    if rp is None or not rp.is_file():
+        return 0
+    try:
+        names = rp.read_text().split()[:_RECENT_KEEP]
+    except OSError:
+        return 0
+    paths = [rp.parent.parent / "steps" / n for n in names if n.endswith(".pkl") and "/" not in n]
+    paths = [p for p in paths if p.is_file()]
+    if not paths:
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(min(2, len(paths)), thread_name_prefix="ikjax-step-prefetch")
+    with _prefetch_lock:
+        for p in paths:
+            if p not in _prefetched:
+                _prefetched[p] = pool.submit(_read_step, p)
+    pool.shutdown(wait=False)
+    return len(paths)
+
+
+def _take_prefetched(path: Path):
+    """The (key, executable) read ahead for `path` (waiting for it if under way), or None."""
+    with _prefetch_lock:
+        fut = _prefetched.pop(path, None)
+    return None if fut is None else fut.result()
 
 
 def executable_signature(exe) -> tuple:
@@ -329,9 +444,10 @@ def drop_step(parts: tuple, why: str) -> None:
         _drop(path, why)
 
 
-def store_step(parts: tuple, exe) -> None:
+def store_step(parts: tuple, exe, *, label: str | None = None) -> None:
     """Keep a compiled step for `load_step` (best effort: a step that cannot be serialized, or a
-    full disk, only costs the next run its tracing). An entry already there is replaced."""
+    full disk, only costs the next run its tracing). An entry already there is replaced; `label`
+    as for `load_step`."""
     key = _step_key(parts)
     path = _step_path(key)
     if path is None:
@@ -346,6 +462,8 @@ def store_step(parts: tuple, exe) -> None:
             tmp.write_bytes(data)
     except Exception as e:  # noqa: BLE001
         log.info("compilation cache: step not stored (%s)", e)
+        return
+    note_used(label, path)
 
 
 def hits() -> int:
@@ -363,6 +481,11 @@ def thread_counts() -> tuple[int, int]:
 def step_loads() -> int:
     """Steps this process loaded whole from `steps/` (no tracing); a part of `hits()`."""
     return _counts[STEP_LOAD]
+
+
+def steps_read_ahead() -> int:
+    """Of `step_loads()`, the steps taken from `prefetch_steps`'s reads."""
+    return _counts[STEP_PREFETCHED]
 
 
 def replaced() -> int:

@@ -124,6 +124,9 @@ class Engine:
         self._weights = None
         self._loading: BackgroundLoad | None = None
         self._load_lock = threading.Lock()
+        # the stored steps this model and these options used last time, read while the weights
+        # load (compile_cache.prefetch_steps: issue 22's warm start)
+        self._recent = self._prefetch_steps()
         self._load_start = (time.perf_counter(), before)
         if self._overlaps_load():
             # the bytes stream in on a thread of their own; steps compile meanwhile from `_shapes`
@@ -140,7 +143,22 @@ class Engine:
         if o.expert_stats and cfg.n_expert:
             self._expert_counts = moe.ExpertCounts(cfg.n_expert, min(cfg.n_dense_lead, cfg.n_layer))
         self._steps = Executables(self.executor, config=cfg, options=self.options, layout=self.cache_layout,
-                                  source=self.file.path, memory=memory)
+                                  source=self.file.path, memory=memory, recent=self._recent)
+
+    def _prefetch_steps(self) -> str | None:
+        """This run's label for its stored steps (compile_cache.recent_label), with the ones its
+        last run used started reading; None where steps are not stored whole (as
+        Executables._stored_step decides: several devices, a CPU unless IKJAX_STORE_STEPS=1)."""
+        store = env.choice("IKJAX_STORE_STEPS")
+        if not self.executor.stores_steps or store == "0" or store == "auto" and self.executor.on_cpu_only:
+            return None
+        if compile_cache.setup() is None:
+            return None
+        label = compile_cache.recent_label(self.file.path, self.options)
+        n = compile_cache.prefetch_steps(label)
+        if n:
+            log.info("compilation cache: reading %d stored step(s) of the last run ahead", n)
+        return label
 
     # -- the weights (loaded here, or in a thread while steps compile: IKJAX_LOAD_OVERLAP) -------
 

@@ -121,7 +121,8 @@ def _describe(a) -> tuple:
 # new knob: by default) may change what a step traces, and its value is part of a stored step's key.
 _NOT_IN_STEPS = frozenset({"IKJAX_COMPILE_CACHE", "IKJAX_CACHE", "IKJAX_DEBUG", "IKJAX_FIXTURES", "IKJAX_STORE_STEPS",
                            "IKJAX_DECODE_LOOP", "IKJAX_CPU_ISA", "IKJAX_SPIN", "IKJAX_SERVE_TRACE", "IKJAX_SERVE_BURST_MS", "IKJAX_SERVE_SOLO",
-                           "IKJAX_LOAD_OVERLAP", "IKJAX_EARLY_BACKEND", "IKJAX_AMX", "IKJAX_AVXVNNI"})
+                           "IKJAX_LOAD_OVERLAP", "IKJAX_EARLY_BACKEND", "IKJAX_AMX", "IKJAX_AVXVNNI",
+                           "IKJAX_PREFETCH_STEPS"})
 
 
 _IN_STEPS = tuple(sorted(name for name in env.VARIABLES if name not in _NOT_IN_STEPS))
@@ -174,8 +175,9 @@ class Executables:
     cache layout of batch B; `source` names the model in a refusal."""
 
     def __init__(self, executor, *, config: ModelConfig, options: RunOptions,
-                 layout: Callable[[int], Any], source: str, memory: MemoryPlan):
+                 layout: Callable[[int], Any], source: str, memory: MemoryPlan, recent: str | None = None):
         self.executor = executor
+        self.recent = recent  # compile_cache.recent_label of this run: the steps it uses are noted there
         self.config, self.options, self.layout, self.source = config, options, layout, source
         self.memory = memory
         self.table: dict[tuple, Any] = {}
@@ -223,7 +225,7 @@ class Executables:
         before = process_memory()
         stored = self._stored_step(weights, key)
         # compiled by an earlier run: no tracing, no lowering; one made for other arguments is a miss
-        exe = compile_cache.load_step(*stored) if stored else None
+        exe = compile_cache.load_step(*stored, label=self.recent) if stored else None
         loaded = exe is not None
         if not loaded:
             exe = self.executor.compile(weights, self.layout(B), B, T, plan, decode)
@@ -231,7 +233,7 @@ class Executables:
             # only an executable compiled here: one JAX itself loaded from its cache does not
             # serialize again whole on XLA:CPU (a run of such an entry failed: "Function
             # wrapped_iota not found")
-            compile_cache.store_step(stored[0], exe)
+            compile_cache.store_step(stored[0], exe, label=self.recent)
         with self._lock:  # steps compiling side by side (compile_in_parallel) share this bookkeeping
             exe = self._account(key, exe, counts0, before)
             if loaded:  # checked against its first call's arguments (StoredStep)
@@ -318,7 +320,7 @@ class Executables:
         compile_cache.drop_step(parts, "did not fit its call")
         before = process_memory()
         exe = self.executor.compile(weights, self.layout(B), B, T, plan, decode)
-        compile_cache.store_step(parts, exe)
+        compile_cache.store_step(parts, exe, label=self.recent)
         with self._lock:
             self.memory = charge_compile(self.memory, before, process_memory(), exe,
                                          f"the step of batch {B} x {T} tokens, kv_len {plan.kv_len}")
