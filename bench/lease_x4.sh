@@ -54,6 +54,8 @@
 #   STAGE=20: issue 22's diagnosis: each first-row step's trace + lower under cProfile
 #            (gpu_compile_profile.py --cprofile), then a cold sweep-bench and warm ones, one under
 #            bench/warm_timeline.py (every thread's stack sampled from the start).
+#   STAGE=21: STAGE=20 without the cProfile (SKIP_CPROFILE=1), then STAGE=19's CPU table
+#            (VARIANTS19, default here: the avx2 columns only).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -157,25 +159,33 @@ case $STAGE in
     DEADLINE=${DEADLINE19:-400} JOBS=8 NO_INSTALL=1 IK_DIR=/tmp/ikt OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
     | grep -E "^\||passed|failed|rc=|physical" | head -20
   ;;
-20)
+20|21)
   V2L=/tmp/v2l-Q4_0.gguf
   [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
   cat $V2L > /dev/null
-  el "cProfile of the first row's steps"
-  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --cprofile --top ${TOP20:-30} \
-    --steps ${STEPS20:-0,3} 2>&1 | grep -v Warning > "$OUT/cprofile.txt"; head -c 20000 "$OUT/cprofile.txt"
+  if [ $STAGE = 20 ]; then
+    el "cProfile of the first row's steps"
+    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --cprofile --top ${TOP20:-30} \
+      --steps ${STEPS20:-0,3} 2>&1 | grep -v Warning > "$OUT/cprofile.txt"; head -c 20000 "$OUT/cprofile.txt"
+  fi
   SB="-m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 64"
   rm -rf /tmp/cc20; el "cold"
   IKJAX_COMPILE_CACHE=/tmp/cc20 timeout 100 python3 -m ikjax.cli sweep-bench $SB 2>&1 | grep -E "compiled|loaded|sweep took"
-  for r in 1 2; do
+  for r in 1 noprefetch 2 noprefetch; do  # noprefetch: the stored steps not read ahead (IKJAX_PREFETCH_STEPS=0)
     t0=$(date +%s.%N)
-    IKJAX_COMPILE_CACHE=/tmp/cc20 python3 -m ikjax.cli sweep-bench $SB 2>&1 | grep -E "compiled|loaded|sweep took" | tr '\n' ' '
+    IKJAX_PREFETCH_STEPS=$([ $r = noprefetch ] && echo 0 || echo 1) IKJAX_COMPILE_CACHE=/tmp/cc20 \
+      python3 -m ikjax.cli sweep-bench $SB 2>&1 | grep -E "compiled|loaded|sweep took" | tr '\n' ' '
     echo " warm $r: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s command to end"
   done
   t0=$(date +%s.%N)
   IKJAX_COMPILE_CACHE=/tmp/cc20 python3 bench/warm_timeline.py --min-ms 30 -- sweep-bench $SB > /dev/null 2> "$OUT/timeline.txt"
   echo "warm under the sampler: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; python -c pass: $( { /usr/bin/time -f %e python3 -c pass; } 2>&1 )"
-  grep -v "^|" "$OUT/timeline.txt" | grep -v Warn | head -150
+  grep -v "^|" "$OUT/timeline.txt" | grep -v Warn | head -${TL_LINES:-150}
+  if [ $STAGE = 21 ]; then
+    THREADS=16 TYPES="${TYPES19:-Q8_0 Q4_0 Q4_K IQ4_XS}" VARIANTS="${VARIANTS19:-ik_avx2 jx_avx2 jx_avx2plain}" \
+      DEADLINE=${DEADLINE19:-400} JOBS=12 NO_INSTALL=1 IK_DIR=/tmp/ikt OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
+      | grep -E "^\||passed|failed|rc=|physical" | head -20
+  fi
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40

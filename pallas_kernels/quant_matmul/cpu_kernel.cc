@@ -2462,6 +2462,26 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
       }
 #endif
     } else {
+#if defined(__AVXVNNI__)
+      // AVX-VNNI: one vpdpbusd a product (unsigned codes x signed x, four bytes into each int32:
+      // the i16 runs and their vpmaddwd by ones gone), two sums a row as in the sign types'
+      // path; the same integers as the AVX2 form below
+      __m256i c2[mr];
+      for (int i = 0; i < mr; ++i) c[i] = c2[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int q = 0; q < 8; q += 2) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q + 32));
+        for (int i = 0; i < mr; ++i) {
+          const uint8_t* xr = reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q);
+          c[i] = ikj::dot4_u8s8(c[i], w0, _mm256_set1_epi32(static_cast<int>(load_u32(xr))));
+          c2[i] = ikj::dot4_u8s8(c2[i], w1, _mm256_set1_epi32(static_cast<int>(load_u32(xr + 4))));
+        }
+      }
+      for (int i = 0; i < mr; ++i) c[i] = _mm256_add_epi32(c[i], c2[i]);
+      (void)run16;
+      (void)ones;
+#else
       for (int h = 0; h < 8 / run16; ++h) {
         __m256i s[mr];
         for (int i = 0; i < mr; ++i) s[i] = _mm256_setzero_si256();
@@ -2478,6 +2498,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
           c[i] = h == 0 ? p : _mm256_add_epi32(c[i], p);
         }
       }
+#endif
     }
     const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(pb + (sgn ? 512 : 256)));
     for (int i = 0; i < mr; ++i)
