@@ -171,17 +171,24 @@ case $STAGE in
   SB="-m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 64"
   rm -rf /tmp/cc20; el "cold"
   IKJAX_COMPILE_CACHE=/tmp/cc20 timeout 100 python3 -m ikjax.cli sweep-bench $SB 2>&1 | grep -E "compiled|loaded|sweep took"
-  for r in 1 noprefetch 2 noprefetch; do  # noprefetch: the stored steps not read ahead (IKJAX_PREFETCH_STEPS=0)
+  # default: steps read ahead and the load's programs kept whole; noprefetch: IKJAX_PREFETCH_STEPS=0;
+  # noprograms: IKJAX_STORE_PROGRAMS=0 (the load's programs traced each run); neither: both off
+  for r in ${WARM21:-default noprefetch noprograms neither default noprefetch noprograms neither}; do
+    case $r in
+      default) wenv="" ;; noprefetch) wenv="IKJAX_PREFETCH_STEPS=0" ;; noprograms) wenv="IKJAX_STORE_PROGRAMS=0" ;;
+      neither) wenv="IKJAX_PREFETCH_STEPS=0 IKJAX_STORE_PROGRAMS=0" ;;
+    esac
     t0=$(date +%s.%N)
-    IKJAX_PREFETCH_STEPS=$([ $r = noprefetch ] && echo 0 || echo 1) IKJAX_COMPILE_CACHE=/tmp/cc20 \
-      python3 -m ikjax.cli sweep-bench $SB 2>&1 | grep -E "compiled|loaded|sweep took" | tr '\n' ' '
-    echo " warm $r: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s command to end"
+    env $wenv IKJAX_COMPILE_CACHE=/tmp/cc20 python3 -m ikjax.cli sweep-bench $SB > /tmp/w21.out 2> /tmp/w21.err
+    t1=$(python3 -c "import time; print(f'{time.time() - $t0:.2f}')")
+    echo "warm $r: $t1 s command to end; $(grep -E "compiled|loaded" /tmp/w21.err | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+    grep "^|" /tmp/w21.out | sed -n 3,4p
   done
   t0=$(date +%s.%N)
   IKJAX_COMPILE_CACHE=/tmp/cc20 python3 bench/warm_timeline.py --min-ms 30 -- sweep-bench $SB > /dev/null 2> "$OUT/timeline.txt"
   echo "warm under the sampler: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; python -c pass: $( { /usr/bin/time -f %e python3 -c pass; } 2>&1 )"
   grep -v "^|" "$OUT/timeline.txt" | grep -v Warn | head -${TL_LINES:-150}
-  if [ $STAGE = 21 ]; then
+  if [ $STAGE = 21 ] && [ -z "${NO_TABLE:-}" ]; then
     THREADS=16 TYPES="${TYPES19:-Q8_0 Q4_0 Q4_K IQ4_XS}" VARIANTS="${VARIANTS19:-ik_avx2 jx_avx2 jx_avx2plain}" \
       DEADLINE=${DEADLINE19:-400} JOBS=12 NO_INSTALL=1 IK_DIR=/tmp/ikt OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
       | grep -E "^\||passed|failed|rc=|physical" | head -20

@@ -206,3 +206,85 @@ def test_damaged_jax_entries_are_replaced(tiny_model, tmp_path):
     assert again["replaced"] == 0 and again["writes"] == 0 and again["from_cache"] == 2
     assert err[0].strip() == "", err[0]
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "c.npy"))
+
+
+PROGRAMS = """
+import functools, json, sys
+import jax, jax.numpy as jnp, numpy as np
+from ikjax import programs
+from ikjax.runtime import compile_cache
+compile_cache.setup()
+
+@functools.partial(jax.jit, static_argnums=1)
+def scale(x, k):
+    return x * k + 1
+
+@functools.partial(jax.jit, donate_argnums=0)
+def put(stack, row, j):
+    return jax.lax.dynamic_update_index_in_dim(stack, row, j, 0)
+
+x = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
+a = programs.run("scale", scale, (x,), (3.0,))
+b = programs.run("scale", scale, (x + 1,), (3.0,))
+st = jnp.zeros((4, 3), jnp.float32)
+for j in range(4):
+    st = programs.run("put", put, (st, x[0] + j, np.int32(j)))
+print(json.dumps(dict(a=np.asarray(a).tolist(), b=np.asarray(b).tolist(), st=np.asarray(st).tolist(),
+                      loads=compile_cache.program_loads())))
+"""
+
+
+def _programs(env: dict) -> dict:
+    res = subprocess.run([sys.executable, "-c", PROGRAMS], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_load_programs_kept_whole(tmp_path):
+    """The load's small programs (ikjax.programs: repacks, stacks) are kept whole beside the
+    stored steps and read back by the next process without tracing, with the same answers; a
+    damaged entry, or one holding another program, is a miss (compiled, or from JAX's own cache)
+    and is removed; by default a CPU keeps none (its loads run none of them); with the cache off
+    they are plain calls."""
+    want = dict(a=[[1.0, 4.0, 7.0], [10.0, 13.0, 16.0]], b=[[4.0, 7.0, 10.0], [13.0, 16.0, 19.0]],
+                st=[[0.0, 1.0, 2.0], [1.0, 2.0, 3.0], [2.0, 3.0, 4.0], [3.0, 4.0, 5.0]])
+    cache = tmp_path / "xla"
+    env = {"IKJAX_COMPILE_CACHE": str(cache), "IKJAX_STORE_STEPS": "1"}
+    cold = _programs(env)
+    assert {k: cold[k] for k in want} == want and cold["loads"] == 0
+    stored = sorted(p for p in _files(cache) if p.parent.name == "programs")
+    assert len(stored) == 2  # one a program, whatever the calls of it in a process
+    warm = _programs(env)
+    assert {k: warm[k] for k in want} == want and warm["loads"] == 2
+    stored[1].write_bytes(stored[0].read_bytes())  # another program's executable under this one's name
+    swapped = _programs(env)
+    assert {k: swapped[k] for k in want} == want and swapped["loads"] == 1
+    assert stored[0].exists() and not stored[1].exists()  # refused and removed, the good one kept
+    stored[0].write_bytes(b"not a pickle")
+    damaged = _programs(env)
+    assert {k: damaged[k] for k in want} == want and damaged["loads"] == 0
+    assert not stored[0].exists()  # removed, not read again (JAX's own cache answered the compile)
+    default = _programs({"IKJAX_COMPILE_CACHE": str(tmp_path / "xla2"), "IKJAX_STORE_STEPS": "auto"})
+    assert {k: default[k] for k in want} == want and default["loads"] == 0
+    assert not [p for p in _files(tmp_path / "xla2") if p.parent.name == "programs"]
+    off = _programs({"IKJAX_COMPILE_CACHE": "0", "IKJAX_STORE_STEPS": "1"})
+    assert {k: off[k] for k in want} == want and off["loads"] == 0
+
+
+def test_repacks_of_a_load_kept_whole(tiny_model, tmp_path):
+    """A load that repacks for the Pallas kernels (interpret mode here: the GPU's load) reads its
+    repack programs whole in the next process, with the same logits."""
+    env = {"IKJAX_COMPILE_CACHE": str(tmp_path / "xla"), "IKJAX_STORE_STEPS": "1", "IKJAX_KERNELS": "interpret"}
+    code = RUN.replace("step_loads=compile_cache.step_loads()",
+                       "step_loads=compile_cache.step_loads(), program_loads=compile_cache.program_loads()")
+    outs = []
+    for name in ("a", "b"):
+        res = subprocess.run([sys.executable, "-c", code, tiny_model, str(tmp_path / f"{name}.npy")],
+                             env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        outs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    stored = [p for p in _files(tmp_path / "xla") if p.parent.name == "programs"]
+    assert stored and outs[0]["program_loads"] == 0
+    assert outs[1]["program_loads"] == len(stored)
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ikjax import env, ops
+from ikjax import env, ops, programs
 from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
@@ -51,7 +51,8 @@ def fuse_rows(layer: dict) -> dict:
         if any(p.qtype != qt or p.ndim != 2 or p.shape[-1] != cols or p.shape[0] % qt.interleave for p in parts):
             continue
         rows = sum(p.shape[0] for p in parts)
-        layer[fused] = QuantArray(_concat_rows(tuple(p.data for p in parts)), qt, (rows, cols))
+        layer[fused] = QuantArray(programs.run("concat_rows", _concat_rows, (tuple(p.data for p in parts),)), qt,
+                                  (rows, cols))
         for k in keys:
             del layer[k]
     return layer
@@ -200,7 +201,7 @@ class _Stacks:
             else:
                 dev_leaves.append(a)
         if dev_leaves:
-            self.dev = list(_put_layer(tuple(self.dev), tuple(dev_leaves), np.int32(j)))
+            self.dev = list(programs.run("put_layer", _put_layer, (tuple(self.dev), tuple(dev_leaves), np.int32(j))))
 
     def shapes(self) -> list:
         """The stacks as ShapeDtypeStructs (shape, dtype, sharding), as `done` will give them."""
@@ -230,9 +231,11 @@ class _Stacks:
 
 
 def _zeros(specs: tuple):
-    """Zeroed arrays of (shape, dtype, sharding) each, in one program."""
-    return jax.jit(lambda: tuple(jnp.zeros(sh, dt) for sh, dt, _ in specs),
-                   out_shardings=tuple(s for _, _, s in specs))()
+    """Zeroed arrays of (shape, dtype, sharding) each, in one program (`specs` its static argument,
+    which names it in ikjax.programs' store)."""
+    zeros = jax.jit(lambda _specs: tuple(jnp.zeros(sh, dt) for sh, dt, _ in _specs), static_argnums=0,
+                    out_shardings=tuple(s for _, _, s in specs))
+    return programs.run("zeros", zeros, (), (specs,))
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -12,6 +12,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from ikjax import programs
 from ikjax.ops import registry
 from ikjax.quant.array import LayerSlice, QuantArray
 from pallas_kernels.quant_matmul import cpu as _qm_cpu
@@ -47,7 +48,7 @@ def prepare_weights(tensors: dict, keys) -> dict:
             groups.setdefault(frozenset(devs.device_set) if devs is not None else None, []).append(k)
     out = dict(tensors)
     for ks in groups.values():
-        for k, pw in zip(ks, _qm_packing.prepare_many([tensors[k] for k in ks])):
+        for k, pw in zip(ks, _qm_packing.prepare_many([tensors[k] for k in ks], run=programs.runner("repack"))):
             out[k] = pw
     return out
 

@@ -41,6 +41,10 @@ there and the call made with it (executables.StoredStep): never a failed run. On
 compiled in this process are stored (one JAX loaded from its own cache does not serialize again
 whole on XLA:CPU), and on a CPU only with IKJAX_STORE_STEPS=1 (ikjax.runtime.executables).
 
+The load's small programs (the kernels' repacks, a group's stacks: ikjax.programs) are kept whole
+the same way under `programs/`, keyed by their name, arguments and static arguments (`run_program`,
+the runner `setup` installs): a warm load then traces none of them (IKJAX_STORE_PROGRAMS=0: never).
+
 Damaged entries of JAX's own cache (random bytes, truncated, empty): JAX warns on each read and
 never rewrites the file, so `setup` guards its reads (`_guard_reads`): in our directory such an
 entry is deleted and read as absent, JAX compiles and writes it afresh, one line notes it.
@@ -63,8 +67,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
-from ikjax import env
+from ikjax import env, programs
 from ikjax.errors import OptionError
 from ikjax.version import __version__
 
@@ -144,6 +149,7 @@ def setup(spec: str | None = None) -> Path | None:
     root = resolve(spec)
     from jax.experimental.compilation_cache import compilation_cache as cc
     if root is None:
+        programs.install(None)
         jax.config.update("jax_enable_compilation_cache", False)
         cc.reset_cache()
         _configured = (spec, None, False)
@@ -158,6 +164,7 @@ def setup(spec: str | None = None) -> Path | None:
         what = "--compile-cache" if spec is not None else (ENV if env.raw(ENV) else "the compilation cache")
         raise OptionError(f"{what}: cannot use {d} ({e.strerror or e}); give another directory "
                           f"({ENV}=DIR) or turn it off ({ENV}=0)") from None
+    programs.install(run_program)  # the load's small programs kept whole too (ikjax.programs)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(d))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -450,20 +457,24 @@ def store_step(parts: tuple, exe, *, label: str | None = None) -> None:
     as for `load_step`."""
     key = _step_key(parts)
     path = _step_path(key)
-    if path is None:
-        return
+    if path is not None and _store(path, key, exe, "step"):
+        note_used(label, path)
+
+
+def _store(path: Path, key: str, exe, what: str) -> bool:
+    """Write `exe` whole under `path` with its full key (whole or not at all); best effort."""
     try:
         import pickle
         from jax.experimental.serialize_executable import serialize
         from ikjax.atomic_file import atomic_write
         data = pickle.dumps((key, *serialize(exe)))
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with atomic_write(path, len(data), "compiled step") as tmp:  # whole or not at all
+        with atomic_write(path, len(data), f"compiled {what}") as tmp:
             tmp.write_bytes(data)
+        return True
     except Exception as e:  # noqa: BLE001
-        log.info("compilation cache: step not stored (%s)", e)
-        return
-    note_used(label, path)
+        log.info("compilation cache: %s not stored (%s)", what, e)
+        return False
 
 
 def hits() -> int:
@@ -481,6 +492,100 @@ def thread_counts() -> tuple[int, int]:
 def step_loads() -> int:
     """Steps this process loaded whole from `steps/` (no tracing); a part of `hits()`."""
     return _counts[STEP_LOAD]
+
+
+# -- the load's small programs kept whole (ikjax.programs: the runner installed by `setup`) ---------
+
+PROGRAM_LOAD = "ikjax/stored_program_loads"  # ours: load programs read whole from programs/
+_counts[PROGRAM_LOAD] = 0
+_programs: dict[str, Any] = {}  # full key -> executable, this process (a layer's program, once a run)
+_programs_lock = threading.Lock()
+
+
+def _leaf_description(a) -> tuple:
+    if isinstance(a, jax.Array):
+        return (tuple(a.shape), str(a.dtype), repr(a.sharding), getattr(a.sharding, "memory_kind", None))
+    return (tuple(np.shape(a)), str(np.asarray(a).dtype), "host")
+
+
+def _avals(leaves: list) -> tuple:
+    """((shape, dtype), ...) of a call's arguments, as `executable_signature` gives them."""
+    return tuple((tuple(np.shape(a)), str(a.dtype if isinstance(a, jax.Array) else np.asarray(a).dtype)) for a in leaves)
+
+
+def _stores_programs() -> bool:
+    """As steps (IKJAX_STORE_STEPS): 1 always, 0 never, auto on accelerators (on a CPU a load
+    runs none of these programs: its stacks are the file's bytes, and no kernel reads a repack);
+    IKJAX_STORE_PROGRAMS=0: never."""
+    if env.choice("IKJAX_STORE_PROGRAMS") == "0":
+        return False
+    store = env.choice("IKJAX_STORE_STEPS")
+    return store == "1" or store == "auto" and jax.default_backend() != "cpu"
+
+
+def run_program(name: str, jitted, args: tuple, static: tuple):
+    """ikjax.programs' runner: `jitted(*args, *static)` through an executable kept whole under
+    `programs/` of the cache directory, keyed (like a stored step, with no tracing) by the
+    program's name, its arguments' tree, shapes, dtypes and shardings, its static arguments, and
+    the sources, versions, XLA_FLAGS and devices (`_step_key`). A stored program is checked as a
+    stored step is (its full key, its argument types) and a call it refuses runs the jitted
+    function; an unreadable or stale entry is a miss, removed and replaced."""
+    if directory() is None or not _stores_programs():
+        return jitted(*args, *static)
+    leaves, tree = jax.tree.flatten((args, {}))
+    parts = ("program", name, str(tree), tuple(_leaf_description(a) for a in leaves), repr(static))
+    key = _step_key(parts)
+    with _programs_lock:
+        exe = _programs.get(key)
+    if exe is None:
+        exe = _program(key, jitted, args, static, (tree, _avals(leaves)))
+        with _programs_lock:
+            _programs[key] = exe
+    try:
+        return exe(*args)
+    except (TypeError, ValueError):
+        if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
+            raise  # it ran far enough to consume a donated argument: not a refusal at the door
+        with _programs_lock:
+            _programs.pop(key, None)
+        path = _program_path(key)
+        if path is not None and path.is_file():
+            _drop(path, "did not fit its call")
+        return jitted(*args, *static)
+
+
+def _program_path(key: str) -> Path | None:
+    d = directory()
+    return None if d is None else d / "programs" / (hashlib.sha256(key.encode()).hexdigest() + ".pkl")
+
+
+def _program(key: str, jitted, args: tuple, static: tuple, signature: tuple):
+    """The stored executable for `key` where it serves, else one compiled here (and stored)."""
+    path = _program_path(key)
+    if path is not None and path.is_file():
+        try:
+            stored_key, exe = _read_step(path)
+        except Exception as e:  # noqa: BLE001 - stale or partial: compile as if absent
+            stored_key, exe = None, None
+            why = f"unreadable: {type(e).__name__}: {e}"
+        else:
+            why = "stored for other arguments or by another version"
+            if stored_key == key and executable_signature(exe) != signature:
+                stored_key, why = None, "compiled for other argument types"
+        if stored_key == key:
+            _count(PROGRAM_LOAD)
+            return exe
+        _drop(path, why)
+    hits0 = thread_counts()[0]
+    exe = jitted.lower(*args, *static).compile()
+    if path is not None and thread_counts()[0] == hits0:  # compiled here, not JAX's cache's (XLA:CPU)
+        _store(path, key, exe, "program")
+    return exe
+
+
+def program_loads() -> int:
+    """Load programs this process read whole from `programs/` (ikjax.programs)."""
+    return _counts[PROGRAM_LOAD]
 
 
 def steps_read_ahead() -> int:

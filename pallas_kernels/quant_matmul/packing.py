@@ -142,13 +142,15 @@ def _meta(qa: QuantArray) -> tuple:
     return name, packed_shape(qa)
 
 
-def prepare_many(qas: list) -> list:
+def prepare_many(qas: list, run=None) -> list:
     """`prepare` of each QuantArray, all in one compiled program: at load a program per weight cost a
     compile-cache read (and, on a GPU, its kernels' module load) per distinct shape, ~half of the
     V2-Lite load's 1.2 s on an H200 (RESULTS §22k); a layer's weights then cost one. The arrays must
-    share their devices (one call per device set)."""
+    share their devices (one call per device set). `run(jitted, args, static)`: how the program is
+    called (ikjax.programs.runner, which may keep it compiled whole between runs); default a call."""
     metas = tuple(_meta(qa) for qa in qas)
-    outs = _prepare_many(tuple(qa.data for qa in qas), metas)
+    datas = tuple(qa.data for qa in qas)
+    outs = run(_prepare_many, (datas,), (metas,)) if run is not None else _prepare_many(datas, metas)
     return [PackedWeight(o, qt, sh) for o, (qt, sh) in zip(outs, metas)]
 
 
