@@ -170,7 +170,15 @@ case $STAGE in
   fi
   SB="-m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 64"
   rm -rf /tmp/cc20; el "cold"
+  if [ -n "${COLD_TIMELINE:-}" ]; then  # the cold run under the sampler too (its own cache, then the plain one)
+    t0=$(date +%s.%N)
+    IKJAX_COMPILE_CACHE=/tmp/cc20t timeout 100 python3 bench/warm_timeline.py --min-ms 50 -- sweep-bench $SB > /dev/null 2> "$OUT/cold_timeline.txt"
+    echo "cold under the sampler: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s"
+    grep -v "^|" "$OUT/cold_timeline.txt" | grep -v Warn | grep -v "^  \[" | head -${COLD_TL_LINES:-70}
+  fi
+  t0=$(date +%s.%N)
   IKJAX_COMPILE_CACHE=/tmp/cc20 timeout 100 python3 -m ikjax.cli sweep-bench $SB 2>&1 | grep -E "compiled|loaded|sweep took"
+  echo "cold: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s command to end"
   # default: steps read ahead and the load's programs kept whole; noprefetch: IKJAX_PREFETCH_STEPS=0;
   # noprograms: IKJAX_STORE_PROGRAMS=0 (the load's programs traced each run); neither: both off
   for r in ${WARM21:-default noprefetch noprograms neither default noprefetch noprograms neither}; do
