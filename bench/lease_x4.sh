@@ -176,9 +176,15 @@ case $STAGE in
     echo "cold under the sampler: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s"
     grep -v "^|" "$OUT/cold_timeline.txt" | grep -v Warn | grep -v "^  \[" | head -${COLD_TL_LINES:-70}
   fi
-  t0=$(date +%s.%N)
-  IKJAX_COMPILE_CACHE=/tmp/cc20 timeout 100 python3 -m ikjax.cli sweep-bench $SB 2>&1 | grep -E "compiled|loaded|sweep took"
-  echo "cold: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s command to end"
+  # cold variants, each in a fresh cache (the last one's cache is the warm runs'): default;
+  # nodry: IKJAX_DRY_SHAPES=0 (the steps compile from the shapes the load gives after its first layers)
+  for c in ${COLD21:-default}; do
+    case $c in default) cenv="" ;; nodry) cenv="IKJAX_DRY_SHAPES=0" ;; esac
+    rm -rf /tmp/cc20; t0=$(date +%s.%N)
+    env $cenv IKJAX_COMPILE_CACHE=/tmp/cc20 timeout 100 python3 -m ikjax.cli sweep-bench $SB > /tmp/c21.out 2> /tmp/c21.err
+    echo "cold $c: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s command to end; $(grep -E "compiled|loaded" /tmp/c21.err | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+    grep "^|" /tmp/c21.out | sed -n 3,4p
+  done
   # default: steps read ahead and the load's programs kept whole; noprefetch: IKJAX_PREFETCH_STEPS=0;
   # noprograms: IKJAX_STORE_PROGRAMS=0 (the load's programs traced each run); neither: both off
   for r in ${WARM21:-default noprefetch noprograms neither default noprefetch noprograms neither}; do

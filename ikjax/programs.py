@@ -11,17 +11,54 @@ installs its runner here (`install`), and without one a program is the jitted ca
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator
 
 # runner(name, jitted, args, static) -> jitted(*args, *static)'s outputs
 Runner = Callable[[str, Any, tuple, tuple], Any]
 _runner: Runner | None = None
+# set (in this thread) by `abstract()`: programs give their outputs' ShapeDtypeStructs only
+_abstract = contextvars.ContextVar("ikjax_programs_abstract", default=False)
+
+
+@contextlib.contextmanager
+def abstract() -> Iterator[None]:
+    """Within (in this thread only), `run` computes nothing: each program gives its outputs as
+    ShapeDtypeStructs (traced, never compiled), on the device of its inputs where it names none.
+    For a load run on shapes alone (ikjax.model.weights.load_weights(abstract=True)): a cold
+    start's steps compile from the weights' shapes, which a real load knows only after its first
+    programs compiled (2.1 s of an H200 cold start, RESULTS §22p)."""
+    token = _abstract.set(True)
+    try:
+        yield
+    finally:
+        _abstract.reset(token)
+
+
+def is_abstract() -> bool:
+    """Whether this thread is inside `abstract()`."""
+    return _abstract.get()
+
+
+def _shapes_of(jitted: Any, args: tuple, static: tuple) -> Any:
+    import jax
+    out = jitted.trace(*args, *static).out_info
+    shardings = {s for a in jax.tree.leaves(args) if (s := getattr(a, "sharding", None)) is not None}
+    common = next(iter(shardings)) if len(shardings) == 1 else None
+
+    def placed(o):
+        return o if getattr(o, "sharding", None) is not None else jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=common)
+    return jax.tree.map(placed, out)
 
 
 def run(name: str, jitted: Any, args: tuple, static: tuple = ()) -> Any:
     """`jitted(*args, *static)`, through the installed runner if there is one. `name` tells the
     program apart in the runner's store; `static` are the jit's static arguments, which come after
-    the array arguments `args` in `jitted`'s parameters."""
+    the array arguments `args` in `jitted`'s parameters. Inside `abstract()`: the outputs'
+    ShapeDtypeStructs."""
+    if _abstract.get():
+        return _shapes_of(jitted, args, static)
     r = _runner
     if r is None:
         return jitted(*args, *static)

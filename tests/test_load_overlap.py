@@ -263,3 +263,63 @@ def test_early_backend_command_runs_and_errors_as_before(tiny4_model, early, tmp
                          env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1
     assert "Traceback" not in bad.stderr and "missing.gguf" in bad.stderr.strip().splitlines()[-1]
+
+
+# -- the weights' shapes computed before the load (load_weights(abstract=True), IKJAX_DRY_SHAPES) ---
+
+def _shapes_both_ways(path: str):
+    eng = ikjax.load(path, ctx=256, ubatch=32)
+    seen = {}
+    real = weights_mod.load_weights(eng.file, eng.config, placement=eng.placement, spans=eng.spans,
+                                    on_shapes=lambda t: seen.setdefault("tree", t))
+    dry = weights_mod.load_weights(eng.file, eng.config, placement=eng.placement, spans=eng.spans, abstract=True)
+    return seen["tree"], real, dry
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "interpret"])
+def test_dry_shapes_are_the_loads(tiny4_model, kernels, monkeypatch):
+    """The tree computed without the bytes (each tensor's device asked with a zero-size array, each
+    repack, fused row and stack traced) equals, leaf for leaf (shape, dtype, sharding) and in
+    structure, the one the load hands `on_shapes` and the loaded arrays', with the C++ kernels'
+    layout and the Pallas kernels' repacks (interpret: the GPU's load); and no bytes are read."""
+    monkeypatch.setenv("IKJAX_KERNELS", kernels)
+    seen, real, dry = _shapes_both_ways(tiny4_model)
+    assert weights_mod.same_shapes(seen, dry) and weights_mod.same_shapes(weights_mod.abstract(real), dry)
+    leaves = __import__("jax").tree.leaves(dry)
+    assert leaves and all(isinstance(a, __import__("jax").ShapeDtypeStruct) and a.sharding is not None for a in leaves)
+    assert any(len(a.shape) >= 3 for a in leaves)  # the stacked groups are there
+
+
+def test_dry_shapes_of_the_real_converters_files(monkeypatch):
+    """The same on the fixtures (ik_llama.cpp's converter: MLA layouts, K-quants, kv_b split)."""
+    from conftest import fixtures_dir
+    d = fixtures_dir()
+    files = sorted(d.glob("*.gguf"))[:4]
+    assert files
+    for kernels in ("cpu", "interpret"):
+        monkeypatch.setenv("IKJAX_KERNELS", kernels)
+        for f in files:
+            seen, real, dry = _shapes_both_ways(str(f))
+            assert weights_mod.same_shapes(seen, dry), (f.name, kernels)
+
+
+def test_steps_compiled_from_dry_shapes(tiny4_model, monkeypatch):
+    """IKJAX_DRY_SHAPES=1 (a CPU's default is off: its load runs no programs): the steps compile from
+    the computed tree, compute what a plain load's compute; a (never expected) difference between
+    the computed and the loaded shapes drops the compiled steps, which compile again, with the
+    same results and a warning."""
+    plain = _engine(tiny4_model, "0", monkeypatch)
+    ref = plain.logits(PROMPT)
+    monkeypatch.setenv("IKJAX_DRY_SHAPES", "1")
+    eng = _engine(tiny4_model, "1", monkeypatch)
+    assert eng._dry is not None and eng._shapes is eng._dry
+    eng.precompile(1, 16, 32)
+    np.testing.assert_array_equal(eng.logits(PROMPT), ref)
+    from ikjax.runtime import engine as engine_mod
+    monkeypatch.setattr(engine_mod, "same_shapes", lambda a, b: False)
+    odd = _engine(tiny4_model, "1", monkeypatch)
+    odd.precompile(1, 16, 32)
+    np.testing.assert_array_equal(odd.logits(PROMPT), ref)
+    assert odd._dry is None  # the loaded tree's shapes from then on
+    monkeypatch.setenv("IKJAX_DRY_SHAPES", "auto")
+    assert _engine(tiny4_model, "1", monkeypatch)._dry is None  # a CPU: off by default

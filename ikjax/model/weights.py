@@ -123,7 +123,8 @@ def placer_for(placement: Placement) -> Placer:
 
 def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = None,
                  placement: Placement | None = None, spans: tuple | None = None,
-                 on_shapes: Callable[[Weights], None] | None = None, cancel: Any = None) -> Weights:
+                 on_shapes: Callable[[Weights], None] | None = None, cancel: Any = None,
+                 abstract: bool = False) -> Weights:
     """Copy each tensor's bytes from the memory map to where `place` puts it, one tensor at a time.
 
     `placement` (from `ikjax.placement.rules.plan_placement`) decides where each tensor goes when no
@@ -136,7 +137,14 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
     ShapeDtypeStructs with their shardings, what a step is lowered against — is handed over, and
     the other layers load after. A caller compiles its steps from it while the bytes stream in
     (ikjax.runtime.engine: the load in a thread of its own, issue 22's load/compile overlap).
-    `cancel` (a threading.Event): once set, the load stops at the next layer (LoadCancelled)."""
+    `cancel` (a threading.Event): once set, the load stops at the next layer (LoadCancelled).
+
+    `abstract`: no bytes and no programs, only the tree `on_shapes` would get, returned: each tensor
+    a ShapeDtypeStruct on the device `place` puts it (asked with a zero-size array), each repack or
+    stack traced for its shapes (ikjax.programs.abstract). Why: `on_shapes` comes after the top
+    tensors' and each group's first layer's programs ran, which on a cold start means compiled
+    (2.1 s of a V2-Lite cold start on an H200, RESULTS §22p), and the steps waited for it. Only
+    where every tensor is on a device (a host-resident tensor raises AbstractUnavailable)."""
     if place is None:
         place = placer_for(placement) if placement is not None else default_placer
     validate(gf.tensors, cfg, gf.path)
@@ -146,10 +154,16 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
     graph = placement is not None and placement.split_mode == "graph"
     load = TensorLoader(gf, cfg, place, placement, repack=ops.needs_repack() and not graph)
     load.cancel = cancel
+    if abstract:
+        load.abstract = True
+        with programs.abstract():
+            weights = load.top()
+            groups = [load.group_start(first, count) for first, count in spans]
+            return _abstract({**weights, "groups": [g.shapes() for g in groups]})
     weights: Weights = load.top()
     groups = [load.group_start(first, count) for first, count in spans]
     if on_shapes is not None:
-        on_shapes(abstract({**weights, "groups": [g.shapes() for g in groups]}))
+        on_shapes(_abstract({**weights, "groups": [g.shapes() for g in groups]}))
     weights["groups"] = [g.finish() for g in groups]
     return weights
 
@@ -158,6 +172,25 @@ def _abstract_leaf(a):
     if isinstance(a, jax.Array):
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
     return a
+
+
+class AbstractUnavailable(Exception):
+    """A load on shapes alone met what it cannot describe without its bytes (a host-resident
+    tensor): the caller waits for the real load's shapes instead."""
+
+
+def _abstract(tree):
+    """`abstract`, by another name: load_weights's parameter `abstract` hides the function there."""
+    return abstract(tree)
+
+
+def same_shapes(a, b) -> bool:
+    """Whether two weight trees have the same structure and, leaf by leaf, the same shape, dtype
+    and sharding (what a step compiled for one needs of the other)."""
+    la, ta = jax.tree.flatten(abstract(a))
+    lb, tb = jax.tree.flatten(abstract(b))
+    return ta == tb and all((tuple(x.shape), x.dtype, x.sharding) == (tuple(y.shape), y.dtype, y.sharding)
+                            for x, y in zip(la, lb))
 
 
 def abstract(tree):
@@ -177,6 +210,14 @@ class _Stacks:
     def __init__(self, leaves: list, count: int):
         self.count = count
         self.shardings = [getattr(a, "sharding", None) for a in leaves]
+        # a load on shapes alone (load_weights(abstract=True)): the stacks' ShapeDtypeStructs only,
+        # each where `done` puts it (a leaf's sharding, or as device_put picks it)
+        self.abstract = [jax.ShapeDtypeStruct((count,) + tuple(a.shape), a.dtype,
+                                              sharding=getattr(a, "sharding", None) or _default_sharding(a.dtype))
+                         for a in leaves] if programs.is_abstract() else None
+        if self.abstract is not None:
+            self.on_host, self.dev = [], []
+            return
         self.on_host = [s is None or all(d.platform == "cpu" for d in s.device_set) for s in self.shardings]
         self.host: list = [None] * len(leaves)
         dev_specs = []
@@ -192,6 +233,8 @@ class _Stacks:
         self.dev = list(_zeros(tuple(dev_specs))) if dev_specs else []
 
     def put(self, j: int, leaves: list) -> None:
+        if self.abstract is not None:
+            return
         dev_leaves = []
         for k, a in enumerate(leaves):
             if self.on_host[k]:
@@ -205,6 +248,8 @@ class _Stacks:
 
     def shapes(self) -> list:
         """The stacks as ShapeDtypeStructs (shape, dtype, sharding), as `done` will give them."""
+        if self.abstract is not None:
+            return list(self.abstract)
         out, dev = [], iter(self.dev)
         for k in range(len(self.on_host)):
             if not self.on_host[k]:
@@ -212,9 +257,7 @@ class _Stacks:
                 out.append(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding))
             else:  # where `done` puts it: its sharding, or (None) the default device, as device_put picks it
                 h, sh = self.host[k], self.shardings[k]
-                if sh is None:
-                    sh = jax.device_put(np.zeros((), h.dtype)).sharding
-                out.append(jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=sh))
+                out.append(jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=sh or _default_sharding(h.dtype)))
         return out
 
     def done(self) -> list:
@@ -228,6 +271,11 @@ class _Stacks:
             except TypeError:  # a JAX without may_alias
                 out.append(jax.device_put(self.host[k], self.shardings[k]))
         return out
+
+
+def _default_sharding(dtype):
+    """Where `jax.device_put` of a host array of this type lands (the default device)."""
+    return jax.device_put(np.zeros((), dtype)).sharding
 
 
 def _zeros(specs: tuple):
@@ -276,6 +324,7 @@ class TensorLoader:
         # stacking a group on the one CPU device: the file's bytes as they are, copied once into
         # the stack (whose pages the device then aliases), the file's pages released after
         self._raw = False
+        self.abstract = False  # load_weights(abstract=True): ShapeDtypeStructs, no bytes
         self.cancel = None  # load_weights's `cancel`
         self._prefetcher = None  # `prefetch`'s thread
 
@@ -284,6 +333,8 @@ class TensorLoader:
         if info is None:
             return None
         raw = self.gf.tensor_bytes(spec.gguf_name)
+        if self.abstract:
+            return self._abstract_tensor(spec, info, raw)
         place = (lambda name, host: host) if self._raw else self.place
         if spec.dense_float or (spec.f32_as_float and info.qtype.name == "F32"):
             return place(spec.gguf_name, _dense_float(raw, info))
@@ -300,6 +351,23 @@ class TensorLoader:
         if tuple(data.shape) != tuple(qa.data.shape):  # a part: its rows, and its share of each row
             shape = tuple(data.shape[:-1]) + (qa.shape[-1] * data.shape[-1] // qa.data.shape[-1],)
         return QuantArray(data, qa.qtype, shape)
+
+    def _abstract_tensor(self, spec: TensorSpec, info: TensorInfo, raw: np.ndarray):
+        """`tensor`'s result as ShapeDtypeStructs: its device asked of `place` with a zero-size array
+        of its type (no bytes read)."""
+        if spec.dense_float or (spec.f32_as_float and info.qtype.name == "F32"):
+            shape, dtype, qa = tuple(info.shape), np.dtype(np.float32), None
+        else:
+            qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
+            shape, dtype = tuple(qa.data.shape), np.dtype(qa.data.dtype)
+        if self.hybrid and self.placement[spec.gguf_name].on_host:
+            raise AbstractUnavailable(f"{spec.gguf_name} is placed in host memory")
+        probe = self.place(spec.gguf_name, np.zeros((0,), dtype))
+        sharding = getattr(probe, "sharding", None)
+        if sharding is None:
+            raise AbstractUnavailable(f"{spec.gguf_name} stays a host array")
+        sds = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return sds if qa is None else QuantArray(sds, qa.qtype, qa.shape)
 
     def for_kernels(self, tensors: dict) -> dict:
         if not self.repack:

@@ -29,6 +29,7 @@ from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.model import cache as kvcache
 from ikjax.model import moe
 from ikjax.model.groups import host_layers, layer_spans
+from ikjax.model.weights import AbstractUnavailable, same_shapes
 from ikjax.model.deepseek2 import StepPlan
 from ikjax.options import RunOptions
 from ikjax.placement import devices
@@ -122,6 +123,7 @@ class Engine:
         # how a step runs on these devices: one device, the -sm layer pipeline or the -sm graph mesh
         self.executor: Executor = executor_for(self.placement, cfg, self.spans, self.cache_layout(1))
         self._weights = None
+        self._dry = None  # the weights' shapes computed before the load (`_dry_shapes`), if used
         self._loading: BackgroundLoad | None = None
         self._load_lock = threading.Lock()
         # the stored steps this model and these options used last time, read while the weights
@@ -131,7 +133,9 @@ class Engine:
         if self._overlaps_load():
             # the bytes stream in on a thread of their own; steps compile meanwhile from `_shapes`
             self._loading = BackgroundLoad(self.executor.load, self.file)
-            self._shapes = self._loading.shapes()
+            # the shapes computed without the bytes, not waited for (issue 22's cold start)
+            self._dry = self._dry_shapes()
+            self._shapes = self._dry if self._dry is not None else self._loading.shapes()
         else:
             self._weights = self._shapes = self.executor.load(self.file)
             memory = self._loaded(memory, compiled_bytes=0)
@@ -144,6 +148,21 @@ class Engine:
             self._expert_counts = moe.ExpertCounts(cfg.n_expert, min(cfg.n_dense_lead, cfg.n_layer))
         self._steps = Executables(self.executor, config=cfg, options=self.options, layout=self.cache_layout,
                                   source=self.file.path, memory=memory, recent=self._recent)
+
+    def _dry_shapes(self):
+        """The weights' ShapeDtypeStructs from the file and placement alone (load_weights with
+        abstract=True: no bytes, each program traced, not compiled), or None where a load cannot
+        give them so (a tensor in host memory), on a CPU-only machine unless IKJAX_DRY_SHAPES=1
+        (its load runs no programs: nothing to gain), or with IKJAX_DRY_SHAPES=0. The real load's shapes are checked against them once it is in
+        (`wait_loaded`)."""
+        choice = env.choice("IKJAX_DRY_SHAPES")
+        if choice == "0" or choice == "auto" and self.executor.on_cpu_only:
+            return None
+        try:
+            return self.executor.load(self.file, abstract=True)
+        except AbstractUnavailable as e:
+            log.info("the weights' shapes come from the load (%s)", e)
+            return None
 
     def _prefetch_steps(self) -> str | None:
         """This run's label for its stored steps (compile_cache.recent_label), with the ones its
@@ -184,6 +203,15 @@ class Engine:
                 return
             weights = self._loading.result()  # its own error, if it failed
             end = self._loading.finished_at
+            real = self._loading.shapes_seen()
+            if self._dry is not None and real is not None and not same_shapes(real, self._dry):
+                # never expected (tests/test_engine.py compares the two): steps compiled for the
+                # computed shapes would not take these weights, so none of them is kept
+                log.warning("the loaded weights' shapes differ from the ones computed before the load; compiling "
+                            "the steps again (a bug, please report; IKJAX_DRY_SHAPES=0 avoids it)")
+                self._steps.forget_all()
+                self._shapes = real
+                self._dry = None
             self._weights, self._loading = weights, None
             self._steps.update_memory(lambda m: self._loaded(m, compiled_bytes=m.compile_bytes or 0, end=end))
 

@@ -122,7 +122,7 @@ def _describe(a) -> tuple:
 _NOT_IN_STEPS = frozenset({"IKJAX_COMPILE_CACHE", "IKJAX_CACHE", "IKJAX_DEBUG", "IKJAX_FIXTURES", "IKJAX_STORE_STEPS",
                            "IKJAX_DECODE_LOOP", "IKJAX_CPU_ISA", "IKJAX_SPIN", "IKJAX_SERVE_TRACE", "IKJAX_SERVE_BURST_MS", "IKJAX_SERVE_SOLO",
                            "IKJAX_LOAD_OVERLAP", "IKJAX_EARLY_BACKEND", "IKJAX_AMX", "IKJAX_AVXVNNI",
-                           "IKJAX_PREFETCH_STEPS", "IKJAX_STORE_PROGRAMS"})
+                           "IKJAX_PREFETCH_STEPS", "IKJAX_STORE_PROGRAMS", "IKJAX_DRY_SHAPES"})
 
 
 _IN_STEPS = tuple(sorted(name for name in env.VARIABLES if name not in _NOT_IN_STEPS))
@@ -247,6 +247,12 @@ class Executables:
             with self._lock:
                 self.memory = settle_compile(self.memory, peak, process_memory())
         return exe
+
+    def forget_all(self) -> None:
+        """Drop every executable (each compiles again at its next `get`): for steps compiled
+        against weight shapes the loaded weights turned out not to have."""
+        with self._lock:
+            self.table.clear()
 
     def update_memory(self, change: Callable[[MemoryPlan], MemoryPlan]) -> None:
         """The memory plan replaced by `change(plan)`, with no step's charge in between."""

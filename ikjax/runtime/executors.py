@@ -79,11 +79,12 @@ class Executor(abc.ABC):
     # an executor that derives state from the loaded arrays (`bind`) before it compiles may not
     overlaps_load = False
 
-    def load(self, file, on_shapes=None, cancel=None) -> dict:
+    def load(self, file, on_shapes=None, cancel=None, abstract: bool = False) -> dict:
         """The weight tree, each tensor where the placement puts it; `on_shapes(tree)` as soon as
-        its ShapeDtypeStructs are known, `cancel` stops it (ikjax.model.weights.load_weights)."""
+        its ShapeDtypeStructs are known, `cancel` stops it; `abstract`: only those
+        ShapeDtypeStructs, computed without the bytes (ikjax.model.weights.load_weights)."""
         return load_weights(file, self.config, placement=self.placement, spans=self.spans, on_shapes=on_shapes,
-                            cancel=cancel)
+                            cancel=cancel, abstract=abstract)
 
     def bind(self, weights) -> None:
         """After the load was measured: whatever the executor derives from the weights."""
@@ -281,6 +282,10 @@ class BackgroundLoad:
     def _on_shapes(self, tree) -> None:
         self._shapes = tree
         self._have_shapes.set()
+
+    def shapes_seen(self):
+        """The tree `on_shapes` got (None before, or if the load failed first): no waiting."""
+        return self._shapes
 
     def shapes(self):
         self._wait(self._have_shapes.wait)
