@@ -67,7 +67,10 @@ def test_steps_compile_before_the_bytes_are_in(tiny4_model, monkeypatch):
     assert eng.compile_count >= 2 and not eng.loading
 
 
-def test_a_failed_load_raises_its_error_in_the_caller(tiny4_model, monkeypatch):
+@pytest.mark.parametrize("dry", ["0", "1"])  # 1: the shapes computed before the load (IKJAX_DRY_SHAPES)
+def test_a_failed_load_raises_its_error_in_the_caller(tiny4_model, dry, monkeypatch):
+    monkeypatch.setenv("IKJAX_DRY_SHAPES", dry)
+
     def broken(self):
         raise IkjaxError(f"layer {self.first + 1}: bytes missing (test)")
     monkeypatch.setattr(weights_mod._GroupLoad, "finish", broken)
@@ -78,7 +81,10 @@ def test_a_failed_load_raises_its_error_in_the_caller(tiny4_model, monkeypatch):
         eng.wait_loaded()
 
 
-def test_a_load_that_fails_before_its_shapes_raises_at_load(tiny4_model, monkeypatch):
+@pytest.mark.parametrize("dry", ["0", "1"])  # 1: computing the shapes fails too, then the load's own error
+def test_a_load_that_fails_before_its_shapes_raises_at_load(tiny4_model, dry, monkeypatch):
+    monkeypatch.setenv("IKJAX_DRY_SHAPES", dry)
+
     def broken(self, first, count):
         raise IkjaxError("first layer unreadable (test)")
     monkeypatch.setattr(weights_mod.TensorLoader, "group_start", broken)

@@ -162,7 +162,9 @@ class Engine:
             return self.executor.load(self.file, abstract=True)
         except AbstractUnavailable as e:
             log.info("the weights' shapes come from the load (%s)", e)
-            return None
+        except Exception as e:  # noqa: BLE001 - e.g. a bad file: the load in its thread raises its own error
+            log.info("the weights' shapes come from the load (computing them failed: %s: %s)", type(e).__name__, e)
+        return None
 
     def _prefetch_steps(self) -> str | None:
         """This run's label for its stored steps (compile_cache.recent_label), with the ones its
