@@ -56,6 +56,8 @@
 #            bench/warm_timeline.py (every thread's stack sampled from the start).
 #   STAGE=21: STAGE=20 without the cProfile (SKIP_CPROFILE=1), then STAGE=19's CPU table
 #            (VARIANTS19, default here: the avx2 columns only).
+#   STAGE=22: issue 26's CPU table alone (THREADS22, default 2; VARIANTS22, default the avx2 columns;
+#            DEADLINE22): cpu_isa_table.sh with its kernel tests, no GPU work.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -207,6 +209,12 @@ case $STAGE in
       DEADLINE=${DEADLINE19:-400} JOBS=12 NO_INSTALL=1 IK_DIR=/tmp/ikt OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
       | grep -E "^\||passed|failed|rc=|physical" | head -20
   fi
+  ;;
+22)
+  THREADS="${THREADS22:-2}" TYPES="${TYPES22:-Q8_0 Q4_0 Q4_K IQ4_XS}" VARIANTS="${VARIANTS22:-ik_avx2 jx_avx2}" \
+    DEADLINE=${DEADLINE22:-230} JOBS=14 NO_INSTALL=1 IK_DIR=/tmp/ikt OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
+    | grep -E "^\||passed|failed|rc=|physical" | head -20
+  tail -5 "$OUT/cpu/progress.log"
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
