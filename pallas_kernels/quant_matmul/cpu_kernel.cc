@@ -2409,6 +2409,27 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
       const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 512));
       if (b % 8 == 0)
         for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
+#if defined(__AVXVNNI__)
+      // AVX-VNNI: the block's plain int32 sums by vpdpbusd (two a row, as the Q8_0 path), then
+      // times the block scale once (vpmulld): 2 vector ops a quad and row for vpmaddubsw +
+      // vpmaddwd + vpaddd; the same integers (|block sum| < 2^20, times |scale| <= 32, 8 blocks)
+      const __m256i sc32 = _mm256_srai_epi32(sc, 16);  // lane j: row j's scale (both halves hold it)
+      __m256i p[mr], p2[mr];
+      for (int i = 0; i < mr; ++i) p[i] = p2[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int q = 0; q < 8; q += 2) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
+        const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q + 32));
+        const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q + 32));
+        for (int i = 0; i < mr; ++i) {
+          const uint8_t* xr = reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q);
+          p[i] = ikj::dot4_u8s8(p[i], u0, _mm256_sign_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(xr))), w0));
+          p2[i] = ikj::dot4_u8s8(p2[i], u1, _mm256_sign_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(xr + 4))), w1));
+        }
+      }
+      for (int i = 0; i < mr; ++i) c[i] = _mm256_add_epi32(c[i], _mm256_mullo_epi32(_mm256_add_epi32(p[i], p2[i]), sc32));
+#else
 #pragma GCC unroll 1
       for (int q = 0; q < 8; ++q) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
@@ -2418,6 +2439,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
           c[i] = _mm256_add_epi32(c[i], _mm256_madd_epi16(_mm256_maddubs_epi16(uw, _mm256_sign_epi8(a, w)), sc));
         }
       }
+#endif
       if (b % 8 == 7) {
         const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(pb + 544));
         for (int i = 0; i < mr; ++i)
