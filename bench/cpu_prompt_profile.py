@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--start", type=int, default=0, help="the step's position (N_KV): 512 is sweep-bench's second row")
     a = ap.parse_args()
     eng = ikjax.load(a.model, ctx=1024, ubatch=a.tokens, mla=3, fa=True, threads=a.threads)
     T = a.tokens
@@ -59,7 +60,7 @@ def main() -> None:
     tok = np.random.default_rng(0).integers(0, eng.config.vocab_size, (1, T))
 
     def run():  # the step donates its cache: the next takes the one it returned
-        logits, state["cache"] = eng.step(state["cache"], tok, np.array([0]))
+        logits, state["cache"] = eng.step(state["cache"], tok, np.array([a.start]))
         logits.block_until_ready()
     for _ in range(2):
         run()
@@ -79,7 +80,7 @@ def main() -> None:
             cnt[e["name"]] += 1
     names = op_names()
     isa = os.environ.get("IKJAX_CPU_ISA", "best")
-    print(f"{a.model}: {T}-token prompt step, -t {a.threads}, level {isa}: {step * 1e3:.1f} ms "
+    print(f"{a.model}: {T}-token prompt step at N_KV {a.start}, -t {a.threads}, level {isa}: {step * 1e3:.1f} ms "
           f"({T / step:.0f} t/s)")
     # fold the ops by what they are (the calls inside the layer scan fire once per layer)
     by = collections.Counter()
