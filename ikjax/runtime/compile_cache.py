@@ -513,6 +513,17 @@ def _avals(leaves: list) -> tuple:
     return tuple((tuple(np.shape(a)), str(a.dtype if isinstance(a, jax.Array) else np.asarray(a).dtype)) for a in leaves)
 
 
+def _on_the_default_device(leaves: list, static: tuple) -> bool:
+    """Whether every array of a program, and every sharding among its static arguments (the stacks'
+    zeros name theirs there), is on the default device: the one-device load these programs were
+    measured for (RESULTS §22o). Programs of a load over several devices (-sm layer stages, host
+    copies) stay plain calls, so an executable can never come back bound to another device."""
+    default = jax.devices()[0]
+    shardings = [a.sharding for a in leaves if isinstance(a, jax.Array)]
+    shardings += [x for x in jax.tree.leaves(static) if isinstance(x, jax.sharding.Sharding)]
+    return bool(shardings) and all(sh.device_set == {default} for sh in shardings)
+
+
 def _stores_programs() -> bool:
     """As steps (IKJAX_STORE_STEPS): 1 always, 0 never, auto on accelerators (on a CPU a load
     runs none of these programs: its stacks are the file's bytes, and no kernel reads a repack);
@@ -530,9 +541,9 @@ def run_program(name: str, jitted, args: tuple, static: tuple):
     the sources, versions, XLA_FLAGS and devices (`_step_key`). A stored program is checked as a
     stored step is (its full key, its argument types) and a call it refuses runs the jitted
     function; an unreadable or stale entry is a miss, removed and replaced."""
-    if directory() is None or not _stores_programs():
-        return jitted(*args, *static)
     leaves, tree = jax.tree.flatten((args, {}))
+    if directory() is None or not _stores_programs() or not _on_the_default_device(leaves, static):
+        return jitted(*args, *static)
     parts = ("program", name, str(tree), tuple(_leaf_description(a) for a in leaves), repr(static))
     key = _step_key(parts)
     with _programs_lock:
