@@ -53,22 +53,20 @@ def main() -> None:
     argv = argv[1:]
     samples: dict[str, list] = collections.defaultdict(list)  # thread name -> [(t, label)]
     stop = threading.Event()
-    me = threading.get_ident()
+    sampler_id: list = [None]  # the sampler's own thread, left out of its samples
 
     def sample() -> None:
         while not stop.is_set():
             t = time.perf_counter() - T0
             names = {th.ident: th.name for th in threading.enumerate()}
             for ident, frame in sys._current_frames().items():
-                if ident != me_sampler[0]:
+                if ident != sampler_id[0]:
                     samples[names.get(ident, str(ident))].append((t, _label(frame)))
             time.sleep(every)
 
-    me_sampler = [None]
     th = threading.Thread(target=sample, daemon=True, name="sampler")
     th.start()
-    me_sampler[0] = th.ident
-    del me
+    sampler_id[0] = th.ident
     rc = 0
     sys.argv = ["ikjax"] + argv
     try:
