@@ -26,7 +26,7 @@ _abstract = contextvars.ContextVar("ikjax_programs_abstract", default=False)
 def abstract() -> Iterator[None]:
     """Within (in this thread only), `run` computes nothing: each program gives its outputs as
     ShapeDtypeStructs (traced, never compiled), on the device of its inputs where it names none.
-    For a load run on shapes alone (ikjax.model.weights.load_weights(abstract=True)): a cold
+    For a load run on shapes alone (ikjax.model.weights.load_weights(shapes_only=True)): a cold
     start's steps compile from the weights' shapes, which a real load knows only after its first
     programs compiled (2.1 s of an H200 cold start, RESULTS §22p)."""
     token = _abstract.set(True)

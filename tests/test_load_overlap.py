@@ -271,14 +271,14 @@ def test_early_backend_command_runs_and_errors_as_before(tiny4_model, early, tmp
     assert "Traceback" not in bad.stderr and "missing.gguf" in bad.stderr.strip().splitlines()[-1]
 
 
-# -- the weights' shapes computed before the load (load_weights(abstract=True), IKJAX_DRY_SHAPES) ---
+# -- the weights' shapes computed before the load (load_weights(shapes_only=True), IKJAX_DRY_SHAPES) ---
 
 def _shapes_both_ways(path: str):
     eng = ikjax.load(path, ctx=256, ubatch=32)
     seen = {}
     real = weights_mod.load_weights(eng.file, eng.config, placement=eng.placement, spans=eng.spans,
                                     on_shapes=lambda t: seen.setdefault("tree", t))
-    dry = weights_mod.load_weights(eng.file, eng.config, placement=eng.placement, spans=eng.spans, abstract=True)
+    dry = weights_mod.load_weights(eng.file, eng.config, placement=eng.placement, spans=eng.spans, shapes_only=True)
     return seen["tree"], real, dry
 
 

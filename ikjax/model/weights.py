@@ -124,7 +124,7 @@ def placer_for(placement: Placement) -> Placer:
 def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = None,
                  placement: Placement | None = None, spans: tuple | None = None,
                  on_shapes: Callable[[Weights], None] | None = None, cancel: Any = None,
-                 abstract: bool = False) -> Weights:
+                 shapes_only: bool = False) -> Weights:
     """Copy each tensor's bytes from the memory map to where `place` puts it, one tensor at a time.
 
     `placement` (from `ikjax.placement.rules.plan_placement`) decides where each tensor goes when no
@@ -139,7 +139,7 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
     (ikjax.runtime.engine: the load in a thread of its own, issue 22's load/compile overlap).
     `cancel` (a threading.Event): once set, the load stops at the next layer (LoadCancelled).
 
-    `abstract`: no bytes and no programs, only the tree `on_shapes` would get, returned: each tensor
+    `shapes_only`: no bytes and no programs, only the tree `on_shapes` would get, returned: each tensor
     a ShapeDtypeStruct on the device `place` puts it (asked with a zero-size array), each repack or
     stack traced for its shapes (ikjax.programs.abstract). Why: `on_shapes` comes after the top
     tensors' and each group's first layer's programs ran, which on a cold start means compiled
@@ -154,16 +154,16 @@ def load_weights(gf: GGUFModelFile, cfg: ModelConfig, place: Placer | None = Non
     graph = placement is not None and placement.split_mode == "graph"
     load = TensorLoader(gf, cfg, place, placement, repack=ops.needs_repack() and not graph)
     load.cancel = cancel
-    if abstract:
+    if shapes_only:
         load.abstract = True
         with programs.abstract():
             weights = load.top()
             groups = [load.group_start(first, count) for first, count in spans]
-            return _abstract({**weights, "groups": [g.shapes() for g in groups]})
+            return abstract({**weights, "groups": [g.shapes() for g in groups]})
     weights: Weights = load.top()
     groups = [load.group_start(first, count) for first, count in spans]
     if on_shapes is not None:
-        on_shapes(_abstract({**weights, "groups": [g.shapes() for g in groups]}))
+        on_shapes(abstract({**weights, "groups": [g.shapes() for g in groups]}))
     weights["groups"] = [g.finish() for g in groups]
     return weights
 
@@ -177,11 +177,6 @@ def _abstract_leaf(a):
 class AbstractUnavailable(Exception):
     """A load on shapes alone met what it cannot describe without its bytes (a host-resident
     tensor): the caller waits for the real load's shapes instead."""
-
-
-def _abstract(tree):
-    """`abstract`, by another name: load_weights's parameter `abstract` hides the function there."""
-    return abstract(tree)
 
 
 def same_shapes(a, b) -> bool:
@@ -210,7 +205,7 @@ class _Stacks:
     def __init__(self, leaves: list, count: int):
         self.count = count
         self.shardings = [getattr(a, "sharding", None) for a in leaves]
-        # a load on shapes alone (load_weights(abstract=True)): the stacks' ShapeDtypeStructs only,
+        # a load on shapes alone (load_weights(shapes_only=True)): the stacks' ShapeDtypeStructs only,
         # each where `done` puts it (a leaf's sharding, or as device_put picks it)
         self.abstract = [jax.ShapeDtypeStruct((count,) + tuple(a.shape), a.dtype,
                                               sharding=getattr(a, "sharding", None) or _default_sharding(a.dtype))
@@ -324,7 +319,7 @@ class TensorLoader:
         # stacking a group on the one CPU device: the file's bytes as they are, copied once into
         # the stack (whose pages the device then aliases), the file's pages released after
         self._raw = False
-        self.abstract = False  # load_weights(abstract=True): ShapeDtypeStructs, no bytes
+        self.abstract = False  # load_weights(shapes_only=True): ShapeDtypeStructs, no bytes
         self.cancel = None  # load_weights's `cancel`
         self._prefetcher = None  # `prefetch`'s thread
 

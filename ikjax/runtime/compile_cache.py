@@ -67,7 +67,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from ikjax import env, programs
 from ikjax.errors import OptionError
@@ -308,27 +307,22 @@ def _read_step(path: Path) -> tuple[str | None, Any]:
 def load_step(parts: tuple, signature: tuple | None = None, *, label: str | None = None):
     """The executable stored under `parts` by `store_step` (counted as a cache hit), or None.
 
-    None (a miss, never an error) for anything that cannot serve this call: an unreadable or
-    partial entry, one stored under another key (its full key is kept beside it), or one whose
-    argument tree and types differ from `signature` ((tree, ((shape, dtype), ...)) of the
-    arguments it will be called with); such an entry is removed. One `prefetch_steps` already
-    read is taken from there, with the same checks. `label`: the run's `recent_label`, under
-    which the step is noted as used (`note_used`)."""
+    None (a miss, never an error) for anything that cannot serve this call (`_load_entry`: an
+    unreadable or partial entry, one stored under another key, one whose argument tree and types
+    differ from `signature`); such an entry is removed. One `prefetch_steps` already read is taken
+    from there, with the same checks. `label`: the run's `recent_label`, under which the step is
+    noted as used (`note_used`)."""
     key = _step_key(parts)
     path = _step_path(key)
     if path is None or not path.is_file():
         return None
     try:
         ahead = _take_prefetched(path)
-        stored_key, exe = ahead if ahead is not None else _read_step(path)
-        if stored_key != key:
-            _drop(path, "stored for other arguments or by another version")
-            return None
-    except Exception as e:  # noqa: BLE001 - a stale or partial entry: compile as if absent
+    except Exception as e:  # noqa: BLE001 - its read failed on the prefetch thread: as if read here
         _drop(path, f"unreadable: {type(e).__name__}: {e}")
         return None
-    if signature is not None and executable_signature(exe) != signature:
-        _drop(path, "compiled for other argument types")
+    exe = _load_entry(path, key, signature, ahead)
+    if exe is None:
         return None
     _count(HIT_EVENT)
     _count(STEP_LOAD)
@@ -336,6 +330,47 @@ def load_step(parts: tuple, signature: tuple | None = None, *, label: str | None
         _count(STEP_PREFETCHED)
     note_used(label, path)
     return exe
+
+
+def _load_entry(path: Path, key: str, signature: tuple | None, read: tuple | None = None):
+    """The executable of the stored entry at `path` (`read`: its (key, executable), already read)
+    if it was stored under `key` and takes arguments of `signature` ((tree, ((shape, dtype), ...)),
+    `signature_of`); else None, the entry removed (unreadable, stored for other arguments or by
+    another version, compiled for other argument types)."""
+    try:
+        stored_key, exe = read if read is not None else _read_step(path)
+    except Exception as e:  # noqa: BLE001 - a stale or partial entry: compile as if absent
+        _drop(path, f"unreadable: {type(e).__name__}: {e}")
+        return None
+    if stored_key != key:
+        _drop(path, "stored for other arguments or by another version")
+        return None
+    if signature is not None and executable_signature(exe) != signature:
+        _drop(path, "compiled for other argument types")
+        return None
+    return exe
+
+
+def describe_leaf(a) -> tuple:
+    """A leaf as a stored step's or program's key sees it: shape, dtype, and for an array its
+    placement (a host scalar: none)."""
+    sharding = getattr(a, "sharding", None)
+    return (tuple(a.shape), str(a.dtype), str(sharding) if sharding is not None else None,
+            getattr(sharding, "memory_kind", None))
+
+
+def signature_of(tree, leaves: list) -> tuple:
+    """(tree, ((shape, dtype), ...)) of a call's arguments, as `executable_signature` gives an
+    executable's."""
+    return tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)
+
+
+def stores_whole(on_cpu_only: bool) -> bool:
+    """IKJAX_STORE_STEPS: executables kept whole (steps, and the load's programs) always (1),
+    never (0), or (auto) where the run is on an accelerator (a CPU step traces and compiles in
+    about a second, and a CPU load runs none of the programs)."""
+    store = env.choice("IKJAX_STORE_STEPS")
+    return store == "1" or store == "auto" and not on_cpu_only
 
 
 # -- stored steps read ahead: a warm run's steps deserialized while its weights load ---------------
@@ -502,17 +537,6 @@ _programs: dict[str, Any] = {}  # full key -> executable, this process (a layer'
 _programs_lock = threading.Lock()
 
 
-def _leaf_description(a) -> tuple:
-    if isinstance(a, jax.Array):
-        return (tuple(a.shape), str(a.dtype), repr(a.sharding), getattr(a.sharding, "memory_kind", None))
-    return (tuple(np.shape(a)), str(np.asarray(a).dtype), "host")
-
-
-def _avals(leaves: list) -> tuple:
-    """((shape, dtype), ...) of a call's arguments, as `executable_signature` gives them."""
-    return tuple((tuple(np.shape(a)), str(a.dtype if isinstance(a, jax.Array) else np.asarray(a).dtype)) for a in leaves)
-
-
 def _on_the_default_device(leaves: list, static: tuple) -> bool:
     """Whether every array of a program, and every sharding among its static arguments (the stacks'
     zeros name theirs there), is on the default device: the one-device load these programs were
@@ -528,10 +552,7 @@ def _stores_programs() -> bool:
     """As steps (IKJAX_STORE_STEPS): 1 always, 0 never, auto on accelerators (on a CPU a load
     runs none of these programs: its stacks are the file's bytes, and no kernel reads a repack);
     IKJAX_STORE_PROGRAMS=0: never."""
-    if env.choice("IKJAX_STORE_PROGRAMS") == "0":
-        return False
-    store = env.choice("IKJAX_STORE_STEPS")
-    return store == "1" or store == "auto" and jax.default_backend() != "cpu"
+    return env.choice("IKJAX_STORE_PROGRAMS") != "0" and stores_whole(jax.default_backend() == "cpu")
 
 
 def run_program(name: str, jitted, args: tuple, static: tuple):
@@ -544,12 +565,12 @@ def run_program(name: str, jitted, args: tuple, static: tuple):
     leaves, tree = jax.tree.flatten((args, {}))
     if directory() is None or not _stores_programs() or not _on_the_default_device(leaves, static):
         return jitted(*args, *static)
-    parts = ("program", name, str(tree), tuple(_leaf_description(a) for a in leaves), repr(static))
+    parts = ("program", name, str(tree), tuple(describe_leaf(a) for a in leaves), repr(static))
     key = _step_key(parts)
     with _programs_lock:
         exe = _programs.get(key)
     if exe is None:
-        exe = _program(key, jitted, args, static, (tree, _avals(leaves)))
+        exe = _program(key, jitted, args, static, signature_of(tree, leaves))
         with _programs_lock:
             _programs[key] = exe
     try:
@@ -574,19 +595,10 @@ def _program(key: str, jitted, args: tuple, static: tuple, signature: tuple):
     """The stored executable for `key` where it serves, else one compiled here (and stored)."""
     path = _program_path(key)
     if path is not None and path.is_file():
-        try:
-            stored_key, exe = _read_step(path)
-        except Exception as e:  # noqa: BLE001 - stale or partial: compile as if absent
-            stored_key, exe = None, None
-            why = f"unreadable: {type(e).__name__}: {e}"
-        else:
-            why = "stored for other arguments or by another version"
-            if stored_key == key and executable_signature(exe) != signature:
-                stored_key, why = None, "compiled for other argument types"
-        if stored_key == key:
+        exe = _load_entry(path, key, signature)
+        if exe is not None:
             _count(PROGRAM_LOAD)
             return exe
-        _drop(path, why)
     hits0 = thread_counts()[0]
     exe = jitted.lower(*args, *static).compile()
     if path is not None and thread_counts()[0] == hits0:  # compiled here, not JAX's cache's (XLA:CPU)

@@ -151,7 +151,7 @@ class Engine:
 
     def _dry_shapes(self):
         """The weights' ShapeDtypeStructs from the file and placement alone (load_weights with
-        abstract=True: no bytes, each program traced, not compiled), or None where a load cannot
+        shapes_only=True: no bytes, each program traced, not compiled), or None where a load cannot
         give them so (a tensor in host memory), on a CPU-only machine unless IKJAX_DRY_SHAPES=1
         (its load runs no programs: nothing to gain), or with IKJAX_DRY_SHAPES=0. The real load's shapes are checked against them once it is in
         (`wait_loaded`)."""
@@ -159,7 +159,7 @@ class Engine:
         if choice == "0" or choice == "auto" and self.executor.on_cpu_only:
             return None
         try:
-            return self.executor.load(self.file, abstract=True)
+            return self.executor.load(self.file, shapes_only=True)
         except AbstractUnavailable as e:
             log.info("the weights' shapes come from the load (%s)", e)
         except Exception as e:  # noqa: BLE001 - e.g. a bad file: the load in its thread raises its own error
@@ -170,8 +170,7 @@ class Engine:
         """This run's label for its stored steps (compile_cache.recent_label), with the ones its
         last run used started reading; None where steps are not stored whole (as
         Executables._stored_step decides: several devices, a CPU unless IKJAX_STORE_STEPS=1)."""
-        store = env.choice("IKJAX_STORE_STEPS")
-        if not self.executor.stores_steps or store == "0" or store == "auto" and self.executor.on_cpu_only:
+        if not self.executor.stores_steps or not compile_cache.stores_whole(self.executor.on_cpu_only):
             return None
         if compile_cache.setup() is None:
             return None

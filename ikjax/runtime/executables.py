@@ -108,13 +108,6 @@ def _decode_key(B: int, sampling: tuple):
     return jax.eval_shape(lambda: jax.random.key(0))
 
 
-def _describe(a) -> tuple:
-    """A leaf as a stored step's key sees it: shape, dtype, and for an array its placement."""
-    sharding = getattr(a, "sharding", None)
-    return (tuple(a.shape), str(a.dtype), str(sharding) if sharding is not None else None,
-            getattr(sharding, "memory_kind", None))
-
-
 # IKJAX_* variables that change nothing a compiled step is made of: where files live, what the CLI
 # prints, whether steps are stored or the decode loop is used (which steps are asked for, not what
 # one is), what the C++ runtime reads on every call. Every other one (IKJAX_TOPK, IKJAX_STREAM, a
@@ -295,8 +288,7 @@ class Executables:
         custom node's static data is part of `str(tree)`). `signature` (the argument tree and
         avals) is checked against a loaded executable before it is used, and its first call
         against the arguments it is called with (StoredStep)."""
-        store = env.choice("IKJAX_STORE_STEPS")
-        if store == "0" or store == "auto" and self.executor.on_cpu_only:
+        if not compile_cache.stores_whole(self.executor.on_cpu_only):
             return None
         if key[2].expert_stats is not None:  # its host callback counts into this engine's object
             return None
@@ -309,12 +301,12 @@ class Executables:
         B, T, _, decode = key
         args = step_arguments(weights, self.layout(B), B, T, decode)
         leaves, tree = jax.tree.flatten((args, {}))
-        described = tuple(_describe(a) for a in leaves)
+        described = tuple(compile_cache.describe_leaf(a) for a in leaves)
         settings = tuple((name, str(getattr(jax.config, name, None))) for name in _JAX_SETTINGS)
         variables = trace_variables()
         parts = ("step", str(tree), described, repr(self.layout(B)), repr(self.options), self.config, key, settings,
                  variables)
-        return parts, (tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
+        return parts, compile_cache.signature_of(tree, leaves)
 
     def recompile(self, key: tuple, weights, parts: tuple, error: Exception):
         """A stored step that loaded but did not fit its call's arguments (StoredStep): compiled

@@ -79,12 +79,12 @@ class Executor(abc.ABC):
     # an executor that derives state from the loaded arrays (`bind`) before it compiles may not
     overlaps_load = False
 
-    def load(self, file, on_shapes=None, cancel=None, abstract: bool = False) -> dict:
+    def load(self, file, on_shapes=None, cancel=None, shapes_only: bool = False) -> dict:
         """The weight tree, each tensor where the placement puts it; `on_shapes(tree)` as soon as
-        its ShapeDtypeStructs are known, `cancel` stops it; `abstract`: only those
+        its ShapeDtypeStructs are known, `cancel` stops it; `shapes_only`: only those
         ShapeDtypeStructs, computed without the bytes (ikjax.model.weights.load_weights)."""
         return load_weights(file, self.config, placement=self.placement, spans=self.spans, on_shapes=on_shapes,
-                            cancel=cancel, abstract=abstract)
+                            cancel=cancel, shapes_only=shapes_only)
 
     def bind(self, weights) -> None:
         """After the load was measured: whatever the executor derives from the weights."""

@@ -2387,6 +2387,38 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
   }
 }
 
+#if defined(__AVXVNNI__)
+// AVX-VNNI: a panel block's plain int32 sums for x rows [0, mr) into s (sgn: the sign types, |w|
+// stored at pb + 256 against sign(x, w); else the unsigned codes against x), one vpdpbusd a product
+// (for vpmaddubsw + vpmaddwd + vpaddd) into two sums a row, even and odd quads, added at the end:
+// one sum would wait ~5 cycles (the instruction's latency) between a row's quads. The same
+// integers as the AVX2 forms in micro_q8.
+template <int mr, bool sgn>
+__attribute__((always_inline)) inline void block_sums_vnni(const uint8_t* pb, const int8_t* xb, int64_t K, __m256i* s) {
+  __m256i s2[mr];
+  for (int i = 0; i < mr; ++i) s[i] = s2[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+  for (int q = 0; q < 8; q += 2) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q + 32));
+    __m256i u0 = w0, u1 = w1;
+    if constexpr (sgn) {
+      u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
+      u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q + 32));
+    }
+    for (int i = 0; i < mr; ++i) {
+      const uint8_t* xr = reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q);
+      __m256i a0 = _mm256_set1_epi32(static_cast<int>(load_u32(xr)));
+      __m256i a1 = _mm256_set1_epi32(static_cast<int>(load_u32(xr + 4)));
+      if constexpr (sgn) a0 = _mm256_sign_epi8(a0, w0), a1 = _mm256_sign_epi8(a1, w1);
+      s[i] = ikj::dot4_u8s8(s[i], u0, a0);
+      s2[i] = ikj::dot4_u8s8(s2[i], u1, a1);
+    }
+  }
+  for (int i = 0; i < mr; ++i) s[i] = _mm256_add_epi32(s[i], s2[i]);
+}
+#endif
+
 // C[mr][QNR] (row stride ldc) (+)= x8 rows (xq: row 0's bytes, stride K; dx / ds: row 0's scales
 // and dx * sum(q), stride nbx) x panel blocks [b0, b1).
 template <int type, int mr>
@@ -2410,25 +2442,13 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
       if (b % 8 == 0)
         for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
 #if defined(__AVXVNNI__)
-      // AVX-VNNI: the block's plain int32 sums by vpdpbusd (two a row, as the Q8_0 path), then
-      // times the block scale once (vpmulld): 2 vector ops a quad and row for vpmaddubsw +
-      // vpmaddwd + vpaddd; the same integers (|block sum| < 2^20, times |scale| <= 32, 8 blocks)
+      // AVX-VNNI: the block's plain sums (block_sums_vnni), then times the block scale once
+      // (vpmulld): 2 vector ops a quad and row for vpmaddubsw + vpmaddwd + vpaddd; the same
+      // integers (|block sum| < 2^20, times |scale| <= 32, 8 blocks)
       const __m256i sc32 = _mm256_srai_epi32(sc, 16);  // lane j: row j's scale (both halves hold it)
-      __m256i p[mr], p2[mr];
-      for (int i = 0; i < mr; ++i) p[i] = p2[i] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-      for (int q = 0; q < 8; q += 2) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
-        const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q + 32));
-        const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q + 32));
-        for (int i = 0; i < mr; ++i) {
-          const uint8_t* xr = reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q);
-          p[i] = ikj::dot4_u8s8(p[i], u0, _mm256_sign_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(xr))), w0));
-          p2[i] = ikj::dot4_u8s8(p2[i], u1, _mm256_sign_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(xr + 4))), w1));
-        }
-      }
-      for (int i = 0; i < mr; ++i) c[i] = _mm256_add_epi32(c[i], _mm256_mullo_epi32(_mm256_add_epi32(p[i], p2[i]), sc32));
+      __m256i p[mr];
+      block_sums_vnni<mr, true>(pb, xb, K, p);
+      for (int i = 0; i < mr; ++i) c[i] = _mm256_add_epi32(c[i], _mm256_mullo_epi32(p[i], sc32));
 #else
 #pragma GCC unroll 1
       for (int q = 0; q < 8; ++q) {
@@ -2452,27 +2472,10 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
     const int8_t* xb = xq + b * 32;
     __m256i c[mr];
     if constexpr (sgn) {
-      for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
 #if defined(__AVXVNNI__)
-      // AVX-VNNI: one vpdpbusd a product (for vpmaddubsw + vpmaddwd + vpaddd), into two sums a row
-      // (even and odd quads, the same integers once added): one sum would wait ~5 cycles (the
-      // instruction's latency) between a row's quads
-      __m256i c2[mr];
-      for (int i = 0; i < mr; ++i) c2[i] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-      for (int q = 0; q < 8; q += 2) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
-        const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q + 32));
-        const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q + 32));
-        for (int i = 0; i < mr; ++i) {
-          const uint8_t* xr = reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q);
-          c[i] = ikj::dot4_u8s8(c[i], u0, _mm256_sign_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(xr))), w0));
-          c2[i] = ikj::dot4_u8s8(c2[i], u1, _mm256_sign_epi8(_mm256_set1_epi32(static_cast<int>(load_u32(xr + 4))), w1));
-        }
-      }
-      for (int i = 0; i < mr; ++i) c[i] = _mm256_add_epi32(c[i], c2[i]);
+      block_sums_vnni<mr, true>(pb, xb, K, c);
 #else
+      for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
       for (int q = 0; q < 8; ++q) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
@@ -2485,22 +2488,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
 #endif
     } else {
 #if defined(__AVXVNNI__)
-      // AVX-VNNI: one vpdpbusd a product (unsigned codes x signed x, four bytes into each int32:
-      // the i16 runs and their vpmaddwd by ones gone), two sums a row as in the sign types'
-      // path; the same integers as the AVX2 form below
-      __m256i c2[mr];
-      for (int i = 0; i < mr; ++i) c[i] = c2[i] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-      for (int q = 0; q < 8; q += 2) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q + 32));
-        for (int i = 0; i < mr; ++i) {
-          const uint8_t* xr = reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q);
-          c[i] = ikj::dot4_u8s8(c[i], w0, _mm256_set1_epi32(static_cast<int>(load_u32(xr))));
-          c2[i] = ikj::dot4_u8s8(c2[i], w1, _mm256_set1_epi32(static_cast<int>(load_u32(xr + 4))));
-        }
-      }
-      for (int i = 0; i < mr; ++i) c[i] = _mm256_add_epi32(c[i], c2[i]);
+      block_sums_vnni<mr, false>(pb, xb, K, c);  // the codes by x: no i16 runs, no vpmaddwd by ones
       (void)run16;
       (void)ones;
 #else
