@@ -29,7 +29,7 @@ from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.model import cache as kvcache
 from ikjax.model import moe
 from ikjax.model.groups import host_layers, layer_spans
-from ikjax.model.weights import AbstractUnavailable, same_shapes
+from ikjax.model.weights import same_shapes
 from ikjax.model.deepseek2 import StepPlan
 from ikjax.options import RunOptions
 from ikjax.placement import devices
@@ -151,20 +151,19 @@ class Engine:
 
     def _dry_shapes(self):
         """The weights' ShapeDtypeStructs from the file and placement alone (load_weights with
-        shapes_only=True: no bytes, each program traced, not compiled), or None where a load cannot
-        give them so (a tensor in host memory), on a CPU-only machine unless IKJAX_DRY_SHAPES=1
-        (its load runs no programs: nothing to gain), or with IKJAX_DRY_SHAPES=0. The real load's shapes are checked against them once it is in
-        (`wait_loaded`)."""
+        shapes_only=True: no bytes, each program traced, not compiled), checked against the real
+        load's once it is in (`wait_loaded`); None with IKJAX_DRY_SHAPES=0, on a CPU-only machine
+        unless it is 1 (its load runs no programs: nothing to gain), or where they cannot be had so
+        (a tensor in host memory: AbstractUnavailable; anything else, a bad file say, is the load's
+        to raise in its own thread)."""
         choice = env.choice("IKJAX_DRY_SHAPES")
         if choice == "0" or choice == "auto" and self.executor.on_cpu_only:
             return None
         try:
             return self.executor.load(self.file, shapes_only=True)
-        except AbstractUnavailable as e:
-            log.info("the weights' shapes come from the load (%s)", e)
-        except Exception as e:  # noqa: BLE001 - e.g. a bad file: the load in its thread raises its own error
-            log.info("the weights' shapes come from the load (computing them failed: %s: %s)", type(e).__name__, e)
-        return None
+        except Exception as e:  # noqa: BLE001 - the shapes then come from the load
+            log.info("the weights' shapes come from the load (%s: %s)", type(e).__name__, e)
+            return None
 
     def _prefetch_steps(self) -> str | None:
         """This run's label for its stored steps (compile_cache.recent_label), with the ones its
