@@ -58,6 +58,8 @@
 #            (VARIANTS19, default here: the avx2 columns only).
 #   STAGE=22: issue 26's CPU table alone (THREADS22, default 2; VARIANTS22, default the avx2 columns;
 #            DEADLINE22): cpu_isa_table.sh with its kernel tests, no GPU work.
+#   STAGE=23: issue 22's autotuned fusions dumped, cold / warm with autotuning off and on; issue 26's -t 2
+#            table (STAGE=22) and the -t 16 prompt step by op per level (TYPES23, LEVELS23).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -215,6 +217,50 @@ case $STAGE in
     DEADLINE=${DEADLINE22:-230} JOBS=14 NO_INSTALL=1 IK_DIR=/tmp/ikt OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
     | grep -E "^\||passed|failed|rc=|physical" | head -20
   tail -5 "$OUT/cpu/progress.log"
+  ;;
+23)
+  # issue 22: which fusions XLA's autotuner tunes in a cold run (their HLO and picks dumped), then
+  # cold / warm with autotuning off and on (S_PP's cost); issue 26: the -t 2 table (as STAGE=22),
+  # then the prompt step by op at -t 16 per level (bench/cpu_prompt_profile.py) on the table's files
+  if [ -z "${NO_GPU23:-}" ]; then
+    V2L=/tmp/v2l-Q4_0.gguf
+    [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
+    cat $V2L > /dev/null; rm -rf /tmp/cc23; el "cold, autotune results dumped"
+    XLA_FLAGS="--xla_gpu_dump_autotune_results_to=$OUT/autotune.txt" IKJAX_COMPILE_CACHE=/tmp/cc23 JAX_LOG_COMPILES=1 \
+      timeout 100 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 64 > /tmp/c23.out 2> /tmp/c23.err
+    grep "^|" /tmp/c23.out | sed -n 3,4p; grep -E "compiled" /tmp/c23.err | head -3
+    grep -h "Finished XLA compilation of" /tmp/c23.err | sed -E 's/.*compilation of ([^ ]*) in ([0-9.]+) sec.*/\2 \1/' | sort -rn | head -5
+    python3 - "$OUT/autotune.txt" <<'PYEOF'
+import re, sys
+try:
+    s = open(sys.argv[1]).read()
+except OSError as e:
+    print("no autotune dump:", e); sys.exit()
+res = s.split("results {")[1:]
+print(f"{len(res)} autotune results, {len(s)} bytes")
+for r in res[:40]:
+    hlo = re.search(r'hlo: "(.*?)"\n', r, re.S)
+    pick = re.search(r"result \{\s*(\w+)", r)
+    h = (hlo.group(1) if hlo else "").replace("\\n", " ")
+    dots = re.findall(r"(\w+\[[\d,]*\]\{?[\d,]*\}?) (?:dot|convolution)\(([^)]*)\)", h)
+    print(f"  pick={pick.group(1) if pick else '?'}: {h[:40]} ... dots={dots[:2]} len={len(h)}")
+PYEOF
+    OUT=$OUT/cold VARIANTS="${VARIANTS23:-noautotune default}" NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 \
+      | grep -E "^###|^\||compiled|loaded" | head -30
+  fi
+  el "CPU table -t ${THREADS22:-2}"
+  THREADS="${THREADS22:-2}" TYPES="${TYPES22:-Q8_0 Q4_0 Q4_K IQ4_XS}" VARIANTS="${VARIANTS22:-ik_avx2 jx_avx2}" \
+    DEADLINE=${DEADLINE22:-300} JOBS=14 NO_INSTALL=1 IK_DIR=/tmp/ikt OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
+    | grep -E "^\||passed|failed|rc=|physical" | head -20
+  tail -3 "$OUT/cpu/progress.log"
+  for t in ${TYPES23:-Q8_0 Q4_0}; do
+    f=/tmp/cpuisa_4l_$t.gguf; [ -f $f ] || continue
+    for lv in ${LEVELS23:-amx avx512}; do
+      el "profile $t $lv -t 16"
+      JAX_PLATFORMS=cpu IKJAX_CPU_ISA=$lv taskset -c 0-15 timeout 150 python3 bench/cpu_prompt_profile.py $f --threads 16 2>&1 \
+        | grep -v Warn | head -${TOP23:-22}
+    done
+  done
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
