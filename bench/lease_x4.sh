@@ -60,6 +60,8 @@
 #            DEADLINE22): cpu_isa_table.sh with its kernel tests, no GPU work.
 #   STAGE=23: issue 22's autotuned fusions dumped, cold / warm with autotuning off and on; issue 26's -t 2
 #            table (STAGE=22) and the -t 16 prompt step by op per level (TYPES23, LEVELS23).
+#   STAGE=24: issue 22's autotuner variants cold / warm at two shapes, and the issue's commit's rows
+#            (.whl/ikjax-old.tar.gz, run from its source tree) beside HEAD's.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -261,6 +263,26 @@ PYEOF
         | grep -v Warn | head -${TOP23:-22}
     done
   done
+  ;;
+24)
+  # issue 22: cold / warm under XLA's autotuner variants (VARIANTS24) at -c 4096 -ub 512, then at the
+  # deep shape (SHAPE24 VARIANTS24B: first row's time); then the rows of the commit the issue was
+  # filed at (770e631, run from its source tree: no install) beside HEAD's, same lease, same file
+  V2L=/tmp/v2l-Q4_0.gguf
+  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
+  cat $V2L > /dev/null
+  OUT=$OUT/cold VARIANTS="${VARIANTS24:-fusionoff fusionpar}" NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 \
+    | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
+  el "deep shape"
+  OUT=$OUT/deep SHAPE="${SHAPE24:--c 16384 -ub 2048 -n 128}" VARIANTS="${VARIANTS24B:-fusionpar noautotune}" NO_PROBE=1 \
+    timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
+  if [ -z "${NO_OLD24:-}" ] && [ -f .whl/ikjax-old.tar.gz ]; then
+    el "the issue's commit"
+    rm -rf /tmp/old && mkdir -p /tmp/old && tar -xzf .whl/ikjax-old.tar.gz -C /tmp/old
+    ( cd /tmp/old && PYTHONPATH=/tmp/old:/tmp/site IKJAX_COMPILE_CACHE=/tmp/cc-old timeout 240 python3 -m ikjax.cli sweep-bench \
+        -m $V2L -mla 3 -fa 1 ${SHAPE24:--c 16384 -ub 2048 -n 128} > $OUT/old.out 2> $OUT/old.err; echo "rc=$?" )
+    grep "^|" $OUT/old.out; grep -E "compiled|Error" $OUT/old.err | tail -3
+  fi
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
