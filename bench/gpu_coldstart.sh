@@ -72,6 +72,7 @@ for v in ${VARIANTS:-default noautotune}; do
     noautotune) flags="--xla_gpu_autotune_level=0" ;;
     notritongemm) flags="--xla_gpu_enable_triton_gemm=false" ;;
     both) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false" ;;
+    tune1) flags=""; envv="IKJAX_GPU_AUTOTUNE=1" ;;    # XLA's autotuning on (the default before §22q)
     fusionoff) flags="--xla_gpu_experimental_enable_fusion_autotuner=false" ;;  # GEMMs still autotuned
     fusionpar) flags="--xla_gpu_experimental_enable_fusion_autotuner=false --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;
     noautopar) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;

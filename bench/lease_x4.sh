@@ -62,6 +62,8 @@
 #            table (STAGE=22) and the -t 16 prompt step by op per level (TYPES23, LEVELS23).
 #   STAGE=24: issue 22's autotuner variants cold / warm at two shapes, and the issue's commit's rows
 #            (.whl/ikjax-old.tar.gz, run from its source tree) beside HEAD's.
+#   STAGE=25: issue 22 after IKJAX_GPU_AUTOTUNE: jaxlib's compile flags, the steps' compile profiled,
+#            default / tune1 cold and warm, the deep shape, the issue's commit's rows (ikjax uninstalled).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -282,6 +284,31 @@ PYEOF
     ( cd /tmp/old && PYTHONPATH=/tmp/old:/tmp/site IKJAX_COMPILE_CACHE=/tmp/cc-old timeout 240 python3 -m ikjax.cli sweep-bench \
         -m $V2L -mla 3 -fa 1 ${SHAPE24:--c 16384 -ub 2048 -n 128} > $OUT/old.out 2> $OUT/old.err; echo "rc=$?" )
     grep "^|" $OUT/old.out; grep -E "compiled|Error" $OUT/old.err | tail -3
+  fi
+  ;;
+25)
+  # issue 22 after IKJAX_GPU_AUTOTUNE (autotuning off for the Pallas path): this jaxlib's compile
+  # flags, each first-row step's compile profiled, cold / warm default against tune1 at -c 4096,
+  # the deep shape cold / warm, then the issue's commit's rows (ikjax uninstalled first: the
+  # editable install's finder would win over PYTHONPATH)
+  V2L=/tmp/v2l-Q4_0.gguf
+  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
+  cat $V2L > /dev/null
+  strings $(python3 -c "import jaxlib, os; print(os.path.dirname(jaxlib.__file__))")/*.so $(python3 -c "import jax_plugins, os; print(os.path.dirname(jax_plugins.__path__[0]))" 2>/dev/null)/jax*cuda*/*.so 2>/dev/null \
+    | grep -E "^xla_gpu_[a-z_]*(parallel|thread|ptxas|compil|autotun|emitter)[a-z_]*$" | sort -u | tr '\n' ' '; echo
+  [ -n "${NO_PROF25:-}" ] || IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 120 python3 bench/gpu_compile_profile.py $V2L --top 22 --steps 0,1 2>&1 | grep -v Warning | head -70
+  OUT=$OUT/cold VARIANTS="${VARIANTS25:-default tune1}" NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 \
+    | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
+  el "deep shape"
+  OUT=$OUT/deep SHAPE="${SHAPE24:--c 16384 -ub 2048 -n 128}" VARIANTS="default" NO_PROBE=1 \
+    timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
+  if [ -z "${NO_OLD24:-}" ] && [ -f .whl/ikjax-old.tar.gz ]; then
+    el "the issue's commit"
+    python3 -m pip uninstall -y -q ikjax; rm -f /tmp/lease_installed
+    rm -rf /tmp/old && mkdir -p /tmp/old && tar -xzf .whl/ikjax-old.tar.gz -C /tmp/old
+    ( cd /tmp/old && PYTHONPATH=/tmp/old:/tmp/site IKJAX_COMPILE_CACHE=/tmp/cc-old timeout 240 python3 -m ikjax.cli sweep-bench \
+        -m $V2L -mla 3 -fa 1 ${SHAPE24:--c 16384 -ub 2048 -n 128} > $OUT/old.out 2> $OUT/old.err; echo "rc=$?" )
+    grep "^|" $OUT/old.out; grep -E "compil|Error" $OUT/old.err | tail -4; python3 -c "import ikjax; print(ikjax.__file__)" 2>&1 | tail -1
   fi
   ;;
 15)

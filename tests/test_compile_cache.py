@@ -306,3 +306,27 @@ def test_load_programs_off_the_default_device_stay_calls(tmp_path):
     assert out["a"] == [[1.0, 4.0, 7.0], [10.0, 13.0, 16.0]] and out["loads"] == 0
     assert out["st"][3] == [3.0, 4.0, 5.0]
     assert not [p for p in _files(tmp_path / "xla") if p.parent.name == "programs"]
+
+
+@pytest.mark.parametrize("setting, backend, level", [
+    ("auto", "pallas", 0), ("auto", "xla", None), ("1", "pallas", None), ("0", "xla", 0), ("0", "pallas", 0)])
+def test_gpu_options_autotune(monkeypatch, setting, backend, level):
+    """IKJAX_GPU_AUTOTUNE: XLA's autotuning off for the Pallas path by default (RESULTS §22q), on for
+    the XLA path; the decode loop keeps its command buffers either way; the options are ones JAX's
+    compile accepts (compiled here on the CPU, where XLA ignores the GPU ones)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ikjax.runtime import executables
+
+    monkeypatch.setenv("IKJAX_GPU_AUTOTUNE", setting)
+    plan = SimpleNamespace(backend=backend)
+    for decode in (False, True):
+        opts = executables.gpu_options(plan, decode) or {}
+        assert opts.get("xla_gpu_autotune_level") == level
+        assert ("xla_gpu_enable_command_buffer" in opts) == decode
+        if decode:
+            assert "WHILE" in opts["xla_gpu_enable_command_buffer"]
+        exe = jax.jit(lambda x: x * 2 + 1).lower(jnp.float32(1)).compile(opts or None)
+        assert float(exe(jnp.float32(3))) == 7.0
+    assert executables.gpu_options(plan, True) is not executables._DECODE_GPU_OPTIONS  # a copy: callers add to it

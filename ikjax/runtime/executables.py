@@ -42,6 +42,20 @@ _DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,CUBL
                        "xla_gpu_graph_min_graph_size": 1}
 
 
+def gpu_options(plan: StepPlan, decode: bool) -> dict | None:
+    """XLA's compile options for one GPU step: the decode loop's command buffers, and autotuning
+    off (`xla_gpu_autotune_level` 0) unless IKJAX_GPU_AUTOTUNE asks for it or the XLA path runs.
+    Why off: with the Pallas kernels doing the products, a step's autotuning measures ~240 small
+    fusions (native against block-level emitter, nearly always native) and the router's GEMM: 3-4 s
+    of a cold start's ~10 s compile on an H200, for 1.2-2.5 % of S_PP and nothing of S_TG (RESULTS
+    §22q). The XLA path's dequantized GEMMs are what autotuning is for (§22b: 8-40 % of S_PP)."""
+    options = dict(_DECODE_GPU_OPTIONS) if decode else {}
+    tune = env.choice("IKJAX_GPU_AUTOTUNE")
+    if tune == "0" or (tune == "auto" and plan.backend == "pallas"):
+        options["xla_gpu_autotune_level"] = 0
+    return options or None
+
+
 def compile_side_by_side(work: list[tuple[Any, Callable[[], Any]]], max_threads: int = 8) -> list:
     """Run compile jobs `(family, fn)` on threads (XLA compiles with the GIL released), each
     family's first job before the rest of that family: the first of each family start together,
@@ -72,15 +86,16 @@ def compile_step(weights, cache, B: int, T: int, *, cfg: ModelConfig, plan: Step
                  decode: tuple | None = None, gpu: bool = False):
     """Trace, lower and compile one step on one device: `cache` the cache's ShapeDtypeStructs,
     `sharding` that of the int32 inputs (None: the default device). `decode` = (chunk, sampling):
-    the decode loop (`decode_steps`, compiled with `_DECODE_GPU_OPTIONS` on a GPU) instead of one
-    step of T tokens."""
+    the decode loop (`decode_steps`) instead of one step of T tokens. On a GPU each compiles with
+    `gpu_options`."""
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sharding)
     if decode is not None:
         chunk, sampling = decode
         lowered = _jitted_decode.lower(weights, cache, i32((B,)), i32((B,)), i32(()), _decode_key(B, sampling),
                                        cfg=cfg, plan=plan, chunk=chunk, sampling=sampling)
-        return lowered.compile(_DECODE_GPU_OPTIONS if gpu else None)
-    return _jitted_forward.lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=cfg, plan=plan).compile()
+        return lowered.compile(gpu_options(plan, True) if gpu else None)
+    return _jitted_forward.lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=cfg,
+                                 plan=plan).compile(gpu_options(plan, False) if gpu else None)
 
 
 # JAX settings that change what a traced step's arguments are (x64: Python ints and int64 inputs)

@@ -40,7 +40,7 @@ from ikjax.model.weights import load_weights
 from ikjax.placement import devices
 from ikjax.runtime import distributed
 from ikjax.runtime import mesh as tensor_parallel
-from ikjax.runtime.executables import _DECODE_GPU_OPTIONS, compile_step
+from ikjax.runtime.executables import compile_step, gpu_options
 from ikjax.runtime.pipeline import Pipeline
 
 log = logging.getLogger("ikjax")
@@ -170,8 +170,8 @@ class LayerPipeline(Executor):
         if decode is not None:  # the stages' decode steps, sampling on the last (pipeline.DecodePipeline)
             chunk, sampling = decode
             return self.pipeline.compile_decode(_cache_shapes(layout), B, plan, chunk, sampling,
-                                                _DECODE_GPU_OPTIONS if self.on_gpu else None)
-        return self.pipeline.compile(_cache_shapes(layout), B, T, plan)
+                                                gpu_options(plan, True) if self.on_gpu else None)
+        return self.pipeline.compile(_cache_shapes(layout), B, T, plan, gpu_options(plan, False) if self.on_gpu else None)
 
 
 class GraphMesh(Executor):
@@ -207,21 +207,23 @@ class GraphMesh(Executor):
             lowered = tensor_parallel.decode().lower(weights, cache, i32((B,)), i32((B,)), i32(()), key,
                                                      cfg=self.config, plan=plan, layout=layout, chunk=chunk,
                                                      sampling=sampling)
-            return lowered.compile(self._decode_options())
+            return lowered.compile(self._decode_options(plan))
         return tensor_parallel.step().lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
-                                            plan=plan, layout=layout).compile()
+                                            plan=plan, layout=layout).compile(
+            gpu_options(plan, False) if self.on_gpu else None)
 
-    def _decode_options(self) -> dict | None:
+    def _decode_options(self, plan) -> dict | None:
         """XLA options of the decode loop: on GPUs the one-device loop's command buffers, whose
         WHILE capture cannot hold a loop with collectives in it (the segments between them become
         graphs); IKJAX_MESH_GRAPH=1 adds the collectives (NCCL kernels captured in the graph), so
         the loop may become one graph as on one device."""
         if not self.on_gpu:
             return None
+        options = gpu_options(plan, True)
         if env.choice("IKJAX_MESH_GRAPH") == "1":
             key = "xla_gpu_enable_command_buffer"
-            return {**_DECODE_GPU_OPTIONS, key: _DECODE_GPU_OPTIONS[key] + ",COLLECTIVES"}
-        return _DECODE_GPU_OPTIONS
+            options[key] += ",COLLECTIVES"
+        return options
 
     def run(self, exe, weights, cache, *inputs):
         # the mesh may span other processes' devices: inputs as global arrays (the same values on

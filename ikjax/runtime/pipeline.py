@@ -163,9 +163,10 @@ class Pipeline:
         m = int(choice)
         return m if T % m == 0 and T >= m else 1
 
-    def compile(self, cache_shapes, B: int, T: int, plan) -> "CompiledPipeline":
+    def compile(self, cache_shapes, B: int, T: int, plan, options=None) -> "CompiledPipeline":
         """Compile every stage for this shape (`cache_shapes`: the whole cache's ShapeDtypeStructs),
-        each for one micro-batch of T / `micro_batches(T)` tokens."""
+        each for one micro-batch of T / `micro_batches(T)` tokens; `options`: XLA's compile options
+        of each stage (ikjax.runtime.executables.gpu_options)."""
         m = self.micro_batches(T)
         T //= m
         exes = []
@@ -177,7 +178,7 @@ class Pipeline:
                 jax.ShapeDtypeStruct((B, T, self.cfg.d_model), jnp.float32, sharding=sh)
             i32 = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh)
             exes.append(_stage_jit().lower(w, c, x, i32, i32, cfg=self.cfg, plan=plan,
-                                           embed_in=embed_in, head_out=head_out).compile())
+                                           embed_in=embed_in, head_out=head_out).compile(options))
         return CompiledPipeline(self, exes, m)
 
     def compile_decode(self, cache_shapes, B: int, plan, chunk: int, sampling: tuple, options=None) -> "DecodePipeline":
