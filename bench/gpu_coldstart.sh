@@ -73,6 +73,10 @@ for v in ${VARIANTS:-default noautotune}; do
     notritongemm) flags="--xla_gpu_enable_triton_gemm=false" ;;
     both) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false" ;;
     tune1) flags=""; envv="IKJAX_GPU_AUTOTUNE=1" ;;    # XLA's autotuning on (the default before §22q)
+    nvptxlib) flags="--xla_gpu_enable_libnvptxcompiler=true" ;;   # PTX -> CUBIN in process, not a ptxas per kernel
+    par16) flags="--xla_gpu_force_compilation_parallelism=16" ;;
+    unroll8) flags=""; envv="IKJAX_DECODE_UNROLL=8" ;;     # GPU decode: up to 8 layers an iteration
+    unroll) flags=""; envv="IKJAX_LAYERS=unroll" ;;         # every layer unrolled (the form of the commit)
     fusionoff) flags="--xla_gpu_experimental_enable_fusion_autotuner=false" ;;  # GEMMs still autotuned
     fusionpar) flags="--xla_gpu_experimental_enable_fusion_autotuner=false --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;
     noautopar) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;

@@ -64,6 +64,7 @@
 #            (.whl/ikjax-old.tar.gz, run from its source tree) beside HEAD's.
 #   STAGE=25: issue 22 after IKJAX_GPU_AUTOTUNE: jaxlib's compile flags, the steps' compile profiled,
 #            default / tune1 cold and warm, the deep shape, the issue's commit's rows (ikjax uninstalled).
+#   STAGE=26: issue 22's cold / warm variants (VARIANTS26, SHAPE26), every row's S_PP and S_TG.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -310,6 +311,20 @@ PYEOF
         -m $V2L -mla 3 -fa 1 ${SHAPE24:--c 16384 -ub 2048 -n 128} > $OUT/old.out 2> $OUT/old.err; echo "rc=$?" )
     grep "^|" $OUT/old.out; grep -E "compil|Error" $OUT/old.err | tail -4; python3 -c "import ikjax; print(ikjax.__file__)" 2>&1 | tail -1
   fi
+  ;;
+26)
+  # issue 22: cold / warm variants (VARIANTS26) at SHAPE26, every row printed
+  V2L=/tmp/v2l-Q4_0.gguf
+  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
+  cat $V2L > /dev/null
+  OUT=$OUT/cold SHAPE="${SHAPE26:--c 4096 -ub 512 -n 64}" VARIANTS="${VARIANTS26:-default nvptxlib par16 unroll8 unroll}" NO_PROBE=1 \
+    timeout 500 bash bench/gpu_coldstart.sh > /dev/null 2>&1
+  for f in $OUT/cold/cold-*.stamped; do v=${f##*/cold-}; v=${v%.stamped}
+    echo "$v: cold $(grep -m1 "^### cold-$v:" $OUT/cold/cold.md | sed 's/.*rc [0-9]*, //'); warm $(grep -m1 "^### warm-$v:" $OUT/cold/cold.md | sed 's/.*rc [0-9]*, //')"
+    grep -h "compiled" $OUT/cold/cold-$v.err | sed 's/(.tmp[^)]*)//' | head -1
+    for w in cold warm; do echo "  $w S_PP: $(grep '^|' $OUT/cold/$w-$v.out | awk -F'|' '$2 ~ /[0-9]/ {printf "%s ", $6+0}')  S_TG: $(grep '^|' $OUT/cold/$w-$v.out | awk -F'|' '$2 ~ /[0-9]/ {printf "%s ", $8+0}')"; done
+  done
+  grep -A4 "XLA compiles over" $OUT/cold/cold.md | grep -v "^--" | head -30
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40

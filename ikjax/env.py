@@ -46,6 +46,9 @@ _VARS = (
              "XLA's GPU autotuning when a step compiles; auto: off where the Pallas kernels do the products (it "
              "then spends 3-4 s of a cold start choosing emitters for small fusions, for 1-2 % of S_PP; RESULTS "
              "§22q), on for the XLA path, whose dequantized GEMMs it tunes", "ikjax.runtime.executables"),
+    Variable("IKJAX_DECODE_UNROLL", "4", (),
+             "layers an iteration of a GPU decode step's scan over a layer group, at most (IKJAX_LAYERS=auto): "
+             "more layers, fewer iterations (~6-10 us a token each) but a longer compile", "ikjax.model.groups"),
     Variable("IKJAX_PROMPT_ATTN", "pallas", ("pallas", "xla"),
              "GPU prompt attention of -mla 2/3 (-fa): the Pallas flash kernel that reads keys up to each "
              "query's position (H200, V2-Lite -ub 2048: 1.09-1.49x XLA's S_PP, RESULTS §25c), or XLA's "

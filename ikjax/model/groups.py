@@ -45,7 +45,7 @@ def layer_mode() -> str:
     return env.choice("IKJAX_LAYERS")
 
 
-DECODE_UNROLL = 4  # layers an iteration of a GPU decode step's scan, at most (module doc)
+DECODE_UNROLL = 4  # layers an iteration of a GPU decode step's scan, at most (module doc; IKJAX_DECODE_UNROLL)
 
 
 def unroll_scan(n_tokens: int, backend: str, count: int) -> int:
@@ -59,7 +59,7 @@ def unroll_scan(n_tokens: int, backend: str, count: int) -> int:
         return 1
     if mode == "halves":
         return -(-count // 2)
-    iterations = -(-count // DECODE_UNROLL)
+    iterations = -(-count // env.positive_int("IKJAX_DECODE_UNROLL"))
     return -(-count // iterations)
 
 
