@@ -65,6 +65,7 @@
 #   STAGE=25: issue 22 after IKJAX_GPU_AUTOTUNE: jaxlib's compile flags, the steps' compile profiled,
 #            default / tune1 cold and warm, the deep shape, the issue's commit's rows (ikjax uninstalled).
 #   STAGE=26: issue 22's cold / warm variants (VARIANTS26, SHAPE26), every row's S_PP and S_TG.
+#   STAGE=27: issue 22's decode loop kernel by kernel, scanned against unrolled (LAYERS27), then STAGE=26.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -325,6 +326,17 @@ PYEOF
     for w in cold warm; do echo "  $w S_PP: $(grep '^|' $OUT/cold/$w-$v.out | awk -F'|' '$2 ~ /[0-9]/ {printf "%s ", $6+0}')  S_TG: $(grep '^|' $OUT/cold/$w-$v.out | awk -F'|' '$2 ~ /[0-9]/ {printf "%s ", $8+0}')"; done
   done
   grep -A4 "XLA compiles over" $OUT/cold/cold.md | grep -v "^--" | head -30
+  ;;
+27)
+  # issue 22: the decode loop's kernels, scanned layers against unrolled (bench/gpu_decode_profile.py),
+  # then STAGE=26's variants (VARIANTS26)
+  V2L=/tmp/v2l-Q4_0.gguf
+  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
+  cat $V2L > /dev/null
+  for l in ${LAYERS27:-auto unroll}; do
+    IKJAX_LAYERS=$l timeout 150 python3 bench/gpu_decode_profile.py $V2L --top ${TOP27:-30} 2>&1 | grep -v Warn | tee $OUT/dprof-$l.txt
+  done
+  [ -n "${VARIANTS26:-}" ] && STAGE=26 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40

@@ -1,0 +1,74 @@
+"""Where the GPU decode loop's time goes, kernel by kernel (issue 22: the scanned layers against the
+unrolled ones). Loads MODEL at sweep-bench's shape, runs the decode loop (TG tokens a dispatch, as
+sweep-bench's TG rows) a few times, then once under jax.profiler, and sums the GPU's kernels by
+name (numbers folded): the wall time a token against the kernels' busy time shows the gaps; the
+kernel table shows what a form adds.
+
+    IKJAX_LAYERS=unroll python3 bench/gpu_decode_profile.py MODEL.gguf [--ctx 4096 --tg 64 --kv 512]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_trace import gpu_kernels  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--tg", type=int, default=64)
+    ap.add_argument("--kv", type=int, default=512, help="the cache position the tokens start at")
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
+    import jax
+    import numpy as np
+
+    import ikjax
+    eng = ikjax.load(a.model, ctx=a.ctx, ubatch=512, mla=3, flash_attn=True)
+    eng.precompile_decode(1, a.tg, a.kv + a.tg)
+    rng = np.random.default_rng(0)
+    cache = eng.new_cache(1)
+
+    def run(cache):
+        out, cache = eng.decode(cache, rng.integers(0, eng.config.vocab_size, (1,)), [a.kv], a.tg)
+        jax.block_until_ready(out)
+        return cache
+    for _ in range(3):
+        cache = run(cache)
+    t = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        cache = run(cache)
+    wall = (time.perf_counter() - t) / reps / a.tg
+    d = tempfile.mkdtemp(prefix="dprof-")
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+        cache = run(cache)
+    tot, cnt = collections.Counter(), collections.Counter()
+    spans = []
+    for e in gpu_kernels(d):
+        name = re.sub(r"[._]?\d+$", "", e["name"])[:90]
+        tot[name] += e["dur"]
+        cnt[name] += 1
+        spans.append((e["ts"], e["ts"] + e["dur"]))
+    busy = sum(tot.values()) / a.tg
+    spans.sort()
+    span = (spans[-1][1] - spans[0][0]) / a.tg if spans else 0.0
+    print(f"{os.environ.get('IKJAX_LAYERS', 'auto')}: {wall * 1e6:.0f} us a token wall ({1 / wall:.1f} t/s), "
+          f"kernels busy {busy:.0f} us a token, first kernel to last {span:.0f} us a token, "
+          f"{sum(cnt.values()) / a.tg:.0f} kernels a token")
+    for n, t in tot.most_common(a.top):
+        print(f"  {t / a.tg:8.1f} us  {cnt[n] / a.tg:6.1f}x  {n}")
+
+
+if __name__ == "__main__":
+    main()
