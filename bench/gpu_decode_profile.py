@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=64)
     ap.add_argument("--kv", type=int, default=512, help="the cache position the tokens start at")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--interleave", action="store_true",
+                    help="a 512-token prompt step before each decode call, as sweep-bench's rows (only the decode timed)")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
     import jax
@@ -38,21 +40,36 @@ def main() -> None:
     eng.precompile_decode(1, a.tg, a.kv + a.tg)
     rng = np.random.default_rng(0)
     cache = eng.new_cache(1)
+    moved = collections.Counter()
+
+    def ptrs(c):
+        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(c)]
 
     def run(cache):
+        """-> (cache, seconds of the decode call)"""
+        if a.interleave:
+            before = ptrs(cache)
+            out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, 512)), np.array([0]))
+            out.block_until_ready()
+            moved["prompt step"] += sum(x != y for x, y in zip(before, ptrs(cache)))
+        before = ptrs(cache)
+        t = time.perf_counter()
         out, cache = eng.decode(cache, rng.integers(0, eng.config.vocab_size, (1,)), [a.kv], a.tg)
         jax.block_until_ready(out)
-        return cache
+        dt = time.perf_counter() - t
+        moved["decode"] += sum(x != y for x, y in zip(before, ptrs(cache)))
+        return cache, dt
     for _ in range(3):
-        cache = run(cache)
-    t = time.perf_counter()
+        cache, _ = run(cache)
     reps = 5
+    spent = 0.0
     for _ in range(reps):
-        cache = run(cache)
-    wall = (time.perf_counter() - t) / reps / a.tg
+        cache, dt = run(cache)
+        spent += dt
+    wall = spent / reps / a.tg
     d = tempfile.mkdtemp(prefix="dprof-")
     with jax.profiler.trace(d, create_perfetto_trace=True):
-        cache = run(cache)
+        cache, _ = run(cache)
     tot, cnt = collections.Counter(), collections.Counter()
     spans = []
     for e in gpu_kernels(d):
@@ -65,7 +82,8 @@ def main() -> None:
     span = (spans[-1][1] - spans[0][0]) / a.tg if spans else 0.0
     print(f"{os.environ.get('IKJAX_LAYERS', 'auto')}: {wall * 1e6:.0f} us a token wall ({1 / wall:.1f} t/s), "
           f"kernels busy {busy:.0f} us a token, first kernel to last {span:.0f} us a token, "
-          f"{sum(cnt.values()) / a.tg:.0f} kernels a token")
+          f"{sum(cnt.values()) / a.tg:.0f} kernels a token; cache buffers moved by the calls: {dict(moved)}"
+          f"{' (a prompt step before each)' if a.interleave else ''}")
     for n, t in tot.most_common(a.top):
         print(f"  {t / a.tg:8.1f} us  {cnt[n] / a.tg:6.1f}x  {n}")
 

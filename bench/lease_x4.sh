@@ -334,7 +334,10 @@ PYEOF
   [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
   cat $V2L > /dev/null
   for l in ${LAYERS27:-auto unroll}; do
-    IKJAX_LAYERS=$l timeout 150 python3 bench/gpu_decode_profile.py $V2L --top ${TOP27:-30} 2>&1 | grep -v Warn | tee $OUT/dprof-$l.txt
+    for il in ${INTERLEAVE27:-plain}; do  # plain | interleave (a prompt step before each decode call)
+      IKJAX_LAYERS=$l timeout 150 python3 bench/gpu_decode_profile.py $V2L --top ${TOP27:-30} $([ $il = interleave ] && echo --interleave) \
+        2>&1 | grep -v Warn | tee $OUT/dprof-$l-$il.txt
+    done
   done
   [ -n "${VARIANTS26:-}" ] && STAGE=26 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
   ;;
