@@ -66,6 +66,7 @@
 #            default / tune1 cold and warm, the deep shape, the issue's commit's rows (ikjax uninstalled).
 #   STAGE=26: issue 22's cold / warm variants (VARIANTS26, SHAPE26), every row's S_PP and S_TG.
 #   STAGE=27: issue 22's decode loop kernel by kernel, scanned against unrolled (LAYERS27), then STAGE=26.
+#   STAGE=28: issue 22's scanned decode after a prompt step with JAX's preallocation on and off.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -340,6 +341,22 @@ PYEOF
     done
   done
   [ -n "${VARIANTS26:-}" ] && STAGE=26 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
+  ;;
+28)
+  # issue 22: the scanned decode after a prompt step with JAX's default allocator (preallocation on,
+  # as users run it; the lease exports XLA_PYTHON_CLIENT_PREALLOCATE=false), then sweep-bench both ways
+  V2L=/tmp/v2l-Q4_0.gguf
+  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
+  cat $V2L > /dev/null
+  for pre in ${PRE28:-true false}; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=$pre timeout 150 python3 bench/gpu_decode_profile.py $V2L --top 2 --interleave 2>&1 | grep -v Warn | head -1 | sed "s/^/preallocate=$pre: /"
+  done
+  rm -rf /tmp/cc28
+  for pre in true false true false; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=$pre IKJAX_COMPILE_CACHE=/tmp/cc28 timeout 100 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
+      -c 4096 -ub 512 -n 64 > /tmp/s28.out 2> /tmp/s28.err
+    echo "preallocate=$pre sweep-bench S_TG: $(grep '^|' /tmp/s28.out | awk -F'|' '$2 ~ /[0-9]/ {printf "%s ", $8+0}')"
+  done
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
