@@ -67,6 +67,7 @@
 #   STAGE=26: issue 22's cold / warm variants (VARIANTS26, SHAPE26), every row's S_PP and S_TG.
 #   STAGE=27: issue 22's decode loop kernel by kernel, scanned against unrolled (LAYERS27), then STAGE=26.
 #   STAGE=28: issue 22's scanned decode after a prompt step with JAX's preallocation on and off.
+#   STAGE=29: issue 26's avx2 cells beside ik's AVX2 build carried prebuilt (THREADS29, TYPES29).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -357,6 +358,16 @@ PYEOF
       -c 4096 -ub 512 -n 64 > /tmp/s28.out 2> /tmp/s28.err
     echo "preallocate=$pre sweep-bench S_TG: $(grep '^|' /tmp/s28.out | awk -F'|' '$2 ~ /[0-9]/ {printf "%s ", $8+0}')"
   done
+  ;;
+29)
+  # issue 26: the -t 2 / -t 16 avx2 cells beside ik's AVX2 build carried prebuilt (.whl/ik_avx2_bin.tar.gz:
+  # llama-sweep-bench and its two libraries, built -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF
+  # on a workplace CPU machine, unpacked where their RUNPATH points), no ik build in the call
+  tar -xzf .whl/ik_avx2_bin.tar.gz -C / || exit 1
+  THREADS="${THREADS29:-2 16}" TYPES="${TYPES29:-Q8_0 IQ4_XS}" VARIANTS="ik_avx2 jx_avx2" IK_AVX2_BIN=/tmp/ikfull/build/bin/llama-sweep-bench \
+    IK_NATIVE_BIN=none DEADLINE=${DEADLINE29:-170} NO_INSTALL=1 OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
+    | grep -E "^\||passed|failed|rc=|physical" | head -20
+  tail -3 "$OUT/cpu/progress.log"
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40

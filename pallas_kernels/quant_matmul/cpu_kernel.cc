@@ -2278,10 +2278,19 @@ constexpr bool q8gemm_kq(int type) { return type == ikj::T_Q4_K || type == ikj::
 constexpr int64_t q8gemm_blk(int type) { return type == ikj::T_IQ4_XS ? 576 : q8gemm_sign(type) ? 544 : 320; }
 
 // x8 pack: [M][K] signed bytes q, then (64-byte aligned) [M][K / 32] floats dx, then [M][K / 32]
-// floats dx * sum(q).
+// floats dx * sum(q), then [M][K / 32] int32 sum(q) (the AVX-VNNI build's sign types: their panels
+// hold w + 128, whose products with x carry 128 * sum(q) too).
 inline int64_t x8_dx_offset(int64_t M, int64_t K) { return (M * K + 63) / 64 * 64; }
 inline int64_t x8_ds_offset(int64_t M, int64_t K) { return x8_dx_offset(M, K) + M * (K / 32) * 4; }
-inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (K / 32) * 4; }
+inline int64_t x8_sx_offset(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (K / 32) * 4; }
+inline size_t x8_bytes(int64_t M, int64_t K) { return x8_sx_offset(M, K) + M * (K / 32) * 4; }
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+  return _mm_cvtsi128_si32(h);
+}
 
 // rows [r0, r1) of x [M, K] into the x8 pack at out (K a multiple of 32); quantize_x8's arithmetic:
 // one scale per block of 32, or (k256: QM_Q8K, K a multiple of 256) per 256 values, dx repeating it
@@ -2289,8 +2298,12 @@ inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (
 void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int64_t r1, bool k256 = false) {
   const int64_t nb = K / 32;
   float* ds = reinterpret_cast<float*>(out + x8_ds_offset(M, K));
+  int32_t* sx = reinterpret_cast<int32_t*>(out + x8_sx_offset(M, K));
   q8_groups_avx2(x, out, r0 * nb, r1 * nb, k256 ? 8 : 1, reinterpret_cast<float*>(out + x8_dx_offset(M, K)),
-                 [&](int64_t i, float d, __m256i s4) { ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4)); });
+                 [&](int64_t i, float d, __m256i s4) {
+                   ds[i] = d * hsum256(_mm256_cvtepi32_ps(s4));
+                   sx[i] = hsum_epi32(s4);
+                 });
 }
 
 // Weight rows [p0, p0 + nr) (nr <= QNR; missing rows zero) of nb blocks into the panel layout.
@@ -2380,50 +2393,56 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 32 * c), lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 32 * (c + 4)), hi);
       if constexpr (sgn) {
+#if defined(__AVX2__) && defined(__AVXVNNI__)  // w + 128 (unsigned): block_sums_vnni's operand
+        const __m256i m80 = _mm256_set1_epi8(static_cast<char>(0x80));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * c), _mm256_xor_si256(lo, m80));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * (c + 4)), _mm256_xor_si256(hi, m80));
+#else  // |w| for the sign trick
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * c), _mm256_sign_epi8(lo, lo));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * (c + 4)), _mm256_sign_epi8(hi, hi));
+#endif
       }
     }
   }
 }
 
 #if defined(__AVXVNNI__)
-// AVX-VNNI: a panel block's plain int32 sums for x rows [0, mr) into s (sgn: the sign types, |w|
-// stored at pb + 256 against sign(x, w); else the unsigned codes against x), one vpdpbusd a product
-// (for vpmaddubsw + vpmaddwd + vpaddd) into two sums a row, even and odd quads, added at the end:
-// one sum would wait ~5 cycles (the instruction's latency) between a row's quads. The same
-// integers as the AVX2 forms in micro_q8.
+// AVX-VNNI: a panel block's plain int32 sums for x rows [0, mr) into s, one vpdpbusd a product (for
+// vpmaddubsw + vpmaddwd + vpaddd) into two sums a row, even and odd quads, added at the end: one sum
+// would wait ~5 cycles (the instruction's latency) between a row's quads. The nibble types: their
+// unsigned codes (pb) against x. The sign types (sgn): w + 128 (pb + 256, build_panel_q8) against x,
+// each row's sum started at -128 * sum(x) (sx: row 0's block sum, stride nbx) -- no sign(x, w) a
+// product as the plain AVX2 form's sign trick needs, one vector op a product instead of two
+// (|sum| <= 32 * 255 * 128 < 2^31). The same integers as the AVX2 forms in micro_q8.
 template <int mr, bool sgn>
-__attribute__((always_inline)) inline void block_sums_vnni(const uint8_t* pb, const int8_t* xb, int64_t K, __m256i* s) {
+__attribute__((always_inline)) inline void block_sums_vnni(const uint8_t* pb, const int8_t* xb, int64_t K, __m256i* s,
+                                                           const int32_t* sx, int64_t nbx) {
   __m256i s2[mr];
-  for (int i = 0; i < mr; ++i) s[i] = s2[i] = _mm256_setzero_si256();
+  for (int i = 0; i < mr; ++i) {
+    s[i] = sgn ? _mm256_set1_epi32(-128 * sx[i * nbx]) : _mm256_setzero_si256();
+    s2[i] = _mm256_setzero_si256();
+  }
+  const uint8_t* pu = pb + (sgn ? 256 : 0);
 #pragma GCC unroll 1
   for (int q = 0; q < 8; q += 2) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q + 32));
-    __m256i u0 = w0, u1 = w1;
-    if constexpr (sgn) {
-      u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
-      u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q + 32));
-    }
+    const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pu + 32 * q));
+    const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pu + 32 * q + 32));
     for (int i = 0; i < mr; ++i) {
       const uint8_t* xr = reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q);
-      __m256i a0 = _mm256_set1_epi32(static_cast<int>(load_u32(xr)));
-      __m256i a1 = _mm256_set1_epi32(static_cast<int>(load_u32(xr + 4)));
-      if constexpr (sgn) a0 = _mm256_sign_epi8(a0, w0), a1 = _mm256_sign_epi8(a1, w1);
-      s[i] = ikj::dot4_u8s8(s[i], u0, a0);
-      s2[i] = ikj::dot4_u8s8(s2[i], u1, a1);
+      s[i] = ikj::dot4_u8s8(s[i], u0, _mm256_set1_epi32(static_cast<int>(load_u32(xr))));
+      s2[i] = ikj::dot4_u8s8(s2[i], u1, _mm256_set1_epi32(static_cast<int>(load_u32(xr + 4))));
     }
   }
   for (int i = 0; i < mr; ++i) s[i] = _mm256_add_epi32(s[i], s2[i]);
 }
 #endif
 
-// C[mr][QNR] (row stride ldc) (+)= x8 rows (xq: row 0's bytes, stride K; dx / ds: row 0's scales
-// and dx * sum(q), stride nbx) x panel blocks [b0, b1).
+// C[mr][QNR] (row stride ldc) (+)= x8 rows (xq: row 0's bytes, stride K; dx / ds / sx: row 0's
+// scales, dx * sum(q) and sum(q), stride nbx) x panel blocks [b0, b1).
 template <int type, int mr>
-void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int64_t nbx, const uint8_t* panel,
-              int64_t b0, int64_t b1, float* C, int64_t ldc, bool acc_c) {
+void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, const int32_t* sx, int64_t nbx,
+              const uint8_t* panel, int64_t b0, int64_t b1, float* C, int64_t ldc, bool acc_c) {
+  (void)sx;  // the AVX-VNNI build's sign types only
   constexpr int64_t qblk = q8gemm_blk(type);
   constexpr bool sgn = q8gemm_sign(type);
   constexpr int run16 = type == ikj::T_Q5_0 || type == ikj::T_Q5_1 || type == ikj::T_Q5_K ? 4 : 8;  // quads summed in i16
@@ -2447,7 +2466,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
       // integers (|block sum| < 2^20, times |scale| <= 32, 8 blocks)
       const __m256i sc32 = _mm256_srai_epi32(sc, 16);  // lane j: row j's scale (both halves hold it)
       __m256i p[mr];
-      block_sums_vnni<mr, true>(pb, xb, K, p);
+      block_sums_vnni<mr, true>(pb, xb, K, p, sx + b, nbx);
       for (int i = 0; i < mr; ++i) c[i] = _mm256_add_epi32(c[i], _mm256_mullo_epi32(p[i], sc32));
 #else
 #pragma GCC unroll 1
@@ -2473,7 +2492,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
     __m256i c[mr];
     if constexpr (sgn) {
 #if defined(__AVXVNNI__)
-      block_sums_vnni<mr, true>(pb, xb, K, c);
+      block_sums_vnni<mr, true>(pb, xb, K, c, sx + b, nbx);
 #else
       for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
@@ -2488,7 +2507,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
 #endif
     } else {
 #if defined(__AVXVNNI__)
-      block_sums_vnni<mr, false>(pb, xb, K, c);  // the codes by x: no i16 runs, no vpmaddwd by ones
+      block_sums_vnni<mr, false>(pb, xb, K, c, sx, nbx);  // the codes by x: no i16 runs, no vpmaddwd by ones
       (void)run16;
       (void)ones;
 #else
@@ -2525,8 +2544,8 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, int
 }
 
 template <int type, int bs>
-void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, int64_t M, int64_t K, const uint8_t* w,
-                    int64_t row_bytes, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const int32_t* sx, int64_t M, int64_t K,
+                    const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   constexpr int mq = q8gemm_mq(type);
   const int64_t nb = K / 32, pstride = nb * q8gemm_blk(type);
   thread_local std::vector<uint8_t> panel;
@@ -2547,6 +2566,7 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, int64_t 
         const int mr = static_cast<int>(std::min<int64_t>(mq, M - m0));
         const int8_t* xr = xq + m0 * K;
         const float *dr = dx + m0 * nb, *sr = ds + m0 * nb;
+        const int32_t* xr_sx = sx + m0 * nb;
         for (int j = 0; j < np; ++j) {
           const bool direct = j + 1 < np || nr_last == QNR;  // a partial last panel goes through ctile
           const int64_t ldc = direct ? ldy : QNR;
@@ -2554,19 +2574,19 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, int64_t 
           const uint8_t* pj = panel.data() + j * pstride;
           if constexpr (mq > 4) {
             if (mr == 6) {
-              micro_q8<type, 6>(xr, K, dr, sr, nb, pj, kb, kb1, C, ldc, kb > 0);
+              micro_q8<type, 6>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0);
               continue;
             }
             if (mr == 5) {
-              micro_q8<type, 5>(xr, K, dr, sr, nb, pj, kb, kb1, C, ldc, kb > 0);
+              micro_q8<type, 5>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0);
               continue;
             }
           }
           switch (mr) {
-            case 4: micro_q8<type, 4>(xr, K, dr, sr, nb, pj, kb, kb1, C, ldc, kb > 0); break;
-            case 3: micro_q8<type, 3>(xr, K, dr, sr, nb, pj, kb, kb1, C, ldc, kb > 0); break;
-            case 2: micro_q8<type, 2>(xr, K, dr, sr, nb, pj, kb, kb1, C, ldc, kb > 0); break;
-            default: micro_q8<type, 1>(xr, K, dr, sr, nb, pj, kb, kb1, C, ldc, kb > 0); break;
+            case 4: micro_q8<type, 4>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0); break;
+            case 3: micro_q8<type, 3>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0); break;
+            case 2: micro_q8<type, 2>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0); break;
+            default: micro_q8<type, 1>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0); break;
           }
         }
       }
@@ -2585,16 +2605,17 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
   const int8_t* xq = reinterpret_cast<const int8_t*>(xu);
   const float* dx = reinterpret_cast<const float*>(xu + x8_dx_offset(M, K));
   const float* ds = reinterpret_cast<const float*>(xu + x8_ds_offset(M, K));
+  const int32_t* sx = reinterpret_cast<const int32_t*>(xu + x8_sx_offset(M, K));
   switch (type) {
-    case ikj::T_Q8_0: return gemm_rows_q8_t<ikj::T_Q8_0, 34>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
-    case ikj::T_Q4_0: return gemm_rows_q8_t<ikj::T_Q4_0, 18>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
-    case ikj::T_Q5_0: return gemm_rows_q8_t<ikj::T_Q5_0, 22>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
-    case ikj::T_Q4_1: return gemm_rows_q8_t<ikj::T_Q4_1, 20>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
-    case ikj::T_Q5_1: return gemm_rows_q8_t<ikj::T_Q5_1, 24>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
-    case ikj::T_Q4_K: return gemm_rows_q8_t<ikj::T_Q4_K, 144>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
-    case ikj::T_Q5_K: return gemm_rows_q8_t<ikj::T_Q5_K, 176>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
-    case ikj::T_IQ4_XS: return gemm_rows_q8_t<ikj::T_IQ4_XS, 136>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
-    default: return gemm_rows_q8_t<ikj::T_IQ4_NL, 18>(xq, dx, ds, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q8_0: return gemm_rows_q8_t<ikj::T_Q8_0, 34>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q4_0: return gemm_rows_q8_t<ikj::T_Q4_0, 18>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q5_0: return gemm_rows_q8_t<ikj::T_Q5_0, 22>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q4_1: return gemm_rows_q8_t<ikj::T_Q4_1, 20>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q5_1: return gemm_rows_q8_t<ikj::T_Q5_1, 24>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q4_K: return gemm_rows_q8_t<ikj::T_Q4_K, 144>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_Q5_K: return gemm_rows_q8_t<ikj::T_Q5_K, 176>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_IQ4_XS: return gemm_rows_q8_t<ikj::T_IQ4_XS, 136>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+    default: return gemm_rows_q8_t<ikj::T_IQ4_NL, 18>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
   }
 }
 #endif
