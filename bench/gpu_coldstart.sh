@@ -77,6 +77,7 @@ for v in ${VARIANTS:-default noautotune}; do
     par16) flags="--xla_gpu_force_compilation_parallelism=16" ;;
     unroll8) flags=""; envv="IKJAX_DECODE_UNROLL=8" ;;     # GPU decode: up to 8 layers an iteration
     unroll) flags=""; envv="IKJAX_LAYERS=unroll" ;;         # every layer unrolled (the form of the commit)
+    graphunroll) flags=""; envv="IKJAX_DECODE_GRAPH_UNROLL=1" ;;  # the decode graph's layer loops unrolled by XLA
     fusionoff) flags="--xla_gpu_experimental_enable_fusion_autotuner=false" ;;  # GEMMs still autotuned
     fusionpar) flags="--xla_gpu_experimental_enable_fusion_autotuner=false --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;
     noautopar) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;

@@ -49,6 +49,10 @@ _VARS = (
     Variable("IKJAX_DECODE_UNROLL", "4", (),
              "layers an iteration of a GPU decode step's scan over a layer group, at most (IKJAX_LAYERS=auto): "
              "more layers, fewer iterations (~6-10 us a token each) but a longer compile", "ikjax.model.groups"),
+    Variable("IKJAX_DECODE_GRAPH_UNROLL", "0", ("0", "1"),
+             "1: XLA unrolls the layer loops of the GPU decode loop's CUDA graph (`xla_gpu_command_buffer_unroll_loops`): "
+             "the scanned decode lost 12-14 % of S_TG to the unrolled form after a prompt step, RESULTS §22r; "
+             "not yet measured, so off", "ikjax.runtime.executables"),
     Variable("IKJAX_PROMPT_ATTN", "pallas", ("pallas", "xla"),
              "GPU prompt attention of -mla 2/3 (-fa): the Pallas flash kernel that reads keys up to each "
              "query's position (H200, V2-Lite -ub 2048: 1.09-1.49x XLA's S_PP, RESULTS §25c), or XLA's "

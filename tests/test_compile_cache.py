@@ -330,3 +330,21 @@ def test_gpu_options_autotune(monkeypatch, setting, backend, level):
         exe = jax.jit(lambda x: x * 2 + 1).lower(jnp.float32(1)).compile(opts or None)
         assert float(exe(jnp.float32(3))) == 7.0
     assert executables.gpu_options(plan, True) is not executables._DECODE_GPU_OPTIONS  # a copy: callers add to it
+
+
+def test_gpu_options_decode_graph_unroll(monkeypatch):
+    """IKJAX_DECODE_GRAPH_UNROLL=1 asks XLA to unroll the decode graph's layer loops (decode loop
+    only), an option this jaxlib's compile accepts."""
+    import jax
+    import jax.numpy as jnp
+
+    from ikjax.runtime import executables
+
+    plan = SimpleNamespace(backend="pallas")
+    assert "xla_gpu_command_buffer_unroll_loops" not in executables.gpu_options(plan, True)
+    monkeypatch.setenv("IKJAX_DECODE_GRAPH_UNROLL", "1")
+    opts = executables.gpu_options(plan, True)
+    assert opts["xla_gpu_command_buffer_unroll_loops"] is True
+    assert "xla_gpu_command_buffer_unroll_loops" not in (executables.gpu_options(plan, False) or {})
+    exe = jax.jit(lambda x: x - 1).lower(jnp.float32(1)).compile(opts)
+    assert float(exe(jnp.float32(3))) == 2.0

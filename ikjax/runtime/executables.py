@@ -43,13 +43,16 @@ _DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,CUBL
 
 
 def gpu_options(plan: StepPlan, decode: bool) -> dict | None:
-    """XLA's compile options for one GPU step: the decode loop's command buffers, and autotuning
+    """XLA's compile options for one GPU step: the decode loop's command buffers (their layer loops
+    unrolled in the graph with IKJAX_DECODE_GRAPH_UNROLL=1), and autotuning
     off (`xla_gpu_autotune_level` 0) unless IKJAX_GPU_AUTOTUNE asks for it or the XLA path runs.
     Why off: with the Pallas kernels doing the products, a step's autotuning measures ~240 small
     fusions (native against block-level emitter, nearly always native) and the router's GEMM: 3-4 s
     of a cold start's ~10 s compile on an H200, for 1.2-2.5 % of S_PP and nothing of S_TG (RESULTS
     §22q). The XLA path's dequantized GEMMs are what autotuning is for (§22b: 8-40 % of S_PP)."""
     options = dict(_DECODE_GPU_OPTIONS) if decode else {}
+    if decode and env.choice("IKJAX_DECODE_GRAPH_UNROLL") == "1":
+        options["xla_gpu_command_buffer_unroll_loops"] = True
     tune = env.choice("IKJAX_GPU_AUTOTUNE")
     if tune == "0" or (tune == "auto" and plan.backend == "pallas"):
         options["xla_gpu_autotune_level"] = 0
