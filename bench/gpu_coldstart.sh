@@ -78,6 +78,7 @@ for v in ${VARIANTS:-default noautotune}; do
     unroll8) flags=""; envv="IKJAX_DECODE_UNROLL=8" ;;     # GPU decode: up to 8 layers an iteration
     unroll) flags=""; envv="IKJAX_LAYERS=unroll" ;;         # every layer unrolled (the form of the issue's commit)
     graphunroll) flags=""; envv="IKJAX_DECODE_GRAPH_UNROLL=1" ;;  # the decode graph's layer loops unrolled by XLA
+    skiptemp) flags="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;  # stable addresses for graphs' temps (VMM allocator)
     fusionoff) flags="--xla_gpu_experimental_enable_fusion_autotuner=false" ;;  # GEMMs still autotuned
     fusionpar) flags="--xla_gpu_experimental_enable_fusion_autotuner=false --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;
     noautopar) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;

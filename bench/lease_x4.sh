@@ -60,14 +60,14 @@
 #            DEADLINE22): cpu_isa_table.sh with its kernel tests, no GPU work.
 #   STAGE=23: issue 22's autotuned fusions dumped, cold / warm with autotuning off and on; issue 26's -t 2
 #            table (STAGE=22) and the -t 16 prompt step by op per level (TYPES23, LEVELS23).
-#   STAGE=24: issue 22's autotuner variants cold / warm at two shapes, and the issue's commit's rows
-#            (.whl/ikjax-old.tar.gz, run from its source tree) beside HEAD's.
 #   STAGE=25: issue 22 after IKJAX_GPU_AUTOTUNE: jaxlib's compile flags, the steps' compile profiled,
 #            default / tune1 cold and warm, the deep shape, the issue's commit's rows (ikjax uninstalled).
 #   STAGE=26: issue 22's cold / warm variants (VARIANTS26, SHAPE26), every row's S_PP and S_TG.
 #   STAGE=27: issue 22's decode loop kernel by kernel, scanned against unrolled (LAYERS27), then STAGE=26.
 #   STAGE=28: issue 22's scanned decode after a prompt step with JAX's preallocation on and off.
 #   STAGE=29: issue 26's avx2 cells beside ik's AVX2 build carried prebuilt (THREADS29, TYPES29).
+#   STAGE=30: issue 22's decode after a prompt step under SKIP_TEMP / GRAPH_UNROLL (CANDIDATES30), then
+#            STAGE=26 with VARIANTS30 (e.g. "default skiptemp graphunroll").
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -109,6 +109,11 @@ start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent; N
   [ -n "${NO_BG:-}" ] && return
   [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh "${IK_JOBS:-44}"
   start_r1_8
+}
+v2l_ready() {  # the 27-layer V2-Lite shape at $V2L, made once a machine, read into the page cache
+  V2L=/tmp/v2l-Q4_0.gguf
+  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
+  cat $V2L > /dev/null
 }
 case $STAGE in
 14)
@@ -172,9 +177,7 @@ case $STAGE in
     | grep -E "^\||passed|failed|rc=|physical" | head -20
   ;;
 20|21)
-  V2L=/tmp/v2l-Q4_0.gguf
-  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
-  cat $V2L > /dev/null
+  v2l_ready
   if [ $STAGE = 20 ]; then
     el "cProfile of the first row's steps"
     IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --cprofile --top ${TOP20:-30} \
@@ -270,34 +273,12 @@ PYEOF
     done
   done
   ;;
-24)
-  # issue 22: cold / warm under XLA's autotuner variants (VARIANTS24) at -c 4096 -ub 512, then at the
-  # deep shape (SHAPE24 VARIANTS24B: first row's time); then the rows of the commit the issue was
-  # filed at (770e631, run from its source tree: no install) beside HEAD's, same lease, same file
-  V2L=/tmp/v2l-Q4_0.gguf
-  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
-  cat $V2L > /dev/null
-  OUT=$OUT/cold VARIANTS="${VARIANTS24:-fusionoff fusionpar}" NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 \
-    | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
-  el "deep shape"
-  OUT=$OUT/deep SHAPE="${SHAPE24:--c 16384 -ub 2048 -n 128}" VARIANTS="${VARIANTS24B:-fusionpar noautotune}" NO_PROBE=1 \
-    timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
-  if [ -z "${NO_OLD24:-}" ] && [ -f .whl/ikjax-old.tar.gz ]; then
-    el "the issue's commit"
-    rm -rf /tmp/old && mkdir -p /tmp/old && tar -xzf .whl/ikjax-old.tar.gz -C /tmp/old
-    ( cd /tmp/old && PYTHONPATH=/tmp/old:/tmp/site IKJAX_COMPILE_CACHE=/tmp/cc-old timeout 240 python3 -m ikjax.cli sweep-bench \
-        -m $V2L -mla 3 -fa 1 ${SHAPE24:--c 16384 -ub 2048 -n 128} > $OUT/old.out 2> $OUT/old.err; echo "rc=$?" )
-    grep "^|" $OUT/old.out; grep -E "compiled|Error" $OUT/old.err | tail -3
-  fi
-  ;;
 25)
   # issue 22 after IKJAX_GPU_AUTOTUNE (autotuning off for the Pallas path): this jaxlib's compile
   # flags, each first-row step's compile profiled, cold / warm default against tune1 at -c 4096,
   # the deep shape cold / warm, then the issue's commit's rows (ikjax uninstalled first: the
   # editable install's finder would win over PYTHONPATH)
-  V2L=/tmp/v2l-Q4_0.gguf
-  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
-  cat $V2L > /dev/null
+  v2l_ready
   strings $(python3 -c "import jaxlib, os; print(os.path.dirname(jaxlib.__file__))")/*.so $(python3 -c "import jax_plugins, os; print(os.path.dirname(jax_plugins.__path__[0]))" 2>/dev/null)/jax*cuda*/*.so 2>/dev/null \
     | grep -E "^xla_gpu_[a-z_]*(parallel|thread|ptxas|compil|autotun|emitter)[a-z_]*$" | sort -u | tr '\n' ' '; echo
   [ -n "${NO_PROF25:-}" ] || IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 120 python3 bench/gpu_compile_profile.py $V2L --top 22 --steps 0,1 2>&1 | grep -v Warning | head -70
@@ -317,9 +298,7 @@ PYEOF
   ;;
 26)
   # issue 22: cold / warm variants (VARIANTS26) at SHAPE26, every row printed
-  V2L=/tmp/v2l-Q4_0.gguf
-  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
-  cat $V2L > /dev/null
+  v2l_ready
   OUT=$OUT/cold SHAPE="${SHAPE26:--c 4096 -ub 512 -n 64}" VARIANTS="${VARIANTS26:-default nvptxlib par16 unroll8 unroll}" NO_PROBE=1 \
     timeout 500 bash bench/gpu_coldstart.sh > /dev/null 2>&1
   for f in $OUT/cold/cold-*.stamped; do v=${f##*/cold-}; v=${v%.stamped}
@@ -332,9 +311,7 @@ PYEOF
 27)
   # issue 22: the decode loop's kernels, scanned layers against unrolled (bench/gpu_decode_profile.py),
   # then STAGE=26's variants (VARIANTS26)
-  V2L=/tmp/v2l-Q4_0.gguf
-  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
-  cat $V2L > /dev/null
+  v2l_ready
   for l in ${LAYERS27:-auto unroll}; do
     for il in ${INTERLEAVE27:-plain}; do  # plain | interleave (a prompt step before each decode call)
       IKJAX_LAYERS=$l timeout 150 python3 bench/gpu_decode_profile.py $V2L --top ${TOP27:-30} $([ $il = interleave ] && echo --interleave) \
@@ -346,9 +323,7 @@ PYEOF
 28)
   # issue 22: the scanned decode after a prompt step with JAX's default allocator (preallocation on,
   # as users run it; the lease exports XLA_PYTHON_CLIENT_PREALLOCATE=false), then sweep-bench both ways
-  V2L=/tmp/v2l-Q4_0.gguf
-  [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
-  cat $V2L > /dev/null
+  v2l_ready
   for pre in ${PRE28:-true false}; do
     XLA_PYTHON_CLIENT_PREALLOCATE=$pre timeout 150 python3 bench/gpu_decode_profile.py $V2L --top 2 --interleave 2>&1 | grep -v Warn | head -1 | sed "s/^/preallocate=$pre: /"
   done
@@ -368,6 +343,23 @@ PYEOF
     IK_NATIVE_BIN=none DEADLINE=${DEADLINE29:-170} NO_INSTALL=1 OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
     | grep -E "^\||passed|failed|rc=|physical" | head -20
   tail -3 "$OUT/cpu/progress.log"
+  ;;
+30)
+  # issue 22's S_TG after a prompt step (RESULTS §22r): the decode loop's calls after a prompt step
+  # under each candidate (SKIP_TEMP: the CUDA graphs' temporaries at stable addresses, so a replay
+  # after another executable updates no node; GRAPH_UNROLL: the layer loops laid out flat in the
+  # graph), then sweep-bench cold / warm for each (VARIANTS30)
+  v2l_ready
+  for c in ${CANDIDATES30:-scan skiptemp graphunroll both unroll}; do
+    case $c in
+      scan) e="" x="" ;; skiptemp) e="" x="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
+      graphunroll) e="IKJAX_DECODE_GRAPH_UNROLL=1" x="" ;;
+      both) e="IKJAX_DECODE_GRAPH_UNROLL=1" x="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
+      unroll) e="IKJAX_LAYERS=unroll" x="" ;;
+    esac
+    env $e XLA_FLAGS="$x" timeout 150 python3 bench/gpu_decode_profile.py $V2L --top 1 --interleave 2>&1 | grep -v Warn | head -1 | sed "s/^/$c: /"
+  done
+  [ -n "${VARIANTS30:-}" ] && STAGE=26 VARIANTS26="$VARIANTS30" bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
