@@ -79,6 +79,8 @@ for v in ${VARIANTS:-default noautotune}; do
     unroll) flags=""; envv="IKJAX_LAYERS=unroll" ;;         # every layer unrolled (the form of the issue's commit)
     graphunroll) flags=""; envv="IKJAX_DECODE_GRAPH_UNROLL=1" ;;  # the decode graph's layer loops unrolled by XLA
     skiptemp) flags="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;  # stable addresses for graphs' temps (VMM allocator)
+    neverupdate) flags="--xla_gpu_command_buffer_update_mode=NEVER_UPDATE" ;;  # the same, older XLA's name (all of a graph's buffers)
+    vmmtemp) flags="--xla_gpu_command_buffer_update_mode=VMM_PERSISTENT_TEMP" ;;  # the same, another XLA's name
     fusionoff) flags="--xla_gpu_experimental_enable_fusion_autotuner=false" ;;  # GEMMs still autotuned
     fusionpar) flags="--xla_gpu_experimental_enable_fusion_autotuner=false --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;
     noautopar) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;

@@ -350,13 +350,18 @@ PYEOF
   # after another executable updates no node; GRAPH_UNROLL: the layer loops laid out flat in the
   # graph), then sweep-bench cold / warm for each (VARIANTS30)
   v2l_ready
-  for c in ${CANDIDATES30:-scan skiptemp graphunroll both unroll}; do
+  # the update mode's names differ between XLA versions (SKIP_TEMP; NEVER_UPDATE in older ones;
+  # VMM_PERSISTENT_TEMP): each is checked first, XLA aborting on a value it does not know
+  for c in ${CANDIDATES30:-scan skiptemp neverupdate vmmtemp graphunroll unroll}; do
+    e="" x=""
     case $c in
-      scan) e="" x="" ;; skiptemp) e="" x="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
-      graphunroll) e="IKJAX_DECODE_GRAPH_UNROLL=1" x="" ;;
-      both) e="IKJAX_DECODE_GRAPH_UNROLL=1" x="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
-      unroll) e="IKJAX_LAYERS=unroll" x="" ;;
+      skiptemp) x="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
+      neverupdate) x="--xla_gpu_command_buffer_update_mode=NEVER_UPDATE" ;;
+      vmmtemp) x="--xla_gpu_command_buffer_update_mode=VMM_PERSISTENT_TEMP" ;;
+      graphunroll) e="IKJAX_DECODE_GRAPH_UNROLL=1" ;;
+      unroll) e="IKJAX_LAYERS=unroll" ;;
     esac
+    if [ -n "$x" ] && ! XLA_FLAGS="$x" python3 -c "import jax; jax.devices()" > /dev/null 2>&1; then echo "$c: $x rejected"; continue; fi
     env $e XLA_FLAGS="$x" timeout 150 python3 bench/gpu_decode_profile.py $V2L --top 1 --interleave 2>&1 | grep -v Warn | head -1 | sed "s/^/$c: /"
   done
   [ -n "${VARIANTS30:-}" ] && STAGE=26 VARIANTS26="$VARIANTS30" bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
