@@ -600,7 +600,11 @@ def _program(key: str, jitted, args: tuple, static: tuple, signature: tuple):
             _count(PROGRAM_LOAD)
             return exe
     hits0 = thread_counts()[0]
-    exe = jitted.lower(*args, *static).compile()
+    # the load's programs move and repack bytes: nothing for XLA's GPU autotuner to choose (as for
+    # the steps, ikjax.runtime.executables.gpu_options; RESULTS §22q)
+    gpu = any(getattr(d, "platform", "") == "gpu" for a in jax.tree.leaves(args) if isinstance(a, jax.Array)
+              for d in a.devices())
+    exe = jitted.lower(*args, *static).compile({"xla_gpu_autotune_level": 0} if gpu else None)
     if path is not None and thread_counts()[0] == hits0:  # compiled here, not JAX's cache's (XLA:CPU)
         _store(path, key, exe, "program")
     return exe
