@@ -348,3 +348,13 @@ def test_gpu_options_decode_graph_unroll(monkeypatch):
     assert "xla_gpu_command_buffer_unroll_loops" not in (executables.gpu_options(plan, False) or {})
     exe = jax.jit(lambda x: x - 1).lower(jnp.float32(1)).compile(opts)
     assert float(exe(jnp.float32(3))) == 2.0
+
+
+def test_unknown_xla_option_is_one_option_error():
+    """An XLA option a setting asks for that this jaxlib lacks: one OptionError naming the setting,
+    not XLA's message at a step's compile."""
+    from ikjax.runtime import executables
+
+    with pytest.raises(OptionError, match=r"IKJAX_SOMETHING=1: this jaxlib .* has no XLA option xla_gpu_no_such_option"):
+        executables._check_option("xla_gpu_no_such_option", True, "IKJAX_SOMETHING=1")
+    executables._check_option("xla_gpu_command_buffer_unroll_loops", True, "IKJAX_DECODE_GRAPH_UNROLL=1")  # known here

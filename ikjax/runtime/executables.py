@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ikjax import env
+from ikjax.errors import OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import StepPlan, forward
@@ -42,6 +43,19 @@ _DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,CUBL
                        "xla_gpu_graph_min_graph_size": 1}
 
 
+@functools.cache
+def _check_option(name: str, value, asked_by: str) -> None:
+    """An XLA compile option an IKJAX_* setting asks for, tried once on a trivial program: XLA's
+    options differ between jaxlib versions, and a step's compile would otherwise fail with XLA's
+    own message ("No such compile option") instead of one naming the setting."""
+    try:
+        jax.jit(lambda: jnp.int32(0)).lower().compile({name: value})
+    except jax.errors.JaxRuntimeError as e:
+        if "No such compile option" in str(e):
+            raise OptionError(f"{asked_by}: this jaxlib ({jax.__version__}) has no XLA option {name}") from None
+        raise
+
+
 def gpu_options(plan: StepPlan, decode: bool) -> dict | None:
     """XLA's compile options for one GPU step: the decode loop's command buffers (their layer loops
     unrolled in the graph with IKJAX_DECODE_GRAPH_UNROLL=1), and autotuning
@@ -52,6 +66,7 @@ def gpu_options(plan: StepPlan, decode: bool) -> dict | None:
     §22q). The XLA path's dequantized GEMMs are what autotuning is for (§22b: 8-40 % of S_PP)."""
     options = dict(_DECODE_GPU_OPTIONS) if decode else {}
     if decode and env.choice("IKJAX_DECODE_GRAPH_UNROLL") == "1":
+        _check_option("xla_gpu_command_buffer_unroll_loops", True, "IKJAX_DECODE_GRAPH_UNROLL=1")
         options["xla_gpu_command_buffer_unroll_loops"] = True
     tune = env.choice("IKJAX_GPU_AUTOTUNE")
     if tune == "0" or (tune == "auto" and plan.backend == "pallas"):
