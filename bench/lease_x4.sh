@@ -67,7 +67,7 @@
 #   STAGE=28: issue 22's scanned decode after a prompt step with JAX's preallocation on and off.
 #   STAGE=29: issue 26's avx2 cells beside ik's AVX2 build carried prebuilt (THREADS29, TYPES29).
 #   STAGE=30: issue 22's decode after a prompt step under SKIP_TEMP / GRAPH_UNROLL (CANDIDATES30), then
-#            STAGE=26 with VARIANTS30 (e.g. "default skiptemp graphunroll").
+#            STAGE=26 with VARIANTS30 (e.g. "default skiptemp graphunroll graphunroll1").
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -354,13 +354,14 @@ PYEOF
   v2l_ready
   # the update mode's names differ between XLA versions (SKIP_TEMP; NEVER_UPDATE in older ones;
   # VMM_PERSISTENT_TEMP): each is checked first, XLA aborting on a value it does not know
-  for c in ${CANDIDATES30:-scan skiptemp neverupdate vmmtemp graphunroll unroll}; do
+  for c in ${CANDIDATES30:-scan skiptemp neverupdate vmmtemp graphunroll graphunroll1 unroll}; do
     e="" x=""
     case $c in
       skiptemp) x="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
       neverupdate) x="--xla_gpu_command_buffer_update_mode=NEVER_UPDATE" ;;
       vmmtemp) x="--xla_gpu_command_buffer_update_mode=VMM_PERSISTENT_TEMP" ;;
       graphunroll) e="IKJAX_DECODE_GRAPH_UNROLL=1" ;;
+      graphunroll1) e="IKJAX_DECODE_GRAPH_UNROLL=1 IKJAX_DECODE_UNROLL=1" ;;  # + a quarter of the kernels to compile
       unroll) e="IKJAX_LAYERS=unroll" ;;
     esac
     if [ -n "$x" ] && ! XLA_FLAGS="$x" python3 -c "import jax; jax.devices()" > /dev/null 2>&1; then echo "$c: $x rejected"; continue; fi
