@@ -194,8 +194,8 @@ for t in $THREADS; do
                    $PY -m ikjax.cli sweep-bench -m "$f" $FLAGS -t "$t" ;;
         jx_avx2plain) run_one "$key" "ikjax-avx2plain-$T-t$t" 180 env IKJAX_CPU_ISA=avx2 IKJAX_AVXVNNI=0 taskset -c "$CPUS" \
                    $PY -m ikjax.cli sweep-bench -m "$f" $FLAGS -t "$t" ;;
-        jx_*_spin50) lv=${v#jx_}; lv=${lv%_spin50}  # the pool's workers spin 50 us, not 2 ms (XLA's own ops beside them)
-                 run_one "$key" "ikjax-$lv-spin50-$T-t$t" 180 env IKJAX_CPU_ISA=$lv IKJAX_SPIN=50 taskset -c "$CPUS" \
+        jx_*_longspin) lv=${v#jx_}; lv=${lv%_longspin}  # the pool's workers spinning 2 ms after long parts too (before IKJAX_SPIN_LONG)
+                 run_one "$key" "ikjax-$lv-longspin-$T-t$t" 180 env IKJAX_CPU_ISA=$lv IKJAX_SPIN_LONG=2000 taskset -c "$CPUS" \
                    $PY -m ikjax.cli sweep-bench -m "$f" $FLAGS -t "$t" ;;
         jx_*)    lv=${v#jx_}
                  run_one "$key" "ikjax-$lv-$T-t$t" 180 env IKJAX_CPU_ISA=$lv taskset -c "$CPUS" \
@@ -233,7 +233,7 @@ ratio() {  # "$1" / "$2" S_PP ratio (cells "pp / tg")
   done
   extra=""; for v in $VARIANTS; do case " ik_avx2 jx_avx2 ik_native jx_avx512 jx_amx jx_amxint8 jx_avx2plain " in
     *" $v "*) ;; *) extra="$extra $v" ;; esac; done
-  if [ -n "$extra" ]; then  # the columns the table has no place for (jx_*_spin50, ...)
+  if [ -n "$extra" ]; then  # the columns the table has no place for (jx_*_longspin, ...)
     echo; echo "| file, -t | variant | S_PP / S_TG |"; echo "|---|---|---|"
     for t in $THREADS; do for T in $TYPES; do for v in $extra; do echo "| $T, -t $t | $v | ${CELL[$T,$t,$v]:--} |"; done; done; done
   fi

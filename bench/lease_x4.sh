@@ -339,8 +339,8 @@ PYEOF
   # llama-sweep-bench and its two libraries, built -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF
   # on a workplace CPU machine, unpacked where their RUNPATH points), no ik build in the call
   tar -xzf .whl/ik_avx2_bin.tar.gz -C / || exit 1
-  # VARIANTS29: e.g. "ik_avx2 jx_avx2 jx_avx2_spin50 jx_amx jx_amx_spin50" (the pool's workers spinning 50 us,
-  # not 2 ms, beside XLA's own ops; RESULTS §26o)
+  # VARIANTS29: e.g. "ik_avx2 jx_avx2 jx_avx2_longspin jx_amx jx_amx_longspin" (_longspin: the pool's workers
+  # spinning 2 ms after long parts too, as before IKJAX_SPIN_LONG; RESULTS §26o)
   THREADS="${THREADS29:-2 16}" TYPES="${TYPES29:-Q8_0 IQ4_XS}" VARIANTS="${VARIANTS29:-ik_avx2 jx_avx2}" IK_AVX2_BIN=/tmp/ikfull/build/bin/llama-sweep-bench \
     IK_NATIVE_BIN=none DEADLINE=${DEADLINE29:-170} NO_INSTALL=1 OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 \
     | grep -E "^\||passed|failed|rc=|physical" | head -20

@@ -150,6 +150,9 @@ _VARS = (
              "pallas_kernels/cpu/runtime.cc"),
     Variable("IKJAX_SPIN", "", (), "microseconds a C++ pool worker spins before sleeping (read once)",
              "pallas_kernels/cpu/runtime.cc"),
+    Variable("IKJAX_SPIN_LONG", "", (), "microseconds a C++ pool worker spins after a part of 1 ms or more "
+             "(default 50, at most IKJAX_SPIN; read once): XLA's own ops run next, on the same cores",
+             "pallas_kernels/cpu/runtime.cc"),
     Variable("IKJAX_FIXTURES", "", (), "directory of the real-converter GGUF fixtures (tests only)", "tests/"),
 )
 VARIABLES: dict[str, Variable] = {v.name: v for v in _VARS}

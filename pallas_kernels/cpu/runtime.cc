@@ -171,15 +171,17 @@ class Pool {
   }
 
   void loop(uint64_t seen) {
+    int64_t spin = spin_limit_us();
     for (;;) {
       uint64_t g;
       auto changed = [&] { return (g = gen_of(state_.load(std::memory_order_acquire))) != seen; };
-      if (!spin_until(changed, spin_limit_us())) {
+      if (!spin_until(changed, spin)) {
         std::unique_lock<std::mutex> l(mu_);
         cv_.wait(l, changed);
       }
       seen = g;
       if (stop_.load(std::memory_order_relaxed)) return;  // stored before the generation this saw
+      const auto t0 = std::chrono::steady_clock::now();
       for (int i; (i = take(g)) >= 0;) {
         (*fn_)(i, nth_of(state_.load(std::memory_order_relaxed)));
         if (pending_.fetch_sub(1, std::memory_order_seq_cst) == 1 && caller_waiting_.load(std::memory_order_seq_cst)) {
@@ -187,7 +189,24 @@ class Pool {
           done_cv_.notify_one();
         }
       }
+      // after a long part (a prompt-sized product) the next job comes after XLA's own ops (norms,
+      // concatenations, residual adds), which run on XLA's threads on these same cores: spinning
+      // there slowed them by a third at -t 2 (24 -> 31-34 ms a V2-Lite prompt step). Those jobs
+      // are long, so a wake-up (tens of us) costs them little; short ones (a decode step's) keep
+      // the full spin, where the next call comes within microseconds.
+      const int64_t part_us =
+          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+      spin = part_us >= kLongPartUs ? std::min(spin_limit_us(), long_part_spin_us()) : spin_limit_us();
     }
+  }
+  static constexpr int64_t kLongPartUs = 1000;
+  // microseconds a worker spins after a long part (IKJAX_SPIN_LONG overrides; read once)
+  static int64_t long_part_spin_us() {
+    static const int64_t n = [] {
+      const char* e = std::getenv("IKJAX_SPIN_LONG");
+      return e && *e ? static_cast<int64_t>(std::atoll(e)) : int64_t{50};
+    }();
+    return n;
   }
 
   std::mutex job_mu_, mu_, done_mu_;
