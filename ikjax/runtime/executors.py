@@ -171,7 +171,8 @@ class LayerPipeline(Executor):
             chunk, sampling = decode
             return self.pipeline.compile_decode(_cache_shapes(layout), B, plan, chunk, sampling,
                                                 gpu_options(plan, True) if self.on_gpu else None)
-        return self.pipeline.compile(_cache_shapes(layout), B, T, plan, gpu_options(plan, False) if self.on_gpu else None)
+        return self.pipeline.compile(_cache_shapes(layout), B, T, plan,
+                                     gpu_options(plan, False) if self.on_gpu else None)
 
 
 class GraphMesh(Executor):
