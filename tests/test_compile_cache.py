@@ -330,6 +330,7 @@ def test_gpu_options_autotune(monkeypatch, setting, backend, level):
         exe = jax.jit(lambda x: x * 2 + 1).lower(jnp.float32(1)).compile(opts or None)
         assert float(exe(jnp.float32(3))) == 7.0
     assert executables.gpu_options(plan, True) is not executables._DECODE_GPU_OPTIONS  # a copy: callers add to it
+    assert executables.gpu_options(plan, True, gpu=False) is None and executables.gpu_options(plan, False, False) is None
 
 
 def test_gpu_options_decode_graph_unroll(monkeypatch):

@@ -189,17 +189,20 @@ def test_compile_time_does_not_grow_with_depth(tmp_path, monkeypatch):
 
 
 def test_gpu_decode_unroll_bounded_and_equal(tmp_path, monkeypatch):
-    """GPU decode steps scan at most DECODE_UNROLL layers an iteration (a remainder traced apart):
-    the layers traced stay under 2 x DECODE_UNROLL whatever the group's size, and the form gives
+    """GPU decode steps scan at most IKJAX_DECODE_UNROLL layers an iteration (a remainder traced apart):
+    the layers traced stay under 2 x IKJAX_DECODE_UNROLL whatever the group's size, and the form gives
     the scanned model's tokens and logits (the GPU path's kernels in interpret mode: an 8-layer
     model, 7 MoE layers = one iteration of 4 and a remainder of 3)."""
     from ikjax.model import groups
     from ikjax.tools.synthetic import make_model
 
+    from ikjax import env
+
     monkeypatch.setenv("IKJAX_LAYERS", "auto")
+    most = env.positive_int("IKJAX_DECODE_UNROLL")  # its default, 4
     for count in range(1, 130):
         k = groups.unroll_scan(1, "pallas", count)
-        assert 1 <= k <= groups.DECODE_UNROLL and k + count % k < 2 * groups.DECODE_UNROLL, count
+        assert 1 <= k <= most and k + count % k < 2 * most, count
         assert groups.unroll_scan(7, "pallas", count) == groups.unroll_scan(1, "cpu", count) == 1
     assert [groups.unroll_scan(1, "pallas", n) for n in (26, 58, 7, 5, 3)] == [4, 4, 4, 3, 3]
     monkeypatch.setenv("IKJAX_LAYERS", "halves")

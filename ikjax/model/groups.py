@@ -12,7 +12,7 @@ tensors fetched into the step) is a group of its own, run as it is (unrolled). S
 with `IKJAX_LAYERS=unroll`, the old form, kept for comparison.
 
 GPU decode steps (`IKJAX_LAYERS=auto`, the default) run each group's scan with up to
-DECODE_UNROLL (4) layers an iteration: every iteration of a loop over layers inside the decode
+IKJAX_DECODE_UNROLL (4) layers an iteration: every iteration of a loop over layers inside the decode
 loop costs ~6-10 us a token (H100, V2-Lite 27 layers, -c 4096, cold compile / S_TG at N_KV 0:
 scanned 16.3 s / 350, two iterations 16.7 s / 378, four 22.4 s / 372, unrolled 24.3 s / 385,
 RESULTS §22; H200: scanned 355 against two iterations' 375, the decode loop's compile 5.7 s against
@@ -45,13 +45,10 @@ def layer_mode() -> str:
     return env.choice("IKJAX_LAYERS")
 
 
-DECODE_UNROLL = 4  # layers an iteration of a GPU decode step's scan, at most (module doc; IKJAX_DECODE_UNROLL)
-
-
 def unroll_scan(n_tokens: int, backend: str, count: int) -> int:
     """How many layers of a group of `count` one iteration of its scan runs, in a step of
     `n_tokens` tokens on `backend` (module doc): for GPU decode under "auto", the count split into
-    the fewest iterations of at most DECODE_UNROLL layers, as even as they go (26 -> 7 iterations
+    the fewest iterations of at most IKJAX_DECODE_UNROLL layers, as even as they go (26 -> 7 iterations
     of 4; a remainder of 2 traced apart), under "halves" two iterations of half; else 1."""
     mode = layer_mode()
     # "interpret": the GPU path's kernels run on a CPU (the tests' check of the GPU form)

@@ -586,6 +586,12 @@ def run_program(name: str, jitted, args: tuple, static: tuple):
         return jitted(*args, *static)
 
 
+# XLA's GPU autotuning off: with the Pallas kernels doing the products it measured ~240 small fusions'
+# emitters and the router's GEMM, 3-4 s of a ~10 s cold compile, for 1-2 % of S_PP (RESULTS §22q);
+# the steps' options (ikjax.runtime.executables.gpu_options) and the load's programs use it
+NO_GPU_AUTOTUNE = {"xla_gpu_autotune_level": 0}
+
+
 def _program_path(key: str) -> Path | None:
     d = directory()
     return None if d is None else d / "programs" / (hashlib.sha256(key.encode()).hexdigest() + ".pkl")
@@ -600,11 +606,9 @@ def _program(key: str, jitted, args: tuple, static: tuple, signature: tuple):
             _count(PROGRAM_LOAD)
             return exe
     hits0 = thread_counts()[0]
-    # the load's programs move and repack bytes: nothing for XLA's GPU autotuner to choose (as for
-    # the steps, ikjax.runtime.executables.gpu_options; RESULTS §22q)
-    gpu = any(getattr(d, "platform", "") == "gpu" for a in jax.tree.leaves(args) if isinstance(a, jax.Array)
-              for d in a.devices())
-    exe = jitted.lower(*args, *static).compile({"xla_gpu_autotune_level": 0} if gpu else None)
+    # the load's programs move and repack bytes: nothing for XLA's GPU autotuner to choose (the
+    # runner is installed on accelerators only: setup)
+    exe = jitted.lower(*args, *static).compile(dict(NO_GPU_AUTOTUNE) if jax.default_backend() == "gpu" else None)
     if path is not None and thread_counts()[0] == hits0:  # compiled here, not JAX's cache's (XLA:CPU)
         _store(path, key, exe, "program")
     return exe

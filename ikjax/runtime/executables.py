@@ -56,21 +56,23 @@ def _check_option(name: str, value, asked_by: str) -> None:
         raise
 
 
-def gpu_options(plan: StepPlan, decode: bool) -> dict | None:
-    """XLA's compile options for one GPU step: the decode loop's command buffers (their layer loops
-    unrolled in the graph with IKJAX_DECODE_GRAPH_UNROLL=1), and autotuning
-    off (`xla_gpu_autotune_level` 0) unless IKJAX_GPU_AUTOTUNE asks for it or the XLA path runs.
+def gpu_options(plan: StepPlan, decode: bool, gpu: bool = True) -> dict | None:
+    """XLA's compile options for one step (None off a GPU): the decode loop's command buffers (their
+    layer loops unrolled in the graph with IKJAX_DECODE_GRAPH_UNROLL=1), and autotuning off
+    (compile_cache.NO_GPU_AUTOTUNE) unless IKJAX_GPU_AUTOTUNE asks for it or the XLA path runs.
     Why off: with the Pallas kernels doing the products, a step's autotuning measures ~240 small
     fusions (native against block-level emitter, nearly always native) and the router's GEMM: 3-4 s
     of a cold start's ~10 s compile on an H200, for 1.2-2.5 % of S_PP and nothing of S_TG (RESULTS
     §22q). The XLA path's dequantized GEMMs are what autotuning is for (§22b: 8-40 % of S_PP)."""
+    if not gpu:
+        return None
     options = dict(_DECODE_GPU_OPTIONS) if decode else {}
     if decode and env.choice("IKJAX_DECODE_GRAPH_UNROLL") == "1":
         _check_option("xla_gpu_command_buffer_unroll_loops", True, "IKJAX_DECODE_GRAPH_UNROLL=1")
         options["xla_gpu_command_buffer_unroll_loops"] = True
     tune = env.choice("IKJAX_GPU_AUTOTUNE")
     if tune == "0" or (tune == "auto" and plan.backend == "pallas"):
-        options["xla_gpu_autotune_level"] = 0
+        options.update(compile_cache.NO_GPU_AUTOTUNE)
     return options or None
 
 
@@ -111,9 +113,9 @@ def compile_step(weights, cache, B: int, T: int, *, cfg: ModelConfig, plan: Step
         chunk, sampling = decode
         lowered = _jitted_decode.lower(weights, cache, i32((B,)), i32((B,)), i32(()), _decode_key(B, sampling),
                                        cfg=cfg, plan=plan, chunk=chunk, sampling=sampling)
-        return lowered.compile(gpu_options(plan, True) if gpu else None)
+        return lowered.compile(gpu_options(plan, True, gpu))
     return _jitted_forward.lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=cfg,
-                                 plan=plan).compile(gpu_options(plan, False) if gpu else None)
+                                 plan=plan).compile(gpu_options(plan, False, gpu))
 
 
 # JAX settings that change what a traced step's arguments are (x64: Python ints and int64 inputs)

@@ -170,9 +170,8 @@ class LayerPipeline(Executor):
         if decode is not None:  # the stages' decode steps, sampling on the last (pipeline.DecodePipeline)
             chunk, sampling = decode
             return self.pipeline.compile_decode(_cache_shapes(layout), B, plan, chunk, sampling,
-                                                gpu_options(plan, True) if self.on_gpu else None)
-        return self.pipeline.compile(_cache_shapes(layout), B, T, plan,
-                                     gpu_options(plan, False) if self.on_gpu else None)
+                                                gpu_options(plan, True, self.on_gpu))
+        return self.pipeline.compile(_cache_shapes(layout), B, T, plan, gpu_options(plan, False, self.on_gpu))
 
 
 class GraphMesh(Executor):
@@ -210,18 +209,15 @@ class GraphMesh(Executor):
                                                      sampling=sampling)
             return lowered.compile(self._decode_options(plan))
         return tensor_parallel.step().lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
-                                            plan=plan, layout=layout).compile(
-            gpu_options(plan, False) if self.on_gpu else None)
+                                            plan=plan, layout=layout).compile(gpu_options(plan, False, self.on_gpu))
 
     def _decode_options(self, plan) -> dict | None:
         """XLA options of the decode loop: on GPUs the one-device loop's command buffers, whose
         WHILE capture cannot hold a loop with collectives in it (the segments between them become
         graphs); IKJAX_MESH_GRAPH=1 adds the collectives (NCCL kernels captured in the graph), so
         the loop may become one graph as on one device."""
-        if not self.on_gpu:
-            return None
-        options = gpu_options(plan, True)
-        if env.choice("IKJAX_MESH_GRAPH") == "1":
+        options = gpu_options(plan, True, self.on_gpu)
+        if options is not None and env.choice("IKJAX_MESH_GRAPH") == "1":
             key = "xla_gpu_enable_command_buffer"
             options[key] += ",COLLECTIVES"
         return options
