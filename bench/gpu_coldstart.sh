@@ -81,7 +81,8 @@ for v in ${VARIANTS:-default noautotune}; do
     skiptemp) flags="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;  # stable addresses for graphs' temps (VMM allocator)
     neverupdate) flags="--xla_gpu_command_buffer_update_mode=NEVER_UPDATE" ;;  # the same, older XLA's name (all of a graph's buffers)
     vmmtemp) flags="--xla_gpu_command_buffer_update_mode=VMM_PERSISTENT_TEMP" ;;  # the same, another XLA's name
-    graphunroll1) flags=""; envv="IKJAX_DECODE_GRAPH_UNROLL=1 IKJAX_DECODE_UNROLL=1" ;;  # one layer an iteration in the HLO (a quarter of the kernels to compile), the graph unrolled by XLA
+    graphunroll1) flags=""; envv="IKJAX_DECODE_GRAPH_UNROLL=1 IKJAX_DECODE_UNROLL=1" ;;
+    g1skiptemp) flags="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"; envv="IKJAX_DECODE_GRAPH_UNROLL=1 IKJAX_DECODE_UNROLL=1" ;;  # one layer an iteration in the HLO (a quarter of the kernels to compile), the graph unrolled by XLA
     fusionoff) flags="--xla_gpu_experimental_enable_fusion_autotuner=false" ;;  # GEMMs still autotuned
     fusionpar) flags="--xla_gpu_experimental_enable_fusion_autotuner=false --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;
     noautopar) flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_llvm_module_compilation_parallelism=true" ;;

@@ -68,6 +68,8 @@
 #   STAGE=29: issue 26's avx2 cells beside ik's AVX2 build carried prebuilt (THREADS29, TYPES29).
 #   STAGE=30: issue 22's decode after a prompt step under SKIP_TEMP / GRAPH_UNROLL (CANDIDATES30), then
 #            STAGE=26 with VARIANTS30 (e.g. "default skiptemp graphunroll graphunroll1").
+#   STAGE=31: issue 22's decode after a prompt step under SKIP_TEMP / VMM_PERSISTENT_TEMP (CANDIDATES31), the
+#            deep shape's rows (VARIANTS31, SHAPE31) and the issue's commit's rows beside them.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -282,11 +284,13 @@ PYEOF
   strings $(python3 -c "import jaxlib, os; print(os.path.dirname(jaxlib.__file__))")/*.so $(python3 -c "import jax_plugins, os; print(os.path.dirname(jax_plugins.__path__[0]))" 2>/dev/null)/jax*cuda*/*.so 2>/dev/null \
     | grep -E "^xla_gpu_[a-z_]*(parallel|thread|ptxas|compil|autotun|emitter)[a-z_]*$" | sort -u | tr '\n' ' '; echo
   [ -n "${NO_PROF25:-}" ] || IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 120 python3 bench/gpu_compile_profile.py $V2L --top 22 --steps 0,1 2>&1 | grep -v Warning | head -70
-  OUT=$OUT/cold VARIANTS="${VARIANTS25:-default tune1}" NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 \
-    | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
-  el "deep shape"
-  OUT=$OUT/deep SHAPE="${SHAPE24:--c 16384 -ub 2048 -n 128}" VARIANTS="default" NO_PROBE=1 \
-    timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
+  if [ -z "${SKIP_COLD25:-}" ]; then
+    OUT=$OUT/cold VARIANTS="${VARIANTS25:-default tune1}" NO_PROBE=1 timeout 200 bash bench/gpu_coldstart.sh 2>&1 \
+      | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
+    el "deep shape"
+    OUT=$OUT/deep SHAPE="${SHAPE24:--c 16384 -ub 2048 -n 128}" VARIANTS="default" NO_PROBE=1 \
+      timeout 200 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|loaded" | grep -v -- "-|-" | head -40
+  fi
   if [ -z "${NO_OLD24:-}" ] && [ -f .whl/ikjax-old.tar.gz ]; then
     el "the issue's commit"
     python3 -m pip uninstall -y -q ikjax; rm -f /tmp/lease_installed
@@ -368,6 +372,30 @@ PYEOF
     env $e XLA_FLAGS="$x" timeout 150 python3 bench/gpu_decode_profile.py $V2L --top 1 --interleave 2>&1 | grep -v Warn | head -1 | sed "s/^/$c: /"
   done
   [ -n "${VARIANTS30:-}" ] && STAGE=26 VARIANTS26="$VARIANTS30" bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
+  ;;
+31)
+  # issue 22: the scanned decode after a prompt step under the update modes that keep a graph's
+  # temporaries at stable addresses (each flag checked first), alone and with graphunroll1; then
+  # the deep shape's rows for VARIANTS31 and the issue's commit beside them (as STAGE=25)
+  v2l_ready
+  for c in ${CANDIDATES31:-skiptemp vmmtemp g1skiptemp}; do
+    e="" x=""
+    case $c in
+      skiptemp) x="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
+      vmmtemp) x="--xla_gpu_command_buffer_update_mode=VMM_PERSISTENT_TEMP" ;;
+      g1skiptemp) x="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"; e="IKJAX_DECODE_GRAPH_UNROLL=1 IKJAX_DECODE_UNROLL=1" ;;
+      graphunroll1) e="IKJAX_DECODE_GRAPH_UNROLL=1 IKJAX_DECODE_UNROLL=1" ;;
+      scan) ;;
+    esac
+    if [ -n "$x" ] && ! XLA_FLAGS="$x" python3 -c "import jax; jax.devices()" > /dev/null 2>&1; then echo "$c: $x rejected"; continue; fi
+    env $e XLA_FLAGS="$x" timeout 150 python3 bench/gpu_decode_profile.py $V2L --top 1 --interleave 2>&1 \
+      | grep "us a token wall" | head -1 | sed "s/^/$c: /"
+  done
+  el "deep shape"
+  OUT=$OUT/deep SHAPE="${SHAPE31:--c 16384 -ub 2048 -n 128}" VARIANTS="${VARIANTS31:-graphunroll1 default}" NO_PROBE=1 \
+    timeout 260 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|cold|warm" | grep -v -- "-|-" | head -60
+  [ -n "${NO_OLD31:-}" ] || STAGE=25 NO_PROF25=1 VARIANTS25=none SHAPE24="${SHAPE31:--c 16384 -ub 2048 -n 128}" \
+    SKIP_COLD25=1 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
