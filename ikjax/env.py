@@ -46,13 +46,16 @@ _VARS = (
              "XLA's GPU autotuning when a step compiles; auto: off where the Pallas kernels do the products (it "
              "then spends 3-4 s of a cold start choosing emitters for small fusions, for 1-2 % of S_PP; RESULTS "
              "§22q), on for the XLA path, whose dequantized GEMMs it tunes", "ikjax.runtime.executables"),
-    Variable("IKJAX_DECODE_UNROLL", "4", (),
-             "layers an iteration of a GPU decode step's scan over a layer group, at most (IKJAX_LAYERS=auto): "
-             "more layers, fewer iterations (~6-10 us a token each) but a longer compile", "ikjax.model.groups"),
-    Variable("IKJAX_DECODE_GRAPH_UNROLL", "0", ("0", "1"),
-             "1: XLA unrolls the layer loops of the GPU decode loop's CUDA graph (`xla_gpu_command_buffer_unroll_loops`): "
-             "the scanned decode lost 12-14 % of S_TG to the unrolled form after a prompt step, RESULTS §22r; "
-             "not yet measured, so off", "ikjax.runtime.executables"),
+    Variable("IKJAX_DECODE_UNROLL", "auto", (),
+             "layers an iteration of a GPU decode step's scan over a layer group, at most (IKJAX_LAYERS=auto); "
+             "auto: 1 where XLA unrolls the decode graph's loops (IKJAX_DECODE_GRAPH_UNROLL=1: a quarter of the "
+             "kernels to compile, S_TG unchanged), else 4 (each iteration of a loop in the graph ~6-10 us a token)",
+             "ikjax.model.groups"),
+    Variable("IKJAX_DECODE_GRAPH_UNROLL", "1", ("0", "1"),
+             "1: XLA unrolls the layer loops of the GPU decode loop's CUDA graph (`xla_gpu_command_buffer_unroll_loops`), "
+             "the HLO one layer an iteration: H200, V2-Lite, cold start 14.0 s against 17.1 s, the deep shape's first "
+             "row at 9.8 s against 12.7 s, S_TG +1.2-1.6 % (RESULTS §22s); 0: the loops stay conditional nodes",
+             "ikjax.runtime.executables"),
     Variable("IKJAX_PROMPT_ATTN", "pallas", ("pallas", "xla"),
              "GPU prompt attention of -mla 2/3 (-fa): the Pallas flash kernel that reads keys up to each "
              "query's position (H200, V2-Lite -ub 2048: 1.09-1.49x XLA's S_PP, RESULTS §25c), or XLA's "

@@ -334,16 +334,17 @@ def test_gpu_options_autotune(monkeypatch, setting, backend, level):
 
 
 def test_gpu_options_decode_graph_unroll(monkeypatch):
-    """IKJAX_DECODE_GRAPH_UNROLL=1 asks XLA to unroll the decode graph's layer loops (decode loop
-    only), an option this jaxlib's compile accepts."""
+    """IKJAX_DECODE_GRAPH_UNROLL=1 (the default) asks XLA to unroll the decode graph's layer loops
+    (decode loop only), an option this jaxlib's compile accepts; 0 leaves them loops."""
     import jax
     import jax.numpy as jnp
 
     from ikjax.runtime import executables
 
     plan = SimpleNamespace(backend="pallas")
+    monkeypatch.setenv("IKJAX_DECODE_GRAPH_UNROLL", "0")
     assert "xla_gpu_command_buffer_unroll_loops" not in executables.gpu_options(plan, True)
-    monkeypatch.setenv("IKJAX_DECODE_GRAPH_UNROLL", "1")
+    monkeypatch.delenv("IKJAX_DECODE_GRAPH_UNROLL")
     opts = executables.gpu_options(plan, True)
     assert opts["xla_gpu_command_buffer_unroll_loops"] is True
     assert "xla_gpu_command_buffer_unroll_loops" not in (executables.gpu_options(plan, False) or {})

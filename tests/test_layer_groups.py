@@ -16,6 +16,7 @@ import pytest
 
 import ikjax
 from ikjax import ops
+from ikjax.errors import OptionError
 from ikjax.gguf_io.reader import GGUFModelFile
 from ikjax.model.groups import all_layers, layer_spans, layer_tensors
 from ikjax.quant.array import LayerSlice
@@ -199,7 +200,15 @@ def test_gpu_decode_unroll_bounded_and_equal(tmp_path, monkeypatch):
     from ikjax import env
 
     monkeypatch.setenv("IKJAX_LAYERS", "auto")
-    most = env.positive_int("IKJAX_DECODE_UNROLL")  # its default, 4
+    # auto: one layer an iteration where XLA unrolls the decode graph's loops (the default), else 4
+    assert groups.decode_unroll() == 1 and groups.unroll_scan(1, "pallas", 26) == 1
+    monkeypatch.setenv("IKJAX_DECODE_GRAPH_UNROLL", "0")
+    assert groups.decode_unroll() == 4
+    monkeypatch.setenv("IKJAX_DECODE_UNROLL", "x")
+    with pytest.raises(OptionError, match="IKJAX_DECODE_UNROLL must be a positive integer"):
+        groups.decode_unroll()
+    monkeypatch.setenv("IKJAX_DECODE_UNROLL", "4")
+    most = env.positive_int("IKJAX_DECODE_UNROLL")
     for count in range(1, 130):
         k = groups.unroll_scan(1, "pallas", count)
         assert 1 <= k <= most and k + count % k < 2 * most, count

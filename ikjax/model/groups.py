@@ -12,7 +12,8 @@ tensors fetched into the step) is a group of its own, run as it is (unrolled). S
 with `IKJAX_LAYERS=unroll`, the old form, kept for comparison.
 
 GPU decode steps (`IKJAX_LAYERS=auto`, the default) run each group's scan with up to
-IKJAX_DECODE_UNROLL (4) layers an iteration: every iteration of a loop over layers inside the decode
+IKJAX_DECODE_UNROLL layers an iteration (auto: 1 where XLA unrolls the decode graph's loops,
+IKJAX_DECODE_GRAPH_UNROLL=1, the default since RESULTS §22s; else 4): every iteration of a loop over layers inside the decode
 loop costs ~6-10 us a token (H100, V2-Lite 27 layers, -c 4096, cold compile / S_TG at N_KV 0:
 scanned 16.3 s / 350, two iterations 16.7 s / 378, four 22.4 s / 372, unrolled 24.3 s / 385,
 RESULTS §22; H200: scanned 355 against two iterations' 375, the decode loop's compile 5.7 s against
@@ -56,8 +57,17 @@ def unroll_scan(n_tokens: int, backend: str, count: int) -> int:
         return 1
     if mode == "halves":
         return -(-count // 2)
-    iterations = -(-count // env.positive_int("IKJAX_DECODE_UNROLL"))
+    iterations = -(-count // decode_unroll())
     return -(-count // iterations)
+
+
+def decode_unroll() -> int:
+    """IKJAX_DECODE_UNROLL: a positive integer, or "auto" (the default): 1 where XLA lays the decode
+    graph's loops out flat (IKJAX_DECODE_GRAPH_UNROLL=1, the graph then has no loop iterations to
+    save and one layer's kernels compile instead of four's), else 4."""
+    if (env.raw("IKJAX_DECODE_UNROLL") or "auto").lower() == "auto":
+        return 1 if env.choice("IKJAX_DECODE_GRAPH_UNROLL") == "1" else 4
+    return env.positive_int("IKJAX_DECODE_UNROLL")
 
 
 class LayerGroup:
