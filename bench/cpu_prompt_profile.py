@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--start", type=int, default=0, help="the step's position (N_KV): 512 is sweep-bench's second row")
+    ap.add_argument("--detail", type=int, default=0, help="also the N slowest of XLA's own ops one by one, with their HLO")
     a = ap.parse_args()
     eng = ikjax.load(a.model, ctx=1024, ubatch=a.tokens, mla=3, fa=True, threads=a.threads)
     T = a.tokens
@@ -90,6 +91,13 @@ def main() -> None:
     print(f"C++ kernels {ffi / a.reps / 1e3:.1f} ms of the step; top ops (ms a step, calls):")
     for n, t in by.most_common(18):
         print(f"  {t / a.reps / 1e3:8.2f}  {n[:100]}")
+    if a.detail:  # XLA's own ops (not the C++ kernels) one by one, each with its HLO line
+        mods = sorted(glob.glob(f"{DUMP}/*forward*cpu_after_optimizations.txt"), key=os.path.getsize)
+        hlo = open(mods[-1]).read().splitlines() if mods else []
+        print(f"XLA's own ops, the {a.detail} slowest (ms a step, calls a step):")
+        for n, t in sorted(((n, t) for n, t in tot.items() if n not in names), key=lambda x: -x[1])[:a.detail]:
+            line = next((ln.strip() for ln in hlo if re.match(rf"\s*(ROOT )?%?{re.escape(n)} = ", ln)), "")
+            print(f"  {t / a.reps / 1e3:8.2f} {cnt[n] / a.reps:4.0f}  {n}: {line[:260]}")
 
 
 if __name__ == "__main__":

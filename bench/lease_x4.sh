@@ -70,6 +70,7 @@
 #            STAGE=26 with VARIANTS30 (e.g. "default skiptemp graphunroll graphunroll1").
 #   STAGE=31: issue 22's decode after a prompt step under SKIP_TEMP / VMM_PERSISTENT_TEMP (CANDIDATES31), the
 #            deep shape's rows (VARIANTS31, SHAPE31) and the issue's commit's rows beside them.
+#   STAGE=32: issue 26's amx prompt step at -t 16 under XLA:CPU / pool settings (VARIANTS32, TYPES32).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -396,6 +397,26 @@ PYEOF
     timeout 260 bash bench/gpu_coldstart.sh 2>&1 | grep -E "^###|^\||compiled|cold|warm" | grep -v -- "-|-" | head -60
   [ -n "${NO_OLD31:-}" ] || STAGE=25 NO_PROF25=1 VARIANTS25=none SHAPE24="${SHAPE31:--c 16384 -ub 2048 -n 128}" \
     SKIP_COLD25=1 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
+  ;;
+32)
+  # issue 26: the amx level's 512-token prompt step at -t 16 (bench/cpu_prompt_profile.py, cores
+  # 0-15) under XLA:CPU / pool settings that change how XLA's own ops share the cores with the
+  # C++ pool (VARIANTS32), per file (TYPES32)
+  for t in ${TYPES32:-Q4_0 IQ4_XS}; do
+    f=/tmp/cpuisa_4l_$t.gguf
+    [ -f $f ] || JAX_PLATFORMS=cpu python3 -m ikjax.cli make-model -o $f --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t > /dev/null
+    for v in ${VARIANTS32:-default sched0 spin0 t15 eigen1}; do
+      e="" x="" th=16
+      case $v in
+        sched0) x="--xla_cpu_enable_concurrency_optimized_scheduler=false" ;;
+        spin0) e="IKJAX_SPIN=0" ;;
+        t15) th=15 ;;
+        eigen1) x="--xla_cpu_multi_thread_eigen=false" ;;
+      esac
+      env $e XLA_FLAGS="$x" JAX_PLATFORMS=cpu IKJAX_CPU_ISA=${LEVEL32:-amx} taskset -c 0-15 timeout 120 python3 bench/cpu_prompt_profile.py $f \
+        --threads $th --reps 5 ${DETAIL32:+--detail $DETAIL32} 2>&1 | grep -v Warn | head -${TOP32:-1} | sed "s/^/$v: /"
+    done
+  done
   ;;
 15)
   OUT=$OUT/serve NO_EXPANDED=1 timeout 400 bash bench/gpu_serve.sh 2>&1 | grep -v "^$" | tail -40
