@@ -71,6 +71,7 @@
 #   STAGE=31: issue 22's decode after a prompt step under SKIP_TEMP / VMM_PERSISTENT_TEMP (CANDIDATES31), the
 #            deep shape's rows (VARIANTS31, SHAPE31) and the issue's commit's rows beside them.
 #   STAGE=32: issue 26's amx prompt step at -t 16 under XLA:CPU / pool settings (VARIANTS32, TYPES32).
+#   STAGE=33: issue 22's decode after a prompt step: per call or per token, fresh or stable inputs.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -416,6 +417,16 @@ PYEOF
       env $e XLA_FLAGS="$x" JAX_PLATFORMS=cpu IKJAX_CPU_ISA=${LEVEL32:-amx} taskset -c 0-15 timeout 120 python3 bench/cpu_prompt_profile.py $f \
         --threads $th --reps 5 ${DETAIL32:+--detail $DETAIL32} 2>&1 | grep -v Warn | head -${TOP32:-1} | sed "s/^/$v: /"
     done
+  done
+  ;;
+33)
+  # issue 22: the scanned decode's loss after a prompt step, per call or per token, fresh or stable
+  # input buffers (bench/gpu_decode_inputs.py), the default form then FORMS33 (e.g. unroll)
+  v2l_ready
+  for f in ${FORMS33:-auto unroll}; do
+    tgs="${TGS33:-16 64 128}"; [ $f = unroll ] && tgs="${TGSU33:-16 128}"
+    IKJAX_LAYERS=$f timeout 200 python3 bench/gpu_decode_inputs.py $V2L --tgs $tgs 2>&1 | grep -E "fresh|stable|rror" | head -4
+    [ -n "${B2B33:-}" ] && IKJAX_LAYERS=$f timeout 100 python3 bench/gpu_decode_inputs.py $V2L --tgs $tgs --no-prompt 2>&1 | grep -E "fresh|stable|rror" | head -4
   done
   ;;
 15)
