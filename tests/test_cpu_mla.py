@@ -331,6 +331,29 @@ def test_attention_kv_matches_reference(case, monkeypatch):
             assert np.isfinite(y).all() and rel < (1e-5 if qd == "f32" else 5e-3), (isa, n_threads, rel)
 
 
+def test_attention_kv_f32_rows_round_as_xla(monkeypatch):
+    """bf16 q with the f32 kv_b product: the kernel rounds K and V to bf16 as it loads them (8 / 16
+    at a time), and the model now converts them before the op: both must give the same bits, ties
+    (low half exactly 0x8000, even and odd) and values near the f32 maximum included, at every level."""
+    B, T, S, H, nope, R, Dv = 1, 19, 45, 3, 40, 8, 24  # widths not multiples of 8 / 16: the scalar tails too
+    rng = np.random.default_rng(26)
+    q = jnp.asarray(rng.standard_normal((B, T, H, nope + R)), jnp.bfloat16)
+    bits = rng.standard_normal((B, S, H, nope + Dv)).astype(np.float32).view(np.uint32)
+    ties = rng.random(bits.shape) < 0.3
+    bits = np.where(ties, (bits & np.uint32(0xFFFF0000)) | np.uint32(0x8000), bits)  # exact halves
+    # powers of two keep the ties: a few rows' values scaled up to ~2^100 (scores stay finite)
+    kv32 = np.ldexp(bits.view(np.float32), np.where(rng.random(bits.shape) < 0.02, 100, 0))
+    kv = jnp.asarray(kv32)
+    kr = jnp.asarray(rng.standard_normal((B, S, R)), jnp.bfloat16)
+    q_pos = positions(rng, B, T, S)
+    for isa in ISAS:
+        monkeypatch.setenv("IKJAX_CPU_ISA", isa)
+        y32 = np.asarray(mla_cpu.attention_kv(q, kv, kr, q_pos, 0.1, nope=nope, n_threads=2))
+        y16 = np.asarray(mla_cpu.attention_kv(q, kv.astype(jnp.bfloat16), kr, q_pos, 0.1, nope=nope, n_threads=2))
+        assert np.isfinite(y32).all()
+        np.testing.assert_array_equal(y32, y16, err_msg=isa)
+
+
 def test_attention_kv_refusals():
     q, kv, kr = (1, 4, 16, 192), jnp.zeros((1, 8, 16, 256), jnp.float32), jnp.zeros((1, 8, 64), jnp.bfloat16)
     assert mla_cpu.attention_kv_supported(q, kv, kr, 128)
