@@ -220,13 +220,15 @@ void load_key(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t h, float* dst
   const int64_t n1 = a.k2 ? a.D1 : a.D;
   load_vals(a, a.kind, a.cache, (b * a.S + s) * a.Hk + h, a.W, n1, dst);
   if (a.k2) load_vals(a, a.kind2, a.k2, b * a.S + s, a.W2, a.D - n1, dst + n1);
-  if (bf16_inputs(a)) round_bf16_n(dst, a.D);
+  if (!bf16_inputs(a)) return;  // rounded where stored wider (bf16 rows are exact already)
+  if (a.kind != ikj::MLA_BF16) round_bf16_n(dst, n1);
+  if (a.k2 && a.kind2 != ikj::MLA_BF16) round_bf16_n(dst + n1, a.D - n1);
 }
 
 // Value (b, s) of head h (its own rows, of K's kind) as f32 into dst.
 void load_value(const ikj::MlaArgs& a, int64_t b, int64_t s, int64_t h, float* dst) {
   load_vals(a, a.kind, a.v, (b * a.S + s) * a.Hk + h, a.Wv, a.v_dim, dst);
-  if (bf16_inputs(a)) round_bf16_n(dst, a.v_dim);
+  if (bf16_inputs(a) && a.kind != ikj::MLA_BF16) round_bf16_n(dst, a.v_dim);
 }
 
 // ---- micro-kernels -----------------------------------------------------------------------------
