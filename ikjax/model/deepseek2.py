@@ -127,7 +127,7 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
     q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, :, None], sin[:, :, None])
     c = rms_norm(kv[..., :r], layer["kv_a_norm"], cfg.rms_eps)
     k_pe = apply_rope(kv[..., r:], cos, sin)
-    q_full = jnp.concatenate([q_nope, q_pe], -1).astype(dtype)
+    q_full = ops.rope_q(q, cos, sin, nope=nope, dtype=dtype)  # q_nope ++ q_pe at dtype, one op
     scale = cfg.softmax_scale
     attn = dict(amb_bytes=plan.amb_bytes, kv_block=plan.kv_block)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax.gguf_io.config import ModelConfig
+from ikjax.ops.rope import apply_rope  # noqa: F401 - the model's rope, kept below it for the op's reference
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -39,11 +40,3 @@ def rope_tables(inv_freq: np.ndarray, positions: jnp.ndarray) -> tuple[jnp.ndarr
     """cos and sin of shape positions.shape + [rope/2], in float32."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotate adjacent pairs of x's last axis. cos/sin broadcast against x[..., ::2]."""
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    out = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
-    return out.reshape(x.shape).astype(x.dtype)
