@@ -53,3 +53,29 @@ def test_rope_q_refusals_fall_to_xla():
         out = ops.rope_q(q.astype(jnp.float16), cos, sin, nope=4, dtype=jnp.float32)
     ref = ops.rope_q(q.astype(jnp.float16), cos, sin, nope=4, dtype=jnp.float32, backend="xla")
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+@pytest.mark.parametrize("shape", [(1, 1024, 16, 256), (3, 5, 7), (0, 4), (40001,)], ids=str)
+def test_cast_bf16_matches_xla(shape):
+    """ops.cast's C++ f32 -> bf16 (multithreaded) gives XLA's convert's bits: random values over many
+    exponents, exact ties (even and odd), NaN, infinities, subnormals, sizes across the parts' edges."""
+    from pallas_kernels.cast import cpu as cast_cpu
+    rng = np.random.default_rng(len(shape))
+    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-130, 120, shape))).astype(np.float32)
+    if x.size:
+        flat = x.reshape(-1).view(np.uint32)
+        ties = rng.random(flat.shape) < 0.2
+        flat[:] = np.where(ties, (flat & np.uint32(0xFFFF0000)) | np.uint32(0x8000), flat)
+        x.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, np.float32(1e-41)]
+    x = jnp.asarray(x)
+    ref = ops.cast(x, jnp.bfloat16, backend="xla")
+    assert cast_cpu.supported(x, jnp.bfloat16) and not cast_cpu.supported(x, jnp.float16)
+    for n_threads in (1, 3):
+        got = cast_cpu.cast_bf16(x, n_threads=n_threads)
+        assert got.dtype == jnp.bfloat16 and got.shape == x.shape
+        nan = np.isnan(np.asarray(ref, np.float32))
+        np.testing.assert_array_equal(np.isnan(np.asarray(got, np.float32)), nan)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16)[~nan], np.asarray(ref).view(np.uint16)[~nan])
+    with ops.kernel_context("cpu", 2):
+        via = ops.cast(x, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(ref, np.float32))

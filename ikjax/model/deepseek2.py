@@ -168,7 +168,7 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
             # K and V at q's dtype before the op (every form takes them so): the C++ kernel then
             # reads half the bytes a key, each head's keys a row of all heads apart (its f32 rows
             # cost ~20 % of the kernel at N_KV 512, AVX2; RESULTS §26r)
-            o = ops.attention_kv(q_full, kvh.astype(q_full.dtype), lat[..., r:], q_pos, scale, nope=nope,
+            o = ops.attention_kv(q_full, ops.cast(kvh, q_full.dtype), lat[..., r:], q_pos, scale, nope=nope,
                                  flash=plan.fa, **attn)
         else:
             # a -mla 3 prompt step in absorbed form (absorbed_pays) reads attn_kv_b as the expanded
