@@ -13,6 +13,7 @@
 #include <emmintrin.h>
 #endif
 
+#include "cpu/common.h"
 #include "cpu/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -51,11 +52,7 @@ static ffi::Error CastBf16Impl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::B
                     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm_packs_epi32(round4(a), round4(b)));
                   }
 #endif
-                  for (; i < e; ++i) {
-                    const uint32_t u = src[i];
-                    dst[i] = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40)
-                                                              : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-                  }
+                  for (; i < e; ++i) dst[i] = ikj::f32_to_bf16(x.typed_data()[i]);
                 });
   return ffi::Error::Success();
 }

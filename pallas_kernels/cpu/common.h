@@ -40,6 +40,16 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// f32 -> bf16 bits, round to nearest even (XLA's convert, vcvtneps2bf16's result); NaN stays a
+// (quiet) NaN. And the value rounded, kept as f32.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);

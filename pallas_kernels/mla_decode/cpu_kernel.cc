@@ -179,13 +179,7 @@ void load_vals(const ikj::MlaArgs& a, int kind, const void* base, int64_t row, i
   }
 }
 
-inline uint16_t bf16_bits(float f) {  // round to nearest even (finite values; NaN stays NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-inline float round_bf16(float f) { return ikj::bf16_to_f32(bf16_bits(f)); }
+using ikj::round_bf16;
 
 // p[0, n) rounded to bf16 in place (kept as f32), as round_bf16 each, 8 or 16 at a time: the f32
 // path with bf16 inputs rounds every key, value and p it loads (~25 % of a prompt tile's time

@@ -45,6 +45,7 @@ namespace IKJ_NS {
 namespace {
 
 using ikj::bf16_to_f32;
+using ikj::round_bf16;
 using ikj::load_u16;
 
 inline float f16(const uint8_t* p) {
@@ -280,15 +281,6 @@ inline float hsum_dot(const float* a, const float* b, int64_t K) {
   return s;
 }
 
-// Round float32 to bf16 (round to nearest even), kept as float32 or as the 16 bf16 bits.
-inline uint16_t to_bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-inline float round_bf16(float f) { return bf16_to_f32(to_bf16_bits(f)); }
 
 void round_bf16_inplace(float* v, int64_t n) {
   int64_t i = 0;
@@ -1843,7 +1835,7 @@ void micro_bf16(const uint32_t* A, const uint16_t* Bp, int64_t Kp, float* C, int
 
 #if defined(IKJ_HAVE_DPBF16)
 // n floats -> ceil(n / 2) bf16 pairs (u32: value 2p in the low half, 2p + 1 in the high half; a
-// missing last value is 0), round to nearest even as to_bf16_bits (vcvtne2ps2bf16).
+// missing last value is 0), round to nearest even as ikj::f32_to_bf16 (vcvtne2ps2bf16).
 inline void to_bf16_pairs(const float* r, int64_t n, uint32_t* out) {
   int64_t k = 0;
   for (; k + 32 <= n; k += 32)

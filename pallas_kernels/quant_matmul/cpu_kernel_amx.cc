@@ -361,15 +361,6 @@ void panel_gemm_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t*
   T::release();
 }
 
-// f32 -> bf16, round to nearest even (vcvtneps2bf16's result for finite values)
-inline uint16_t bf16_rne(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN: quiet
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // ---- the portable panel builder: one block of a row -> 32 signed values, dw, mw ----------------
 
 // 6-bit scale and minimum j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
@@ -546,7 +537,7 @@ void panel_to_bf16(const uint8_t* panel, int64_t nb, bool has_min, uint16_t* out
           for (int i = 0; i < 4; ++i) {
             const int n = 16 * h + nn;
             const float v = static_cast<float>(static_cast<int8_t>(pb[h * 512 + c * 64 + nn * 4 + i]));
-            ob[h * 512 + (2 * c + i / 2) * 32 + nn * 2 + (i & 1)] = bf16_rne(std::fma(v, dw[n], mw[n]));
+            ob[h * 512 + (2 * c + i / 2) * 32 + nn * 2 + (i & 1)] = ikj::f32_to_bf16(std::fma(v, dw[n], mw[n]));
           }
   }
 }
@@ -554,7 +545,7 @@ void panel_to_bf16(const uint8_t* panel, int64_t nb, bool has_min, uint16_t* out
 void x_to_bf16(const float* x, int64_t M, int64_t K, uint16_t* out) {
   const int64_t ld = bf_ld(K);
   for (int64_t m = 0; m < bf_rows(M); ++m)
-    for (int64_t k = 0; k < ld; ++k) out[m * ld + k] = m < M && k < K ? bf16_rne(x[m * K + k]) : 0;
+    for (int64_t k = 0; k < ld; ++k) out[m * ld + k] = m < M && k < K ? ikj::f32_to_bf16(x[m * K + k]) : 0;
 }
 
 #if defined(IKJ_HAVE_AMX_BF16)

@@ -12,21 +12,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/common.h"
 #include "cpu/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-namespace {
-
-inline uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN (as XLA's convert)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
-}  // namespace
+using ikj::f32_to_bf16;  // round to nearest even; NaN stays NaN (as XLA's convert)
 
 static ffi::Error RopeQImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                             ffi::Result<ffi::AnyBuffer> out, int64_t nope, int64_t n_threads) {
@@ -58,11 +50,11 @@ static ffi::Error RopeQImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos, 
       const float* s = sn + (r / H) * half;
       if (bf16) {
         uint16_t* y = o16 + r * D;
-        for (int64_t i = 0; i < nope; ++i) y[i] = to_bf16(x[i]);
+        for (int64_t i = 0; i < nope; ++i) y[i] = f32_to_bf16(x[i]);
         for (int64_t p = 0; p < half; ++p) {
           const float x0 = x[nope + 2 * p], x1 = x[nope + 2 * p + 1];
-          y[nope + 2 * p] = to_bf16(x0 * c[p] - x1 * s[p]);
-          y[nope + 2 * p + 1] = to_bf16(x1 * c[p] + x0 * s[p]);
+          y[nope + 2 * p] = f32_to_bf16(x0 * c[p] - x1 * s[p]);
+          y[nope + 2 * p + 1] = f32_to_bf16(x1 * c[p] + x0 * s[p]);
         }
       } else {
         float* y = o32 + r * D;
