@@ -14,13 +14,14 @@ with `IKJAX_LAYERS=unroll`, the old form, kept for comparison.
 GPU decode steps (`IKJAX_LAYERS=auto`, the default) run each group's scan with up to
 IKJAX_DECODE_UNROLL layers an iteration (auto: 1 where XLA unrolls the decode graph's loops,
 IKJAX_DECODE_GRAPH_UNROLL=1, the default since RESULTS §22s; else 4). Why more than one, with the
-graph's loops kept: every iteration of a loop over layers inside the decode loop costs ~6-10 us
-a token (H100, V2-Lite 27 layers, -c 4096, cold compile / S_TG at N_KV 0: scanned 16.3 s / 350,
-two iterations 16.7 s / 378, four 22.4 s / 372, unrolled 24.3 s / 385, RESULTS §22; H200:
-scanned 355 against two iterations' 375, the decode loop's compile 5.7 s against 10.6 s, §22e). Up to 4 layers an iteration keeps most of that (V2-Lite: 7 iterations, not 26) while
-the step traces at most 2 x 4 - 1 layers a group (a scan's remainder is traced apart), whatever the
-depth: two iterations of half a group (`IKJAX_LAYERS=halves`, the form before) traced half the
-group, so a 61-layer R1's decode compiled ~6x the layers of an 8-layer one.
+graph's loops kept: every iteration of a loop over layers inside the decode loop costs ~6-10 us a
+token (H100, V2-Lite 27 layers, -c 4096, cold compile / S_TG at N_KV 0: scanned 16.3 s / 350, two
+iterations 16.7 s / 378, four 22.4 s / 372, unrolled 24.3 s / 385, RESULTS §22; H200: scanned 355
+against two iterations' 375, the decode loop's compile 5.7 s against 10.6 s, §22e). Up to 4 layers
+an iteration keeps most of that (V2-Lite: 7 iterations, not 26) while the step traces at most 2 x 4
+- 1 layers a group (a scan's remainder is traced apart), whatever the depth: two iterations of half
+a group (`IKJAX_LAYERS=halves`, the form before) traced half the group, so a 61-layer R1's decode
+compiled ~6x the layers of an 8-layer one.
 
 A group's weights are one `LayerGroup` pytree: each leaf stacked on a new leading axis of
 `count` (a QuantArray keeps its per-layer logical shape, its blocks gain the axis), except a group
