@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_trace import gpu_kernels  # noqa: E402
+from gpu_trace import gpu_kernels, host_events  # noqa: E402
 
 
 def main() -> None:
@@ -86,6 +86,20 @@ def main() -> None:
           f"{' (a prompt step before each)' if a.interleave else ''}")
     for n, t in tot.most_common(a.top):
         print(f"  {t / a.tg:8.1f} us  {cnt[n] / a.tg:6.1f}x  {n}")
+    # the host's side of the same call: XLA's thunks and the CUDA API calls (a graph update or a
+    # re-record a token would show here, not among the kernels)
+    htot, hcnt = collections.Counter(), collections.Counter()
+    for e in host_events(d):
+        name = re.sub(r"[._]?\d+$", "", e["name"])[:90]
+        htot[name] += e.get("dur", 0)
+        hcnt[name] += 1
+    print("host events (us a token, count a token):")
+    for n, t in htot.most_common(a.top):
+        print(f"  {t / a.tg:8.1f} us  {hcnt[n] / a.tg:6.2f}x  {n}")
+    # gaps between consecutive kernels: idle GPU time a token, and the largest gaps
+    gaps = sorted((b[0] - e0 for (_, e0), b in zip(spans, spans[1:]) if b[0] > e0), reverse=True)
+    print(f"GPU idle between kernels: {sum(gaps) / a.tg:.0f} us a token; largest gaps (us): "
+          f"{[round(g) for g in gaps[:12]]}; gaps > 5 us: {sum(g > 5 for g in gaps) / a.tg:.1f} a token")
 
 
 if __name__ == "__main__":
