@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--interleave", action="store_true",
                     help="a 512-token prompt step before each decode call, as sweep-bench's rows (only the decode timed)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="one 512-token prompt step first, then the decode calls back to back: a cache of real "
+                         "rows (tokens routed as after a prompt) without a prompt step between the calls")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
     import jax
@@ -40,6 +43,9 @@ def main() -> None:
     eng.precompile_decode(1, a.tg, a.kv + a.tg)
     rng = np.random.default_rng(0)
     cache = eng.new_cache(1)
+    if a.prefill:
+        out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, 512)), np.array([0]))
+        out.block_until_ready()
     moved = collections.Counter()
 
     def ptrs(c):
@@ -83,7 +89,7 @@ def main() -> None:
     print(f"{os.environ.get('IKJAX_LAYERS', 'auto')}: {wall * 1e6:.0f} us a token wall ({1 / wall:.1f} t/s), "
           f"kernels busy {busy:.0f} us a token, first kernel to last {span:.0f} us a token, "
           f"{sum(cnt.values()) / a.tg:.0f} kernels a token; cache buffers moved by the calls: {dict(moved)}"
-          f"{' (a prompt step before each)' if a.interleave else ''}")
+          f"{' (a prompt step before each)' if a.interleave else ''}{' (cache prefilled once)' if a.prefill else ''}")
     for n, t in tot.most_common(a.top):
         print(f"  {t / a.tg:8.1f} us  {cnt[n] / a.tg:6.1f}x  {n}")
     # the host's side of the same call: XLA's thunks and the CUDA API calls (a graph update or a

@@ -319,9 +319,12 @@ PYEOF
   # then STAGE=26's variants (VARIANTS26)
   v2l_ready
   for l in ${LAYERS27:-auto unroll}; do
-    for il in ${INTERLEAVE27:-plain}; do  # plain | interleave (a prompt step before each decode call)
-      IKJAX_LAYERS=$l timeout 150 python3 bench/gpu_decode_profile.py $V2L --top ${TOP27:-30} $([ $il = interleave ] && echo --interleave) \
-        2>&1 | grep -v Warn | tee $OUT/dprof-$l-$il.txt
+    for il in ${INTERLEAVE27:-plain}; do  # plain | interleave (a prompt step before each decode call) | prefill (a cache of real rows)
+      for cb in ${CMDBUF27:-on}; do  # off: XLA's command buffers off, each kernel in the profile
+        IKJAX_LAYERS=$l IKJAX_COMPILE_CACHE=/tmp/cc27-$l-$cb timeout 150 env $([ $cb = off ] && echo XLA_FLAGS=--xla_gpu_enable_command_buffer=) \
+          python3 bench/gpu_decode_profile.py $V2L --top ${TOP27:-30} $([ $il != plain ] && echo --$il) \
+          2>&1 | grep -v Warn | tee $OUT/dprof-$l-$il-$cb.txt | head -${HEAD27:-200}
+      done
     done
   done
   [ -n "${VARIANTS26:-}" ] && STAGE=26 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
