@@ -39,6 +39,9 @@ def main() -> None:
     import numpy as np
 
     import ikjax
+    if os.environ.get("DPROF_NO_CMDBUF"):  # every kernel on its own in the profile (no CUDA graph hides them)
+        from ikjax.runtime import executables
+        executables._DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
     eng = ikjax.load(a.model, ctx=a.ctx, ubatch=512, mla=3, flash_attn=True)
     eng.precompile_decode(1, a.tg, a.kv + a.tg)
     rng = np.random.default_rng(0)

@@ -321,7 +321,7 @@ PYEOF
   for l in ${LAYERS27:-auto unroll}; do
     for il in ${INTERLEAVE27:-plain}; do  # plain | interleave (a prompt step before each decode call) | prefill (a cache of real rows)
       for cb in ${CMDBUF27:-on}; do  # off: XLA's command buffers off, each kernel in the profile
-        IKJAX_LAYERS=$l IKJAX_COMPILE_CACHE=/tmp/cc27-$l-$cb timeout 150 env $([ $cb = off ] && echo XLA_FLAGS=--xla_gpu_enable_command_buffer=) \
+        IKJAX_LAYERS=$l IKJAX_COMPILE_CACHE=/tmp/cc27-$l-$cb timeout 150 env $([ $cb = off ] && echo DPROF_NO_CMDBUF=1) \
           python3 bench/gpu_decode_profile.py $V2L --top ${TOP27:-30} $([ $il != plain ] && echo --$il) \
           2>&1 | grep -v Warn | tee $OUT/dprof-$l-$il-$cb.txt | head -${HEAD27:-200}
       done
