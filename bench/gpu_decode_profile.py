@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true",
                     help="one 512-token prompt step first, then the decode calls back to back: a cache of real "
                          "rows (tokens routed as after a prompt) without a prompt step between the calls")
+    ap.add_argument("--prefill-tokens", type=int, default=512, help="the prefill's tokens (ending at --kv)")
+    ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
     import jax
@@ -46,8 +48,12 @@ def main() -> None:
     eng.precompile_decode(1, a.tg, a.kv + a.tg)
     rng = np.random.default_rng(0)
     cache = eng.new_cache(1)
+    if a.decode_first:  # the decode loop's first call (its graph recorded) before anything else runs
+        out, cache = eng.decode(cache, rng.integers(0, eng.config.vocab_size, (1,)), [a.kv], a.tg)
+        jax.block_until_ready(out)
     if a.prefill:
-        out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, 512)), np.array([0]))
+        n = a.prefill_tokens
+        out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, n)), np.array([a.kv - n]))
         out.block_until_ready()
     moved = collections.Counter()
 

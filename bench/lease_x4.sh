@@ -329,6 +329,17 @@ PYEOF
   done
   [ -n "${VARIANTS26:-}" ] && STAGE=26 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
   ;;
+34)
+  # issue 22: what a single prompt step leaves behind that slows the scanned decode's CUDA graph for
+  # good (RESULTS §22u): variants of bench/gpu_decode_profile.py, each "ENV=..|ARGS" (';'-separated)
+  v2l_ready
+  IFS=';' read -ra vs <<< "${VARIANTS34:-|--prefill;|--prefill --decode-first;|--prefill --prefill-tokens 16;XLA_PYTHON_CLIENT_ALLOCATOR=platform|--prefill;XLA_PYTHON_CLIENT_ALLOCATOR=platform|}"
+  for v in "${vs[@]}"; do
+    envs=${v%%|*}; args=${v#*|}
+    echo "== ${envs:-(default env)} | ${args:-plain}"
+    env $envs IKJAX_COMPILE_CACHE=/tmp/cc34 timeout 150 python3 bench/gpu_decode_profile.py $V2L --top 5 $args 2>&1 | grep -v Warn | head -1
+  done
+  ;;
 28)
   # issue 22: the scanned decode after a prompt step with JAX's default allocator (preallocation on,
   # as users run it; the lease exports XLA_PYTHON_CLIENT_PREALLOCATE=false), then sweep-bench both ways
