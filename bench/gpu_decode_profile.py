@@ -34,6 +34,7 @@ def main() -> None:
                     help="one 512-token prompt step first, then the decode calls back to back: a cache of real "
                          "rows (tokens routed as after a prompt) without a prompt step between the calls")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="the prefill's tokens (ending at --kv)")
+    ap.add_argument("--other", choices=("compile", "trivial", "matmul"), help="what else runs before the calls")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
@@ -51,6 +52,13 @@ def main() -> None:
     if a.decode_first:  # the decode loop's first call (its graph recorded) before anything else runs
         out, cache = eng.decode(cache, rng.integers(0, eng.config.vocab_size, (1,)), [a.kv], a.tg)
         jax.block_until_ready(out)
+    if a.other == "compile":  # the prompt step compiled (and its kernels loaded), never run
+        eng.precompile(1, 512, a.kv)
+    elif a.other == "trivial":  # some other XLA GPU program, not ours
+        jax.block_until_ready(jax.jit(lambda v: (v * 2 + 1).sum())(jax.numpy.ones((1 << 26,))))
+    elif a.other == "matmul":  # a large product on the matrix unit (what a prompt step is mostly made of)
+        m = jax.numpy.ones((8192, 8192), jax.numpy.bfloat16)
+        jax.block_until_ready(jax.jit(lambda v: (v @ v).sum())(m))
     if a.prefill:
         n = a.prefill_tokens
         out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, n)), np.array([a.kv - n]))
