@@ -34,7 +34,7 @@ def main() -> None:
                     help="one 512-token prompt step first, then the decode calls back to back: a cache of real "
                          "rows (tokens routed as after a prompt) without a prompt step between the calls")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="the prefill's tokens (ending at --kv)")
-    ap.add_argument("--other", choices=("compile", "trivial", "matmul"), help="what else runs before the calls")
+    ap.add_argument("--other", choices=("compile", "trivial", "matmul", "discard", "random"), help="what else runs before the calls")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
@@ -59,6 +59,14 @@ def main() -> None:
     elif a.other == "matmul":  # a large product on the matrix unit (what a prompt step is mostly made of)
         m = jax.numpy.ones((8192, 8192), jax.numpy.bfloat16)
         jax.block_until_ready(jax.jit(lambda v: (v @ v).sum())(m))
+    if a.other == "discard":  # a prompt step run on a cache of its own, thrown away: ours stays zeros
+        out, _ = eng.step(eng.new_cache(1), rng.integers(0, eng.config.vocab_size, (1, 512)), np.array([0]))
+        out.block_until_ready()
+    elif a.other == "random":  # the cache filled with random values by a plain program: rows, no prompt step
+        keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache))))
+        cache = jax.tree.map(lambda c: (jax.random.normal(next(keys), c.shape, jax.numpy.float32) * 0.5).astype(c.dtype)
+                             if jax.numpy.issubdtype(c.dtype, jax.numpy.floating) else c, cache)
+        jax.block_until_ready(cache)
     if a.prefill:
         n = a.prefill_tokens
         out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, n)), np.array([a.kv - n]))
