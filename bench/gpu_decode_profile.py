@@ -34,7 +34,7 @@ def main() -> None:
                     help="one 512-token prompt step first, then the decode calls back to back: a cache of real "
                          "rows (tokens routed as after a prompt) without a prompt step between the calls")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="the prefill's tokens (ending at --kv)")
-    ap.add_argument("--other", choices=("compile", "trivial", "matmul", "discard", "random"), help="what else runs before the calls")
+    ap.add_argument("--other", choices=("compile", "trivial", "matmul", "discard", "random", "step1", "headdot", "headrows"), help="what else runs before the calls")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
@@ -62,6 +62,15 @@ def main() -> None:
     if a.other == "discard":  # a prompt step run on a cache of its own, thrown away: ours stays zeros
         out, _ = eng.step(eng.new_cache(1), rng.integers(0, eng.config.vocab_size, (1, 512)), np.array([0]))
         out.block_until_ready()
+    elif a.other == "step1":  # a one-token forward (decode-sized kernels) on a cache of its own
+        out, _ = eng.step(eng.new_cache(1), rng.integers(0, eng.config.vocab_size, (1, 1)), np.array([0]))
+        out.block_until_ready()
+    elif a.other in ("headdot", "headrows"):  # the output head's product alone: 512 rows (dot tiles) or 1 (rows)
+        from ikjax import ops
+        w = eng._weights["output"]
+        rows = 512 if a.other == "headdot" else 1
+        x = jax.numpy.ones((rows, eng.config.d_model), jax.numpy.bfloat16)
+        jax.block_until_ready(jax.jit(lambda v: ops.quant_linear(v, w, jax.numpy.bfloat16))(x))
     elif a.other == "random":  # the cache filled with random values by a plain program: rows, no prompt step
         keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache))))
         cache = jax.tree.map(lambda c: (jax.random.normal(next(keys), c.shape, jax.numpy.float32) * 0.5).astype(c.dtype)
