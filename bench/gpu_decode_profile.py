@@ -67,7 +67,7 @@ def main() -> None:
         out.block_until_ready()
     elif a.other in ("headdot", "headrows"):  # the output head's product alone: 512 rows (dot tiles) or 1 (rows)
         from ikjax import ops
-        w = eng._weights["output"]
+        w = eng.weights["output"]
         rows = 512 if a.other == "headdot" else 1
         x = jax.numpy.ones((rows, eng.config.d_model), jax.numpy.bfloat16)
         jax.block_until_ready(jax.jit(lambda v: ops.quant_linear(v, w, jax.numpy.bfloat16))(x))
