@@ -35,6 +35,7 @@ def main() -> None:
                          "rows (tokens routed as after a prompt) without a prompt step between the calls")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="the prefill's tokens (ending at --kv)")
     ap.add_argument("--other", choices=("compile", "trivial", "matmul", "discard", "random", "step1", "headdot", "headrows"), help="what else runs before the calls")
+    ap.add_argument("--other-after", action="store_true", help="--other after the --prefill, not before")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
@@ -52,6 +53,11 @@ def main() -> None:
     if a.decode_first:  # the decode loop's first call (its graph recorded) before anything else runs
         out, cache = eng.decode(cache, rng.integers(0, eng.config.vocab_size, (1,)), [a.kv], a.tg)
         jax.block_until_ready(out)
+    if a.other_after and a.prefill:  # the prefill first, then the other program
+        out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, a.prefill_tokens)),
+                              np.array([a.kv - a.prefill_tokens]))
+        out.block_until_ready()
+        a.prefill = False
     if a.other == "compile":  # the prompt step compiled (and its kernels loaded), never run
         eng.precompile(1, 512, a.kv)
     elif a.other == "trivial":  # some other XLA GPU program, not ours
