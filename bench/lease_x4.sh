@@ -340,6 +340,18 @@ PYEOF
     env $envs IKJAX_COMPILE_CACHE=/tmp/cc34 timeout 150 python3 bench/gpu_decode_profile.py $V2L --top 5 $args 2>&1 | grep -v Warn | head -1
   done
   ;;
+35)
+  # issue 22: which kernel of a short prompt step leaves the scanned decode slower (§22u): STAGE=34's
+  # variants (VARIANTS34), then sweep-bench's rows with the prompt attention's two forms (PROMPT35)
+  v2l_ready
+  STAGE=34 bash bench/lease_x4.sh 2>&1 | grep -E "^==|a token wall|Error"
+  for pa in ${PROMPT35:-xla pallas}; do
+    IKJAX_PROMPT_ATTN=$pa IKJAX_COMPILE_CACHE=/tmp/cc35-$pa timeout 100 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
+      -c 4096 -ub 512 -n 64 > /tmp/s35.out 2> /tmp/s35.err
+    echo "IKJAX_PROMPT_ATTN=$pa: S_PP $(grep '^|' /tmp/s35.out | awk -F'|' '$2 ~ /[0-9]/ {printf "%s ", $6+0}')  S_TG $(grep '^|' /tmp/s35.out | awk -F'|' '$2 ~ /[0-9]/ {printf "%s ", $8+0}')"
+    tail -2 /tmp/s35.err | grep -i error
+  done
+  ;;
 28)
   # issue 22: the scanned decode after a prompt step with JAX's default allocator (preallocation on,
   # as users run it; the lease exports XLA_PYTHON_CLIENT_PREALLOCATE=false), then sweep-bench both ways
