@@ -34,7 +34,8 @@ def main() -> None:
                     help="one 512-token prompt step first, then the decode calls back to back: a cache of real "
                          "rows (tokens routed as after a prompt) without a prompt step between the calls")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="the prefill's tokens (ending at --kv)")
-    ap.add_argument("--other", choices=("compile", "trivial", "matmul", "discard", "random", "step1", "headdot", "headrows"), help="what else runs before the calls")
+    ap.add_argument("--other", choices=("compile", "trivial", "matmul", "discard", "random", "step1", "headdot", "headrows", "step2idle",
+                                        "step2all", "batch2"), help="what else runs before the calls")
     ap.add_argument("--other-after", action="store_true", help="--other after the --prefill, not before")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
     a = ap.parse_args()
@@ -80,6 +81,18 @@ def main() -> None:
         rows = 512 if a.other == "headdot" else 1
         x = jax.numpy.ones((rows, eng.config.d_model), jax.numpy.bfloat16)
         jax.block_until_ready(jax.jit(lambda v: ops.quant_linear(v, w, jax.numpy.bfloat16))(x))
+    elif a.other == "step2idle":  # a two-token step whose tokens route to no expert (last = -1: an idle row)
+        out, _ = eng.step(eng.new_cache(1), rng.integers(0, eng.config.vocab_size, (1, 2)), np.array([0]),
+                          last=np.array([-1]))
+        out.block_until_ready()
+    elif a.other == "step2all":  # a two-token step keeping every row's logits (the head on all rows, no gather)
+        out, _ = eng.step(eng.new_cache(1), rng.integers(0, eng.config.vocab_size, (1, 2)), np.array([0]),
+                          all_logits=True)
+        out.block_until_ready()
+    elif a.other == "batch2":  # the decode loop for a batch of two (the server's batched decode), a call
+        c2 = eng.new_cache(2)
+        out, _ = eng.decode(c2, rng.integers(0, eng.config.vocab_size, (2,)), [a.kv, a.kv], a.tg)
+        jax.block_until_ready(out)
     elif a.other == "random":  # the cache filled with random values by a plain program: rows, no prompt step
         keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache))))
         cache = jax.tree.map(lambda c: (jax.random.normal(next(keys), c.shape, jax.numpy.float32) * 0.5).astype(c.dtype)

@@ -352,6 +352,32 @@ PYEOF
     tail -2 /tmp/s35.err | grep -i error
   done
   ;;
+36)
+  # issue 22, the scanned decode's loss left by a step of T >= 2 (§22u), next steps: (1) the graph's
+  # kernels one by one where nsys can trace a CUDA graph's nodes (plain against one 2-token step
+  # first; a scanned and an unrolled form), (2) the decode loop's optimized HLO (copies in the
+  # loop body), (3) more steps that may or may not leave it (VARIANTS34 of STAGE=34)
+  v2l_ready
+  echo "nsys: $(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)"
+  NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  if [ -n "$NSYS" ]; then
+    for l in auto unroll; do for p in "" "--prefill --prefill-tokens 2"; do
+      tag=$l$([ -n "$p" ] && echo -prefill)
+      IKJAX_LAYERS=$l IKJAX_COMPILE_CACHE=/tmp/cc36-$l timeout 150 $NSYS profile -q --cuda-graph-trace=node -t cuda -o /tmp/n36-$tag -f true \
+        python3 bench/gpu_decode_profile.py $V2L --top 3 $p 2>&1 | grep "a token wall"
+      $NSYS stats -q -r cuda_gpu_kern_sum -f csv -o $OUT/kern-$tag /tmp/n36-$tag.nsys-rep > /dev/null 2>&1
+      head -12 $OUT/kern-${tag}_cuda_gpu_kern_sum.csv 2>/dev/null | cut -c1-160
+    done; done
+  fi
+  for l in auto unroll; do
+    rm -rf /tmp/hlo36-$l; IKJAX_LAYERS=$l IKJAX_COMPILE_CACHE=0 XLA_FLAGS="--xla_dump_to=/tmp/hlo36-$l --xla_dump_hlo_as_text" \
+      timeout 150 python3 bench/gpu_decode_profile.py $V2L --top 3 2>&1 | grep "a token wall"
+    f=$(ls -S /tmp/hlo36-$l/*decode_steps*after_optimizations.txt 2>/dev/null | head -1)
+    echo "$l: $f: copies $(grep -c ' copy(' $f), copy-starts $(grep -c 'copy-start' $f), while $(grep -c ' while(' $f)"
+    cp "$f" $OUT/decode-$l.hlo.txt 2>/dev/null
+  done
+  [ -n "${VARIANTS34:-}" ] && STAGE=34 bash bench/lease_x4.sh 2>&1 | grep -E "^==|a token wall|Error"
+  ;;
 28)
   # issue 22: the scanned decode after a prompt step with JAX's default allocator (preallocation on,
   # as users run it; the lease exports XLA_PYTHON_CLIENT_PREALLOCATE=false), then sweep-bench both ways
