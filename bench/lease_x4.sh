@@ -72,6 +72,11 @@
 #            deep shape's rows (VARIANTS31, SHAPE31) and the issue's commit's rows beside them.
 #   STAGE=32: issue 26's amx prompt step at -t 16 under XLA:CPU / pool settings (VARIANTS32, TYPES32).
 #   STAGE=33: issue 22's decode after a prompt step: per call or per token, fresh or stable inputs.
+#   STAGE=34: issue 22: what a prompt step leaves behind for the scanned decode (VARIANTS34: "ENV|ARGS;..."
+#            of bench/gpu_decode_profile.py, RESULTS §22u).
+#   STAGE=35: STAGE=34, then sweep-bench's rows with each prompt attention form (PROMPT35).
+#   STAGE=36: the decode graph's kernels one by one under nsys (if the host has it), the decode loop's
+#            optimized HLO, then STAGE=34's VARIANTS34 (e.g. "|--other step2idle;|--other step2all").
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
