@@ -20,8 +20,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import (FrequencyPenalty, PresencePenalty, RepeatLastN, RepeatPenalty, app, handle, load_engine, log,
-                              setup_compile_cache)
+from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
+                              app, handle, load_engine, log, setup_compile_cache)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -43,11 +43,11 @@ def chat(
     jinja: Annotated[bool, typer.Option("--jinja", help="Jinja chat templates (always on)")] = True,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="most tokens an answer may have "
                                            "(-1 = until EOS or the context's end)")] = -1,
-    temp: Annotated[float, typer.Option("--temp", "--temperature", help="temperature (0 = greedy)")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", help="top-k sampling (0 = off)")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")] = 0.05,
-    seed: Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")] = None,
+    temp: Temp = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    seed: Seed = None,
     repeat_penalty: RepeatPenalty = 1.0,
     repeat_last_n: RepeatLastN = 64,
     presence_penalty: PresencePenalty = 0.0,

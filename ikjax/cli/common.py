@@ -189,6 +189,13 @@ def _synthetic_size(preset: str, qtype: str, layers: int | None) -> int | None:
     return sum(t.nbytes for t in synthetic.plan_tensors(cfg, qtype))
 
 
+# llama-cli's sampling flags, shared by `generate` and `chat` (`serve` words its help as defaults)
+Temp = Annotated[float, typer.Option("--temp", "--temperature", help="temperature (0 = greedy)")]
+TopK = Annotated[int, typer.Option("--top-k", help="top-k sampling (0 = off)")]
+TopP = Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")]
+MinP = Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")]
+Seed = Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")]
+
 # llama-cli's penalty flags (sampling.check_penalty's rules), shared by `generate` and `chat`
 RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="penalize repeated tokens (1 = off)")]
 RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", help="tokens the penalties look back over "

@@ -13,8 +13,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import (FrequencyPenalty, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, app, batch_invariance,
-                              compiled_line, handle, load_engine, log, setup_compile_cache)
+from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
+                              TopK, TopP, app, batch_invariance, compiled_line, handle, load_engine, log,
+                              setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -27,11 +28,11 @@ def generate(
     run: RunArgs,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt text")] = "",
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 128,
-    temp: Annotated[float, typer.Option("--temp", "--temperature", help="temperature (0 = greedy)")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", help="top-k sampling (0 = off)")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")] = 0.05,
-    seed: Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")] = None,
+    temp: Temp = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    seed: Seed = None,
     repeat_penalty: RepeatPenalty = 1.0,
     repeat_last_n: RepeatLastN = 64,
     presence_penalty: PresencePenalty = 0.0,
