@@ -32,6 +32,49 @@ def test_kernel_decode_form_is_row_count_independent(name):
     assert (np.asarray(qm_cpu.quant_matmul(x, w, compute="bf16")) != alone).any()
 
 
+@pytest.mark.parametrize("form", ["float", "F32 bytes", "layer of a stack"])
+def test_cpu_router_decode_rows_equal_alone(form):
+    """The MoE router's f32 logits in a CPU decode step go through the C++ kernels' decode form
+    (the layer of a stacked F32 router read in place): each of 5 tokens gets the bits it gets
+    alone (decode_groups: rows 0-2, 3-4), every form of the router the same bits, within f32
+    rounding of the f64 product."""
+    from ikjax import ops
+    from ikjax.quant import by_name
+    from ikjax.quant.array import LayerSlice, QuantArray
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((5, 256)).astype(np.float32))
+    stack = rng.standard_normal((3, 32, 256)).astype(np.float32)
+    f32 = by_name("F32")
+    router = {"float": jnp.asarray(stack[1]),
+              "F32 bytes": QuantArray(jnp.asarray(stack[1].view(np.uint8).reshape(32, 1024)), f32, (32, 256)),
+              "layer of a stack": LayerSlice(QuantArray(jnp.asarray(stack.view(np.uint8).reshape(3, 32, 1024)), f32,
+                                                        (32, 256)), jnp.int32(1))}[form]
+    with registry.kernel_context("cpu", 2, seq_tokens=1):
+        y = np.asarray(ops.router_logits(x, router))
+        assert registry.selected("router_logits") == "cpu"
+        alone = np.concatenate([np.asarray(ops.router_logits(x[i:i + 1], router)) for i in range(5)])
+        plain = np.asarray(ops.router_logits(x, jnp.asarray(stack[1])))
+    np.testing.assert_array_equal(y, alone)
+    np.testing.assert_array_equal(y, plain)
+    ref = np.asarray(x, np.float64) @ stack[1].astype(np.float64).T
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_cpu_loads_the_f32_router_as_bytes(tiny4_model, monkeypatch):
+    """Under the C++ kernels the F32 router loads as an F32 QuantArray (stacked in a scanned group,
+    read in place by the decode step); under the Pallas path (interpret) as a float32 array."""
+    from ikjax.model.groups import layer_tensors
+    from ikjax.quant.array import QuantArray
+    eng = ikjax.load(tiny4_model, ctx=256)
+    router = layer_tensors(eng.weights, -1)["gate_inp"]
+    assert isinstance(router, QuantArray) and router.qtype.name == "F32"
+    moe_group = eng.weights["groups"][-1]
+    assert moe_group.stacked and moe_group.tensors["gate_inp"].data.shape[0] == moe_group.count
+    monkeypatch.setenv("IKJAX_KERNELS", "interpret")
+    eng2 = ikjax.load(tiny4_model, ctx=256)
+    assert not isinstance(layer_tensors(eng2.weights, -1)["gate_inp"], QuantArray)
+
+
 def test_decode_groups_rule():
     assert registry.decode_groups(8) is None  # outside a model step: one call
     with registry.kernel_context(seq_tokens=1):

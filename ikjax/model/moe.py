@@ -56,9 +56,9 @@ _RANK_TOPK_MAX = 1 << 22  # compares per call (decode: 1 x 256^2 for R1)
 
 def route(x, layer: dict, cfg: ModelConfig, ser: SmartExpertReduction | None):
     """x [N, d] -> (weights [N, k] float32, expert ids [N, k] int32), as transformers' routers."""
-    router = layer["gate_inp"]  # float32 [E, d] as loaded (ikjax.model.weights); a QuantArray if built by hand
-    router = router.dequantize(jnp.float32) if hasattr(router, "dequantize") else router.astype(jnp.float32)
-    logits = ops.router_logits(x, router)  # in a decode step, each token's bits as alone
+    # float32 [E, d] as loaded (ikjax.model.weights), a LayerSlice in a scanned group, a QuantArray
+    # if built by hand: the op takes each as it is
+    logits = ops.router_logits(x, layer["gate_inp"])  # in a decode step, each token's bits as alone
     scores = jax.nn.sigmoid(logits) if cfg.gating == GATING_SIGMOID else registry.softmax_rows(logits)
     choice = scores + layer["exp_probs_b"] if "exp_probs_b" in layer else scores
     G, g_used = cfg.n_expert_group, cfg.n_expert_group_used

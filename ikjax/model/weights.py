@@ -320,6 +320,9 @@ class TensorLoader:
         # the stack (whose pages the device then aliases), the file's pages released after
         self._raw = False
         self.abstract = False  # load_weights(shapes_only=True): ShapeDtypeStructs, no bytes
+        # an F32 router under the C++ kernels: its bytes as an F32 QuantArray, which the decode
+        # step's router product reads in place (ops.router_logits); elsewhere a float32 array
+        self._f32_bytes = ops.resolve_backend() == "cpu"
         self.cancel = None  # load_weights's `cancel`
         self._prefetcher = None  # `prefetch`'s thread
 
@@ -331,7 +334,7 @@ class TensorLoader:
         if self.abstract:
             return self._abstract_tensor(spec, info, raw)
         place = (lambda name, host: host) if self._raw else self.place
-        if spec.dense_float or (spec.f32_as_float and info.qtype.name == "F32"):
+        if self._as_float(spec, info):
             return place(spec.gguf_name, _dense_float(raw, info))
         qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)
         data = place(spec.gguf_name, qa.data)
@@ -347,10 +350,15 @@ class TensorLoader:
             shape = tuple(data.shape[:-1]) + (qa.shape[-1] * data.shape[-1] // qa.data.shape[-1],)
         return QuantArray(data, qa.qtype, shape)
 
+    def _as_float(self, spec: TensorSpec, info: TensorInfo) -> bool:
+        """Whether the tensor loads as a plain float32 array (norms, biases; the F32 router off the
+        C++ kernels) rather than a QuantArray of the file's blocks."""
+        return spec.dense_float or (spec.f32_as_float and info.qtype.name == "F32" and not self._f32_bytes)
+
     def _abstract_tensor(self, spec: TensorSpec, info: TensorInfo, raw: np.ndarray):
         """`tensor`'s result as ShapeDtypeStructs: its device asked of `place` with a zero-size array
         of its type (no bytes read)."""
-        if spec.dense_float or (spec.f32_as_float and info.qtype.name == "F32"):
+        if self._as_float(spec, info):
             shape, dtype, qa = tuple(info.shape), np.dtype(np.float32), None
         else:
             qa = QuantArray.from_bytes(raw, info.qtype, spec.shape)

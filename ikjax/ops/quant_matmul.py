@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from ikjax import programs
 from ikjax.ops import registry
+from ikjax.quant import by_name
 from ikjax.quant.array import LayerSlice, QuantArray
 from pallas_kernels.quant_matmul import cpu as _qm_cpu
 from pallas_kernels.quant_matmul import kernel as _qm
@@ -60,8 +61,9 @@ def needs_repack(backend: str | None = None) -> bool:
 
 def layer_view(tensors: dict, j) -> dict:
     """Layer j of a scanned group's stacked tensors (ikjax.model.groups), as the ops read it: each
-    quantized weight a LayerSlice (the kernels read it in place, the XLA forms slice it), each
-    float array (norms, router, biases: small) sliced."""
+    quantized weight a LayerSlice (the kernels read it in place, the XLA forms slice it; under the
+    C++ kernels the F32 router too, loaded as an F32 QuantArray: ikjax.model.weights), each float
+    array (norms, biases: small) sliced."""
     out = {}
     for k, v in tensors.items():
         if isinstance(v, (QuantArray, PackedWeight)):
@@ -69,6 +71,13 @@ def layer_view(tensors: dict, j) -> dict:
         else:
             out[k] = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), v)
     return out
+
+
+def f32_view(a) -> QuantArray:
+    """A float32 matrix [N, K] as an F32 QuantArray of its bytes (XLA:CPU copies them: a router
+    built by hand; a loaded one is already an F32 QuantArray under the C++ kernels)."""
+    data = jax.lax.bitcast_convert_type(a, jnp.uint8)  # [N, K, 4]
+    return QuantArray(data.reshape(data.shape[:-2] + (data.shape[-2] * 4,)), by_name("F32"), tuple(a.shape[-2:]))
 
 
 def base(w):
@@ -315,17 +324,49 @@ def _router_pallas(interpret: bool):
     return run
 
 
+def router_f32(router):
+    """The router [E, d] as a float32 array: as loaded (float32), a layer of a stack sliced
+    (`layer_view`'s LayerSlice), a QuantArray (built by hand, or the F32 view) dequantized."""
+    if isinstance(router, LayerSlice):
+        router = router.get()
+    return router.dequantize(jnp.float32) if hasattr(router, "dequantize") else router.astype(jnp.float32)
+
+
 def router_logits(x, router):
-    """x [N, d] @ router[E, d]^T in float32 -> [N, E]: the MoE router's logits. Prompt steps take
-    XLA's f32 dot; a decode step takes a form that gives each token the bits it gets alone
-    (registry.batch_invariant): the rows kernel on a GPU, one reduction per (token, expert)
-    elsewhere."""
+    """x [N, d] @ router[E, d]^T in float32 -> [N, E]: the MoE router's logits (`router` float32 as
+    loaded, a LayerSlice of a stack, or a QuantArray). Prompt steps take XLA's f32 dot; a decode
+    step takes a form that gives each token the bits it gets alone (registry.batch_invariant): the
+    rows kernel on a GPU, the C++ kernels' decode form on a CPU (each row's dot on its own, the
+    layer read in place: XLA's reduction and the slice of the layer cost ~0.34 ms a layer and
+    token at 2 threads), one reduction per (token, expert) elsewhere."""
     x = x.astype(jnp.float32)
     if registry.decode_step() and (registry.resolve_backend() == "cpu" or registry.batch_invariant()):
         impls = {
-            "xla": registry.Impl(lambda *a: True, _router_reduce),
-            "pallas": registry.Impl(_router_pallas_supported, _router_pallas(False)),
-            "interpret": registry.Impl(_router_pallas_supported, _router_pallas(True)),
+            "xla": registry.Impl(lambda *a: True, lambda x, r: _router_reduce(x, router_f32(r))),
+            "pallas": registry.Impl(lambda x, r: _router_pallas_supported(x, router_f32(r)),
+                                    lambda x, r: _router_pallas(False)(x, router_f32(r))),
+            "interpret": registry.Impl(lambda x, r: _router_pallas_supported(x, router_f32(r)),
+                                       lambda x, r: _router_pallas(True)(x, router_f32(r))),
+            "cpu": registry.Impl(_router_cpu_supported, _router_cpu),
         }
         return registry.dispatch("router_logits", impls, registry.resolve_backend(), x, router)
-    return jnp.einsum("nd,ed->ne", x, router, precision=registry.HIGHEST)
+    return jnp.einsum("nd,ed->ne", x, router_f32(router), precision=registry.HIGHEST)
+
+
+def _router_cpu_weight(router):
+    """The router as the C++ kernels take it: a QuantArray (or a LayerSlice of a stack of them) as
+    it is, a float32 array as its F32 view."""
+    if isinstance(router, (QuantArray, LayerSlice)):
+        return router
+    return f32_view(router) if getattr(router, "dtype", None) == jnp.float32 else None
+
+
+def _router_cpu_supported(x, router) -> bool:
+    w = _router_cpu_weight(router)
+    return w is not None and isinstance(base(w), QuantArray) and cpu_ok(w)
+
+
+def _router_cpu(x, router):
+    # f32 compute: dequantize-and-dot, row by row in the decode form (groups of at most 3 rows in a
+    # batch, registry.decode_groups): each token's logits the bits it gets alone
+    return _qm_cpu_run(x, _router_cpu_weight(router), jnp.float32)
