@@ -69,11 +69,15 @@ def main() -> None:
     rows = []
     with ctx:
         rows.append(("embed", best_ms(jax.jit(lambda t: ds.embed(W["token_embd"], t)), jnp.asarray(tokens))))
+        groups = W["groups"]
         for i, layer in enumerate(all_layers(W)):
-            lc = {name: layers[i] for name, layers in eng.new_cache(1).items()}
-            f_att = jax.jit(lambda x, L, c, s: ds.attention_block(rms_norm(x, L["attn_norm"], cfg.rms_eps), L, c, s,
-                                                                   q_pos, cos, sin, cfg, plan)[0])
-            rows.append((f"layer {i} attention", best_ms(f_att, x, layer, lc, jnp.asarray(start))))
+            # the layer's group's cache stack (ikjax.model.cache) and its index in it
+            g = next(n for n, grp in enumerate(groups) if i in grp.layers)
+            lc = {name: entries[g] for name, entries in eng.new_cache(1).items()}
+            j = jnp.int32(i - groups[g].first)
+            f_att = jax.jit(lambda x, L, c, j, s: ds.attention_block(rms_norm(x, L["attn_norm"], cfg.rms_eps), L, c, j,
+                                                                      s, q_pos, cos, sin, cfg, plan)[0])
+            rows.append((f"layer {i} attention", best_ms(f_att, x, layer, lc, j, jnp.asarray(start))))
             if cfg.is_moe_layer(i):
                 f = jax.jit(lambda x, L: moe_ffn(x.reshape(T, -1), L, cfg, dtype=plan.compute_dtype, fused=plan.fmoe,
                                                  ser=plan.ser))
