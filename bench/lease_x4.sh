@@ -381,7 +381,10 @@ PYEOF
     echo "$l: $f: copies $(grep -c ' copy(' $f), copy-starts $(grep -c 'copy-start' $f), while $(grep -c ' while(' $f)"
     cp "$f" $OUT/decode-$l.hlo.txt 2>/dev/null
   done
-  [ -n "${VARIANTS34:-}" ] && STAGE=34 bash bench/lease_x4.sh 2>&1 | grep -E "^==|a token wall|Error"
+  # a two-token step's parts, each left out in turn (§22u's next step): the top-k's form (the
+  # router's sort), the routed experts (last = -1: no expert), the head on every row, a batch of two
+  VARIANTS34="${VARIANTS34:-|--prefill --prefill-tokens 2;IKJAX_TOPK=lax|--prefill --prefill-tokens 2;|--other step2idle;|--other step2all;|--other batch2}" \
+    STAGE=34 bash bench/lease_x4.sh 2>&1 | grep -E "^==|a token wall|Error"
   ;;
 28)
   # issue 22: the scanned decode after a prompt step with JAX's default allocator (preallocation on,
