@@ -383,7 +383,7 @@ PYEOF
   done
   # a two-token step's parts, each left out in turn (§22u's next step): the top-k's form (the
   # router's sort), the routed experts (last = -1: no expert), the head on every row, a batch of two
-  VARIANTS34="${VARIANTS34:-|--prefill --prefill-tokens 2;IKJAX_TOPK=lax|--prefill --prefill-tokens 2;|--other step2idle;|--other step2all;|--other batch2}" \
+  VARIANTS34="${VARIANTS34:-|--prefill --prefill-tokens 2;IKJAX_TOPK=lax|;IKJAX_TOPK=lax|--prefill --prefill-tokens 2;|--other step2idle;|--other step2all;|--other batch2}" \
     STAGE=34 bash bench/lease_x4.sh 2>&1 | grep -E "^==|a token wall|Error"
   ;;
 28)
