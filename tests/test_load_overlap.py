@@ -329,3 +329,28 @@ def test_steps_compiled_from_dry_shapes(tiny4_model, monkeypatch):
     assert odd._dry is None  # the loaded tree's shapes from then on
     monkeypatch.setenv("IKJAX_DRY_SHAPES", "auto")
     assert _engine(tiny4_model, "1", monkeypatch)._dry is None  # a CPU: off by default
+
+
+def test_interpreter_exit_stops_a_load_first(tmp_path):
+    """A script that fails while its weights still load: at exit the load is told to stop and its
+    thread joined before the interpreter tears down (a daemon thread left inside the runtime's
+    copies ended a GPU process in an abort instead of the script's traceback), and the script's
+    own error and exit status come out."""
+    marker = tmp_path / "stopped"
+    script = f"""
+import threading, time
+from ikjax.runtime.executors import BackgroundLoad
+started = threading.Event()
+def slow_load(file, on_shapes=None, cancel=None):
+    started.set()
+    while not cancel.is_set():  # a layer at a time, as load_weights checks `cancel`
+        time.sleep(0.01)
+    open({str(marker)!r}, "w").write("stopped")
+    raise RuntimeError("cancelled")
+load = BackgroundLoad(slow_load, "model.gguf")
+started.wait()
+raise SystemExit("the script's own error")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "the script's own error" in r.stderr
+    assert marker.read_text() == "stopped"

@@ -23,10 +23,12 @@ and what the engine asks of it: `tp` (StepPlan.tp), `loops` (runs `decode_steps`
 from __future__ import annotations
 
 import abc
+import atexit
 import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -267,6 +269,7 @@ class BackgroundLoad:
         self._have_shapes = threading.Event()
         self._cancel = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(load, file), name="ikjax-load", daemon=True)
+        _LOADS.add(self)
         self._thread.start()
 
     def _run(self, load, file) -> None:
@@ -315,3 +318,17 @@ class BackgroundLoad:
         if self._error is not None:
             raise self._error
         return self._weights
+
+
+# Loads still streaming when the interpreter exits (a script's error while the weights load): each
+# stopped at its next layer and its thread joined first. A daemon thread left inside the runtime's
+# copies as the interpreter tears down can end the process in an abort instead of the script's own
+# traceback and exit status (seen on a GPU: "terminate called ... FATAL: exception not rethrown").
+_LOADS: "weakref.WeakSet[BackgroundLoad]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_loads() -> None:
+    for load in list(_LOADS):
+        if not load.done():
+            load.cancel()
