@@ -60,6 +60,28 @@ def test_cpu_router_decode_rows_equal_alone(form):
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+def test_cpu_router_prompt_reads_the_loaded_router_in_place():
+    """A prompt step's router under the C++ kernels: a loaded router (an F32 QuantArray, or its
+    layer of a stack) goes through the C++ product, a float one built by hand through XLA's dot;
+    both within f32 rounding of the f64 product."""
+    from ikjax import ops
+    from ikjax.quant import by_name
+    from ikjax.quant.array import LayerSlice, QuantArray
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((40, 256)).astype(np.float32))
+    stack = rng.standard_normal((3, 32, 256)).astype(np.float32)
+    layer = LayerSlice(QuantArray(jnp.asarray(stack.view(np.uint8).reshape(3, 32, 1024)), by_name("F32"), (32, 256)),
+                       jnp.int32(2))
+    ref = np.asarray(x, np.float64) @ stack[2].astype(np.float64).T
+    with registry.kernel_context("cpu", 2, seq_tokens=40):
+        y = np.asarray(ops.router_logits(x, layer))
+        assert registry.selected("router_logits") == "cpu"
+        y_float = np.asarray(ops.router_logits(x, jnp.asarray(stack[2])))
+        assert registry.selected("router_logits") == "xla"
+    for got in (y, y_float):
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
 def test_cpu_loads_the_f32_router_as_bytes(tiny4_model, monkeypatch):
     """Under the C++ kernels the F32 router loads as an F32 QuantArray (stacked in a scanned group,
     read in place by the decode step); under the Pallas path (interpret) as a float32 array."""

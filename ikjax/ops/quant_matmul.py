@@ -334,8 +334,9 @@ def router_f32(router):
 
 def router_logits(x, router):
     """x [N, d] @ router[E, d]^T in float32 -> [N, E]: the MoE router's logits (`router` float32 as
-    loaded, a LayerSlice of a stack, or a QuantArray). Prompt steps take XLA's f32 dot; a decode
-    step takes a form that gives each token the bits it gets alone (registry.batch_invariant): the
+    loaded, a LayerSlice of a stack, or a QuantArray). Prompt steps take XLA's f32 dot (the C++
+    product under the C++ kernels, the router loaded as an F32 QuantArray); a decode step takes a
+    form that gives each token the bits it gets alone (registry.batch_invariant): the
     rows kernel on a GPU, the C++ kernels' decode form on a CPU (each row's dot on its own, the
     layer read in place: XLA's reduction and the slice of the layer cost ~0.34 ms a layer and
     token at 2 threads), one reduction per (token, expert) elsewhere."""
@@ -350,7 +351,16 @@ def router_logits(x, router):
             "cpu": registry.Impl(_router_cpu_supported, _router_cpu),
         }
         return registry.dispatch("router_logits", impls, registry.resolve_backend(), x, router)
-    return jnp.einsum("nd,ed->ne", x, router_f32(router), precision=registry.HIGHEST)
+    impls = {
+        "xla": registry.Impl(lambda *a: True,
+                             lambda x, r: jnp.einsum("nd,ed->ne", x, router_f32(r), precision=registry.HIGHEST)),
+        # a loaded router under the C++ kernels is an F32 QuantArray: the C++ product reads its layer
+        # in place (XLA's dot of the layer's slice took the slice's bitcast into its input: 9.3 ms of
+        # a 2-thread V2-Lite prompt step against the C++ product's 3.4-4.0, RESULTS §26t)
+        "cpu": registry.Impl(lambda x, r: isinstance(r, (QuantArray, LayerSlice)) and _router_cpu_supported(x, r),
+                             _router_cpu),
+    }
+    return registry.dispatch("router_logits", impls, registry.resolve_backend(), x, router)
 
 
 def _router_cpu_weight(router):
