@@ -124,10 +124,8 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
     B, T, _ = x.shape
     H, nope, r = cfg.n_head, cfg.nope_dim, cfg.kv_lora_rank
     q, kv = _projections(x, layer, cfg, dtype)
-    q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, :, None], sin[:, :, None])
     c = rms_norm(kv[..., :r], layer["kv_a_norm"], cfg.rms_eps)
     k_pe = apply_rope(kv[..., r:], cos, sin)
-    q_full = ops.rope_q(q, cos, sin, nope=nope, dtype=dtype)  # q_nope ++ q_pe at dtype, one op
     scale = cfg.softmax_scale
     attn = dict(amb_bytes=plan.amb_bytes, kv_block=plan.kv_block)
 
@@ -151,6 +149,7 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
         S = plan.kv_len
         k_all = kvcache.read(new_cache["k"], j, S, H * cfg.qk_dim, dtype).reshape(B, S, H, cfg.qk_dim)
         v_all = kvcache.read(new_cache["v"], j, S, H * cfg.v_dim, dtype).reshape(B, S, H, cfg.v_dim)
+        q_full = ops.rope_q(q, cos, sin, nope=nope, dtype=dtype)  # q_nope ++ roped q_pe at dtype, one op
         o = ops.attention(q_full, k_all, v_all, q_pos, scale, flash=plan.fa, **attn)
     else:
         entry = jnp.concatenate([c, k_pe], -1)
@@ -168,6 +167,7 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
             # K and V at q's dtype before the op (every form takes them so): the C++ kernel then
             # reads half the bytes a key, each head's keys a row of all heads apart (its f32 rows
             # cost ~20 % of the kernel at N_KV 512, AVX2; RESULTS §26r)
+            q_full = ops.rope_q(q, cos, sin, nope=nope, dtype=dtype)
             o = ops.attention_kv(q_full, ops.cast(kvh, q_full.dtype), lat[..., r:], q_pos, scale, nope=nope,
                                  flash=plan.fa, **attn)
         else:
@@ -180,6 +180,7 @@ def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: Model
             # -> f32 dot, which the per-head C++ op otherwise covers)
             hdtype = jnp.float32 if prompt_kv_b else dtype
             hprec = precision_for(hdtype)
+            q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, :, None], sin[:, :, None])
             if per_head:
                 q_lat = ops.head_linear(q_nope, layer["k_b"], dtype)
             else:
