@@ -309,7 +309,7 @@ def _router_reduce(x, router):
 
 
 def _router_pallas_supported(x, router) -> bool:
-    E, d = router.shape
+    E, d = router.shape[-2:]  # (a LayerSlice's shape is its layer's)
     return registry.batch_invariant() and E % 16 == 0 and d % 32 == 0 and x.shape[0] <= registry.INVARIANT_MAX_ROWS
 
 
@@ -335,48 +335,48 @@ def router_f32(router):
 def router_logits(x, router):
     """x [N, d] @ router[E, d]^T in float32 -> [N, E]: the MoE router's logits (`router` float32 as
     loaded, a LayerSlice of a stack, or a QuantArray). Prompt steps take XLA's f32 dot (the C++
-    product under the C++ kernels, the router loaded as an F32 QuantArray); a decode step takes a
-    form that gives each token the bits it gets alone (registry.batch_invariant): the
-    rows kernel on a GPU, the C++ kernels' decode form on a CPU (each row's dot on its own, the
-    layer read in place: XLA's reduction and the slice of the layer cost ~0.34 ms a layer and
-    token at 2 threads), one reduction per (token, expert) elsewhere."""
+    product under the C++ kernels, the router loaded as an F32 QuantArray: XLA's dot of the layer's
+    slice took the slice's bitcast into its input, 9.3 ms of a 2-thread V2-Lite prompt step against
+    the C++ product's 3.4-4.0, RESULTS §26t); a decode step takes a form that gives each token the
+    bits it gets alone (registry.batch_invariant): the rows kernel on a GPU, the C++ kernels' decode
+    form on a CPU (each row's dot on its own, the layer read in place: XLA's reduction and the
+    slice of the layer cost ~0.34 ms a layer and token at 2 threads), one reduction per (token,
+    expert) elsewhere."""
     x = x.astype(jnp.float32)
     if registry.decode_step() and (registry.resolve_backend() == "cpu" or registry.batch_invariant()):
         impls = {
-            "xla": registry.Impl(lambda *a: True, lambda x, r: _router_reduce(x, router_f32(r))),
-            "pallas": registry.Impl(lambda x, r: _router_pallas_supported(x, router_f32(r)),
-                                    lambda x, r: _router_pallas(False)(x, router_f32(r))),
-            "interpret": registry.Impl(lambda x, r: _router_pallas_supported(x, router_f32(r)),
-                                       lambda x, r: _router_pallas(True)(x, router_f32(r))),
+            "xla": registry.Impl(lambda *a: True, _on_f32(_router_reduce)),
+            "pallas": registry.Impl(_router_pallas_supported, _on_f32(_router_pallas(False))),
+            "interpret": registry.Impl(_router_pallas_supported, _on_f32(_router_pallas(True))),
             "cpu": registry.Impl(_router_cpu_supported, _router_cpu),
         }
-        return registry.dispatch("router_logits", impls, registry.resolve_backend(), x, router)
-    impls = {
-        "xla": registry.Impl(lambda *a: True,
-                             lambda x, r: jnp.einsum("nd,ed->ne", x, router_f32(r), precision=registry.HIGHEST)),
-        # a loaded router under the C++ kernels is an F32 QuantArray: the C++ product reads its layer
-        # in place (XLA's dot of the layer's slice took the slice's bitcast into its input: 9.3 ms of
-        # a 2-thread V2-Lite prompt step against the C++ product's 3.4-4.0, RESULTS §26t)
-        "cpu": registry.Impl(lambda x, r: isinstance(r, (QuantArray, LayerSlice)) and _router_cpu_supported(x, r),
-                             _router_cpu),
-    }
+    else:
+        impls = {
+            "xla": registry.Impl(lambda *a: True, _on_f32(_router_dot)),
+            # a float router (built by hand) keeps XLA's dot: its F32 view would be a copy a step
+            "cpu": registry.Impl(lambda x, r: isinstance(r, (QuantArray, LayerSlice)) and _router_cpu_supported(x, r),
+                                 _router_cpu),
+        }
     return registry.dispatch("router_logits", impls, registry.resolve_backend(), x, router)
 
 
-def _router_cpu_weight(router):
-    """The router as the C++ kernels take it: a QuantArray (or a LayerSlice of a stack of them) as
-    it is, a float32 array as its F32 view."""
-    if isinstance(router, (QuantArray, LayerSlice)):
-        return router
-    return f32_view(router) if getattr(router, "dtype", None) == jnp.float32 else None
+def _on_f32(fn):
+    """fn(x, router) with the router as a float32 array (the XLA and Pallas forms)."""
+    return lambda x, router: fn(x, router_f32(router))
+
+
+def _router_dot(x, router):
+    return jnp.einsum("nd,ed->ne", x, router, precision=registry.HIGHEST)
 
 
 def _router_cpu_supported(x, router) -> bool:
-    w = _router_cpu_weight(router)
-    return w is not None and isinstance(base(w), QuantArray) and cpu_ok(w)
+    if isinstance(router, (QuantArray, LayerSlice)):
+        return isinstance(base(router), QuantArray) and cpu_ok(router)
+    return getattr(router, "dtype", None) == jnp.float32 and _qm_cpu.supported("F32")
 
 
 def _router_cpu(x, router):
     # f32 compute: dequantize-and-dot, row by row in the decode form (groups of at most 3 rows in a
     # batch, registry.decode_groups): each token's logits the bits it gets alone
-    return _qm_cpu_run(x, _router_cpu_weight(router), jnp.float32)
+    w = router if isinstance(router, (QuantArray, LayerSlice)) else f32_view(router)
+    return _qm_cpu_run(x, w, jnp.float32)
