@@ -642,6 +642,50 @@ PYEOF
   left=$(( ${DEADLINE:-230} - ($(date +%s) - T0) ))
   OUT=$OUT/serve MODEL=/tmp/v2l-Q4_0.gguf LOAD_ONLY=1 IK=/none timeout $left bash bench/gpu_serve.sh 2>&1 | tail -8
   ;;
+37)
+  # issue 25 on a 2-GPU lease, call 1 of 3: ik's CUDA build and the R1 file (R1_LAYERS, 16) in the
+  # background; the V2-Lite table (multi_gpu.sh PARTS37, default v2l: 1 GPU, -sm layer / graph on 2)
+  [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh ${IK_JOBS:-20}
+  mkdir -p /tmp/mg
+  R1ARGS="--preset r1 --layers ${R1_LAYERS:-16} --type Q4_0"
+  if [ ! -f /tmp/mg/r1.gguf ] && [ ! -f /tmp/mg/r1.started ]; then
+    touch /tmp/mg/r1.started
+    setsid nohup bash -c "nice -n 5 python3 -m ikjax.cli make-model -o /tmp/mg/r1.tmp.gguf $R1ARGS > /tmp/mg/r1.log 2>&1 \
+      && printf %s '$R1ARGS' > /tmp/mg/r1.args && mv /tmp/mg/r1.tmp.gguf /tmp/mg/r1.gguf" > /dev/null 2>&1 < /dev/null &
+  fi
+  OUT=$OUT/mg37 PARTS=${PARTS37:-v2l} DEADLINE=${DEADLINE:-480} BUILD_CUDA=0 MG_NO_INSTALL=1 MG_WORK=/tmp/mg \
+    bash bench/multi_gpu.sh 2>&1 | tail -30
+  ls -la /tmp/mg; tail -2 /tmp/mg/r1.log
+  ;;
+38)
+  # call 2: the R1 file's runs (PARTS38: -ot exps=CPU under both split modes first, then the splits)
+  while [ ! -f /tmp/mg/r1.gguf ] && [ $(( $(date +%s) - T0 )) -lt 240 ]; do sleep 5; done
+  ls -la /tmp/mg/r1.gguf || { tail /tmp/mg/r1.log; exit 1; }
+  OUT=$OUT/mg38 PARTS=${PARTS38:-"r1_ot_graph2 r1_ot_layer2 r1_layer2 r1_graph2"} DEADLINE=${DEADLINE:-540} \
+    BUILD_CUDA=0 MG_NO_INSTALL=1 MG_WORK=/tmp/mg bash bench/multi_gpu.sh 2>&1 | tail -30
+  ;;
+39)
+  # call 3: ik_llama.cpp on the same files and flags (IK39: v2l_layer2 v2l_graph2 r1_ot_layer2
+  # r1_ot_graph2 r1_layer2 r1_graph2), sweep-bench's table of each
+  while ! grep -q BUILD_DONE /tmp/ikc/build.log 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt 300 ]; do sleep 10; done
+  ikprog
+  IK=/tmp/ikc/build/bin
+  [ -x $IK/llama-sweep-bench ] || { tail -5 /tmp/ikc/build.log; exit 1; }
+  for run in ${IK39:-v2l_layer2 v2l_graph2 r1_ot_layer2 r1_ot_graph2 r1_layer2 r1_graph2}; do
+    [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-540} ] || { el "deadline: not run: $run"; continue; }
+    case $run in
+      v2l_*) m=/tmp/mg/v2l.gguf ;; *) m=/tmp/mg/r1.gguf ;;
+    esac
+    case $run in
+      *_ot_*) a="-c 4096 -ub 2048 -n 32 -ot exps=CPU -t ${IK_T:-$(nproc)}" ;; *) a="-c 16384 -ub 2048 -n 128" ;;
+    esac
+    case $run in *layer2) a="$a -sm layer" ;; *graph2) a="$a -sm graph" ;; esac
+    el "ik $run: $a"
+    CUDA_VISIBLE_DEVICES=0,1 timeout ${IK_RUN_S:-150} $IK/llama-sweep-bench -m $m -ngl 99 -mla 3 -fa on $a \
+      > "$OUT/ik_$run.out" 2> "$OUT/ik_$run.err"; echo "rc $?" >> "$OUT/ik_$run.out"
+    grep -h '^|' "$OUT/ik_$run.out" "$OUT/ik_$run.err"; grep -i -E 'error|failed|CUDA[0-9] buffer|model buffer' "$OUT/ik_$run.err" | head -4
+  done
+  ;;
 esac
 ikprog
 el "stage $STAGE done"
