@@ -290,22 +290,31 @@ def test_repacks_of_a_load_kept_whole(tiny_model, tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
 
 
-def test_load_programs_off_the_default_device_stay_calls(tmp_path):
-    """A program whose arrays live on another device (a -sm layer stage's load) is a plain call:
-    nothing stored, so no stored executable can come back bound to another device."""
-    code = PROGRAMS.replace("x = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)",
-                            "x = jax.device_put(jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3), jax.devices()[1])"
-                            ).replace("st = jnp.zeros((4, 3), jnp.float32)",
-                                      "st = jax.device_put(jnp.zeros((4, 3), jnp.float32), jax.devices()[1])")
+def test_load_programs_on_another_device_come_back_there(tmp_path):
+    """A program whose arrays live on the second of two devices (a -sm layer stage's load), and one
+    on the first device of a process that sees two (the first stage's; it came back bound to both
+    devices and refused its arguments, "expected 2 shards", on a 2-GPU lease), are kept whole and
+    read back by the next process on the devices they were compiled for, with the same answers."""
+    want = dict(a=[[1.0, 4.0, 7.0], [10.0, 13.0, 16.0]], st3=[3.0, 4.0, 5.0])
     env = {"IKJAX_COMPILE_CACHE": str(tmp_path / "xla"), "IKJAX_STORE_STEPS": "1",
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()}
-    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["a"] == [[1.0, 4.0, 7.0], [10.0, 13.0, 16.0]] and out["loads"] == 0
-    assert out["st"][3] == [3.0, 4.0, 5.0]
-    assert not [p for p in _files(tmp_path / "xla") if p.parent.name == "programs"]
+    for dev in (1, 0):
+        code = PROGRAMS.replace(
+            "x = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)",
+            f"x = jax.device_put(jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3), jax.devices()[{dev}])"
+        ).replace("st = jnp.zeros((4, 3), jnp.float32)",
+                  f"st = jax.device_put(jnp.zeros((4, 3), jnp.float32), jax.devices()[{dev}])"
+                  ).replace("loads=compile_cache.program_loads()",
+                            "loads=compile_cache.program_loads(), on=[d.id for d in a.devices() | st.devices()]")
+        outs = []
+        for _ in range(2):
+            res = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                                 text=True, timeout=120)
+            assert res.returncode == 0, res.stderr
+            outs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+        for out, loads in zip(outs, (0, 2)):
+            assert out["a"] == want["a"] and out["st"][3] == want["st3"], out
+            assert out["loads"] == loads and out["on"] == [dev], out
 
 
 @pytest.mark.parametrize("setting, backend, level", [

@@ -298,10 +298,18 @@ def _read_step(path: Path) -> tuple[str | None, Any]:
     import pickle
     from jax.experimental.serialize_executable import deserialize_and_load
     entry = pickle.loads(path.read_bytes())
-    if not (isinstance(entry, tuple) and len(entry) == 4 and isinstance(entry[0], str)):
-        return None, None
-    stored_key, payload, in_tree, out_tree = entry
-    return stored_key, deserialize_and_load(payload, in_tree, out_tree)
+    if not (isinstance(entry, tuple) and len(entry) == 5 and isinstance(entry[0], str)):
+        return None, None  # not ours, or stored before entries named their devices
+    stored_key, payload, in_tree, out_tree, device_ids = entry
+    # deserialize_and_load binds an executable to every device of the backend unless told which: a
+    # one-device program (a -sm layer stage's, or the default device's in a process that sees two
+    # GPUs) then refuses its own arguments ("expected 2 shards"). The ids are those it was compiled
+    # for, in its device assignment's order (a mesh's order too); the key names the devices.
+    by_id = {d.id: d for d in jax.devices()}
+    if any(i not in by_id for i in device_ids):
+        raise ValueError(f"stored for devices {device_ids}, this process has {sorted(by_id)}")
+    return stored_key, deserialize_and_load(payload, in_tree, out_tree,
+                                            execution_devices=[by_id[i] for i in device_ids])
 
 
 def load_step(parts: tuple, signature: tuple | None = None, *, label: str | None = None):
@@ -502,7 +510,8 @@ def _store(path: Path, key: str, exe, what: str) -> bool:
         import pickle
         from jax.experimental.serialize_executable import serialize
         from ikjax.atomic_file import atomic_write
-        data = pickle.dumps((key, *serialize(exe)))
+        devices = [d.id for d in exe.runtime_executable().local_devices()]
+        data = pickle.dumps((key, *serialize(exe), devices))
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with atomic_write(path, len(data), f"compiled {what}") as tmp:
             tmp.write_bytes(data)
@@ -537,17 +546,6 @@ _programs: dict[str, Any] = {}  # full key -> executable, this process (a layer'
 _programs_lock = threading.Lock()
 
 
-def _on_the_default_device(leaves: list, static: tuple) -> bool:
-    """Whether every array of a program, and every sharding among its static arguments (the stacks'
-    zeros name theirs there), is on the default device: the one-device load these programs were
-    measured for (RESULTS §22o). Programs of a load over several devices (-sm layer stages, host
-    copies) stay plain calls, so an executable can never come back bound to another device."""
-    default = jax.devices()[0]
-    shardings = [a.sharding for a in leaves if isinstance(a, jax.Array)]
-    shardings += [x for x in jax.tree.leaves(static) if isinstance(x, jax.sharding.Sharding)]
-    return bool(shardings) and all(sh.device_set == {default} for sh in shardings)
-
-
 def _stores_programs() -> bool:
     """As steps (IKJAX_STORE_STEPS): 1 always, 0 never, auto on accelerators (on a CPU a load
     runs none of these programs: its stacks are the file's bytes, and no kernel reads a repack);
@@ -563,7 +561,7 @@ def run_program(name: str, jitted, args: tuple, static: tuple):
     stored step is (its full key, its argument types) and a call it refuses runs the jitted
     function; an unreadable or stale entry is a miss, removed and replaced."""
     leaves, tree = jax.tree.flatten((args, {}))
-    if directory() is None or not _stores_programs() or not _on_the_default_device(leaves, static):
+    if directory() is None or not _stores_programs():
         return jitted(*args, *static)
     parts = ("program", name, str(tree), tuple(describe_leaf(a) for a in leaves), repr(static))
     key = _step_key(parts)
