@@ -118,7 +118,8 @@ _VARS = (
              "`0`: one dispatch per generated token instead of the on-device decode loop", "ikjax.runtime.engine"),
     Variable("IKJAX_PIPELINE_MB", "auto", ("auto", "1", "2", "4", "8"),
              "`-sm layer` prompt steps as this many micro-batches in flight (stage k on one while stage "
-             "k+1 runs the one before); auto: on GPUs, up to 4 of at least 256 tokens", "ikjax.runtime.pipeline"),
+             "k+1 runs the one before); auto: on GPUs, up to 4 of at least 256 tokens, one where a stage's "
+             "experts are in host RAM (each micro-batch would move them over the link again)", "ikjax.runtime.pipeline"),
     Variable("IKJAX_MESH_GRAPH", "0", ("0", "1"),
              "`1`: on GPUs the `-sm graph` decode loop's command buffers also capture its collectives "
              "(NCCL inside the CUDA graph: the whole loop one graph, as on one device)", "ikjax.runtime.executors"),

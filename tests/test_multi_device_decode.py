@@ -9,6 +9,7 @@ The 4- and 8-device meshes and pipelines run the same loop in test_multi_device'
 checks (`generate` takes it wherever `Engine.decode_loop()`)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ikjax.runtime.mesh import collectives
@@ -90,8 +91,21 @@ def test_micro_batch_rule(monkeypatch):
     p = pl.Pipeline.__new__(pl.Pipeline)
     p.stages = ((0, 0, 13, True, False), (1, 13, 14, False, True))
     p.devices = [SimpleNamespace(platform="gpu")] * 2
+    p.stage_weights = [{"groups": [{"attn_q": np.zeros(3)}]}, {"groups": [{"ffn_up_exps": np.zeros(3)}]}]
     monkeypatch.delenv("IKJAX_PIPELINE_MB", raising=False)
     assert [p.micro_batches(t) for t in (1, 64, 256, 512, 1024, 2048, 4096, 1000, 1001)] == [1, 1, 1, 2, 4, 4, 4, 2, 1]
+    # a stage's experts in host RAM (-ot exps=CPU): whole prompt steps (each micro-batch would move
+    # the experts over the link again, and one of 512 tokens would compute them on the host CPU)
+    from ikjax.placement.host import HostQuantArray
+    from ikjax.quant.types import by_name
+    q4 = by_name("Q4_0")
+    p.stage_weights[1]["groups"][0]["ffn_up_exps"] = HostQuantArray(np.zeros((4, 2, 18), np.uint8), q4, (4, 2, 32))
+    assert p.host_experts and p.micro_batches(2048) == 1
+    monkeypatch.setenv("IKJAX_PIPELINE_MB", "2")
+    assert p.micro_batches(2048) == 2  # asked for by name: as asked
+    monkeypatch.delenv("IKJAX_PIPELINE_MB")
+    p.stage_weights[1]["groups"][0]["ffn_up_exps"] = np.zeros(3)
+    assert not p.host_experts and p.micro_batches(2048) == 4
     p.devices = [SimpleNamespace(platform="cpu")] * 2
     assert p.micro_batches(2048) == 1
     monkeypatch.setenv("IKJAX_PIPELINE_MB", "4")

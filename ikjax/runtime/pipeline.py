@@ -21,6 +21,7 @@ from ikjax import env, ops
 from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import embed, output_head, run_layers, trims_last_layer
 from ikjax.placement.devices import jax_devices
+from ikjax.placement.host import is_host_resident
 from ikjax.runtime.sampling import sample_device
 
 
@@ -123,6 +124,16 @@ class Pipeline:
                 w["output"] = jax.device_put(weights["output"], self.devices[d])
             self.stage_weights.append(w)
 
+    @property
+    def host_experts(self) -> bool:
+        """Whether a stage reads experts from host RAM (-ot exps=CPU). Its prompt steps then run
+        whole, not as micro-batches: each micro-batch would move a layer's experts over the link
+        again (the link is what a host-expert prompt step waits for), and one of 512 tokens falls
+        under the streaming threshold (runs_on: 512 x 8 picks < 32 x 256 experts), so R1's
+        experts were computed on the host CPU: 372 t/s against 3838 on one GPU (RESULTS §25e)."""
+        return any(is_host_resident(t) for w in self.stage_weights
+                   for t in jax.tree.leaves(w, is_leaf=is_host_resident))
+
     def describe(self) -> str:
         parts = []
         for d, first, count, embed_in, head_out in self.stages:
@@ -150,11 +161,12 @@ class Pipeline:
     def micro_batches(self, T: int) -> int:
         """How many micro-batches a step of T tokens runs as (IKJAX_PIPELINE_MB; auto: on GPUs,
         as many as keep each at MICRO_MIN tokens or more, at most MICRO_MAX; one where the stages
-        cannot overlap: one stage with layers, or T not a multiple of them)."""
+        cannot overlap (one stage with layers, or T not a multiple of them) or where a stage's
+        experts live in host RAM (`host_experts`))."""
         with_layers = sum(1 for _, _, count, _, _ in self.stages if count)
         choice = env.choice("IKJAX_PIPELINE_MB")
         if choice == "auto":
-            if not any(d.platform == "gpu" for d in self.devices) or with_layers < 2:
+            if not any(d.platform == "gpu" for d in self.devices) or with_layers < 2 or self.host_experts:
                 return 1
             m = 1
             while m * 2 <= MICRO_MAX and T // (m * 2) >= MICRO_MIN and T % (m * 2) == 0:
