@@ -357,7 +357,9 @@ class Config:
 
 # priority order (what the deadline cuts last comes first); model, name, GPUs, flags, -c, -n,
 # sensitive (no job beside it on its GPUs), measured run's cap and least time, warm-up cap
-HOST_T = str(max(1, (os.cpu_count() or NG) // NG))  # -ot: each GPU's host call has its own pool
+# -ot: the host's cores, as ik's -t (the host kernel runs one call at a time: under -sm graph the
+# first device's call computes every pick of a decode step, under -sm layer each stage's in turn)
+HOST_T = str(os.cpu_count() or NG)
 ALL: list[Config] = [Config("v2l", "v2l_gpu1", [0], [], CTX, TG, True, 150, 30)]
 ALL += [Config("v2l", f"v2l_layer{m}", list(range(m)), ["-sm", "layer"], CTX, TG, True, 150, 35) for m in MESHES]
 ALL += [Config("v2l", f"v2l_graph{m}", list(range(m)), ["-sm", "graph"], GCTX, GTG, True, 150, 35) for m in MESHES]

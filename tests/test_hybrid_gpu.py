@@ -240,9 +240,12 @@ def test_tiny4_gpu_experts(tiny4, tmp_path, n_tokens, dtype):
 def test_graph_split_streams_host_experts(tiny4):
     """-sm graph with -ot exps=CPU: one pinned copy for the mesh, reached by address; a 200-token
     prompt streams each device's range of the used experts by round (stream_experts), the decode
-    after it computes them on the host. Both equal the one-GPU all-device run."""
+    after it computes them on the host, every pick in the first device's call. Both equal the
+    one-GPU all-device run (logits; greedy tokens)."""
     tokens = (np.arange(STREAM_TOKENS) * 7 + 3) % 1000
-    ref = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32").logits(tokens)
+    ref_eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32")
+    ref = ref_eng.logits(tokens)
+    ref_gen = list(ref_eng.generate(list(tokens), max_tokens=6))
     eng = ikjax.load(tiny4, ctx=512, ubatch=256, dtype="f32", ot="exps=CPU", sm="graph")
     lay = [l for l in all_layers(eng.weights) if "gate_exps" in l]
     assert all(isinstance(l["gate_exps"], HostQuantArray) and l["gate_exps"].by_address and l["gate_exps"].pinned
@@ -253,6 +256,7 @@ def test_graph_split_streams_host_experts(tiny4):
     assert ops.selected("moe_experts").startswith("stream:")
     assert st["copied"] > 0, st
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+    assert list(eng.generate(list(tokens), max_tokens=6)) == ref_gen
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="-sm layer over GPUs needs 2 or more")

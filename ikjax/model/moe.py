@@ -187,7 +187,8 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
     (the others' weights zeroed) and a psum adds the devices' parts; with `shared_axis` the shared
     experts' hidden rows are split and their partial sums join the same psum. Experts every device
     holds whole (host-resident: one copy for all `n_parts` devices) are divided the same way, by
-    range, their ids left as they are.
+    range, their ids left as they are, where the devices compute them (big batches stream them);
+    where the host computes them, the first device's call takes them all.
 
     `valid` [N] bool: the rows whose output is used; the others (padding, idle slots) route to no
     expert (their weights zeroed, so no kernel computes or reads their picks)."""
@@ -199,12 +200,20 @@ def moe_ffn(x, layer: dict, cfg: ModelConfig, *, dtype, fused: bool, ser: SmartE
     if experts_axis is not None:
         n_local = layer["gate_exps"].shape[0]
         whole = n_local == cfg.n_expert
-        part = -(-cfg.n_expert // n_parts) if whole else n_local
-        local = ids - jax.lax.axis_index(experts_axis) * part
-        mine = (local >= 0) & (local < part)
-        w = jnp.where(mine, w, 0.0)
-        if not whole:
-            ids = jnp.where(mine, local, 0)
+        if whole and ops.host_computes(layer["gate_exps"], layer["up_exps"], layer["down_exps"], *ids.shape):
+            # the host computes them (a decode-sized batch): the first device's call takes every
+            # pick, with the whole -t pool. The host kernel runs one call at a time (one scratch,
+            # one pool), so a range a device made two half-size calls in a row, each waiting for
+            # the other's host function (R1-7 on 2 x H200: 45.8 t/s against 69.6 on one GPU at
+            # the same host threads, RESULTS §25e)
+            w = jnp.where(jax.lax.axis_index(experts_axis) == 0, w, 0.0)
+        else:
+            part = -(-cfg.n_expert // n_parts) if whole else n_local
+            local = ids - jax.lax.axis_index(experts_axis) * part
+            mine = (local >= 0) & (local < part)
+            w = jnp.where(mine, w, 0.0)
+            if not whole:
+                ids = jnp.where(mine, local, 0)
     hot = layer.get("hot_experts")
     if hot is not None:
         # --gpu-experts: the picks of experts with a GPU copy run there, the rest on the host

@@ -247,6 +247,17 @@ def _fetch_active(weights, ids, r, *, gate, up, down, slots):
     return moe_host.stream_experts(weights, ids, gate, up, down, slots=slots, round=r)
 
 
+def host_computes(gate, up, down, n_tokens: int, n_used: int) -> bool:
+    """Whether `moe_experts` over a batch of `n_tokens` tokens (`n_used` picks each) computes these
+    experts on the host CPU: some are host-resident, and the batch is too small for streaming them
+    (`ikjax.placement.rules.runs_on`) or they are not pinned (memory-mapped: host only)."""
+    ts = (gate, up, down)
+    if not any(is_host_resident(t) for t in ts):
+        return False
+    return not all(is_host_resident(t) and t.pinned and t.runs_on(n_tokens, gate.shape[0], n_used) == "device"
+                   for t in ts)
+
+
 def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, backend: str | None = None,
                 hot: bool = False):
     """Routed experts of N tokens: sum_j weights[n,j] * down_e(silu(gate_e x) * up_e x), e = ids[n,j].
@@ -255,9 +266,7 @@ def moe_experts(x, weights, ids, gate, up, down, dtype, *, fused: bool = True, b
     batch where `ikjax.placement.rules.runs_on` says "device" and the experts are pinned, `stream:<impl>`
     (`hot`: the layer's most used experts have GPU copies and these picks are the rest: see `stream_mode`)."""
     if any(is_host_resident(t) for t in (gate, up, down)):
-        N, k = ids.shape
-        if all(is_host_resident(t) and t.pinned and t.runs_on(N, gate.shape[0], k) == "device"
-               for t in (gate, up, down)):
+        if not host_computes(gate, up, down, *ids.shape):
             return _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot)
         return _moe_host(x, weights, ids, gate, up, down, dtype)
     impls = {

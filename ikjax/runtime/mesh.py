@@ -21,10 +21,11 @@ split): inside the step each device sees its own part, whatever its layout.
 
 Routed experts in host RAM (`-ot exps=CPU`) stay one copy, in the first device's pinned host
 memory (the memory map's pages with IKJAX_HOST_EXPERTS=mmap), which steps reach by address only
-(`HostQuantArray.by_address`). Small batches: every device's step calls the host-experts kernel
-(pallas_kernels/moe_matmul/host.py) with the slots of its own range of experts (the others'
-weights zeroed, which the kernel skips), so the host computes each selected expert once per step,
-whichever device asked; the psum joins the ranges. Big batches (ik's rule): each device copies
+(`HostQuantArray.by_address`). Small batches: the first device's step calls the host-experts
+kernel (pallas_kernels/moe_matmul/host.py) with every pick, the others' with none (their weights
+zeroed, which the kernel skips), so the host computes each selected expert once per step with the
+whole -t pool; the psum joins the parts. (A range per device made the host run two half-size calls
+one after the other: the kernel runs one call at a time, RESULTS §25e.) Big batches (ik's rule): each device copies
 the experts of its range that the batch uses from that copy (the `stream_experts` custom call, by
 round) and computes them on the GPU, so the link of every device carries its share (before, the
 host computed them: 241 vs ik's 1008 t/s, RESULTS §25b).
