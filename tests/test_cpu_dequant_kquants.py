@@ -29,7 +29,7 @@ F16_FIELDS = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "
 ROW_SCALED = ("IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ2_KS", "IQ3_KS")   # a scale at the start of each row
 TYPES = list(F16_FIELDS) + list(ROW_SCALED)
 SHAPES = [(17, 256), (3, 512), (1, 2048)]                          # odd row counts
-LEVELS = ("generic", "avx2", "avx512")
+LEVELS = ("generic", "avx2", "avx512", "amx")  # amx: an AMX host's best level (its own build)
 
 
 def _best_level() -> str:

@@ -92,7 +92,7 @@ def test_one_prompt_step_for_every_depth(latent576, monkeypatch):
     assert one.prompt_whole_cache and not many.prompt_whole_cache
     assert {one.kv_bucket(p + 16, 16) for p in (0, 16, 32, 100)} == {one.capacity}
     assert ops.selected("quant_linear_live") == "interpret"
-    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, want) < 3e-5  # attention over other lengths: its sums in another order (1.06e-5 on AVX-512)
     # (B, T, plan, decode) keys: three chunks, one prompt step (`many`: one per bucket)
     assert len({k for k in one._compiled if k[1] > 1}) == 1
     assert len({k for k in many._compiled if k[1] > 1}) > 1

@@ -80,7 +80,9 @@ def test_layer_prompt_micro_batches(rows):
     rows whose last token falls in either micro-batch (a step of batch 2)."""
     r = _of(rows, "micro")[0]
     assert r["micro"] == 2
-    assert r["rel_logits"] == 0.0 and r["rel_last"] == 0.0, r
+    # the picked rows of a batch-2 step: bit for bit where XLA:CPU's code for the head's [2, d] rows
+    # sums as the oracle's does (AVX2 hosts); an AVX-512 host's 1.8e-6 is that sum's order
+    assert r["rel_logits"] == 0.0 and r["rel_last"] <= 1e-5, r
 
 
 def test_micro_batch_rule(monkeypatch):

@@ -190,7 +190,9 @@ def test_host_placed_non_experts_next_to_an_accelerator(model4, tiny4_model, bac
     eng._executables.clear()
     eng._compiled.clear()
     got = eng.logits(tokens)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    # not bit for bit: the layers with host parts are not stacked, so XLA fuses and sums them in
+    # another order (on an AVX-512 host 9e-5 of the largest logit at worst)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 
 def test_accelerator_loader_keeps_host_experts_in_place(model4, monkeypatch):

@@ -301,7 +301,7 @@ def test_version():
     from ikjax.version import __version__
     assert out[0] == f"ikjax {__version__}"
     assert out[1].startswith("jax ") and "jaxlib " in out[1]
-    assert out[2].split(": ")[1] in ("generic", "avx2", "avx512", "not built"), out
+    assert out[2].split(": ")[1] in ("generic", "avx2", "avx512", "amx", "not built"), out
 
 
 @pytest.mark.parametrize("args, name", [
