@@ -404,7 +404,11 @@ if "r1" in WANT:
     layers = R1_LAYERS
     make = R1_MAKE or f"--preset r1 --layers {layers} --type Q4_0"
     if not R1_MAKE:
-        room = free_gib(WORK) - 8 - (0 if "v2l" not in MODELS else MODELS["v2l"]["gib"])
+        # an R1 file already there is replaced (or reused): its bytes count as room (a second call
+        # on a 128 GiB disk rewrote the 16-layer file of the first call as 7 layers, RESULTS §25e)
+        old = WORK / "r1.gguf"
+        room = free_gib(WORK) - 8 - (0 if "v2l" not in MODELS else MODELS["v2l"]["gib"]) + \
+            (old.stat().st_size / 2**30 if old.exists() else 0.0)
         while layers > 4 and planned_gib(make) > room:
             layers -= 1
             make = f"--preset r1 --layers {layers} --type Q4_0"
