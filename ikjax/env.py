@@ -149,9 +149,12 @@ _VARS = (
              "`0`: the avx2 level's int8 products without AVX-VNNI where the CPU has it (vpmaddubsw + "
              "vpmaddwd instead of vpdpbusd; the same integers)", "pallas_kernels/cpu/runtime.cc"),
     Variable("IKJAX_AMX", "bf16", ("bf16", "int8"),
-             "the amx level's prompt products of 16+ rows: bf16 tiles (tdpbf16ps, f32 sums over the whole row, "
+             "the amx level's prompt products on its tiles (IKJAX_AMX_MIN_ROWS): bf16 tiles (tdpbf16ps, f32 sums over the whole row, "
              "where the CPU has amx_bf16) or int8 tiles (tdpbusd, each block's sums scaled on the vector unit)",
              "pallas_kernels/cpu/runtime.cc"),
+    Variable("IKJAX_AMX_MIN_ROWS", "", (),
+             "rows from which the amx level's prompt products run on its tiles (an integer >= 16; fewer rows: "
+             "AVX-512 VNNI on the same panels); unset: the default `ikjax info` names", "pallas_kernels/cpu/runtime.cc"),
     Variable("IKJAX_SPIN", "", (), "microseconds a C++ pool worker spins before sleeping (read once)",
              "pallas_kernels/cpu/runtime.cc"),
     Variable("IKJAX_SPIN_LONG", "", (), "microseconds a C++ pool worker spins after a part of 1 ms or more "

@@ -144,11 +144,13 @@ def _has_amx():
 
 @pytest.mark.skipif(not _has_amx(), reason="no AMX here: " + (_cpu._cpu.amx_unavailable_reason()
                                                              if _cpu.available() else "no C++ kernels"))
+@pytest.mark.parametrize("min_rows", ["16", ""])
 @pytest.mark.parametrize("form", ["int8", "bf16"])
 @pytest.mark.parametrize("name", TYPES)
-def test_hardware_amx_matches_reference_and_emulation(name, form, monkeypatch):
-    """The public product at the amx level (M >= 16 on tiles; M = 5: the avx512 vpdpbusd kernel on the
-    same panels, which for the K-quants come from the amx level's portable builder), 1 and 3 threads
+def test_hardware_amx_matches_reference_and_emulation(name, form, min_rows, monkeypatch):
+    """The public product at the amx level (M >= IKJAX_AMX_MIN_ROWS on tiles: 16, and the default 64;
+    fewer rows: the avx512 vpdpbusd kernel on the same panels, which for the K-quants come from the
+    amx level's portable builder), 1 and 3 threads
     (tile state is per thread), against the reference and the emulated engine (int8: the same int32
     sums; bf16: the same bf16 operands, f32 sums in the tiles' order). The bf16 form where the CPU
     has amx_bf16 (else IKJAX_AMX=bf16 runs the int8 one, checked as such)."""
@@ -158,8 +160,14 @@ def test_hardware_amx_matches_reference_and_emulation(name, form, monkeypatch):
     from pallas_kernels.quant_matmul import cpu
     monkeypatch.setenv("IKJAX_CPU_ISA", "amx")
     monkeypatch.setenv("IKJAX_AMX", form)
+    if min_rows:
+        monkeypatch.setenv("IKJAX_AMX_MIN_ROWS", min_rows)
+    else:
+        monkeypatch.delenv("IKJAX_AMX_MIN_ROWS", raising=False)
     assert _cpu.isa() == "amx"
     bf16 = form == "bf16" and "AMX bf16 tiles" in _cpu.isa_report()
+    on_tiles = int(_cpu.isa_report().split("prompt products of ")[1].split("+")[0])
+    assert on_tiles == (int(min_rows) if min_rows else 64)
     rng = np.random.default_rng(sum(map(ord, name)) + 1)
     kq = name.endswith(("_K", "_XS"))
     for M, N, K in [(5, 37, 256), (16, 32, 512), (17, 45, 256), (48, 100, 2048), (77, 300, 512)]:
@@ -170,7 +178,7 @@ def test_hardware_amx_matches_reference_and_emulation(name, form, monkeypatch):
         w = QuantArray.from_bytes(raw, by_name(name), (N, K))
         for n_threads in (1, 3):
             got = np.asarray(cpu.quant_matmul(jnp.asarray(x), w, n_threads=n_threads, compute="bf16"))
-            tiles_bf16 = bf16 and M >= 16  # (M = 5: the int8 vpdpbusd kernel in both forms)
+            tiles_bf16 = bf16 and M >= on_tiles  # (fewer rows: the int8 vpdpbusd kernel in both forms)
             _check(got, x, wf, (name, M, N, K, n_threads), bf16=tiles_bf16)
             emu = _emulated(x, raw, name, N, bf16=tiles_bf16)
             scale = np.abs(x).astype(np.float64) @ np.abs(wf).T

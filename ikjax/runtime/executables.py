@@ -149,7 +149,7 @@ def _decode_key(B: int, sampling: tuple):
 # new knob: by default) may change what a step traces, and its value is part of a stored step's key.
 _NOT_IN_STEPS = frozenset({"IKJAX_COMPILE_CACHE", "IKJAX_CACHE", "IKJAX_DEBUG", "IKJAX_FIXTURES", "IKJAX_STORE_STEPS",
                            "IKJAX_DECODE_LOOP", "IKJAX_CPU_ISA", "IKJAX_SPIN", "IKJAX_SPIN_LONG", "IKJAX_SERVE_TRACE", "IKJAX_SERVE_BURST_MS", "IKJAX_SERVE_SOLO",
-                           "IKJAX_LOAD_OVERLAP", "IKJAX_EARLY_BACKEND", "IKJAX_AMX", "IKJAX_AVXVNNI",
+                           "IKJAX_LOAD_OVERLAP", "IKJAX_EARLY_BACKEND", "IKJAX_AMX", "IKJAX_AMX_MIN_ROWS", "IKJAX_AVXVNNI",
                            "IKJAX_PREFETCH_STEPS", "IKJAX_STORE_PROGRAMS", "IKJAX_DRY_SHAPES"})
 
 

@@ -10,6 +10,7 @@
 // state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once, before any tile is used).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace ikj {
@@ -30,6 +31,14 @@ const char* amx_unavailable_reason();
 // Whether the amx level multiplies prompt products in its bf16 form (quant_matmul/cpu_amx.h): the
 // CPU has amx_bf16 (CPUID.(7,0):EDX bit 22) and IKJAX_AMX is not "int8" (read per call).
 bool amx_bf16_on();
+// Rows of x from which the amx level multiplies a prompt product on its tiles (fewer: the avx512
+// engine's vpdpbusd on the same panels): IKJAX_AMX_MIN_ROWS (read per call; an integer >= 16, one A
+// tile), else kAmxMinRowsDefault. Each product converts its weight panels for the tiles, which pays
+// only over enough rows: on a Sapphire Rapids core the tiles lose to vpdpbusd below ~64-96 rows
+// (V2-Lite's expert matrices at 16-48 rows 1.3-1.45x slower), and a prompt's routed experts see few
+// rows each (512 tokens x 6 picks / 64 experts = 48; R1 at -ub 2048: 64).
+constexpr int64_t kAmxMinRowsDefault = 64;
+int64_t amx_min_rows();
 
 // Whether the avx2 level runs its AVX-VNNI build (the avxvnni objects: the same code with vpdpbusd
 // on ymm, the same integers): compiled in, the CPU has AVX-VNNI (CPUID.(7,1):EAX bit 4),

@@ -320,6 +320,16 @@ bool amx_bf16_on() {
   return on_unless(has, "IKJAX_AMX", "int8");
 }
 
+int64_t amx_min_rows() {
+  const char* v = std::getenv("IKJAX_AMX_MIN_ROWS");
+  if (v && *v) {
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    if (end && *end == 0 && n >= 16) return n;
+  }
+  return kAmxMinRowsDefault;
+}
+
 static Isa detected_isa() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
@@ -393,9 +403,11 @@ std::string isa_report() {
 #endif
     if (now == best && cap && *cap && std::strcmp(cap, isa_name(best)) != 0) why += std::string("; IKJAX_CPU_ISA=") + cap + " asks for more than the CPU has";
   }
+  const std::string amx_paths = std::string("dtype bf16: int8 decode and prompt products, ") +
+      (amx_bf16_on() ? "AMX bf16 tiles (tdpbf16ps)" : "AMX int8 tiles (tdpbusd)") + " for prompt products of " +
+      std::to_string(amx_min_rows()) + "+ rows, AVX-512 VNNI (vpdpbusd) below";
   const char* paths =
-      now == Isa::amx      ? (amx_bf16_on() ? "dtype bf16: int8 decode and prompt products, AMX bf16 tiles (tdpbf16ps) for prompt products of 16+ rows, AVX-512 VNNI (vpdpbusd) below"
-                                            : "dtype bf16: int8 decode and prompt products, AMX int8 tiles (tdpbusd) for prompt products of 16+ rows, AVX-512 VNNI (vpdpbusd) below")
+      now == Isa::amx      ? amx_paths.c_str()
       : now == Isa::avx512 ? "dtype bf16: int8 decode and prompt products, AVX-512 VNNI (vpdpbusd)"
       : now == Isa::avx2   ? (avx_vnni_on() ? "dtype bf16: int8 decode and prompt products, AVX2 with AVX-VNNI (vpdpbusd)"
                                             : "dtype bf16: int8 decode and prompt products, AVX2 (vpmaddubsw/vpmaddwd)")

@@ -1922,7 +1922,7 @@ static_assert(QBLK == amx::kBlk && QBLK_MIN == amx::kBlkMin && QNR == amx::kPane
 
 // Q4_K / Q5_K / IQ4_XS (one scale per 32 weights: wvals / wscale below; the scalar amx::build_panel
 // is their reference) take it too. At the amx level (this code plus AMX tiles, cpu_amx.h) prompt
-// products of amx::kMinRows rows or more run on the tiles, fewer through micro_q8 below (the same
+// products of ikj::amx_min_rows() rows or more (cpu/isa.h) run on the tiles, fewer through micro_q8 below (the same
 // panels); at the avx512 level all of them run through micro_q8 (its bf16 panels for these types ran
 // at 0.51x ik's native build on a Sapphire Rapids host at -t 16, RESULTS §26g, against 1.09-1.18x
 // for the amx level's same panels).
@@ -1946,7 +1946,7 @@ inline int64_t x8_ds_offset(int64_t M, int64_t K) { return x8_dx_offset(M, K) + 
 inline int64_t x8_bf_offset(int64_t M, int64_t K) { return (x8_ds_offset(M, K) + M * (K / 32) * 4 + 63) / 64 * 64; }
 inline size_t x8_bytes(int64_t M, int64_t K) { return x8_bf_offset(M, K) + amx::bf_rows(M) * amx::bf_ld(K) * 2; }
 // whether a product of M rows runs on bf16 tiles: the pack writes its bf16 rows, the gemm reads them
-inline bool bf16_tiles(int64_t M) { return M >= amx::kMinRows && ikj::amx_bf16_on(); }
+inline bool bf16_tiles(int64_t M) { return M >= ikj::amx_min_rows() && ikj::amx_bf16_on(); }
 #else
 inline size_t x8_bytes(int64_t M, int64_t K) { return x8_ds_offset(M, K) + M * (K / 32) * 4; }
 #endif
@@ -2181,7 +2181,7 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
       default: amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data()); break;  // (no other type gets here)
     }
 #if defined(IKJ_HAVE_AMX_TILES)
-    if (M >= amx::kMinRows) {
+    if (M >= ikj::amx_min_rows()) {
 #if defined(IKJ_HAVE_AMX_BF16)
       if (bf16) {
         thread_local std::vector<uint16_t> bpanel;
