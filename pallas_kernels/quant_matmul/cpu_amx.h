@@ -27,9 +27,8 @@ namespace amx {
 constexpr int64_t kBlk = 1280;     // panel bytes per block (as the avx512 engine's QBLK)
 constexpr int64_t kBlkMin = 1408;  // with the minimum (QBLK_MIN)
 constexpr int kPanelRows = 32;     // weight rows per panel (QNR)
-// Rows of x from which the amx level multiplies on tiles (below: the avx512 engine's vpdpbusd):
-// one A tile is 16 rows of x, so fewer would multiply padding.
-constexpr int64_t kMinRows = 16;
+// (Rows of x from which the amx level multiplies on tiles: ikj::amx_min_rows(), cpu/isa.h; at least
+// one A tile, 16 rows.)
 
 // Whether the engine takes `type`: the avx512 engine's six legacy types plus Q4_K / Q5_K / IQ4_XS
 // (one scale per 32 weights, as the avx2 engine: a block of theirs is a Q4_1 / Q5_1 / IQ4_NL block

@@ -2162,8 +2162,11 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
   thread_local std::vector<uint8_t> panel;
   thread_local std::vector<float> ctile;
   if (static_cast<int64_t>(panel.size()) < nb * QBLK_MIN) panel.resize(nb * QBLK_MIN);
+#if defined(IKJ_HAVE_AMX_TILES)
+  const bool tiles = M >= ikj::amx_min_rows();  // (once a call: these read the environment)
+#endif
 #if defined(IKJ_HAVE_AMX_BF16)
-  const bool bf16 = bf16_tiles(M);  // (once a call: it reads the environment)
+  const bool bf16 = bf16_tiles(M);
 #endif
   if (static_cast<int64_t>(ctile.size()) < M * QNR) ctile.resize(M * QNR);
   for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
@@ -2181,7 +2184,7 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
       default: amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data()); break;  // (no other type gets here)
     }
 #if defined(IKJ_HAVE_AMX_TILES)
-    if (M >= ikj::amx_min_rows()) {
+    if (tiles) {
 #if defined(IKJ_HAVE_AMX_BF16)
       if (bf16) {
         thread_local std::vector<uint16_t> bpanel;
