@@ -28,6 +28,9 @@ from pallas_kernels.moe_matmul.reference import moe_experts_grouped_ref, moe_exp
 from pallas_kernels.testing import random_quant_array
 
 E, K_USED, D, F = 64, 6, 2048, 1408  # DeepSeek-V2-Lite routed experts
+# --shape r1: DeepSeek R1 / V3's routed experts (k=8 of 256, d=7168, F=2048); --experts cuts E (decode
+# reads only the k picked experts, so fewer in RAM change nothing once they exceed the L3)
+SHAPES = {"v2-lite": (64, 6, 2048, 1408), "r1": (256, 8, 7168, 2048)}
 
 
 def timeit(fn, inputs, *weights, reps: int) -> float:
@@ -56,9 +59,14 @@ def main():
     ap.add_argument("--compute", default="f32", help="comma list of f32, bf16")
     ap.add_argument("--tokens", default="1,512")
     ap.add_argument("--reps", type=int, default=10, help="decode reps (prompt: half, at least 1)")
+    ap.add_argument("--shape", default="v2-lite", choices=sorted(SHAPES))
+    ap.add_argument("--experts", type=int, default=0, help="E (default: the shape's)")
     ap.add_argument("--no-xla", action="store_true", help="skip XLA's reference (slow at N=512)")
     ap.add_argument("--peak", type=float, default=0.0, help="f32 GFLOP/s peak (default: clock x 32 x threads)")
     args = ap.parse_args()
+    global E, K_USED, D, F
+    E, K_USED, D, F = SHAPES[args.shape]
+    E = args.experts or E
     nth = args.threads or _cpu.available_cores()
     bw = read_bandwidth(nth)
     peak = args.peak or fma_peak(nth)

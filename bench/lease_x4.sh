@@ -77,6 +77,8 @@
 #   STAGE=35: STAGE=34, then sweep-bench's rows with each prompt attention form (PROMPT35).
 #   STAGE=36: the decode graph's kernels one by one under nsys (if the host has it), the decode loop's
 #            optimized HLO, then STAGE=34's VARIANTS34 (e.g. "|--other step2idle;|--other step2all").
+#   STAGE=37, 38, 39: issue 25 on a 2-GPU lease (see each); STAGE=40: call 1 of 40, 38, 39 (the host's
+#            decode kernel alone, ik's build and the R1 file in the background, the hybrid GPU tests).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -657,11 +659,41 @@ PYEOF
     bash bench/multi_gpu.sh 2>&1 | tail -30
   ls -la /tmp/mg; tail -2 /tmp/mg/r1.log
   ;;
+40)
+  # issue 25 on a 2-GPU lease, call 1 of 3 (then STAGE=38, STAGE=39): the host CPU's decode kernel on
+  # R1's experts alone (threads 8 / 16 / all; the -ot decode's host part), then ik's CUDA build (all
+  # cores) and the R1 file (R1_LAYERS, 7) in the background, the multi-GPU GPU tests, and the build
+  # waited for until DEADLINE, so that no later call's figures share the host with it
+  lscpu | grep -E "Model name|Socket|Core|Thread|NUMA|L3"; cat /sys/devices/system/node/node*/meminfo 2>/dev/null | grep MemTotal
+  for t in 8 16 $(nproc); do
+    timeout 60 python3 bench/cpu_moe_matmul.py --shape r1 --experts 32 --types Q4_0 --tokens 1,8 --no-xla --reps 30 \
+      --threads $t --compute bf16 2>&1 | grep -v "^type"
+  done
+  [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh ${IK_JOBS:-$(nproc)}
+  mkdir -p /tmp/mg
+  R1ARGS="--preset r1 --layers ${R1_LAYERS:-7} --type Q4_0"
+  if [ ! -f /tmp/mg/r1.gguf ] && [ ! -f /tmp/mg/r1.started ]; then
+    touch /tmp/mg/r1.started
+    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/mg/r1.tmp.gguf $R1ARGS > /tmp/mg/r1.log 2>&1 \
+      && printf %s '$R1ARGS' > /tmp/mg/r1.args && mv /tmp/mg/r1.tmp.gguf /tmp/mg/r1.gguf" > /dev/null 2>&1 < /dev/null &
+  fi
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py 2>&1 | tail -4
+  while ! grep -q BUILD_DONE /tmp/ikc/build.log 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-560} ]; do
+    sleep 20; ikprog; ls -la /tmp/mg/*.gguf 2>/dev/null | tail -1
+  done
+  ls -la /tmp/mg; tail -2 /tmp/mg/r1.log
+  ;;
 38)
-  # call 2: the R1 file's runs (PARTS38: -ot exps=CPU under both split modes first, then the splits)
+  # call 2: the R1 file's runs (PARTS38: -ot exps=CPU under both split modes first, then the splits),
+  # after ik's build if one was started (its compile jobs beside a run made rows jump, RESULTS §25e)
+  while [ -f /tmp/ikc/build.log ] && ! grep -q BUILD_DONE /tmp/ikc/build.log && [ $(( $(date +%s) - T0 )) -lt 240 ]; do
+    sleep 10; done
+  ikprog
   while [ ! -f /tmp/mg/r1.gguf ] && [ $(( $(date +%s) - T0 )) -lt 240 ]; do sleep 5; done
   ls -la /tmp/mg/r1.gguf || { tail /tmp/mg/r1.log; exit 1; }
-  OUT=$OUT/mg38 PARTS=${PARTS38:-"r1_ot_graph2 r1_ot_layer2 r1_layer2 r1_graph2"} DEADLINE=${DEADLINE:-540} \
+  # the layers of the file the first call wrote (multi_gpu.sh rewrites a file of other layers)
+  R1L=$(grep -o -- '--layers [0-9]*' /tmp/mg/r1.args | cut -d' ' -f2)
+  OUT=$OUT/mg38 PARTS=${PARTS38:-"r1_ot_graph2 r1_ot_layer2 r1_layer2 r1_graph2"} DEADLINE=${DEADLINE:-540} R1_LAYERS=${R1L:-16} \
     BUILD_CUDA=0 MG_NO_INSTALL=1 MG_WORK=/tmp/mg bash bench/multi_gpu.sh 2>&1 | tail -30
   ;;
 39)
@@ -676,12 +708,13 @@ PYEOF
     case $run in
       v2l_*) m=/tmp/mg/v2l.gguf ;; *) m=/tmp/mg/r1.gguf ;;
     esac
+    gpus=0,1; case $run in *gpu1) gpus=0 ;; esac
     case $run in
       *_ot_*) a="-c 4096 -ub 2048 -n 32 -ot exps=CPU -t ${IK_T:-$(nproc)}" ;; *) a="-c 16384 -ub 2048 -n 128" ;;
     esac
     case $run in *layer2) a="$a -sm layer" ;; *graph2) a="$a -sm graph" ;; esac
     el "ik $run: $a"
-    CUDA_VISIBLE_DEVICES=0,1 timeout ${IK_RUN_S:-150} $IK/llama-sweep-bench -m $m -ngl 99 -mla 3 -fa on $a \
+    CUDA_VISIBLE_DEVICES=$gpus timeout ${IK_RUN_S:-150} $IK/llama-sweep-bench -m $m -ngl 99 -mla 3 -fa on $a \
       > "$OUT/ik_$run.out" 2> "$OUT/ik_$run.err"; echo "rc $?" >> "$OUT/ik_$run.out"
     grep -h '^|' "$OUT/ik_$run.out" "$OUT/ik_$run.err"; grep -i -E 'error|failed|CUDA[0-9] buffer|model buffer' "$OUT/ik_$run.err" | head -4
   done

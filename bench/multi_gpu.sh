@@ -377,6 +377,11 @@ STEP_RUNS += [Config("v2l", f"v2l_graph{m}_cmdbuf", list(range(m)), ["-sm", "gra
 STEP_RUNS += [Config("v2l", f"v2l_layer{m}_mb1", list(range(m)), ["-sm", "layer"], CTX, TG, True, 150, 35,
                      env={"IKJAX_PIPELINE_MB": "1"}, note="prompt steps without micro-batches")
               for m in MESHES]
+# r1_layer2_mb1 / _mb2: R1's -sm layer prompts as 1 or 2 micro-batches (auto: 4 of 512 at -ub 2048, where
+# each of R1's 256 experts sees ~16 tokens a micro-batch and every micro-batch reads all their weights)
+STEP_RUNS += [Config("r1", f"r1_layer{m}_mb{mb}", list(range(NG - m, NG)), ["-sm", "layer"], R1_CTX, R1_TG, True,
+                     200, 60, env={"IKJAX_PIPELINE_MB": str(mb)}, note=f"prompt steps as {mb} micro-batches")
+              for m in MESHES for mb in (1, 2)]
 GROUPS = ("v2l_cmdbuf", "v2l_mb1", "v2l_step")  # their runs, in this order, after the others
 # the 2-GPU layer split on the last two GPUs: its warm-up fits beside others on the first two
 ALL += [Config("r1", f"r1_layer{m}", list(range(NG - m, NG)), ["-sm", "layer"], R1_CTX, R1_TG, True, 200, 60)
@@ -384,6 +389,7 @@ ALL += [Config("r1", f"r1_layer{m}", list(range(NG - m, NG)), ["-sm", "layer"], 
 ALL += [Config("r1", "r1_gpu1", [0], [], R1_CTX, R1_TG, True, 200, 50)]
 ALL += [Config("r1", f"r1_graph{m}", list(range(m)), ["-sm", "graph"], R1_GCTX, GTG, True, 200, 60)
         for m in reversed(MESHES)]
+ALL += [Config("r1", "r1_ot_gpu1", [0], ["-ot", "exps=CPU", "-t", HOST_T], OT_CTX, OT_TG, True, 200, 60)]
 ALL += [Config("r1", f"r1_ot_graph{NG}", list(range(NG)), ["-ot", "exps=CPU", "-sm", "graph", "-t", HOST_T],
                OT_CTX, OT_TG, True, 200, 60)]
 ALL += [Config("r1", f"r1_ot_layer{NG}", list(range(NG)), ["-ot", "exps=CPU", "-sm", "layer", "-t", HOST_T],
@@ -391,7 +397,7 @@ ALL += [Config("r1", f"r1_ot_layer{NG}", list(range(NG)), ["-ot", "exps=CPU", "-
 # PARTS names a model (all its runs) or single runs (e.g. PARTS="r1_graph4 r1_graph2")
 CONFIGS: list[Config] = [c for c in ALL if c.model in PARTS or c.name in PARTS] + \
     sorted([c for c in STEP_RUNS if c.name in PARTS or any(g in PARTS and c.name.endswith(g[3:]) for g in GROUPS)],
-           key=lambda c: next(i for i, g in enumerate(GROUPS) if c.name.endswith(g[3:])))
+           key=lambda c: next((i for i, g in enumerate(GROUPS) if c.name.endswith(g[3:])), len(GROUPS)))
 unknown = PARTS - {"v2l", "r1", "fix", *GROUPS} - {c.name for c in ALL + STEP_RUNS}
 if unknown:
     log(f"PARTS: unknown {', '.join(sorted(unknown))}: give v2l, r1, fix, {', '.join(GROUPS)} or run names "
