@@ -79,6 +79,7 @@
 #            optimized HLO, then STAGE=34's VARIANTS34 (e.g. "|--other step2idle;|--other step2all").
 #   STAGE=37, 38, 39: issue 25 on a 2-GPU lease (see each); STAGE=40: call 1 of 40, 38, 39 (the host's
 #            decode kernel alone, ik's build and the R1 file in the background, the hybrid GPU tests).
+#   STAGE=41: the -ot decode's host part under VARIANTS41 on one GPU, then the split runs (PARTS41).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -682,6 +683,28 @@ PYEOF
     sleep 20; ikprog; ls -la /tmp/mg/*.gguf 2>/dev/null | tail -1
   done
   ls -la /tmp/mg; tail -2 /tmp/mg/r1.log
+  ;;
+41)
+  # issue 25 / 24: the -ot exps=CPU decode's host part on the R1 file (R1_LAYERS, 7), one GPU, -t all
+  # cores, under VARIANTS41 ("ENV|ENV ..."; sweep-bench's host-kernel line splits each TG token),
+  # then the split runs (PARTS41) with the defaults of this commit
+  mkdir -p /tmp/mg
+  R1ARGS="--preset r1 --layers ${R1_LAYERS:-7} --type Q4_0"
+  [ -f /tmp/mg/r1.gguf ] || { python3 -m ikjax.cli make-model -o /tmp/mg/r1.tmp.gguf $R1ARGS > /tmp/mg/r1.log 2>&1 \
+    && printf %s "$R1ARGS" > /tmp/mg/r1.args && mv /tmp/mg/r1.tmp.gguf /tmp/mg/r1.gguf; tail -1 /tmp/mg/r1.log; }
+  IFS='|' read -ra V41 <<< "${VARIANTS41:-IKJAX_MOE_ONE_JOB=0| |IKJAX_SPIN=100|IKJAX_MOE_ONE_JOB=0 IKJAX_SPIN=100|IKJAX_SPIN=1000}"
+  for v in "${V41[@]}"; do
+    el "-ot exps=CPU 1 GPU: ${v:-default}"
+    env $v CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m ikjax.cli sweep-bench -m /tmp/mg/r1.gguf -c 4096 -ub 2048 -n 32 \
+      -mla 3 -fa 1 -ot exps=CPU -t ${T41:-$(nproc)} > "$OUT/ot41.out" 2> "$OUT/ot41.err"
+    grep -h "^|  *2048" "$OUT/ot41.out"; grep -h "host experts in decode\|rror" "$OUT/ot41.err" | head -3
+  done
+  R1L=$(grep -o -- '--layers [0-9]*' /tmp/mg/r1.args | cut -d' ' -f2)
+  left=$(( ${DEADLINE:-560} - ($(date +%s) - T0) ))
+  [ -n "${PARTS41:-r1_layer2 r1_ot_graph2 r1_ot_layer2}" ] && OUT=$OUT/mg41 PARTS=${PARTS41:-"r1_layer2 r1_ot_graph2 r1_ot_layer2"} \
+    DEADLINE=$left R1_LAYERS=${R1L:-7} WARM=0 BUILD_CUDA=0 MG_NO_INSTALL=1 MG_WORK=/tmp/mg bash bench/multi_gpu.sh 2>&1 | tail -14
+  [ -n "${TESTS41:-}" ] && timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py \
+    -k "$TESTS41" 2>&1 | tail -3
   ;;
 38)
   # call 2: the R1 file's runs (PARTS38: -ot exps=CPU under both split modes first, then the splits),

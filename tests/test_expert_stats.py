@@ -1,6 +1,7 @@
 """Expert statistics (issue 24): tokens each MoE layer routes to each expert, over every step."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -130,6 +131,14 @@ def test_gpu_experts_budget_and_refusals(tiny4_model, tmp_path):
         ikjax.load(tiny4_model, ctx=256, ot="exps=CPU", gpu_experts="1", expert_counts=str(bad))
     with pytest.raises(OptionError, match="gpu-experts: expected auto"):
         ikjax.load(tiny4_model, ctx=256, ot="exps=CPU", gpu_experts="many")
+    # a machine with two GPUs and -sm none runs on one of them: not refused for the GPUs present
+    # (it was, on a 2-GPU lease); a split over them is
+    from ikjax.placement.rules import Placement
+    two = Placement(tensors=(), devices=("GPU0", "GPU1"), unified=False)
+    with pytest.raises(OptionError, match="no routed experts are in host memory"):
+        hot.plan(two, 4, {}, "2", "", None)
+    with pytest.raises(OptionError, match="one GPU only for now .*-sm layer"):
+        hot.plan(dataclasses.replace(two, split_mode="layer"), 4, {}, "2", "", None)
 
 
 def test_cli_gpu_experts_reads_then_adds_to_the_file(tiny4_model, tmp_path):

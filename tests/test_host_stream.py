@@ -349,3 +349,24 @@ def test_sweep_reports_streamed_bytes_against_the_link(experts, monkeypatch):
     assert sb.streamed_bytes(eng, 256)[1] == "active"
     assert "3.00 GB over" in sb.stream_report(eng, 512, rows, active_bytes=3 * 10**9)
     assert sb.h2d_bandwidth(jax.devices()[0], nbytes=1 << 20, reps=1) > 0
+
+
+def test_host_decode_report_splits_a_token(monkeypatch):
+    """sweep-bench's line on the host kernel's share of a TG token (-ot exps=CPU next to a GPU):
+    the mean decode-sized call, its expert bytes a second, times the host layers, against the TG
+    rows' mean time a token; nothing without decode-sized calls (a CPU-only run, all on the GPU)."""
+    from types import SimpleNamespace
+    from ikjax.model import groups
+    from ikjax.quant.types import by_name
+    from ikjax.tools import sweep_bench as sb
+    host = HostQuantArray(np.zeros((4, 2, 18), np.uint8), by_name("Q4_0"), (4, 2, 32))
+    layers = [{"gate_exps": host}] * 4 + [{"attn_q": np.zeros(3)}]  # 4 host layers of 5 listed
+    monkeypatch.setattr(groups, "host_layers", lambda weights: layers)
+    eng = SimpleNamespace(weights={})
+    rows = [sb.SweepRow(2048, 32, 0, 0.5, 0.4), sb.SweepRow(2048, 32, 2048, 0.5, 0.4)]  # 12.5 ms a token
+    stats = {"small_calls": 8, "small_ns": 8_000_000, "small_bytes": 8 * 200_000_000}
+    line = sb.host_decode_report(eng, rows, stats)
+    assert line == ("host experts in decode steps: 1.000 ms a call in the host kernel (200.0 GB/s of experts "
+                    "read, 8 calls); x 4 layers = 4.00 ms of the TG rows' mean 12.50 ms a token (32 %)"), line
+    assert sb.host_decode_report(eng, rows, {}) is None
+    assert sb.host_decode_report(eng, [sb.SweepRow(2048, 0, 0, 0.5, 0.0)], stats) is None

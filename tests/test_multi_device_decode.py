@@ -94,8 +94,14 @@ def test_micro_batch_rule(monkeypatch):
     p.stages = ((0, 0, 13, True, False), (1, 13, 14, False, True))
     p.devices = [SimpleNamespace(platform="gpu")] * 2
     p.stage_weights = [{"groups": [{"attn_q": np.zeros(3)}]}, {"groups": [{"ffn_up_exps": np.zeros(3)}]}]
+    p.cfg = SimpleNamespace(n_expert=0, n_expert_used=0)  # dense: tokens alone decide
     monkeypatch.delenv("IKJAX_PIPELINE_MB", raising=False)
     assert [p.micro_batches(t) for t in (1, 64, 256, 512, 1024, 2048, 4096, 1000, 1001)] == [1, 1, 1, 2, 4, 4, 4, 2, 1]
+    # routed experts: each micro-batch keeps MICRO_MIN_PICKS picks an expert (it reads them all)
+    p.cfg = SimpleNamespace(n_expert=256, n_expert_used=8)  # R1: 2048 -> 2 of 1024 (32 picks), not 4
+    assert [p.micro_batches(t) for t in (1024, 2048, 4096, 8192)] == [1, 2, 4, 4]
+    p.cfg = SimpleNamespace(n_expert=64, n_expert_used=6)  # V2-Lite: 2048 -> 4 of 512 (48 picks)
+    assert [p.micro_batches(t) for t in (512, 1024, 2048)] == [1, 2, 4]
     # a stage's experts in host RAM (-ot exps=CPU): whole prompt steps (each micro-batch would move
     # the experts over the link again, and one of 512 tokens would compute them on the host CPU)
     from ikjax.placement.host import HostQuantArray

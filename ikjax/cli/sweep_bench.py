@@ -134,6 +134,7 @@ def sweep_bench(
     streams = sb.streamed_bytes(eng, eng.options.ubatch)
     if streams is not None and streams[1] == "active":
         ops.streamed_bytes_counted(reset=True)
+    ops.host_kernel_stats(reset=True)
     t0 = time.perf_counter()
     with Progress("sweep-bench", total=sb.total_work(eng, tg, reps, **shape_args), eta=True) as prog:
         if output_format == "md":
@@ -152,6 +153,9 @@ def sweep_bench(
         line = sb.stream_report(eng, pp, rows, ops.streamed_bytes_counted() if streams[1] == "active" else 0)
         if line:
             log(line)
+    line = sb.host_decode_report(eng, rows, ops.host_kernel_stats())
+    if line:  # -ot exps=CPU next to a GPU: the host kernel's share of a TG token
+        log(line)
     if plot:
         import json
         from ikjax.tools.plot import plot_runs

@@ -242,6 +242,13 @@ def streamed_bytes_counted(reset: bool = False) -> int:
     return int(moe_host.stream_stats(reset).get("bytes", 0))
 
 
+def host_kernel_stats(reset: bool = False) -> dict:
+    """Totals of the host CPU's expert calls from GPU steps since the process started or the last
+    reset (calls, ns, bytes; small_*: decode-sized calls); {} without the CUDA handler."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    return moe_host.host_stats(reset)
+
+
 def _fetch_active(weights, ids, r, *, gate, up, down, slots):
     from pallas_kernels.moe_matmul import host as moe_host
     return moe_host.stream_experts(weights, ids, gate, up, down, slots=slots, round=r)

@@ -93,10 +93,13 @@ def plan(placement, n_expert: int, tensors: dict, gpu_experts: str, counts_path:
          free_bytes: int | None):
     """The placement with `hot_experts` set for --gpu-experts (`free_bytes`: what the device has
     left after the memory plan, for `auto`), and a line saying what was kept. Refuses a run with
-    no host-resident routed experts, several devices, or no statistics."""
-    if placement.split_mode != "none" or len(placement.devices) > 1:
-        raise OptionError(f"gpu-experts: one GPU only for now (this run: -sm {placement.split_mode}, "
-                          f"{len(placement.devices)} devices)")
+    no host-resident routed experts, a split over several devices (-sm layer / graph), or no
+    statistics."""
+    # -sm none on a machine with several GPUs runs on one of them (-mg): the copies go there
+    # (a check on the devices present refused every run on a 2-GPU lease, RESULTS §25f)
+    if placement.split_mode != "none":
+        raise OptionError(f"gpu-experts: one GPU only for now (this run: -sm {placement.split_mode} over "
+                          f"{len(placement.devices)} devices; give -sm none)")
     layers = sorted({layer_of(t.name) for t in placement.tensors if t.on_host and is_routed_expert(t.name)})
     if not layers:
         raise OptionError("gpu-experts: no routed experts are in host memory (give -ot exps=CPU, --cpu-moe or "

@@ -64,6 +64,11 @@ def _decode_stage(weights, cache, x, start, key, out, i, *, cfg, plan, embed_in:
 
 # prompt micro-batches (IKJAX_PIPELINE_MB=auto): tokens each at least, and how many at most
 MICRO_MIN, MICRO_MAX = 256, 4
+# ... and routed picks per expert each at least (tokens x n_expert_used / n_expert): every
+# micro-batch reads all of a layer's experts, so R1's 256 experts in 4 micro-batches of 512 tokens
+# (16 picks an expert) spent the step re-reading weights: 2 micro-batches (32 picks) ran 1.39x the
+# prompt rate of 4 and 1.07x that of 1 on 2 x H200 (RESULTS §25f); V2-Lite keeps 4 (48 picks)
+MICRO_MIN_PICKS = 32
 
 _jitted_stage = None
 _jitted_decode_stage = None
@@ -160,7 +165,8 @@ class Pipeline:
 
     def micro_batches(self, T: int) -> int:
         """How many micro-batches a step of T tokens runs as (IKJAX_PIPELINE_MB; auto: on GPUs,
-        as many as keep each at MICRO_MIN tokens or more, at most MICRO_MAX; one where the stages
+        as many as keep each at MICRO_MIN tokens and MICRO_MIN_PICKS picks an expert or more, at
+        most MICRO_MAX; one where the stages
         cannot overlap (one stage with layers, or T not a multiple of them) or where a stage's
         experts live in host RAM (`host_experts`))."""
         with_layers = sum(1 for _, _, count, _, _ in self.stages if count)
@@ -168,8 +174,10 @@ class Pipeline:
         if choice == "auto":
             if not any(d.platform == "gpu" for d in self.devices) or with_layers < 2 or self.host_experts:
                 return 1
+            n_exp, used = getattr(self.cfg, "n_expert", 0) or 0, getattr(self.cfg, "n_expert_used", 0) or 0
             m = 1
-            while m * 2 <= MICRO_MAX and T // (m * 2) >= MICRO_MIN and T % (m * 2) == 0:
+            while m * 2 <= MICRO_MAX and T // (m * 2) >= MICRO_MIN and T % (m * 2) == 0 and \
+                    (not n_exp or T // (m * 2) * used >= MICRO_MIN_PICKS * n_exp):
                 m *= 2
             return m
         m = int(choice)

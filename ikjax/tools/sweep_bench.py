@@ -385,6 +385,26 @@ def h2d_bandwidth(device, nbytes: int = 512 << 20, reps: int = 3) -> float:
     return nbytes / best
 
 
+def host_decode_report(eng, rows: list, stats: dict) -> str | None:
+    """One line for the log: the host CPU's share of a TG token where routed experts live in host
+    RAM next to a GPU (`stats`: ops.host_kernel_stats over the sweep): the mean decode-sized call's
+    time in the host kernel and the expert bytes it read a second, times the host layers a token
+    passes, against the TG rows' mean time a token; the rest is the GPU's part and the round trips."""
+    from ikjax.model.groups import host_layers
+    from ikjax.placement.host import is_host_resident
+    calls = stats.get("small_calls", 0)
+    tg = [r.t_tg / r.tg for r in rows if r.tg and r.t_tg > 0]
+    if not calls or not tg:
+        return None
+    n_layers = sum(1 for lay in host_layers(eng.weights) if is_host_resident(lay.get("gate_exps")))
+    per_call = stats["small_ns"] / calls / 1e6
+    rate = stats["small_bytes"] / stats["small_ns"] if stats["small_ns"] else 0.0
+    token = sum(tg) / len(tg) * 1e3
+    return (f"host experts in decode steps: {per_call:.3f} ms a call in the host kernel ({rate:.1f} GB/s of "
+            f"experts read, {calls} calls); x {n_layers} layers = {per_call * n_layers:.2f} ms of the TG rows' "
+            f"mean {token:.2f} ms a token ({100 * per_call * n_layers / token:.0f} %)")
+
+
 def stream_report(eng, pp: int, rows: list, active_bytes: int = 0) -> str | None:
     """One line for the log. Whole layers: the bytes each prompt step of the sweep moved over the
     link, the rate that is at the rows' mean prompt time, and the measured pinned host -> device

@@ -237,6 +237,13 @@ void parallel(int n_threads, const std::function<void(int, int)>& fn) {
   pool().run(nth, fn);
 }
 
+void wait_at_least(const std::atomic<int>& v, int target) {
+  for (unsigned spins = 1; v.load(std::memory_order_acquire) < target; ++spins) {
+    IKJ_PAUSE();
+    if ((spins & 255) == 0) sched_yield();
+  }
+}
+
 std::vector<FfiEntry>& ffi_registry() {
   static std::vector<FfiEntry> r;
   return r;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <atomic>
 #include <functional>
 #include <string>
 #include <vector>
@@ -21,6 +22,11 @@ int available_cores();
 // std::async or OpenMP's defaults); the caller spins ~50 us at most for parts in progress, then
 // sleeps, so a busy machine's scheduler is never fought over a core (cpu/runtime.cc).
 void parallel(int n_threads, const std::function<void(int ith, int nth)>& fn);
+
+// Inside a parallel() job: wait (spinning, yielding every 256 pauses) until v >= target. Only for
+// counts that threads already running parts of the job will raise: a part the pool has not handed
+// out yet is never waited for (see moe_matmul/cpu_kernel.cc's decode job).
+void wait_at_least(const std::atomic<int>& v, int target);
 
 // Split [0, n) into near-equal contiguous chunks: the part of thread ith of nth.
 inline void split_range(int64_t n, int ith, int nth, int64_t* begin, int64_t* end) {

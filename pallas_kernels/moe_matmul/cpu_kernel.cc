@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -46,6 +47,16 @@ constexpr int64_t kBlock = 128;
 // reads jump every ~70 KB).
 inline int64_t col_block(int64_t M, int64_t range) {
   return M < qgemm_packed_min_rows() ? std::max<int64_t>(range, 1) : kBlock;
+}
+
+// A decode-sized call as one pool job (gate / up, then down, with a wait between), not two: one
+// wake-up of the pool a layer. IKJAX_MOE_ONE_JOB=0 gives the two jobs back (read once).
+inline bool decode_one_job() {
+  static const bool on = [] {
+    const char* e = std::getenv("IKJAX_MOE_ONE_JOB");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
 }
 
 void split_cols(int64_t n, int ith, int nth, int64_t* begin, int64_t* end) {
@@ -199,6 +210,36 @@ void moe_experts(const MoeExpertsArgs& a) {
     }
     for (int64_t m = 0; m < M; ++m) silu_mul(he + m * F + c, ut.data() + m * w, w);
   };
+  // down(h) of every active expert for output columns [c0, c1), weighted into out (zeroed first)
+  auto down_cols = [&](int64_t c0, int64_t c1, std::vector<float>& yt) {
+    if (c0 >= c1) return;
+    for (int64_t n = 0; n < N; ++n) std::memset(a.out + n * d + c0, 0, (c1 - c0) * sizeof(float));
+    for (int32_t e : active) {
+      const int64_t off = start[e], M = start[e + 1] - off;
+      const int64_t blk = col_block(M, c1 - c0);
+      if (static_cast<int64_t>(yt.size()) < M * blk) yt.resize(M * blk);
+      const uint8_t* de = a.down + e * d * a.down_row_bytes;
+      const float* he = h + off * F;
+      const bool packed = M >= min_rows;  // h packed once above
+      const uint8_t* hpk = packed ? pk + poff[3 * e + 2] : nullptr;
+      for (int64_t c = c0; c < c1; c += blk) {
+        const int64_t w = std::min(blk, c1 - c);
+        if (packed)
+          qgemm_tile_packed(hpk, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w,
+                            yt.data(), w, cd);
+        else
+          qgemm_tile_ex(he, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w, yt.data(),
+                        w, a.compute);
+        for (int64_t m = 0; m < M; ++m) {
+          float* o = a.out + tok[off + m] * d + c;
+          const float* yr = yt.data() + m * w;
+          const float g = wt[off + m];
+          for (int64_t j = 0; j < w; ++j) o[j] += g * yr[j];
+        }
+      }
+    }
+  };
+
   if (A > 0 && pbytes > 0) {
     // a prompt: (expert, column block) items handed out one at a time, expert by expert. A static
     // split of F gave threads unequal shares (V2-Lite's F = 1408 is 44 units of 32: 3 or 2 a thread
@@ -220,6 +261,34 @@ void moe_experts(const MoeExpertsArgs& a) {
         gate_up(active[it / nblk], c, std::min(bw, F - c), xt, ut);
       }
     });
+  } else if (A > 0 && decode_one_job()) {
+    // decode-sized, as one pool job: part i computes the gate / up columns of range i, waits until
+    // every range is done, then takes a range of down. The two phases as two jobs woke the pool
+    // twice a layer; next to a GPU (workers sleep between calls) each wake-up of 32 threads cost
+    // tens of us a layer. Ranges are taken from counters, not by part index, so a part the pool
+    // never hands out (a worker not scheduled) leaves nothing undone: whoever runs takes its range,
+    // and the wait only ever waits for ranges a running part has taken.
+    std::atomic<int> next1{0}, done1{0}, next2{0};
+    ikj::parallel(a.n_threads, [&](int, int nth) {
+      thread_local std::vector<float> xt, ut, yt;
+      for (int i; (i = next1.fetch_add(1, std::memory_order_relaxed)) < nth;) {
+        int64_t f0, f1;
+        split_cols(F, i, nth, &f0, &f1);
+        for (int32_t e : active) {
+          const int64_t M = start[e + 1] - start[e];
+          const int64_t blk = col_block(M, f1 - f0);
+          for (int64_t c = f0; c < f1; c += blk) gate_up(e, c, std::min(blk, f1 - c), xt, ut);
+        }
+        done1.fetch_add(1, std::memory_order_release);
+      }
+      ikj::wait_at_least(done1, nth);
+      for (int i; (i = next2.fetch_add(1, std::memory_order_relaxed)) < nth;) {
+        int64_t c0, c1;
+        split_cols(d, i, nth, &c0, &c1);
+        down_cols(c0, c1, yt);
+      }
+    });
+    return;
   } else if (A > 0) {
     // decode-sized: each thread its columns of every expert, one call a matrix (long sequential reads)
     ikj::parallel(a.n_threads, [&](int ith, int nth) {
@@ -252,33 +321,8 @@ void moe_experts(const MoeExpertsArgs& a) {
   ikj::parallel(a.n_threads, [&](int ith, int nth) {
     int64_t c0, c1;
     split_cols(d, ith, nth, &c0, &c1);
-    if (c0 >= c1) return;
-    for (int64_t n = 0; n < N; ++n) std::memset(a.out + n * d + c0, 0, (c1 - c0) * sizeof(float));
     thread_local std::vector<float> yt;
-    for (int32_t e : active) {
-      const int64_t off = start[e], M = start[e + 1] - off;
-      const int64_t blk = col_block(M, c1 - c0);
-      if (static_cast<int64_t>(yt.size()) < M * blk) yt.resize(M * blk);
-      const uint8_t* de = a.down + e * d * a.down_row_bytes;
-      const float* he = h + off * F;
-      const bool packed = M >= min_rows;  // h packed once above
-      const uint8_t* hpk = packed ? pk + poff[3 * e + 2] : nullptr;
-      for (int64_t c = c0; c < c1; c += blk) {
-        const int64_t w = std::min(blk, c1 - c);
-        if (packed)
-          qgemm_tile_packed(hpk, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w,
-                            yt.data(), w, cd);
-        else
-          qgemm_tile_ex(he, M, F, de + c * a.down_row_bytes, a.down_row_bytes, a.down_type, 0, w, yt.data(),
-                        w, a.compute);
-        for (int64_t m = 0; m < M; ++m) {
-          float* o = a.out + tok[off + m] * d + c;
-          const float* yr = yt.data() + m * w;
-          const float g = wt[off + m];
-          for (int64_t j = 0; j < w; ++j) o[j] += g * yr[j];
-        }
-      }
-    }
+    down_cols(c0, c1, yt);
   });
 }
 

@@ -25,6 +25,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -79,6 +80,28 @@ struct Job {
   MoeExpertsArgs args;
 };
 
+// Time spent inside the host kernel, for sweep-bench's report (`host_stats`): decode-sized calls
+// (N <= kSmallCall rows) apart from prompt-sized ones, with the bytes of the experts they read,
+// so a TG row's time splits into the host kernel's part (and its GB/s) and everything else.
+constexpr int64_t kSmallCall = 16;
+struct HostStats {
+  int64_t calls = 0, ns = 0, bytes = 0, small_calls = 0, small_ns = 0, small_bytes = 0;
+};
+std::mutex host_stats_mu;
+HostStats host_stats;
+
+// Bytes of the experts one call reads: each expert with a non-zero weight, its gate, up and down.
+int64_t expert_bytes(const MoeExpertsArgs& a) {
+  std::vector<char> seen(a.E, 0);
+  int64_t n = 0;
+  for (int64_t i = 0; i < a.N * a.k; ++i)
+    if (a.weights[i] != 0.f && !seen[a.ids[i]]) {
+      seen[a.ids[i]] = 1;
+      ++n;
+    }
+  return n * (a.F * a.gate_row_bytes + a.F * a.up_row_bytes + a.d * a.down_row_bytes);
+}
+
 // Runs on CUDA's host-callback thread once the D2H copies are done; the stream waits for it.
 void CUDART_CB run_job(void* p) {
   std::unique_ptr<Job> job(static_cast<Job*>(p));
@@ -92,7 +115,22 @@ void CUDART_CB run_job(void* p) {
                    static_cast<long long>(a.E));
       std::abort();
     }
+  const int64_t bytes = expert_bytes(a);
+  const auto t0 = std::chrono::steady_clock::now();
   IKJ_DISPATCH(moe_experts)(a);
+  const int64_t ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  if (bytes == 0) return;  // -sm graph: the other devices' calls of a decode step (every weight 0)
+  std::lock_guard<std::mutex> lock(host_stats_mu);
+  HostStats& h = host_stats;
+  ++h.calls;
+  h.ns += ns;
+  h.bytes += bytes;
+  if (a.N <= kSmallCall) {
+    ++h.small_calls;
+    h.small_ns += ns;
+    h.small_bytes += bytes;
+  }
 }
 
 ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights,
@@ -340,6 +378,20 @@ NB_MODULE(_cuda_host, m) {
     d["bytes"] = stream_stats.bytes;
     d["copies"] = stream_stats.copies;
     if (reset) stream_stats = StreamStats{};
+    return d;
+  }, nb::arg("reset") = false);
+  // totals of the host kernel's calls since the process started (or the last reset): all calls and
+  // the decode-sized ones (N <= 16), the nanoseconds spent in the kernel and the expert bytes read
+  m.def("host_stats", [](bool reset) {
+    std::lock_guard<std::mutex> lock(host_stats_mu);
+    nb::dict d;
+    d["calls"] = host_stats.calls;
+    d["ns"] = host_stats.ns;
+    d["bytes"] = host_stats.bytes;
+    d["small_calls"] = host_stats.small_calls;
+    d["small_ns"] = host_stats.small_ns;
+    d["small_bytes"] = host_stats.small_bytes;
+    if (reset) host_stats = HostStats{};
     return d;
   }, nb::arg("reset") = false);
   m.def("isa", [] { return std::string(ikj::isa_name(ikj::current_isa())); });

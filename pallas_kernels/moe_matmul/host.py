@@ -182,3 +182,10 @@ def stream_stats(reset: bool = False) -> dict:
     """Totals of `stream_experts` calls in this process: calls, active experts per batch (summed),
     experts and bytes copied, copy runs. Empty where the handler is not built."""
     return dict(_cuda_host.stream_stats(reset)) if _cuda_host is not None else {}
+
+
+def host_stats(reset: bool = False) -> dict:
+    """Totals of the host kernel's calls from GPU steps in this process (`ikjax_host_moe_experts`):
+    calls, ns in the kernel, expert bytes read, and the same for decode-sized calls (small_*).
+    Empty where the handler is not built."""
+    return dict(_cuda_host.host_stats(reset)) if _cuda_host is not None else {}
