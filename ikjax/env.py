@@ -157,6 +157,9 @@ _VARS = (
              "AVX-512 VNNI on the same panels); unset: the default `ikjax info` names", "pallas_kernels/cpu/runtime.cc"),
     Variable("IKJAX_SPIN", "", (), "microseconds a C++ pool worker spins before sleeping (read once)",
              "pallas_kernels/cpu/runtime.cc"),
+    Variable("IKJAX_MOE_ONE_JOB", "1", ("0", "1"), "a decode-sized routed-experts call as one C++ pool job "
+             "(gate / up, a wait, down: one wake-up of the pool a layer); 0: two jobs (read once)",
+             "pallas_kernels/moe_matmul/cpu_kernel.cc"),
     Variable("IKJAX_SPIN_LONG", "", (), "microseconds a C++ pool worker spins after a part of 1 ms or more "
              "(default 50, at most IKJAX_SPIN; read once): XLA's own ops run next, on the same cores",
              "pallas_kernels/cpu/runtime.cc"),
