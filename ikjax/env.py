@@ -8,9 +8,11 @@ takes, what it does, who reads it), and the accessors below are the only Python 
 
 Values are read when asked for, not cached at import: a test or a user may set a variable between
 two runs in one process (the CPU kernels' ISA cap is exercised that way), and each read is a dict
-lookup, far below anything a step costs. The C++ runtime reads its two (`IKJAX_CPU_ISA`,
-`IKJAX_SPIN`) itself, per call, so that a cap set in Python holds for kernels already registered;
-they are listed here so the table is complete. `markdown_table()` renders the README's table.
+lookup, far below anything a step costs. The C++ runtime reads its own (`IKJAX_CPU_ISA`, `IKJAX_SPIN`,
+the AMX and AVX-VNNI switches...) itself, so that a cap set in Python holds for kernels already
+registered; they are listed here so the table is complete, and `check_native` refuses a bad value of
+theirs when an engine loads (the C++ side would run its default). `markdown_table()` renders the
+README's table.
 """
 from __future__ import annotations
 
@@ -246,6 +248,31 @@ def cache_home() -> Path:
     """$IKJAX_CACHE, else $XDG_CACHE_HOME/ikjax, else ~/.cache/ikjax."""
     set_ = raw("IKJAX_CACHE")
     return Path(set_).expanduser() if set_ else xdg_cache_home() / "ikjax"
+
+
+# The C++ runtime's numeric knobs and the least each takes (it reads them itself and, on a value it
+# cannot use, runs its default: checked here first, so a typo is an error, not a silent default)
+NATIVE_MIN = {"IKJAX_SPIN": 0, "IKJAX_SPIN_LONG": 0, "IKJAX_AMX_MIN_ROWS": 16}
+
+
+def check_native() -> None:
+    """Refuse (OptionError naming the variable) a value the C++ kernels would not use: their choice
+    knobs outside the table's values, their numbers not integers or under NATIVE_MIN. Called when
+    an engine loads, before any kernel reads them."""
+    for v in VARIABLES.values():
+        value = os.environ.get(v.name)
+        if not value or not v.read_by.endswith(".cc"):
+            continue
+        if v.choices:
+            choice(v.name)
+        elif v.name in NATIVE_MIN:
+            lo = NATIVE_MIN[v.name]
+            try:
+                ok = int(value) >= lo
+            except ValueError:
+                ok = False
+            if not ok:
+                raise OptionError(f"{v.name} must be an integer >= {lo}, got {value!r}")
 
 
 def markdown_table() -> str:

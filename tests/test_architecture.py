@@ -128,6 +128,26 @@ def test_env_choice_refuses_a_bad_value(monkeypatch):
     assert env.choice("IKJAX_STREAM") == "auto"
 
 
+def test_native_knobs_refused_when_an_engine_loads(monkeypatch):
+    """The C++ kernels read their knobs themselves and run their default on a value they cannot use
+    (IKJAX_AMX_MIN_ROWS=8 ran 64 rows, silently): env.check_native refuses it first, when an
+    engine loads, naming the variable."""
+    import ikjax
+    from ikjax.errors import OptionError
+    for name, bad, msg in (("IKJAX_AMX_MIN_ROWS", "8", "integer >= 16"), ("IKJAX_AMX_MIN_ROWS", "64 rows", "integer"),
+                           ("IKJAX_SPIN", "-1", "integer >= 0"), ("IKJAX_AVXVNNI", "2", "one of 1, 0"),
+                           ("IKJAX_MOE_ONE_JOB", "yes", "one of 0, 1"), ("IKJAX_CPU_ISA", "sse4", "one of generic")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(OptionError, match=f"{name} must be .*{msg}"):
+            env.check_native()
+        with pytest.raises(OptionError, match=name):  # before the file is even opened
+            ikjax.load("/nonexistent/model.gguf")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("IKJAX_AMX_MIN_ROWS", "32")
+    monkeypatch.setenv("IKJAX_SPIN", "0")
+    env.check_native()  # values the kernels take pass
+
+
 def test_readme_lists_every_variable():
     assert env.markdown_table() in (REPO / "README.md").read_text()
 
