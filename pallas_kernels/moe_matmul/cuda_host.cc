@@ -29,10 +29,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cpu/isa.h"
@@ -359,6 +361,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StreamExpertsFfi, StreamExpertsImpl,
                                   .Attr<int64_t>("n_expert")
                                   .Attr<int64_t>("round"));
 
+// A stats struct's fields as a dict, read under its mutex (then zeroed if `reset`).
+template <class S>
+nb::dict counters(std::mutex& mu, S& stats, bool reset,
+                  std::initializer_list<std::pair<const char*, int64_t S::*>> fields) {
+  std::lock_guard<std::mutex> lock(mu);
+  nb::dict d;
+  for (const auto& [name, field] : fields) d[name] = stats.*field;
+  if (reset) stats = S{};
+  return d;
+}
+
 NB_MODULE(_cuda_host, m) {
   m.doc() = "ikjax: routed experts in host RAM computed by the CPU from a GPU step (XLA FFI, platform CUDA)";
   m.def("registrations", [] {
@@ -370,29 +383,15 @@ NB_MODULE(_cuda_host, m) {
   // totals since the process started (or the last reset): stream_experts calls, experts active in
   // their batches (counted once per batch, at round 0), experts and bytes copied, copy runs
   m.def("stream_stats", [](bool reset) {
-    std::lock_guard<std::mutex> lock(stream_mu);
-    nb::dict d;
-    d["calls"] = stream_stats.calls;
-    d["active"] = stream_stats.active;
-    d["copied"] = stream_stats.copied;
-    d["bytes"] = stream_stats.bytes;
-    d["copies"] = stream_stats.copies;
-    if (reset) stream_stats = StreamStats{};
-    return d;
+    return counters(stream_mu, stream_stats, reset, {{"calls", &StreamStats::calls}, {"active", &StreamStats::active},
+                    {"copied", &StreamStats::copied}, {"bytes", &StreamStats::bytes}, {"copies", &StreamStats::copies}});
   }, nb::arg("reset") = false);
   // totals of the host kernel's calls since the process started (or the last reset): all calls and
   // the decode-sized ones (N <= 16), the nanoseconds spent in the kernel and the expert bytes read
   m.def("host_stats", [](bool reset) {
-    std::lock_guard<std::mutex> lock(host_stats_mu);
-    nb::dict d;
-    d["calls"] = host_stats.calls;
-    d["ns"] = host_stats.ns;
-    d["bytes"] = host_stats.bytes;
-    d["small_calls"] = host_stats.small_calls;
-    d["small_ns"] = host_stats.small_ns;
-    d["small_bytes"] = host_stats.small_bytes;
-    if (reset) host_stats = HostStats{};
-    return d;
+    return counters(host_stats_mu, host_stats, reset, {{"calls", &HostStats::calls}, {"ns", &HostStats::ns},
+                    {"bytes", &HostStats::bytes}, {"small_calls", &HostStats::small_calls},
+                    {"small_ns", &HostStats::small_ns}, {"small_bytes", &HostStats::small_bytes}});
   }, nb::arg("reset") = false);
   m.def("isa", [] { return std::string(ikj::isa_name(ikj::current_isa())); });
   m.def("quant_type_supported", [](int type) { return IKJ_DISPATCH(quant_matmul_supported)(type); });
