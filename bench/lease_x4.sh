@@ -721,7 +721,8 @@ PYEOF
   ;;
 39)
   # call 3: ik_llama.cpp on the same files and flags (IK39: v2l_layer2 v2l_graph2 r1_ot_layer2
-  # r1_ot_graph2 r1_layer2 r1_graph2), sweep-bench's table of each
+  # r1_ot_graph2 r1_layer2 r1_graph2, r1_ot_gpu1, or the 4-GPU names: the last digit is the GPUs),
+  # sweep-bench's table of each
   while ! grep -q BUILD_DONE /tmp/ikc/build.log 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt 300 ]; do sleep 10; done
   ikprog
   IK=/tmp/ikc/build/bin
@@ -731,11 +732,12 @@ PYEOF
     case $run in
       v2l_*) m=/tmp/mg/v2l.gguf ;; *) m=/tmp/mg/r1.gguf ;;
     esac
-    gpus=0,1; case $run in *gpu1) gpus=0 ;; esac
+    n=${run: -1}; [ "$n" -ge 1 ] 2>/dev/null || n=2  # the run name's GPU count (r1_graph4: 4)
+    gpus=$(seq -s, 0 $((n - 1)))
     case $run in
       *_ot_*) a="-c 4096 -ub 2048 -n 32 -ot exps=CPU -t ${IK_T:-$(nproc)}" ;; *) a="-c 16384 -ub 2048 -n 128" ;;
     esac
-    case $run in *layer2) a="$a -sm layer" ;; *graph2) a="$a -sm graph" ;; esac
+    case $run in *layer[0-9]) a="$a -sm layer" ;; *graph[0-9]) a="$a -sm graph" ;; esac
     el "ik $run: $a"
     CUDA_VISIBLE_DEVICES=$gpus timeout ${IK_RUN_S:-150} $IK/llama-sweep-bench -m $m -ngl 99 -mla 3 -fa on $a \
       > "$OUT/ik_$run.out" 2> "$OUT/ik_$run.err"; echo "rc $?" >> "$OUT/ik_$run.out"
