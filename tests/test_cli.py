@@ -103,6 +103,14 @@ def test_info_on_every_fixture():
         assert m and int(m.group(2)) > 0
 
 
+def test_cli_refuses_a_bad_kernel_knob(tiny_model, monkeypatch):
+    """A C++ kernels' knob they would not use (they would run their default): one line naming it,
+    from the commands that load an engine and from `info`, which reports the kernels' settings."""
+    monkeypatch.setenv("IKJAX_AMX_MIN_ROWS", "8")
+    for cmd in (["info", tiny_model], ["sweep-bench", "-m", tiny_model, "-c", "256", "-ub", "64", "-n", "4"]):
+        assert_one_line_error(invoke(cmd, code=1), "IKJAX_AMX_MIN_ROWS must be an integer >= 16, got '8'")
+
+
 def test_info_memory_plan_matches_engine(tiny_model):
     import ikjax
     res = invoke(["info", tiny_model, "-c", 1024, "-ub", 128, "-ctk", "q8_0", "-mla", 3])

@@ -43,6 +43,8 @@ def info(
     from ikjax.gguf_io.reader import GGUFModelFile
     from ikjax.runtime.memory_plan import plan_memory
     _, opts = check_options(run, "info")
+    from ikjax import env
+    env.check_native()  # what the report says of the C++ kernels is what runs: a bad knob is an error
     path = file or run.model
     if path is None or path.startswith("synthetic:"):
         path = resolve_model(path)
