@@ -210,6 +210,14 @@ void moe_experts(const MoeExpertsArgs& a) {
     }
     for (int64_t m = 0; m < M; ++m) silu_mul(he + m * F + c, ut.data() + m * w, w);
   };
+  // decode-sized: gate / up of every active expert for h's columns [f0, f1), one call a matrix
+  // (long sequential reads)
+  auto gate_up_cols = [&](int64_t f0, int64_t f1, std::vector<float>& xt, std::vector<float>& ut) {
+    for (int32_t e : active) {
+      const int64_t blk = col_block(start[e + 1] - start[e], f1 - f0);
+      for (int64_t c = f0; c < f1; c += blk) gate_up(e, c, std::min(blk, f1 - c), xt, ut);
+    }
+  };
   // down(h) of every active expert for output columns [c0, c1), weighted into out (zeroed first)
   auto down_cols = [&](int64_t c0, int64_t c1, std::vector<float>& yt) {
     if (c0 >= c1) return;
@@ -274,11 +282,7 @@ void moe_experts(const MoeExpertsArgs& a) {
       for (int i; (i = next1.fetch_add(1, std::memory_order_relaxed)) < nth;) {
         int64_t f0, f1;
         split_cols(F, i, nth, &f0, &f1);
-        for (int32_t e : active) {
-          const int64_t M = start[e + 1] - start[e];
-          const int64_t blk = col_block(M, f1 - f0);
-          for (int64_t c = f0; c < f1; c += blk) gate_up(e, c, std::min(blk, f1 - c), xt, ut);
-        }
+        gate_up_cols(f0, f1, xt, ut);
         done1.fetch_add(1, std::memory_order_release);
       }
       ikj::wait_at_least(done1, nth);
@@ -290,17 +294,12 @@ void moe_experts(const MoeExpertsArgs& a) {
     });
     return;
   } else if (A > 0) {
-    // decode-sized: each thread its columns of every expert, one call a matrix (long sequential reads)
+    // decode-sized as two jobs (IKJAX_MOE_ONE_JOB=0): each thread its columns of every expert
     ikj::parallel(a.n_threads, [&](int ith, int nth) {
       int64_t f0, f1;
       split_cols(F, ith, nth, &f0, &f1);
-      if (f0 >= f1) return;
       thread_local std::vector<float> xt, ut;
-      for (int32_t e : active) {
-        const int64_t M = start[e + 1] - start[e];
-        const int64_t blk = col_block(M, f1 - f0);
-        for (int64_t c = f0; c < f1; c += blk) gate_up(e, c, std::min(blk, f1 - c), xt, ut);
-      }
+      gate_up_cols(f0, f1, xt, ut);
     });
   }
 

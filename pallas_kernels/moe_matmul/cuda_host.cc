@@ -92,32 +92,29 @@ struct HostStats {
 std::mutex host_stats_mu;
 HostStats host_stats;
 
-// Bytes of the experts one call reads: each expert with a non-zero weight, its gate, up and down.
-int64_t expert_bytes(const MoeExpertsArgs& a) {
-  std::vector<char> seen(a.E, 0);
-  int64_t n = 0;
-  for (int64_t i = 0; i < a.N * a.k; ++i)
-    if (a.weights[i] != 0.f && !seen[a.ids[i]]) {
-      seen[a.ids[i]] = 1;
-      ++n;
-    }
-  return n * (a.F * a.gate_row_bytes + a.F * a.up_row_bytes + a.d * a.down_row_bytes);
-}
-
 // Runs on CUDA's host-callback thread once the D2H copies are done; the stream waits for it.
 void CUDART_CB run_job(void* p) {
   std::unique_ptr<Job> job(static_cast<Job*>(p));
   const MoeExpertsArgs& a = job->args;
   // ids come from the router's top_k over E experts: out of range is a bug, never a user error,
   // and a host callback cannot return an error to XLA, so stop loudly instead of reading past
-  // the expert tensors.
-  for (int64_t i = 0; i < a.N * a.k; ++i)
+  // the expert tensors. The same pass counts the experts the call reads (a non-zero weight) for
+  // host_stats' bytes.
+  thread_local std::vector<char> seen;
+  seen.assign(a.E, 0);
+  int64_t used = 0;
+  for (int64_t i = 0; i < a.N * a.k; ++i) {
     if (a.ids[i] < 0 || a.ids[i] >= a.E) {
       std::fprintf(stderr, "ikjax host moe_experts: expert id %d outside [0, %lld)\n", a.ids[i],
                    static_cast<long long>(a.E));
       std::abort();
     }
-  const int64_t bytes = expert_bytes(a);
+    if (a.weights[i] != 0.f && !seen[a.ids[i]]) {
+      seen[a.ids[i]] = 1;
+      ++used;
+    }
+  }
+  const int64_t bytes = used * (a.F * a.gate_row_bytes + a.F * a.up_row_bytes + a.d * a.down_row_bytes);
   const auto t0 = std::chrono::steady_clock::now();
   IKJ_DISPATCH(moe_experts)(a);
   const int64_t ns =
