@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ikjax import env
 from ikjax.cli.common import app, fmt_bytes, handle, resolve_model
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
@@ -43,7 +44,6 @@ def info(
     from ikjax.gguf_io.reader import GGUFModelFile
     from ikjax.runtime.memory_plan import plan_memory
     _, opts = check_options(run, "info")
-    from ikjax import env
     env.check_native()  # what the report says of the C++ kernels is what runs: a bad knob is an error
     path = file or run.model
     if path is None or path.startswith("synthetic:"):

@@ -166,15 +166,14 @@ class Pipeline:
     def micro_batches(self, T: int) -> int:
         """How many micro-batches a step of T tokens runs as (IKJAX_PIPELINE_MB; auto: on GPUs,
         as many as keep each at MICRO_MIN tokens and MICRO_MIN_PICKS picks an expert or more, at
-        most MICRO_MAX; one where the stages
-        cannot overlap (one stage with layers, or T not a multiple of them) or where a stage's
-        experts live in host RAM (`host_experts`))."""
+        most MICRO_MAX; one where the stages cannot overlap (one stage with layers, or T not a
+        multiple of them) or where a stage's experts live in host RAM (`host_experts`))."""
         with_layers = sum(1 for _, _, count, _, _ in self.stages if count)
         choice = env.choice("IKJAX_PIPELINE_MB")
         if choice == "auto":
             if not any(d.platform == "gpu" for d in self.devices) or with_layers < 2 or self.host_experts:
                 return 1
-            n_exp, used = getattr(self.cfg, "n_expert", 0) or 0, getattr(self.cfg, "n_expert_used", 0) or 0
+            n_exp, used = self.cfg.n_expert, self.cfg.n_expert_used
             m = 1
             while m * 2 <= MICRO_MAX and T // (m * 2) >= MICRO_MIN and T % (m * 2) == 0 and \
                     (not n_exp or T // (m * 2) * used >= MICRO_MIN_PICKS * n_exp):
