@@ -13,6 +13,28 @@ import os as _os
 if "xla_gpu_enable_command_buffer" not in _os.environ.get("XLA_FLAGS", ""):
     _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
+
+
+def _host_ram_gib() -> int:
+    try:
+        return -(-_os.sysconf("SC_PHYS_PAGES") * _os.sysconf("SC_PAGE_SIZE") // (1 << 30))
+    except (ValueError, OSError, AttributeError):  # no sysconf names here: XLA's default stays
+        return 0
+
+
+def _pinned_host_limit(environ, ram_gib: int) -> str | None:
+    """XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB to set, or None. Routed experts in host RAM next to a GPU
+    (-ot exps=CPU) live in the GPU's pinned host memory, which XLA's host allocator caps at 64 GB a
+    device unless told otherwise: R1-16's 78 GB of experts on one GPU failed to load ("Out of host
+    memory ... xla_gpu_host_bfc", RESULTS §25g), and a real R1's 350 GB never could. The cap becomes
+    the machine's RAM (the allocator grows on demand: nothing is reserved; the memory plan checks
+    that the experts fit). A user's value wins."""
+    return None if environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB") or ram_gib <= 64 else str(ram_gib)
+
+
+if (_limit := _pinned_host_limit(_os.environ, _host_ram_gib())) is not None:
+    _os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = _limit
+
 from ikjax import quant as _quant  # noqa: F401  (registers ik_llama.cpp's types)
 from ikjax.errors import DoesNotFitError, IkjaxError, ModelFileError, OptionError
 from ikjax.options import RunOptions

@@ -5,6 +5,8 @@ ordering barrier all run here; only the transfer itself (and the host custom cal
 (tests/test_hybrid_gpu.py)."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -370,3 +372,26 @@ def test_host_decode_report_splits_a_token(monkeypatch):
                     "read, 8 calls); x 4 layers = 4.00 ms of the TG rows' mean 12.50 ms a token (32 %)"), line
     assert sb.host_decode_report(eng, rows, {}) is None
     assert sb.host_decode_report(eng, [sb.SweepRow(2048, 0, 0, 0.5, 0.0)], stats) is None
+
+
+def test_pinned_host_cap_follows_ram():
+    """XLA caps a GPU's pinned host memory at 64 GB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says
+    otherwise (R1-16's 78 GB of host experts failed to load on one H200, RESULTS §25g): importing
+    ikjax raises the cap to the machine's RAM, leaves a user's value alone, and sets nothing where
+    RAM is at most XLA's default. Checked in a fresh interpreter, as a user's process imports it."""
+    import subprocess
+    import sys
+
+    import ikjax
+    assert ikjax._pinned_host_limit({}, 251) == "251"
+    assert ikjax._pinned_host_limit({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "7"}, 251) is None
+    assert ikjax._pinned_host_limit({}, 64) is None and ikjax._pinned_host_limit({}, 0) is None
+    probe = "import os, ikjax; print(os.environ.get('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'), ikjax._host_ram_gib())"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"}
+    value, ram = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                                check=True).stdout.split()
+    assert int(ram) >= 1
+    assert value == (ram if int(ram) > 64 else "None")
+    env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = "5"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                          check=True).stdout.split()[0] == "5"
