@@ -15,17 +15,22 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# the C++ kernels run on the CPU backend only: on a GPU host JAX's default device is the GPU, and
+# the custom call has no CUDA handler (the -ot decode's host part is what this script measures)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from pallas_kernels import cpu as _cpu
-from pallas_kernels.cpu.bench_util import fma_peak, read_bandwidth
-from pallas_kernels.moe_matmul import cpu as moe_cpu
-from pallas_kernels.moe_matmul.reference import moe_experts_grouped_ref, moe_experts_ref
-from pallas_kernels.testing import random_quant_array
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import cpu as _cpu  # noqa: E402
+from pallas_kernels.cpu.bench_util import fma_peak, read_bandwidth  # noqa: E402
+from pallas_kernels.moe_matmul import cpu as moe_cpu  # noqa: E402
+from pallas_kernels.moe_matmul.reference import moe_experts_grouped_ref, moe_experts_ref  # noqa: E402
+from pallas_kernels.testing import random_quant_array  # noqa: E402
 
 E, K_USED, D, F = 64, 6, 2048, 1408  # DeepSeek-V2-Lite routed experts
 # --shape r1: DeepSeek R1 / V3's routed experts (k=8 of 256, d=7168, F=2048); --experts cuts E (decode
