@@ -154,6 +154,9 @@ _VARS = (
              "the amx level's prompt products on its tiles (IKJAX_AMX_MIN_ROWS): bf16 tiles (tdpbf16ps, f32 sums over the whole row, "
              "where the CPU has amx_bf16) or int8 tiles (tdpbusd, each block's sums scaled on the vector unit)",
              "pallas_kernels/cpu/runtime.cc"),
+    Variable("IKJAX_AMX_FUSED", "1", ("1", "0"),
+             "`0`: the amx level's bf16 tile panels built in two passes (int8 panel, then bf16) as before "
+             "the one-pass builder; the same bits", "pallas_kernels/cpu/runtime.cc"),
     Variable("IKJAX_AMX_MIN_ROWS", "", (),
              "rows from which the amx level's prompt products run on its tiles (an integer >= 16; fewer rows: "
              "AVX-512 VNNI on the same panels); unset: the default `ikjax info` names", "pallas_kernels/cpu/runtime.cc"),

@@ -148,7 +148,7 @@ def _has_amx():
 @pytest.mark.parametrize("form", ["int8", "bf16"])
 @pytest.mark.parametrize("name", TYPES)
 def test_hardware_amx_matches_reference_and_emulation(name, form, min_rows, monkeypatch):
-    """The public product at the amx level (M >= IKJAX_AMX_MIN_ROWS on tiles: 16, and the default 64;
+    """The public product at the amx level (M >= IKJAX_AMX_MIN_ROWS on tiles: 16, and the default 32;
     fewer rows: the avx512 vpdpbusd kernel on the same panels, which for the K-quants come from the
     amx level's portable builder), 1 and 3 threads
     (tile state is per thread), against the reference and the emulated engine (int8: the same int32
@@ -167,7 +167,7 @@ def test_hardware_amx_matches_reference_and_emulation(name, form, min_rows, monk
     assert _cpu.isa() == "amx"
     bf16 = form == "bf16" and "AMX bf16 tiles" in _cpu.isa_report()
     on_tiles = int(_cpu.isa_report().split("prompt products of ")[1].split("+")[0])
-    assert on_tiles == (int(min_rows) if min_rows else 64)
+    assert on_tiles == (int(min_rows) if min_rows else 32)
     rng = np.random.default_rng(sum(map(ord, name)) + 1)
     kq = name.endswith(("_K", "_XS"))
     for M, N, K in [(5, 37, 256), (16, 32, 512), (17, 45, 256), (48, 100, 2048), (77, 300, 512)]:
@@ -184,3 +184,36 @@ def test_hardware_amx_matches_reference_and_emulation(name, form, min_rows, monk
             scale = np.abs(x).astype(np.float64) @ np.abs(wf).T
             tol = 1e-5 if tiles_bf16 else 1e-6
             assert (np.abs(got - emu) / (scale + 1e-30)).max() < tol, (name, M, N, K, n_threads)
+
+
+@pytest.mark.skipif(not _has_amx(), reason="no AMX here: " + (_cpu._cpu.amx_unavailable_reason()
+                                                             if _cpu.available() else "no C++ kernels"))
+@pytest.mark.parametrize("name", TYPES)
+def test_fused_bf16_panels_same_bits_as_two_passes(name, monkeypatch):
+    """The bf16 tiles' panels built straight from the blocks (the default) give the bits of the two
+    passes (int8 panel, then bf16: IKJAX_AMX_FUSED=0), every engine type, odd rows, columns (a last
+    panel of fewer than 32 rows) and block counts, 1 and 3 threads."""
+    import jax.numpy as jnp
+
+    from ikjax.quant import QuantArray
+    from pallas_kernels.quant_matmul import cpu
+    monkeypatch.setenv("IKJAX_CPU_ISA", "amx")
+    monkeypatch.setenv("IKJAX_AMX", "bf16")
+    monkeypatch.setenv("IKJAX_AMX_MIN_ROWS", "16")
+    if "AMX bf16 tiles" not in _cpu.isa_report():
+        pytest.skip("this CPU's AMX has no bf16 tiles (amx_bf16)")
+    rng = np.random.default_rng(sum(map(ord, name)) + 7)
+    kq = name.endswith(("_K", "_XS"))
+    for M, N, K in [(16, 45, 256), (33, 70, 512), (77, 300, 2048)]:
+        if not kq:
+            K = K - 32 if K > 256 else K + 32
+        raw, _ = _weights(name, N, K, rng)
+        x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+        w = QuantArray.from_bytes(raw, by_name(name), (N, K))
+        for n_threads in (1, 3):
+            monkeypatch.setenv("IKJAX_AMX_FUSED", "0")
+            two = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute="bf16"))
+            monkeypatch.delenv("IKJAX_AMX_FUSED")
+            fused = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute="bf16"))
+            assert np.isfinite(fused).all()
+            np.testing.assert_array_equal(fused, two, err_msg=str((name, M, N, K, n_threads)))

@@ -4,7 +4,8 @@ A `HostQuantArray` holds a routed-expert tensor's GGUF blocks in host memory, in
 
 - pinned (the default next to a GPU): a `jax.Array` in the GPU's `pinned_host` memory, copied once
   from the memory map at load, tensor by tensor, after which the map's pages of that tensor are
-  dropped (`release_pages`), so RAM still holds one copy. It is a pytree node with one leaf, so a
+  unmapped (`release_pages`, the page cache keeping them while memory allows: the next load reads
+  them at memory speed), so the process holds one copy. It is a pytree node with one leaf, so a
   jitted step receives it as a parameter in host memory: a big prompt batch streams it to the GPU
   inside the step (`to_device`, the host-offloading transfer XLA overlaps with compute) and runs
   the GPU kernels on it; decode steps never touch the leaf (jit prunes it) — the host-experts

@@ -34,10 +34,12 @@ bool amx_bf16_on();
 // Rows of x from which the amx level multiplies a prompt product on its tiles (fewer: the avx512
 // engine's vpdpbusd on the same panels): IKJAX_AMX_MIN_ROWS (read per call; an integer >= 16, one A
 // tile), else kAmxMinRowsDefault. Each product converts its weight panels for the tiles, which pays
-// only over enough rows: on a Sapphire Rapids core the tiles lose to vpdpbusd below ~64-96 rows
-// (V2-Lite's expert matrices at 16-48 rows 1.3-1.45x slower), and a prompt's routed experts see few
-// rows each (512 tokens x 6 picks / 64 experts = 48; R1 at -ub 2048: 64).
-constexpr int64_t kAmxMinRowsDefault = 64;
+// only over enough rows, and a prompt's routed experts see few rows each (512 tokens x 6 picks / 64
+// experts = 48; R1 at -ub 2048: 64). With the panels built in two passes (int8, then bf16) the tiles
+// lost to vpdpbusd below ~64-96 rows on a Sapphire Rapids core (RESULTS §26v); built in one pass
+// (quant_matmul build_panel_bf16) they win from 32: one R1 MoE layer at 64 rows an expert 5-15 %
+// faster, V2-Lite's at 48 rows level to 16 % (RESULTS §26aa, in-process alternation).
+constexpr int64_t kAmxMinRowsDefault = 32;
 int64_t amx_min_rows();
 
 // Whether the avx2 level runs its AVX-VNNI build (the avxvnni objects: the same code with vpdpbusd

@@ -2103,6 +2103,72 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
   }
 }
 
+#if defined(IKJ_HAVE_AMX_BF16)
+// The bf16 tiles' panel built straight from the blocks: the bytes amx::panel_to_bf16_hw would make
+// from build_panel_q8's panel (the same 16 x 16 transpose, the same values and scales, the same
+// fma and rounding: the same bits), without writing the int8 panel, its sums and scales and reading
+// them back. Why: at the ~64 rows a prompt's expert sees, the two passes were about as long as the
+// tiles' own work (perf on an R1 expert layer at 64 rows a expert, one thread: build_panel_q8 ~21 %,
+// panel_to_bf16_hw ~7 %, the tiles ~38 % of the kernel's time).
+template <int type, int bs>
+void build_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint16_t* out) {
+  constexpr int64_t bpb = q8gemm_kq(type) ? bs / 8 : bs;
+  // even / odd dwords of two vectors; lane i of quarter j: row 4j + i / 4 (as panel_to_bf16_hw)
+  const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i io = _mm512_add_epi32(ie, _mm512_set1_epi32(1));
+  const __m512i q0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512i is[4];
+  for (int j = 0; j < 4; ++j) is[j] = _mm512_add_epi32(q0, _mm512_set1_epi32(4 * j));
+  for (int g = 0; g < 2; ++g) {
+    const uint8_t* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = g * 16 + j < nr ? w + (p0 + g * 16 + j) * row_bytes : nullptr;
+    for (int64_t b = 0; b < nb; b += 2) {
+      const bool two = b + 1 < nb;
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        if (!rows[j]) {
+          r[j] = _mm512_setzero_si512();
+          continue;
+        }
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + (b + 8) * bpb), _MM_HINT_T0);
+        r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wvals<type, bs>(rows[j], b)),
+                                  two ? wvals<type, bs>(rows[j], b + 1) : _mm256_setzero_si256(), 1);
+      }
+      transpose16x16(r);  // r[c]: 4 bytes c of each of the 16 rows (c < 8: block b, else b + 1)
+      for (int h = 0; h < (two ? 2 : 1); ++h) {
+        alignas(64) float d[16], m[16];
+        for (int j = 0; j < 16; ++j) {
+          d[j] = m[j] = 0.f;
+          if (rows[j]) wscale<type, bs>(rows[j], b + h, d[j], m[j]);
+        }
+        const __m512 dw = _mm512_load_ps(d), mw = _mm512_load_ps(m);
+        __m512 dx[4], mx[4];
+        for (int j = 0; j < 4; ++j) dx[j] = _mm512_permutexvar_ps(is[j], dw), mx[j] = _mm512_permutexvar_ps(is[j], mw);
+        uint16_t* ob = out + (b + h) * amx::kBfBlk + g * 512;
+        for (int c = 0; c < 8; ++c) {
+          const __m512i q = r[8 * h + c];
+          __m512 f[4];
+          f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(q))), dx[0], mx[0]);
+          f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 1))), dx[1], mx[1]);
+          f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 2))), dx[2], mx[2]);
+          f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 3))), dx[3], mx[3]);
+          const __m512i lo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+          const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[3], f[2]));
+          _mm512_storeu_si512(ob + (2 * c) * 32, _mm512_permutex2var_epi32(lo, ie, hi));
+          _mm512_storeu_si512(ob + (2 * c + 1) * 32, _mm512_permutex2var_epi32(lo, io, hi));
+        }
+      }
+    }
+  }
+}
+
+// IKJAX_AMX_FUSED=0 builds the bf16 panel in two passes (int8 panel, then bf16), as before: read per call
+inline bool amx_fused_build() {
+  const char* v = std::getenv("IKJAX_AMX_FUSED");
+  return !(v && v[0] == '0' && v[1] == 0);
+}
+#endif
+
 // C[mr][QNR] (row stride ldc) (+)= x8 rows (xu: row 0's bytes, stride K; dx: row 0's scales and
 // ds its dx * sum(q), stride nbx) x panel blocks [b0, b1); has_min: the panel's QBLK_MIN layout.
 template <int mr, bool has_min>
@@ -2169,6 +2235,34 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
   const bool bf16 = bf16_tiles(M);
 #endif
   if (static_cast<int64_t>(ctile.size()) < M * QNR) ctile.resize(M * QNR);
+#if defined(IKJ_HAVE_AMX_BF16)
+  if (tiles && bf16 && amx_fused_build()) {
+    thread_local std::vector<uint16_t> bpanel;
+    if (static_cast<int64_t>(bpanel.size()) < nb * amx::kBfBlk) bpanel.resize(nb * amx::kBfBlk);
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(xu + x8_bf_offset(M, K));
+    for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
+      const int64_t nr = std::min<int64_t>(QNR, n1 - p0);
+      uint16_t* bp = bpanel.data();
+      switch (type) {
+        case ikj::T_Q8_0: build_panel_bf16<ikj::T_Q8_0, 34>(w, row_bytes, p0, nr, nb, bp); break;
+        case ikj::T_Q4_0: build_panel_bf16<ikj::T_Q4_0, 18>(w, row_bytes, p0, nr, nb, bp); break;
+        case ikj::T_Q5_0: build_panel_bf16<ikj::T_Q5_0, 22>(w, row_bytes, p0, nr, nb, bp); break;
+        case ikj::T_Q4_1: build_panel_bf16<ikj::T_Q4_1, 20>(w, row_bytes, p0, nr, nb, bp); break;
+        case ikj::T_Q5_1: build_panel_bf16<ikj::T_Q5_1, 24>(w, row_bytes, p0, nr, nb, bp); break;
+        case ikj::T_IQ4_NL: build_panel_bf16<ikj::T_IQ4_NL, 18>(w, row_bytes, p0, nr, nb, bp); break;
+        case ikj::T_Q4_K: build_panel_bf16<ikj::T_Q4_K, 144>(w, row_bytes, p0, nr, nb, bp); break;
+        case ikj::T_Q5_K: build_panel_bf16<ikj::T_Q5_K, 176>(w, row_bytes, p0, nr, nb, bp); break;
+        case ikj::T_IQ4_XS: build_panel_bf16<ikj::T_IQ4_XS, 136>(w, row_bytes, p0, nr, nb, bp); break;
+        default:  // (no other type gets here) the portable builder, then the conversion
+          amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data());
+          amx::panel_to_bf16_hw(panel.data(), nb, has_min, bp);
+          break;
+      }
+      amx::panel_gemm_bf16_hw(xb, amx::bf_ld(K), M, bp, nb, y + p0, ldy, nr);
+    }
+    return;
+  }
+#endif
   for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
     const int64_t nr = std::min<int64_t>(QNR, n1 - p0);
     switch (type) {
