@@ -204,7 +204,7 @@ def test_fused_bf16_panels_same_bits_as_two_passes(name, monkeypatch):
         pytest.skip("this CPU's AMX has no bf16 tiles (amx_bf16)")
     rng = np.random.default_rng(sum(map(ord, name)) + 7)
     kq = name.endswith(("_K", "_XS"))
-    for M, N, K in [(16, 45, 256), (33, 70, 512), (77, 300, 2048)]:
+    for M, N, K in [(16, 45, 256), (33, 70, 512), (77, 300, 2048), (130, 40, 512)]:
         if not kq:
             K = K - 32 if K > 256 else K + 32
         raw, _ = _weights(name, N, K, rng)

@@ -74,7 +74,12 @@ static_assert(sizeof(TileCfg) == 64, "ldtilecfg takes 64 bytes");
     default: OP(7); break;      \
   }
 struct AmxHw {
-  static void config(const TileCfg& c) { _tile_loadconfig(&c); }
+  static void config(const TileCfg& c) {
+    // GCC does not see ldtilecfg read its operand: without this barrier it dropped the rows / colsb
+    // stores of a config built just before (bf16_tiles_begin_hw: every tile op then raised SIGILL)
+    asm volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+  }
   template <int t>
   static void load(const void* p, int64_t stride) {
     static_assert(t >= 0 && t < 8, "tiles 0-7");
