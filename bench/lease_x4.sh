@@ -661,13 +661,14 @@ PYEOF
   ls -la /tmp/mg; tail -2 /tmp/mg/r1.log
   ;;
 40)
-  # issue 25 on a 2-GPU lease, call 1 of 3 (then STAGE=38, STAGE=39): the host CPU's decode kernel on
-  # R1's experts alone (threads 8 / 16 / all; the -ot decode's host part), then ik's CUDA build (all
+  # issue 25 on a 2-GPU lease, call 1 of 3 (then STAGE=38, STAGE=39): the host CPU's expert kernel on
+  # R1's experts alone (threads 8 / 16 / all; 1 and 8 tokens: the -ot decode's host part; 256 tokens,
+  # 64 rows an expert: what the host could take of a prompt step's experts), then ik's CUDA build (all
   # cores) and the R1 file (R1_LAYERS, 7) in the background, the multi-GPU GPU tests, and the build
   # waited for until DEADLINE, so that no later call's figures share the host with it
   lscpu | grep -E "Model name|Socket|Core|Thread|NUMA|L3"; cat /sys/devices/system/node/node*/meminfo 2>/dev/null | grep MemTotal
   for t in 8 16 $(nproc); do
-    timeout 60 python3 bench/cpu_moe_matmul.py --shape r1 --experts 32 --types Q4_0 --tokens 1,8 --no-xla --reps 30 \
+    timeout 90 python3 bench/cpu_moe_matmul.py --shape r1 --experts 32 --types Q4_0 --tokens 1,8,256 --no-xla --reps 30 \
       --threads $t --compute bf16 2>&1 | grep -v "^type"
   done
   [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh ${IK_JOBS:-$(nproc)}
