@@ -36,6 +36,7 @@ def _setting(s: str) -> tuple[str, str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--type", default="Q4_0")
+    ap.add_argument("--down-type", default="", help="ffn_down's type (default: --type; a V2-Lite IQ4_XS file's is Q8_0)")
     ap.add_argument("--shape", default="r1", choices=sorted(SHAPES))
     ap.add_argument("--experts", type=int, default=0, help="E (default: the shape's)")
     ap.add_argument("--tokens", type=int, default=256)
@@ -47,7 +48,8 @@ def main():
     E, used, D, F = SHAPES[args.shape]
     E = args.experts or E
     rng = np.random.default_rng(0)
-    g, u, dn = (random_quant_array(args.type, s, rng, fast=True) for s in ((E, F, D), (E, F, D), (E, D, F)))
+    types = (args.type, args.type, args.down_type or args.type)
+    g, u, dn = (random_quant_array(t, s, rng, fast=True) for t, s in zip(types, ((E, F, D), (E, F, D), (E, D, F))))
     g, u, dn = (type(a)(jnp.asarray(a.data), a.qtype, a.shape) for a in (g, u, dn))
     f = jax.jit(functools.partial(moe_cpu.moe_experts, n_threads=args.threads, compute="bf16"))
     inputs = []
@@ -66,7 +68,7 @@ def main():
             t = time.process_time()
             jax.block_until_ready(f(*x, g, u, dn))
             times[k].append(time.process_time() - t)
-    print(f"{args.type} {args.shape} E={E} tokens={args.tokens} ({args.tokens * used / E:.0f} rows an expert) "
+    print(f"{'/'.join(types)} {args.shape} E={E} tokens={args.tokens} ({args.tokens * used / E:.0f} rows an expert) "
           f"-t {args.threads}, {args.rounds} rounds")
     for k in ("A", "B"):
         print(f"  {k} {forms[k][0]}={forms[k][1]}: best {1e3 * min(times[k]):.1f} ms, median {1e3 * np.median(times[k]):.1f} ms")

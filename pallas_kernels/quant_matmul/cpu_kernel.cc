@@ -2059,48 +2059,66 @@ inline void wscale(const uint8_t* row, int64_t b, float& dw, float& mw) {
   }
 }
 
-// Weight rows [p0, p0 + nr) (nr <= QNR; missing rows zero) of nb blocks into the panel layout.
+// Blocks b and b + 1 (`two`; else zeros) of 16 weight rows (null: a missing row, zeros), transposed:
+// r[c] holds 4 bytes c of each row (c < 8: block b, else b + 1). Both panel builders' first step.
 template <int type, int bs>
-void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint8_t* panel) {
-  constexpr int64_t qblk = q8gemm_min(type) ? QBLK_MIN : QBLK;
+inline void rows_block_pair(const uint8_t* const* rows, int64_t b, bool two, __m512i* r) {
   constexpr int64_t bpb = q8gemm_kq(type) ? bs / 8 : bs;  // bytes per block of 32 (for the prefetch)
-  const __m512i ones = _mm512_set1_epi8(1);
+  for (int j = 0; j < 16; ++j) {
+    if (!rows[j]) {
+      r[j] = _mm512_setzero_si512();
+      continue;
+    }
+    // 8 blocks ahead on each of the 16 row streams (an expert's rows come from DRAM; the MoE
+    // prompt layer measured Q4_0 116 -> 105-110 ms, Q8_0 within noise; 16 ahead no better)
+    _mm_prefetch(reinterpret_cast<const char*>(rows[j] + (b + 8) * bpb), _MM_HINT_T0);
+    r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wvals<type, bs>(rows[j], b)),
+                              two ? wvals<type, bs>(rows[j], b + 1) : _mm256_setzero_si256(), 1);
+  }
+  transpose16x16(r);
+}
+
+// Both panel builders' walk: for each half g of a panel's 32 weight rows [p0, p0 + nr) (missing rows
+// null) and each pair of blocks b, b + 1 (`two`: b + 1 < nb), f(g, rows, b, two, r) with r as
+// rows_block_pair leaves it.
+template <int type, int bs, class F>
+inline void for_block_pairs(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, F&& f) {
   for (int g = 0; g < 2; ++g) {
     const uint8_t* rows[16];
     for (int j = 0; j < 16; ++j) rows[j] = g * 16 + j < nr ? w + (p0 + g * 16 + j) * row_bytes : nullptr;
     for (int64_t b = 0; b < nb; b += 2) {
       const bool two = b + 1 < nb;
       __m512i r[16];
-      for (int j = 0; j < 16; ++j) {
-        if (!rows[j]) {
-          r[j] = _mm512_setzero_si512();
-          continue;
-        }
-        // 8 blocks ahead on each of the 16 row streams (an expert's rows come from DRAM; the MoE
-        // prompt layer measured Q4_0 116 -> 105-110 ms, Q8_0 within noise; 16 ahead no better)
-        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + (b + 8) * bpb), _MM_HINT_T0);
-        r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wvals<type, bs>(rows[j], b)),
-                                  two ? wvals<type, bs>(rows[j], b + 1) : _mm256_setzero_si256(), 1);
-      }
-      transpose16x16(r);  // r[c]: 4 bytes c of each of the 16 rows (c < 8: block b, else b + 1)
-      for (int h = 0; h < (two ? 2 : 1); ++h) {
-        uint8_t* pb = panel + (b + h) * qblk;
-        __m512i s = _mm512_setzero_si512();
-        for (int c = 0; c < 8; ++c) {
-          _mm512_storeu_si512(pb + g * 512 + c * 64, r[8 * h + c]);
-          s = _mm512_dpbusd_epi32(s, ones, r[8 * h + c]);
-        }
-        _mm512_storeu_si512(pb + 1024 + g * 64, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
-        alignas(64) float d[16], m[16];
-        for (int j = 0; j < 16; ++j) {
-          d[j] = m[j] = 0.f;
-          if (rows[j]) wscale<type, bs>(rows[j], b + h, d[j], m[j]);
-        }
-        _mm512_storeu_ps(pb + 1152 + g * 64, _mm512_load_ps(d));
-        if constexpr (q8gemm_min(type)) _mm512_storeu_ps(pb + 1280 + g * 64, _mm512_load_ps(m));
-      }
+      rows_block_pair<type, bs>(rows, b, two, r);
+      f(g, static_cast<const uint8_t* const*>(rows), b, two, r);
     }
   }
+}
+
+// Weight rows [p0, p0 + nr) (nr <= QNR; missing rows zero) of nb blocks into the panel layout.
+template <int type, int bs>
+void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint8_t* panel) {
+  constexpr int64_t qblk = q8gemm_min(type) ? QBLK_MIN : QBLK;
+  const __m512i ones = _mm512_set1_epi8(1);
+  for_block_pairs<type, bs>(w, row_bytes, p0, nr, nb, [&](int g, const uint8_t* const* rows, int64_t b, bool two,
+                                                          const __m512i* r) {
+    for (int h = 0; h < (two ? 2 : 1); ++h) {
+      uint8_t* pb = panel + (b + h) * qblk;
+      __m512i s = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        _mm512_storeu_si512(pb + g * 512 + c * 64, r[8 * h + c]);
+        s = _mm512_dpbusd_epi32(s, ones, r[8 * h + c]);
+      }
+      _mm512_storeu_si512(pb + 1024 + g * 64, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
+      alignas(64) float d[16], m[16];
+      for (int j = 0; j < 16; ++j) {
+        d[j] = m[j] = 0.f;
+        if (rows[j]) wscale<type, bs>(rows[j], b + h, d[j], m[j]);
+      }
+      _mm512_storeu_ps(pb + 1152 + g * 64, _mm512_load_ps(d));
+      if constexpr (q8gemm_min(type)) _mm512_storeu_ps(pb + 1280 + g * 64, _mm512_load_ps(m));
+    }
+  });
 }
 
 #if defined(IKJ_HAVE_AMX_BF16)
@@ -2112,54 +2130,38 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
 // panel_to_bf16_hw ~7 %, the tiles ~38 % of the kernel's time).
 template <int type, int bs>
 void build_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, uint16_t* out) {
-  constexpr int64_t bpb = q8gemm_kq(type) ? bs / 8 : bs;
   // even / odd dwords of two vectors; lane i of quarter j: row 4j + i / 4 (as panel_to_bf16_hw)
   const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i io = _mm512_add_epi32(ie, _mm512_set1_epi32(1));
   const __m512i q0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   __m512i is[4];
   for (int j = 0; j < 4; ++j) is[j] = _mm512_add_epi32(q0, _mm512_set1_epi32(4 * j));
-  for (int g = 0; g < 2; ++g) {
-    const uint8_t* rows[16];
-    for (int j = 0; j < 16; ++j) rows[j] = g * 16 + j < nr ? w + (p0 + g * 16 + j) * row_bytes : nullptr;
-    for (int64_t b = 0; b < nb; b += 2) {
-      const bool two = b + 1 < nb;
-      __m512i r[16];
+  for_block_pairs<type, bs>(w, row_bytes, p0, nr, nb, [&](int g, const uint8_t* const* rows, int64_t b, bool two,
+                                                          const __m512i* r) {
+    for (int h = 0; h < (two ? 2 : 1); ++h) {
+      alignas(64) float d[16], m[16];
       for (int j = 0; j < 16; ++j) {
-        if (!rows[j]) {
-          r[j] = _mm512_setzero_si512();
-          continue;
-        }
-        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + (b + 8) * bpb), _MM_HINT_T0);
-        r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wvals<type, bs>(rows[j], b)),
-                                  two ? wvals<type, bs>(rows[j], b + 1) : _mm256_setzero_si256(), 1);
+        d[j] = m[j] = 0.f;
+        if (rows[j]) wscale<type, bs>(rows[j], b + h, d[j], m[j]);
       }
-      transpose16x16(r);  // r[c]: 4 bytes c of each of the 16 rows (c < 8: block b, else b + 1)
-      for (int h = 0; h < (two ? 2 : 1); ++h) {
-        alignas(64) float d[16], m[16];
-        for (int j = 0; j < 16; ++j) {
-          d[j] = m[j] = 0.f;
-          if (rows[j]) wscale<type, bs>(rows[j], b + h, d[j], m[j]);
-        }
-        const __m512 dw = _mm512_load_ps(d), mw = _mm512_load_ps(m);
-        __m512 dx[4], mx[4];
-        for (int j = 0; j < 4; ++j) dx[j] = _mm512_permutexvar_ps(is[j], dw), mx[j] = _mm512_permutexvar_ps(is[j], mw);
-        uint16_t* ob = out + (b + h) * amx::kBfBlk + g * 512;
-        for (int c = 0; c < 8; ++c) {
-          const __m512i q = r[8 * h + c];
-          __m512 f[4];
-          f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(q))), dx[0], mx[0]);
-          f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 1))), dx[1], mx[1]);
-          f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 2))), dx[2], mx[2]);
-          f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 3))), dx[3], mx[3]);
-          const __m512i lo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
-          const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[3], f[2]));
-          _mm512_storeu_si512(ob + (2 * c) * 32, _mm512_permutex2var_epi32(lo, ie, hi));
-          _mm512_storeu_si512(ob + (2 * c + 1) * 32, _mm512_permutex2var_epi32(lo, io, hi));
-        }
+      const __m512 dw = _mm512_load_ps(d), mw = _mm512_load_ps(m);
+      __m512 dx[4], mx[4];
+      for (int j = 0; j < 4; ++j) dx[j] = _mm512_permutexvar_ps(is[j], dw), mx[j] = _mm512_permutexvar_ps(is[j], mw);
+      uint16_t* ob = out + (b + h) * amx::kBfBlk + g * 512;
+      for (int c = 0; c < 8; ++c) {
+        const __m512i q = r[8 * h + c];
+        __m512 f[4];
+        f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(q))), dx[0], mx[0]);
+        f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 1))), dx[1], mx[1]);
+        f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 2))), dx[2], mx[2]);
+        f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 3))), dx[3], mx[3]);
+        const __m512i lo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+        const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[3], f[2]));
+        _mm512_storeu_si512(ob + (2 * c) * 32, _mm512_permutex2var_epi32(lo, ie, hi));
+        _mm512_storeu_si512(ob + (2 * c + 1) * 32, _mm512_permutex2var_epi32(lo, io, hi));
       }
     }
-  }
+  });
 }
 
 // IKJAX_AMX_FUSED=0 builds the bf16 panel in two passes (int8 panel, then bf16), as before: read per call
