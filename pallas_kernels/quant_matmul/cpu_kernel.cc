@@ -2062,7 +2062,7 @@ inline void wscale(const uint8_t* row, int64_t b, float& dw, float& mw) {
 // Blocks b and b + 1 (`two`; else zeros) of 16 weight rows (null: a missing row, zeros), transposed:
 // r[c] holds 4 bytes c of each row (c < 8: block b, else b + 1). Both panel builders' first step.
 template <int type, int bs>
-inline void rows_block_pair(const uint8_t* const* rows, int64_t b, bool two, __m512i* r) {
+__attribute__((always_inline)) inline void rows_block_pair(const uint8_t* const* rows, int64_t b, bool two, __m512i* r) {
   constexpr int64_t bpb = q8gemm_kq(type) ? bs / 8 : bs;  // bytes per block of 32 (for the prefetch)
   for (int j = 0; j < 16; ++j) {
     if (!rows[j]) {
@@ -2082,7 +2082,8 @@ inline void rows_block_pair(const uint8_t* const* rows, int64_t b, bool two, __m
 // null) and each pair of blocks b, b + 1 (`two`: b + 1 < nb), f(g, rows, b, two, r) with r as
 // rows_block_pair leaves it.
 template <int type, int bs, class F>
-inline void for_block_pairs(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb, F&& f) {
+__attribute__((always_inline)) inline void for_block_pairs(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr, int64_t nb,
+                                                            F&& f) {
   for (int g = 0; g < 2; ++g) {
     const uint8_t* rows[16];
     for (int j = 0; j < 16; ++j) rows[j] = g * 16 + j < nr ? w + (p0 + g * 16 + j) * row_bytes : nullptr;
