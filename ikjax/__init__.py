@@ -14,7 +14,6 @@ if "xla_gpu_enable_command_buffer" not in _os.environ.get("XLA_FLAGS", ""):
     _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 
-
 def _host_ram_gib() -> int:
     try:
         return -(-_os.sysconf("SC_PHYS_PAGES") * _os.sysconf("SC_PAGE_SIZE") // (1 << 30))

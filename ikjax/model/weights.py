@@ -70,7 +70,7 @@ def default_placer(name: str, host: np.ndarray) -> jax.Array:
         out = jax.device_put(host)
     if isinstance(host, np.ndarray) and out.unsafe_buffer_pointer() != host.ctypes.data:
         out.block_until_ready()
-        release_pages(host, evict=False)
+        release_pages(host)
     elif isinstance(host, np.ndarray) and not name.startswith("token_embd"):  # a step reads a few rows of it
         populate_pages(host)
     return out
@@ -112,12 +112,7 @@ def placer_for(placement: Placement) -> Placer:
                 return data
             # in the pinned memory of the device whose step reads it (-sm layer: its layer's
             # stage; -mg: the main device): a step takes only its own device's arrays
-            out = to_pinned(data, accel[placement.stage_device(name)])
-            # unmapped, left in the page cache (as ik leaves its map): clean pages the kernel reclaims
-            # when memory is short, and the next load reads them at memory speed, not the disk's (a
-            # second R1-16 -ot load, its cache evicted, read 78.6 GB at 0.65 GB/s: RESULTS §25g)
-            release_pages(data, evict=False)
-            return out
+            return to_pinned(data, accel[placement.stage_device(name)])
         return jax.device_put(data, by_label[t.device])
 
     place.host_device = lambda name: accel[placement.stage_device(name)]  # whose pinned memory holds it
@@ -238,7 +233,7 @@ class _Stacks:
             if self.on_host[k]:
                 src = np.asarray(a)
                 self.host[k][j] = src
-                release_pages(src, evict=False)  # the file's pages of a memory-mapped source: one copy kept
+                release_pages(src)  # the file's pages of a memory-mapped source: one copy kept
             else:
                 dev_leaves.append(a)
         if dev_leaves:

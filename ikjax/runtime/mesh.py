@@ -48,7 +48,7 @@ from ikjax.gguf_io.tensors import is_routed_expert, layer_of, split_group, valid
 from ikjax.model.deepseek2 import embed, forward, output_head, run_layers
 from ikjax.model.weights import TensorLoader
 from ikjax.placement.devices import BYTES_READ
-from ikjax.placement.host import host_form, release_pages, to_pinned
+from ikjax.placement.host import host_form, to_pinned
 from ikjax.placement.splits import MESH_AXIS
 from ikjax.runtime.generation import decode_steps
 from ikjax.runtime.sampling import NON_FINITE
@@ -108,10 +108,6 @@ def _part_placer(placement, k: int, n: int, device, pinned: dict | None = None):
                 return data
             if name not in pinned:
                 pinned[name] = to_pinned(data, pinned["__device__"])
-                # unmapped, left in the page cache (as ik leaves its map): clean pages the kernel reclaims
-                # when memory is short, and the next load reads them at memory speed, not the disk's (a
-                # second R1-16 -ot load, its cache evicted, read 78.6 GB at 0.65 GB/s: RESULTS §25g)
-                release_pages(data, evict=False)
             return pinned[name]
         if t.split_dim is not None:
             d = t.split_dim % data.ndim

@@ -2078,6 +2078,25 @@ __attribute__((always_inline)) inline void rows_block_pair(const uint8_t* const*
   transpose16x16(r);
 }
 
+// f(type, bs) with both as std::integral_constant, for the types the vectorized panel builders take
+// (the avx512 engine's six legacy types, Q4_K, Q5_K, IQ4_XS); false for any other type.
+template <class F>
+inline bool with_panel_type(int type, F&& f) {
+  using std::integral_constant;
+  switch (type) {
+    case ikj::T_Q8_0: f(integral_constant<int, ikj::T_Q8_0>(), integral_constant<int, 34>()); return true;
+    case ikj::T_Q4_0: f(integral_constant<int, ikj::T_Q4_0>(), integral_constant<int, 18>()); return true;
+    case ikj::T_Q5_0: f(integral_constant<int, ikj::T_Q5_0>(), integral_constant<int, 22>()); return true;
+    case ikj::T_Q4_1: f(integral_constant<int, ikj::T_Q4_1>(), integral_constant<int, 20>()); return true;
+    case ikj::T_Q5_1: f(integral_constant<int, ikj::T_Q5_1>(), integral_constant<int, 24>()); return true;
+    case ikj::T_IQ4_NL: f(integral_constant<int, ikj::T_IQ4_NL>(), integral_constant<int, 18>()); return true;
+    case ikj::T_Q4_K: f(integral_constant<int, ikj::T_Q4_K>(), integral_constant<int, 144>()); return true;
+    case ikj::T_Q5_K: f(integral_constant<int, ikj::T_Q5_K>(), integral_constant<int, 176>()); return true;
+    case ikj::T_IQ4_XS: f(integral_constant<int, ikj::T_IQ4_XS>(), integral_constant<int, 136>()); return true;
+    default: return false;
+  }
+}
+
 // Both panel builders' walk: for each half g of a panel's 32 weight rows [p0, p0 + nr) (missing rows
 // null) and each pair of blocks b, b + 1 (`two`: b + 1 < nb), f(g, rows, b, two, r) with r as
 // rows_block_pair leaves it.
@@ -2239,59 +2258,38 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
 #endif
   if (static_cast<int64_t>(ctile.size()) < M * QNR) ctile.resize(M * QNR);
 #if defined(IKJ_HAVE_AMX_BF16)
-  if (tiles && bf16 && amx_fused_build()) {
-    thread_local std::vector<uint16_t> bpanel;
-    if (static_cast<int64_t>(bpanel.size()) < nb * amx::kBfBlk) bpanel.resize(nb * amx::kBfBlk);
-    const uint16_t* xb = reinterpret_cast<const uint16_t*>(xu + x8_bf_offset(M, K));
-    for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
-      const int64_t nr = std::min<int64_t>(QNR, n1 - p0);
-      uint16_t* bp = bpanel.data();
-      switch (type) {
-        case ikj::T_Q8_0: build_panel_bf16<ikj::T_Q8_0, 34>(w, row_bytes, p0, nr, nb, bp); break;
-        case ikj::T_Q4_0: build_panel_bf16<ikj::T_Q4_0, 18>(w, row_bytes, p0, nr, nb, bp); break;
-        case ikj::T_Q5_0: build_panel_bf16<ikj::T_Q5_0, 22>(w, row_bytes, p0, nr, nb, bp); break;
-        case ikj::T_Q4_1: build_panel_bf16<ikj::T_Q4_1, 20>(w, row_bytes, p0, nr, nb, bp); break;
-        case ikj::T_Q5_1: build_panel_bf16<ikj::T_Q5_1, 24>(w, row_bytes, p0, nr, nb, bp); break;
-        case ikj::T_IQ4_NL: build_panel_bf16<ikj::T_IQ4_NL, 18>(w, row_bytes, p0, nr, nb, bp); break;
-        case ikj::T_Q4_K: build_panel_bf16<ikj::T_Q4_K, 144>(w, row_bytes, p0, nr, nb, bp); break;
-        case ikj::T_Q5_K: build_panel_bf16<ikj::T_Q5_K, 176>(w, row_bytes, p0, nr, nb, bp); break;
-        case ikj::T_IQ4_XS: build_panel_bf16<ikj::T_IQ4_XS, 136>(w, row_bytes, p0, nr, nb, bp); break;
-        default:  // (no other type gets here) the portable builder, then the conversion
-          amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data());
-          amx::panel_to_bf16_hw(panel.data(), nb, has_min, bp);
-          break;
-      }
-      amx::panel_gemm_bf16_hw(xb, amx::bf_ld(K), M, bp, nb, y + p0, ldy, nr);
-    }
-    return;
-  }
+  const bool fused = tiles && bf16 && amx_fused_build();
+  thread_local std::vector<uint16_t> bpanel;
+  if (tiles && bf16 && static_cast<int64_t>(bpanel.size()) < nb * amx::kBfBlk) bpanel.resize(nb * amx::kBfBlk);
 #endif
+  // the panel of weight rows [p0, p0 + nr) in the int8 layout (the portable builder for a type the
+  // vectorized one lacks: none gets here)
+  auto build_q8 = [&](int64_t p0, int64_t nr) {
+    const bool vec = with_panel_type(type, [&](auto t, auto bs) {
+      build_panel_q8<decltype(t)::value, decltype(bs)::value>(w, row_bytes, p0, nr, nb, panel.data());
+    });
+    if (!vec) amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data());
+  };
   for (int64_t p0 = n0; p0 < n1; p0 += QNR) {
     const int64_t nr = std::min<int64_t>(QNR, n1 - p0);
-    switch (type) {
-      case ikj::T_Q8_0: build_panel_q8<ikj::T_Q8_0, 34>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      case ikj::T_Q4_0: build_panel_q8<ikj::T_Q4_0, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      case ikj::T_Q5_0: build_panel_q8<ikj::T_Q5_0, 22>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      case ikj::T_Q4_1: build_panel_q8<ikj::T_Q4_1, 20>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      case ikj::T_Q5_1: build_panel_q8<ikj::T_Q5_1, 24>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      case ikj::T_IQ4_NL: build_panel_q8<ikj::T_IQ4_NL, 18>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      case ikj::T_Q4_K: build_panel_q8<ikj::T_Q4_K, 144>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      case ikj::T_Q5_K: build_panel_q8<ikj::T_Q5_K, 176>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      case ikj::T_IQ4_XS: build_panel_q8<ikj::T_IQ4_XS, 136>(w, row_bytes, p0, nr, nb, panel.data()); break;
-      default: amx::build_panel(type, w, row_bytes, p0, nr, nb, panel.data()); break;  // (no other type gets here)
+#if defined(IKJ_HAVE_AMX_BF16)
+    if (tiles && bf16) {  // the bf16 tiles: the panel built straight in their layout, or in two passes
+      uint16_t* bp = bpanel.data();
+      const bool built = fused && with_panel_type(type, [&](auto t, auto bs) {
+        build_panel_bf16<decltype(t)::value, decltype(bs)::value>(w, row_bytes, p0, nr, nb, bp);
+      });
+      if (!built) {
+        build_q8(p0, nr);
+        amx::panel_to_bf16_hw(panel.data(), nb, has_min, bp);
+      }
+      amx::panel_gemm_bf16_hw(reinterpret_cast<const uint16_t*>(xu + x8_bf_offset(M, K)), amx::bf_ld(K), M, bp, nb,
+                              y + p0, ldy, nr);
+      continue;
     }
+#endif
+    build_q8(p0, nr);
 #if defined(IKJ_HAVE_AMX_TILES)
     if (tiles) {
-#if defined(IKJ_HAVE_AMX_BF16)
-      if (bf16) {
-        thread_local std::vector<uint16_t> bpanel;
-        if (static_cast<int64_t>(bpanel.size()) < nb * amx::kBfBlk) bpanel.resize(nb * amx::kBfBlk);
-        amx::panel_to_bf16_hw(panel.data(), nb, has_min, bpanel.data());
-        amx::panel_gemm_bf16_hw(reinterpret_cast<const uint16_t*>(xu + x8_bf_offset(M, K)), amx::bf_ld(K), M,
-                                bpanel.data(), nb, y + p0, ldy, nr);
-        continue;
-      }
-#endif
       amx::panel_gemm_hw(xu, M, K, dx, ds, panel.data(), nb, has_min, y + p0, ldy, nr);
       continue;
     }

@@ -76,7 +76,8 @@ static_assert(sizeof(TileCfg) == 64, "ldtilecfg takes 64 bytes");
 struct AmxHw {
   static void config(const TileCfg& c) {
     // GCC does not see ldtilecfg read its operand: without this barrier it dropped the rows / colsb
-    // stores of a config built just before (bf16_tiles_begin_hw: every tile op then raised SIGILL)
+    // stores of a config built just before it in a function of its own (every tile op then raised
+    // SIGILL; RESULTS §26aa)
     asm volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
   }
