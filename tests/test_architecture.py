@@ -130,7 +130,7 @@ def test_env_choice_refuses_a_bad_value(monkeypatch):
 
 def test_native_knobs_refused_when_an_engine_loads(monkeypatch):
     """The C++ kernels read their knobs themselves and run their default on a value they cannot use
-    (IKJAX_AMX_MIN_ROWS=8 ran 64 rows, silently): env.check_native refuses it first, when an
+    (IKJAX_AMX_MIN_ROWS=8 ran the default, silently): env.check_native refuses it first, when an
     engine loads, naming the variable."""
     import ikjax
     from ikjax.errors import OptionError
