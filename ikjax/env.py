@@ -157,6 +157,9 @@ _VARS = (
     Variable("IKJAX_AMX_FUSED", "1", ("1", "0"),
              "`0`: the amx level's bf16 tile panels built in two passes (int8 panel, then bf16) as before "
              "the one-pass builder; the same bits", "pallas_kernels/cpu/runtime.cc"),
+    Variable("IKJAX_AMX_PREFETCH", "1", ("1", "0"),
+             "`0`: the amx level's bf16 tile loop without its prefetch of x's rows two blocks ahead; the same bits",
+             "pallas_kernels/quant_matmul/cpu_kernel.cc"),
     Variable("IKJAX_AMX_MIN_ROWS", "", (),
              "rows from which the amx level's prompt products run on its tiles (an integer >= 16; fewer rows: "
              "AVX-512 VNNI on the same panels); unset: the default `ikjax info` names", "pallas_kernels/cpu/runtime.cc"),

@@ -192,7 +192,8 @@ def test_hardware_amx_matches_reference_and_emulation(name, form, min_rows, monk
 def test_fused_bf16_panels_same_bits_as_two_passes(name, monkeypatch):
     """The bf16 tiles' panels built straight from the blocks (the default) give the bits of the two
     passes (int8 panel, then bf16: IKJAX_AMX_FUSED=0), every engine type, odd rows, columns (a last
-    panel of fewer than 32 rows) and block counts, 1 and 3 threads."""
+    panel of fewer than 32 rows) and block counts, 1 and 3 threads; and the tiles' loop with its
+    prefetch of x's rows (the default) the bits of the loop without it (IKJAX_AMX_PREFETCH=0)."""
     import jax.numpy as jnp
 
     from ikjax.quant import QuantArray
@@ -215,5 +216,9 @@ def test_fused_bf16_panels_same_bits_as_two_passes(name, monkeypatch):
             two = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute="bf16"))
             monkeypatch.delenv("IKJAX_AMX_FUSED")
             fused = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute="bf16"))
+            monkeypatch.setenv("IKJAX_AMX_PREFETCH", "0")
+            plain = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute="bf16"))
+            monkeypatch.delenv("IKJAX_AMX_PREFETCH")
             assert np.isfinite(fused).all()
             np.testing.assert_array_equal(fused, two, err_msg=str((name, M, N, K, n_threads)))
+            np.testing.assert_array_equal(plain, fused, err_msg=str(("prefetch", name, M, N, K, n_threads)))

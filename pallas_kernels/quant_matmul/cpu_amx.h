@@ -73,10 +73,11 @@ void panel_gemm_hw(const uint8_t* xu, int64_t M, int64_t K, const float* dx, con
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define IKJ_HAVE_AMX_BF16 1
 // The bf16 form on the hardware: the panel's blocks converted (AVX-512 BF16, the same bits as
-// panel_to_bf16), then y rows [0, M) x columns [0, nr) from the bf16 x rows xb (row stride ldx).
+// panel_to_bf16), then y rows [0, M) x columns [0, nr) from the bf16 x rows xb (row stride ldx);
+// prefetch: x's rows two blocks ahead into L1 (amx_prefetch(); the same results either way).
 void panel_to_bf16_hw(const uint8_t* panel, int64_t nb, bool has_min, uint16_t* out);
 void panel_gemm_bf16_hw(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* bp, int64_t nb, float* y,
-                        int64_t ldy, int64_t nr);
+                        int64_t ldy, int64_t nr, bool prefetch);
 #endif
 #endif
 

@@ -2189,6 +2189,11 @@ inline bool amx_fused_build() {
   const char* v = std::getenv("IKJAX_AMX_FUSED");
   return !(v && v[0] == '0' && v[1] == 0);
 }
+// IKJAX_AMX_PREFETCH=0: the tiles' loop without its prefetch of x's rows (panel_gemm_bf16_hw): read per call
+inline bool amx_prefetch() {
+  const char* v = std::getenv("IKJAX_AMX_PREFETCH");
+  return !(v && v[0] == '0' && v[1] == 0);
+}
 #endif
 
 // C[mr][QNR] (row stride ldc) (+)= x8 rows (xu: row 0's bytes, stride K; dx: row 0's scales and
@@ -2259,6 +2264,7 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
   if (static_cast<int64_t>(ctile.size()) < M * QNR) ctile.resize(M * QNR);
 #if defined(IKJ_HAVE_AMX_BF16)
   const bool fused = tiles && bf16 && amx_fused_build();
+  const bool prefetch = tiles && bf16 && amx_prefetch();
   thread_local std::vector<uint16_t> bpanel;
   if (tiles && bf16 && static_cast<int64_t>(bpanel.size()) < nb * amx::kBfBlk) bpanel.resize(nb * amx::kBfBlk);
 #endif
@@ -2283,7 +2289,7 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
         amx::panel_to_bf16_hw(panel.data(), nb, has_min, bp);
       }
       amx::panel_gemm_bf16_hw(reinterpret_cast<const uint16_t*>(xu + x8_bf_offset(M, K)), amx::bf_ld(K), M, bp, nb,
-                              y + p0, ldy, nr);
+                              y + p0, ldy, nr, prefetch);
       continue;
     }
 #endif
