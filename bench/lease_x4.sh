@@ -79,6 +79,7 @@
 #            optimized HLO, then STAGE=34's VARIANTS34 (e.g. "|--other step2idle;|--other step2all").
 #   STAGE=37, 38, 39: issue 25 on a 2-GPU lease (see each); STAGE=40: call 1 of 40, 38, 39 (the host's
 #            decode kernel alone, ik's build and the R1 file in the background, the hybrid GPU tests).
+#   STAGE=42: issue 26's -t 16 table (ik AVX2 carried, ik native built) and the amx prefetch A/B at -t 16.
 #   STAGE=41: the -ot decode's host part under VARIANTS41 on one GPU, then the split runs (PARTS41).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
@@ -743,6 +744,22 @@ PYEOF
     CUDA_VISIBLE_DEVICES=$gpus timeout ${IK_RUN_S:-150} $IK/llama-sweep-bench -m $m -ngl 99 -mla 3 -fa on $a \
       > "$OUT/ik_$run.out" 2> "$OUT/ik_$run.err"; echo "rc $?" >> "$OUT/ik_$run.out"
     grep -h '^|' "$OUT/ik_$run.out" "$OUT/ik_$run.err"; grep -i -E 'error|failed|CUDA[0-9] buffer|model buffer' "$OUT/ik_$run.err" | head -4
+  done
+  ;;
+42)
+  # issue 26 at -t 16 (THREADS42): the table with ik's AVX2 build carried prebuilt (.whl/ik_avx2_bin.tar.gz,
+  # as STAGE=29) and its native build made in the call (VARIANTS42, TYPES42), then the amx level's
+  # tile-loop prefetch on / off on the routed-experts call at -t 16 (bench/cpu_moe_ab.py, in one process)
+  tar -xzf .whl/ik_avx2_bin.tar.gz -C / || exit 1
+  THREADS="${THREADS42:-16}" TYPES="${TYPES42:-Q8_0 Q4_0 Q4_K IQ4_XS}" VARIANTS="${VARIANTS42:-ik_native jx_amx ik_avx2 jx_avx2}" \
+    IK_AVX2_BIN=/tmp/ikfull/build/bin/llama-sweep-bench JOBS=15 DEADLINE=${DEADLINE42:-420} NO_INSTALL=1 IK_DIR=/tmp/ikt \
+    OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 | grep -E "^\||passed|failed|rc=|physical" | head -24
+  tail -3 "$OUT/cpu/progress.log"
+  for spec in ${AB42:-"Q4_0 r1 256" "IQ4_XS v2-lite 512"}; do
+    set -- $spec
+    el "moe A/B $1 $2 -t 16: IKJAX_AMX_PREFETCH 0 / 1"
+    IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 100 python3 bench/cpu_moe_ab.py --type $1 --shape $2 --tokens $3 --threads 16 \
+      $([ $2 = v2-lite ] && echo --down-type Q8_0) --a IKJAX_AMX_PREFETCH=0 --b IKJAX_AMX_PREFETCH=1 --rounds 12 2>&1 | grep -v Warn | tail -4
   done
   ;;
 esac
