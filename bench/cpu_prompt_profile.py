@@ -88,7 +88,9 @@ def main() -> None:
     for n, t in tot.items():
         by[names.get(n, re.sub(r"[.\d]+$", "", n))] += t
     ffi = sum(t for n, t in tot.items() if n in names)
-    print(f"C++ kernels {ffi / a.reps / 1e3:.1f} ms of the step; top ops (ms a step, calls):")
+    xla = sum(t for n, t in tot.items() if n not in names)
+    print(f"C++ kernels {ffi / a.reps / 1e3:.1f} ms of the step, XLA's own ops {xla / a.reps / 1e3:.1f} ms (summed: "
+          f"ops that overlap count twice), the rest {step * 1e3 - (ffi + xla) / a.reps / 1e3:.1f} ms; top ops (ms a step):")
     for n, t in by.most_common(18):
         print(f"  {t / a.reps / 1e3:8.2f}  {n[:100]}")
     if a.detail:  # XLA's own ops (not the C++ kernels) one by one, each with its HLO line

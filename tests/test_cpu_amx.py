@@ -222,3 +222,36 @@ def test_fused_bf16_panels_same_bits_as_two_passes(name, monkeypatch):
             assert np.isfinite(fused).all()
             np.testing.assert_array_equal(fused, two, err_msg=str((name, M, N, K, n_threads)))
             np.testing.assert_array_equal(plain, fused, err_msg=str(("prefetch", name, M, N, K, n_threads)))
+
+
+@pytest.mark.skipif(not _has_amx(), reason="no AMX here: " + (_cpu._cpu.amx_unavailable_reason()
+                                                             if _cpu.available() else "no C++ kernels"))
+@pytest.mark.parametrize("level", ["amx", "avx512"])
+@pytest.mark.parametrize("name", TYPES)
+def test_vector_scales_same_bits_as_row_by_row(name, level, monkeypatch):
+    """The panel builders' scales gathered for 16 rows at once (wscale16, the default) give the bits
+    of the scales read row by row (IKJAX_AMX_VSCALE=0): both panel forms (the amx level's bf16 tiles,
+    the avx512 level's int8 panels for vpdpbusd), a last panel of fewer than 16 and of 16-31 rows
+    (masked gathers), K-quant blocks in both halves of a super-block, 1 and 3 threads. A gather at a
+    wrong offset, a wrong shift or an unmasked missing row fails it."""
+    import jax.numpy as jnp
+
+    from ikjax.quant import QuantArray
+    from pallas_kernels.quant_matmul import cpu
+    monkeypatch.setenv("IKJAX_CPU_ISA", level)
+    monkeypatch.setenv("IKJAX_AMX_MIN_ROWS", "16")
+    rng = np.random.default_rng(sum(map(ord, name)) + 11)
+    kq = name.endswith(("_K", "_XS"))
+    for M, N, K in [(20, 7, 256), (33, 45, 512), (40, 300, 1024)]:
+        if not kq:
+            K = K + 32
+        raw, wf = _weights(name, N, K, rng)
+        x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+        w = QuantArray.from_bytes(raw, by_name(name), (N, K))
+        for n_threads in (1, 3):
+            vec = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute="bf16"))
+            monkeypatch.setenv("IKJAX_AMX_VSCALE", "0")
+            rows = np.asarray(cpu.quant_matmul(x, w, n_threads=n_threads, compute="bf16"))
+            monkeypatch.delenv("IKJAX_AMX_VSCALE")
+            _check(vec, np.asarray(x), wf, (name, M, N, K, n_threads), bf16=level == "amx")
+            np.testing.assert_array_equal(vec, rows, err_msg=str((name, level, M, N, K, n_threads)))
