@@ -281,7 +281,7 @@ PYEOF
     f=/tmp/cpuisa_4l_$t.gguf; [ -f $f ] || continue
     for lv in ${LEVELS23:-amx avx512}; do
       el "profile $t $lv -t 16"
-      JAX_PLATFORMS=cpu IKJAX_CPU_ISA=$lv taskset -c 0-15 timeout 150 python3 bench/cpu_prompt_profile.py $f --threads 16 2>&1 \
+      JAX_PLATFORMS=cpu IKJAX_CPU_ISA=$lv taskset -c 0-15 timeout 150 python3 bench/cpu_prompt_profile.py $f --threads 16 --detail ${DETAIL23:-0} 2>&1 \
         | grep -v Warn | head -${TOP23:-22}
     done
   done
