@@ -160,6 +160,9 @@ _VARS = (
     Variable("IKJAX_AMX_VSCALE", "1", ("1", "0"),
              "`0`: the avx512 / amx levels' prompt panels read their weights' scales row by row, as before they were "
              "gathered 16 rows at once; the same bits", "pallas_kernels/quant_matmul/cpu_kernel.cc"),
+    Variable("IKJAX_AMX_ATTN", "1", ("1", "0"),
+             "`0`: the amx level's prompt attention (per-head K / V, bf16) on AVX-512 BF16 pairs, not on its bf16 tiles",
+             "pallas_kernels/mla_decode/cpu_kernel.cc"),
     Variable("IKJAX_AMX_PREFETCH", "1", ("1", "0"),
              "`0`: the amx level's bf16 tile loop without its prefetch of x's rows two blocks ahead; the same bits",
              "pallas_kernels/quant_matmul/cpu_kernel.cc"),

@@ -23,7 +23,14 @@ if _cpu.available():
     from pallas_kernels.mla_decode import cpu as mla_cpu
 
 CTKS = ("f32", "f16", "bf16", "q8_0")
-ISAS = ("generic", "avx2", "avx512")
+
+
+def _cpu_amx() -> bool:
+    """The amx level runs here (its prompt attention's bf16 tiles: tested as one more level)."""
+    return _cpu.available() and _cpu._cpu.amx_unavailable_reason() == ""
+
+
+ISAS = ("generic", "avx2", "avx512") + (("amx",) if _cpu_amx() else ())
 FLOAT = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
 
 

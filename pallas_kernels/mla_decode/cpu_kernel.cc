@@ -31,6 +31,7 @@
 #endif
 
 #include "cpu/common.h"
+#include "cpu/isa.h"
 #include "cpu/runtime.h"
 #include "cpu/vmath.h"
 
@@ -536,6 +537,139 @@ inline __m512i pair16(int kind, const void* base, int64_t r0, int64_t r1, int64_
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- the amx level: a block's scores and p·V on bf16 tiles (tdpbf16ps) ---------------------------
+// Why: on vdpbf16ps the V2-Lite prompt's attention took 10 ms of a 147-162 ms 512-token step at
+// N_KV 0 and 28 of 203 ms at N_KV 512 (16 threads, Sapphire Rapids; RESULTS §26ac); one tile
+// product does 16 x 16 x 32 multiply-adds. The operands are the bf16 loop's own buffers: K's rows
+// (kb, [key][D]) are A tiles as they are, q's pairs over d (qp, [D/2][Rp]) B tiles, so a C tile is
+// St's [key][row] layout; for p·V, p's pairs over keys are transposed to rows ([row][key]: A) and
+// V's pairs over keys (vk) are B tiles, C the accumulator's [row][Vp] layout.
+struct alignas(64) TileCfg16 {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+inline void tiles_16x64() {  // every tile 16 rows x 64 bytes
+  TileCfg16 c;
+  std::memset(&c, 0, sizeof(c));
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  asm volatile("" : : "r"(&c) : "memory");  // (GCC may drop the stores before ldtilecfg otherwise)
+  _tile_loadconfig(&c);
+}
+
+// Whether this item's products run on tiles: the CPU's amx_bf16 (IKJAX_AMX not int8), D in whole
+// tiles of 32, and IKJAX_AMX_ATTN not "0" (read per call).
+inline bool attn_tiles(const ikj::MlaArgs& a) {
+  if (a.D % 32 || !ikj::amx_bf16_on()) return false;
+  const char* v = std::getenv("IKJAX_AMX_ATTN");
+  return !(v && v[0] == '0' && v[1] == 0);
+}
+
+inline void transpose16x16(__m512i r[16]) {  // 16 x 16 dwords: r[i] lane j <- r[j] lane i
+  __m512i t[16], u[16], w[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int g = 0; g < 2; ++g)
+    for (int c = 0; c < 4; ++c) {
+      w[8 * g + c] = _mm512_shuffle_i32x4(u[8 * g + c], u[8 * g + 4 + c], 0x88);
+      w[8 * g + 4 + c] = _mm512_shuffle_i32x4(u[8 * g + c], u[8 * g + 4 + c], 0xdd);
+    }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_i32x4(w[c], w[8 + c], 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(w[c], w[8 + c], 0xdd);
+  }
+}
+
+// St[j, r] = Σ_d Kb[j, d] · q[r, d] for keys [0, nj) (nj a multiple of 16; Kb's rows past the
+// block's keys zero) and all Rp rows: C tiles 0-2 (three groups of 16 rows), A tile 3 (16 keys x
+// 32 d), B tiles 4-6 (16 pairs of d x 16 rows of qp).
+void scores_tiles(const uint16_t* Kb, int64_t D, const uint32_t* Qp, int64_t Rp, float* St, int64_t nj) {
+  const int64_t nrt = Rp / 16;
+  for (int64_t j0 = 0; j0 < nj; j0 += 16)
+    for (int64_t rt = 0; rt < nrt; rt += 3) {
+      const int64_t n = std::min<int64_t>(3, nrt - rt);
+      _tile_zero(0);
+      if (n > 1) _tile_zero(1);
+      if (n > 2) _tile_zero(2);
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        _tile_loadd(3, Kb + j0 * D + d0, D * 2);
+        const uint32_t* qb = Qp + (d0 / 2) * Rp + rt * 16;
+        _tile_loadd(4, qb, Rp * 4);
+        _tile_dpbf16ps(0, 3, 4);
+        if (n > 1) {
+          _tile_loadd(5, qb + 16, Rp * 4);
+          _tile_dpbf16ps(1, 3, 5);
+        }
+        if (n > 2) {
+          _tile_loadd(6, qb + 32, Rp * 4);
+          _tile_dpbf16ps(2, 3, 6);
+        }
+      }
+      float* c = St + j0 * Rp + rt * 16;
+      _tile_stored(0, c, Rp * 4);
+      if (n > 1) _tile_stored(1, c + 16, Rp * 4);
+      if (n > 2) _tile_stored(2, c + 32, Rp * 4);
+    }
+}
+
+// p (St [key][row], nv keys) as bf16 rows [row][key] of nj keys (nj a multiple of 32; keys from nv
+// on zero): each 16 rows x 32 keys through the register transpose of their pairs.
+void p_rows(const float* St, int64_t Rp, int64_t nv, int64_t nj, uint16_t* Pt) {
+  for (int64_t r0 = 0; r0 < Rp; r0 += 16)
+    for (int64_t k0 = 0; k0 < nj; k0 += 32) {
+      __m512i v[16];
+      for (int p = 0; p < 16; ++p) {
+        const int64_t j = k0 + 2 * p;
+        const __m512i lo = j < nv ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(St + j * Rp + r0)))
+                                  : _mm512_setzero_si512();
+        const __m512i hi = j + 1 < nv
+                               ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(St + (j + 1) * Rp + r0)))
+                               : _mm512_setzero_si512();
+        v[p] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+      }
+      transpose16x16(v);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(Pt + (r0 + i) * nj + k0, v[i]);
+    }
+}
+
+// acc[r, :] = acc[r, :] · corr[r] + Σ_{j<nj} p[r, j] · V[j, :]: the rescale on vectors, then per
+// 16 rows and 16 columns a C tile (0) from acc, the keys' A tiles (1, 2: 32 keys each, of Pt)
+// against V's pairs (vk rows: B tile 3), stored back.
+void values_tiles(const uint32_t* Vk, const uint16_t* Pt, int64_t Rp, const float* corr, float* acc, int64_t Vp,
+                  int64_t nj) {
+  for (int64_t r = 0; r < Rp; ++r) {
+    const __m512 cr = _mm512_set1_ps(corr[r]);
+    for (int64_t c = 0; c < Vp; c += 16) _mm512_storeu_ps(acc + r * Vp + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * Vp + c), cr));
+  }
+  const int64_t nk = nj / 32;  // 1 or 2 key chunks (BK = 64)
+  for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
+    _tile_loadd(1, Pt + r0 * nj, nj * 2);
+    if (nk > 1) _tile_loadd(2, Pt + r0 * nj + 32, nj * 2);
+    for (int64_t c0 = 0; c0 < Vp; c0 += 16) {
+      float* c = acc + r0 * Vp + c0;
+      _tile_loadd(0, c, Vp * 4);
+      _tile_loadd(3, Vk + c0, Vp * 4);
+      _tile_dpbf16ps(0, 1, 3);
+      if (nk > 1) {
+        _tile_loadd(3, Vk + 16 * Vp + c0, Vp * 4);
+        _tile_dpbf16ps(0, 2, 3);
+      }
+      _tile_stored(0, c, Vp * 4);
+    }
+  }
+}
+#endif
+
 // One item with bf16 q, K, V (bf16_inputs, D even): run_item's loop on pairs.
 void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s) {
   const int64_t H = a.H, D = a.D, Rp = pl.Rp, Vp = pl.Vp, n_pairs = D / 2, vd = a.v_dim;
@@ -543,8 +677,14 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
   uint32_t* qp = grow(s.qp, n_pairs * Rp);
   uint16_t* kb = grow(s.kb16, BK * D);
   uint32_t* vk = grow(s.vp, (BK / 2) * Vp);
-  uint32_t* pp = grow(s.pp, (BK / 2) * Rp);
+  uint32_t* pp = grow(s.pp, (BK / 2) * Rp);  // (the tiles: p's rows [Rp][BK] bf16, the same bytes)
   auto [st, m, l, corr, acc, pos] = tile_state(s, pl);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const bool tiles = attn_tiles(a);
+  if (tiles) tiles_16x64();
+#else
+  constexpr bool tiles = false;
+#endif
 
   std::fill(qp, qp + n_pairs * Rp, 0u);
   for (int64_t r = 0; r < Rt; ++r) {
@@ -556,7 +696,7 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
   const int64_t n1 = a.k2 ? a.D1 : D;
   auto row = [&](int64_t j) { return (it.b * a.S + j) * a.Hk + it.h; };  // K's and V's row of key j
   for (int64_t j0 = it.k0; j0 < it.k1; j0 += BK) {
-    const int64_t nv = std::min<int64_t>(BK, it.k1 - j0), nj = round_up(nv, RJ), np = (nv + 1) / 2;
+    const int64_t nv = std::min<int64_t>(BK, it.k1 - j0), nj = round_up(nv, tiles ? 32 : RJ), np = (nv + 1) / 2;
     for (int64_t j = 0; j < nv; ++j) {
       if (a.kind == ikj::MLA_BF16 && !a.k2) {
         std::memcpy(kb + j * D, static_cast<const uint16_t*>(a.cache) + row(j0 + j) * a.W, D * sizeof(uint16_t));
@@ -572,6 +712,19 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
         _mm512_storeu_si512(vk + p * Vp + c, c < vd ? pair16(a.kind, a.v, r0, r1, a.Wv, c, std::min<int64_t>(16, vd - c))
                                                     : _mm512_setzero_si512());
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles) {  // the pairs past the block's keys zero too: the tiles read whole chunks of 32 keys
+      std::fill(vk + np * Vp, vk + (nj / 2) * Vp, 0u);
+      scores_tiles(kb, D, qp, Rp, st, nj);
+      scale_block(st, Rp, nv, a.scale);
+      mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
+      softmax_block(st, Rp, nv, m, l, corr);
+      uint16_t* pt = reinterpret_cast<uint16_t*>(pp);
+      p_rows(st, Rp, nv, nj, pt);
+      values_tiles(vk, pt, Rp, corr, acc, Vp, nj);
+      continue;
+    }
+#endif
     scores_bf16(kb, D, qp, Rp, st, nj);
     scale_block(st, Rp, nv, a.scale);
     mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
@@ -588,6 +741,9 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
     }
     values_bf16(vk, pp, Rp, corr, acc, Vp, np);
   }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles) _tile_release();
+#endif
 }
 #endif
 
