@@ -383,6 +383,12 @@ inline T* grow(std::vector<T>& v, size_t n) {
 struct Plan {
   int64_t hq;  // query rows per token of a tile: H with a latent cache (every head reads its rows), 1 per head
   int64_t tq, Rp, Vp, Dp;
+  // the amx level's per-head keys and values converted once a call (keys_to_tiles): K's bf16 rows
+  // [B][H][spad][D] and V's pairs over keys [B][H][spad / 2][Vp], zero past each sequence's last
+  // visible key; null where the items convert their own blocks
+  const uint16_t* kpre = nullptr;
+  const uint32_t* vpre = nullptr;
+  int64_t spad = 0;
 };
 
 // The query row r of the tile starting at token t0 (rows are token-major, then head): its token
@@ -668,6 +674,39 @@ void values_tiles(const uint32_t* Vk, const uint16_t* Pt, int64_t Rp, const floa
     }
   }
 }
+
+// Every item of a head reads that head's keys from 0 up to its tile's last position, so converting
+// them per item (f32 / f16 to bf16 rows, V to pairs over keys) did it once per token tile: ~11 times
+// at a 512-token prompt. This converts each (sequence, head)'s visible keys once, in parallel, into
+// the layout the tiles read (Plan::kpre / vpre); keys from `ends[b]` to spad are zero.
+void keys_to_tiles(const ikj::MlaArgs& a, const Plan& pl, const std::vector<int64_t>& ends, int nth,
+                   uint16_t* kpre, uint32_t* vpre) {
+  const int64_t H = a.H, D = a.D, Vp = pl.Vp, vd = a.v_dim, spad = pl.spad, nblk = spad / BK;
+  const int64_t n1 = a.k2 ? a.D1 : D, n_units = a.B * H * nblk;
+  std::atomic<int64_t> next{0};
+  ikj::parallel(static_cast<int>(std::min<int64_t>(nth, n_units)), [&](int, int) {
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n_units;) {
+      const int64_t b = u / (H * nblk), h = (u / nblk) % H, j0 = (u % nblk) * BK;
+      const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(BK, ends[b] - j0));
+      uint16_t* kb = kpre + ((b * H + h) * spad + j0) * D;
+      uint32_t* vk = vpre + ((b * H + h) * (spad / 2) + j0 / 2) * Vp;
+      auto row = [&](int64_t j) { return (b * a.S + j) * a.Hk + h; };
+      for (int64_t j = 0; j < nv; ++j) {
+        bf16_row(a.kind, a.cache, row(j0 + j), a.W, n1, kb + j * D);
+        if (a.k2) bf16_row(a.kind2, a.k2, b * a.S + j0 + j, a.W2, D - n1, kb + j * D + n1);
+      }
+      std::fill(kb + nv * D, kb + BK * D, uint16_t{0});
+      const int64_t np = (nv + 1) / 2;
+      for (int64_t p = 0; p < np; ++p) {
+        const int64_t r0 = row(j0 + 2 * p), r1 = 2 * p + 1 < nv ? row(j0 + 2 * p + 1) : -1;
+        for (int64_t c = 0; c < Vp; c += 16)
+          _mm512_storeu_si512(vk + p * Vp + c, c < vd ? pair16(a.kind, a.v, r0, r1, a.Wv, c, std::min<int64_t>(16, vd - c))
+                                                      : _mm512_setzero_si512());
+      }
+      std::fill(vk + np * Vp, vk + (BK / 2) * Vp, 0u);
+    }
+  });
+}
 #endif
 
 // One item with bf16 q, K, V (bf16_inputs, D even): run_item's loop on pairs.
@@ -697,6 +736,21 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
   auto row = [&](int64_t j) { return (it.b * a.S + j) * a.Hk + it.h; };  // K's and V's row of key j
   for (int64_t j0 = it.k0; j0 < it.k1; j0 += BK) {
     const int64_t nv = std::min<int64_t>(BK, it.k1 - j0), nj = round_up(nv, tiles ? 32 : RJ), np = (nv + 1) / 2;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles && pl.kpre) {  // the block's keys and values as keys_to_tiles left them
+      const int64_t bh = it.b * H + it.h;
+      const uint16_t* kbp = pl.kpre + (bh * pl.spad + j0) * D;
+      const uint32_t* vkp = pl.vpre + (bh * (pl.spad / 2) + j0 / 2) * Vp;
+      scores_tiles(kbp, D, qp, Rp, st, nj);
+      scale_block(st, Rp, nv, a.scale);
+      mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
+      softmax_block(st, Rp, nv, m, l, corr);
+      uint16_t* pt = reinterpret_cast<uint16_t*>(pp);
+      p_rows(st, Rp, nv, nj, pt);
+      values_tiles(vkp, pt, Rp, corr, acc, Vp, nj);
+      continue;
+    }
+#endif
     for (int64_t j = 0; j < nv; ++j) {
       if (a.kind == ikj::MLA_BF16 && !a.k2) {
         std::memcpy(kb + j * D, static_cast<const uint16_t*>(a.cache) + row(j0 + j) * a.W, D * sizeof(uint16_t));
@@ -860,6 +914,20 @@ void mla_attention(const ikj::MlaArgs& a) {
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& x, const Item& y) { return x.k1 - x.k0 > y.k1 - y.k0; });
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // the per-head keys and values converted once for the tiles (keys_to_tiles), where they run
+  thread_local std::vector<uint16_t> kpre;
+  thread_local std::vector<uint32_t> vpre;
+  if (a.v && pl.hq == 1 && bf16_inputs(a) && attn_tiles(a)) {
+    std::vector<int64_t> ends(static_cast<size_t>(B), 0);
+    for (size_t g = 0; g < groups.size(); ++g) ends[groups[g].b] = std::max(ends[groups[g].b], kv_end[g]);
+    const int64_t mx = *std::max_element(ends.begin(), ends.end());
+    pl.spad = round_up(std::max<int64_t>(mx, 1), BK);
+    pl.kpre = grow(kpre, static_cast<size_t>(B * H * pl.spad * a.D));
+    pl.vpre = grow(vpre, static_cast<size_t>(B * H * (pl.spad / 2) * pl.Vp));
+    keys_to_tiles(a, pl, ends, nth, kpre.data(), vpre.data());
+  }
+#endif
   const int64_t slot_size = pl.Rp * (pl.Vp + 2);
   thread_local std::vector<float> partial;
   float* part = grow(partial, static_cast<size_t>(std::max<int64_t>(1, n_slots * slot_size)));
@@ -906,6 +974,12 @@ void mla_attention(const ikj::MlaArgs& a) {
       write_out(a, pl, G.b, G.h, G.t0, G.t1, acc, l);
     }
   });
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (kpre.size() + 2 * vpre.size() > (size_t{64} << 20)) {  // a long context's copy is not kept between calls
+    std::vector<uint16_t>().swap(kpre);
+    std::vector<uint32_t>().swap(vpre);
+  }
+#endif
 }
 
 }  // namespace IKJ_NS
