@@ -756,10 +756,18 @@ PYEOF
     OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 | grep -E "^\||passed|failed|rc=|physical" | head -24
   tail -3 "$OUT/cpu/progress.log"
   for spec in ${AB42:-"Q4_0 r1 256" "IQ4_XS v2-lite 512"}; do
+    [ "$spec" = skip ] && break
     set -- $spec
     el "moe A/B $1 $2 -t 16: IKJAX_AMX_PREFETCH 0 / 1"
     IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 100 python3 bench/cpu_moe_ab.py --type $1 --shape $2 --tokens $3 --threads 16 \
       $([ $2 = v2-lite ] && echo --down-type Q8_0) --a IKJAX_AMX_PREFETCH=0 --b IKJAX_AMX_PREFETCH=1 --rounds 12 2>&1 | grep -v Warn | tail -4
+  done
+  # PROF42: "TYPE:LEVEL:START ..." prompt steps by op at -t 16 (bench/cpu_prompt_profile.py)
+  for spec in ${PROF42:-}; do
+    IFS=: read -r t lv st <<< "$spec"
+    el "profile $t $lv -t 16 N_KV $st"
+    JAX_PLATFORMS=cpu IKJAX_CPU_ISA=$lv taskset -c 0-15 timeout 100 python3 bench/cpu_prompt_profile.py /tmp/cpuisa_4l_$t.gguf \
+      --threads 16 --start $st 2>&1 | grep -v Warn | head -${TOP42:-12}
   done
   ;;
 esac
