@@ -80,6 +80,7 @@
 #   STAGE=37, 38, 39: issue 25 on a 2-GPU lease (see each); STAGE=40: call 1 of 40, 38, 39 (the host's
 #            decode kernel alone, ik's build and the R1 file in the background, the hybrid GPU tests).
 #   STAGE=42: issue 26's -t 16 table (ik AVX2 carried, ik native built) and the amx prefetch A/B at -t 16.
+#   STAGE=43: issue 26: sweep-bench's amx S_PP against the steady-state step (after a decode loop, cache on / off).
 #   STAGE=41: the -ot decode's host part under VARIANTS41 on one GPU, then the split runs (PARTS41).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
@@ -768,6 +769,20 @@ PYEOF
     el "profile $t $lv -t 16 N_KV $st"
     JAX_PLATFORMS=cpu IKJAX_CPU_ISA=$lv taskset -c 0-15 timeout 100 python3 bench/cpu_prompt_profile.py /tmp/cpuisa_4l_$t.gguf \
       --threads 16 --start $st 2>&1 | grep -v Warn | head -${TOP42:-12}
+  done
+  ;;
+43)
+  # issue 26: why sweep-bench's amx S_PP at -t 16 is below the profile's steady-state step (TYPES43):
+  # the prompt step right after a decode loop against back to back (bench/cpu_after_decode.py), then
+  # sweep-bench with the compile cache on (a second run: steps from the cache) and off
+  for t in ${TYPES43:-Q4_K}; do
+    f=/tmp/cpuisa_4l_$t.gguf
+    [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
+    IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 120 python3 bench/cpu_after_decode.py $f 16 6 2>&1 | tail -1
+    for cc in /tmp/cc43 /tmp/cc43 0; do
+      IKJAX_CPU_ISA=amx IKJAX_COMPILE_CACHE=$cc taskset -c 0-15 timeout 120 python3 -m ikjax.cli sweep-bench -m $f -c 1024 -ub 512 -n 32 \
+        -mla 3 -fa 1 -t 16 2>/dev/null | grep "^|" | tail -2 | awk -F'|' -v cc=$cc '{printf "cache %s: S_PP %s S_TG %s\n", cc, $6+0, $8+0}'
+    done
   done
   ;;
 esac
