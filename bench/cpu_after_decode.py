@@ -48,6 +48,12 @@ def main():
     f = lambda xs: f"best {min(xs) * 1e3:.1f} ms, median {np.median(xs) * 1e3:.1f} ms"  # noqa: E731
     print(f"{os.path.basename(path)} -t {threads}: prompt step back to back {f(back)}; right after a 32-token "
           f"decode loop {f(after)}")
+    # sweep-bench's own loop (ikjax.tools.sweep_bench.run) in this process: its rows' prompt steps
+    from ikjax.tools import sweep_bench as sb
+    for rep in range(2):
+        rows = list(sb.run(eng, 32, seed=rep))
+        print("sweep_bench.run in this process: " + ", ".join(
+            f"N_KV {r.n_kv}: PP {r.t_pp * 1e3:.1f} ms, TG {r.t_tg * 1e3:.1f} ms" for r in rows))
 
 
 if __name__ == "__main__":
