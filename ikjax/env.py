@@ -160,6 +160,10 @@ _VARS = (
     Variable("IKJAX_AMX_VSCALE", "1", ("1", "0"),
              "`0`: the avx512 / amx levels' prompt panels read their weights' scales row by row, as before they were "
              "gathered 16 rows at once; the same bits", "pallas_kernels/quant_matmul/cpu_kernel.cc"),
+    Variable("IKJAX_MALLOC", "1", ("1", "0"),
+             "`0`: a CPU-only run keeps glibc malloc's defaults (else its step buffers are kept between steps: "
+             "mmap threshold 32 MiB, 1 GiB of free heap kept; not where a MALLOC_* variable is set)",
+             "ikjax/runtime/host_malloc.py"),
     Variable("IKJAX_AMX_ATTN", "1", ("1", "0"),
              "`0`: the amx level's prompt attention (per-head K / V, bf16) on AVX-512 BF16 pairs, not on its bf16 tiles",
              "pallas_kernels/mla_decode/cpu_kernel.cc"),

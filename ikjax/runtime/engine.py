@@ -37,7 +37,7 @@ from ikjax.placement import hot as hot_experts
 from ikjax.placement.host import is_host_resident
 from ikjax.placement.rules import plan_placement
 from ikjax.runtime import buckets as kv_buckets
-from ikjax.runtime import compile_cache, distributed, generation, text
+from ikjax.runtime import compile_cache, distributed, generation, host_malloc, text
 from ikjax.runtime.executables import Executables, trace_variables
 from ikjax.runtime.executors import BackgroundLoad, Executor, executor_for
 from ikjax.runtime.generation import BatchGeneration, Generation, KVSession
@@ -122,6 +122,8 @@ class Engine:
             check_devices(memory, dict(zip(self.placement.devices, devices.jax_devices(self.placement))), path)
         # how a step runs on these devices: one device, the -sm layer pipeline or the -sm graph mesh
         self.executor: Executor = executor_for(self.placement, cfg, self.spans, self.cache_layout(1))
+        if self.executor.on_cpu_only:  # a CPU step's temporaries kept between steps (host_malloc)
+            host_malloc.tune()
         self._weights = None
         self._dry = None  # the weights' shapes computed before the load (`_dry_shapes`), if used
         self._loading: BackgroundLoad | None = None
