@@ -33,6 +33,7 @@
 #include "cpu/common.h"
 #include "cpu/isa.h"
 #include "cpu/runtime.h"
+#include "cpu/transpose.h"
 #include "cpu/vmath.h"
 
 namespace IKJ_NS {
@@ -573,29 +574,6 @@ inline bool attn_tiles(const ikj::MlaArgs& a) {
   return !(v && v[0] == '0' && v[1] == 0);
 }
 
-inline void transpose16x16(__m512i r[16]) {  // 16 x 16 dwords: r[i] lane j <- r[j] lane i
-  __m512i t[16], u[16], w[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int g = 0; g < 2; ++g)
-    for (int c = 0; c < 4; ++c) {
-      w[8 * g + c] = _mm512_shuffle_i32x4(u[8 * g + c], u[8 * g + 4 + c], 0x88);
-      w[8 * g + 4 + c] = _mm512_shuffle_i32x4(u[8 * g + c], u[8 * g + 4 + c], 0xdd);
-    }
-  for (int c = 0; c < 8; ++c) {
-    r[c] = _mm512_shuffle_i32x4(w[c], w[8 + c], 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(w[c], w[8 + c], 0xdd);
-  }
-}
-
 // St[j, r] = Σ_d Kb[j, d] · q[r, d] for keys [0, nj) (nj a multiple of 16; Kb's rows past the
 // block's keys zero) and all Rp rows: C tiles 0-2 (three groups of 16 rows), A tile 3 (16 keys x
 // 32 d), B tiles 4-6 (16 pairs of d x 16 rows of qp).
@@ -731,6 +709,19 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
     for (int64_t p = 0; p < n_pairs; ++p) qp[p * Rp + r] = q[2 * p] | static_cast<uint32_t>(q[2 * p + 1]) << 16;
   }
   const int32_t min_pos = start_rows(a, pl, it, Rt, pos, m, l, acc);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // one key block on the tiles: K's rows kbp and V's pairs vkp for keys [j0, j0 + nv) (nj: nv
+  // rounded up to 32, the rows past nv zero)
+  auto tile_block = [&](const uint16_t* kbp, const uint32_t* vkp, int64_t j0, int64_t nv, int64_t nj) {
+    scores_tiles(kbp, D, qp, Rp, st, nj);
+    scale_block(st, Rp, nv, a.scale);
+    mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
+    softmax_block(st, Rp, nv, m, l, corr);
+    uint16_t* pt = reinterpret_cast<uint16_t*>(pp);
+    p_rows(st, Rp, nv, nj, pt);
+    values_tiles(vkp, pt, Rp, corr, acc, Vp, nj);
+  };
+#endif
 
   const int64_t n1 = a.k2 ? a.D1 : D;
   auto row = [&](int64_t j) { return (it.b * a.S + j) * a.Hk + it.h; };  // K's and V's row of key j
@@ -739,15 +730,7 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (tiles && pl.kpre) {  // the block's keys and values as keys_to_tiles left them
       const int64_t bh = it.b * H + it.h;
-      const uint16_t* kbp = pl.kpre + (bh * pl.spad + j0) * D;
-      const uint32_t* vkp = pl.vpre + (bh * (pl.spad / 2) + j0 / 2) * Vp;
-      scores_tiles(kbp, D, qp, Rp, st, nj);
-      scale_block(st, Rp, nv, a.scale);
-      mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
-      softmax_block(st, Rp, nv, m, l, corr);
-      uint16_t* pt = reinterpret_cast<uint16_t*>(pp);
-      p_rows(st, Rp, nv, nj, pt);
-      values_tiles(vkp, pt, Rp, corr, acc, Vp, nj);
+      tile_block(pl.kpre + (bh * pl.spad + j0) * D, pl.vpre + (bh * (pl.spad / 2) + j0 / 2) * Vp, j0, nv, nj);
       continue;
     }
 #endif
@@ -769,13 +752,7 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (tiles) {  // the pairs past the block's keys zero too: the tiles read whole chunks of 32 keys
       std::fill(vk + np * Vp, vk + (nj / 2) * Vp, 0u);
-      scores_tiles(kb, D, qp, Rp, st, nj);
-      scale_block(st, Rp, nv, a.scale);
-      mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
-      softmax_block(st, Rp, nv, m, l, corr);
-      uint16_t* pt = reinterpret_cast<uint16_t*>(pp);
-      p_rows(st, Rp, nv, nj, pt);
-      values_tiles(vk, pt, Rp, corr, acc, Vp, nj);
+      tile_block(kb, vk, j0, nv, nj);
       continue;
     }
 #endif

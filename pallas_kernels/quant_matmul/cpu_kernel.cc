@@ -27,6 +27,7 @@
 
 #include "cpu/common.h"
 #include "cpu/runtime.h"
+#include "cpu/transpose.h"
 
 #include <algorithm>
 #include <atomic>
@@ -1849,32 +1850,6 @@ inline void to_bf16_pairs(const float* r, int64_t n, uint32_t* out) {
   }
 }
 
-// 16 x 16 u32 transpose in registers: r[i] row i in, r[j] column j out.
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // u[4g + c] holds, in 128-bit lane L, element 4L + c of rows 4g..4g+3
-  __m512i v[16];
-  for (int g = 0; g < 2; ++g)
-    for (int c = 0; c < 4; ++c) {
-      v[8 * g + c] = _mm512_shuffle_i32x4(u[8 * g + c], u[8 * g + 4 + c], 0x88);
-      v[8 * g + 4 + c] = _mm512_shuffle_i32x4(u[8 * g + c], u[8 * g + 4 + c], 0xdd);
-    }
-  for (int c = 0; c < 8; ++c) {
-    r[c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0xdd);
-  }
-}
-
 // rows[i] (i < 16; null: zeros) are bf16-pair rows of Kp u32; writes out[kp * ld + i] for kp < Kp
 // (16 columns i = the 16 rows), 16 pairs at a time through the register transpose.
 inline void scatter_pairs16(const uint32_t* const rows[16], int64_t Kp, uint32_t* out, int64_t ld, int width) {
@@ -2127,6 +2102,24 @@ inline Rows16 rows16(const uint8_t* const* rows, int64_t row_bytes) {
           static_cast<__mmask16>((1u << n) - 1)};
 }
 
+// Both panel builders' scales of block b for the 16 rows (null: missing, zeros): gathered (VS, the
+// default) or row by row (IKJAX_AMX_VSCALE=0), the same floats.
+template <int type, int bs, bool VS>
+__attribute__((always_inline)) inline void panel_scales(const uint8_t* const* rows, int64_t row_bytes, int64_t b,
+                                                        __m512& dw, __m512& mw) {
+  if constexpr (VS) {
+    const Rows16 rr = rows16(rows, row_bytes);
+    wscale16<type, bs>(rr.base, rr.vidx, rr.valid, b, dw, mw);
+  } else {
+    alignas(64) float d[16], m[16];
+    for (int j = 0; j < 16; ++j) {
+      d[j] = m[j] = 0.f;
+      if (rows[j]) wscale<type, bs>(rows[j], b, d[j], m[j]);
+    }
+    dw = _mm512_load_ps(d), mw = _mm512_load_ps(m);
+  }
+}
+
 // Blocks b and b + 1 (`two`; else zeros) of 16 weight rows (null: a missing row, zeros), transposed:
 // r[c] holds 4 bytes c of each row (c < 8: block b, else b + 1). Both panel builders' first step.
 template <int type, int bs>
@@ -2199,17 +2192,7 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
       }
       _mm512_storeu_si512(pb + 1024 + g * 64, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
       __m512 dw, mw;
-      if constexpr (VS) {
-        const Rows16 rr = rows16(rows, row_bytes);
-        wscale16<type, bs>(rr.base, rr.vidx, rr.valid, b + h, dw, mw);
-      } else {
-        alignas(64) float d[16], m[16];
-        for (int j = 0; j < 16; ++j) {
-          d[j] = m[j] = 0.f;
-          if (rows[j]) wscale<type, bs>(rows[j], b + h, d[j], m[j]);
-        }
-        dw = _mm512_load_ps(d), mw = _mm512_load_ps(m);
-      }
+      panel_scales<type, bs, VS>(rows, row_bytes, b + h, dw, mw);
       _mm512_storeu_ps(pb + 1152 + g * 64, dw);
       if constexpr (q8gemm_min(type)) _mm512_storeu_ps(pb + 1280 + g * 64, mw);
     }
@@ -2235,17 +2218,7 @@ void build_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t n
                                                           const __m512i* r) {
     for (int h = 0; h < (two ? 2 : 1); ++h) {
       __m512 dw, mw;
-      if constexpr (VS) {
-        const Rows16 rr = rows16(rows, row_bytes);
-        wscale16<type, bs>(rr.base, rr.vidx, rr.valid, b + h, dw, mw);
-      } else {
-        alignas(64) float d[16], m[16];
-        for (int j = 0; j < 16; ++j) {
-          d[j] = m[j] = 0.f;
-          if (rows[j]) wscale<type, bs>(rows[j], b + h, d[j], m[j]);
-        }
-        dw = _mm512_load_ps(d), mw = _mm512_load_ps(m);
-      }
+      panel_scales<type, bs, VS>(rows, row_bytes, b + h, dw, mw);
       __m512 dx[4], mx[4];
       for (int j = 0; j < 4; ++j) dx[j] = _mm512_permutexvar_ps(is[j], dw), mx[j] = _mm512_permutexvar_ps(is[j], mw);
       uint16_t* ob = out + (b + h) * amx::kBfBlk + g * 512;
