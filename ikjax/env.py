@@ -164,6 +164,9 @@ _VARS = (
              "`0`: a CPU-only run keeps glibc malloc's defaults (else its step buffers are kept between steps: "
              "mmap threshold 32 MiB, 1 GiB of free heap kept; not where a MALLOC_* variable is set)",
              "ikjax/runtime/host_malloc.py"),
+    Variable("IKJAX_ATTN_KEYS_ONCE", "1", ("1", "0"),
+             "`0`: the f32 CPU prompt attention (avx2, generic levels) converts each token tile's keys itself, not "
+             "each head's keys once a call", "pallas_kernels/mla_decode/cpu_kernel.cc"),
     Variable("IKJAX_AMX_ATTN", "1", ("1", "0"),
              "`0`: the amx level's prompt attention (per-head K / V, bf16) on AVX-512 BF16 pairs, not on its bf16 tiles",
              "pallas_kernels/mla_decode/cpu_kernel.cc"),

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -390,6 +391,10 @@ struct Plan {
   const uint16_t* kpre = nullptr;
   const uint32_t* vpre = nullptr;
   int64_t spad = 0;
+  // the f32 loop's (avx2, generic) per-head keys and values the same way (keys_to_rows): K's rows
+  // [B][H][spad][Dp] and V's [B][H][spad][Vp] as load_key / load_value give them
+  const float* kpre32 = nullptr;
+  const float* vpre32 = nullptr;
 };
 
 // The query row r of the tile starting at token t0 (rows are token-major, then head): its token
@@ -778,6 +783,36 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
 }
 #endif
 
+// The f32 loop's per-head keys and values converted once a call (load_key / load_value: the kv_b
+// product's f32 rows rounded to bf16 where the queries are bf16), as keys_to_tiles does for the
+// tiles: every item of a head read them again per token tile (~11 times at a 512-token prompt).
+// Keys from `ends[b]` to spad are zero.
+void keys_to_rows(const ikj::MlaArgs& a, const Plan& pl, const std::vector<int64_t>& ends, int nth, float* kpre,
+                  float* vpre) {
+  const int64_t H = a.H, Dp = pl.Dp, Vp = pl.Vp, spad = pl.spad, nblk = spad / BK, n_units = a.B * H * nblk;
+  std::atomic<int64_t> next{0};
+  ikj::parallel(static_cast<int>(std::min<int64_t>(nth, n_units)), [&](int, int) {
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n_units;) {
+      const int64_t b = u / (H * nblk), h = (u / nblk) % H, j0 = (u % nblk) * BK;
+      const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(BK, ends[b] - j0));
+      float* kb = kpre + ((b * H + h) * spad + j0) * Dp;
+      float* vb = vpre + ((b * H + h) * spad + j0) * Vp;
+      for (int64_t j = 0; j < nv; ++j) {
+        load_key(a, b, j0 + j, h, kb + j * Dp);
+        load_value(a, b, j0 + j, h, vb + j * Vp);
+      }
+      std::fill(kb + nv * Dp, kb + BK * Dp, 0.f);
+      std::fill(vb + nv * Vp, vb + BK * Vp, 0.f);
+    }
+  });
+}
+
+// IKJAX_ATTN_KEYS_ONCE=0: the f32 loop's items convert their own key blocks, as before keys_to_rows (read per call)
+inline bool keys_once() {
+  const char* v = std::getenv("IKJAX_ATTN_KEYS_ONCE");
+  return !(v && v[0] == '0' && v[1] == 0);
+}
+
 // Process one item: keys [k0, k1) for the query rows of tokens [t0, t1); leaves (m, l, acc) in s.
 void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s) {
 #if defined(__AVX512BF16__)
@@ -803,9 +838,14 @@ void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s)
 
   for (int64_t j0 = it.k0; j0 < it.k1; j0 += BK) {
     const int64_t nv = std::min<int64_t>(BK, it.k1 - j0);
-    for (int64_t j = 0; j < nv; ++j) load_key(a, it.b, j0 + j, it.h, kb + j * Dp);
-    if (vb)
-      for (int64_t j = 0; j < nv; ++j) load_value(a, it.b, j0 + j, it.h, vb + j * Vp);
+    if (pl.kpre32) {  // the block's rows as keys_to_rows left them
+      kb = const_cast<float*>(pl.kpre32) + ((it.b * H + it.h) * pl.spad + j0) * Dp;
+      vb = const_cast<float*>(pl.vpre32) + ((it.b * H + it.h) * pl.spad + j0) * Vp;
+    } else {
+      for (int64_t j = 0; j < nv; ++j) load_key(a, it.b, j0 + j, it.h, kb + j * Dp);
+      if (vb)
+        for (int64_t j = 0; j < nv; ++j) load_value(a, it.b, j0 + j, it.h, vb + j * Vp);
+    }
     scores(kb, Dp, qt, Rp, D, st, round_up(nv, RJ));
     scale_block(st, Rp, nv, a.scale);
     mask_block(st, Rp, Rt, j0, nv, pos, min_pos);
@@ -905,6 +945,26 @@ void mla_attention(const ikj::MlaArgs& a) {
     keys_to_tiles(a, pl, ends, nth, kpre.data(), vpre.data());
   }
 #endif
+  // the f32 loop's keys and values once a call (keys_to_rows), where the items take that loop, a
+  // prompt of several token tiles reads them, and the copy stays under 256 MiB
+  thread_local std::vector<float> kpre32, vpre32;
+#if defined(__AVX512BF16__)
+  const bool f32_loop = !(bf16_inputs(a) && a.D % 2 == 0);
+#else
+  const bool f32_loop = true;
+#endif
+  if (!pl.kpre && f32_loop && a.v && pl.hq == 1 && T > pl.tq && keys_once()) {
+    std::vector<int64_t> ends(static_cast<size_t>(B), 0);
+    for (size_t g = 0; g < groups.size(); ++g) ends[groups[g].b] = std::max(ends[groups[g].b], kv_end[g]);
+    const int64_t spad = round_up(std::max<int64_t>(*std::max_element(ends.begin(), ends.end()), 1), BK);
+    const int64_t nk = B * H * spad * pl.Dp, nv = B * H * spad * pl.Vp;
+    if ((nk + nv) * 4 <= (int64_t{256} << 20)) {
+      pl.spad = spad;
+      pl.kpre32 = grow(kpre32, static_cast<size_t>(nk));
+      pl.vpre32 = grow(vpre32, static_cast<size_t>(nv));
+      keys_to_rows(a, pl, ends, nth, kpre32.data(), vpre32.data());
+    }
+  }
   const int64_t slot_size = pl.Rp * (pl.Vp + 2);
   thread_local std::vector<float> partial;
   float* part = grow(partial, static_cast<size_t>(std::max<int64_t>(1, n_slots * slot_size)));
@@ -957,6 +1017,10 @@ void mla_attention(const ikj::MlaArgs& a) {
     std::vector<uint32_t>().swap(vpre);
   }
 #endif
+  if ((kpre32.size() + vpre32.size()) * 4 > (size_t{64} << 20)) {
+    std::vector<float>().swap(kpre32);
+    std::vector<float>().swap(vpre32);
+  }
 }
 
 }  // namespace IKJ_NS
