@@ -438,6 +438,21 @@ void mask_block(float* st, int64_t Rp, int64_t Rt, int64_t j0, int64_t nv, const
 }
 
 
+// f(b, h, j0, nv) for every block of BK keys of every (sequence b, head h) up to spad, on the
+// pool's threads (nv: the block's keys below ends[b], possibly 0): the walk of the per-call key
+// conversions (keys_to_tiles, keys_to_rows).
+template <class F>
+void for_key_blocks(int64_t B, int64_t H, int64_t spad, const std::vector<int64_t>& ends, int nth, F&& f) {
+  const int64_t nblk = spad / BK, n_units = B * H * nblk;
+  std::atomic<int64_t> next{0};
+  ikj::parallel(static_cast<int>(std::min<int64_t>(nth, n_units)), [&](int, int) {
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n_units;) {
+      const int64_t b = u / (H * nblk), h = (u / nblk) % H, j0 = (u % nblk) * BK;
+      f(b, h, j0, std::max<int64_t>(0, std::min<int64_t>(BK, ends[b] - j0)));
+    }
+  });
+}
+
 #if defined(__AVX512BF16__)
 // ---- bf16 products: pairs of bf16 through vdpbf16ps, twice the f32 FMA's multiply-adds ----------
 // Scores: Qp holds q as pairs over d ([D/2][Rp] u32: q[r, 2p] | q[r, 2p+1] << 16), each key's pair
@@ -664,30 +679,25 @@ void values_tiles(const uint32_t* Vk, const uint16_t* Pt, int64_t Rp, const floa
 // the layout the tiles read (Plan::kpre / vpre); keys from `ends[b]` to spad are zero.
 void keys_to_tiles(const ikj::MlaArgs& a, const Plan& pl, const std::vector<int64_t>& ends, int nth,
                    uint16_t* kpre, uint32_t* vpre) {
-  const int64_t H = a.H, D = a.D, Vp = pl.Vp, vd = a.v_dim, spad = pl.spad, nblk = spad / BK;
-  const int64_t n1 = a.k2 ? a.D1 : D, n_units = a.B * H * nblk;
-  std::atomic<int64_t> next{0};
-  ikj::parallel(static_cast<int>(std::min<int64_t>(nth, n_units)), [&](int, int) {
-    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n_units;) {
-      const int64_t b = u / (H * nblk), h = (u / nblk) % H, j0 = (u % nblk) * BK;
-      const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(BK, ends[b] - j0));
-      uint16_t* kb = kpre + ((b * H + h) * spad + j0) * D;
-      uint32_t* vk = vpre + ((b * H + h) * (spad / 2) + j0 / 2) * Vp;
-      auto row = [&](int64_t j) { return (b * a.S + j) * a.Hk + h; };
-      for (int64_t j = 0; j < nv; ++j) {
-        bf16_row(a.kind, a.cache, row(j0 + j), a.W, n1, kb + j * D);
-        if (a.k2) bf16_row(a.kind2, a.k2, b * a.S + j0 + j, a.W2, D - n1, kb + j * D + n1);
-      }
-      std::fill(kb + nv * D, kb + BK * D, uint16_t{0});
-      const int64_t np = (nv + 1) / 2;
-      for (int64_t p = 0; p < np; ++p) {
-        const int64_t r0 = row(j0 + 2 * p), r1 = 2 * p + 1 < nv ? row(j0 + 2 * p + 1) : -1;
-        for (int64_t c = 0; c < Vp; c += 16)
-          _mm512_storeu_si512(vk + p * Vp + c, c < vd ? pair16(a.kind, a.v, r0, r1, a.Wv, c, std::min<int64_t>(16, vd - c))
-                                                      : _mm512_setzero_si512());
-      }
-      std::fill(vk + np * Vp, vk + (BK / 2) * Vp, 0u);
+  const int64_t H = a.H, D = a.D, Vp = pl.Vp, vd = a.v_dim, spad = pl.spad;
+  const int64_t n1 = a.k2 ? a.D1 : D;
+  for_key_blocks(a.B, H, spad, ends, nth, [&](int64_t b, int64_t h, int64_t j0, int64_t nv) {
+    uint16_t* kb = kpre + ((b * H + h) * spad + j0) * D;
+    uint32_t* vk = vpre + ((b * H + h) * (spad / 2) + j0 / 2) * Vp;
+    auto row = [&](int64_t j) { return (b * a.S + j) * a.Hk + h; };
+    for (int64_t j = 0; j < nv; ++j) {
+      bf16_row(a.kind, a.cache, row(j0 + j), a.W, n1, kb + j * D);
+      if (a.k2) bf16_row(a.kind2, a.k2, b * a.S + j0 + j, a.W2, D - n1, kb + j * D + n1);
     }
+    std::fill(kb + nv * D, kb + BK * D, uint16_t{0});
+    const int64_t np = (nv + 1) / 2;
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t r0 = row(j0 + 2 * p), r1 = 2 * p + 1 < nv ? row(j0 + 2 * p + 1) : -1;
+      for (int64_t c = 0; c < Vp; c += 16)
+        _mm512_storeu_si512(vk + p * Vp + c, c < vd ? pair16(a.kind, a.v, r0, r1, a.Wv, c, std::min<int64_t>(16, vd - c))
+                                                    : _mm512_setzero_si512());
+    }
+    std::fill(vk + np * Vp, vk + (BK / 2) * Vp, 0u);
   });
 }
 #endif
@@ -789,21 +799,16 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
 // Keys from `ends[b]` to spad are zero.
 void keys_to_rows(const ikj::MlaArgs& a, const Plan& pl, const std::vector<int64_t>& ends, int nth, float* kpre,
                   float* vpre) {
-  const int64_t H = a.H, Dp = pl.Dp, Vp = pl.Vp, spad = pl.spad, nblk = spad / BK, n_units = a.B * H * nblk;
-  std::atomic<int64_t> next{0};
-  ikj::parallel(static_cast<int>(std::min<int64_t>(nth, n_units)), [&](int, int) {
-    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n_units;) {
-      const int64_t b = u / (H * nblk), h = (u / nblk) % H, j0 = (u % nblk) * BK;
-      const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(BK, ends[b] - j0));
-      float* kb = kpre + ((b * H + h) * spad + j0) * Dp;
-      float* vb = vpre + ((b * H + h) * spad + j0) * Vp;
-      for (int64_t j = 0; j < nv; ++j) {
-        load_key(a, b, j0 + j, h, kb + j * Dp);
-        load_value(a, b, j0 + j, h, vb + j * Vp);
-      }
-      std::fill(kb + nv * Dp, kb + BK * Dp, 0.f);
-      std::fill(vb + nv * Vp, vb + BK * Vp, 0.f);
+  const int64_t H = a.H, Dp = pl.Dp, Vp = pl.Vp, spad = pl.spad;
+  for_key_blocks(a.B, H, spad, ends, nth, [&](int64_t b, int64_t h, int64_t j0, int64_t nv) {
+    float* kb = kpre + ((b * H + h) * spad + j0) * Dp;
+    float* vb = vpre + ((b * H + h) * spad + j0) * Vp;
+    for (int64_t j = 0; j < nv; ++j) {
+      load_key(a, b, j0 + j, h, kb + j * Dp);
+      load_value(a, b, j0 + j, h, vb + j * Vp);
     }
+    std::fill(kb + nv * Dp, kb + BK * Dp, 0.f);
+    std::fill(vb + nv * Vp, vb + BK * Vp, 0.f);
   });
 }
 
