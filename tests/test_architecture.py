@@ -112,7 +112,7 @@ def test_environment_read_in_one_place():
         reads = re.findall(r"(?:os\.environ(?:\.get)?\s*[\[(]|os\.getenv\s*\()\s*[\"'](IKJAX_\w+)", text)
         assert reads == [], f"{path.relative_to(REPO)} reads {reads} itself; use ikjax.env"
     for path in sorted((REPO / "pallas_kernels").rglob("*.cc")):
-        named.update(re.findall(r"getenv\(\"(IKJAX_\w+)\"\)", path.read_text()))
+        named.update(re.findall(r"(?:getenv|env_on)\(\"(IKJAX_\w+)\"\)", path.read_text()))
     build_only = {"IKJAX_BUILD_CUDA"}  # a CMake option (-Ccmake.define.IKJAX_BUILD_CUDA=ON), not an environment variable
     assert named - build_only - set(env.VARIABLES) == set()
 

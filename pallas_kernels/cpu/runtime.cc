@@ -303,6 +303,11 @@ static bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
 #endif
 }
 
+bool env_on(const char* var) {
+  const char* v = std::getenv(var);
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
 // A feature the CPU has (`has`, asked once by the caller), unless `var` (read per call) is `off`.
 static bool on_unless(bool has, const char* var, const char* off) {
   const char* v = has ? std::getenv(var) : nullptr;

@@ -13,6 +13,10 @@ namespace ikj {
 // Cores this process may run on (sched_getaffinity), at least 1.
 int available_cores();
 
+// A kernel form's switch: false only where the environment variable `var` is "0" (read per call,
+// so a test or an A/B can flip it between calls). IKJAX_AMX_FUSED, IKJAX_AMX_PREFETCH, ...
+bool env_on(const char* var);
+
 // Run fn(ith, nth) for ith = 0..nth-1, nth = min(n_threads, available); returns when all have
 // finished. n_threads <= 0 means every available core. The calling thread runs part 0 and then
 // every part no worker has started yet, so a part may run on any thread, several parts on one

@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu/amx_tiles.h"
 #include "cpu/common.h"
 #include "cpu/isa.h"
 #include "cpu/runtime.h"
@@ -572,26 +573,10 @@ inline __m512i pair16(int kind, const void* base, int64_t r0, int64_t r1, int64_
 // (kb, [key][D]) are A tiles as they are, q's pairs over d (qp, [D/2][Rp]) B tiles, so a C tile is
 // St's [key][row] layout; for p·V, p's pairs over keys are transposed to rows ([row][key]: A) and
 // V's pairs over keys (vk) are B tiles, C the accumulator's [row][Vp] layout.
-struct alignas(64) TileCfg16 {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-inline void tiles_16x64() {  // every tile 16 rows x 64 bytes
-  TileCfg16 c;
-  std::memset(&c, 0, sizeof(c));
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  asm volatile("" : : "r"(&c) : "memory");  // (GCC may drop the stores before ldtilecfg otherwise)
-  _tile_loadconfig(&c);
-}
-
 // Whether this item's products run on tiles: the CPU's amx_bf16 (IKJAX_AMX not int8), D in whole
 // tiles of 32, and IKJAX_AMX_ATTN not "0" (read per call).
 inline bool attn_tiles(const ikj::MlaArgs& a) {
-  if (a.D % 32 || !ikj::amx_bf16_on()) return false;
-  const char* v = std::getenv("IKJAX_AMX_ATTN");
-  return !(v && v[0] == '0' && v[1] == 0);
+  return a.D % 32 == 0 && ikj::amx_bf16_on() && ikj::env_on("IKJAX_AMX_ATTN");
 }
 
 // St[j, r] = Σ_d Kb[j, d] · q[r, d] for keys [0, nj) (nj a multiple of 16; Kb's rows past the
@@ -713,7 +698,8 @@ void run_item_bf16(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratc
   auto [st, m, l, corr, acc, pos] = tile_state(s, pl);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   const bool tiles = attn_tiles(a);
-  if (tiles) tiles_16x64();
+  const TileCfg cfg = tiles_16x64();  // every tile 16 rows x 64 bytes
+  if (tiles) load_tile_config(cfg);
 #else
   constexpr bool tiles = false;
 #endif
@@ -813,10 +799,7 @@ void keys_to_rows(const ikj::MlaArgs& a, const Plan& pl, const std::vector<int64
 }
 
 // IKJAX_ATTN_KEYS_ONCE=0: the f32 loop's items convert their own key blocks, as before keys_to_rows (read per call)
-inline bool keys_once() {
-  const char* v = std::getenv("IKJAX_ATTN_KEYS_ONCE");
-  return !(v && v[0] == '0' && v[1] == 0);
-}
+inline bool keys_once() { return ikj::env_on("IKJAX_ATTN_KEYS_ONCE"); }
 
 // Process one item: keys [k0, k1) for the query rows of tokens [t0, t1); leaves (m, l, acc) in s.
 void run_item(const ikj::MlaArgs& a, const Plan& pl, const Item& it, Scratch& s) {
@@ -936,15 +919,16 @@ void mla_attention(const ikj::MlaArgs& a) {
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& x, const Item& y) { return x.k1 - x.k0 > y.k1 - y.k0; });
 
+  // per sequence, the keys any of its tiles sees (ends), for the per-call conversions below
+  std::vector<int64_t> ends(static_cast<size_t>(B), 0);
+  for (size_t g = 0; g < groups.size(); ++g) ends[groups[g].b] = std::max(ends[groups[g].b], kv_end[g]);
+  const int64_t spad = round_up(std::max<int64_t>(*std::max_element(ends.begin(), ends.end()), 1), BK);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   // the per-head keys and values converted once for the tiles (keys_to_tiles), where they run
   thread_local std::vector<uint16_t> kpre;
   thread_local std::vector<uint32_t> vpre;
   if (a.v && pl.hq == 1 && bf16_inputs(a) && attn_tiles(a)) {
-    std::vector<int64_t> ends(static_cast<size_t>(B), 0);
-    for (size_t g = 0; g < groups.size(); ++g) ends[groups[g].b] = std::max(ends[groups[g].b], kv_end[g]);
-    const int64_t mx = *std::max_element(ends.begin(), ends.end());
-    pl.spad = round_up(std::max<int64_t>(mx, 1), BK);
+    pl.spad = spad;
     pl.kpre = grow(kpre, static_cast<size_t>(B * H * pl.spad * a.D));
     pl.vpre = grow(vpre, static_cast<size_t>(B * H * (pl.spad / 2) * pl.Vp));
     keys_to_tiles(a, pl, ends, nth, kpre.data(), vpre.data());
@@ -959,9 +943,6 @@ void mla_attention(const ikj::MlaArgs& a) {
   const bool f32_loop = true;
 #endif
   if (!pl.kpre && f32_loop && a.v && pl.hq == 1 && T > pl.tq && keys_once()) {
-    std::vector<int64_t> ends(static_cast<size_t>(B), 0);
-    for (size_t g = 0; g < groups.size(); ++g) ends[groups[g].b] = std::max(ends[groups[g].b], kv_end[g]);
-    const int64_t spad = round_up(std::max<int64_t>(*std::max_element(ends.begin(), ends.end()), 1), BK);
     const int64_t nk = B * H * spad * pl.Dp, nv = B * H * spad * pl.Vp;
     if ((nk + nv) * 4 <= (int64_t{256} << 20)) {
       pl.spad = spad;

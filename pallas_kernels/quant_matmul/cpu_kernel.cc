@@ -2082,10 +2082,7 @@ __attribute__((always_inline)) inline void wscale16(const uint8_t* base, __m512i
 }
 
 // IKJAX_AMX_VSCALE=0: the panel builders' scales row by row (wscale), as before wscale16: read per call
-inline bool vector_scales() {
-  const char* v = std::getenv("IKJAX_AMX_VSCALE");
-  return !(v && v[0] == '0' && v[1] == 0);
-}
+inline bool vector_scales() { return ikj::env_on("IKJAX_AMX_VSCALE"); }
 
 // The scales of the panel's 16 rows of half g as wscale16 wants them: the first row, the rows'
 // offsets, and which rows there are (rows are present from the first on).
@@ -2239,15 +2236,9 @@ void build_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t n
 }
 
 // IKJAX_AMX_FUSED=0 builds the bf16 panel in two passes (int8 panel, then bf16), as before: read per call
-inline bool amx_fused_build() {
-  const char* v = std::getenv("IKJAX_AMX_FUSED");
-  return !(v && v[0] == '0' && v[1] == 0);
-}
+inline bool amx_fused_build() { return ikj::env_on("IKJAX_AMX_FUSED"); }
 // IKJAX_AMX_PREFETCH=0: the tiles' loop without its prefetch of x's rows (panel_gemm_bf16_hw): read per call
-inline bool amx_prefetch() {
-  const char* v = std::getenv("IKJAX_AMX_PREFETCH");
-  return !(v && v[0] == '0' && v[1] == 0);
-}
+inline bool amx_prefetch() { return ikj::env_on("IKJAX_AMX_PREFETCH"); }
 #endif
 
 // C[mr][QNR] (row stride ldc) (+)= x8 rows (xu: row 0's bytes, stride K; dx: row 0's scales and

@@ -24,6 +24,7 @@
 #include "quant_matmul/cpu_amx.h"
 #include "quant_matmul/cpu_kernel.h"
 
+#include "cpu/amx_tiles.h"
 #include "cpu/common.h"
 
 #include <algorithm>
@@ -49,15 +50,6 @@ inline uint32_t u32(const uint8_t* p) {
   return v;
 }
 
-// ldtilecfg's 64-byte operand (palette 1: 8 tiles of at most 16 rows x 64 bytes).
-struct alignas(64) TileCfg {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];  // bytes per row of tile t
-  uint8_t rows[16];    // rows of tile t
-};
-static_assert(sizeof(TileCfg) == 64, "ldtilecfg takes 64 bytes");
 
 #if defined(IKJ_HAVE_AMX_TILES)
 // gcc's tile intrinsics are macros that paste their tile numbers into the assembly text, so each
@@ -74,13 +66,7 @@ static_assert(sizeof(TileCfg) == 64, "ldtilecfg takes 64 bytes");
     default: OP(7); break;      \
   }
 struct AmxHw {
-  static void config(const TileCfg& c) {
-    // GCC does not see ldtilecfg read its operand: without this barrier it dropped the rows / colsb
-    // stores of a config built just before it in a function of its own (every tile op then raised
-    // SIGILL; RESULTS §26aa)
-    asm volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
-  }
+  static void config(const TileCfg& c) { load_tile_config(c); }
   template <int t>
   static void load(const void* p, int64_t stride) {
     static_assert(t >= 0 && t < 8, "tiles 0-7");
@@ -319,10 +305,7 @@ void panel_gemm(const uint8_t* xu, int64_t M, int64_t K, const float* dx, const 
 template <class T, bool PF = false>
 void panel_gemm_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* bp, int64_t nb, float* y,
                      int64_t ldy, int64_t nr) {
-  TileCfg cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C 16 x 16 f32, A 16 x 32 bf16, B 16 x 16 pairs
+  const TileCfg cfg = tiles_16x64();  // C 16 x 16 f32, A 16 x 32 bf16, B 16 x 16 pairs
   T::config(cfg);
   alignas(64) float cbuf[32 * 32];
   const int64_t sx = ldx * 2;
