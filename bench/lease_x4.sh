@@ -80,6 +80,7 @@
 #   STAGE=37, 38, 39: issue 25 on a 2-GPU lease (see each); STAGE=40: call 1 of 40, 38, 39 (the host's
 #            decode kernel alone, ik's build and the R1 file in the background, the hybrid GPU tests).
 #   STAGE=42: issue 26's -t 16 table (ik AVX2 carried, ik native built) and the amx prefetch A/B at -t 16.
+#   STAGE=44: issue 26: sweep-bench's amx rows under malloc / THP variants beside ik native, interleaved rounds.
 #   STAGE=43: issue 26: sweep-bench's amx S_PP against the steady-state step (after a decode loop, cache on / off).
 #   STAGE=41: the -ot decode's host part under VARIANTS41 on one GPU, then the split runs (PARTS41).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
@@ -782,6 +783,36 @@ PYEOF
     for cc in /tmp/cc43 /tmp/cc43 0; do
       IKJAX_CPU_ISA=amx IKJAX_COMPILE_CACHE=$cc taskset -c 0-15 timeout 120 python3 -m ikjax.cli sweep-bench -m $f -c 1024 -ub 512 -n 32 \
         -mla 3 -fa 1 -t 16 2>/dev/null | grep "^|" | tail -2 | awk -F'|' -v cc=$cc '{printf "cache %s: S_PP %s S_TG %s\n", cc, $6+0, $8+0}'
+    done
+  done
+  ;;
+44)
+  # issue 26: sweep-bench's amx rows (what the table reads) under malloc / THP variants of the process
+  # (VARIANTS44: "name|ENV=V,ENV=V ..."; "default|" runs as shipped), REPS44 rounds, each round every
+  # variant and ik's native build once, interleaved (ik's rows move 10-30 % between runs too); ik's
+  # native build carried (.whl/ik_native_bin.tar.gz) or built here and saved to $OUT for the next lease
+  THREADS=16; TYPES="${TYPES44:-IQ4_XS Q4_0}"
+  el "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled) defrag $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
+  if [ -f .whl/ik_native_bin.tar.gz ]; then tar -xzf .whl/ik_native_bin.tar.gz -C / || exit 1; fi
+  IKN=/tmp/ikt/build-native/bin/llama-sweep-bench
+  [ -x $IKN ] && export IK_NATIVE_BIN=$IKN
+  THREADS=16 TYPES="$TYPES" VARIANTS="ik_native" JOBS=15 DEADLINE=300 NO_INSTALL=1 IK_DIR=/tmp/ikt \
+    OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 | grep -E "^\|" | head -6
+  [ -f .whl/ik_native_bin.tar.gz ] || tar -czf $OUT/ik_native_bin.tar.gz -C / tmp/ikt/build-native/bin/llama-sweep-bench \
+    tmp/ikt/build-native/src/libllama.so tmp/ikt/build-native/ggml/src/libggml.so 2>&1 | tail -2
+  for t in $TYPES; do
+    f=/tmp/cpuisa_4l_$t.gguf
+    for r in $(seq ${REPS44:-3}); do
+      for spec in ${VARIANTS44:-"default|" "ik|" "arena1|MALLOC_ARENA_MAX=1,MALLOC_MMAP_THRESHOLD_=33554432,MALLOC_TRIM_THRESHOLD_=1073741824,MALLOC_TOP_PAD_=268435456" "thp|GLIBC_TUNABLES=glibc.malloc.hugetlb=1"}; do
+        name=${spec%%|*}; envs=$(echo "${spec#*|}" | tr ',' ' ')
+        if [ "$name" = ik ]; then
+          row=$(taskset -c 0-15 timeout 120 $IKN -m $f -c 1024 -ub 512 -n 32 -mla 3 -fa 1 -t 16 2>/dev/null | grep "^|  *512")
+        else
+          row=$(env $envs IKJAX_CPU_ISA=amx JAX_PLATFORMS=cpu taskset -c 0-15 timeout 120 python3 -m ikjax.cli sweep-bench -m $f -c 1024 -ub 512 -n 32 \
+            -mla 3 -fa 1 -t 16 2>/dev/null | grep "^|  *512")
+        fi
+        echo "$row" | awk -F'|' -v n="$t r$r $name" '{pp=pp" "$6+0; tg=tg" "$8+0} END {printf "%-22s S_PP%s  S_TG%s\n", n, pp, tg}'
+      done
     done
   done
   ;;
