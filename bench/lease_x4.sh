@@ -800,13 +800,20 @@ PYEOF
     OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 | grep -E "^\|" | head -6
   [ -f .whl/ik_native_bin.tar.gz ] || tar -czf $OUT/ik_native_bin.tar.gz -C / tmp/ikt/build-native/bin/llama-sweep-bench \
     tmp/ikt/build-native/src/libllama.so tmp/ikt/build-native/ggml/src/libggml.so 2>&1 | tail -2
+  # PROF44: "TYPE|ENV=V,ENV=V ..." the 512-token step by op at -t 16, N_KV 0, amx (cpu_prompt_profile.py)
+  for spec in ${PROF44:-}; do
+    t=${spec%%|*}; envs=$(echo "${spec#*|}" | tr ',' ' ')
+    el "profile $t [$envs]"
+    env $envs JAX_PLATFORMS=cpu IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 100 python3 bench/cpu_prompt_profile.py \
+      /tmp/cpuisa_4l_$t.gguf --threads 16 2>&1 | grep -v Warn | head -${TOP44:-10}
+  done
   for t in $TYPES; do
     f=/tmp/cpuisa_4l_$t.gguf
     for r in $(seq ${REPS44:-3}); do
       for spec in ${VARIANTS44:-"default|" "ik|" "arena1|MALLOC_ARENA_MAX=1,MALLOC_MMAP_THRESHOLD_=33554432,MALLOC_TRIM_THRESHOLD_=1073741824,MALLOC_TOP_PAD_=268435456" "thp|GLIBC_TUNABLES=glibc.malloc.hugetlb=1"}; do
         name=${spec%%|*}; envs=$(echo "${spec#*|}" | tr ',' ' ')
         if [ "$name" = ik ]; then
-          row=$(taskset -c 0-15 timeout 120 $IKN -m $f -c 1024 -ub 512 -n 32 -mla 3 -fa 1 -t 16 2>/dev/null | grep "^|  *512")
+          row=$(taskset -c 0-15 timeout 120 $IKN -m $f -c 1024 -ub 512 -n 32 -mla 3 -fa 1 -t 16 2>&1 | grep "^|  *512")
         else
           row=$(env $envs IKJAX_CPU_ISA=amx JAX_PLATFORMS=cpu taskset -c 0-15 timeout 120 python3 -m ikjax.cli sweep-bench -m $f -c 1024 -ub 512 -n 32 \
             -mla 3 -fa 1 -t 16 2>/dev/null | grep "^|  *512")

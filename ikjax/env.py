@@ -173,6 +173,14 @@ _VARS = (
     Variable("IKJAX_AMX_PREFETCH", "1", ("1", "0"),
              "`0`: the amx level's bf16 tile loop without its prefetch of x's rows two blocks ahead; the same bits",
              "pallas_kernels/quant_matmul/cpu_kernel.cc"),
+    Variable("IKJAX_CPU_ROW_SPLIT", "1", ("1", "0"),
+             "`0`: a CPU prompt product with fewer column units than twice the threads (a router, a 576-column "
+             "kv_a at -t 16) splits its columns only, not x's rows too; the same bits",
+             "pallas_kernels/quant_matmul/cpu_kernel.cc"),
+    Variable("IKJAX_CPU_PART_ROWS", "", (),
+             "an integer >= 64: every CPU prompt product's x in parts of at most that many rows, each run against "
+             "the whole weight (its panels converted again per part; a tuning knob); unset: only IKJAX_CPU_ROW_SPLIT's",
+             "pallas_kernels/quant_matmul/cpu_kernel.cc"),
     Variable("IKJAX_AMX_MIN_ROWS", "", (),
              "rows from which the amx level's prompt products run on its tiles (an integer >= 16; fewer rows: "
              "AVX-512 VNNI on the same panels); unset: the default `ikjax info` names", "pallas_kernels/cpu/runtime.cc"),

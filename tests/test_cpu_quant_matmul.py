@@ -236,6 +236,34 @@ def test_k_split_decode_and_threads_agree(monkeypatch):
         assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
 
 
+@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_0", "Q4_K", "IQ4_XS", "Q6_K"])
+def test_row_split_same_bits_as_columns_only(name, monkeypatch):
+    """A prompt product with few column units for the threads (a router: 64 columns at -t 16) splits
+    x's rows too (IKJAX_CPU_ROW_SPLIT, the default), each part packed and run on its own: the same
+    bits as the columns-only split (=0), at every level this CPU has (amx included), f32 and bf16
+    compute, 1-3 threads, rows that are not a multiple of a part, a last partial column unit. A
+    mutation that offsets a part's output rows or packs the wrong rows fails it. So do parts of at
+    most 64 rows for any product (IKJAX_CPU_PART_ROWS=64)."""
+    levels = [lv for lv in ISAS + ["amx"] if lv != "amx" or "amx" in _cpu.isa_report()]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    K = 512
+    for M, N in [(200, 45), (513, 64), (130, 7)]:
+        w = _weights(name, N, K, rng)
+        x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+        for lv, compute, nt in itertools.product(levels, ("f32", "bf16"), (1, 2, 3)):
+            monkeypatch.setenv("IKJAX_CPU_ISA", lv)
+            monkeypatch.setenv("IKJAX_CPU_ROW_SPLIT", "0")
+            cols = np.asarray(cpu.quant_matmul(x, w, n_threads=nt, compute=compute))
+            monkeypatch.setenv("IKJAX_CPU_ROW_SPLIT", "1")
+            rows = np.asarray(cpu.quant_matmul(x, w, n_threads=nt, compute=compute))
+            monkeypatch.setenv("IKJAX_CPU_PART_ROWS", "64")
+            parts = np.asarray(cpu.quant_matmul(x, w, n_threads=nt, compute=compute))
+            monkeypatch.delenv("IKJAX_CPU_PART_ROWS")
+            assert np.isfinite(rows).all()
+            np.testing.assert_array_equal(rows, cols, err_msg=str((name, M, N, lv, compute, nt)))
+            np.testing.assert_array_equal(parts, cols, err_msg=str(("parts", name, M, N, lv, compute, nt)))
+
+
 def test_leading_dims_jit_and_vmap():
     """x [..., K] keeps its leading dims; works inside jit and under vmap (batched x)."""
     rng = np.random.default_rng(2)

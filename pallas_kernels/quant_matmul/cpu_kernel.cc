@@ -2924,6 +2924,21 @@ size_t pack_x(const float* x, int64_t M, int64_t K, int compute, void* out, int6
 
 // Rows of x at which the packed-panel engine beats dequantize-and-dot (bench_cpu.py).
 constexpr int64_t kGemmMinRows = 4;
+// The fewest rows of x a part of a row-split prompt product has (quant_matmul_ex): two of the amx
+// level's 32-row groups, so a part still runs on its tiles.
+constexpr int64_t kSplitRows = 64;
+// IKJAX_CPU_ROW_SPLIT=0: a prompt product with few column units for the threads splits columns only (read per call)
+inline bool row_split_on() { return ikj::env_on("IKJAX_CPU_ROW_SPLIT"); }
+// IKJAX_CPU_PART_ROWS=R (>= 64; unset: none): every prompt product's x in parts of at most R rows
+// (a part's x then stays in L2 across the weight's panels; each part converts them again). A tuning
+// knob for measuring, read per call.
+inline int64_t part_rows_cap() {
+  const char* v = std::getenv("IKJAX_CPU_PART_ROWS");
+  if (!v || !*v) return 0;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  return end && *end == 0 && n >= kSplitRows ? n : 0;
+}
 
 }  // namespace
 
@@ -3063,35 +3078,71 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     return;
   }
   compute = qgemm_packed_compute(type, compute);
-  // the caller thread's pack buffer, kept between calls: a fresh one per call (up to ~22 MiB for a
-  // 512-row f32 x of K = 10944) was mapped and zeroed by the kernel on every call (clear_page was
-  // ~8 % of a Q8_0 sweep-bench profile on the 2-core EPYC)
-  thread_local std::vector<uint8_t> xp_buf;
-  const size_t xp_bytes = pack_x(x, M, K, compute, nullptr);
-  if (xp_buf.size() < xp_bytes) xp_buf.resize(xp_bytes);
-  uint8_t* const xp_data = xp_buf.data();
-  ikj::parallel(n_threads, [&](int ith, int nth) {
-    int64_t a, b;
-    ikj::split_range((M + MR - 1) / MR, ith, nth, &a, &b);
-    pack_x(x, M, K, compute, xp_data, a, b);
-  });
+  const int64_t nth = std::min<int64_t>(n_threads > 0 ? n_threads : ikj::available_cores(), ikj::available_cores());
   // output columns per unit of work: the int8 engine's QUNIT (its panels swept together), halved
   // (down to NR) while that would leave fewer than 3 units a thread (-t 16 on a 576-column product:
   // 18 units of 32 kept some threads idle half the time)
   int64_t unit = NR;
 #if defined(IKJ_HAVE_Q8GEMM)
   if (compute == QM_Q8 || compute == QM_Q8K) {
-    const int64_t nth = std::min(n_threads > 0 ? n_threads : ikj::available_cores(), ikj::available_cores());
     unit = std::max<int64_t>(NR, QUNIT);
     while (unit > NR && N < 3 * nth * unit) unit /= 2;
     unit = std::max<int64_t>(unit, NR);
   }
 #endif
   const int64_t units = (N + unit - 1) / unit;
-  std::atomic<int64_t> next{0};  // units handed out one at a time (see the decode split)
+  // Too few column units for the threads (a router's 64 columns are 2 units: 14 of 16 threads
+  // idle; a 576-column kv_a is 18, a second round for 2 threads): x's rows are split too, into
+  // `parts` of at least kSplitRows rows, each packed on its own and run against every unit (each
+  // part converts the weight's panels again: small weights only), where that shortens the rounds
+  // of items the threads run (2 units on 2 threads stay whole). Every output is the same sum
+  // over the same blocks either way (the same bits). IKJAX_CPU_ROW_SPLIT=0: columns only.
+  int64_t parts = 1;
+  if (units < 2 * nth && row_split_on()) {  // the fewest parts with the shortest rounds (ceil(items / nth) / parts)
+    const int64_t most = std::min<int64_t>((3 * nth + units - 1) / units, M / kSplitRows);
+    for (int64_t p = 2; p <= most; ++p)
+      if ((p * units + nth - 1) / nth * parts < (parts * units + nth - 1) / nth * p) parts = p;
+  }
+  if (const int64_t pr = part_rows_cap(); pr > 0) parts = std::max(parts, (M + pr - 1) / pr);
+  const int64_t part_rows = (M + parts - 1) / parts;
+  parts = (M + part_rows - 1) / part_rows;
+  // the caller thread's pack buffer, kept between calls: a fresh one per call (up to ~22 MiB for a
+  // 512-row f32 x of K = 10944) was mapped and zeroed by the kernel on every call (clear_page was
+  // ~8 % of a Q8_0 sweep-bench profile on the 2-core EPYC)
+  thread_local std::vector<uint8_t> xp_buf;
+  thread_local std::vector<size_t> xp_off;
+  xp_off.assign(parts + 1, 0);
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t mp = std::min(M, (p + 1) * part_rows) - p * part_rows;
+    xp_off[p + 1] = xp_off[p] + (pack_x(nullptr, mp, K, compute, nullptr) + 63) / 64 * 64;
+  }
+  if (xp_buf.size() < xp_off[parts]) xp_buf.resize(xp_off[parts]);
+  uint8_t* const xp_data = xp_buf.data();
+  const size_t* const off = xp_off.data();
+  if (parts == 1) {
+    ikj::parallel(n_threads, [&](int ith, int nth_) {
+      int64_t a, b;
+      ikj::split_range((M + MR - 1) / MR, ith, nth_, &a, &b);
+      pack_x(x, M, K, compute, xp_data, a, b);
+    });
+  } else {
+    std::atomic<int64_t> next_part{0};
+    ikj::parallel(n_threads, [&](int, int) {
+      for (int64_t p; (p = next_part.fetch_add(1, std::memory_order_relaxed)) < parts;) {
+        const int64_t r0 = p * part_rows;
+        pack_x(x + r0 * K, std::min(M, r0 + part_rows) - r0, K, compute, xp_data + off[p]);
+      }
+    });
+  }
+  // (part, unit) items handed out one at a time, part by part (see the decode split)
+  const int64_t items = parts * units;
+  std::atomic<int64_t> next{0};
   ikj::parallel(n_threads, [&](int, int) {
-    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < units;)
-      gemm_rows(xp_data, M, K, w, row_bytes, type, p * unit, std::min(N, (p + 1) * unit), y, N, compute);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t p = i / units, u = i % units, r0 = p * part_rows;
+      gemm_rows(xp_data + off[p], std::min(M, r0 + part_rows) - r0, K, w, row_bytes, type, u * unit,
+                std::min(N, (u + 1) * unit), y + r0 * N, N, compute);
+    }
   });
 }
 
