@@ -80,6 +80,7 @@
 #   STAGE=37, 38, 39: issue 25 on a 2-GPU lease (see each); STAGE=40: call 1 of 40, 38, 39 (the host's
 #            decode kernel alone, ik's build and the R1 file in the background, the hybrid GPU tests).
 #   STAGE=42: issue 26's -t 16 table (ik AVX2 carried, ik native built) and the amx prefetch A/B at -t 16.
+#   STAGE=45: issue 26: the amx prompt step's run-to-run spread at -t 16 under pool / malloc settings.
 #   STAGE=44: issue 26: sweep-bench's amx rows under malloc / THP variants beside ik native, interleaved rounds.
 #   STAGE=43: issue 26: sweep-bench's amx S_PP against the steady-state step (after a decode loop, cache on / off).
 #   STAGE=41: the -ot decode's host part under VARIANTS41 on one GPU, then the split runs (PARTS41).
@@ -821,6 +822,16 @@ PYEOF
         echo "$row" | awk -F'|' -v n="$t r$r $name" '{pp=pp" "$6+0; tg=tg" "$8+0} END {printf "%-22s S_PP%s  S_TG%s\n", n, pp, tg}'
       done
     done
+  done
+  ;;
+45)
+  # issue 26: the amx prompt step's run-to-run spread at -t 16 under settings (VARIANTS45: "TYPE|ENV=V,..."),
+  # sweep-bench's order in one process (bench/cpu_step_jitter.py: time / faults / switches per step)
+  for spec in ${VARIANTS45:-"IQ4_XS|" "IQ4_XS|IKJAX_SPIN_LONG=2000" "IQ4_XS|IKJAX_SPIN=0,IKJAX_SPIN_LONG=0" "Q4_0|"}; do
+    t=${spec%%|*}; envs=$(echo "${spec#*|}" | tr ',' ' '); f=/tmp/cpuisa_4l_$t.gguf
+    [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
+    el "jitter $t [$envs]"
+    env $envs JAX_PLATFORMS=cpu IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 120 python3 bench/cpu_step_jitter.py $f 16 ${ROUNDS45:-10} 2>&1 | grep -v Warn | tail -4
   done
   ;;
 esac
