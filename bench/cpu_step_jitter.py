@@ -55,6 +55,7 @@ def main():
         print(f"N_KV {s}: " + " ".join(f"{r[0] * 1e3:.0f}/{r[1]}f/{r[2]}v/{r[3]}i" for r in rs))
         q = np.percentile(ms, [0, 50, 90, 100])
         print(f"  ms min {q[0]:.1f} median {q[1]:.1f} p90 {q[2]:.1f} max {q[3]:.1f}; t/s at the median {512e3 / q[1]:.0f}")
+    print(f"  RSS high-water mark {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 
 if __name__ == "__main__":
