@@ -831,7 +831,9 @@ PYEOF
     t=${spec%%|*}; envs=$(echo "${spec#*|}" | tr ',' ' '); f=/tmp/cpuisa_4l_$t.gguf
     [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
     el "jitter $t [$envs]"
-    env $envs JAX_PLATFORMS=cpu IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 120 python3 bench/cpu_step_jitter.py $f 16 ${ROUNDS45:-10} 2>&1 | grep -v Warn | tail -4
+    grep -E "thp_(split_page |underused|fault_alloc |collapse_alloc )|nr_anon_transparent" /proc/vmstat | tr '\n' ' ' > /tmp/vm0
+    env $envs JAX_PLATFORMS=cpu IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 120 python3 bench/cpu_step_jitter.py $f 16 ${ROUNDS45:-10} 2>&1 | grep -v Warn | tail -5
+    echo "  vmstat before: $(cat /tmp/vm0)"; echo "  vmstat after:  $(grep -E "thp_(split_page |underused|fault_alloc |collapse_alloc )|nr_anon_transparent" /proc/vmstat | tr '\n' ' ')"
   done
   ;;
 esac
