@@ -95,8 +95,9 @@ def test_jsonl_keys_order_types_and_plot(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("loop", ["1", "0"])
 def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model, loop, monkeypatch):
-    """A new executable's first run (kernel load, allocator growth) is never inside a row's timing:
-    each step shape the sweep uses runs once, untimed, before the first row that uses it, and the
+    """A new executable's first runs (kernel load, allocator growth) are never inside a row's
+    timing: each step shape the sweep uses runs untimed before the first row that uses it (twice on
+    a CPU-only engine, whose second run still faults its temporaries in: RESULTS §26ai), and the
     compile hook sees each row before that row."""
     import ikjax
     monkeypatch.setenv("IKJAX_DECODE_LOOP", loop)
@@ -121,16 +122,21 @@ def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model, loop, mon
     shapes = {(t, eng.kv_bucket(kv, t)) for t, kv in sb.step_shapes(eng, tg)}
     per_row = (1 if loop == "1" else tg) + 1
     timed = len(rows) * per_row
-    assert len(calls) == timed + len(shapes)  # one untimed run per distinct shape
-    first_use = {}
+    runs = 2 if eng.executor.on_cpu_only else 1
+    assert eng.executor.on_cpu_only  # this test's engine: the CPU's twice
+    assert len(calls) == timed + runs * len(shapes)  # the untimed runs of each distinct shape
+    first_uses = {}
     for i, (t, bucket, row) in enumerate(calls):
-        first_use.setdefault((t, bucket), i)
-    assert set(first_use) == shapes
-    # the first call of each shape is a warm-up: the row's timed steps (tg decode + 1 prompt)
+        first_uses.setdefault((t, bucket), [])
+        if len(first_uses[(t, bucket)]) < runs:
+            first_uses[(t, bucket)].append(i)
+    assert set(first_uses) == shapes
+    warmups = {i for v in first_uses.values() for i in v}
+    # the first calls of each shape are warm-ups: the row's timed steps (tg decode + 1 prompt)
     # come as one uninterrupted run after the row's warm-ups
     for r in range(len(rows)):
         mine = [i for i, c in enumerate(calls) if c[2] == r + 1]
-        warm = [i for i in mine if i in first_use.values()]
+        warm = [i for i in mine if i in warmups]
         assert mine[:len(warm)] == warm and len(mine) - len(warm) == per_row
 
 

@@ -295,15 +295,23 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
             out, cache = eng.step(cache, rng.integers(0, vocab, (1, n_tokens)), np.array([kv_needed - n_tokens]))
         out.block_until_ready()
 
+    # A CPU-only engine runs each new step shape twice before timing it: on the device host's 16
+    # cores the first run after one warm-up still page-faulted 30-38 thousand fresh pages (120-150
+    # MB of XLA's temporaries) and took 157-176 ms, against 115-140 from the second on (RESULTS
+    # §26ai, bench/cpu_step_jitter.py); ik's buffers are sized and touched once, at its start.
+    warm_runs = 2 if getattr(getattr(eng, "executor", None), "on_cpu_only", False) else 1
+
     def warm(n_kv: int) -> None:
-        """Run each step shape the row at n_kv uses once before it is timed, the first time it
-        comes (ik warms up too, and runs no new code later): a new executable's first run loads its
-        kernels onto the device and grows the allocator. Its cache writes land at or past n_kv,
-        which the row's own steps write again before anything reads them."""
+        """Run each step shape the row at n_kv uses before it is timed, the first time it comes
+        (ik warms up too, and runs no new code later): a new executable's first run loads its
+        kernels onto the device and grows the allocator (on the CPU alone, twice: see warm_runs).
+        Its cache writes land at or past n_kv, which the row's own steps write again before
+        anything reads them."""
         for kind, n_tokens, kv_needed in _row_steps(eng, tg, pp, n_kv):
             key = _key(eng, kind, n_tokens, kv_needed)
             if key not in warmed:
-                execute(kind, n_tokens, kv_needed)
+                for _ in range(warm_runs):
+                    execute(kind, n_tokens, kv_needed)
                 warmed.add(key)
     done = 0
     for row, n_kv in enumerate(measured_points(o.ctx, pp, stride)):
