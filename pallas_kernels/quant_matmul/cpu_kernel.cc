@@ -35,6 +35,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <mutex>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -3030,13 +3031,19 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     std::memset(y, 0, M * N * 4);
     return;
   }
+  // The call's own buffers (x quantized or packed once for every thread) are one set per process,
+  // not per calling thread: XLA runs a custom call on whichever of its workers picks it up, and
+  // per-thread buffers were grown and faulted in again each time a new worker called (RESULTS
+  // §26ai). Calls are serialized here; each runs on the whole pool anyway.
+  static std::mutex call_mu;
+  std::lock_guard<std::mutex> call_lock(call_mu);
   if (M < kGemmMinRows) {
     // decode-sized: 8-bit activations (x quantized once here) where qgemm_tile_ex would use them,
     // f32 otherwise
 #if defined(IKJ_HAVE_Q8DOT)
     const bool q8 = compute == QM_BF16 && (q8_offset(type) >= 0 || kq8_type(type));
-    thread_local XQ8 xq_tls;
-    XQ8& xq = xq_tls;  // the caller's: a lambda run by the pool's threads would name their own thread_local
+    static XQ8 xq_shared;
+    XQ8& xq = xq_shared;  // the call's (a lambda run by the pool's threads names it through this reference)
     if (q8) quantize_x8(x, M, K, type, xq);
 #endif
     compute = QM_F32;
@@ -3106,11 +3113,11 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
   if (const int64_t pr = part_rows_cap(); pr > 0) parts = std::max(parts, (M + pr - 1) / pr);
   const int64_t part_rows = (M + parts - 1) / parts;
   parts = (M + part_rows - 1) / part_rows;
-  // the caller thread's pack buffer, kept between calls: a fresh one per call (up to ~22 MiB for a
+  // the call's pack buffer, kept between calls: a fresh one per call (up to ~22 MiB for a
   // 512-row f32 x of K = 10944) was mapped and zeroed by the kernel on every call (clear_page was
   // ~8 % of a Q8_0 sweep-bench profile on the 2-core EPYC)
-  thread_local std::vector<uint8_t> xp_buf;
-  thread_local std::vector<size_t> xp_off;
+  static std::vector<uint8_t> xp_buf;
+  static std::vector<size_t> xp_off;
   xp_off.assign(parts + 1, 0);
   for (int64_t p = 0; p < parts; ++p) {
     const int64_t mp = std::min(M, (p + 1) * part_rows) - p * part_rows;
