@@ -3031,19 +3031,13 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     std::memset(y, 0, M * N * 4);
     return;
   }
-  // The call's own buffers (x quantized or packed once for every thread) are one set per process,
-  // not per calling thread: XLA runs a custom call on whichever of its workers picks it up, and
-  // per-thread buffers were grown and faulted in again each time a new worker called (RESULTS
-  // §26ai). Calls are serialized here; each runs on the whole pool anyway.
-  static std::mutex call_mu;
-  std::lock_guard<std::mutex> call_lock(call_mu);
   if (M < kGemmMinRows) {
     // decode-sized: 8-bit activations (x quantized once here) where qgemm_tile_ex would use them,
     // f32 otherwise
 #if defined(IKJ_HAVE_Q8DOT)
     const bool q8 = compute == QM_BF16 && (q8_offset(type) >= 0 || kq8_type(type));
-    static XQ8 xq_shared;
-    XQ8& xq = xq_shared;  // the call's (a lambda run by the pool's threads names it through this reference)
+    thread_local XQ8 xq_tls;
+    XQ8& xq = xq_tls;  // the caller's: a lambda run by the pool's threads would name their own thread_local
     if (q8) quantize_x8(x, M, K, type, xq);
 #endif
     compute = QM_F32;
@@ -3084,6 +3078,13 @@ void quant_matmul_ex(const float* x, const uint8_t* w, float* y, int64_t M, int6
     }
     return;
   }
+  // A prompt-sized call's pack buffers are one set per process, not per calling thread: XLA runs a
+  // custom call on whichever of its workers picks it up, and per-thread buffers (x packed, up to
+  // ~22 MiB) were grown and faulted in again each time a new worker called (RESULTS §26ai).
+  // Prompt-sized calls are serialized here (each runs on the whole pool anyway); decode-sized ones
+  // keep their caller's small buffer and run as before.
+  static std::mutex prompt_mu;
+  std::lock_guard<std::mutex> prompt_lock(prompt_mu);
   compute = qgemm_packed_compute(type, compute);
   const int64_t nth = std::min<int64_t>(n_threads > 0 ? n_threads : ikj::available_cores(), ikj::available_cores());
   // output columns per unit of work: the int8 engine's QUNIT (its panels swept together), halved
