@@ -863,13 +863,29 @@ void write_out(const ikj::MlaArgs& a, const Plan& pl, int64_t b, int64_t h, int6
 void mla_attention(const ikj::MlaArgs& a) {
   const int64_t B = a.B, T = a.T, H = a.H;
   if (B == 0 || T == 0 || H == 0) return;
-  // The call's own buffers (the per-call key conversions, the split items' partials) are one set
-  // per process, not per calling thread: XLA runs a custom call on whichever of its workers picks
-  // it up, so per-thread buffers were grown and faulted in again each time a new worker called
-  // (on the device host's 16 cores a prompt step faulted 20-30 thousand pages run after run;
-  // RESULTS §26ai). Calls are serialized here; each runs on the whole pool anyway.
-  static std::mutex call_mu;
-  std::lock_guard<std::mutex> call_lock(call_mu);
+  // A prompt-sized call's own buffers (the per-call key conversions, the split items' partials) are
+  // one set per process, not per calling thread: XLA runs a custom call on whichever of its workers
+  // picks it up, so per-thread buffers were grown and faulted in again each time a new worker
+  // called (on the device host's 16 cores a prompt step faulted 20-30 thousand pages run after
+  // run; RESULTS §26ai). Prompt-sized calls are serialized here (each runs on the whole pool
+  // anyway); decode-sized ones (one token a sequence) keep their caller's buffers, as before.
+  struct CallBuffers {
+    std::vector<uint16_t> kpre;
+    std::vector<uint32_t> vpre;
+    std::vector<float> kpre32, vpre32, partial;
+  };
+  static std::mutex prompt_mu;
+  static CallBuffers shared;
+  thread_local CallBuffers own;
+  const bool prompt = T > 1;
+  std::unique_lock<std::mutex> prompt_lock(prompt_mu, std::defer_lock);
+  if (prompt) prompt_lock.lock();
+  CallBuffers& cb = prompt ? shared : own;
+  std::vector<uint16_t>& kpre = cb.kpre;
+  std::vector<uint32_t>& vpre = cb.vpre;
+  std::vector<float>& kpre32 = cb.kpre32;
+  std::vector<float>& vpre32 = cb.vpre32;
+  std::vector<float>& partial = cb.partial;
   Plan pl;
   pl.hq = a.Hk == 1 ? H : 1;
   pl.tq = std::max<int64_t>(1, std::min<int64_t>(T, (a.Hk == 1 ? ROW_TARGET : HEAD_ROW_TARGET) / pl.hq));
@@ -933,8 +949,6 @@ void mla_attention(const ikj::MlaArgs& a) {
   const int64_t spad = round_up(std::max<int64_t>(*std::max_element(ends.begin(), ends.end()), 1), BK);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   // the per-head keys and values converted once for the tiles (keys_to_tiles), where they run
-  static std::vector<uint16_t> kpre;
-  static std::vector<uint32_t> vpre;
   if (a.v && pl.hq == 1 && bf16_inputs(a) && attn_tiles(a)) {
     pl.spad = spad;
     pl.kpre = grow(kpre, static_cast<size_t>(B * H * pl.spad * a.D));
@@ -944,7 +958,6 @@ void mla_attention(const ikj::MlaArgs& a) {
 #endif
   // the f32 loop's keys and values once a call (keys_to_rows), where the items take that loop, a
   // prompt of several token tiles reads them, and the copy stays under 256 MiB
-  static std::vector<float> kpre32, vpre32;
 #if defined(__AVX512BF16__)
   const bool f32_loop = !(bf16_inputs(a) && a.D % 2 == 0);
 #else
@@ -960,7 +973,6 @@ void mla_attention(const ikj::MlaArgs& a) {
     }
   }
   const int64_t slot_size = pl.Rp * (pl.Vp + 2);
-  static std::vector<float> partial;
   float* part = grow(partial, static_cast<size_t>(std::max<int64_t>(1, n_slots * slot_size)));
   std::vector<std::atomic<int64_t>> remaining(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) remaining[g].store(groups[g].n_split, std::memory_order_relaxed);
