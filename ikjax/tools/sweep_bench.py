@@ -296,9 +296,11 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
         out.block_until_ready()
 
     # A CPU-only engine runs each new step shape twice before timing it: on the device host's 16
-    # cores the first run after one warm-up still page-faulted 30-38 thousand fresh pages (120-150
-    # MB of XLA's temporaries) and took 157-176 ms, against 115-140 from the second on (RESULTS
-    # §26ai, bench/cpu_step_jitter.py); ik's buffers are sized and touched once, at its start.
+    # cores the first run after one warm-up page-faulted 30-38 thousand fresh pages and took 157-176
+    # ms against a 118-130 ms median (most of those faults were the C++ kernels' per-thread buffers,
+    # since made per process); after that fix it still took 166-167 ms against a 152-161 median
+    # (3 thousand faults; RESULTS §26ai, bench/cpu_step_jitter.py). ik sizes and touches its
+    # buffers once, at its start.
     warm_runs = 2 if getattr(getattr(eng, "executor", None), "on_cpu_only", False) else 1
 
     def warm(n_kv: int) -> None:
