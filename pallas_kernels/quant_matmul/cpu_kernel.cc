@@ -2035,53 +2035,6 @@ inline void wscale(const uint8_t* row, int64_t b, float& dw, float& mw) {
   }
 }
 
-// wscale for 16 rows at once: dw and mw of block b of the rows at base + j * row_bytes (lane j;
-// lanes outside `valid` zero), their bytes gathered (vpgatherdd) and the scales unpacked in vector
-// lanes: the same floats as wscale row by row (the same f16 conversion, the same one multiply).
-// Why: the panel builders called wscale 16 times a block, ~20-30 scalar instructions each for the
-// K-quants' and IQ4_XS's 6-bit scales, about as many instructions as the block's 512 weights took.
-template <int type, int bs>
-__attribute__((always_inline)) inline void wscale16(const uint8_t* base, __m512i vidx, __mmask16 valid, int64_t b,
-                                                    __m512& dw, __m512& mw) {
-  const __m512i z = _mm512_setzero_si512();
-  auto gather = [&](const uint8_t* p) { return _mm512_mask_i32gather_epi32(z, valid, vidx, p, 1); };
-  auto lo16 = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); };
-  auto hi16 = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); };
-  const __m512i m3 = _mm512_set1_epi32(3), m15 = _mm512_set1_epi32(15), m63 = _mm512_set1_epi32(63);
-  mw = _mm512_setzero_ps();
-  if constexpr (type == ikj::T_Q4_K || type == ikj::T_Q5_K) {
-    const uint8_t* p = base + (b / 8) * bs;
-    const int j = static_cast<int>(b % 8);
-    const __m512i h = gather(p), q0 = gather(p + 4), q1 = gather(p + 8);
-    __m512i sc, m;
-    if (j < 4) {
-      sc = _mm512_and_si512(_mm512_srli_epi32(q0, 8 * j), m63);
-      m = _mm512_and_si512(_mm512_srli_epi32(q1, 8 * j), m63);
-    } else {
-      const int i = 8 * (j - 4);
-      const __m512i q2 = gather(p + 12);
-      sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q2, i), m15),
-                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q0, i + 6), m3), 4));
-      m = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q2, i + 4), m15),
-                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q1, i + 6), m3), 4));
-    }
-    dw = _mm512_maskz_mul_ps(valid, lo16(h), _mm512_cvtepi32_ps(sc));
-    const __m512 negmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi16(h)), _mm512_set1_epi32(INT32_MIN)));
-    mw = _mm512_maskz_mul_ps(valid, negmin, _mm512_cvtepi32_ps(m));
-  } else if constexpr (type == ikj::T_IQ4_XS) {
-    const uint8_t* p = base + (b / 8) * bs;
-    const int s = static_cast<int>(b % 8);
-    const __m512i h = gather(p), l = gather(p + 4);  // d | scales_h << 16; scales_l
-    const __m512i ls = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(l, 4 * s), m15),
-                                       _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 16 + 2 * s), m3), 4));
-    dw = _mm512_maskz_mul_ps(valid, lo16(h), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
-  } else {
-    const __m512i h = gather(base + b * bs);  // d (| the minimum, types that have one)
-    dw = _mm512_maskz_mov_ps(valid, lo16(h));
-    if constexpr (q8gemm_min(type)) mw = _mm512_maskz_mov_ps(valid, hi16(h));
-  }
-}
-
 // A super-block's scale words for 16 rows, gathered once for its 8 blocks (the K types and IQ4_XS
 // keep every sub-block's scales in one 12- or 8-byte field per super-block): a builder walks a
 // super-block's blocks in turn, so the gathers wscale16 made per block (2-4 of 16 rows each, ~8 %
@@ -2092,21 +2045,29 @@ struct ScaleWords {
   __m512i w[4];
 };
 
+// wscale for 16 rows at once: dw and mw of block b of the rows at base + j * row_bytes (lane j;
+// lanes outside `valid` zero), their bytes gathered (vpgatherdd) and the scales unpacked in vector
+// lanes: the same floats as wscale row by row (the same f16 conversion, the same one multiply).
+// Why: the panel builders called wscale 16 times a block, ~20-30 scalar instructions each for the
+// K-quants' and IQ4_XS's 6-bit scales, about as many instructions as the block's 512 weights took.
+// The K types' and IQ4_XS's words come from `c` (ScaleWords), gathered once a super-block.
 template <int type, int bs>
-__attribute__((always_inline)) inline void wscale16_cached(const uint8_t* base, __m512i vidx, __mmask16 valid, int64_t b,
-                                                           ScaleWords& c, __m512& dw, __m512& mw) {
+__attribute__((always_inline)) inline void wscale16(const uint8_t* base, __m512i vidx, __mmask16 valid, int64_t b,
+                                                    ScaleWords& c, __m512& dw, __m512& mw) {
   constexpr bool kq = type == ikj::T_Q4_K || type == ikj::T_Q5_K;
+  const __m512i z = _mm512_setzero_si512();
+  auto lo16 = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); };
+  auto hi16 = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); };
   if constexpr (!kq && type != ikj::T_IQ4_XS) {
-    wscale16<type, bs>(base, vidx, valid, b, dw, mw);
+    const __m512i h = _mm512_mask_i32gather_epi32(z, valid, vidx, base + b * bs, 1);  // d (| the minimum)
+    dw = _mm512_maskz_mov_ps(valid, lo16(h));
+    mw = q8gemm_min(type) ? _mm512_maskz_mov_ps(valid, hi16(h)) : _mm512_setzero_ps();
   } else {
     if (c.base != base || c.sb != b / 8) {
-      const __m512i z = _mm512_setzero_si512();
       const uint8_t* p = base + (b / 8) * bs;
       for (int i = 0; i < (kq ? 4 : 2); ++i) c.w[i] = _mm512_mask_i32gather_epi32(z, valid, vidx, p + 4 * i, 1);
       c.base = base, c.sb = b / 8;
     }
-    auto lo16 = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); };
-    auto hi16 = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); };
     const __m512i m3 = _mm512_set1_epi32(3), m15 = _mm512_set1_epi32(15), m63 = _mm512_set1_epi32(63);
     const __m512i h = c.w[0];
     if constexpr (kq) {
@@ -2162,7 +2123,7 @@ __attribute__((always_inline)) inline void panel_scales(const uint8_t* const* ro
                                                         ScaleWords& cache, __m512& dw, __m512& mw) {
   if constexpr (VS) {
     const Rows16 rr = rows16(rows, row_bytes);
-    wscale16_cached<type, bs>(rr.base, rr.vidx, rr.valid, b, cache, dw, mw);
+    wscale16<type, bs>(rr.base, rr.vidx, rr.valid, b, cache, dw, mw);
   } else {
     alignas(64) float d[16], m[16];
     for (int j = 0; j < 16; ++j) {
