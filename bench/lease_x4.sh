@@ -754,6 +754,9 @@ PYEOF
   # as STAGE=29) and its native build made in the call (VARIANTS42, TYPES42), then the amx level's
   # tile-loop prefetch on / off on the routed-experts call at -t 16 (bench/cpu_moe_ab.py, in one process)
   tar -xzf .whl/ik_avx2_bin.tar.gz -C / || exit 1
+  # ik's native build carried too where a lease saved it (STAGE=44: .whl/ik_native_bin.tar.gz, -march=native
+  # of the nvidia-h200 hosts' Xeon: delete it for another CPU), else built here
+  if [ -f .whl/ik_native_bin.tar.gz ]; then tar -xzf .whl/ik_native_bin.tar.gz -C / && export IK_NATIVE_BIN=/tmp/ikt/build-native/bin/llama-sweep-bench; fi
   THREADS="${THREADS42:-16}" TYPES="${TYPES42:-Q8_0 Q4_0 Q4_K IQ4_XS}" VARIANTS="${VARIANTS42:-ik_native jx_amx ik_avx2 jx_avx2}" \
     IK_AVX2_BIN=/tmp/ikfull/build/bin/llama-sweep-bench JOBS=15 DEADLINE=${DEADLINE42:-420} NO_INSTALL=1 IK_DIR=/tmp/ikt \
     OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 | grep -E "^\||passed|failed|rc=|physical" | head -24
