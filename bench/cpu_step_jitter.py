@@ -46,10 +46,12 @@ def main():
     for s in (0, 512):  # sweep-bench's warm-up: each step once
         prompt(s), decode(s)
     runs = {0: [], 512: []}
+    os.access("/ikjax-jitter-runs-start", os.F_OK)  # a marker for strace (lease_x4.sh STAGE=46)
     for i in range(rounds):
         for s in (0, 512):
             decode(s)
             runs[s].append(prompt(s))
+    os.access("/ikjax-jitter-runs-end", os.F_OK)
     for s, rs in runs.items():
         ms = np.array([r[0] for r in rs]) * 1e3
         print(f"N_KV {s}: " + " ".join(f"{r[0] * 1e3:.0f}/{r[1]}f/{r[2]}v/{r[3]}i" for r in rs))

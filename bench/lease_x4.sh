@@ -80,6 +80,7 @@
 #   STAGE=37, 38, 39: issue 25 on a 2-GPU lease (see each); STAGE=40: call 1 of 40, 38, 39 (the host's
 #            decode kernel alone, ik's build and the R1 file in the background, the hybrid GPU tests).
 #   STAGE=42: issue 26's -t 16 table (ik AVX2 carried, ik native built) and the amx prefetch A/B at -t 16.
+#   STAGE=46: issue 26: the jitter run under strace (who hands the step's pages back on the device host).
 #   STAGE=45: issue 26: the amx prompt step's run-to-run spread at -t 16 under pool / malloc settings.
 #   STAGE=44: issue 26: sweep-bench's amx rows under malloc / THP variants beside ik native, interleaved rounds.
 #   STAGE=43: issue 26: sweep-bench's amx S_PP against the steady-state step (after a decode loop, cache on / off).
@@ -838,6 +839,37 @@ PYEOF
     env $envs JAX_PLATFORMS=cpu IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 120 python3 bench/cpu_step_jitter.py $f 16 ${ROUNDS45:-10} 2>&1 | grep -v Warn | tail -5
     echo "  vmstat before: $(cat /tmp/vm0)"; echo "  vmstat after:  $(grep -E "thp_(split_page |underused|fault_alloc |collapse_alloc )|nr_anon_transparent" /proc/vmstat | tr '\n' ' ')"
   done
+  ;;
+46)
+  # issue 26: who hands a prompt step's pages back between runs on the device host (RESULTS §26ai: with
+  # one glibc arena and mmap off the N_KV 512 steps still faulted 22-27 thousand pages a run, which this
+  # workplace's VM never showed): the jitter run under strace (madvise / munmap / brk / mmap counted
+  # during the timed rounds, between cpu_step_jitter.py's markers)
+  t=${TYPE46:-Q8_0}; f=/tmp/cpuisa_4l_$t.gguf
+  [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
+  if command -v strace > /dev/null; then
+    JAX_PLATFORMS=cpu IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 200 strace -f -tt -e trace=madvise,munmap,brk,mmap,mremap,mprotect,access,faccessat,faccessat2 \
+      -o $OUT/strace46.txt python3 bench/cpu_step_jitter.py $f 16 ${ROUNDS46:-6} 2>&1 | grep -v Warn | tail -5
+    python3 - "$OUT/strace46.txt" <<'PY'
+import collections, re, sys
+lines = open(sys.argv[1]).read().splitlines()
+calls = collections.Counter(); big = collections.Counter()
+start = next((i for i, l in enumerate(lines) if "ikjax-jitter-runs-start" in l), 0)
+end = next((i for i, l in enumerate(lines) if "ikjax-jitter-runs-end" in l), len(lines))
+for l in lines[start:end]:  # the timed rounds (cpu_step_jitter.py's markers)
+    m = re.match(r"(\d+)\s+\S+\s+(\w+)\((.*)", l)
+    if not m:
+        continue
+    calls[m.group(2)] += 1
+    nums = [int(x) for x in re.findall(r", (\d{6,})", m.group(3))]
+    if nums and max(nums) >= 1 << 20:
+        big[(m.group(2), m.group(3).split(",")[-1].strip()[:20])] += 1
+print("syscalls during the timed rounds:", dict(calls))
+print("of them on 1 MiB or more:", dict(big.most_common(8)))
+PY
+  else
+    el "no strace on this host"
+  fi
   ;;
 esac
 ikprog
