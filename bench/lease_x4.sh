@@ -835,9 +835,9 @@ PYEOF
     t=${spec%%|*}; envs=$(echo "${spec#*|}" | tr ',' ' '); f=/tmp/cpuisa_4l_$t.gguf
     [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
     el "jitter $t [$envs]"
-    grep -E "thp_(split_page |underused|fault_alloc |collapse_alloc )|nr_anon_transparent" /proc/vmstat | tr '\n' ' ' > /tmp/vm0
+    grep -E "thp_(split_page |underused|fault_alloc |collapse_alloc )|nr_anon_transparent|pgmigrate_success|compact_daemon_migrate_scanned|numa_hint_faults " /proc/vmstat | tr '\n' ' ' > /tmp/vm0
     env $envs JAX_PLATFORMS=cpu IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 120 python3 bench/cpu_step_jitter.py $f 16 ${ROUNDS45:-10} 2>&1 | grep -v Warn | tail -5
-    echo "  vmstat before: $(cat /tmp/vm0)"; echo "  vmstat after:  $(grep -E "thp_(split_page |underused|fault_alloc |collapse_alloc )|nr_anon_transparent" /proc/vmstat | tr '\n' ' ')"
+    echo "  vmstat before: $(cat /tmp/vm0)"; echo "  vmstat after:  $(grep -E "thp_(split_page |underused|fault_alloc |collapse_alloc )|nr_anon_transparent|pgmigrate_success|compact_daemon_migrate_scanned|numa_hint_faults " /proc/vmstat | tr '\n' ' ')"
   done
   ;;
 46)
@@ -847,6 +847,7 @@ PYEOF
   # during the timed rounds, between cpu_step_jitter.py's markers)
   t=${TYPE46:-Q8_0}; f=/tmp/cpuisa_4l_$t.gguf
   [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
+  grep -E "pgmigrate_success|compact_daemon_migrate_scanned|compact_stall" /proc/vmstat | tr '\n' ' ' > /tmp/vm46
   if command -v strace > /dev/null; then
     JAX_PLATFORMS=cpu IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 200 strace -f -tt -e trace=madvise,munmap,brk,mmap,mremap,mprotect,access,faccessat,faccessat2 \
       -o $OUT/strace46.txt python3 bench/cpu_step_jitter.py $f 16 ${ROUNDS46:-6} 2>&1 | grep -v Warn | tail -5
@@ -870,6 +871,8 @@ PY
   else
     el "no strace on this host"
   fi
+  echo "vmstat before: $(cat /tmp/vm46)"
+  echo "vmstat after:  $(grep -E "pgmigrate_success|compact_daemon_migrate_scanned|compact_stall" /proc/vmstat | tr '\n' ' ') (page migration by compaction faults the moved pages in again)"
   ;;
 esac
 ikprog
