@@ -779,12 +779,12 @@ PYEOF
   ;;
 43)
   # issue 26: why sweep-bench's amx S_PP at -t 16 is below the profile's steady-state step (TYPES43):
-  # the prompt step right after a decode loop against back to back (bench/cpu_after_decode.py), then
+  # the prompt step right after a decode loop against back to back (bench/cpu_step_jitter.py --compare), then
   # sweep-bench with the compile cache on (a second run: steps from the cache) and off
   for t in ${TYPES43:-Q4_K}; do
     f=/tmp/cpuisa_4l_$t.gguf
     [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
-    IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 120 python3 bench/cpu_after_decode.py $f 16 6 2>&1 | tail -1
+    IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 150 python3 bench/cpu_step_jitter.py $f 16 6 --compare 2>&1 | grep -E "back to back|sweep_bench.run" 
     for cc in /tmp/cc43 /tmp/cc43 0; do
       IKJAX_CPU_ISA=amx IKJAX_COMPILE_CACHE=$cc taskset -c 0-15 timeout 120 python3 -m ikjax.cli sweep-bench -m $f -c 1024 -ub 512 -n 32 \
         -mla 3 -fa 1 -t 16 2>/dev/null | grep "^|" | tail -2 | awk -F'|' -v cc=$cc '{printf "cache %s: S_PP %s S_TG %s\n", cc, $6+0, $8+0}'

@@ -301,7 +301,7 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
     # since made per process); after that fix it still took 166-167 ms against a 152-161 median
     # (3 thousand faults; RESULTS §26ai, bench/cpu_step_jitter.py). ik sizes and touches its
     # buffers once, at its start.
-    warm_runs = 2 if getattr(getattr(eng, "executor", None), "on_cpu_only", False) else 1
+    warm_runs = 2 if eng.executor.on_cpu_only else 1
 
     def warm(n_kv: int) -> None:
         """Run each step shape the row at n_kv uses before it is timed, the first time it comes
