@@ -2,7 +2,8 @@
 
 This workplace's 2-vCPU VMs spread 2x between processes and ±15 % between calls, so two forms of
 one kernel are compared here the only way that holds: the same inputs, the forms taking turns
-(ABBA), each call timed in process CPU time (a VM's stolen time is not counted), the best and the
+(ABBA), each call timed in process CPU time (a VM's stolen time is not counted; the wall time beside it,
+which at several threads shows what the split loses), the best and the
 median of each form reported. The setting is an environment variable the kernels read per call
 (IKJAX_AMX_FUSED, IKJAX_AMX_MIN_ROWS, IKJAX_AMX, ...).
 
@@ -59,19 +60,22 @@ def main():
                        jnp.asarray(rng.uniform(0.1, 1, (args.tokens, used)).astype(np.float32)), jnp.asarray(ids)))
     forms = {"A": _setting(args.a), "B": _setting(args.b)}
     times = {"A": [], "B": []}
+    walls = {"A": [], "B": []}
     for r in range(args.rounds):
         for k in ("A", "B") if r % 2 == 0 else ("B", "A"):
             name, value = forms[k]
             os.environ[name] = value
             x = inputs[r % len(inputs)]
             jax.block_until_ready(f(*x, g, u, dn))  # the form's first call on these inputs untimed
-            t = time.process_time()
+            t, w = time.process_time(), time.perf_counter()
             jax.block_until_ready(f(*x, g, u, dn))
             times[k].append(time.process_time() - t)
+            walls[k].append(time.perf_counter() - w)
     print(f"{'/'.join(types)} {args.shape} E={E} tokens={args.tokens} ({args.tokens * used / E:.0f} rows an expert) "
           f"-t {args.threads}, {args.rounds} rounds")
     for k in ("A", "B"):
-        print(f"  {k} {forms[k][0]}={forms[k][1]}: best {1e3 * min(times[k]):.1f} ms, median {1e3 * np.median(times[k]):.1f} ms")
+        print(f"  {k} {forms[k][0]}={forms[k][1]}: best {1e3 * min(times[k]):.1f} ms, median {1e3 * np.median(times[k]):.1f} ms; "
+              f"wall best {1e3 * min(walls[k]):.1f} ms, median {1e3 * np.median(walls[k]):.1f} ms")
     print(f"  A / B: best {min(times['A']) / min(times['B']):.3f}, median {np.median(times['A']) / np.median(times['B']):.3f}")
 
 

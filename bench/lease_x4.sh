@@ -874,6 +874,22 @@ PY
   echo "vmstat before: $(cat /tmp/vm46)"
   echo "vmstat after:  $(grep -E "pgmigrate_success|compact_daemon_migrate_scanned|compact_stall" /proc/vmstat | tr '\n' ' ') (page migration by compaction faults the moved pages in again)"
   ;;
+47)
+  # issue 26: how the amx level's routed-experts call scales with threads on the device host (RESULTS
+  # §26aj: its 512-token call took ~37 ms at -t 16 against ~192 ms at -t 1 on this workplace's Xeon, a
+  # third of a linear split): bench/cpu_moe_ab.py's process CPU and wall time per thread count (MOE47:
+  # "TYPE DOWN_TYPE ..."; THREADS47), A = B = the shipped settings, or VAR47A / VAR47B
+  lscpu | grep -E "^(Thread|Core|Socket|NUMA node|L1d|L2|L3|CPU max|CPU MHz)" | tr -s ' ' | tr '\n' ';'; echo
+  for spec in ${MOE47:-"IQ4_XS Q8_0" "Q4_0 Q4_0"}; do
+    set -- $spec
+    for th in ${THREADS47:-1 4 8 16}; do
+      el "moe $1 / $2 down, v2-lite 512 tokens, -t $th"
+      IKJAX_CPU_ISA=${LEVEL47:-amx} taskset -c 0-$((th - 1)) timeout 150 python3 bench/cpu_moe_ab.py --type $1 --down-type $2 \
+        --shape v2-lite --tokens 512 --threads $th --a ${VAR47A:-IKJAX_AMX_PREFETCH=1} --b ${VAR47B:-IKJAX_AMX_PREFETCH=1} \
+        --rounds ${ROUNDS47:-6} 2>&1 | grep -v Warn | tail -3
+    done
+  done
+  ;;
 esac
 ikprog
 el "stage $STAGE done"
