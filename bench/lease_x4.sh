@@ -795,22 +795,30 @@ PYEOF
   # issue 26: sweep-bench's amx rows (what the table reads) under malloc / THP variants of the process
   # (VARIANTS44: "name|ENV=V,ENV=V ..."; "default|" runs as shipped), REPS44 rounds, each round every
   # variant and ik's native build once, interleaved (ik's rows move 10-30 % between runs too); ik's
-  # native build carried (.whl/ik_native_bin.tar.gz) or built here and saved to $OUT for the next lease
-  THREADS=16; TYPES="${TYPES44:-IQ4_XS Q4_0}"
+  # native build carried (.whl/ik_native_bin.tar.gz) or built here and saved to $OUT for the next lease.
+  # THREADS44 (default 16: taskset to the first N cores), LEVEL44 (ikjax's level, default amx), IK44
+  # (native, or avx2: ik's AVX2 build carried as STAGE=42 does)
+  T44=${THREADS44:-16}; L44=${LEVEL44:-amx}; TYPES="${TYPES44:-IQ4_XS Q4_0}"
+  CORES44=0-$((T44 - 1))
   el "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled) defrag $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
   if [ -f .whl/ik_native_bin.tar.gz ]; then tar -xzf .whl/ik_native_bin.tar.gz -C / || exit 1; fi
   IKN=/tmp/ikt/build-native/bin/llama-sweep-bench
   [ -x $IKN ] && export IK_NATIVE_BIN=$IKN
-  THREADS=16 TYPES="$TYPES" VARIANTS="ik_native" JOBS=15 DEADLINE=300 NO_INSTALL=1 IK_DIR=/tmp/ikt \
+  if [ "${IK44:-native}" = avx2 ]; then tar -xzf .whl/ik_avx2_bin.tar.gz -C / || exit 1; IKN=/tmp/ikfull/build/bin/llama-sweep-bench; fi
+  [ "${IK44:-native}" = native ] && THREADS=16 TYPES="$TYPES" VARIANTS="ik_native" JOBS=15 DEADLINE=300 NO_INSTALL=1 IK_DIR=/tmp/ikt \
     OUT=$OUT/cpu bash bench/cpu_isa_table.sh 2>&1 | grep -E "^\|" | head -6
   [ -f .whl/ik_native_bin.tar.gz ] || tar -czf $OUT/ik_native_bin.tar.gz -C / tmp/ikt/build-native/bin/llama-sweep-bench \
     tmp/ikt/build-native/src/libllama.so tmp/ikt/build-native/ggml/src/libggml.so 2>&1 | tail -2
-  # PROF44: "TYPE|ENV=V,ENV=V ..." the 512-token step by op at -t 16, N_KV 0, amx (cpu_prompt_profile.py)
+  for t in $TYPES ${PROF44:-}; do  # (the table script writes them; IK44=avx2 runs without it)
+    t=${t%%|*}; f=/tmp/cpuisa_4l_$t.gguf
+    [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
+  done
+  # PROF44: "TYPE|ENV=V,ENV=V ..." the 512-token step by op at -t T44, N_KV 0, level L44 (cpu_prompt_profile.py)
   for spec in ${PROF44:-}; do
     t=${spec%%|*}; envs=$(echo "${spec#*|}" | tr ',' ' ')
     el "profile $t [$envs]"
-    env $envs JAX_PLATFORMS=cpu IKJAX_CPU_ISA=amx taskset -c 0-15 timeout 100 python3 bench/cpu_prompt_profile.py \
-      /tmp/cpuisa_4l_$t.gguf --threads 16 2>&1 | grep -v Warn | head -${TOP44:-10}
+    env $envs JAX_PLATFORMS=cpu IKJAX_CPU_ISA=$L44 taskset -c $CORES44 timeout 100 python3 bench/cpu_prompt_profile.py \
+      /tmp/cpuisa_4l_$t.gguf --threads $T44 2>&1 | grep -v Warn | head -${TOP44:-10}
   done
   for t in $TYPES; do
     f=/tmp/cpuisa_4l_$t.gguf
@@ -818,10 +826,10 @@ PYEOF
       for spec in ${VARIANTS44:-"default|" "ik|" "arena1|MALLOC_ARENA_MAX=1,MALLOC_MMAP_THRESHOLD_=33554432,MALLOC_TRIM_THRESHOLD_=1073741824,MALLOC_TOP_PAD_=268435456" "thp|GLIBC_TUNABLES=glibc.malloc.hugetlb=1"}; do
         name=${spec%%|*}; envs=$(echo "${spec#*|}" | tr ',' ' ')
         if [ "$name" = ik ]; then
-          row=$(taskset -c 0-15 timeout 120 $IKN -m $f -c 1024 -ub 512 -n 32 -mla 3 -fa 1 -t 16 2>&1 | grep "^|  *512")
+          row=$(taskset -c $CORES44 timeout 120 $IKN -m $f -c 1024 -ub 512 -n 32 -mla 3 -fa 1 -t $T44 2>&1 | grep "^|  *512")
         else
-          row=$(env $envs IKJAX_CPU_ISA=amx JAX_PLATFORMS=cpu taskset -c 0-15 timeout 120 python3 -m ikjax.cli sweep-bench -m $f -c 1024 -ub 512 -n 32 \
-            -mla 3 -fa 1 -t 16 2>/dev/null | grep "^|  *512")
+          row=$(env $envs IKJAX_CPU_ISA=$L44 JAX_PLATFORMS=cpu taskset -c $CORES44 timeout 120 python3 -m ikjax.cli sweep-bench -m $f -c 1024 -ub 512 -n 32 \
+            -mla 3 -fa 1 -t $T44 2>/dev/null | grep "^|  *512")
         fi
         echo "$row" | awk -F'|' -v n="$t r$r $name" '{pp=pp" "$6+0; tg=tg" "$8+0} END {printf "%-22s S_PP%s  S_TG%s\n", n, pp, tg}'
       done
