@@ -173,6 +173,9 @@ _VARS = (
     Variable("IKJAX_AMX_PREFETCH", "1", ("1", "0"),
              "`0`: the amx level's bf16 tile loop without its prefetch of x's rows two blocks ahead; the same bits",
              "pallas_kernels/quant_matmul/cpu_kernel.cc"),
+    Variable("IKJAX_Q8X2", "1", ("1", "0"),
+             "`0`: the avx2 level's AVX-VNNI prompt products take their weight panels one at a time, as before two "
+             "panels shared each x load; the same bits", "pallas_kernels/quant_matmul/cpu_kernel.cc"),
     Variable("IKJAX_CPU_ROW_SPLIT", "1", ("1", "0"),
              "`0`: a CPU prompt product with fewer column units than twice the threads (a router, a 576-column "
              "kv_a at -t 16) splits its columns only, not x's rows too; the same bits",

@@ -415,3 +415,31 @@ def test_avx_vnni_build_gives_the_avx2_integers(name, monkeypatch):
             out[vnni] = np.asarray(cpu.quant_matmul(x, w, n_threads=2, compute="bf16"))
         assert np.isfinite(out["1"]).all()
         np.testing.assert_array_equal(out["1"], out["0"], err_msg=f"{name} M={M}")
+
+
+@pytest.mark.skipif(not _avx_vnni_runs(), reason="the CPU has no AVX-VNNI (or the avxvnni objects are not built): "
+                                                  "the two-panel kernel is the AVX-VNNI build's")
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "IQ4_NL", "Q4_K", "Q5_K"])
+def test_two_panel_kernel_same_bits_as_one_panel(name, monkeypatch):
+    """The AVX-VNNI build's prompt products take their 8-row panels in pairs (micro_q8x2, IKJAX_Q8X2, the
+    default): the same bits as one panel at a time (=0) for x rows that are not a multiple of its 6
+    (1 .. 5 left over), panel groups with an odd panel and a partial last one (N = 88: 11 panels; N = 100:
+    12 and 4 rows), several K chunks (K = 1024: the chunk sums added to C), 1-2 threads; and close to the
+    reference. A pair whose second panel's output lands on the first's columns, or a chunk's sum that
+    replaces C, fails it."""
+    monkeypatch.setenv("IKJAX_CPU_ISA", "avx2")
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 7)
+    K = 1024
+    for M, N in [(13, 88), (50, 100), (64, 64)]:
+        w = _weights(name, N, K, rng)
+        x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+        for nt in (1, 2):
+            out = {}
+            for v in ("0", "1"):
+                monkeypatch.setenv("IKJAX_Q8X2", v)
+                out[v] = np.asarray(cpu.quant_matmul(x, w, n_threads=nt, compute="bf16"))
+            assert np.isfinite(out["1"]).all()
+            np.testing.assert_array_equal(out["1"], out["0"], err_msg=str((name, M, N, nt)))
+        ref = np.asarray(quant_matmul_ref(x, w, jnp.float32))
+        scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(quant_matmul_ref(jnp.eye(K, dtype=jnp.float32), w, jnp.float32)))
+        assert (np.abs(out["1"] - ref) <= X8_TOL * scale + 1e-6).all(), (name, M, N)

@@ -2706,6 +2706,74 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, con
   }
 }
 
+#if defined(__AVXVNNI__)
+// Two panels (16 weight rows) against mr x rows (AVX-VNNI; every type but IQ4_XS): each x broadcast
+// feeds both panels' vpdpbusd, one sum a row and panel. Why: micro_q8's one panel spends a broadcast
+// (a load) and two sums' bookkeeping on each product; perf put it at ~80 % of a V2-Lite Q8_0 prompt
+// layer's experts at the avx2 level. Here 2 mr independent sums (12 at mr = 6) keep both VNNI ports
+// fed, with one load a product instead of ~1.25. The chunk's float sums live in an L1 buffer (4 mr
+// more ymm would not fit the 16). The same integer block sums, and per output the same float
+// operations in the same order as micro_q8 (a chunk's sum from zero, then + C): the same bits.
+template <int type, int mr>
+void micro_q8x2(const int8_t* xq, int64_t K, const float* dx, const float* ds, const int32_t* sx, int64_t nbx,
+                const uint8_t* pa, const uint8_t* pb, int64_t b0, int64_t b1, float* Ca, float* Cb, int64_t ldc,
+                bool acc_c) {
+  constexpr int64_t qblk = q8gemm_blk(type);
+  constexpr bool sgn = q8gemm_sign(type);
+  constexpr int64_t wo = sgn ? 256 : 0;            // the operand bytes: w + 128 (sign types) or the codes
+  constexpr int64_t dvo = sgn ? 512 : 256;         // dw
+  (void)ds;
+  alignas(32) float f[mr][2][8];
+  for (int i = 0; i < mr; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_store_ps(f[i][h], _mm256_setzero_ps());
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* qa = pa + b * qblk;
+    const uint8_t* qb = pb + b * qblk;
+    const int8_t* xb = xq + b * 32;
+    __m256i c0[mr], c1[mr];
+    for (int i = 0; i < mr; ++i) c0[i] = c1[i] = sgn ? _mm256_set1_epi32(-128 * sx[i * nbx + b]) : _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int q = 0; q < 8; ++q) {
+      const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + wo + 32 * q));
+      const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + wo + 32 * q));
+      for (int i = 0; i < mr; ++i) {
+        const __m256i a = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q))));
+        c0[i] = ikj::dot4_u8s8(c0[i], u0, a);
+        c1[i] = ikj::dot4_u8s8(c1[i], u1, a);
+      }
+    }
+    const __m256 da = _mm256_loadu_ps(reinterpret_cast<const float*>(qa + dvo));
+    const __m256 db = _mm256_loadu_ps(reinterpret_cast<const float*>(qb + dvo));
+    for (int i = 0; i < mr; ++i) {
+      const __m256 s = _mm256_broadcast_ss(dx + i * nbx + b);
+      _mm256_store_ps(f[i][0], _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0[i]), _mm256_mul_ps(da, s), _mm256_load_ps(f[i][0])));
+      _mm256_store_ps(f[i][1], _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1[i]), _mm256_mul_ps(db, s), _mm256_load_ps(f[i][1])));
+    }
+    if constexpr (!sgn) {
+      const __m256 ma = _mm256_loadu_ps(reinterpret_cast<const float*>(qa + 288));
+      const __m256 mb = _mm256_loadu_ps(reinterpret_cast<const float*>(qb + 288));
+      for (int i = 0; i < mr; ++i) {
+        const __m256 s = _mm256_broadcast_ss(ds + i * nbx + b);
+        _mm256_store_ps(f[i][0], _mm256_fmadd_ps(ma, s, _mm256_load_ps(f[i][0])));
+        _mm256_store_ps(f[i][1], _mm256_fmadd_ps(mb, s, _mm256_load_ps(f[i][1])));
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    __m256 ya = _mm256_load_ps(f[i][0]), yb = _mm256_load_ps(f[i][1]);
+    if (acc_c) {
+      ya = _mm256_add_ps(ya, _mm256_loadu_ps(Ca + i * ldc));
+      yb = _mm256_add_ps(yb, _mm256_loadu_ps(Cb + i * ldc));
+    }
+    _mm256_storeu_ps(Ca + i * ldc, ya);
+    _mm256_storeu_ps(Cb + i * ldc, yb);
+  }
+}
+constexpr int kQ8x2Rows = 6;  // x rows a two-panel call
+// IKJAX_Q8X2=0: the AVX-VNNI build's prompt products one panel at a time (micro_q8), as before: read per call
+inline bool q8x2_on() { return ikj::env_on("IKJAX_Q8X2"); }
+#endif
+
 template <int type, int bs>
 void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const int32_t* sx, int64_t M, int64_t K,
                     const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, float* y, int64_t ldy) {
@@ -2718,19 +2786,54 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
   // QNP panels at a time, each x tile's K chunk swept against all of them while it is in L1: x (M x K
   // bytes, in L3 once M is prompt-sized: 1 MiB at M = 512, K = 2048) is read once per QNP panels
   // instead of once per panel (M = 512 products +10-15 %, measured in RESULTS §26b)
+#if defined(__AVXVNNI__)
+  const bool x2 = q8x2_on();  // (once a call: it reads the environment)
+#endif
   for (int64_t g0 = n0; g0 < n1; g0 += QNP * QNR) {
     const int np = static_cast<int>(std::min<int64_t>(QNP, (n1 - g0 + QNR - 1) / QNR));
     const int64_t nr_last = std::min<int64_t>(QNR, n1 - (g0 + (np - 1) * QNR));
     for (int j = 0; j < np; ++j)
       build_panel_q8<type, bs>(w, row_bytes, g0 + j * QNR, j + 1 < np ? QNR : nr_last, nb, panel.data() + j * pstride);
+#if defined(__AVXVNNI__)
+    // panels in pairs (micro_q8x2), kQ8x2Rows x rows a call; a last odd or partial panel one at a time
+    const int npair = type != ikj::T_IQ4_XS && x2 ? (nr_last == QNR ? np : np - 1) / 2 : 0;
+#else
+    constexpr int npair = 0;
+#endif
     for (int64_t kb = 0; kb < nb; kb += QKB) {
       const int64_t kb1 = std::min(nb, kb + QKB);
-      for (int64_t m0 = 0; m0 < M; m0 += mq) {
+#if defined(__AVXVNNI__)
+      if constexpr (type != ikj::T_IQ4_XS) {
+        for (int64_t m0 = 0; npair > 0 && m0 < M; m0 += kQ8x2Rows) {
+          const int mr = static_cast<int>(std::min<int64_t>(kQ8x2Rows, M - m0));
+          const int8_t* xr = xq + m0 * K;
+          const float *dr = dx + m0 * nb, *sr = ds + m0 * nb;
+          const int32_t* xr_sx = sx + m0 * nb;
+          for (int jp = 0; jp < npair; ++jp) {
+            const uint8_t* pa = panel.data() + (2 * jp) * pstride;
+            float* Ca = y + g0 + (2 * jp) * QNR + m0 * ldy;
+            auto run = [&](auto r) {
+              micro_q8x2<type, decltype(r)::value>(xr, K, dr, sr, xr_sx, nb, pa, pa + pstride, kb, kb1, Ca, Ca + QNR, ldy,
+                                                   kb > 0);
+            };
+            switch (mr) {
+              case 6: run(std::integral_constant<int, 6>()); break;
+              case 5: run(std::integral_constant<int, 5>()); break;
+              case 4: run(std::integral_constant<int, 4>()); break;
+              case 3: run(std::integral_constant<int, 3>()); break;
+              case 2: run(std::integral_constant<int, 2>()); break;
+              default: run(std::integral_constant<int, 1>()); break;
+            }
+          }
+        }
+      }
+#endif
+      for (int64_t m0 = 0; 2 * npair < np && m0 < M; m0 += mq) {
         const int mr = static_cast<int>(std::min<int64_t>(mq, M - m0));
         const int8_t* xr = xq + m0 * K;
         const float *dr = dx + m0 * nb, *sr = ds + m0 * nb;
         const int32_t* xr_sx = sx + m0 * nb;
-        for (int j = 0; j < np; ++j) {
+        for (int j = 2 * npair; j < np; ++j) {
           const bool direct = j + 1 < np || nr_last == QNR;  // a partial last panel goes through ctile
           const int64_t ldc = direct ? ldy : QNR;
           float* C = (direct ? y + g0 + j * QNR : ctile.data()) + m0 * ldc;
