@@ -898,6 +898,27 @@ PY
     done
   done
   ;;
+48)
+  # issue 26: does a step compiled in a process pinned to 2 cores run slower at -t 16 when a later
+  # process takes it from the compile cache? (§26aj: the avx2 Q4_0 decode at -t 16 ran 96-113 t/s in a
+  # lease whose steps all came from -t 2 runs' cache, 190-212 where they were compiled at -t 16.)
+  # TYPE48 (default Q4_0), LEVEL48 (default avx2): the -t 16 sweep-bench with a cache filled by a -t 16 run,
+  # by a -t 2 run, and with the cache off, ROUNDS48 rounds interleaved
+  t=${TYPE48:-Q4_0}; lv=${LEVEL48:-avx2}; f=/tmp/cpuisa_4l_$t.gguf
+  [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
+  sb() {  # cache dir, cores, threads
+    IKJAX_CPU_ISA=$lv JAX_PLATFORMS=cpu IKJAX_COMPILE_CACHE=$1 taskset -c $2 timeout 150 python3 -m ikjax.cli sweep-bench -m $f \
+      -c 1024 -ub 512 -n 32 -mla 3 -fa 1 -t $3 2>/dev/null | grep "^|  *512" | awk -F'|' '{pp=pp" "$6+0; tg=tg" "$8+0} END {printf "S_PP%s  S_TG%s\n", pp, tg}'
+  }
+  rm -rf /tmp/cc48a /tmp/cc48b
+  echo "filling cache a at -t 16: $(sb /tmp/cc48a 0-15 16)"
+  echo "filling cache b at -t 2:  $(sb /tmp/cc48b 0,1 2)"
+  for r in $(seq ${ROUNDS48:-2}); do
+    echo "r$r -t 16, cache a (compiled at -t 16): $(sb /tmp/cc48a 0-15 16)"
+    echo "r$r -t 16, cache b (compiled at -t 2):  $(sb /tmp/cc48b 0-15 16)"
+    echo "r$r -t 16, cache off:                   $(sb 0 0-15 16)"
+  done
+  ;;
 esac
 ikprog
 el "stage $STAGE done"
