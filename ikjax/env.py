@@ -173,6 +173,9 @@ _VARS = (
     Variable("IKJAX_AMX_PREFETCH", "1", ("1", "0"),
              "`0`: the amx level's bf16 tile loop without its prefetch of x's rows two blocks ahead; the same bits",
              "pallas_kernels/quant_matmul/cpu_kernel.cc"),
+    Variable("IKJAX_IQ4XS_K256", "0", ("0", "1"),
+             "`1`: the avx2 level's IQ4_XS prompt products quantize x per 256 values (Q8_K's grouping) and scale "
+             "each block's sums in integers, as before x per 32 became the default", "pallas_kernels/quant_matmul/cpu_kernel.cc"),
     Variable("IKJAX_Q8X2", "1", ("1", "0"),
              "`0`: the avx2 level's AVX-VNNI prompt products take their weight panels one at a time, as before two "
              "panels shared each x load; the same bits", "pallas_kernels/quant_matmul/cpu_kernel.cc"),

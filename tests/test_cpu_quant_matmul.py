@@ -10,8 +10,8 @@ compute="bf16" is the fast mode: bf16 products for prompt-sized calls (M >= 4, a
 reference at 2e-3) and, at the avx512 (VNNI) and avx2 levels for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
 IQ4_NL, 8-bit activations for decode-sized ones (M < 4): x quantized per block of 32 (dx = max|x| / 127,
 round to nearest even) and int8 dot products; the K-quants and IQ4_XS likewise (X8_KQ_TYPES; at
-avx2 with one x scale per 256 values, Q8_K's grouping: `_x8_group`, as the avx2 IQ4_XS prompt
-engine). At the
+avx2 with one x scale per 256 values, Q8_K's grouping: `_x8_group`; the avx2 IQ4_XS prompt engine
+too with IKJAX_IQ4XS_K256=1). At the
 avx512 and avx2 levels Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL prompt-sized calls take the same 8-bit
 activations (the int8 prompt engine, X8_PROMPT_TYPES), and so do Q4_K, Q5_K and IQ4_XS
 (X8_PROMPT_KQ). Each level runs where the CPU has it (IKJAX_CPU_ISA caps; _is_x8 asks the level
@@ -24,6 +24,7 @@ generic level and the other types compute decode in f32 in that mode (1e-5).
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 
 import jax
@@ -71,11 +72,12 @@ def _is_x8(name, M, compute):
 
 def _x8_group(name, M):
     """Values sharing one x scale in the int8 path this call takes: 256 in the avx2 K-quant /
-    IQ4_XS decode (Q8_K's grouping, decode_kqa) and the avx2 IQ4_XS prompt engine (QM_Q8K), 32
-    elsewhere."""
+    IQ4_XS decode (Q8_K's grouping, decode_kqa) and, with IKJAX_IQ4XS_K256=1, the avx2 IQ4_XS
+    prompt engine (QM_Q8K); 32 elsewhere."""
     if _cpu.isa() != "avx2":
         return 32
-    return 256 if (M < 4 and name in X8_KQ_TYPES) or name == "IQ4_XS" else 32
+    k256 = os.environ.get("IKJAX_IQ4XS_K256") == "1" and name == "IQ4_XS"
+    return 256 if (M < 4 and name in X8_KQ_TYPES) or k256 else 32
 
 
 def _x8(x, group=32):

@@ -1908,6 +1908,7 @@ inline bool q8gemm_type(int type) {
          type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
 }
 constexpr bool q8gemm_k256(int) { return false; }  // x per 256 (QM_Q8K): the avx2 engine's IQ4_XS only
+inline bool iq4xs_k256() { return false; }
 constexpr bool q8gemm_min(int type) {
   return type == ikj::T_Q4_1 || type == ikj::T_Q5_1 || type == ikj::T_Q4_K || type == ikj::T_Q5_K;
 }
@@ -2310,7 +2311,8 @@ void micro_q8(const uint8_t* xu, int64_t K, const float* dx, const float* ds, in
 
 // Weight rows [n0, n1) against the x8 pack xp of M rows.
 void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
-                  int64_t n0, int64_t n1, float* y, int64_t ldy) {
+                  int64_t n0, int64_t n1, float* y, int64_t ldy, bool k256 = false) {
+  (void)k256;  // (the avx2 engine's IQ4_XS only)
   const int64_t nb = K / 32;
   const uint8_t* xu = static_cast<const uint8_t*>(xp);
   const float* dx = reinterpret_cast<const float*>(xu + x8_dx_offset(M, K));
@@ -2422,9 +2424,22 @@ inline bool q8gemm_type(int type) {
          type == ikj::T_Q4_1 || type == ikj::T_Q5_1 || type == ikj::T_Q4_K || type == ikj::T_Q5_K ||
          type == ikj::T_IQ4_XS;
 }
-constexpr bool q8gemm_sign(int type) { return type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL || type == ikj::T_IQ4_XS; }
-// x per 256 (QM_Q8K: Q8_K's grouping), the block scales in vpmaddwd, one FMA per super-block
+// IQ4_XS with x per block of 32 (QM_Q8, the default since the two-panel kernel): an engine-internal type
+// tag, IQ4_XS's blocks with a float dw = d * (ls - 32) a block (exact: an f16 times a 6-bit integer),
+// run as a sign type like Q8_0 (micro_q8x2 under AVX-VNNI). Why: the per-256 form multiplies each
+// block's sums by its scale in integers (vpmulld under AVX-VNNI) and has no two-panel form.
+constexpr int kIQ4XS32 = 0x1000 + ikj::T_IQ4_XS;
+constexpr int kq_base(int type) { return type == kIQ4XS32 ? ikj::T_IQ4_XS : type; }
+constexpr bool q8gemm_sign(int type) {
+  return type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL || type == ikj::T_IQ4_XS || type == kIQ4XS32;
+}
+// x per 256 (QM_Q8K: Q8_K's grouping), the block scales in vpmaddwd, one FMA per super-block: IQ4_XS
+// where IKJAX_IQ4XS_K256=1 (the form before kIQ4XS32)
 constexpr bool q8gemm_k256(int type) { return type == ikj::T_IQ4_XS; }
+inline bool iq4xs_k256() {  // (read per call)
+  const char* e = std::getenv("IKJAX_IQ4XS_K256");
+  return e && std::strcmp(e, "1") == 0;
+}
 // x rows per microkernel: 6 for the sign types (their two weight loads a quad, w and |w|, shared by
 // more rows; one thread, M = 32..512: Q8_0 +5-9 %, IQ4_XS +3-8 %, RESULTS §26e), 4 for the nibble
 // types (3-15 % slower with 6)
@@ -2435,7 +2450,9 @@ constexpr int q8gemm_mq(int type) { return q8gemm_sign(type) ? 6 : MQ; }
 #endif
 // super-block types of the engine: one scale (and minimum) per block of 32, so a block of a row is a
 // Q4_1 / Q5_1 / IQ4_NL block with dw = d * scale (float), mw = -dmin * min
-constexpr bool q8gemm_kq(int type) { return type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_IQ4_XS; }
+constexpr bool q8gemm_kq(int type) {
+  return type == ikj::T_Q4_K || type == ikj::T_Q5_K || type == ikj::T_IQ4_XS || type == kIQ4XS32;
+}
 // panel bytes per block: 8 quads x 32 (+ 8 x 32 |w|), 32 dw (+ 32 mw); IQ4_XS (x per 256: QM_Q8K):
 // the 8 rows' int16 block scales, each twice (32), and their super-block's d (32) in place of dw
 constexpr int64_t q8gemm_blk(int type) { return type == ikj::T_IQ4_XS ? 576 : q8gemm_sign(type) ? 544 : 320; }
@@ -2493,13 +2510,15 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
           if (!rows[j]) continue;
           const uint8_t* sb = rows[j] + b / 8 * bs;
           _mm_prefetch(reinterpret_cast<const char*>(sb + 2 * bs), _MM_HINT_T0);
-          KqBlocks<type> kb;
-          kq_unpack<type, true>(sb, kb);
+          KqBlocks<kq_base(type)> kb;
+          kq_unpack<kq_base(type), true>(sb, kb);
           for (int t = 0; t < 8; ++t)
             _mm256_store_si256(reinterpret_cast<__m256i*>(kq_q[j][t]), sgn ? kb.sg[t] : kb.q[t]);
           if constexpr (type == ikj::T_IQ4_XS) {
             for (int t = 0; t < 8; ++t) kq_s[j][t] = static_cast<int16_t>(kb.s32[t]);
             kq_d[j][0] = kb.d;
+          } else if constexpr (type == kIQ4XS32) {  // dw a block: d * (ls - 32), exact in float
+            for (int t = 0; t < 8; ++t) kq_d[j][t] = kb.d * static_cast<float>(kb.s32[t]);
           } else {
             _mm256_store_ps(kq_d[j], kb.dsc);
             _mm256_store_ps(kq_m[j], _mm256_sub_ps(_mm256_setzero_ps(), kb.mn[0]));
@@ -2866,7 +2885,7 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
 
 // Weight rows [n0, n1) against the x8 pack xp of M rows.
 void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
-                  int64_t n0, int64_t n1, float* y, int64_t ldy) {
+                  int64_t n0, int64_t n1, float* y, int64_t ldy, bool k256 = false) {
   const uint8_t* xu = static_cast<const uint8_t*>(xp);
   const int8_t* xq = reinterpret_cast<const int8_t*>(xu);
   const float* dx = reinterpret_cast<const float*>(xu + x8_dx_offset(M, K));
@@ -2880,7 +2899,9 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
     case ikj::T_Q5_1: return gemm_rows_q8_t<ikj::T_Q5_1, 24>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
     case ikj::T_Q4_K: return gemm_rows_q8_t<ikj::T_Q4_K, 144>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
     case ikj::T_Q5_K: return gemm_rows_q8_t<ikj::T_Q5_K, 176>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
-    case ikj::T_IQ4_XS: return gemm_rows_q8_t<ikj::T_IQ4_XS, 136>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+    case ikj::T_IQ4_XS:  // x per 256 (QM_Q8K) or per 32 (kIQ4XS32), as the pack was made
+      if (k256) return gemm_rows_q8_t<ikj::T_IQ4_XS, 136>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
+      return gemm_rows_q8_t<kIQ4XS32, 136>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
     default: return gemm_rows_q8_t<ikj::T_IQ4_NL, 18>(xq, dx, ds, sx, M, K, w, row_bytes, n0, n1, y, ldy);
   }
 }
@@ -2903,7 +2924,7 @@ void for_mr(int mr, F&& f) {
 void gemm_rows(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int type,
                int64_t n0, int64_t n1, float* y, int64_t ldy, int compute) {
 #if defined(IKJ_HAVE_Q8GEMM)
-  if (compute == QM_Q8 || compute == QM_Q8K) return gemm_rows_q8(xp, M, K, w, row_bytes, type, n0, n1, y, ldy);
+  if (compute == QM_Q8 || compute == QM_Q8K) return gemm_rows_q8(xp, M, K, w, row_bytes, type, n0, n1, y, ldy, compute == QM_Q8K);
 #endif
   thread_local std::vector<float> buf, panel, ctile;
   thread_local std::vector<uint16_t> panel_bf;
@@ -3124,7 +3145,7 @@ int64_t qgemm_packed_min_rows() { return kGemmMinRows; }
 
 int qgemm_packed_compute(int type, int compute) {
 #if defined(IKJ_HAVE_Q8GEMM)
-  if (compute == QM_BF16 && q8gemm_type(type)) return q8gemm_k256(type) ? QM_Q8K : QM_Q8;
+  if (compute == QM_BF16 && q8gemm_type(type)) return q8gemm_k256(type) && iq4xs_k256() ? QM_Q8K : QM_Q8;
 #endif
   (void)type;
   return compute;
