@@ -177,7 +177,7 @@ _VARS = (
              "`1`: the avx2 level's IQ4_XS prompt products quantize x per 256 values (Q8_K's grouping) and scale "
              "each block's sums in integers, as before x per 32 became the default", "pallas_kernels/quant_matmul/cpu_kernel.cc"),
     Variable("IKJAX_Q8X2", "1", ("1", "0"),
-             "`0`: the avx2 level's AVX-VNNI prompt products take their weight panels one at a time, as before two "
+             "`0`: the avx2 level's prompt products take their weight panels one at a time, as before two "
              "panels shared each x load; the same bits", "pallas_kernels/quant_matmul/cpu_kernel.cc"),
     Variable("IKJAX_CPU_ROW_SPLIT", "1", ("1", "0"),
              "`0`: a CPU prompt product with fewer column units than twice the threads (a router, a 576-column "

@@ -419,17 +419,35 @@ def test_avx_vnni_build_gives_the_avx2_integers(name, monkeypatch):
         np.testing.assert_array_equal(out["1"], out["0"], err_msg=f"{name} M={M}")
 
 
-@pytest.mark.skipif(not _avx_vnni_runs(), reason="the CPU has no AVX-VNNI (or the avxvnni objects are not built): "
-                                                  "the two-panel kernel is the AVX-VNNI build's")
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "IQ4_NL", "Q4_K", "Q5_K"])
-def test_two_panel_kernel_same_bits_as_one_panel(name, monkeypatch):
-    """The AVX-VNNI build's prompt products take their 8-row panels in pairs (micro_q8x2, IKJAX_Q8X2, the
-    default): the same bits as one panel at a time (=0) for x rows that are not a multiple of its 6
-    (1 .. 5 left over), panel groups with an odd panel and a partial last one (N = 88: 11 panels; N = 100:
-    12 and 4 rows), several K chunks (K = 1024: the chunk sums added to C), 1-2 threads; and close to the
-    reference. A pair whose second panel's output lands on the first's columns, or a chunk's sum that
-    replaces C, fails it."""
+def _avx2_runs() -> bool:
+    import os
+    saved = os.environ.get("IKJAX_CPU_ISA")
+    os.environ["IKJAX_CPU_ISA"] = "avx2"
+    try:
+        return _cpu.available() and _cpu.isa() == "avx2"
+    finally:
+        if saved is None:
+            del os.environ["IKJAX_CPU_ISA"]
+        else:
+            os.environ["IKJAX_CPU_ISA"] = saved
+
+
+@pytest.mark.parametrize("vnni", ["1", "0"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS"])
+def test_two_panel_kernel_same_bits_as_one_panel(name, vnni, monkeypatch):
+    """The avx2 level's prompt products take their 8-row panels in pairs (micro_q8x2, IKJAX_Q8X2, the
+    default), in the AVX-VNNI build (6 x rows a call) and the plain AVX2 one (IKJAX_AVXVNNI=0: 4 rows,
+    the Q4 nibble types; the others stay one panel a call there): the same bits as one panel at a time (=0) for x rows that are not a multiple of
+    the call's (1 .. 5 left over), panel groups with an odd panel and a partial last one (N = 88: 11
+    panels; N = 100: 12 and 4 rows), several K chunks (K = 1024: the chunk sums added to C), 1-2
+    threads; and close to the reference. A pair whose second panel's output lands on the first's
+    columns, or a chunk's sum that replaces C, fails it."""
+    if vnni == "1" and not _avx_vnni_runs():
+        pytest.skip("the CPU has no AVX-VNNI (or the avxvnni objects are not built)")
+    if not _avx2_runs():
+        pytest.skip("the CPU has no AVX2")
     monkeypatch.setenv("IKJAX_CPU_ISA", "avx2")
+    monkeypatch.setenv("IKJAX_AVXVNNI", vnni)
     rng = np.random.default_rng(zlib.crc32(name.encode()) + 7)
     K = 1024
     for M, N in [(13, 88), (50, 100), (64, 64)]:

@@ -2725,23 +2725,37 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, con
   }
 }
 
+// Two panels (16 weight rows) against mr x rows: each x broadcast feeds both panels' products, one
+// sum a row and panel. Why: micro_q8's one panel spends a broadcast (a load) and, under AVX-VNNI, two
+// sums' bookkeeping on each product; perf put it at ~80 % of a V2-Lite Q8_0 prompt layer's experts at
+// the avx2 level. Under AVX-VNNI 2 mr independent sums (12 at mr = 6) keep both VNNI ports fed with
+// one load a product instead of ~1.25: every type of the engine but x-per-256 IQ4_XS. The plain AVX2
+// build (4 rows) takes the Q4 nibble types (Q4_0, Q4_1, Q4_K) this way: 0.75 loads a vpmaddubsw
+// instead of 1.25 (two 256-bit loads a cycle, Zen 3's, bound micro_q8 there), V2-Lite Q4_0 experts
+// 1.14-1.16x at -t 1 on an Intel Xeon; its sign types (their vpsignb / vpmaddwd a product bound them,
+// not loads: Q8_0 0.97-1.00x) and the Q5 types (i16 runs of 4 quads) keep micro_q8. The chunk's
+// float sums live in an L1 buffer (4 mr more ymm would not fit the 16). The same integer block sums,
+// and per output the same float operations in the same order as micro_q8 (a chunk's sum from zero,
+// then + C): the same bits.
 #if defined(__AVXVNNI__)
-// Two panels (16 weight rows) against mr x rows (AVX-VNNI; every type but IQ4_XS): each x broadcast
-// feeds both panels' vpdpbusd, one sum a row and panel. Why: micro_q8's one panel spends a broadcast
-// (a load) and two sums' bookkeeping on each product; perf put it at ~80 % of a V2-Lite Q8_0 prompt
-// layer's experts at the avx2 level. Here 2 mr independent sums (12 at mr = 6) keep both VNNI ports
-// fed, with one load a product instead of ~1.25. The chunk's float sums live in an L1 buffer (4 mr
-// more ymm would not fit the 16). The same integer block sums, and per output the same float
-// operations in the same order as micro_q8 (a chunk's sum from zero, then + C): the same bits.
+constexpr int kQ8x2Rows = 6;  // x rows a two-panel call
+constexpr bool q8x2_type(int type) { return type != ikj::T_IQ4_XS; }
+#else
+constexpr int kQ8x2Rows = 4;
+constexpr bool q8x2_type(int type) { return type == ikj::T_Q4_0 || type == ikj::T_Q4_1 || type == ikj::T_Q4_K; }
+#endif
+// IKJAX_Q8X2=0: the prompt products one panel at a time (micro_q8), as before: read per call
+inline bool q8x2_on() { return ikj::env_on("IKJAX_Q8X2"); }
+
 template <int type, int mr>
 void micro_q8x2(const int8_t* xq, int64_t K, const float* dx, const float* ds, const int32_t* sx, int64_t nbx,
                 const uint8_t* pa, const uint8_t* pb, int64_t b0, int64_t b1, float* Ca, float* Cb, int64_t ldc,
                 bool acc_c) {
   constexpr int64_t qblk = q8gemm_blk(type);
   constexpr bool sgn = q8gemm_sign(type);
-  constexpr int64_t wo = sgn ? 256 : 0;            // the operand bytes: w + 128 (sign types) or the codes
   constexpr int64_t dvo = sgn ? 512 : 256;         // dw
   (void)ds;
+  (void)sx;
   alignas(32) float f[mr][2][8];
   for (int i = 0; i < mr; ++i)
     for (int h = 0; h < 2; ++h) _mm256_store_ps(f[i][h], _mm256_setzero_ps());
@@ -2750,17 +2764,40 @@ void micro_q8x2(const int8_t* xq, int64_t K, const float* dx, const float* ds, c
     const uint8_t* qb = pb + b * qblk;
     const int8_t* xb = xq + b * 32;
     __m256i c0[mr], c1[mr];
+    auto xa = [&](int i, int q) {
+      return _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q))));
+    };
+    auto ld = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+#if defined(__AVXVNNI__)
+    constexpr int64_t wo = sgn ? 256 : 0;  // the operand bytes: w + 128 (sign types) or the codes
     for (int i = 0; i < mr; ++i) c0[i] = c1[i] = sgn ? _mm256_set1_epi32(-128 * sx[i * nbx + b]) : _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int q = 0; q < 8; ++q) {
-      const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + wo + 32 * q));
-      const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + wo + 32 * q));
+      const __m256i u0 = ld(qa + wo + 32 * q), u1 = ld(qb + wo + 32 * q);
       for (int i = 0; i < mr; ++i) {
-        const __m256i a = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q))));
+        const __m256i a = xa(i, q);
         c0[i] = ikj::dot4_u8s8(c0[i], u0, a);
         c1[i] = ikj::dot4_u8s8(c1[i], u1, a);
       }
     }
+#else
+    static_assert(!sgn, "the plain AVX2 build pairs the Q4 nibble types only (q8x2_type)");
+    {  // the codes against x, the 8 quads summed in i16 (<= 8 * 2 * 15 * 127 < 2^15), then by ones
+      __m256i s0[mr], s1[mr];
+      for (int i = 0; i < mr; ++i) s0[i] = s1[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int q = 0; q < 8; ++q) {
+        const __m256i w0 = ld(qa + 32 * q), w1 = ld(qb + 32 * q);
+        for (int i = 0; i < mr; ++i) {
+          const __m256i a = xa(i, q);
+          s0[i] = _mm256_add_epi16(s0[i], _mm256_maddubs_epi16(w0, a));
+          s1[i] = _mm256_add_epi16(s1[i], _mm256_maddubs_epi16(w1, a));
+        }
+      }
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int i = 0; i < mr; ++i) c0[i] = _mm256_madd_epi16(s0[i], ones), c1[i] = _mm256_madd_epi16(s1[i], ones);
+    }
+#endif
     const __m256 da = _mm256_loadu_ps(reinterpret_cast<const float*>(qa + dvo));
     const __m256 db = _mm256_loadu_ps(reinterpret_cast<const float*>(qb + dvo));
     for (int i = 0; i < mr; ++i) {
@@ -2788,10 +2825,6 @@ void micro_q8x2(const int8_t* xq, int64_t K, const float* dx, const float* ds, c
     _mm256_storeu_ps(Cb + i * ldc, yb);
   }
 }
-constexpr int kQ8x2Rows = 6;  // x rows a two-panel call
-// IKJAX_Q8X2=0: the AVX-VNNI build's prompt products one panel at a time (micro_q8), as before: read per call
-inline bool q8x2_on() { return ikj::env_on("IKJAX_Q8X2"); }
-#endif
 
 template <int type, int bs>
 void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const int32_t* sx, int64_t M, int64_t K,
@@ -2805,24 +2838,17 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
   // QNP panels at a time, each x tile's K chunk swept against all of them while it is in L1: x (M x K
   // bytes, in L3 once M is prompt-sized: 1 MiB at M = 512, K = 2048) is read once per QNP panels
   // instead of once per panel (M = 512 products +10-15 %, measured in RESULTS §26b)
-#if defined(__AVXVNNI__)
   const bool x2 = q8x2_on();  // (once a call: it reads the environment)
-#endif
   for (int64_t g0 = n0; g0 < n1; g0 += QNP * QNR) {
     const int np = static_cast<int>(std::min<int64_t>(QNP, (n1 - g0 + QNR - 1) / QNR));
     const int64_t nr_last = std::min<int64_t>(QNR, n1 - (g0 + (np - 1) * QNR));
     for (int j = 0; j < np; ++j)
       build_panel_q8<type, bs>(w, row_bytes, g0 + j * QNR, j + 1 < np ? QNR : nr_last, nb, panel.data() + j * pstride);
-#if defined(__AVXVNNI__)
     // panels in pairs (micro_q8x2), kQ8x2Rows x rows a call; a last odd or partial panel one at a time
-    const int npair = type != ikj::T_IQ4_XS && x2 ? (nr_last == QNR ? np : np - 1) / 2 : 0;
-#else
-    constexpr int npair = 0;
-#endif
+    const int npair = q8x2_type(type) && x2 ? (nr_last == QNR ? np : np - 1) / 2 : 0;
     for (int64_t kb = 0; kb < nb; kb += QKB) {
       const int64_t kb1 = std::min(nb, kb + QKB);
-#if defined(__AVXVNNI__)
-      if constexpr (type != ikj::T_IQ4_XS) {
+      if constexpr (q8x2_type(type)) {
         for (int64_t m0 = 0; npair > 0 && m0 < M; m0 += kQ8x2Rows) {
           const int mr = static_cast<int>(std::min<int64_t>(kQ8x2Rows, M - m0));
           const int8_t* xr = xq + m0 * K;
@@ -2836,8 +2862,8 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
                                                    kb > 0);
             };
             switch (mr) {
-              case 6: run(std::integral_constant<int, 6>()); break;
-              case 5: run(std::integral_constant<int, 5>()); break;
+              case 6: if constexpr (kQ8x2Rows >= 6) run(std::integral_constant<int, 6>()); break;
+              case 5: if constexpr (kQ8x2Rows >= 5) run(std::integral_constant<int, 5>()); break;
               case 4: run(std::integral_constant<int, 4>()); break;
               case 3: run(std::integral_constant<int, 3>()); break;
               case 2: run(std::integral_constant<int, 2>()); break;
@@ -2846,7 +2872,6 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
           }
         }
       }
-#endif
       for (int64_t m0 = 0; 2 * npair < np && m0 < M; m0 += mq) {
         const int mr = static_cast<int>(std::min<int64_t>(mq, M - m0));
         const int8_t* xr = xq + m0 * K;
