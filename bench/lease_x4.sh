@@ -919,6 +919,19 @@ PY
     echo "r$r -t 16, cache off:                   $(sb 0 0-15 16)"
   done
   ;;
+49)
+  # issue 26: the avx2 Q4_0 decode at -t 16 that halved on two leases (RESULTS §26ak): PROCS49 fresh
+  # processes of bench/cpu_decode_threads.py (each: a prompt step, then ROUNDS49 decode loops of 32
+  # tokens, every busy thread's run-queue wait and last CPU), TYPE49 / LEVEL49 / THREADS49; a slow
+  # process beside a fast one says whether threads share cores when it is slow
+  t=${TYPE49:-Q4_0}; lv=${LEVEL49:-avx2}; th=${THREADS49:-16}; f=/tmp/cpuisa_4l_$t.gguf
+  [ -f $f ] || python3 -m ikjax.cli make-model --preset v2-lite --layers 4 --q-lora-rank 1536 --type $t -o $f > /dev/null
+  for i in $(seq ${PROCS49:-4}); do
+    el "process $i: $t $lv -t $th"
+    IKJAX_CPU_ISA=$lv taskset -c 0-$((th - 1)) timeout 120 python3 bench/cpu_decode_threads.py $f $th ${ROUNDS49:-3} -v \
+      2>&1 | grep -v Warn | head -${LINES49:-60}
+  done
+  ;;
 esac
 ikprog
 el "stage $STAGE done"
