@@ -1748,7 +1748,20 @@ constexpr int MR = 4;
 #ifndef IKJ_QM_KC
 #define IKJ_QM_KC 256
 #endif
-constexpr int64_t KC = IKJ_QM_KC;  // K chunk: a 32 KiB (f32) or 16 KiB (bf16) panel slice, L1-resident (256 beat 128 and none on Xeon)
+constexpr int64_t KC = IKJ_QM_KC;
+
+// Call f(integral_constant<int, mr>) for a run-time mr in [1, Max]: a microkernel's row count as a
+// template argument.
+template <int Max, int R = 1, typename F>
+void for_rows(int mr, F&& f) {
+  if constexpr (R <= Max) {
+    if (mr == R) {
+      f(std::integral_constant<int, R>());
+      return;
+    }
+    for_rows<Max, R + 1>(mr, f);
+  }
+}  // K chunk: a 32 KiB (f32) or 16 KiB (bf16) panel slice, L1-resident (256 beat 128 and none on Xeon)
 
 // C[mr][NR] (row stride ldc) (+)= A x Bp: A packed [K][MR] (rows of x interleaved), Bp [K][NR]
 // (packed f32 panel); acc_c adds to C (K chunks after the first).
@@ -2857,18 +2870,10 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
           for (int jp = 0; jp < npair; ++jp) {
             const uint8_t* pa = panel.data() + (2 * jp) * pstride;
             float* Ca = y + g0 + (2 * jp) * QNR + m0 * ldy;
-            auto run = [&](auto r) {
+            for_rows<kQ8x2Rows>(mr, [&](auto r) {
               micro_q8x2<type, decltype(r)::value>(xr, K, dr, sr, xr_sx, nb, pa, pa + pstride, kb, kb1, Ca, Ca + QNR, ldy,
                                                    kb > 0);
-            };
-            switch (mr) {
-              case 6: if constexpr (kQ8x2Rows >= 6) run(std::integral_constant<int, 6>()); break;
-              case 5: if constexpr (kQ8x2Rows >= 5) run(std::integral_constant<int, 5>()); break;
-              case 4: run(std::integral_constant<int, 4>()); break;
-              case 3: run(std::integral_constant<int, 3>()); break;
-              case 2: run(std::integral_constant<int, 2>()); break;
-              default: run(std::integral_constant<int, 1>()); break;
-            }
+            });
           }
         }
       }
@@ -2933,15 +2938,9 @@ void gemm_rows_q8(const void* xp, int64_t M, int64_t K, const uint8_t* w, int64_
 #endif
 
 // Call f(integral_constant<int, mr>) for a run-time mr in [1, MR].
-template <int R = 1, typename F>
+template <typename F>
 void for_mr(int mr, F&& f) {
-  if constexpr (R <= MR) {
-    if (mr == R) {
-      f(std::integral_constant<int, R>());
-      return;
-    }
-    for_mr<R + 1>(mr, f);
-  }
+  for_rows<MR>(mr, f);
 }
 
 // Many rows of x: panels of NR weight rows in [n0, n1).
