@@ -179,6 +179,10 @@ _VARS = (
     Variable("IKJAX_Q8X2", "1", ("1", "0"),
              "`0`: the avx2 level's prompt products take their weight panels one at a time, as before two "
              "panels shared each x load; the same bits", "pallas_kernels/quant_matmul/cpu_kernel.cc"),
+    Variable("IKJAX_Q8_PINNED", "1", ("1", "0"),
+             "`0`: the avx2 level's int8 prompt loops as GCC laid them out before each accumulator was pinned "
+             "to its register (a register copy, under AVX-VNNI also a stack store, per product); the same bits",
+             "pallas_kernels/quant_matmul/cpu_kernel.cc"),
     Variable("IKJAX_CPU_ROW_SPLIT", "1", ("1", "0"),
              "`0`: a CPU prompt product with fewer column units than twice the threads (a router, a 576-column "
              "kv_a at -t 16) splits its columns only, not x's rows too; the same bits",

@@ -440,8 +440,9 @@ def test_two_panel_kernel_same_bits_as_one_panel(name, vnni, monkeypatch):
     the Q4 nibble types; the others stay one panel a call there): the same bits as one panel at a time (=0) for x rows that are not a multiple of
     the call's (1 .. 5 left over), panel groups with an odd panel and a partial last one (N = 88: 11
     panels; N = 100: 12 and 4 rows), several K chunks (K = 1024: the chunk sums added to C), 1-2
-    threads; and close to the reference. A pair whose second panel's output lands on the first's
-    columns, or a chunk's sum that replaces C, fails it."""
+    threads; and close to the reference. The same for the loops with pinned accumulators (IKJAX_Q8_PINNED,
+    the default) against the loops before them (=0), each way. A pair whose second panel's output lands on
+    the first's columns, or a chunk's sum that replaces C, fails it."""
     if vnni == "1" and not _avx_vnni_runs():
         pytest.skip("the CPU has no AVX-VNNI (or the avxvnni objects are not built)")
     if not _avx2_runs():
@@ -456,10 +457,14 @@ def test_two_panel_kernel_same_bits_as_one_panel(name, vnni, monkeypatch):
         for nt in (1, 2):
             out = {}
             for v in ("0", "1"):
-                monkeypatch.setenv("IKJAX_Q8X2", v)
-                out[v] = np.asarray(cpu.quant_matmul(x, w, n_threads=nt, compute="bf16"))
-            assert np.isfinite(out["1"]).all()
-            np.testing.assert_array_equal(out["1"], out["0"], err_msg=str((name, M, N, nt)))
+                for pinned in ("0", "1"):
+                    monkeypatch.setenv("IKJAX_Q8X2", v)
+                    monkeypatch.setenv("IKJAX_Q8_PINNED", pinned)
+                    out[v + pinned] = np.asarray(cpu.quant_matmul(x, w, n_threads=nt, compute="bf16"))
+            assert np.isfinite(out["11"]).all()
+            for form in ("10", "01", "00"):
+                np.testing.assert_array_equal(out["11"], out[form], err_msg=str((name, M, N, nt, form)))
+            out["1"] = out["11"]
         ref = np.asarray(quant_matmul_ref(x, w, jnp.float32))
         scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(quant_matmul_ref(jnp.eye(K, dtype=jnp.float32), w, jnp.float32)))
         assert (np.abs(out["1"] - ref) <= X8_TOL * scale + 1e-6).all(), (name, M, N)

@@ -2601,6 +2601,13 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
   }
 }
 
+// pin(v): an empty asm that takes and gives back v in a register. The int8 loops below pin each
+// accumulator after its add, their 8 quads unrolled (the U forms): GCC 12 otherwise keeps a loop's
+// accumulators in one set of registers and their new values in another, with a vmovdqa back per
+// product (and under AVX-VNNI's 12 sums of micro_q8x2, a store to the stack per product as well):
+// up to a third of the loop's instructions.
+__attribute__((always_inline)) inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+
 #if defined(__AVXVNNI__)
 // AVX-VNNI: a panel block's plain int32 sums for x rows [0, mr) into s, one vpdpbusd a product (for
 // vpmaddubsw + vpmaddwd + vpaddd) into two sums a row, even and odd quads, added at the end: one sum
@@ -2609,7 +2616,7 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
 // each row's sum started at -128 * sum(x) (sx: row 0's block sum, stride nbx) -- no sign(x, w) a
 // product as the plain AVX2 form's sign trick needs, one vector op a product instead of two
 // (|sum| <= 32 * 255 * 128 < 2^31). The same integers as the AVX2 forms in micro_q8.
-template <int mr, bool sgn>
+template <int mr, bool sgn, bool U>
 __attribute__((always_inline)) inline void block_sums_vnni(const uint8_t* pb, const int8_t* xb, int64_t K, __m256i* s,
                                                            const int32_t* sx, int64_t nbx) {
   __m256i s2[mr];
@@ -2618,15 +2625,22 @@ __attribute__((always_inline)) inline void block_sums_vnni(const uint8_t* pb, co
     s2[i] = _mm256_setzero_si256();
   }
   const uint8_t* pu = pb + (sgn ? 256 : 0);
-#pragma GCC unroll 1
-  for (int q = 0; q < 8; q += 2) {
+  auto quads = [&](int q) {
     const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pu + 32 * q));
     const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pu + 32 * q + 32));
     for (int i = 0; i < mr; ++i) {
       const uint8_t* xr = reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q);
       s[i] = ikj::dot4_u8s8(s[i], u0, _mm256_set1_epi32(static_cast<int>(load_u32(xr))));
       s2[i] = ikj::dot4_u8s8(s2[i], u1, _mm256_set1_epi32(static_cast<int>(load_u32(xr + 4))));
+      if constexpr (U) pin(s[i]), pin(s2[i]);
     }
+  };
+  if constexpr (U) {
+#pragma GCC unroll 4
+    for (int q = 0; q < 8; q += 2) quads(q);
+  } else {
+#pragma GCC unroll 1
+    for (int q = 0; q < 8; q += 2) quads(q);
   }
   for (int i = 0; i < mr; ++i) s[i] = _mm256_add_epi32(s[i], s2[i]);
 }
@@ -2634,7 +2648,7 @@ __attribute__((always_inline)) inline void block_sums_vnni(const uint8_t* pb, co
 
 // C[mr][QNR] (row stride ldc) (+)= x8 rows (xq: row 0's bytes, stride K; dx / ds / sx: row 0's
 // scales, dx * sum(q) and sum(q), stride nbx) x panel blocks [b0, b1).
-template <int type, int mr>
+template <int type, int mr, bool U = true>
 void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, const int32_t* sx, int64_t nbx,
               const uint8_t* panel, int64_t b0, int64_t b1, float* C, int64_t ldc, bool acc_c) {
   (void)sx;  // the AVX-VNNI build's sign types only
@@ -2661,7 +2675,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, con
       // integers (|block sum| < 2^20, times |scale| <= 32, 8 blocks)
       const __m256i sc32 = _mm256_srai_epi32(sc, 16);  // lane j: row j's scale (both halves hold it)
       __m256i p[mr];
-      block_sums_vnni<mr, true>(pb, xb, K, p, sx + b, nbx);
+      block_sums_vnni<mr, true, U>(pb, xb, K, p, sx + b, nbx);
       for (int i = 0; i < mr; ++i) c[i] = _mm256_add_epi32(c[i], _mm256_mullo_epi32(p[i], sc32));
 #else
 #pragma GCC unroll 1
@@ -2687,35 +2701,49 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, con
     __m256i c[mr];
     if constexpr (sgn) {
 #if defined(__AVXVNNI__)
-      block_sums_vnni<mr, true>(pb, xb, K, c, sx + b, nbx);
+      block_sums_vnni<mr, true, U>(pb, xb, K, c, sx + b, nbx);
 #else
       for (int i = 0; i < mr; ++i) c[i] = _mm256_setzero_si256();
-#pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
-      for (int q = 0; q < 8; ++q) {
+      auto quad = [&](int q) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
         const __m256i uw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 256 + 32 * q));
         for (int i = 0; i < mr; ++i) {
           const __m256i a = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q))));
           c[i] = ikj::dot4_u8s8(c[i], uw, _mm256_sign_epi8(a, w));
+          if constexpr (U) pin(c[i]);
         }
+      };
+      if constexpr (U) {
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) quad(q);
+      } else {
+#pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
+        for (int q = 0; q < 8; ++q) quad(q);
       }
 #endif
     } else {
 #if defined(__AVXVNNI__)
-      block_sums_vnni<mr, false>(pb, xb, K, c, sx, nbx);  // the codes by x: no i16 runs, no vpmaddwd by ones
+      block_sums_vnni<mr, false, U>(pb, xb, K, c, sx, nbx);  // the codes by x: no i16 runs, no vpmaddwd by ones
       (void)run16;
       (void)ones;
 #else
       for (int h = 0; h < 8 / run16; ++h) {
         __m256i s[mr];
         for (int i = 0; i < mr; ++i) s[i] = _mm256_setzero_si256();
-#pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
-        for (int q = h * run16; q < (h + 1) * run16; ++q) {
+        auto quad = [&](int q) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32 * q));
           for (int i = 0; i < mr; ++i) {
             const __m256i a = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(xb + i * K + 4 * q))));
             s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(w, a));
+            if constexpr (U) pin(s[i]);
           }
+        };
+        if constexpr (U) {
+#pragma GCC unroll 8
+          for (int q = h * run16; q < (h + 1) * run16; ++q) quad(q);
+        } else {
+#pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
+          for (int q = h * run16; q < (h + 1) * run16; ++q) quad(q);
         }
         for (int i = 0; i < mr; ++i) {
           const __m256i p = _mm256_madd_epi16(s[i], ones);
@@ -2760,7 +2788,7 @@ constexpr bool q8x2_type(int type) { return type == ikj::T_Q4_0 || type == ikj::
 // IKJAX_Q8X2=0: the prompt products one panel at a time (micro_q8), as before: read per call
 inline bool q8x2_on() { return ikj::env_on("IKJAX_Q8X2"); }
 
-template <int type, int mr>
+template <int type, int mr, bool U = true>
 void micro_q8x2(const int8_t* xq, int64_t K, const float* dx, const float* ds, const int32_t* sx, int64_t nbx,
                 const uint8_t* pa, const uint8_t* pb, int64_t b0, int64_t b1, float* Ca, float* Cb, int64_t ldc,
                 bool acc_c) {
@@ -2784,28 +2812,42 @@ void micro_q8x2(const int8_t* xq, int64_t K, const float* dx, const float* ds, c
 #if defined(__AVXVNNI__)
     constexpr int64_t wo = sgn ? 256 : 0;  // the operand bytes: w + 128 (sign types) or the codes
     for (int i = 0; i < mr; ++i) c0[i] = c1[i] = sgn ? _mm256_set1_epi32(-128 * sx[i * nbx + b]) : _mm256_setzero_si256();
-#pragma GCC unroll 2
-    for (int q = 0; q < 8; ++q) {
+    auto quad = [&](int q) {
       const __m256i u0 = ld(qa + wo + 32 * q), u1 = ld(qb + wo + 32 * q);
       for (int i = 0; i < mr; ++i) {
         const __m256i a = xa(i, q);
         c0[i] = ikj::dot4_u8s8(c0[i], u0, a);
         c1[i] = ikj::dot4_u8s8(c1[i], u1, a);
+        if constexpr (U) pin(c0[i]), pin(c1[i]);
       }
+    };
+    if constexpr (U) {
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) quad(q);
+    } else {
+#pragma GCC unroll 2
+      for (int q = 0; q < 8; ++q) quad(q);
     }
 #else
     static_assert(!sgn, "the plain AVX2 build pairs the Q4 nibble types only (q8x2_type)");
     {  // the codes against x, the 8 quads summed in i16 (<= 8 * 2 * 15 * 127 < 2^15), then by ones
       __m256i s0[mr], s1[mr];
       for (int i = 0; i < mr; ++i) s0[i] = s1[i] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-      for (int q = 0; q < 8; ++q) {
+      auto quad = [&](int q) {
         const __m256i w0 = ld(qa + 32 * q), w1 = ld(qb + 32 * q);
         for (int i = 0; i < mr; ++i) {
           const __m256i a = xa(i, q);
           s0[i] = _mm256_add_epi16(s0[i], _mm256_maddubs_epi16(w0, a));
           s1[i] = _mm256_add_epi16(s1[i], _mm256_maddubs_epi16(w1, a));
+          if constexpr (U) pin(s0[i]), pin(s1[i]);
         }
+      };
+      if constexpr (U) {
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) quad(q);
+      } else {
+#pragma GCC unroll 1
+        for (int q = 0; q < 8; ++q) quad(q);
       }
       const __m256i ones = _mm256_set1_epi16(1);
       for (int i = 0; i < mr; ++i) c0[i] = _mm256_madd_epi16(s0[i], ones), c1[i] = _mm256_madd_epi16(s1[i], ones);
@@ -2852,6 +2894,7 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
   // bytes, in L3 once M is prompt-sized: 1 MiB at M = 512, K = 2048) is read once per QNP panels
   // instead of once per panel (M = 512 products +10-15 %, measured in RESULTS §26b)
   const bool x2 = q8x2_on();  // (once a call: it reads the environment)
+  const bool su = ikj::env_on("IKJAX_Q8_PINNED");  // the U forms (pin): =0 the loops before them, for A/B
   for (int64_t g0 = n0; g0 < n1; g0 += QNP * QNR) {
     const int np = static_cast<int>(std::min<int64_t>(QNP, (n1 - g0 + QNR - 1) / QNR));
     const int64_t nr_last = std::min<int64_t>(QNR, n1 - (g0 + (np - 1) * QNR));
@@ -2871,8 +2914,11 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
             const uint8_t* pa = panel.data() + (2 * jp) * pstride;
             float* Ca = y + g0 + (2 * jp) * QNR + m0 * ldy;
             for_rows<kQ8x2Rows>(mr, [&](auto r) {
-              micro_q8x2<type, decltype(r)::value>(xr, K, dr, sr, xr_sx, nb, pa, pa + pstride, kb, kb1, Ca, Ca + QNR, ldy,
-                                                   kb > 0);
+              constexpr int R = decltype(r)::value;
+              if (su)
+                micro_q8x2<type, R, true>(xr, K, dr, sr, xr_sx, nb, pa, pa + pstride, kb, kb1, Ca, Ca + QNR, ldy, kb > 0);
+              else
+                micro_q8x2<type, R, false>(xr, K, dr, sr, xr_sx, nb, pa, pa + pstride, kb, kb1, Ca, Ca + QNR, ldy, kb > 0);
             });
           }
         }
@@ -2889,19 +2935,19 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
           const uint8_t* pj = panel.data() + j * pstride;
           if constexpr (mq > 4) {
             if (mr == 6) {
-              micro_q8<type, 6>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0);
+              (su ? micro_q8<type, 6, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 6, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0));
               continue;
             }
             if (mr == 5) {
-              micro_q8<type, 5>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0);
+              (su ? micro_q8<type, 5, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 5, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0));
               continue;
             }
           }
           switch (mr) {
-            case 4: micro_q8<type, 4>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0); break;
-            case 3: micro_q8<type, 3>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0); break;
-            case 2: micro_q8<type, 2>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0); break;
-            default: micro_q8<type, 1>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0); break;
+            case 4: (su ? micro_q8<type, 4, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 4, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0)); break;
+            case 3: (su ? micro_q8<type, 3, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 3, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0)); break;
+            case 2: (su ? micro_q8<type, 2, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 2, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0)); break;
+            default: (su ? micro_q8<type, 1, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 1, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0)); break;
           }
         }
       }
