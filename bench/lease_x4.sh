@@ -85,6 +85,7 @@
 #   STAGE=44: issue 26: sweep-bench's amx rows under malloc / THP variants beside ik native, interleaved rounds.
 #   STAGE=43: issue 26: sweep-bench's amx S_PP against the steady-state step (after a decode loop, cache on / off).
 #   STAGE=41: the -ot decode's host part under VARIANTS41 on one GPU, then the split runs (PARTS41).
+#   STAGE=50: issue 26: the pinned int8 loops against the loops before them (cpu_moe_ab.py, VNNI and plain).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -930,6 +931,20 @@ PY
     el "process $i: $t $lv -t $th"
     IKJAX_CPU_ISA=$lv taskset -c 0-$((th - 1)) timeout 120 python3 bench/cpu_decode_threads.py $f $th ${ROUNDS49:-3} -v \
       2>&1 | grep -v Warn | head -${LINES49:-60}
+  done
+  ;;
+50)
+  # issue 26: the pinned int8 loops (IKJAX_Q8_PINNED) against the loops before them, the routed-experts
+  # call of each type (TYPES50) alternated in one process (bench/cpu_moe_ab.py, -t THREADS50, one core
+  # a thread), under AVX-VNNI and the plain AVX2 build (BUILDS50: "1 0", IKJAX_AVXVNNI)
+  th=${THREADS50:-1}
+  for vn in ${BUILDS50:-1 0}; do
+    for t in ${TYPES50:-Q8_0 Q4_0 Q4_K IQ4_XS}; do
+      el "moe A/B $t avx2 AVXVNNI=$vn -t $th: IKJAX_Q8_PINNED 0 / 1"
+      IKJAX_AVXVNNI=$vn IKJAX_CPU_ISA=avx2 taskset -c 0-$((th - 1)) timeout 150 python3 bench/cpu_moe_ab.py --type $t \
+        --down-type Q8_0 --shape v2-lite --tokens 512 --threads $th --a IKJAX_Q8_PINNED=0 --b IKJAX_Q8_PINNED=1 \
+        --rounds ${ROUNDS50:-8} 2>&1 | grep -v Warn | tail -3
+    done
   done
   ;;
 esac
