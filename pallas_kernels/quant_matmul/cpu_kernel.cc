@@ -2608,6 +2608,18 @@ void build_panel_q8(const uint8_t* w, int64_t row_bytes, int64_t p0, int64_t nr,
 // up to a third of the loop's instructions.
 __attribute__((always_inline)) inline void pin(__m256i& v) { asm("" : "+x"(v)); }
 
+// fn(q) for q = q0, q0 + step, .. < q1: unrolled in the pinned forms (U), a loop in the forms before them
+template <bool U, int step = 1, class Fn>
+__attribute__((always_inline)) inline void for_quads(int q0, int q1, Fn&& fn) {
+  if constexpr (U) {
+#pragma GCC unroll 8
+    for (int q = q0; q < q1; q += step) fn(q);
+  } else {
+#pragma GCC unroll 1  // (unrolled without the pins, GCC hoists every product ahead of its add and spills them)
+    for (int q = q0; q < q1; q += step) fn(q);
+  }
+}
+
 #if defined(__AVXVNNI__)
 // AVX-VNNI: a panel block's plain int32 sums for x rows [0, mr) into s, one vpdpbusd a product (for
 // vpmaddubsw + vpmaddwd + vpaddd) into two sums a row, even and odd quads, added at the end: one sum
@@ -2635,13 +2647,7 @@ __attribute__((always_inline)) inline void block_sums_vnni(const uint8_t* pb, co
       if constexpr (U) pin(s[i]), pin(s2[i]);
     }
   };
-  if constexpr (U) {
-#pragma GCC unroll 4
-    for (int q = 0; q < 8; q += 2) quads(q);
-  } else {
-#pragma GCC unroll 1
-    for (int q = 0; q < 8; q += 2) quads(q);
-  }
+  for_quads<U, 2>(0, 8, quads);
   for (int i = 0; i < mr; ++i) s[i] = _mm256_add_epi32(s[i], s2[i]);
 }
 #endif
@@ -2713,13 +2719,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, con
           if constexpr (U) pin(c[i]);
         }
       };
-      if constexpr (U) {
-#pragma GCC unroll 8
-        for (int q = 0; q < 8; ++q) quad(q);
-      } else {
-#pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
-        for (int q = 0; q < 8; ++q) quad(q);
-      }
+      for_quads<U>(0, 8, quad);
 #endif
     } else {
 #if defined(__AVXVNNI__)
@@ -2738,13 +2738,7 @@ void micro_q8(const int8_t* xq, int64_t K, const float* dx, const float* ds, con
             if constexpr (U) pin(s[i]);
           }
         };
-        if constexpr (U) {
-#pragma GCC unroll 8
-          for (int q = h * run16; q < (h + 1) * run16; ++q) quad(q);
-        } else {
-#pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of its add and spills them
-          for (int q = h * run16; q < (h + 1) * run16; ++q) quad(q);
-        }
+        for_quads<U>(h * run16, (h + 1) * run16, quad);
         for (int i = 0; i < mr; ++i) {
           const __m256i p = _mm256_madd_epi16(s[i], ones);
           c[i] = h == 0 ? p : _mm256_add_epi32(c[i], p);
@@ -2821,13 +2815,7 @@ void micro_q8x2(const int8_t* xq, int64_t K, const float* dx, const float* ds, c
         if constexpr (U) pin(c0[i]), pin(c1[i]);
       }
     };
-    if constexpr (U) {
-#pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) quad(q);
-    } else {
-#pragma GCC unroll 2
-      for (int q = 0; q < 8; ++q) quad(q);
-    }
+    for_quads<U>(0, 8, quad);
 #else
     static_assert(!sgn, "the plain AVX2 build pairs the Q4 nibble types only (q8x2_type)");
     {  // the codes against x, the 8 quads summed in i16 (<= 8 * 2 * 15 * 127 < 2^15), then by ones
@@ -2842,13 +2830,7 @@ void micro_q8x2(const int8_t* xq, int64_t K, const float* dx, const float* ds, c
           if constexpr (U) pin(s0[i]), pin(s1[i]);
         }
       };
-      if constexpr (U) {
-#pragma GCC unroll 8
-        for (int q = 0; q < 8; ++q) quad(q);
-      } else {
-#pragma GCC unroll 1
-        for (int q = 0; q < 8; ++q) quad(q);
-      }
+      for_quads<U>(0, 8, quad);
       const __m256i ones = _mm256_set1_epi16(1);
       for (int i = 0; i < mr; ++i) c0[i] = _mm256_madd_epi16(s0[i], ones), c1[i] = _mm256_madd_epi16(s1[i], ones);
     }
