@@ -2876,7 +2876,7 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
   // bytes, in L3 once M is prompt-sized: 1 MiB at M = 512, K = 2048) is read once per QNP panels
   // instead of once per panel (M = 512 products +10-15 %, measured in RESULTS §26b)
   const bool x2 = q8x2_on();  // (once a call: it reads the environment)
-  const bool su = ikj::env_on("IKJAX_Q8_PINNED");  // the U forms (pin): =0 the loops before them, for A/B
+  const bool pinned = ikj::env_on("IKJAX_Q8_PINNED");  // the U forms (pin): =0 the loops before them, for A/B
   for (int64_t g0 = n0; g0 < n1; g0 += QNP * QNR) {
     const int np = static_cast<int>(std::min<int64_t>(QNP, (n1 - g0 + QNR - 1) / QNR));
     const int64_t nr_last = std::min<int64_t>(QNR, n1 - (g0 + (np - 1) * QNR));
@@ -2897,7 +2897,7 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
             float* Ca = y + g0 + (2 * jp) * QNR + m0 * ldy;
             for_rows<kQ8x2Rows>(mr, [&](auto r) {
               constexpr int R = decltype(r)::value;
-              if (su)
+              if (pinned)
                 micro_q8x2<type, R, true>(xr, K, dr, sr, xr_sx, nb, pa, pa + pstride, kb, kb1, Ca, Ca + QNR, ldy, kb > 0);
               else
                 micro_q8x2<type, R, false>(xr, K, dr, sr, xr_sx, nb, pa, pa + pstride, kb, kb1, Ca, Ca + QNR, ldy, kb > 0);
@@ -2915,22 +2915,13 @@ void gemm_rows_q8_t(const int8_t* xq, const float* dx, const float* ds, const in
           const int64_t ldc = direct ? ldy : QNR;
           float* C = (direct ? y + g0 + j * QNR : ctile.data()) + m0 * ldc;
           const uint8_t* pj = panel.data() + j * pstride;
-          if constexpr (mq > 4) {
-            if (mr == 6) {
-              (su ? micro_q8<type, 6, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 6, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0));
-              continue;
-            }
-            if (mr == 5) {
-              (su ? micro_q8<type, 5, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 5, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0));
-              continue;
-            }
-          }
-          switch (mr) {
-            case 4: (su ? micro_q8<type, 4, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 4, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0)); break;
-            case 3: (su ? micro_q8<type, 3, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 3, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0)); break;
-            case 2: (su ? micro_q8<type, 2, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 2, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0)); break;
-            default: (su ? micro_q8<type, 1, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0) : micro_q8<type, 1, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0)); break;
-          }
+          for_rows<mq>(mr, [&](auto r) {  // (mr: 1 .. mq)
+            constexpr int R = decltype(r)::value;
+            if (pinned)
+              micro_q8<type, R, true>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0);
+            else
+              micro_q8<type, R, false>(xr, K, dr, sr, xr_sx, nb, pj, kb, kb1, C, ldc, kb > 0);
+          });
         }
       }
     }
