@@ -395,3 +395,98 @@ def test_pinned_host_cap_follows_ram():
     env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = "5"
     assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                           check=True).stdout.split()[0] == "5"
+
+
+# ---- The host tensors' slots: a step names host bytes by a number stable across processes ---------
+
+_SLOT_PROBE = r"""
+import hashlib, json, sys
+import numpy as np
+import jax, jax.numpy as jnp
+from ikjax.placement.host import HostQuantArray
+from ikjax.placement.rules import TensorPlacement
+from ikjax.quant.types import by_name
+from pallas_kernels.moe_matmul import host as mh
+
+Q = by_name("Q8_0")
+E, F, D = 4, 64, 64
+def tensor(name, shape):
+    rows = shape[0] * shape[1]
+    # a fresh allocation each process (and a different one a second time here): addresses differ
+    data = np.zeros((rows + int(sys.argv[1]), shape[2] // 32 * 34), np.uint8)[: rows]
+    place = TensorPlacement(name, "host", "CPU", 1, None, data.nbytes, "-ot exps=CPU")
+    return HostQuantArray(data, Q, shape, tensor=place)
+g, u, d = (tensor(f"blk.1.ffn_{k}_exps.weight", s) for k, s in (("gate", (E, F, D)), ("up", (E, F, D)), ("down", (E, D, F))))
+out = {"addresses": [t.host_address() for t in (g, u, d)],
+       "slots": [mh.host_slot(t, t.host_address(), t.nbytes) for t in (g, u, d)]}
+if mh.available():  # the step's HLO for a CUDA device, lowered here without one
+    f = jax.jit(lambda x, w, i: mh.moe_experts(x, w, i, g, u, d))
+    sds = jax.ShapeDtypeStruct
+    hlo = f.trace(sds((2, D), jnp.float32), sds((2, 2), jnp.float32), sds((2, 2), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    out["hlo"] = hashlib.sha1(hlo.encode()).hexdigest()
+    out["addresses_in_hlo"] = [a for a in out["addresses"] if str(a) in hlo]
+    out["slots_in_hlo"] = all(f"{k}_slot = {s} " in hlo for k, s in zip(("gate", "up", "down"), out["slots"]))
+    from pallas_kernels import _cuda_host
+    out["resolved"] = [list(_cuda_host.host_slot(s)) for s in out["slots"]]
+print(json.dumps(out))
+"""
+
+
+def _slot_probe(pad: int) -> dict:
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _SLOT_PROBE, str(pad)], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_host_slots_same_in_every_process():
+    """Two processes with the experts' bytes at other addresses name them by the same slots (and,
+    where the CUDA handler is built, lower the host-experts call to the same HLO, with no address
+    in it, and map each slot to that process's own bytes): what lets JAX's persistent cache serve an
+    -ot step (RESULTS §25h: every -ot run compiled again, 65-73 s on R1-16 -sm graph)."""
+    a, b = _slot_probe(0), _slot_probe(4096)
+    assert a["addresses"] != b["addresses"]
+    assert a["slots"] == b["slots"] and len(set(a["slots"])) == 3
+    if "hlo" in a:
+        assert a["hlo"] == b["hlo"]
+        assert a["addresses_in_hlo"] == [] and a["slots_in_hlo"]
+        for probe in (a, b):
+            assert [r[0] for r in probe["resolved"]] == probe["addresses"]
+
+
+def test_host_slots_distinct_for_live_tensors(experts):
+    """In one process: the same tensor (or a view of it) keeps its slot; a second engine's copy of
+    the same tensor (same name, other bytes) and another tensor each get their own."""
+    from ikjax.placement.rules import TensorPlacement
+    from pallas_kernels.moe_matmul import host as mh
+
+    def host(qa, name):
+        data = np.array(qa.data)
+        place = TensorPlacement(name, "host", "CPU", 1, None, data.nbytes, "-ot exps=CPU")
+        return HostQuantArray(data, Q, qa.shape, tensor=place)
+
+    g1 = host(experts[0], "blk.9.ffn_gate_exps.weight")
+    g2 = host(experts[0], "blk.9.ffn_gate_exps.weight")  # a second engine of the same model
+    u1 = host(experts[1], "blk.9.ffn_up_exps.weight")
+    s = lambda t: mh.host_slot(t, t.host_address(), t.nbytes)
+    first = s(g1)
+    assert s(g1) == first == s(HostQuantArray._view(g1, g1.data))
+    assert len({first, s(g2), s(u1)}) == 3
+    assert all(0 <= x < 2 ** 63 for x in (first, s(g2), s(u1)))
+
+
+def test_steps_with_host_tensors_are_never_stored_whole(experts):
+    """A step over host experts is not kept whole (loaded later without tracing, its slots would be
+    unset), in both forms: pinned (a leaf) and mapped (a node with no leaf)."""
+    from ikjax.runtime.executables import has_host_tensors
+    pinned = _pinned(experts[0], 32)
+    mapped = HostQuantArray(np.asarray(experts[0].data), Q, experts[0].shape)
+    assert jax.tree.leaves({"m": mapped}) == []
+    assert has_host_tensors([{"gate_exps": mapped, "norm": jnp.ones(3)}])
+    assert has_host_tensors({"layers": (pinned,)})
+    assert not has_host_tensors({"gate_exps": experts[0], "norm": jnp.ones(3)})

@@ -275,3 +275,30 @@ def test_layer_split_host_experts_in_their_stage_memory(tiny4):
     got = eng.logits(tokens)
     assert ops.selected("moe_experts").startswith("stream:")
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
+@pytest.mark.parametrize("split", ["", "graph"])
+def test_ot_steps_served_by_the_compile_cache(tiny4, tmp_path, split):
+    """The same `-ot exps=CPU` sweep-bench twice in one compile cache: the second run compiles no
+    step (every one from the cache) and gives the first run's table shape. Before the host tensors'
+    slots, the experts' addresses were in each step's HLO and every run compiled again (RESULTS
+    §25h)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    if split and len(jax.devices()) < 2:
+        pytest.skip("-sm graph needs 2 or more GPUs")
+    env = dict(os.environ, IKJAX_COMPILE_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "ikjax.cli", "sweep-bench", "-m", tiny4, "-c", "512", "-ub", "256", "-n", "4",
+           "-ot", "exps=CPU", "-t", "4"] + (["-sm", split] if split else [])
+    runs = [subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    totals = [re.findall(r"compiled (\d+) steps, (\d+) from the cache in [0-9.]+s \([^)]*\) in all", r.stderr)
+              for r in runs]
+    assert all(totals), [r.stderr[-1500:] for r in runs]
+    compiled2, cached2 = map(int, totals[1][-1])
+    assert compiled2 == 0 and cached2 >= 2, totals
+    rows = [[l for l in r.stdout.splitlines() if re.match(r"\|\s+256\s", l)] for r in runs]
+    assert len(rows[0]) == len(rows[1]) >= 1

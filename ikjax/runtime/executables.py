@@ -25,6 +25,7 @@ from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.options import RunOptions
+from ikjax.placement.host import is_host_resident
 from ikjax.runtime import compile_cache
 from ikjax.runtime.generation import decode_steps
 from ikjax.runtime.memory_plan import (MemoryPlan, charge_compile, check_fits, process_memory, release_freed_memory,
@@ -122,6 +123,14 @@ def compile_step(weights, cache, B: int, T: int, *, cfg: ModelConfig, plan: Step
 # or what it computes; part of a stored step's key.
 _JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dtype_promotion",
                  "jax_default_prng_impl", "jax_threefry_partitionable")
+
+
+def has_host_tensors(weights) -> bool:
+    """The tree holds host-resident experts (-ot), pinned or mapped. Their custom calls name the bytes
+    by slots that tracing sets in this process (pallas_kernels/moe_matmul/host.py `host_slot`), so a
+    step loaded whole without tracing would find them unset; and a mapped tensor
+    (IKJAX_HOST_EXPERTS=mmap) is a node without leaves, invisible to a walk over the leaves."""
+    return any(is_host_resident(a) for a in jax.tree.leaves(weights, is_leaf=is_host_resident))
 
 
 def step_arguments(weights, layout, B: int, T: int, decode: tuple | None) -> tuple:
@@ -307,9 +316,9 @@ class Executables:
 
     def _stored_step(self, weights, key: tuple) -> tuple[tuple, Any] | None:
         """(parts, signature) of a step compiled for `key`, for compile_cache.load_step/store_step;
-        None where steps are not stored whole: several devices, weights outside device memory, and
-        by default a CPU (its steps trace and compile in about a second; IKJAX_STORE_STEPS=1
-        stores them too, =0 never stores).
+        None where steps are not stored whole: several devices, weights outside device memory (host
+        experts, pinned or mapped: `has_host_tensors`), and by default a CPU (its steps trace and
+        compile in about a second; IKJAX_STORE_STEPS=1 stores them too, =0 never stores).
 
         `parts` is everything the executable's arguments and code are made of that tracing would
         see: the whole argument tree (weights, KV cache, inputs) with every leaf's shape, dtype,
@@ -328,6 +337,8 @@ class Executables:
         if key[2].expert_stats is not None:  # its host callback counts into this engine's object
             return None
         if not self.executor.stores_steps:
+            return None
+        if has_host_tensors(weights):
             return None
         for a in jax.tree.leaves(weights):  # arrays, or their ShapeDtypeStructs while they load
             if not isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) or \

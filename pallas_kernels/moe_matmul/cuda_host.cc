@@ -12,12 +12,16 @@
 // the GPU ops after it see the result and the staging is free again when the next layer's copy
 // runs (one staging area per stream, reused by every layer in stream order).
 //
-// The experts are static for an engine: their host addresses come as int64 attributes (the
-// Python side keeps the memory map alive as long as the compiled step). Built only with
-// -DIKJAX_BUILD_CUDA=ON into the extension pallas_kernels._cuda_host (CMakeLists.txt).
+// The experts are static for an engine: the step names their bytes by a slot number (an int64
+// attribute), which this process maps to a host address and size (`set_host_slot`, called by the
+// Python side when it builds the call; the bytes live as long as the engine's weight tree). Why
+// not the address itself: an address differs from process to process, so a step carrying one had
+// another HLO in every run and JAX's persistent cache never served it (a 65-73 s recompile of R1's
+// -sm graph -ot steps each run, RESULTS §25h); a slot is derived from the tensor's name and shape.
+// Built only with -DIKJAX_BUILD_CUDA=ON into the extension pallas_kernels._cuda_host (CMakeLists.txt).
 //
 //   operands:   x f32 [N, d], weights f32 [N, k], ids s32 [N, k] (device buffers)
-//   attributes: gate_ptr, up_ptr, down_ptr (host addresses of [E, F, .], [E, F, .], [E, d, .] GGUF
+//   attributes: gate_slot, up_slot, down_slot (slots of the [E, F, .], [E, F, .], [E, d, .] GGUF
 //               bytes), gate/up/down_row_bytes, gate/up/down_type (ggml type ids), n_expert, n_ff,
 //               n_threads (0 = all cores), compute (0 f32, 1 bf16: QmCompute)
 //   result:     out f32 [N, d] (device buffer)
@@ -32,7 +36,9 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -59,6 +65,32 @@ std::unordered_map<cudaStream_t, Staging> staging_by_stream;
 std::vector<char*> retired;  // superseded areas: still possibly read by queued work, kept
 
 size_t align64(size_t n) { return (n + 63) & ~size_t(63); }
+
+// Slots: the host byte ranges steps name by number (see the top). Set from Python before a step
+// that names them is traced; a slot no one set is an error of the call, never a guess.
+struct HostBytes {
+  const char* base = nullptr;
+  size_t size = 0;
+};
+std::mutex slots_mu;
+std::unordered_map<int64_t, HostBytes> host_slots;
+
+ffi::Error slot_bytes(const char* what, int64_t slot, size_t need, const char** out) {
+  HostBytes b;
+  {
+    std::lock_guard<std::mutex> lock(slots_mu);
+    auto it = host_slots.find(slot);
+    if (it != host_slots.end()) b = it->second;
+  }
+  if (!b.base)
+    return ffi::Error::InvalidArgument(std::string(what) + ": host bytes slot " + std::to_string(slot) +
+                                       " is not set in this process (a step run without the tracing that sets it)");
+  if (b.size < need)
+    return ffi::Error::InvalidArgument(std::string(what) + ": host bytes slot " + std::to_string(slot) + " holds " +
+                                       std::to_string(b.size) + " bytes, the call reads " + std::to_string(need));
+  *out = b.base;
+  return ffi::Error::Success();
+}
 
 ffi::Error staging_for(cudaStream_t s, size_t need, char** out) {
   std::lock_guard<std::mutex> lock(staging_mu);
@@ -133,8 +165,8 @@ void CUDART_CB run_job(void* p) {
 }
 
 ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights,
-                       ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> out, int64_t gate_ptr,
-                       int64_t up_ptr, int64_t down_ptr, int64_t gate_row_bytes, int64_t up_row_bytes,
+                       ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> out, int64_t gate_slot,
+                       int64_t up_slot, int64_t down_slot, int64_t gate_row_bytes, int64_t up_row_bytes,
                        int64_t down_row_bytes, int64_t gate_type, int64_t up_type, int64_t down_type,
                        int64_t n_expert, int64_t n_ff, int64_t n_threads, int64_t compute) {
   auto xd = x.dimensions(), wd = weights.dimensions(), idd = ids.dimensions(), od = out->dimensions();
@@ -143,8 +175,13 @@ ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t N = xd[0], d = xd[1], k = idd[1];
   if (wd[0] != N || wd[1] != k || idd[0] != N || od[0] != N || od[1] != d)
     return ffi::Error::InvalidArgument("host moe_experts: weights and ids must be [N, k], out [N, d], N = x rows");
-  if (!gate_ptr || !up_ptr || !down_ptr || n_expert < 1 || n_ff < 1)
-    return ffi::Error::InvalidArgument("host moe_experts: expert addresses and sizes must be set");
+  if (n_expert < 1 || n_ff < 1 || gate_row_bytes < 1 || up_row_bytes < 1 || down_row_bytes < 1)
+    return ffi::Error::InvalidArgument("host moe_experts: expert sizes must be set");
+  const char *gate_ptr = nullptr, *up_ptr = nullptr, *down_ptr = nullptr;
+  for (auto [slot, rows, row_bytes, ptr] : {std::tuple{gate_slot, n_expert * n_ff, gate_row_bytes, &gate_ptr},
+                                            std::tuple{up_slot, n_expert * n_ff, up_row_bytes, &up_ptr},
+                                            std::tuple{down_slot, n_expert * d, down_row_bytes, &down_ptr}})
+    if (ffi::Error e = slot_bytes("host moe_experts", slot, size_t(rows * row_bytes), ptr); e.failure()) return e;
   for (int64_t t : {gate_type, up_type, down_type})
     if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(t)))
       return ffi::Error::InvalidArgument("host moe_experts: unsupported type id " + std::to_string(t));
@@ -198,7 +235,7 @@ ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // that follows needs them). Experts adjacent both in the file and in the slots go in one copy.
 //
 //   operands:   weights f32 [N, k], ids s32 [N, k] (device)
-//   attributes: gate_ptr, up_ptr, down_ptr (pinned host addresses of the [E, rows, row_bytes]
+//   attributes: gate_slot, up_slot, down_slot (slots of the pinned host [E, rows, row_bytes]
 //               blocks), n_expert, round
 //   results:    gate u8 [slots, ...], up u8 [slots, ...], down u8 [slots, ...], slot_of s32 [E]
 struct StreamStats {
@@ -211,19 +248,16 @@ StreamStats stream_stats;
 
 ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> ids,
                              ffi::ResultBuffer<ffi::U8> gate, ffi::ResultBuffer<ffi::U8> up,
-                             ffi::ResultBuffer<ffi::U8> down, ffi::ResultBuffer<ffi::S32> slot_of, int64_t gate_ptr,
-                             int64_t up_ptr, int64_t down_ptr, int64_t n_expert, int64_t round) {
+                             ffi::ResultBuffer<ffi::U8> down, ffi::ResultBuffer<ffi::S32> slot_of, int64_t gate_slot,
+                             int64_t up_slot, int64_t down_slot, int64_t n_expert, int64_t round) {
   auto wd = weights.dimensions(), idd = ids.dimensions();
   if (wd.size() != 2 || idd.size() != 2 || wd[0] != idd[0] || wd[1] != idd[1])
     return ffi::Error::InvalidArgument("stream_experts: weights and ids must both be [N, k]");
   const int64_t E = n_expert;
   if (E < 1 || slot_of->element_count() != static_cast<size_t>(E))
     return ffi::Error::InvalidArgument("stream_experts: slot_of must be [n_expert]");
-  if (!gate_ptr || !up_ptr || !down_ptr || round < 0)
-    return ffi::Error::InvalidArgument("stream_experts: expert addresses must be set, round >= 0");
+  if (round < 0) return ffi::Error::InvalidArgument("stream_experts: round must be >= 0");
   ffi::ResultBuffer<ffi::U8>* outs[3] = {&gate, &up, &down};
-  const char* srcs[3] = {reinterpret_cast<const char*>(gate_ptr), reinterpret_cast<const char*>(up_ptr),
-                         reinterpret_cast<const char*>(down_ptr)};
   auto gdims = gate->dimensions();
   if (gdims.size() < 1 || gdims[0] < 1) return ffi::Error::InvalidArgument("stream_experts: no slots");
   const int64_t slots = gdims[0];
@@ -234,6 +268,11 @@ ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights,
       return ffi::Error::InvalidArgument("stream_experts: gate, up and down need the same number of slots");
     per_expert[t] = (*outs[t])->size_bytes() / slots;
   }
+  const char* srcs[3] = {nullptr, nullptr, nullptr};
+  const int64_t tensor_slots[3] = {gate_slot, up_slot, down_slot};
+  for (int t = 0; t < 3; ++t)
+    if (ffi::Error e = slot_bytes("stream_experts", tensor_slots[t], per_expert[t] * E, &srcs[t]); e.failure())
+      return e;
   const int64_t nk = idd[0] * idd[1];
   const size_t ib = nk * sizeof(int32_t), wb = nk * sizeof(float), tb = E * sizeof(int32_t);
   const size_t off_w = align64(ib), off_t = off_w + align64(wb);
@@ -329,9 +368,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostMoeExpertsFfi, HostMoeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("gate_ptr")
-                                  .Attr<int64_t>("up_ptr")
-                                  .Attr<int64_t>("down_ptr")
+                                  .Attr<int64_t>("gate_slot")
+                                  .Attr<int64_t>("up_slot")
+                                  .Attr<int64_t>("down_slot")
                                   .Attr<int64_t>("gate_row_bytes")
                                   .Attr<int64_t>("up_row_bytes")
                                   .Attr<int64_t>("down_row_bytes")
@@ -352,9 +391,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StreamExpertsFfi, StreamExpertsImpl,
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("gate_ptr")
-                                  .Attr<int64_t>("up_ptr")
-                                  .Attr<int64_t>("down_ptr")
+                                  .Attr<int64_t>("gate_slot")
+                                  .Attr<int64_t>("up_slot")
+                                  .Attr<int64_t>("down_slot")
                                   .Attr<int64_t>("n_expert")
                                   .Attr<int64_t>("round"));
 
@@ -390,6 +429,18 @@ NB_MODULE(_cuda_host, m) {
                     {"bytes", &HostStats::bytes}, {"small_calls", &HostStats::small_calls},
                     {"small_ns", &HostStats::small_ns}, {"small_bytes", &HostStats::small_bytes}});
   }, nb::arg("reset") = false);
+  // a slot's host bytes (see the top): set before a step naming the slot runs; read back for tests
+  m.def("set_host_slot", [](int64_t slot, uintptr_t address, size_t size) {
+    if (!address || !size) throw std::invalid_argument("set_host_slot: address and size must be non-zero");
+    std::lock_guard<std::mutex> lock(slots_mu);
+    host_slots[slot] = HostBytes{reinterpret_cast<const char*>(address), size};
+  }, nb::arg("slot"), nb::arg("address"), nb::arg("size"));
+  m.def("host_slot", [](int64_t slot) -> nb::object {
+    std::lock_guard<std::mutex> lock(slots_mu);
+    auto it = host_slots.find(slot);
+    if (it == host_slots.end()) return nb::none();
+    return nb::make_tuple(reinterpret_cast<uintptr_t>(it->second.base), it->second.size);
+  }, nb::arg("slot"));
   m.def("isa", [] { return std::string(ikj::isa_name(ikj::current_isa())); });
   m.def("quant_type_supported", [](int type) { return IKJ_DISPATCH(quant_matmul_supported)(type); });
 }

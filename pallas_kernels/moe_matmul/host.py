@@ -11,13 +11,17 @@ Expert tensors are duck-typed QuantArray-likes with `.qtype.type_id` and `.shape
 are in host memory, C-contiguous: either `.data` is a host NumPy array (the memory map's bytes),
 or the object says where they are with `host_address()` and `nbytes` (ikjax's pinned-host experts,
 whose `.data` may be a tracer inside the step: the same bytes the big-batch path streams to the
-GPU). Their addresses go into the compiled step as attributes, so the caller keeps the bytes alive
-as long as the step (the engine's weight tree does). Built by `pip install` wherever a CUDA
+GPU). The compiled step names them by a slot number (`host_slot`), which this process maps to their
+address in the C++ handler when it builds the call: the caller keeps the bytes alive as long as the
+step (the engine's weight tree does). A slot, not the address, so that the same model's steps have
+the same HLO in every process and JAX's persistent cache serves them (RESULTS §25h). Built by `pip install` wherever a CUDA
 toolkit is found at build time (IKJAX_BUILD_CUDA=AUTO, pallas_kernels/CMakeLists.txt).
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +83,43 @@ def _host_bytes(t, rows: int, what: str) -> tuple[int, int]:
     return addr, size
 
 
+# the slots this process handed out: (tensor key, address, size) -> slot, and how many addresses
+# each tensor key has so far (a second engine of the same model takes the next ordinal)
+_slots: dict[tuple, int] = {}
+_ordinals: dict[str, int] = {}
+_slots_lock = threading.Lock()
+
+
+def _tensor_key(t) -> str:
+    """What names a host tensor across processes: its GGUF name where the placement carries one,
+    its type and shape (hand-made arrays: type and shape alone)."""
+    placement = getattr(t, "tensor", None)
+    name = getattr(placement, "name", "") or ""
+    return f"{name}|{getattr(t.qtype, 'name', t.qtype)}|{tuple(t.shape)}"
+
+
+def host_slot(t, address: int, size: int) -> int:
+    """The slot number a step names `t`'s host bytes by (the C++ handler maps it to `address`).
+
+    The same for the same tensor of the same model in every process (a hash of its name, type,
+    shape and the ordinal of its address among this process's tensors of that key: 0 unless two
+    engines of one model live here), so a step's HLO, and JAX's cache key, do not depend on where
+    the bytes landed. Distinct live tensors never share a slot: each (key, address, size) has its
+    own. Idempotent; thread-safe (steps trace side by side)."""
+    key = _tensor_key(t)
+    with _slots_lock:
+        slot = _slots.get((key, address, size))
+        if slot is None:
+            ordinal = _ordinals.get(key, 0)
+            _ordinals[key] = ordinal + 1
+            digest = hashlib.blake2b(f"{key}|{ordinal}".encode(), digest_size=8).digest()
+            slot = int.from_bytes(digest, "little") >> 1  # a non-negative int64
+            _slots[(key, address, size)] = slot
+        if _cuda_host is not None:
+            _cuda_host.set_host_slot(slot, address, size)
+    return slot
+
+
 def supported(gate, up, down) -> bool:
     """This path takes these experts: built, host NumPy bytes, [E, F, d] / [E, d, F], types the
     C++ core supports."""
@@ -110,7 +151,7 @@ def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0, compute:
     i64 = np.int64
     return jax.ffi.ffi_call(TARGET, out)(
         x.astype(jnp.float32), weights.astype(jnp.float32), ids.astype(jnp.int32),
-        gate_ptr=i64(g[0]), up_ptr=i64(u[0]), down_ptr=i64(dn[0]),
+        gate_slot=i64(host_slot(gate, *g)), up_slot=i64(host_slot(up, *u)), down_slot=i64(host_slot(down, *dn)),
         gate_row_bytes=i64(g[1] // (E * F)), up_row_bytes=i64(u[1] // (E * F)),
         down_row_bytes=i64(dn[1] // (E * d)),
         gate_type=i64(gate.qtype.type_id), up_type=i64(up.qtype.type_id), down_type=i64(down.qtype.type_id),
@@ -154,7 +195,9 @@ def stream_experts(weights, ids, gate, up, down, *, slots: int, round: int):
     i64 = np.int64
     return jax.ffi.ffi_call(STREAM_TARGET, outs)(
         weights.astype(jnp.float32), ids.astype(jnp.int32),
-        gate_ptr=i64(gate.host_address()), up_ptr=i64(up.host_address()), down_ptr=i64(down.host_address()),
+        gate_slot=i64(host_slot(gate, gate.host_address(), gate.nbytes)),
+        up_slot=i64(host_slot(up, up.host_address(), up.nbytes)),
+        down_slot=i64(host_slot(down, down.host_address(), down.nbytes)),
         n_expert=i64(E), round=i64(round))
 
 
