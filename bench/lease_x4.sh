@@ -86,6 +86,7 @@
 #   STAGE=43: issue 26: sweep-bench's amx S_PP against the steady-state step (after a decode loop, cache on / off).
 #   STAGE=41: the -ot decode's host part under VARIANTS41 on one GPU, then the split runs (PARTS41).
 #   STAGE=50: issue 26: the pinned int8 loops against the loops before them (cpu_moe_ab.py, VNNI and plain).
+#   STAGE=51: issues 25 / 22: the hybrid GPU tests, then R1-8 -ot exps=CPU cold / warm in one fresh cache.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -945,6 +946,23 @@ PY
         --down-type Q8_0 --shape v2-lite --tokens 512 --threads $th --a IKJAX_Q8_PINNED=0 --b IKJAX_Q8_PINNED=1 \
         --rounds ${ROUNDS50:-8} 2>&1 | grep -v Warn | tail -3
     done
+  done
+  ;;
+51)
+  # issues 25 / 22: -ot steps served by the compile cache (host tensors named by slots, RESULTS §25i):
+  # the hybrid GPU tests (the handler through slots; two -ot runs in one cache, 1 GPU and -sm graph),
+  # then the 8-layer R1 (written here unless /tmp/r1-8.gguf exists) with -ot exps=CPU, cold then warm
+  # in a fresh cache: each run's load, compile and rows (the warm run should compile no step)
+  start_r1_8
+  timeout ${TESTS51_S:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py 2>&1 | tail -6
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-420} ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail -3 /tmp/r1-8.log; exit 1; }
+  export IKJAX_COMPILE_CACHE=/tmp/cc51_$$
+  for run in cold warm; do
+    el "r1-8 -ot exps=CPU, $run"
+    CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf -c 4096 -ub 2048 -n 32 -mla 3 \
+      -fa 1 -ot exps=CPU -t $(nproc) > "$OUT/r1ot_$run.out" 2> "$OUT/r1ot_$run.err"; echo "rc $?"
+    grep -h "^|  *2048\|loaded\|compiled\|rror" "$OUT/r1ot_$run.out" "$OUT/r1ot_$run.err" | head -8
   done
   ;;
 esac
