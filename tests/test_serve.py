@@ -305,6 +305,12 @@ def test_tokenize_detokenize(server, ref):
     assert ids == ref.tokenizer.encode("hello world", add_bos=False)
     assert "".join(p["piece"] for p in body["tokens"]) == "hello world"
     assert call(server, "POST", "/detokenize", {"tokens": ids}) == (200, {"content": "hello world"})
+    # a piece that is not UTF-8 by itself (a byte token) comes as its byte values, as llama-server gives it
+    text = "a\U0001F600\u4e2d b"
+    pieces = call(server, "POST", "/tokenize", {"content": text, "with_pieces": True})[1]["tokens"]
+    assert any(isinstance(p["piece"], list) for p in pieces), pieces
+    joined = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert joined == text.encode()
 
 
 def test_metrics(server):
@@ -364,8 +370,55 @@ def test_bad_requests_are_400(server):
     _error(call(server, "POST", "/v1/completions", {"prompt": [5] * CTX}), 400, "context")  # too long for a slot
     _error(call(server, "POST", "/detokenize", {"tokens": [-1]}), 400, "vocabulary")
     _error(call(server, "POST", "/v1/completions", raw=b"x" * (33 << 20)), 413, "MiB")
+    # found by an outside probe (were 500s, or a silent no-op):
+    _error(call(server, "POST", "/v1/completions", raw=b"[" * 100000 + b"]" * 100000), 400, "nested too deeply")
+    _error(call(server, "POST", "/v1/completions", raw=b"abcde", headers={"Content-Encoding": "gzip"}), 400,
+           "request body")
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "repeat_penalty": 1e308}), 400, "repeat_penalty")
+    _error(call(server, "POST", "/completion", {"prompt": "x", "grammar": 'root ::= "yes"'}), 400, "grammar")
+    _error(call(server, "POST", "/completion", {"prompt": "x", "json_schema": {"type": "object"}}), 400, "json_schema")
+    _error(call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                          "chat_template_kwargs": {"messages": []}}),
+           400, "chat_template_kwargs.messages")
     # the server is fine afterwards
     assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
+
+
+def test_null_fields_are_absent_and_template_kwargs(server):
+    """null, as OpenAI's clients send for a field not given, is the default for every field (the
+    penalties and reasoning_format were 400s); chat_template_kwargs' add_generation_prompt is honoured
+    (a 500 before: "multiple values for keyword argument")."""
+    msgs = [{"role": "user", "content": "hi"}]
+    nulls = {"frequency_penalty": None, "presence_penalty": None, "reasoning_format": None, "temperature": None,
+             "top_p": None, "stop": None, "seed": None, "max_tokens": 3}
+    status, body = call(server, "POST", "/v1/chat/completions", {"messages": msgs, **nulls})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] <= 3
+    with_gen = call(server, "POST", "/apply-template", {"messages": msgs})[1]["prompt"]
+    without = call(server, "POST", "/apply-template", {"messages": msgs,
+                                                      "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert without[0] == 200 and with_gen.startswith(without[1]["prompt"]) and with_gen != without[1]["prompt"]
+
+
+def test_cors(server):
+    """A browser page from another origin can call the API: the preflight is answered (no key asked),
+    every answer names the origin, streams too."""
+    origin = "http://example.com"
+    c = http.client.HTTPConnection(server.host, int(server.port), timeout=60)
+    c.request("OPTIONS", "/v1/chat/completions", headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                                          "Access-Control-Request-Headers": "content-type"})
+    r = c.getresponse()
+    r.read()
+    assert r.status == 204 and r.getheader("Access-Control-Allow-Origin") == origin
+    assert "POST" in r.getheader("Access-Control-Allow-Methods")
+    assert r.getheader("Access-Control-Allow-Headers") == "content-type"
+    for body in ({"prompt": "x", "n_predict": 2}, {"prompt": "x", "n_predict": 2, "stream": True}):
+        c.request("POST", "/completion", body=json.dumps(body), headers={"Origin": origin})
+        r = c.getresponse()
+        r.read()
+        assert r.status == 200 and r.getheader("Access-Control-Allow-Origin") == origin, body
+    c.close()
+    assert "Access-Control-Allow-Origin" not in dict(urllib.request.urlopen(server.url + "/health").headers)
 
 
 def test_unknown_route_and_model_are_404(server):
@@ -378,6 +431,10 @@ def test_unknown_route_and_model_are_404(server):
 
 def test_api_key_401(small):
     _error(call(small, "POST", "/completion", {"prompt": "x", "n_predict": 1}), 401, "API key")
+    # a browser's preflight carries no key: answered all the same; the request after it needs one
+    assert call(small, "OPTIONS", "/completion", headers={"Origin": "http://a.example",
+                                                         "Access-Control-Request-Method": "POST"})[0] == 204
+    _error(call(small, "OPTIONS", "/completion"), 401, "API key")  # not a preflight: no way around the key
     with pytest.raises(openai.AuthenticationError):
         client(small, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert call(small, "GET", "/health")[0] == 200  # open without a key, as llama-server's

@@ -222,7 +222,8 @@ class Scheduler:
         top_logprobs = check_top_logprobs(top_logprobs)
         eos = self.eng.config.eos_token_id
         stops = generation.stop_ids(stop_ids, None if ignore_eos else eos)
-        bias = check_logit_bias(logit_bias, self.eng.config.vocab_size)
+        # a bias of 0 changes nothing: dropped, so it does not move the request to the host sampler
+        bias = [(t, b) for t, b in check_logit_bias(logit_bias, self.eng.config.vocab_size) if b != 0]
         # a bias of -100 or less is a ban (the device argmax honours bans; other biases sample on the host)
         ban = frozenset(({eos} if ignore_eos and eos is not None else set()) | {t for t, b in bias if b <= LOGIT_BAN})
         return Request(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(stops),
@@ -233,7 +234,8 @@ class Scheduler:
         with self._cv:
             free = sum(s.req is None for s in self.slots)
             if len(self._queue) - free >= self.max_queue:
-                raise QueueFullError(f"server busy: {len(self._queue)} requests already wait for one of "
+                # (queued requests that a free slot will take at the next step do not wait)
+                raise QueueFullError(f"server busy: {len(self._queue) - free} requests already wait for one of "
                                      f"{self.n_slots} slots")
             req.t_submit = time.perf_counter()
             self._queue.append(req)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 
 from ikjax.chat_template import AnswerSplitter, opens_reasoning
 from ikjax.errors import OptionError
@@ -75,7 +76,8 @@ class Server:
 
     # -- the app ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors, self._auth])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors, self._preflight, self._auth])
+        app.on_response_prepare.append(_cors_headers)
         r = app.router
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/chat/completions", self.chat_completions)
@@ -124,6 +126,18 @@ class Server:
             return _error(ApiError(500, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"))
 
     @web.middleware
+    async def _preflight(self, request: web.Request, handler):
+        """A browser's CORS preflight (OPTIONS with Access-Control-Request-Method) is answered before
+        the key is asked for (browsers send no credentials with it), as llama-server answers it, so a
+        web app served from another origin can call the API; `_cors_headers` marks every answer."""
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
+                "Access-Control-Max-Age": "86400"})
+        return await handler(request)
+
+    @web.middleware
     async def _auth(self, request: web.Request, handler):
         keys = self._keys
         if keys and request.path not in PUBLIC:
@@ -138,10 +152,16 @@ class Server:
             raw = await asyncio.wait_for(request.read(), self.config.timeout)
         except asyncio.TimeoutError:
             raise ApiError(408, f"request body not received within {self.config.timeout:g}s") from None
+        except ConnectionResetError:  # the client left mid-body: nobody to answer, nothing to log
+            raise ApiError(400, "request body: the client closed the connection") from None
+        except (web.RequestPayloadError, ContentEncodingError) as e:  # a body that does not decode (bad gzip, chunks)
+            raise bad(f"request body: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad(f"request body: not valid JSON ({str(e).splitlines()[0]})") from None
+        except RecursionError:
+            raise bad("request body: not valid JSON (nested too deeply)") from None
         return oai.json_object(body)
 
     def _check_model(self, body: dict) -> str:
@@ -172,17 +192,25 @@ class Server:
 
     async def _chat_prompt(self, body: dict) -> tuple[list[int], str]:
         messages = oai.messages_field(body)
-        extra = {}
-        if body.get("chat_template_kwargs") is not None:
-            if not isinstance(body["chat_template_kwargs"], dict):
-                raise bad("chat_template_kwargs: expected an object")
-            extra = body["chat_template_kwargs"]
+        extra = body.get("chat_template_kwargs")
+        if extra is not None and not isinstance(extra, dict):
+            raise bad("chat_template_kwargs: expected an object")
+        extra = dict(extra or {})
+        # what the render call sets itself: add_generation_prompt honoured (true or false), messages
+        # and tools refused (they are the request's own fields; a 500 before, "multiple values")
+        add_generation_prompt = extra.pop("add_generation_prompt", True)
+        if not isinstance(add_generation_prompt, bool):
+            raise bad(f"chat_template_kwargs.add_generation_prompt: expected true or false, "
+                      f"got {add_generation_prompt!r}"[:300])
+        for name in ("messages", "tools"):
+            if name in extra:
+                raise bad(f"chat_template_kwargs.{name}: give {name} as the request's own field")
         check_tools(body.get("tools"), body.get("tool_choice"))  # an OptionError: the 400 of _errors
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
         messages = tool_messages(messages, tools, self.template.source, body.get("tool_choice"))
         if tools:
             extra["tools"] = tools
-        text = self.template.render(messages, add_generation_prompt=True, **extra)
+        text = self.template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
         bos = self.tok.token_text(self.tok.bos_id)
         # a template writes BOS itself: the text is tokenized without another one (llama-server strips
         # the template's and adds its own: the same ids)
@@ -200,7 +228,8 @@ class Server:
                                                                        "n_predict"), endpoint="chat")
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         ids, text = await self._chat_prompt(body)
-        fmt = body.get("reasoning_format", self.config.reasoning_format)
+        fmt = body.get("reasoning_format")
+        fmt = self.config.reasoning_format if fmt is None else fmt
         if fmt not in REASONING_FORMATS:
             raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}")
         answer = AnswerSplitter(opened=opens_reasoning(text) if fmt != "none" else None, tools=use_tools)
@@ -450,8 +479,8 @@ class Server:
         text = oai.text_field(body, "content")
         ids = await self._encode(text, oai.bool_field(body, "add_special", False))
         if oai.bool_field(body, "with_pieces", False):
-            return web.json_response({"tokens": [
-                {"id": i, "piece": self.tok.piece(i, special=True).decode("utf-8", errors="replace")} for i in ids]})
+            pieces = [{"id": i, "piece": _piece(self.tok.piece(i, special=True))} for i in ids]
+            return web.json_response({"tokens": pieces})
         return web.json_response({"tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -486,6 +515,25 @@ def _deltas(reasoning: str, content: str) -> list[dict]:
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer (streams too: this runs before their headers go out) names the request's Origin
+    as allowed, as llama-server's answers do."""
+    origin = request.headers.get("Origin")
+    if origin:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Allow-Credentials"] = "true"
+        response.headers.add("Vary", "Origin")
+
+
+def _piece(b: bytes) -> str | list[int]:
+    """A token's piece as /tokenize's with_pieces gives it: text, or its byte values where the bytes
+    alone are not UTF-8 (a byte token, half a character), as llama-server does."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(b)
 
 
 def _error(e: ApiError) -> web.Response:

@@ -40,6 +40,10 @@ def bad(message: str) -> ApiError:
     return ApiError(400, message)
 
 
+# repeat_penalty's range: llama.cpp takes any float, but past these the penalized logits overflow
+MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-6, 1e6
+
+
 @dataclass
 class Defaults:
     """The server's sampling defaults (its --temp --top-k --top-p --min-p -s -n flags)."""
@@ -92,6 +96,10 @@ def json_object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise bad(f"request body: expected a JSON object, got {type(body).__name__}")
     return body
+
+
+def _or(v: Any, default: Any) -> Any:
+    return default if v is None else v
 
 
 def _get(body: dict, name: str, check, what: str, default: Any) -> Any:
@@ -151,13 +159,16 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     include_usage = _get(opts, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
     cache_prompt = _get(body, "cache_prompt", lambda v: isinstance(v, bool), "true or false", True)
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
-    repeat_penalty = float(_get(body, "repeat_penalty", lambda v: _is_num(v) and v > 0, "a number > 0 (1 = off)",
-                                1.0))
+    # bounded: a logit divided or multiplied by 1e308 (or 1e-320) is not finite (a 500 before)
+    lo, hi = MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY
+    repeat_penalty = float(_get(body, "repeat_penalty", lambda v: _is_num(v) and lo <= v <= hi,
+                                f"a number in [{lo:g}, {hi:g}] (1 = off)", 1.0))
     repeat_last_n = _get(body, "repeat_last_n", lambda v: _is_int(v) and v >= -1,
                          "an integer >= -1 (0 = off, -1 = the context)", 64)
     # checked with the other penalties by sampling.check_penalty (Scheduler.make_request; a 400)
-    frequency_penalty = body.get("frequency_penalty", 0.0)
-    presence_penalty = body.get("presence_penalty", 0.0)
+    # (null, as OpenAI's clients send for "not given": the default)
+    frequency_penalty = _or(body.get("frequency_penalty"), 0.0)
+    presence_penalty = _or(body.get("presence_penalty"), 0.0)
     return_tokens = _get(body, "return_tokens", lambda v: isinstance(v, bool), "true or false", False)
     count = _get(body, "n", _is_int, "an integer", 1)
     if count != 1:
@@ -167,6 +178,9 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     if fmt is not None and kind != "text":  # refused, not ignored: an answer would not keep to the format
         raise bad(f"response_format: {kind!r} is not supported (no grammar-constrained sampling here); "
                   f"only {{\"type\": \"text\"}}")
+    for name in ("grammar", "json_schema"):  # llama-server's constraints: refused like response_format
+        if body.get(name) not in (None, "", {}):
+            raise bad(f"{name}: grammar-constrained sampling is not supported here; leave {name} out")
     return GenParams(max_tokens=None if n == -1 else n, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                      min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
