@@ -701,3 +701,23 @@ def test_server_flag_errors_are_one_line_before_loading(tiny_model, args, messag
     res = subprocess.run([sys.executable, "-m", "ikjax.cli", "serve", "-m", tiny_model, "--port", "0", *args],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1 and message in res.stderr, res.stderr
+
+
+def test_logprobs_and_zero_bias_do_not_change_a_seeded_answer(server, ref):
+    """A seeded, sampled request gives `generate`'s tokens for that seed whether or not it asks for
+    log-probabilities or carries a bias of 0 (both moved it to the host's sampler, another random
+    stream, before: an outside probe found the answers changed), and each reported log-probability
+    is the drawn token's."""
+    ids = ref.tokenizer.encode(prompts(1, seed=11)[0])
+    kw = dict(prompt=ids, n_predict=12, return_tokens=True, temperature=0.9, top_k=20, top_p=1.0, min_p=0.0,
+              seed=5, ignore_eos=True)
+    want = list(ref.generate(ids, 12, temperature=0.9, top_k=20, top_p=1.0, min_p=0.0, seed=5, ignore_eos=True))
+    plain = call(server, "POST", "/completion", kw)
+    probs = call(server, "POST", "/completion", {**kw, "n_probs": 2})
+    zero = call(server, "POST", "/completion", {**kw, "logit_bias": {"5": 0}})
+    for status, body in (plain, probs, zero):
+        assert status == 200, body
+        assert body["tokens"] == want, (body["tokens"], want)
+    reported = probs[1]["completion_probabilities"]
+    assert [p["id"] for p in reported] == want
+    assert all(len(p["top_logprobs"]) == 2 and p["logprob"] <= 0.0 for p in reported)

@@ -548,7 +548,7 @@ class Scheduler:
         greedy = [s for s in rows if _plain_greedy(s.req)]
         if greedy:
             top, finite = (np.asarray(a) for a in _argmax_rows(logits, self._banned(greedy, row, B)))
-        # sampled rows without penalties, biases or logprobs draw on the device with their own
+        # sampled rows without penalties or biases (logprobs too) draw on the device with their own
         # key, as the loop draws them (sampling.sample_rows): one call per sampling setting
         drawn: dict[int, int] = {}
         settings = {row[s.index]: s.req._setting for s in rows if s.req._setting is not None}
@@ -557,7 +557,8 @@ class Scheduler:
             for setting in set(settings.values()):
                 got = np.asarray(_sample_rows(logits, keys, start, setting))
                 drawn.update({b: int(got[b]) for b, st in settings.items() if st == setting})
-        host = np.asarray(logits, np.float32) if len(greedy) + len(drawn) < len(rows) else None
+        reports = any(row[s.index] in drawn and s.req.top_logprobs is not None for s in rows)
+        host = np.asarray(logits, np.float32) if reports or len(greedy) + len(drawn) < len(rows) else None
         self._step_s = time.perf_counter() - t0
         self.stats.decode_seconds += self._step_s
         self.stats.decode_steps += 1
@@ -567,18 +568,19 @@ class Scheduler:
             if _plain_greedy(req):
                 self._next(req, lambda: _checked(int(top[b]), bool(finite[b])))
             elif b in drawn:
-                self._next(req, lambda: _checked(drawn[b], drawn[b] != NON_FINITE))
+                self._next(req, lambda: _reported(req, _checked(drawn[b], drawn[b] != NON_FINITE), host, b))
             else:
                 self._next(req, lambda: self._sample(req, host[b]))
 
     def _start_device_draws(self, req: Request) -> None:
         """After `req`'s first token (drawn on the host): whether its later tokens are drawn on the
         device with its own key, in one-step dispatches and in the loop alike (the same tokens,
-        `generate`'s for its seed): sampling without a penalty, a logit bias or log-probabilities,
-        where the engine's loop takes a key per row (one device). The key comes from the request's
+        `generate`'s for its seed): sampling without a penalty or a logit bias, where the engine's
+        loop takes a key per row (one device). The key comes from the request's
         generator right after its first token, where Engine.generate draws it."""
-        if (self._row_keys and req.sampling["temperature"] > 0.0 and not req.penalties.active
-                and req.top_logprobs is None and not req.logit_bias):
+        # (log-probabilities only report: read from the logits beside the device's draw, so asking
+        # for them does not change the answer; drawn on the host, they once did)
+        if self._row_keys and req.sampling["temperature"] > 0.0 and not req.penalties.active and not req.logit_bias:
             req._key = jax.random.key(int(req._rng.integers(0, 2**31 - 1)))
             req._setting = _setting_of(req.sampling, req.ban)
 
@@ -602,8 +604,8 @@ class Scheduler:
         measured that, RESULTS §23g)."""
         if not rows or self._prefill or self._queue or not self.eng.decode_loop():
             return 1
-        if any(s.req.cancelled for s in rows):
-            return 1
+        if any(s.req.cancelled or s.req.top_logprobs is not None for s in rows):
+            return 1  # (the loop hands back tokens, not the logits log-probabilities are read from)
         if all(_plain_greedy(s.req) for s in rows):
             if len({frozenset(s.req.ban) for s in rows}) > 1:  # one loop bans one set (ignore_eos: EOS)
                 return 1
@@ -766,6 +768,14 @@ def _plain_greedy(req: Request) -> bool:
     included)."""
     return (req.sampling["temperature"] <= 0.0 and not req.penalties.active and req.top_logprobs is None
             and not req.logit_bias)
+
+
+def _reported(req: Request, tok: int, host, b: int) -> int:
+    """`tok`, drawn on the device, with its log-probability recorded where `req` asks for them (from
+    the raw logits row, as `Scheduler._sample` records a host draw's)."""
+    if req.top_logprobs is not None:
+        req.token_logprobs.append(token_logprobs(host[b], tok, req.top_logprobs))
+    return tok
 
 
 def _checked(tok: int, finite: bool) -> int:
