@@ -116,6 +116,41 @@ def test_decode_loop_equals_one_token_per_dispatch(monkeypatch):
         eng.decode(cache, [1], [0], 9, chunk=8)
 
 
+def test_decode_rows_take_their_settings_as_arguments():
+    """Engine.decode with a key per row ("rows") and a draw: each row's own temperature / top_k /
+    top_p / min_p come beside the keys (sampling.row_params), one executable for every value in a
+    top_k bucket; each row draws what it draws alone with that setting; keys without their values,
+    or a row's top_k outside the bucket, are refused."""
+    from ikjax.runtime.sampling import row_params, top_k_bucket
+    eng = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_0.gguf", mla=3, ctk="q8_0", ubatch=32, ctx=64)
+    p = list(range(2, 30))
+    settings = [dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.0), dict(temperature=1.4, top_k=50, top_p=1.0,
+                                                                              min_p=0.1)]
+    keys = jax.random.split(jax.random.key(3), 2)
+    sampling = dict(settings[0], rows=True)
+
+    def run(settings, keys):
+        cache = eng.new_cache(len(settings))
+        for b in range(len(settings)):
+            _, one = eng.prefill(eng.new_cache(1), np.array(p), 0)
+            cache = jax.tree.map(lambda big, o: big.at[:, b].set(o[:, 0]), cache, one)
+        out, _ = eng.decode(cache, [5] * len(settings), [len(p)] * len(settings), 6, chunk=8, sampling=sampling,
+                            key=(keys, row_params(settings)))
+        return np.asarray(out)[:, :6]
+
+    both = run(settings, keys)
+    assert both[1].tolist() == run(settings[1:], keys[1:])[0].tolist()  # row 1 as alone (batch 1 compiles)
+    n = eng.compile_count
+    again = run([dict(settings[0], temperature=0.3), settings[1]], keys)  # another value: no compile
+    assert eng.compile_count == n and again[1].tolist() == both[1].tolist()
+    assert top_k_bucket(20) == top_k_bucket(50) == 64
+    with pytest.raises(ikjax.IkjaxError, match="row_params"):
+        eng.decode(eng.new_cache(2), [5, 5], [0, 0], 2, chunk=8, sampling=sampling, key=keys)
+    with pytest.raises(ikjax.IkjaxError, match="bucket"):
+        eng.decode(eng.new_cache(2), [5, 5], [0, 0], 2, chunk=8, sampling=sampling,
+                   key=(keys, row_params([settings[0], dict(settings[1], top_k=200)])))
+
+
 def test_device_sampler_draws_as_the_host_sampler():
     """sample_device (inside the decode loop) applies sample_next's filters: the same tokens
     survive, drawn with the same frequencies (20000 draws each, 0.02 apart at most)."""

@@ -499,7 +499,7 @@ def test_warmup_compiles_the_loops_of_ignore_eos_and_the_default_sampling(tiny_m
     """The warm-up (side by side, forced here on CPU) also compiles the loop that bans EOS and,
     given the server's default sampling, the sampled loop of that setting: streams asking
     ignore_eos, or sampling with the defaults, then loop without compiling anything."""
-    from ikjax.runtime.sampling import check_sampling
+    from ikjax.runtime.sampling import check_sampling, top_k_bucket
     from ikjax.runtime.scheduler import LOOP_STEPS
     eng = ikjax.load(tiny_model, ctx=CTX, ubatch=UB)
     eng.compile_in_parallel = lambda: True
@@ -509,7 +509,8 @@ def test_warmup_compiles_the_loops_of_ignore_eos_and_the_default_sampling(tiny_m
     loops = [dict(k[3][1]) for k in eng._executables if k[3] is not None and k[3][0] == LOOP_STEPS]
     assert any(not f.get("rows") and not f.get("ban") for f in loops)  # greedy
     assert any(f.get("ban") == (eng.config.eos_token_id,) for f in loops)  # ignore_eos
-    assert any(f.get("rows") and f["temperature"] == 0.8 and f["top_k"] == 40 for f in loops)  # the defaults
+    # the defaults' loop: only their top_k bucket is compiled in (the values are step arguments)
+    assert any(f.get("rows") and f.get("bucket") == top_k_bucket(40) and "temperature" not in f for f in loops)
     s.start()
     try:
         p, q = ids(eng, 9, 41), ids(eng, 7, 42)
@@ -518,11 +519,18 @@ def test_warmup_compiles_the_loops_of_ignore_eos_and_the_default_sampling(tiny_m
         (_, c), (_, e) = (submit(s, p, 20, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7),
                           submit(s, q, 20, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=8))
         assert c.wait()[0] == "done" and e.wait()[0] == "done"
+        # other values, top_k in the same bucket: the same loop and one-step sampler, nothing compiled
+        # (each new temperature or top_k compiled a loop before: seconds a value, an outside probe)
+        other = dict(temperature=1.3, top_k=25, top_p=0.9, min_p=0.0)
+        (_, f), (_, g) = submit(s, p, 20, seed=9, **other), submit(s, q, 20, seed=10, temperature=0.5, top_k=64)
+        assert f.wait()[0] == "done" and g.wait()[0] == "done"
     finally:
         s.stop()
     assert eng.compile_count == n
     assert a.tokens == list(eng.generate(p, 20, ignore_eos=True))
     assert c.tokens == list(eng.generate(p, 20, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7))
+    assert f.tokens == list(eng.generate(p, 20, seed=9, **other))
+    assert g.tokens == list(eng.generate(q, 20, seed=10, temperature=0.5, top_k=64))
 
 
 def test_logit_bias(eng, sched):

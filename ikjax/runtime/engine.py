@@ -41,7 +41,8 @@ from ikjax.runtime import compile_cache, distributed, generation, host_malloc, t
 from ikjax.runtime.executables import Executables, trace_variables
 from ikjax.runtime.executors import BackgroundLoad, Executor, executor_for
 from ikjax.runtime.generation import BatchGeneration, Generation, KVSession
-from ikjax.runtime.sampling import NON_FINITE, NonFiniteLogitsError, check_finite_logits
+from ikjax.runtime.sampling import (NON_FINITE, ROW_PARAMS, NonFiniteLogitsError, check_finite_logits,
+                                    top_k_bucket)
 from ikjax.runtime.memory_plan import (MemoryPlan, cache_capacity, charge_load, check_devices, check_fits, mapped_rss,
                                        plan_memory, process_memory, runtime_ready)
 
@@ -415,14 +416,26 @@ class Engine:
         tokens nobody reads (the server's free slots): on one device they route to no expert, as
         `step`'s last = -1 (elsewhere they compute as any row; their tokens are meaningless).
         `sampling` with "rows": True takes `key` as a key per row (`sampling.sample_rows`; on one
-        device, `row_sampling()`)."""
+        device, `row_sampling()`) and, where it draws (temperature > 0), the rows' own settings
+        beside them: `key` = (keys [B], `sampling.row_params(...)`); then only `sampling`'s top_k
+        bucket is compiled in, and the rows' values may differ and change freely."""
         tokens = self._ids("tokens", tokens, 1)
         if (sampling or {}).get("rows"):
             if not self.row_sampling():
                 raise OptionError("decode: a key per row needs the one-device decode loop")
-            if key is None or getattr(key, "shape", ()) != (len(tokens),):
+            draws = "bucket" in sampling or sampling.get("temperature", 0.0) > 0.0
+            keys, params = key if draws and isinstance(key, tuple) and len(key) == 2 else (key, None)
+            if keys is None or getattr(keys, "shape", ()) != (len(tokens),):
                 raise OptionError(f"decode: sampling by rows needs a key per row ({len(tokens)}), got "
-                                  f"{getattr(key, 'shape', None)}")
+                                  f"{getattr(keys, 'shape', None)}")
+            if draws and (not isinstance(params, dict)
+                          or any(np.shape(params.get(k)) != (len(tokens),) for k in ROW_PARAMS)):
+                raise OptionError(f"decode: sampling by rows needs key = (keys, sampling.row_params(settings)), "
+                                  f"{len(tokens)} values each")
+            bucket = sampling["bucket"] if "bucket" in sampling else top_k_bucket(int(sampling.get("top_k", 0)))
+            if draws and {top_k_bucket(int(k)) for k in np.asarray(params["top_k"])} != {bucket}:
+                raise OptionError("decode: every row's top_k must fall in the bucket of sampling's top_k "
+                                  "(sampling.top_k_bucket)")
         if idle is not None and np.asarray(idle, bool).any():
             tokens = np.where(np.asarray(idle, bool), -1 if self.executor.plain_loop else 0, tokens).astype(np.int32)
         chunk = n if chunk is None else chunk

@@ -28,6 +28,7 @@ from ikjax.options import RunOptions
 from ikjax.placement.host import is_host_resident
 from ikjax.runtime import compile_cache
 from ikjax.runtime.generation import decode_steps
+from ikjax.runtime.sampling import row_params
 from ikjax.runtime.memory_plan import (MemoryPlan, charge_compile, check_fits, process_memory, release_freed_memory,
                                        settle_compile)
 
@@ -146,9 +147,15 @@ def step_arguments(weights, layout, B: int, T: int, decode: tuple | None) -> tup
 
 def _decode_key(B: int, sampling: tuple):
     """The decode loop's key argument: one PRNG key, or one a row where `sampling` says ("rows",
-    True) (generation.decode_steps, sampling.sample_rows)."""
-    if dict(sampling).get("rows"):
-        return jax.eval_shape(lambda: jax.random.split(jax.random.key(0), B))
+    True) (generation.decode_steps, sampling.sample_rows), with the rows' sampling values beside
+    them where it draws (a "bucket": sampling.row_params' [B] arrays, step arguments)."""
+    s = dict(sampling)
+    if s.get("rows"):
+        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), B))
+        if "bucket" not in s:
+            return keys
+        params = jax.eval_shape(lambda: row_params([{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}] * B))
+        return keys, params
     return jax.eval_shape(lambda: jax.random.key(0))
 
 

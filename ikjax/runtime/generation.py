@@ -23,7 +23,7 @@ from ikjax.model import moe
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.runtime import buckets as kv_buckets
 from ikjax.runtime.sampling import (Penalties, check_count, check_finite_logits, check_penalty,
-                                    check_sampling, sample_device, sample_next, sample_rows)
+                                    check_sampling, sample_device, sample_next, sample_rows, top_k_bucket)
 
 log = logging.getLogger("ikjax")
 
@@ -49,6 +49,9 @@ def decode_steps(weights, cache, tok, start, n, key, *, cfg: ModelConfig, plan: 
     B = tok.shape[0]
     filters = {k: v for k, v in sampling if k != "rows"}
     per_row = dict(sampling).get("rows", False)
+    if per_row and "bucket" in filters:  # key: (a key per row, their settings: sampling.row_params)
+        key, params = key
+        filters = dict(filters, params=params)
     live = tok >= 0
     last = jnp.where(live, 0, -1).astype(jnp.int32)
 
@@ -115,9 +118,13 @@ def _take_row(cache, b: int):
 
 def sampling_key(sampling: dict | None) -> tuple:
     """The static sampling setting of a decode executable; every greedy setting is one (banned
-    ids, `ban`, apart: --ignore-eos bans EOS)."""
+    ids, `ban`, apart: --ignore-eos bans EOS). With a key per row ("rows": the server's sampled
+    streams) only the top_k bucket is static (sampling.top_k_bucket): the values come with the
+    keys, as step arguments, so a new temperature or top_k compiles nothing."""
     p = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
-    if sampling and sampling.get("temperature", 0.0) > 0.0:
+    if (sampling or {}).get("rows") and ("bucket" in sampling or sampling.get("temperature", 0.0) > 0.0):
+        p = {"bucket": sampling["bucket"] if "bucket" in sampling else top_k_bucket(int(sampling.get("top_k", 0)))}
+    elif sampling and sampling.get("temperature", 0.0) > 0.0:
         p.update({k: sampling[k] for k in p if k in sampling})
     ban = tuple(sorted({int(t) for t in (sampling or {}).get("ban", ())}))
     if ban:

@@ -212,12 +212,53 @@ def sample_next(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0,
     return int(order[rng.choice(len(order), p=scaled)])
 
 
+TOP_K_MIN_BUCKET = 64  # the smallest candidate set the device sampler sorts (top_k_bucket)
+
+
+def top_k_bucket(top_k: int) -> int:
+    """The static width of the device sampler's candidate set for `top_k`: 0 (every id) when top_k
+    is off, else the next power of two >= top_k, at least TOP_K_MIN_BUCKET (capped by the vocabulary
+    where used). Why: the sort's width must be known when the step compiles, but top_k itself need
+    not: a request's own top_k masks the ranks past it at run time, so every top_k in a bucket, and
+    every temperature, top_p and min_p, share one executable (each new value compiled a decode loop
+    before, seconds a value on a server, RESULTS §23p). A function of top_k alone: a row's draw never
+    depends on what else a batch holds."""
+    if top_k <= 0:
+        return 0
+    b = TOP_K_MIN_BUCKET
+    while b < top_k:
+        b *= 2
+    return b
+
+
+def inverse_temperature(temperature) -> np.float32:
+    """1 / temperature, rounded once, on the host: the device sampler multiplies by it. Why not a
+    division on the device: a constant's division is folded on the host and a traced one runs on the
+    device, where a GPU may not round it as IEEE does; a product rounds alike everywhere, so a
+    stream drawn with its setting as a step argument (the server) and one with it compiled in
+    (`generate`) draw the same tokens."""
+    return np.float32(1.0) / np.float32(temperature)
+
+
+ROW_PARAMS = ("inv_temperature", "top_k", "top_p", "min_p")  # row_params' arrays
+
+
+def row_params(settings) -> dict:
+    """The per-row sampling values of a batch, as `sample_rows` takes them: from each row's
+    `check_sampling` dict (temperature > 0), [B] arrays inv_temperature, top_k, top_p, min_p."""
+    return {"inv_temperature": np.array([inverse_temperature(s["temperature"]) for s in settings], np.float32),
+            "top_k": np.array([s["top_k"] for s in settings], np.int32),
+            "top_p": np.array([s["top_p"] for s in settings], np.float32),
+            "min_p": np.array([s["min_p"] for s in settings], np.float32)}
+
+
 def sample_device(logits, key, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   min_p: float = 0.0, ban: tuple = ()):
     """`sample_next` inside a compiled step: logits [B, V] -> token ids [B] int32, the same filters
     in the same order (top-k, top-p, min-p, then temperature), drawn with a JAX key. It lets
     several decode steps run in one dispatch (Engine.decode) with nothing crossing to the host
-    between tokens. The parameters are static (one executable per setting).
+    between tokens. The parameters are Python numbers (temperature <= 0: the argmax); the draw is
+    the one `sample_rows` makes with them as step arguments.
 
     A row whose logits are not all finite gets NON_FINITE (-1) instead of a token: the host reads
     the tokens anyway (Engine.decode refuses them there), so the check costs one reduction over
@@ -227,45 +268,77 @@ def sample_device(logits, key, *, temperature: float = 0.0, top_k: int = 0, top_
     `ban`: ids never drawn (their logits -inf after the check; --ignore-eos bans EOS)."""
     import jax.numpy as jnp
 
+    logits, finite = _checked_logits(logits, ban)
+    if temperature <= 0.0:
+        return jnp.where(finite, jnp.argmax(logits, axis=-1).astype(jnp.int32), NON_FINITE)
+    tok = _sample_device(logits, key, inverse_temperature(temperature), top_k, top_p, min_p, top_k_bucket(int(top_k)))
+    return jnp.where(finite, tok, NON_FINITE)
+
+
+def _checked_logits(logits, ban: tuple):
+    import jax.numpy as jnp
+
     logits = jnp.asarray(logits).astype(jnp.float32)
     finite = jnp.isfinite(logits).all(axis=-1)
     if ban:
         logits = logits.at[:, jnp.asarray(ban, jnp.int32)].set(-jnp.inf)
-    return jnp.where(finite, _sample_device(logits, key, temperature, top_k, top_p, min_p), NON_FINITE)
+    return logits, finite
 
 
 def sample_rows(logits, keys, positions, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                min_p: float = 0.0, ban: tuple = ()):
+                min_p: float = 0.0, ban: tuple = (), params: dict | None = None, bucket: int | None = None):
     """`sample_device` with a key per row: row b's token drawn with fold_in(keys[b], positions[b])
     (positions: the fed token's), from its row alone. Each row then draws what a batch-1 decode
     loop with that key draws at that position (`generation.decode_steps`: fold_in(key, start + i)
     over a [1, V] row), whatever else the batch holds: the server's sampled streams give
-    `generate`'s tokens for their seed, in one-step dispatches and in its decode loop alike."""
+    `generate`'s tokens for their seed, in one-step dispatches and in its decode loop alike.
+
+    The setting: Python numbers for every row (temperature <= 0: each row's argmax), or `params`,
+    a setting per row (`row_params`: [B] arrays, possibly traced: a step argument, so no value
+    compiles anything) with `bucket`, the top_k_bucket of every row's top_k."""
     import jax
     import jax.numpy as jnp
 
-    def one(row, key, pos):
-        return sample_device(row[None], jax.random.fold_in(key, pos), temperature=temperature, top_k=top_k,
-                             top_p=top_p, min_p=min_p, ban=ban)[0]
-    return jax.vmap(one)(jnp.asarray(logits), keys, jnp.asarray(positions, jnp.int32))
+    logits = jnp.asarray(logits)
+    B = logits.shape[0]
+    if params is None:
+        if temperature <= 0.0:
+            return sample_device(logits, None, ban=ban)  # (greedy: no key is read)
+        params = {k: np.full(B, v, dt) for k, v, dt in (("inv_temperature", inverse_temperature(temperature),
+                                                          np.float32), ("top_k", top_k, np.int32),
+                                                         ("top_p", top_p, np.float32), ("min_p", min_p, np.float32))}
+        bucket = top_k_bucket(int(top_k))
+    elif bucket is None:
+        raise ValueError("sample_rows: a setting per row needs its top_k bucket")
+
+    def one(row, key, pos, inv_t, k, p, m):
+        row, finite = _checked_logits(row[None], ban)
+        tok = _sample_device(row, jax.random.fold_in(key, pos), inv_t, k, p, m, bucket)
+        return jnp.where(finite, tok, NON_FINITE)[0]
+    return jax.vmap(one)(logits, keys, jnp.asarray(positions, jnp.int32), params["inv_temperature"],
+                         params["top_k"], params["top_p"], params["min_p"])
 
 
-def _sample_device(logits, key, temperature, top_k, top_p, min_p):
+def _sample_device(logits, key, inv_t, top_k, top_p, min_p, bucket: int):
+    """A draw from the `bucket` best ids (0: all), the ranks past top_k (when on) masked, then top-p
+    and min-p over the kept ids' renormalized probabilities, then the temperature (times inv_t).
+    Every parameter may be traced; none is branched on (top_p >= 1 and min_p <= 0 keep every
+    candidate)."""
     import jax
     import jax.numpy as jnp
 
-    if temperature <= 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     V = logits.shape[-1]
-    vals, idx = jax.lax.top_k(logits, top_k if 0 < top_k < V else V)  # descending, ties to the lower id
-    probs = jnp.exp(vals - vals[:, :1])
+    K = V if bucket <= 0 or bucket >= V else bucket
+    vals, idx = jax.lax.top_k(logits, K)  # descending, ties to the lower id
+    k = jnp.asarray(top_k, jnp.int32)
+    rank = jnp.arange(K, dtype=jnp.int32)[None, :]
+    keep = rank < jnp.where((k <= 0) | (k >= K), K, k)  # top-k
+    probs = jnp.where(keep, jnp.exp(vals - vals[:, :1]), 0.0)
     probs = probs / probs.sum(axis=-1, keepdims=True)
-    keep = jnp.ones(vals.shape, bool)
-    if top_p < 1.0:  # the smallest prefix whose mass reaches top_p
-        before = jnp.cumsum(probs, axis=-1) - probs
-        keep = keep & (before < top_p)
-    if min_p > 0.0:
-        keep = keep & (probs >= min_p * probs[:, :1])
-    scaled = jnp.where(keep, (vals - vals[:, :1]) / temperature, -jnp.inf)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    before = jnp.cumsum(probs, axis=-1) - probs  # the smallest prefix whose mass reaches top_p
+    keep = keep & ((before < top_p) | (top_p >= 1.0))
+    keep = keep & (probs >= jnp.asarray(min_p, jnp.float32) * probs[:, :1])
+    scaled = jnp.where(keep, (vals - vals[:, :1]) * jnp.asarray(inv_t, jnp.float32), -jnp.inf)
     pick = jax.random.categorical(key, scaled, axis=-1)
     return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)

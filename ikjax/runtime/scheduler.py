@@ -65,9 +65,8 @@ from ikjax.runtime import generation
 from ikjax.runtime.executables import compile_side_by_side
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
 from ikjax.runtime.sampling import (LOGIT_BAN, NON_FINITE, NonFiniteLogitsError, Penalties, check_count,
-                                    check_logit_bias,
-                                    check_penalty, check_sampling, check_top_logprobs, sample_next,
-                                    sample_rows, token_logprobs)
+                                    check_logit_bias, check_penalty, check_sampling, check_top_logprobs, row_params,
+                                    sample_next, sample_rows, token_logprobs)
 
 log = logging.getLogger("ikjax")
 
@@ -553,9 +552,9 @@ class Scheduler:
         drawn: dict[int, int] = {}
         settings = {row[s.index]: s.req._setting for s in rows if s.req._setting is not None}
         if settings:
-            keys = self._keys([s for s in rows if row[s.index] in settings], row, B)
             for setting in set(settings.values()):
-                got = np.asarray(_sample_rows(logits, keys, start, setting))
+                keys, params = self._keys([s for s in rows if settings.get(row[s.index]) == setting], row, B)
+                got = np.asarray(_sample_rows(logits, keys, start, params, setting))
                 drawn.update({b: int(got[b]) for b, st in settings.items() if st == setting})
         reports = any(row[s.index] in drawn and s.req.top_logprobs is not None for s in rows)
         host = np.asarray(logits, np.float32) if reports or len(greedy) + len(drawn) < len(rows) else None
@@ -585,11 +584,14 @@ class Scheduler:
             req._setting = _setting_of(req.sampling, req.ban)
 
     def _keys(self, rows: list[Slot], row: dict, B: int):
-        """[B] PRNG keys of the decode batch: each row's request's key, a fixed one for the others
-        (`row`: a slot's row in the batch)."""
-        mine = {row[s.index]: s.req._key for s in rows}
+        """([B] PRNG keys, [B] sampling values: sampling.row_params) of the decode batch: each row's
+        request's key and setting, a fixed key and the first row's setting for the others (`row`: a
+        slot's row in the batch; `rows` share one top_k bucket: one `_setting`)."""
+        mine = {row[s.index]: s.req for s in rows}
         idle = _idle_key()
-        return jnp.stack([mine.get(i, idle) for i in range(B)])
+        keys = jnp.stack([mine[i]._key if i in mine else idle for i in range(B)])
+        fill = rows[0].req.sampling
+        return keys, row_params([mine[i].sampling if i in mine else fill for i in range(B)])
 
     def _loop_steps(self, rows: list[Slot], batch: list[Slot]) -> int:
         """How many tokens the next dispatch makes for every generating slot: more than one only
@@ -633,7 +635,7 @@ class Scheduler:
             ban = sorted(req0.ban)
             sampling, key = ({"ban": ban} if ban else None), None
         else:
-            sampling, key = dict(req0._setting), self._keys(rows, row, len(batch))
+            sampling, key = dict(req0._setting), self._keys(rows, row, len(batch))  # (the bucket: static)
         out, cache = self.eng.decode(self._batch_cache(), toks, start, k, chunk=LOOP_STEPS, check_finite=False,
                                      idle=last < 0, sampling=sampling, key=key)
         self._set_batch_cache(cache)
@@ -746,10 +748,11 @@ def _idle_key():
 
 
 @functools.partial(jax.jit, static_argnames=("setting",))
-def _sample_rows(logits, keys, positions, setting: tuple):
-    """Every row's draw with its own key at its position (sampling.sample_rows) under one static
-    setting; the caller keeps the rows that use it (one compile per setting, not per row count)."""
-    return sample_rows(logits, keys, positions, **{k: v for k, v in setting if k != "rows"})
+def _sample_rows(logits, keys, positions, params, setting: tuple):
+    """Every row's draw with its own key and values (`params`, sampling.row_params) at its position
+    (sampling.sample_rows) under one static setting (its top_k bucket and bans); the caller keeps
+    the rows that use it (one compile per bucket and ban set, not per value or row count)."""
+    return sample_rows(logits, keys, positions, params=params, **{k: v for k, v in setting if k != "rows"})
 
 
 @jax.jit
