@@ -23,7 +23,8 @@ from ikjax.model import moe
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.runtime import buckets as kv_buckets
 from ikjax.runtime.sampling import (Penalties, check_count, check_finite_logits, check_penalty,
-                                    check_sampling, sample_device, sample_next, sample_rows, top_k_bucket)
+                                    check_sampling, row_params, sample_device, sample_next, sample_rows,
+                                    top_k_bucket)
 
 log = logging.getLogger("ikjax")
 
@@ -318,6 +319,12 @@ def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, s
         return sample_next(logits, rng=rng, **sp)
 
     device_sp = {**sp, "ban": ban} if ban else sp  # the decode loop's static sampling setting
+    # a draw on one device takes the rows form (a batch of one): its values are step arguments, so
+    # another temperature or top_k in the bucket compiles no loop; the same tokens (sample_rows
+    # draws row b as sample_device draws it alone)
+    rows = sp["temperature"] > 0.0 and eng.row_sampling()
+    if rows:
+        device_sp = {**device_sp, "rows": True}
     cache, start = session._acquire(eng, ids) if session is not None else (eng.new_cache(1), 0)
     gen.cached_tokens = start
     new: list[int] = []
@@ -352,7 +359,8 @@ def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, s
             chunk = 1 if stream else DECODE_CHUNK
             n = min(chunk, max_tokens - n_new, ctx - length)
             valid = False
-            out, cache = eng.decode(cache, [tok], [length - 1], n, chunk=chunk, sampling=device_sp, key=key)
+            out, cache = eng.decode(cache, [tok], [length - 1], n, chunk=chunk, sampling=device_sp,
+                                    key=(key[None], row_params([sp])) if rows else key)
             valid = True
             pending = [int(t) for t in np.asarray(out)[0, :n]]
     finally:
