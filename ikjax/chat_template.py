@@ -179,10 +179,15 @@ class _Bound(ChatTemplate):
 def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
     """Messages whose `content` is a list of OpenAI content parts (`{"type": "text", "text": ...}`)
     with the text parts joined by newlines, as llama-server does for a text-only model: DeepSeek's
-    templates concatenate `content` as a string. A part of another type is refused by name."""
+    templates concatenate `content` as a string. A part of another type is refused by name, and so
+    is a message that is not an object or has no role (a template renders nothing for it)."""
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):  # ("hi" as a message was a ValueError from dict())
+            raise ChatTemplateError(f"messages[{i}]: expected an object with role and content, got {type(m).__name__}")
         m = dict(m)
+        if not isinstance(m.get("role"), str) or not m["role"]:  # (a template drops it: the text vanished)
+            raise ChatTemplateError(f"messages[{i}].role: expected a string such as \"user\", got {m.get('role')!r}")
         c = m.get("content")
         if isinstance(c, list):
             texts = []
@@ -193,6 +198,9 @@ def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
                     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                     raise ChatTemplateError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
             m["content"] = "\n".join(texts)
+        elif c is not None and not isinstance(c, str):
+            raise ChatTemplateError(f"messages[{i}].content: expected a string or a list of text parts, got "
+                                    f"{type(c).__name__}")
         out.append(m)
     return out
 

@@ -150,15 +150,20 @@ def fmt_bytes(n: float) -> str:
 def resolve_model(spec: Optional[str]) -> str:
     """A path, or the built-in default / a synthetic:PRESET[:TYPE[:LAYERS]] model (made once, cached)."""
     from ikjax.tools import synthetic
+    if spec is not None and not spec.strip():  # (an empty -m once loaded the default model quietly)
+        raise OptionError("model: empty path (give -m FILE.gguf, or leave -m out for the built-in default)")
     if spec and not spec.startswith("synthetic:"):
         return os.path.expanduser(spec)
     parts = (spec or "synthetic:tiny").split(":")[1:]
-    preset = parts[0] if parts and parts[0] else "tiny"
+    if not parts or not parts[0]:
+        raise OptionError(f"model: no preset in {spec!r} (synthetic:PRESET[:TYPE[:LAYERS]], e.g. synthetic:tiny)")
+    preset = parts[0]
     qtype = (parts[1] if len(parts) > 1 and parts[1] else "Q8_0").upper()
     layers = None
     if len(parts) > 2 and parts[2]:
-        if not parts[2].isdigit():
-            raise OptionError(f"model: bad layer count {parts[2]!r} in {spec!r} (synthetic:PRESET[:TYPE[:LAYERS]])")
+        if not parts[2].isdigit() or int(parts[2]) < 1:
+            raise OptionError(f"model: bad layer count {parts[2]!r} in {spec!r} (synthetic:PRESET[:TYPE[:LAYERS]], "
+                              f"LAYERS >= 1)")
         layers = int(parts[2])
     if preset not in synthetic.PRESETS:
         raise OptionError(f"model: unknown preset {preset!r} in {spec!r} (one of {', '.join(synthetic.PRESETS)})")
@@ -220,6 +225,7 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     if isinstance(stats_file, str):
         from ikjax.atomic_file import check_target
         check_target(stats_file, 0, "expert-stats")  # a path that cannot be written is refused now
+        _check_stats_overwrite(stats_file)
         opts["expert_stats"] = True
     # validate the options before (possibly) making the default model
     RunOptions.from_kwargs(**opts)
@@ -246,6 +252,24 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     if eng.gpu_experts_note:
         log(eng.gpu_experts_note)
     return eng
+
+
+def _check_stats_overwrite(path: str) -> None:
+    """An existing file is replaced only if it is an expert-stats file (an earlier run's): any other
+    file (the -f text itself, a config) is refused before anything loads (it was overwritten)."""
+    import json
+    p = os.path.expanduser(path)
+    if not os.path.isfile(p) or os.path.getsize(p) == 0:
+        return
+    try:
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+        ok = isinstance(data, dict) and isinstance(data.get("tokens"), int) and isinstance(data.get("layers"), dict)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise OptionError(f"expert-stats: {path} exists and is not an expert-stats file; give a new file name "
+                          f"(an earlier run's statistics are replaced, any other file is kept)")
 
 
 def _save_expert_stats(eng, path: str) -> None:

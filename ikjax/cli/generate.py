@@ -56,7 +56,9 @@ def generate(
     run_opts, _ = check_options(run, "generate")
     batch_invariance(batch_invariant, default=False)
     setup_compile_cache(run.compile_cache_dir)
-    sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+    from ikjax.runtime.sampling import check_sampling  # before loading: a bad value costs no load
+    checked = check_sampling(temp, top_k, top_p, min_p, seed)
+    sampling = {k: checked[k] for k in ("temperature", "top_k", "top_p", "min_p")}
     prepared: dict = {}
 
     def prepare(eng) -> None:
@@ -137,5 +139,9 @@ def _generate_shapes(eng, n_prompt: int, n_predict: int, stream: bool = False,
 
 
 def _precompile_shape(eng, n_tok: int, kv: int, chunk: int, sampling: dict) -> float:
-    """Compile one of `_generate_shapes`' steps ahead of its use."""
-    return eng.precompile_decode(1, chunk, kv, sampling) if chunk else eng.precompile(1, n_tok, kv)
+    """Compile one of `_generate_shapes`' steps ahead of its use (the decode loop with the sampling
+    argument `Engine.generate` gives it: generation.device_sampling)."""
+    from ikjax.runtime.generation import device_sampling
+    if not chunk:
+        return eng.precompile(1, n_tok, kv)
+    return eng.precompile_decode(1, chunk, kv, device_sampling(eng, sampling))

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from ikjax import env
+from ikjax.errors import OptionError
 from ikjax.cli.common import app, fmt_bytes, handle, resolve_model
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
@@ -45,8 +46,10 @@ def info(
     from ikjax.runtime.memory_plan import plan_memory
     _, opts = check_options(run, "info")
     env.check_native()  # what the report says of the C++ kernels is what runs: a bad knob is an error
-    path = file or run.model
-    if path is None or path.startswith("synthetic:"):
+    if file is not None and run.model is not None and file != run.model:
+        raise OptionError(f"info: two models given ({file!r} and -m {run.model!r}); give one")
+    path = file if file is not None else run.model
+    if path is None or path.startswith("synthetic:") or not path.strip():
         path = resolve_model(path)
     f = GGUFModelFile(path)
     md = f.metadata

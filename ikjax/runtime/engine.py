@@ -80,6 +80,10 @@ class Engine:
         self.split_mode = self.placement.split_mode
         distributed.check_split(self.split_mode)
         self.backend = ops.resolve_backend()
+        if self.backend == "pallas" and jax.default_backend() != "gpu":  # (Pallas refused later, mid-compile)
+            raise OptionError(f"IKJAX_KERNELS=pallas: the Pallas kernels run on a GPU, and JAX's backend here is "
+                              f"{jax.default_backend()}; use auto, cpu or xla (interpret: the Pallas kernels "
+                              f"interpreted, for tests)")
         self.decode_kernel = (o.fa and o.mla in (1, 3) and self.backend != "jnp"
                               and ops.mla_decode_supported(cfg.n_head, self.capacity, cfg.latent_dim,
                                                                cfg.kv_lora_rank, backend=self.backend))

@@ -135,6 +135,18 @@ def sampling_key(sampling: dict | None) -> tuple:
     return tuple(sorted(p.items()))
 
 
+def device_sampling(eng, sp: dict, ban: tuple = ()) -> dict:
+    """The decode loop's sampling argument for `generate` with these filters (`check_sampling`'s
+    temperature, top_k, top_p, min_p) and banned ids: what it compiles (and what a caller compiles
+    ahead, cli generate). A draw on one device takes the rows form (a batch of one): its values are
+    step arguments, so another temperature or top_k in the bucket compiles no loop; the same tokens
+    (sample_rows draws row b as sample_device draws it alone)."""
+    out = {**sp, "ban": tuple(ban)} if ban else dict(sp)
+    if sp.get("temperature", 0.0) > 0.0 and eng.row_sampling():
+        out["rows"] = True
+    return out
+
+
 class Generation:
     """What `Engine.generate` returns: an iterator of new token ids. `stop_reason` is None while
     more may come and, from the moment the last token is yielded, "eos" (EOS or a stop id),
@@ -318,13 +330,8 @@ def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, s
             logits[list(ban)] = np.finfo(np.float32).min
         return sample_next(logits, rng=rng, **sp)
 
-    device_sp = {**sp, "ban": ban} if ban else sp  # the decode loop's static sampling setting
-    # a draw on one device takes the rows form (a batch of one): its values are step arguments, so
-    # another temperature or top_k in the bucket compiles no loop; the same tokens (sample_rows
-    # draws row b as sample_device draws it alone)
-    rows = sp["temperature"] > 0.0 and eng.row_sampling()
-    if rows:
-        device_sp = {**device_sp, "rows": True}
+    device_sp = device_sampling(eng, sp, ban)
+    rows = bool(device_sp.get("rows"))
     cache, start = session._acquire(eng, ids) if session is not None else (eng.new_cache(1), 0)
     gen.cached_tokens = start
     new: list[int] = []

@@ -136,12 +136,17 @@ class BaseLogitsWriter:
     --kl-divergence to read."""
 
     def __init__(self, path, n_ctx: int, n_vocab: int, n_chunk: int, tokens: np.ndarray):
-        from ikjax.atomic_file import check_target
+        from ikjax.atomic_file import _make_parent, check_target
+        what = "kl-divergence-base"
         self.path = check_target(path, HEADER_BYTES + 4 * n_ctx * n_chunk
-                                 + 2 * row_words(n_vocab) * n_scored(n_ctx) * n_chunk, "kl-divergence-base")
+                                 + 2 * row_words(n_vocab) * n_scored(n_ctx) * n_chunk, what)
+        _make_parent(self.path, what)  # (a missing directory was a FileNotFoundError after the run's load)
         self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.part")
         self.n_vocab = n_vocab
-        self.f = open(self.tmp, "wb")
+        try:
+            self.f = open(self.tmp, "wb")
+        except OSError as e:
+            raise OptionError(f"{what}: cannot write {path}: {e.strerror}") from None
         self.f.write(MAGIC + np.array([n_ctx, n_vocab, n_chunk], "<i4").tobytes())
         self.f.write(np.asarray(tokens[:n_chunk * n_ctx], "<i4").tobytes())
 
