@@ -37,6 +37,8 @@ def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "ou
     """Refuse, with one line naming `what` and the path, a target that cannot take the file:
     an existing directory or non-regular file, a parent that is not a directory or not writable,
     or a file system with less than `needed_bytes` free. Returns the absolute target path."""
+    if not str(path).strip():  # ("" is the current directory to abspath)
+        raise OptionError(f"{what}: empty path (give a file name)")
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
     if p.exists() or p.is_symlink():
         try:

@@ -15,3 +15,7 @@ class OptionError(IkjaxError, ValueError):
 
 class DoesNotFitError(IkjaxError, MemoryError):
     """The memory plan exceeds what the target device or host has."""
+
+
+class ContextFullError(OptionError):
+    """A prompt longer than the context (-c) holds: `ikjax chat` drops that turn and goes on."""

@@ -214,24 +214,18 @@ class GGUFTokenizer:
             self._index = {t: i for i, t in enumerate(self.tokens)}
         return frozenset(self._index[t] for t in texts if t in self._index)
 
-    def stream(self, ids: Iterable[int]) -> Iterator[str]:
-        """Text pieces as ids arrive; holds back bytes of an incomplete UTF-8 character."""
-        got: list[int] = []
-        shown = ""
+    def stream(self, ids: Iterable[int], special: bool = False) -> Iterator[str]:
+        """Text pieces as ids arrive (the `Detokenizer`'s: a character split over tokens waits for
+        its last byte; control tokens show nothing unless `special`, as llama-cli without
+        --special, and as `Engine.complete` gives the text)."""
+        d = self.detokenizer(special)
         for i in ids:
-            got.append(int(i))
-            text = self.decode(got)
-            if text.endswith("\ufffd"):
-                continue
-            piece = text[len(shown):] if text.startswith(shown) else text
-            shown = text
+            piece = d.feed(int(i))
             if piece:
                 yield piece
-            if len(got) > 64:  # keep decoding cost bounded
-                got, shown = [], ""
-        tail = self.decode(got)
-        if tail.startswith(shown) and tail[len(shown):]:
-            yield tail[len(shown):]
+        tail = d.finish()
+        if tail:
+            yield tail
 
 
 class Detokenizer:

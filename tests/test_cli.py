@@ -266,3 +266,49 @@ def test_default_model_made_on_first_use(tmp_path, monkeypatch):
     assert len([l for l in res.stdout.splitlines() if l.startswith("|")]) == 2 + 2
     res = invoke(["info"])  # reuses the cached file
     assert "making" not in res.stderr and "16 routed, top-4" in res.stdout
+
+
+def test_outside_probe_cli_defects(tiny_model, tmp_path, monkeypatch):
+    """What an outside probe of the CLI found (each once a traceback, a quiet default, a late refusal
+    or an overwritten file): refused in one line before anything loads, or working as llama-cli's."""
+    assert_one_line_error(invoke(["generate", "-m", "", "-p", "x", "-n", 2], 1), "empty path")
+    assert_one_line_error(invoke(["generate", "-m", "synthetic:tiny:Q8_0:0", "-p", "x", "-n", 2], 1), "LAYERS >= 1")
+    assert_one_line_error(invoke(["generate", "-m", "synthetic:", "-p", "x", "-n", 2], 1), "no preset")
+    assert_one_line_error(invoke(["info", tiny_model, "-m", tmp_path / "other.gguf"], 1), "two models")
+    assert_one_line_error(invoke(["make-model", "-o", ""], 1), "empty path")
+    res = invoke(["generate", "-m", tiny_model, "-p", "x", "-n", 4, "--temp", -1], 1)
+    assert_one_line_error(res, "temperature")
+    assert "memory plan" not in res.stderr  # before the load
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Hello world")
+    assert_one_line_error(invoke(["generate", "-m", tiny_model, "-f", prompt, "-p", "x"], 1), "not both")
+    assert_one_line_error(invoke(["generate", "-m", tiny_model, "-f", tmp_path / "none.txt"], 1), "none.txt")
+    # llama-cli's -f, --ignore-eos and -n -1 (until EOS or the context's end: with EOS banned, the end)
+    res = invoke(["generate", "-m", tiny_model, "-f", prompt, "-n", -1, "--ignore-eos", "--temp", 0, "-c", 64,
+                  "-ub", 32, "--no-echo"])
+    import ikjax
+    eng = ikjax.load(tiny_model, ctx=64, ubatch=32)
+    ids = eng.tokenizer.encode("Hello world")
+    want = list(eng.generate(ids, 64 - len(ids), ignore_eos=True))
+    assert len(want) == 64 - len(ids) and res.stdout == eng.tokenizer.decode(want, skip_special=True) + "\n"
+    assert "compiling step" not in res.stderr.split("compiled", 1)[1]
+    # --expert-stats never replaces a file that is not expert statistics (it overwrote the -f text)
+    assert_one_line_error(invoke(["generate", "-m", tiny_model, "-f", prompt, "-n", 2, "--expert-stats", prompt], 1),
+                          "not an expert-stats file")
+    assert prompt.read_text() == "Hello world"
+    monkeypatch.setenv("IKJAX_KERNELS", "pallas")
+    assert_one_line_error(invoke(["generate", "-m", tiny_model, "-p", "x", "-n", 2], 1), "IKJAX_KERNELS=pallas")
+
+
+def test_chat_drops_a_turn_past_the_context(tiny_model):
+    """A message that makes the conversation longer than -c is dropped with a note and the chat goes on
+    (it ended the program, naming prompt_ids); the turns before it stay."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "chat", "-m", tiny_model, "--temp", "0", "-n", "40", "-c",
+                        "128", "-ub", "32"], input="Hello\nagain and again and again\nok\n", capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[message dropped" in r.stderr and "-c 128" in r.stderr
+    assert "Traceback" not in r.stderr and "prompt_ids" not in r.stderr
+    assert re.search(r"chat: [1-9]\d* turns", r.stderr), r.stderr[-500:]

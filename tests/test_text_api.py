@@ -5,6 +5,7 @@ turns without changing the answer, the repetition penalty and --ignore-eos."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -235,3 +236,16 @@ def test_token_logprobs_are_the_log_softmax():
     for bad_k in (-1, 21, 2.0, True):
         with pytest.raises(OptionError, match="top_logprobs"):
             check_top_logprobs(bad_k)
+
+
+def test_chat_refuses_messages_a_template_would_drop(eng):
+    """A message that is not an object (a ValueError from dict() before), has no role, or holds
+    content that is not text is refused naming it: a template renders nothing for a message without
+    a role, so its text vanished from the prompt and an answer came all the same."""
+    for messages, words in ((["hi"], "messages[0]: expected an object"),
+                            ([{"content": "hi"}], "messages[0].role"),
+                            ([{"role": "user", "content": "a"}, {"role": "", "content": "b"}], "messages[1].role"),
+                            ([{"role": "user", "content": 5}], "messages[0].content")):
+        with pytest.raises(ikjax.IkjaxError, match=re.escape(words)):
+            eng.chat(messages, 2)
+    assert eng.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], 2).text is not None

@@ -103,7 +103,12 @@ def test_roundtrip_and_stream(fixture_file):
         ids = tok.encode(text)
         assert ids[0] == tok.bos_id
         assert tok.decode(ids[1:]) == text
-        assert "".join(tok.stream(ids[1:])) == text
+        assert "".join(tok.stream(ids[1:], special=True)) == text
+        # by default control tokens show nothing, as llama-cli without --special (and Engine.complete)
+        shown = "".join(tok.stream(ids[1:]))
+        d = tok.detokenizer()
+        assert shown == "".join(d.feed(i) for i in ids[1:]) + d.finish()
+        assert "｜begin▁of▁sentence｜" not in shown
 
 
 def test_matches_tokenizer_json_if_present(fixture_file):

@@ -24,7 +24,7 @@ from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, RepeatLas
                               app, handle, load_engine, log, setup_compile_cache)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
-from ikjax.errors import OptionError
+from ikjax.errors import ContextFullError, OptionError
 
 
 @app.command("chat", cls=ExactCommand)
@@ -36,7 +36,8 @@ def chat(
     file: Annotated[Optional[str], typer.Option("-f", "--file", help="first user message from a file")] = None,
     system_prompt: Annotated[str, typer.Option("-sys", "--system-prompt", help="system message")] = "",
     chat_template: Annotated[Optional[str], typer.Option(
-        "--chat-template", metavar="NAME|FILE", help="chat template: a builtin name (deepseek3, deepseek2, chatml) or "
+        "--chat-template", "--chat-template-file", metavar="NAME|FILE",
+        help="chat template: a builtin name (deepseek3, deepseek2, chatml) or "
         "a file holding a Jinja template; default: the model file's own (else a builtin chosen from its "
         "pre-tokenizer)")] = None,
     conversation: Annotated[bool, typer.Option("-cnv", "--conversation", help="conversation mode (always on)")] = True,
@@ -142,8 +143,15 @@ class Chat:
     def turn(self, user: str) -> None:
         """Render the conversation with the new message, stream the answer; Ctrl-C ends it early."""
         self.messages.append({"role": "user", "content": user})
-        stream = self.eng.chat(self.messages, self.max_tokens, chat_template=self.template, stream=True,
-                               session=self.session, **self.sampling)
+        try:
+            stream = self.eng.chat(self.messages, self.max_tokens, chat_template=self.template, stream=True,
+                                   session=self.session, **self.sampling)
+        except ContextFullError as e:  # the turn is dropped, the conversation goes on (it ended the program)
+            self.messages.pop()
+            n = str(e).split(": ", 1)[-1].split(" tokens")[0]
+            log(f"[message dropped: the conversation with it is {n} tokens, more than -c "
+                f"{self.eng.options.ctx} holds; send a shorter one, or restart with a larger -c]")
+            return
         t0 = time.perf_counter()
         interrupted = False
         previous = signal.signal(signal.SIGINT, self._on_sigint)

@@ -23,11 +23,13 @@ from ikjax.errors import OptionError
 
 @app.command("generate", cls=ExactCommand)
 @handle
-@takes_run_options(after={"prompt": "model", "no_echo": "wb"})
+@takes_run_options(after={"prompt": "model", "file": "prompt", "no_echo": "wb"})
 def generate(
     run: RunArgs,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt text")] = "",
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 128,
+    file: Annotated[Optional[str], typer.Option("-f", "--file", help="prompt text from a file (UTF-8)")] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate (-1 = until EOS or the "
+                                           "context's end)")] = 128,
     temp: Temp = 0.8,
     top_k: TopK = 40,
     top_p: TopP = 0.95,
@@ -37,6 +39,7 @@ def generate(
     repeat_last_n: RepeatLastN = 64,
     presence_penalty: PresencePenalty = 0.0,
     frequency_penalty: FrequencyPenalty = 0.0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="never stop on EOS (it is never drawn)")] = False,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
     batch_invariant: Annotated[Optional[bool], typer.Option(
         "--batch-invariant/--no-batch-invariant", help="decode in the batch-invariant form `serve` uses by default "
@@ -48,8 +51,12 @@ def generate(
     The steps the run needs are compiled first (progress on stderr); the speed line on stderr times
     the prompt and the generated tokens apart, without compilation."""
     from ikjax.tokenizer import GGUFTokenizer, check_text
-    if n_predict < 0:
-        raise OptionError(f"n-predict: need >= 0, got {n_predict}")
+    if n_predict < -1:
+        raise OptionError(f"n-predict: need >= 0 (or -1: until EOS or the context's end), got {n_predict}")
+    if file is not None:  # llama-cli's -f
+        if prompt:
+            raise OptionError("prompt: give -p TEXT or -f FILE, not both")
+        prompt = _read_prompt(file)
     check_text(prompt, "prompt")  # before loading: a prompt that is not UTF-8 is refused at once
     from ikjax.runtime.sampling import check_penalty
     penalties = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
@@ -69,23 +76,32 @@ def generate(
         ids = tok.encode(prompt)
         if not ids:
             raise OptionError("prompt: empty (and the model has no BOS token)")
-        if len(ids) + n_predict > eng.options.ctx:
+        n = eng.options.ctx - len(ids) if n_predict == -1 else n_predict
+        if n < 1 and n_predict == -1 or len(ids) + n > eng.options.ctx:
             raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context "
                               f"c={eng.options.ctx}")
         # with a penalty every token is chosen on the host after a one-token step (Engine.generate)
-        shapes = _generate_shapes(eng, len(ids), n_predict, stream=True, host_steps=penalties.active)
+        shapes = _generate_shapes(eng, len(ids), n, stream=True, host_steps=penalties.active)
         t0 = time.perf_counter()
         with Progress("compiling", total=len(shapes)) as prog:
             for k, (n_tok, kv, chunk) in enumerate(shapes, 1):
                 what = f"decode loop of {chunk} steps" if chunk else f"{n_tok} tokens"
                 prog.status(f"compiling step {k}/{len(shapes)} ({what}, KV bucket {eng.kv_bucket(kv, n_tok)})")
-                _precompile_shape(eng, n_tok, kv, chunk, sampling)
+                _precompile_shape(eng, n_tok, kv, chunk, sampling, ban)
                 prog.update(advance=1)
         log(compiled_line(eng, count0, hits0, time.perf_counter() - t0))
-        prepared.update(tok=tok, ids=ids)
+        prepared.update(tok=tok, ids=ids, n=n)
 
-    eng = load_engine(run.model, run.verbose, while_loading=prepare, **run_opts)
-    tok, ids = prepared["tok"], prepared["ids"]
+    ban: tuple = ()
+
+    def prepare_with_ban(eng) -> None:
+        nonlocal ban
+        eos = eng.config.eos_token_id
+        ban = (eos,) if ignore_eos and eos is not None else ()  # as Engine.generate bans it
+        prepare(eng)
+
+    eng = load_engine(run.model, run.verbose, while_loading=prepare_with_ban, **run_opts)
+    tok, ids, n_new = prepared["tok"], prepared["ids"], prepared["n"]
     if not no_echo:
         typer.echo(prompt, nl=False)
     n = 0
@@ -95,9 +111,10 @@ def generate(
     def counted():
         nonlocal n, t_first
         # stream=True: one token per dispatch, printed as it comes (not in bursts of DECODE_CHUNK)
-        for t in eng.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+        for t in eng.generate(ids, n_new, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                               stream=True, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty):
+                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                              ignore_eos=ignore_eos):
             if t_first is None:
                 t_first = time.perf_counter()
             n += 1
@@ -138,10 +155,24 @@ def _generate_shapes(eng, n_prompt: int, n_predict: int, stream: bool = False,
     return list(seen.values())
 
 
-def _precompile_shape(eng, n_tok: int, kv: int, chunk: int, sampling: dict) -> float:
+def _precompile_shape(eng, n_tok: int, kv: int, chunk: int, sampling: dict, ban: tuple = ()) -> float:
     """Compile one of `_generate_shapes`' steps ahead of its use (the decode loop with the sampling
-    argument `Engine.generate` gives it: generation.device_sampling)."""
+    argument `Engine.generate` gives it: generation.device_sampling; `ban`: --ignore-eos's EOS)."""
     from ikjax.runtime.generation import device_sampling
     if not chunk:
         return eng.precompile(1, n_tok, kv)
-    return eng.precompile_decode(1, chunk, kv, device_sampling(eng, sampling))
+    return eng.precompile_decode(1, chunk, kv, device_sampling(eng, sampling, ban))
+
+
+def _read_prompt(path: str) -> str:
+    """-f FILE's text: UTF-8, one line naming the file when it cannot be read."""
+    import os
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise OptionError(f"file: {path}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OptionError(f"file: {path} is not UTF-8 text (byte {e.start})") from None

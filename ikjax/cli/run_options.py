@@ -91,8 +91,9 @@ def _shared(
     threads_batch: Annotated[int, typer.Option("-tb", "--threads-batch",
                                                help="CPU threads for prompt processing (0 = same as -t)")
                              ] = _D.threads_batch,
-    dtype: Annotated[str, typer.Option("--dtype", help="dtype of the activations fed to the matmuls: auto (f32 on "
-                                       "CPU, bf16 on an accelerator; $IKJAX_DTYPE overrides auto), f32, bf16, f16. "
+    dtype: Annotated[str, typer.Option("--dtype", help="dtype of the activations fed to the matmuls: auto (bf16 "
+                                       "where the kernels run them, the C++ kernels on a CPU and Pallas on a GPU; f32 "
+                                       "on the XLA path; $IKJAX_DTYPE overrides auto), f32, bf16, f16. "
                                        "Weights stay in their GGUF types; the KV cache type is -ctk (not an ik flag)")
                    ] = _D.dtype,
     kv_block: Annotated[int, typer.Option("--kv-block", help="KV rows per block of the blocked (-fa) attention, and "

@@ -811,4 +811,5 @@ def load(path: str, **options) -> Engine:
     """Open a deepseek2 GGUF (any shard of a split model) with ik_llama.cpp-named options."""
     compile_cache.setup()  # before anything compiles: JAX looks for its cache once
     env.check_native()  # the C++ kernels' knobs: a bad value is an error here, not their default later
-    return Engine(str(path), RunOptions.from_kwargs(**options))
+    import os
+    return Engine(os.path.expanduser(str(path)), RunOptions.from_kwargs(**options))  # "~/" as the CLI reads it

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ikjax.errors import OptionError
+from ikjax.errors import ContextFullError, OptionError
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import moe
 from ikjax.model.deepseek2 import StepPlan, forward
@@ -265,7 +265,7 @@ def stop_ids(stop: Iterable[int], eos_token_id: int | None) -> set[int]:
 
 def check_prompt_fits(n: int, ctx: int, what: str) -> None:
     if n > ctx:
-        raise OptionError(f"{what}: {n} tokens exceed the context size ctx={ctx}")
+        raise ContextFullError(f"{what}: {n} tokens exceed the context size ctx={ctx}")
 
 
 def stop_reason(tok: int, n_new: int, length: int, max_tokens: int, stop: set[int], ctx: int) -> str | None:
