@@ -721,3 +721,24 @@ def test_logprobs_and_zero_bias_do_not_change_a_seeded_answer(server, ref):
     reported = probs[1]["completion_probabilities"]
     assert [p["id"] for p in reported] == want
     assert all(len(p["top_logprobs"]) == 2 and p["logprob"] <= 0.0 for p in reported)
+
+
+def test_concurrent_streams_each_with_its_own_sampling(server, ref):
+    """Four streams at once, each with its own temperature, top_k, top_p and min_p (one top_k bucket:
+    they share the decode loop, their values step arguments) and seed: each gives `generate`'s tokens
+    for its setting alone."""
+    texts = prompts(4, seed=21)
+    settings = [dict(temperature=0.6, top_k=40, top_p=0.95, min_p=0.05, seed=1),
+                dict(temperature=1.2, top_k=12, top_p=1.0, min_p=0.0, seed=2),
+                dict(temperature=0.9, top_k=0, top_p=0.8, min_p=0.1, seed=3),
+                dict(temperature=0.3, top_k=64, top_p=0.5, min_p=0.0, seed=4)]
+
+    def one(i):
+        ids = ref.tokenizer.encode(texts[i])
+        body = dict(prompt=ids, n_predict=16, return_tokens=True, ignore_eos=True, **settings[i])
+        return ids, call(server, "POST", "/completion", body)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(one, range(4)))
+    for (ids, (status, body)), s in zip(got, settings):
+        assert status == 200, body
+        assert body["tokens"] == list(ref.generate(ids, 16, ignore_eos=True, **s)), s
