@@ -187,6 +187,8 @@ def test_run_config_rejects_unknown_key_and_bad_value(tmp_path, tiny_model):
     assert_one_line_error(invoke(["run", "--config", cfg], 1), "'command'")
     cfg.write_text("{not json")
     assert_one_line_error(invoke(["run", "--config", cfg], 1), "JSON")
+    cfg.write_text(json.dumps({"command": "sweep-bench", "model": tiny_model, "c": 256, "ctx": 512}))
+    assert_one_line_error(invoke(["run", "--config", cfg], 1), "keys 'c' and 'ctx'")
 
 
 def test_run_config_sweep(tmp_path, tiny_model):

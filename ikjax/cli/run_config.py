@@ -145,6 +145,7 @@ def parse_config(path: str | Path, commands: dict[str, Callable]) -> tuple[str, 
     names = _option_names(func)
     hints = typing.get_type_hints(func, include_extras=True)
     kwargs: dict[str, Any] = {}
+    key_of: dict[str, str] = {}  # each option's key as the file spells it
     for key, value in data.items():
         if key in COMMAND_KEYS or key.startswith("_") or key == "comment":
             continue
@@ -154,7 +155,8 @@ def parse_config(path: str | Path, commands: dict[str, Callable]) -> tuple[str, 
             known = sorted(n for n in inspect.signature(func).parameters)
             raise OptionError(f"{path}: unknown key {key!r} for {cmd} (known: {', '.join(known)})")
         if pname in kwargs:
-            raise OptionError(f"{path}: key {key!r} given twice (as {pname!r})")
+            raise OptionError(f"{path}: keys {key_of[pname]!r} and {key!r} both set {pname!r}; give one")
+        key_of[pname] = key
         comma_list = cmd in COMMA_LIST_COMMANDS or pname in COMMA_LIST_OPTIONS
         kwargs[pname] = _coerce(key, value, _base_type(hints.get(pname, str)), comma_list)
     return cmd, func, kwargs
