@@ -19,3 +19,7 @@ class DoesNotFitError(IkjaxError, MemoryError):
 
 class ContextFullError(OptionError):
     """A prompt longer than the context (-c) holds: `ikjax chat` drops that turn and goes on."""
+
+    def __init__(self, message: str, tokens: int, ctx: int):
+        super().__init__(message)
+        self.tokens, self.ctx = tokens, ctx

@@ -15,13 +15,12 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
-                              app, handle, load_engine, log, setup_compile_cache)
+                              app, handle, load_engine, log, read_text_file, setup_compile_cache)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import ContextFullError, OptionError
@@ -70,12 +69,7 @@ def chat(
         raise OptionError(f"n-predict: need >= -1 (-1 = no limit), got {n_predict}")
     first = prompt or None
     if file is not None:
-        try:
-            first = Path(file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise OptionError(f"file {file}: cannot read it ({e.strerror or e})") from None
-        except UnicodeDecodeError:
-            raise OptionError(f"file {file}: not UTF-8 text") from None
+        first = read_text_file(file)
     for what, text in (("prompt", first), ("system-prompt", system_prompt)):
         if text:
             check_text(text, what)
@@ -148,9 +142,8 @@ class Chat:
                                    session=self.session, **self.sampling)
         except ContextFullError as e:  # the turn is dropped, the conversation goes on (it ended the program)
             self.messages.pop()
-            n = str(e).split(": ", 1)[-1].split(" tokens")[0]
-            log(f"[message dropped: the conversation with it is {n} tokens, more than -c "
-                f"{self.eng.options.ctx} holds; send a shorter one, or restart with a larger -c]")
+            log(f"[message dropped: the conversation with it is {e.tokens} tokens, more than -c {e.ctx} holds; "
+                f"send a shorter one, or restart with a larger -c]")
             return
         t0 = time.perf_counter()
         interrupted = False

@@ -254,6 +254,18 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     return eng
 
 
+def read_text_file(path: str) -> str:
+    """A -f file's text, whole: UTF-8, or one line naming the file (generate, chat, perplexity)."""
+    try:
+        data = Path(os.path.expanduser(path)).read_bytes()
+    except OSError as e:
+        raise OptionError(f"file {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OptionError(f"file {path}: not UTF-8 text (byte {e.start})") from None
+
+
 def _check_stats_overwrite(path: str) -> None:
     """An existing file is replaced only if it is an expert-stats file (an earlier run's): any other
     file (the -f text itself, a config) is refused before anything loads (it was overwritten)."""

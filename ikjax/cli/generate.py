@@ -15,7 +15,7 @@ import typer
 
 from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
                               TopK, TopP, app, batch_invariance, compiled_line, handle, load_engine, log,
-                              setup_compile_cache)
+                              read_text_file, setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -56,7 +56,7 @@ def generate(
     if file is not None:  # llama-cli's -f
         if prompt:
             raise OptionError("prompt: give -p TEXT or -f FILE, not both")
-        prompt = _read_prompt(file)
+        prompt = read_text_file(file)
     check_text(prompt, "prompt")  # before loading: a prompt that is not UTF-8 is refused at once
     from ikjax.runtime.sampling import check_penalty
     penalties = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
@@ -80,6 +80,8 @@ def generate(
         if n < 1 and n_predict == -1 or len(ids) + n > eng.options.ctx:
             raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context "
                               f"c={eng.options.ctx}")
+        eos = eng.config.eos_token_id
+        ban = (eos,) if ignore_eos and eos is not None else ()  # as Engine.generate bans it
         # with a penalty every token is chosen on the host after a one-token step (Engine.generate)
         shapes = _generate_shapes(eng, len(ids), n, stream=True, host_steps=penalties.active)
         t0 = time.perf_counter()
@@ -92,15 +94,7 @@ def generate(
         log(compiled_line(eng, count0, hits0, time.perf_counter() - t0))
         prepared.update(tok=tok, ids=ids, n=n)
 
-    ban: tuple = ()
-
-    def prepare_with_ban(eng) -> None:
-        nonlocal ban
-        eos = eng.config.eos_token_id
-        ban = (eos,) if ignore_eos and eos is not None else ()  # as Engine.generate bans it
-        prepare(eng)
-
-    eng = load_engine(run.model, run.verbose, while_loading=prepare_with_ban, **run_opts)
+    eng = load_engine(run.model, run.verbose, while_loading=prepare, **run_opts)
     tok, ids, n_new = prepared["tok"], prepared["ids"], prepared["n"]
     if not no_echo:
         typer.echo(prompt, nl=False)
@@ -162,17 +156,3 @@ def _precompile_shape(eng, n_tok: int, kv: int, chunk: int, sampling: dict, ban:
     if not chunk:
         return eng.precompile(1, n_tok, kv)
     return eng.precompile_decode(1, chunk, kv, device_sampling(eng, sampling, ban))
-
-
-def _read_prompt(path: str) -> str:
-    """-f FILE's text: UTF-8, one line naming the file when it cannot be read."""
-    import os
-    try:
-        with open(os.path.expanduser(path), "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise OptionError(f"file: {path}: {e.strerror}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise OptionError(f"file: {path} is not UTF-8 text (byte {e.start})") from None

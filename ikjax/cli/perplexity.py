@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import app, compiled_line, handle, load_engine, log, setup_compile_cache
+from ikjax.cli.common import app, compiled_line, handle, load_engine, log, read_text_file, setup_compile_cache
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -107,15 +106,7 @@ def perplexity_cmd(
 
 def _read_text(path: str) -> str:
     """The file as ik reads -f: whole, one trailing newline dropped; UTF-8 (one line if not)."""
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise OptionError(f"file {path}: cannot read it ({e.strerror or e})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise OptionError(f"file {path}: not UTF-8 text (byte {e.start})") from None
+    text = read_text_file(path)
     return text[:-1] if text.endswith("\n") else text
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -432,14 +433,14 @@ class Engine:
             if keys is None or getattr(keys, "shape", ()) != (len(tokens),):
                 raise OptionError(f"decode: sampling by rows needs a key per row ({len(tokens)}), got "
                                   f"{getattr(keys, 'shape', None)}")
-            if draws and (not isinstance(params, dict)
-                          or any(np.shape(params.get(k)) != (len(tokens),) for k in ROW_PARAMS)):
-                raise OptionError(f"decode: sampling by rows needs key = (keys, sampling.row_params(settings)), "
-                                  f"{len(tokens)} values each")
-            bucket = sampling["bucket"] if "bucket" in sampling else top_k_bucket(int(sampling.get("top_k", 0)))
-            if draws and {top_k_bucket(int(k)) for k in np.asarray(params["top_k"])} != {bucket}:
-                raise OptionError("decode: every row's top_k must fall in the bucket of sampling's top_k "
-                                  "(sampling.top_k_bucket)")
+            if draws:
+                if not isinstance(params, dict) or any(np.shape(params.get(k)) != (len(tokens),) for k in ROW_PARAMS):
+                    raise OptionError(f"decode: sampling by rows needs key = (keys, sampling.row_params(settings)), "
+                                      f"{len(tokens)} values each")
+                bucket = sampling["bucket"] if "bucket" in sampling else top_k_bucket(int(sampling.get("top_k", 0)))
+                if {top_k_bucket(int(k)) for k in np.asarray(params["top_k"])} != {bucket}:
+                    raise OptionError("decode: every row's top_k must fall in the bucket of sampling's top_k "
+                                      "(sampling.top_k_bucket)")
         if idle is not None and np.asarray(idle, bool).any():
             tokens = np.where(np.asarray(idle, bool), -1 if self.executor.plain_loop else 0, tokens).astype(np.int32)
         chunk = n if chunk is None else chunk
@@ -811,5 +812,4 @@ def load(path: str, **options) -> Engine:
     """Open a deepseek2 GGUF (any shard of a split model) with ik_llama.cpp-named options."""
     compile_cache.setup()  # before anything compiles: JAX looks for its cache once
     env.check_native()  # the C++ kernels' knobs: a bad value is an error here, not their default later
-    import os
     return Engine(os.path.expanduser(str(path)), RunOptions.from_kwargs(**options))  # "~/" as the CLI reads it

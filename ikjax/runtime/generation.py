@@ -265,7 +265,7 @@ def stop_ids(stop: Iterable[int], eos_token_id: int | None) -> set[int]:
 
 def check_prompt_fits(n: int, ctx: int, what: str) -> None:
     if n > ctx:
-        raise ContextFullError(f"{what}: {n} tokens exceed the context size ctx={ctx}")
+        raise ContextFullError(f"{what}: {n} tokens exceed the context size ctx={ctx}", n, ctx)
 
 
 def stop_reason(tok: int, n_new: int, length: int, max_tokens: int, stop: set[int], ctx: int) -> str | None:

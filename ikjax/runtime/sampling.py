@@ -304,9 +304,7 @@ def sample_rows(logits, keys, positions, *, temperature: float = 0.0, top_k: int
     if params is None:
         if temperature <= 0.0:
             return sample_device(logits, None, ban=ban)  # (greedy: no key is read)
-        params = {k: np.full(B, v, dt) for k, v, dt in (("inv_temperature", inverse_temperature(temperature),
-                                                          np.float32), ("top_k", top_k, np.int32),
-                                                         ("top_p", top_p, np.float32), ("min_p", min_p, np.float32))}
+        params = row_params([dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * B)
         bucket = top_k_bucket(int(top_k))
     elif bucket is None:
         raise ValueError("sample_rows: a setting per row needs its top_k bucket")
