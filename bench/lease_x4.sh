@@ -87,6 +87,7 @@
 #   STAGE=41: the -ot decode's host part under VARIANTS41 on one GPU, then the split runs (PARTS41).
 #   STAGE=50: issue 26: the pinned int8 loops against the loops before them (cpu_moe_ab.py, VNNI and plain).
 #   STAGE=51: issues 25 / 22: the hybrid GPU tests, then R1-8 -ot exps=CPU cold / warm in one fresh cache.
+#   STAGE=52: issues 25 / 22: why -ot steps miss JAX's cache (bench/ot_cache_probe.sh, tiny preset).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -964,6 +965,9 @@ PY
       -fa 1 -ot exps=CPU -t $(nproc) > "$OUT/r1ot_$run.out" 2> "$OUT/r1ot_$run.err"; echo "rc $?"
     grep -h "^|  *2048\|loaded\|compiled\|rror" "$OUT/r1ot_$run.out" "$OUT/r1ot_$run.err" | head -8
   done
+  ;;
+52)
+  OUT=$OUT/probe52 bash bench/ot_cache_probe.sh 2>&1 | tail -${TAIL52:-60}
   ;;
 esac
 ikprog
