@@ -129,6 +129,33 @@ def resolve(spec: str | None = None) -> Path | None:
     return Path(value).expanduser()
 
 
+_LOWERING = threading.Lock()
+
+
+def lower(jitted, *args, **kwargs):
+    """`jitted.lower(*args, **kwargs)`, one at a time in this process.
+
+    Why: steps compile side by side (`compile_side_by_side`), and two threads tracing at once race
+    to fill JAX's trace cache, so a function every layer calls came out as one jaxpr in one run and
+    as two in the next; the lowered module then differs (a private function per jaxpr), and so does
+    JAX's persistent-cache key, which hashes that module. Every step JAX's cache serves (`-ot`
+    host experts, several devices) missed on a GPU for it (RESULTS §25j). Tracing holds the GIL
+    anyway: XLA's compile, after the lowering, still runs side by side."""
+    with _LOWERING:
+        return jitted.lower(*args, **kwargs)
+
+
+def _stable_locations() -> None:
+    """Source locations in lowered modules that do not depend on the call path or install
+    directory. Why: JAX's cache key strips the module's debug info, but a Pallas GPU kernel is a
+    Triton module serialized into an attribute with its locations in it; with full tracebacks those
+    name every frame up to the caller (engine, CLI, thread), which differ between two runs of one
+    command, so no step holding a Pallas kernel was ever served by JAX's cache on a GPU (RESULTS
+    §25j). The innermost frame alone, with the path cut at the package, is the same in every run."""
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    jax.config.update("jax_hlo_source_file_canonicalization_regex", r".*/(?=(?:ikjax|pallas_kernels)/)")
+
+
 def setup(spec: str | None = None) -> Path | None:
     """Point JAX's persistent cache at this build's subdirectory (or turn it off); the directory used.
 
@@ -143,6 +170,7 @@ def setup(spec: str | None = None) -> Path | None:
     if spec is None and not env.raw(ENV) and theirs:  # the user configured JAX's cache: it stays
         d = Path(theirs)
         log.info("compilation cache: JAX's own, %s (jax_compilation_cache_dir)", d)
+        _stable_locations()
         _configured = (spec, d, False)
         return d
     root = resolve(spec)
@@ -168,6 +196,7 @@ def setup(spec: str | None = None) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(d))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _stable_locations()
     cc.reset_cache()
     _guard_reads()
     _configured = (spec, d, True)
@@ -606,7 +635,7 @@ def _program(key: str, jitted, args: tuple, static: tuple, signature: tuple):
     hits0 = thread_counts()[0]
     # the load's programs move and repack bytes: nothing for XLA's GPU autotuner to choose (the
     # runner is installed on accelerators only: setup)
-    exe = jitted.lower(*args, *static).compile(dict(NO_GPU_AUTOTUNE) if jax.default_backend() == "gpu" else None)
+    exe = lower(jitted, *args, *static).compile(dict(NO_GPU_AUTOTUNE) if jax.default_backend() == "gpu" else None)
     if path is not None and thread_counts()[0] == hits0:  # compiled here, not JAX's cache's (XLA:CPU)
         _store(path, key, exe, "program")
     return exe

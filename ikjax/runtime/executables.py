@@ -113,11 +113,11 @@ def compile_step(weights, cache, B: int, T: int, *, cfg: ModelConfig, plan: Step
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sharding)
     if decode is not None:
         chunk, sampling = decode
-        lowered = _jitted_decode.lower(weights, cache, i32((B,)), i32((B,)), i32(()), _decode_key(B, sampling),
-                                       cfg=cfg, plan=plan, chunk=chunk, sampling=sampling)
+        lowered = compile_cache.lower(_jitted_decode, weights, cache, i32((B,)), i32((B,)), i32(()),
+                                      _decode_key(B, sampling), cfg=cfg, plan=plan, chunk=chunk, sampling=sampling)
         return lowered.compile(gpu_options(plan, True, gpu))
-    return _jitted_forward.lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=cfg,
-                                 plan=plan).compile(gpu_options(plan, False, gpu))
+    return compile_cache.lower(_jitted_forward, weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=cfg,
+                               plan=plan).compile(gpu_options(plan, False, gpu))
 
 
 # JAX settings that change what a traced step's arguments are (x64: Python ints and int64 inputs)

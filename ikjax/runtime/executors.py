@@ -40,7 +40,7 @@ from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import StepPlan
 from ikjax.model.weights import load_weights
 from ikjax.placement import devices
-from ikjax.runtime import distributed
+from ikjax.runtime import compile_cache, distributed
 from ikjax.runtime import mesh as tensor_parallel
 from ikjax.runtime.executables import compile_step, gpu_options
 from ikjax.runtime.pipeline import Pipeline
@@ -206,12 +206,12 @@ class GraphMesh(Executor):
         if decode is not None:  # the decode loop inside the shard_map (mesh.decode)
             chunk, sampling = decode
             key = jax.ShapeDtypeStruct(_KEY_DATA.shape, _KEY_DATA.dtype, sharding=sh)
-            lowered = tensor_parallel.decode().lower(weights, cache, i32((B,)), i32((B,)), i32(()), key,
-                                                     cfg=self.config, plan=plan, layout=layout, chunk=chunk,
-                                                     sampling=sampling)
+            lowered = compile_cache.lower(tensor_parallel.decode(), weights, cache, i32((B,)), i32((B,)), i32(()),
+                                          key, cfg=self.config, plan=plan, layout=layout, chunk=chunk,
+                                          sampling=sampling)
             return lowered.compile(self._decode_options(plan))
-        return tensor_parallel.step().lower(weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=self.config,
-                                            plan=plan, layout=layout).compile(gpu_options(plan, False, self.on_gpu))
+        return compile_cache.lower(tensor_parallel.step(), weights, cache, i32((B, T)), i32((B,)), i32((B,)),
+                                   cfg=self.config, plan=plan, layout=layout).compile(gpu_options(plan, False, self.on_gpu))
 
     def _decode_options(self, plan) -> dict | None:
         """XLA options of the decode loop: on GPUs the one-device loop's command buffers, whose

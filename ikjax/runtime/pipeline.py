@@ -22,6 +22,7 @@ from ikjax.model import cache as kvcache
 from ikjax.model.deepseek2 import embed, output_head, run_layers, trims_last_layer
 from ikjax.placement.devices import jax_devices
 from ikjax.placement.host import is_host_resident
+from ikjax.runtime import compile_cache
 from ikjax.runtime.sampling import sample_device
 
 
@@ -196,8 +197,8 @@ class Pipeline:
             x = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh) if embed_in else \
                 jax.ShapeDtypeStruct((B, T, self.cfg.d_model), jnp.float32, sharding=sh)
             i32 = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh)
-            exes.append(_stage_jit().lower(w, c, x, i32, i32, cfg=self.cfg, plan=plan,
-                                           embed_in=embed_in, head_out=head_out).compile(options))
+            exes.append(compile_cache.lower(_stage_jit(), w, c, x, i32, i32, cfg=self.cfg, plan=plan,
+                                            embed_in=embed_in, head_out=head_out).compile(options))
         return CompiledPipeline(self, exes, m)
 
     def compile_decode(self, cache_shapes, B: int, plan, chunk: int, sampling: tuple, options=None) -> "DecodePipeline":
@@ -216,8 +217,8 @@ class Pipeline:
             k = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sh) if head_out else None
             out = jax.ShapeDtypeStruct((B, chunk), jnp.int32, sharding=sh) if head_out else None
             i = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh) if head_out else None
-            lowered = _decode_stage_jit().lower(w, c, x, i32, k, out, i, cfg=self.cfg, plan=plan, embed_in=embed_in,
-                                                head_out=head_out, sampling=sampling)
+            lowered = compile_cache.lower(_decode_stage_jit(), w, c, x, i32, k, out, i, cfg=self.cfg, plan=plan,
+                                          embed_in=embed_in, head_out=head_out, sampling=sampling)
             exes.append(lowered.compile(options))
         return DecodePipeline(self, exes, chunk)
 
