@@ -969,6 +969,16 @@ PY
 52)
   OUT=$OUT/probe52 bash bench/ot_cache_probe.sh 2>&1 | tail -${TAIL52:-60}
   ;;
+53)
+  # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
+  M=/tmp/tiny4-Q4_K.gguf
+  [ -f $M ] || python3 -m ikjax.cli make-model -o $M --preset tiny --layers 4 --type Q4_K > /dev/null
+  export IKJAX_COMPILE_CACHE=/tmp/cc53_$$
+  for run in 1 2; do
+    el "dedup probe, -ot run $run"
+    timeout 150 python3 bench/jaxpr_dedup_probe.py $M -c 512 -ub 256 -n 4 -ot exps=CPU -t 4 2>&1 | grep -E "^step|^    |compiled .* in all|rror" | cut -c1-700 | head -40
+  done
+  ;;
 esac
 ikprog
 el "stage $STAGE done"
