@@ -47,6 +47,9 @@ def main():
     except SystemExit:
         pass
     for n, closed in enumerate(_seen):
+        weak = [i for i, v in enumerate(closed.in_avals) if getattr(v, "weak_type", False)]
+        spaces = sorted({str(getattr(v, "memory_space", None)) for v in closed.in_avals})
+        print(f"step {n}: {len(closed.in_avals)} arguments, weak-typed: {weak[:12]}, memory spaces: {spaces}")
         by_name = defaultdict(list)
         _walk(closed.jaxpr, by_name)
         for name, eqns in sorted(by_name.items()):
@@ -69,6 +72,15 @@ def main():
                 print(f"step {n}: {name}: {len(es)} jaxprs print alike; params differing: {diff}; "
                       f"in avals equal: {same_avals}; consts {consts}; "
                       f"effects {ja.effects == jb.effects}; in avals a {[str(v.aval) for v in a.invars][:3]}")
+                for i, (va, vb) in enumerate(zip(a.invars, b.invars)):
+                    if va.aval != vb.aval:
+                        def show(v):
+                            x = v.aval
+                            return (f"{x!r} weak_type={getattr(x, 'weak_type', None)} "
+                                    f"sharding={getattr(x, 'sharding', None)} "
+                                    f"memory_space={getattr(x, 'memory_space', None)} vma={getattr(x, 'vma', None)}")
+                        print(f"    invar {i}: {show(va)}\n         vs {show(vb)}")
+                        break
                 for k in diff:
                     print(f"    {k}: {a.params[k]!r:.300}\n    vs {b.params[k]!r:.300}")
 
