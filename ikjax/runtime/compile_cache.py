@@ -140,9 +140,22 @@ def lower(jitted, *args, **kwargs):
     as two in the next; the lowered module then differs (a private function per jaxpr), and so does
     JAX's persistent-cache key, which hashes that module. Every step JAX's cache serves (`-ot`
     host experts, several devices) missed on a GPU for it (RESULTS §25j). Tracing holds the GIL
-    anyway: XLA's compile, after the lowering, still runs side by side."""
+    anyway: XLA's compile, after the lowering, still runs side by side.
+
+    The arrays among the arguments go in as ShapeDtypeStructs of their shape, dtype and sharding:
+    on a GPU the same weights came out of the load with avals that print alike and still differ
+    (arrays made by a stored program against arrays a traced one made), and every nested jit
+    called with both was traced, and lowered, twice (RESULTS §25j)."""
+    args, kwargs = jax.tree.map(_abstract, (args, kwargs))
     with _LOWERING:
         return jitted.lower(*args, **kwargs)
+
+
+def _abstract(a):
+    """A jax.Array as the ShapeDtypeStruct lowering needs (anything else as it is)."""
+    if isinstance(a, jax.Array):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type)
+    return a
 
 
 def _stable_locations() -> None:
