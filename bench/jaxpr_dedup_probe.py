@@ -9,8 +9,6 @@ same, prints which params differ between the first two.
 import sys
 from collections import defaultdict
 
-import jax
-
 from ikjax.runtime import compile_cache
 
 _seen = []

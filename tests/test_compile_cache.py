@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 
@@ -369,3 +370,56 @@ def test_unknown_xla_option_is_one_option_error():
     with pytest.raises(OptionError, match=r"IKJAX_SOMETHING=1: this jaxlib .* has no XLA option xla_gpu_no_such_option"):
         executables._check_option("xla_gpu_no_such_option", True, "IKJAX_SOMETHING=1")
     executables._check_option("xla_gpu_command_buffer_unroll_loops", True, "IKJAX_DECODE_GRAPH_UNROLL=1")  # known here
+
+
+def test_steps_lower_one_at_a_time_from_shapes():
+    """compile_cache.lower: no two lowerings at once (threads racing in JAX's trace cache made a
+    nested jit two jaxprs, and a step's module, and so JAX's cache key, differ between runs of one
+    command: RESULTS §25j), and arrays reach the lowering as ShapeDtypeStructs of their shape,
+    dtype and sharding (avals that printed alike differed on a GPU); other arguments unchanged."""
+    import threading
+    import time
+
+    import jax.numpy as jnp
+
+    from ikjax.runtime import compile_cache
+
+    inside, overlapped, got = [], [], []
+
+    class Jitted:
+        def lower(self, *args, **kwargs):
+            inside.append(1)
+            if len(inside) > 1:
+                overlapped.append(len(inside))
+            time.sleep(0.02)
+            inside.pop()
+            got.append((args, kwargs))
+            return args
+
+    threads = [threading.Thread(target=compile_cache.lower, args=(Jitted(), i)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 6 and not overlapped, overlapped
+    x = jnp.ones((2, 3), jnp.bfloat16)
+    args = compile_cache.lower(Jitted(), x, 5, {"w": x}, n=x)
+    assert isinstance(args[0], jax.ShapeDtypeStruct) and args[0].shape == (2, 3) and args[0].dtype == jnp.bfloat16
+    assert args[0].sharding == x.sharding and args[1] == 5 and isinstance(args[2]["w"], jax.ShapeDtypeStruct)
+    assert isinstance(got[-1][1]["n"], jax.ShapeDtypeStruct)
+
+
+def test_setup_makes_locations_independent_of_the_call_path(tmp_path, monkeypatch):
+    """With the cache on, lowered modules carry the innermost frame only, its path cut at the
+    package: a Pallas GPU kernel's Triton module keeps its locations inside JAX's cache key, and
+    full tracebacks (engine, CLI, thread frames) made every run's key another (RESULTS §25j)."""
+    import re
+
+    from ikjax.runtime import compile_cache
+
+    monkeypatch.setattr(compile_cache, "_configured", None)
+    assert compile_cache.setup(str(tmp_path / "cc")) is not None
+    assert jax.config.jax_include_full_tracebacks_in_locations is False
+    pattern = jax.config.jax_hlo_source_file_canonicalization_regex
+    assert re.sub(pattern, "", "/tmp/src/ikjax/model/deepseek2.py") == "ikjax/model/deepseek2.py"
+    assert re.sub(pattern, "", "/opt/x/pallas_kernels/quant_matmul/kernel.py") == "pallas_kernels/quant_matmul/kernel.py"

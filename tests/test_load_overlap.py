@@ -215,20 +215,26 @@ def test_overlap_decision_on_an_accelerator(monkeypatch):
     from ikjax.placement.rules import Placement, TensorPlacement
     from ikjax.runtime.engine import Engine
 
-    def decide(memories, gpu_experts=None, overlap="auto"):
+    def decide(memories, gpu_experts=None, overlap="auto", expert_stats=None, store="auto"):
         monkeypatch.setenv("IKJAX_LOAD_OVERLAP", overlap)
+        monkeypatch.setenv("IKJAX_STORE_STEPS", store)
         tensors = tuple(TensorPlacement(f"blk.0.t{i}", m, "GPU0" if m == "device" else "CPU", 0, None, 100, "default")
                         for i, m in enumerate(memories))
         eng = SimpleNamespace(
-            executor=SimpleNamespace(overlaps_load=True, compiles_in_parallel=True),
+            executor=SimpleNamespace(overlaps_load=True, compiles_in_parallel=True, stores_steps=True,
+                                     on_cpu_only=False),
             placement=Placement(tensors, ("GPU0",), unified=False),
-            options=SimpleNamespace(gpu_experts=gpu_experts))
+            options=SimpleNamespace(gpu_experts=gpu_experts, expert_stats=expert_stats))
         return Engine._overlaps_load(eng)
 
     assert decide(["device", "device"])
     assert not decide(["device", "host"])
     assert not decide(["device", "device"], gpu_experts="auto")
     assert not decide(["device", "device"], overlap="0")
+    # steps JAX's own cache serves (not stored whole) lower beside no load (RESULTS §25j)
+    assert not decide(["device", "device"], expert_stats="stats.json")
+    assert not decide(["device", "device"], store="0")
+    assert decide(["device", "device"], store="0", overlap="1")
 
 
 # --- JAX's backend started on a thread as the command line starts (ikjax.cli.early_backend) ---

@@ -246,7 +246,15 @@ class Engine:
         # `unified` alone, as here until ccd6438's GPU run showed, kept every GPU load serial
         if self.options.gpu_experts or (not self.placement.unified and self.placement.host_bytes):
             return False
-        return choice == "1" or self.executor.compiles_in_parallel
+        if choice == "1":
+            return True
+        # steps that JAX's own cache serves (not stored whole: --expert-stats, IKJAX_STORE_STEPS=0)
+        # must lower to the same module in every run, and a load tracing its programs beside them
+        # races them in JAX's trace cache (a nested jit traced twice: RESULTS §25j)
+        if self.options.expert_stats or not (self.executor.stores_steps
+                                             and compile_cache.stores_whole(self.executor.on_cpu_only)):
+            return False
+        return self.executor.compiles_in_parallel
 
     def _loaded(self, memory: MemoryPlan, compiled_bytes: int, end: float | None = None) -> MemoryPlan:
         """After the load: the host-expert flags, the plan charged with what the load added
