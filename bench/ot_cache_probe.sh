@@ -7,18 +7,20 @@
 # moved under $OUT after each run. Prints each run's compile line and the parts whose hash differs.
 set -uo pipefail
 OUT=${OUT:-/tmp/ot_probe}
-M=/tmp/tiny4-Q4_K.gguf
+# MODEL52 / ARGS52: another file and its flags (the 8-layer R1: MODEL52=/tmp/r1-8.gguf ARGS52="-c 4096 -ub 2048
+# -n 32 -mla 3 -fa 1", which still compiled on a warm -ot run after 46ce482: RESULTS §25j)
+M=${MODEL52:-/tmp/tiny4-Q4_K.gguf}
 [ -f $M ] || python3 -m ikjax.cli make-model -o $M --preset tiny --layers 4 --type Q4_K > /dev/null
 export JAX_DEBUG_LOG_MODULES=jax._src.cache_key,jax._src.compiler,jax._src.compilation_cache
 export XLA_FLAGS="--xla_dump_to=/tmp/dump52 --xla_dump_hlo_as_text"
 for mode in ${MODES:-ot plain}; do
   cache=/tmp/cc52_$mode; rm -rf $cache
   extra=""; envs=""
-  [ $mode = ot ] && extra="-ot exps=CPU -t 4"
+  [ $mode = ot ] && extra="-ot exps=CPU -t ${THREADS52:-4}"
   [ $mode = plain ] && envs="IKJAX_STORE_STEPS=0"
   for run in 1 2; do
     d=$OUT/$mode$run; mkdir -p $d; rm -rf /tmp/dump52
-    env $envs IKJAX_COMPILE_CACHE=$cache timeout 200 python3 -m ikjax.cli sweep-bench -m $M -c 512 -ub 256 -n 4 \
+    env $envs IKJAX_COMPILE_CACHE=$cache timeout 200 python3 -m ikjax.cli sweep-bench -m $M ${ARGS52:--c 512 -ub 256 -n 4} \
       $extra > $d/out 2> $d/err
     echo "$mode run $run rc $? $(grep -ho 'compiled [0-9]* steps, [0-9]* from the cache[^(]*' $d/err | tail -1)"
     grep -h "Not writing\|Persistent compilation cache hit\|Writing .* to persistent" $d/err | sed 's/^.*\] //' | sort | uniq -c | head -8
