@@ -227,6 +227,12 @@ def test_streams_banning_the_same_ids_decode_in_loops(eng):
         (_, cc), (_, cd) = submit(s, a, 12, ignore_eos=True), submit(s, b, 12)
         assert cc.wait()[0] == "done" and cd.wait()[0] == "done"
         assert cc.tokens == list(eng.generate(a, 12, ignore_eos=True)) and cd.tokens == list(eng.generate(b, 12))
+        # a ban set of its own (logit_bias -100): one step a token, no loop compiled for it (a
+        # compile per set stalled every stream), the id never drawn
+        plain = list(eng.generate(a, 12, ignore_eos=True))
+        req, ce = submit(s, a, 12, ignore_eos=True, logit_bias={plain[1]: -100.0})
+        assert ce.wait()[0] == "done" and plain[1] not in ce.tokens and len(ce.tokens) == 12
+        assert not [k for k in eng._executables if k[3] is not None and plain[1] in dict(k[3][1]).get("ban", ())]
     finally:
         s.stop()
 

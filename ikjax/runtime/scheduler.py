@@ -599,17 +599,21 @@ class Scheduler:
         request waits (they join at step boundaries), every stream is plain greedy (one compiled
         loop, warmed up ahead), and every slot has the room: its request's token
         limit and context, and every row's cache past its tokens (an idle row's throw-away entries
-        must not land on the tokens its slot keeps for the prompt cache). Streams that ban ids
-        (ignore_eos bans EOS) loop too where they all ban the same ones: the loop's sampler takes
-        them (one executable per set, compiled when the set first comes); before, every such
-        stream ran one dispatch a token (bench/serve_load.py asks ignore_eos: its one-stream row
-        measured that, RESULTS §23g)."""
+        must not land on the tokens its slot keeps for the prompt cache). Streams that ban EOS
+        (ignore_eos) loop too where they all do: the loop's sampler takes the ban, and that loop is
+        compiled with the plain one at start (`warm_up`); before, every such stream ran one
+        dispatch a token (bench/serve_load.py asks ignore_eos: its one-stream row measured that,
+        RESULTS §23g). Any other ban set (a logit_bias of -100) runs one dispatch a token, whose
+        device argmax takes the banned ids as an argument: a loop per set compiled when the set
+        first came, a whole model's loop on a GPU while every stream waited."""
         if not rows or self._prefill or self._queue or not self.eng.decode_loop():
             return 1
         if any(s.req.cancelled or s.req.top_logprobs is not None for s in rows):
             return 1  # (the loop hands back tokens, not the logits log-probabilities are read from)
         if all(_plain_greedy(s.req) for s in rows):
-            if len({frozenset(s.req.ban) for s in rows}) > 1:  # one loop bans one set (ignore_eos: EOS)
+            bans = {frozenset(s.req.ban) for s in rows}
+            eos = self.eng.config.eos_token_id
+            if len(bans) > 1 or not bans <= {frozenset(), frozenset({eos})}:  # the loops warm_up compiled
                 return 1
         elif len({s.req._setting for s in rows}) > 1 or rows[0].req._setting is None:
             return 1  # one loop draws with one setting (each row with its own key)
