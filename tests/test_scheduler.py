@@ -551,6 +551,12 @@ def test_logit_bias(eng, sched):
     assert c.wait()[0] == "done" and c.tokens[0] != plain[0]
     req, c = submit(sched, p, 3, logit_bias={str(plain[0]): -100.0, str(t): 0.5})
     assert c.wait()[0] == "done" and plain[0] in req.ban and req.logit_bias == ((t, 0.5),)
+    # sampled with a ban alone: drawn on the host (a device draw compiles its ban set into its
+    # setting: a loop per set), the id never drawn; ignore_eos's EOS ban keeps the device's draw
+    req, c = submit(sched, p, 8, logit_bias={plain[0]: -100.0}, temperature=1.5, seed=4, ignore_eos=True)
+    assert c.wait()[0] == "done" and plain[0] not in c.tokens and req._setting is None
+    req, c = submit(sched, p, 4, temperature=1.5, seed=4, ignore_eos=True)
+    assert c.wait()[0] == "done" and (req._setting is not None) == sched._row_keys
     for bad in ({eng.config.vocab_size: 1.0}, {"a": 1.0}, {1: "x"}, {1: float("nan")}, [[1]], 5):
         with pytest.raises(ikjax.OptionError, match="logit_bias"):
             sched.make_request(p, 2, on_event=Collect(), logit_bias=bad)

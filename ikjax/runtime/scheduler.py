@@ -576,10 +576,13 @@ class Scheduler:
         device with its own key, in one-step dispatches and in the loop alike (the same tokens,
         `generate`'s for its seed): sampling without a penalty or a logit bias, where the engine's
         loop takes a key per row (one device). The key comes from the request's
-        generator right after its first token, where Engine.generate draws it."""
+        generator right after its first token, where Engine.generate draws it. Banned ids other
+        than EOS (a logit_bias of -100) keep the host's draw: the ban set is part of the device
+        draw's compiled setting, so each new set compiled a loop while every stream waited."""
         # (log-probabilities only report: read from the logits beside the device's draw, so asking
         # for them does not change the answer; drawn on the host, they once did)
-        if self._row_keys and req.sampling["temperature"] > 0.0 and not req.penalties.active and not req.logit_bias:
+        if self._row_keys and req.sampling["temperature"] > 0.0 and not req.penalties.active and not req.logit_bias \
+                and set(req.ban) <= {self.eng.config.eos_token_id}:
             req._key = jax.random.key(int(req._rng.integers(0, 2**31 - 1)))
             req._setting = _setting_of(req.sampling, req.ban)
 
