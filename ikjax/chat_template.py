@@ -16,8 +16,11 @@ keyword; messages are passed as plain JSON data with the reasoning field aliases
 `message['content'] is none`, as llama.cpp's renderer sees it.
 
 A file without a template gets a named fallback chosen from its pre-tokenizer
-(`tokenizer.ggml.pre`): deepseek-v3 -> `deepseek3` (DeepSeek-R1's own template, byte for byte: the
-V3/R1 turn format; its generation prompt opens a `<think>` block), deepseek-llm -> `deepseek2`
+(`tokenizer.ggml.pre`): deepseek-v3 -> `deepseek-r1` where the file names itself R1
+(`general.name` / `general.basename`), else `deepseek3`. `deepseek-r1` is DeepSeek-R1's own template,
+byte for byte, whose generation prompt opens a `<think>` block; `deepseek3` is the same V3/R1 turn
+format with the plain generation prompt `<｜Assistant｜>`, as llama-server's builtin of that name and
+the first R1 release's template end (a V3 answer would otherwise all be read as reasoning). deepseek-llm -> `deepseek2`
 (DeepSeek-V2-Chat's), kimi-k2 -> `kimi-k2` (Kimi K2 / Moonlight turns: `<|im_user|>user<|im_middle|>
 ... <|im_end|>`), glm4 -> `chatglm4` (`[gMASK]<sop><|user|>\n...`, GLM-4.x; files from GLM's
 converter add no BOS, the template writes `[gMASK]<sop>`), anything else -> `chatml`. The kimi-k2
@@ -37,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -48,7 +52,7 @@ log = logging.getLogger("ikjax")
 
 _TEMPLATES = Path(__file__).resolve().parent / "templates"
 # llama-server's names -> the template files shipped in ikjax/templates
-BUILTINS: dict[str, str] = {"deepseek3": "deepseek3.jinja", "deepseek2": "deepseek2.jinja",
+BUILTINS: dict[str, str] = {"deepseek3": "deepseek3.jinja", "deepseek-r1": "deepseek-r1.jinja", "deepseek2": "deepseek2.jinja",
                             "chatml": "chatml.jinja", "kimi-k2": "kimi-k2.jinja", "chatglm4": "chatglm4.jinja"}
 # tokenizer.ggml.pre -> the fallback for a file without tokenizer.chat_template
 FALLBACKS: dict[str, str] = {"deepseek-v3": "deepseek3", "deepseek-llm": "deepseek2", "kimi-k2": "kimi-k2",
@@ -114,8 +118,18 @@ def builtin(name: str) -> ChatTemplate:
 
 
 def fallback_name(metadata: Mapping[str, Any]) -> str:
-    """The builtin a file without a template gets, from its pre-tokenizer."""
-    return FALLBACKS.get(str(metadata.get("tokenizer.ggml.pre", "")), DEFAULT_FALLBACK)
+    """The builtin a file without a template gets, from its pre-tokenizer (and, for DeepSeek-V3's,
+    whether the file names itself R1: R1 opens its answer with reasoning, V3 does not)."""
+    name = FALLBACKS.get(str(metadata.get("tokenizer.ggml.pre", "")), DEFAULT_FALLBACK)
+    if name == "deepseek3" and _names_r1(metadata):
+        return "deepseek-r1"
+    return name
+
+
+def _names_r1(metadata: Mapping[str, Any]) -> bool:
+    """`general.name` or `general.basename` names an R1 ("DeepSeek-R1-0528", "deepseek_r1", "R1")."""
+    return any(re.search(r"(?:^|[^a-z0-9])r1(?:$|[^a-z0-9])", str(metadata.get(k, "")).lower())
+               for k in ("general.name", "general.basename"))
 
 
 def template_for(metadata: Mapping[str, Any], choice: str | None = None, *, bos_token: str = "",

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from ikjax.chat_template import (BUILTINS, ChatTemplate, ChatTemplateError, ReasoningSplitter, builtin, check_choice,
-                                 flatten_content, opens_reasoning, split_reasoning, template_for)
+                                 fallback_name, flatten_content, opens_reasoning, split_reasoning, template_for)
 from ikjax.errors import OptionError
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -53,12 +53,24 @@ def _hf(template: str):
 
 
 def test_r1_template_is_deepseeks_byte_for_byte():
-    t = builtin("deepseek3")
+    t = builtin("deepseek-r1")
     assert hashlib.sha256(t.source.encode("utf-8")).hexdigest() == R1_SHA256
     assert t.source.endswith("{{'<｜Assistant｜><think>\\n'}}{% endif %}")  # R1's generation prompt opens <think>
 
 
-@pytest.mark.parametrize("name", ["deepseek3", "deepseek2", "chatml", "features"])
+def test_deepseek3_is_the_turn_format_without_reasoning_opened():
+    """llama-server's `deepseek3` ends the prompt with `<｜Assistant｜>` (so did the first R1
+    release's template): R1's text but for the generation prompt. It was R1's once, and a V3
+    model's whole answer came back as reasoning_content with an empty content."""
+    v3, r1 = builtin("deepseek3").source, builtin("deepseek-r1").source
+    assert v3.endswith("{{'<｜Assistant｜>'}}{% endif %}") and v3 != r1
+    assert v3.replace("{{'<｜Assistant｜>'}}{% endif %}", "{{'<｜Assistant｜><think>\\n'}}{% endif %}") == r1
+    msgs = [{"role": "user", "content": "Hello there"}]
+    got = template_for({}, "deepseek3", bos_token=BOS, eos_token=EOS).render(msgs)
+    assert got == f"{BOS}<｜User｜>Hello there<｜Assistant｜>" and not opens_reasoning(got)
+
+
+@pytest.mark.parametrize("name", ["deepseek3", "deepseek-r1", "deepseek2", "chatml", "features"])
 def test_renders_as_transformers(name):
     """The same template string and messages give transformers' apply_chat_template text, with and
     without the generation prompt."""
@@ -75,7 +87,7 @@ def test_renders_as_transformers(name):
 
 
 def test_r1_renders_the_turn_format():
-    t = template_for({}, "deepseek3", bos_token=BOS, eos_token=EOS)
+    t = template_for({}, "deepseek-r1", bos_token=BOS, eos_token=EOS)
     got = t.render(CONVERSATIONS[2])
     # system first, the earlier answer without its <think> block, the generation prompt opening one
     assert got == (f"{BOS}S<｜User｜>Hi<｜Assistant｜>\n\nHello! 日本 \"q\" <b>{EOS}<｜User｜>And now?\nTwo lines."
@@ -129,6 +141,11 @@ def test_gguf_template_first_then_fallback_by_pre_tokenizer():
         assert len(notes) == 1 and repr(name) in notes[0] and "\n" not in notes[0], notes
     # a choice beats the file's own
     assert template_for({"tokenizer.chat_template": own}, "chatml").name == "chatml"
+    # DeepSeek-V3's pre-tokenizer in a file that names itself R1: R1's template (reasoning opened)
+    for meta, name in (({"general.name": "DeepSeek-R1-0528"}, "deepseek-r1"), ({"general.basename": "deepseek_r1"},
+                       "deepseek-r1"), ({"general.name": "DeepSeek-V3-0324"}, "deepseek3"),
+                       ({"general.name": "R1"}, "deepseek-r1"), ({"general.name": "Moonlight-16B-R1x"}, "deepseek3")):
+        assert fallback_name({"tokenizer.ggml.pre": "deepseek-v3", **meta}) == name, meta
 
 
 def test_choice_name_file_or_text(tmp_path):

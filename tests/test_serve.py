@@ -65,10 +65,10 @@ class Proc:
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    # llama-server's flags for the template file and the page: R1's template (the one a file without
-    # its own gets: /apply-template's test checks the text) and no page at /
+    # llama-server's flags for the template file and the page: R1's template (its <think> opening
+    # the answer: the reasoning tests) and no page at /
     s = Proc(tiny_model, "-c", str(CTX * NP), "-np", str(NP), "-ub", str(UB), "--temp", "0",
-             "--chat-template-file", str(TEMPLATES / "deepseek3.jinja"), "--no-webui", "--slots")
+             "--chat-template-file", str(TEMPLATES / "deepseek-r1.jinja"), "--no-webui", "--slots")
     yield s
     s.stop()
     assert s.p.returncode == 0, "".join(s.lines[-20:])  # SIGTERM: a clean shutdown
@@ -78,8 +78,9 @@ def server(tiny_model):
 def small(tiny_model, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("\nother-key\n  third  \n")  # llama-server's --api-key-file: a key a line
+    # R1's builtin template by name: the page's reasoning pane, and answers long enough to stop
     s = Proc(tiny_model, "-c", "2048", "-np", "1", "-ub", str(UB), "--max-queue", "1", "--api-key", "sekret",
-             "--api-key-file", str(keys), "--temp", "0")
+             "--api-key-file", str(keys), "--temp", "0", "--chat-template", "deepseek-r1")
     yield s
     s.stop()
 
@@ -169,7 +170,7 @@ def test_streams_equal_whole_answers(server, ref):
     assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
     assert parts[-1].choices[0].finish_reason == chat.choices[0].finish_reason
     # the chat prompt is the template's text, tokenized once (no second BOS)
-    rendered = ref.chat_template().render(msgs)
+    rendered = ref.chat_template("deepseek-r1").render(msgs)
     ids = ref.tokenizer.encode(rendered, add_bos=False)
     assert chat.usage.prompt_tokens == len(ids)
     assert chat.choices[0].message.content == reference(ref, ids, 10)[1]
@@ -290,7 +291,7 @@ def test_apply_template(server, ref):
     tools in its system part), which /v1/chat/completions then counts as its prompt tokens."""
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     st, body = call(server, "POST", "/apply-template", {"messages": msgs})
-    assert st == 200 and body["prompt"] == ref.chat_template().render(msgs)
+    assert st == 200 and body["prompt"] == ref.chat_template("deepseek-r1").render(msgs)
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
     st, with_tools = call(server, "POST", "/apply-template", {"messages": msgs, "tools": [tool]})
     assert st == 200 and '"get_time"' in with_tools["prompt"].split("<｜User｜>")[0]

@@ -131,13 +131,17 @@ def test_chat_session_reuses_the_cache_without_changing_answers(eng):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     one = eng.chat(msgs, 12, session=sess)
     assert one.prompt == t.render(msgs) and one.usage.cached_tokens == 0
-    # R1's generation prompt opened <think>: without </think> the whole answer is reasoning
-    assert (one.reasoning_content, one.content) == ((one.text.strip() or None), "")
+    # V3's generation prompt opens no <think>: the answer is content (the random model writes no tag)
+    assert one.reasoning_content is None and one.content.strip() == one.text.strip()
+    # R1's opens one: without </think> the whole answer is reasoning
+    r1 = eng.chat(msgs, 12, chat_template="deepseek-r1")
+    assert r1.prompt == t.render(msgs) + "<think>\n"
+    assert (r1.reasoning_content, r1.content) == ((r1.text.strip() or None), "")
     msgs += [{"role": "assistant", "content": one.text}, {"role": "user", "content": "And?"}]
     two = eng.chat(msgs, 12, session=sess)
     fresh = eng.chat(msgs, 12)
     assert two.tokens == fresh.tokens and two.text == fresh.text
-    assert two.usage.cached_tokens > len(eng.tokenizer.encode(t.render(msgs[:2])[:-len("<think>\n")])) // 2
+    assert two.usage.cached_tokens > len(eng.tokenizer.encode(t.render(msgs[:2]))) // 2
     assert sess.ids == encode_prompt(eng, two.prompt) + two.tokens[:-1]  # one BOS: the template's
     # the same prompt again: everything but its last two tokens comes from the cache
     again = eng.chat(msgs, 12, session=sess)

@@ -36,7 +36,7 @@ def chat(
     system_prompt: Annotated[str, typer.Option("-sys", "--system-prompt", help="system message")] = "",
     chat_template: Annotated[Optional[str], typer.Option(
         "--chat-template", "--chat-template-file", metavar="NAME|FILE",
-        help="chat template: a builtin name (deepseek3, deepseek2, chatml) or "
+        help="chat template: a builtin name (deepseek3, deepseek-r1, deepseek2, chatml, kimi-k2, chatglm4) or "
         "a file holding a Jinja template; default: the model file's own (else a builtin chosen from its "
         "pre-tokenizer)")] = None,
     conversation: Annotated[bool, typer.Option("-cnv", "--conversation", help="conversation mode (always on)")] = True,

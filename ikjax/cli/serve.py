@@ -38,7 +38,7 @@ def serve(
     api_key_file: Annotated[Optional[Path], typer.Option(
         "--api-key-file", help="a file of API keys, one a line: any of them passes (with --api-key too)")] = None,
     chat_template: Annotated[Optional[str], typer.Option(
-        "--chat-template", help="chat template: a builtin name (deepseek3, deepseek2, chatml), a Jinja file, "
+        "--chat-template", help="chat template: a builtin name (deepseek3, deepseek-r1, deepseek2, chatml, kimi-k2, chatglm4), a Jinja file, "
         "or Jinja text; default: the model file's own (tokenizer.chat_template)")] = None,
     chat_template_file: Annotated[Optional[str], typer.Option(
         "--chat-template-file", help="a Jinja chat template file (llama-server's flag; --chat-template takes "

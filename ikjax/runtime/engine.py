@@ -696,7 +696,7 @@ class Engine:
 
     def chat_template(self, choice: str | None = None):
         """The chat template (ikjax.chat_template.ChatTemplate): None -> the file's own, else the
-        builtin for its pre-tokenizer; a builtin name (deepseek3, deepseek2, chatml), a FILE, or
+        builtin for its pre-tokenizer; a builtin name (deepseek3, deepseek-r1, deepseek2, chatml, kimi-k2, chatglm4), a FILE, or
         Jinja text. bos_token / eos_token are this model's."""
         from ikjax.chat_template import template_for
         if choice is None and self.__dict__.get("_default_template") is not None:
