@@ -190,6 +190,15 @@ class _Bound(ChatTemplate):
         return super().render(messages, add_generation_prompt, **kwargs)
 
 
+def developer_as_system(messages: list[dict], source: str) -> list[dict]:
+    """OpenAI's `developer` role (its newer name for system instructions) as `system`, for a
+    template that knows no `developer` (DeepSeek's, Kimi's, GLM's: they would drop the message and
+    its text with it)."""
+    if "developer" in source:
+        return messages
+    return [dict(m, role="system") if m.get("role") == "developer" else m for m in messages]
+
+
 def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
     """Messages whose `content` is a list of OpenAI content parts (`{"type": "text", "text": ...}`)
     with the text parts joined by newlines, as llama-server does for a text-only model: DeepSeek's

@@ -381,8 +381,42 @@ def test_bad_requests_are_400(server):
     _error(call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                           "chat_template_kwargs": {"messages": []}}),
            400, "chat_template_kwargs.messages")
+    # a second outside probe: samplers and limits not run here were answered as if not asked for
+    for field, value in (("mirostat", 2), ("typical_p", 0.9), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
+                         ("top_n_sigma", 1.5), ("dynatemp_range", 0.3), ("min_keep", 3), ("t_max_predict_ms", 500),
+                         ("n_indent", 4)):
+        _error(call(server, "POST", "/completion", {"prompt": "x", "n_predict": 1, field: value}), 400, field)
+    _error(call(server, "POST", "/completion", {"prompt": "x", "samplers": ["temperature", "top_k"]}), 400, "samplers")
+    _error(call(server, "POST", "/completion", {"prompt": "x", "samplers": ["dry", "top_k"]}), 400, "dry")
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "suffix": " after"}), 400, "suffix")
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "best_of": 2}), 400, "best_of")
+    # their off values (what llama-server's own clients send by default) are fine
+    offs = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
+            "dynatemp_range": 0.0, "min_keep": 0, "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+            "best_of": 1, "suffix": ""}
+    assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1, **offs})[0] == 200
     # the server is fine afterwards
     assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
+
+
+def test_penalty_last_n_developer_role_first_delta_and_timings(server, ref):
+    """mainline llama-server's `penalty_last_n` is `repeat_last_n`; OpenAI's `developer` role is the
+    system prompt for a template that has none (DeepSeek's dropped the message); the first streamed
+    chat delta holds content "" as OpenAI's; timings' rate x time = tokens, as llama-server's."""
+    body = {"prompt": "the same words the same words", "n_predict": 6, "temperature": 0, "repeat_penalty": 1.5}
+    a = call(server, "POST", "/completion", {**body, "penalty_last_n": 0})[1]
+    b = call(server, "POST", "/completion", {**body, "repeat_last_n": 0})[1]
+    c = call(server, "POST", "/completion", {**body, "repeat_last_n": 64})[1]
+    assert a["generation_settings"]["repeat_last_n"] == 0 == b["generation_settings"]["repeat_last_n"]
+    assert a["content"] == b["content"] and c["generation_settings"]["repeat_last_n"] == 64
+    t = c["timings"]
+    assert abs(t["predicted_per_second"] * t["predicted_ms"] / 1e3 - t["predicted_n"]) < 1e-6 * t["predicted_n"]
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    got = call(server, "POST", "/apply-template", {"messages": msgs})[1]["prompt"]
+    assert got == ref.chat_template("deepseek-r1").render([{"role": "system", "content": "Be brief."}, msgs[1]])
+    parts = list(client(server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0,
+                                                        stream=True))
+    assert parts[0].choices[0].delta.role == "assistant" and parts[0].choices[0].delta.content == ""
 
 
 def test_null_fields_are_absent_and_template_kwargs(server):

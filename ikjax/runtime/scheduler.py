@@ -123,7 +123,10 @@ class Request:
     _setting: tuple | None = None  # with _key: the static sampling setting of those draws
 
     def timings(self) -> dict:
-        """llama-server's `timings` object: prompt and generation, counts and milliseconds."""
+        """llama-server's `timings` object: prompt and generation, counts and milliseconds. As there,
+        the generation's rate is its tokens over the time after the prompt (the first token, drawn
+        from the prompt step's logits, counted with no time of its own): predicted_per_second x
+        predicted_ms / 1000 = predicted_n, and the figures compare with llama-server's as they are."""
         prompt_n = len(self.prompt) - self.n_cached
         prompt_ms = max(self.t_first - self.t_start, 0.0) * 1e3 if self.t_first else 0.0
         n = len(self.generated)
@@ -132,8 +135,8 @@ class Request:
                 "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
                 "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,
                 "predicted_n": n, "predicted_ms": pred_ms,
-                "predicted_per_token_ms": pred_ms / (n - 1) if n > 1 else 0.0,
-                "predicted_per_second": (n - 1) / pred_ms * 1e3 if pred_ms and n > 1 else 0.0}
+                "predicted_per_token_ms": pred_ms / n if n else 0.0,
+                "predicted_per_second": n / pred_ms * 1e3 if pred_ms and n else 0.0}
 
 
 @dataclass(eq=False)

@@ -19,7 +19,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ikjax.chat_template import AnswerSplitter, ChatTemplate, ReasoningSplitter, flatten_content, opens_reasoning
+from ikjax.chat_template import (AnswerSplitter, ChatTemplate, ReasoningSplitter, developer_as_system, flatten_content,
+                                 opens_reasoning)
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
@@ -208,7 +209,8 @@ def render_chat(eng, messages, chat_template=None, add_generation_prompt: bool =
     if tools:
         check_tools(tools, None)
         kwargs["tools"] = tools
-    return t.render(tool_messages(flatten_content(messages), tools, t.source), add_generation_prompt, **kwargs)
+    return t.render(tool_messages(developer_as_system(flatten_content(messages), t.source), tools, t.source),
+                    add_generation_prompt, **kwargs)
 
 
 def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",

@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from ikjax.chat_template import AnswerSplitter, opens_reasoning
+from ikjax.chat_template import AnswerSplitter, developer_as_system, opens_reasoning
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
 from ikjax.server import openai as oai
@@ -207,7 +207,8 @@ class Server:
                 raise bad(f"chat_template_kwargs.{name}: give {name} as the request's own field")
         check_tools(body.get("tools"), body.get("tool_choice"))  # an OptionError: the 400 of _errors
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        messages = tool_messages(messages, tools, self.template.source, body.get("tool_choice"))
+        messages = tool_messages(developer_as_system(messages, self.template.source), tools, self.template.source,
+                                 body.get("tool_choice"))
         if tools:
             extra["tools"] = tools
         text = self.template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
@@ -259,7 +260,7 @@ class Server:
                 return {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}
 
             async def events():
-                yield delta({"role": "assistant", "content": None})
+                yield delta({"role": "assistant", "content": ""})  # (OpenAI's first delta)
                 async for piece in job.pieces():
                     lp = self._chat_logprobs(job, piece=True)  # the piece's tokens, with its first delta
                     for d in _deltas(*answer.feed(piece)):
@@ -285,6 +286,7 @@ class Server:
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_tokens", "n_predict"),
                                 endpoint="completions")
+        oai.check_completions_only(body)
         prompt = oai.prompt_field(body)
         ids = await self._prompt_ids(prompt)
         echo = oai.bool_field(body, "echo", False)

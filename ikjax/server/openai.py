@@ -126,6 +126,59 @@ def logprobs_field(body: dict, endpoint: str) -> int | None:
     return check_top_logprobs(body.get("n_probs"), "n_probs") or None
 
 
+# llama-server's samplers and limits this server does not run, each with the value that turns it off:
+# a request asking for one is refused (a 400 naming it), never answered as if it had not asked
+_NOT_RUN = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
+            "dynatemp_range": 0.0, "min_keep": 0, "t_max_predict_ms": 0, "n_indent": 0}
+_OFF_BELOW = {"top_n_sigma"}  # off at any value <= its off value
+_ORDER = ("top_k", "top_p", "min_p", "temperature")  # the order this server applies its filters in
+_SAMPLER_NAMES = {"top_k": "top_k", "k": "top_k", "top_p": "top_p", "p": "top_p", "min_p": "min_p", "m": "min_p",
+                  "temperature": "temperature", "temp": "temperature", "t": "temperature",
+                  "penalties": "penalties", "e": "penalties"}
+
+
+def _check_not_run(body: dict) -> None:
+    """Refuse the samplers and limits that are not run here (`_NOT_RUN`) at a value that asks for
+    them, and a `samplers` order other than this server's (penalties first, then top_k, top_p,
+    min_p, temperature)."""
+    for name, off in _NOT_RUN.items():
+        v = body.get(name)
+        if v is None:
+            continue
+        if not _is_num(v):
+            raise bad(f"{name}: expected a number, got {v!r}"[:300])
+        if v == off or (name in _OFF_BELOW and v <= off):
+            continue
+        raise bad(f"{name}: this sampler / limit is not supported here; leave it out or at {off:g} (off)")
+    order = body.get("samplers")
+    if order is None:
+        return
+    if isinstance(order, str):  # llama-server's short form: one letter a sampler, "kpmt"
+        names = [_SAMPLER_NAMES.get(c, c) for c in order.replace(";", "")]
+    elif isinstance(order, list) and all(isinstance(x, str) for x in order):
+        names = [_SAMPLER_NAMES.get(x.lower(), x) for x in order]
+    else:
+        raise bad(f"samplers: expected a list of sampler names, got {order!r}"[:300])
+    unknown = [x for x in names if x not in _ORDER and x != "penalties"]
+    if unknown:
+        raise bad(f"samplers: {', '.join(map(str, unknown))} not supported here (this server runs penalties, "
+                  f"top_k, top_p, min_p, temperature)"[:300])
+    kept = [x for x in names if x in _ORDER]
+    if kept != [x for x in _ORDER if x in kept] or ("penalties" in names and names.index("penalties") != 0):
+        raise bad(f"samplers: this server applies penalties, top_k, top_p, min_p, temperature in that order; "
+                  f"got {', '.join(names)}"[:300])
+
+
+def check_completions_only(body: dict) -> None:
+    """/v1/completions' fields this server does not do, refused as llama-server refuses them
+    ("Unsupported param"): `suffix` (fill-in-the-middle) and `best_of` other than 1."""
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix: not supported here (no fill-in-the-middle); leave it out")
+    best = body.get("best_of")
+    if best is not None and best != 1:
+        raise bad(f"best_of: only 1 is supported, got {best!r}"[:300])
+
+
 def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint: str = "completion") -> GenParams:
     """The generation fields of any of the three generate endpoints (`endpoint`: chat,
     completions or completion, which say how log-probabilities are asked for)."""
@@ -163,7 +216,8 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     lo, hi = MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY
     repeat_penalty = float(_get(body, "repeat_penalty", lambda v: _is_num(v) and lo <= v <= hi,
                                 f"a number in [{lo:g}, {hi:g}] (1 = off)", 1.0))
-    repeat_last_n = _get(body, "repeat_last_n", lambda v: _is_int(v) and v >= -1,
+    last_n = "repeat_last_n" if body.get("repeat_last_n") is not None else "penalty_last_n"  # (mainline's name)
+    repeat_last_n = _get(body, last_n, lambda v: _is_int(v) and v >= -1,
                          "an integer >= -1 (0 = off, -1 = the context)", 64)
     # checked with the other penalties by sampling.check_penalty (Scheduler.make_request; a 400)
     # (null, as OpenAI's clients send for "not given": the default)
@@ -181,6 +235,7 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     for name in ("grammar", "json_schema"):  # llama-server's constraints: refused like response_format
         if body.get(name) not in (None, "", {}):
             raise bad(f"{name}: grammar-constrained sampling is not supported here; leave {name} out")
+    _check_not_run(body)
     return GenParams(max_tokens=None if n == -1 else n, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                      min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
