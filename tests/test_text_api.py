@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -151,8 +152,41 @@ def test_chat_session_reuses_the_cache_without_changing_answers(eng):
     next(s)
     s.close()
     assert eng.chat(msgs, 12, session=sess).tokens == two.tokens
+    # a stream left with `break` (never closed): the next call on the session ends it and goes on
+    # (it was refused, "already in use", until the garbage collector found the stream)
+    import gc
+    gc.disable()
+    try:
+        for i, _ in enumerate(eng.chat(msgs, 12, session=sess, stream=True)):
+            if i == 1:
+                break
+        assert eng.chat(msgs, 12, session=sess).tokens == two.tokens
+        left = eng.complete(PROMPT, 12, session=sess, stream=True)
+        next(left)
+        sess.reset()  # ends it too, then empties the session
+        assert sess.ids == [] and sess.cache is None
+        # from another thread, an unfinished generation is still an error
+        held = eng.complete(PROMPT, 12, session=sess, stream=True)
+        next(held)
+        errors = []
+        t = threading.Thread(target=lambda: errors.append(_raises(lambda: eng.complete(PROMPT, 2, session=sess))))
+        t.start()
+        t.join()
+        assert errors and "another thread" in errors[0]
+        held.close()
+        assert eng.complete(PROMPT, 2, session=sess).tokens
+    finally:
+        gc.enable()
     with pytest.raises(OptionError, match="reasoning_format"):
         eng.chat(msgs, 4, reasoning_format="r1")
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except OptionError as e:
+        return str(e)
+    return ""
 
 
 def test_repeat_penalty_is_llama_cpp_s(eng):

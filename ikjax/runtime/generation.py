@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import numbers
+import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
 import jax
@@ -171,6 +173,11 @@ class Generation:
         if close is not None:
             close()
 
+    @property
+    def running(self) -> bool:
+        """A thread is inside its `next` right now (not merely suspended between tokens)."""
+        return bool(getattr(self._it, "gi_running", False))
+
 
 class KVSession:
     """One sequence's KV cache kept between generations, with the ids whose entries it holds: a
@@ -180,16 +187,33 @@ class KVSession:
     `Engine.generate(..., session=s)` takes the cache for the generation and gives it back when
     the generation ends or is closed (then the prompt and every token yielded but the last are in
     it: the last is fed by the step after it); an error inside a step (the cache it was given is
-    consumed) empties the session, so the next prompt is fed whole. One generation at a time."""
+    consumed) empties the session, so the next prompt is fed whole. One generation at a time: a
+    new one (or `reset`) in the thread that started the unfinished one ends that one first, as
+    closing it would (a `for` loop left with `break` leaves its stream open until the garbage
+    collector finds it, and the session was refused until then); from another thread, an
+    unfinished generation is an error."""
 
     def __init__(self, eng):
         self.engine = eng
         self.cache = None
         self.ids: list[int] = []
         self._busy = False
+        self._holder: tuple | None = None  # (weakref to the Generation holding the cache, its thread)
 
     def reset(self) -> None:
+        self._end_abandoned()
+        if self._busy:
+            raise OptionError("session: in use by an unfinished generation in another thread")
         self.cache, self.ids = None, []
+
+    def _end_abandoned(self) -> None:
+        """Close the unfinished generation holding the cache if this thread started it and no one is
+        inside it (its `finally` gives the cache back)."""
+        if not self._busy or self._holder is None:
+            return
+        gen = self._holder[0]()
+        if gen is not None and self._holder[1] == threading.get_ident() and not gen.running:
+            gen.close()
 
     def common_prefix(self, ids: Sequence[int]) -> int:
         """How many leading tokens of `ids` the cache holds."""
@@ -200,7 +224,7 @@ class KVSession:
             n += 1
         return n
 
-    def _acquire(self, eng, ids: np.ndarray):
+    def _acquire(self, eng, ids: np.ndarray, gen: "Generation | None" = None):
         """(cache, position to feed from) for a prompt: at least its last two tokens are fed (the
         last one's logits pick the first new token). Why two: a one-token step runs the decode
         form of the kernels, whose numbers differ slightly from a prompt chunk's, so a prompt the
@@ -208,16 +232,19 @@ class KVSession:
         than the same prompt fed fresh."""
         if eng is not self.engine:
             raise OptionError("session: made for another engine (use eng.session())")
+        self._end_abandoned()
         if self._busy:
-            raise OptionError("session: already in use by an unfinished generation (close it first)")
+            raise OptionError("session: already in use by an unfinished generation in another thread (close it "
+                              "first)")
         self._busy = True
+        self._holder = (weakref.ref(gen), threading.get_ident()) if gen is not None else None
         if self.cache is None:
             return self.engine.new_cache(1), 0
         cache, self.cache = self.cache, None
         return cache, max(0, min(self.common_prefix(ids.tolist()), len(ids) - 2))
 
     def _release(self, cache, ids: list[int]) -> None:
-        self._busy = False
+        self._busy, self._holder = False, None
         if cache is None:
             self.reset()
         else:
@@ -332,7 +359,7 @@ def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, s
 
     device_sp = device_sampling(eng, sp, ban)
     rows = bool(device_sp.get("rows"))
-    cache, start = session._acquire(eng, ids) if session is not None else (eng.new_cache(1), 0)
+    cache, start = session._acquire(eng, ids, gen) if session is not None else (eng.new_cache(1), 0)
     gen.cached_tokens = start
     new: list[int] = []
     valid = False  # whether `cache` is the live cache (a step consumes the one it is given)
