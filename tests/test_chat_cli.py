@@ -94,3 +94,23 @@ def test_ctrl_c_stops_the_answer_not_the_chat(tiny_model):
     turn = next(line for line in err.splitlines() if line.startswith("turn 1: "))
     n_prompt, n_answer = int(turn.split("prompt ")[1].split()[0]), int(turn.split("answer ")[1].split()[0])
     assert 0 < n_answer < 256 - n_prompt, turn
+
+
+def test_fit_drops_the_oldest_exchanges_and_keeps_the_system_prompt(eng):
+    """Chat.fit: the oldest exchanges go (the system prompt stays) until the conversation leaves room
+    for an answer (min(-n or a quarter of -c, half of -c)); a message too long on its own drops
+    nothing (the turn is dropped instead)."""
+    from ikjax.cli.chat import Chat
+    from ikjax.runtime.text import encode_prompt, render_chat
+    c = Chat(eng, eng.chat_template(), {}, 32, "Be brief.", False)
+    for i in range(12):
+        c.messages += [{"role": "user", "content": f"question {i} " * 4}, {"role": "assistant", "content": f"answer {i} " * 6}]
+    c.messages.append({"role": "user", "content": "last"})
+    dropped = c.fit()
+    n = len(encode_prompt(eng, render_chat(eng, c.messages, c.template)))
+    assert dropped > 0 and n <= 256 - 32 and c.messages[0] == {"role": "system", "content": "Be brief."}
+    assert c.messages[1]["role"] == "user" and c.messages[-1] == {"role": "user", "content": "last"}
+    assert c.messages[1]["content"].startswith(f"question {dropped} ")  # the oldest went first, whole exchanges
+    before = list(c.messages)
+    c.messages.append({"role": "user", "content": "word " * 400})
+    assert c.fit() == 0 and c.messages[:-1] == before

@@ -302,15 +302,17 @@ def test_outside_probe_cli_defects(tiny_model, tmp_path, monkeypatch):
     assert_one_line_error(invoke(["generate", "-m", tiny_model, "-p", "x", "-n", 2], 1), "IKJAX_KERNELS=pallas")
 
 
-def test_chat_drops_a_turn_past_the_context(tiny_model):
-    """A message that makes the conversation longer than -c is dropped with a note and the chat goes on
-    (it ended the program, naming prompt_ids); the turns before it stay."""
+def test_chat_goes_on_past_the_context(tiny_model):
+    """A conversation that outgrows -c drops its oldest exchanges (a note says how many) and goes on,
+    as llama-cli's context shift lets it (it ended the program once, naming prompt_ids; then every
+    later message was refused); a message too long on its own is dropped with a note."""
     import subprocess
     import sys
+    lines = ["Hello", "again and again and again", "ok", "word " * 200, "more", "and more", "bye"]
     r = subprocess.run([sys.executable, "-m", "ikjax.cli", "chat", "-m", tiny_model, "--temp", "0", "-n", "40", "-c",
-                        "128", "-ub", "32"], input="Hello\nagain and again and again\nok\n", capture_output=True,
-                       text=True, timeout=300)
+                        "128", "-ub", "32"], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "[message dropped" in r.stderr and "-c 128" in r.stderr
+    assert re.search(r"\[context: the oldest \d+ exchanges? dropped to fit -c 128\]", r.stderr), r.stderr[-1500:]
+    assert "[message dropped" in r.stderr and "-c 128" in r.stderr  # the 200 words alone
     assert "Traceback" not in r.stderr and "prompt_ids" not in r.stderr
-    assert re.search(r"chat: [1-9]\d* turns", r.stderr), r.stderr[-500:]
+    assert int(re.search(r"chat: (\d+) turns", r.stderr).group(1)) == len(lines) - 1, r.stderr[-500:]

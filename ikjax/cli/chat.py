@@ -6,6 +6,11 @@ is kept between turns (`Engine.session`): the next prompt repeats the conversati
 follows the longest prefix the cache already holds is fed (R1's template drops an answer's
 `<think>` block from the history, so that answer is fed again, as with llama.cpp).
 
+A conversation that outgrows `-c` goes on: before a turn, the oldest exchanges (after a system
+prompt) are dropped until the conversation leaves room for an answer (a quarter of `-c`, or `-n`,
+at most half), as llama-cli's context shift lets a chat go on; the shortened conversation is then
+fed again.
+
 Ctrl-C during an answer stops that answer (what was said stays in the conversation) and returns to
 the prompt; Ctrl-C at the prompt, or end of input (Ctrl-D), ends the chat. A line ending in `\\`
 continues on the next line. Notes, the template's name and the closing summary go to stderr.
@@ -134,9 +139,34 @@ class Chat:
             lines.append(line)
             return "\n".join(lines)
 
+    def _tokens(self, messages: list[dict]) -> int:
+        """A rendered conversation's length in tokens, as a turn's prompt."""
+        from ikjax.runtime.text import encode_prompt, render_chat
+        return len(encode_prompt(self.eng, render_chat(self.eng, messages, self.template)))
+
+    def fit(self) -> int:
+        """Drop the oldest exchanges (a user message and what follows it up to the next one; a system
+        prompt stays) until the conversation leaves room for an answer; how many were dropped."""
+        ctx = self.eng.options.ctx
+        room = min(self.max_tokens or ctx // 4, ctx // 2)
+        head = 1 if self.messages and self.messages[0].get("role") == "system" else 0
+        if self._tokens(self.messages[:head] + self.messages[-1:]) > ctx:
+            return 0  # the message cannot fit on its own: `turn` drops it, the conversation stays
+        dropped = 0
+        while len(self.messages) - head > 1 and self._tokens(self.messages) > ctx - room:
+            del self.messages[head]
+            while len(self.messages) - head > 1 and self.messages[head].get("role") != "user":
+                del self.messages[head]
+            dropped += 1
+        return dropped
+
     def turn(self, user: str) -> None:
         """Render the conversation with the new message, stream the answer; Ctrl-C ends it early."""
         self.messages.append({"role": "user", "content": user})
+        dropped = self.fit()
+        if dropped:
+            log(f"[context: the oldest {dropped} exchange{'s' if dropped > 1 else ''} dropped to fit -c "
+                f"{self.eng.options.ctx}]")
         try:
             stream = self.eng.chat(self.messages, self.max_tokens, chat_template=self.template, stream=True,
                                    session=self.session, **self.sampling)
