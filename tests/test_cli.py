@@ -237,6 +237,27 @@ def test_generate_streams_text(tiny_model):
     assert "generated" in res.stderr
 
 
+def test_generate_stop_strings_and_n_past_the_context(tiny_model):
+    """llama-cli's -r / --reverse-prompt on generate (the probe found none): the text stops at the
+    string, printed with it; -n past the context generates to the context's end with a note (an
+    error before; llama-cli stops there too)."""
+    import ikjax
+    base = ["generate", "-m", tiny_model, "-p", "Hello world", "--temp", 0, "-c", 64, "-ub", 32, "--ignore-eos"]
+    full = invoke(base + ["-n", 24]).stdout[len("Hello world"):-1]
+    eng = ikjax.load(tiny_model, ctx=64, ubatch=32)
+    want = eng.complete("Hello world", 24, ignore_eos=True).text
+    assert full == want
+    stop = want[len(want) // 2: len(want) // 2 + 3]
+    assert stop.strip() and stop not in want[:len(want) // 2]
+    cut = invoke(base + ["-n", 24, "-r", stop]).stdout
+    assert cut == "Hello world" + want[:want.index(stop) + len(stop)] + "\n", (cut, stop)
+    res = invoke(base + ["-n", 500])
+    n_prompt = len(eng.tokenizer.encode("Hello world"))
+    assert f"at most {64 - n_prompt} tokens" in res.stderr and res.exit_code == 0
+    err = invoke(["generate", "-m", tiny_model, "-p", "word " * 80, "-c", 64, "-ub", 32], 1).stderr.strip()
+    assert err.splitlines()[-1].startswith("error: prompt: ") and "leave no room" in err and "Traceback" not in err
+
+
 def test_generate_penalties_are_the_apis(tiny_model):
     """llama-cli's --repeat-penalty / --presence-penalty / --frequency-penalty / --repeat-last-n:
     generate prints what Engine.generate gives with the same penalties (greedy), and the

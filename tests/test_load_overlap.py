@@ -168,7 +168,7 @@ def test_a_command_error_while_loading_stops_the_load(tiny4_model, monkeypatch):
     res = _invoke(["generate", "-m", tiny4_model, "-p", "word " * 300, "-n", 8, "-c", 256, "-ub", 64],
                   monkeypatch, "1", code=1)
     err = res.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "exceed the context" in err[0], res.stderr
+    assert len(err) == 1 and err[0].startswith("error: ") and "leave no room" in err[0], res.stderr
     assert made and made[0].load_overlapped and not made[0].loading
     with pytest.raises(weights_mod.LoadCancelled):
         made[0].wait_loaded()  # stopped at its next layer

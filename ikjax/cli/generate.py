@@ -40,6 +40,9 @@ def generate(
     presence_penalty: PresencePenalty = 0.0,
     frequency_penalty: FrequencyPenalty = 0.0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="never stop on EOS (it is never drawn)")] = False,
+    reverse_prompt: Annotated[Optional[list[str]], typer.Option(
+        "-r", "--reverse-prompt", "--stop", help="stop when the text reaches this string, printed as llama-cli "
+        "prints it (may repeat)")] = None,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
     batch_invariant: Annotated[Optional[bool], typer.Option(
         "--batch-invariant/--no-batch-invariant", help="decode in the batch-invariant form `serve` uses by default "
@@ -76,10 +79,13 @@ def generate(
         ids = tok.encode(prompt)
         if not ids:
             raise OptionError("prompt: empty (and the model has no BOS token)")
-        n = eng.options.ctx - len(ids) if n_predict == -1 else n_predict
-        if n < 1 and n_predict == -1 or len(ids) + n > eng.options.ctx:
-            raise OptionError(f"prompt ({len(ids)} tokens) + n-predict ({n_predict}) exceed the context "
-                              f"c={eng.options.ctx}")
+        room = eng.options.ctx - len(ids)
+        if room < 1:
+            raise OptionError(f"prompt: {len(ids)} tokens leave no room for a token in the context c={eng.options.ctx}")
+        n = room if n_predict == -1 else min(n_predict, room)
+        if n < n_predict:  # as llama-cli, which stops at the context's end (no shift here)
+            log(f"note: -n {n_predict} past the context: at most {n} tokens after the prompt's {len(ids)} "
+                f"(c={eng.options.ctx})")
         eos = eng.config.eos_token_id
         ban = (eos,) if ignore_eos and eos is not None else ()  # as Engine.generate bans it
         # with a penalty every token is chosen on the host after a one-token step (Engine.generate)
@@ -116,9 +122,20 @@ def generate(
                 return
             yield t
 
-    for piece in tok.stream(counted()):
-        sys.stdout.write(piece)
+    from ikjax.runtime.text import StopStrings
+    stops = StopStrings(reverse_prompt or [])
+    pieces = tok.stream(counted())
+    for piece in pieces:
+        out, stopped = stops.feed(piece)
+        sys.stdout.write(out + (stops.matched if stopped else ""))
         sys.stdout.flush()
+        if stopped:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()  # no token past the stop string is generated
+            break
+    else:
+        sys.stdout.write(stops.flush())
     typer.echo("")
     t_end = time.perf_counter()
     if t_first is not None:
