@@ -221,7 +221,10 @@ def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
                     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                     raise ChatTemplateError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
             m["content"] = "\n".join(texts)
-        elif c is not None and not isinstance(c, str):
+        elif c is None:  # absent or null: empty text, as the server reads it (the template failed on it), but
+            # kept None beside tool_calls: R1's template tells an assistant's call turn by it
+            m["content"] = None if m["role"] == "assistant" and m.get("tool_calls") else ""
+        elif not isinstance(c, str):
             raise ChatTemplateError(f"messages[{i}].content: expected a string or a list of text parts, got "
                                     f"{type(c).__name__}")
         out.append(m)

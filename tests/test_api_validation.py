@@ -42,7 +42,24 @@ BAD_ARGS = [
     ({"seed": -2}, "seed"),
     ({"stop": 5}, "stop"),
     ({"stop": ["a"]}, "stop"),
+    ({"stop": [10 ** 6]}, "stop"),  # outside the vocabulary: it could never come
+    ({"stop": [-1]}, "stop"),
 ]
+
+
+@pytest.mark.parametrize("kw", [{"stream": "yes"}, {"ignore_eos": "no"}, {"stream": 1}])
+def test_flags_are_booleans(eng, kw):
+    """generate's True / False options refuse other values ("no" was taken as true)."""
+    with pytest.raises(OptionError, match=f"^{next(iter(kw))}: expected True or False"):
+        eng.generate([1, 2, 3], 2, **kw)
+    with pytest.raises(OptionError, match=f"^{next(iter(kw))}: expected True or False"):
+        eng.complete("hi", 2, **kw)
+    assert list(eng.generate([1, 2, 3], 2, stream=np.bool_(True), ignore_eos=False))
+
+
+def test_chat_names_an_unknown_option(eng):
+    with pytest.raises(OptionError, match="^chat: unknown option foo"):
+        eng.chat([{"role": "user", "content": "hi"}], 2, foo=1)
 
 
 def _call(eng, fn, kw):

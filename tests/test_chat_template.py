@@ -197,6 +197,14 @@ def test_flatten_content_parts():
     assert msgs[0]["content"][0] == {"type": "text", "text": "a"}  # the caller's messages untouched
     with pytest.raises(ChatTemplateError, match="image_url"):
         flatten_content([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    # absent or null content: empty text, as the server reads it (the template failed: "'dict object' has
+    # no attribute 'content'"), kept None for an assistant's tool-call turn
+    calls = [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    assert flatten_content([{"role": "user"}, {"role": "user", "content": None},
+                            {"role": "assistant", "content": None, "tool_calls": calls}]) == [
+        {"role": "user", "content": ""}, {"role": "user", "content": ""},
+        {"role": "assistant", "content": None, "tool_calls": calls}]
+    assert builtin("deepseek3").render(flatten_content([{"role": "user"}])).endswith("<｜User｜><｜Assistant｜>")
 
 
 SPLITS = [

@@ -276,14 +276,24 @@ def check_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def stop_ids(stop: Iterable[int], eos_token_id: int | None) -> set[int]:
-    """The ids that end a sequence: `stop` (checked: integers) and the model's EOS."""
+def check_flag(name: str, value) -> bool:
+    """A True / False option (numpy's bool too): "no" or 0 were taken as their truth value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise OptionError(f"{name}: expected True or False, got {value!r}"[:200])
+    return bool(value)
+
+
+def stop_ids(stop: Iterable[int], eos_token_id: int | None, vocab_size: int | None = None) -> set[int]:
+    """The ids that end a sequence: `stop` (checked: integers, inside the vocabulary when it is
+    given: an id past it can never come) and the model's EOS."""
     if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
         raise OptionError(f"stop: expected a collection of token ids, got {stop!r}")
     out = set()
     for s in stop:
         if not isinstance(s, numbers.Integral) or isinstance(s, (bool, np.bool_)):
             raise OptionError(f"stop: token ids must be integers, got {s!r}")
+        if vocab_size is not None and not 0 <= int(s) < vocab_size:
+            raise OptionError(f"stop: token id {int(s)} is outside the vocabulary [0, {vocab_size})")
         out.add(int(s))
     if eos_token_id is not None:
         out.add(eos_token_id)
@@ -321,7 +331,8 @@ def generate(eng, prompt_ids: Sequence[int], max_tokens: int, *, temperature: fl
     ids = check_ids(prompt_ids, eng.config.vocab_size, "prompt_ids")
     check_prompt_fits(len(ids), eng.options.ctx, "prompt_ids")
     eos = eng.config.eos_token_id
-    stops = stop_ids(stop, None if ignore_eos else eos)
+    stream, ignore_eos = check_flag("stream", stream), check_flag("ignore_eos", ignore_eos)
+    stops = stop_ids(stop, None if ignore_eos else eos, eng.config.vocab_size)
     if session is not None and not isinstance(session, KVSession):
         raise OptionError(f"session: expected a KVSession (eng.session()), got {type(session).__name__}")
     gen = Generation()
@@ -417,7 +428,7 @@ def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, te
     seqs = [check_ids(s, V, f"prompts[{i}]") for i, s in enumerate(prompts)]
     for i, s in enumerate(seqs):
         check_prompt_fits(len(s), ctx, f"prompts[{i}]")
-    stops = stop_ids(stop, eng.config.eos_token_id)
+    stops = stop_ids(stop, eng.config.eos_token_id, eng.config.vocab_size)
     n = len(seqs)
     out = BatchGeneration([] for _ in range(n))
     if max_tokens == 0:

@@ -213,9 +213,17 @@ def render_chat(eng, messages, chat_template=None, add_generation_prompt: bool =
                     add_generation_prompt, **kwargs)
 
 
+# what chat() passes on to complete(): its sampling and stopping options
+_COMPLETE_OPTIONS = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty",
+                               "repeat_last_n", "frequency_penalty", "presence_penalty", "ignore_eos", "session"})
+
+
 def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",
          template_kwargs: Mapping[str, Any] | None = None, stream: bool = False, tools: list | None = None, **kw):
     """`Engine.chat` (its docstring)."""
+    unknown = sorted(set(kw) - _COMPLETE_OPTIONS)
+    if unknown:  # (a TypeError naming complete() before)
+        raise OptionError(f"chat: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
     if reasoning_format not in ("deepseek", "none"):
         raise OptionError(f"reasoning_format: expected 'deepseek' or 'none', got {reasoning_format!r}")
     prompt = render_chat(eng, messages, chat_template, True, template_kwargs, tools)
