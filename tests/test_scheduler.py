@@ -355,6 +355,37 @@ def test_prompt_cache_auto(eng):
         s.stop()
 
 
+def test_prompt_cache_auto_reads_an_r1_next_turn(eng):
+    """R1's template ends a prompt with `<think>\n` and renders an earlier turn without it: the next
+    turn shares all of the last prompt but that tail. auto takes it as the next turn (the whole
+    common prefix, as llama-server) instead of whole -ub chunks (up to 511 tokens fed again a turn);
+    the same prompt again, or a longer one that differs before the tail, keeps whole chunks."""
+    from ikjax.runtime.text import encode_prompt
+    t = eng.chat_template("deepseek-r1")
+    turn1 = [{"role": "system", "content": "Answer briefly. " * 4}, {"role": "user", "content": "hi there"}]
+    p1 = encode_prompt(eng, t.render(turn1))
+    turn2 = turn1 + [{"role": "assistant", "content": "ok fine"}, {"role": "user", "content": "more"}]
+    p2 = encode_prompt(eng, t.render(turn2))
+    lcp = next(i for i, (a, b) in enumerate(zip(p1, p2)) if a != b)
+    assert eng.tokenizer.decode(p1[lcp:]).strip() == "<think>" and lcp % UB != 0
+    s = Scheduler(eng, 1).start()
+    try:
+        _, c1 = submit(s, p1, 4)
+        c1.wait()
+        second, c2 = submit(s, p2, 4)
+        c2.wait()
+        assert second.n_cached == lcp
+        # a longer prompt that differs before the tail (an edited message): whole chunks
+        _, c1 = submit(s, p1, 4)
+        c1.wait()
+        edited = p1[:lcp - 20] + [7] * 30
+        third, c3 = submit(s, edited, 4)
+        c3.wait()
+        assert third.n_cached == (lcp - 20) // UB * UB
+    finally:
+        s.stop()
+
+
 def test_queue_full(eng):
     s = Scheduler(eng, 1, max_queue=1)  # not started: nothing leaves the queue
     submit(s, [5, 6], 1)  # would take the free slot

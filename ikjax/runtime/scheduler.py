@@ -446,9 +446,25 @@ class Scheduler:
             return 0
         differ = np.nonzero(np.asarray(slot.tokens[:n], np.int64) != prompt[:n])[0]
         lcp = int(differ[0]) if len(differ) else n
-        if self.prompt_cache == "prefix" or (self.prompt_cache == "auto" and lcp > slot.prompt_end):
+        if self.prompt_cache == "prefix" or (self.prompt_cache == "auto" and self._next_turn(slot, prompt, lcp)):
             return lcp
         return min(lcp, slot.exact) // self.ubatch * self.ubatch
+
+    def _next_turn(self, slot: Slot, prompt: np.ndarray, lcp: int) -> bool:
+        """Whether `prompt` goes on from the slot's last request (auto reuses the whole common prefix
+        then, as llama-server): it shares more than that request's prompt, or all of it but a
+        trailing `<think>` opening (R1's generation prompt, which its template does not render again
+        for an earlier turn: every R1 turn fell back to whole -ub chunks, up to 511 tokens fed
+        again) in a prompt that is longer (an answer and a new message after it)."""
+        if lcp > slot.prompt_end:
+            return True
+        if lcp < slot.prompt_end - 16 or len(prompt) <= slot.prompt_end:
+            return False
+        try:
+            tail = self.eng.tokenizer.decode(slot.tokens[lcp:slot.prompt_end])
+        except Exception:  # noqa: BLE001 - a model without a usable tokenizer: no such turn to tell
+            return False
+        return tail.strip() == "<think>"
 
     def _admit(self) -> None:
         now = time.perf_counter()
