@@ -423,3 +423,21 @@ def test_setup_makes_locations_independent_of_the_call_path(tmp_path, monkeypatc
     pattern = jax.config.jax_hlo_source_file_canonicalization_regex
     assert re.sub(pattern, "", "/tmp/src/ikjax/model/deepseek2.py") == "ikjax/model/deepseek2.py"
     assert re.sub(pattern, "", "/opt/x/pallas_kernels/quant_matmul/kernel.py") == "pallas_kernels/quant_matmul/kernel.py"
+
+
+@pytest.mark.parametrize("split", ["layer", "graph"])
+def test_several_device_steps_served_by_jax_s_cache(tiny4_model, tmp_path, split):
+    """Several devices (two fake CPU devices): steps are not stored whole, JAX's own cache serves
+    them, so the second of two identical sweep-bench runs compiles none. On a GPU no such step was
+    ever served until the lowering became one at a time, from shapes, with stable locations
+    (compile_cache.lower, RESULTS §25j); this keeps the several-device path keyed the same way."""
+    import re
+    env = {**os.environ, "IKJAX_COMPILE_CACHE": str(tmp_path / "xla"),
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()}
+    cmd = [sys.executable, "-m", "ikjax.cli", "sweep-bench", "-m", tiny4_model, "-c", "256", "-ub", "64", "-n", "4",
+           "-sm", split]
+    runs = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    last = [re.findall(r"compiled (\d+) steps, (\d+) from the cache", r.stderr)[-1] for r in runs]
+    assert int(last[0][0]) >= 2 and last[1] == ("0", last[0][0]), last
