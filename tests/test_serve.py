@@ -399,6 +399,19 @@ def test_bad_requests_are_400(server):
     assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
 
 
+def test_mixed_prompt_as_llama_server(server, ref):
+    """llama-server's mixed prompt, ids and texts in one list: each text encoded in place, a BOS only
+    where the list starts with a text (it was a 400)."""
+    tok = ref.tokenizer
+    for prompt, want in ((["hello", 7, 8, " world"], tok.encode("hello") + [7, 8] + tok.encode(" world", False)),
+                         ([7, "hello"], [7] + tok.encode("hello", False))):
+        st, body = call(server, "POST", "/completion", {"prompt": prompt, "n_predict": 2, "temperature": 0})
+        assert st == 200 and body["tokens_evaluated"] == len(want), (prompt, body)
+        same = call(server, "POST", "/completion", {"prompt": want, "n_predict": 2, "temperature": 0})[1]
+        assert body["content"] == same["content"] and body["prompt"] == tok.decode(want)
+    _error(call(server, "POST", "/completion", {"prompt": [7, None]}), 400, "prompt")
+
+
 def test_penalty_last_n_developer_role_first_delta_and_timings(server, ref):
     """mainline llama-server's `penalty_last_n` is `repeat_last_n`; OpenAI's `developer` role is the
     system prompt for a template that has none (DeepSeek's dropped the message); the first streamed

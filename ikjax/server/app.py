@@ -184,8 +184,15 @@ class Server:
         except OptionError as e:
             raise bad(f"prompt: {e}") from None
 
-    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        ids = prompt if isinstance(prompt, list) else await self._encode(prompt)
+    async def _prompt_ids(self, prompt: str | list) -> list[int]:
+        """The prompt's ids: text encoded, ids as they are, and a mixed list as llama-server's
+        (each text encoded in place, a BOS only where the list starts with a text)."""
+        if isinstance(prompt, str):
+            ids = await self._encode(prompt)
+        else:
+            ids = []
+            for i, part in enumerate(prompt):
+                ids += await self._encode(part, None if i == 0 else False) if isinstance(part, str) else [part]
         if not ids:
             raise bad("prompt: empty")
         return ids
@@ -353,7 +360,7 @@ class Server:
                 "index": 0, "tokens": list(job.token_ids) if p.return_tokens and whole else [],
                 "tokens_predicted": job.n_generated,
                 "tokens_evaluated": len(job.req.prompt), "tokens_cached": len(job.req.prompt) + job.n_generated,
-                "prompt": prompt if isinstance(prompt, str) else self.tok.decode(prompt),
+                "prompt": prompt if isinstance(prompt, str) else self.tok.decode(job.req.prompt),
                 "generation_settings": {"n_ctx": self.scheduler.ctx, "n_predict": -1 if p.max_tokens is None
                                         else p.max_tokens, **p.sampling(), "stop": p.stop,
                                         "cache_prompt": p.cache_prompt, "ignore_eos": p.ignore_eos},

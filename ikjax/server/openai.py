@@ -244,8 +244,9 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
                      top_logprobs=logprobs_field(body, endpoint), logit_bias=body.get("logit_bias"))
 
 
-def prompt_field(body: dict, name: str = "prompt") -> str | list[int]:
-    """A prompt: text, or token ids; a list holding one of them (OpenAI's batch form) is that one."""
+def prompt_field(body: dict, name: str = "prompt") -> str | list:
+    """A prompt: text, or token ids; a list holding one of them (OpenAI's batch form) is that one;
+    or llama-server's mixed form, ids and texts in one list ([12, 34, "text", 56])."""
     p = body.get(name)
     if p is None:
         raise bad(f"{name}: missing")
@@ -257,6 +258,8 @@ def prompt_field(body: dict, name: str = "prompt") -> str | list[int]:
         return p
     if isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
         raise bad(f"{name}: one prompt per request (got {len(p)})")
+    if isinstance(p, list) and p and all(_is_int(t) or isinstance(t, str) for t in p):
+        return p  # mixed: the server tokenizes the texts (Server._prompt_ids)
     raise bad(f"{name}: expected a string or a non-empty list of token ids"
               + (", got an empty list" if p == [] else f", got {type(p).__name__}"))
 
