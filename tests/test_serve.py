@@ -410,6 +410,9 @@ def test_mixed_prompt_as_llama_server(server, ref):
         same = call(server, "POST", "/completion", {"prompt": want, "n_predict": 2, "temperature": 0})[1]
         assert body["content"] == same["content"] and body["prompt"] == tok.decode(want)
     _error(call(server, "POST", "/completion", {"prompt": [7, None]}), 400, "prompt")
+    # id_slot: -1 or a slot that exists (a slot past -np ran on slot 0)
+    _error(call(server, "POST", "/completion", {"prompt": "x", "id_slot": NP}), 400, "id_slot")
+    assert call(server, "POST", "/completion", {"prompt": "x", "n_predict": 1, "id_slot": NP - 1})[0] == 200
 
 
 def test_penalty_last_n_developer_role_first_delta_and_timings(server, ref):
