@@ -71,12 +71,19 @@ PRE_REGEXES: dict[str, list[str]] = {"deepseek-v3": _DEEPSEEK_V3, "deepseek-llm"
 GPT2_PRES = ("gpt-2", "gpt2", "gigachat")
 KNOWN_PRES = (*PRE_REGEXES, *GPT2_PRES)
 DEFAULT_PRE = "deepseek-v3"
-# pre-tokenizers whose files get no BOS unless `tokenizer.ggml.add_bos_token` asks for one: llama.cpp
-# adds none by default for BPE vocabularies (and drops GLM-4's BOS id: its template writes
-# "[gMASK]<sop>" itself); DeepSeek files carry add_bos_token = true, and ikjax's own files without
-# the key keep the BOS they were made with
-NO_DEFAULT_BOS = ("glm4", "chatglm-bpe", "kimi-k2", "gigachat")
+
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
+
+
+def add_bos_default(metadata) -> bool:
+    """Whether text gets a BOS first, as ik_llama.cpp / llama.cpp decide it: the file's
+    `tokenizer.ggml.add_bos_token` where it has one (DeepSeek's files from the converters carry
+    true), else the vocabulary type's default: SPM ("llama") and WPM ("bert") add one, BPE ("gpt2":
+    every deepseek2 file) none. A file without the key got a BOS here once, for DeepSeek's
+    pre-tokenizers, and so other ids than ik's for the same text (RESULTS §23s)."""
+    if "tokenizer.ggml.add_bos_token" in metadata:
+        return bool(metadata["tokenizer.ggml.add_bos_token"])
+    return str(metadata.get("tokenizer.ggml.model", "")) in ("llama", "bert")
 
 
 def build_hf_tokenizer(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int] | None = None,
@@ -153,8 +160,7 @@ class GGUFTokenizer:
             raise ModelFileError(f"{source}: {e}") from None
         self.bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens), source)
         self.eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens), source)
-        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self.pre not in NO_DEFAULT_BOS)) \
-            and self.bos_id is not None
+        self.add_bos = add_bos_default(metadata) and self.bos_id is not None
         self.n_vocab = len(tokens)
         self.tokens = tokens
         self.token_types = [_NORMAL] * len(tokens) if types is None else [int(t) for t in _as_list(types)]

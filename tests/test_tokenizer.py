@@ -99,9 +99,12 @@ def test_matches_reference_bpe(fixture_file, pre):
 
 def test_roundtrip_and_stream(fixture_file):
     tok = GGUFTokenizer.from_file(str(fixture_file))
+    # the fixtures carry no tokenizer.ggml.add_bos_token: a BPE vocabulary gets no BOS, as ik's
+    # llama-tokenize gives them (an outside probe found ikjax's ids one BOS longer on every text)
+    assert not tok.add_bos
     for text in TEXTS:
-        ids = tok.encode(text)
-        assert ids[0] == tok.bos_id
+        ids = tok.encode(text, add_bos=True)
+        assert ids[0] == tok.bos_id and tok.encode(text) == ids[1:]
         assert tok.decode(ids[1:]) == text
         assert "".join(tok.stream(ids[1:], special=True)) == text
         # by default control tokens show nothing, as llama-cli without --special (and Engine.complete)
@@ -129,3 +132,14 @@ def test_all_fixtures_tokenize():
     for f in sorted(fixtures_dir().glob("*.gguf")):
         tok = GGUFTokenizer.from_file(str(f))
         assert tok.decode(tok.encode("x = 42 + y", add_bos=False)) == "x = 42 + y"
+
+
+def test_add_bos_default_is_llama_cpp_s():
+    """A BOS where the file's tokenizer.ggml.add_bos_token says; without the key, the vocabulary
+    type's default in llama.cpp / ik: SPM ("llama") and WPM ("bert") add one, BPE ("gpt2", every
+    deepseek2 file) none."""
+    from ikjax.tokenizer import add_bos_default
+    assert add_bos_default({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.add_bos_token": True})
+    assert not add_bos_default({"tokenizer.ggml.model": "llama", "tokenizer.ggml.add_bos_token": False})
+    assert not add_bos_default({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-v3"})
+    assert add_bos_default({"tokenizer.ggml.model": "llama"}) and add_bos_default({"tokenizer.ggml.model": "bert"})

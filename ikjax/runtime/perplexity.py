@@ -57,13 +57,10 @@ def n_scored(n_ctx: int) -> int:
 
 # -- what ik does with BOS ---------------------------------------------------------------------
 def ik_add_bos(metadata: dict) -> bool:
-    """Whether ik's tokenizer adds BOS (and llama-perplexity puts BOS first in every chunk):
-    `tokenizer.ggml.add_bos_token` where the file has it, else ik's default for the vocabulary
-    type (SPM "llama" and WPM "bert" add it; the BPE vocabularies of deepseek2 files do not).
-    Files from the converters carry the key, so the default rarely decides."""
-    if "tokenizer.ggml.add_bos_token" in metadata:
-        return bool(metadata["tokenizer.ggml.add_bos_token"])
-    return str(metadata.get("tokenizer.ggml.model", "")) in ("llama", "bert")
+    """Whether ik's tokenizer adds BOS (and llama-perplexity puts BOS first in every chunk): the
+    tokenizer's own rule (ikjax.tokenizer.add_bos_default)."""
+    from ikjax.tokenizer import add_bos_default
+    return add_bos_default(metadata)
 
 
 def bos_token(metadata: dict) -> int | None:

@@ -499,7 +499,9 @@ class Server:
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         text = oai.text_field(body, "content")
-        ids = await self._encode(text, oai.bool_field(body, "add_special", False))
+        # add_special: the special tokens the model's tokenizer adds (a BOS where it adds one), as
+        # llama-server's llama_tokenize(add_special); never a BOS the model's prompts do not get
+        ids = await self._encode(text, None if oai.bool_field(body, "add_special", False) else False)
         if oai.bool_field(body, "with_pieces", False):
             pieces = [{"id": i, "piece": _piece(self.tok.piece(i, special=True))} for i in ids]
             return web.json_response({"tokens": pieces})
