@@ -278,11 +278,12 @@ def _tok_metadata(pre: str, add_bos=None):
 
 
 @pytest.mark.parametrize("pre,bos", [("kimi-k2", False), ("glm4", False), ("gigachat", False),
-                                     ("deepseek-v3", True), ("deepseek-llm", True)])
+                                     ("deepseek-v3", False), ("deepseek-llm", False)])
 def test_family_tokenizers_load_and_bos_rule(pre, bos):
-    """Each family's pre-tokenizer builds; without tokenizer.ggml.add_bos_token, GLM-4, Kimi and
-    GigaChat files get no BOS (llama.cpp's BPE default; GLM's template writes [gMASK]<sop>), DeepSeek
-    files keep theirs; the key, where present, decides."""
+    """Each family's pre-tokenizer builds; without tokenizer.ggml.add_bos_token no BPE file gets a
+    BOS (llama.cpp's and ik's default: DeepSeek's got one here once, and so ids ik never gives,
+    RESULTS §23s; GLM's template writes [gMASK]<sop>); the key, where present, decides (DeepSeek's
+    own files carry true)."""
     from ikjax.tokenizer import GGUFTokenizer
     tok = GGUFTokenizer(_tok_metadata(pre))
     ids = tok.encode("Hello world 123")
@@ -505,17 +506,19 @@ def test_group_layout_of_files_without_group_keys(tmp_path, variant, experts, gr
     assert eng.config.n_expert_group == 1 and not any("expert groups" in n for n in notes)
 
 
-@pytest.mark.parametrize("pre,bos", [("kimi-k2", False), ("glm4", False), ("deepseek-v3", True)])
-def test_server_prompts_follow_the_bos_rule(pre, bos):
+@pytest.mark.parametrize("pre,add_bos,bos", [("kimi-k2", None, False), ("glm4", None, False),
+                                             ("deepseek-v3", None, False), ("deepseek-v3", True, True)])
+def test_server_prompts_follow_the_bos_rule(pre, add_bos, bos):
     """llama-server's prompts (a completion's text, a chat's rendered template) get a BOS only where
     the model's tokenizer adds one: none for Kimi / GLM files (their templates open the turn
-    themselves), DeepSeek's as before; never a second one after a template that writes it."""
+    themselves) nor for a file without the key, a DeepSeek file's where it carries
+    add_bos_token = true; never a second one after a template that writes it."""
     import asyncio
 
     from ikjax.chat_template import ChatTemplate
     from ikjax.server.app import Server
     from ikjax.tokenizer import GGUFTokenizer
-    tok = GGUFTokenizer(_tok_metadata(pre))
+    tok = GGUFTokenizer(_tok_metadata(pre, add_bos))
     srv = object.__new__(Server)  # only the tokenizer and template are read by these two paths
     srv.tok, srv.template = tok, ChatTemplate("{{ messages[0]['content'] }}", "test")
     ids = asyncio.run(srv._prompt_ids("Hello"))
