@@ -314,6 +314,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "ger": ("-ger", "bool"), "wb": ("-wb", "bool"), "nrep": ("-nrep", "int"),
     "no_warmup": ("--no-warmup", "bool"), "fit": ("--fit", "bool"), "no_gr": ("-no-gr", "bool"),
     "gr": ("-gr", "bool_on"), "mmp": ("-mmp", "bool_on"),
+    # ik's newer switches, accepted so an ik command line runs (an outside probe found each refused)
+    "khad": ("-khad", "bool"), "no_fug": ("-no-fug", "bool"), "no_mmad": ("-no-mmad", "bool"),
+    "rcache": ("-rcache", "bool"), "smgs": ("-smgs", "bool"), "sas": ("-sas", "bool"), "grt": ("-grt", "text"),
+    "cram": ("-cram", "text"), "dt": ("-dt", "text"), "minilog": ("--minilog", "bool"),
 }
 # parameters whose flags may be given bare (`-rtr` = `-rtr 1`), as ik's main programs take them
 BARE_PARAMS = frozenset({"fa", "fmoe", "no_fmoe", "no_fa", "cpu_moe"}
@@ -337,6 +341,16 @@ _WHY = {
     "gr": "ikjax always runs each compiled step again for every call of its shape (graph reuse is always on)",
     "no_gr": "ikjax always runs each compiled step again for every call of its shape (graph reuse is always on)",
     "mmp": "ikjax maps the GGUF read-only and copies each tensor into its runtime buffers at load either way",
+    "khad": "ikjax applies no Hadamard transform to the K cache (it stores what -ctk says)",
+    "no_fug": "ikjax's fused MoE products run the routed experts' up and gate together (-fmoe decides)",
+    "no_mmad": "a ggml graph fusion; XLA fuses ikjax's compiled steps itself",
+    "rcache": "ik no longer supports it either; ikjax computes RoPE inside each step",
+    "smgs": "-sm graph runs one compiled mesh step whose scheduling is XLA's",
+    "sas": "ikjax's compiled steps are always dispatched asynchronously (JAX)",
+    "grt": "-sm graph's collectives exchange the step's own types, as XLA lowers them",
+    "cram": "the server's prompt cache is each slot's KV cache (--prompt-cache), not a RAM cache",
+    "dt": "ikjax's KV cache is one contiguous buffer per sequence: nothing to defragment",
+    "minilog": "ikjax's output is brief already (-v for more)",
 }
 # switches a command honours itself (no note there)
 HONOURED = {"no_warmup": ("sweep-bench", "bench", "serve")}  # -nrep keeps its own rule below (sweep-bench only)

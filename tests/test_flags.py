@@ -106,6 +106,12 @@ CASES = [
     (["-mqkv"], ("note", "-mqkv has no effect")),
     (["-ger"], ("note", "-ger has no effect")),
     (["-wb"], ("note", "-wb has no effect")),
+    # ik's newer switches (an outside probe found each an unknown option)
+    (["-khad"], ("note", "-khad has no effect")), (["-no-fug"], ("note", "-no-fug has no effect")),
+    (["-no-mmad"], ("note", "-no-mmad has no effect")), (["-rcache"], ("note", "-rcache has no effect")),
+    (["-smgs"], ("note", "-smgs has no effect")), (["-sas"], ("note", "-sas has no effect")),
+    (["-grt", "f16"], ("note", "-grt f16 has no effect")), (["-cram", 0], ("note", "-cram 0 has no effect")),
+    (["-dt", 0.1], ("note", "-dt 0.1 has no effect")), (["--minilog"], ("note", "--minilog has no effect")),
     (["-rtr", "2"], ("refuse", "-rtr: expected 0/1/on/off/auto, got 2")),
     (["-fa", 2], ("refuse", "-fa: expected 0/1/on/off/auto, got 2")),
     (["-fa"], ("opt", "fa", True)),

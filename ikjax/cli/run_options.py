@@ -129,6 +129,16 @@ def _shared(
     gr: Annotated[Optional[str], typer.Option("-gr", "--graph-reuse", help="graph reuse: always on here; -gr 0 "
                                               "is noted")] = None,
     no_gr: Annotated[Optional[str], typer.Option("-no-gr", "--no-graph-reuse", help=_NOTE)] = None,
+    khad: Annotated[Optional[str], typer.Option("-khad", "--k-cache-hadamard", help=_NOTE)] = None,
+    no_fug: Annotated[Optional[str], typer.Option("-no-fug", "--no-fused-up-gate", help=_NOTE)] = None,
+    no_mmad: Annotated[Optional[str], typer.Option("-no-mmad", "--no-fused-mul-multiadd", help=_NOTE)] = None,
+    rcache: Annotated[Optional[str], typer.Option("-rcache", "--rope-cache", help=_NOTE)] = None,
+    smgs: Annotated[Optional[str], typer.Option("-smgs", "--split-mode-graph-scheduling", help=_NOTE)] = None,
+    sas: Annotated[Optional[str], typer.Option("-sas", "--scheduler-async", help=_NOTE)] = None,
+    grt: Annotated[Optional[str], typer.Option("-grt", "--graph-reduce-type", help=_NOTE)] = None,
+    cram: Annotated[Optional[str], typer.Option("-cram", "--cache-ram", help=_NOTE)] = None,
+    dt: Annotated[Optional[str], typer.Option("-dt", "--defrag-thold", help=_NOTE)] = None,
+    minilog: Annotated[Optional[str], typer.Option("--minilog", help=_NOTE)] = None,
     fit: Annotated[Optional[str], typer.Option("--fit", help="fit the model to device memory: " + _NOTE
                                                + " (the memory plan refuses what does not fit)")] = None,
     expert_stats: Annotated[Optional[str], typer.Option(
@@ -169,7 +179,8 @@ RUN_OPTION_PARAMS = ("ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "ctv",
                      "threads_batch", "cpu_moe", "n_cpu_moe", "dtype", "kv_block", "split_mode", "main_gpu", "ts",
                      "gpu_experts")
 SWITCH_PARAMS = ("split_mode", "main_gpu", "ts", "rtr", "thp", "no_mmap", "numa", "nkvo", "ooae", "no_ooae", "op",
-                 "cuda", "muge", "mqkv", "ger", "wb", "nrep", "no_warmup", "gr", "no_gr", "fit", "mmp")
+                 "cuda", "muge", "mqkv", "ger", "wb", "nrep", "no_warmup", "gr", "no_gr", "fit", "mmp", "khad",
+                 "no_fug", "no_mmad", "rcache", "smgs", "sas", "grt", "cram", "dt", "minilog")
 
 
 class RunArgs(dict):
