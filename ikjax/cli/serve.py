@@ -32,7 +32,8 @@ def serve(
                     ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="port to listen on (0: any free port, printed)")] = 8080,
     parallel: Annotated[int, typer.Option("-np", "--parallel", help="slots: requests decoded together; -c is "
-                                          "shared by them (c/np tokens each)")] = 4,
+                                          "shared by them (c/np tokens each); default 1, as ik's llama-server "
+                                          "(a prompt may then use all of -c)")] = 1,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="require 'Authorization: Bearer KEY' "
                                                    "(401 otherwise; /health and /v1/models stay open)")] = None,
     api_key_file: Annotated[Optional[Path], typer.Option(
