@@ -399,6 +399,15 @@ def test_bad_requests_are_400(server):
     assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
 
 
+def test_no_reasoning_field_for_no_reasoning(server):
+    """max_tokens 0 under R1's template (the prompt opened <think>): no reasoning came, so no
+    reasoning_content (it was ""), as an answer whose <think> block is empty has none."""
+    body = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 0})[1]
+    msg = body["choices"][0]["message"]
+    assert "reasoning_content" not in msg and msg["content"] == "", msg
+
+
 def test_mixed_prompt_as_llama_server(server, ref):
     """llama-server's mixed prompt, ids and texts in one list: each text encoded in place, a BOS only
     where the list starts with a text (it was a 400)."""

@@ -263,8 +263,9 @@ class Server:
                 content = "".join(p[1] for p in parts) + c
                 message: dict[str, Any] = {"role": "assistant",
                                            "content": content if content.strip() or not calls else None}
-                if answer.had_reasoning:
-                    message["reasoning_content"] = "".join(p[0] for p in parts) + r
+                reasoning = "".join(p[0] for p in parts) + r
+                if answer.had_reasoning and reasoning.strip():  # (none: left out, as split_reasoning's None)
+                    message["reasoning_content"] = reasoning
                 if calls:
                     message["tool_calls"] = [t.openai() for t in calls]
                 return web.json_response({
