@@ -742,6 +742,20 @@ def test_logprobs_every_endpoint(server, ref):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += chunk.choices[0].logprobs.content
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # with a stop string that ends inside the answer, streamed and whole give the same entries (the
+    # tokens completing the stop were left out of the stream: an outside probe)
+    answer = whole.choices[0].message.content
+    cut = next((k for k in range(len(answer) // 3, len(answer) - 2) if answer[k:k + 2].strip()
+                and answer.find(answer[k:k + 2]) == k), None)
+    if cut is not None:
+        stop = answer[cut:cut + 2]
+        kw = dict(model=MODEL, messages=msgs, max_tokens=n, temperature=0, logprobs=True, top_logprobs=2,
+                  stop=[stop], extra_body=raw)
+        w = c.chat.completions.create(**kw)
+        s = [e for ch in c.chat.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs
+             for e in ch.choices[0].logprobs.content]
+        assert w.choices[0].message.content == answer[:cut]
+        assert [(e.token, e.logprob) for e in s] == [(e.token, e.logprob) for e in w.choices[0].logprobs.content]
     # llama-server's /completion n_probs
     status, body = call(server, "POST", "/completion", {"prompt": text, "n_predict": n, "temperature": 0, "n_probs": 2})
     assert status == 200 and [p["id"] for p in body["completion_probabilities"]] == [t for _, t in shown]

@@ -280,13 +280,19 @@ class Server:
 
             async def events():
                 yield delta({"role": "assistant", "content": ""})  # (OpenAI's first delta)
+                sent = 0  # log-probability entries given so far
                 async for piece in job.pieces():
                     lp = self._chat_logprobs(job, piece=True)  # the piece's tokens, with its first delta
+                    sent += len(lp["content"]) if lp else 0
                     for d in _deltas(*answer.feed(piece)):
                         yield delta(d, logprobs=lp)
                         lp = None
                     if lp is not None and lp["content"]:  # text held back (a tag): its tokens still
                         yield delta({"content": ""}, logprobs=lp)
+                whole = self._chat_logprobs(job)
+                if whole is not None and len(whole["content"]) > sent:  # the tokens that completed a stop
+                    # string (their text never came as a piece): the whole answer's list has them
+                    yield delta({"content": ""}, logprobs={"content": whole["content"][sent:]})
                 r, c, calls = answer.finish()
                 for d in _deltas(r, c):
                     yield delta(d)
