@@ -390,6 +390,9 @@ def test_bad_requests_are_400(server):
     _error(call(server, "POST", "/completion", {"prompt": "x", "samplers": ["dry", "top_k"]}), 400, "dry")
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "suffix": " after"}), 400, "suffix")
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "best_of": 2}), 400, "best_of")
+    # echo with logprobs: OpenAI lists the prompt's tokens too, which are not computed here (it answered
+    # with the answer's alone)
+    _error(call(server, "POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2}), 400, "echo")
     # their off values (what llama-server's own clients send by default) are fine
     offs = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
             "dynatemp_range": 0.0, "min_keep": 0, "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],

@@ -316,6 +316,8 @@ class Server:
         prompt = oai.prompt_field(body)
         ids = await self._prompt_ids(prompt)
         echo = oai.bool_field(body, "echo", False)
+        if echo and params.top_logprobs is not None:  # OpenAI's answer lists the prompt's tokens too
+            raise bad("echo with logprobs: the prompt's log-probabilities are not computed here; ask for one of them")
         job = self._job(ids, params)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
                 "system_fingerprint": "ikjax", "object": "text_completion"}
