@@ -325,6 +325,12 @@ def test_metrics(server):
     assert "ikjax_requests_deferred" in fams and "ikjax_predicted_tokens_seconds" in fams
     done = {s.labels["reason"]: s.value for s in fams["ikjax_requests"].samples if s.name.endswith("_total")}
     assert done["max_tokens"] > 0
+    # llama-server's own names too (a dashboard made for it reads this server), the same figures
+    for ours, theirs in (("ikjax_tokens_predicted", "llamacpp:tokens_predicted"),
+                         ("ikjax_prompt_tokens", "llamacpp:prompt_tokens"), ("ikjax_decode_steps", "llamacpp:n_decode"),
+                         ("ikjax_requests_processing", "llamacpp:requests_processing")):
+        assert fams[theirs].samples[0].value == fams[ours].samples[0].value, theirs
+    assert "llamacpp:tokens_predicted_total" in text and "llamacpp:prompt_tokens_seconds " in text
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ A collector reads the scheduler's `Stats` at scrape time (nothing is updated per
 serving path), in a registry of this server's own (tests start several servers in one process's
 children; the library's global registry would mix them). The names mirror llama-server's
 `llamacpp:*` metrics under an `ikjax_` prefix: token counters, average throughputs, the queue and
-the busy slots, requests by how they ended, and the time to first token.
+the busy slots, requests by how they ended, and the time to first token; the figures llama-server
+reports are also given under its own `llamacpp:` names.
 """
 from __future__ import annotations
 
@@ -20,21 +21,29 @@ class _SchedulerCollector:
 
     def collect(self):
         s, st = self.s, self.s.stats
-        yield CounterMetricFamily("ikjax_prompt_tokens", "prompt tokens computed", value=st.prompt_tokens)
-        yield CounterMetricFamily("ikjax_prompt_tokens_cached", "prompt tokens taken from a slot's cache",
-                                  value=st.cached_tokens)
-        yield CounterMetricFamily("ikjax_tokens_predicted", "tokens generated", value=st.generated_tokens)
-        yield CounterMetricFamily("ikjax_prompt_seconds", "seconds spent feeding prompts", value=st.prompt_seconds)
-        yield CounterMetricFamily("ikjax_decode_seconds", "seconds spent in decode steps", value=st.decode_seconds)
-        yield CounterMetricFamily("ikjax_decode_steps", "decode steps run (all slots at once)", value=st.decode_steps)
-        yield GaugeMetricFamily("ikjax_prompt_tokens_seconds", "average prompt throughput in tokens/s",
-                                value=st.prompt_tokens / st.prompt_seconds if st.prompt_seconds else 0.0)
-        yield GaugeMetricFamily("ikjax_predicted_tokens_seconds", "average generation throughput in tokens/s "
-                                "(all slots together)",
-                                value=st.generated_tokens / st.decode_seconds if st.decode_seconds else 0.0)
-        yield GaugeMetricFamily("ikjax_requests_deferred", "requests waiting for a slot", value=s.queue_length())
-        yield GaugeMetricFamily("ikjax_requests_processing", "slots busy", value=s.slots_busy())
-        yield GaugeMetricFamily("ikjax_slots", "slots (-np)", value=s.n_slots)
+        # (ikjax name, llama-server's name or None, counter?, help, value): the figures llama-server has
+        # are given under its `llamacpp:` names too, so a dashboard made for it reads this server
+        rows = (
+            ("prompt_tokens", "prompt_tokens", True, "prompt tokens computed", st.prompt_tokens),
+            ("prompt_tokens_cached", None, True, "prompt tokens taken from a slot's cache", st.cached_tokens),
+            ("tokens_predicted", "tokens_predicted", True, "tokens generated", st.generated_tokens),
+            ("prompt_seconds", "prompt_seconds", True, "seconds spent feeding prompts", st.prompt_seconds),
+            ("decode_seconds", "tokens_predicted_seconds", True, "seconds spent in decode steps", st.decode_seconds),
+            ("decode_steps", "n_decode", True, "decode steps run (all slots at once)", st.decode_steps),
+            ("prompt_tokens_seconds", "prompt_tokens_seconds", False, "average prompt throughput in tokens/s",
+             st.prompt_tokens / st.prompt_seconds if st.prompt_seconds else 0.0),
+            ("predicted_tokens_seconds", "predicted_tokens_seconds", False,
+             "average generation throughput in tokens/s (all slots together)",
+             st.generated_tokens / st.decode_seconds if st.decode_seconds else 0.0),
+            ("requests_deferred", "requests_deferred", False, "requests waiting for a slot", s.queue_length()),
+            ("requests_processing", "requests_processing", False, "slots busy", s.slots_busy()),
+            ("slots", None, False, "slots (-np)", s.n_slots),
+        )
+        for name, theirs, counter, what, value in rows:
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            yield family(f"ikjax_{name}", what, value=value)
+            if theirs is not None:
+                yield family(f"llamacpp:{theirs}", what, value=value)
         finished = CounterMetricFamily("ikjax_requests", "requests finished, by how they ended", labels=["reason"])
         for reason, n in sorted(st.requests.items()):
             finished.add_metric([reason], n)
