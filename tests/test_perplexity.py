@@ -16,6 +16,7 @@ from hf_models import gguf_state_dict, hf_logits, make_model, set_weights
 from typer.testing import CliRunner
 
 from ikjax.gguf_io.writer import write_deepseek2_gguf
+from ikjax.tokenizer import add_bos_default
 
 N_CTX = 64
 N_TOKENS = 3 * N_CTX + 20  # 3 chunks and a tail no chunk reads
@@ -275,7 +276,6 @@ def invoke(args, code=0):
 def test_cli_progress_and_final_line(files, tmp_path):
     """stdout is llama-perplexity's: `[1]x,[2]y,...` then `Final estimate: PPL over N chunks for
     n_ctx=C = X +/- Y`, the same numbers as Engine.perplexity on the file's tokens."""
-    from ikjax.runtime import perplexity as ppl
     from ikjax.tokenizer import GGUFTokenizer
     text = tmp_path / "t.txt"
     text.write_text(TEXT + "\n")
@@ -291,7 +291,7 @@ def test_cli_progress_and_final_line(files, tmp_path):
     assert fin, lines[1]
     tok = GGUFTokenizer.from_file(str(files["f32"]))
     meta = _load(files["f32"]).file.metadata
-    ids = tok.encode(TEXT, add_bos=ppl.ik_add_bos(meta))  # one trailing newline dropped, as ik
+    ids = tok.encode(TEXT, add_bos=add_bos_default(meta))  # one trailing newline dropped, as ik
     want = _load(files["f32"], mla=0, ctk="f32").perplexity(ids, N_CTX)
     assert int(fin.group(1)) == len(vals) == want.n_chunk == len(ids) // N_CTX and int(fin.group(2)) == N_CTX
     assert float(fin.group(3)) == pytest.approx(want.ppl, abs=1e-4) and vals[-1] == float(fin.group(3))

@@ -113,10 +113,9 @@ def _read_text(path: str) -> str:
 def _tokenize(file, text: str) -> list[int]:
     """The whole text's tokens, BOS first where ik adds one (the file's add_bos_token; ik's
     default for its vocabulary type otherwise), as llama-perplexity's common_tokenize."""
-    from ikjax.runtime import perplexity as ppl
-    from ikjax.tokenizer import GGUFTokenizer
+    from ikjax.tokenizer import GGUFTokenizer, add_bos_default
     tok = GGUFTokenizer(file.metadata, source=str(file.path))
-    return tok.encode(text, add_bos=ppl.ik_add_bos(file.metadata))
+    return tok.encode(text, add_bos=add_bos_default(file.metadata))
 
 
 def _eta(first_pass: float, n_chunk: int, n_seq: int) -> str:

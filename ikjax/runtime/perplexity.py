@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax.errors import ModelFileError, OptionError
+from ikjax.tokenizer import add_bos_default  # ik's BOS rule: llama-perplexity's chunks start with BOS where it holds
 
 MAGIC = b"_logits_"
 HEADER_BYTES = len(MAGIC) + 3 * 4
@@ -56,13 +57,6 @@ def n_scored(n_ctx: int) -> int:
 
 
 # -- what ik does with BOS ---------------------------------------------------------------------
-def ik_add_bos(metadata: dict) -> bool:
-    """Whether ik's tokenizer adds BOS (and llama-perplexity puts BOS first in every chunk): the
-    tokenizer's own rule (ikjax.tokenizer.add_bos_default)."""
-    from ikjax.tokenizer import add_bos_default
-    return add_bos_default(metadata)
-
-
 def bos_token(metadata: dict) -> int | None:
     """BOS id of the file, or None when the file names none."""
     v = metadata.get("tokenizer.ggml.bos_token_id")
@@ -347,7 +341,7 @@ def perplexity(engine, ids, ctx: int | None = None, *, n_chunks: int | None = No
     ids = generation.check_ids(ids, engine.config.vocab_size, "ids")
     n_ctx = check_ctx(engine.options.ctx if ctx is None else ctx, engine.options.ctx)
     n_chunk = chunk_count(len(ids), n_ctx, n_chunks)
-    bos = bos_token(meta) if ik_add_bos(meta) else None
+    bos = bos_token(meta) if add_bos_default(meta) else None
     n_seq = sequences_per_step(engine.options, n_ctx)
     ns = n_scored(n_ctx)
     writer = None
@@ -616,7 +610,7 @@ def kld(engine, base, *, n_chunks: int | None = None,
             raise OptionError(f"chunks: need a count >= 1 (or -1 for all), got {n_chunks!r}")
         n_chunk = n_chunk if n_chunks < 0 else min(n_chunk, int(n_chunks))
     meta = engine.file.metadata
-    bos = bos_token(meta) if ik_add_bos(meta) else None
+    bos = bos_token(meta) if add_bos_default(meta) else None
     n_seq = sequences_per_step(engine.options, n_ctx)
     ns, first = n_scored(n_ctx), n_ctx // 2
     keys = ("nll", "nll_base", "kld", "p_diff", "same")
