@@ -150,6 +150,8 @@ class Chat:
         ctx = self.eng.options.ctx
         room = min(self.max_tokens or ctx // 4, ctx // 2)
         head = 1 if self.messages and self.messages[0].get("role") == "system" else 0
+        if self._tokens(self.messages) <= ctx - room:  # (the usual turn: one render, nothing dropped)
+            return 0
         if self._tokens(self.messages[:head] + self.messages[-1:]) > ctx:
             return 0  # the message cannot fit on its own: `turn` drops it, the conversation stays
         dropped = 0

@@ -130,9 +130,7 @@ def generate(
         sys.stdout.write(out + (stops.matched if stopped else ""))
         sys.stdout.flush()
         if stopped:
-            close = getattr(pieces, "close", None)
-            if close is not None:
-                close()  # no token past the stop string is generated
+            pieces.close()  # no token past the stop string is generated
             break
     else:
         sys.stdout.write(stops.flush())

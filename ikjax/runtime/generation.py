@@ -224,7 +224,7 @@ class KVSession:
             n += 1
         return n
 
-    def _acquire(self, eng, ids: np.ndarray, gen: "Generation | None" = None):
+    def _acquire(self, eng, ids: np.ndarray, gen: "Generation"):
         """(cache, position to feed from) for a prompt: at least its last two tokens are fed (the
         last one's logits pick the first new token). Why two: a one-token step runs the decode
         form of the kernels, whose numbers differ slightly from a prompt chunk's, so a prompt the
@@ -237,7 +237,7 @@ class KVSession:
             raise OptionError("session: already in use by an unfinished generation in another thread (close it "
                               "first)")
         self._busy = True
-        self._holder = (weakref.ref(gen), threading.get_ident()) if gen is not None else None
+        self._holder = (weakref.ref(gen), threading.get_ident())
         if self.cache is None:
             return self.engine.new_cache(1), 0
         cache, self.cache = self.cache, None

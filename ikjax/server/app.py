@@ -225,16 +225,6 @@ class Server:
         ids = await self._encode(text, add_bos=False if bos and text.startswith(bos) else None)
         return ids, text
 
-    def _check_slot(self, body: dict) -> None:
-        """llama-server's `id_slot`: -1 (any) or a slot that exists; a 400 otherwise (it ran on some
-        slot). The slot itself is the scheduler's choice (the one whose cache shares most of the
-        prompt), so a valid id changes nothing."""
-        v = body.get("id_slot")
-        if v is None:
-            return
-        if not oai._is_int(v) or not -1 <= v < self.config.n_slots:
-            raise bad(f"id_slot: expected -1 or a slot 0..{self.config.n_slots - 1}, got {v!r}"[:300])
-
     def _job(self, ids: list[int], params: GenParams, keep: frozenset[int] = frozenset()) -> Job:
         return Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe, keep=keep).start()
 
@@ -244,7 +234,7 @@ class Server:
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_completion_tokens", "max_tokens",
                                                                        "n_predict"), endpoint="chat")
-        self._check_slot(body)
+        oai.check_slot(body, self.config.n_slots)
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         ids, text = await self._chat_prompt(body)
         fmt = body.get("reasoning_format")
@@ -311,7 +301,7 @@ class Server:
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_tokens", "n_predict"),
                                 endpoint="completions")
-        self._check_slot(body)
+        oai.check_slot(body, self.config.n_slots)
         oai.check_completions_only(body)
         prompt = oai.prompt_field(body)
         ids = await self._prompt_ids(prompt)
@@ -352,7 +342,7 @@ class Server:
         """llama-server's own /completion (n_predict, cache_prompt, stream; no [DONE])."""
         body = await self._body(request)
         params = oai.gen_params(body, self.config.defaults, max_names=("n_predict", "max_tokens"))
-        self._check_slot(body)
+        oai.check_slot(body, self.config.n_slots)
         prompt = oai.prompt_field(body)
         ids = await self._prompt_ids(prompt)
         job = self._job(ids, params)

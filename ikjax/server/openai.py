@@ -169,6 +169,15 @@ def _check_not_run(body: dict) -> None:
                   f"got {', '.join(names)}"[:300])
 
 
+def check_slot(body: dict, n_slots: int) -> None:
+    """llama-server's `id_slot`: -1 (any) or a slot that exists; a 400 otherwise (it ran on some
+    slot). The slot itself is the scheduler's choice (the one whose cache shares most of the
+    prompt), so a valid id changes nothing."""
+    v = body.get("id_slot")
+    if v is not None and (not _is_int(v) or not -1 <= v < n_slots):
+        raise bad(f"id_slot: expected -1 or a slot 0..{n_slots - 1}, got {v!r}"[:300])
+
+
 def check_completions_only(body: dict) -> None:
     """/v1/completions' fields this server does not do, refused as llama-server refuses them
     ("Unsupported param"): `suffix` (fill-in-the-middle) and `best_of` other than 1."""
