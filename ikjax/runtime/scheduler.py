@@ -601,7 +601,7 @@ class Scheduler:
         # (log-probabilities only report: read from the logits beside the device's draw, so asking
         # for them does not change the answer; drawn on the host, they once did)
         if self._row_keys and req.sampling["temperature"] > 0.0 and not req.penalties.active and not req.logit_bias \
-                and set(req.ban) <= {self.eng.config.eos_token_id}:
+                and self._loop_ban(req.ban):
             req._key = jax.random.key(int(req._rng.integers(0, 2**31 - 1)))
             req._setting = _setting_of(req.sampling, req.ban)
 
@@ -614,6 +614,12 @@ class Scheduler:
         keys = jnp.stack([mine[i]._key if i in mine else idle for i in range(B)])
         fill = rows[0].req.sampling
         return keys, row_params([mine[i].sampling if i in mine else fill for i in range(B)])
+
+    def _loop_ban(self, ban) -> bool:
+        """A ban set the device's draws take without compiling a program for it: none, or EOS
+        (ignore_eos), whose loop `warm_up` compiles; any other set (a logit_bias of -100) is banned by
+        the one-step argmax's argument or the host's draw."""
+        return set(ban) <= {self.eng.config.eos_token_id}
 
     def _loop_steps(self, rows: list[Slot], batch: list[Slot]) -> int:
         """How many tokens the next dispatch makes for every generating slot: more than one only
@@ -634,8 +640,7 @@ class Scheduler:
             return 1  # (the loop hands back tokens, not the logits log-probabilities are read from)
         if all(_plain_greedy(s.req) for s in rows):
             bans = {frozenset(s.req.ban) for s in rows}
-            eos = self.eng.config.eos_token_id
-            if len(bans) > 1 or not bans <= {frozenset(), frozenset({eos})}:  # the loops warm_up compiled
+            if len(bans) > 1 or not self._loop_ban(next(iter(bans))):  # one loop bans one set
                 return 1
         elif len({s.req._setting for s in rows}) > 1 or rows[0].req._setting is None:
             return 1  # one loop draws with one setting (each row with its own key)
