@@ -38,6 +38,9 @@ def main() -> None:
                                         "step2all", "batch2"), help="what else runs before the calls")
     ap.add_argument("--other-after", action="store_true", help="--other after the --prefill, not before")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
+    ap.add_argument("--cpu-moe", action="store_true", help="routed experts in host RAM (-ot exps=CPU): a hybrid token")
+    ap.add_argument("--threads", type=int, default=0, help="-t for the host experts (0: all cores)")
+    ap.add_argument("--ubatch", type=int, default=512)
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
     import jax
@@ -50,7 +53,7 @@ def main() -> None:
     if os.environ.get("DPROF_NO_CMDBUF"):  # every kernel on its own in the profile (no CUDA graph hides them)
         from ikjax.runtime import executables
         executables._DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
-    eng = ikjax.load(a.model, ctx=a.ctx, ubatch=512, mla=3, flash_attn=True)
+    eng = ikjax.load(a.model, ctx=a.ctx, ubatch=a.ubatch, mla=3, flash_attn=True, cpu_moe=a.cpu_moe, threads=a.threads)
     eng.precompile_decode(1, a.tg, a.kv + a.tg)
     rng = np.random.default_rng(0)
     cache = eng.new_cache(1)
@@ -129,6 +132,8 @@ def main() -> None:
         cache, dt = run(cache)
         spent += dt
     wall = spent / reps / a.tg
+    from ikjax.ops import moe as moe_ops
+    moe_ops.host_kernel_stats(reset=True)
     d = tempfile.mkdtemp(prefix="dprof-")
     with jax.profiler.trace(d, create_perfetto_trace=True):
         cache, _ = run(cache)
@@ -148,6 +153,10 @@ def main() -> None:
           f"{' (a prompt step before each)' if a.interleave else ''}{' (cache prefilled once)' if a.prefill else ''}")
     for n, t in tot.most_common(a.top):
         print(f"  {t / a.tg:8.1f} us  {cnt[n] / a.tg:6.1f}x  {n}")
+    hs = moe_ops.host_kernel_stats()
+    if hs.get("small_calls"):  # the host experts' kernel inside the profiled call (-ot: a hybrid token)
+        print(f"host experts kernel: {hs['small_ns'] / 1e3 / a.tg:.0f} us a token in {hs['small_calls'] / a.tg:.1f} "
+              f"calls ({hs['small_bytes'] / max(hs['small_ns'], 1):.1f} GB/s of experts)")
     # the host's side of the same call: XLA's thunks and the CUDA API calls (a graph update or a
     # re-record a token would show here, not among the kernels)
     htot, hcnt = collections.Counter(), collections.Counter()

@@ -88,6 +88,7 @@
 #   STAGE=50: issue 26: the pinned int8 loops against the loops before them (cpu_moe_ab.py, VNNI and plain).
 #   STAGE=51: issues 25 / 22: the hybrid GPU tests, then R1-8 -ot exps=CPU cold / warm in one fresh cache.
 #   STAGE=52: issues 25 / 22: why -ot steps miss JAX's cache (bench/ot_cache_probe.sh, tiny preset).
+#   STAGE=54: the same probe on the 8-layer R1, then a hybrid decode token's profile (gpu_decode_profile --cpu-moe).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -968,6 +969,23 @@ PY
   ;;
 52)
   OUT=$OUT/probe52 bash bench/ot_cache_probe.sh 2>&1 | tail -${TAIL52:-60}
+  ;;
+54)
+  # issues 25 / 22 / 24: the 8-layer R1 (written here unless it exists), then why its -ot steps still compile
+  # on a warm run (ot_cache_probe.sh on it, MODES54), then where a hybrid decode token goes
+  # (gpu_decode_profile.py --cpu-moe: kernels, gaps, the host kernel's share) unless PROFILE54=0
+  start_r1_8
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-300} ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail -3 /tmp/r1-8.log; exit 1; }
+  if [ "${MODES54:-ot}" != none ]; then
+    MODES=${MODES54:-ot} MODEL52=/tmp/r1-8.gguf ARGS52="-c 4096 -ub 2048 -n 32 -mla 3 -fa 1" THREADS52=$(nproc) \
+      OUT=$OUT/probe54 bash bench/ot_cache_probe.sh 2>&1 | tail -${TAIL52:-60}
+  fi
+  if [ "${PROFILE54:-1}" != 0 ]; then
+    el "hybrid decode profile, r1-8 -ot exps=CPU"
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe --threads $(nproc) \
+      --ubatch 2048 --tg 32 --kv 512 --prefill --top 30 2>&1 | grep -v Warn | tail -75
+  fi
   ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
