@@ -425,6 +425,37 @@ def test_setup_makes_locations_independent_of_the_call_path(tmp_path, monkeypatc
     assert re.sub(pattern, "", "/opt/x/pallas_kernels/quant_matmul/kernel.py") == "pallas_kernels/quant_matmul/kernel.py"
 
 
+def test_triton_modules_carry_no_locations(monkeypatch):
+    """A Pallas GPU kernel's Triton module is stripped of its source locations: an inlined jitted
+    helper's ops name the frame of whichever trace first filled JAX's trace cache, so even the
+    innermost frame followed the order a process traced its steps in, and the 8-layer R1's -ot
+    steps compiled on every warm run (RESULTS §25k). Lowering Triton needs a GPU jaxlib, so the
+    Pallas lowering is stood in for by a module with a file location, as Pallas builds one."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering
+
+    from ikjax.runtime import compile_cache
+
+    def lowered(*args, **kwargs):
+        ctx = ir.Context()
+        ctx.allow_unregistered_dialects = True
+        with ctx:
+            module = ir.Module.parse('"tt.func_like"() : () -> () loc("pallas_kernels/flash.py":12:3)')
+        return lowering.LoweringResult(module, (1, 1, 1))
+
+    def asm(result):
+        return result.module.operation.get_asm(enable_debug_info=True)
+
+    assert "flash.py" in asm(lowered())  # the stand-in does carry a location
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lowered)
+    compile_cache._strip_triton_locations()
+    compile_cache._strip_triton_locations()  # once only: not wrapped twice
+    wrapped = lowering.lower_jaxpr_to_triton_module
+    assert wrapped is not lowered and wrapped.__wrapped__ is lowered
+    text = asm(wrapped())
+    assert "tt.func_like" in text and "flash.py" not in text, text
+
+
 @pytest.mark.parametrize("split", ["layer", "graph"])
 def test_several_device_steps_served_by_jax_s_cache(tiny4_model, tmp_path, split):
     """Several devices (two fake CPU devices): steps are not stored whole, JAX's own cache serves

@@ -167,6 +167,37 @@ def _stable_locations() -> None:
     §25j). The innermost frame alone, with the path cut at the package, is the same in every run."""
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
     jax.config.update("jax_hlo_source_file_canonicalization_regex", r".*/(?=(?:ikjax|pallas_kernels)/)")
+    _strip_triton_locations()
+
+
+def _strip_triton_locations() -> None:
+    """No source locations at all in a Pallas GPU kernel's Triton module. Why: even the innermost
+    frame is not stable. An op of a jitted helper that JAX inlines (many `jnp` functions are such
+    helpers) keeps the traceback of the trace that first filled JAX's trace cache, so which
+    kernel's file and line it names follows the order a process traced its steps in: the 8-layer
+    R1's -ot steps named `flash.py` in one run and not in the next, and compiled again on every
+    warm run (RESULTS §25k). JAX strips the outer module's locations for its cache key, but not
+    the Triton module serialized inside the custom call; this strips those too (MLIR's
+    strip-debuginfo pass on the module Pallas lowered). Triton's own error messages then name no
+    line of the kernel; a kernel's Python frames still show in JAX's errors."""
+    try:
+        from jax._src.lib.mlir import passmanager
+        from jax._src.pallas.triton import lowering
+    except ImportError:  # pragma: no cover - a jaxlib without Pallas' Triton lowering
+        return
+    lower = lowering.lower_jaxpr_to_triton_module
+    if getattr(lower, "_ikjax_stripped", False):
+        return
+
+    @functools.wraps(lower)
+    def stripped(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        with result.module.context:
+            passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(result.module.operation)
+        return result
+
+    stripped._ikjax_stripped = True
+    lowering.lower_jaxpr_to_triton_module = stripped
 
 
 def setup(spec: str | None = None) -> Path | None:
