@@ -156,7 +156,7 @@ def main() -> None:
     hs = moe_ops.host_kernel_stats()
     if hs.get("small_calls"):  # the host experts' kernel inside the profiled call (-ot: a hybrid token)
         print(f"host experts kernel: {hs['small_ns'] / 1e3 / a.tg:.0f} us a token in {hs['small_calls'] / a.tg:.1f} "
-              f"calls ({hs['small_bytes'] / max(hs['small_ns'], 1):.1f} GB/s of experts)")
+              f"calls ({hs['small_bytes'] / max(hs['small_ns'], 1):.1f} GB/s of experts; handed over by {hs['host_call']})")
     # the host's side of the same call: XLA's thunks and the CUDA API calls (a graph update or a
     # re-record a token would show here, not among the kernels)
     htot, hcnt = collections.Counter(), collections.Counter()

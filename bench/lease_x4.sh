@@ -88,6 +88,7 @@
 #   STAGE=50: issue 26: the pinned int8 loops against the loops before them (cpu_moe_ab.py, VNNI and plain).
 #   STAGE=51: issues 25 / 22: the hybrid GPU tests, then R1-8 -ot exps=CPU cold / warm in one fresh cache.
 #   STAGE=52: issues 25 / 22: why -ot steps miss JAX's cache (bench/ot_cache_probe.sh, tiny preset).
+#   STAGE=55: IKJAX_HOST_CALL flag / hostfunc: the hybrid GPU tests, R1-8 -ot rows and decode profiles per form.
 #   STAGE=54: the same probe on the 8-layer R1, then a hybrid decode token's profile (gpu_decode_profile --cpu-moe).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
@@ -985,6 +986,29 @@ PY
     el "hybrid decode profile, r1-8 -ot exps=CPU"
     CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe --threads $(nproc) \
       --ubatch 2048 --tg 32 --kv 512 --prefill --top 30 2>&1 | grep -v Warn | tail -75
+  fi
+  ;;
+55)
+  # issue 24 / 25: how a step hands host experts over (IKJAX_HOST_CALL flag / hostfunc): the hybrid GPU tests
+  # (both forms bit for bit), then R1-8 -ot exps=CPU sweep-bench rows per form, one cache (FORMS55), then
+  # each form's decode token profile unless PROFILE55=0
+  start_r1_8
+  timeout ${TESTS55_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py \
+    -k "${TESTK55:-host_call_forms or tiny4_host_experts_equal or n_cpu_moe}" 2>&1 | tail -4
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-300} ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail -3 /tmp/r1-8.log; exit 1; }
+  export IKJAX_COMPILE_CACHE=/tmp/cc55
+  for form in ${FORMS55:-flag hostfunc flag}; do
+    el "r1-8 -ot sweep-bench, IKJAX_HOST_CALL=$form"
+    IKJAX_HOST_CALL=$form CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf -c 4096 \
+      -ub 2048 -n ${TG55:-64} -mla 3 -fa 1 -ot exps=CPU -t $(nproc) 2>&1 | grep -E "^\|  *2048|host experts in decode|rror" | cut -c1-300
+  done
+  if [ "${PROFILE55:-1}" != 0 ]; then
+    for form in ${PFORMS55:-flag hostfunc}; do
+      el "hybrid decode profile, IKJAX_HOST_CALL=$form"
+      IKJAX_HOST_CALL=$form CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe \
+        --threads $(nproc) --ubatch 2048 --tg 32 --kv 512 --prefill --top 8 2>&1 | grep -v Warn | grep -E "a token wall|^ +[0-9]|host experts|idle" | head -14
+    done
   fi
   ;;
 53)

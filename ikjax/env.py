@@ -199,6 +199,10 @@ _VARS = (
     Variable("IKJAX_MOE_ONE_JOB", "1", ("0", "1"), "a decode-sized routed-experts call as one C++ pool job "
              "(gate / up, a wait, down: one wake-up of the pool a layer); 0: two jobs (read once)",
              "pallas_kernels/moe_matmul/cpu_kernel.cc"),
+    Variable("IKJAX_HOST_CALL", "flag", ("flag", "hostfunc"), "how a GPU step hands routed experts in host RAM "
+             "to the CPU and gets them back: `flag`, the stream writes a number to pinned memory and waits for the "
+             "host's (CUDA stream memory operations, one worker thread a stream); `hostfunc`, a CUDA host function "
+             "(read once)", "pallas_kernels/moe_matmul/cuda_host.cc"),
     Variable("IKJAX_SPIN_LONG", "", (), "microseconds a C++ pool worker spins after a part of 1 ms or more "
              "(default 50, at most IKJAX_SPIN; read once): XLA's own ops run next, on the same cores",
              "pallas_kernels/cpu/runtime.cc"),

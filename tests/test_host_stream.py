@@ -366,10 +366,10 @@ def test_host_decode_report_splits_a_token(monkeypatch):
     monkeypatch.setattr(groups, "host_layers", lambda weights: layers)
     eng = SimpleNamespace(weights={})
     rows = [sb.SweepRow(2048, 32, 0, 0.5, 0.4), sb.SweepRow(2048, 32, 2048, 0.5, 0.4)]  # 12.5 ms a token
-    stats = {"small_calls": 8, "small_ns": 8_000_000, "small_bytes": 8 * 200_000_000}
+    stats = {"small_calls": 8, "small_ns": 8_000_000, "small_bytes": 8 * 200_000_000, "host_call": "flag"}
     line = sb.host_decode_report(eng, rows, stats)
     assert line == ("host experts in decode steps: 1.000 ms a call in the host kernel (200.0 GB/s of experts "
-                    "read, 8 calls); x 4 layers = 4.00 ms of the TG rows' mean 12.50 ms a token (32 %)"), line
+                    "read, 8 calls, handed over by flag); x 4 layers = 4.00 ms of the TG rows' mean 12.50 ms a token (32 %)"), line
     assert sb.host_decode_report(eng, rows, {}) is None
     assert sb.host_decode_report(eng, [sb.SweepRow(2048, 0, 0, 0.5, 0.0)], stats) is None
 

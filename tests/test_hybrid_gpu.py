@@ -310,3 +310,30 @@ def test_ot_steps_served_by_the_compile_cache(tiny4, tmp_path, split):
     assert compiled2 == 0 and cached2 >= 2, totals
     rows = [[l for l in r.stdout.splitlines() if re.match(r"\|\s+256\s", l)] for r in runs]
     assert len(rows[0]) == len(rows[1]) >= 1
+
+
+def test_host_call_forms_agree(tiny4):
+    """The two ways a step hands routed experts to the host (IKJAX_HOST_CALL: `flag`, the stream's
+    memory operations and a worker a stream; `hostfunc`, CUDA host functions) run the same kernel
+    on the same inputs: a prompt step's logits and a greedy decode loop (32 tokens, a host call a
+    MoE layer a token) agree bit for bit, and each process reports the form it ran."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json, sys, numpy as np, ikjax\n"
+            "from ikjax import ops\n"
+            "eng = ikjax.load(sys.argv[1], ctx=256, ubatch=64, dtype='f32', ot='exps=CPU', t=4)\n"
+            "lg = np.asarray(eng.logits(np.arange(1, 40) % 200))\n"
+            "toks = [int(t) for t in eng.generate(list(range(3, 20)), max_tokens=32)]\n"
+            "print(json.dumps({'form': ops.host_kernel_stats()['host_call'], 'logits': lg.ravel()[:4096].tolist(),"
+            " 'tokens': toks}))\n")
+    got = {}
+    for form in ("flag", "hostfunc"):
+        r = subprocess.run([sys.executable, "-c", code, tiny4], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, IKJAX_HOST_CALL=form))
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[form] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got[form]["form"] == form
+    assert got["flag"]["logits"] == got["hostfunc"]["logits"]
+    assert got["flag"]["tokens"] == got["hostfunc"]["tokens"] and len(got["flag"]["tokens"]) == 32

@@ -411,7 +411,7 @@ def host_decode_report(eng, rows: list, stats: dict) -> str | None:
     rate = stats["small_bytes"] / stats["small_ns"] if stats["small_ns"] else 0.0
     token = sum(tg) / len(tg) * 1e3
     return (f"host experts in decode steps: {per_call:.3f} ms a call in the host kernel ({rate:.1f} GB/s of "
-            f"experts read, {calls} calls); x {n_layers} layers = {per_call * n_layers:.2f} ms of the TG rows' "
+            f"experts read, {calls} calls, handed over by {stats['host_call']}); x {n_layers} layers = {per_call * n_layers:.2f} ms of the TG rows' "
             f"mean {token:.2f} ms a token ({100 * per_call * n_layers / token:.0f} %)")
 
 

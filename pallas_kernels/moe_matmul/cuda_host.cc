@@ -25,19 +25,26 @@
 //               bytes), gate/up/down_row_bytes, gate/up/down_type (ggml type ids), n_expert, n_ff,
 //               n_threads (0 = all cores), compute (0 f32, 1 bf16: QmCompute)
 //   result:     out f32 [N, d] (device buffer)
+#include <cuda.h>  // the stream memory operations' types and flags (their entry points come from cudart)
 #include <cuda_runtime.h>
+#include <immintrin.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <initializer_list>
 #include <memory>
+#include <new>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -124,7 +131,8 @@ struct HostStats {
 std::mutex host_stats_mu;
 HostStats host_stats;
 
-// Runs on CUDA's host-callback thread once the D2H copies are done; the stream waits for it.
+// Runs once the D2H copies are done, on CUDA's host-callback thread (hostfunc) or the stream's
+// worker (flag); the stream waits for it either way.
 void CUDART_CB run_job(void* p) {
   std::unique_ptr<Job> job(static_cast<Job*>(p));
   const MoeExpertsArgs& a = job->args;
@@ -162,6 +170,139 @@ void CUDART_CB run_job(void* p) {
     h.small_ns += ns;
     h.small_bytes += bytes;
   }
+}
+
+// ---- How the stream hands the host a call and gets it back --------------------------------------
+//
+// "hostfunc" (IKJAX_HOST_CALL=hostfunc): cudaLaunchHostFunc; CUDA's callback thread runs the
+// kernel while the stream waits for it to return. Each hand-over goes through the driver's
+// callback machinery on both sides.
+// "flag" (the default where the driver has the stream memory operations): the stream writes a
+// sequence number into pinned host memory once the inputs are copied (cuStreamWriteValue32) and
+// waits for the host to write it back (cuStreamWaitValue32); a worker thread per stream, handed
+// the call when XLA enqueued it (the host runs ahead of the GPU), spins on the first number, runs
+// the kernel and writes the second. Why: at one token a step the hand-over is what separates the
+// host kernel from the GPU's next layer, 13 times a token on R1-16 (RESULTS §25k measured ~200 us
+// of GPU idle a call beyond the kernel's own time with the callback).
+using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+struct StreamOps {
+  StreamValueFn write = nullptr, wait = nullptr;
+  bool ok = false;
+};
+
+const StreamOps& stream_ops() {
+  static const StreamOps ops = [] {
+    StreamOps o;
+    void *w = nullptr, *v = nullptr;
+    cudaDriverEntryPointQueryResult qw{}, qv{};
+#if CUDART_VERSION >= 12050
+    cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &w, 12000, cudaEnableDefault, &qw);
+    cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &v, 12000, cudaEnableDefault, &qv);
+#else
+    cudaGetDriverEntryPoint("cuStreamWriteValue32", &w, cudaEnableDefault, &qw);
+    cudaGetDriverEntryPoint("cuStreamWaitValue32", &v, cudaEnableDefault, &qv);
+#endif
+    if (w && v && qw == cudaDriverEntryPointSuccess && qv == cudaDriverEntryPointSuccess) {
+      o.write = reinterpret_cast<StreamValueFn>(w);
+      o.wait = reinterpret_cast<StreamValueFn>(v);
+      o.ok = true;
+    }
+    return o;
+  }();
+  return ops;
+}
+
+// IKJAX_HOST_CALL, read once: true for "flag" (the default), false for "hostfunc".
+bool flag_mode() {
+  static const bool flag = [] {
+    const char* e = std::getenv("IKJAX_HOST_CALL");
+    return !(e && std::strcmp(e, "hostfunc") == 0);
+  }();
+  return flag;
+}
+
+void CUDART_CB run_job(void* p);
+
+struct Lane {
+  std::atomic<uint32_t>* go = nullptr;    // written by the stream: the last call whose inputs are on the host
+  std::atomic<uint32_t>* done = nullptr;  // written by the worker: the last call whose output is on the host
+  CUdeviceptr go_dev = 0, done_dev = 0;
+  uint32_t seq = 0;  // the last call enqueued (the XLA thread's side)
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<void*, uint32_t>> queue;  // (Job*, its number) in stream order
+  std::thread worker;
+
+  void serve() {
+    for (;;) {
+      std::pair<void*, uint32_t> item;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return !queue.empty(); });
+        item = queue.front();
+        queue.pop_front();
+      }
+      // the GPU reaches the call a layer's work after XLA enqueued it: spin (one core, while the
+      // kernel's pool sleeps), and nap once the wait is long (a prompt step's GPU work)
+      const auto t0 = std::chrono::steady_clock::now();
+      for (uint32_t spins = 0; static_cast<int32_t>(go->load(std::memory_order_acquire) - item.second) < 0; ++spins) {
+        _mm_pause();
+        if ((spins & 1023) == 1023 && std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(2))
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      run_job(item.first);
+      done->store(item.second, std::memory_order_release);
+    }
+  }
+};
+std::mutex lanes_mu;
+std::unordered_map<cudaStream_t, Lane*> lanes;  // never freed: queued stream work may still name them
+
+ffi::Error lane_for(cudaStream_t s, Lane** out) {
+  std::lock_guard<std::mutex> lock(lanes_mu);
+  Lane*& lane = lanes[s];
+  if (!lane) {
+    void* p = nullptr;
+    cudaError_t e = cudaHostAlloc(&p, 128, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess)
+      return ffi::Error::Internal(std::string("host moe_experts: cudaHostAlloc of the call flags: ") +
+                                  cudaGetErrorString(e));
+    void* dev = nullptr;
+    if ((e = cudaHostGetDevicePointer(&dev, p, 0)) != cudaSuccess)
+      return ffi::Error::Internal(std::string("host moe_experts: the call flags' device address: ") +
+                                  cudaGetErrorString(e));
+    auto* l = new Lane();
+    l->go = new (p) std::atomic<uint32_t>(0);
+    l->done = new (static_cast<char*>(p) + 64) std::atomic<uint32_t>(0);
+    l->go_dev = reinterpret_cast<CUdeviceptr>(dev);
+    l->done_dev = reinterpret_cast<CUdeviceptr>(static_cast<char*>(dev) + 64);
+    l->worker = std::thread([l] { l->serve(); });
+    l->worker.detach();
+    lane = l;
+  }
+  *out = lane;
+  return ffi::Error::Success();
+}
+
+// The stream's side of a call in flag mode: hand the host the number once the inputs are copied,
+// wait for it back; the worker gets the job now.
+ffi::Error enqueue_flag(cudaStream_t stream, void* job) {
+  Lane* lane = nullptr;
+  if (ffi::Error e = lane_for(stream, &lane); e.failure()) return e;
+  const StreamOps& ops = stream_ops();
+  const uint32_t seq = ++lane->seq;
+  CUresult r = ops.write(reinterpret_cast<CUstream>(stream), lane->go_dev, seq, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r == CUDA_SUCCESS)
+    r = ops.wait(reinterpret_cast<CUstream>(stream), lane->done_dev, seq, CU_STREAM_WAIT_VALUE_EQ);
+  if (r != CUDA_SUCCESS)
+    return ffi::Error::Internal("host moe_experts: stream memory operation failed (CUresult " + std::to_string(r) +
+                                "); IKJAX_HOST_CALL=hostfunc hands calls over by CUDA host functions instead");
+  {
+    std::lock_guard<std::mutex> lock(lane->mu);
+    lane->queue.emplace_back(job, seq);
+  }
+  lane->cv.notify_one();
+  return ffi::Error::Success();
 }
 
 ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights,
@@ -209,8 +350,13 @@ ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer
       (e = cudaMemcpyAsync(hw, weights.typed_data(), wb, cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
       (e = cudaMemcpyAsync(hi, ids.typed_data(), ib, cudaMemcpyDeviceToHost, stream)) != cudaSuccess)
     return ffi::Error::Internal(std::string("host moe_experts: D2H copy: ") + cudaGetErrorString(e));
-  if ((e = cudaLaunchHostFunc(stream, run_job, job.get())) != cudaSuccess)
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (flag_mode() && stream_ops().ok && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusNone) {
+    if (ffi::Error err = enqueue_flag(stream, job.get()); err.failure()) return err;
+  } else if ((e = cudaLaunchHostFunc(stream, run_job, job.get())) != cudaSuccess) {
     return ffi::Error::Internal(std::string("host moe_experts: cudaLaunchHostFunc: ") + cudaGetErrorString(e));
+  }
   job.release();  // owned by run_job from here
   if ((e = cudaMemcpyAsync(out->typed_data(), ho, xb, cudaMemcpyHostToDevice, stream)) != cudaSuccess)
     return ffi::Error::Internal(std::string("host moe_experts: H2D copy: ") + cudaGetErrorString(e));
@@ -442,5 +588,7 @@ NB_MODULE(_cuda_host, m) {
     return nb::make_tuple(reinterpret_cast<uintptr_t>(it->second.base), it->second.size);
   }, nb::arg("slot"));
   m.def("isa", [] { return std::string(ikj::isa_name(ikj::current_isa())); });
+  // how calls are handed over: "flag" (stream memory operations) or "hostfunc" (see above)
+  m.def("host_call", [] { return std::string(flag_mode() && stream_ops().ok ? "flag" : "hostfunc"); });
   m.def("quant_type_supported", [](int type) { return IKJ_DISPATCH(quant_matmul_supported)(type); });
 }

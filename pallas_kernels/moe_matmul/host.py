@@ -229,6 +229,9 @@ def stream_stats(reset: bool = False) -> dict:
 
 def host_stats(reset: bool = False) -> dict:
     """Totals of the host kernel's calls from GPU steps in this process (`ikjax_host_moe_experts`):
-    calls, ns in the kernel, expert bytes read, and the same for decode-sized calls (small_*).
-    Empty where the handler is not built."""
-    return dict(_cuda_host.host_stats(reset)) if _cuda_host is not None else {}
+    calls, ns in the kernel, expert bytes read, and the same for decode-sized calls (small_*), and
+    how calls are handed over (host_call: "flag" or "hostfunc", IKJAX_HOST_CALL and what the driver
+    offers). Empty where the handler is not built."""
+    if _cuda_host is None:
+        return {}
+    return {**_cuda_host.host_stats(reset), "host_call": _cuda_host.host_call()}
