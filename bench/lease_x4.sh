@@ -89,6 +89,7 @@
 #   STAGE=51: issues 25 / 22: the hybrid GPU tests, then R1-8 -ot exps=CPU cold / warm in one fresh cache.
 #   STAGE=52: issues 25 / 22: why -ot steps miss JAX's cache (bench/ot_cache_probe.sh, tiny preset).
 #   STAGE=55: IKJAX_HOST_CALL flag / hostfunc: the hybrid GPU tests, R1-8 -ot rows and decode profiles per form.
+#   STAGE=56: issue 24's --gpu-experts auto (24 GB) on R1-8 beside the default and the active form.
 #   STAGE=54: the same probe on the 8-layer R1, then a hybrid decode token's profile (gpu_decode_profile --cpu-moe).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
@@ -1010,6 +1011,18 @@ PY
         --threads $(nproc) --ubatch 2048 --tg 32 --kv 512 --prefill --top 8 2>&1 | grep -v Warn | grep -E "a token wall|^ +[0-9]|host experts|idle" | head -14
     done
   fi
+  ;;
+56)
+  # issue 24: --gpu-experts auto under a 24 GB budget on the 8-layer R1 with this code (the statistics counted
+  # on the device, handed over once a dispatch; the host calls by flag), beside the default with
+  # --expert-stats (which writes the statistics) and the active stream form (bench/gpu_hybrid_r1.sh, PARTS56)
+  start_r1_8
+  export CUDA_VISIBLE_DEVICES=0
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-300} ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail -3 /tmp/r1-8.log; exit 1; }
+  OUT=$OUT/hyb HYB_GPU=0 timeout ${HYB_BUDGET:-400} bash bench/gpu_hybrid_r1.sh \
+    "${PARTS56:-ikjax-default ikjax-gpu-experts-24GB ikjax-active}" > /dev/null 2>&1
+  cat "$OUT/hyb/hybrid.md"
   ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
