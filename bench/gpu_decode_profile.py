@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--cpu-moe", action="store_true", help="routed experts in host RAM (-ot exps=CPU): a hybrid token")
     ap.add_argument("--threads", type=int, default=0, help="-t for the host experts (0: all cores)")
     ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--gpu-experts", default="", help="with --cpu-moe: --gpu-experts auto|N from --expert-counts")
+    ap.add_argument("--expert-counts", default="", help="an --expert-stats JSON file (read only: this run counts nothing)")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
     import jax
@@ -53,7 +55,10 @@ def main() -> None:
     if os.environ.get("DPROF_NO_CMDBUF"):  # every kernel on its own in the profile (no CUDA graph hides them)
         from ikjax.runtime import executables
         executables._DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
-    eng = ikjax.load(a.model, ctx=a.ctx, ubatch=a.ubatch, mla=3, flash_attn=True, cpu_moe=a.cpu_moe, threads=a.threads)
+    eng = ikjax.load(a.model, ctx=a.ctx, ubatch=a.ubatch, mla=3, flash_attn=True, cpu_moe=a.cpu_moe, threads=a.threads,
+                      **({"gpu_experts": a.gpu_experts, "expert_counts": a.expert_counts} if a.gpu_experts else {}))
+    if a.gpu_experts:
+        print(eng.gpu_experts_note)
     eng.precompile_decode(1, a.tg, a.kv + a.tg)
     rng = np.random.default_rng(0)
     cache = eng.new_cache(1)

@@ -89,6 +89,7 @@
 #   STAGE=51: issues 25 / 22: the hybrid GPU tests, then R1-8 -ot exps=CPU cold / warm in one fresh cache.
 #   STAGE=52: issues 25 / 22: why -ot steps miss JAX's cache (bench/ot_cache_probe.sh, tiny preset).
 #   STAGE=55: IKJAX_HOST_CALL flag / hostfunc: the hybrid GPU tests, R1-8 -ot rows and decode profiles per form.
+#   STAGE=57: issue 24 interleaved on one lease: auto / active / --gpu-experts rows, decode profiles hot / auto.
 #   STAGE=56: issue 24's --gpu-experts auto (24 GB) on R1-8 beside the default and the active form.
 #   STAGE=54: the same probe on the 8-layer R1, then a hybrid decode token's profile (gpu_decode_profile --cpu-moe).
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
@@ -1023,6 +1024,35 @@ PY
   OUT=$OUT/hyb HYB_GPU=0 timeout ${HYB_BUDGET:-400} bash bench/gpu_hybrid_r1.sh \
     "${PARTS56:-ikjax-default ikjax-gpu-experts-24GB ikjax-active}" > /dev/null 2>&1
   cat "$OUT/hyb/hybrid.md"
+  ;;
+57)
+  # issue 24: one lease, interleaved: R1-8 -ot sweep-bench rows in the auto and active stream forms and with
+  # --gpu-experts auto (24 GB), then the decode token's profile with the hot experts and without
+  start_r1_8
+  export CUDA_VISIBLE_DEVICES=0 IKJAX_COMPILE_CACHE=/tmp/cc57
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-300} ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail -3 /tmp/r1-8.log; exit 1; }
+  S=/tmp/r1-stats.json; F="-c 4096 -ub 2048 -b 2048 -mla 3 -fa 1 -ot exps=CPU -t $(nproc)"
+  frac=$(python3 -c "print(round(24 * 1024 / $(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits | head -1), 3))")
+  [ -f $S ] || { el "statistics run"; timeout 120 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 8 --expert-stats $S 2>&1 | grep -E "rror" ; }
+  for v in ${VARIANTS57:-auto active hot}; do
+    el "r1-8 sweep-bench: $v"
+    case $v in
+      auto) timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 ;;
+      active) IKJAX_STREAM=active timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 ;;
+      stats) timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 --expert-stats /tmp/r1-stats2.json ;;
+      hot) XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 \
+             --gpu-experts auto --expert-stats $S ;;
+    esac 2>&1 | grep -E "^\|  *2048|host experts in decode|gpu experts|rror" | cut -c1-260
+  done
+  for v in ${PROFILES57:-hot auto}; do
+    el "decode profile: $v"
+    extra=""; envs=""
+    [ $v = hot ] && { extra="--gpu-experts auto --expert-counts $S"; envs="XLA_PYTHON_CLIENT_MEM_FRACTION=$frac"; }
+    [ $v = active ] && envs="IKJAX_STREAM=active"
+    env $envs timeout 150 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe --threads $(nproc) --ubatch 2048 \
+      --tg 32 --kv 512 --prefill --top 10 $extra 2>&1 | grep -v Warn | grep -E "gpu experts|a token wall|^ +[0-9]|host experts|idle" | head -16
+  done
   ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
