@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--interleave", action="store_true",
                     help="a 512-token prompt step before each decode call, as sweep-bench's rows (only the decode timed)")
+    ap.add_argument("--interleave-tokens", type=int, default=512,
+                    help="--interleave's prompt step length (2048 at -ub 2048: with -ot, a batch that streams the experts "
+                         "to the GPU, as sweep-bench's PP rows; 512 is computed by the host kernel)")
     ap.add_argument("--prefill", action="store_true",
                     help="one 512-token prompt step first, then the decode calls back to back: a cache of real "
                          "rows (tokens routed as after a prompt) without a prompt step between the calls")
@@ -119,7 +122,7 @@ def main() -> None:
         """-> (cache, seconds of the decode call)"""
         if a.interleave:
             before = ptrs(cache)
-            out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, 512)), np.array([0]))
+            out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, a.interleave_tokens)), np.array([0]))
             out.block_until_ready()
             moved["prompt step"] += sum(x != y for x, y in zip(before, ptrs(cache)))
         before = ptrs(cache)
