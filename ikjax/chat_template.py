@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ikjax.errors import OptionError
-from ikjax.tool_calls import ToolCall, ToolCallSplitter, partial_suffix
+from ikjax.tool_calls import ToolCall, ToolCallSplitter, forced_call, partial_suffix, tool_family
 
 log = logging.getLogger("ikjax")
 
@@ -229,6 +229,17 @@ def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
                                     f"{type(c).__name__}")
         out.append(m)
     return out
+
+
+def forced_answer_start(prompt: str, source: str, tool_choice: Any) -> str:
+    """What a chat prompt (rendered with the generation prompt by the template of Jinja text
+    `source`) is followed by when `tool_choice` requires a call (`tool_calls.forced_call`): the
+    call section's opening, after a closed `</think>` where the prompt opened R1's reasoning (a
+    call comes after the thinking, and a forced one leaves none). "" when nothing is forced."""
+    call = forced_call(tool_choice, tool_family(source))
+    if not call:
+        return ""
+    return f"{THINK_CLOSE}\n\n{call}" if opens_reasoning(prompt) else call
 
 
 def opens_reasoning(prompt: str) -> bool:

@@ -97,8 +97,8 @@ def call_text(calls: Iterable[ToolCall], family: str) -> str:
 def tools_prompt(tools: list, family: str, tool_choice: Any = None) -> str:
     """The system prompt's part that lists the tools, for a template that does not render `tools`
     (llama-server does the same for such templates): the tools' JSON and the call syntax, and for
-    `tool_choice` "required" or one function, the instruction to call (asked in words: there is no
-    grammar here to force a call, as llama-server's)."""
+    `tool_choice` "required" or one function, the instruction to call (the answer is also made to
+    start with the call: `forced_call`)."""
     example = call_text([ToolCall("function_name", '{"argument": "value"}')], family)
     return ("You can call the following tools. Each is described by a JSON schema in OpenAI's format:\n"
             + json.dumps(tools, ensure_ascii=False) + "\n\nTo call tools, answer with the calls alone, in "
@@ -112,6 +112,28 @@ def _must_call(tool_choice: Any) -> str:
     if isinstance(tool_choice, Mapping):
         return f"\nAnswer with a call of {tool_choice['function']['name']}."
     return ""
+
+
+def forced_call(tool_choice: Any, family: str) -> str:
+    """The start of a call section in the family's syntax, for an answer that `tool_choice` requires
+    to call: "required" opens the section up to the function's name (the model writes which), one
+    function (`{"type": "function", "function": {"name": ...}}`) up to its arguments. "" for
+    "auto", "none" and None. Why: llama-server forces such calls with a grammar; here the prompt
+    ends with the section's opening (the answer starts with it), so the model's next tokens can
+    only be a call's rest, whatever it would have written first."""
+    if tool_choice == "required":
+        name = None
+    elif isinstance(tool_choice, Mapping):
+        name = tool_choice["function"]["name"]
+    else:
+        return ""
+    if family == "deepseek":
+        return DS_CALLS_BEGIN + DS_CALL_BEGIN + "function" + DS_SEP + (f"{name}\n```json\n" if name else "")
+    if family == "kimi":
+        return KIMI_CALLS_BEGIN + KIMI_CALL_BEGIN + "functions." + (f"{name}:0{KIMI_ARG}" if name else "")
+    if family == "glm":
+        return XML_CALL_BEGIN + (f"{name}\n" if name else "")
+    return XML_CALL_BEGIN + '\n{"name": "' + (f'{name}", "arguments": ' if name else "")
 
 
 def check_tools(tools: Any, tool_choice: Any) -> None:

@@ -18,8 +18,9 @@ import pytest
 
 from ikjax.chat_template import AnswerSplitter, builtin
 from ikjax.errors import OptionError
+from ikjax.chat_template import forced_answer_start
 from ikjax.tool_calls import (DS_CALL_BEGIN, DS_CALLS_BEGIN, TOOL_MARKERS, ToolCall, ToolCallSplitter, call_text,
-                              check_tools, parse_tool_calls, tool_family, tool_messages)
+                              check_tools, forced_call, parse_tool_calls, tool_family, tool_messages)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object",
@@ -183,6 +184,45 @@ def test_good_tools_pass():
         check_tools([WEATHER, TIME], choice)
 
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# what each family's model writes after a forced opening: (required's rest, the named call's rest)
+FORCED_RESTS = {
+    "deepseek": ("get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                 "{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "kimi": ("get_time:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+             "{\"city\": \"Paris\"}<|tool_call_end|><|tool_calls_section_end|>"),
+    "glm": ("get_time\n</tool_call>", "<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"),
+    "hermes": ('get_time", "arguments": {}}\n</tool_call>', '{"city": "Paris"}}\n</tool_call>'),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FORCED_RESTS))
+def test_forced_calls_open_the_answer_in_each_family(family):
+    """tool_choice "required" / one function: the answer starts with the call section's opening
+    in the family's syntax (llama-server forces it by a grammar), so what the model writes next is
+    a call's rest; opening plus rest parse as that call, and nothing is forced for auto / none."""
+    required, named = FORCED_RESTS[family]
+    for choice, rest, want in (("required", required, ("get_time", {})), (NAMED, named, ("get_weather", {"city": "Paris"}))):
+        content, calls = parse_tool_calls(forced_call(choice, family) + rest)
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [want], (family, choice)
+    assert forced_call("auto", family) == forced_call("none", family) == forced_call(None, family) == ""
+
+
+def test_forced_call_after_r1_s_opened_reasoning():
+    """A prompt that opens R1's <think> gets it closed before the forced call (the call comes after
+    the thinking; a forced answer has none), and the split gives no reasoning, no content, the call."""
+    src = builtin("deepseek-r1").source
+    start = forced_answer_start("<｜User｜>hi<｜Assistant｜><think>\n", src, NAMED)
+    assert start.startswith("</think>\n\n" + DS_CALLS_BEGIN)
+    assert forced_answer_start("<｜User｜>hi<｜Assistant｜>", src, NAMED).startswith(DS_CALLS_BEGIN)
+    assert forced_answer_start("<｜User｜>hi<｜Assistant｜>", src, "auto") == ""
+    answer = AnswerSplitter(opened=True, tools=True)
+    parts = [answer.feed(start), answer.feed(FORCED_RESTS["deepseek"][1])]
+    r, c, calls = answer.finish()
+    assert "".join(p[0] for p in parts) + r == "" and ("".join(p[1] for p in parts) + c).strip() == ""
+    assert [(t.name, json.loads(t.arguments)) for t in calls] == [("get_weather", {"city": "Paris"})]
+
+
 # -- through the app, with the openai client ------------------------------------------------------
 
 openai = pytest.importorskip("openai")
@@ -331,3 +371,41 @@ def test_python_chat_with_tools(app_server):
     assert '"get_weather"' not in eng.chat(msgs, 1, chat_template="deepseek3").prompt
     with pytest.raises(OptionError):
         eng.chat(msgs, 1, tools=[{"type": "function"}])
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_choice_forces_a_call(app_server, choice):
+    """tool_choice "required" or one function over HTTP: the prompt ends with the call's opening
+    (the scripted model writes only the rest), and the answer is that call, whole and streamed."""
+    tok = app_server["tok"]
+    rest = FORCED_RESTS["deepseek"][0 if choice == "required" else 1]
+    want = [("get_time", {})] if choice == "required" else [("get_weather", {"city": "Paris"})]
+    app_server["answer"]["text"] = rest
+    c = _client(app_server)
+    kw = dict(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME],
+              tool_choice=choice if choice == "required" else NAMED)
+    ch = c.chat.completions.create(**kw).choices[0]
+    prompt = tok.decode(app_server["prompts"][-1])
+    assert prompt.endswith(forced_call(kw["tool_choice"], "deepseek")), prompt[-200:]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls] == want
+    parts = list(c.chat.completions.create(**kw, stream=True))
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == ""
+    deltas = [t for p in parts if p.choices for t in (p.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == want
+    # auto forces nothing: the prompt ends where the template's generation prompt does
+    c.chat.completions.create(**{**kw, "tool_choice": "auto"})
+    assert tok.decode(app_server["prompts"][-1]).endswith("<｜Assistant｜>")
+
+
+def test_python_chat_forces_a_call(app_server):
+    """`Engine.chat(tools=..., tool_choice=...)`: the prompt ends with the forced opening; "none"
+    offers no tools; a bad choice is refused."""
+    eng = app_server["eng"]
+    msgs = [{"role": "user", "content": "Weather?"}]
+    out = eng.chat(msgs, 2, tools=[WEATHER], tool_choice=NAMED, chat_template="deepseek3", reasoning_format="none")
+    assert out.prompt.endswith(forced_call(NAMED, "deepseek"))
+    out = eng.chat(msgs, 1, tools=[WEATHER], tool_choice="none", chat_template="deepseek3")
+    assert '"get_weather"' not in out.prompt and out.tool_calls == []
+    with pytest.raises(OptionError):
+        eng.chat(msgs, 1, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})

@@ -729,18 +729,21 @@ class Engine:
                              presence_penalty=presence_penalty, ignore_eos=ignore_eos, session=session)
 
     def chat(self, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",
-             template_kwargs=None, stream: bool = False, tools=None, **kw):
+             template_kwargs=None, stream: bool = False, tools=None, tool_choice=None, **kw):
         """A conversation (`[{"role": "user", "content": "..."}, ...]`) rendered by the chat template
         (`chat_template`: as `chat_template()` takes it, or a ChatTemplate), then `complete`. The
         result's `.content` / `.reasoning_content` split R1's `<think>` block off
         (`reasoning_format="deepseek"`, llama-server's; "none" keeps it in the content). `tools`:
         OpenAI's function tools, offered to the model; the calls it answers with are in
         `.tool_calls` (`ikjax.tool_calls.ToolCall`: name, arguments as JSON text), taken out of
-        `.content`. With `stream=True` the deltas are the raw text; `TextStream.reasoning_opened`
+        `.content`; `tool_choice` as OpenAI's ("auto", "none", "required" or one function: the
+        answer then starts with that call, `ikjax.tool_calls.forced_call`). With `stream=True` the
+        deltas are the raw text (a forced call's opening is the prompt's end, not a delta);
+        `TextStream.reasoning_opened`
         tells `ikjax.chat_template.ReasoningSplitter` how to split them, and
         `ikjax.tool_calls.ToolCallSplitter` takes the calls out."""
         return text.chat(self, messages, max_tokens, chat_template=chat_template, reasoning_format=reasoning_format,
-                         template_kwargs=template_kwargs, stream=stream, tools=tools, **kw)
+                         template_kwargs=template_kwargs, stream=stream, tools=tools, tool_choice=tool_choice, **kw)
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ikjax.chat_template import (AnswerSplitter, ChatTemplate, ReasoningSplitter, developer_as_system, flatten_content,
-                                 opens_reasoning)
+                                 forced_answer_start, opens_reasoning)
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
@@ -198,19 +198,33 @@ def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float =
 
 
 def render_chat(eng, messages, chat_template=None, add_generation_prompt: bool = True,
-                template_kwargs: Mapping[str, Any] | None = None, tools: list | None = None) -> str:
-    """The prompt text of a conversation: `chat_template` a ChatTemplate, or a choice for
+                template_kwargs: Mapping[str, Any] | None = None, tools: list | None = None,
+                tool_choice: Any = None) -> str:
+    """The prompt text of a conversation (`_render_chat`'s, with a forced call's opening)."""
+    return _render_chat(eng, messages, chat_template, add_generation_prompt, template_kwargs, tools, tool_choice)[0]
+
+
+def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool = True,
+                 template_kwargs: Mapping[str, Any] | None = None, tools: list | None = None,
+                 tool_choice: Any = None) -> tuple[str, str]:
+    """(prompt text, the answer's forced start at its end). The prompt text of a conversation: `chat_template` a ChatTemplate, or a choice for
     `Engine.chat_template` (None: the model's own); `tools` OpenAI's function tools
-    (`chat_template.tool_messages`: in the template's system prompt where it does not render them)."""
+    (`chat_template.tool_messages`: in the template's system prompt where it does not render them),
+    `tool_choice` OpenAI's ("none": the tools are not offered; "required" or one function: the
+    text ends with that call's opening, `chat_template.forced_answer_start`)."""
     t = chat_template if isinstance(chat_template, ChatTemplate) else eng.chat_template(chat_template)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise OptionError("messages: expected a non-empty list of {role, content} objects")
+    check_tools(tools, tool_choice)
+    if tool_choice == "none":
+        tools = None
     kwargs = dict(template_kwargs or {})
     if tools:
-        check_tools(tools, None)
         kwargs["tools"] = tools
-    return t.render(tool_messages(developer_as_system(flatten_content(messages), t.source), tools, t.source),
-                    add_generation_prompt, **kwargs)
+    text = t.render(tool_messages(developer_as_system(flatten_content(messages), t.source), tools, t.source,
+                                  tool_choice), add_generation_prompt, **kwargs)
+    start = forced_answer_start(text, t.source, tool_choice) if tools and add_generation_prompt else ""
+    return text + start, start
 
 
 # what chat() passes on to complete(): its sampling and stopping options
@@ -219,15 +233,18 @@ _COMPLETE_OPTIONS = frozenset({"temperature", "top_k", "top_p", "min_p", "seed",
 
 
 def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",
-         template_kwargs: Mapping[str, Any] | None = None, stream: bool = False, tools: list | None = None, **kw):
+         template_kwargs: Mapping[str, Any] | None = None, stream: bool = False, tools: list | None = None,
+         tool_choice: Any = None, **kw):
     """`Engine.chat` (its docstring)."""
     unknown = sorted(set(kw) - _COMPLETE_OPTIONS)
     if unknown:  # (a TypeError naming complete() before)
         raise OptionError(f"chat: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
     if reasoning_format not in ("deepseek", "none"):
         raise OptionError(f"reasoning_format: expected 'deepseek' or 'none', got {reasoning_format!r}")
-    prompt = render_chat(eng, messages, chat_template, True, template_kwargs, tools)
-    opened = opens_reasoning(prompt)
+    prompt, start = _render_chat(eng, messages, chat_template, True, template_kwargs, tools, tool_choice)
+    if tool_choice == "none":
+        tools = None
+    opened = opens_reasoning(prompt[:len(prompt) - len(start)])
     keep = eng.tokenizer.ids_of(TOOL_MARKERS) if tools else frozenset()  # a call's markers: control tokens
     out = complete(eng, prompt, max_tokens, stream=stream, _prompt_text=prompt, _reasoning_opened=opened,
                    _keep=keep, **kw)
@@ -235,7 +252,7 @@ def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, re
         return out
     # the server's split of a chat answer (reasoning, then content without its tool calls)
     answer = AnswerSplitter(opened if reasoning_format == "deepseek" else None, tools=bool(tools))
-    r, c = answer.feed(out.text)
+    r, c = answer.feed(start + out.text)
     r2, c2, out.tool_calls = answer.finish()
     out.content = c + c2
     out.reasoning_content = (r + r2) if answer.had_reasoning and r + r2 else None

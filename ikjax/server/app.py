@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from ikjax.chat_template import AnswerSplitter, developer_as_system, opens_reasoning
+from ikjax.chat_template import AnswerSplitter, developer_as_system, forced_answer_start, opens_reasoning
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
 from ikjax.server import openai as oai
@@ -197,7 +197,10 @@ class Server:
             raise bad("prompt: empty")
         return ids
 
-    async def _chat_prompt(self, body: dict) -> tuple[list[int], str]:
+    async def _chat_prompt(self, body: dict) -> tuple[list[int], str, str]:
+        """(prompt ids, prompt text, the answer's forced start) of a chat request: the start
+        (`forced_answer_start`: the opening of a call that `tool_choice` requires) ends the text
+        and the ids, and is the first part of the answer the splitter reads."""
         messages = oai.messages_field(body)
         extra = body.get("chat_template_kwargs")
         if extra is not None and not isinstance(extra, dict):
@@ -219,11 +222,14 @@ class Server:
         if tools:
             extra["tools"] = tools
         text = self.template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+        start = forced_answer_start(text, self.template.source, body.get("tool_choice")) \
+            if tools and add_generation_prompt else ""
+        text += start
         bos = self.tok.token_text(self.tok.bos_id)
         # a template writes BOS itself: the text is tokenized without another one (llama-server strips
         # the template's and adds its own: the same ids)
         ids = await self._encode(text, add_bos=False if bos and text.startswith(bos) else None)
-        return ids, text
+        return ids, text, start
 
     def _job(self, ids: list[int], params: GenParams, keep: frozenset[int] = frozenset()) -> Job:
         return Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe, keep=keep).start()
@@ -236,19 +242,21 @@ class Server:
                                                                        "n_predict"), endpoint="chat")
         oai.check_slot(body, self.config.n_slots)
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
-        ids, text = await self._chat_prompt(body)
+        ids, text, start = await self._chat_prompt(body)
         fmt = body.get("reasoning_format")
         fmt = self.config.reasoning_format if fmt is None else fmt
         if fmt not in REASONING_FORMATS:
             raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}")
-        answer = AnswerSplitter(opened=opens_reasoning(text) if fmt != "none" else None, tools=use_tools)
+        opened = opens_reasoning(text[:len(text) - len(start)])
+        answer = AnswerSplitter(opened=opened if fmt != "none" else None, tools=use_tools)
+        opening = answer.feed(start)  # a forced call's opening: the answer's first text (nothing shown)
         # a call's markers are control tokens in DeepSeek's and Kimi's vocabularies: shown, to be parsed
         job = self._job(ids, params, self.tok.ids_of(TOOL_MARKERS) if use_tools else frozenset())
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": "ikjax"}
         try:
             if not params.stream:
-                parts = [answer.feed(piece) async for piece in job.pieces()]
+                parts = [opening] + [answer.feed(piece) async for piece in job.pieces()]
                 r, c, calls = answer.finish()
                 content = "".join(p[1] for p in parts) + c
                 message: dict[str, Any] = {"role": "assistant",
@@ -270,6 +278,8 @@ class Server:
 
             async def events():
                 yield delta({"role": "assistant", "content": ""})  # (OpenAI's first delta)
+                for d in _deltas(*opening):
+                    yield delta(d)
                 sent = 0  # log-probability entries given so far
                 async for piece in job.pieces():
                     lp = self._chat_logprobs(job, piece=True)  # the piece's tokens, with its first delta
@@ -492,7 +502,7 @@ class Server:
         """llama-server's /apply-template: the prompt text a chat request's messages (and tools)
         render to, without generating: {"prompt": ...}."""
         body = await self._body(request)
-        _, text = await self._chat_prompt(body)
+        _, text, _ = await self._chat_prompt(body)
         return web.json_response({"prompt": text})
 
     async def tokenize(self, request: web.Request) -> web.Response:
