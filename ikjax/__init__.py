@@ -7,6 +7,9 @@
 """
 import os as _os
 
+from ikjax import interrupt as _interrupt
+
+_interrupt.install_for_cli()  # Ctrl-C while the CLI starts: one line, status 130 (ikjax/interrupt.py)
 # XLA's GPU command buffers (CUDA graphs) cost more than they save on a batch-1 decode step,
 # whose buffers change every call: measured on an H200, 7.7 -> 5.8 ms per V2-Lite token with
 # them off (bench/RESULTS.md). Set before JAX starts its backend; an explicit user flag wins.

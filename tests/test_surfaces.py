@@ -292,6 +292,38 @@ def test_ctrl_c_while_compiling_exits_130(args, tmp_path):
     assert "Traceback" not in rest
 
 
+@pytest.mark.parametrize("entry", ["script", "module"])
+def test_ctrl_c_while_starting_exits_130(entry):
+    """Ctrl-C in the CLI's first second (JAX's import, the backend's start): one line and 130, as
+    in a command. Before: a traceback out of whichever import was running, or the interrupt
+    swallowed by JAX's gc callback and status 0 (ikjax/interrupt.py)."""
+    cmd = [IKJAX] if entry == "script" else [sys.executable, "-m", "ikjax.cli"]
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # (see the test above)
+    try:
+        p = subprocess.Popen([*cmd, "info", "synthetic:tiny"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    time.sleep(0.3)  # the imports take ~1.5 s
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.decode() == "error: interrupted\n", (p.returncode, err.decode()[-800:])
+
+
+def test_importing_ikjax_as_a_library_keeps_sigint():
+    """A program that imports ikjax keeps Python's KeyboardInterrupt: the starting handler is the
+    CLI's only, and goes once the CLI has imported its commands."""
+    code = ("import signal, ikjax, ikjax.cli; from ikjax import interrupt as i\n"
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,"
+            " i.is_cli_process('/usr/bin/ikjax', []), i.is_cli_process('-m', ['python', '-u', '-m', 'ikjax.cli']),"
+            " i.is_cli_process('x.py', ['python', 'x.py']), i.is_cli_process('-m', ['python', '-m', 'other']))")
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True", "True", "False", "False"], r.stderr[-800:]
+
+
 # -- 6. frictions -----------------------------------------------------------------------------------------
 
 def test_version():

@@ -17,6 +17,7 @@ imports this module back. `ikjax = "ikjax.cli:app"` (pyproject.toml) is the cons
 import atexit as _atexit
 import sys as _sys
 
+from ikjax import interrupt as _interrupt
 from ikjax.cli import early_backend as _early
 
 # JAX's backend starts on a thread now, beside the imports below and the command's parsing
@@ -27,6 +28,8 @@ from ikjax.cli.common import app  # noqa: E402
 # importing a command module registers its command on `app`: this order is `ikjax --help`'s
 from ikjax.cli import sweep_bench, plot, bench, generate, chat, perplexity, info, make_model, serve  # noqa: F401,E402
 from ikjax.cli.run import CONFIG_COMMANDS  # noqa: E402 - `run` last
+
+_interrupt.restore()  # from here a command's own handling (KeyboardInterrupt, `common.handle`)
 
 __all__ = ["app", "main", "CONFIG_COMMANDS"]
 

@@ -20,6 +20,7 @@ import sys
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from ikjax import interrupt
 from ikjax.options import BARE_PARAMS
 
 try:  # typer >= 0.24 carries its own click
@@ -113,7 +114,7 @@ class ExactCommand(TyperCommand):
 
 
 # Exit statuses the command wrapper (`common.handle`) hands to the process entry (`Group.__call__`).
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+EXIT_INTERRUPTED = interrupt.EXIT_INTERRUPTED  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141; the process entry turns it into a real SIGPIPE death
 
 
