@@ -89,6 +89,7 @@
 #   STAGE=51: issues 25 / 22: the hybrid GPU tests, then R1-8 -ot exps=CPU cold / warm in one fresh cache.
 #   STAGE=52: issues 25 / 22: why -ot steps miss JAX's cache (bench/ot_cache_probe.sh, tiny preset).
 #   STAGE=55: IKJAX_HOST_CALL flag / hostfunc: the hybrid GPU tests, R1-8 -ot rows and decode profiles per form.
+#   STAGE=58: issue 24: the TG rows' gap (§24i): decode profiles after 2048-token prompts, API sweeps counting off / on.
 #   STAGE=57: issue 24 interleaved on one lease: auto / active / --gpu-experts rows, decode profiles hot / auto.
 #   STAGE=56: issue 24's --gpu-experts auto (24 GB) on R1-8 beside the default and the active form.
 #   STAGE=54: the same probe on the 8-layer R1, then a hybrid decode token's profile (gpu_decode_profile --cpu-moe).
@@ -1052,6 +1053,33 @@ PY
     [ $v = active ] && envs="IKJAX_STREAM=active"
     env $envs timeout 150 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe --threads $(nproc) --ubatch 2048 \
       --tg 32 --kv 512 --prefill --top 10 $extra 2>&1 | grep -v Warn | grep -E "gpu experts|a token wall|^ +[0-9]|host experts|idle" | head -16
+  done
+  ;;
+58)
+  # issue 24 (RESULTS §24i): why sweep-bench's TG rows with host experts run 2-7 ms a token slower than the same
+  # decode call profiled alone. One lease: the decode call profiled with a 2048-token prompt step (which streams
+  # the experts to the GPU) before each call, hot and auto; then sweep-bench's rows through the API with the hot
+  # experts and counting off / on (bench/hybrid_sweep_api.py), against the CLI's row
+  start_r1_8
+  export CUDA_VISIBLE_DEVICES=0 IKJAX_COMPILE_CACHE=/tmp/cc58
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-300} ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail -3 /tmp/r1-8.log; exit 1; }
+  S=/tmp/r1-stats.json; F="-c 4096 -ub 2048 -b 2048 -mla 3 -fa 1 -ot exps=CPU -t $(nproc)"
+  frac=$(python3 -c "print(round(24 * 1024 / $(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits | head -1), 3))")
+  [ -f $S ] || { el "statistics run"; timeout 120 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 8 --expert-stats $S 2>&1 | grep -E "rror" ; }
+  for v in ${PROFILES58:-hot auto}; do
+    el "decode profile after 2048-token prompt steps: $v"
+    extra=""; envs=""
+    [ $v = hot ] && { extra="--gpu-experts auto --expert-counts $S"; envs="XLA_PYTHON_CLIENT_MEM_FRACTION=$frac"; }
+    env $envs timeout 150 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe --threads $(nproc) --ubatch 2048 \
+      --tg 32 --kv 512 --interleave --interleave-tokens 2048 --top 8 $extra 2>&1 | grep -v Warn | grep -E "a token wall|^ +[0-9]|host experts|idle" | head -12
+  done
+  for v in ${SWEEPS58:-hot hot-count}; do
+    el "sweep-bench rows through the API: $v"
+    extra=""; envs=""
+    case $v in hot*) extra="--gpu-experts auto --expert-counts $S"; envs="XLA_PYTHON_CLIENT_MEM_FRACTION=$frac" ;; esac
+    case $v in *count) extra="$extra --count" ;; esac
+    env $envs timeout 150 python3 bench/hybrid_sweep_api.py /tmp/r1-8.gguf --threads $(nproc) $extra 2>&1 | grep -v Warn | tail -6
   done
   ;;
 53)
