@@ -342,13 +342,19 @@ class ReasoningSplitter:
 class AnswerSplitter:
     """A chat answer as the endpoints return it, from its text deltas: R1's reasoning
     (`ReasoningSplitter`, when `opened` is not None: whether the prompt opened the `<think>` block),
-    then the content with the tool calls taken out (`ToolCallSplitter`, when `tools`).
+    then the content with the tool calls taken out (`ToolCallSplitter`, when `tools`: in the syntax
+    of `family` only and calling only `names`, where given). `forced`: the opening of a call the
+    prompt ended with (`forced_answer_start`), read as the answer's first text; if no call comes of
+    it, it is not content either (the model never wrote it).
     `feed(delta) -> (reasoning_delta, content_delta)`; `finish() -> (reasoning_delta,
     content_delta, calls)`. A whole answer is the deltas joined: one code path for both."""
 
-    def __init__(self, opened: bool | None, tools: bool):
+    def __init__(self, opened: bool | None, tools: bool, *, family: str | None = None, names=None,
+                 forced: str = ""):
         self._reasoning = ReasoningSplitter(opened=opened) if opened is not None else None
-        self._tools = ToolCallSplitter() if tools else None
+        self._tools = ToolCallSplitter(family, names) if tools else None
+        self._forced = forced.split(THINK_CLOSE)[-1].lstrip() if tools else ""
+        self.opening = self.feed(forced) if forced else ("", "")  # (nothing shown: held as a call)
 
     @property
     def had_reasoning(self) -> bool:
@@ -364,6 +370,8 @@ class AnswerSplitter:
             return r, c, []
         c = self._tools.feed(c)
         rest, calls = self._tools.finish()
+        if self._forced and not calls and self._forced in rest:  # a forced call left unfinished
+            rest = rest.replace(self._forced, "", 1)
         return r, c + rest, calls
 
 

@@ -147,10 +147,13 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
             if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping) \
                     or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise OptionError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    if tool_choice in ("required",) or isinstance(tool_choice, Mapping):
+        if not tools:  # (OpenAI's and vLLM's 400: a call is asked for and nothing can be called)
+            raise OptionError(f"tool_choice: {json.dumps(tool_choice)[:80]} asks for a call, but no tools are given")
     if tool_choice is None or tool_choice in TOOL_CHOICES:
         return
     fn = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
-    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or tool_choice.get("type", "function") != "function":
         raise OptionError(f"tool_choice: expected one of {', '.join(TOOL_CHOICES)} or {{\"type\": \"function\", "
                           f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
     if not any(isinstance(t, Mapping) and t["function"]["name"] == fn["name"] for t in tools or ()):
@@ -249,47 +252,80 @@ def _one_call(kind: str, body: str) -> ToolCall | None:
     return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of an answer: the text before the first call section, and every complete
-    call in it. An answer with no complete call is all content (nothing is lost: a malformed or
-    cut-off call stays text)."""
-    starts = [i for i in (text.find(w) for w in _CALL_STARTS) if i >= 0]
+# each family's call syntax: where a call section can start, each call's (begin, end) markers, and
+# the marker that closes the section (None: the section is its calls)
+_SYNTAX = {
+    "deepseek": ((DS_CALLS_BEGIN, DS_CALL_BEGIN), ((DS_CALL_BEGIN, DS_CALL_END),), DS_CALLS_END),
+    "kimi": ((KIMI_CALLS_BEGIN, KIMI_CALL_BEGIN), ((KIMI_CALL_BEGIN, KIMI_CALL_END),), KIMI_CALLS_END),
+    "glm": ((XML_CALL_BEGIN,), ((XML_CALL_BEGIN, XML_CALL_END),), None),
+    "hermes": ((XML_CALL_BEGIN,), ((XML_CALL_BEGIN, XML_CALL_END),), None),
+}
+
+
+def _syntax(family: str | None):
+    if family is None:  # every syntax (a caller that does not know the template)
+        return _CALL_STARTS, _CALL_FORMS, (DS_CALLS_END, KIMI_CALLS_END)
+    starts, forms, end = _SYNTAX[family]
+    return starts, forms, (end,) if end else ()
+
+
+def parse_tool_calls(text: str, family: str | None = None,
+                     names: Iterable[str] | None = None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of an answer: every complete call of its call section, and the text around
+    the section (before it, and any after its end). `family` (`tool_family` of the template) limits
+    the syntax to that model family's own: an answer that only shows another family's call form (a
+    DeepSeek model explaining Qwen's) is text. `names` (the offered tools): a section that calls
+    anything else is text, never a call of a function the client did not offer. An answer with no
+    complete call is all content (nothing is lost: a malformed or cut-off call stays text)."""
+    starts_of, forms, ends = _syntax(family)
+    starts = [i for i in (text.find(w) for w in starts_of) if i >= 0]
     if not starts:
         return text, []
     i = min(starts)
     calls = []
     rest = text[i:]
-    for begin, end in _CALL_FORMS:
+    last = 0
+    for begin, end in forms:
         for m in re.finditer(re.escape(begin) + "(.*?)" + re.escape(end), rest, re.S):
             c = _one_call(begin, m.group(1))
             if c is not None:
                 calls.append((m.start(), c))
-    if not calls:
+                last = max(last, m.end())
+    offered = None if names is None else set(names)
+    if not calls or offered is not None and any(c.name not in offered for _, c in calls):
         return text, []
-    return text[:i], [c for _, c in sorted(calls, key=lambda p: p[0])]
+    tail = rest[last:]
+    for e in ends:  # the section's closing marker, then whatever the model wrote after it
+        if tail.lstrip().startswith(e):
+            tail = tail.lstrip()[len(e):]
+            break
+    return text[:i] + (tail if tail.strip() else ""), [c for _, c in sorted(calls, key=lambda p: p[0])]
 
 
 class ToolCallSplitter:
     """`parse_tool_calls` on a stream: `feed(delta)` returns the content that can go out now (text
     that may still become a call marker waits); once a call section starts everything is held;
     `finish()` gives the rest of the content and the calls. The streamed content plus `finish()`'s
-    equals `parse_tool_calls` of the whole text."""
+    equals `parse_tool_calls` of the whole text (`family`, `names`: as there)."""
 
-    def __init__(self):
+    def __init__(self, family: str | None = None, names: Iterable[str] | None = None):
         self._buf = ""
         self._in_calls = False
+        self._family = family
+        self._names = None if names is None else tuple(names)
+        self._starts = _syntax(family)[0]
 
     def feed(self, delta: str) -> str:
         text = self._buf + delta
         if self._in_calls:
             self._buf = text
             return ""
-        starts = [i for i in (text.find(w) for w in _CALL_STARTS) if i >= 0]
+        starts = [i for i in (text.find(w) for w in self._starts) if i >= 0]
         if starts:
             i = min(starts)
             self._in_calls, self._buf = True, text[i:]
             return text[:i]
-        keep = partial_suffix(text, _CALL_STARTS)
+        keep = partial_suffix(text, self._starts)
         self._buf = text[len(text) - keep:]
         return text[:len(text) - keep]
 
@@ -297,8 +333,7 @@ class ToolCallSplitter:
         text, self._buf = self._buf, ""
         if not self._in_calls:
             return text, []
-        content, calls = parse_tool_calls(text)
-        return content, calls
+        return parse_tool_calls(text, self._family, self._names)
 
 
 def partial_suffix(text: str, words: Iterable[str]) -> int:

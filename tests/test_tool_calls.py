@@ -216,11 +216,54 @@ def test_forced_call_after_r1_s_opened_reasoning():
     assert start.startswith("</think>\n\n" + DS_CALLS_BEGIN)
     assert forced_answer_start("<｜User｜>hi<｜Assistant｜>", src, NAMED).startswith(DS_CALLS_BEGIN)
     assert forced_answer_start("<｜User｜>hi<｜Assistant｜>", src, "auto") == ""
-    answer = AnswerSplitter(opened=True, tools=True)
-    parts = [answer.feed(start), answer.feed(FORCED_RESTS["deepseek"][1])]
+    answer = AnswerSplitter(opened=True, tools=True, family="deepseek", names=["get_weather"], forced=start)
+    parts = [answer.opening, answer.feed(FORCED_RESTS["deepseek"][1])]
     r, c, calls = answer.finish()
     assert "".join(p[0] for p in parts) + r == "" and ("".join(p[1] for p in parts) + c).strip() == ""
     assert [(t.name, json.loads(t.arguments)) for t in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_calls_only_in_the_family_s_syntax_and_of_offered_tools():
+    """With the template's family and the offered names (as the endpoints give them): another
+    family's call form is text (a DeepSeek model explaining Qwen's syntax), a call of a function
+    not offered is text, and text after the call section stays content."""
+    qwen = ('Qwen writes calls like this:\n<tool_call>\n{"name": "delete_all_files", "arguments": {"path": "/"}}\n'
+            '</tool_call>\nand the runtime runs them.')
+    assert parse_tool_calls(qwen, "deepseek", ["get_weather"]) == (qwen, [])
+    assert parse_tool_calls(qwen, "hermes", ["get_weather"]) == (qwen, [])  # not offered
+    content, calls = parse_tool_calls(qwen, "hermes", ["delete_all_files"])
+    assert [c.name for c in calls] == ["delete_all_files"]
+    assert content == "Qwen writes calls like this:\n\nand the runtime runs them."
+    content, calls = parse_tool_calls(R1_ANSWER + "\nDone!", "deepseek", ["get_weather", "get_time"])
+    assert content == "Let me look.\n\nDone!" and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert parse_tool_calls(R1_ANSWER, "deepseek", ["get_weather"]) == (R1_ANSWER, [])  # get_time not offered
+    for family, names in (("deepseek", ["get_weather"]), ("hermes", ["get_weather"])):  # streamed: the same
+        sp = ToolCallSplitter(family, names)
+        streamed = "".join(sp.feed(qwen[i:i + 7]) for i in range(0, len(qwen), 7))
+        rest, calls = sp.finish()
+        assert (streamed + rest, calls) == (qwen, [])
+
+
+def test_an_unfinished_forced_call_is_not_content():
+    """The forced opening is the prompt's end, not the model's text: a model that stops (or runs
+    out of tokens) before finishing the call gives no call and no injected markers as content."""
+    start = forced_call("required", "deepseek")
+    for tail in ("", "get_wea"):
+        answer = AnswerSplitter(opened=None, tools=True, family="deepseek", names=["get_weather"], forced=start)
+        parts = [answer.opening, answer.feed(tail)]
+        r, c, calls = answer.finish()
+        assert calls == [] and "".join(p[1] for p in parts) + c == tail, tail
+
+
+def test_a_call_asked_for_needs_tools():
+    for choice in ("required", NAMED):
+        for tools in (None, []):
+            with pytest.raises(OptionError, match="no tools"):
+                check_tools(tools, choice)
+    with pytest.raises(OptionError):
+        check_tools([WEATHER], {"type": "bogus", "function": {"name": "get_weather"}})
+    check_tools(None, "auto")
+    check_tools(None, "none")
 
 
 # -- through the app, with the openai client ------------------------------------------------------
@@ -339,7 +382,8 @@ def test_answer_without_calls_and_bad_tools(app_server):
     assert ch.finish_reason == "stop" and ch.message.content == "It is sunny." and ch.message.tool_calls is None
     for bad in ({"tools": "x"}, {"tools": [WEATHER], "tool_choice": "sometimes"},
                 {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": ["x"]}]},
-                {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}):
+                {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tool_choice": "required"}, {"tools": [], "tool_choice": NAMED}):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(**{"model": "m", "messages": [{"role": "user", "content": "hi"}], **bad})
         assert e.value.status_code == 400 and "tool" in str(e.value)

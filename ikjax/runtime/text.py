@@ -24,7 +24,7 @@ from ikjax.chat_template import (AnswerSplitter, ChatTemplate, ReasoningSplitter
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
-from ikjax.tool_calls import TOOL_MARKERS, check_tools, partial_suffix, tool_messages
+from ikjax.tool_calls import TOOL_MARKERS, check_tools, partial_suffix, tool_family, tool_messages
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
@@ -251,11 +251,14 @@ def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, re
     if stream:
         return out
     # the server's split of a chat answer (reasoning, then content without its tool calls)
-    answer = AnswerSplitter(opened if reasoning_format == "deepseek" else None, tools=bool(tools))
-    r, c = answer.feed(start + out.text)
+    t = chat_template if isinstance(chat_template, ChatTemplate) else eng.chat_template(chat_template)
+    answer = AnswerSplitter(opened if reasoning_format == "deepseek" else None, tools=bool(tools),
+                            family=tool_family(t.source), names=[x["function"]["name"] for x in tools or ()],
+                            forced=start)
+    (r0, c0), (r, c) = answer.opening, answer.feed(out.text)
     r2, c2, out.tool_calls = answer.finish()
-    out.content = c + c2
-    out.reasoning_content = (r + r2) if answer.had_reasoning and r + r2 else None
+    out.content = c0 + c + c2
+    out.reasoning_content = (r0 + r + r2) if answer.had_reasoning and r0 + r + r2 else None
     return out
 
 

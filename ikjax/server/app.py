@@ -37,7 +37,7 @@ from ikjax.server import openai as oai
 from ikjax.server.jobs import Job
 from ikjax.server.metrics import CONTENT_TYPE, Metrics
 from ikjax.server.openai import ApiError, Defaults, GenParams, bad
-from ikjax.tool_calls import TOOL_MARKERS, check_tools, tool_messages
+from ikjax.tool_calls import TOOL_MARKERS, check_tools, tool_family, tool_messages
 
 log = logging.getLogger("ikjax")
 
@@ -248,8 +248,12 @@ class Server:
         if fmt not in REASONING_FORMATS:
             raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}")
         opened = opens_reasoning(text[:len(text) - len(start)])
-        answer = AnswerSplitter(opened=opened if fmt != "none" else None, tools=use_tools)
-        opening = answer.feed(start)  # a forced call's opening: the answer's first text (nothing shown)
+        # calls in the template family's own syntax, of the offered tools only; a forced call's
+        # opening (the prompt's end) read as the answer's first text
+        answer = AnswerSplitter(opened=opened if fmt != "none" else None, tools=use_tools,
+                                family=tool_family(self.template.source),
+                                names=[t["function"]["name"] for t in body.get("tools") or ()], forced=start)
+        opening = answer.opening
         # a call's markers are control tokens in DeepSeek's and Kimi's vocabularies: shown, to be parsed
         job = self._job(ids, params, self.tok.ids_of(TOOL_MARKERS) if use_tools else frozenset())
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
