@@ -409,10 +409,13 @@ def test_bad_requests_are_400(server):
 
 
 def test_no_reasoning_field_for_no_reasoning(server):
-    """max_tokens 0 under R1's template (the prompt opened <think>): no reasoning came, so no
-    reasoning_content (it was ""), as an answer whose <think> block is empty has none."""
+    """n_predict 0 under R1's template (the prompt opened <think>): no reasoning came, so no
+    reasoning_content (it was ""), as an answer whose <think> block is empty has none. (OpenAI's
+    max_tokens 0 is a 400; llama-server's n_predict 0 evaluates the prompt only.)"""
+    assert call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 0})[0] == 400
     body = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                         "max_tokens": 0})[1]
+                                                         "n_predict": 0})[1]
     msg = body["choices"][0]["message"]
     assert "reasoning_content" not in msg and msg["content"] == "", msg
 

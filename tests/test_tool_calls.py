@@ -282,10 +282,12 @@ def app_server(tiny_model):
     eng = ikjax.load(tiny_model, ctx=2048, ubatch=16)
     answer = {"text": ""}
     prompts: list[list[int]] = []
+    reqs: list = []
 
     class Scripted(Scheduler):
         def submit(self, req):
             prompts.append(list(req.prompt))
+            reqs.append(req)
             ids = eng.tokenizer.encode(answer["text"], False)
 
             def run():
@@ -326,7 +328,7 @@ def app_server(tiny_model):
     th = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
     th.start()
     assert ready.wait(60)
-    yield {"url": url["u"], "answer": answer, "prompts": prompts, "tok": eng.tokenizer, "eng": eng}
+    yield {"url": url["u"], "answer": answer, "prompts": prompts, "tok": eng.tokenizer, "eng": eng, "reqs": reqs}
     loop.call_soon_threadsafe(stop.set)
     th.join(30)
 
@@ -453,3 +455,57 @@ def test_python_chat_forces_a_call(app_server):
     assert '"get_weather"' not in out.prompt and out.tool_calls == []
     with pytest.raises(OptionError):
         eng.chat(msgs, 1, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_requests_other_servers_accept_are_answered_or_refused(app_server):
+    """Fields of vLLM's and llama-server's that a client may send: what is done here is done
+    (vLLM's repetition_penalty over the whole context, top-level add_generation_prompt,
+    parallel_tool_calls false, `samplers` turning off the ones it leaves out), what is not is a
+    400 naming it; and OpenAI's own 400s (unknown role, max_tokens 0, stream_options without
+    stream), where the request was answered before as if it had not asked."""
+    import urllib.error
+    import urllib.request
+    url = app_server["url"] + "/v1/chat/completions"
+    app_server["answer"]["text"] = "ok"
+    msgs = [{"role": "user", "content": "hi"}]
+
+    class Reply:
+        def __init__(self, status, body):
+            self.status_code, self.text = status, body
+
+        def json(self):
+            return json.loads(self.text)
+
+    def post(**kw):
+        data = json.dumps({"model": "m", "messages": msgs, **kw}).encode()
+        req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return Reply(r.status, r.read().decode())
+        except urllib.error.HTTPError as e:
+            return Reply(e.code, e.read().decode())
+    for kw in ({"messages": [{"role": "bogus", "content": "SECRET"}, *msgs]},
+               {"messages": [{"role": "function", "name": "f", "content": "x"}, *msgs]},
+               {"max_tokens": 0}, {"max_completion_tokens": 0}, {"stream_options": {"include_usage": True}},
+               {"min_tokens": 5}, {"stop_token_ids": [3]}, {"include_stop_str_in_output": True},
+               {"prompt_logprobs": 1}, {"guided_json": {"type": "object"}}, {"guided_choice": ["a"]},
+               {"continue_final_message": True}, {"tfs_z": 0.5}, {"post_sampling_probs": True},
+               {"repetition_penalty": 1.2, "repeat_penalty": 1.1}, {"parallel_tool_calls": "no"}):
+        r = post(**kw)
+        assert r.status_code == 400 and r.json()["error"]["message"], (kw, r.status_code, r.text[:300])
+    r = post(repetition_penalty=1.3)
+    assert r.status_code == 200
+    pen = app_server["reqs"][-1].penalties
+    assert pen.repeat == pytest.approx(1.3) and pen.last_n == -1, pen
+    r = post(samplers=["temperature"], temperature=0.7, top_k=40, top_p=0.9, min_p=0.1, repeat_penalty=1.2)
+    assert r.status_code == 200
+    req = app_server["reqs"][-1]
+    assert (req.sampling["top_k"], req.sampling["top_p"], req.sampling["min_p"]) == (0, 1.0, 0.0), req.sampling
+    assert req.sampling["temperature"] == pytest.approx(0.7) and req.penalties.repeat == 1.0
+    r = post(add_generation_prompt=False)
+    assert r.status_code == 200
+    assert not app_server["tok"].decode(app_server["prompts"][-1]).endswith("<｜Assistant｜>")
+    app_server["answer"]["text"] = R1_ANSWER
+    r = post(tools=[WEATHER, TIME], parallel_tool_calls=False, reasoning_format="none")
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"], calls

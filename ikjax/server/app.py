@@ -155,7 +155,8 @@ class Server:
         except ConnectionResetError:  # the client left mid-body: nobody to answer, nothing to log
             raise ApiError(400, "request body: the client closed the connection") from None
         except (web.RequestPayloadError, ContentEncodingError) as e:  # a body that does not decode (bad gzip, chunks)
-            raise bad(f"request body: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
+            why = " ".join(str(e.__cause__ or e).split()) or type(e).__name__  # (aiohttp's line 1 is "400, message:")
+            raise bad(f"request body: unreadable ({why})"[:300]) from None
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -208,7 +209,10 @@ class Server:
         extra = dict(extra or {})
         # what the render call sets itself: add_generation_prompt honoured (true or false), messages
         # and tools refused (they are the request's own fields; a 500 before, "multiple values")
-        add_generation_prompt = extra.pop("add_generation_prompt", True)
+        top = body.get("add_generation_prompt")  # vLLM's place for it; chat_template_kwargs' is llama-server's
+        if top is not None and "add_generation_prompt" in extra and extra["add_generation_prompt"] != top:
+            raise bad("add_generation_prompt: given twice, with two values")
+        add_generation_prompt = extra.pop("add_generation_prompt", True if top is None else top)
         if not isinstance(add_generation_prompt, bool):
             raise bad(f"chat_template_kwargs.add_generation_prompt: expected true or false, "
                       f"got {add_generation_prompt!r}"[:300])
@@ -242,6 +246,9 @@ class Server:
                                                                        "n_predict"), endpoint="chat")
         oai.check_slot(body, self.config.n_slots)
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
+        one_call = body.get("parallel_tool_calls") is False  # OpenAI's: at most one call an answer
+        if body.get("parallel_tool_calls") not in (None, True, False):
+            raise bad(f"parallel_tool_calls: expected true or false, got {body.get('parallel_tool_calls')!r}"[:300])
         ids, text, start = await self._chat_prompt(body)
         fmt = body.get("reasoning_format")
         fmt = self.config.reasoning_format if fmt is None else fmt
@@ -262,6 +269,7 @@ class Server:
             if not params.stream:
                 parts = [opening] + [answer.feed(piece) async for piece in job.pieces()]
                 r, c, calls = answer.finish()
+                calls = calls[:1] if one_call else calls
                 content = "".join(p[1] for p in parts) + c
                 message: dict[str, Any] = {"role": "assistant",
                                            "content": content if content.strip() or not calls else None}
@@ -298,6 +306,7 @@ class Server:
                     # string (their text never came as a piece): the whole answer's list has them
                     yield delta({"content": ""}, logprobs={"content": whole["content"][sent:]})
                 r, c, calls = answer.finish()
+                calls = calls[:1] if one_call else calls
                 for d in _deltas(r, c):
                     yield delta(d)
                 if calls:  # each call whole in one delta (OpenAI's clients add the deltas up)

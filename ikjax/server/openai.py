@@ -130,17 +130,36 @@ def logprobs_field(body: dict, endpoint: str) -> int | None:
 # a request asking for one is refused (a 400 naming it), never answered as if it had not asked
 _NOT_RUN = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
             "dynatemp_range": 0.0, "min_keep": 0, "t_max_predict_ms": 0, "n_indent": 0}
+_NOT_RUN["tfs_z"] = 1.0  # (ik's tail-free sampling)
 _OFF_BELOW = {"top_n_sigma"}  # off at any value <= its off value
+# other servers' fields (vLLM's, llama-server's) that ask for what is not done here, each with a
+# test of whether the request asks for it: refused as _NOT_RUN's, never ignored
+_NOT_DONE = {
+    "min_tokens": (lambda v: v not in (None, 0), "a minimum length is not enforced here"),
+    "stop_token_ids": (lambda v: v not in (None, []), "give stop strings (`stop`) instead"),
+    "include_stop_str_in_output": (lambda v: v not in (None, False), "the stop string is never included here"),
+    "prompt_logprobs": (lambda v: v is not None, "the prompt's log-probabilities are not returned here"),
+    "guided_json": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
+    "guided_regex": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
+    "guided_choice": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
+    "guided_grammar": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
+    "continue_final_message": (lambda v: v not in (None, False), "a final assistant message is not continued here"),
+    "post_sampling_probs": (lambda v: v not in (None, False), "probabilities are the model's, before sampling"),
+}
 _ORDER = ("top_k", "top_p", "min_p", "temperature")  # the order this server applies its filters in
 _SAMPLER_NAMES = {"top_k": "top_k", "k": "top_k", "top_p": "top_p", "p": "top_p", "min_p": "min_p", "m": "min_p",
                   "temperature": "temperature", "temp": "temperature", "t": "temperature",
                   "penalties": "penalties", "e": "penalties"}
 
 
-def _check_not_run(body: dict) -> None:
-    """Refuse the samplers and limits that are not run here (`_NOT_RUN`) at a value that asks for
-    them, and a `samplers` order other than this server's (penalties first, then top_k, top_p,
-    min_p, temperature)."""
+def _check_not_run(body: dict) -> list[str] | None:
+    """Refuse the samplers and limits that are not run here (`_NOT_RUN`, `_NOT_DONE`) at a value
+    that asks for them, and a `samplers` order other than this server's (penalties first, then
+    top_k, top_p, min_p, temperature). Returns the samplers `samplers` names (None: not given):
+    the others are off for this request, as in llama-server's chain."""
+    for name, (asks, why) in _NOT_DONE.items():
+        if asks(body.get(name)):
+            raise bad(f"{name}: not supported ({why}); leave it out")
     for name, off in _NOT_RUN.items():
         v = body.get(name)
         if v is None:
@@ -152,7 +171,7 @@ def _check_not_run(body: dict) -> None:
         raise bad(f"{name}: this sampler / limit is not supported here; leave it out or at {off:g} (off)")
     order = body.get("samplers")
     if order is None:
-        return
+        return None
     if isinstance(order, str):  # llama-server's short form: one letter a sampler, "kpmt"
         names = [_SAMPLER_NAMES.get(c, c) for c in order.replace(";", "")]
     elif isinstance(order, list) and all(isinstance(x, str) for x in order):
@@ -167,6 +186,7 @@ def _check_not_run(body: dict) -> None:
     if kept != [x for x in _ORDER if x in kept] or ("penalties" in names and names.index("penalties") != 0):
         raise bad(f"samplers: this server applies penalties, top_k, top_p, min_p, temperature in that order; "
                   f"got {', '.join(names)}"[:300])
+    return names
 
 
 def check_slot(body: dict, n_slots: int) -> None:
@@ -197,6 +217,8 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
             n = _get(body, name, _is_int, "an integer (-1 = until the context is full)", None)
             if n < -1:
                 raise bad(f"{name}: expected an integer >= -1 (-1 = until the context is full), got {n}")
+            if n == 0 and name != "n_predict":  # (OpenAI's 400; llama-server's n_predict 0 evaluates the prompt)
+                raise bad(f"{name}: expected at least 1 (or -1 = until the context is full), got 0")
             break
     if n is None:
         n = d.n_predict
@@ -218,16 +240,23 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
         raise bad(f"stop: at most 16 stop strings, got {len(stop)}")
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    if body.get("stream_options") is not None and not stream:  # (OpenAI's 400)
+        raise bad("stream_options: only with stream true")
     include_usage = _get(opts, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
     cache_prompt = _get(body, "cache_prompt", lambda v: isinstance(v, bool), "true or false", True)
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     # bounded: a logit divided or multiplied by 1e308 (or 1e-320) is not finite (a 500 before)
     lo, hi = MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY
-    repeat_penalty = float(_get(body, "repeat_penalty", lambda v: _is_num(v) and lo <= v <= hi,
+    pname = "repeat_penalty"
+    if body.get("repetition_penalty") is not None:  # vLLM's name, over every token of the context
+        if body.get("repeat_penalty") is not None:
+            raise bad("repetition_penalty and repeat_penalty: give one of them")
+        pname = "repetition_penalty"
+    repeat_penalty = float(_get(body, pname, lambda v: _is_num(v) and lo <= v <= hi,
                                 f"a number in [{lo:g}, {hi:g}] (1 = off)", 1.0))
     last_n = "repeat_last_n" if body.get("repeat_last_n") is not None else "penalty_last_n"  # (mainline's name)
     repeat_last_n = _get(body, last_n, lambda v: _is_int(v) and v >= -1,
-                         "an integer >= -1 (0 = off, -1 = the context)", 64)
+                         "an integer >= -1 (0 = off, -1 = the context)", -1 if pname == "repetition_penalty" else 64)
     # checked with the other penalties by sampling.check_penalty (Scheduler.make_request; a 400)
     # (null, as OpenAI's clients send for "not given": the default)
     frequency_penalty = _or(body.get("frequency_penalty"), 0.0)
@@ -244,7 +273,15 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     for name in ("grammar", "json_schema"):  # llama-server's constraints: refused like response_format
         if body.get(name) not in (None, "", {}):
             raise bad(f"{name}: grammar-constrained sampling is not supported here; leave {name} out")
-    _check_not_run(body)
+    kept = _check_not_run(body)
+    if kept is not None:  # llama-server's chain: a sampler left out of `samplers` does not run
+        top_k = top_k if "top_k" in kept else 0
+        top_p = top_p if "top_p" in kept else 1.0
+        min_p = min_p if "min_p" in kept else 0.0
+        if "temperature" not in kept and temperature > 0:  # the distribution as it is (greedy stays greedy)
+            temperature = 1.0
+        if "penalties" not in kept:
+            repeat_penalty, frequency_penalty, presence_penalty = 1.0, 0.0, 0.0
     return GenParams(max_tokens=None if n == -1 else n, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                      min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
@@ -273,6 +310,9 @@ def prompt_field(body: dict, name: str = "prompt") -> str | list:
               + (", got an empty list" if p == [] else f", got {type(p).__name__}"))
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def messages_field(body: dict) -> list[dict]:
     """Chat messages: role and content, content as text or a list of text parts."""
     msgs = body.get("messages")
@@ -285,6 +325,11 @@ def messages_field(body: dict) -> list[dict]:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise bad(f"messages[{i}].role: expected a string, got {role!r}")
+        if role == "function":
+            raise bad(f"messages[{i}].role: 'function' (OpenAI's deprecated form) is not supported; send a tool's "
+                      f"result as role 'tool'")
+        if role not in ROLES:  # a template drops a role it does not know: the message would vanish unseen
+            raise bad(f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {role!r}"[:300])
         content = m.get("content")
         if isinstance(content, list):
             parts = []
