@@ -258,6 +258,22 @@ def test_generate_stop_strings_and_n_past_the_context(tiny_model):
     assert err.splitlines()[-1].startswith("error: prompt: ") and "leave no room" in err and "Traceback" not in err
 
 
+def test_prompt_escapes_and_files_as_llama_cli(tiny_model, tmp_path):
+    """llama-cli processes escapes in prompts by default (-e; \\n \\t \\' \\" \\\\ \\xHH, any other
+    backslash as written) and drops one trailing newline of an -f file: the same command feeds
+    the same tokens here (the probe found `-p 'a\\nb'` fed a backslash and an n)."""
+    from ikjax.cli.common import process_escapes, read_prompt_file
+    assert process_escapes(r"a\nb\tc\\d\'e\"f\x41\q\\") == "a\nb\tc\\d'e\"fA\\q\\"
+    assert process_escapes("no escapes") == "no escapes" and process_escapes("end\\") == "end\\"
+    f = tmp_path / "p.txt"
+    f.write_text("Hello\\tthere\n\n")
+    assert read_prompt_file(str(f)) == "Hello\\tthere\n"
+    base = ["generate", "-m", tiny_model, "-n", 1, "--temp", 0, "-c", 256, "-ub", 64]
+    assert invoke(base + ["-p", r"a\nb"]).stdout.startswith("a\nb")
+    assert invoke(base + ["-p", r"a\nb", "--no-escape"]).stdout.startswith("a\\nb")
+    assert invoke(base + ["-f", str(f), "-e"]).stdout.startswith("Hello\tthere\n")
+
+
 def test_generate_penalties_are_the_apis(tiny_model):
     """llama-cli's --repeat-penalty / --presence-penalty / --frequency-penalty / --repeat-last-n:
     generate prints what Engine.generate gives with the same penalties (greedy), and the

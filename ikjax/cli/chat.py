@@ -25,7 +25,8 @@ from typing import Annotated, Optional
 import typer
 
 from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
-                              app, handle, load_engine, log, read_text_file, setup_compile_cache)
+                              app, handle, load_engine, log, process_escapes, read_prompt_file,
+                              setup_compile_cache)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import ContextFullError, OptionError
@@ -60,6 +61,9 @@ def chat(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="never end an answer on EOS")] = False,
     reverse_prompt: Annotated[Optional[list[str]], typer.Option(
         "-r", "--reverse-prompt", help="stop an answer at this text (may repeat)")] = None,
+    escape: Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="process escapes (\\n, \\t, \\', \\\", "
+                                         "\\\\, ...) in -p / -f, -sys and -r, as llama-cli (default on; typed lines "
+                                         "are taken as typed)")] = True,
 ) -> None:
     """Chat with a model on the terminal (like llama-cli -cnv): streamed answers, multi-turn with the KV cache
     kept, Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D ends."""
@@ -74,7 +78,11 @@ def chat(
         raise OptionError(f"n-predict: need >= -1 (-1 = no limit), got {n_predict}")
     first = prompt or None
     if file is not None:
-        first = read_text_file(file)
+        first = read_prompt_file(file)
+    if escape:  # llama-cli's default (-e)
+        first = process_escapes(first) if first else first
+        system_prompt = process_escapes(system_prompt)
+        reverse_prompt = [process_escapes(r) for r in reverse_prompt] if reverse_prompt else reverse_prompt
     for what, text in (("prompt", first), ("system-prompt", system_prompt)):
         if text:
             check_text(text, what)

@@ -254,6 +254,39 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     return eng
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "f": "\f", "v": "\v", "\\": "\\", "'": "'",
+            '"': '"', "?": "?"}
+
+
+def process_escapes(text: str) -> str:
+    """llama-cli's -e, on by default there: \\n \\t \\r \\a \\b \\f \\v \\\\ \\' \\" \\? and \\xHH (below 0x80)
+    in a prompt become the characters they name; any other backslash stays as written. Why: the
+    same `-p "User: hi\\nAssistant:"` must feed the same tokens here as in ik."""
+    out, i = [], 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and i + 1 < len(text):
+            n = text[i + 1]
+            if n in _ESCAPES:
+                out.append(_ESCAPES[n])
+                i += 2
+                continue
+            h = text[i + 2:i + 4]
+            if n == "x" and len(h) == 2 and all(ch in "0123456789abcdefABCDEF" for ch in h) and int(h, 16) < 0x80:
+                out.append(chr(int(h, 16)))
+                i += 4
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def read_prompt_file(path: str) -> str:
+    """A -f prompt as llama-cli reads it: the file whole, one trailing newline dropped."""
+    text = read_text_file(path)
+    return text[:-1] if text.endswith("\n") else text
+
+
 def read_text_file(path: str) -> str:
     """A -f file's text, whole: UTF-8, or one line naming the file (generate, chat, perplexity)."""
     try:

@@ -15,7 +15,7 @@ import typer
 
 from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
                               TopK, TopP, app, batch_invariance, compiled_line, handle, load_engine, log,
-                              read_text_file, setup_compile_cache)
+                              process_escapes, read_prompt_file, setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -44,6 +44,8 @@ def generate(
         "-r", "--reverse-prompt", "--stop", help="stop when the text reaches this string, printed as llama-cli "
         "prints it (may repeat)")] = None,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
+    escape: Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="process escapes (\\n, \\t, \\', \\\", "
+                                         "\\\\, ...) in the prompt and -r strings, as llama-cli (default on)")] = True,
     batch_invariant: Annotated[Optional[bool], typer.Option(
         "--batch-invariant/--no-batch-invariant", help="decode in the batch-invariant form `serve` uses by default "
         "(the same greedy tokens as a server answer, bit for bit; ~8 % slower on a GPU); default off, or as "
@@ -59,7 +61,10 @@ def generate(
     if file is not None:  # llama-cli's -f
         if prompt:
             raise OptionError("prompt: give -p TEXT or -f FILE, not both")
-        prompt = read_text_file(file)
+        prompt = read_prompt_file(file)
+    if escape:  # llama-cli's default (-e): the prompt's and the reverse prompts' escapes processed
+        prompt = process_escapes(prompt)
+        reverse_prompt = [process_escapes(r) for r in reverse_prompt] if reverse_prompt else reverse_prompt
     check_text(prompt, "prompt")  # before loading: a prompt that is not UTF-8 is refused at once
     from ikjax.runtime.sampling import check_penalty
     penalties = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
