@@ -131,7 +131,8 @@ def _md_rows(stdout: str) -> tuple[list[str], list[list[str]]]:
 
 def test_bench_cartesian_product_and_skip(tiny_model):
     res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 2, "-mla", "2,3", "-ub", "16,32", "-ctk", "f16,q4_0",
-                  "-r", 2])
+                  "-r", 2], 1)  # every row printed; status 1: not every test ran (llama-bench's 1)
+    assert res.stderr.strip().splitlines()[-1] == "error: 4 of 12 tests did not run (their rows say why)"
     header, rows = _md_rows(res.stdout)
     assert header[:4] == ["model", "size", "params", "backend"] and header[-2:] == ["test", "t/s"]
     col = {h: i for i, h in enumerate(header)}

@@ -207,3 +207,7 @@ def bench(
         typer.echo(lb.to_json(results))
     elif output == "csv":
         typer.echo(lb.to_csv(results), nl=False)
+    failed = sum(1 for r in results if r.error)
+    if failed:  # every row printed; the status says not all ran (llama-bench's 1 for a model that fails to load)
+        typer.echo(f"error: {failed} of {len(results)} tests did not run (their rows say why)", err=True)
+        raise typer.Exit(1)
