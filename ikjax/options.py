@@ -204,6 +204,9 @@ class RunOptions:
         integer("ubatch", 1)
         integer("batch", 1)
         integer("ngl", 0)
+        for name in ("threads", "threads_batch"):  # ik's -t -1 / -tb -1: every core, as 0 here
+            if str(v.get(name, "")).strip() == "-1":
+                v[name] = 0
         integer("threads", 0)
         integer("threads_batch", 0)
         integer("n_cpu_moe", 0)

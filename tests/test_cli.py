@@ -275,6 +275,16 @@ def test_prompt_escapes_and_files_as_llama_cli(tiny_model, tmp_path):
     assert invoke(base + ["-f", str(f), "-e"]).stdout.startswith("Hello\tthere\n")
 
 
+def test_llama_cli_values_as_llama_cli_reads_them(tiny_model):
+    """Values llama-cli takes that were refused here: -n -2 (until the context is filled), -t -1
+    (every core), --temp -1 (greedy, as 0), --top-p 2 (off, as 1)."""
+    base = ["generate", "-m", tiny_model, "-p", "Hello", "-c", 64, "-ub", 32, "--ignore-eos", "-s", 3]
+    greedy = invoke(base + ["-n", 6, "--temp", 0]).stdout
+    assert invoke(base + ["-n", 6, "--temp", -1]).stdout == greedy
+    assert invoke(base + ["-n", 6, "--temp", 0, "-t", -1, "--top-p", 2]).stdout == greedy
+    assert invoke(base + ["-n", -2, "--temp", 0]).stdout == invoke(base + ["-n", -1, "--temp", 0]).stdout
+
+
 def test_generate_penalties_are_the_apis(tiny_model):
     """llama-cli's --repeat-penalty / --presence-penalty / --frequency-penalty / --repeat-last-n:
     generate prints what Engine.generate gives with the same penalties (greedy), and the

@@ -25,7 +25,7 @@ from typing import Annotated, Optional
 import typer
 
 from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
-                              app, handle, load_engine, log, process_escapes, read_prompt_file,
+                              app, handle, ik_sampling, load_engine, log, process_escapes, read_prompt_file,
                               setup_compile_cache)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
@@ -72,6 +72,7 @@ def chat(
     from ikjax.tokenizer import check_text
     # every value checked before the model loads
     check_choice(chat_template)
+    temp, top_p = ik_sampling(temp, top_p)
     check_sampling(temp, top_k, top_p, min_p, seed)
     check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     if n_predict < -1:

@@ -195,9 +195,15 @@ def _synthetic_size(preset: str, qtype: str, layers: int | None) -> int | None:
 
 
 # llama-cli's sampling flags, shared by `generate` and `chat` (`serve` words its help as defaults)
-Temp = Annotated[float, typer.Option("--temp", "--temperature", help="temperature (0 = greedy)")]
+Temp = Annotated[float, typer.Option("--temp", "--temperature", help="temperature (0 or less = greedy, as llama-cli)")]
 TopK = Annotated[int, typer.Option("--top-k", help="top-k sampling (0 = off)")]
-TopP = Annotated[float, typer.Option("--top-p", help="top-p sampling (1 = off)")]
+TopP = Annotated[float, typer.Option("--top-p", help="top-p sampling (1 or more = off, as llama-cli)")]
+
+
+def ik_sampling(temp: float, top_p: float) -> tuple[float, float]:
+    """llama-cli's readings of its sampling flags: a temperature of 0 or less is greedy, a top-p of
+    1 or more is off (values the Python API, which keeps OpenAI's ranges, refuses)."""
+    return max(temp, 0.0), min(top_p, 1.0)
 MinP = Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")]
 Seed = Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")]
 

@@ -15,7 +15,7 @@ import typer
 
 from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
                               TopK, TopP, app, batch_invariance, compiled_line, handle, load_engine, log,
-                              process_escapes, read_prompt_file, setup_compile_cache)
+                              ik_sampling, process_escapes, read_prompt_file, setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -56,8 +56,11 @@ def generate(
     The steps the run needs are compiled first (progress on stderr); the speed line on stderr times
     the prompt and the generated tokens apart, without compilation."""
     from ikjax.tokenizer import GGUFTokenizer, check_text
+    if n_predict == -2:  # llama-cli's "until the context is filled": what -1 does here
+        n_predict = -1
     if n_predict < -1:
-        raise OptionError(f"n-predict: need >= 0 (or -1: until EOS or the context's end), got {n_predict}")
+        raise OptionError(f"n-predict: need >= 0 (or -1 / -2: until EOS or the context's end), got {n_predict}")
+    temp, top_p = ik_sampling(temp, top_p)
     if file is not None:  # llama-cli's -f
         if prompt:
             raise OptionError("prompt: give -p TEXT or -f FILE, not both")
