@@ -33,10 +33,13 @@ def _existing_ancestor(p: Path) -> Path:
     return Path("/")
 
 
-def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "output") -> Path:
+def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "output", *,
+                 parent_exists: bool = False) -> Path:
     """Refuse, with one line naming `what` and the path, a target that cannot take the file:
     an existing directory or non-regular file, a parent that is not a directory or not writable,
-    or a file system with less than `needed_bytes` free. Returns the absolute target path."""
+    or a file system with less than `needed_bytes` free. `parent_exists`: a user's output path,
+    whose directory must exist (as ik's tools open their files): a mistyped path is refused,
+    not made. Returns the absolute target path."""
     if not str(path).strip():  # ("" is the current directory to abspath)
         raise OptionError(f"{what}: empty path (give a file name)")
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
@@ -49,6 +52,8 @@ def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "ou
             raise OptionError(f"{what}: {path} is a directory (give a file name)")
         if not stat.S_ISREG(mode):
             raise OptionError(f"{what}: {path} exists and is not a regular file")
+    if parent_exists and not p.parent.is_dir():
+        raise OptionError(f"{what}: cannot create {path}: the directory {p.parent} does not exist")
     base = _existing_ancestor(p.parent)
     if not base.is_dir():
         raise OptionError(f"{what}: cannot create {path}: {base} is not a directory")

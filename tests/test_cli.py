@@ -326,8 +326,8 @@ def test_outside_probe_cli_defects(tiny_model, tmp_path, monkeypatch):
     assert_one_line_error(invoke(["generate", "-m", "synthetic:", "-p", "x", "-n", 2], 1), "no preset")
     assert_one_line_error(invoke(["info", tiny_model, "-m", tmp_path / "other.gguf"], 1), "two models")
     assert_one_line_error(invoke(["make-model", "-o", ""], 1), "empty path")
-    res = invoke(["generate", "-m", tiny_model, "-p", "x", "-n", 4, "--temp", -1], 1)
-    assert_one_line_error(res, "temperature")
+    res = invoke(["generate", "-m", tiny_model, "-p", "x", "-n", 4, "--min-p", 2], 1)  # (--temp -1: greedy, as llama-cli)
+    assert_one_line_error(res, "min_p")
     assert "memory plan" not in res.stderr  # before the load
     prompt = tmp_path / "p.txt"
     prompt.write_text("Hello world")

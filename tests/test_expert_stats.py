@@ -58,6 +58,10 @@ def test_cli_writes_the_file_at_the_end(tiny4_model, tmp_path):
     import subprocess
     import sys
     out = tmp_path / "stats" / "e.json"
+    cmd = [sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny4_model, "-p", "hi", "-n", "1", "--expert-stats", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True)  # a directory that does not exist: refused, not made
+    assert r.returncode == 1 and "does not exist" in r.stderr.strip().splitlines()[-1] and not out.parent.exists()
+    out.parent.mkdir()
     r = subprocess.run([sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny4_model, "-p", "hello there", "-n", "4",
                         "--temp", "0", "-c", "128", "--expert-stats", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]

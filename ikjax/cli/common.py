@@ -230,7 +230,7 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     stats_file = opts.pop("expert_stats", None)
     if isinstance(stats_file, str):
         from ikjax.atomic_file import check_target
-        check_target(stats_file, 0, "expert-stats")  # a path that cannot be written is refused now
+        check_target(stats_file, 0, "expert-stats", parent_exists=True)  # a path that cannot be written is refused now
         _check_stats_overwrite(stats_file)
         opts["expert_stats"] = True
     # validate the options before (possibly) making the default model

@@ -43,7 +43,7 @@ def make_model(
         raise OptionError(f"type: {qtype!r} is not one of {', '.join(synthetic.SUPPORTED_TYPES)}")
     total = sum(t.nbytes for t in plans)
     # the writer's own check (writable first, then the space with its margin), before the bar starts
-    check_target(output, total, "output")
+    check_target(output, total, "output", parent_exists=True)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=stderr_console(), transient=True) as prog:

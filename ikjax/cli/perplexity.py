@@ -71,7 +71,7 @@ def perplexity_cmd(
         ppl.check_ctx(ctx, ctx)
         if kl_divergence_base:  # the base file to write: its place checked before anything loads
             from ikjax.atomic_file import check_target
-            check_target(kl_divergence_base, 0, "kl-divergence-base")
+            check_target(kl_divergence_base, 0, "kl-divergence-base", parent_exists=True)
     run = RunArgs({**run, "ctx": ctx, "dtype": dtype})
     run_opts, _ = check_options(run, "perplexity")
     # the text and the base file are checked against the model's header before it loads
