@@ -227,7 +227,7 @@ struct Lane {
   std::atomic<uint32_t>* go = nullptr;    // written by the stream: the last call whose inputs are on the host
   std::atomic<uint32_t>* done = nullptr;  // written by the worker: the last call whose output is on the host
   CUdeviceptr go_dev = 0, done_dev = 0;
-  uint32_t seq = 0;  // the last call enqueued (the XLA thread's side)
+  uint32_t seq = 0;  // the last call enqueued (under mu)
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::pair<void*, uint32_t>> queue;  // (Job*, its number) in stream order
@@ -290,15 +290,18 @@ ffi::Error enqueue_flag(cudaStream_t stream, void* job) {
   Lane* lane = nullptr;
   if (ffi::Error e = lane_for(stream, &lane); e.failure()) return e;
   const StreamOps& ops = stream_ops();
-  const uint32_t seq = ++lane->seq;
-  CUresult r = ops.write(reinterpret_cast<CUstream>(stream), lane->go_dev, seq, CU_STREAM_WRITE_VALUE_DEFAULT);
-  if (r == CUDA_SUCCESS)
-    r = ops.wait(reinterpret_cast<CUstream>(stream), lane->done_dev, seq, CU_STREAM_WAIT_VALUE_EQ);
-  if (r != CUDA_SUCCESS)
-    return ffi::Error::Internal("host moe_experts: stream memory operation failed (CUresult " + std::to_string(r) +
-                                "); IKJAX_HOST_CALL=hostfunc hands calls over by CUDA host functions instead");
   {
+    // the number, the stream's operations and the worker's queue in one order, whatever thread
+    // enqueues: the worker serves calls in the order their numbers reach the stream
     std::lock_guard<std::mutex> lock(lane->mu);
+    const uint32_t seq = lane->seq + 1;
+    CUresult r = ops.write(reinterpret_cast<CUstream>(stream), lane->go_dev, seq, CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (r == CUDA_SUCCESS)
+      r = ops.wait(reinterpret_cast<CUstream>(stream), lane->done_dev, seq, CU_STREAM_WAIT_VALUE_EQ);
+    if (r != CUDA_SUCCESS)
+      return ffi::Error::Internal("host moe_experts: stream memory operation failed (CUresult " + std::to_string(r) +
+                                  "); IKJAX_HOST_CALL=hostfunc hands calls over by CUDA host functions instead");
+    lane->seq = seq;
     lane->queue.emplace_back(job, seq);
   }
   lane->cv.notify_one();
