@@ -132,7 +132,7 @@ class RunOptions:
     fmoe: bool = True  # ik's default: fused MoE on
     ser: SmartExpertReduction | None = None
     ot: tuple[TensorOverride, ...] = ()
-    ctx: int = 4096
+    ctx: int = 4096  # 0: the model's training context (ik's -c 0), read from the file when it loads
     ubatch: int = 512
     batch: int = 2048
     dtype: str = "auto"  # matmul input dtype; not an ik flag. auto: f32 on CPU, bf16 on accelerators
@@ -200,7 +200,7 @@ class RunOptions:
 
         integer("mla", 0, 3)
         integer("amb", 0)
-        integer("ctx", 1)
+        integer("ctx", 0)
         integer("ubatch", 1)
         integer("batch", 1)
         integer("ngl", 0)

@@ -285,6 +285,19 @@ def test_llama_cli_values_as_llama_cli_reads_them(tiny_model):
     assert invoke(base + ["-n", -2, "--temp", 0]).stdout == invoke(base + ["-n", -1, "--temp", 0]).stdout
 
 
+def test_ctx_0_is_the_model_s_training_context(tiny_model):
+    """ik's -c 0: the context the model was trained with (refused before), in the CLI (read from
+    the file's header before the load: the commands check their rows and slots against it) and in
+    the Python API."""
+    import ikjax
+    eng = ikjax.load(tiny_model, ctx=0, ubatch=64)
+    n = eng.config.context_length
+    assert eng.options.ctx == n and eng.capacity >= n
+    res = invoke(["info", tiny_model, "-c", 0])
+    assert f"note: -c 0: the model's training context, {n} tokens" in res.stderr + res.stdout
+    assert f"memory plan (-c {n} " in res.stdout
+
+
 def test_generate_penalties_are_the_apis(tiny_model):
     """llama-cli's --repeat-penalty / --presence-penalty / --frequency-penalty / --repeat-last-n:
     generate prints what Engine.generate gives with the same penalties (greedy), and the

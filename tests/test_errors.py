@@ -147,7 +147,7 @@ def test_missing_split_shard(tmp_path):
     (dict(ot="exps"), "ot: expected REGEX=DEVICE"),
     (dict(ot="exps=TPU9"), "ot: unknown device"),
     (dict(bogus=1), "unknown option 'bogus'"),
-    (dict(ctx=0), "ctx: 0 out of range"),
+    (dict(ctx=-1), "ctx: -1 out of range"),  # (0: the model's training context, as ik)
 ])
 def test_bad_options(opts, needle):
     with pytest.raises(ikjax.OptionError) as e:

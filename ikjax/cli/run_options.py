@@ -21,6 +21,7 @@ visibly, in bench's own signature.
 `check_options` turns the values into `RunOptions` (validated, one note per option that has no
 effect here) before anything is loaded.
 """
+import dataclasses
 import functools
 import inspect
 import typing
@@ -46,7 +47,8 @@ def _shared(
     model: Annotated[Optional[str], typer.Option(
         "-m", "--model", help="GGUF file (any shard of a split model), or synthetic:PRESET[:TYPE[:LAYERS]] "
         "(made once, cached in ~/.cache/ikjax). Default: the built-in tiny synthetic model.")] = None,
-    ctx: Annotated[int, typer.Option("-c", "--ctx", "--ctx-size", help="context size in tokens (KV cache length)")
+    ctx: Annotated[int, typer.Option("-c", "--ctx", "--ctx-size", help="context size in tokens (KV cache length; "
+                                     "0 = the model's training context, as ik)")
                    ] = _D.ctx,
     batch: Annotated[int, typer.Option("-b", "--batch", "--batch-size", help="logical batch size")] = _D.batch,
     ubatch: Annotated[int, typer.Option("-ub", "--ubatch", "--ubatch-size",
@@ -258,11 +260,27 @@ def load_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
+def model_context_length(model: str | None) -> int:
+    """The training context (`<arch>.context_length`) in a model file's header, or the built-in
+    default's; the file is not loaded."""
+    from ikjax.cli.common import resolve_model
+    from ikjax.gguf_io.config import ModelConfig
+    from ikjax.gguf_io.reader import GGUFModelFile
+    path = resolve_model(model)
+    f = GGUFModelFile(path)
+    return ModelConfig.from_metadata(f.metadata, source=path, file_tensors=f.tensors).context_length
+
+
 def check_options(params: dict[str, Any], command: str) -> tuple[dict[str, Any], RunOptions]:
     """Validate a command's run options and ik switches before anything is loaded; print one note per
     option that has no effect here. Returns (ikjax.load keyword arguments, the checked RunOptions)."""
     run_opts = load_kwargs(params)
     checked = RunOptions.from_kwargs(**{**run_opts, **({"expert_stats": True} if run_opts.get("expert_stats") else {})})
+    if checked.ctx == 0:  # ik's -c 0: the model's training context, read now (the commands check rows and slots against it)
+        n = model_context_length(params.get("model"))
+        log(f"note: -c 0: the model's training context, {n} tokens")
+        run_opts["ctx"] = n
+        checked = dataclasses.replace(checked, ctx=n)
     switches = {k: params[k] for k in SWITCH_PARAMS if k in params}
     for line in switch_notes(switches, command, backend()) + checked.notes():
         log("note: " + line)

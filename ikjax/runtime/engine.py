@@ -64,6 +64,8 @@ class Engine:
         self.config = ModelConfig.from_metadata(self.file.metadata, source=path,
                                                 vocab_from_tensor=first_tensor.shape[0] if first_tensor else None,
                                                 file_tensors=self.file.tensors)
+        if options.ctx == 0:  # ik's -c 0: the model's training context
+            options = dataclasses.replace(options, ctx=self.config.context_length)
         self.options = options.with_model(self.config.n_expert_used, self.config.n_expert > 0, ops.auto_dtype())
         self.capacity = cache_capacity(self.options)
         o, cfg = self.options, self.config
