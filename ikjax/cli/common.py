@@ -236,6 +236,8 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     # validate the options before (possibly) making the default model
     RunOptions.from_kwargs(**opts)
     path = resolve_model(model)
+    if model is None:  # (ik's tools need -m; here the built-in default runs, which a forgotten -m should not hide)
+        log("note: no -m given: the built-in synthetic model (random weights: its text is not language)")
     t0 = time.perf_counter()
     eng = load(path, **opts)
     if not eng.load_overlapped:
