@@ -354,7 +354,9 @@ class AnswerSplitter:
         self._reasoning = ReasoningSplitter(opened=opened) if opened is not None else None
         self._tools = ToolCallSplitter(family, names) if tools else None
         self._forced = forced.split(THINK_CLOSE)[-1].lstrip() if tools else ""
-        self.opening = self.feed(forced) if forced else ("", "")  # (nothing shown: held as a call)
+        # the forced text is the prompt's, never the model's: nothing of it shows (its call markers are
+        # held as a call; with reasoning_format "none" its `</think>` would otherwise come out as content)
+        self.opening = (self.feed(forced)[0], "") if forced else ("", "")
 
     @property
     def had_reasoning(self) -> bool:

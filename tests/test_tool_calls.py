@@ -255,6 +255,16 @@ def test_an_unfinished_forced_call_is_not_content():
         assert calls == [] and "".join(p[1] for p in parts) + c == tail, tail
 
 
+def test_a_forced_call_s_think_close_is_not_content_without_reasoning_split():
+    """reasoning_format "none" (no reasoning split): the `</think>` the forced opening closes R1's
+    reasoning with is the prompt's, not content."""
+    start = "</think>\n\n" + forced_call(NAMED, "deepseek")
+    answer = AnswerSplitter(opened=None, tools=True, family="deepseek", names=["get_weather"], forced=start)
+    parts = [answer.opening, answer.feed(FORCED_RESTS["deepseek"][1])]
+    r, c, calls = answer.finish()
+    assert "".join(p[1] for p in parts) + c == "" and [t.name for t in calls] == ["get_weather"]
+
+
 def test_a_call_asked_for_needs_tools():
     for choice in ("required", NAMED):
         for tools in (None, []):

@@ -207,8 +207,9 @@ def render_chat(eng, messages, chat_template=None, add_generation_prompt: bool =
 def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool = True,
                  template_kwargs: Mapping[str, Any] | None = None, tools: list | None = None,
                  tool_choice: Any = None) -> tuple[str, str]:
-    """(prompt text, the answer's forced start at its end). The prompt text of a conversation: `chat_template` a ChatTemplate, or a choice for
-    `Engine.chat_template` (None: the model's own); `tools` OpenAI's function tools
+    """(prompt text, the answer's forced start at its end). The prompt text of a conversation:
+    `chat_template` a ChatTemplate, or a choice for `Engine.chat_template` (None: the model's
+    own); `tools` OpenAI's function tools
     (`chat_template.tool_messages`: in the template's system prompt where it does not render them),
     `tool_choice` OpenAI's ("none": the tools are not offered; "required" or one function: the
     text ends with that call's opening, `chat_template.forced_answer_start`)."""
