@@ -59,6 +59,22 @@ class ServerConfig:
     defaults: Defaults = field(default_factory=Defaults)
 
 
+class _AnsweredBodyErrors(logging.Filter):
+    """aiohttp drains a request's body after the handler; a body that does not decode (bad gzip)
+    raises there again and aiohttp logs it as an "Unhandled exception" with three tracebacks, though
+    `Server._body` already answered it with a 400 naming the problem. Those records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, (web.RequestPayloadError, ContentEncodingError))
+
+
+def _quiet_answered_body_errors() -> None:
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _AnsweredBodyErrors) for f in logger.filters):
+        logger.addFilter(_AnsweredBodyErrors())
+
+
 class Server:
     """The app's state: engine, tokenizer, chat template, scheduler, metrics."""
 
@@ -76,6 +92,7 @@ class Server:
 
     # -- the app ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
+        _quiet_answered_body_errors()
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors, self._preflight, self._auth])
         app.on_response_prepare.append(_cors_headers)
         r = app.router
