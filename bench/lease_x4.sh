@@ -1074,6 +1074,12 @@ PY
     env $envs timeout 150 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe --threads $(nproc) --ubatch 2048 \
       --tg 32 --kv 512 --interleave --interleave-tokens 2048 --top 8 $extra 2>&1 | grep -v Warn | grep -E "a token wall|^ +[0-9]|host experts|idle" | head -12
   done
+  for sp in ${SPINS58:-100 400}; do  # the pool's workers spinning between the flag hand-overs (IKJAX_SPIN; default 0 next to a GPU)
+    el "decode profile, hot, IKJAX_SPIN=$sp"
+    IKJAX_SPIN=$sp XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe \
+      --threads $(nproc) --ubatch 2048 --tg 32 --kv 512 --prefill --top 3 --gpu-experts auto --expert-counts $S 2>&1 \
+      | grep -v Warn | grep -E "a token wall|host experts" | head -3
+  done
   for v in ${SWEEPS58:-hot hot-count}; do
     el "sweep-bench rows through the API: $v"
     extra=""; envs=""
