@@ -130,6 +130,16 @@ start_r1_8() {  # the 8-layer R1 written in the background (idempotent)
       > /tmp/r1-8.log 2>&1 && mv /tmp/r1-8.tmp.gguf /tmp/r1-8.gguf" > /dev/null 2>&1 < /dev/null &
   fi
 }
+r1_8_hybrid_setup() {  # stages 57 / 58: the 8-layer R1 and its expert statistics; sets S (the file), F (the
+  # sweep flags) and frac (XLA's memory fraction for a 24 GB budget); $1: the compile cache
+  start_r1_8
+  export CUDA_VISIBLE_DEVICES=0 IKJAX_COMPILE_CACHE=$1
+  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-300} ]; do sleep 5; done
+  ls -la /tmp/r1-8.gguf || { tail -3 /tmp/r1-8.log; exit 1; }
+  S=/tmp/r1-stats.json; F="-c 4096 -ub 2048 -b 2048 -mla 3 -fa 1 -ot exps=CPU -t $(nproc)"
+  frac=$(python3 -c "print(round(24 * 1024 / $(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits | head -1), 3))")
+  [ -f $S ] || { el "statistics run"; timeout 120 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 8 --expert-stats $S 2>&1 | grep -E "rror" ; }
+}
 start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent; NO_BG=1: neither)
   [ -n "${NO_BG:-}" ] && return
   [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh "${IK_JOBS:-44}"
@@ -1029,13 +1039,7 @@ PY
 57)
   # issue 24: one lease, interleaved: R1-8 -ot sweep-bench rows in the auto and active stream forms and with
   # --gpu-experts auto (24 GB), then the decode token's profile with the hot experts and without
-  start_r1_8
-  export CUDA_VISIBLE_DEVICES=0 IKJAX_COMPILE_CACHE=/tmp/cc57
-  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-300} ]; do sleep 5; done
-  ls -la /tmp/r1-8.gguf || { tail -3 /tmp/r1-8.log; exit 1; }
-  S=/tmp/r1-stats.json; F="-c 4096 -ub 2048 -b 2048 -mla 3 -fa 1 -ot exps=CPU -t $(nproc)"
-  frac=$(python3 -c "print(round(24 * 1024 / $(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits | head -1), 3))")
-  [ -f $S ] || { el "statistics run"; timeout 120 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 8 --expert-stats $S 2>&1 | grep -E "rror" ; }
+  r1_8_hybrid_setup /tmp/cc57
   for v in ${VARIANTS57:-auto active hot}; do
     el "r1-8 sweep-bench: $v"
     case $v in
@@ -1060,13 +1064,7 @@ PY
   # decode call profiled alone. One lease: the decode call profiled with a 2048-token prompt step (which streams
   # the experts to the GPU) before each call, hot and auto; then sweep-bench's rows through the API with the hot
   # experts and counting off / on (bench/hybrid_sweep_api.py), against the CLI's row
-  start_r1_8
-  export CUDA_VISIBLE_DEVICES=0 IKJAX_COMPILE_CACHE=/tmp/cc58
-  while [ ! -f /tmp/r1-8.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-300} ]; do sleep 5; done
-  ls -la /tmp/r1-8.gguf || { tail -3 /tmp/r1-8.log; exit 1; }
-  S=/tmp/r1-stats.json; F="-c 4096 -ub 2048 -b 2048 -mla 3 -fa 1 -ot exps=CPU -t $(nproc)"
-  frac=$(python3 -c "print(round(24 * 1024 / $(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits | head -1), 3))")
-  [ -f $S ] || { el "statistics run"; timeout 120 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 8 --expert-stats $S 2>&1 | grep -E "rror" ; }
+  r1_8_hybrid_setup /tmp/cc58
   for v in ${PROFILES58:-hot auto}; do
     el "decode profile after 2048-token prompt steps: $v"
     extra=""; envs=""
