@@ -461,6 +461,12 @@ def test_python_chat_forces_a_call(app_server):
     msgs = [{"role": "user", "content": "Weather?"}]
     out = eng.chat(msgs, 2, tools=[WEATHER], tool_choice=NAMED, chat_template="deepseek3", reasoning_format="none")
     assert out.prompt.endswith(forced_call(NAMED, "deepseek"))
+    st = eng.chat(msgs, 2, tools=[WEATHER], tool_choice=NAMED, chat_template="deepseek3", stream=True)
+    assert st.forced_start == forced_call(NAMED, "deepseek") and st.prompt.endswith(st.forced_start)
+    list(st)
+    st = eng.chat(msgs, 1, tools=[WEATHER], chat_template="deepseek3", stream=True)
+    list(st)
+    assert st.forced_start == ""
     out = eng.chat(msgs, 1, tools=[WEATHER], tool_choice="none", chat_template="deepseek3")
     assert '"get_weather"' not in out.prompt and out.tool_calls == []
     with pytest.raises(OptionError):

@@ -90,15 +90,18 @@ class TextStream:
     """An iterator of text deltas (str) of one generation; see the module docstring. After the
     last delta: `text`, `tokens`, `finish_reason`, `usage`; `close()` stops it early (a cancelled
     request: a session keeps what its cache holds). `reasoning_opened` says whether the prompt
-    opened R1's `<think>` block (`ReasoningSplitter(opened=...)` splits the deltas)."""
+    opened R1's `<think>` block (`ReasoningSplitter(opened=...)` splits the deltas); `forced_start`
+    is the opening of a call the chat's `tool_choice` forced, which ends the prompt and is the
+    answer's first text (`AnswerSplitter(..., forced=stream.forced_start)` takes both)."""
 
     def __init__(self, gen: Generation, detok, stops: Sequence[str], *, prompt: str | None = None,
-                 reasoning_opened: bool = False):
+                 reasoning_opened: bool = False, forced_start: str = ""):
         self._gen = gen
         self._detok = detok
         self._stops = StopStrings(stops)
         self.prompt = prompt
         self.reasoning_opened = reasoning_opened
+        self.forced_start = forced_start
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -178,7 +181,7 @@ def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float =
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
              presence_penalty: float = 0.0, ignore_eos: bool = False,
              session: KVSession | None = None, _prompt_text: str | None = None,
-             _reasoning_opened: bool = False, _keep: frozenset[int] = frozenset()):
+             _reasoning_opened: bool = False, _keep: frozenset[int] = frozenset(), _forced_start: str = ""):
     """`Engine.complete` (its docstring)."""
     stops = _stop_strings(stop)
     ids = encode_prompt(eng, prompt)
@@ -189,7 +192,7 @@ def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float =
                        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                        ignore_eos=ignore_eos, session=session)
     ts = TextStream(gen, eng.tokenizer.detokenizer(keep=_keep), stops, prompt=_prompt_text,
-                    reasoning_opened=_reasoning_opened)
+                    reasoning_opened=_reasoning_opened, forced_start=_forced_start)
     if stream:
         return ts
     for _ in ts:
@@ -248,7 +251,7 @@ def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, re
     opened = opens_reasoning(prompt[:len(prompt) - len(start)])
     keep = eng.tokenizer.ids_of(TOOL_MARKERS) if tools else frozenset()  # a call's markers: control tokens
     out = complete(eng, prompt, max_tokens, stream=stream, _prompt_text=prompt, _reasoning_opened=opened,
-                   _keep=keep, **kw)
+                   _forced_start=start, _keep=keep, **kw)
     if stream:
         return out
     # the server's split of a chat answer (reasoning, then content without its tool calls)
