@@ -296,6 +296,9 @@ def test_ctx_0_is_the_model_s_training_context(tiny_model):
     res = invoke(["info", tiny_model, "-c", 0])
     assert f"note: -c 0: the model's training context, {n} tokens" in res.stderr + res.stdout
     assert f"memory plan (-c {n} " in res.stdout
+    # perplexity: chunks of that length (this file is too short for one of 16k tokens: refused, after the note)
+    res = invoke(["perplexity", "-m", tiny_model, "-f", __file__, "-c", 0, "--chunks", 1], 1)
+    assert f"-c 0: the model's training context, {n} tokens a chunk" in res.stderr
 
 
 def test_generate_penalties_are_the_apis(tiny_model):

@@ -17,7 +17,7 @@ import typer
 
 from ikjax.cli.common import app, compiled_line, handle, load_engine, log, read_text_file, setup_compile_cache
 from ikjax.cli.parser import ExactCommand
-from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
+from ikjax.cli.run_options import RunArgs, check_options, model_context_length, takes_run_options
 from ikjax.errors import OptionError
 
 PPL_CTX = 512  # llama-perplexity's default -c
@@ -56,6 +56,9 @@ def perplexity_cmd(
     if chunks == 0 or chunks < -1:
         raise OptionError(f"chunks: need a count >= 1 (or -1 for all), got {chunks}")
     base = None
+    if ctx == 0:  # ik's -c 0: chunks of the model's training context
+        ctx = model_context_length(run.model)
+        log(f"note: -c 0: the model's training context, {ctx} tokens a chunk")
     if kl_divergence:
         base = ppl.BaseLogits.open(kl_divergence_base)  # its n_ctx decides the chunks, before anything loads
         text = None
