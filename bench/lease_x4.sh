@@ -1078,8 +1078,13 @@ PY
       --threads $(nproc) --ubatch 2048 --tg 32 --kv 512 --prefill --top 3 --gpu-experts auto --expert-counts $S 2>&1 \
       | grep -v Warn | grep -E "a token wall|host experts" | head -3
   done
-  for v in ${SWEEPS58:-hot hot-count}; do
-    el "sweep-bench rows through the API: $v"
+  for v in ${SWEEPS58:-hot hot-count}; do  # (cli: the CLI's row with the hot experts, for a second chained call)
+    el "sweep-bench rows: $v"
+    if [ $v = cli ]; then
+      XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 \
+        --gpu-experts auto --expert-stats $S 2>&1 | grep -E "^\|  *2048|host experts in decode|rror" | cut -c1-260
+      continue
+    fi
     extra=""; envs=""
     case $v in hot*) extra="--gpu-experts auto --expert-counts $S"; envs="XLA_PYTHON_CLIENT_MEM_FRACTION=$frac" ;; esac
     case $v in *count) extra="$extra --count" ;; esac
