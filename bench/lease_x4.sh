@@ -1066,6 +1066,7 @@ PY
   # experts and counting off / on (bench/hybrid_sweep_api.py), against the CLI's row
   r1_8_hybrid_setup /tmp/cc58
   for v in ${PROFILES58:-hot auto}; do
+    [ "$v" = none ] && continue  # (PROFILES58=none: skip these)
     el "decode profile after 2048-token prompt steps: $v"
     extra=""; envs=""
     [ $v = hot ] && { extra="--gpu-experts auto --expert-counts $S"; envs="XLA_PYTHON_CLIENT_MEM_FRACTION=$frac"; }
@@ -1073,12 +1074,14 @@ PY
       --tg 32 --kv 512 --interleave --interleave-tokens 2048 --top 8 $extra 2>&1 | grep -v Warn | grep -E "a token wall|^ +[0-9]|host experts|idle" | head -12
   done
   for sp in ${SPINS58:-100 400}; do  # the pool's workers spinning between the flag hand-overs (IKJAX_SPIN; default 0 next to a GPU)
+    [ "$sp" = none ] && continue  # (SPINS58=none: skip these)
     el "decode profile, hot, IKJAX_SPIN=$sp"
     IKJAX_SPIN=$sp XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe \
       --threads $(nproc) --ubatch 2048 --tg 32 --kv 512 --prefill --top 3 --gpu-experts auto --expert-counts $S 2>&1 \
       | grep -v Warn | grep -E "a token wall|host experts" | head -3
   done
   for v in ${SWEEPS58:-hot hot-count}; do  # (cli: the CLI's row with the hot experts, for a second chained call)
+    [ "$v" = none ] && continue  # (SWEEPS58=none: skip these)
     el "sweep-bench rows: $v"
     if [ $v = cli ]; then
       XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 \
