@@ -144,9 +144,11 @@ def test_chat_session_reuses_the_cache_without_changing_answers(eng):
     assert two.tokens == fresh.tokens and two.text == fresh.text
     assert two.usage.cached_tokens > len(eng.tokenizer.encode(t.render(msgs[:2]))) // 2
     assert sess.ids == encode_prompt(eng, two.prompt) + two.tokens[:-1]  # one BOS: the template's
-    # the same prompt again: everything but its last two tokens comes from the cache
+    # the same prompt again: everything but its last prefill chunk (from an ubatch boundary, as a
+    # fresh prefill cuts it) comes from the cache
     again = eng.chat(msgs, 12, session=sess)
-    assert again.tokens == two.tokens and again.usage.cached_tokens == again.usage.prompt_tokens - 2
+    n, ub = again.usage.prompt_tokens, eng.options.ubatch
+    assert again.tokens == two.tokens and again.usage.cached_tokens == (n - 1) // ub * ub
     # a stream closed early keeps the cache consistent for the next call
     s = eng.chat(msgs, 12, session=sess, stream=True)
     next(s)
@@ -287,3 +289,21 @@ def test_chat_refuses_messages_a_template_would_drop(eng):
         with pytest.raises(ikjax.IkjaxError, match=re.escape(words)):
             eng.chat(messages, 2)
     assert eng.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], 2).text is not None
+
+
+def test_a_prompt_sent_again_on_a_session_answers_as_fresh():
+    """A session holding a prompt whole feeds its last prefill chunk again, cut where a fresh
+    prefill cuts it: the kernels' numbers follow a step's row count (decode form under 4 rows, the
+    amx level's bf16 tiles from 32 padded rows), and the 2-token re-feed before gave greedy
+    answers that left a fresh call's at the 21st token (real-converter fixture, default dtype:
+    an outside probe)."""
+    from conftest import fixtures_dir
+    e = ikjax.load(str(fixtures_dir() / "v3dense-all-Q8_0.gguf"), ctx=256, ubatch=16)
+    for prompt in ("Hello there friend", "The quick brown fox jumps over the lazy dog while the cat sleeps " * 2):
+        fresh = e.complete(prompt, 30).tokens
+        s = e.session()
+        e.complete(prompt, 30, session=s)
+        again = e.complete(prompt, 30, session=s)
+        assert again.tokens == fresh, prompt
+        n = again.usage.prompt_tokens
+        assert again.usage.cached_tokens == (n - 1) // 16 * 16

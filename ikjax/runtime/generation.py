@@ -225,11 +225,14 @@ class KVSession:
         return n
 
     def _acquire(self, eng, ids: np.ndarray, gen: "Generation"):
-        """(cache, position to feed from) for a prompt: at least its last two tokens are fed (the
-        last one's logits pick the first new token). Why two: a one-token step runs the decode
-        form of the kernels, whose numbers differ slightly from a prompt chunk's, so a prompt the
-        cache already holds whole would get other logits (and, greedy, maybe another answer)
-        than the same prompt fed fresh."""
+        """(cache, position to feed from) for a prompt: what the cache holds of it is not fed
+        again, but at least its last two tokens are (the last one's logits pick the first new
+        token), and a prompt the cache holds whole (a request sent again) has its last prefill
+        chunk fed again as a fresh prefill feeds it (from the same ubatch boundary). Why: the
+        kernels' numbers follow a step's row count (a one- to three-token step runs their decode
+        form; on an AMX CPU a chunk padded to 32 rows or more their bf16 tiles), so the last token
+        fed in a step of another size got other logits (and, greedy, another answer: the CPU's
+        2-token re-feed differed at the 21st token) than the same prompt fed fresh."""
         if eng is not self.engine:
             raise OptionError("session: made for another engine (use eng.session())")
         self._end_abandoned()
@@ -241,7 +244,11 @@ class KVSession:
         if self.cache is None:
             return self.engine.new_cache(1), 0
         cache, self.cache = self.cache, None
-        return cache, max(0, min(self.common_prefix(ids.tolist()), len(ids) - 2))
+        n, common = len(ids), self.common_prefix(ids.tolist())
+        if common >= n - 1:  # held whole (or all but its last token): its last chunk, as a fresh prefill's
+            ub = self.engine.options.ubatch
+            return cache, (n - 1) // ub * ub
+        return cache, max(0, min(common, n - 2))
 
     def _release(self, cache, ids: list[int]) -> None:
         self._busy, self._holder = False, None
