@@ -233,6 +233,8 @@ class RunOptions:
             v.pop("expert_counts", None)
         elif "expert_counts" in v:
             v["expert_counts"] = str(v["expert_counts"])
+            if v["expert_counts"] and not v.get("gpu_experts"):  # read only to place hot experts: never unused
+                raise OptionError("expert_counts: only with gpu_experts (it chooses which experts go to the GPU)")
         if v.get("ctv") is None:
             v.pop("ctv", None)
         for name, allowed in (("ctk", CACHE_TYPES), ("ctv", CACHE_TYPES), ("dtype", COMPUTE_DTYPES)):

@@ -179,7 +179,17 @@ class GGUFTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+        """Text of token ids; an id outside the vocabulary (or not an integer) is an OptionError
+        naming it (an OverflowError or TypeError from the tokenizer library before, and an id
+        past the vocabulary decoded to nothing)."""
+        if isinstance(ids, (str, bytes)):
+            raise OptionError(f"token ids: expected integers, got {type(ids).__name__}")
+        out = []
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < len(self.tokens):
+                raise OptionError(f"token ids: {t!r} at index {i} is not a token id in [0, {len(self.tokens)})")
+            out.append(int(t))
+        return self.tokenizer.decode(out, skip_special_tokens=skip_special)
 
     def token_text(self, token_id: int | None) -> str:
         """The vocabulary string of a token as the chat template writes it (bos_token, eos_token):

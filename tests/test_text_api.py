@@ -307,3 +307,31 @@ def test_a_prompt_sent_again_on_a_session_answers_as_fresh():
         assert again.tokens == fresh, prompt
         n = again.usage.prompt_tokens
         assert again.usage.cached_tokens == (n - 1) // 16 * 16
+
+
+def test_api_inputs_an_outside_probe_found(eng, tmp_path):
+    """Each was a TypeError / OverflowError / ValueError from a library's depths, a silent no-op
+    or a directory made from a typo; now one-line OptionErrors, or taken as the API's peers take
+    them."""
+    from ikjax.chat_template import ChatTemplateError
+    msgs = [{"role": "user", "content": "hi"}]
+    for bad in ([-1], [1.5], "abc", [eng.config.vocab_size]):
+        with pytest.raises(OptionError, match="token"):
+            eng.tokenizer.decode(bad)
+    assert eng.tokenizer.decode([1, 2]) == eng.tokenizer.tokenizer.decode([1, 2], skip_special_tokens=False)
+    for b in (-1, 0, "2", 1.5):
+        with pytest.raises(OptionError, match="batch"):
+            eng.new_cache(b)
+        with pytest.raises(OptionError, match="batch"):
+            eng.memory_plan(b)
+    with pytest.raises(OptionError, match="template_kwargs"):
+        eng.chat(msgs, 1, template_kwargs="x")
+    with pytest.raises(ChatTemplateError):
+        eng.chat(msgs, 1, chat_template="{% for i in range(10**9) %}x{% endfor %}")
+    with pytest.raises(OptionError, match="expert_counts"):
+        ikjax.RunOptions.from_kwargs(expert_counts=str(tmp_path / "s.json"))
+    ids = eng.tokenizer.encode("Hello there", False)
+    assert eng.complete(np.array(ids), 3).tokens == eng.complete(ids, 3).tokens  # (as generate takes arrays)
+    with pytest.raises(OptionError, match="does not exist"):
+        eng.save_expert_stats(tmp_path / "no" / "s.json", {"tokens": 0, "layers": {}})
+    assert not (tmp_path / "no").exists()

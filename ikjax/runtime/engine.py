@@ -507,16 +507,18 @@ class Engine:
         return self._expert_counts.as_json()
 
     def save_expert_stats(self, path, stats: dict | None = None) -> None:
-        """`expert_stats()` (or `stats` in its form) as JSON in `path`, written whole or not at all."""
+        """`expert_stats()` (or `stats` in its form) as JSON in `path`, written whole or not at all
+        (its directory must exist: a mistyped path is refused, not made, as on the CLI)."""
         import json
-        from ikjax.atomic_file import atomic_write
+        from ikjax.atomic_file import atomic_write, check_target
         data = json.dumps(self.expert_stats() if stats is None else stats)
+        check_target(path, len(data), "expert-stats", parent_exists=True)
         with atomic_write(path, len(data), what="expert-stats") as tmp:
             tmp.write_text(data)
 
     def new_cache(self, batch: int = 1):
         """A zeroed KV cache: per device with -sm layer, replicated over the mesh with -sm graph."""
-        return self.executor.new_cache(self.cache_layout(batch))
+        return self.executor.new_cache(self.cache_layout(_batch_size(batch)))
 
     def cache_layout(self, batch: int = 1) -> kvcache.CacheLayout:
         return kvcache.CacheLayout.for_model(self.config, self.options.mla, self.options.ctk, batch, self.capacity,
@@ -770,7 +772,7 @@ class Engine:
         """Weights (as stored, per place), KV cache and attention-buffer bytes for these options;
         for batch 1 also what this engine measured: runtime, load copies, compiled steps, and
         XLA's buffers of the largest step compiled so far (`peak_bytes`, `peak_lines()`)."""
-        if batch != 1:
+        if _batch_size(batch) != 1:
             return self._static_plan(batch)
         self.wait_loaded()  # the load's own charge
         return self._steps.memory
@@ -819,6 +821,14 @@ def _non_finite_tensor(file: GGUFModelFile) -> str:
             return f"tensor {name}{layer} holds {bad} NaN/Inf value(s) in the file"
     return (f"no NaN/Inf in the {scanned >> 20} MiB of weights checked: the arithmetic overflowed "
             f"(try --dtype f32)")
+
+
+def _batch_size(batch) -> int:
+    """A batch size the API takes: an integer >= 1 (a TypeError or a negative shape from JAX's
+    depths before, an empty cache for 0)."""
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise OptionError(f"batch: expected an integer >= 1, got {batch!r}")
+    return int(batch)
 
 
 def load(path: str, **options) -> Engine:

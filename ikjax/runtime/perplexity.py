@@ -130,7 +130,7 @@ class BaseLogitsWriter:
         from ikjax.atomic_file import _make_parent, check_target
         what = "kl-divergence-base"
         self.path = check_target(path, HEADER_BYTES + 4 * n_ctx * n_chunk
-                                 + 2 * row_words(n_vocab) * n_scored(n_ctx) * n_chunk, what)
+                                 + 2 * row_words(n_vocab) * n_scored(n_ctx) * n_chunk, what, parent_exists=True)
         _make_parent(self.path, what)  # (a missing directory was a FileNotFoundError after the run's load)
         self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.part")
         self.n_vocab = n_vocab

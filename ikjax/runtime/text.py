@@ -19,6 +19,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ikjax.chat_template import (AnswerSplitter, ChatTemplate, ReasoningSplitter, developer_as_system, flatten_content,
                                  forced_answer_start, opens_reasoning)
 from ikjax.errors import OptionError
@@ -171,6 +173,8 @@ def encode_prompt(eng, prompt) -> list[int]:
         if not ids:
             raise OptionError("prompt: empty (and the model has no BOS token)")
         return ids
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1:  # (as generate and logits take them)
+        return [int(t) for t in prompt]
     if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Sequence):
         raise OptionError(f"prompt: expected text or a list of token ids, got {type(prompt).__name__}")
     return list(prompt)
@@ -222,6 +226,8 @@ def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool 
     check_tools(tools, tool_choice)
     if tool_choice == "none":
         tools = None
+    if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+        raise OptionError(f"template_kwargs: expected a mapping of names to values, got {type(template_kwargs).__name__}")
     kwargs = dict(template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
