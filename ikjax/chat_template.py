@@ -359,6 +359,13 @@ class AnswerSplitter:
         # held as a call; with reasoning_format "none" its `</think>` would otherwise come out as content)
         self.opening = (self.feed(forced)[0], "") if forced else ("", "")
 
+    @classmethod
+    def for_chat(cls, opened: bool | None, tools: list | None, source: str, forced: str = "") -> "AnswerSplitter":
+        """The splitter of a chat answer whose prompt the template of Jinja text `source` rendered
+        with `tools` offered (None: none): calls in its family's syntax, of those tools only."""
+        return cls(opened, tools=bool(tools), family=tool_family(source),
+                   names=[t["function"]["name"] for t in tools or ()], forced=forced)
+
     @property
     def had_reasoning(self) -> bool:
         return bool(self._reasoning and self._reasoning.had_reasoning)

@@ -36,9 +36,6 @@ XML_CALL_BEGIN, XML_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_MARKERS = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_SEP, DS_CALL_END, KIMI_CALLS_BEGIN, KIMI_CALLS_END,
                 KIMI_CALL_BEGIN, KIMI_ARG, KIMI_CALL_END, XML_CALL_BEGIN, XML_CALL_END,
                 "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")  # GLM-4.5+'s argument tags
-# where a call section can start: what `ToolCallSplitter` holds back once it appears
-_CALL_STARTS = (DS_CALLS_BEGIN, DS_CALL_BEGIN, KIMI_CALLS_BEGIN, KIMI_CALL_BEGIN, XML_CALL_BEGIN)
-_CALL_FORMS = ((DS_CALL_BEGIN, DS_CALL_END), (KIMI_CALL_BEGIN, KIMI_CALL_END), (XML_CALL_BEGIN, XML_CALL_END))
 _FENCED = re.compile(r"\s*([^\n`]+?)\s*\n?```(?:json)?\s*\n?(.*?)\n?```\s*$", re.S)
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 TOOL_CHOICES = ("none", "auto", "required")
@@ -147,7 +144,7 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
             if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping) \
                     or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise OptionError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
-    if tool_choice in ("required",) or isinstance(tool_choice, Mapping):
+    if tool_choice == "required" or isinstance(tool_choice, Mapping):
         if not tools:  # (OpenAI's and vLLM's 400: a call is asked for and nothing can be called)
             raise OptionError(f"tool_choice: {json.dumps(tool_choice)[:80]} asks for a call, but no tools are given")
     if tool_choice is None or tool_choice in TOOL_CHOICES:
@@ -262,11 +259,15 @@ _SYNTAX = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _syntax(family: str | None):
-    if family is None:  # every syntax (a caller that does not know the template)
-        return _CALL_STARTS, _CALL_FORMS, (DS_CALLS_END, KIMI_CALLS_END)
-    starts, forms, end = _SYNTAX[family]
-    return starts, forms, (end,) if end else ()
+    """(where a call section can start: what `ToolCallSplitter` holds back once it appears, each
+    call's (begin, end), the section's closing markers) of a family, or of every family (None: a
+    caller that does not know the template)."""
+    families = list(_SYNTAX) if family is None else [family]
+    starts = tuple(dict.fromkeys(w for f in families for w in _SYNTAX[f][0]))
+    forms = tuple(dict.fromkeys(x for f in families for x in _SYNTAX[f][1]))
+    return starts, forms, tuple(_SYNTAX[f][2] for f in families if _SYNTAX[f][2])
 
 
 def parse_tool_calls(text: str, family: str | None = None,

@@ -26,7 +26,7 @@ from ikjax.chat_template import (AnswerSplitter, ChatTemplate, ReasoningSplitter
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
-from ikjax.tool_calls import TOOL_MARKERS, check_tools, partial_suffix, tool_family, tool_messages
+from ikjax.tool_calls import TOOL_MARKERS, check_tools, partial_suffix, tool_messages
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
@@ -213,11 +213,11 @@ def render_chat(eng, messages, chat_template=None, add_generation_prompt: bool =
 
 def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool = True,
                  template_kwargs: Mapping[str, Any] | None = None, tools: list | None = None,
-                 tool_choice: Any = None) -> tuple[str, str]:
-    """(prompt text, the answer's forced start at its end). The prompt text of a conversation:
-    `chat_template` a ChatTemplate, or a choice for `Engine.chat_template` (None: the model's
-    own); `tools` OpenAI's function tools
-    (`chat_template.tool_messages`: in the template's system prompt where it does not render them),
+                 tool_choice: Any = None) -> tuple[str, str, ChatTemplate]:
+    """(prompt text, the answer's forced start at its end, the template). `chat_template`: a
+    ChatTemplate, or a choice for `Engine.chat_template` (None: the model's own); `tools`
+    OpenAI's function tools (`chat_template.tool_messages`: in the template's system prompt where
+    it does not render them),
     `tool_choice` OpenAI's ("none": the tools are not offered; "required" or one function: the
     text ends with that call's opening, `chat_template.forced_answer_start`)."""
     t = chat_template if isinstance(chat_template, ChatTemplate) else eng.chat_template(chat_template)
@@ -234,7 +234,7 @@ def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool 
     text = t.render(tool_messages(developer_as_system(flatten_content(messages), t.source), tools, t.source,
                                   tool_choice), add_generation_prompt, **kwargs)
     start = forced_answer_start(text, t.source, tool_choice) if tools and add_generation_prompt else ""
-    return text + start, start
+    return text + start, start, t
 
 
 # what chat() passes on to complete(): its sampling and stopping options
@@ -251,7 +251,7 @@ def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, re
         raise OptionError(f"chat: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
     if reasoning_format not in ("deepseek", "none"):
         raise OptionError(f"reasoning_format: expected 'deepseek' or 'none', got {reasoning_format!r}")
-    prompt, start = _render_chat(eng, messages, chat_template, True, template_kwargs, tools, tool_choice)
+    prompt, start, t = _render_chat(eng, messages, chat_template, True, template_kwargs, tools, tool_choice)
     if tool_choice == "none":
         tools = None
     opened = opens_reasoning(prompt[:len(prompt) - len(start)])
@@ -261,10 +261,7 @@ def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, re
     if stream:
         return out
     # the server's split of a chat answer (reasoning, then content without its tool calls)
-    t = chat_template if isinstance(chat_template, ChatTemplate) else eng.chat_template(chat_template)
-    answer = AnswerSplitter(opened if reasoning_format == "deepseek" else None, tools=bool(tools),
-                            family=tool_family(t.source), names=[x["function"]["name"] for x in tools or ()],
-                            forced=start)
+    answer = AnswerSplitter.for_chat(opened if reasoning_format == "deepseek" else None, tools, t.source, forced=start)
     (r0, c0), (r, c) = answer.opening, answer.feed(out.text)
     r2, c2, out.tool_calls = answer.finish()
     out.content = c0 + c + c2

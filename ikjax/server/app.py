@@ -37,7 +37,7 @@ from ikjax.server import openai as oai
 from ikjax.server.jobs import Job
 from ikjax.server.metrics import CONTENT_TYPE, Metrics
 from ikjax.server.openai import ApiError, Defaults, GenParams, bad
-from ikjax.tool_calls import TOOL_MARKERS, check_tools, tool_family, tool_messages
+from ikjax.tool_calls import TOOL_MARKERS, check_tools, tool_messages
 
 log = logging.getLogger("ikjax")
 
@@ -274,9 +274,8 @@ class Server:
         opened = opens_reasoning(text[:len(text) - len(start)])
         # calls in the template family's own syntax, of the offered tools only; a forced call's
         # opening (the prompt's end) read as the answer's first text
-        answer = AnswerSplitter(opened=opened if fmt != "none" else None, tools=use_tools,
-                                family=tool_family(self.template.source),
-                                names=[t["function"]["name"] for t in body.get("tools") or ()], forced=start)
+        answer = AnswerSplitter.for_chat(opened if fmt != "none" else None, body["tools"] if use_tools else None,
+                                         self.template.source, forced=start)
         opening = answer.opening
         # a call's markers are control tokens in DeepSeek's and Kimi's vocabularies: shown, to be parsed
         job = self._job(ids, params, self.tok.ids_of(TOOL_MARKERS) if use_tools else frozenset())
