@@ -24,7 +24,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
+from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
                               app, handle, ik_sampling, load_engine, log, process_escapes, read_prompt_file,
                               setup_compile_cache)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
@@ -61,9 +61,7 @@ def chat(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="never end an answer on EOS")] = False,
     reverse_prompt: Annotated[Optional[list[str]], typer.Option(
         "-r", "--reverse-prompt", help="stop an answer at this text (may repeat)")] = None,
-    escape: Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="process escapes (\\n, \\t, \\', \\\", "
-                                         "\\\\, ...) in -p / -f, -sys and -r, as llama-cli (default on; typed lines "
-                                         "are taken as typed)")] = True,
+    escape: Escape = True,
 ) -> None:
     """Chat with a model on the terminal (like llama-cli -cnv): streamed answers, multi-turn with the KV cache
     kept, Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D ends."""

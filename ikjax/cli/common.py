@@ -200,6 +200,11 @@ TopK = Annotated[int, typer.Option("--top-k", help="top-k sampling (0 = off)")]
 TopP = Annotated[float, typer.Option("--top-p", help="top-p sampling (1 or more = off, as llama-cli)")]
 
 
+Escape = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="process escapes (\\n, \\t, \\', \\\", "
+                                     "\\\\, ...) in the given texts (-p, -f, -sys, -r; not typed lines), as llama-cli "
+                                     "(default on)")]
+
+
 def ik_sampling(temp: float, top_p: float) -> tuple[float, float]:
     """llama-cli's readings of its sampling flags: a temperature of 0 or less is greedy, a top-p of
     1 or more is off (values the Python API, which keeps OpenAI's ranges, refuses)."""

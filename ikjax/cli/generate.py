@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import (FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
+from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
                               TopK, TopP, app, batch_invariance, compiled_line, handle, load_engine, log,
                               ik_sampling, process_escapes, read_prompt_file, setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
@@ -44,8 +44,7 @@ def generate(
         "-r", "--reverse-prompt", "--stop", help="stop when the text reaches this string, printed as llama-cli "
         "prints it (may repeat)")] = None,
     no_echo: Annotated[bool, typer.Option("--no-echo", "--no-display-prompt", help="don't print the prompt")] = False,
-    escape: Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="process escapes (\\n, \\t, \\', \\\", "
-                                         "\\\\, ...) in the prompt and -r strings, as llama-cli (default on)")] = True,
+    escape: Escape = True,
     batch_invariant: Annotated[Optional[bool], typer.Option(
         "--batch-invariant/--no-batch-invariant", help="decode in the batch-invariant form `serve` uses by default "
         "(the same greedy tokens as a server answer, bit for bit; ~8 % slower on a GPU); default off, or as "
