@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--gpu-experts", default="", help="with --cpu-moe: --gpu-experts auto|N from --expert-counts")
     ap.add_argument("--expert-counts", default="", help="an --expert-stats JSON file (read only: this run counts nothing)")
+    ap.add_argument("--count", action="store_true", help="count expert statistics (what --expert-stats turns on)")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-dprof-"))
     import jax
@@ -59,7 +60,7 @@ def main() -> None:
         from ikjax.runtime import executables
         executables._DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
     eng = ikjax.load(a.model, ctx=a.ctx, ubatch=a.ubatch, mla=3, flash_attn=True, cpu_moe=a.cpu_moe, threads=a.threads,
-                      **({"gpu_experts": a.gpu_experts, "expert_counts": a.expert_counts} if a.gpu_experts else {}))
+                      expert_stats=a.count, **({"gpu_experts": a.gpu_experts, "expert_counts": a.expert_counts} if a.gpu_experts else {}))
     if a.gpu_experts:
         print(eng.gpu_experts_note)
     eng.precompile_decode(1, a.tg, a.kv + a.tg)

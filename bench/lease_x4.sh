@@ -1094,6 +1094,23 @@ PY
     env $envs timeout 150 python3 bench/hybrid_sweep_api.py /tmp/r1-8.gguf --threads $(nproc) $extra 2>&1 | grep -v Warn | tail -6
   done
   ;;
+59)
+  # issue 24 (§24i): sweep-bench's TG rows lose ~3 ms a token with expert statistics counted (the CLI's
+  # --gpu-experts auto --expert-stats FILE counts too): the decode call profiled with counting on and off
+  r1_8_hybrid_setup /tmp/cc58
+  for v in ${PROFILES59:-hot-count hot}; do
+    el "decode profile: $v"
+    extra="--gpu-experts auto --expert-counts $S"
+    case $v in *count) extra="$extra --count" ;; esac
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe --threads $(nproc) \
+      --ubatch 2048 --tg 64 --kv 512 --prefill --top 12 $extra 2>&1 | grep -v Warn | grep -E "a token wall|^ +[0-9]|host experts|idle" | head -16
+  done
+  for v in ${SWEEPS59:-}; do
+    el "sweep-bench rows: $v"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 \
+      --gpu-experts auto --expert-stats $S 2>&1 | grep -E "^\|  *2048|host experts in decode|rror" | cut -c1-260
+  done
+  ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
   M=/tmp/tiny4-Q4_K.gguf
