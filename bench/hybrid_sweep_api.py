@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--gpu-experts", default="")
     ap.add_argument("--expert-counts", default="")
     ap.add_argument("--count", action="store_true", help="count expert statistics (what --expert-stats turns on)")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the compile (is a collection in a callback the cost?)")
     a = ap.parse_args()
     import ikjax
     from ikjax import ops
@@ -34,6 +35,21 @@ def main() -> None:
     print(f"loaded in {time.perf_counter() - t0:.1f} s; {eng.gpu_experts_note or 'no gpu experts'}; "
           f"counting {'on' if a.count else 'off'}")
     sb.precompile(eng, a.tg)
+    if a.gc_freeze:
+        import gc
+        gc.collect()
+        gc.freeze()
+    if a.count:  # the statistics' host callback timed from inside
+        from ikjax.model import moe
+        spent = [0.0, 0]
+        orig = moe.ExpertCounts.record_counts
+
+        def timed(self, *args):
+            t = time.perf_counter()
+            orig(self, *args)
+            spent[0] += time.perf_counter() - t
+            spent[1] += 1
+        moe.ExpertCounts.record_counts = timed
     ops.host_kernel_stats(reset=True)
     rows = list(sb.run(eng, a.tg))
     print(sb.HEADER)
@@ -42,6 +58,8 @@ def main() -> None:
         print(r.markdown())
     line = sb.host_decode_report(eng, rows, ops.host_kernel_stats())
     print(line or "no host calls")
+    if a.count:
+        print(f"statistics callbacks: {spent[1]} calls, {spent[0] * 1e3:.1f} ms inside record_counts")
 
 
 if __name__ == "__main__":

@@ -1105,10 +1105,13 @@ PY
     XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 bench/gpu_decode_profile.py /tmp/r1-8.gguf --cpu-moe --threads $(nproc) \
       --ubatch 2048 --tg 64 --kv 512 --prefill --top 12 $extra 2>&1 | grep -v Warn | grep -E "a token wall|^ +[0-9]|host experts|idle" | head -16
   done
-  for v in ${SWEEPS59:-}; do
-    el "sweep-bench rows: $v"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 \
-      --gpu-experts auto --expert-stats $S 2>&1 | grep -E "^\|  *2048|host experts in decode|rror" | cut -c1-260
+  for v in ${SWEEPS59:-}; do  # API sweeps: count, count-freeze (gc.freeze after the compile), nocount
+    el "sweep-bench rows (API, hot): $v"
+    extra="--gpu-experts auto --expert-counts $S"
+    case $v in count*) extra="$extra --count" ;; esac
+    case $v in *freeze) extra="$extra --gc-freeze" ;; esac
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 bench/hybrid_sweep_api.py /tmp/r1-8.gguf --threads $(nproc) $extra 2>&1 \
+      | grep -v Warn | tail -7
   done
   ;;
 53)
