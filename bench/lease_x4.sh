@@ -1094,6 +1094,22 @@ PY
     env $envs timeout 150 python3 bench/hybrid_sweep_api.py /tmp/r1-8.gguf --threads $(nproc) $extra 2>&1 | grep -v Warn | tail -6
   done
   ;;
+60)
+  # issue 24 (§24j): the decode loop with host experts on one GPU: the GPU tests (loop = steps, both
+  # hand-over forms), then the R1-8 CLI rows: --gpu-experts auto with --expert-stats (counting), plain -ot
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py \
+    -k "${GPU_TESTS60:-decode_loop_equals or host_call_forms or n_cpu_moe}" 2>&1 | tail -4
+  r1_8_hybrid_setup /tmp/cc60
+  for v in ${SWEEPS60:-hot plain hot}; do
+    el "r1-8 sweep-bench (CLI): $v"
+    case $v in
+      hot) XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 \
+             --gpu-experts auto --expert-stats $S ;;
+      plain) timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 ;;
+      steps) IKJAX_DECODE_LOOP=0 timeout 150 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 64 ;;
+    esac 2>&1 | grep -E "^\|  *2048|host experts in decode|gpu experts|rror" | cut -c1-260
+  done
+  ;;
 59)
   # issue 24 (§24i): sweep-bench's TG rows lose ~3 ms a token with expert statistics counted (the CLI's
   # --gpu-experts auto --expert-stats FILE counts too): the decode call profiled with counting on and off

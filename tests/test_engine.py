@@ -251,13 +251,17 @@ def test_same_input_matrices_are_stacked_at_load(monkeypatch):
     assert ("attn_in" in mixed) != ("kv_a_mqa" in mixed)
 
 
-def test_decode_loop_only_where_the_weights_are_on_the_device():
-    """Weights kept in host RAM next to an accelerator (a placement that is not unified) are read
-    by host custom calls no CUDA graph holds: generation steps one token per dispatch there."""
+def test_decode_loop_with_host_weights_on_one_device_only():
+    """Weights kept in host RAM next to an accelerator (a placement that is not unified): the
+    one-device executor still loops (its host calls run inside the loop, tests/test_hybrid_gpu.py
+    checks the tokens on a GPU); a split mode's executor (not `plain_loop`) steps one token per
+    dispatch there, and loops again once every weight is on the device."""
     import dataclasses
     eng = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_0.gguf", mla=3, ctx=64, cpu_moe=True)
     assert eng.placement.unified and eng.placement.host_bytes > 0 and eng.decode_loop()  # CPU: one RAM
     eng.placement = dataclasses.replace(eng.placement, unified=False)  # as next to a GPU
+    assert eng.executor.plain_loop and eng.decode_loop()
+    eng.executor.plain_loop = False  # as a split mode's executor
     assert not eng.decode_loop()
     eng.placement = dataclasses.replace(eng.placement, tensors=tuple(
         dataclasses.replace(t, memory="device") for t in eng.placement.tensors))

@@ -88,6 +88,25 @@ def test_tiny4_n_cpu_moe_and_decode(tiny4):
     assert list(eng.generate(prompt, max_tokens=12)) == list(ref)
 
 
+@pytest.mark.parametrize("form", ["flag", "hostfunc"])
+def test_hybrid_decode_loop_equals_steps(tiny4, monkeypatch, tmp_path, form):
+    """With the experts in host RAM, generation runs the decode loop (several tokens a dispatch,
+    a host call a MoE layer a token inside it): its greedy tokens and its expert statistics (one
+    host callback a dispatch, the loop's carry summed) equal one step a dispatch's
+    (IKJAX_DECODE_LOOP=0), under both hand-over forms."""
+    monkeypatch.setenv("IKJAX_HOST_CALL", form)
+    prompt = list(range(3, 20))
+    got = {}
+    for loop in ("1", "0"):
+        monkeypatch.setenv("IKJAX_DECODE_LOOP", loop)
+        eng = ikjax.load(tiny4, ctx=256, ubatch=64, dtype="f32", ot="exps=CPU", t=4, expert_stats=True)
+        assert eng.decode_loop() == (loop == "1")
+        toks = [int(t) for t in eng.generate(prompt, max_tokens=40)]
+        got[loop] = (toks, eng.expert_stats())
+    assert len(got["1"][0]) == 40 and got["1"][0] == got["0"][0]
+    assert got["1"][1] == got["0"][1] and got["1"][1]["tokens"] == len(prompt) + 39
+
+
 @pytest.mark.parametrize("name", FIXTURES)
 def test_fixture_host_experts(name):
     entry = fixture_entry(name)
