@@ -179,6 +179,10 @@ _VARS = (
     Variable("IKJAX_Q8X2", "1", ("1", "0"),
              "`0`: the avx2 level's prompt products take their weight panels one at a time, as before two "
              "panels shared each x load; the same bits", "pallas_kernels/quant_matmul/cpu_kernel.cc"),
+    Variable("IKJAX_NIB4", "1", ("1", "0"),
+             "`0`: the avx2 level's decode of Q4_0 / Q4_1 / Q5_0 / Q5_1 one block at a time (a convert and an "
+             "FMA a block), as before 4 blocks shared them; other bits (the same integers, summed in another order)",
+             "pallas_kernels/quant_matmul/cpu_kernel.cc"),
     Variable("IKJAX_Q8_PINNED", "1", ("1", "0"),
              "`0`: the avx2 level's int8 prompt loops as GCC laid them out before each accumulator was pinned "
              "to its register (a register copy, under AVX-VNNI also a stack store, per product); the same bits",

@@ -193,6 +193,26 @@ def test_bf16_compute(name, isa, monkeypatch):
         _check(name, M, N, K, nt, isa, compute="bf16", monkeypatch=monkeypatch)
 
 
+@pytest.mark.parametrize("form", ["1", "0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_nibble_decode_groups_of_four(name, form, monkeypatch):
+    """The avx2 level's nibble-type decode (IKJAX_NIB4=1: 4 blocks folded by vphaddw before one
+    convert and FMA; =0: one block at a time) against the 8-bit-activation reference, with 0-3
+    blocks left after the groups (K = 96, 224, 448, 2048) and an odd row count at M = 1 (the
+    two-rows pass's leftover row), and each x row's result the same bits alone (M = 1) as in a
+    batch of 3 (a server's rows must not depend on their neighbours)."""
+    monkeypatch.setenv("IKJAX_NIB4", form)
+    for M, N, K, nt in [(1, 37, 96, 2), (1, 45, 224, 1), (2, 9, 448, 2), (3, 64, 2048, 2), (1, 1, 4096, 2)]:
+        _check(name, M, N, K, nt, "avx2", compute="bf16", monkeypatch=monkeypatch)
+    rng = np.random.default_rng(7)
+    w = _weights(name, 33, 224, rng)
+    x = jnp.asarray(rng.standard_normal((3, 224)).astype(np.float32))
+    batch = np.asarray(cpu.quant_matmul(x, w, n_threads=2, compute="bf16"))
+    for m in range(3):
+        alone = np.asarray(cpu.quant_matmul(x[m:m + 1], w, n_threads=2, compute="bf16"))
+        assert np.array_equal(alone[0], batch[m]), (name, form, m)
+
+
 @pytest.mark.parametrize("name", sorted(X8_KQ_TYPES))
 @pytest.mark.parametrize("isa", ISAS)
 def test_kquant_int8_decode(name, isa, monkeypatch):

@@ -1243,6 +1243,164 @@ inline __m256i wblock_avx2(const uint8_t* b) {
   }
 }
 
+// ---- the nibble types' decode in groups of 4 blocks (Q4_0, Q4_1, Q5_0, Q5_1) ----------------------
+//
+// Per block, the one-block form (decode_q8 below, the sign types) spends vpmaddubsw, vpmaddwd, a
+// convert, a broadcast scale and an FMA: on Zen 3 both integer multiplies and half the FMAs share
+// one pipe, and the Q4_0 decode ran compute-bound at ~12 GB/s a core (bench/cpu_quant_matmul.py
+// --cold, one thread; 2 threads 16-24 GB/s of a 29 GB/s read bandwidth; RESULTS §26an). Here 4
+// blocks' i16 pair sums are folded by two vphaddw into [A A B B C C D D] per 128-bit half (8
+// products a lane: |sum| <= 8 x 31 x 127 = 31496, no saturation for codes up to 31), then one
+// vpmaddwd, one convert and one FMA against the 4 blocks' scales serve all 4 (AVX-VNNI: 4 vpdpbusd
+// and two vphaddd give the same int32 lanes). The offset (Q4_0 8, Q5_0 16) leaves in float, as the
+// avx512 level's: - off x d_w x d_x x sum(q_x) per block, 4 at a time; Q4_1 / Q5_1's minimum the same
+// way. The last nb % 4 blocks go one at a time (exact int sums). decode_nib4 (2-3 x rows) and
+// decode_nib4_r2 (1 x row, 2 weight rows) run the same operations per (weight row, x row), so a row
+// alone and in a batch get the same bits. IKJAX_NIB4=0: the one-block form, for A/B.
+inline bool nib4_on() { return ikj::env_on("IKJAX_NIB4"); }  // (read per call: A/B in one process)
+
+// The f16 values at p, p + bs, p + 2 bs, p + 3 bs (4 blocks' scales or minimums) as floats.
+template <int bs>
+inline __m128 f16x4_blocks(const uint8_t* p) {
+  return _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(load_u16(p)), static_cast<short>(load_u16(p + bs)),
+                                     static_cast<short>(load_u16(p + 2 * bs)), static_cast<short>(load_u16(p + 3 * bs)),
+                                     0, 0, 0, 0));
+}
+
+// Blocks wb[0..3] against x blocks xq[0..3] (32 values each): int32 lanes [A B C D | A B C D], each
+// half of a block's 32 products (the two halves of the register hold the two halves of each block).
+template <int type, int bs>
+inline __m256i nib4_dot(const uint8_t* wb, const int8_t* xq) {
+  __m256i p[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256i wv = wblock_avx2<type>(wb + j * bs);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * 32));
+#if defined(__AVXVNNI__)
+    p[j] = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wv, xv);
+#else
+    p[j] = _mm256_maddubs_epi16(wv, xv);
+#endif
+  }
+#if defined(__AVXVNNI__)
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+#else
+  return _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])),
+                           _mm256_set1_epi16(1));
+#endif
+}
+
+// One weight row's running sums against one x row: acc (the 4-block groups), aoff (their offset
+// term), amin (their minimum term), tail (the last nb % 4 blocks, whole).
+struct Nib4Acc {
+  __m256 acc = _mm256_setzero_ps();
+  __m128 aoff = _mm_setzero_ps(), amin = _mm_setzero_ps();
+  float tail = 0.f;
+};
+
+// Blocks [b, b + 4) of weight row wr (dw4 / mw4: their scales / minimums) into a against x row m.
+template <int type, int bs>
+inline void nib4_group(const uint8_t* wr, int64_t b, __m128 dw4, __m128 mw4, const int8_t* xqs, const float* xd,
+                       const float* xs, Nib4Acc& a) {
+  constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
+  constexpr int off = q8_offset(type);
+  const __m256i s = nib4_dot<type, bs>(wr + b * bs, xqs + b * 32);
+  const __m128 sc = _mm_mul_ps(dw4, _mm_loadu_ps(xd + b));
+  a.acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set_m128(sc, sc), a.acc);
+  if constexpr (off != 0) a.aoff = _mm_fmadd_ps(dw4, _mm_loadu_ps(xs + b), a.aoff);
+  if constexpr (has_min) a.amin = _mm_fmadd_ps(mw4, _mm_loadu_ps(xs + b), a.amin);
+}
+
+// Block b alone (the tail): its exact int32 sum (offset included, by x's per-lane corrections).
+template <int type, int bs>
+inline void nib4_block(const uint8_t* wr, int64_t b, const int8_t* xqs, const int32_t* xc, const float* xd,
+                       const float* xs, Nib4Acc& a) {
+  constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
+  constexpr int off = q8_offset(type);
+  const uint8_t* wb = wr + b * bs;
+  __m256i p = ikj::dot4_u8s8(_mm256_setzero_si256(), wblock_avx2<type>(wb),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs + b * 32)));
+  if constexpr (off != 0) p = _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + b * 8)));
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  const int si = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
+  a.tail += f16(wb) * xd[b] * static_cast<float>(si);
+  if constexpr (has_min) a.tail += f16(wb + 2) * xs[b];
+}
+
+template <int type>
+inline float nib4_total(const Nib4Acc& a) {
+  constexpr int off = q8_offset(type);
+  return hsum256(a.acc) - static_cast<float>(off) * hsum128(a.aoff) + hsum128(a.amin) + a.tail;
+}
+
+// Rows [n0, n1) of W against MM (2-3) x rows.
+template <int type, int bs, int MM>
+void decode_nib4(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                 int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
+  const int64_t pf = decode_prefetch_bytes();
+  const int8_t* xqs[MM];
+  const float *xd[MM], *xs[MM];
+  const int32_t* xc[MM];
+  for (int m = 0; m < MM; ++m) {
+    xqs[m] = xq.q.data() + (m * xq.nb + kb0) * 32;
+    xc[m] = xq.corr.data() + (m * xq.nb + kb0) * 8;
+    xd[m] = xq.d.data() + m * xq.nb + kb0;
+    xs[m] = xq.ds.data() + m * xq.nb + kb0;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    Nib4Acc a[MM];
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+      for (int o = 0; o < 4 * bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + b * bs + pf + o), _MM_HINT_T0);
+      const __m128 dw4 = f16x4_blocks<bs>(wr + b * bs);
+      const __m128 mw4 = has_min ? f16x4_blocks<bs>(wr + b * bs + 2) : _mm_setzero_ps();
+      for (int m = 0; m < MM; ++m) nib4_group<type, bs>(wr, b, dw4, mw4, xqs[m], xd[m], xs[m], a[m]);
+    }
+    for (; b < nb; ++b)
+      for (int m = 0; m < MM; ++m) nib4_block<type, bs>(wr, b, xqs[m], xc[m], xd[m], xs[m], a[m]);
+    for (int m = 0; m < MM; ++m) {
+      const float v = nib4_total<type>(a[m]);
+      float* dst = y + m * ldy + n;
+      *dst = accumulate ? *dst + v : v;
+    }
+  }
+}
+
+// M = 1: weight rows n and n + h (h = half the range: two sequential memory streams) per pass,
+// sharing x's loads; the same operations per row as decode_nib4, so the same bits.
+template <int type, int bs>
+void decode_nib4_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                    int64_t n1, float* y, bool accumulate) {
+  constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
+  const int8_t* xqs = xq.q.data() + kb0 * 32;
+  const int32_t* xc = xq.corr.data() + kb0 * 8;
+  const float* xd = xq.d.data() + kb0;
+  const float* xs = xq.ds.data() + kb0;
+  const int64_t h = (n1 - n0) / 2, pf = decode_prefetch_bytes();
+  for (int64_t n = n0; n < n0 + h; ++n) {
+    const uint8_t* wr[2] = {w + n * row_bytes, w + (n + h) * row_bytes};
+    Nib4Acc a[2];
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4)
+      for (int r = 0; r < 2; ++r) {
+        for (int o = 0; o < 4 * bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + b * bs + pf + o), _MM_HINT_T0);
+        const __m128 dw4 = f16x4_blocks<bs>(wr[r] + b * bs);
+        const __m128 mw4 = has_min ? f16x4_blocks<bs>(wr[r] + b * bs + 2) : _mm_setzero_ps();
+        nib4_group<type, bs>(wr[r], b, dw4, mw4, xqs, xd, xs, a[r]);
+      }
+    for (; b < nb; ++b)
+      for (int r = 0; r < 2; ++r) nib4_block<type, bs>(wr[r], b, xqs, xc, xd, xs, a[r]);
+    for (int r = 0; r < 2; ++r) {
+      const float v = nib4_total<type>(a[r]);
+      float* dst = y + n + r * h;
+      *dst = accumulate ? *dst + v : v;
+    }
+  }
+  if ((n1 - n0) % 2) decode_nib4<type, bs, 1>(xq, kb0, nb, w, row_bytes, n0 + 2 * h, n1, y, 1, accumulate);
+}
+
 // Rows [n0, n1) of W against MM quantized x rows, blocks [kb0, kb0 + nb) (w at block kb0 of row
 // 0). One block per step, steps alternating between two accumulators per row.
 template <int type, int bs, int MM>
@@ -1251,6 +1409,8 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
   constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
   constexpr bool sgn = type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL;
   constexpr int off = q8_offset(type);
+  if constexpr (!sgn)
+    if (nib4_on()) return decode_nib4<type, bs, MM>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate);
   const int64_t pf = decode_prefetch_bytes();
   const int8_t* xqs[MM];
   const float *xd[MM], *xs[MM];
@@ -1307,6 +1467,8 @@ void decode_q8_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int6
   constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
   constexpr bool sgn = type == ikj::T_Q8_0 || type == ikj::T_IQ4_NL;
   constexpr int off = q8_offset(type);
+  if constexpr (!sgn)
+    if (nib4_on()) return decode_nib4_r2<type, bs>(xq, kb0, nb, w, row_bytes, n0, n1, y, accumulate);
   const int8_t* xqs = xq.q.data() + kb0 * 32;
   const int32_t* xc = xq.corr.data() + kb0 * 8;
   const float* xd = xq.d.data() + kb0;
