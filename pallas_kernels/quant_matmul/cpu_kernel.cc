@@ -1289,6 +1289,23 @@ inline __m256i nib4_dot(const uint8_t* wb, const int8_t* xq) {
 #endif
 }
 
+// x rows [0, MM) of xq from block kb0 on: the int8 values, their per-lane offset corrections, the
+// block scales and scaled sums (what the decode kernels read of each row).
+template <int MM>
+struct XRowsQ8 {
+  const int8_t* q[MM];
+  const int32_t* c[MM];
+  const float *d[MM], *s[MM];
+  XRowsQ8(const XQ8& xq, int64_t kb0) {
+    for (int m = 0; m < MM; ++m) {
+      q[m] = xq.q.data() + (m * xq.nb + kb0) * 32;
+      c[m] = xq.corr.data() + (m * xq.nb + kb0) * 8;
+      d[m] = xq.d.data() + m * xq.nb + kb0;
+      s[m] = xq.ds.data() + m * xq.nb + kb0;
+    }
+  }
+};
+
 // One weight row's running sums against one x row: acc (the 4-block groups), aoff (their offset
 // term), amin (their minimum term), tail (the last nb % 4 blocks, whole).
 struct Nib4Acc {
@@ -1339,15 +1356,10 @@ void decode_nib4(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64
                  int64_t n1, float* y, int64_t ldy, bool accumulate) {
   constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
   const int64_t pf = decode_prefetch_bytes();
-  const int8_t* xqs[MM];
-  const float *xd[MM], *xs[MM];
-  const int32_t* xc[MM];
-  for (int m = 0; m < MM; ++m) {
-    xqs[m] = xq.q.data() + (m * xq.nb + kb0) * 32;
-    xc[m] = xq.corr.data() + (m * xq.nb + kb0) * 8;
-    xd[m] = xq.d.data() + m * xq.nb + kb0;
-    xs[m] = xq.ds.data() + m * xq.nb + kb0;
-  }
+  const XRowsQ8<MM> xr(xq, kb0);
+  const int8_t* const* xqs = xr.q;
+  const float *const *xd = xr.d, *const *xs = xr.s;
+  const int32_t* const* xc = xr.c;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     Nib4Acc a[MM];
@@ -1412,15 +1424,10 @@ void decode_q8(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t
   if constexpr (!sgn)
     if (nib4_on()) return decode_nib4<type, bs, MM>(xq, kb0, nb, w, row_bytes, n0, n1, y, ldy, accumulate);
   const int64_t pf = decode_prefetch_bytes();
-  const int8_t* xqs[MM];
-  const float *xd[MM], *xs[MM];
-  const int32_t* xc[MM];
-  for (int m = 0; m < MM; ++m) {
-    xqs[m] = xq.q.data() + (m * xq.nb + kb0) * 32;
-    xc[m] = xq.corr.data() + (m * xq.nb + kb0) * 8;
-    xd[m] = xq.d.data() + m * xq.nb + kb0;
-    xs[m] = xq.ds.data() + m * xq.nb + kb0;
-  }
+  const XRowsQ8<MM> xr(xq, kb0);
+  const int8_t* const* xqs = xr.q;
+  const float *const *xd = xr.d, *const *xs = xr.s;
+  const int32_t* const* xc = xr.c;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     __m256 acc[MM][2];
