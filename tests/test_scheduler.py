@@ -403,6 +403,22 @@ def test_checks_before_queueing(eng, sched):
         sched.make_request([10 ** 6], 1, on_event=print)
 
 
+def test_requests_for_a_slot_run_there(eng, sched):
+    """llama-server's id_slot: a request for slot k runs on slot k, waiting while it is busy (two
+    requests for slot 2 run one after the other there), without holding back a request for any
+    slot; its answer is generate's. A slot that does not exist is refused before queueing."""
+    p = ids(eng, 9, 3)
+    runs = [submit(sched, p, 6, slot=2), submit(sched, p, 6, slot=2), submit(sched, ids(eng, 5, 4), 6),
+            submit(sched, p, 6, slot=0)]
+    for req, c in runs:
+        assert c.wait()[0] == "done"
+    assert [req.slot for req, _ in runs[:2]] == [2, 2] and runs[3][0].slot == 0
+    assert runs[0][1].tokens == runs[1][1].tokens == runs[3][1].tokens == list(eng.generate(p, 6))
+    for bad in (3, -1, True, "1"):
+        with pytest.raises(ikjax.OptionError, match="slot"):
+            sched.make_request([5], 1, on_event=print, slot=bad)
+
+
 def test_failed_step_fails_the_slots_and_the_loop_goes_on(eng, monkeypatch):
     s = Scheduler(eng, 2).start()
     try:

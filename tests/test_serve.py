@@ -503,6 +503,39 @@ def test_unknown_route_and_model_are_404(server):
     _error(call(server, "GET", "/v1/completions"), 405, "not allowed")
 
 
+def test_slots_by_id_erase_models_by_id_embeddings_allow(server):
+    """llama-server's id_slot runs a request on that slot; POST /slots/{id}?action=erase forgets an
+    idle slot's cache (save / restore: 501); GET /v1/models/{id} (OpenAI's); embeddings are a 501,
+    not a 404; a 405 names the allowed methods (RFC 9110); a user message without content is a 400."""
+    for k in (1, 0, 1):
+        st, body = call(server, "POST", "/completion", {"prompt": "Hello there slot", "n_predict": 2, "id_slot": k})
+        assert st == 200 and body["id_slot"] == k, body
+    st, slots = call(server, "GET", "/slots")
+    held = {x["id"]: x["n_cached"] for x in slots} if isinstance(slots, list) else {}
+    st, body = call(server, "POST", "/slots/1?action=erase")
+    assert st == 200 and body["id_slot"] == 1 and body["n_erased"] == held.get(1, body["n_erased"]) > 0, body
+    deadline = time.time() + 10
+    while time.time() < deadline and [x for x in call(server, "GET", "/slots")[1] if x["id"] == 1][0]["n_cached"]:
+        time.sleep(0.05)
+    assert [x for x in call(server, "GET", "/slots")[1] if x["id"] == 1][0]["n_cached"] == 0
+    _error(call(server, "POST", "/slots/0?action=save"), 501, "not supported")
+    _error(call(server, "POST", f"/slots/{NP}?action=erase"), 400, "id_slot")
+    _error(call(server, "POST", "/slots/0?action=wipe"), 400, "action")
+    st, m = call(server, "GET", "/v1/models")
+    name = m["data"][0]["id"]
+    st, one = call(server, "GET", f"/v1/models/{name}")
+    assert st == 200 and one["id"] == name and one["object"] == "model"
+    _error(call(server, "GET", "/v1/models/gpt-4"), 404, "not found")
+    _error(call(server, "POST", "/v1/embeddings", {"input": "x"}), 501, "embeddings")
+    c = http.client.HTTPConnection(server.host, int(server.port), timeout=60)
+    c.request("DELETE", "/v1/chat/completions")
+    r = c.getresponse()
+    r.read()
+    c.close()
+    assert r.status == 405 and r.getheader("Allow") == "POST", r.getheaders()
+    _error(call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}), 400, "needs content")
+
+
 def test_api_key_401(small):
     _error(call(small, "POST", "/completion", {"prompt": "x", "n_predict": 1}), 401, "API key")
     # a browser's preflight carries no key: answered all the same; the request after it needs one

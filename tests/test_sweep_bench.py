@@ -313,3 +313,19 @@ def test_tg_past_the_cache_is_refused_up_front(tiny_model):
     assert eng.compile_count == 0
     sb.check_tg_room(1024, 1024, 256, 256)  # fills the cache exactly: fine
     sb.check_tg_room(1024, 1024, 256, 300, stride=2)  # only rows 0 and 512 run their TG
+
+
+@pytest.mark.parametrize("ctx, fa, n_kv_max, rows", [
+    (500, True, 512, [0, 128, 256, 384]),   # ik pads n_ctx to 256 with flash attention
+    (500, False, 512, [0, 128, 256, 384]),  # and to 32 without
+    (300, True, 512, [0, 128, 256, 384]),
+    (300, False, 320, [0, 128]),
+    (4096, True, 4096, list(range(0, 4096, 128))),
+])
+def test_sweep_ctx_pads_as_ik(ctx, fa, n_kv_max, rows):
+    """The sweep's context is ik's n_ctx (llama_context pads -c: 256 with -fa, 32 without), so its
+    rows and the banner's n_kv_max are ik's for a -c that is not a multiple of 256."""
+    from ikjax.options import RunOptions
+    o = RunOptions.from_kwargs(ctx=ctx, fa=fa, ubatch=128)
+    assert sb.sweep_ctx(o) == n_kv_max
+    assert sb.measured_points(sb.sweep_ctx(o), 128) == rows

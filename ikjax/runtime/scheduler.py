@@ -103,6 +103,7 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit), before the penalties
     # each new token's log-probability and this many alternatives (`token_logprobs`); None: none
     top_logprobs: int | None = None
+    want_slot: int | None = None  # run on this slot only (llama-server's id_slot); None: any
     id: int = field(default_factory=lambda: next(_ids))
     # the scheduler's bookkeeping, readable by the caller once "done" arrived
     slot: int | None = None
@@ -181,6 +182,7 @@ class Scheduler:
         self.stats = Stats()
         self._cache = eng.new_cache(n_slots)
         self._queue: deque[Request] = deque()  # waiting for a slot
+        self._erase: set[int] = set()  # slots whose cached tokens the loop forgets next (erase_slot)
         self._prefill: deque[Request] = deque()  # on a slot, prompt not yet in; the head is being fed
         self._one = None  # the head's batch-1 cache while its prompt is fed
         # (slot index, its row as a batch-1 cache) while one stream decodes alone (`_sync_solo`)
@@ -210,9 +212,14 @@ class Scheduler:
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                      stop_ids: Sequence[int] = (), ignore_eos: bool = False, cache_prompt: bool = True,
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
-                     presence_penalty: float = 0.0, top_logprobs: int | None = None, logit_bias=None) -> Request:
+                     presence_penalty: float = 0.0, top_logprobs: int | None = None, logit_bias=None,
+                     slot: int | None = None) -> Request:
         """A checked request (OptionError naming the bad field): the prompt inside the vocabulary and
-        shorter than a slot's context, the sampling settings as `Engine.generate` takes them."""
+        shorter than a slot's context, the sampling settings as `Engine.generate` takes them.
+        `slot`: run on this slot (llama-server's id_slot), waiting for it; None: any."""
+        if slot is not None and (not isinstance(slot, (int, np.integer)) or isinstance(slot, bool)
+                                 or not 0 <= slot < self.n_slots):
+            raise OptionError(f"slot: expected one of 0..{self.n_slots - 1}, got {slot!r}")
         ids = generation.check_ids(prompt, self.eng.config.vocab_size, "prompt")
         if len(ids) >= self.ctx:
             raise OptionError(f"prompt: {len(ids)} tokens do not fit a slot's context ({self.ctx} tokens, -c / -np), "
@@ -230,7 +237,8 @@ class Scheduler:
         ban = frozenset(({eos} if ignore_eos and eos is not None else set()) | {t for t, b in bias if b <= LOGIT_BAN})
         return Request(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(stops),
                        on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, penalties=pen,
-                       top_logprobs=top_logprobs, logit_bias=tuple((t, b) for t, b in bias if b > LOGIT_BAN))
+                       top_logprobs=top_logprobs, logit_bias=tuple((t, b) for t, b in bias if b > LOGIT_BAN),
+                       want_slot=None if slot is None else int(slot))
 
     def submit(self, req: Request) -> Request:
         with self._cv:
@@ -243,6 +251,19 @@ class Scheduler:
             self._queue.append(req)
             self._cv.notify()
         return req
+
+    def erase_slot(self, index: int) -> int:
+        """Forget slot `index`'s cached tokens (llama-server's /slots/{id}?action=erase): the next
+        request there computes its whole prompt. Refused while a request runs on it; done by the
+        loop before its next admission (the loop alone touches a slot's tokens). Returns how many
+        tokens the slot held."""
+        with self._cv:
+            slot = self.slots[index]
+            if slot.req is not None:
+                raise OptionError(f"slot {index} is processing a request; erase it when it is idle")
+            self._erase.add(index)
+            self._cv.notify()
+            return len(slot.tokens)
 
     def cancel(self, req: Request, reason: str = STOP_CANCELLED) -> None:
         """Stop `req` at the next step boundary (its slot is freed then), finishing it with `reason`
@@ -335,7 +356,7 @@ class Scheduler:
         return any(s.req is None for s in self.slots)
 
     def _busy(self) -> bool:
-        return bool(self._prefill) or any(s.req is not None for s in self.slots) or (
+        return bool(self._prefill) or bool(self._erase) or any(s.req is not None for s in self.slots) or (
             bool(self._queue) and self._free_slot_exists())
 
     def _run(self) -> None:
@@ -357,6 +378,12 @@ class Scheduler:
 
     def _iteration(self) -> None:
         self._drop_cancelled()
+        with self._cv:
+            erase, self._erase = self._erase, set()
+        for i in erase:  # (a request admitted since erase_slot was asked keeps what it reused)
+            slot = self.slots[i]
+            if slot.req is None:
+                slot.tokens, slot.exact, slot.prompt_end = [], 0, 0
         self._admit()
         self._sync_solo()
         fed = bool(self._prefill)
@@ -473,8 +500,15 @@ class Scheduler:
                 free = [s for s in self.slots if s.req is None]
                 if not self._queue or not free:
                     return
-                req = self._queue.popleft()
-            best = max(free, key=lambda s: (self._reuse(s, req.prompt, req.cache_prompt), -s.last_used))
+                # the first in line that can run now: a request for a busy slot waits for it
+                # without holding back the others (llama-server's id_slot)
+                req = next((r for r in self._queue if r.want_slot is None or self.slots[r.want_slot].req is None),
+                           None)
+                if req is None:
+                    return
+                self._queue.remove(req)
+            best = self.slots[req.want_slot] if req.want_slot is not None else \
+                max(free, key=lambda s: (self._reuse(s, req.prompt, req.cache_prompt), -s.last_used))
             req.slot = best.index
             req.n_cached = req._pos = self._reuse(best, req.prompt, req.cache_prompt)
             req._rng = np.random.default_rng(req.sampling["seed"])

@@ -107,6 +107,10 @@ class Server:
         r.add_get("/v1/health", self.health)
         r.add_get("/props", self.props)
         r.add_get("/slots", self.slots)
+        r.add_post("/slots/{id}", self.slot_action)
+        r.add_get("/v1/models/{model}", self.model)
+        for path in ("/v1/embeddings", "/embeddings", "/embedding"):
+            r.add_post(path, self.embeddings)
         r.add_post("/apply-template", self.apply_template)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
@@ -131,7 +135,10 @@ class Server:
             msg = {404: f"no such endpoint: {request.method} {request.path}",
                    405: f"method {request.method} not allowed on {request.path}",
                    413: f"request body over {MAX_BODY >> 20} MiB"}.get(e.status, e.reason or "error")
-            return _error(ApiError(e.status, msg))
+            out = _error(ApiError(e.status, msg))
+            if isinstance(e, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 names the methods allowed
+                out.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
+            return out
         except QueueFullError as e:
             return _error(ApiError(503, str(e)))
         except OptionError as e:  # a prompt too long for a slot, a token outside the vocabulary
@@ -261,7 +268,7 @@ class Server:
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_completion_tokens", "max_tokens",
                                                                        "n_predict"), endpoint="chat")
-        oai.check_slot(body, self.config.n_slots)
+        params.id_slot = oai.check_slot(body, self.config.n_slots)
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         one_call = body.get("parallel_tool_calls") is False  # OpenAI's: at most one call an answer
         if body.get("parallel_tool_calls") not in (None, True, False):
@@ -340,7 +347,7 @@ class Server:
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_tokens", "n_predict"),
                                 endpoint="completions")
-        oai.check_slot(body, self.config.n_slots)
+        params.id_slot = oai.check_slot(body, self.config.n_slots)
         oai.check_completions_only(body)
         prompt = oai.prompt_field(body)
         ids = await self._prompt_ids(prompt)
@@ -381,7 +388,7 @@ class Server:
         """llama-server's own /completion (n_predict, cache_prompt, stream; no [DONE])."""
         body = await self._body(request)
         params = oai.gen_params(body, self.config.defaults, max_names=("n_predict", "max_tokens"))
-        oai.check_slot(body, self.config.n_slots)
+        params.id_slot = oai.check_slot(body, self.config.n_slots)
         prompt = oai.prompt_field(body)
         ids = await self._prompt_ids(prompt)
         job = self._job(ids, params)
@@ -526,6 +533,32 @@ class Server:
 
     async def slots(self, request: web.Request) -> web.Response:
         return web.json_response(self.scheduler.slot_info())
+
+    async def slot_action(self, request: web.Request) -> web.Response:
+        """llama-server's POST /slots/{id}?action=erase: forget an idle slot's cached tokens (its
+        prompt cache); save / restore (llama-server's --slot-save-path) are not done here: 501."""
+        raw = request.match_info["id"]
+        if not raw.isdigit() or not int(raw) < self.scheduler.n_slots:
+            raise bad(f"id_slot: expected a slot 0..{self.scheduler.n_slots - 1}, got {raw!r}"[:300])
+        action = request.query.get("action")
+        if action == "erase":
+            return web.json_response({"id_slot": int(raw), "n_erased": self.scheduler.erase_slot(int(raw))})
+        if action in ("save", "restore"):
+            raise ApiError(501, f"slot {action}: not supported by this server (no slot files)")
+        raise bad(f"action: expected erase, save or restore, got {action!r}"[:300])
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's GET /v1/models/{model}: the served model's object, 404 for any other name."""
+        name = request.match_info["model"]
+        if name not in self.names:
+            raise ApiError(404, f"model {name!r} not found (this server serves {self.config.model_name!r})",
+                           "not_found_error")
+        return web.json_response({"id": name, "object": "model", "created": self.created, "owned_by": "ikjax"})
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """Embeddings are not computed by this server (llama-server answers 501 unless started with
+        --embeddings): a 501 naming that, not a 404 that reads as a wrong address."""
+        raise ApiError(501, "embeddings: not supported by this server (it serves text generation)")
 
     async def apply_template(self, request: web.Request) -> web.Response:
         """llama-server's /apply-template: the prompt text a chat request's messages (and tools)

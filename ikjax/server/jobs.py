@@ -30,7 +30,7 @@ class Job:
         self._keep = keep  # control tokens shown as text (a tool call's markers)
         self.req: Request = scheduler.make_request(
             ids, params.max_tokens, on_event=self._from_scheduler, cache_prompt=params.cache_prompt,
-            ignore_eos=params.ignore_eos, **params.sampling())
+            ignore_eos=params.ignore_eos, slot=params.id_slot, **params.sampling())
         self.new_ids: list[int] = []  # the ids whose text the last delta carried (/completion's `tokens`)
         self.finish_reason: str | None = None  # "eos", "stop" (a stop string), "max_tokens", "context"
         self.stopping_word = ""

@@ -19,7 +19,7 @@ from ikjax.runtime.sampling import check_top_logprobs
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-               500: "server_error",
+               500: "server_error", 501: "not_supported_error",
                503: "unavailable_error"}
 
 
@@ -75,6 +75,7 @@ class GenParams:
     return_tokens: bool = False
     top_logprobs: int | None = None  # log-probabilities of each token and this many alternatives; None: none
     logit_bias: Any = None  # as the request gave it: checked against the vocabulary by Scheduler.make_request
+    id_slot: int | None = None  # llama-server's id_slot: run on this slot (check_slot); None: the scheduler's choice
 
     def sampling(self) -> dict:
         """The scheduler's sampling keywords (Scheduler.make_request)."""
@@ -189,13 +190,15 @@ def _check_not_run(body: dict) -> list[str] | None:
     return names
 
 
-def check_slot(body: dict, n_slots: int) -> None:
-    """llama-server's `id_slot`: -1 (any) or a slot that exists; a 400 otherwise (it ran on some
-    slot). The slot itself is the scheduler's choice (the one whose cache shares most of the
-    prompt), so a valid id changes nothing."""
+def check_slot(body: dict, n_slots: int) -> int | None:
+    """llama-server's `id_slot`: -1 (any: the scheduler picks the slot whose cache shares most of
+    the prompt) or a slot that exists, which the request then runs on (waiting for it if it is
+    busy: what pins a client's prompt cache to its slot); a 400 otherwise. Returns the slot, or
+    None for any."""
     v = body.get("id_slot")
     if v is not None and (not _is_int(v) or not -1 <= v < n_slots):
         raise bad(f"id_slot: expected -1 or a slot 0..{n_slots - 1}, got {v!r}"[:300])
+    return None if v is None or v == -1 else v
 
 
 def check_completions_only(body: dict) -> None:
@@ -340,7 +343,10 @@ def messages_field(body: dict) -> list[dict]:
                 parts.append(part["text"])
             content = "\n".join(parts)  # as llama-server joins a text-only model's parts
         elif content is None:  # kept None beside tool_calls: R1's template tells a call turn by it
-            content = None if m.get("role") == "assistant" and m.get("tool_calls") else ""
+            if role != "assistant":  # OpenAI's 400 (llama-server: "Missing 'content'"); an assistant
+                # turn may be all calls, or empty
+                raise bad(f"messages[{i}]: a {role} message needs content (a string or text parts)")
+            content = None if m.get("tool_calls") else ""
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content: expected a string or a list of text parts, got "
                       f"{type(content).__name__}")

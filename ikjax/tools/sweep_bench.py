@@ -28,6 +28,7 @@ import numpy as np
 from ikjax.errors import OptionError
 from ikjax.ops import registry
 from ikjax.runtime.executables import compile_side_by_side
+from ikjax.runtime.memory_plan import cache_capacity
 
 HEADER = "|%6s | %6s | %6s | %8s | %8s | %8s | %8s |" % (
     "PP", "TG", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s")
@@ -109,7 +110,7 @@ class RunInfo:
         """`ubatch`: the -ub as given (ik prints it unclamped; the engine's is min(ub, b))."""
         o = eng.options
         threads = o.threads or registry.default_threads()  # the kernels' -t 0: the affinity's cores
-        return cls(o.ctx, o.batch, o.ubatch if ubatch is None else ubatch, int(o.fa), o.ngl, threads,
+        return cls(sweep_ctx(o), o.batch, o.ubatch if ubatch is None else ubatch, int(o.fa), o.ngl, threads,
                    o.threads_batch or threads)
 
     def banner(self) -> str:
@@ -163,6 +164,15 @@ def sweep_points(ctx: int, ubatch: int) -> list[int]:
     return list(range(0, ctx - ubatch + 1, ubatch)) if ubatch <= ctx else []
 
 
+def sweep_ctx(options) -> int:
+    """The context ik's sweep-bench sweeps and prints as n_kv_max: -c padded as llama_context pads
+    n_ctx (to 256 with flash attention, 32 without: llama_kv_cache::get_padding), so `-c 500 -ub
+    128 -fa 1` sweeps 4 rows as ik does, not 3; never past the cache (`cache_capacity`: -c in
+    whole KV blocks, 256 unless -kvb says otherwise)."""
+    pad = 256 if options.fa else 32
+    return min(-(-options.ctx // pad) * pad, cache_capacity(options))
+
+
 def measured_points(ctx: int, ubatch: int, stride: int = 1) -> list[int]:
     """The rows ik measures and prints with --sweep-stride N: every Nth of `sweep_points`, from the first."""
     return sweep_points(ctx, ubatch)[::stride]
@@ -214,7 +224,7 @@ def _key(eng, kind: str, n_tokens: int, kv_needed: int) -> tuple[str, int, int]:
 def _shapes(eng, tg: int, pp: int | None, n_kv: int | None, stride: int) -> list[tuple[str, int, int]]:
     pp = eng.options.ubatch if pp is None else pp
     seen: dict[tuple[str, int, int], tuple[str, int, int]] = {}
-    points = measured_points(eng.options.ctx, pp, stride) if n_kv is None else [n_kv]
+    points = measured_points(sweep_ctx(eng.options), pp, stride) if n_kv is None else [n_kv]
     for p in points:
         for kind, n, kv in _row_steps(eng, tg, pp, p):
             seen.setdefault(_key(eng, kind, n, kv), (kind, n, kv))
@@ -280,7 +290,7 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
     o = eng.options
     pp = o.ubatch if pp is None else pp
     tg = pp // 4 if tg is None else tg
-    check_tg_room(o.ctx, eng.capacity, pp, tg, stride)
+    check_tg_room(sweep_ctx(o), eng.capacity, pp, tg, stride)
     vocab = eng.config.vocab_size
     rng = np.random.default_rng(seed)
     cache = eng.new_cache(1)
@@ -316,7 +326,7 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
                     execute(kind, n_tokens, kv_needed)
                 warmed.add(key)
     done = 0
-    for row, n_kv in enumerate(measured_points(o.ctx, pp, stride)):
+    for row, n_kv in enumerate(measured_points(sweep_ctx(o), pp, stride)):
         reps = nrep if row == 0 else 1
         if before_row is not None:
             before_row(n_kv)
@@ -352,7 +362,7 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
 def total_work(eng, tg: int, nrep: int = 1, *, pp: int | None = None, stride: int = 1) -> int:
     """Progress units: one per TG token plus one per PP token of each measured row (the first `nrep` times)."""
     pp = eng.options.ubatch if pp is None else pp
-    n = len(measured_points(eng.options.ctx, pp, stride))
+    n = len(measured_points(sweep_ctx(eng.options), pp, stride))
     return (n + (nrep - 1 if n else 0)) * (tg + pp)
 
 
