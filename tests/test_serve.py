@@ -536,6 +536,18 @@ def test_slots_by_id_erase_models_by_id_embeddings_allow(server):
     _error(call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}), 400, "needs content")
 
 
+def test_text_offsets_count_the_answers_characters():
+    """/v1/completions' logprobs.text_offset: a token ending inside a UTF-8 character ('!' + the
+    first byte of 'ׂ', then its second byte + '!') adds the character once, with the token that
+    completes it; the offsets stay inside the answer's text ('!ׂ!�': a lone byte is one '�')."""
+    from ikjax.server.openai import text_offsets
+    pieces = [b"!\xd7", b"\x82!", b"\xe2", b"x"]
+    text = b"".join(pieces).decode("utf-8", "replace")
+    assert text_offsets(pieces) == [0, 1, 3, 3] and text == "!\u05c2!\ufffdx"
+    assert text_offsets(pieces, 5) == [5, 6, 8, 8]
+    assert text_offsets([]) == []
+
+
 def test_api_key_401(small):
     _error(call(small, "POST", "/completion", {"prompt": "x", "n_predict": 1}), 401, "API key")
     # a browser's preflight carries no key: answered all the same; the request after it needs one

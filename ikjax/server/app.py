@@ -462,13 +462,12 @@ class Server:
         if job.params.top_logprobs is None:
             return None
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, lp, alts in self._logprob_rows(job, piece):
-            text, _ = self._token(tid)
-            out["tokens"].append(text)
+        rows = self._logprob_rows(job, piece)
+        for tid, lp, alts in rows:
+            out["tokens"].append(self._token(tid)[0])
             out["token_logprobs"].append(lp)
             out["top_logprobs"].append({self._token(aid)[0]: alp for aid, alp in alts})
-            out["text_offset"].append(offset)
-            offset += len(text)
+        out["text_offset"] = oai.text_offsets([self.tok.piece(tid) for tid, _, _ in rows], offset)
         return out
 
     def _probabilities(self, job: Job, piece: bool = False) -> list[dict]:

@@ -11,6 +11,7 @@ Field names and defaults are llama-server's: `n_predict` (/completion) and `max_
 """
 from __future__ import annotations
 
+import codecs
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,6 +189,19 @@ def _check_not_run(body: dict) -> list[str] | None:
         raise bad(f"samplers: this server applies penalties, top_k, top_p, min_p, temperature in that order; "
                   f"got {', '.join(names)}"[:300])
     return names
+
+
+def text_offsets(pieces: list[bytes], start: int = 0) -> list[int]:
+    """/v1/completions' logprobs.text_offset: where each token's text starts, in characters of the
+    answer's text (`start`: the characters before the first). A token that ends inside a UTF-8
+    character (byte-level vocabularies split them) adds that character only with the token that
+    completes it, as the answer's text does; counting each piece decoded alone overran the text."""
+    chars = codecs.getincrementaldecoder("utf-8")("replace")
+    out = []
+    for b in pieces:
+        out.append(start)
+        start += len(chars.decode(b))
+    return out
 
 
 def check_slot(body: dict, n_slots: int) -> int | None:
