@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,9 @@ class TensorOverride:
                 raise OptionError(f"ot: expected REGEX=DEVICE, got {item!r}")
             pat, dev = item.rsplit("=", 1)
             try:
-                re.compile(pat)
+                with warnings.catch_warnings():  # ("Possible nested set": a FutureWarning, not the user's error)
+                    warnings.simplefilter("ignore")
+                    re.compile(pat)
             except re.error as e:
                 raise OptionError(f"ot: bad regex {pat!r}: {e}") from None
             dev = dev.strip()
@@ -203,6 +206,8 @@ class RunOptions:
         integer("ctx", 0)
         integer("ubatch", 1)
         integer("batch", 1)
+        if str(v.get("ngl", "")).strip() == "-1":  # llama.cpp's -ngl -1: its default, every layer (as 99 here)
+            v["ngl"] = 99
         integer("ngl", 0)
         for name in ("threads", "threads_batch"):  # ik's -t -1 / -tb -1: every core, as 0 here
             if str(v.get(name, "")).strip() == "-1":
@@ -323,6 +328,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "khad": ("-khad", "bool"), "no_fug": ("-no-fug", "bool"), "no_mmad": ("-no-mmad", "bool"),
     "rcache": ("-rcache", "bool"), "smgs": ("-smgs", "bool"), "sas": ("-sas", "bool"), "grt": ("-grt", "text"),
     "cram": ("-cram", "text"), "dt": ("-dt", "text"), "minilog": ("--minilog", "bool"),
+    "mlock": ("--mlock", "bool"), "color": ("-co", "bool"),
 }
 # parameters whose flags may be given bare (`-rtr` = `-rtr 1`), as ik's main programs take them
 BARE_PARAMS = frozenset({"fa", "fmoe", "no_fmoe", "no_fa", "cpu_moe"}
@@ -356,6 +362,8 @@ _WHY = {
     "cram": "the server's prompt cache is each slot's KV cache (--prompt-cache), not a RAM cache",
     "dt": "ikjax's KV cache is one contiguous buffer per sequence: nothing to defragment",
     "minilog": "ikjax's output is brief already (-v for more)",
+    "mlock": "ikjax copies the weights into its runtime buffers at load: no mapping stays to lock in RAM",
+    "color": "ikjax prints plain text (the answer on stdout, notes on stderr)",
 }
 # switches a command honours itself (no note there)
 HONOURED = {"no_warmup": ("sweep-bench", "bench", "serve")}  # -nrep keeps its own rule below (sweep-bench only)

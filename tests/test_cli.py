@@ -172,6 +172,14 @@ def test_bench_json_csv_depth(tiny_model):
     rows = list(csv.DictReader(io.StringIO(res.stdout)))
     assert len(rows) == 1 and rows[0]["test"] == "pp16" and float(rows[0]["avg_ts"]) > 0
     assert rows[0]["flash_attn"] == "1" and rows[0]["ser"] == "-1,0"  # llama-bench's CSV: bools as 0/1
+    # llama-bench's -o sql: CREATE TABLE then an INSERT a test, which SQLite reads back
+    import sqlite3
+    res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 2, "-r", 1, "-o", "sql"])
+    assert res.stdout.startswith("CREATE TABLE IF NOT EXISTS test (\n  build_commit TEXT,")
+    db = sqlite3.connect(":memory:")
+    db.executescript(res.stdout)
+    got = db.execute("SELECT n_prompt, n_gen, flash_attn, typeof(avg_ts), avg_ts > 0 FROM test").fetchall()
+    assert got == [(16, 0, 1, "real", 1), (0, 2, 1, "real", 1)], got
 
 
 # -- run --config ----------------------------------------------------------------------------------------
@@ -380,3 +388,36 @@ def test_chat_goes_on_past_the_context(tiny_model):
     assert "[message dropped" in r.stderr and "-c 128" in r.stderr  # the 200 words alone
     assert "Traceback" not in r.stderr and "prompt_ids" not in r.stderr
     assert int(re.search(r"chat: (\d+) turns", r.stderr).group(1)) == len(lines) - 1, r.stderr[-500:]
+
+
+# -- llama-cli habits an outside probe found refused or mishandled ---------------------------------
+
+def test_llama_cli_habits(tiny_model, tmp_path):
+    """-ngl -1 (llama.cpp's default: every layer), --top-p 0 (the most likely token only), --mlock and
+    -co (noted, no effect) run; a random seed is printed as llama-cli's "sampler seed: N" and -s N
+    repeats it; a seed past 32 bits, an -ot regex Python warns about and --expert-stats on a virtual
+    file system are one-line errors before anything runs."""
+    res = invoke(["generate", "-m", tiny_model, "-p", "hi", "-n", 4, "-c", 64, "-ngl", -1, "--top-p", 0,
+                  "--temp", 0.8, "--mlock", "-co"])
+    assert "note: --mlock has no effect" in res.stderr and "note: -co has no effect" in res.stderr
+    seed = int(next(x for x in res.stderr.splitlines() if x.startswith("sampler seed: ")).split(": ")[1])
+    again = invoke(["generate", "-m", tiny_model, "-p", "hi", "-n", 4, "-c", 64, "-ngl", -1, "--top-p", 0,
+                    "--temp", 0.8, "-s", seed])
+    assert again.stdout == res.stdout and "sampler seed" not in again.stderr
+    assert_one_line_error(invoke(["generate", "-m", tiny_model, "-p", "hi", "-s", 2 ** 40], 1), "seed")
+    assert_one_line_error(invoke(["generate", "-m", tiny_model, "-p", "hi", "-ot", "[[=CPU"], 1), "bad regex")
+    import os
+    if os.path.isdir("/proc"):
+        assert_one_line_error(invoke(["generate", "-m", tiny_model, "-p", "hi", "-n", 2, "-s", 1, "--expert-stats",
+                                      "/proc/es.json"], 1), "virtual file system")
+
+
+def test_chat_with_stdin_closed_ends_cleanly(tiny_model):
+    """`ikjax chat ... <&-` (no stdin at all): the end of input, as llama-cli reads it, not a crash."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "chat", "-m", tiny_model, "-c", "128", "-n", "4"],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), preexec_fn=lambda: os.close(0))
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "error" not in r.stderr, r.stderr[-1500:]

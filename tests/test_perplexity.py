@@ -152,6 +152,16 @@ def test_ppl_matches_transformers(files, which, opts, tol):
         assert abs(v / np.exp(upto.mean()) - 1) < tol
 
 
+def test_ppl_odd_context_as_ik(files):
+    """An odd -c, as llama-perplexity takes it: positions floor(c/2) .. c-2 of each chunk scored
+    (the second half one token longer), every NLL as transformers' logits give it."""
+    ids = _ids(files["cfg"]["vocab_size"])
+    res = _load(files["f32"], mla=0, ctk="f32").perplexity(ids, 63)
+    nll = ref_nll(files["hf"], ids, 63)
+    assert res.count == res.n_chunk * (63 - 1 - 63 // 2) == len(nll) and res.n_chunk >= 3
+    assert abs(res.ppl / ref_ppl(nll)[0] - 1) < 1e-5 and np.abs(res.nll - nll).max() < 5e-4
+
+
 def test_ppl_bos_replaces_each_chunks_first_token(files):
     """Where the file asks for BOS, every chunk's first token is fed as BOS (ik's rule)."""
     ids = _ids(files["cfg"]["vocab_size"], seed=1)
@@ -355,7 +365,6 @@ def test_cli_bad_input_is_one_line(files, tmp_path):
     _assert_one_line_error(invoke(["perplexity", "-m", m, "-f", tmp_path / "missing.txt"], 1), "missing.txt",
                            "cannot read")
     _assert_one_line_error(invoke(["perplexity", "-m", m, "-f", short, "-c", N_CTX], 1), f"at least {2 * N_CTX} tokens")
-    _assert_one_line_error(invoke(["perplexity", "-m", m, "-f", text, "-c", 63], 1), "odd")
     _assert_one_line_error(invoke(["perplexity", "-m", m, "-f", text, "--kl-divergence"], 1), "--kl-divergence-base")
     _assert_one_line_error(invoke(["perplexity", "-m", m, "--kl-divergence", "--kl-divergence-base", text], 1),
                            "log-probabilities")
@@ -381,7 +390,6 @@ def test_api_bad_input(files):
     eng = _load(files["f32"], mla=0)
     ids = _ids(files["cfg"]["vocab_size"])
     for call, words in [(lambda: eng.perplexity(ids[:100], N_CTX), "at least 128 tokens"),
-                        (lambda: eng.perplexity(ids, 31), "odd"),
                         (lambda: eng.perplexity(ids, 2 * N_CTX), "exceed the engine's context"),
                         (lambda: eng.perplexity(ids, N_CTX, n_chunks=0), "chunks")]:
         with pytest.raises(IkjaxError, match=re.escape(words)):

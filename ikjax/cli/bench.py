@@ -82,7 +82,7 @@ def bench(
     ctx: Annotated[Optional[str], typer.Option("-c", "--ctx-size", help="accepted with a note: bench sizes the "
                                                "context to each test, as llama-bench does")] = None,
     reps: Annotated[int, typer.Option("-r", "--repetitions", help="timed repetitions per test")] = 5,
-    output: Annotated[str, typer.Option("-o", "--output", help="md, json, jsonl or csv (llama-bench's keys)")] = "md",
+    output: Annotated[str, typer.Option("-o", "--output", help="md, json, jsonl, csv or sql (llama-bench's keys)")] = "md",
     # replace the shared options of the same names: comma lists, swept
     mla: Annotated[str, typer.Option("-mla", "--mla", "--mla-attn", help="MLA mode(s), e.g. 2,3")] = str(_D.mla),
     ubatch: Annotated[str, typer.Option("-ub", "--ubatch", "--ubatch-size", help="micro-batch(es)")] = str(_D.ubatch),
@@ -118,8 +118,8 @@ def bench(
     if run.expert_stats:
         raise OptionError("expert-stats: bench does not count experts (its runs repeat); use sweep-bench, generate, "
                           "chat or serve")
-    if output not in ("md", "json", "jsonl", "csv"):
-        raise OptionError(f"output: {output!r} is not md, json, jsonl or csv")
+    if output not in ("md", "json", "jsonl", "csv", "sql"):
+        raise OptionError(f"output: {output!r} is not md, json, jsonl, csv or sql")
     if reps < 1:
         raise OptionError(f"repetitions: need >= 1, got {reps}")
     flags = {}
@@ -194,7 +194,9 @@ def bench(
         elif output == "jsonl":
             emit(lb.to_jsonl(r))
         if r.error:
-            console.print(f"skipped {os.path.basename(r.model)} {r.params}: {r.error}", markup=False, highlight=False)
+            combo = " ".join(f"{lb.COLUMN.get(k, k)}={v}" for k, v in r.params.items())
+            console.print(f"skipped {os.path.basename(r.model)} {combo}: {r.error}", markup=False, highlight=False,
+                          soft_wrap=True)
 
     setup_compile_cache(run.compile_cache_dir)
     with console.status("bench") as status:
@@ -207,6 +209,8 @@ def bench(
         typer.echo(lb.to_json(results))
     elif output == "csv":
         typer.echo(lb.to_csv(results), nl=False)
+    elif output == "sql":
+        typer.echo(lb.to_sql(results), nl=False)
     failed = sum(1 for r in results if r.error)
     if failed:  # every row printed; the status says not all ran (llama-bench's 1 for a model that fails to load)
         typer.echo(f"error: {failed} of {len(results)} tests did not run (their rows say why)", err=True)

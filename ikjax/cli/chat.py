@@ -25,7 +25,7 @@ from typing import Annotated, Optional
 import typer
 
 from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
-                              app, handle, ik_sampling, load_engine, log, process_escapes, read_prompt_file,
+                              app, handle, ik_sampling, ik_seed, load_engine, log, process_escapes, read_prompt_file,
                               setup_compile_cache)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
@@ -71,7 +71,7 @@ def chat(
     # every value checked before the model loads
     check_choice(chat_template)
     temp, top_p = ik_sampling(temp, top_p)
-    check_sampling(temp, top_k, top_p, min_p, seed)
+    check_sampling(temp, top_k, top_p, min_p, seed if seed is None or 0 <= seed < 2 ** 31 else None)
     check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     if n_predict < -1:
         raise OptionError(f"n-predict: need >= -1 (-1 = no limit), got {n_predict}")
@@ -86,6 +86,7 @@ def chat(
         if text:
             check_text(text, what)
     run_opts, _ = check_options(run, "chat")
+    seed = ik_seed(seed)  # (after every check: a refused command prints no seed)
     setup_compile_cache(run.compile_cache_dir)
     eng = load_engine(run.model, run.verbose, **run_opts)
     template = eng.chat_template(chat_template)
@@ -131,8 +132,8 @@ class Chat:
         lines: list[str] = []
         while True:
             _out("> " if not lines else "")
-            try:
-                line = sys.stdin.readline()
+            try:  # a closed stdin (`<&-`: sys.stdin is None) is the end of input, as llama-cli reads it
+                line = sys.stdin.readline() if sys.stdin is not None else ""
             except KeyboardInterrupt:
                 _out("\n")
                 raise typer.Exit(EXIT_INTERRUPTED) from None

@@ -207,8 +207,26 @@ Escape = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="proces
 
 def ik_sampling(temp: float, top_p: float) -> tuple[float, float]:
     """llama-cli's readings of its sampling flags: a temperature of 0 or less is greedy, a top-p of
-    1 or more is off (values the Python API, which keeps OpenAI's ranges, refuses)."""
-    return max(temp, 0.0), min(top_p, 1.0)
+    1 or more is off, one of 0 or less keeps the most likely token only (llama.cpp's min_keep = 1)
+    (values the Python API, which keeps OpenAI's ranges, refuses). NaN stays for the checks."""
+    return max(temp, 0.0), (min(top_p, 1.0) if not top_p <= 0 else _TOP_P_ONE)
+
+
+_TOP_P_ONE = 1e-9  # a nucleus no larger than the most likely token
+_RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama.cpp's LLAMA_DEFAULT_SEED, and -1: a random seed
+
+
+def ik_seed(seed: Optional[int]) -> int:
+    """llama-cli's -s: a 32-bit seed, or -1 / 4294967295 / none for a random one, which is drawn
+    here and printed (llama-cli's "sampler seed: N") so that a run can be repeated with -s N."""
+    if seed is None or seed in _RANDOM_SEEDS:
+        import secrets
+        seed = secrets.randbits(32) & 0x7FFFFFFF
+        log(f"sampler seed: {seed}")
+        return seed
+    if not 0 <= seed < 0xFFFFFFFF:
+        raise OptionError(f"seed: expected -1 (random) or 0..{0xFFFFFFFF - 1}, got {seed}")
+    return seed
 MinP = Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")]
 Seed = Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")]
 
@@ -345,7 +363,12 @@ def _save_expert_stats(eng, path: str) -> None:
             st["tokens"] += int(old.get("tokens", 0))
         except (OSError, ValueError, TypeError, AttributeError):
             pass  # --gpu-experts checked the file when the run started; a file changed since is replaced
-    eng.save_expert_stats(path, st)
+    try:
+        eng.save_expert_stats(path, st)
+    except (OptionError, OSError) as e:  # (at exit: one line and a failing status, not a traceback)
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     log(f"expert stats: {st['tokens']} tokens over {len(st['layers'])} MoE layers -> {path}")
 
 

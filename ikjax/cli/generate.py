@@ -15,7 +15,7 @@ import typer
 
 from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
                               TopK, TopP, app, batch_invariance, compiled_line, handle, load_engine, log,
-                              ik_sampling, process_escapes, read_prompt_file, setup_compile_cache)
+                              ik_sampling, ik_seed, process_escapes, read_prompt_file, setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -71,6 +71,7 @@ def generate(
     from ikjax.runtime.sampling import check_penalty
     penalties = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     run_opts, _ = check_options(run, "generate")
+    seed = ik_seed(seed)  # (after every check: a refused command prints no seed)
     batch_invariance(batch_invariant, default=False)
     setup_compile_cache(run.compile_cache_dir)
     from ikjax.runtime.sampling import check_sampling  # before loading: a bad value costs no load
@@ -85,7 +86,7 @@ def generate(
         tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
         ids = tok.encode(prompt)
         if not ids:
-            raise OptionError("prompt: empty (and the model has no BOS token)")
+            raise OptionError("prompt: empty (give -p TEXT or -f FILE; this model adds no BOS token to a prompt)")
         room = eng.options.ctx - len(ids)
         if room < 1:
             raise OptionError(f"prompt: {len(ids)} tokens leave no room for a token in the context c={eng.options.ctx}")

@@ -141,6 +141,8 @@ def _shared(
     cram: Annotated[Optional[str], typer.Option("-cram", "--cache-ram", help=_NOTE)] = None,
     dt: Annotated[Optional[str], typer.Option("-dt", "--defrag-thold", help=_NOTE)] = None,
     minilog: Annotated[Optional[str], typer.Option("--minilog", help=_NOTE)] = None,
+    mlock: Annotated[Optional[str], typer.Option("--mlock", help=_NOTE)] = None,
+    color: Annotated[Optional[str], typer.Option("-co", "--color", help=_NOTE)] = None,
     fit: Annotated[Optional[str], typer.Option("--fit", help="fit the model to device memory: " + _NOTE
                                                + " (the memory plan refuses what does not fit)")] = None,
     expert_stats: Annotated[Optional[str], typer.Option(
@@ -182,7 +184,8 @@ RUN_OPTION_PARAMS = ("ctx", "batch", "ubatch", "mla", "fa", "amb", "ctk", "ctv",
                      "gpu_experts")
 SWITCH_PARAMS = ("split_mode", "main_gpu", "ts", "rtr", "thp", "no_mmap", "numa", "nkvo", "ooae", "no_ooae", "op",
                  "cuda", "muge", "mqkv", "ger", "wb", "nrep", "no_warmup", "gr", "no_gr", "fit", "mmp", "khad",
-                 "no_fug", "no_mmad", "rcache", "smgs", "sas", "grt", "cram", "dt", "minilog")
+                 "no_fug", "no_mmad", "rcache", "smgs", "sas", "grt", "cram", "dt", "minilog", "mlock",
+                 "color")
 
 
 class RunArgs(dict):

@@ -192,13 +192,10 @@ def _kld_rows(logits, targets, scale, min_log_prob, q):
 
 # -- running the chunks ------------------------------------------------------------------------
 def check_ctx(n_ctx, engine_ctx: int) -> int:
-    """A chunk length the engine can hold. Odd lengths are refused (ik takes them, scoring
-    positions floor(c/2)..c-2): every published PPL uses an even -c, and refusing keeps the two
-    halves of a chunk the same size, as this project's callers were asked to guarantee."""
+    """A chunk length the engine can hold; odd ones too, as ik takes them (positions
+    floor(c/2)..c-2 scored: the second half is one token longer than the first)."""
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)) or n_ctx < 4:
         raise OptionError(f"ctx: need an integer context of at least 4 tokens for perplexity, got {n_ctx!r}")
-    if n_ctx % 2:
-        raise OptionError(f"ctx: {n_ctx} is odd; perplexity scores the second half of each chunk: use an even -c")
     if n_ctx > engine_ctx:
         raise OptionError(f"ctx: chunks of {n_ctx} tokens exceed the engine's context {engine_ctx} (load with ctx >= "
                           f"{n_ctx})")
@@ -588,8 +585,6 @@ def check_base(engine, base: BaseLogits) -> None:
     if base.n_ctx > engine.options.ctx:
         raise OptionError(f"kl-divergence-base {base.path}: computed with n_ctx {base.n_ctx}, while the current "
                           f"context is {engine.options.ctx}: increase it with -c {base.n_ctx} and retry")
-    if base.n_ctx % 2:
-        raise OptionError(f"kl-divergence-base {base.path}: n_ctx {base.n_ctx} is odd (ikjax scores even contexts)")
     if base.tokens.size and (base.tokens.min() < 0 or base.tokens.max() >= engine.config.vocab_size):
         raise OptionError(f"kl-divergence-base {base.path}: holds token ids outside this model's vocabulary "
                           f"[0, {engine.config.vocab_size})")

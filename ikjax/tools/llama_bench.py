@@ -593,8 +593,32 @@ def to_csv(results: list[Result]) -> str:
         if header is None:
             header = list(rec)
             w.writerow(header)
-        w.writerow(["" if v is None else ("%f" % v if isinstance(v, float) else _bool_text(v))
-                    for v in rec.values()])
+        w.writerow([_text_value(v) for v in rec.values()])
     if header is None:
         w.writerow([k for k in Result("", {}, None).record() if k not in CSV_SKIP])
     return buf.getvalue()
+
+
+def _text_value(v: Any) -> str:
+    """A record value as ik's CSV and SQL printers write it: floats %f, booleans 0 / 1, null empty."""
+    return "" if v is None else ("%f" % v if isinstance(v, float) else _bool_text(v))
+
+
+def _sql_type(v: Any) -> str:
+    return "INTEGER" if isinstance(v, (bool, int)) else "REAL" if isinstance(v, float) else "TEXT"
+
+
+def to_sql(results: list[Result]) -> str:
+    """llama-bench's `-o sql`: CREATE TABLE IF NOT EXISTS test (its fields, typed INTEGER / REAL /
+    TEXT), a blank line, then one INSERT a test with every value quoted ('' inside), as ik's
+    sql_printer writes them (the CSV's fields: no sample lists)."""
+    recs = [{k: v for k, v in r.record().items() if k not in CSV_SKIP} for r in results]
+    proto = recs[0] if recs else {k: v for k, v in Result("", {}, None).record().items() if k not in CSV_SKIP}
+    types = {k: _sql_type(next((r[k] for r in recs if r.get(k) is not None), proto[k])) for k in proto}
+    lines = ["CREATE TABLE IF NOT EXISTS test ("]
+    lines += [f"  {k} {t}{',' if i < len(types) - 1 else ''}" for i, (k, t) in enumerate(types.items())]
+    lines += [");", ""]
+    for r in recs:
+        values = ", ".join("'" + _text_value(v).replace("'", "''") + "'" for v in r.values())
+        lines.append(f"INSERT INTO test ({', '.join(r)}) VALUES ({values});")
+    return "\n".join(lines) + "\n"
