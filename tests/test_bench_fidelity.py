@@ -41,9 +41,10 @@ def test_pp_row_runs_in_min_ub_b_steps(tiny_model):
 def test_ub_below_4_gives_tg_0_rows(tiny_model):
     """-ub 1: TG = ub/4 = 0 as ik; used to crash in dynamic_update_slice (a 1-token PP step was
     compiled as a 0-step decode loop)."""
-    res = _run(["sweep-bench", "-m", tiny_model, "-c", 8, "-ub", 1, "--sweep-stride", 4])
+    # (-fa 0: ik pads n_ctx 8 to 32 without flash attention, so the sweep's rows are 0, 4, .. 28)
+    res = _run(["sweep-bench", "-m", tiny_model, "-c", 8, "-fa", 0, "-ub", 1, "--sweep-stride", 4])
     rows = _rows(res.stdout)
-    assert [tuple(int(c) for c in r.split("|")[1:4]) for r in rows] == [(1, 0, 0), (1, 0, 4)]
+    assert [tuple(int(c) for c in r.split("|")[1:4]) for r in rows] == [(1, 0, n) for n in range(0, 32, 4)]
 
 
 def test_sweep_stride_and_memory_columns(tiny_model):

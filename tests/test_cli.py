@@ -74,7 +74,8 @@ def test_errors_are_one_line_exit_1(tiny_model, tmp_path):
     assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "--bogus"], 1), "--bogus")
     assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-ot", "exps"], 1), "ot")
     assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-ser", "9,0.5"], 1), "ser")
-    assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-c", 64, "-ub", 128], 1), "ubatch")
+    # (-c 64 with -fa is ik's n_ctx 256: -ub 128 fits, as in ik's sweep-bench)
+    assert_one_line_error(invoke(["sweep-bench", "-m", tiny_model, "-c", 64, "-ub", 512], 1), "ubatch")
 
 
 # -- info ---------------------------------------------------------------------------------------------

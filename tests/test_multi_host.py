@@ -27,7 +27,11 @@ from conftest import TEST_XLA_FLAGS
 HERE = Path(__file__).parent
 WORKER = HERE / "multi_host_worker.py"
 TOL = 1e-5
-GRAPH_TOL_FLOOR = 3e-5  # as tests/test_multi_device.py (its comment says why)
+# tests/test_multi_device.py's floor (its comment says why), raised for two processes: their
+# all-reduce of the 4 devices' partial f32 sums adds in another order than one process's psum; on
+# the AVX2-only Zen 3 EPYC the v3tiny Q4_0 mla 3 case measured 3.95e-5 against a one-device order
+# gap of 1.8e-5 (2.2x; the same with the kernels of 37ce1cd, so not a kernel change)
+GRAPH_TOL_FLOOR = 5e-5
 IDS = (np.arange(1, 14) * 37 % 500 + 3).tolist()
 
 
@@ -160,8 +164,9 @@ def test_cli_two_processes_process_zero_prints(model4):
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i}: {p.stderr[-2000:]}"
     lines = [ln for ln in procs[0].stdout.splitlines() if ln.strip()]
-    assert lines[0].startswith("main: n_kv_max = 64") and lines[1].startswith("|    PP |")
-    assert len([ln for ln in lines if ln.startswith("|    16 |")]) == 4, procs[0].stdout
+    # (-c 64 with -fa: ik's n_ctx 256, 16 rows of 16)
+    assert lines[0].startswith("main: n_kv_max = 256") and lines[1].startswith("|    PP |")
+    assert len([ln for ln in lines if ln.startswith("|    16 |")]) == 16, procs[0].stdout
     assert procs[1].stdout == ""
 
 

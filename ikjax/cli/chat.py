@@ -25,7 +25,7 @@ from typing import Annotated, Optional
 import typer
 
 from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
-                              app, handle, ik_sampling, ik_seed, load_engine, log, process_escapes, read_prompt_file,
+                              app, handle, announce_seed, ik_sampling, ik_seed, load_engine, log, process_escapes, read_prompt_file,
                               setup_compile_cache)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
@@ -86,9 +86,10 @@ def chat(
         if text:
             check_text(text, what)
     run_opts, _ = check_options(run, "chat")
-    seed = ik_seed(seed)  # (after every check: a refused command prints no seed)
+    seed, drawn = ik_seed(seed)  # (printed once the model loaded: a refused command prints none)
     setup_compile_cache(run.compile_cache_dir)
     eng = load_engine(run.model, run.verbose, **run_opts)
+    announce_seed(seed, drawn)
     template = eng.chat_template(chat_template)
     log(f"chat template: {template.name}")
     sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, repeat_penalty=repeat_penalty,

@@ -216,17 +216,21 @@ _TOP_P_ONE = 1e-9  # a nucleus no larger than the most likely token
 _RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama.cpp's LLAMA_DEFAULT_SEED, and -1: a random seed
 
 
-def ik_seed(seed: Optional[int]) -> int:
-    """llama-cli's -s: a 32-bit seed, or -1 / 4294967295 / none for a random one, which is drawn
-    here and printed (llama-cli's "sampler seed: N") so that a run can be repeated with -s N."""
+def ik_seed(seed: Optional[int]) -> tuple[int, bool]:
+    """llama-cli's -s: a 32-bit seed, or -1 / 4294967295 / none for a random one, drawn here.
+    Returns (seed, drawn): a drawn seed is for the command to print once the model has loaded
+    (`announce_seed`: llama-cli's "sampler seed: N"), so that a run can be repeated with -s N."""
     if seed is None or seed in _RANDOM_SEEDS:
         import secrets
-        seed = secrets.randbits(32) & 0x7FFFFFFF
-        log(f"sampler seed: {seed}")
-        return seed
+        return secrets.randbits(32) & 0x7FFFFFFF, True
     if not 0 <= seed < 0xFFFFFFFF:
         raise OptionError(f"seed: expected -1 (random) or 0..{0xFFFFFFFF - 1}, got {seed}")
-    return seed
+    return seed, False
+
+
+def announce_seed(seed: int, drawn: bool) -> None:
+    if drawn:
+        log(f"sampler seed: {seed}")
 MinP = Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")]
 Seed = Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")]
 

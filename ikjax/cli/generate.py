@@ -15,7 +15,7 @@ import typer
 
 from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
                               TopK, TopP, app, batch_invariance, compiled_line, handle, load_engine, log,
-                              ik_sampling, ik_seed, process_escapes, read_prompt_file, setup_compile_cache)
+                              announce_seed, ik_sampling, ik_seed, process_escapes, read_prompt_file, setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -71,7 +71,7 @@ def generate(
     from ikjax.runtime.sampling import check_penalty
     penalties = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     run_opts, _ = check_options(run, "generate")
-    seed = ik_seed(seed)  # (after every check: a refused command prints no seed)
+    seed, drawn = ik_seed(seed)  # (printed once the model loaded: a refused command prints none)
     batch_invariance(batch_invariant, default=False)
     setup_compile_cache(run.compile_cache_dir)
     from ikjax.runtime.sampling import check_sampling  # before loading: a bad value costs no load
@@ -109,6 +109,7 @@ def generate(
         prepared.update(tok=tok, ids=ids, n=n)
 
     eng = load_engine(run.model, run.verbose, while_loading=prepare, **run_opts)
+    announce_seed(seed, drawn)
     tok, ids, n_new = prepared["tok"], prepared["ids"], prepared["n"]
     if not no_echo:
         typer.echo(prompt, nl=False)
