@@ -67,7 +67,7 @@ def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "ou
         raise OptionError(f"{what}: cannot write {path}: {base} is on a read-only file system")
     if not os.access(base, os.W_OK | os.X_OK):
         raise OptionError(f"{what}: cannot write {path}: {base} is not writable")
-    if st is not None and st.f_blocks == 0 and st.f_bavail == 0:  # /proc, /sys: no room for any file
+    if st is not None and getattr(st, "f_blocks", 1) == 0 and st.f_bavail == 0:  # /proc, /sys: no room for any file
         raise OptionError(f"{what}: cannot write {path}: {base} is a virtual file system that holds no files")
     if needed_bytes and st is not None:
         free = st.f_bavail * st.f_frsize

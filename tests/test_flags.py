@@ -296,7 +296,7 @@ def test_sweep_nrep_and_streams(tiny_model):
     assert all(l == "" or l.startswith("|") or l.startswith("main: n_kv_max") for l in out), out
     assert "n_threads = 2, n_threads_batch = 1" in res.stdout
     rows = [l for l in out if re.match(r"\|\s+64 \|", l)]
-    assert len(rows) == 2
+    assert len(rows) == 4  # -c 128 with -fa: ik's n_ctx 256, rows at 0, 64, 128, 192
     for flag in ("-mg 0", "-sm layer", "-rtr", "-thp", "-ctv q8_0"):
         assert any(l.startswith(f"note: {flag}") for l in res.stderr.splitlines()), flag
     assert re.search(r"compiling step 1/\d+ of the first row \(\d+ tokens, KV bucket \d+\)", res.stderr), res.stderr

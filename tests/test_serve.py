@@ -458,6 +458,30 @@ def test_penalty_last_n_developer_role_first_delta_and_timings(server, ref):
     assert parts[0].choices[0].delta.role == "assistant" and parts[0].choices[0].delta.content == ""
 
 
+def test_timings_per_token(server):
+    """llama-server's `timings_per_token`: every streamed /completion event and chat chunk carries the
+    request's timings so far (predicted_n counting up); without it the stream's events have none
+    before the last."""
+    def events(path, body):
+        c = http.client.HTTPConnection(server.host, int(server.port), timeout=120)
+        c.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        out = [json.loads(ln[6:]) for ln in r.read().decode().splitlines()
+               if ln.startswith("data: ") and ln != "data: [DONE]"]
+        c.close()
+        return out
+    ev = events("/completion", {"prompt": "count with me", "n_predict": 6, "temperature": 0, "ignore_eos": True,
+                                "stream": True, "timings_per_token": True, "return_tokens": True})
+    counts = [e["timings"]["predicted_n"] for e in ev]
+    assert len(ev) >= 6 and counts == sorted(counts) and counts[-1] == 6, counts
+    plain = events("/completion", {"prompt": "count with me", "n_predict": 6, "temperature": 0, "stream": True})
+    assert all("timings" not in e for e in plain[:-1]) and "timings" in plain[-1]
+    chunks = events("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                             "temperature": 0, "stream": True, "timings_per_token": True})
+    assert chunks and all("timings" in c for c in chunks if c.get("choices"))
+    _error(call(server, "POST", "/completion", {"prompt": "x", "timings_per_token": 1}), 400, "timings_per_token")
+
+
 def test_null_fields_are_absent_and_template_kwargs(server):
     """null, as OpenAI's clients send for a field not given, is the default for every field (the
     penalties and reasoning_format were 400s); chat_template_kwargs' add_generation_prompt is honoured

@@ -337,7 +337,7 @@ def test_version():
 
 
 @pytest.mark.parametrize("args, name", [
-    (["sweep-bench", "--mlock"], "--mlock"), (["sweep-bench", "-kvu"], "-kvu"), (["sweep-bench", "-x"], "-x"),
+    (["sweep-bench", "--mlockall"], "--mlockall"), (["sweep-bench", "-kvu"], "-kvu"), (["sweep-bench", "-x"], "-x"),
     (["--foo"], "--foo"), (["info", "-q", "x.gguf"], "-q"),
 ])
 def test_unknown_options_one_style(args, name):

@@ -131,7 +131,8 @@ class Request:
         prompt_n = len(self.prompt) - self.n_cached
         prompt_ms = max(self.t_first - self.t_start, 0.0) * 1e3 if self.t_first else 0.0
         n = len(self.generated)
-        pred_ms = max(self.t_end - self.t_first, 0.0) * 1e3 if self.t_first else 0.0
+        # (while it still generates, as llama-server's timings_per_token: up to now)
+        pred_ms = max((self.t_end or time.perf_counter()) - self.t_first, 0.0) * 1e3 if self.t_first else 0.0
         return {"cache_n": self.n_cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
                 "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
                 "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,

@@ -309,7 +309,10 @@ class Server:
             chunk = {**head, "object": "chat.completion.chunk"}
 
             def delta(d: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
-                return {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}
+                out = {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}
+                if params.timings_per_token:  # llama-server's live speed figures
+                    out["timings"] = job.req.timings()
+                return out
 
             async def events():
                 yield delta({"role": "assistant", "content": ""})  # (OpenAI's first delta)
@@ -404,6 +407,8 @@ class Server:
                              "tokens": list(job.new_ids) if params.return_tokens else []}
                     if params.top_logprobs is not None:
                         event["completion_probabilities"] = self._probabilities(job, piece=True)
+                    if params.timings_per_token:  # llama-server's live speed figures
+                        event["timings"] = job.req.timings()
                     yield event
                 yield self._completion_final(job, "", prompt, False)
             return await self._stream(request, job, events(), done=False)

@@ -74,6 +74,7 @@ class GenParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     return_tokens: bool = False
+    timings_per_token: bool = False  # llama-server's: every streamed event carries `timings` so far
     top_logprobs: int | None = None  # log-probabilities of each token and this many alternatives; None: none
     logit_bias: Any = None  # as the request gave it: checked against the vocabulary by Scheduler.make_request
     id_slot: int | None = None  # llama-server's id_slot: run on this slot (check_slot); None: the scheduler's choice
@@ -279,6 +280,7 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     frequency_penalty = _or(body.get("frequency_penalty"), 0.0)
     presence_penalty = _or(body.get("presence_penalty"), 0.0)
     return_tokens = _get(body, "return_tokens", lambda v: isinstance(v, bool), "true or false", False)
+    timings_per_token = _get(body, "timings_per_token", lambda v: isinstance(v, bool), "true or false", False)
     count = _get(body, "n", _is_int, "an integer", 1)
     if count != 1:
         raise bad(f"n: only one choice per request is supported, got {count}")
@@ -304,6 +306,7 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
                      presence_penalty=presence_penalty, return_tokens=return_tokens,
+                     timings_per_token=timings_per_token,
                      top_logprobs=logprobs_field(body, endpoint), logit_bias=body.get("logit_bias"))
 
 
