@@ -1356,10 +1356,7 @@ void decode_nib4(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64
                  int64_t n1, float* y, int64_t ldy, bool accumulate) {
   constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
   const int64_t pf = decode_prefetch_bytes();
-  const XRowsQ8<MM> xr(xq, kb0);
-  const int8_t* const* xqs = xr.q;
-  const float *const *xd = xr.d, *const *xs = xr.s;
-  const int32_t* const* xc = xr.c;
+  const XRowsQ8<MM> x(xq, kb0);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     Nib4Acc a[MM];
@@ -1368,10 +1365,10 @@ void decode_nib4(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64
       for (int o = 0; o < 4 * bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + b * bs + pf + o), _MM_HINT_T0);
       const __m128 dw4 = f16x4_blocks<bs>(wr + b * bs);
       const __m128 mw4 = has_min ? f16x4_blocks<bs>(wr + b * bs + 2) : _mm_setzero_ps();
-      for (int m = 0; m < MM; ++m) nib4_group<type, bs>(wr, b, dw4, mw4, xqs[m], xd[m], xs[m], a[m]);
+      for (int m = 0; m < MM; ++m) nib4_group<type, bs>(wr, b, dw4, mw4, x.q[m], x.d[m], x.s[m], a[m]);
     }
     for (; b < nb; ++b)
-      for (int m = 0; m < MM; ++m) nib4_block<type, bs>(wr, b, xqs[m], xc[m], xd[m], xs[m], a[m]);
+      for (int m = 0; m < MM; ++m) nib4_block<type, bs>(wr, b, x.q[m], x.c[m], x.d[m], x.s[m], a[m]);
     for (int m = 0; m < MM; ++m) {
       const float v = nib4_total<type>(a[m]);
       float* dst = y + m * ldy + n;
@@ -1386,10 +1383,7 @@ template <int type, int bs>
 void decode_nib4_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t n0,
                     int64_t n1, float* y, bool accumulate) {
   constexpr bool has_min = type == ikj::T_Q4_1 || type == ikj::T_Q5_1;
-  const int8_t* xqs = xq.q.data() + kb0 * 32;
-  const int32_t* xc = xq.corr.data() + kb0 * 8;
-  const float* xd = xq.d.data() + kb0;
-  const float* xs = xq.ds.data() + kb0;
+  const XRowsQ8<1> x(xq, kb0);
   const int64_t h = (n1 - n0) / 2, pf = decode_prefetch_bytes();
   for (int64_t n = n0; n < n0 + h; ++n) {
     const uint8_t* wr[2] = {w + n * row_bytes, w + (n + h) * row_bytes};
@@ -1400,10 +1394,10 @@ void decode_nib4_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, in
         for (int o = 0; o < 4 * bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + b * bs + pf + o), _MM_HINT_T0);
         const __m128 dw4 = f16x4_blocks<bs>(wr[r] + b * bs);
         const __m128 mw4 = has_min ? f16x4_blocks<bs>(wr[r] + b * bs + 2) : _mm_setzero_ps();
-        nib4_group<type, bs>(wr[r], b, dw4, mw4, xqs, xd, xs, a[r]);
+        nib4_group<type, bs>(wr[r], b, dw4, mw4, x.q[0], x.d[0], x.s[0], a[r]);
       }
     for (; b < nb; ++b)
-      for (int r = 0; r < 2; ++r) nib4_block<type, bs>(wr[r], b, xqs, xc, xd, xs, a[r]);
+      for (int r = 0; r < 2; ++r) nib4_block<type, bs>(wr[r], b, x.q[0], x.c[0], x.d[0], x.s[0], a[r]);
     for (int r = 0; r < 2; ++r) {
       const float v = nib4_total<type>(a[r]);
       float* dst = y + n + r * h;
