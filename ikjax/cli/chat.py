@@ -71,7 +71,8 @@ def chat(
     # every value checked before the model loads
     check_choice(chat_template)
     temp, top_p = ik_sampling(temp, top_p)
-    check_sampling(temp, top_k, top_p, min_p, seed if seed is None or 0 <= seed < 2 ** 31 else None)
+    seed, drawn = ik_seed(seed)  # (a drawn one is printed once the model loaded: a refused command prints none)
+    check_sampling(temp, top_k, top_p, min_p, seed)
     check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     if n_predict < -1:
         raise OptionError(f"n-predict: need >= -1 (-1 = no limit), got {n_predict}")
@@ -86,7 +87,6 @@ def chat(
         if text:
             check_text(text, what)
     run_opts, _ = check_options(run, "chat")
-    seed, drawn = ik_seed(seed)  # (printed once the model loaded: a refused command prints none)
     setup_compile_cache(run.compile_cache_dir)
     eng = load_engine(run.model, run.verbose, **run_opts)
     announce_seed(seed, drawn)

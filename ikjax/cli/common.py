@@ -198,11 +198,15 @@ def _synthetic_size(preset: str, qtype: str, layers: int | None) -> int | None:
 Temp = Annotated[float, typer.Option("--temp", "--temperature", help="temperature (0 or less = greedy, as llama-cli)")]
 TopK = Annotated[int, typer.Option("--top-k", help="top-k sampling (0 = off)")]
 TopP = Annotated[float, typer.Option("--top-p", help="top-p sampling (1 or more = off, as llama-cli)")]
-
-
+MinP = Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")]
+Seed = Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")]
 Escape = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="process escapes (\\n, \\t, \\', \\\", "
                                      "\\\\, ...) in the given texts (-p, -f, -sys, -r; not typed lines), as llama-cli "
                                      "(default on)")]
+
+
+_TOP_P_ONE = 1e-9  # a nucleus no larger than the most likely token
+_RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama.cpp's LLAMA_DEFAULT_SEED, and -1: a random seed
 
 
 def ik_sampling(temp: float, top_p: float) -> tuple[float, float]:
@@ -210,10 +214,6 @@ def ik_sampling(temp: float, top_p: float) -> tuple[float, float]:
     1 or more is off, one of 0 or less keeps the most likely token only (llama.cpp's min_keep = 1)
     (values the Python API, which keeps OpenAI's ranges, refuses). NaN stays for the checks."""
     return max(temp, 0.0), (min(top_p, 1.0) if not top_p <= 0 else _TOP_P_ONE)
-
-
-_TOP_P_ONE = 1e-9  # a nucleus no larger than the most likely token
-_RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama.cpp's LLAMA_DEFAULT_SEED, and -1: a random seed
 
 
 def ik_seed(seed: Optional[int]) -> tuple[int, bool]:
@@ -231,8 +231,7 @@ def ik_seed(seed: Optional[int]) -> tuple[int, bool]:
 def announce_seed(seed: int, drawn: bool) -> None:
     if drawn:
         log(f"sampler seed: {seed}")
-MinP = Annotated[float, typer.Option("--min-p", help="min-p sampling (0 = off)")]
-Seed = Annotated[Optional[int], typer.Option("-s", "--seed", help="RNG seed")]
+
 
 # llama-cli's penalty flags (sampling.check_penalty's rules), shared by `generate` and `chat`
 RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="penalize repeated tokens (1 = off)")]

@@ -60,6 +60,7 @@ def generate(
     if n_predict < -1:
         raise OptionError(f"n-predict: need >= 0 (or -1 / -2: until EOS or the context's end), got {n_predict}")
     temp, top_p = ik_sampling(temp, top_p)
+    seed, drawn = ik_seed(seed)  # (a drawn one is printed once the model loaded: a refused command prints none)
     if file is not None:  # llama-cli's -f
         if prompt:
             raise OptionError("prompt: give -p TEXT or -f FILE, not both")
@@ -71,7 +72,6 @@ def generate(
     from ikjax.runtime.sampling import check_penalty
     penalties = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     run_opts, _ = check_options(run, "generate")
-    seed, drawn = ik_seed(seed)  # (printed once the model loaded: a refused command prints none)
     batch_invariance(batch_invariant, default=False)
     setup_compile_cache(run.compile_cache_dir)
     from ikjax.runtime.sampling import check_sampling  # before loading: a bad value costs no load

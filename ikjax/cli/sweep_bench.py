@@ -79,10 +79,11 @@ def sweep_bench(
     reps = int(run.nrep) if run.nrep else 1  # checked by check_options
     warmup = not (run.no_warmup is not None and RunOptions.from_kwargs(fa=run.no_warmup).fa)
     pp = int(run.ubatch)  # ik's -ub as given: the PP column; the engine's steps are min(ub, b) tokens
-    if not sb.sweep_points(sb.sweep_ctx(checked), pp):
-        raise OptionError(f"ubatch {pp} is larger than the context c={sb.sweep_ctx(checked)}: nothing to sweep")
+    n_ctx = sb.sweep_ctx(checked)  # ik's n_ctx: -c padded
+    if not sb.sweep_points(n_ctx, pp):
+        raise OptionError(f"ubatch {pp} is larger than the context c={n_ctx}: nothing to sweep")
     tg = pp // 4 if n_gen is None or n_gen <= 0 else n_gen  # ik: n_predict > 0 ? n_predict : n_ubatch / 4
-    sb.check_tg_room(sb.sweep_ctx(checked), cache_capacity(checked), pp, tg, sweep_stride)
+    sb.check_tg_room(n_ctx, cache_capacity(checked), pp, tg, sweep_stride)
     memory = sb.MemoryTracker() if sweep_memory else None
     if memory is not None:
         memory.start()  # before the model loads, as ik's baseline

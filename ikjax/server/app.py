@@ -553,10 +553,7 @@ class Server:
 
     async def model(self, request: web.Request) -> web.Response:
         """OpenAI's GET /v1/models/{model}: the served model's object, 404 for any other name."""
-        name = request.match_info["model"]
-        if name not in self.names:
-            raise ApiError(404, f"model {name!r} not found (this server serves {self.config.model_name!r})",
-                           "not_found_error")
+        name = self._check_model({"model": request.match_info["model"]})
         return web.json_response({"id": name, "object": "model", "created": self.created, "owned_by": "ikjax"})
 
     async def embeddings(self, request: web.Request) -> web.Response:

@@ -477,6 +477,23 @@ constexpr bool kq8_type(int type) {
 constexpr bool kq8_type(int) { return false; }  // no int8 decode at the generic level
 #endif
 
+#if defined(IKJ_HAVE_Q8DOT)  // (both int8 levels)
+// Four f16 fields at p, p + bs, p + 2 bs, p + 3 bs as floats.
+template <int bs>
+inline __m128 f16x4(const uint8_t* p) {
+  const uint64_t v = static_cast<uint64_t>(load_u16(p)) | static_cast<uint64_t>(load_u16(p + bs)) << 16 |
+                     static_cast<uint64_t>(load_u16(p + 2 * bs)) << 32 |
+                     static_cast<uint64_t>(load_u16(p + 3 * bs)) << 48;
+  return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(v)));
+}
+
+inline float hsum128(__m128 h) {
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
 #if defined(IKJ_Q8DOT_512)
 
 // x [M, K] quantized for one weight type (the layout depends on it). The weights' unsigned offset
@@ -629,20 +646,6 @@ inline __m256i wblock1(const uint8_t* b) {
   }
 }
 
-// Four f16 fields at p, p + bs, p + 2 bs, p + 3 bs as floats.
-template <int bs>
-inline __m128 f16x4(const uint8_t* p) {
-  const uint64_t v = static_cast<uint64_t>(load_u16(p)) | static_cast<uint64_t>(load_u16(p + bs)) << 16 |
-                     static_cast<uint64_t>(load_u16(p + 2 * bs)) << 32 |
-                     static_cast<uint64_t>(load_u16(p + 3 * bs)) << 48;
-  return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(v)));
-}
-
-inline float hsum128(__m128 h) {
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
 
 // Rows [n0, n1) of W against MM quantized x rows, blocks [kb0, kb0 + nb) of x (kb0 a multiple of
 // 4; w already points at block kb0 of row 0). Four blocks per step into two f32 accumulators per
@@ -1122,11 +1125,6 @@ inline float hmax256(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
-inline float hsum128(__m128 h) {
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
 
 inline float hsum256(__m256 v) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -1259,14 +1257,6 @@ inline __m256i wblock_avx2(const uint8_t* b) {
 // alone and in a batch get the same bits. IKJAX_NIB4=0: the one-block form, for A/B.
 inline bool nib4_on() { return ikj::env_on("IKJAX_NIB4"); }  // (read per call: A/B in one process)
 
-// The f16 values at p, p + bs, p + 2 bs, p + 3 bs (4 blocks' scales or minimums) as floats.
-template <int bs>
-inline __m128 f16x4_blocks(const uint8_t* p) {
-  return _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(load_u16(p)), static_cast<short>(load_u16(p + bs)),
-                                     static_cast<short>(load_u16(p + 2 * bs)), static_cast<short>(load_u16(p + 3 * bs)),
-                                     0, 0, 0, 0));
-}
-
 // Blocks wb[0..3] against x blocks xq[0..3] (32 values each): int32 lanes [A B C D | A B C D], each
 // half of a block's 32 products (the two halves of the register hold the two halves of each block).
 template <int type, int bs>
@@ -1363,8 +1353,8 @@ void decode_nib4(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, int64
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
       for (int o = 0; o < 4 * bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + b * bs + pf + o), _MM_HINT_T0);
-      const __m128 dw4 = f16x4_blocks<bs>(wr + b * bs);
-      const __m128 mw4 = has_min ? f16x4_blocks<bs>(wr + b * bs + 2) : _mm_setzero_ps();
+      const __m128 dw4 = f16x4<bs>(wr + b * bs);
+      const __m128 mw4 = has_min ? f16x4<bs>(wr + b * bs + 2) : _mm_setzero_ps();
       for (int m = 0; m < MM; ++m) nib4_group<type, bs>(wr, b, dw4, mw4, x.q[m], x.d[m], x.s[m], a[m]);
     }
     for (; b < nb; ++b)
@@ -1392,8 +1382,8 @@ void decode_nib4_r2(const XQ8& xq, int64_t kb0, int64_t nb, const uint8_t* w, in
     for (; b + 4 <= nb; b += 4)
       for (int r = 0; r < 2; ++r) {
         for (int o = 0; o < 4 * bs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + b * bs + pf + o), _MM_HINT_T0);
-        const __m128 dw4 = f16x4_blocks<bs>(wr[r] + b * bs);
-        const __m128 mw4 = has_min ? f16x4_blocks<bs>(wr[r] + b * bs + 2) : _mm_setzero_ps();
+        const __m128 dw4 = f16x4<bs>(wr[r] + b * bs);
+        const __m128 mw4 = has_min ? f16x4<bs>(wr[r] + b * bs + 2) : _mm_setzero_ps();
         nib4_group<type, bs>(wr[r], b, dw4, mw4, x.q[0], x.d[0], x.s[0], a[r]);
       }
     for (; b < nb; ++b)
