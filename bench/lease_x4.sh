@@ -93,6 +93,7 @@
 #   STAGE=57: issue 24 interleaved on one lease: auto / active / --gpu-experts rows, decode profiles hot / auto.
 #   STAGE=56: issue 24's --gpu-experts auto (24 GB) on R1-8 beside the default and the active form.
 #   STAGE=54: the same probe on the 8-layer R1, then a hybrid decode token's profile (gpu_decode_profile --cpu-moe).
+#   STAGE=61: issue 24: host experts streamed by runs of experts (chunks) against whole layers, R1-8 rows + memory.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -1092,6 +1093,27 @@ PY
     case $v in hot*) extra="--gpu-experts auto --expert-counts $S"; envs="XLA_PYTHON_CLIENT_MEM_FRACTION=$frac" ;; esac
     case $v in *count) extra="$extra --count" ;; esac
     env $envs timeout 150 python3 bench/hybrid_sweep_api.py /tmp/r1-8.gguf --threads $(nproc) $extra 2>&1 | grep -v Warn | tail -6
+  done
+  ;;
+61)
+  # issue 24 (§24k): host experts streamed as runs of experts (IKJAX_STREAM=chunks, the default now) against
+  # whole layers (=layer, the default before): R1-8 sweep-bench rows and peak device memory (nvidia-smi)
+  start_r1_8
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py \
+    -k "${GPU_TESTS61:-active_stream_rounds or prompt_streams}" 2>&1 | tail -3
+  r1_8_hybrid_setup /tmp/cc61
+  for v in ${VARIANTS61:-chunks layer chunks256 ahead3}; do
+    case $v in
+      chunks) envs="" ;; layer) envs="IKJAX_STREAM=layer" ;; active) envs="IKJAX_STREAM=active" ;;
+      chunks256) envs="IKJAX_STREAM_MIB=256" ;; chunks1024) envs="IKJAX_STREAM_MIB=1024" ;; ahead3) envs="IKJAX_STREAM_AHEAD=3" ;;
+      ahead1) envs="IKJAX_STREAM_AHEAD=1" ;;
+    esac
+    el "r1-8 sweep-bench: $v ($envs)"
+    ( while true; do nvidia-smi -i 0 --query-gpu=memory.used --format=csv,noheader,nounits; sleep 0.3; done ) > /tmp/mem61 &
+    mp=$!
+    env $envs timeout 170 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n ${N61:-32} 2>&1 \
+      | grep -E "^\|  *2048|host experts|stream buffer|rror" | cut -c1-260
+    kill $mp; el "peak device memory: $(sort -n /tmp/mem61 | tail -1) MiB"
   done
   ;;
 60)

@@ -64,9 +64,12 @@ _VARS = (
              "blocked form", "ikjax.ops.attn"),
     Variable("IKJAX_TOPK", "rank", ("rank", "lax"),
              "router top-k form: `rank` (compare-and-count, fast at decode) or `lax.top_k`", "ikjax.model.moe"),
-    Variable("IKJAX_STREAM", "auto", ("auto", "active", "layer"),
-             "host experts of a big batch: stream only the routed experts (ik's -ooae), the whole layer, or "
-             "`auto`: the whole layer once the batch's picks would touch nearly every expert (no `--gpu-experts`)",
+    Variable("IKJAX_STREAM", "auto", ("auto", "active", "chunks", "layer"),
+             "host experts of a big batch: stream only the routed experts (ik's -ooae), every expert a run at a "
+             "time (`chunks`), the whole layer at once, or `auto`: chunks once the batch's picks would touch "
+             "nearly every expert (no `--gpu-experts`)",
+             "ikjax.ops.moe"),
+    Variable("IKJAX_STREAM_AHEAD", "2", (), "runs of streamed experts held on the GPU at once (`IKJAX_STREAM=chunks`)",
              "ikjax.ops.moe"),
     Variable("IKJAX_STREAM_ORDER", "prev", ("prev", "self", "free"),
              "when a streamed layer's host-to-device copy may start (`IKJAX_STREAM=layer`)", "ikjax.ops.moe"),

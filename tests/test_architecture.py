@@ -120,7 +120,7 @@ def test_environment_read_in_one_place():
 def test_env_choice_refuses_a_bad_value(monkeypatch):
     from ikjax.errors import OptionError
     monkeypatch.setenv("IKJAX_STREAM", "sideways")
-    with pytest.raises(OptionError, match="IKJAX_STREAM must be one of auto, active, layer"):
+    with pytest.raises(OptionError, match="IKJAX_STREAM must be one of auto, active, chunks, layer"):
         env.choice("IKJAX_STREAM")
     monkeypatch.setenv("IKJAX_STREAM", "LAYER")
     assert env.choice("IKJAX_STREAM") == "layer"

@@ -82,6 +82,45 @@ def test_streamed_equals_device_resident(experts, monkeypatch, order):
     assert ("optimization_barrier" in hlo) == (order != "free")
 
 
+@pytest.mark.parametrize("fit,ahead", [(3, 2), (5, 1), (8, 3)])
+def test_chunks_equal_device_resident(experts, monkeypatch, fit, ahead):
+    """IKJAX_STREAM=chunks: every expert crosses as runs of `chunk_experts` experts (slices of the
+    pinned tensors moved inside the step), each run's picks computed apart and summed: the result
+    of device-resident experts; each run's copy is tied to the output `ahead` runs before it."""
+    monkeypatch.setenv("IKJAX_STREAM", "chunks")
+    monkeypatch.setenv("IKJAX_STREAM_AHEAD", str(ahead))
+    per_expert = sum(t.nbytes for t in experts) // E
+    monkeypatch.setenv("IKJAX_STREAM_MIB", str(fit * per_expert / 2**20))
+    S = ops.chunk_experts(per_expert, E)
+    assert S == {3: 2, 5: 4, 8: 8}[fit]  # the largest divisor of 8 within the room
+    x, w, ids = _routed(200)
+    host = [_pinned(t, 32) for t in experts]
+    f = _two_layers()
+    got = f(x, w, ids, *host)
+    assert ops.selected("moe_experts") == "stream:xla"
+    ref = f(x, w, ids, *experts)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    jaxpr = str(jax.make_jaxpr(f)(x, w, ids, *host))
+    runs = 2 * (E // S)  # both layers
+    assert jaxpr.count("optimization_barrier") == runs
+    assert jaxpr.count("device_put") >= 3 * runs
+
+
+def test_chunk_experts_sizes(monkeypatch):
+    """Runs of the largest divisor of the expert count within IKJAX_STREAM_MIB when that is at
+    least half of what fits; else runs as equal as can be; bad IKJAX_STREAM_AHEAD is named."""
+    monkeypatch.setenv("IKJAX_STREAM_MIB", "512")
+    per = 3 * 2048 * 4032  # R1's gate + up + down at Q4_0, about 24.8 MB an expert: 21 fit
+    assert ops.chunk_experts(per, 256) == 16 and ops.chunk_experts(per, 160) == 20 and ops.chunk_experts(per, 384) == 16
+    assert ops.chunk_experts(per, 7 * 3) == 21  # all fit: one run
+    monkeypatch.setenv("IKJAX_STREAM_MIB", str(5 * per / 2**20))
+    assert ops.chunk_experts(per, 7) == 4  # no divisor of 7 in 3..5: runs of 4 and 3
+    assert ops.stream_ahead() == 2
+    monkeypatch.setenv("IKJAX_STREAM_AHEAD", "0")
+    with pytest.raises(OptionError, match="IKJAX_STREAM_AHEAD"):
+        ops.stream_ahead()
+
+
 def test_small_batch_takes_host_path(experts):
     """Below the threshold the pinned experts never reach device code: the host path is chosen
     (on a machine without CUDA it refuses, naming why)."""
@@ -254,15 +293,15 @@ def test_rounds_run_only_while_experts_remain(experts, used, rounds):
 
 
 def test_stream_auto_picks_by_coverage(monkeypatch):
-    """IKJAX_STREAM=auto (default): the whole layer once the batch's picks reach 4 per expert
-    (a trained router then leaves ~2 % of them untouched), the routed experts alone below that or
-    when --gpu-experts holds the hot ones; an explicit mode is kept whatever the batch."""
+    """IKJAX_STREAM=auto (default): every expert, a run at a time, once the batch's picks reach 4
+    per expert (a trained router then leaves ~2 % of them untouched), the routed experts alone below
+    that or when --gpu-experts holds the hot ones; an explicit mode is kept whatever the batch."""
     monkeypatch.delenv("IKJAX_STREAM", raising=False)
-    assert ops.stream_mode(128, 256, 8) == "layer"     # 1024 picks = 4 x 256
+    assert ops.stream_mode(128, 256, 8) == "chunks"     # 1024 picks = 4 x 256
     assert ops.stream_mode(127, 256, 8) == "active"
     assert ops.stream_mode(2048, 256, 8, hot=True) == "active"
     assert ops.stream_mode() == "active"
-    for m in ("active", "layer"):
+    for m in ("active", "chunks", "layer"):
         monkeypatch.setenv("IKJAX_STREAM", m)
         assert ops.stream_mode(1, 256, 8) == ops.stream_mode(8192, 256, 8, hot=True) == m
 
@@ -291,15 +330,17 @@ def test_by_address_experts_stream_by_round(experts, monkeypatch):
     assert ops.selected("moe_experts") == "stream:xla" and calls  # auto alone would copy whole layers
     ref = _two_layers()(x, w, ids, *experts)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
-    # pinned step arguments the engine's plan had no room to move whole (whole_ok False): by round too
+    # =layer over pinned step arguments the engine's plan had no room to move whole (whole_ok
+    # False): runs of experts instead, never the custom call's rounds nor a whole layer
     calls.clear()
+    monkeypatch.setenv("IKJAX_STREAM", "layer")
     tight = [_pinned(t, 32) for t in experts]
     for t in tight:
         t.whole_ok = False
+    jaxpr = str(jax.make_jaxpr(_two_layers())(x, w, ids, *tight))
     np.testing.assert_allclose(np.asarray(_two_layers()(x, w, ids, *tight)), np.asarray(ref), rtol=1e-5,
                                atol=1e-5 * float(jnp.abs(ref).max()))
-    assert calls and ops.selected("moe_experts") == "stream:xla"
-    monkeypatch.setenv("IKJAX_STREAM", "layer")
+    assert not calls and ops.selected("moe_experts") == "stream:xla" and "optimization_barrier" in jaxpr
     with pytest.raises(OptionError, match="IKJAX_STREAM=layer: under -sm graph"):
         _two_layers()(x, w, ids, *by_addr)
 
@@ -341,7 +382,7 @@ def test_sweep_reports_streamed_bytes_against_the_link(experts, monkeypatch):
     monkeypatch.setattr(groups, "host_layers", lambda weights: layers)
     eng = SimpleNamespace(weights=None, config=SimpleNamespace(n_expert_used=K), options=SimpleNamespace(ubatch=256))
     per_layer = sum(t.nbytes for t in host)
-    assert sb.streamed_bytes(eng, 256) == (2 * per_layer, "layer")
+    assert sb.streamed_bytes(eng, 256) == (2 * per_layer, "chunks")
     assert sb.streamed_bytes(eng, 64) is None  # 64 x 2 picks < 32 x 8: computed on the host
     rows = [SimpleNamespace(t_pp=0.5), SimpleNamespace(t_pp=0.7)]
     line = sb.stream_report(eng, 512, rows)  # -ub 512 in steps of 256: 0.3 s a step

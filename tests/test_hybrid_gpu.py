@@ -177,7 +177,7 @@ def test_active_stream_rounds(tiny4, monkeypatch, mib, dtype):
     """IKJAX_STREAM=active: only the experts the prompt routes to cross PCIe, in one
     round (1024 MiB) or one expert a round (0.01 MiB): the same logits as the all-GPU run, every
     copied byte accounted (copied experts x their blocks), never more experts than the batch uses;
-    IKJAX_STREAM=layer (the whole layer) agrees too."""
+    IKJAX_STREAM=layer (the whole layer) and =chunks (runs of experts) agree too."""
     monkeypatch.setenv("IKJAX_STREAM_MIB", mib)
     monkeypatch.setenv("IKJAX_STREAM", "active")
     tokens = (np.arange(STREAM_TOKENS) * 3 + 2) % 1000
@@ -199,9 +199,10 @@ def test_active_stream_rounds(tiny4, monkeypatch, mib, dtype):
     if slots == 1:
         assert st["calls"] == st["active"], st
     assert 0 < st["copied"] == st["active"] <= len(lay) * E and st["bytes"] == st["copied"] * per_expert, st
-    monkeypatch.setenv("IKJAX_STREAM", "layer")
-    whole = ikjax.load(tiny4, ctx=512, ubatch=256, dtype=dtype, ot="exps=CPU").logits(tokens)
-    assert rel_err(whole, ref) <= tol and host_moe.stream_stats()["calls"] == 0
+    for mode in ("layer", "chunks"):  # every expert: whole layers, or runs of experts (at 0.01 MiB: one each)
+        monkeypatch.setenv("IKJAX_STREAM", mode)
+        whole = ikjax.load(tiny4, ctx=512, ubatch=256, dtype=dtype, ot="exps=CPU").logits(tokens)
+        assert rel_err(whole, ref) <= tol and host_moe.stream_stats()["calls"] == 0, mode
 
 
 @pytest.mark.parametrize("ot", [r"blk\.1\.=CPU,token_embd=CPU,output=CPU", r"blk\.[0-9]\.=CPU"])

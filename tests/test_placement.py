@@ -353,8 +353,9 @@ def test_host_placement_keeps_logits_fixtures(name):
 def test_memory_plan_counts_the_stream_buffer(model4, monkeypatch):
     """Next to an accelerator, host experts streamed by big prompt steps take device memory: one
     round (IKJAX_STREAM_MIB of blocks, capped at a layer) twice (as stored + kernel layout) with
-    IKJAX_STREAM=active, two layers twice with =layer (and =auto, the default, at these batches
-    unless --gpu-experts holds hot experts); none below ik's threshold or on a CPU."""
+    IKJAX_STREAM=active, IKJAX_STREAM_AHEAD runs of experts twice with =chunks (and =auto, the
+    default, at these batches unless --gpu-experts holds hot experts), two layers twice with =layer
+    where they fit; none below ik's threshold or on a CPU."""
     cfg, f = model4
     layer = max(sum(t.nbytes for n, t in f.tensors.items() if n.startswith(f"blk.{i}.") and "_exps" in n)
                 for i in range(cfg.n_layer))
@@ -365,12 +366,22 @@ def test_memory_plan_counts_the_stream_buffer(model4, monkeypatch):
         return plan_memory(cfg, o, placement=_place(model4, devices=devices, ot="exps=CPU", ubatch=ub))
 
     big = 32 * cfg.n_expert // cfg.n_expert_used  # ik's rule: the smallest batch that streams
-    assert plan(big).stream_buffer_bytes == 4 * layer  # auto: 32 picks an expert, the whole layer
+    # auto: 32 picks an expert, every expert by runs; all of this tiny layer fits one run, two held
+    assert plan(big).stream_buffer_bytes == 2 * 2 * layer
     assert plan(big, gpu_experts="2").stream_buffer_bytes == 2 * layer  # hot experts: the rest, by round
-    # the engine's fallback where two whole layers do not fit the device: by round
+    assert cfg.n_expert % 2 == 0
+    monkeypatch.setenv("IKJAX_STREAM_MIB", str(2 * per_expert / 2**20))
+    assert plan(big).stream_buffer_bytes == 2 * 2 * 2 * per_expert  # runs of 2 experts, two held
+    monkeypatch.setenv("IKJAX_STREAM_AHEAD", "3")
+    assert plan(big).stream_buffer_bytes == 2 * 3 * 2 * per_expert
+    monkeypatch.delenv("IKJAX_STREAM_AHEAD")
+    monkeypatch.setenv("IKJAX_STREAM", "layer")
+    assert plan(big).stream_buffer_bytes == 4 * layer
+    # the engine's fallback where two whole layers do not fit the device: runs of experts
     assert plan_memory(cfg, RunOptions.from_kwargs(ot="exps=CPU", ubatch=big), stream_whole=False,
                        placement=_place(model4, devices=ONE_GPU, ot="exps=CPU", ubatch=big)
-                       ).stream_buffer_bytes == 2 * layer
+                       ).stream_buffer_bytes == 2 * 2 * 2 * per_expert
+    monkeypatch.delenv("IKJAX_STREAM_MIB")
     monkeypatch.setenv("IKJAX_STREAM", "active")
     assert plan(big).stream_buffer_bytes == 2 * layer
     assert plan(big - 1).stream_buffer_bytes == 0 and plan(big, CPU_ONLY).stream_buffer_bytes == 0

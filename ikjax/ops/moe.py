@@ -106,31 +106,53 @@ def _stream_order() -> str:
 
 
 # IKJAX_STREAM: how a big batch moves host-resident experts to the GPU. "active" (ik's -ooae):
-# only the experts the batch routes to, in rounds of IKJAX_STREAM_MIB (512) MiB of blocks; "layer":
-# every expert of the layer, the whole tensors in one host-to-device transfer; "auto" (default):
-# "layer" where the batch's picks would touch nearly every expert anyway, else "active".
-STREAM_MODES = ("auto", "active", "layer")
+# only the experts the batch routes to, in rounds of IKJAX_STREAM_MIB (512) MiB of blocks; "chunks":
+# every expert of the layer, a fixed run of experts (about IKJAX_STREAM_MIB of blocks) at a time,
+# each run's MoE computed as soon as it is on the device while the next ones cross, at most
+# IKJAX_STREAM_AHEAD runs held; "layer": every expert of the layer, the whole tensors in one
+# host-to-device transfer (two layers held); "auto" (default): "chunks" where the batch's picks would
+# touch nearly every expert anyway, else "active".
+STREAM_MODES = ("auto", "active", "chunks", "layer")
 
-# auto: the whole layer from n_tokens * n_expert_used >= LAYER_PICKS * n_expert. Picks spread as a
+# auto: every expert from n_tokens * n_expert_used >= LAYER_PICKS * n_expert. Picks spread as a
 # trained router's leave about exp(-LAYER_PICKS) of the experts untouched (1.8 % at 4), so "active"
 # would copy nearly the same bytes, but in rounds that each wait for the routing on the host
-# (a stream sync) and copy on the compute stream; the whole layer's copy needs no ids, so XLA starts
-# it while the layer before computes (IKJAX_STREAM_ORDER=prev). Measured on an H200 with the
-# realistically routed 8-layer R1 at -ub 2048: 2858 vs 2191 t/s (bench/RESULTS.md §24b).
+# (a stream sync) and copy on the compute stream; a fixed run of experts needs no ids, so its copy
+# is ordered only by the buffer's room. Measured on an H200 with the realistically routed 8-layer
+# R1 at -ub 2048: whole layers 2858 vs active 2191 t/s (bench/RESULTS.md §24b); chunks hold a
+# twelfth of the whole layers' device memory (§24k).
 LAYER_PICKS = 4
 
 
 def stream_mode(n_tokens: int | None = None, n_expert: int = 0, n_expert_used: int = 0, *,
                 hot: bool = False) -> str:
-    """The streaming form for a batch of `n_tokens` ("active" or "layer"; IKJAX_STREAM unless it
-    says auto). `hot`: some of the layer's experts have GPU copies (--gpu-experts) and the batch
-    streams only the rest: "active" then, as the layer's whole tensors would bring the hot ones too."""
+    """The streaming form for a batch of `n_tokens` ("active", "chunks" or "layer"; IKJAX_STREAM
+    unless it says auto). `hot`: some of the layer's experts have GPU copies (--gpu-experts) and the
+    batch streams only the rest: "active" then, as every run of experts would bring the hot ones too."""
     m = env.choice("IKJAX_STREAM")
     if m != "auto":
         return m
     if hot or n_tokens is None or not n_expert:
         return "active"
-    return "layer" if n_tokens * n_expert_used >= LAYER_PICKS * n_expert else "active"
+    return "chunks" if n_tokens * n_expert_used >= LAYER_PICKS * n_expert else "active"
+
+
+def chunk_experts(per_expert_bytes: int, n_expert: int) -> int:
+    """Experts per run of the "chunks" form: the largest divisor of `n_expert` within
+    IKJAX_STREAM_MIB of blocks, if it is at least half of what fits (one kernel shape for every
+    run); else runs of equal size as near as can be (at most two shapes)."""
+    fit = stream_slots_for(per_expert_bytes, n_expert)
+    div = max(d for d in range(1, fit + 1) if n_expert % d == 0)
+    if 2 * div >= fit:
+        return div
+    n = -(-n_expert // fit)
+    return -(-n_expert // n)
+
+
+def stream_ahead() -> int:
+    """Runs of experts the "chunks" form holds on the device at once (IKJAX_STREAM_AHEAD, >= 1):
+    a run's copy may start once the run `ahead` before it has been computed."""
+    return env.positive_int("IKJAX_STREAM_AHEAD")
 
 
 def stream_slots(gate, up, down) -> int:
@@ -209,8 +231,14 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=Fals
     if by_address and env.choice("IKJAX_STREAM") == "layer":
         raise OptionError("IKJAX_STREAM=layer: under -sm graph the host experts are one pinned copy for every "
                           "device, streamed by round (IKJAX_STREAM=active or auto), never whole layers")
-    by_round = by_address or not all(t.whole_ok for t in (gate, up, down))  # the plan's room (Engine)
-    if by_round or stream_mode(ids.shape[0], gate.shape[0], ids.shape[1], hot=hot) == "active":
+    mode = "active" if by_address else stream_mode(ids.shape[0], gate.shape[0], ids.shape[1], hot=hot)
+    if mode == "layer" and not all(t.whole_ok for t in (gate, up, down)):  # the plan's room (Engine)
+        mode = "chunks"
+    if mode == "chunks":
+        out = _moe_chunks(x, weights, ids, gate, up, down, dtype, fused, backend)
+        registry.ran("moe_experts", "stream:" + registry.selected("moe_experts"))
+        return out
+    if mode == "active":
         from pallas_kernels.moe_matmul import host as moe_host
         if not moe_host.stream_supported(gate, up, down):
             raise OptionError(f"ot: streaming host experts to the GPU: "
@@ -232,6 +260,38 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=Fals
     dev = [_streamed(jax.device_put(d, jax.memory.Space.Device), t, t.shape, b) for t, d in zip((gate, up, down), data)]
     out = moe_experts(x, weights, ids, *dev, dtype, fused=fused, backend=backend)
     registry.ran("moe_experts", "stream:" + registry.selected("moe_experts"))
+    return out
+
+
+def _moe_chunks(x, weights, ids, gate, up, down, dtype, fused, backend):
+    """Every expert of the layer crosses to the GPU as runs of `chunk_experts` experts, each a
+    slice of the pinned host tensors moved inside the step (XLA reads the slice from host memory),
+    and each run's MoE is computed as it arrives, its picks only (the others' weights zeroed: no
+    work in the kernels); the runs' outputs add up. An optimization barrier ties each run's host
+    slices to the output of the run `stream_ahead()` before it (across layers too, through the
+    trace state), so the device holds at most that many runs, and the copy of a layer's first
+    runs may start while the layer before still computes."""
+    E = gate.shape[0]
+    per_expert = sum(t.nbytes for t in (gate, up, down)) // E
+    S, ahead = chunk_experts(per_expert, E), stream_ahead()
+    b = registry.resolve_backend(backend)
+    state = registry.trace_state()
+    done = state.setdefault("chunk_outs", []) if state is not None else []
+    data = tuple(t.data for t in (gate, up, down))
+    out = None
+    for lo in range(0, E, S):
+        n = min(S, E - lo)
+        dep = done[-ahead] if len(done) >= ahead else x
+        *blocks, _ = jax.lax.optimization_barrier((*data, dep))
+        dev = [_streamed(jax.device_put(blk[lo:lo + n], jax.memory.Space.Device), t, (n, *t.shape[1:]), b)
+               for t, blk in zip((gate, up, down), blocks)]
+        s = ids - lo
+        keep = (s >= 0) & (s < n)
+        part = moe_experts(x, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
+                           backend=backend)
+        out = part if out is None else out + part
+        done.append(out)
+    del done[:-ahead]  # only the last runs are ever named again
     return out
 
 

@@ -97,22 +97,22 @@ class Engine:
         self.prompt_whole_cache = (o.fa and o.mla in (2, 3) and self.split_mode == "none"
                                    and env.choice("IKJAX_PROMPT_BUCKETS") == "one"
                                    and ops.prompt_kernel_bounded(self.backend, cfg.nope_dim, cfg.rope_dim, cfg.v_dim))
-        # host experts of big batches cross whole layers (IKJAX_STREAM=auto) only where two of them
-        # fit beside the rest; else by round, as ik's -ooae (a 24 GB card next to R1, say)
+        # host experts of big batches cross whole layers (IKJAX_STREAM=layer) only where two of them
+        # fit beside the rest; else by runs of experts (=chunks, the default's form)
         self.stream_whole = True
         memory = dataclasses.replace(self._static_plan(1), runtime_bytes=sum(before), load_copy_bytes=0,
                                      compile_bytes=0)
         try:
             check_fits(memory, self.options, path)
         except DoesNotFitError:
-            if not memory.stream_buffer_bytes or env.choice("IKJAX_STREAM") != "auto":
+            if not memory.stream_buffer_bytes or env.choice("IKJAX_STREAM") != "layer":
                 raise
             self.stream_whole = False
             memory = dataclasses.replace(self._static_plan(1), runtime_bytes=sum(before), load_copy_bytes=0,
                                          compile_bytes=0)
             check_fits(memory, self.options, path)
             log.info("host experts: two whole layers do not fit the device beside the rest; big batches stream "
-                     "the routed experts by round (IKJAX_STREAM=active's form)")
+                     "the routed experts by runs (IKJAX_STREAM=chunks' form)")
         self.gpu_experts_note = ""
         if o.gpu_experts:  # copies of the most used host-resident experts in the VRAM left
             free = None

@@ -349,8 +349,8 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
                 batch: int = 1, *, placement: Placement | None = None, stream_whole: bool = True) -> MemoryPlan:
     """The plan from the header and the options. Weights per place come from the `Placement`
     (given by a loaded engine; else made here from (name, nbytes) pairs, as `ikjax info` does).
-    `stream_whole=False`: host experts of big batches cross by round even where IKJAX_STREAM=auto
-    would move whole layers (the engine's choice when two whole layers do not fit the device)."""
+    `stream_whole=False`: host experts of big batches cross by runs of experts even where
+    IKJAX_STREAM=layer would move whole layers (the engine's choice when two do not fit the device)."""
     o = options
     capacity = cache_capacity(o)
     layout = CacheLayout.for_model(cfg, o.mla, o.ctk, batch, capacity)
@@ -366,17 +366,19 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
                       placement.host_bytes, device_weights=tuple(placement.device_bytes().items()),
                       unified=placement.unified, device_kv=kv_per_device(placement, layout),
                       split_mode=placement.split_mode,
-                      stream_buffer_bytes=stream_buffer(placement, o.ubatch, hot=bool(o.gpu_experts) or not stream_whole
-                                                        or placement.split_mode == "graph"))
+                      stream_buffer_bytes=stream_buffer(placement, o.ubatch, hot=bool(o.gpu_experts)
+                                                        or placement.split_mode == "graph", whole=stream_whole))
 
 
-def stream_buffer(placement: Placement, ubatch: int, hot: bool = False) -> int:
+def stream_buffer(placement: Placement, ubatch: int, hot: bool = False, whole: bool = True) -> int:
     """Device bytes of host-resident tensors in flight: any non-expert one while its op runs, and
     routed experts during a prompt step that streams them (ik's rule: ubatch x n_expert_used >= min_offload_batch x n_expert; ikjax.kernels
     `_moe_stream`): IKJAX_STREAM=active holds one round (IKJAX_STREAM_MIB of raw blocks, at most a
-    layer) as stored plus in the kernels' layout; =layer two layers' tensors, both forms; =auto
+    layer) as stored plus in the kernels' layout; =chunks IKJAX_STREAM_AHEAD runs of experts, both
+    forms; =layer two layers' tensors, both forms; =auto
     whichever `ops.stream_mode` picks for a batch of `ubatch` (`hot`: --gpu-experts is given, or
-    -sm graph, whose devices stream by round from one copy)."""
+    -sm graph, whose devices stream by round from one copy; `whole=False`: two whole layers do not
+    fit, so =layer streams chunks)."""
     if placement.unified:
         return 0
     # any other host-placed tensor is moved to the device by every step that reads it
@@ -395,9 +397,12 @@ def stream_buffer(placement: Placement, ubatch: int, hot: bool = False) -> int:
     if not per_layer:
         return transient
     layer = max(per_layer.values())
-    if ops.stream_mode(ubatch, placement.n_expert, placement.n_expert_used, hot=hot) == "layer":
+    mode = ops.stream_mode(ubatch, placement.n_expert, placement.n_expert_used, hot=hot)
+    if mode == "layer" and whole:
         return transient + 2 * 2 * layer
     per_expert = layer // placement.n_expert
+    if mode in ("chunks", "layer"):  # (layer without room for two: chunks, ops._moe_stream)
+        return transient + 2 * ops.stream_ahead() * ops.chunk_experts(per_expert, placement.n_expert) * per_expert
     return transient + 2 * ops.stream_slots_for(per_expert, placement.n_expert) * per_expert
 
 

@@ -371,8 +371,9 @@ def total_work(eng, tg: int, nrep: int = 1, *, pp: int | None = None, stride: in
 def streamed_bytes(eng, n_tokens: int) -> tuple[int, str] | None:
     """(bytes, form) of routed experts a prompt step of `n_tokens` moves from host RAM to the
     device, or None when none cross (no host experts, a batch computed on the host, a CPU-only
-    run). "layer": every host expert of every such layer, known before the step runs; "active":
-    only the experts the batch routes to, counted by the custom call (bytes None until measured)."""
+    run). "layer" / "chunks": every host expert of every such layer (whole, or a run of experts at a
+    time), known before the step runs; "active": only the experts the batch routes to, counted by
+    the custom call (bytes None until measured)."""
     from ikjax import ops
     from ikjax.model.groups import host_layers
     from ikjax.placement.host import is_host_resident
@@ -385,8 +386,10 @@ def streamed_bytes(eng, n_tokens: int) -> tuple[int, str] | None:
         if not all(t.pinned and t.runs_on(n_tokens, E, k) == "device" for t in ts):
             continue
         hot = "hot_experts" in lay
-        whole = not any(t.by_address for t in ts) and ops.stream_mode(n_tokens, E, k, hot=hot) == "layer"
-        form = "layer" if whole and form in (None, "layer") else "active"
+        mode = "active" if any(t.by_address for t in ts) else ops.stream_mode(n_tokens, E, k, hot=hot)
+        if mode == "layer" and not all(t.whole_ok for t in ts):
+            mode = "chunks"
+        form = mode if form in (None, mode) else "active"
         total += sum(t.nbytes for t in ts)
     return None if form is None else (total, form)
 
@@ -442,6 +445,6 @@ def stream_report(eng, pp: int, rows: list, active_bytes: int = 0) -> str | None
     t_step = sum(r.t_pp for r in rows) / len(rows) / -(-pp // step)
     rate = per_step / t_step
     peak = h2d_bandwidth(jax.devices()[0])
-    return (f"host experts: {per_step / 1e9:.2f} GB cross to the device per {step}-token prompt step (whole "
-            f"layers); at the PP rows' mean {t_step:.3f} s a step that is {rate / 1e9:.1f} GB/s; pinned host -> "
+    how = "whole layers" if form == "layer" else "every expert, a run at a time"
+    return (f"host experts: {per_step / 1e9:.2f} GB cross to the device per {step}-token prompt step ({how}); at the PP rows' mean {t_step:.3f} s a step that is {rate / 1e9:.1f} GB/s; pinned host -> "
             f"device copies measured {peak / 1e9:.1f} GB/s ({100 * rate / peak:.0f} %)")
