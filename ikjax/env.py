@@ -71,6 +71,9 @@ _VARS = (
              "ikjax.ops.moe"),
     Variable("IKJAX_STREAM_AHEAD", "2", (), "runs of streamed experts held on the GPU at once (`IKJAX_STREAM=chunks`)",
              "ikjax.ops.moe"),
+    Variable("IKJAX_STREAM_COPY", "auto", ("auto", "engine", "xla"),
+             "how `IKJAX_STREAM=chunks` copies a run: the copy engine on a side stream (auto where the CUDA handler "
+             "is built) or slices that XLA moves", "ikjax.ops.moe"),
     Variable("IKJAX_STREAM_ORDER", "prev", ("prev", "self", "free"),
              "when a streamed layer's host-to-device copy may start (`IKJAX_STREAM=layer`)", "ikjax.ops.moe"),
     Variable("IKJAX_STREAM_MIB", "512", (), "MiB of expert blocks per streaming round", "ikjax.ops.moe"),

@@ -102,8 +102,54 @@ def test_chunks_equal_device_resident(experts, monkeypatch, fit, ahead):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
     jaxpr = str(jax.make_jaxpr(f)(x, w, ids, *host))
     runs = 2 * (E // S)  # both layers
-    assert jaxpr.count("optimization_barrier") == runs
+    assert jaxpr.count("optimization_barrier") == 2 * runs  # each copy ordered, each run's compute ordered
     assert jaxpr.count("device_put") >= 3 * runs
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+def test_chunks_by_the_copy_engine(experts, monkeypatch, ahead):
+    """Where the CUDA handler is built, runs cross by the copy engine: start(lo, n) for the next
+    runs is issued before a run computes, done() waits for a run's copy just before its MoE, and at
+    most `ahead` runs are held (started, not yet computed). Here over jnp stand-ins for the two
+    calls (the real ones: tests/test_hybrid_gpu.py), which log the order the step runs them in."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    log = []
+
+    def fake_start(after, gate, up, down, *, lo, n):
+        log.append(("start", lo))
+        return [jax.device_put(t.data[lo:lo + n], jax.memory.Space.Device) for t in (gate, up, down)]
+
+    def fake_done(after, blocks):
+        log.append(("done", None))
+        return blocks
+
+    monkeypatch.setattr(moe_host, "stream_supported", lambda *a: True)
+    monkeypatch.setattr(moe_host, "chunk_copy_start", fake_start)
+    monkeypatch.setattr(moe_host, "chunk_copy_done", fake_done)
+    monkeypatch.setenv("IKJAX_STREAM", "chunks")
+    monkeypatch.setenv("IKJAX_STREAM_COPY", "engine")
+    monkeypatch.setenv("IKJAX_STREAM_AHEAD", str(ahead))
+    per_expert = sum(t.nbytes for t in experts) // E
+    monkeypatch.setenv("IKJAX_STREAM_MIB", str(2 * per_expert / 2**20))  # runs of 2: 4 a layer
+    x, w, ids = _routed(200)
+    host = [_pinned(t, 32) for t in experts]
+    jaxpr = jax.make_jaxpr(_two_layers())(x, w, ids, *host)
+    assert str(jaxpr).count("optimization_barrier") == 8  # each run's compute after the next copy's start
+    starts = [e[1] for e in log if e[0] == "start"]
+    assert starts == [0, 2, 4, 6] * 2  # every run of both layers, once, in order
+    held, most = 0, 0
+    for kind, _ in log:  # runs started and not yet waited for, in the order the step issues them
+        held += 1 if kind == "start" else -1
+        assert held >= 0
+        most = max(most, held)
+    assert most == ahead
+    got = _two_layers()(x, w, ids, *host)
+    ref = _two_layers()(x, w, ids, *experts)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    monkeypatch.setattr(moe_host, "stream_supported", lambda *a: False)
+    monkeypatch.setenv("IKJAX_STREAM_COPY", "engine")
+    with pytest.raises(OptionError, match="IKJAX_STREAM_COPY=engine"):
+        _two_layers()(x, w, ids, *host)
 
 
 def test_chunk_experts_sizes(monkeypatch):

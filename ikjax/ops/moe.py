@@ -264,35 +264,62 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=Fals
 
 
 def _moe_chunks(x, weights, ids, gate, up, down, dtype, fused, backend):
-    """Every expert of the layer crosses to the GPU as runs of `chunk_experts` experts, each a
-    slice of the pinned host tensors moved inside the step (XLA reads the slice from host memory),
-    and each run's MoE is computed as it arrives, its picks only (the others' weights zeroed: no
-    work in the kernels); the runs' outputs add up. An optimization barrier ties each run's host
-    slices to the output of the run `stream_ahead()` before it (across layers too, through the
-    trace state), so the device holds at most that many runs, and the copy of a layer's first
-    runs may start while the layer before still computes."""
+    """Every expert of the layer crosses to the GPU as runs of `chunk_experts` experts, and each
+    run's MoE is computed as it arrives, its picks only (the others' weights zeroed: no work in the
+    kernels); the runs' outputs add up. The device holds `stream_ahead()` runs: the copies of the
+    next ones are issued before a run computes and overlap it (`_chunk_copier`: the copy engine on
+    a side stream where the CUDA handler is built, else slices of the host tensors that XLA moves)."""
     E = gate.shape[0]
     per_expert = sum(t.nbytes for t in (gate, up, down)) // E
     S, ahead = chunk_experts(per_expert, E), stream_ahead()
+    runs = [(lo, min(S, E - lo)) for lo in range(0, E, S)]
     b = registry.resolve_backend(backend)
-    state = registry.trace_state()
-    done = state.setdefault("chunk_outs", []) if state is not None else []
-    data = tuple(t.data for t in (gate, up, down))
-    out = None
-    for lo in range(0, E, S):
-        n = min(S, E - lo)
-        dep = done[-ahead] if len(done) >= ahead else x
-        *blocks, _ = jax.lax.optimization_barrier((*data, dep))
-        dev = [_streamed(jax.device_put(blk[lo:lo + n], jax.memory.Space.Device), t, (n, *t.shape[1:]), b)
-               for t, blk in zip((gate, up, down), blocks)]
+    start, done = _chunk_copier(gate, up, down)
+
+    def dep(a):  # one element of `a`: a data dependence that orders a copy call after a's producer
+        return jax.lax.slice_in_dim(a.reshape(-1), 0, 1)
+
+    pending, out = {}, None
+    for j in range(min(ahead - 1, len(runs))):
+        pending[j] = start(dep(x), *runs[j])
+    for j, (lo, n) in enumerate(runs):
+        last = x if out is None else out  # run j-1's sum: its buffers are free from here
+        nxt = j + ahead - 1
+        if nxt < len(runs):
+            pending[nxt] = start(dep(last), *runs[nxt])
+        blocks = done(dep(last), pending.pop(j))
+        # run j computes after the next run's copy was issued (else XLA may issue it late, serially)
+        xj, *blocks, _ = jax.lax.optimization_barrier((x, *blocks, pending.get(nxt, ())))
+        dev = [_streamed(blk, t, (n, *t.shape[1:]), b) for t, blk in zip((gate, up, down), blocks)]
         s = ids - lo
         keep = (s >= 0) & (s < n)
-        part = moe_experts(x, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
+        part = moe_experts(xj, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
                            backend=backend)
         out = part if out is None else out + part
-        done.append(out)
-    del done[:-ahead]  # only the last runs are ever named again
     return out
+
+
+def _chunk_copier(gate, up, down):
+    """(start(after, lo, n) -> handle, done(after, handle) -> [gate, up, down blocks]) for runs of
+    experts [lo, lo + n) of pinned host tensors. IKJAX_STREAM_COPY=engine (auto where the CUDA
+    handler is built): the copy engine on a side stream (`chunk_copy_start` / `_done`), so the copy
+    runs beside the kernels; =xla: slices of the host tensors moved by XLA (on a GPU it reads them
+    with a kernel on the compute stream: 62 % of the link's rate in the step, §24k)."""
+    from pallas_kernels.moe_matmul import host as moe_host
+    form = env.choice("IKJAX_STREAM_COPY")
+    if form == "auto":
+        form = "engine" if jax.default_backend() == "gpu" and moe_host.stream_supported(gate, up, down) else "xla"
+    if form == "engine":
+        if not moe_host.stream_supported(gate, up, down):
+            raise OptionError(f"IKJAX_STREAM_COPY=engine: {moe_host.unavailable_reason() or 'the experts have no host address'}")
+        return (lambda after, lo, n: moe_host.chunk_copy_start(after, gate, up, down, lo=lo, n=n),
+                moe_host.chunk_copy_done)
+    data = tuple(t.data for t in (gate, up, down))
+
+    def start(after, lo, n):
+        *held, _ = jax.lax.optimization_barrier((*data, after))
+        return [jax.device_put(d[lo:lo + n], jax.memory.Space.Device) for d in held]
+    return start, lambda after, blocks: blocks
 
 
 def streamed_bytes_counted(reset: bool = False) -> int:

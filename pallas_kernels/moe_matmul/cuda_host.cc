@@ -508,6 +508,125 @@ ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights,
   return ffi::Error::Success();
 }
 
+// ---- Every expert of a layer, a run at a time, beside the compute (IKJAX_STREAM=chunks) -------------
+//
+// A prompt batch of a realistically routed model uses every expert of a layer, so all of its blocks
+// must cross PCIe; holding two whole layers on the device for that (R1: 2 x 6.3 GB, twice with the
+// kernels' layout) is what a 24 GB card cannot give. These two calls move a fixed run of experts
+// [lo, lo + n) by the copy engine on a side stream, so the copy of run j + 1 overlaps the MoE of
+// run j on XLA's stream:
+//
+// "ikjax_chunk_copy_start": the side stream waits for XLA's stream to reach the call (the results'
+// device memory is then free: XLA allocated it for this call), copies the run's bytes of the three
+// pinned host tensors into the results, and records an event under the first result's address.
+//   operands:   after (any small device buffer: a data dependence that orders the call in the step)
+//   attributes: gate_slot, up_slot, down_slot (slots of the pinned host [E, rows, row_bytes] blocks),
+//               n_expert, lo (the run's first expert; n = the results' leading dimension)
+//   results:    gate u8 [n, ...], up u8 [n, ...], down u8 [n, ...]
+// "ikjax_chunk_copy_done": XLA's stream waits for the event of its first operand's address (the
+// start's results, aliased to its own results); an address no start recorded is an error of the
+// call (XLA copied the buffer in between), never a read of half-copied bytes.
+//   operands:   after, gate, up, down (the start's results)      results: gate, up, down (aliased)
+std::mutex chunk_mu;
+std::unordered_map<cudaStream_t, cudaStream_t> side_streams;      // XLA's stream -> its copy stream
+std::unordered_map<const void*, cudaEvent_t> chunk_pending;        // a run's first result -> copied
+std::vector<cudaEvent_t> chunk_events;                             // free events
+
+ffi::Error chunk_event(cudaEvent_t* ev) {  // under chunk_mu
+  if (!chunk_events.empty()) {
+    *ev = chunk_events.back();
+    chunk_events.pop_back();
+    return ffi::Error::Success();
+  }
+  cudaError_t e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming);
+  return e == cudaSuccess ? ffi::Error::Success()
+                          : ffi::Error::Internal(std::string("chunk_copy: cudaEventCreate: ") + cudaGetErrorString(e));
+}
+
+ffi::Error ChunkStartImpl(cudaStream_t stream, ffi::AnyBuffer after, ffi::ResultBuffer<ffi::U8> gate,
+                          ffi::ResultBuffer<ffi::U8> up, ffi::ResultBuffer<ffi::U8> down, int64_t gate_slot,
+                          int64_t up_slot, int64_t down_slot, int64_t n_expert, int64_t lo) {
+  (void)after;
+  ffi::ResultBuffer<ffi::U8>* outs[3] = {&gate, &up, &down};
+  const int64_t tensor_slots[3] = {gate_slot, up_slot, down_slot};
+  auto gd = gate->dimensions();
+  if (gd.size() < 1 || gd[0] < 1) return ffi::Error::InvalidArgument("chunk_copy_start: no experts in the run");
+  const int64_t n = gd[0];
+  if (lo < 0 || lo + n > n_expert)
+    return ffi::Error::InvalidArgument("chunk_copy_start: experts [" + std::to_string(lo) + ", " +
+                                       std::to_string(lo + n) + ") outside [0, " + std::to_string(n_expert) + ")");
+  const char* srcs[3];
+  size_t per_expert[3];
+  for (int t = 0; t < 3; ++t) {
+    auto d = (*outs[t])->dimensions();
+    if (d.size() < 1 || d[0] != n)
+      return ffi::Error::InvalidArgument("chunk_copy_start: gate, up and down need the same number of experts");
+    per_expert[t] = (*outs[t])->size_bytes() / n;
+    if (ffi::Error e = slot_bytes("chunk_copy_start", tensor_slots[t], per_expert[t] * n_expert, &srcs[t]); e.failure())
+      return e;
+  }
+  std::lock_guard<std::mutex> lock(chunk_mu);
+  cudaError_t e;
+  cudaStream_t& side = side_streams[stream];
+  if (!side && (e = cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking)) != cudaSuccess) {
+    side = nullptr;
+    return ffi::Error::Internal(std::string("chunk_copy_start: cudaStreamCreate: ") + cudaGetErrorString(e));
+  }
+  cudaEvent_t reached, copied;
+  if (ffi::Error fe = chunk_event(&reached); fe.failure()) return fe;
+  if (ffi::Error fe = chunk_event(&copied); fe.failure()) return fe;
+  if ((e = cudaEventRecord(reached, stream)) != cudaSuccess || (e = cudaStreamWaitEvent(side, reached, 0)) != cudaSuccess)
+    return ffi::Error::Internal(std::string("chunk_copy_start: event: ") + cudaGetErrorString(e));
+  chunk_events.push_back(reached);  // the wait is enqueued: the event may be recorded again
+  for (int t = 0; t < 3; ++t)
+    if ((e = cudaMemcpyAsync((*outs[t])->untyped_data(), srcs[t] + lo * per_expert[t], n * per_expert[t],
+                             cudaMemcpyHostToDevice, side)) != cudaSuccess)
+      return ffi::Error::Internal(std::string("chunk_copy_start: H2D copy: ") + cudaGetErrorString(e));
+  if ((e = cudaEventRecord(copied, side)) != cudaSuccess)
+    return ffi::Error::Internal(std::string("chunk_copy_start: event: ") + cudaGetErrorString(e));
+  auto [it, fresh] = chunk_pending.emplace(gate->untyped_data(), copied);
+  if (!fresh) {  // a run never waited for at this address: a bug of the step, not a user error
+    chunk_events.push_back(it->second);
+    it->second = copied;
+  }
+  std::lock_guard<std::mutex> slock(stream_mu);
+  stream_stats.calls += 1;
+  stream_stats.copied += n;
+  stream_stats.bytes += n * int64_t(per_expert[0] + per_expert[1] + per_expert[2]);
+  stream_stats.copies += 1;
+  return ffi::Error::Success();
+}
+
+ffi::Error ChunkDoneImpl(cudaStream_t stream, ffi::AnyBuffer after, ffi::Buffer<ffi::U8> gate, ffi::Buffer<ffi::U8> up,
+                         ffi::Buffer<ffi::U8> down, ffi::ResultBuffer<ffi::U8> gate_out,
+                         ffi::ResultBuffer<ffi::U8> up_out, ffi::ResultBuffer<ffi::U8> down_out) {
+  (void)after;
+  cudaEvent_t copied;
+  {
+    std::lock_guard<std::mutex> lock(chunk_mu);
+    auto it = chunk_pending.find(gate.untyped_data());
+    if (it == chunk_pending.end())
+      return ffi::Error::Internal("chunk_copy_done: no copy was started into this buffer (the step moved it "
+                                  "between the two calls)");
+    copied = it->second;
+    chunk_pending.erase(it);
+  }
+  cudaError_t e = cudaStreamWaitEvent(stream, copied, 0);
+  {
+    std::lock_guard<std::mutex> lock(chunk_mu);
+    chunk_events.push_back(copied);
+  }
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("chunk_copy_done: wait: ") + cudaGetErrorString(e));
+  const ffi::Buffer<ffi::U8>* ins[3] = {&gate, &up, &down};
+  ffi::ResultBuffer<ffi::U8>* outs[3] = {&gate_out, &up_out, &down_out};
+  for (int t = 0; t < 3; ++t)  // aliased: nothing to do; else the bytes, in stream order after the wait
+    if ((*outs[t])->untyped_data() != ins[t]->untyped_data() &&
+        (e = cudaMemcpyAsync((*outs[t])->untyped_data(), ins[t]->untyped_data(), ins[t]->size_bytes(),
+                             cudaMemcpyDeviceToDevice, stream)) != cudaSuccess)
+      return ffi::Error::Internal(std::string("chunk_copy_done: D2D copy: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostMoeExpertsFfi, HostMoeImpl,
@@ -546,6 +665,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StreamExpertsFfi, StreamExpertsImpl,
                                   .Attr<int64_t>("n_expert")
                                   .Attr<int64_t>("round"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkStartFfi, ChunkStartImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("gate_slot")
+                                  .Attr<int64_t>("up_slot")
+                                  .Attr<int64_t>("down_slot")
+                                  .Attr<int64_t>("n_expert")
+                                  .Attr<int64_t>("lo"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkDoneFfi, ChunkDoneImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>());
+
 // A stats struct's fields as a dict, read under its mutex (then zeroed if `reset`).
 template <class S>
 nb::dict counters(std::mutex& mu, S& stats, bool reset,
@@ -563,6 +706,8 @@ NB_MODULE(_cuda_host, m) {
     nb::dict d;
     d["ikjax_host_moe_experts"] = nb::capsule(reinterpret_cast<void*>(HostMoeExpertsFfi));
     d["ikjax_stream_experts"] = nb::capsule(reinterpret_cast<void*>(StreamExpertsFfi));
+    d["ikjax_chunk_copy_start"] = nb::capsule(reinterpret_cast<void*>(ChunkStartFfi));
+    d["ikjax_chunk_copy_done"] = nb::capsule(reinterpret_cast<void*>(ChunkDoneFfi));
     return d;
   });
   // totals since the process started (or the last reset): stream_experts calls, experts active in

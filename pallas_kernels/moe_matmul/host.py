@@ -201,6 +201,35 @@ def stream_experts(weights, ids, gate, up, down, *, slots: int, round: int):
         n_expert=i64(E), round=i64(round))
 
 
+CHUNK_START, CHUNK_DONE = "ikjax_chunk_copy_start", "ikjax_chunk_copy_done"
+
+
+def chunk_copy_start(after, gate, up, down, *, lo: int, n: int):
+    """Experts [lo, lo + n) of the three pinned host tensors copied to the GPU by the copy engine on
+    a side stream (cuda_host.cc "ikjax_chunk_copy_start"), ordered in the step after `after` (any
+    small device array). -> (gate, up, down uint8 [n, rows, row_bytes]): not to be read before
+    `chunk_copy_done` returns them."""
+    if not stream_supported(gate, up, down):
+        raise ValueError(f"chunk_copy_start: not available for {gate!r} ({unavailable_reason() or 'no host address'})")
+    E = gate.shape[0]
+    if not (0 <= lo and 1 <= n and lo + n <= E):
+        raise ValueError(f"chunk_copy_start: experts [{lo}, {lo + n}) outside [0, {E})")
+    register()
+    i64 = np.int64
+    return jax.ffi.ffi_call(CHUNK_START, _slot_shapes(n, gate, up, down))(
+        after, gate_slot=i64(host_slot(gate, gate.host_address(), gate.nbytes)),
+        up_slot=i64(host_slot(up, up.host_address(), up.nbytes)),
+        down_slot=i64(host_slot(down, down.host_address(), down.nbytes)), n_expert=i64(E), lo=i64(lo))
+
+
+def chunk_copy_done(after, blocks):
+    """The blocks of a `chunk_copy_start`, once its copy is done: XLA's stream waits for it here
+    (ordered after `after`), so what runs between the two calls overlaps the copy."""
+    register()
+    return jax.ffi.ffi_call(CHUNK_DONE, [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in blocks],
+                            input_output_aliases={1: 0, 2: 1, 3: 2})(after, *blocks)
+
+
 def stream_experts_ref(weights, ids, gate, up, down, *, slots: int, round: int):
     """`stream_experts` in jnp over device-resident blocks (`.data` [E, rows, row_bytes]): the same
     contract (unfilled slots hold zeros here), what the CPU tests run the round loop with."""
