@@ -1103,6 +1103,9 @@ PY
     -k "${GPU_TESTS61:-active_stream_rounds or prompt_streams}" 2>&1 | tail -3
   r1_8_hybrid_setup /tmp/cc61
   for v in ${VARIANTS61:-chunks layer chunks256 ahead3}; do
+    cap=""  # NAME@MiB: XLA may hold at most that much device memory (ik's run: 7641 MiB, §24e)
+    case $v in *@*) cap="XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(${v#*@} / $(nvidia-smi -i 0 \
+      --query-gpu=memory.total --format=csv,noheader,nounits | head -1), 4))")"; v=${v%@*} ;; esac
     case $v in
       chunks) envs="" ;; layer) envs="IKJAX_STREAM=layer" ;; active) envs="IKJAX_STREAM=active" ;;
       chunks256) envs="IKJAX_STREAM_MIB=256" ;; chunks1024) envs="IKJAX_STREAM_MIB=1024" ;; ahead3) envs="IKJAX_STREAM_AHEAD=3" ;;
@@ -1111,8 +1114,9 @@ PY
     el "r1-8 sweep-bench: $v ($envs)"
     ( while true; do nvidia-smi -i 0 --query-gpu=memory.used --format=csv,noheader,nounits; sleep 0.3; done ) > /tmp/mem61 &
     mp=$!
-    env $envs timeout 170 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n ${N61:-32} 2>&1 \
-      | grep -E "^\|  *2048|host experts|stream buffer|rror" | cut -c1-260
+    el "  $cap"
+    env $envs $cap timeout 170 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n ${N61:-32} --sweep-memory 2>&1 \
+      | grep -E "^\|  *2048|host experts|stream buffer|device|rror" | cut -c1-260
     kill $mp; el "peak device memory: $(sort -n /tmp/mem61 | tail -1) MiB"
   done
   ;;
