@@ -290,11 +290,20 @@ def _moe_chunks(x, weights, ids, gate, up, down, dtype, fused, backend):
         blocks = done(dep(last), pending.pop(j))
         # run j computes after the next run's copy was issued (else XLA may issue it late, serially)
         xj, *blocks, _ = jax.lax.optimization_barrier((x, *blocks, pending.get(nxt, ())))
-        dev = [_streamed(blk, t, (n, *t.shape[1:]), b) for t, blk in zip((gate, up, down), blocks)]
         s = ids - lo
-        keep = (s >= 0) & (s < n)
-        part = moe_experts(xj, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
-                           backend=backend)
+        keep = (s >= 0) & (s < n) & (weights != 0)
+
+        def run(xj, weights, s, keep, *blocks, lo=lo, n=n):
+            dev = [_streamed(blk, t, (n, *t.shape[1:]), b) for t, blk in zip((gate, up, down), blocks)]
+            return moe_experts(xj, jnp.where(keep, weights, 0.0), jnp.where(keep, s, 0), *dev, dtype, fused=fused,
+                               backend=backend)
+
+        # a branch of its own: XLA cannot schedule one run's layout and kernels beside another's, so
+        # the step's temporaries hold one run's (unrolled, the prompt step of R1-8 asked for 23 GiB
+        # at runs of 512 MiB: §24k); a run no pick of the batch routes to computes nothing
+        args = (xj, weights, s, keep, *blocks)
+        shape = jax.eval_shape(run, *args)
+        part = jax.lax.cond(keep.any(), run, lambda *a: jnp.zeros(shape.shape, shape.dtype), *args)
         out = part if out is None else out + part
     return out
 
