@@ -119,8 +119,8 @@ STREAM_MODES = ("auto", "active", "chunks", "layer")
 # would copy nearly the same bytes, but in rounds that each wait for the routing on the host
 # (a stream sync) and copy on the compute stream; a fixed run of experts needs no ids, so its copy
 # is ordered only by the buffer's room. Measured on an H200 with the realistically routed 8-layer
-# R1 at -ub 2048: whole layers 2858 vs active 2191 t/s (bench/RESULTS.md §24b); chunks hold a
-# twelfth of the whole layers' device memory (§24k).
+# R1 at -ub 2048: whole layers 2858 vs active 2191 t/s (bench/RESULTS.md §24b); chunks run at 0.97x
+# whole layers' rate with a sixteenth of their stream buffer, within ik's device memory (§24k).
 LAYER_PICKS = 4
 
 
