@@ -419,6 +419,21 @@ def test_requests_for_a_slot_run_there(eng, sched):
             sched.make_request([5], 1, on_event=print, slot=bad)
 
 
+def test_a_repeated_prompt_goes_back_to_its_slot(eng, sched):
+    """A short prompt sent again (nothing of it reusable under `auto`: fewer tokens than -ub) runs
+    on the slot that holds it, as llama-server's slot choice by prompt similarity, not on the least
+    recently used one, whose cache holds another conversation; a prompt like none runs there."""
+    a, b, c = ids(eng, 9, 11), ids(eng, 9, 12), ids(eng, 9, 13)
+    first = [submit(sched, p, 3) for p in (a, b)]
+    for req, col in first:
+        assert col.wait()[0] == "done"
+    slot_a, slot_b = first[0][0].slot, first[1][0].slot
+    again, col = submit(sched, a, 3)
+    assert col.wait()[0] == "done" and again.slot == slot_a and again.n_cached == 0
+    other, col = submit(sched, c, 3)
+    assert col.wait()[0] == "done" and other.slot not in (slot_a, slot_b)  # the free slot, not a held one
+
+
 def test_failed_step_fails_the_slots_and_the_loop_goes_on(eng, monkeypatch):
     s = Scheduler(eng, 2).start()
     try:

@@ -401,6 +401,9 @@ def test_bad_requests_are_400(server):
     # echo with logprobs: OpenAI lists the prompt's tokens too, which are not computed here (it answered
     # with the answer's alone)
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2}), 400, "echo")
+    for keep in ("a", 1.5, -2, True):  # n_keep: an integer >= -1 (a third probe: "a" was answered 200)
+        _error(call(server, "POST", "/completion", {"prompt": "x", "n_predict": 1, "n_keep": keep}), 400, "n_keep")
+    assert call(server, "POST", "/completion", {"prompt": "x", "n_predict": 1, "n_keep": -1})[0] == 200
     # their off values (what llama-server's own clients send by default) are fine
     offs = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
             "dynatemp_range": 0.0, "min_keep": 0, "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],

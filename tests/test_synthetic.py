@@ -210,3 +210,43 @@ def test_synthetic_routers_spread_tokens_at_depth(tmp_path, monkeypatch):
     for li, c in enumerate(counts):
         used = np.count_nonzero(c) / len(c)
         assert used >= 0.9 and c.max() <= 4 * c.mean(), (li, used, c.max() / c.mean())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
+def test_attn_k_b_v_b_derived_from_kv_b(tmp_path, qtype):
+    """make-model writes attn_k_b / attn_v_b from attn_kv_b's values, as ik's converter does: so the
+    -mla 3 decode (absorbed: k_b, v_b) and the prompt steps (kv_b) compute one model. Checked on the
+    tensors (k_b / v_b equal kv_b's per-head blocks within their quantization) and end to end: in
+    f32, each greedy decode token is the argmax of a fresh prompt step over the tokens before it,
+    with -mla 3 as with -mla 0 (no absorbed weights at all). With random k_b / v_b of their own
+    the two paths disagreed from the second token on (found by an outside probe of the server's
+    prompt cache)."""
+    from ikjax.gguf_io.reader import GGUFModelFile
+    p = synthetic.make_model(tmp_path / "t.gguf", "tiny", qtype, layers=2)
+    f = GGUFModelFile(p)
+    cfg = synthetic.preset_config("tiny", 2)
+    H, nope, v, r = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"])
+    r_ = gguf.GGUFReader(str(p))
+    t = {x.name: x for x in r_.tensors}
+
+    def values(name):
+        x = t[name]
+        return np.asarray(gguf.quants.dequantize(x.data, x.tensor_type), np.float32)
+
+    kvb = values("blk.1.attn_kv_b.weight").reshape(H, nope + v, r)
+    k_b = values("blk.1.attn_k_b.weight").reshape(H, r, nope)
+    v_b = values("blk.1.attn_v_b.weight").reshape(H, v, r)
+    for got, want in ((k_b, kvb[:, :nope].transpose(0, 2, 1)), (v_b, kvb[:, nope:])):
+        err = float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)))
+        assert err < (0.15 if qtype == "Q4_0" else 0.01), err  # the k_b / v_b type's rounding of kv_b's values
+        assert abs(np.corrcoef(got.ravel(), want.ravel())[0, 1]) > (0.98 if qtype == "Q4_0" else 0.9999)
+    assert f.tensors["blk.1.attn_k_b.weight"].qtype.name == ("Q4_0" if qtype == "Q4_0" else "Q8_0")
+    prompt = [0, 5, 17, 300, 88, 1000, 41]
+    for mla in (0, 3):
+        eng = ikjax.load(p, ctx=64, ubatch=16, mla=mla, dtype="f32")
+        got = list(eng.generate(prompt, 6))
+        for i, tok in enumerate(got):
+            logits = eng.logits(prompt + got[:i])[-1]
+            top2 = np.sort(logits)[-2:]
+            if top2[1] - top2[0] > 1e-3:  # a clear argmax: decode must pick it
+                assert tok == int(np.argmax(logits)), (mla, i, tok, int(np.argmax(logits)))

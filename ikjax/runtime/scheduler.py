@@ -469,14 +469,29 @@ class Scheduler:
         its logits choose the first new token)."""
         if not cache_prompt or self.prompt_cache == "off" or not slot.tokens:
             return 0
+        lcp = self._lcp(slot, prompt)
+        if lcp <= 0:
+            return 0
+        if self.prompt_cache == "prefix" or (self.prompt_cache == "auto" and self._next_turn(slot, prompt, lcp)):
+            return lcp
+        return min(lcp, slot.exact) // self.ubatch * self.ubatch
+
+    @staticmethod
+    def _lcp(slot: Slot, prompt: np.ndarray) -> int:
+        """Tokens the slot's cache and `prompt` share from the start (at most all but the prompt's last)."""
         n = min(len(slot.tokens), len(prompt) - 1)
         if n <= 0:
             return 0
         differ = np.nonzero(np.asarray(slot.tokens[:n], np.int64) != prompt[:n])[0]
-        lcp = int(differ[0]) if len(differ) else n
-        if self.prompt_cache == "prefix" or (self.prompt_cache == "auto" and self._next_turn(slot, prompt, lcp)):
-            return lcp
-        return min(lcp, slot.exact) // self.ubatch * self.ubatch
+        return int(differ[0]) if len(differ) else n
+
+    def _similar(self, slot: Slot, prompt: np.ndarray) -> int:
+        """The shared prefix when it is at least half the prompt (llama-server's slot choice,
+        --slot-prompt-similarity 0.5), else 0: among slots that reuse as much, the one that holds
+        this conversation takes it, rather than the least recently used one, whose cache another
+        conversation may come back for (a repeated short prompt went to another slot, evicting it)."""
+        lcp = self._lcp(slot, prompt) if slot.tokens else 0
+        return lcp if 2 * lcp >= len(prompt) else 0
 
     def _next_turn(self, slot: Slot, prompt: np.ndarray, lcp: int) -> bool:
         """Whether `prompt` goes on from the slot's last request (auto reuses the whole common prefix
@@ -509,7 +524,8 @@ class Scheduler:
                     return
                 self._queue.remove(req)
             best = self.slots[req.want_slot] if req.want_slot is not None else \
-                max(free, key=lambda s: (self._reuse(s, req.prompt, req.cache_prompt), -s.last_used))
+                max(free, key=lambda s: (self._reuse(s, req.prompt, req.cache_prompt), self._similar(s, req.prompt),
+                                         -s.last_used))
             req.slot = best.index
             req.n_cached = req._pos = self._reuse(best, req.prompt, req.cache_prompt)
             req._rng = np.random.default_rng(req.sampling["seed"])

@@ -160,6 +160,9 @@ def _check_not_run(body: dict) -> list[str] | None:
     that asks for them, and a `samplers` order other than this server's (penalties first, then
     top_k, top_p, min_p, temperature). Returns the samplers `samplers` names (None: not given):
     the others are off for this request, as in llama-server's chain."""
+    keep = body.get("n_keep")  # tokens kept when a prompt is cut to fit: prompts never are here (a 400)
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < -1):
+        raise bad(f"n_keep: expected an integer >= -1, got {keep!r}"[:300])
     for name, (asks, why) in _NOT_DONE.items():
         if asks(body.get(name)):
             raise bad(f"{name}: not supported ({why}); leave it out")

@@ -118,6 +118,7 @@ class TensorPlan:
     qtype: QT
     std: float  # target std of the dequantized values (0: constant `fill`)
     fill: float = 0.0
+    derive: str = ""  # "k_b" / "v_b": computed from the layer's attn_kv_b as written (`derived_bytes`)
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +165,38 @@ def _fallback(qt: QT, n_per_row: int) -> QT:
     return QT.Q8_0 if n_per_row % 32 == 0 else QT.F16
 
 
+# types gguf-py can quantize (attn_k_b / attn_v_b are quantized from attn_kv_b's values); the
+# others' k_b / v_b are Q8_0, as ik_llama.cpp's quantization recipes for R1 keep them
+_QUANTIZABLE = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)
+
+
+def _derived_type(qt: QT, n_per_row: int) -> QT:
+    t = _fallback(qt, n_per_row)
+    if t in _QUANTIZABLE:
+        return t
+    return QT.Q8_0 if n_per_row % 32 == 0 else QT.F16
+
+
+def derived_bytes(t: TensorPlan, kv_b: np.ndarray, heads: int, nope: int, v: int) -> np.ndarray:
+    """attn_k_b / attn_v_b's bytes from attn_kv_b's dequantized values [H * (nope + v), r], as ik's
+    converter derives them: per head h, kv_b's first nope rows are W_k[h] (k_b holds its transpose,
+    [H * r, nope]) and the next v rows W_v[h] (v_b, [H * v, r]). Random k_b / v_b of their own
+    made a file whose -mla 2/3 decode (absorbed: k_b, v_b) and prompt steps (kv_b) computed two
+    different models, so a decode-filled cache never matched a fresh prompt's (the server's
+    prompt cache, a greedy decode against the prompt's argmax)."""
+    r = kv_b.shape[-1]
+    kvb = kv_b.reshape(heads, nope + v, r)
+    if t.derive == "k_b":
+        x = np.ascontiguousarray(kvb[:, :nope].transpose(0, 2, 1)).reshape(heads * r, nope)
+    elif t.derive == "v_b":
+        x = np.ascontiguousarray(kvb[:, nope:]).reshape(heads * v, r)
+    else:
+        raise ValueError(f"{t.name}: nothing to derive ({t.derive!r})")
+    if x.shape != t.shape:
+        raise RuntimeError(f"{t.name}: derived shape {x.shape}, planned {t.shape}")
+    return np.asarray(gguf.quants.quantize(x.astype(np.float32), t.qtype)).view(np.uint8).ravel()
+
+
 # attn_output drawn at half the spread the fan-in rule gives. Random attention is nearly uniform over
 # the positions it sees, so its output is close to one average shared by the tokens of a sequence:
 # added at full scale, that common part grew layer by layer (mean cosine of the router inputs of a
@@ -203,7 +236,8 @@ def plan_tensors(cfg: dict[str, Any], qtype: str) -> list[TensorPlan]:
             out.append(w(p + "attn_q.weight", H * (nope + rope), d))
         out += [w(p + "attn_kv_a_mqa.weight", r + rope, d), f32(p + "attn_kv_a_norm.weight", r),
                 w(p + "attn_kv_b.weight", H * (nope + v), r),
-                w(p + "attn_k_b.weight", H * r, nope), w(p + "attn_v_b.weight", H * v, r),
+                TensorPlan(p + "attn_k_b.weight", (H * r, nope), _derived_type(qt, nope), 0.0, derive="k_b"),
+                TensorPlan(p + "attn_v_b.weight", (H * v, r), _derived_type(qt, r), 0.0, derive="v_b"),
                 w(p + "attn_output.weight", d, H * v, gain=ATTN_OUT_GAIN), f32(p + "ffn_norm.weight", d)]
         if i < cfg["first_k_dense_replace"] or not E:
             f = cfg["intermediate_size"]
@@ -346,12 +380,23 @@ def _write_model(tmp: Path, cfg: dict, plans: list[TensorPlan], preset: str, qty
         total = sum(t.nbytes for t in plans)
         done = 0
         pools: dict = {}
+        kv_b = None  # the current layer's attn_kv_b values, for its attn_k_b / attn_v_b
+        dims = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"])
         for t in plans:
             writer.write_padding(fout, fout.tell())
             written = 0
-            for chunk in tensor_chunks(t, rng, pools):
+            keep = t.name.endswith("attn_kv_b.weight")
+            chunks = [derived_bytes(t, kv_b, *dims)] if t.derive else tensor_chunks(t, rng, pools)
+            kept = []
+            for chunk in chunks:
                 fout.write(memoryview(np.ascontiguousarray(chunk)))
                 written += chunk.nbytes
+                if keep:
+                    kept.append(np.asarray(chunk, np.uint8))
+            if keep:
+                be, bb = gguf.GGML_QUANT_SIZES[t.qtype]
+                raw = np.concatenate(kept).reshape(t.shape[0], t.shape[1] // be * bb)
+                kv_b = np.asarray(gguf.quants.dequantize(raw, t.qtype), np.float32).reshape(t.shape)
             if written != t.nbytes:  # a bug here, not a user error: never publish such a file
                 raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
             done += t.nbytes
