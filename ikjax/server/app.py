@@ -435,11 +435,13 @@ class Server:
     # -- log-probabilities (the scheduler's Request.token_logprobs, in each endpoint's form) ---------
     def _logprob_rows(self, job: Job, piece: bool) -> list[tuple[int, float, tuple]]:
         """(id, logprob, alternatives) of the answer's tokens, the ends of generation (EOS, stop
-        ids) left out: all of them, or (`piece`) those whose text the delta just taken carries."""
+        ids) and a stop string's tokens left out: all of them, or (`piece`) those whose text the
+        delta just taken carries."""
         ids = job.token_ids
         lo = len(ids) - len(job.new_ids) if piece else 0
         rows = job.req.token_logprobs
-        return [(ids[i], *rows[i]) for i in range(lo, min(len(ids), len(rows))) if ids[i] not in job.req.stop_ids]
+        return [(ids[i], *rows[i]) for i in range(lo, min(len(ids), len(rows)))
+                if ids[i] not in job.req.stop_ids and job.in_answer(i)]
 
     def _token(self, tid: int) -> tuple[str, list[int]]:
         b = self.tok.piece(tid)
@@ -471,7 +473,10 @@ class Server:
         for tid, lp, alts in rows:
             out["tokens"].append(self._token(tid)[0])
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self._token(aid)[0]: alp for aid, alp in alts})
+            top: dict[str, float] = {}
+            for aid, alp in alts:  # best first: two ids that print alike keep the better one's value
+                top.setdefault(self._token(aid)[0], alp)
+            out["top_logprobs"].append(top)
         out["text_offset"] = oai.text_offsets([self.tok.piece(tid) for tid, _, _ in rows], offset)
         return out
 

@@ -37,6 +37,19 @@ class Job:
         self.n_generated = 0  # tokens up to the end (a stop string's included, the ones after it not)
         self.token_ids: list[int] = []
         self.done = False
+        # where each token's text starts in the decoded answer before stop strings cut it, and how
+        # much text was given out: tokens that start past the cut are the stop string's (`in_answer`)
+        self._text_at: list[int] = []
+        self._text_len = 0
+        self._given = 0
+
+    def in_answer(self, i: int) -> bool:
+        """Whether generated token i is part of the answer: after a stop string, the tokens whose
+        text starts where the answer was cut are the stop string's and are left out of the
+        log-probabilities (llama-server drops them; OpenAI's logprobs follow the returned text)."""
+        if self.finish_reason != "stop" or i >= len(self._text_at):
+            return True
+        return self._text_at[i] < self._given
 
     def _from_scheduler(self, kind: str, value) -> None:  # the scheduler's thread
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -67,14 +80,19 @@ class Job:
                 self.n_generated += 1
                 self.token_ids.append(value)
                 self.new_ids.append(value)
+                self._text_at.append(self._text_len)
                 if value in hidden:
                     continue
-                text, stopped = stops.feed(detok.feed(value))
+                raw = detok.feed(value)
+                self._text_len += len(raw)
+                text, stopped = stops.feed(raw)
+                self._given += len(text)
+                if stopped:  # before the last delta: its log-probabilities leave the stop string's tokens out
+                    self.finish_reason, self.stopping_word = "stop", stops.matched
                 if text or (every_token and not stopped):
                     yield text
                     self.new_ids = []
                 if stopped:
-                    self.finish_reason, self.stopping_word = "stop", stops.matched
                     self.cancel(STOP_STRING)
                     return
             elif kind == "done":
@@ -83,6 +101,7 @@ class Job:
                     raise ApiError(503, "the request was cancelled (server shutting down)")
                 text, stopped = stops.feed(detok.finish())
                 text += stops.flush()
+                self._given += len(text)
                 if text:
                     yield text
                 if stopped:
