@@ -105,6 +105,14 @@ def test_warm_run_reads_its_steps_ahead(tiny_model, tmp_path):
     assert mixed["step_loads"] == 1 and mixed["read_ahead"] == 1 and mixed["from_cache"] == 2
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "d.npy"))
     assert not second.exists()  # removed, not read again
+    # a list that is not text (a damaged cache: an outside probe's run then failed with a
+    # UnicodeDecodeError every time, and bench skipped its rows): nothing read ahead, the run goes
+    # on, and the list is written anew
+    lists[0].write_bytes(b"\xff\xfe")
+    damaged = _run(tiny_model, tmp_path / "e.npy", env)
+    assert damaged["read_ahead"] == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "e.npy"))
+    assert lists[0].read_text().split()  # readable again
 
 
 def test_off_writes_nothing(tiny_model, tmp_path):

@@ -506,7 +506,7 @@ def note_used(label: str | None, path: Path | None) -> None:
         mine.append(path.name)
         try:
             old = [n for n in rp.read_text().split() if n not in mine] if rp.is_file() else []
-        except OSError:
+        except (OSError, ValueError):  # unreadable, or not text (a damaged cache): written anew
             old = []
         names = (mine + old)[:_RECENT_KEEP]
         try:
@@ -530,7 +530,7 @@ def prefetch_steps(label: str) -> int:
         return 0
     try:
         names = rp.read_text().split()[:_RECENT_KEEP]
-    except OSError:
+    except (OSError, ValueError):  # unreadable, or not text (a damaged cache): nothing read ahead
         return 0
     paths = [rp.parent.parent / "steps" / n for n in names if n.endswith(".pkl") and "/" not in n]
     paths = [p for p in paths if p.is_file()]
