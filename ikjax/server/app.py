@@ -410,7 +410,7 @@ class Server:
                     if params.timings_per_token:  # llama-server's live speed figures
                         event["timings"] = job.req.timings()
                     yield event
-                yield self._completion_final(job, "", prompt, False)
+                yield self._completion_final(job, job.tail, prompt, False)
             return await self._stream(request, job, events(), done=False)
         finally:
             job.cancel()

@@ -39,6 +39,7 @@ class Job:
         self.done = False
         # where each token's text starts in the decoded answer before stop strings cut it, and how
         # much text was given out: tokens that start past the cut are the stop string's (`in_answer`)
+        self.tail = ""  # text held back at the end, for the last event of a stream of one event per token
         self._text_at: list[int] = []
         self._text_len = 0
         self._given = 0
@@ -102,7 +103,9 @@ class Job:
                 text, stopped = stops.feed(detok.finish())
                 text += stops.flush()
                 self._given += len(text)
-                if text:
+                if text and every_token:  # an event per token: what was held back goes in the last event
+                    self.tail = text
+                elif text:
                     yield text
                 if stopped:
                     self.finish_reason, self.stopping_word = "stop", stops.matched

@@ -411,8 +411,8 @@ def _write_model(tmp: Path, cfg: dict, plans: list[TensorPlan], preset: str, qty
 
 # bumped whenever the generator's output changes, so a cached default model is made again
 # (2: zero-mean blocks and attn_output at half spread, issue 24; 3: DeepSeek's tool-call tokens in
-# the vocabulary, gguf_io.writer.TOOL_TOKENS)
-GENERATOR = 3
+# the vocabulary, gguf_io.writer.TOOL_TOKENS; 4: attn_k_b / attn_v_b derived from attn_kv_b)
+GENERATOR = 4
 
 
 def default_model_path() -> Path:
