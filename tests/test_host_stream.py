@@ -86,7 +86,7 @@ def test_streamed_equals_device_resident(experts, monkeypatch, order):
 def test_chunks_equal_device_resident(experts, monkeypatch, fit, ahead):
     """IKJAX_STREAM=chunks: every expert crosses as runs of `chunk_experts` experts (slices of the
     pinned tensors moved inside the step), each run's picks computed apart and summed: the result
-    of device-resident experts; each run's copy is ordered after the run before it has been
+    of device-resident experts; each run's copy is ordered after the run `ahead` before it has been
     computed, and each run's compute after the next copy was issued (two barriers a run)."""
     monkeypatch.setenv("IKJAX_STREAM", "chunks")
     monkeypatch.setenv("IKJAX_STREAM_AHEAD", str(ahead))
