@@ -530,12 +530,15 @@ ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights,
 std::mutex chunk_mu;
 std::unordered_map<cudaStream_t, cudaStream_t> side_streams;      // XLA's stream -> its copy stream
 std::unordered_map<const void*, cudaEvent_t> chunk_pending;        // a run's first result -> copied
-std::vector<cudaEvent_t> chunk_events;                             // free events
+// free events per XLA stream: an event belongs to the device it was made on, and a process with
+// several GPUs (-sm layer stages with host experts) runs these calls on each device's stream
+std::unordered_map<cudaStream_t, std::vector<cudaEvent_t>> chunk_events;
 
-ffi::Error chunk_event(cudaEvent_t* ev) {  // under chunk_mu
-  if (!chunk_events.empty()) {
-    *ev = chunk_events.back();
-    chunk_events.pop_back();
+ffi::Error chunk_event(cudaStream_t stream, cudaEvent_t* ev) {  // under chunk_mu
+  std::vector<cudaEvent_t>& pool = chunk_events[stream];
+  if (!pool.empty()) {
+    *ev = pool.back();
+    pool.pop_back();
     return ffi::Error::Success();
   }
   cudaError_t e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming);
@@ -573,11 +576,11 @@ ffi::Error ChunkStartImpl(cudaStream_t stream, ffi::AnyBuffer after, ffi::Result
     return ffi::Error::Internal(std::string("chunk_copy_start: cudaStreamCreate: ") + cudaGetErrorString(e));
   }
   cudaEvent_t reached, copied;
-  if (ffi::Error fe = chunk_event(&reached); fe.failure()) return fe;
-  if (ffi::Error fe = chunk_event(&copied); fe.failure()) return fe;
+  if (ffi::Error fe = chunk_event(stream, &reached); fe.failure()) return fe;
+  if (ffi::Error fe = chunk_event(stream, &copied); fe.failure()) return fe;
   if ((e = cudaEventRecord(reached, stream)) != cudaSuccess || (e = cudaStreamWaitEvent(side, reached, 0)) != cudaSuccess)
     return ffi::Error::Internal(std::string("chunk_copy_start: event: ") + cudaGetErrorString(e));
-  chunk_events.push_back(reached);  // the wait is enqueued: the event may be recorded again
+  chunk_events[stream].push_back(reached);  // the wait is enqueued: the event may be recorded again
   for (int t = 0; t < 3; ++t)
     if ((e = cudaMemcpyAsync((*outs[t])->untyped_data(), srcs[t] + lo * per_expert[t], n * per_expert[t],
                              cudaMemcpyHostToDevice, side)) != cudaSuccess)
@@ -586,7 +589,7 @@ ffi::Error ChunkStartImpl(cudaStream_t stream, ffi::AnyBuffer after, ffi::Result
     return ffi::Error::Internal(std::string("chunk_copy_start: event: ") + cudaGetErrorString(e));
   auto [it, fresh] = chunk_pending.emplace(gate->untyped_data(), copied);
   if (!fresh) {  // a run never waited for at this address: a bug of the step, not a user error
-    chunk_events.push_back(it->second);
+    chunk_events[stream].push_back(it->second);
     it->second = copied;
   }
   std::lock_guard<std::mutex> slock(stream_mu);
@@ -614,7 +617,7 @@ ffi::Error ChunkDoneImpl(cudaStream_t stream, ffi::AnyBuffer after, ffi::Buffer<
   cudaError_t e = cudaStreamWaitEvent(stream, copied, 0);
   {
     std::lock_guard<std::mutex> lock(chunk_mu);
-    chunk_events.push_back(copied);
+    chunk_events[stream].push_back(copied);  // Done runs on the stream its Start ran on
   }
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("chunk_copy_done: wait: ") + cudaGetErrorString(e));
   const ffi::Buffer<ffi::U8>* ins[3] = {&gate, &up, &down};
