@@ -441,6 +441,18 @@ def test_mixed_prompt_as_llama_server(server, ref):
     assert call(server, "POST", "/completion", {"prompt": "x", "n_predict": 1, "id_slot": NP - 1})[0] == 200
 
 
+def test_random_seed_is_reported_and_redoes_the_answer(server):
+    """A request without a seed samples with one drawn for it, and generation_settings says which
+    (it was null): sent back, that seed gives the same answer, as llama-server's reported seed."""
+    body = {"prompt": "tell me a story", "n_predict": 8, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+            "min_p": 0.0}
+    a = call(server, "POST", "/completion", body)[1]
+    seed = a["generation_settings"]["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**32
+    b = call(server, "POST", "/completion", {**body, "seed": seed})[1]
+    assert b["content"] == a["content"] and b["generation_settings"]["seed"] == seed
+
+
 def test_penalty_last_n_developer_role_first_delta_and_timings(server, ref):
     """mainline llama-server's `penalty_last_n` is `repeat_last_n`; OpenAI's `developer` role is the
     system prompt for a template that has none (DeepSeek's dropped the message); the first streamed

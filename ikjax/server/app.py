@@ -425,7 +425,8 @@ class Server:
                 "tokens_evaluated": len(job.req.prompt), "tokens_cached": len(job.req.prompt) + job.n_generated,
                 "prompt": prompt if isinstance(prompt, str) else self.tok.decode(job.req.prompt),
                 "generation_settings": {"n_ctx": self.scheduler.ctx, "n_predict": -1 if p.max_tokens is None
-                                        else p.max_tokens, **p.sampling(), "stop": p.stop,
+                                        else p.max_tokens, **p.sampling(), "seed": job.req.sampling["seed"],
+                                        "stop": p.stop,
                                         "cache_prompt": p.cache_prompt, "ignore_eos": p.ignore_eos},
                 "truncated": False, "stop_type": {"eos": "eos", "stop": "word"}.get(reason, "limit"),
                 "stopped_eos": reason == "eos", "stopped_word": reason == "stop",
