@@ -551,6 +551,9 @@ def test_slots_by_id_erase_models_by_id_embeddings_allow(server):
         assert st == 200 and body["id_slot"] == k, body
     st, slots = call(server, "GET", "/slots")
     held = {x["id"]: x["n_cached"] for x in slots} if isinstance(slots, list) else {}
+    # the answer's tokens_cached is what the slot holds (llama-server's n_past: the last sampled
+    # token is never run through the model); it counted that token too (an outside probe)
+    assert body["tokens_cached"] == held[1] == body["tokens_evaluated"] + body["tokens_predicted"] - 1, (body, held)
     st, body = call(server, "POST", "/slots/1?action=erase")
     assert st == 200 and body["id_slot"] == 1 and body["n_erased"] == held.get(1, body["n_erased"]) > 0, body
     deadline = time.time() + 10

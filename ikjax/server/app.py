@@ -422,7 +422,8 @@ class Server:
         return {**probs, "content": text, "id_slot": job.req.slot, "stop": True, "model": self.config.model_name,
                 "index": 0, "tokens": list(job.token_ids) if p.return_tokens and whole else [],
                 "tokens_predicted": job.n_generated,
-                "tokens_evaluated": len(job.req.prompt), "tokens_cached": len(job.req.prompt) + job.n_generated,
+                "tokens_evaluated": len(job.req.prompt), "tokens_cached": len(job.req.prompt) + max(job.n_generated - 1, 0),  # (llama-server's n_past: the
+                # last sampled token is not run through the model, so not in the cache; /slots' n_cached)
                 "prompt": prompt if isinstance(prompt, str) else self.tok.decode(job.req.prompt),
                 "generation_settings": {"n_ctx": self.scheduler.ctx, "n_predict": -1 if p.max_tokens is None
                                         else p.max_tokens, **p.sampling(), "seed": job.req.sampling["seed"],
