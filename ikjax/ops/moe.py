@@ -217,28 +217,34 @@ def moe_rounds(x, weights, ids, gate, up, down, dtype, *, fetch, slots: int, fus
     return out
 
 
+def stream_form(gate, up, down, n_tokens: int, n_used: int, hot: bool = False) -> str:
+    """How a batch of `n_tokens` moves these host experts to the GPU ("active", "chunks" or
+    "layer"): `stream_mode`'s rule, except that experts reached by address only (-sm graph: one
+    pinned copy for the whole mesh, no step argument) go by round through the custom call, and
+    whole layers the engine's plan had no room for (`whole_ok` False) go as runs of experts.
+    The one place this rule lives (the step and sweep-bench's report of the bytes moved)."""
+    if any(t.by_address for t in (gate, up, down)):
+        return "active"
+    mode = stream_mode(n_tokens, gate.shape[0], n_used, hot=hot)
+    if mode == "layer" and not all(t.whole_ok for t in (gate, up, down)):
+        return "chunks"
+    return mode
+
+
 def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=False):
     """Host-resident (pinned) experts, big batches (ik's rule, `HostQuantArray.runs_on`): the GPU
-    implementation the all-GPU run would pick computes them after they cross PCIe inside the step.
-    IKJAX_STREAM=active (default): only the experts this batch routes to, a round at a time
-    (`moe_rounds` + the `ikjax_stream_experts` custom call, which waits for the ids); =layer: the
-    whole layer's tensors, whose copy may start when `IKJAX_STREAM_ORDER` says (an optimization
-    barrier ties the host parameter to an earlier activation, so the transfer cannot be hoisted to
-    the start of the step); XLA frees them after the layer; =auto: `stream_mode`'s rule."""
-    # experts reached by address only (-sm graph: one pinned copy for the whole mesh) cannot be a
-    # step's argument, so only the custom call's by-round copies move them
-    by_address = any(t.by_address for t in (gate, up, down))
-    if by_address and env.choice("IKJAX_STREAM") == "layer":
+    implementation the all-GPU run would pick computes them after they cross PCIe inside the step,
+    in the form `stream_form` says: =chunks (auto's form for a batch that uses nearly every expert)
+    every expert a run at a time (`_moe_chunks`); =active only the experts this batch routes to, a
+    round at a time (`moe_rounds` + the `ikjax_stream_experts` custom call, which waits for the
+    ids); =layer the whole layer's tensors (`_moe_whole_layer`)."""
+    if any(t.by_address for t in (gate, up, down)) and env.choice("IKJAX_STREAM") == "layer":
         raise OptionError("IKJAX_STREAM=layer: under -sm graph the host experts are one pinned copy for every "
                           "device, streamed by round (IKJAX_STREAM=active or auto), never whole layers")
-    mode = "active" if by_address else stream_mode(ids.shape[0], gate.shape[0], ids.shape[1], hot=hot)
-    if mode == "layer" and not all(t.whole_ok for t in (gate, up, down)):  # the plan's room (Engine)
-        mode = "chunks"
+    mode = stream_form(gate, up, down, ids.shape[0], ids.shape[1], hot)
     if mode == "chunks":
         out = _moe_chunks(x, weights, ids, gate, up, down, dtype, fused, backend)
-        registry.ran("moe_experts", "stream:" + registry.selected("moe_experts"))
-        return out
-    if mode == "active":
+    elif mode == "active":
         from pallas_kernels.moe_matmul import host as moe_host
         if not moe_host.stream_supported(gate, up, down):
             raise OptionError(f"ot: streaming host experts to the GPU: "
@@ -247,8 +253,16 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=Fals
         fetch = functools.partial(_fetch_active, gate=gate, up=up, down=down, slots=slots)
         out = moe_rounds(x, weights, ids, gate, up, down, dtype, fetch=fetch, slots=slots, fused=fused,
                          backend=backend)
-        registry.ran("moe_experts", "stream:" + registry.selected("moe_experts"))
-        return out
+    else:
+        out = _moe_whole_layer(x, weights, ids, gate, up, down, dtype, fused, backend)
+    registry.ran("moe_experts", "stream:" + registry.selected("moe_experts"))
+    return out
+
+
+def _moe_whole_layer(x, weights, ids, gate, up, down, dtype, fused, backend):
+    """The whole layer's tensors moved in one copy each, which may start when `IKJAX_STREAM_ORDER`
+    says (an optimization barrier ties the host parameter to an earlier activation, so the
+    transfer cannot be hoisted to the start of the step); XLA frees them after the layer."""
     order, state = _stream_order(), registry.trace_state()
     dep = x if order == "self" else (state or {}).get("prev") if order == "prev" else None
     data = tuple(t.data for t in (gate, up, down))
@@ -258,9 +272,7 @@ def _moe_stream(x, weights, ids, gate, up, down, dtype, fused, backend, hot=Fals
         state["prev"] = x
     b = registry.resolve_backend(backend)
     dev = [_streamed(jax.device_put(d, jax.memory.Space.Device), t, t.shape, b) for t, d in zip((gate, up, down), data)]
-    out = moe_experts(x, weights, ids, *dev, dtype, fused=fused, backend=backend)
-    registry.ran("moe_experts", "stream:" + registry.selected("moe_experts"))
-    return out
+    return moe_experts(x, weights, ids, *dev, dtype, fused=fused, backend=backend)
 
 
 def _moe_chunks(x, weights, ids, gate, up, down, dtype, fused, backend):

@@ -385,10 +385,7 @@ def streamed_bytes(eng, n_tokens: int) -> tuple[int, str] | None:
         E, k = ts[0].shape[0], eng.config.n_expert_used
         if not all(t.pinned and t.runs_on(n_tokens, E, k) == "device" for t in ts):
             continue
-        hot = "hot_experts" in lay
-        mode = "active" if any(t.by_address for t in ts) else ops.stream_mode(n_tokens, E, k, hot=hot)
-        if mode == "layer" and not all(t.whole_ok for t in ts):
-            mode = "chunks"
+        mode = ops.stream_form(*ts, n_tokens, k, hot="hot_experts" in lay)
         form = mode if form in (None, mode) else "active"
         total += sum(t.nbytes for t in ts)
     return None if form is None else (total, form)
