@@ -251,21 +251,19 @@ def test_same_input_matrices_are_stacked_at_load(monkeypatch):
     assert ("attn_in" in mixed) != ("kv_a_mqa" in mixed)
 
 
-def test_decode_loop_with_host_weights_on_one_device_only():
-    """Weights kept in host RAM next to an accelerator (a placement that is not unified): the
-    one-device executor still loops (its host calls run inside the loop, tests/test_hybrid_gpu.py
-    checks the tokens on a GPU); a split mode's executor (not `plain_loop`) steps one token per
-    dispatch there, and loops again once every weight is on the device."""
+def test_decode_loop_with_host_weights(monkeypatch):
+    """Weights kept in host RAM next to an accelerator (a placement that is not unified): every
+    executor loops (its host calls run inside the loop; tests/test_hybrid_gpu.py checks the tokens
+    on one GPU and under both split modes on two), and IKJAX_DECODE_LOOP=0 turns it off."""
     import dataclasses
     eng = ikjax.load(fixtures_dir() / "v3tiny-all-Q4_0.gguf", mla=3, ctx=64, cpu_moe=True)
     assert eng.placement.unified and eng.placement.host_bytes > 0 and eng.decode_loop()  # CPU: one RAM
     eng.placement = dataclasses.replace(eng.placement, unified=False)  # as next to a GPU
     assert eng.executor.plain_loop and eng.decode_loop()
     eng.executor.plain_loop = False  # as a split mode's executor
-    assert not eng.decode_loop()
-    eng.placement = dataclasses.replace(eng.placement, tensors=tuple(
-        dataclasses.replace(t, memory="device") for t in eng.placement.tensors))
     assert eng.decode_loop()
+    monkeypatch.setenv("IKJAX_DECODE_LOOP", "0")
+    assert not eng.decode_loop()
 
 
 @pytest.mark.parametrize("mla,fa,ctk", [(0, False, "f16"), (1, True, "q8_0"), (2, True, "bf16"), (3, False, "f32")])

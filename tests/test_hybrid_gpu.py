@@ -305,6 +305,23 @@ def test_layer_split_host_experts_in_their_stage_memory(tiny4):
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="the split modes need 2 or more GPUs")
+@pytest.mark.parametrize("sm", ["layer", "graph"])
+def test_split_hybrid_decode_loop_equals_steps(tiny4, monkeypatch, sm):
+    """Under -sm layer and -sm graph with -ot exps=CPU, generation runs the decode loop (the
+    pipeline's stages queued for every token of a dispatch; the mesh's loop inside the shard_map,
+    a host call a MoE layer a token), and its greedy tokens equal one step a dispatch's
+    (IKJAX_DECODE_LOOP=0). Before, the split modes ran host experts one token a dispatch."""
+    prompt = list(range(3, 20))
+    got = {}
+    for loop in ("1", "0"):
+        monkeypatch.setenv("IKJAX_DECODE_LOOP", loop)
+        eng = ikjax.load(tiny4, ctx=256, ubatch=64, dtype="f32", ot="exps=CPU", t=4, sm=sm)
+        assert eng.decode_loop() == (loop == "1")
+        got[loop] = [int(t) for t in eng.generate(prompt, max_tokens=24)]
+    assert len(got["1"]) == 24 and got["1"] == got["0"], got
+
+
 @pytest.mark.parametrize("split", ["", "graph", "jax-cache"])
 def test_ot_steps_served_by_the_compile_cache(tiny4, tmp_path, split):
     """The same `-ot exps=CPU` sweep-bench twice in one compile cache: the second run compiles no

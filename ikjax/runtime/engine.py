@@ -402,17 +402,13 @@ class Engine:
 
     def decode_loop(self) -> bool:
         """Whether generation runs several steps per dispatch (`decode`): under every split
-        mode (one device, the -sm layer pipeline, the -sm graph mesh). With weights in host RAM
-        next to an accelerator (-ot ...=CPU, --n-cpu-moe) on one device too: their host custom
-        calls keep the loop out of one CUDA graph, but the loop still saves each token's Python
-        dispatch and, with expert statistics, each token's host callback (8-layer R1 on an H200,
+        mode (one device, the -sm layer pipeline, the -sm graph mesh), with weights in host RAM
+        next to an accelerator (-ot ...=CPU, --n-cpu-moe) too: their host custom calls keep the
+        loop out of one CUDA graph, but the loop still saves each token's Python dispatch and,
+        with expert statistics, each token's host callback (8-layer R1 on an H200,
         --gpu-experts auto: sweep-bench's TG rows ran one dispatch a token at ~110 t/s, 78-85
-        counting, against the loop's 115-125, RESULTS §24j). The split modes keep one token a
-        dispatch there (their host calls inside a loop are untested on GPUs).
-        IKJAX_DECODE_LOOP=0 turns it off everywhere (for comparison)."""
-        hybrid = not self.placement.unified and self.placement.host_bytes > 0
-        if hybrid and not self.executor.plain_loop:
-            return False
+        counting, against the loop's 115-125, RESULTS §24j). IKJAX_DECODE_LOOP=0 turns it off
+        everywhere (for comparison)."""
         return self.executor.loops and env.choice("IKJAX_DECODE_LOOP") == "1"
 
     def row_sampling(self) -> bool:
