@@ -93,6 +93,8 @@
 #   STAGE=57: issue 24 interleaved on one lease: auto / active / --gpu-experts rows, decode profiles hot / auto.
 #   STAGE=56: issue 24's --gpu-experts auto (24 GB) on R1-8 beside the default and the active form.
 #   STAGE=54: the same probe on the 8-layer R1, then a hybrid decode token's profile (gpu_decode_profile --cpu-moe).
+#   STAGE=62: issue 25: call 1 of 62, 41, 39 (ik's build and the R1 file in the background, the split modes'
+#            hybrid decode-loop GPU tests).
 #   STAGE=61: issue 24: host experts streamed by runs of experts (chunks) against whole layers, R1-8 rows + memory.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
@@ -1155,6 +1157,25 @@ PY
     XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout 150 python3 bench/hybrid_sweep_api.py /tmp/r1-8.gguf --threads $(nproc) $extra 2>&1 \
       | grep -v Warn | tail -7
   done
+  ;;
+62)
+  # issue 25 on a 2-GPU lease, call 1 of 3 (then STAGE=41 for ikjax's -ot rows, STAGE=39 for ik's):
+  # ik's CUDA build (all cores) and the R1 file (R1_LAYERS, 7) in the background, the hybrid GPU tests
+  # of the split modes' decode loop (TESTS62), then the build waited for until DEADLINE
+  [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh ${IK_JOBS:-$(nproc)}
+  mkdir -p /tmp/mg
+  R1ARGS="--preset r1 --layers ${R1_LAYERS:-7} --type Q4_0"
+  if [ ! -f /tmp/mg/r1.gguf ] && [ ! -f /tmp/mg/r1.started ]; then
+    touch /tmp/mg/r1.started
+    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/mg/r1.tmp.gguf $R1ARGS > /tmp/mg/r1.log 2>&1 \
+      && printf %s '$R1ARGS' > /tmp/mg/r1.args && mv /tmp/mg/r1.tmp.gguf /tmp/mg/r1.gguf" > /dev/null 2>&1 < /dev/null &
+  fi
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py \
+    -k "${TESTS62:-split_hybrid or graph_split or layer_split or decode_loop_equals}" 2>&1 | tail -4
+  while ! grep -q BUILD_DONE /tmp/ikc/build.log 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-560} ]; do
+    sleep 20; ikprog; ls -la /tmp/mg/*.gguf 2>/dev/null | tail -1
+  done
+  ls -la /tmp/mg; tail -2 /tmp/mg/r1.log
   ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
