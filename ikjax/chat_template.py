@@ -37,6 +37,7 @@ a stream, the same way for a whole answer.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -189,6 +190,23 @@ class _Bound(ChatTemplate):
         kwargs.setdefault("bos_token", self.bos_token)
         kwargs.setdefault("eos_token", self.eos_token)
         return super().render(messages, add_generation_prompt, **kwargs)
+
+
+@functools.lru_cache(maxsize=16)  # one probe a template text
+def renders_text_beside_calls(source: str) -> bool:
+    """Whether the template renders an assistant turn's text and its tool calls together (DeepSeek
+    V3-0324's and V3.1's do; R1's first renders the calls only where the content is none, the text
+    only where it is not). Found by rendering a probe turn with both; a template that fails on it
+    counts as no (its turn then goes with content None, as before)."""
+    probe = [{"role": "user", "content": "u"},
+             {"role": "assistant", "content": "ikjaxprobetext",
+              "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "ikjaxprobefn", "arguments": "{}"}}]}]
+    try:
+        out = _compile(source, "probe").render(messages=probe, add_generation_prompt=False, tools=None,
+                                               documents=None, bos_token="", eos_token="")
+    except Exception:  # noqa: BLE001 - any failure of the probe means: do not rely on it
+        return False
+    return "ikjaxprobetext" in out and "ikjaxprobefn" in out
 
 
 def developer_as_system(messages: list[dict], source: str) -> list[dict]:

@@ -166,11 +166,14 @@ def _template_uses(source: str, word: str) -> bool:
                for block in re.findall(r"\{[{%].*?[%}]\}", source, re.S))
 
 
-def tool_messages(messages: list[dict], tools: list | None, source: str, tool_choice: Any = None) -> list[dict]:
+def tool_messages(messages: list[dict], tools: list | None, source: str, tool_choice: Any = None, *,
+                  keep_text: bool = False) -> list[dict]:
     """`messages` made ready for a template whose Jinja text is `source`: assistant `tool_calls`
     with their arguments as JSON text (a client may send an object) and, where the template has a
-    `tool_calls` branch, content None as R1's template expects (it then renders the calls, not the
-    text); where it has none, the calls appended to the content in the family's own syntax; `tool`
+    `tool_calls` branch, the turn's text kept where the template renders text and calls together
+    (`keep_text`: V3-0324's, V3.1's, as transformers and llama-server keep it), else content None
+    as R1's first template expects (it renders the calls only for a turn without text); where it
+    has none, the calls appended to the content in the family's own syntax; `tool`
     results as user turns where the template knows no `tool` role; and the tool list in the system
     prompt when `tools` is given and the template does not render them."""
     family = tool_family(source)
@@ -191,7 +194,7 @@ def tool_messages(messages: list[dict], tools: list | None, source: str, tool_ch
                 args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
                 norm.append({**c, "type": c.get("type", "function"), "function": {**fn, "arguments": args}})
             if _template_uses(source, "tool_calls"):
-                m.update(tool_calls=norm, content=None)
+                m.update(tool_calls=norm, content=m.get("content") if keep_text and m.get("content") else None)
             else:
                 text = call_text([ToolCall(c["function"].get("name", ""), c["function"]["arguments"]) for c in norm],
                                  family)

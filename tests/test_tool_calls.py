@@ -151,6 +151,32 @@ def test_r1_template_renders_tools_and_earlier_calls():
     assert t.render(tool_messages(plain, None, t.source)) == t.render(plain)
 
 
+def test_an_assistant_turn_keeps_its_text_beside_its_calls_where_the_template_renders_both():
+    """A client's assistant turn with text and tool_calls: a template that renders the two together
+    (DeepSeek V3-0324's, V3.1's form: text, then the calls section) gets the text, as transformers
+    and llama-server give it; R1's first template (calls only where content is none) still gets
+    content None, or it would drop the calls."""
+    from ikjax.chat_template import ChatTemplate, renders_text_beside_calls
+    both = ChatTemplate(
+        "{%- for m in messages %}{%- if m['role'] == 'user' %}<U>{{ m['content'] }}{%- elif m['role'] == 'assistant' %}"
+        "<A>{%- if m['content'] is not none %}{{ m['content'] }}{%- endif %}"
+        "{%- if m['tool_calls'] %}{%- for c in m['tool_calls'] %}<call>{{ c['function']['name'] }}:"
+        "{{ c['function']['arguments'] }}</call>{%- endfor %}{%- endif %}<end>{%- endif %}{%- endfor %}", "both")
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]
+    assert renders_text_beside_calls(both.source) and not renders_text_beside_calls(builtin("deepseek-r1").source)
+    out = both.render(tool_messages(msgs, None, both.source, keep_text=renders_text_beside_calls(both.source)),
+                      add_generation_prompt=False)
+    assert out == '<U>Weather in Paris?<A>Let me check.<call>get_weather:{"city": "Paris"}</call><end>', out
+    r1 = builtin("deepseek-r1")
+    text = r1.render(tool_messages(msgs, None, r1.source, keep_text=renders_text_beside_calls(r1.source)))
+    assert "get_weather" in text
+    # through the text API, as eng.chat renders it
+    from ikjax.runtime.text import render_chat
+    assert "Let me check.<call>get_weather" in render_chat(None, msgs, both, add_generation_prompt=False)
+
+
 def test_templates_without_tool_branches_get_calls_as_text():
     """chatml has no tool_calls branch and no tool role test: an earlier call is written in the
     family's syntax into the assistant's content, a result becomes a user turn naming the tool."""

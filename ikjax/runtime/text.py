@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ikjax.chat_template import (AnswerSplitter, ChatTemplate, ReasoningSplitter, developer_as_system, flatten_content,
-                                 forced_answer_start, opens_reasoning)
+                                 forced_answer_start, opens_reasoning, renders_text_beside_calls)
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
@@ -232,7 +232,8 @@ def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool 
     if tools:
         kwargs["tools"] = tools
     text = t.render(tool_messages(developer_as_system(flatten_content(messages), t.source), tools, t.source,
-                                  tool_choice), add_generation_prompt, **kwargs)
+                                  tool_choice, keep_text=renders_text_beside_calls(t.source)),
+                    add_generation_prompt, **kwargs)
     start = forced_answer_start(text, t.source, tool_choice) if tools and add_generation_prompt else ""
     return text + start, start, t
 

@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from ikjax.chat_template import AnswerSplitter, developer_as_system, forced_answer_start, opens_reasoning
+from ikjax.chat_template import AnswerSplitter, developer_as_system, forced_answer_start, opens_reasoning, renders_text_beside_calls
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
 from ikjax.server import openai as oai
@@ -246,7 +246,7 @@ class Server:
         check_tools(body.get("tools"), body.get("tool_choice"))  # an OptionError: the 400 of _errors
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
         messages = tool_messages(developer_as_system(messages, self.template.source), tools, self.template.source,
-                                 body.get("tool_choice"))
+                                 body.get("tool_choice"), keep_text=renders_text_beside_calls(self.template.source))
         if tools:
             extra["tools"] = tools
         text = self.template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
