@@ -171,12 +171,26 @@ class GGUFTokenizer:
         from ikjax.gguf_io.reader import GGUFModelFile
         return cls(GGUFModelFile(path).metadata, source=str(path))
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """`parse_special` False: a special token's text in `text` ("<｜User｜>") is encoded as the
+        text it is, not as that token (llama-server's /tokenize `parse_special`, llama_tokenize's
+        flag of that name)."""
         check_text(text)
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        tok = self.tokenizer if parse_special else self._literal()
+        ids = tok.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def _literal(self):
+        """A copy of the tokenizer that encodes special tokens' text as text (made on first use)."""
+        lit = getattr(self, "_literal_tok", None)
+        if lit is None:
+            from tokenizers import Tokenizer
+            lit = Tokenizer.from_str(self.tokenizer.to_str())
+            lit.encode_special_tokens = True
+            self._literal_tok = lit
+        return lit
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of token ids; an id outside the vocabulary (or not an integer) is an OptionError

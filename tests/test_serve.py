@@ -312,6 +312,12 @@ def test_tokenize_detokenize(server, ref):
     assert any(isinstance(p["piece"], list) for p in pieces), pieces
     joined = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
     assert joined == text.encode()
+    # parse_special (llama-server's, default true): false keeps a special token's text as text
+    special = ref.tokenizer.token_text(ref.tokenizer.bos_id) + "x"
+    assert call(server, "POST", "/tokenize", {"content": special})[1]["tokens"][0] == ref.tokenizer.bos_id
+    literal = call(server, "POST", "/tokenize", {"content": special, "parse_special": False})[1]["tokens"]
+    assert literal == ref.tokenizer.encode(special, add_bos=False, parse_special=False) and ref.tokenizer.bos_id not in literal
+    _error(call(server, "POST", "/tokenize", {"content": "x", "parse_special": "no"}), 400, "parse_special")
 
 
 def test_metrics(server):

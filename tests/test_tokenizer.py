@@ -97,6 +97,23 @@ def test_matches_reference_bpe(fixture_file, pre):
         assert tok.encode(text, add_bos=False) == ref.encode(text), text
 
 
+def test_parse_special_false_encodes_special_tokens_text_as_text(fixture_file):
+    """parse_special=False (llama-server's /tokenize field): a special token's text in the input is
+    byte-level BPE text like any other (the reference without its special-token split)."""
+    md = dict(GGUFModelFile(fixture_file).metadata)
+    tok = GGUFTokenizer(md)
+    ref = ReferenceBPE(md["tokenizer.ggml.tokens"].tolist(), md["tokenizer.ggml.merges"].tolist(),
+                       list(md["tokenizer.ggml.token_type"]), tok.pre)
+    ref.special = []
+    for text in TEXTS:
+        assert tok.encode(text, add_bos=False, parse_special=False) == ref.encode(text), text
+    text = tok.token_text(tok.bos_id) + "x"
+    assert tok.encode(text, add_bos=False)[0] == tok.bos_id
+    literal = tok.encode(text, add_bos=False, parse_special=False)
+    assert tok.bos_id not in literal and tok.decode(literal) == text
+    assert tok.encode(text, add_bos=False)[0] == tok.bos_id  # the default form is left as it was
+
+
 def test_roundtrip_and_stream(fixture_file):
     tok = GGUFTokenizer.from_file(str(fixture_file))
     # the fixtures carry no tokenizer.ggml.add_bos_token: a BPE vocabulary gets no BOS, as ik's

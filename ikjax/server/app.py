@@ -201,11 +201,12 @@ class Server:
         return name
 
     # -- text in -----------------------------------------------------------------------------------
-    async def _encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    async def _encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; `add_bos` None: a BOS where the model's tokenizer adds one (DeepSeek
-        files; not GLM-4 / Kimi / GigaChat ones, as llama-server)."""
+        files; not GLM-4 / Kimi / GigaChat ones, as llama-server); `parse_special` False: special
+        tokens' text stays text (/tokenize's field)."""
         try:
-            return await asyncio.to_thread(self.tok.encode, text, add_bos)
+            return await asyncio.to_thread(self.tok.encode, text, add_bos, parse_special)
         except OptionError as e:
             raise bad(f"prompt: {e}") from None
 
@@ -580,7 +581,8 @@ class Server:
         text = oai.text_field(body, "content")
         # add_special: the special tokens the model's tokenizer adds (a BOS where it adds one), as
         # llama-server's llama_tokenize(add_special); never a BOS the model's prompts do not get
-        ids = await self._encode(text, None if oai.bool_field(body, "add_special", False) else False)
+        ids = await self._encode(text, None if oai.bool_field(body, "add_special", False) else False,
+                                 oai.bool_field(body, "parse_special", True))
         if oai.bool_field(body, "with_pieces", False):
             pieces = [{"id": i, "piece": _piece(self.tok.piece(i, special=True))} for i in ids]
             return web.json_response({"tokens": pieces})
