@@ -218,6 +218,15 @@ def developer_as_system(messages: list[dict], source: str) -> list[dict]:
     return [dict(m, role="system") if m.get("role") == "developer" else m for m in messages]
 
 
+def join_text_parts(texts: Iterable[str]) -> str:
+    """A message's text parts as one string, as llama-server joins a text-only model's parts: a
+    newline before a part once text has gathered (an empty first part adds none)."""
+    out = ""
+    for t in texts:
+        out = out + "\n" + t if out else t
+    return out
+
+
 def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
     """Messages whose `content` is a list of OpenAI content parts (`{"type": "text", "text": ...}`)
     with the text parts joined by newlines, as llama-server does for a text-only model: DeepSeek's
@@ -239,7 +248,7 @@ def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
                 else:
                     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                     raise ChatTemplateError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
-            m["content"] = "\n".join(texts)
+            m["content"] = join_text_parts(texts)
         elif c is None:  # absent or null: empty text, as the server reads it (the template failed on it), but
             # kept None beside tool_calls: R1's template tells an assistant's call turn by it
             m["content"] = None if m["role"] == "assistant" and m.get("tool_calls") else ""

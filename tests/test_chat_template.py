@@ -195,6 +195,12 @@ def test_flatten_content_parts():
             {"role": "assistant", "content": "c"}]
     assert flatten_content(msgs) == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c"}]
     assert msgs[0]["content"][0] == {"type": "text", "text": "a"}  # the caller's messages untouched
+    # a newline only once text has gathered (llama-server's join): an empty first part adds none
+    parts = lambda *ts: [{"role": "user", "content": [{"type": "text", "text": t} for t in ts]}]  # noqa: E731
+    assert [flatten_content(parts(*ts))[0]["content"] for ts in (("", "b"), ("a", "", "b"), ("", ""), ("a", ""))] \
+        == ["b", "a\n\nb", "", "a\n"]
+    from ikjax.server.openai import messages_field
+    assert messages_field({"messages": parts("", "b")})[0]["content"] == "b"
     with pytest.raises(ChatTemplateError, match="image_url"):
         flatten_content([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     # absent or null content: empty text, as the server reads it (the template failed: "'dict object' has

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ikjax.chat_template import join_text_parts
 from ikjax.runtime.sampling import check_top_logprobs
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -361,7 +362,7 @@ def messages_field(body: dict) -> list[dict]:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise bad(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
                 parts.append(part["text"])
-            content = "\n".join(parts)  # as llama-server joins a text-only model's parts
+            content = join_text_parts(parts)  # as llama-server joins a text-only model's parts
         elif content is None:  # kept None beside tool_calls: R1's template tells a call turn by it
             if role != "assistant":  # OpenAI's 400 (llama-server: "Missing 'content'"); an assistant
                 # turn may be all calls, or empty
