@@ -18,9 +18,12 @@ keyword; messages are passed as plain JSON data with the reasoning field aliases
 A file without a template gets a named fallback chosen from its pre-tokenizer
 (`tokenizer.ggml.pre`): deepseek-v3 -> `deepseek-r1` where the file names itself R1
 (`general.name` / `general.basename`), else `deepseek3`. `deepseek-r1` is DeepSeek-R1's own template,
-byte for byte, whose generation prompt opens a `<think>` block; `deepseek3` is the same V3/R1 turn
-format with the plain generation prompt `<｜Assistant｜>`, as llama-server's builtin of that name and
-the first R1 release's template end (a V3 answer would otherwise all be read as reasoning). deepseek-llm -> `deepseek2`
+byte for byte, whose generation prompt opens a `<think>` block; `deepseek3` is ikjax's own text of
+the V3 turn format with the plain generation prompt `<｜Assistant｜>` (a V3 answer would otherwise all
+be read as reasoning): every system message kept (joined by blank lines, where R1's first template
+kept the last), an assistant turn's text before its calls, every calls section closed, and a second
+call turn and its outputs opened again (R1's first template wrote neither), as DeepSeek's later V3
+templates render them. deepseek-llm -> `deepseek2`
 (DeepSeek-V2-Chat's), kimi-k2 -> `kimi-k2` (Kimi K2 / Moonlight turns: `<|im_user|>user<|im_middle|>
 ... <|im_end|>`), glm4 -> `chatglm4` (`[gMASK]<sop><|user|>\n...`, GLM-4.x; files from GLM's
 converter add no BOS, the template writes `[gMASK]<sop>`), anything else -> `chatml`. The kimi-k2

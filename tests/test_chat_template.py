@@ -11,7 +11,7 @@ import random
 import pytest
 
 from ikjax.chat_template import (BUILTINS, ChatTemplate, ChatTemplateError, ReasoningSplitter, builtin, check_choice,
-                                 fallback_name, flatten_content, opens_reasoning, split_reasoning, template_for)
+                                 developer_as_system, fallback_name, flatten_content, opens_reasoning, split_reasoning, template_for)
 from ikjax.errors import OptionError
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -59,15 +59,39 @@ def test_r1_template_is_deepseeks_byte_for_byte():
 
 
 def test_deepseek3_is_the_turn_format_without_reasoning_opened():
-    """llama-server's `deepseek3` ends the prompt with `<｜Assistant｜>` (so did the first R1
-    release's template): R1's text but for the generation prompt. It was R1's once, and a V3
-    model's whole answer came back as reasoning_content with an empty content."""
-    v3, r1 = builtin("deepseek3").source, builtin("deepseek-r1").source
-    assert v3.endswith("{{'<｜Assistant｜>'}}{% endif %}") and v3 != r1
-    assert v3.replace("{{'<｜Assistant｜>'}}{% endif %}", "{{'<｜Assistant｜><think>\\n'}}{% endif %}") == r1
+    """`deepseek3` ends the prompt with `<｜Assistant｜>` (a V3 model's whole answer once came back as
+    reasoning_content under R1's `<think>` opening) and writes the V3 turns R1's first template got
+    wrong: every system message (developer too, as a system one), a lone call's section closed, a
+    second call turn opened again, text beside calls, a reply after tool results."""
+    t = template_for({}, "deepseek3", bos_token=BOS, eos_token=EOS)
     msgs = [{"role": "user", "content": "Hello there"}]
-    got = template_for({}, "deepseek3", bos_token=BOS, eos_token=EOS).render(msgs)
+    got = t.render(msgs)
     assert got == f"{BOS}<｜User｜>Hello there<｜Assistant｜>" and not opens_reasoning(got)
+    two = developer_as_system([{"role": "developer", "content": "D"}, {"role": "system", "content": "S"},
+                               {"role": "user", "content": "U"}], t.source)
+    assert t.render(two) == f"{BOS}D\n\nS<｜User｜>U<｜Assistant｜>"
+    call = lambda city: {"id": "c", "type": "function",  # noqa: E731
+                         "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+    section = lambda *cities: ("<｜tool▁calls▁begin｜>" + "\n".join(  # noqa: E731
+        f'<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{{"city": "{c}"}}\n```<｜tool▁call▁end｜>'
+        for c in cities) + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>")
+    chat = [{"role": "user", "content": "Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call("Paris")]},
+            {"role": "tool", "content": "18C"},
+            {"role": "assistant", "content": "It is 18C."},
+            {"role": "user", "content": "Rome and Oslo?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [call("Rome"), call("Oslo")]},
+            {"role": "tool", "content": "20C"}, {"role": "tool", "content": "5C"}]
+    want = (f"{BOS}<｜User｜>Paris?<｜Assistant｜>" + section("Paris")
+            + "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>18C<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+            + "It is 18C.<｜end▁of▁sentence｜><｜User｜>Rome and Oslo?<｜Assistant｜>Checking." + section("Rome", "Oslo")
+            + "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>20C<｜tool▁output▁end｜>\n<｜tool▁output▁begin｜>5C"
+            + "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
+    assert t.render(chat) == want  # after tool results the model answers on: no new assistant header
+    assert t.render(chat[:4] + [{"role": "user", "content": "Thanks"}]).endswith(
+        "It is 18C.<｜end▁of▁sentence｜><｜User｜>Thanks<｜Assistant｜>")
+    assert t.render([{"role": "assistant", "content": "a</think>b"}], add_generation_prompt=False) \
+        == f"{BOS}<｜Assistant｜>b<｜end▁of▁sentence｜>"
 
 
 @pytest.mark.parametrize("name", ["deepseek3", "deepseek-r1", "deepseek2", "chatml", "features"])
