@@ -143,6 +143,16 @@ r1_8_hybrid_setup() {  # stages 57 / 58: the 8-layer R1 and its expert statistic
   frac=$(python3 -c "print(round(24 * 1024 / $(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits | head -1), 3))")
   [ -f $S ] || { el "statistics run"; timeout 120 python3 -m ikjax.cli sweep-bench -m /tmp/r1-8.gguf $F -n 8 --expert-stats $S 2>&1 | grep -E "rror" ; }
 }
+start_ik_and_r1() {  # ik's CUDA build (all cores) and the R1 file of R1_LAYERS (7) in /tmp/mg, in the background
+  [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh ${IK_JOBS:-$(nproc)}
+  mkdir -p /tmp/mg
+  R1ARGS="--preset r1 --layers ${R1_LAYERS:-7} --type Q4_0"
+  if [ ! -f /tmp/mg/r1.gguf ] && [ ! -f /tmp/mg/r1.started ]; then
+    touch /tmp/mg/r1.started
+    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/mg/r1.tmp.gguf $R1ARGS > /tmp/mg/r1.log 2>&1 \
+      && printf %s '$R1ARGS' > /tmp/mg/r1.args && mv /tmp/mg/r1.tmp.gguf /tmp/mg/r1.gguf" > /dev/null 2>&1 < /dev/null &
+  fi
+}
 start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent; NO_BG=1: neither)
   [ -n "${NO_BG:-}" ] && return
   [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh "${IK_JOBS:-44}"
@@ -697,14 +707,7 @@ PYEOF
     timeout 90 python3 bench/cpu_moe_matmul.py --shape r1 --experts 32 --types Q4_0 --tokens 1,8,256 --no-xla --reps 30 \
       --threads $t --compute bf16 2>&1 | grep -v "^type"
   done
-  [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh ${IK_JOBS:-$(nproc)}
-  mkdir -p /tmp/mg
-  R1ARGS="--preset r1 --layers ${R1_LAYERS:-7} --type Q4_0"
-  if [ ! -f /tmp/mg/r1.gguf ] && [ ! -f /tmp/mg/r1.started ]; then
-    touch /tmp/mg/r1.started
-    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/mg/r1.tmp.gguf $R1ARGS > /tmp/mg/r1.log 2>&1 \
-      && printf %s '$R1ARGS' > /tmp/mg/r1.args && mv /tmp/mg/r1.tmp.gguf /tmp/mg/r1.gguf" > /dev/null 2>&1 < /dev/null &
-  fi
+  start_ik_and_r1
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py 2>&1 | tail -4
   while ! grep -q BUILD_DONE /tmp/ikc/build.log 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-560} ]; do
     sleep 20; ikprog; ls -la /tmp/mg/*.gguf 2>/dev/null | tail -1
@@ -1162,14 +1165,7 @@ PY
   # issue 25 on a 2-GPU lease, call 1 of 3 (then STAGE=41 for ikjax's -ot rows, STAGE=39 for ik's):
   # ik's CUDA build (all cores) and the R1 file (R1_LAYERS, 7) in the background, the hybrid GPU tests
   # of the split modes' decode loop (TESTS62), then the build waited for until DEADLINE
-  [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh ${IK_JOBS:-$(nproc)}
-  mkdir -p /tmp/mg
-  R1ARGS="--preset r1 --layers ${R1_LAYERS:-7} --type Q4_0"
-  if [ ! -f /tmp/mg/r1.gguf ] && [ ! -f /tmp/mg/r1.started ]; then
-    touch /tmp/mg/r1.started
-    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/mg/r1.tmp.gguf $R1ARGS > /tmp/mg/r1.log 2>&1 \
-      && printf %s '$R1ARGS' > /tmp/mg/r1.args && mv /tmp/mg/r1.tmp.gguf /tmp/mg/r1.gguf" > /dev/null 2>&1 < /dev/null &
-  fi
+  start_ik_and_r1
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py \
     -k "${TESTS62:-split_hybrid or graph_split or layer_split or decode_loop_equals}" 2>&1 | tail -4
   while ! grep -q BUILD_DONE /tmp/ikc/build.log 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-560} ]; do
