@@ -97,6 +97,8 @@ _VARS = (
     Variable("IKJAX_LOAD_OVERLAP", "auto", ("auto", "1", "0"),
              "load the weights in a thread while the first steps compile from their shapes; `auto`: where "
              "steps compile side by side (one accelerator, weights all on it)", "ikjax.runtime.engine"),
+    Variable("IKJAX_JOIN_TIMEOUT", "300", (), "seconds a process of a several-process run (--coordinator) waits "
+             "for the others to join before it ends with one line", "ikjax.runtime.distributed"),
     Variable("IKJAX_EARLY_BACKEND", "1", ("1", "0"),
              "start JAX's backend on a thread as the command line starts (beside its imports and parsing)",
              "ikjax.cli.early_backend"),

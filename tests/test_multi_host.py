@@ -10,6 +10,7 @@ each process reads from the file only the parts its own devices hold.
 from __future__ import annotations
 
 import json
+import re
 import os
 import socket
 import subprocess
@@ -184,3 +185,62 @@ def test_bad_process_options_refused(args, msg):
 
 def test_no_process_options_is_one_process():
     assert distributed.check_args(None, None, None) is False
+
+
+def _cli(model4, port: int, i: int, *args) -> list[str]:
+    return [sys.executable, "-m", "ikjax.cli", *args[:1], "-m", model4, *args[1:], "-sm", "graph",
+            "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)]
+
+
+def test_cli_sampled_generate_without_a_seed_uses_process_0_s(model4):
+    """`generate --temp 0.8` with no seed: every process samples from process 0's drawn seed (each
+    drew its own before: the processes sampled other tokens, then waited on each other until a
+    timeout killed them), and process 0's text is a one-process run's with that seed (f32)."""
+    port = _free_port()
+    args = ("generate", "-p", "Hello", "-n", "12", "--temp", "0.8", "-c", "128")
+    procs = _launch(lambda i: _cli(model4, port, i, *args), timeout=300)
+    assert [p.returncode for p in procs] == [0, 0], [p.stderr[-1500:] for p in procs]
+    seeds = [re.findall(r"sampler seed: (\d+)", p.stderr) for p in procs]
+    assert seeds[0] and seeds[0] == seeds[1], seeds
+    one = subprocess.run([sys.executable, "-m", "ikjax.cli", "generate", "-m", model4, *args[1:], "-s", seeds[0][0]],
+                         capture_output=True, text=True, env=_env(), cwd=str(HERE), timeout=300)
+    assert one.returncode == 0 and procs[0].stdout == one.stdout, (procs[0].stdout, one.stdout)
+
+
+def test_cli_processes_running_other_commands_are_refused(model4):
+    """Another -n on one process: each process says so in one line and exits 1 (they waited on each
+    other's collectives until a timeout killed them before)."""
+    port = _free_port()
+    procs = _launch(lambda i: _cli(model4, port, i, "generate", "-p", "Hi", "-n", str(4 + 4 * i), "-c", "128"),
+                    timeout=300)
+    for p in procs:
+        assert p.returncode == 1 and "process(es) 1 run another command than process 0" in p.stderr, p.stderr[-1500:]
+        assert "Traceback" not in p.stderr
+
+
+def test_cli_coordinator_port_in_use_and_missing_peer_are_one_line(model4, monkeypatch):
+    """Process 0 with its coordinator port taken: one line (JAX's service segfaulted); a process whose
+    peer never joins: one line after IKJAX_JOIN_TIMEOUT (JAX's client aborted with a page of C++
+    log lines after 300 s). serve and chat refuse several processes."""
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = subprocess.run(_cli(model4, port, 0, "generate", "-p", "Hi", "-n", "2"), capture_output=True, text=True,
+                           env=_env(), cwd=str(HERE), timeout=120)
+    assert p.returncode == 1 and f"port {port} is in use" in p.stderr and "Traceback" not in p.stderr, p.stderr[-1500:]
+    lone = subprocess.run(_cli(model4, _free_port(), 1, "generate", "-p", "Hi", "-n", "2"), capture_output=True,
+                          text=True, env=dict(_env(), IKJAX_JOIN_TIMEOUT="3"), cwd=str(HERE), timeout=120)
+    assert lone.returncode == 1 and "did not all join" in lone.stderr and "IKJAX_JOIN_TIMEOUT" in lone.stderr, \
+        lone.stderr[-1500:]
+    assert len([ln for ln in lone.stderr.splitlines() if ln.strip()]) <= 3, lone.stderr
+    for cmd in ("serve", "chat"):
+        r = subprocess.run(_cli(model4, _free_port(), 0, cmd), capture_output=True, text=True, env=_env(),
+                           cwd=str(HERE), timeout=120)
+        assert r.returncode == 1 and f"{cmd} runs in one process" in r.stderr, r.stderr[-800:]
+
+
+def test_command_key_ignores_the_process_id_and_the_model_s_directory():
+    a = distributed.command_key(["generate", "-m", "/a/m.gguf", "-n", "4", "--process-id", "0"])
+    assert a == distributed.command_key(["generate", "-m", "/b/m.gguf", "-n", "4", "--process-id=1"])
+    assert a != distributed.command_key(["generate", "-m", "/a/m.gguf", "-n", "8", "--process-id", "0"])

@@ -77,23 +77,34 @@ def handle(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
-            _join_processes(kwargs)
+            _join_processes(func.__name__, kwargs)
             return func(*args, **kwargs)
-        except typer.Exit:
+        except typer.Exit as e:
+            _end_processes(e.exit_code)
             raise
         except IkjaxError as e:
             err(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            _end_processes(1)
             raise typer.Exit(1)
         except KeyboardInterrupt:
             err("interrupted")
+            _end_processes(EXIT_INTERRUPTED)
             raise typer.Exit(EXIT_INTERRUPTED)
         except OSError as e:
             if not is_stdout_error(e):
                 _unexpected(e)
+            _end_processes(output_error(e))
             raise typer.Exit(output_error(e))
         except Exception as e:  # noqa: BLE001
             _unexpected(e)
     return wrapper
+
+
+def _end_processes(code: int) -> None:
+    """A failed process of a several-process run ends at once (`distributed.exit_now`)."""
+    if code:
+        from ikjax.runtime import distributed
+        distributed.exit_now(code)
 
 
 def _unexpected(e: BaseException) -> NoReturn:
@@ -101,23 +112,38 @@ def _unexpected(e: BaseException) -> NoReturn:
     if env.is_set("IKJAX_DEBUG"):
         raise e
     first = (str(e).splitlines() or [""])[0]
+    from ikjax.runtime import distributed
+    if distributed.several() and ("Gloo" in first or "GetKeyValue" in first or "DEADLINE_EXCEEDED" in first):
+        first += " (another process of this run stopped, failed, or runs another step)"
     err(f"{type(e).__name__}: {first} (set IKJAX_DEBUG=1 for a traceback)")
+    _end_processes(1)
     raise typer.Exit(1)
 
 
-def _join_processes(params: dict[str, Any]) -> None:
+# commands that answer a person or a client in one process: several processes would each listen
+# and read, and a request seen by one alone left the others' collectives waiting (a probe, §23w)
+_ONE_PROCESS = {"serve": "a server answers its clients from one process",
+                "chat": "a chat reads one terminal"}
+
+
+def _join_processes(command: str, params: dict[str, Any]) -> None:
     """--coordinator/--num-processes/--process-id: join the other processes before any JAX backend
-    starts; every process but 0 then computes silently (its stdout goes nowhere). The collectives'
-    C++ libraries (gloo) print connection lines on file descriptor 1: it is pointed at stderr, and
-    Python's stdout keeps the real one, so stdout holds only the table."""
+    starts, and check they run the same command; every process but 0 then computes silently (its
+    stdout goes nowhere). The collectives' C++ libraries (gloo) print connection lines on file
+    descriptor 1: it is pointed at stderr, and Python's stdout keeps the real one, so stdout holds
+    only the table."""
     from ikjax.runtime import distributed
     if not distributed.check_args(params.get("coordinator"), params.get("num_processes"), params.get("process_id")):
         return
+    if command in _ONE_PROCESS and params["num_processes"] > 1:
+        raise OptionError(f"coordinator: {command} runs in one process ({_ONE_PROCESS[command]}); several hosts run "
+                          f"sweep-bench, bench, generate and perplexity")
     distributed.initialize(params["coordinator"], params["num_processes"], params["process_id"])
     sys.stdout.flush()
     real = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = os.fdopen(real, "w") if distributed.is_primary() else open(os.devnull, "w")
+    distributed.check_same_command(sys.argv[1:])
 
 
 def stderr_console():
@@ -222,7 +248,9 @@ def ik_seed(seed: Optional[int]) -> tuple[int, bool]:
     (`announce_seed`: llama-cli's "sampler seed: N"), so that a run can be repeated with -s N."""
     if seed is None or seed in _RANDOM_SEEDS:
         import secrets
-        return secrets.randbits(32) & 0x7FFFFFFF, True
+        from ikjax.runtime import distributed
+        # several processes sample the same tokens only from one seed: process 0's
+        return distributed.same_on_all(secrets.randbits(32) & 0x7FFFFFFF), True
     if not 0 <= seed < 0xFFFFFFFF:
         raise OptionError(f"seed: expected -1 (random) or 0..{0xFFFFFFFF - 1}, got {seed}")
     return seed, False

@@ -15,8 +15,14 @@ refused with the reason, as is one process's `-sm none` model on a multi-process
 """
 from __future__ import annotations
 
+import os
 import re
+import socket
+import sys
+import threading
+import zlib
 
+from ikjax import env
 from ikjax.errors import OptionError
 
 _HOSTPORT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:(\d{1,5})$")
@@ -40,33 +46,140 @@ def check_args(coordinator: str | None, num_processes: int | None, process_id: i
     return True
 
 
+def _port_in_use(port: int) -> str | None:
+    """Why process 0 cannot serve the coordinator on `port` (None: it can). JAX's coordination
+    service, given a port in use, logs a line and the process dies by a segfault (a probe, RESULTS
+    §23w); a bind tried first turns that into one line."""
+    for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr, port))
+        except OSError as e:
+            if e.errno in (98, 48, 10048):  # EADDRINUSE (Linux, macOS, Windows)
+                return f"port {port} is in use"
+            continue  # (no IPv6 here, say: the other family decides)
+    return None
+
+
+def _give_up(message: str) -> None:
+    """The join watchdog: one line and exit 1, before JAX's client aborts the process with a page of
+    C++ log lines (it does, at its own initialization timeout, whatever we catch)."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def join_timeout() -> int:
+    """Seconds a process waits for the others to join (IKJAX_JOIN_TIMEOUT, default 300)."""
+    return env.positive_int("IKJAX_JOIN_TIMEOUT")
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, timeout_s: int = 300) -> None:
+               process_id: int | None = None, *, timeout_s: int | None = None) -> None:
     """Join the other processes (no-op when no option is given). Must run before any JAX backend
-    starts: a backend already up would see only this process's devices."""
+    starts: a backend already up would see only this process's devices. Process 0 first checks
+    that it can serve the coordinator's port; a process whose peers do not all join within
+    `timeout_s` (IKJAX_JOIN_TIMEOUT) ends with one line naming the coordinator."""
     if not check_args(coordinator, num_processes, process_id):
         return
     import jax
     if jax.distributed.is_initialized():
         return
+    timeout_s = join_timeout() if timeout_s is None else timeout_s
+    if process_id == 0:
+        why = _port_in_use(int(coordinator.rsplit(":", 1)[1]))
+        if why:
+            raise OptionError(f"coordinator: process 0 serves the coordinator at {coordinator}, but {why} on this host")
     try:  # CPU processes exchange collectives through gloo (the default may be none)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError):
         pass
+    watchdog = threading.Timer(timeout_s, _give_up, (
+        f"coordinator: {num_processes} processes did not all join at {coordinator} within {timeout_s} s (this is "
+        f"process {process_id}; start the same command with --process-id 0..{num_processes - 1} on every host, "
+        f"or set IKJAX_JOIN_TIMEOUT)",))
+    watchdog.daemon = True
+    watchdog.start()
     try:
+        # JAX's own limit later than ours: past it, its client aborts the process
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                                   initialization_timeout=timeout_s)
+                                   initialization_timeout=timeout_s + 60)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "already been initialized" in first or "backend" in first.lower():
             raise OptionError(f"coordinator: jax.distributed must start before JAX's backend ({first})") from None
         raise OptionError(f"coordinator: could not join {num_processes} processes at {coordinator} as process "
                           f"{process_id} ({first})") from None
+    finally:
+        watchdog.cancel()
+
+
+def command_key(argv: list[str]) -> int:
+    """A number for a command line that every process of one run shares: its arguments but the
+    process's own id, and the model file by name (hosts may mount it at other paths)."""
+    parts, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--process-id":
+            skip = True
+            continue
+        if a.startswith("--process-id="):
+            continue
+        prev = argv[i - 1] if i else ""
+        parts.append(os.path.basename(a) if prev in ("-m", "--model") else a)
+    return zlib.crc32("\0".join(parts).encode()) & 0x7FFFFFFF
+
+
+def check_same_command(argv: list[str]) -> None:
+    """Every process must run the same command (a different -n, say, left them waiting on each
+    other's collectives until a timeout killed them): the processes compare `command_key`s, and
+    each refuses a run whose processes differ, in one line."""
+    if not several():
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+    keys = np.asarray(multihost_utils.process_allgather(np.array([command_key(argv)], np.int32))).reshape(-1)
+    if len(set(keys.tolist())) > 1:
+        differ = [i for i, k in enumerate(keys.tolist()) if k != keys[0]]
+        raise OptionError(f"coordinator: process(es) {', '.join(map(str, differ))} run another command than process 0 "
+                          f"(every process runs the same command and options, but --process-id)")
+
+
+def same_on_all(value: int) -> int:
+    """Process 0's `value` on every process (a drawn seed: each process drew its own, and two
+    processes sampled different tokens, then waited on each other forever); `value` where alone."""
+    if not several():
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+    return int(np.asarray(multihost_utils.broadcast_one_to_all(np.array(value, np.int32))))
+
+
+def exit_now(code: int) -> None:
+    """End a process of a several-process run at once, after its error line: at a normal exit JAX
+    waits at a shutdown barrier for the others, and a peer that died or failed turns that into
+    ~90 s and an abort with a page of C++ log lines."""
+    if several():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def process_count() -> int:
     import jax
     return jax.process_count()
+
+
+def several() -> bool:
+    """This process joined others (--coordinator with N > 1). Asks nothing of a JAX backend that
+    has not started (an error path before the load stays as quick as it was)."""
+    import sys as _sys
+    jax = _sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return False
+    return jax.process_count() > 1
 
 
 def is_primary() -> bool:

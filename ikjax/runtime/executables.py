@@ -166,7 +166,7 @@ def _decode_key(B: int, sampling: tuple):
 _NOT_IN_STEPS = frozenset({"IKJAX_COMPILE_CACHE", "IKJAX_CACHE", "IKJAX_DEBUG", "IKJAX_FIXTURES", "IKJAX_STORE_STEPS",
                            "IKJAX_DECODE_LOOP", "IKJAX_CPU_ISA", "IKJAX_SPIN", "IKJAX_SPIN_LONG", "IKJAX_SERVE_TRACE", "IKJAX_SERVE_BURST_MS", "IKJAX_SERVE_SOLO",
                            "IKJAX_LOAD_OVERLAP", "IKJAX_EARLY_BACKEND", "IKJAX_AMX", "IKJAX_AMX_MIN_ROWS", "IKJAX_AVXVNNI",
-                           "IKJAX_PREFETCH_STEPS", "IKJAX_STORE_PROGRAMS", "IKJAX_DRY_SHAPES"})
+                           "IKJAX_PREFETCH_STEPS", "IKJAX_STORE_PROGRAMS", "IKJAX_DRY_SHAPES", "IKJAX_JOIN_TIMEOUT"})
 
 
 _IN_STEPS = tuple(sorted(name for name in env.VARIABLES if name not in _NOT_IN_STEPS))
