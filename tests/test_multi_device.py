@@ -201,3 +201,26 @@ def test_one_device_keeps_the_note(tiny_model):
         RunOptions.from_kwargs(sm="row")
     with pytest.raises(ikjax.errors.OptionError, match=r"^-ts: expected non-negative shares"):
         RunOptions.from_kwargs(ts="0,0")
+
+
+def test_graph_split_notes_what_runs_whole_and_ignored_options(tiny_model):
+    """-sm graph over a device count the model's heads, experts and vocabulary do not divide runs
+    those groups whole on every device: a note says which (it was silent: 3x the memory and no
+    split); -mg under -sm graph, a device left out by a 0 share, and -ts without a split mode are
+    noted too. Over 2 devices (all divide) nothing is noted."""
+    from types import SimpleNamespace
+    from ikjax.options import RunOptions
+    from ikjax.placement.rules import plan_placement
+    eng = ikjax.load(tiny_model, ctx=64)
+    devs = [SimpleNamespace(platform="cpu", id=i) for i in range(4)]  # as 4 fake CPU devices
+    tensors = eng.file.tensors.values()
+
+    def notes(n, **kw):
+        return plan_placement(eng.config, tensors, RunOptions.from_kwargs(**kw), devices=devs[:n]).notes
+
+    assert notes(2, sm="graph") == ()
+    three = notes(3, sm="graph")
+    assert len(three) == 1 and "do not divide into 3 whole parts" in three[0] and "attention heads" in three[0], three
+    assert any("-mg 1 has no effect with -sm graph" in n for n in notes(2, sm="graph", mg=1))
+    assert any("over 2 of 3 devices: -ts leaves out CPU1" in n for n in notes(3, sm="graph", ts="1,0,1"))
+    assert any("-ts has no effect with -sm none" in n for n in notes(2, ts="3,1"))

@@ -261,8 +261,15 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
     elif mode == "graph":
         mesh = splits.graph_devices(options.tensor_split, n_dev)
         split.update(main_device=mesh[0])
-    elif options.tensor_split and n_dev > 1:
-        notes.append("-ts has no effect with -sm none: the model runs on one device (-mg)")
+        if options.main_gpu != 0:
+            notes.append(f"-mg {options.main_gpu} has no effect with -sm graph: every layer runs on all of the mesh's "
+                         f"devices ({', '.join(labels[i] for i in mesh)})")
+        if len(mesh) < n_dev:
+            left = [labels[i] for i in range(n_dev) if i not in mesh]
+            notes.append(f"-sm graph over {len(mesh)} of {n_dev} devices: -ts leaves out {', '.join(left)}")
+    elif options.tensor_split and len(devices) > 1:
+        notes.append("-ts has no effect with -sm none: the model runs on one device (-mg); ikjax's default split "
+                     "mode is none, give -sm layer or -sm graph to split")
     main = labels[split["main_device"]]
     targets = []
     for r in options.ot:
@@ -313,5 +320,9 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
         out.append(TensorPlacement(name, mem, dev, layer, axes, int(nbytes), why, spread, split_dim))
     if mode == "graph":
         out = splits.consistent_splits(out)
+        whole = splits.whole_groups(out, len(mesh))
+        if whole and len(mesh) > 1:
+            notes.append(f"-sm graph over {len(mesh)} devices: {whole} do not divide into {len(mesh)} whole parts; "
+                         f"they run whole on every device (their memory on each, no speed-up from the split)")
     return Placement(tuple(out), labels, unified, cfg.n_expert, cfg.n_expert_used, notes=tuple(notes),
                      split_mode=mode, **split)

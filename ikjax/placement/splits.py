@@ -107,6 +107,30 @@ def graph_split_dim(axes: Sequence[str | None] | None, shape: Sequence[int] | No
     return None
 
 
+_GROUP_WORDS = {"attn": "the attention heads", "ffn": "the dense FFN rows", "shexp": "the shared experts' rows",
+                "exps": "the routed experts", "embd": "the vocabulary", "out": "the vocabulary"}
+
+
+def whole_groups(tensors: Sequence[Any], n: int) -> str:
+    """What of a -sm graph placement over `n` devices runs whole on every device for want of
+    dividing (`consistent_splits`), in words ("the attention heads, the routed experts"), or "" when
+    every group that could split does. The router is never split, and host-resident experts are one
+    copy by design: neither counts."""
+    words: list[str] = []
+    for t in tensors:
+        if t.memory != "device":
+            continue
+        g = split_group(t.name)
+        if t.name.startswith(("token_embd.", "output.")):
+            g = "embd"
+        if g in (None, "router") or t.split_dim is not None or not t.axes or not any(t.axes):
+            continue
+        w = _GROUP_WORDS.get(g, g)
+        if w not in words:
+            words.append(w)
+    return ", ".join(words)
+
+
 def consistent_splits(tensors: Sequence[Any]) -> list[Any]:
     """-sm graph runs each layer's attention, FFN, shared and routed experts split over the
     devices only where every matrix of the group splits (whole heads: q/q_b/kv_b/k_b/v_b rows and

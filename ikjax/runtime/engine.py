@@ -74,7 +74,7 @@ class Engine:
         # runs of identical layers, each one lax.scan (ikjax.model.groups)
         self.spans = layer_spans(cfg, self.file.tensors, self.placement)
         for note in self.placement.notes:
-            log.warning("%s", note)
+            log.warning("note: %s", note)
         for note in load_notes(cfg, self.file.tensors, self.file.metadata):  # MTP layers, V3.2's indexer
             log.warning("%s: %s", path, note)
         if o.ctx > cfg.context_length:  # ik warns too: positions past training are untested ground
