@@ -112,3 +112,39 @@ def test_model_desc_and_sizes():
     assert lb.model_desc(F) == "deepseek2 16B Q4_0"
     assert lb.format_size(15414272) == "14.70 MiB" and lb.format_size(9 * 2**30) == "9.00 GiB"
     assert lb.format_params(14465792) == "14.47 M" and lb.format_params(15_700_000_000) == "15.70 B"
+
+
+def _bench_rows(res):
+    """(threads, mla, test) of each md row; the columns found by the header's names."""
+    lines = [l for l in res.stdout.splitlines() if l.startswith("|")]
+    head = [c.strip() for c in lines[0].split("|")]
+    col = {name: i for i, name in enumerate(head)}
+    return [{k: r.split("|")[i].strip() for k, i in col.items() if k} for r in lines[2:]]
+
+
+def test_bench_repeated_flags_add_up_in_llama_bench_order(tiny_model):
+    """llama-bench reads a parameter given several times as a list: `-p 16 -p 32 -t 1 -t 2 -mla 2
+    -mla 3` is 8 rows (the last value alone won before: one row, the mla column gone), nested in
+    its loop order (mla outside threads, threads outside the tests; n_batch outside n_ubatch outside
+    fa outside mla)."""
+    res = _run(["bench", "-m", tiny_model, "-p", 16, "-p", 32, "-n", 0, "-r", 1, "-t", 1, "-t", 2, "-mla", 2,
+                "-mla", 3])
+    rows = _bench_rows(res)
+    assert [(r["mla"], r["threads"], r["test"]) for r in rows] == [
+        (m, t, p) for m in ("2", "3") for t in ("1", "2") for p in ("pp16", "pp32")]
+    assert lb.combinations(dict(mla="2,3", fa="1,0", batch="16,32", ubatch="8,16"))[:4] == [
+        dict(batch="16", ubatch="8", fa="1", mla="2"), dict(batch="16", ubatch="8", fa="1", mla="3"),
+        dict(batch="16", ubatch="8", fa="0", mla="2"), dict(batch="16", ubatch="8", fa="0", mla="3")]
+
+
+def test_bench_tgb_pairs_join_the_thread_list_and_ser_pairs_by_commas(tiny_model):
+    """-tgb T,TB is one more entry of the -t list (several by ';'), as llama-bench: `-t 1 -tgb 1,2`
+    runs the tests at 1 thread and at 1 / 2 (its prompts at 2). -ser 2,1,3,0.5 is two settings as
+    llama-bench writes them (it was one malformed value). -oe prints the results again on stderr."""
+    res = _run(["bench", "-m", tiny_model, "-p", 8, "-n", 2, "-r", 1, "-t", 1, "-tgb", "1,2"])
+    assert [(r["threads"], r["test"]) for r in _bench_rows(res)] == [("1", "pp8"), ("1", "tg2"), ("2", "pp8"),
+                                                                     ("1", "tg2")]
+    assert lb.split_list("2,1,3,0.5", "ser") == ["2,1", "3,0.5"] and lb.split_list("2,1;3,0.5", "ser") == ["2,1", "3,0.5"]
+    res = _run(["bench", "-m", tiny_model, "-p", 8, "-n", 0, "-r", 1, "-o", "csv", "-oe", "md"])
+    assert res.stdout.startswith("build_commit,build_number,") and '"build_commit"' not in res.stdout
+    assert any(l.startswith("| model") for l in res.stderr.splitlines())

@@ -220,7 +220,7 @@ def test_info_takes_every_run_option_as_itself(token):
 def test_bench_switches_are_not_threads_or_models(capsys):
     """The issue's case: in bench, -thp and -mqkv became a thread count and a model file."""
     params = parse("bench", "-thp", "1", "-mqkv", "1", "-p", 16)
-    assert not params["model"] and params["threads"] == "0"
+    assert not params["model"] and params["threads"] is None  # (None: the default thread count)
     _, notes, err = outcome("bench", params, capsys)
     assert err is None and any("-thp" in n for n in notes) and any("-mqkv" in n for n in notes)
 

@@ -16,7 +16,7 @@ import typer
 
 from ikjax.cli.common import app, backend, handle, log, resolve_model, setup_compile_cache, setup_logging, \
     stderr_console
-from ikjax.cli.parser import ExactCommand
+from ikjax.cli.parser import ListCommand
 from ikjax.cli.run_options import SWITCH_PARAMS, RunArgs, takes_run_options
 from ikjax.errors import OptionError
 from ikjax.options import RunOptions, switch_notes
@@ -46,6 +46,19 @@ def _check_bench_options(params: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return fixed, fmoe
 
 
+def _render(fmt: str, results: list, table) -> str:
+    """The whole results in one of -o's formats (for -oe)."""
+    from ikjax.tools import llama_bench as lb
+    if fmt == "md":
+        lines = ([*table.header(), *(table.row(r) for r in results), *lb.MarkdownTable.footer()] if results else [])
+        return "".join(line + "\n" for line in lines)
+    if fmt == "jsonl":
+        return "".join(lb.to_jsonl(r) + "\n" for r in results)
+    if fmt == "json":
+        return lb.to_json(results) + "\n"
+    return lb.to_csv(results) if fmt == "csv" else lb.to_sql(results)
+
+
 def _note_combinations(params: dict[str, Any]) -> None:
     """The notes of every swept combination (e.g. -ctv with mla 3), each once; a combination that
     does not validate is left to its 'skipped' row."""
@@ -62,7 +75,14 @@ def _note_combinations(params: dict[str, Any]) -> None:
                 log("note: " + line)
 
 
-@app.command("bench", cls=ExactCommand)
+class BenchCommand(ListCommand):
+    """bench's swept options add up when repeated, as llama-bench's (-ser settings join by ';', a
+    repeated -ot adds rules to one list, as ik's)."""
+    LIST_JOIN = {**{name: "," for name in ("n_prompt", "n_gen", "depth", "mla", "fa", "ubatch", "batch", "ctk", "ctv",
+                                           "amb", "ot", "ngl", "threads", "dtype", "fmoe")}, "ser": ";", "tgb": ";"}
+
+
+@app.command("bench", cls=BenchCommand)
 @handle
 @takes_run_options(after={"ubatch": "fa", "ser": "no_fmoe", "ngl": "n_cpu_moe", "dtype": "threads_batch",
                           "seed": "wb"})
@@ -83,6 +103,8 @@ def bench(
                                                "context to each test, as llama-bench does")] = None,
     reps: Annotated[int, typer.Option("-r", "--repetitions", help="timed repetitions per test")] = 5,
     output: Annotated[str, typer.Option("-o", "--output", help="md, json, jsonl, csv or sql (llama-bench's keys)")] = "md",
+    output_err: Annotated[Optional[str], typer.Option("-oe", "--output-err", help="also print the results to "
+                                                      "stderr in this format (md, json, jsonl, csv or sql)")] = None,
     # replace the shared options of the same names: comma lists, swept
     mla: Annotated[str, typer.Option("-mla", "--mla", "--mla-attn", help="MLA mode(s), e.g. 2,3")] = str(_D.mla),
     ubatch: Annotated[str, typer.Option("-ub", "--ubatch", "--ubatch-size", help="micro-batch(es)")] = str(_D.ubatch),
@@ -96,7 +118,7 @@ def bench(
     ot: Annotated[Optional[str], typer.Option("-ot", "--ot", "--override-tensor",
                                               help="REGEX=DEV[,...]; several rule lists separated by ';'")] = None,
     ngl: Annotated[str, typer.Option("-ngl", "--ngl", "--n-gpu-layers", help="GPU layers")] = str(_D.ngl),
-    threads: Annotated[str, typer.Option("-t", "--threads", help="thread count(s)")] = str(_D.threads),
+    threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="thread count(s)")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="compute dtype(s)")] = _D.dtype,
     seed: Annotated[int, typer.Option("-s", "--seed")] = 0,
     warmup: Annotated[str, typer.Option("-w", "--warmup", help="1: one untimed run of each test first (it "
@@ -104,7 +126,8 @@ def bench(
     mmp: Annotated[Optional[str], typer.Option("-mmp", "--mmap", help="0|1: " + "accepted; -mmp 0 is noted (the "
                                                "GGUF is always mapped)")] = None,
     tgb: Annotated[Optional[str], typer.Option("-tgb", "--threads-gen-batch", help="T,TB: threads for generation "
-                                               "and for prompts (one pair; same as -t T -tb TB)")] = None,
+                                               "and for prompts, one more entry of the -t list (several pairs by "
+                                               "';'), as llama-bench")] = None,
     print_overrides: Annotated[str, typer.Option("--print-overrides", help="1: show the ot column in md")] = "0",
 ) -> None:
     """llama-bench: pp512 / tg128 / pp512+tg128 / tg64@pp8192 tests over the Cartesian product of comma lists.
@@ -118,8 +141,9 @@ def bench(
     if run.expert_stats:
         raise OptionError("expert-stats: bench does not count experts (its runs repeat); use sweep-bench, generate, "
                           "chat or serve")
-    if output not in ("md", "json", "jsonl", "csv", "sql"):
-        raise OptionError(f"output: {output!r} is not md, json, jsonl, csv or sql")
+    for flag, fmt in (("output", output), ("output-err", output_err)):
+        if fmt is not None and fmt not in ("md", "json", "jsonl", "csv", "sql"):
+            raise OptionError(f"{flag}: {fmt!r} is not md, json, jsonl, csv or sql")
     if reps < 1:
         raise OptionError(f"repetitions: need >= 1, got {reps}")
     flags = {}
@@ -129,11 +153,16 @@ def bench(
         flags[flag] = str(value).strip() == "1"
     params_in = dict(run)
     params_in["mmp"] = mmp
-    if tgb is not None:
-        pair = lb.int_list(tgb, "tgb")
-        if ";" in tgb or len(pair) != 2 or min(pair) < 1:
-            raise OptionError(f"-tgb: expected one T,TB pair of thread counts (e.g. 8,16), got {tgb!r}")
-        threads, params_in["threads_batch"] = str(pair[0]), pair[1]
+    if tgb is not None:  # llama-bench's: each T,TB pair (several by ';') is one more entry of the -t list
+        entries = [] if threads is None else [str(t) for t in lb.int_list(threads, "t")]
+        for part in tgb.split(";"):
+            pair = lb.int_list(part, "tgb")
+            if len(pair) != 2 or min(pair) < 1:
+                raise OptionError(f"-tgb: expected T,TB pairs of thread counts (e.g. 8,16 or 8,16;4,8), got {tgb!r}")
+            entries.append(f"{pair[0]}/{pair[1]}")
+        threads = ",".join(entries)
+    elif threads is None:
+        threads = str(_D.threads)
     fixed, fmoe = _check_bench_options(params_in)
     no_warmup = run.no_warmup is not None and RunOptions.from_kwargs(fa=run.no_warmup).fa
     do_warmup = flags["-w"] and not no_warmup
@@ -158,7 +187,8 @@ def bench(
         if bad:
             raise OptionError(f"-{flag}: token counts must be >= 0 (0 skips the test), got {value!r}")
         return vals
-    for flag, value in (("ub", ubatch), ("b", batch), ("t", threads), ("ngl", ngl), ("amb", amb), ("mla", mla)):
+    for flag, value in (("ub", ubatch), ("b", batch), ("t", threads.replace("/", ",")), ("ngl", ngl), ("amb", amb),
+                        ("mla", mla)):
         vals = lb.int_list(value, flag)
         low = 1 if flag in ("ub", "b") else 0
         if any(v < low for v in vals):
@@ -211,6 +241,8 @@ def bench(
         typer.echo(lb.to_csv(results), nl=False)
     elif output == "sql":
         typer.echo(lb.to_sql(results), nl=False)
+    if output_err is not None:  # llama-bench's -oe: the same results in a second format, on stderr
+        typer.echo(_render(output_err, results, table), err=True, nl=False)
     failed = sum(1 for r in results if r.error)
     if failed:  # every row printed; the status says not all ran (llama-bench's 1 for a model that fails to load)
         typer.echo(f"error: {failed} of {len(results)} tests did not run (their rows say why)", err=True)

@@ -93,8 +93,9 @@ def handle(func: Callable) -> Callable:
         except OSError as e:
             if not is_stdout_error(e):
                 _unexpected(e)
-            _end_processes(output_error(e))
-            raise typer.Exit(output_error(e))
+            code = output_error(e)
+            _end_processes(code)
+            raise typer.Exit(code)
         except Exception as e:  # noqa: BLE001
             _unexpected(e)
     return wrapper

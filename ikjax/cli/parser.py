@@ -113,6 +113,49 @@ class ExactCommand(TyperCommand):
         return super().parse_args(ctx, _rewrite(list(args), bare, has_positional))
 
 
+class ListCommand(ExactCommand):
+    """llama-bench's command line: a swept option given several times adds its values to one list
+    (`-p 16 -p 32` is `-p 16,32`; `-ot A -ot B` one rule list `A,B`), as llama-bench reads "the
+    parameter specified multiple times". Before, the last value won silently. `LIST_JOIN`: the
+    parameters so read and how their occurrences join."""
+
+    LIST_JOIN: dict[str, str] = {}
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        bare = {o for p in self.params if p.name in BARE_PARAMS for o in (*p.opts, *p.secondary_opts)}
+        has_positional = any(p.param_type_name == "argument" for p in self.params)
+        args = _rewrite(list(args), bare, has_positional)
+        flag_of = {o: p.name for p in self.params if p.name in self.LIST_JOIN for o in (*p.opts, *p.secondary_opts)}
+        values: dict[str, list[str]] = {}
+        out: list = []
+        i = 0
+        while i < len(args):
+            a = args[i]
+            name, value, step = None, None, 1
+            if a == "--":
+                out.extend(args[i:])
+                break
+            if a in flag_of and i + 1 < len(args):
+                name, value, step = flag_of[a], args[i + 1], 2
+            elif "=" in a and a.split("=", 1)[0] in flag_of:
+                name, value = flag_of[a.split("=", 1)[0]], a.split("=", 1)[1]
+            if name is None:
+                out.append(a)
+            else:
+                if name not in values:
+                    values[name] = []
+                    out.append((a.split("=", 1)[0], name))  # the first occurrence's place
+                values[name].append(value)
+            i += step
+        merged: list[str] = []
+        for a in out:
+            if isinstance(a, tuple):
+                merged += [a[0], self.LIST_JOIN[a[1]].join(values[a[1]])]
+            else:
+                merged.append(a)
+        return TyperCommand.parse_args(self, ctx, merged)
+
+
 # Exit statuses the command wrapper (`common.handle`) hands to the process entry (`Group.__call__`).
 EXIT_INTERRUPTED = interrupt.EXIT_INTERRUPTED  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141; the process entry turns it into a real SIGPIPE death

@@ -31,8 +31,10 @@ from typing import Any, Callable
 import numpy as np
 
 # bench parameter -> RunOptions name; these may be comma lists
-SWEPT = {"mla": "mla", "fa": "fa", "ubatch": "ubatch", "batch": "batch", "ctk": "ctk", "ctv": "ctv", "amb": "amb",
-         "fmoe": "fmoe", "ser": "ser", "ot": "ot", "ngl": "ngl", "threads": "threads", "dtype": "dtype"}
+SWEPT = {"ngl": "ngl", "batch": "batch", "ubatch": "ubatch", "ctk": "ctk", "ctv": "ctv", "fa": "fa", "mla": "mla",
+         "amb": "amb", "ser": "ser", "fmoe": "fmoe", "ot": "ot", "dtype": "dtype", "threads": "threads"}
+# (in llama-bench's loop order, the first varying slowest: ngl, n_batch, n_ubatch, type_k, type_v,
+# fa, mla, amb, ser, threads; fmoe, ot and dtype, which it does not sweep, just before the threads)
 # markdown column names (llama-bench's)
 COLUMN = {"mla": "mla", "fa": "fa", "ubatch": "n_ubatch", "batch": "n_batch", "ctk": "type_k", "ctv": "type_v",
           "amb": "amb", "fmoe": "fmoe", "ser": "ser", "ot": "ot", "ngl": "ngl", "threads": "threads", "dtype": "dtype"}
@@ -82,8 +84,16 @@ def split_list(value: Any, name: str) -> list[str]:
         return [str(v) for v in value]
     if name == "ot":  # REGEX=DEV,REGEX=DEV is one rule list; several lists are separated by ';'
         return [v for v in str(value).split(";") if v]
-    if name == "ser":  # "Kmin,t" is one value; several are separated by ';'
-        return [v for v in str(value).split(";") if v]
+    if name == "ser":  # "Kmin,t" is one value; several are separated by ';', or, as llama-bench
+        # writes them, all by commas ("2,1,3,0.5": two settings)
+        out = []
+        for v in str(value).split(";"):
+            parts = [x for x in v.split(",") if x.strip() != ""]
+            if len(parts) > 2 and len(parts) % 2 == 0:
+                out += [f"{parts[k]},{parts[k + 1]}" for k in range(0, len(parts), 2)]
+            elif v:
+                out.append(v)
+        return out
     return [v.strip() for v in str(value).split(",") if v.strip() != ""]
 
 
@@ -384,6 +394,8 @@ def run_bench(models: list[str], params: dict[str, Any], tests: list[Test], reps
         for combo in combinations(params):
             opts = dict(extra_options or {})
             opts.update({SWEPT[k]: v for k, v in combo.items()})
+            if "/" in str(opts.get("threads", "")):  # a -tgb pair: generation / prompt threads
+                opts["threads"], opts["threads_batch"] = str(opts["threads"]).split("/", 1)
             opts["ctx"] = max(int(opts.get("ctx") or 0), ctx_needed)
             fields = option_fields(opts)
             if on_status:
@@ -583,8 +595,8 @@ CSV_SKIP = ("samples_ns", "samples_ts")  # ik's CSV has no sample lists
 
 
 def to_csv(results: list[Result]) -> str:
-    """llama-bench's `-o csv`: a header of its fields, every value quoted, booleans 0/1 (then
-    ikjax's n_depth, dtype, error)."""
+    """llama-bench's `-o csv`: a header of its field names as they are (unquoted, as llama-bench
+    joins them), every value quoted, booleans 0/1 (then ikjax's n_depth, dtype, error)."""
     buf = io.StringIO()
     w = csv.writer(buf, quoting=csv.QUOTE_ALL, lineterminator="\n")
     header = None
@@ -592,10 +604,10 @@ def to_csv(results: list[Result]) -> str:
         rec = {k: v for k, v in r.record().items() if k not in CSV_SKIP}
         if header is None:
             header = list(rec)
-            w.writerow(header)
+            buf.write(",".join(header) + "\n")
         w.writerow([_text_value(v) for v in rec.values()])
     if header is None:
-        w.writerow([k for k in Result("", {}, None).record() if k not in CSV_SKIP])
+        buf.write(",".join(k for k in Result("", {}, None).record() if k not in CSV_SKIP) + "\n")
     return buf.getvalue()
 
 
