@@ -53,7 +53,7 @@ def _k(key, suffix, axes, **kw) -> TensorKind:
 KINDS: tuple[TensorKind, ...] = (
     _k("token_embd", "token_embd.weight", ("vocab", "embed")),
     _k("output_norm", "output_norm.weight", ("embed",), dense_float=True),
-    _k("output", "output.weight", ("vocab", "embed"), kernel=True, optional=True),
+    _k("output", "output.weight", ("vocab", "embed"), kernel=True),  # required, as ik (DeepSeek never ties it)
     _k("attn_norm", "attn_norm.weight", ("embed",), dense_float=True),
     _k("q_a", "attn_q_a.weight", ("q_lora", "embed"), kernel=True, fuse=("attn_in", 0)),
     _k("q", "attn_q.weight", ("heads", "embed"), group="attn", kernel=True, fuse=("attn_in", 0)),

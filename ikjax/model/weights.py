@@ -392,8 +392,6 @@ class TensorLoader:
     def top(self) -> dict:
         specs = model_specs(self.cfg)
         weights = self.for_kernels({s.key: self.tensor(s) for s in specs})
-        if weights["output"] is None:  # tied embeddings
-            weights["output"] = weights["token_embd"]
         return self._pin(weights, self._host_keys(specs))
 
     def group(self, first: int, count: int) -> LayerGroup:

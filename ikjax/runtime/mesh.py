@@ -73,14 +73,11 @@ class TensorSplit:
 def tensor_split(placement, mesh) -> TensorSplit:
     """The split groups of a -sm graph placement."""
     keys = set()
-    names = {t.name for t in placement.tensors}
     for t in placement.tensors:
         if t.split_dim is None:
             continue
         if t.name.startswith("token_embd."):
             keys.add("embd")
-            if "output.weight" not in names:  # tied: the head reads the same split rows
-                keys.add("out")
         elif t.name.startswith("output."):
             keys.add("out")
         else:
@@ -167,14 +164,7 @@ def load(gf, cfg, placement, mesh, spans) -> dict:
     pinned = {"__device__": devices[mine[0]]} if host and not placement.unified and host_form() == "pinned" else None
     loaders = [TensorLoader(gf, cfg, _part_placer(placement, k, n, devices[k], pinned), placement, repack, shared)
                for k in mine]
-    tops = [ld.top() for ld in loaders]
-    tied = tops[0]["output"] is tops[0]["token_embd"]
-    if tied:
-        for t in tops:
-            del t["output"]
-    weights = _stack(tops, mine, mesh)
-    if tied:
-        weights["output"] = weights["token_embd"]
+    weights = _stack([ld.top() for ld in loaders], mine, mesh)
     weights["groups"] = [_stack([ld.group(first, count) for ld in loaders], mine, mesh) for first, count in spans]
     return weights
 

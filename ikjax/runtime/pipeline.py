@@ -125,7 +125,7 @@ class Pipeline:
             w: dict[str, Any] = {"groups": [layer_groups[g] for g in idx]}
             if embed_in:
                 w["token_embd"] = weights["token_embd"]
-            if head_out:  # tied embeddings: the output is the embedding, maybe on another device
+            if head_out:  # the output head on the last stage's device
                 w["output_norm"] = jax.device_put(weights["output_norm"], self.devices[d])
                 w["output"] = jax.device_put(weights["output"], self.devices[d])
             self.stage_weights.append(w)
