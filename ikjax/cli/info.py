@@ -121,6 +121,10 @@ def info(
         out("  " + line)
     total = plan.weights_bytes + plan.kv_bytes + plan.attention_buffer_bytes
     out(f"  total            {total / (1 << 20):10.2f} MiB")
+    # the report reads the header alone; what a load would refuse (a tensor type ikjax cannot
+    # dequantize, a missing tensor) ends it with that error and status 1, not a clean exit (a probe)
+    from ikjax.gguf_io.tensors import validate
+    validate(f.tensors, cfg, path)
 
 
 def _prod(shape) -> int:
