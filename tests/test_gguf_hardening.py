@@ -358,11 +358,17 @@ def test_missing_tensor_named(tiny_model, tmp_path):
     # (a probe: 1.41 relative error); ik requires it for deepseek2
     p = _variant(tmp_path, tiny_model, lambda g: g.tensors.remove(g.tensor("output.weight")), "no_output.gguf")
     _refused(p, "missing tensor output.weight", load=True)
-    # `ikjax info` reports the header, then the load's refusal as its last line and status 1
+    # `ikjax info` refuses it too; a tensor type ikjax cannot dequantize: the header's report, then
+    # the load's refusal as its last line and status 1 (a clean report before)
     from typer.testing import CliRunner
     from ikjax.cli import app
     res = CliRunner().invoke(app, ["info", "-m", p])
-    assert res.exit_code == 1 and "missing tensor output.weight" in res.stderr and "memory plan" in res.stdout
+    assert res.exit_code == 1 and "missing tensor output.weight" in res.stderr
+    p = _variant(tmp_path, tiny_model, lambda g: setattr(g.tensor("blk.0.attn_output.weight"), "type_id", 200),
+                 "type200.gguf")
+    res = CliRunner().invoke(app, ["info", "-m", p])
+    assert res.exit_code == 1 and "memory plan" in res.stdout, res.stderr + res.stdout
+    assert "blk.0.attn_output.weight" in res.stderr and "cannot dequantize" in res.stderr
 
 
 # --- tokenizer ids -------------------------------------------------------------------------------
