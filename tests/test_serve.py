@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -929,3 +931,38 @@ def test_concurrent_streams_each_with_its_own_sampling(server, ref):
     for (ids, (status, body)), s in zip(got, settings):
         assert status == 200, body
         assert body["tokens"] == list(ref.generate(ids, 16, ignore_eos=True, **s)), s
+
+
+def test_health_answers_503_while_the_model_loads(tiny_model, tmp_path):
+    """The port is bound before the load; until the server proper answers, every request gets
+    llama-server's 503 "Loading model" (it hung in the listen backlog: no answer for the seconds of
+    the load and warm-up), then /health is 200."""
+    import json as _json
+    import socket as _socket
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, IKJAX_COMPILE_CACHE=str(tmp_path / "cc"))  # a cold cache: seconds of warm-up
+    p = subprocess.Popen([sys.executable, "-m", "ikjax.cli", "serve", "-m", tiny_model, "--port", str(port), "-np", "2",
+                          "-c", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    seen = []
+    try:
+        deadline = time.time() + START_S
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    seen.append((r.status, None))
+                    break
+            except urllib.error.HTTPError as e:
+                seen.append((e.code, _json.loads(e.read())))
+            except (urllib.error.URLError, ConnectionError):
+                seen.append((None, None))  # not bound yet
+            time.sleep(0.05)
+    finally:
+        p.terminate()
+        p.wait(30)
+    codes = [c for c, _ in seen]
+    assert codes[-1] == 200, seen[-5:]
+    loading = [b for c, b in seen if c == 503]
+    assert loading and loading[0] == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    assert set(codes) <= {None, 503, 200}, set(codes)

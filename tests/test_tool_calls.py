@@ -532,9 +532,20 @@ def test_requests_other_servers_accept_are_answered_or_refused(app_server):
                {"min_tokens": 5}, {"stop_token_ids": [3]}, {"include_stop_str_in_output": True},
                {"prompt_logprobs": 1}, {"guided_json": {"type": "object"}}, {"guided_choice": ["a"]},
                {"continue_final_message": True}, {"tfs_z": 0.5}, {"post_sampling_probs": True},
-               {"repetition_penalty": 1.2, "repeat_penalty": 1.1}, {"parallel_tool_calls": "no"}):
+               {"repetition_penalty": 1.2, "repeat_penalty": 1.1}, {"parallel_tool_calls": "no"},
+               # vLLM's and OpenAI's fields a probe found answered as if absent (each would change the answer)
+               {"structured_outputs": {"choice": ["yes", "no"]}}, {"allowed_token_ids": [5, 6]},
+               {"bad_words": ["L"]}, {"truncate_prompt_tokens": 2}, {"use_beam_search": True},
+               {"length_penalty": 2.0}, {"skip_special_tokens": False}, {"chat_template": "{{ 'X' }}"},
+               {"echo": True}, {"functions": [{"name": "f"}]}, {"function_call": {"name": "f"}},
+               {"modalities": ["text", "audio"]}, {"audio": {"voice": "alloy"}}, {"json_schema": {}},
+               {"lora": [{"id": 0, "scale": 1.0}]}, {"response_fields": ["content"]}):
         r = post(**kw)
         assert r.status_code == 400 and r.json()["error"]["message"], (kw, r.status_code, r.text[:300])
+        assert next(iter(kw)) in r.json()["error"]["message"] or "messages" in kw, (kw, r.text[:300])
+    for kw in ({"skip_special_tokens": True}, {"modalities": ["text"]}, {"use_beam_search": False},
+               {"length_penalty": 1.0}, {"echo": False}):  # their defaults ask for nothing: taken
+        assert post(**kw).status_code == 200, kw
     r = post(repetition_penalty=1.3)
     assert r.status_code == 200
     pen = app_server["reqs"][-1].penalties

@@ -79,7 +79,7 @@ def serve(
     """Serve the model over HTTP: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and
     llama-server's /completion, /tokenize, /detokenize, /props, /health, /metrics, a chat page at /."""
     from ikjax.runtime.scheduler import PROMPT_CACHE_MODES, Scheduler
-    from ikjax.server.app import REASONING_FORMATS, Server, ServerConfig, bind, run as run_server
+    from ikjax.server.app import REASONING_FORMATS, LoadingResponder, Server, ServerConfig, bind, run as run_server
     from ikjax.server.openai import Defaults
 
     if parallel < 1:
@@ -138,7 +138,12 @@ def serve(
             log(f"warm-up: compiled {n} steps (decode of {parallel} slots, prompt chunks of {sizes} tokens) in "
                 f"{time.perf_counter() - t0:.1f}s")
 
-    eng = load_engine(run.model, run.verbose, while_loading=warm_up, **run_opts)
+    loading = LoadingResponder(sock).start()  # 503 "Loading model" until the server proper answers
+    try:
+        eng = load_engine(run.model, run.verbose, while_loading=warm_up, **run_opts)
+    except BaseException:
+        loading.stop()
+        raise
     tok, template, scheduler = eng.tokenizer, made["template"], made["scheduler"]
     path = str(eng.file.path)
     config = ServerConfig(model_name=alias or Path(path).name, model_path=path, n_slots=parallel,
@@ -151,6 +156,7 @@ def serve(
     gc.collect()
     gc.freeze()
     server = Server(eng, tok, template, scheduler.start(), config)
+    loading.stop()
     log(f"{parallel} slots of {per_slot} tokens (-c {opts.ctx}), chat template {template.name}, "
         f"prompt cache {prompt_cache}, batch-invariant decode {'on' if invariant else 'off'}")
     run_server(server, sock, on_listening=lambda url: log(f"listening on {url}"))

@@ -21,6 +21,7 @@ import json
 import logging
 import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from ikjax.chat_template import AnswerSplitter, developer_as_system, forced_answer_start, opens_reasoning, renders_text_beside_calls
+from ikjax.chat_template import (AnswerSplitter, developer_as_system, forced_answer_start, opens_reasoning,
+                                 renders_text_beside_calls)
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
 from ikjax.server import openai as oai
@@ -228,6 +230,11 @@ class Server:
         (`forced_answer_start`: the opening of a call that `tool_choice` requires) ends the text
         and the ids, and is the first part of the answer the splitter reads."""
         messages = oai.messages_field(body)
+        for name, why in (("chat_template", "this server renders its own template (--chat-template); give "
+                                            "chat_template_kwargs for its variables"),
+                          ("echo", "a chat answer does not repeat the prompt here")):
+            if body.get(name) not in (None, False):  # vLLM's fields: they would change the answer
+                raise bad(f"{name}: not supported ({why}); leave it out")
         extra = body.get("chat_template_kwargs")
         if extra is not None and not isinstance(extra, dict):
             raise bad("chat_template_kwargs: expected an object")
@@ -662,6 +669,57 @@ def bind(host: str, port: int) -> socket.socket:
         raise OptionError(f"--host {host} --port {port}: cannot listen ({e.strerror or e})") from None
     sock.setblocking(False)
     return sock
+
+
+class LoadingResponder:
+    """Answers every request on the bound socket with 503 "Loading model" (llama-server's body)
+    while the model loads and the steps compile, so that a readiness probe or a client gets an
+    answer, not a connection that hangs in the listen backlog (a probe found /health waiting 6.7 s).
+    A thread of its own, plain sockets: the request's head is read, the answer written, the
+    connection closed. `stop()` before the server proper takes the socket."""
+
+    BODY = json.dumps({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}).encode()
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ikjax-loading-503", daemon=True)
+
+    def start(self) -> "LoadingResponder":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import select
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self.sock], [], [], 0.1)
+                if not ready:
+                    continue
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return
+            try:
+                conn.settimeout(1.0)
+                head = b""
+                while b"\r\n\r\n" not in head and len(head) < 65536:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    head += chunk
+                conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                             b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+                             + str(len(self.BODY)).encode() + b"\r\n\r\n" + self.BODY)
+            except OSError:
+                pass
+            finally:
+                conn.close()
 
 
 def run(server: Server, sock: socket.socket, on_listening=None) -> None:

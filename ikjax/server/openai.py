@@ -149,6 +149,22 @@ _NOT_DONE = {
     "guided_grammar": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
     "continue_final_message": (lambda v: v not in (None, False), "a final assistant message is not continued here"),
     "post_sampling_probs": (lambda v: v not in (None, False), "probabilities are the model's, before sampling"),
+    # vLLM's and OpenAI's other fields that would change the answer (a probe found them ignored)
+    "structured_outputs": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
+    "allowed_token_ids": (lambda v: v not in (None, []), "the vocabulary is not restricted here (logit_bias -100 "
+                                                         "bans a token)"),
+    "bad_words": (lambda v: v not in (None, []), "words are not banned here (logit_bias -100 bans a token)"),
+    "truncate_prompt_tokens": (lambda v: v is not None, "prompts are never cut here (one too long for a slot is a "
+                                                        "400)"),
+    "use_beam_search": (lambda v: v not in (None, False), "beam search is not run here"),
+    "length_penalty": (lambda v: v not in (None, 1, 1.0), "beam search is not run here"),
+    "skip_special_tokens": (lambda v: v is False, "special tokens are always left out of the text here"),
+    "functions": (lambda v: v is not None, "OpenAI's deprecated functions: give `tools`"),
+    "function_call": (lambda v: v is not None, "OpenAI's deprecated function_call: give `tool_choice`"),
+    "lora": (lambda v: v not in (None, []), "LoRA adapters are not supported here"),
+    "response_fields": (lambda v: v is not None, "the response's fields are not selectable here"),
+    "modalities": (lambda v: v not in (None, ["text"]), "this model answers in text only"),
+    "audio": (lambda v: v is not None, "this model answers in text only"),
 }
 _ORDER = ("top_k", "top_p", "min_p", "temperature")  # the order this server applies its filters in
 _SAMPLER_NAMES = {"top_k": "top_k", "k": "top_k", "top_p": "top_p", "p": "top_p", "min_p": "min_p", "m": "min_p",
@@ -293,8 +309,9 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     if fmt is not None and kind != "text":  # refused, not ignored: an answer would not keep to the format
         raise bad(f"response_format: {kind!r} is not supported (no grammar-constrained sampling here); "
                   f"only {{\"type\": \"text\"}}")
-    for name in ("grammar", "json_schema"):  # llama-server's constraints: refused like response_format
-        if body.get(name) not in (None, "", {}):
+    for name in ("grammar", "json_schema"):  # llama-server's constraints: refused like response_format (a
+        # json_schema of {} too: llama-server makes it a grammar for any JSON value)
+        if body.get(name) not in (None, ""):
             raise bad(f"{name}: grammar-constrained sampling is not supported here; leave {name} out")
     kept = _check_not_run(body)
     if kept is not None:  # llama-server's chain: a sampler left out of `samplers` does not run
