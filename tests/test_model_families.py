@@ -332,6 +332,11 @@ def test_preset_metadata_reads_back(preset):
     assert c.n_layer == 2 and c.n_nextn == (1 if preset == "glm-4.7-flash" else 0)
     assert len(load_notes(c, tensors, md)) == c.n_nextn
     assert (c.q_lora_rank == 0) == (preset == "moonlight")
+    if c.gating == 2:  # sigmoid routing without its norm key: taken as false (llama.cpp's), and said so
+        md.pop("deepseek2.expert_weights_norm", None)
+        c2 = ModelConfig.from_metadata(md, vocab_from_tensor=cfg["vocab_size"], tensors=tensors)
+        notes = load_notes(c2, tensors, md)
+        assert not c2.expert_weights_norm and any("expert_weights_norm not in the file" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("preset", ["kimi-k2", "glm-4.7-flash"])

@@ -313,6 +313,10 @@ def load_notes(cfg: ModelConfig, tensors: Mapping[str, Any], metadata: Mapping[s
                      f"(every model of {cfg.n_expert} {'sigmoid' if cfg.gating == GATING_SIGMOID else 'softmax'}"
                      f"-scored experts routes so: DeepSeek {'V3 / R1' if cfg.gating == GATING_SIGMOID else 'V2 / V2.5'}"
                      f"; ik_llama.cpp skips the group step)")
+    if cfg.n_expert and cfg.gating == GATING_SIGMOID and f"{ARCH}.expert_weights_norm" not in metadata:
+        notes.append(f"{ARCH}.expert_weights_norm not in the file: taken as false, as llama.cpp reads it; DeepSeek "
+                     f"V3 / R1's sigmoid routing normalizes the picked experts' weights (a converter that left the "
+                     f"key out changed the model)")
     if cfg.yarn is not None and _kimi_without_betas(metadata):
         notes.append("YaRN betas not in the file: Kimi K2's (beta_fast 1, beta_slow 1, as its config.json; "
                      "YaRN's default 32 / 1 would rotate other dimensions) for this kimi-k2 model")
