@@ -495,3 +495,17 @@ def test_split_tensor_count(tiny_model, tmp_path):
     paths = _shards(tiny_model, tmp_path, edit=lambda i, s: gc.set_kv(s, "split.tensors.count", (3, struct.pack("<h", 5)))
                     if i == 0 else None)
     _refused(paths[0], "split.tensors.count is 5 but the shards hold 31 tensors")
+
+
+def test_q_lora_rank_missing_is_read_from_attn_q_a(tmp_path):
+    """A file with the low-rank q (attn_q_a / attn_q_b) but no q_lora_rank key: the rank is attn_q_a's
+    rows (the file's content says it), the same model as with the key; it was read as a direct q
+    and refused as a missing attn_q tensor."""
+    from conftest import fixtures_dir
+    src = str(fixtures_dir() / "v3dense-all-Q8_0.gguf")  # (skips, with the reason, where they are absent)
+    p = _variant(tmp_path, src, lambda g: g.kvs.remove(g.kv(f"{A}.attention.q_lora_rank")))
+    tokens = [3, 17, 42, 99]
+    want = ikjax.load(src, ctx=64, dtype="f32").logits(tokens)
+    eng = ikjax.load(p, ctx=64, dtype="f32")
+    assert eng.config.q_lora_rank == ModelConfig.from_metadata(GGUFModelFile(src).metadata).q_lora_rank > 0
+    np.testing.assert_array_equal(eng.logits(tokens), want)

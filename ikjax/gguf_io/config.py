@@ -165,7 +165,8 @@ class ModelConfig:
             n_layer=block_count - nextn,
             d_model=m.int("embedding_length", lo=1),
             n_head=n_head,
-            q_lora_rank=m.int("attention.q_lora_rank", 0, lo=0),  # 0: direct q (as when absent)
+            # absent: 0 (direct q), unless the file has the low-rank q (attn_q_a): its rows then say it
+            q_lora_rank=m.int("attention.q_lora_rank", _rows(table, "blk.0.attn_q_a.weight") or 0, lo=0),
             kv_lora_rank=r,
             rope_dim=rope_dim,
             nope_dim=qk_dim - rope_dim,
@@ -278,6 +279,12 @@ def _kimi_without_betas(md: Mapping[str, Any]) -> bool:
     YaRN betas."""
     return (md.get("tokenizer.ggml.pre") == "kimi-k2" and f"{ARCH}.rope.scaling.yarn_beta_fast" not in md
             and f"{ARCH}.rope.scaling.yarn_beta_slow" not in md)
+
+
+def _rows(table: Mapping[str, Any], name: str) -> int | None:
+    """The rows (NumPy's first dim) of a 2-D tensor of the table, or None."""
+    shape = getattr(table.get(name), "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) == 2 else None
 
 
 def _qk_dim_from_tensors(table: Mapping[str, Any], n_head: int) -> int | None:
