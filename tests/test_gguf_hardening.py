@@ -509,3 +509,6 @@ def test_q_lora_rank_missing_is_read_from_attn_q_a(tmp_path):
     eng = ikjax.load(p, ctx=64, dtype="f32")
     assert eng.config.q_lora_rank == ModelConfig.from_metadata(GGUFModelFile(src).metadata).q_lora_rank > 0
     np.testing.assert_array_equal(eng.logits(tokens), want)
+    # expert_count likewise, from the routed experts' tensors (it read as "no experts" and was refused)
+    p = _variant(tmp_path, src, lambda g: g.kvs.remove(g.kv(f"{A}.expert_count")), "no_expert_count.gguf")
+    np.testing.assert_array_equal(ikjax.load(p, ctx=64, dtype="f32").logits(tokens), want)

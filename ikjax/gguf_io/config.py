@@ -130,7 +130,8 @@ class ModelConfig:
             raise ModelFileError(f"{source}: {ARCH}.rope.scaling.type {scaling!r} is not supported (none or yarn)")
         elif m.float("rope.scaling.factor", 1.0, positive=True) != 1.0:
             raise ModelFileError(f"{source}: {ARCH}.rope.scaling.factor is set but {ARCH}.rope.scaling.type is not")
-        n_expert = m.int("expert_count", 0, lo=0)
+        # absent: 0 (dense), unless the file has routed experts: their first dim then says how many
+        n_expert = m.int("expert_count", _experts_in(table) or 0, lo=0)
         vocab = m.int("vocab_size", None, lo=1)
         toks = md.get("tokenizer.ggml.tokens")
         if toks is not None:
@@ -279,6 +280,15 @@ def _kimi_without_betas(md: Mapping[str, Any]) -> bool:
     YaRN betas."""
     return (md.get("tokenizer.ggml.pre") == "kimi-k2" and f"{ARCH}.rope.scaling.yarn_beta_fast" not in md
             and f"{ARCH}.rope.scaling.yarn_beta_slow" not in md)
+
+
+def _experts_in(table: Mapping[str, Any]) -> int | None:
+    """The routed experts of the first MoE layer's ffn_gate_exps (its first dim), or None."""
+    for name, info in table.items():
+        if name.endswith(".ffn_gate_exps.weight"):
+            shape = getattr(info, "shape", None)
+            return int(shape[0]) if shape is not None and len(shape) == 3 else None
+    return None
 
 
 def _rows(table: Mapping[str, Any], name: str) -> int | None:
