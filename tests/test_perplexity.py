@@ -307,6 +307,15 @@ def test_cli_progress_and_final_line(files, tmp_path):
     assert float(fin.group(3)) == pytest.approx(want.ppl, abs=1e-4) and vals[-1] == float(fin.group(3))
     assert float(fin.group(4)) == pytest.approx(want.ppl_err, abs=1e-5)
     assert "perplexity: calculating perplexity over" in res.stderr
+    # ik's chunk line ends at n_seq=N (a script anchors on it); ikjax's steps on a line of their own
+    assert re.search(r"^perplexity: calculating perplexity over \d+ chunks, n_ctx=\d+, batch_size=\d+, n_seq=\d+$",
+                     res.stderr, re.M), res.stderr
+    # --ppl-stride 0 is ik's default (taken); another stride is refused in one line
+    res0 = invoke(["perplexity", "-m", files["f32"], "-f", text, "-c", N_CTX, "-mla", "0", "-ctk", "f32", "-t", "1",
+                   "--ppl-stride", "0"])
+    assert res0.stdout == res.stdout
+    _assert_one_line_error(invoke(["perplexity", "-m", files["f32"], "-f", text, "--ppl-stride", "32"], 1),
+                           "ppl-stride")
 
 
 def test_cli_ppl_output_type_1(files, tmp_path):

@@ -44,6 +44,8 @@ def perplexity_cmd(
                                                 "--kl-divergence-base FILE (its tokens; -f not needed)")] = False,
     ppl_output_type: Annotated[int, typer.Option("--ppl-output-type", help="0: ik's [1]x,[2]y, line; 1: a line "
                                                  "a chunk: token offset, PPL, mean NLL, its error (ik's)")] = 0,
+    ppl_stride: Annotated[int, typer.Option("--ppl-stride", help="ik's strided perplexity: 0 (its default, off) "
+                                            "only; another stride is refused")] = 0,
 ) -> None:
     """Perplexity of a text, as llama-perplexity: chunks of -c tokens, each scoring its second half
     (`[1]x,[2]y,...` then `Final estimate: PPL ...`); --kl-divergence-base FILE saves the base
@@ -51,6 +53,9 @@ def perplexity_cmd(
     from ikjax.runtime import perplexity as ppl
     if kl_divergence and not kl_divergence_base:
         raise OptionError("kl-divergence: needs --kl-divergence-base FILE (the base model's log-probabilities)")
+    if ppl_stride != 0:
+        raise OptionError(f"ppl-stride: {ppl_stride}: the strided perplexity is not supported here (0, ik's default: "
+                          f"chunks of -c tokens, each scoring its second half)")
     if ppl_output_type not in (0, 1):
         raise OptionError(f"ppl-output-type: 0 or 1, got {ppl_output_type}")
     if chunks == 0 or chunks < -1:
@@ -133,7 +138,8 @@ def _run_ppl(eng, ids, n_ctx: int, n_chunk: int, n_seq: int, save_base: Optional
         log(f"perplexity: saving all logits to {save_base}")
     o = eng.options  # ik's line (its n_seq: -b / n_ctx); a step here holds at most -ub tokens
     log(f"perplexity: calculating perplexity over {n_chunk} chunks, n_ctx={n_ctx}, batch_size={o.batch}, "
-        f"n_seq={max(1, o.batch // n_ctx)} ({n_seq} a step of at most -ub {o.ubatch} tokens)")
+        f"n_seq={max(1, o.batch // n_ctx)}")  # ik's line, as it ends (scripts anchor on it)
+    log(f"perplexity: {n_seq} chunks a step of at most -ub {o.ubatch} tokens")
     t0 = time.perf_counter()
 
     def on_chunk(i: int, nll) -> None:
