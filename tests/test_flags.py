@@ -339,3 +339,15 @@ def test_generate_compiles_before_timing(tiny_model):
                   "-ncmoe", 1])
     err = res.stderr
     assert err.index("compiled ") < err.index("prompt: ") and "compilation not included" in err
+
+
+def test_one_device_split_note_printed_once(tiny_model):
+    """`-sm layer` on one device: the command line's note, not again the placement's (the same
+    fact came out twice)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny_model, "-p", "hi", "-n", "1", "-c", "64",
+                        "-sm", "layer"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-1500:]
+    said = [l for l in r.stderr.splitlines() if "-sm layer has no effect with one device" in l]
+    assert len(said) == 1 and said[0].startswith("note: "), r.stderr

@@ -24,6 +24,7 @@ effect here) before anything is loaded.
 import dataclasses
 import functools
 import inspect
+import logging
 import typing
 from typing import Annotated, Any, Callable, Iterable, Optional
 
@@ -285,6 +286,27 @@ def check_options(params: dict[str, Any], command: str) -> tuple[dict[str, Any],
         run_opts["ctx"] = n
         checked = dataclasses.replace(checked, ctx=n)
     switches = {k: params[k] for k in SWITCH_PARAMS if k in params}
-    for line in switch_notes(switches, command, backend()) + checked.notes():
+    notes = switch_notes(switches, command, backend()) + checked.notes()
+    for line in notes:
         log("note: " + line)
+    _drop_repeated_notes(notes)
     return run_opts, checked
+
+
+class _SaidAlready(logging.Filter):
+    """Drops the engine's note that says again what the command line's notes said (`-sm layer has no
+    effect with one device`: the placement's note, for the Python API, came out a second time)."""
+
+    def __init__(self, heads: set[str]):
+        super().__init__()
+        self.heads = heads
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith("note: ") and any(msg[6:].startswith(h) for h in self.heads))
+
+
+def _drop_repeated_notes(notes: list[str]) -> None:
+    heads = {n.split(" (")[0].split(":")[0] for n in notes if "has no effect with one device" in n}
+    if heads:
+        logging.getLogger("ikjax").addFilter(_SaidAlready(heads))
