@@ -148,3 +148,12 @@ def test_bench_tgb_pairs_join_the_thread_list_and_ser_pairs_by_commas(tiny_model
     res = _run(["bench", "-m", tiny_model, "-p", 8, "-n", 0, "-r", 1, "-o", "csv", "-oe", "md"])
     assert res.stdout.startswith("build_commit,build_number,") and '"build_commit"' not in res.stdout
     assert any(l.startswith("| model") for l in res.stderr.splitlines())
+
+
+def test_bench_sm_list_sweeps_split_modes(tiny_model):
+    """llama-bench's `-sm` is a list too (swept outside the batch sizes): one row a mode, an `sm`
+    column; a bad value is one line naming -sm. (On one device the modes run alike: a note says so.)"""
+    res = _run(["bench", "-m", tiny_model, "-p", 8, "-n", 0, "-r", 1, "-sm", "none,layer", "-sm", "graph"])
+    assert [r["sm"] for r in _bench_rows(res)] == ["none", "layer", "graph"]
+    res = _run(["bench", "-m", tiny_model, "-p", 8, "-n", 0, "-r", 1, "-sm", "none,row"], 1)
+    assert res.stderr.startswith("error: -sm") and len(res.stderr.strip().splitlines()) == 1, res.stderr

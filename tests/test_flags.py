@@ -51,7 +51,7 @@ def check(command: str, params: dict) -> RunOptions:
         swept["fmoe"] = fmoe
         _note_combinations(swept)
         combo = lb.combinations(swept)[0]
-        return RunOptions.from_kwargs(**{lb.SWEPT[k]: v for k, v in combo.items()}, **fixed)
+        return RunOptions.from_kwargs(**{**fixed, **{lb.SWEPT[k]: v for k, v in combo.items()}})  # as run_bench
     return check_options(params, command)[1]
 
 

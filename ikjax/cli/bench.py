@@ -79,7 +79,8 @@ class BenchCommand(ListCommand):
     """bench's swept options add up when repeated, as llama-bench's (-ser settings join by ';', a
     repeated -ot adds rules to one list, as ik's)."""
     LIST_JOIN = {**{name: "," for name in ("n_prompt", "n_gen", "depth", "mla", "fa", "ubatch", "batch", "ctk", "ctv",
-                                           "amb", "ot", "ngl", "threads", "dtype", "fmoe")}, "ser": ";", "tgb": ";"}
+                                           "amb", "ot", "ngl", "threads", "dtype", "fmoe", "split_mode")},
+                 "ser": ";", "tgb": ";"}
 
 
 @app.command("bench", cls=BenchCommand)
@@ -163,6 +164,14 @@ def bench(
         threads = ",".join(entries)
     elif threads is None:
         threads = str(_D.threads)
+    sm_list = None
+    if params_in.get("split_mode") is not None and "," in str(params_in["split_mode"]):
+        # llama-bench's -sm list (swept, outside the batch sizes): each value checked and noted as one -sm is
+        given = str(params_in["split_mode"])
+        vals = [v.strip().lower() for v in given.split(",") if v.strip()]
+        if not vals or any(v not in ("none", "layer", "graph") for v in vals):
+            raise OptionError(f"-sm: expected none, layer or graph (or a comma list of them), got {given!r}")
+        sm_list, params_in["split_mode"] = ",".join(vals), vals[0]
     fixed, fmoe = _check_bench_options(params_in)
     no_warmup = run.no_warmup is not None and RunOptions.from_kwargs(fa=run.no_warmup).fa
     do_warmup = flags["-w"] and not no_warmup
@@ -197,7 +206,7 @@ def bench(
                           counts(depth, "d") or [0], pairs(pg, "pg"))
     if not tests:
         raise OptionError("no tests: give -p, -n, -pg or -gp")
-    params = dict(mla=mla, fa=params_in["fa"],  # -no-fa applied by _check_bench_options
+    params = dict(split_mode=sm_list, mla=mla, fa=params_in["fa"],  # -no-fa applied by _check_bench_options
                   ubatch=ubatch, batch=batch, ctk=ctk, ctv=ctv, amb=amb, fmoe=fmoe, ser=ser, ot=ot,
                   ngl=ngl, threads=threads, dtype=dtype)
     _note_combinations(params)

@@ -31,12 +31,12 @@ from typing import Any, Callable
 import numpy as np
 
 # bench parameter -> RunOptions name; these may be comma lists
-SWEPT = {"ngl": "ngl", "batch": "batch", "ubatch": "ubatch", "ctk": "ctk", "ctv": "ctv", "fa": "fa", "mla": "mla",
+SWEPT = {"ngl": "ngl", "split_mode": "split_mode", "batch": "batch", "ubatch": "ubatch", "ctk": "ctk", "ctv": "ctv", "fa": "fa", "mla": "mla",
          "amb": "amb", "ser": "ser", "fmoe": "fmoe", "ot": "ot", "dtype": "dtype", "threads": "threads"}
-# (in llama-bench's loop order, the first varying slowest: ngl, n_batch, n_ubatch, type_k, type_v,
+# (in llama-bench's loop order, the first varying slowest: ngl, sm, n_batch, n_ubatch, type_k, type_v,
 # fa, mla, amb, ser, threads; fmoe, ot and dtype, which it does not sweep, just before the threads)
 # markdown column names (llama-bench's)
-COLUMN = {"mla": "mla", "fa": "fa", "ubatch": "n_ubatch", "batch": "n_batch", "ctk": "type_k", "ctv": "type_v",
+COLUMN = {"split_mode": "sm", "mla": "mla", "fa": "fa", "ubatch": "n_ubatch", "batch": "n_batch", "ctk": "type_k", "ctv": "type_v",
           "amb": "amb", "fmoe": "fmoe", "ser": "ser", "ot": "ot", "ngl": "ngl", "threads": "threads", "dtype": "dtype"}
 
 
@@ -543,7 +543,8 @@ def markdown_fields(params: dict[str, Any], switches: dict[str, Any], backend: s
                if non_default(p)]
     if switches.get("main_gpu") not in (None, "", "0", 0):
         fields.append("main_gpu")
-    if switches.get("split_mode") not in (None, "") and str(switches["split_mode"]).lower() != "layer":
+    if len(given("split_mode")) > 1 or (
+            switches.get("split_mode") not in (None, "") and str(switches["split_mode"]).lower() != "layer"):
         fields.append("split_mode")
     if on("nkvo"):
         fields.append("no_kv_offload")
