@@ -108,9 +108,13 @@ class ExactCommand(TyperCommand):
         return parser
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, self.prepare(list(args)))
+
+    def prepare(self, args: list[str]) -> list[str]:
+        """The command line as the parser reads it: a bare switch given its 1."""
         bare = {o for p in self.params if p.name in BARE_PARAMS for o in (*p.opts, *p.secondary_opts)}
         has_positional = any(p.param_type_name == "argument" for p in self.params)
-        return super().parse_args(ctx, _rewrite(list(args), bare, has_positional))
+        return _rewrite(args, bare, has_positional)
 
 
 class ListCommand(ExactCommand):
@@ -121,10 +125,8 @@ class ListCommand(ExactCommand):
 
     LIST_JOIN: dict[str, str] = {}
 
-    def parse_args(self, ctx, args: list[str]) -> list[str]:
-        bare = {o for p in self.params if p.name in BARE_PARAMS for o in (*p.opts, *p.secondary_opts)}
-        has_positional = any(p.param_type_name == "argument" for p in self.params)
-        args = _rewrite(list(args), bare, has_positional)
+    def prepare(self, args: list[str]) -> list[str]:
+        args = super().prepare(args)
         flag_of = {o: p.name for p in self.params if p.name in self.LIST_JOIN for o in (*p.opts, *p.secondary_opts)}
         values: dict[str, list[str]] = {}
         out: list = []
@@ -153,7 +155,7 @@ class ListCommand(ExactCommand):
                 merged += [a[0], self.LIST_JOIN[a[1]].join(values[a[1]])]
             else:
                 merged.append(a)
-        return TyperCommand.parse_args(self, ctx, merged)
+        return merged
 
 
 # Exit statuses the command wrapper (`common.handle`) hands to the process entry (`Group.__call__`).

@@ -295,18 +295,23 @@ def check_options(params: dict[str, Any], command: str) -> tuple[dict[str, Any],
 
 class _SaidAlready(logging.Filter):
     """Drops the engine's note that says again what the command line's notes said (`-sm layer has no
-    effect with one device`: the placement's note, for the Python API, came out a second time)."""
+    effect with one device`: the placement's note, for the Python API, came out a second time).
+    One instance on the "ikjax" logger; each command's check sets what it said."""
 
-    def __init__(self, heads: set[str]):
+    def __init__(self):
         super().__init__()
-        self.heads = heads
+        self.heads: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if not self.heads:
+            return True
         msg = record.getMessage()
         return not (msg.startswith("note: ") and any(msg[6:].startswith(h) for h in self.heads))
 
 
+_SAID = _SaidAlready()
+logging.getLogger("ikjax").addFilter(_SAID)
+
+
 def _drop_repeated_notes(notes: list[str]) -> None:
-    heads = {n.split(" (")[0].split(":")[0] for n in notes if "has no effect with one device" in n}
-    if heads:
-        logging.getLogger("ikjax").addFilter(_SaidAlready(heads))
+    _SAID.heads = {n.split(" (")[0].split(":")[0] for n in notes if "has no effect with one device" in n}

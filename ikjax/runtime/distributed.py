@@ -175,8 +175,7 @@ def process_count() -> int:
 def several() -> bool:
     """This process joined others (--coordinator with N > 1). Asks nothing of a JAX backend that
     has not started (an error path before the load stays as quick as it was)."""
-    import sys as _sys
-    jax = _sys.modules.get("jax")
+    jax = sys.modules.get("jax")
     if jax is None or not jax.distributed.is_initialized():
         return False
     return jax.process_count() > 1
