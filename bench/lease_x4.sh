@@ -96,6 +96,8 @@
 #   STAGE=62: issue 25: call 1 of 62, 41, 39 (ik's build and the R1 file in the background, the split modes'
 #            hybrid decode-loop GPU tests).
 #   STAGE=61: issue 24: host experts streamed by runs of experts (chunks) against whole layers, R1-8 rows + memory.
+#   STAGE=63: issue 22: -ot host layers scanned: R1-shape files of 4 / 16 layers (few experts) written in the
+#            background, the hybrid GPU tests. STAGE=64: those files' -ot runs cold / warm, scan against unroll.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
@@ -1172,6 +1174,41 @@ PY
     sleep 20; ikprog; ls -la /tmp/mg/*.gguf 2>/dev/null | tail -1
   done
   ls -la /tmp/mg; tail -2 /tmp/mg/r1.log
+  ;;
+63)
+  # issue 22: -ot host layers scanned (HostStack, IKJAX_HOST_LAYERS), call 1 of 63, 64: R1-shape files of 4 and
+  # 16 layers with EXPERTS63 (32) experts written in the background, the hybrid GPU tests (TESTS63: all)
+  for L in 4 16; do
+    if [ ! -f /tmp/r1e-$L.gguf ] && [ ! -f /tmp/r1e-$L.started ]; then
+      touch /tmp/r1e-$L.started
+      setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/r1e-$L.tmp.gguf --preset r1 --layers $L \
+        --experts ${EXPERTS63:-32} --type Q4_0 > /tmp/r1e-$L.log 2>&1 && mv /tmp/r1e-$L.tmp.gguf /tmp/r1e-$L.gguf" \
+        > /dev/null 2>&1 < /dev/null &
+    fi
+  done
+  timeout ${TESTS63_S:-400} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_hybrid_gpu.py \
+    -k "${TESTS63:-not nothing}" 2>&1 | tail -${TAIL63:-8}
+  ls -la /tmp/r1e-*.gguf 2>/dev/null; tail -1 /tmp/r1e-*.log
+  ;;
+64)
+  # issue 22, call 2: each -ot run cold in a fresh cache (command to end, compile lines, rows): RUNS64 of
+  # "LAYERS:FORM" (FORM: scan, unroll = IKJAX_HOST_LAYERS), then warm reruns (WARM64) of the same
+  for L in 4 16; do
+    while [ ! -f /tmp/r1e-$L.gguf ] && [ $(( $(date +%s) - T0 )) -lt ${DEADLINE:-300} ]; do sleep 5; done
+  done
+  ls -la /tmp/r1e-*.gguf || exit 1
+  run64() {  # $1 LAYERS:FORM  $2 cold|warm
+    L=${1%%:*} form=${1##*:} cc=/tmp/cc64_${1//:/_}
+    [ $2 = cold ] && rm -rf $cc
+    el "r1e-$L -ot exps=CPU $form $2"
+    t0=$(date +%s.%N)
+    IKJAX_HOST_LAYERS=$form IKJAX_COMPILE_CACHE=$cc CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m ikjax.cli sweep-bench \
+      -m /tmp/r1e-$L.gguf -c 4096 -ub 2048 -n 32 -mla 3 -fa 1 -ot exps=CPU -t $(nproc) > "$OUT/r1e_${L}_${form}_$2.out" 2>&1
+    echo "rc $? wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+    grep -h "^|  *2048\|^|  *[0-9]* |  *32 \|loaded\|compiled\|rror" "$OUT/r1e_${L}_${form}_$2.out" | cut -c1-200 | head -12
+  }
+  for r in ${RUNS64:-4:scan 16:scan 16:unroll}; do run64 $r cold; done
+  for r in ${WARM64:-16:scan 16:unroll}; do run64 $r warm; done
   ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache

@@ -44,6 +44,10 @@ _VARS = (
              "unrolled, or `auto`: scanned, GPU decode steps with up to 4 layers an iteration (fewer loop "
              "iterations, compile still independent of depth); `halves`: GPU decode in two iterations of half "
              "a group (the form before, its compile growing with depth)", "ikjax.model.groups"),
+    Variable("IKJAX_HOST_LAYERS", "scan", ("scan", "unroll"),
+             "layers whose routed experts stay in host memory next to a GPU (`-ot exps=CPU`): scanned like the "
+             "others (the host calls pick the layer's bytes by a traced index; compile time independent of depth), "
+             "or each unrolled, its bytes named in the step (the form before)", "ikjax.model.groups"),
     Variable("IKJAX_GPU_AUTOTUNE", "auto", ("auto", "1", "0"),
              "XLA's GPU autotuning when a step compiles; auto: off where the Pallas kernels do the products (it "
              "then spends 3-4 s of a cold start choosing emitters for small fusions, for 1-2 % of S_PP; RESULTS "

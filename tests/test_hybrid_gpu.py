@@ -382,3 +382,52 @@ def test_host_call_forms_agree(tiny4):
         assert got[form]["form"] == form
     assert got["flag"]["logits"] == got["hostfunc"]["logits"]
     assert got["flag"]["tokens"] == got["hostfunc"]["tokens"] and len(got["flag"]["tokens"]) == 32
+
+
+@pytest.fixture(scope="module")
+def tiny6(tmp_path_factory):
+    """The tiny preset at 6 layers (1 dense + 5 MoE), Q4_K: five host layers in one group."""
+    from ikjax.tools.synthetic import make_model
+    p = tmp_path_factory.mktemp("hybrid6") / "tiny6-Q4_K.gguf"
+    make_model(p, "tiny", "Q4_K", layers=6)
+    return str(p)
+
+
+@pytest.mark.parametrize("stream", ["chunks", "active"])
+def test_host_layers_scanned_equal_unrolled(tiny6, monkeypatch, stream):
+    """-ot exps=CPU: the five MoE layers whose experts stay in host memory are one scanned group
+    (a HostStack a tensor; the host calls pick each layer's bytes by the scan's index at run time),
+    and compute what the unrolled form (IKJAX_HOST_LAYERS=unroll, one group a layer) and the
+    all-GPU run do: a 200-token prompt step streaming the experts (runs of experts by the copy
+    engine, or the active ones by round: the layer index read before the copy), then greedy decode
+    through the decode loop (the host kernel, the index handed over with the ids)."""
+    from ikjax.placement.host import HostStack
+    monkeypatch.setenv("IKJAX_STREAM", stream)
+    monkeypatch.setenv("IKJAX_STREAM_MIB", "0.05")  # several runs / rounds a layer
+    tokens = (np.arange(STREAM_TOKENS) * 7 + 5) % 1000
+    prompt = list(range(3, 30))
+    ref_eng = ikjax.load(tiny6, ctx=512, ubatch=256, dtype="f32")
+    ref, ref_toks = ref_eng.logits(tokens), [int(t) for t in ref_eng.generate(prompt, max_tokens=24)]
+    del ref_eng
+    out = {}
+    for form in ("scan", "unroll"):
+        monkeypatch.setenv("IKJAX_HOST_LAYERS", form)
+        eng = ikjax.load(tiny6, ctx=512, ubatch=256, dtype="f32", ot="exps=CPU", t=4)
+        moe = [g for g in eng.weights["groups"] if "gate_exps" in g.tensors]
+        if form == "scan":
+            assert [(g.first, g.count) for g in moe] == [(1, 5)]
+            assert all(isinstance(moe[0].tensors[k], HostStack) for k in ("gate_exps", "up_exps", "down_exps"))
+        else:
+            assert [(g.first, g.count) for g in moe] == [(i, 1) for i in range(1, 6)]
+        _check_host_resident(eng)
+        host_moe.stream_stats(reset=True)
+        logits = eng.logits(tokens)
+        assert ops.selected("moe_experts").startswith("stream:")
+        assert host_moe.stream_stats(reset=True)["copied"] > 0
+        assert eng.decode_loop()
+        toks = [int(t) for t in eng.generate(prompt, max_tokens=24)]
+        assert ops.selected("moe_experts") == "host"
+        out[form] = (logits, toks)
+        assert rel_err(logits, ref) <= TOL, (form, rel_err(logits, ref))
+        assert toks == ref_toks, form
+    assert rel_err(out["scan"][0], out["unroll"][0]) <= TOL

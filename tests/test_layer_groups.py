@@ -265,3 +265,102 @@ def test_host_layers_slices_no_device_group(tiny4_model):
         assert sliced  # the contrast: all_layers does slice every stacked leaf
     finally:
         jarray.ArrayImpl.__getitem__ = orig
+
+
+class _HybridPlacement:
+    """A placement next to an accelerator (not unified) with the tensors `host` names in host
+    memory, the rest on GPU0: what layer_spans reads of one (by name, `hot`, `unified`)."""
+    unified = False
+
+    def __init__(self, names, host):
+        from ikjax.placement.rules import TensorPlacement
+        self.by_name = {n: TensorPlacement(n, "host" if host(n) else "device", "CPU" if host(n) else "GPU0",
+                                           None, None, 0, "-ot" if host(n) else "default") for n in names}
+
+    def __getitem__(self, name):
+        return self.by_name[name]
+
+    def hot(self, i):
+        return ()
+
+
+@pytest.mark.parametrize("env,scanned", [({}, True), ({"IKJAX_HOST_LAYERS": "unroll"}, False),
+                                         ({"IKJAX_STREAM": "layer"}, False), ({"IKJAX_STREAM_COPY": "xla"}, False)])
+def test_host_expert_layers_scan_as_a_group(tiny4_model, monkeypatch, env, scanned):
+    """-ot exps=CPU: the MoE layers whose routed experts stay in host memory are one scanned group
+    (their host calls pick each layer's bytes at run time), unless IKJAX_HOST_LAYERS=unroll or a
+    streaming form that takes a layer's bytes as a step argument; their host bytes never count
+    toward the Pallas stack limit; any other tensor in host memory keeps its layer alone."""
+    from ikjax.gguf_io.tensors import is_routed_expert
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    gf = GGUFModelFile(tiny4_model)
+    cfg = ikjax.load(tiny4_model, ctx=64).config
+    moe = [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)]
+    assert len(moe) >= 3
+    exps = _HybridPlacement(gf.tensors, is_routed_expert)
+    biggest = max(gf.tensors[f"blk.{moe[0]}.ffn_{p}_exps.weight"].nbytes for p in ("gate", "up", "down"))
+    spans = layer_spans(cfg, gf.tensors, exps, mode="scan", max_stack_bytes=biggest)
+    want = (moe[0], len(moe)) in spans if scanned else all((i, 1) in spans for i in moe)
+    assert want, spans
+    # one layer's attention output on the host: that layer alone, its neighbours still one group
+    mid = moe[1]
+    odd = _HybridPlacement(gf.tensors, lambda n: is_routed_expert(n) or n == f"blk.{mid}.attn_output.weight")
+    spans = layer_spans(cfg, gf.tensors, odd, mode="scan")
+    assert (mid, 1) in spans, spans
+
+
+def test_host_stack_views_and_the_host_call(monkeypatch):
+    """A scanned group's host tensor (HostStack): no leaves, equal where it holds the same arrays
+    (every -sm graph device loads the group), each layer's own array back from LayerGroup.layer,
+    and inside the scan a view (`layer_view`) whose host call names every layer's bytes in slot
+    tables and the traced index after the ids, lowered for CUDA: one call for the whole group."""
+    from ikjax.model.groups import LayerGroup
+    from ikjax.ops.quant_matmul import layer_view
+    from ikjax.placement.host import HostLayer, HostQuantArray, HostStack, is_host_resident
+    from ikjax.quant import by_name
+    from pallas_kernels.moe_matmul import host as moe_host
+    E, F, d, L = 4, 64, 32, 3
+    qt = by_name("Q8_0")
+    rng = np.random.default_rng(0)
+
+    def arr(rows, cols):
+        return HostQuantArray(rng.integers(0, 255, size=(E, rows, cols // 32 * 34), dtype=np.uint8), qt,
+                              (E, rows, cols))
+    per = [(arr(F, d), arr(F, d), arr(d, F)) for _ in range(L)]
+    stacks = [HostStack([per[l][t] for l in range(L)]) for t in range(3)]
+    assert jax.tree.leaves(stacks) == [] and all(is_host_resident(s) for s in stacks)
+    again = HostStack(list(stacks[0].arrays))
+    assert again == stacks[0] and hash(again) == hash(stacks[0]) and again != stacks[1]
+    assert jax.tree.structure(again) == jax.tree.structure(stacks[0])
+    with pytest.raises(ValueError, match="differ"):
+        HostStack([per[0][0], per[0][2]])
+    norm = jnp.ones((L, d))
+    group = LayerGroup(5, L, {"gate_exps": stacks[0], "ffn_norm": norm})
+    assert group.layer(6)["gate_exps"] is per[1][0] and group.layer(7)["ffn_norm"].shape == (d,)
+    view = layer_view(group.tensors, jnp.int32(2))
+    assert isinstance(view["gate_exps"], HostLayer) and view["gate_exps"].host_layers == stacks[0].arrays
+    assert view["gate_exps"].shape == (E, F, d) and not view["gate_exps"].streamable
+    assert not view["gate_exps"].whole_ok  # a group never moves a layer whole
+
+    monkeypatch.setattr(moe_host, "register", lambda: None)  # lowered only: no CUDA device here
+    monkeypatch.setattr(moe_host, "supported", lambda *a: True)
+
+    def body(x, w, ids, j):
+        g, u, dn = (layer_view({"t": s}, j)["t"] for s in stacks)
+        return moe_host.moe_experts(x, w, ids, g, u, dn)
+    x, w, ids = jnp.zeros((2, d)), jnp.ones((2, 2)), jnp.zeros((2, 2), jnp.int32)
+    txt = jax.jit(body).trace(x, w, ids, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in txt.splitlines() if "custom_call @ikjax_host_moe_experts" in line]
+    assert len(calls) == 1
+    for t, key in enumerate(("gate_slots", "up_slots", "down_slots")):
+        slots = [moe_host.host_slot(a, a.host_address(), a.nbytes) for a in stacks[t].arrays]
+        assert f"{key} = dense<[{', '.join(map(str, slots))}]> : tensor<{L}xi64>" in calls[0]
+        assert len(set(slots)) == L
+    assert "tensor<5xi32>" in calls[0]  # 2 x 2 ids and the layer index
+    # one layer of its own: a table of one slot, index 0
+    one = moe_host.moe_experts
+    txt1 = jax.jit(lambda x, w, ids: one(x, w, ids, *per[0])).trace(x, w, ids).lower(
+        lowering_platforms=("cuda",)).as_text()
+    slot = moe_host.host_slot(per[0][0], per[0][0].host_address(), per[0][0].nbytes)
+    assert f"gate_slots = dense<{slot}> : tensor<1xi64>" in txt1

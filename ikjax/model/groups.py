@@ -6,10 +6,13 @@ every new batch or KV bucket). Scanned, a run of identical layers is one loop wh
 layer: XLA compiles it once, whatever the depth (MaxText's `scan_layers`).
 
 Identical means: the same tensors (keys, GGUF types, shapes), dense or MoE alike, and placed alike
-(same memory and device, same -sm graph split). A layer with any tensor in host memory next to an
-accelerator (`-ot ...=CPU`: routed experts read by the host kernel at their own address, or
-tensors fetched into the step) is a group of its own, run as it is (unrolled). So is every layer
-with `IKJAX_LAYERS=unroll`, the old form, kept for comparison.
+(same memory and device, same -sm graph split). Routed experts in host memory next to an
+accelerator (`-ot exps=CPU`) scan too: the group holds each layer's host tensor as loaded
+(`ikjax.placement.host.HostStack`) and its host calls pick the layer's bytes by the scan's index
+at run time (`stacks_host_layers`; R1-16 with them unrolled compiled its first row in 44-54 s against
+R1-7's 16.5 s, RESULTS §25l). A layer with any other tensor in host memory (fetched into the step)
+is a group of its own, run as it is (unrolled). So is every layer with `IKJAX_LAYERS=unroll`, the
+old form, kept for comparison.
 
 GPU decode steps (`IKJAX_LAYERS=auto`, the default) run each group's scan with up to
 IKJAX_DECODE_UNROLL layers an iteration (auto: 1 where XLA unrolls the decode graph's loops,
@@ -36,8 +39,8 @@ from typing import Any
 import jax
 
 from ikjax import env, ops
-from ikjax.gguf_io.tensors import layer_specs
-from ikjax.placement.host import is_host_resident
+from ikjax.gguf_io.tensors import is_routed_expert, layer_specs
+from ikjax.placement.host import HostStack, is_host_resident
 
 LAYER_MODES = ("auto", "scan", "halves", "unroll")
 
@@ -45,6 +48,14 @@ LAYER_MODES = ("auto", "scan", "halves", "unroll")
 def layer_mode() -> str:
     """IKJAX_LAYERS: "auto" (default), "scan", "halves" or "unroll"."""
     return env.choice("IKJAX_LAYERS")
+
+
+def stacks_host_layers() -> bool:
+    """Whether layers with routed experts in host memory scan as a group (HostStack): unless
+    IKJAX_HOST_LAYERS=unroll, or a streaming form that takes a layer's host bytes as a step argument
+    (IKJAX_STREAM=layer, IKJAX_STREAM_COPY=xla) rather than through the host calls' slot tables."""
+    return (env.choice("IKJAX_HOST_LAYERS") == "scan" and env.choice("IKJAX_STREAM") != "layer"
+            and env.choice("IKJAX_STREAM_COPY") != "xla")
 
 
 def unroll_scan(n_tokens: int, backend: str, count: int) -> int:
@@ -96,7 +107,8 @@ class LayerGroup:
         if not self.stacked:
             return self.tensors
         j = i - self.first
-        return jax.tree.map(lambda a: a[j], self.tensors)
+        return {k: v.arrays[j] if isinstance(v, HostStack) else jax.tree.map(lambda a: a[j], v)
+                for k, v in self.tensors.items()}
 
     def __repr__(self) -> str:
         return f"LayerGroup(layers {self.first}..{self.first + self.count - 1}, {sorted(self.tensors)})"
@@ -117,7 +129,7 @@ def _signature(cfg, i: int, tensors: Mapping[str, Any], placement) -> tuple | No
         where = None
         if placement is not None:
             t = placement[spec.gguf_name]
-            if t.on_host and not placement.unified:
+            if t.on_host and not placement.unified and not (is_routed_expert(spec.gguf_name) and stacks_host_layers()):
                 return None  # read at its own host address, or fetched: run as it is
             where = (t.memory, t.device, t.spread, t.split_dim)
         sig.append((spec.key, getattr(info.qtype, "name", None), tuple(info.shape), where))
@@ -145,7 +157,8 @@ def layer_spans(cfg, tensors: Mapping[str, Any], placement=None, mode: str | Non
         sig = _signature(cfg, i, tensors, placement) if mode != "unroll" else None
         if sig is not None and placement is not None and placement.hot(i):
             sig = ("gpu experts", i)  # its own set of GPU copies (--gpu-experts): a group of one
-        biggest = max((getattr(tensors.get(s.gguf_name), "nbytes", 0) or 0 for s in layer_specs(cfg, i)), default=0)
+        biggest = max((getattr(tensors.get(s.gguf_name), "nbytes", 0) or 0 for s in layer_specs(cfg, i)
+                       if not _apart(s.gguf_name, placement)), default=0)
         fits = max_stack_bytes is None or (spans and (spans[-1][1] + 1) * biggest <= max_stack_bytes)
         if spans and sig is not None and sig == prev and fits:
             spans[-1][1] += 1
@@ -153,6 +166,12 @@ def layer_spans(cfg, tensors: Mapping[str, Any], placement=None, mode: str | Non
             spans.append([i, 1])
         prev = sig
     return tuple((a, b) for a, b in spans)
+
+
+def _apart(name: str, placement) -> bool:
+    """A tensor that stays in host memory next to an accelerator: never part of a stack's bytes."""
+    t = placement.by_name.get(name) if placement is not None and not placement.unified else None
+    return t is not None and t.on_host
 
 
 def layer_tensors(weights: dict, i: int) -> dict:

@@ -21,7 +21,7 @@ from ikjax.gguf_io.reader import GGUFModelFile, TensorInfo
 from ikjax.model.groups import LayerGroup, layer_spans
 from ikjax.gguf_io.tensors import FUSED_ROWS, KERNEL_MATRICES, TensorSpec, is_routed_expert, layer_specs, model_specs, validate
 from ikjax.placement import devices
-from ikjax.placement.host import (HostQuantArray, cached_fraction, host_form, min_offload_batch, pin_tree, populate_pages,
+from ikjax.placement.host import (HostQuantArray, HostStack, cached_fraction, host_form, min_offload_batch, pin_tree, populate_pages,
                                   release_pages, to_pinned)
 from ikjax.placement.rules import Placement
 from ikjax.quant.array import QuantArray
@@ -486,13 +486,17 @@ class _GroupLoad:
             self.whole = LayerGroup(first, 1, load.layer(first))
             return
         with load.raw(True):
-            leaves, self.tree = jax.tree.flatten(load.layer(first))
+            rest, host = _host_parts(load.layer(first))
+            leaves, self.tree = jax.tree.flatten(rest)
+            self.host = {k: [v] for k, v in host.items()}  # each layer's host-resident experts (HostStack)
             self.stacks = _Stacks(leaves, count)
             self.stacks.put(0, leaves)
 
     def shapes(self) -> LayerGroup:
         if self.whole is not None:
             return abstract(self.whole)
+        if self.host:
+            raise AbstractUnavailable(f"layers {self.first}.. hold routed experts in host memory")
         return LayerGroup(self.first, self.count, jax.tree.unflatten(self.tree, self.stacks.shapes()))
 
     def finish(self) -> LayerGroup:
@@ -505,12 +509,24 @@ class _GroupLoad:
                     raise LoadCancelled(f"load stopped before layer {first + j}")
                 if j + 1 < count:
                     self.load.prefetch(first + j + 1)
-                leaves, t = jax.tree.flatten(self.load.layer(first + j))
-                if t != self.tree:
+                rest, host = _host_parts(self.load.layer(first + j))
+                leaves, t = jax.tree.flatten(rest)
+                if t != self.tree or host.keys() != self.host.keys():
                     raise OptionError(f"layer {first + j} is laid out unlike layer {first} of its group "
                                       f"({t} vs {self.tree}): a bug, please report (IKJAX_LAYERS=unroll runs it)")
                 self.stacks.put(j, leaves)
+                for k, v in host.items():
+                    self.host[k].append(v)
                 del leaves
-        self.whole = LayerGroup(first, count, jax.tree.unflatten(self.tree, self.stacks.done()))
+        tensors = jax.tree.unflatten(self.tree, self.stacks.done())
+        tensors.update({k: HostStack(v) for k, v in self.host.items()})
+        self.whole = LayerGroup(first, count, tensors)
         self.stacks = None
         return self.whole
+
+
+def _host_parts(tensors: dict) -> tuple[dict, dict]:
+    """(a layer's tensors less its routed experts in host memory, those by key): the experts stay
+    each layer's own bytes in a scanned group (a HostStack), never stacked into one copy."""
+    host = {k: v for k, v in tensors.items() if isinstance(v, HostQuantArray)}
+    return {k: v for k, v in tensors.items() if k not in host}, host

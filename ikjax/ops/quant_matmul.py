@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from ikjax import programs
 from ikjax.ops import registry
+from ikjax.placement.host import HostStack
 from ikjax.quant import by_name
 from ikjax.quant.array import LayerSlice, QuantArray
 from pallas_kernels.quant_matmul import cpu as _qm_cpu
@@ -63,11 +64,14 @@ def layer_view(tensors: dict, j) -> dict:
     """Layer j of a scanned group's stacked tensors (ikjax.model.groups), as the ops read it: each
     quantized weight a LayerSlice (the kernels read it in place, the XLA forms slice it; under the
     C++ kernels the F32 router too, loaded as an F32 QuantArray: ikjax.model.weights), each float
-    array (norms, biases: small) sliced."""
+    array (norms, biases: small) sliced, each host-resident expert tensor (a HostStack) a view whose
+    host calls pick layer j at run time."""
     out = {}
     for k, v in tensors.items():
         if isinstance(v, (QuantArray, PackedWeight)):
             out[k] = LayerSlice(v, j)
+        elif isinstance(v, HostStack):
+            out[k] = v.at(j)
         else:
             out[k] = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), v)
     return out

@@ -153,8 +153,93 @@ def _unflatten(key: _Key, leaves):
 jax.tree_util.register_pytree_node(HostQuantArray, _flatten, _unflatten)
 
 
+class HostStack:
+    """One routed-expert tensor of a scanned group of host layers (ikjax.model.groups): each
+    layer's HostQuantArray, as loaded (never copied into one stack: R1's are 2 GB a tensor a layer).
+    A pytree node with no leaves, static, equal where it holds the same arrays (the devices of a
+    -sm graph mesh each load the group, sharing the arrays). Inside the group's scan the step
+    reads layer j through `at(j)`: the host calls then carry every layer's slot and j (a traced
+    index), so one loop body serves every layer. Only forms the calls reach by address stack so:
+    never the whole-layer or XLA-copy streaming forms, which take a layer's bytes as a step
+    argument (`groups.stacks_host_layers`)."""
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays):
+        self.arrays = tuple(arrays)
+        first = self.arrays[0]
+        if any((a.qtype, a.shape, a.nbytes) != (first.qtype, first.shape, first.nbytes) for a in self.arrays):
+            raise ValueError(f"HostStack: the layers' tensors differ in type or shape: {self.arrays}")
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HostStack) and _stack_key(other) == _stack_key(self)
+
+    def __hash__(self) -> int:
+        return hash(_stack_key(self))
+
+    def at(self, j) -> "HostLayer":
+        """Layer j (an int or a traced int32) of the stack, as the ops read it."""
+        return HostLayer(self, j)
+
+    def __repr__(self) -> str:
+        return f"HostStack({len(self.arrays)} x {self.arrays[0]!r})"
+
+
+def _stack_key(h: HostStack):
+    return tuple(_Key(a) for a in h.arrays)
+
+
+jax.tree_util.register_pytree_node(HostStack, lambda h: ((), _stack_key(h)),
+                                   lambda key, _: HostStack([k.obj for k in key]))
+
+
+class HostLayer(HostQuantArray):
+    """Layer `layer_index` (traced) of a HostStack inside a scanned step: a HostQuantArray to every
+    op (type, logical shape, placement, offload threshold of the stack's layers), whose host calls
+    name all the stack's layers (`host_layers`) and pick one by the index at run time. Never
+    streamable as a step argument (no bytes of its own), never moved whole (`whole_ok` False)."""
+    __slots__ = ("stack", "layer_index")
+
+    def __init__(self, stack: HostStack, j):
+        first = stack.arrays[0]
+        self.stack, self.layer_index = stack, j
+        self.data, self.qtype, self.shape = None, first.qtype, first.shape
+        self.tensor, self.min_batch, self.by_address = first.tensor, first.min_batch, first.by_address
+        self.whole_ok, self._origin, self._addr = False, None, 0
+
+    @property
+    def host_layers(self) -> tuple:
+        return self.stack.arrays
+
+    @property
+    def streamable(self) -> bool:
+        return False
+
+    @property
+    def pinned(self) -> bool:
+        return self.stack.arrays[0].pinned
+
+    @property
+    def nbytes(self) -> int:
+        return self.stack.arrays[0].nbytes
+
+    def host_address(self) -> int:
+        raise TypeError("a scanned group's host tensor has one address a layer (host_layers), picked at run time")
+
+    def __repr__(self) -> str:
+        return f"HostLayer({self.stack!r})"
+
+
+jax.tree_util.register_pytree_node(HostLayer, lambda h: ((h.layer_index,), h.stack),
+                                   lambda stack, c: HostLayer(stack, c[0]))
+
+
 def is_host_resident(t) -> bool:
-    return isinstance(t, HostQuantArray)
+    """A routed-expert tensor held in host memory: one layer's (HostQuantArray, HostLayer) or a
+    scanned group's (HostStack)."""
+    return isinstance(t, (HostQuantArray, HostStack))
 
 
 def to_pinned(data: np.ndarray, device) -> jax.Array:

@@ -13,16 +13,18 @@
 // runs (one staging area per stream, reused by every layer in stream order).
 //
 // The experts are static for an engine: the step names their bytes by a slot number (an int64
-// attribute), which this process maps to a host address and size (`set_host_slot`, called by the
+// attribute; a scanned group of layers names one slot per layer, and the call's layer index, a
+// device value, picks one), which this process maps to a host address and size (`set_host_slot`, called by the
 // Python side when it builds the call; the bytes live as long as the engine's weight tree). Why
 // not the address itself: an address differs from process to process, so a step carrying one had
 // another HLO in every run and JAX's persistent cache never served it (a 65-73 s recompile of R1's
 // -sm graph -ot steps each run, RESULTS §25h); a slot is derived from the tensor's name and shape.
 // Built only with -DIKJAX_BUILD_CUDA=ON into the extension pallas_kernels._cuda_host (CMakeLists.txt).
 //
-//   operands:   x f32 [N, d], weights f32 [N, k], ids s32 [N, k] (device buffers)
-//   attributes: gate_slot, up_slot, down_slot (slots of the [E, F, .], [E, F, .], [E, d, .] GGUF
-//               bytes), gate/up/down_row_bytes, gate/up/down_type (ggml type ids), n_expert, n_ff,
+//   operands:   x f32 [N, d], weights f32 [N, k], ids s32 [N * k + 1] (device buffers: the expert ids,
+//               then the index of the layer in the slot tables, which the host reads with the ids)
+//   attributes: gate_slots, up_slots, down_slots (per layer of the call's group, the slots of the
+//               [E, F, .], [E, F, .], [E, d, .] GGUF bytes), gate/up/down_row_bytes, gate/up/down_type (ggml type ids), n_expert, n_ff,
 //               n_threads (0 = all cores), compute (0 f32, 1 bf16: QmCompute)
 //   result:     out f32 [N, d] (device buffer)
 #include <cuda.h>  // the stream memory operations' types and flags (their entry points come from cudart)
@@ -99,6 +101,16 @@ ffi::Error slot_bytes(const char* what, int64_t slot, size_t need, const char** 
   return ffi::Error::Success();
 }
 
+// The host bytes of every layer a call may read: its slot table (one slot, or one per layer of a
+// scanned group, whose step passes the layer's index as a device value), each checked to hold `need`.
+ffi::Error table_bytes(const char* what, ffi::Span<const int64_t> slots, size_t need, std::vector<const char*>* out) {
+  if (slots.size() < 1) return ffi::Error::InvalidArgument(std::string(what) + ": an empty slot table");
+  out->assign(slots.size(), nullptr);
+  for (size_t l = 0; l < slots.size(); ++l)
+    if (ffi::Error e = slot_bytes(what, slots[l], need, &(*out)[l]); e.failure()) return e;
+  return ffi::Error::Success();
+}
+
 ffi::Error staging_for(cudaStream_t s, size_t need, char** out) {
   std::lock_guard<std::mutex> lock(staging_mu);
   Staging& st = staging_by_stream[s];
@@ -119,6 +131,8 @@ ffi::Error staging_for(cudaStream_t s, size_t need, char** out) {
 
 struct Job {
   MoeExpertsArgs args;
+  // per layer of the call's slot tables: the layer's bytes, picked once the index is on the host
+  std::vector<const char*> gate, up, down;
 };
 
 // Time spent inside the host kernel, for sweep-bench's report (`host_stats`): decode-sized calls
@@ -140,6 +154,15 @@ void CUDART_CB run_job(void* p) {
   // and a host callback cannot return an error to XLA, so stop loudly instead of reading past
   // the expert tensors. The same pass counts the experts the call reads (a non-zero weight) for
   // host_stats' bytes.
+  const int32_t layer = a.ids[a.N * a.k];  // copied with the ids (HostMoeImpl)
+  if (layer < 0 || static_cast<size_t>(layer) >= job->gate.size()) {
+    std::fprintf(stderr, "ikjax host moe_experts: layer index %d outside its table of %zu\n", layer, job->gate.size());
+    std::abort();
+  }
+  MoeExpertsArgs& am = job->args;
+  am.gate = reinterpret_cast<const uint8_t*>(job->gate[layer]);
+  am.up = reinterpret_cast<const uint8_t*>(job->up[layer]);
+  am.down = reinterpret_cast<const uint8_t*>(job->down[layer]);
   thread_local std::vector<char> seen;
   seen.assign(a.E, 0);
   int64_t used = 0;
@@ -309,23 +332,26 @@ ffi::Error enqueue_flag(cudaStream_t stream, void* job) {
 }
 
 ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights,
-                       ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> out, int64_t gate_slot,
-                       int64_t up_slot, int64_t down_slot, int64_t gate_row_bytes, int64_t up_row_bytes,
+                       ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> out, ffi::Span<const int64_t> gate_slots,
+                       ffi::Span<const int64_t> up_slots, ffi::Span<const int64_t> down_slots,
+                       int64_t gate_row_bytes, int64_t up_row_bytes,
                        int64_t down_row_bytes, int64_t gate_type, int64_t up_type, int64_t down_type,
                        int64_t n_expert, int64_t n_ff, int64_t n_threads, int64_t compute) {
   auto xd = x.dimensions(), wd = weights.dimensions(), idd = ids.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || idd.size() != 2 || od.size() != 2)
-    return ffi::Error::InvalidArgument("host moe_experts: expected x [N, d], weights/ids [N, k], out [N, d]");
-  const int64_t N = xd[0], d = xd[1], k = idd[1];
-  if (wd[0] != N || wd[1] != k || idd[0] != N || od[0] != N || od[1] != d)
-    return ffi::Error::InvalidArgument("host moe_experts: weights and ids must be [N, k], out [N, d], N = x rows");
+  if (xd.size() != 2 || wd.size() != 2 || idd.size() != 1 || od.size() != 2)
+    return ffi::Error::InvalidArgument("host moe_experts: expected x [N, d], weights [N, k], ids [N * k + 1], out [N, d]");
+  const int64_t N = xd[0], d = xd[1], k = wd[1];
+  if (wd[0] != N || idd[0] != N * k + 1 || od[0] != N || od[1] != d)
+    return ffi::Error::InvalidArgument("host moe_experts: weights must be [N, k], ids [N * k + 1], out [N, d], N = x rows");
   if (n_expert < 1 || n_ff < 1 || gate_row_bytes < 1 || up_row_bytes < 1 || down_row_bytes < 1)
     return ffi::Error::InvalidArgument("host moe_experts: expert sizes must be set");
-  const char *gate_ptr = nullptr, *up_ptr = nullptr, *down_ptr = nullptr;
-  for (auto [slot, rows, row_bytes, ptr] : {std::tuple{gate_slot, n_expert * n_ff, gate_row_bytes, &gate_ptr},
-                                            std::tuple{up_slot, n_expert * n_ff, up_row_bytes, &up_ptr},
-                                            std::tuple{down_slot, n_expert * d, down_row_bytes, &down_ptr}})
-    if (ffi::Error e = slot_bytes("host moe_experts", slot, size_t(rows * row_bytes), ptr); e.failure()) return e;
+  auto job = std::make_unique<Job>();
+  for (auto [slots, rows, row_bytes, ptrs] : {std::tuple{gate_slots, n_expert * n_ff, gate_row_bytes, &job->gate},
+                                              std::tuple{up_slots, n_expert * n_ff, up_row_bytes, &job->up},
+                                              std::tuple{down_slots, n_expert * d, down_row_bytes, &job->down}})
+    if (ffi::Error e = table_bytes("host moe_experts", slots, size_t(rows * row_bytes), ptrs); e.failure()) return e;
+  if (job->up.size() != job->gate.size() || job->down.size() != job->gate.size())
+    return ffi::Error::InvalidArgument("host moe_experts: gate, up and down slot tables differ in length");
   for (int64_t t : {gate_type, up_type, down_type})
     if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(t)))
       return ffi::Error::InvalidArgument("host moe_experts: unsupported type id " + std::to_string(t));
@@ -333,7 +359,7 @@ ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("host moe_experts: compute must be 0 (f32) or 1 (bf16)");
   if (N == 0) return ffi::Error::Success();
 
-  const size_t xb = N * d * sizeof(float), wb = N * k * sizeof(float), ib = N * k * sizeof(int32_t);
+  const size_t xb = N * d * sizeof(float), wb = N * k * sizeof(float), ib = (N * k + 1) * sizeof(int32_t);
   const size_t off_w = align64(xb), off_i = off_w + align64(wb), off_o = off_i + align64(ib);
   char* st = nullptr;
   if (ffi::Error e = staging_for(stream, off_o + align64(xb), &st); e.failure()) return e;
@@ -342,11 +368,10 @@ ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer
   int32_t* hi = reinterpret_cast<int32_t*>(st + off_i);
   float* ho = reinterpret_cast<float*>(st + off_o);
 
-  auto job = std::make_unique<Job>();
   job->args = MoeExpertsArgs{hx, hw, hi, N, k, d, n_ff, n_expert,
-                             reinterpret_cast<const uint8_t*>(gate_ptr), gate_row_bytes, static_cast<int>(gate_type),
-                             reinterpret_cast<const uint8_t*>(up_ptr), up_row_bytes, static_cast<int>(up_type),
-                             reinterpret_cast<const uint8_t*>(down_ptr), down_row_bytes, static_cast<int>(down_type),
+                             nullptr, gate_row_bytes, static_cast<int>(gate_type),  // the layer's: run_job
+                             nullptr, up_row_bytes, static_cast<int>(up_type),
+                             nullptr, down_row_bytes, static_cast<int>(down_type),
                              ho, static_cast<int>(n_threads), static_cast<int>(compute)};
   cudaError_t e;
   if ((e = cudaMemcpyAsync(hx, x.typed_data(), xb, cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
@@ -383,9 +408,10 @@ ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // waits for the stream (the GPU has nothing else queued that the copies could overlap: the MoE
 // that follows needs them). Experts adjacent both in the file and in the slots go in one copy.
 //
-//   operands:   weights f32 [N, k], ids s32 [N, k] (device)
-//   attributes: gate_slot, up_slot, down_slot (slots of the pinned host [E, rows, row_bytes]
-//               blocks), n_expert, round
+//   operands:   weights f32 [N, k], ids s32 [N * k + 1] (device: the ids, then the layer's index in
+//               the slot tables, read with them)
+//   attributes: gate_slots, up_slots, down_slots (per layer of the call's group, the slots of the
+//               pinned host [E, rows, row_bytes] blocks), n_expert, round
 //   results:    gate u8 [slots, ...], up u8 [slots, ...], down u8 [slots, ...], slot_of s32 [E]
 struct StreamStats {
   int64_t calls = 0, active = 0, copied = 0, bytes = 0, copies = 0;
@@ -397,11 +423,12 @@ StreamStats stream_stats;
 
 ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> ids,
                              ffi::ResultBuffer<ffi::U8> gate, ffi::ResultBuffer<ffi::U8> up,
-                             ffi::ResultBuffer<ffi::U8> down, ffi::ResultBuffer<ffi::S32> slot_of, int64_t gate_slot,
-                             int64_t up_slot, int64_t down_slot, int64_t n_expert, int64_t round) {
+                             ffi::ResultBuffer<ffi::U8> down, ffi::ResultBuffer<ffi::S32> slot_of,
+                             ffi::Span<const int64_t> gate_slots, ffi::Span<const int64_t> up_slots,
+                             ffi::Span<const int64_t> down_slots, int64_t n_expert, int64_t round) {
   auto wd = weights.dimensions(), idd = ids.dimensions();
-  if (wd.size() != 2 || idd.size() != 2 || wd[0] != idd[0] || wd[1] != idd[1])
-    return ffi::Error::InvalidArgument("stream_experts: weights and ids must both be [N, k]");
+  if (wd.size() != 2 || idd.size() != 1 || idd[0] != wd[0] * wd[1] + 1)
+    return ffi::Error::InvalidArgument("stream_experts: weights must be [N, k] and ids [N * k + 1]");
   const int64_t E = n_expert;
   if (E < 1 || slot_of->element_count() != static_cast<size_t>(E))
     return ffi::Error::InvalidArgument("stream_experts: slot_of must be [n_expert]");
@@ -417,13 +444,15 @@ ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights,
       return ffi::Error::InvalidArgument("stream_experts: gate, up and down need the same number of slots");
     per_expert[t] = (*outs[t])->size_bytes() / slots;
   }
-  const char* srcs[3] = {nullptr, nullptr, nullptr};
-  const int64_t tensor_slots[3] = {gate_slot, up_slot, down_slot};
+  std::vector<const char*> tables[3];
+  const ffi::Span<const int64_t> tensor_slots[3] = {gate_slots, up_slots, down_slots};
   for (int t = 0; t < 3; ++t)
-    if (ffi::Error e = slot_bytes("stream_experts", tensor_slots[t], per_expert[t] * E, &srcs[t]); e.failure())
+    if (ffi::Error e = table_bytes("stream_experts", tensor_slots[t], per_expert[t] * E, &tables[t]); e.failure())
       return e;
-  const int64_t nk = idd[0] * idd[1];
-  const size_t ib = nk * sizeof(int32_t), wb = nk * sizeof(float), tb = E * sizeof(int32_t);
+  if (tables[1].size() != tables[0].size() || tables[2].size() != tables[0].size())
+    return ffi::Error::InvalidArgument("stream_experts: gate, up and down slot tables differ in length");
+  const int64_t nk = wd[0] * wd[1];
+  const size_t ib = (nk + 1) * sizeof(int32_t), wb = nk * sizeof(float), tb = E * sizeof(int32_t);
   const size_t off_w = align64(ib), off_t = off_w + align64(wb);
   char* st = nullptr;
   {
@@ -446,11 +475,16 @@ ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights,
   float* hw = reinterpret_cast<float*>(st + off_w);
   int32_t* table = reinterpret_cast<int32_t*>(st + off_t);
   cudaError_t e;
-  if (nk && ((e = cudaMemcpyAsync(hi, ids.typed_data(), ib, cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
-             (e = cudaMemcpyAsync(hw, weights.typed_data(), wb, cudaMemcpyDeviceToHost, stream)) != cudaSuccess))
+  if ((e = cudaMemcpyAsync(hi, ids.typed_data(), ib, cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
+      (nk && (e = cudaMemcpyAsync(hw, weights.typed_data(), wb, cudaMemcpyDeviceToHost, stream)) != cudaSuccess))
     return ffi::Error::Internal(std::string("stream_experts: D2H copy: ") + cudaGetErrorString(e));
   if ((e = cudaStreamSynchronize(stream)) != cudaSuccess)
     return ffi::Error::Internal(std::string("stream_experts: stream: ") + cudaGetErrorString(e));
+  const int32_t layer = hi[nk];
+  if (layer < 0 || static_cast<size_t>(layer) >= tables[0].size())
+    return ffi::Error::Internal("stream_experts: layer index " + std::to_string(layer) + " outside its table of " +
+                                std::to_string(tables[0].size()));
+  const char* srcs[3] = {tables[0][layer], tables[1][layer], tables[2][layer]};
 
   std::vector<char> used(E, 0);
   for (int64_t i = 0; i < nk; ++i) {
@@ -519,9 +553,12 @@ ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights,
 // "ikjax_chunk_copy_start": the side stream waits for XLA's stream to reach the call (the results'
 // device memory is then free: XLA allocated it for this call), copies the run's bytes of the three
 // pinned host tensors into the results, and records an event under the first result's address.
-//   operands:   after (any small device buffer: a data dependence that orders the call in the step)
-//   attributes: gate_slot, up_slot, down_slot (slots of the pinned host [E, rows, row_bytes] blocks),
-//               n_expert, lo (the run's first expert; n = the results' leading dimension)
+//   operands:   after (any small device buffer: a data dependence that orders the call in the step),
+//               layer s32 [1] (the layer's index in the slot tables; read, with a wait for the
+//               stream, only where a table has several: a scanned group's layer)
+//   attributes: gate_slots, up_slots, down_slots (per layer of the call's group, the slots of the
+//               pinned host [E, rows, row_bytes] blocks), n_expert, lo (the run's first expert; n =
+//               the results' leading dimension)
 //   results:    gate u8 [n, ...], up u8 [n, ...], down u8 [n, ...]
 // "ikjax_chunk_copy_done": XLA's stream waits for the event of its first operand's address (the
 // start's results, aliased to its own results); an address no start recorded is an error of the
@@ -546,28 +583,59 @@ ffi::Error chunk_event(cudaStream_t stream, cudaEvent_t* ev) {  // under chunk_m
                           : ffi::Error::Internal(std::string("chunk_copy: cudaEventCreate: ") + cudaGetErrorString(e));
 }
 
-ffi::Error ChunkStartImpl(cudaStream_t stream, ffi::AnyBuffer after, ffi::ResultBuffer<ffi::U8> gate,
-                          ffi::ResultBuffer<ffi::U8> up, ffi::ResultBuffer<ffi::U8> down, int64_t gate_slot,
-                          int64_t up_slot, int64_t down_slot, int64_t n_expert, int64_t lo) {
+// A scanned group's layer index, read from the device: the copy's source must be known when it is
+// enqueued, so the host waits for the stream here (a run of experts takes milliseconds to cross
+// PCIe; the wait costs the stream one hand-over, tens of microseconds).
+ffi::Error read_layer(cudaStream_t stream, const ffi::Buffer<ffi::S32>& layer, int32_t* out) {
+  static thread_local int32_t* pinned = nullptr;
+  cudaError_t e;
+  if (!pinned && (e = cudaMallocHost(reinterpret_cast<void**>(&pinned), sizeof(int32_t))) != cudaSuccess) {
+    pinned = nullptr;
+    return ffi::Error::Internal(std::string("chunk_copy_start: cudaMallocHost: ") + cudaGetErrorString(e));
+  }
+  if ((e = cudaMemcpyAsync(pinned, layer.typed_data(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
+      (e = cudaStreamSynchronize(stream)) != cudaSuccess)
+    return ffi::Error::Internal(std::string("chunk_copy_start: reading the layer index: ") + cudaGetErrorString(e));
+  *out = *pinned;
+  return ffi::Error::Success();
+}
+
+ffi::Error ChunkStartImpl(cudaStream_t stream, ffi::AnyBuffer after, ffi::Buffer<ffi::S32> layer_index,
+                          ffi::ResultBuffer<ffi::U8> gate, ffi::ResultBuffer<ffi::U8> up,
+                          ffi::ResultBuffer<ffi::U8> down, ffi::Span<const int64_t> gate_slots,
+                          ffi::Span<const int64_t> up_slots, ffi::Span<const int64_t> down_slots, int64_t n_expert,
+                          int64_t lo) {
   (void)after;
   ffi::ResultBuffer<ffi::U8>* outs[3] = {&gate, &up, &down};
-  const int64_t tensor_slots[3] = {gate_slot, up_slot, down_slot};
+  const ffi::Span<const int64_t> tensor_slots[3] = {gate_slots, up_slots, down_slots};
   auto gd = gate->dimensions();
   if (gd.size() < 1 || gd[0] < 1) return ffi::Error::InvalidArgument("chunk_copy_start: no experts in the run");
   const int64_t n = gd[0];
   if (lo < 0 || lo + n > n_expert)
     return ffi::Error::InvalidArgument("chunk_copy_start: experts [" + std::to_string(lo) + ", " +
                                        std::to_string(lo + n) + ") outside [0, " + std::to_string(n_expert) + ")");
-  const char* srcs[3];
+  std::vector<const char*> tables[3];
   size_t per_expert[3];
   for (int t = 0; t < 3; ++t) {
     auto d = (*outs[t])->dimensions();
     if (d.size() < 1 || d[0] != n)
       return ffi::Error::InvalidArgument("chunk_copy_start: gate, up and down need the same number of experts");
     per_expert[t] = (*outs[t])->size_bytes() / n;
-    if (ffi::Error e = slot_bytes("chunk_copy_start", tensor_slots[t], per_expert[t] * n_expert, &srcs[t]); e.failure())
+    if (ffi::Error e = table_bytes("chunk_copy_start", tensor_slots[t], per_expert[t] * n_expert, &tables[t]);
+        e.failure())
       return e;
   }
+  if (tables[1].size() != tables[0].size() || tables[2].size() != tables[0].size())
+    return ffi::Error::InvalidArgument("chunk_copy_start: gate, up and down slot tables differ in length");
+  if (layer_index.element_count() != 1)
+    return ffi::Error::InvalidArgument("chunk_copy_start: the layer index must be s32 [1]");
+  int32_t layer = 0;
+  if (tables[0].size() > 1)
+    if (ffi::Error le = read_layer(stream, layer_index, &layer); le.failure()) return le;
+  if (layer < 0 || static_cast<size_t>(layer) >= tables[0].size())
+    return ffi::Error::Internal("chunk_copy_start: layer index " + std::to_string(layer) + " outside its table of " +
+                                std::to_string(tables[0].size()));
+  const char* srcs[3] = {tables[0][layer], tables[1][layer], tables[2][layer]};
   std::lock_guard<std::mutex> lock(chunk_mu);
   cudaError_t e;
   cudaStream_t& side = side_streams[stream];
@@ -639,9 +707,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostMoeExpertsFfi, HostMoeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("gate_slot")
-                                  .Attr<int64_t>("up_slot")
-                                  .Attr<int64_t>("down_slot")
+                                  .Attr<ffi::Span<const int64_t>>("gate_slots")
+                                  .Attr<ffi::Span<const int64_t>>("up_slots")
+                                  .Attr<ffi::Span<const int64_t>>("down_slots")
                                   .Attr<int64_t>("gate_row_bytes")
                                   .Attr<int64_t>("up_row_bytes")
                                   .Attr<int64_t>("down_row_bytes")
@@ -662,9 +730,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StreamExpertsFfi, StreamExpertsImpl,
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("gate_slot")
-                                  .Attr<int64_t>("up_slot")
-                                  .Attr<int64_t>("down_slot")
+                                  .Attr<ffi::Span<const int64_t>>("gate_slots")
+                                  .Attr<ffi::Span<const int64_t>>("up_slots")
+                                  .Attr<ffi::Span<const int64_t>>("down_slots")
                                   .Attr<int64_t>("n_expert")
                                   .Attr<int64_t>("round"));
 
@@ -672,12 +740,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkStartFfi, ChunkStartImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int64_t>("gate_slot")
-                                  .Attr<int64_t>("up_slot")
-                                  .Attr<int64_t>("down_slot")
+                                  .Attr<ffi::Span<const int64_t>>("gate_slots")
+                                  .Attr<ffi::Span<const int64_t>>("up_slots")
+                                  .Attr<ffi::Span<const int64_t>>("down_slots")
                                   .Attr<int64_t>("n_expert")
                                   .Attr<int64_t>("lo"));
 

@@ -13,7 +13,10 @@ or the object says where they are with `host_address()` and `nbytes` (ikjax's pi
 whose `.data` may be a tracer inside the step: the same bytes the big-batch path streams to the
 GPU). The compiled step names them by a slot number (`host_slot`), which this process maps to their
 address in the C++ handler when it builds the call: the caller keeps the bytes alive as long as the
-step (the engine's weight tree does). A slot, not the address, so that the same model's steps have
+step (the engine's weight tree does). A scanned group of layers (one loop body for all of them)
+passes a view that names every layer's tensor (`host_layers`) and the layer the body computes
+(`layer_index`, a traced int32): the call carries a table of slots and the index as a device value,
+which the host reads with the call's other inputs. A slot, not the address, so that the same model's steps have
 the same HLO in every process and JAX's persistent cache serves them (RESULTS §25h). Built by `pip install` wherever a CUDA
 toolkit is found at build time (IKJAX_BUILD_CUDA=AUTO, pallas_kernels/CMakeLists.txt).
 """
@@ -63,8 +66,36 @@ def is_host_array(a) -> bool:
     return isinstance(a, np.ndarray)
 
 
+def _layers_of(t) -> tuple:
+    """The per-layer tensors a call may read for `t`: a scanned group's view names one a layer
+    (`host_layers`), anything else is its own one."""
+    return tuple(getattr(t, "host_layers", None) or (t,))
+
+
 def _has_host_bytes(t) -> bool:
-    return hasattr(t, "host_address") or is_host_array(t.data)
+    return all(hasattr(a, "host_address") or is_host_array(a.data) for a in _layers_of(t))
+
+
+def _slot_table(t, rows: int, what: str) -> tuple[np.ndarray, int]:
+    """(int64 slots of each layer's host bytes, bytes a layer) for a call's slot-table attribute."""
+    slots, size = [], None
+    for a in _layers_of(t):
+        addr, n = _host_bytes(a, rows, what)
+        if size is not None and n != size:
+            raise ValueError(f"moe_experts (host): {what} differs in size between the layers of its group")
+        size = n
+        slots.append(host_slot(a, addr, n))
+    return np.asarray(slots, np.int64), size
+
+
+def _layer_index(t):
+    """The layer a call reads, in its slot tables, as an int32 [1] device value (0: one layer)."""
+    return jnp.reshape(jnp.asarray(getattr(t, "layer_index", 0), jnp.int32), (1,))
+
+
+def _ids_and_layer(ids, t):
+    """ids [N, k] flattened with the layer index after them: the host reads both in one copy."""
+    return jnp.concatenate([ids.astype(jnp.int32).reshape(-1), _layer_index(t)])
 
 
 def _host_bytes(t, rows: int, what: str) -> tuple[int, int]:
@@ -145,13 +176,13 @@ def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0, compute:
     if x.ndim != 2 or x.shape[1] != d or weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts (host): x {x.shape}, weights {weights.shape}, ids {ids.shape} "
                          f"do not fit experts of d={d}")
-    g, u, dn = _host_bytes(gate, E * F, "gate"), _host_bytes(up, E * F, "up"), _host_bytes(down, E * d, "down")
+    g, u, dn = _slot_table(gate, E * F, "gate"), _slot_table(up, E * F, "up"), _slot_table(down, E * d, "down")
     register()
     out = jax.ShapeDtypeStruct((x.shape[0], d), jnp.float32)
     i64 = np.int64
     return jax.ffi.ffi_call(TARGET, out)(
-        x.astype(jnp.float32), weights.astype(jnp.float32), ids.astype(jnp.int32),
-        gate_slot=i64(host_slot(gate, *g)), up_slot=i64(host_slot(up, *u)), down_slot=i64(host_slot(down, *dn)),
+        x.astype(jnp.float32), weights.astype(jnp.float32), _ids_and_layer(ids, gate),
+        gate_slots=g[0], up_slots=u[0], down_slots=dn[0],
         gate_row_bytes=i64(g[1] // (E * F)), up_row_bytes=i64(u[1] // (E * F)),
         down_row_bytes=i64(dn[1] // (E * d)),
         gate_type=i64(gate.qtype.type_id), up_type=i64(up.qtype.type_id), down_type=i64(down.qtype.type_id),
@@ -163,7 +194,13 @@ STREAM_TARGET = "ikjax_stream_experts"
 
 def stream_supported(gate, up, down) -> bool:
     """This build can stream these host experts' active blocks to the GPU (`stream_experts`)."""
-    return _cuda_host is not None and all(len(t.shape) == 3 and hasattr(t, "host_address") for t in (gate, up, down))
+    return _cuda_host is not None and all(len(t.shape) == 3 and all(hasattr(a, "host_address") for a in _layers_of(t))
+                                          for t in (gate, up, down))
+
+
+def _stream_slots(t) -> np.ndarray:
+    """`_slot_table` of a pinned tensor (each layer's whole bytes)."""
+    return np.asarray([host_slot(a, a.host_address(), a.nbytes) for a in _layers_of(t)], np.int64)
 
 
 def _slot_shapes(slots: int, *tensors) -> tuple:
@@ -194,10 +231,8 @@ def stream_experts(weights, ids, gate, up, down, *, slots: int, round: int):
     outs = (*_slot_shapes(slots, gate, up, down), jax.ShapeDtypeStruct((E,), jnp.int32))
     i64 = np.int64
     return jax.ffi.ffi_call(STREAM_TARGET, outs)(
-        weights.astype(jnp.float32), ids.astype(jnp.int32),
-        gate_slot=i64(host_slot(gate, gate.host_address(), gate.nbytes)),
-        up_slot=i64(host_slot(up, up.host_address(), up.nbytes)),
-        down_slot=i64(host_slot(down, down.host_address(), down.nbytes)),
+        weights.astype(jnp.float32), _ids_and_layer(ids, gate),
+        gate_slots=_stream_slots(gate), up_slots=_stream_slots(up), down_slots=_stream_slots(down),
         n_expert=i64(E), round=i64(round))
 
 
@@ -217,9 +252,8 @@ def chunk_copy_start(after, gate, up, down, *, lo: int, n: int):
     register()
     i64 = np.int64
     return jax.ffi.ffi_call(CHUNK_START, _slot_shapes(n, gate, up, down))(
-        after, gate_slot=i64(host_slot(gate, gate.host_address(), gate.nbytes)),
-        up_slot=i64(host_slot(up, up.host_address(), up.nbytes)),
-        down_slot=i64(host_slot(down, down.host_address(), down.nbytes)), n_expert=i64(E), lo=i64(lo))
+        after, _layer_index(gate), gate_slots=_stream_slots(gate), up_slots=_stream_slots(up),
+        down_slots=_stream_slots(down), n_expert=i64(E), lo=i64(lo))
 
 
 def chunk_copy_done(after, blocks):
