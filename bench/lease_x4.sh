@@ -1210,6 +1210,14 @@ PY
   for r in ${RUNS64:-4:scan 16:scan 16:unroll}; do run64 $r cold; done
   for r in ${WARM64:-16:scan 16:unroll}; do run64 $r warm; done
   ;;
+65)
+  # issue 22, call 3: the scanned -ot form's f32 logits against the unrolled one and the all-GPU run
+  # (bench/ot_scan_check.py on the tiny preset at 6 layers), then STAGE=64's warm runs interleaved (WARM65)
+  M=/tmp/tiny6-Q4_K.gguf
+  [ -f $M ] || python3 -m ikjax.cli make-model -o $M --preset tiny --layers 6 --type Q4_K > /dev/null
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/ot_scan_check.py $M ${CHECK65:-} 2>&1 | grep -E "^mib|rror"
+  WARM64="${WARM65:-16:scan 16:unroll 16:scan 16:unroll}" RUNS64=" " STAGE=64 bash "$0" 2>&1 | grep -E "^\[|^rc|^\|"
+  ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
   M=/tmp/tiny4-Q4_K.gguf
