@@ -18,9 +18,24 @@ def main() -> None:
     ap.add_argument("--mibs", default="512,0.05")
     ap.add_argument("--streams", default="chunks,active")
     ap.add_argument("--forms", default="scan,unroll")
+    ap.add_argument("--save", help="only write the all-device run's logits here (.npy; run it with JAX_PLATFORMS=cpu)")
+    ap.add_argument("--against", help="first compare the all-GPU run, scanned and unrolled (IKJAX_LAYERS), with these")
     a = ap.parse_args()
     import ikjax
     tokens = (np.arange(a.tokens) * 7 + 5) % 1000
+    if a.save:
+        np.save(a.save, np.asarray(ikjax.load(a.model, ctx=512, ubatch=256, dtype="f32").logits(tokens)))
+        return
+    if a.against:
+        base = np.load(a.against).astype(np.float64)
+        for layers in ("scan", "unroll"):
+            os.environ["IKJAX_LAYERS"] = layers
+            got = np.asarray(ikjax.load(a.model, ctx=512, ubatch=256, dtype="f32").logits(tokens), np.float64)
+            rows = np.linalg.norm(got - base, axis=-1) / np.linalg.norm(base, axis=-1)
+            print(f"all-GPU IKJAX_LAYERS={layers} against {a.against}: rel "
+                  f"{np.linalg.norm(got - base) / np.linalg.norm(base):.2e}, worst row {int(rows.argmax())} {rows.max():.2e}",
+                  flush=True)
+        os.environ.pop("IKJAX_LAYERS")
     ref = np.asarray(ikjax.load(a.model, ctx=512, ubatch=256, dtype="f32").logits(tokens), np.float64)
     for mib in a.mibs.split(","):
         for stream in a.streams.split(","):
