@@ -514,7 +514,7 @@ if mh.available():  # the step's HLO for a CUDA device, lowered here without one
         lowering_platforms=("cuda",)).as_text()
     out["hlo"] = hashlib.sha1(hlo.encode()).hexdigest()
     out["addresses_in_hlo"] = [a for a in out["addresses"] if str(a) in hlo]
-    out["slots_in_hlo"] = all(f"{k}_slot = {s} " in hlo for k, s in zip(("gate", "up", "down"), out["slots"]))
+    out["slots_in_hlo"] = all(f"{k}_slots = dense<{s}> " in hlo for k, s in zip(("gate", "up", "down"), out["slots"]))
     from pallas_kernels import _cuda_host
     out["resolved"] = [list(_cuda_host.host_slot(s)) for s in out["slots"]]
 print(json.dumps(out))
