@@ -22,8 +22,16 @@ from ikjax.errors import OptionError
 FREE_MARGIN = 16 << 20
 
 
+def free_margin(needed_bytes: int) -> int:
+    """The room kept free beside a write: FREE_MARGIN for big files, a quarter of the file plus a
+    page for small ones (a 200-byte statistics file was refused on a file system with 2 MiB free)."""
+    return min(FREE_MARGIN, 4096 + needed_bytes // 4)
+
+
 def _fmt(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / (1 << 10):.1f} KiB"
 
 
 def _existing_ancestor(p: Path) -> Path:
@@ -71,8 +79,9 @@ def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "ou
         raise OptionError(f"{what}: cannot write {path}: {base} is a virtual file system that holds no files")
     if needed_bytes and st is not None:
         free = st.f_bavail * st.f_frsize
-        if free < needed_bytes + FREE_MARGIN:
-            raise OptionError(f"{what}: {path} needs {_fmt(needed_bytes)} (plus {_fmt(FREE_MARGIN)} kept free "
+        margin = free_margin(needed_bytes)
+        if free < needed_bytes + margin:
+            raise OptionError(f"{what}: {path} needs {_fmt(needed_bytes)} (plus {_fmt(margin)} kept free "
                               f"for the file system) but {base} has {_fmt(free)} free")
     return p
 

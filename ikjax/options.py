@@ -120,7 +120,7 @@ def parse_gpu_experts(value) -> str:
     if value is None or value == "" or value is False:
         return ""
     v = str(value).strip().lower()
-    if v == "auto" or (v.isdigit() and int(v) >= 0):
+    if v == "auto" or re.fullmatch(r"[0-9]{1,6}", v):  # ASCII digits ("٣".isdigit() is true)
         return v
     raise OptionError(f"gpu-experts: expected auto or a number of experts per layer, got {value!r}")
 

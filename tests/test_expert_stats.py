@@ -68,9 +68,77 @@ def test_cli_writes_the_file_at_the_end(tiny4_model, tmp_path):
     st = json.loads(out.read_text())
     assert st["tokens"] > 4 and all(sum(v) == st["tokens"] * 4 for v in st["layers"].values())
     assert f"-> {out}" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "bench", "-m", tiny4_model, "--expert-stats", str(out)],
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: expert-stats:")
+    # a run that feeds nothing keeps the earlier profile (it was wiped to {"tokens": 0})
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny4_model, "-p", "hi", "-n", "0",
+                        "--expert-stats", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(out.read_text()) == st and "kept as it was" in r.stderr
+    # an empty path is refused (it was silently off)
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny4_model, "-p", "hi", "-n", "1",
+                        "--expert-stats", ""], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == "error: expert-stats: empty path (give a file name)"
+
+
+def test_bench_counts_its_timed_runs(tiny4_model, tmp_path):
+    """bench --expert-stats: the timed runs' tokens of every test (pp16 twice, tg4 twice: each
+    generated token fed once), not the warm-ups'; --gpu-experts without statistics is refused
+    (it was ignored)."""
+    import subprocess
+    import sys
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "bench", "-m", tiny4_model, "-p", "16", "-n", "4", "-r", "2",
+                        "--expert-stats", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = json.loads(out.read_text())
+    assert st["tokens"] == 2 * 16 + 2 * 4, st["tokens"]
+    assert all(sum(v) == st["tokens"] * 4 for v in st["layers"].values())
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "bench", "-m", tiny4_model, "-p", "16", "-n", "0", "-r", "1",
+                        "--gpu-experts", "2"], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: gpu-experts: needs expert statistics")
+
+
+def test_padding_and_finished_rows_are_not_counted(tiny4_model, tmp_path):
+    """generate_batch pads its batch to a power of two and keeps finished rows in it; perplexity
+    pads its last group of chunks with copies: none of those rows is counted (a probe counted 25
+    tokens for 21, and 1024 for perplexity's 640)."""
+    from ikjax.runtime.perplexity import perplexity
+    for loop in (True, False):
+        eng = ikjax.load(tiny4_model, ctx=128, ubatch=32, expert_stats=True)
+        if not loop:
+            eng.decode_loop = lambda: False
+        prompts = [list(range(3, 10)), list(range(5, 9)), list(range(2, 14))]
+        out = eng.generate_batch(prompts, 5)
+        fed = sum(len(p) for p in prompts) + sum(max(len(o) - 1, 0) for o in out)
+        assert eng.expert_stats()["tokens"] == fed, (loop, eng.expert_stats()["tokens"], fed)
+    eng = ikjax.load(tiny4_model, ctx=64, ubatch=256, batch=256, expert_stats=True)
+    ids = (np.arange(64 * 5) * 7 + 3) % 1000
+    perplexity(eng, ids, 64)  # 4 chunks a step: the second step holds 1 real chunk and 3 copies
+    st = eng.expert_stats()
+    assert st["tokens"] == 5 * 64, st["tokens"]
+    assert all(sum(v) == st["tokens"] * 4 for v in st["layers"].values())
+
+
+def test_stats_files_are_checked(tiny4_model, tmp_path):
+    """The API never writes statistics over a file that is not an earlier run's (it replaced the
+    loaded GGUF); --gpu-experts refuses counts of a layer that is not one of the model's MoE
+    layers, JSON booleans as counts, and non-ASCII digits."""
+    import shutil
+    model = tmp_path / "m.gguf"
+    shutil.copy(tiny4_model, model)
+    eng = ikjax.load(str(model), ctx=128, expert_stats=True)
+    with pytest.raises(OptionError, match="is not an expert-stats file"):
+        eng.save_expert_stats(model)
+    ikjax.load(str(model), ctx=128)  # still the model
+    good = {"tokens": 1, "layers": {str(i): [1, 1, 1, 1] + [0] * 12 for i in (1, 2, 3)}}
+    for bad, why in (({**good, "layers": {**good["layers"], "7": [0] * 16}}, "not a MoE layer"),
+                     ({**good, "layers": {**good["layers"], "0": [0] * 16}}, "not a MoE layer"),
+                     ({**good, "layers": {"1": [True] + [0] * 15}}, "token counts"),
+                     ({**good, "layers": {"\u00b2": [0] * 16}}, "token counts")):
+        f = tmp_path / "bad.json"
+        f.write_text(json.dumps(bad))
+        with pytest.raises(OptionError, match=why):
+            ikjax.load(tiny4_model, ctx=128, ot="exps=CPU", gpu_experts="1", expert_counts=str(f))
+    with pytest.raises(OptionError, match="gpu-experts: expected auto"):
+        ikjax.load(tiny4_model, ctx=128, ot="exps=CPU", gpu_experts="\u0663")
 
 
 def test_split_modes_count_alike(tiny4_model):
@@ -222,3 +290,36 @@ def test_one_host_call_a_step(tiny4_model, monkeypatch):
     # the decode loop sums its steps' counts and calls once a dispatch: fewer calls than tokens
     assert calls and all(c == moe_layers for c in calls), calls
     assert len(calls) < 9 or not eng.decode_loop(), calls
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_stopped_run_still_writes_its_counts(tiny4_model, tmp_path, sig):
+    """Ctrl-C (status 130, "error: interrupted") and SIGTERM (a death by the signal) in the middle
+    of a generation: the file holds what was counted so far (both lost it: the exits skip atexit)."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    out = tmp_path / "s.json"
+    p = subprocess.Popen([sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny4_model, "-p", "hello", "-n", "4000",
+                          "-c", "4096", "--ignore-eos", "--temp", "0", "--expert-stats", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(iter(lambda: p.stdout.read(1), b"")), daemon=True)
+    reader.start()
+    t0 = time.time()
+    while len(got) < 40 and time.time() - t0 < 120 and p.poll() is None:  # generating now
+        time.sleep(0.05)
+    assert len(got) >= 40, got
+    p.send_signal(getattr(signal, sig))
+    p.wait(timeout=60)
+    stderr = p.stderr.read().decode()
+    if sig == "SIGINT":
+        lines = stderr.strip().splitlines()
+        assert p.returncode == 130 and lines[-2:] == ["error: interrupted", lines[-1]], stderr[-800:]
+        assert lines[-1].startswith("expert stats: ") and str(out) in lines[-1]
+    else:
+        assert p.returncode == -signal.SIGTERM, (p.returncode, stderr[-800:])
+    st = json.loads(out.read_text())
+    assert st["tokens"] > 1 and all(sum(v) == st["tokens"] * 4 for v in st["layers"].values())

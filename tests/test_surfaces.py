@@ -212,12 +212,18 @@ def test_free_space_message_states_the_margin(tmp_path, monkeypatch):
     from ikjax import atomic_file
     real = os.statvfs
     st = real(tmp_path)
-    blocks = (8 << 20) // st.f_frsize  # 8 MiB free: more than the 4.4 MiB the file needs
+    blocks = (5 << 20) // st.f_frsize  # 5 MiB free: more than the 4.4 MiB the file needs
     monkeypatch.setattr(os, "statvfs", lambda p: _Stat(real(p), blocks, 0))
     with pytest.raises(OptionError) as e:
         atomic_file.check_target(tmp_path / "m.gguf", int(4.4 * (1 << 20)))
-    assert "needs 4.4 MiB (plus 16.0 MiB kept free for the file system)" in str(e.value), str(e.value)
-    assert atomic_file.FREE_MARGIN == 16 << 20
+    assert "needs 4.4 MiB (plus 1.1 MiB kept free for the file system)" in str(e.value), str(e.value)
+    # big files keep FREE_MARGIN free; a small one a quarter of itself and a page: a 200-byte
+    # statistics file fits in 64 KiB (it was refused with 2 MiB free)
+    assert atomic_file.free_margin(1 << 30) == atomic_file.FREE_MARGIN == 16 << 20
+    monkeypatch.setattr(os, "statvfs", lambda p: _Stat(real(p), (64 << 10) // st.f_frsize, 0))
+    atomic_file.check_target(tmp_path / "stats.json", 200)
+    with pytest.raises(OptionError, match=r"needs 100.0 KiB \(plus 29.0 KiB kept free"):
+        atomic_file.check_target(tmp_path / "stats.json", 100 << 10)
 
 
 # -- 4. standard output ---------------------------------------------------------------------------------

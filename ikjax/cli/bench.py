@@ -139,9 +139,7 @@ def bench(
     """
     from ikjax.tools import llama_bench as lb
     setup_logging(run.verbose)
-    if run.expert_stats:
-        raise OptionError("expert-stats: bench does not count experts (its runs repeat); use sweep-bench, generate, "
-                          "chat or serve")
+    stats = _ExpertStats(run.expert_stats, run.gpu_experts) if run.expert_stats is not None else None
     for flag, fmt in (("output", output), ("output-err", output_err)):
         if fmt is not None and fmt not in ("md", "json", "jsonl", "csv", "sql"):
             raise OptionError(f"{flag}: {fmt!r} is not md, json, jsonl, csv or sql")
@@ -173,6 +171,12 @@ def bench(
             raise OptionError(f"-sm: expected none, layer or graph (or a comma list of them), got {given!r}")
         sm_list, params_in["split_mode"] = ",".join(vals), vals[0]
     fixed, fmoe = _check_bench_options(params_in)
+    if stats is not None:
+        fixed.update(stats.load_options())
+    elif run.gpu_experts:
+        RunOptions.from_kwargs(gpu_experts=run.gpu_experts)
+        raise OptionError("gpu-experts: needs expert statistics: --expert-stats FILE.json written by an earlier "
+                          "run (generate, bench, sweep-bench or serve with --expert-stats FILE.json)")
     no_warmup = run.no_warmup is not None and RunOptions.from_kwargs(fa=run.no_warmup).fa
     do_warmup = flags["-w"] and not no_warmup
     models = []
@@ -240,7 +244,8 @@ def bench(
     setup_compile_cache(run.compile_cache_dir)
     with console.status("bench") as status:
         results = lb.run_bench(models, params, tests, reps, on_result, lambda s: status.update(s),
-                               extra_options=fixed, seed=seed, warmup=do_warmup, switches=switches)
+                               extra_options=fixed, seed=seed, warmup=do_warmup, switches=switches,
+                               on_engine=stats.add if stats is not None else None)
     if output == "md" and first:
         for line in lb.MarkdownTable.footer():
             typer.echo(line)
@@ -256,3 +261,48 @@ def bench(
     if failed:  # every row printed; the status says not all ran (llama-bench's 1 for a model that fails to load)
         typer.echo(f"error: {failed} of {len(results)} tests did not run (their rows say why)", err=True)
         raise typer.Exit(1)
+
+
+class _ExpertStats:
+    """bench --expert-stats FILE.json: every combination's engine counts (its timed runs and their
+    context; not the warm-ups), the totals written when bench ends (also after Ctrl-C or SIGTERM),
+    by the rule every command follows (`common.save_stats`). With --gpu-experts the file is read
+    first and each engine keeps its most used experts on the GPU, as on the other commands."""
+
+    def __init__(self, path: str, gpu_experts: Optional[str]):
+        from ikjax.cli.common import check_stats_target
+        from ikjax.cli.parser import at_end, terminate_on_sigterm
+        if not str(path).strip():
+            raise OptionError("expert-stats: empty path (give a file name)")
+        check_stats_target(path)
+        self.path, self.gpu_experts = path, gpu_experts
+        self.total: dict = {"tokens": 0, "layers": {}}
+        self.engines = 0
+        at_end(self.save)
+        terminate_on_sigterm()
+
+    def load_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"expert_stats": True}
+        if self.gpu_experts:
+            opts.update(gpu_experts=self.gpu_experts, expert_counts=self.path)
+        RunOptions.from_kwargs(**opts)
+        return opts
+
+    def add(self, eng) -> None:
+        """One combination's engine, done: its counts join the totals."""
+        st = eng.expert_stats()
+        self.engines += 1
+        self.total["tokens"] += st["tokens"]
+        for k, v in st["layers"].items():
+            mine = self.total["layers"].setdefault(k, [0] * len(v))
+            if len(mine) != len(v):  # models with other expert counts (several -m): not one profile
+                raise OptionError(f"expert-stats: layer {k} has {len(mine)} experts in one model and {len(v)} in "
+                                  f"another; count one model a file")
+            self.total["layers"][k] = [a + b for a, b in zip(mine, v)]
+
+    def save(self) -> None:
+        from ikjax.cli.common import save_stats
+        from ikjax.runtime.engine import write_expert_stats
+        if self.engines:
+            save_stats(self.path, self.total, merge=bool(self.gpu_experts), save=write_expert_stats)
+

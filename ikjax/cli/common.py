@@ -18,7 +18,7 @@ from typing import Annotated, Any, Callable, NoReturn, Optional
 import typer
 
 from ikjax import env
-from ikjax.cli.parser import EXIT_INTERRUPTED, Group, is_stdout_error, output_error
+from ikjax.cli.parser import EXIT_INTERRUPTED, Group, at_end, is_stdout_error, output_error, terminate_on_sigterm
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.options import RunOptions
 
@@ -97,8 +97,19 @@ def handle(func: Callable) -> Callable:
             _end_processes(code)
             raise typer.Exit(code)
         except Exception as e:  # noqa: BLE001
+            if _is_interrupt(e):
+                err("interrupted")
+                _end_processes(EXIT_INTERRUPTED)
+                raise typer.Exit(EXIT_INTERRUPTED)
             _unexpected(e)
     return wrapper
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    """Ctrl-C that landed inside a host callback of a step (the expert statistics' counting runs
+    on the calling thread on a CPU): JAX reports the callback's KeyboardInterrupt as a runtime
+    error ("CpuCallback error calling callback: Traceback ... KeyboardInterrupt")."""
+    return type(e).__name__ == "JaxRuntimeError" and "KeyboardInterrupt" in str(e)
 
 
 def _end_processes(code: int) -> None:
@@ -284,9 +295,7 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     # --expert-stats FILE.json: the engine counts, and the file is written when the command ends
     stats_file = opts.pop("expert_stats", None)
     if isinstance(stats_file, str):
-        from ikjax.atomic_file import check_target
-        check_target(stats_file, 0, "expert-stats", parent_exists=True)  # a path that cannot be written is refused now
-        _check_stats_overwrite(stats_file)
+        check_stats_target(stats_file)
         opts["expert_stats"] = True
     # validate the options before (possibly) making the default model
     RunOptions.from_kwargs(**opts)
@@ -307,14 +316,23 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     if eng.load_overlapped:
         log(f"loaded {path} in {eng.loaded_at - t0:.2f}s, in a thread beside the compile")
     if isinstance(stats_file, str):
-        import atexit
-        atexit.register(_save_expert_stats, eng, stats_file)
+        at_end(functools.partial(_save_expert_stats, eng, stats_file))
+        terminate_on_sigterm()
     log("memory plan:")
     for line in eng.memory_plan().lines():
         log("  " + line)
     if eng.gpu_experts_note:
         log(eng.gpu_experts_note)
     return eng
+
+
+def check_stats_target(path: str) -> None:
+    """--expert-stats FILE: refused now, before anything loads, if it cannot be written or would
+    replace a file that is not an earlier run's statistics."""
+    from ikjax.atomic_file import check_target
+    from ikjax.model.moe import refuse_overwrite
+    check_target(path, 0, "expert-stats", parent_exists=True)
+    refuse_overwrite(path)
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "f": "\f", "v": "\v", "\\": "\\", "'": "'",
@@ -362,30 +380,21 @@ def read_text_file(path: str) -> str:
         raise OptionError(f"file {path}: not UTF-8 text (byte {e.start})") from None
 
 
-def _check_stats_overwrite(path: str) -> None:
-    """An existing file is replaced only if it is an expert-stats file (an earlier run's): any other
-    file (the -f text itself, a config) is refused before anything loads (it was overwritten)."""
-    import json
-    p = os.path.expanduser(path)
-    if not os.path.isfile(p) or os.path.getsize(p) == 0:
-        return
-    try:
-        with open(p, encoding="utf-8") as f:
-            data = json.load(f)
-        ok = isinstance(data, dict) and isinstance(data.get("tokens"), int) and isinstance(data.get("layers"), dict)
-    except (OSError, ValueError):
-        ok = False
-    if not ok:
-        raise OptionError(f"expert-stats: {path} exists and is not an expert-stats file; give a new file name "
-                          f"(an earlier run's statistics are replaced, any other file is kept)")
-
-
 def _save_expert_stats(eng, path: str) -> None:
-    """At the end of the command (also after Ctrl-C): what the engine counted, to `path`; where
-    --gpu-experts read `path` first, its counts plus this run's (a profile that grows run by run,
-    never replaced by one short run's)."""
-    st = eng.expert_stats()
-    if eng.options.expert_counts == path:
+    """At the end of the command (also after Ctrl-C or SIGTERM): what the engine counted, to
+    `path`; where --gpu-experts read `path` first, its counts plus this run's (a profile that grows
+    run by run, never replaced by one short run's). A run that fed no token leaves an existing
+    file as it is (an earlier profile is not wiped by `-n 0`)."""
+    save_stats(path, eng.expert_stats(), merge=eng.options.expert_counts == path, save=eng.save_expert_stats)
+
+
+def save_stats(path: str, st: dict, *, merge: bool, save: Callable) -> None:
+    """`_save_expert_stats`' rule for any run's statistics `st` (bench sums its engines'): `save(path,
+    stats)` writes them."""
+    if st["tokens"] == 0 and os.path.isfile(os.path.expanduser(path)):
+        log(f"expert stats: no token counted; {path} kept as it was")
+        return
+    if merge:
         import json
         try:
             old = json.loads(Path(path).read_text())
@@ -396,7 +405,7 @@ def _save_expert_stats(eng, path: str) -> None:
         except (OSError, ValueError, TypeError, AttributeError):
             pass  # --gpu-experts checked the file when the run started; a file changed since is replaced
     try:
-        eng.save_expert_stats(path, st)
+        save(path, st)
     except (OptionError, OSError) as e:  # (at exit: one line and a failing status, not a traceback)
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -240,11 +240,57 @@ def _die_of_sigpipe() -> None:
     os._exit(EXIT_BROKEN_PIPE)  # not reached
 
 
+_AT_END: list = []  # what `at_end` registered, not yet run
+
+
+def at_end(fn) -> None:
+    """Run `fn()` once when the command ends, however it ends: at the interpreter's exit (atexit),
+    and at Ctrl-C's or SIGTERM's exit, which leaves by os._exit and skips atexit (`_interrupted_exit`,
+    `terminate_on_sigterm`). Why: --expert-stats' file is what the run counted; written only at
+    atexit, a sweep or a generation stopped by Ctrl-C lost all of it (a probe, RESULTS §24l)."""
+    import atexit
+    _AT_END.append(fn)
+    atexit.register(_run_one, fn)
+
+
+def _run_one(fn) -> None:
+    if fn in _AT_END:
+        _AT_END.remove(fn)
+        fn()
+
+
+def run_at_end() -> None:
+    """Every `at_end` function not run yet, in the order registered; one that fails is skipped
+    (its own message printed)."""
+    for fn in list(_AT_END):
+        try:
+            _run_one(fn)
+        except Exception:  # noqa: BLE001 - the exit goes on: a failed save says so itself
+            pass
+
+
+def terminate_on_sigterm() -> None:
+    """SIGTERM (a `kill`, a job scheduler's stop) where it would end the process at once: the
+    `at_end` functions first, then the default death by the signal (status 143, as any tool).
+    Only where SIGTERM still has its default action (a server installs its own)."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_term(signum, frame):
+        run_at_end()
+        _flush_std()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def _interrupted_exit() -> None:
     """After Ctrl-C's one line: leave at once. XLA may still be compiling on its own threads (and
     sweep-bench compiles a row's steps on a thread pool); letting the interpreter finalize under
-    them ended in SIGSEGV (exit 139) every time Ctrl-C came during compilation. Nothing is left
-    to write: output files are atomic (removed on the interrupt), stdout/stderr are flushed here."""
+    them ended in SIGSEGV (exit 139) every time Ctrl-C came during compilation. What `at_end`
+    registered runs first (the counted expert statistics); other output files are atomic (removed
+    on the interrupt), stdout/stderr are flushed here."""
+    run_at_end()
     _flush_std()
     os._exit(EXIT_INTERRUPTED)
 

@@ -32,6 +32,7 @@ import typer
 
 from ikjax.cli.common import backend, log
 from ikjax.options import RunOptions, switch_notes
+from ikjax.errors import OptionError
 
 _D = RunOptions()
 # ik's common default -amb (common.h attn_max_batch = 256) for the commands that mirror its common-argument
@@ -148,7 +149,8 @@ def _shared(
                                                + " (the memory plan refuses what does not fit)")] = None,
     expert_stats: Annotated[Optional[str], typer.Option(
         "--expert-stats", metavar="FILE.json", help="count the tokens each MoE layer routes to each expert over "
-        "the whole run (prompt and generation) and write them to FILE.json when it ends (not an ik flag)")] = None,
+        "the whole run (prompt and generation; not bench's and sweep-bench's warm-ups) and write them to FILE.json "
+        "when it ends, also after Ctrl-C or SIGTERM (not an ik flag)")] = None,
     gpu_experts: Annotated[Optional[str], typer.Option(
         "--gpu-experts", metavar="auto|N", help="with routed experts in host memory (-ot exps=CPU, --cpu-moe, "
         "--n-cpu-moe): also keep the most used ones on the GPU, chosen from the --expert-stats FILE.json of an "
@@ -257,6 +259,8 @@ def load_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     no_fmoe = params.get("no_fmoe")
     if no_fmoe is not None and RunOptions.from_kwargs(fmoe=no_fmoe).fmoe:  # ik's -no-fmoe: fused MoE off
         kw["fmoe"] = "0"
+    if params.get("expert_stats") is not None and not str(params["expert_stats"]).strip():
+        raise OptionError("expert-stats: empty path (give a file name)")
     if params.get("expert_stats"):  # the file (ikjax.cli.common.load_engine counts and writes it)
         kw["expert_stats"] = params["expert_stats"]
         if params.get("gpu_experts"):  # --gpu-experts reads it first (ikjax.placement.hot)

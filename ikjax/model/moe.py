@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import math
+import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ import numpy as np
 from ikjax import ops
 from ikjax.gguf_io.config import GATING_SIGMOID, ModelConfig
 from ikjax import env
+from ikjax.errors import OptionError
 from ikjax.options import SmartExpertReduction
 from ikjax.model.layers import SHARED_EXPERTS, dense_ffn
 from ikjax.ops import registry
@@ -96,25 +100,55 @@ class ExpertCounts:
     returns and `--expert-stats FILE.json` writes. `tokens`: the real tokens those steps fed
     (padding rows of a prompt chunk are not counted, nor routed picks of weight 0 (-ser))."""
 
-    def __init__(self, n_expert: int, first_moe_layer: int):
-        self.n_expert, self.first_moe_layer = n_expert, first_moe_layer
+    def __init__(self, n_expert: int, moe_layers):
+        self.n_expert = n_expert
+        self.moe_layers = sorted(int(i) for i in moe_layers)
+        self.first_moe_layer = self.moe_layers[0] if self.moe_layers else -1
         self.tokens = 0
-        self.layers: dict[int, np.ndarray] = {}
+        # every MoE layer listed from the start, so a file of a run that fed nothing still names
+        # the model's layers (zeros), as --gpu-experts reads them
+        self.layers: dict[int, np.ndarray] = {i: np.zeros(n_expert, np.int64) for i in self.moe_layers}
+        self.paused = False  # `Engine.uncounted`: warm-up runs, not the user's tokens
+        self._lock = threading.Lock()  # counts land from the steps' callback threads
 
     def record_counts(self, layers, counts, n_valid) -> None:
         """Per-expert counts [n, E] of the MoE layers `layers` [n] of one step (or of one pipeline
         stage), which fed `n_valid` real tokens."""
+        if self.paused:
+            return
         layers = np.asarray(layers).reshape(-1)
         counts = np.asarray(counts).reshape(len(layers), -1)
-        for layer, c in zip(layers.tolist(), counts):
-            if layer not in self.layers:
-                self.layers[layer] = np.zeros(self.n_expert, np.int64)
-            self.layers[layer] += c
-        if self.first_moe_layer in layers.tolist():  # once a step: the tokens it fed
-            self.tokens += int(n_valid)
+        with self._lock:
+            for layer, c in zip(layers.tolist(), counts):
+                if layer not in self.layers:
+                    self.layers[layer] = np.zeros(self.n_expert, np.int64)
+                self.layers[layer] += c
+            if self.first_moe_layer in layers.tolist():  # once a step: the tokens it fed
+                self.tokens += int(n_valid)
 
     def as_json(self) -> dict:
-        return {"tokens": self.tokens, "layers": {str(i): c.tolist() for i, c in sorted(self.layers.items())}}
+        with self._lock:
+            return {"tokens": self.tokens, "layers": {str(i): c.tolist() for i, c in sorted(self.layers.items())}}
+
+
+def is_stats_file(path: str) -> bool:
+    """Whether `path` holds an expert-stats file ({"tokens": int, "layers": {...}}): what a run may
+    replace (an earlier run's statistics); any other file is never overwritten."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and type(data.get("tokens")) is int and isinstance(data.get("layers"), dict)
+
+
+def refuse_overwrite(path: str) -> None:
+    """Refuse, in one line, to write expert statistics over an existing file that is not an
+    expert-stats file (the model, the -f text, a config: a probe saw the loaded GGUF replaced)."""
+    p = os.path.expanduser(str(path))
+    if os.path.isfile(p) and os.path.getsize(p) > 0 and not is_stats_file(p):
+        raise OptionError(f"expert-stats: {path} exists and is not an expert-stats file (JSON {{\"tokens\": N, "
+                          f"\"layers\": {{...}}}}): it is kept; give another file name")
 
 
 # The counts of the MoE layers traced so far in this step (`counting`), awaiting the step's one call

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ def read_counts(path: str, n_expert: int) -> dict[int, np.ndarray]:
         data = json.loads(p.read_text())
     except FileNotFoundError:
         raise OptionError(f"gpu-experts: no expert statistics at {path} (write them with --expert-stats {path} "
-                          f"on an earlier run over text like the one served)") from None
+                          f"on an earlier run: generate, bench, sweep-bench or serve)") from None
     except (OSError, ValueError) as e:
         raise OptionError(f"gpu-experts: cannot read the expert statistics {path}: {e}") from None
     layers = data.get("layers") if isinstance(data, dict) else None
@@ -40,8 +41,10 @@ def read_counts(path: str, n_expert: int) -> dict[int, np.ndarray]:
         raise OptionError(f"gpu-experts: {path} has no per-layer counts (expected {{\"layers\": {{\"3\": [...]}}}})")
     out = {}
     for k, v in layers.items():
-        if not str(k).isdigit() or not isinstance(v, list) or len(v) != n_expert or not all(
-                isinstance(c, int) and c >= 0 for c in v):
+        # ASCII digits only (str.isdigit takes "²" and "٣", which int() then refuses or reads as 3);
+        # counts are non-negative ints of int64 range, never JSON's true / false
+        if not re.fullmatch(r"[0-9]{1,9}", str(k)) or not isinstance(v, list) or len(v) != n_expert or not all(
+                type(c) is int and 0 <= c < 2**62 for c in v):
             raise OptionError(f"gpu-experts: {path}: layer {k!r} must map to {n_expert} token counts "
                               f"(this model's experts), got {str(v)[:60]}")
         out[int(k)] = np.asarray(v, np.int64)
@@ -108,6 +111,10 @@ def plan(placement, n_expert: int, tensors: dict, gpu_experts: str, counts_path:
         raise OptionError("gpu-experts: needs expert statistics: --expert-stats FILE.json written by an earlier "
                           "run (generate, bench, sweep-bench or serve with --expert-stats FILE.json)")
     counts = read_counts(counts_path, n_expert)
+    foreign = sorted(i for i in counts if f"blk.{i}.ffn_gate_exps.weight" not in tensors)
+    if foreign:
+        raise OptionError(f"gpu-experts: {counts_path} counts layer {foreign[0]}, which is not a MoE layer of this "
+                          f"model (statistics of another model?)")
     ebytes = {i: sum(tensors[f"blk.{i}.{n}"].nbytes for n in EXPERT_TENSORS) // n_expert for i in layers}
     if gpu_experts == "auto":
         chosen = choose(counts, layers, ebytes, budget=max(0, free_bytes or 0))

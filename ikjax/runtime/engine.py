@@ -13,6 +13,7 @@ scheduling and stopping rules), `memory_plan`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -155,7 +156,7 @@ class Engine:
         # --expert-stats: the steps count each MoE layer's routing here (ikjax.model.moe)
         self._expert_counts = None
         if o.expert_stats and cfg.n_expert:
-            self._expert_counts = moe.ExpertCounts(cfg.n_expert, min(cfg.n_dense_lead, cfg.n_layer))
+            self._expert_counts = moe.ExpertCounts(cfg.n_expert, [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)])
         self._steps = Executables(self.executor, config=cfg, options=self.options, layout=self.cache_layout,
                                   source=self.file.path, memory=memory, recent=self._recent)
 
@@ -507,15 +508,27 @@ class Engine:
         jax.effects_barrier()  # every callback of the steps run so far has landed
         return self._expert_counts.as_json()
 
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Steps run inside are not counted in `expert_stats()` (sweep-bench's and bench's warm-up
+        runs: the statistics are the user's tokens, not how often a tool warms a step, which
+        differs between a CPU and a GPU). Their callbacks are waited for before counting resumes."""
+        if self._expert_counts is None:
+            yield
+            return
+        jax.effects_barrier()
+        self._expert_counts.paused = True
+        try:
+            yield
+        finally:
+            jax.effects_barrier()
+            self._expert_counts.paused = False
+
     def save_expert_stats(self, path, stats: dict | None = None) -> None:
         """`expert_stats()` (or `stats` in its form) as JSON in `path`, written whole or not at all
-        (its directory must exist: a mistyped path is refused, not made, as on the CLI)."""
-        import json
-        from ikjax.atomic_file import atomic_write, check_target
-        data = json.dumps(self.expert_stats() if stats is None else stats)
-        check_target(path, len(data), "expert-stats", parent_exists=True)
-        with atomic_write(path, len(data), what="expert-stats") as tmp:
-            tmp.write_text(data)
+        (its directory must exist: a mistyped path is refused, not made, as on the CLI); an existing
+        file is replaced only if it is an expert-stats file (`moe.refuse_overwrite`)."""
+        write_expert_stats(path, self.expert_stats() if stats is None else stats)
 
     def new_cache(self, batch: int = 1):
         """A zeroed KV cache: per device with -sm layer, replicated over the mesh with -sm graph."""
@@ -822,6 +835,18 @@ def _non_finite_tensor(file: GGUFModelFile) -> str:
             return f"tensor {name}{layer} holds {bad} NaN/Inf value(s) in the file"
     return (f"no NaN/Inf in the {scanned >> 20} MiB of weights checked: the arithmetic overflowed "
             f"(try --dtype f32)")
+
+
+def write_expert_stats(path, stats: dict) -> None:
+    """Expert statistics ({"tokens", "layers"}) as JSON in `path`: whole or not at all, its directory
+    existing, an existing file replaced only if it is an expert-stats file (`moe.refuse_overwrite`)."""
+    import json
+    from ikjax.atomic_file import atomic_write, check_target
+    data = json.dumps(stats)
+    check_target(path, len(data), "expert-stats", parent_exists=True)
+    moe.refuse_overwrite(path)
+    with atomic_write(path, len(data), what="expert-stats") as tmp:
+        tmp.write_text(data)
 
 
 def _batch_size(batch) -> int:

@@ -484,7 +484,9 @@ def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, te
         done = done | np.array([r is not None for r in reasons] + [True] * (B - n))
         if done.all():  # no step needed after the last token
             break
-        logits, cache = eng.step(cache, toks, pos)
+        # finished rows and the padding rows are idle (last -1): they route to no expert, so they
+        # read no expert bytes and count in no expert statistics (a probe counted 25 tokens for 21)
+        logits, cache = eng.step(cache, toks, pos, np.where(done, -1, 0).astype(np.int32))
         last_logits = np.asarray(logits, np.float32)
         pos = np.where(fed & ~done, pos + 1, pos)
     out.stop_reasons = reasons
@@ -526,6 +528,6 @@ def _batch_loop(eng, out: BatchGeneration, reasons: list, done: np.ndarray, last
         k = min(DECODE_CHUNK, int((ctx - length)[live].min()), max_tokens - max(len(out[b]) for b in range(n) if live[b]))
         # the last token of each row is not in the cache yet: it goes at position length - 1
         toks, cache = eng.decode(cache, np.where(live, tok, 0), np.where(live, length - 1, 0), k, chunk=DECODE_CHUNK,
-                                 sampling=sp, key=key)
+                                 sampling=sp, key=key, idle=~live)
         got = np.asarray(toks)[:, :k]
         pending = [got[b].tolist() if live[b] else [] for b in range(B)]

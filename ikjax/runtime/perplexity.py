@@ -229,19 +229,23 @@ def precompile(engine, n_ctx: int) -> int:
     return len(shapes)
 
 
-def _chunk_scores(engine, cache, toks: np.ndarray, n_ctx: int, bos: int | None, score: Callable):
+def _chunk_scores(engine, cache, toks: np.ndarray, n_ctx: int, bos: int | None, score: Callable,
+                  real: int | None = None):
     """Feed chunks toks [B, n_ctx] (BOS first where given) and call `score(b_slice_logits [B, k, V],
-    targets [B, k], p0)` for each step's scored rows at chunk positions p0..p0+k-1. Returns the cache."""
+    targets [B, k], p0)` for each step's scored rows at chunk positions p0..p0+k-1. Returns the cache.
+    Rows from `real` on pad the last group (copies whose scores are dropped): idle (last -1), they
+    route to no expert and count in no expert statistics."""
     first, last = n_ctx // 2, n_ctx - 2
     B = toks.shape[0]
+    real = B if real is None else real
     feed = toks.copy()
     if bos is not None:
         feed[:, 0] = bos
     for c0, n, T, all_logits in step_shapes(engine, n_ctx, B):
         tokens = np.zeros((B, T), np.int32)
         tokens[:, :n] = feed[:, c0:c0 + n]
-        logits, cache = engine.step(cache, tokens, np.full(B, c0, np.int32), np.full(B, n - 1, np.int32),
-                                    all_logits)
+        logits, cache = engine.step(cache, tokens, np.full(B, c0, np.int32),
+                                    np.where(np.arange(B) < real, n - 1, -1).astype(np.int32), all_logits)
         if all_logits:
             p0, p1 = max(first, c0), min(c0 + n - 1, last)
             score(logits[:, p0 - c0:p1 - c0 + 1], toks[:, p0 + 1:p1 + 2], p0)
@@ -359,7 +363,7 @@ def perplexity(engine, ids, ctx: int | None = None, *, n_chunks: int | None = No
                 out = _score(logits.reshape(B * k, V), jnp.asarray(targets.reshape(-1)), writer is not None)
                 parts[p0] = (k, out)
 
-            cache = _chunk_scores(engine, cache, toks, n_ctx, bos, score)
+            cache = _chunk_scores(engine, cache, toks, n_ctx, bos, score, real)
             for p0 in sorted(parts):
                 k, out = parts[p0]
                 _check_finite(engine, out, i)
@@ -623,7 +627,7 @@ def kld(engine, base, *, n_chunks: int | None = None,
             parts[p0] = (k, _kld_rows(logits.reshape(B * k, -1), jnp.asarray(targets.reshape(-1)),
                                       jnp.asarray(scale), jnp.asarray(mlp), jnp.asarray(q)))
 
-        cache = _chunk_scores(engine, cache, toks, n_ctx, bos, score)
+        cache = _chunk_scores(engine, cache, toks, n_ctx, bos, score, real)
         for p0 in sorted(parts):
             k, out = parts[p0]
             _check_finite(engine, out, i)

@@ -14,6 +14,7 @@ keys and types (`model_size` int bytes, `flash_attn` bool, `mla_attn` int, `avg_
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import itertools
@@ -343,40 +344,48 @@ def run_test(eng, test: Test, reps: int, rng, warmup: bool = True) -> tuple[list
     ts, ns = [], []
     first = 0 if warmup else 1
     for rep in range(first, reps + 1):
-        cache = eng.new_cache(1)
-        pos = 0
-        if test.kind in ("pp", "tg") and test.n_depth:
-            _, cache = eng.prefill(cache, _random_ids(rng, vocab, test.n_depth), 0)
-            pos = test.n_depth
-        if test.kind == "gp":  # the prompt is context, not timed
-            _, cache = eng.prefill(cache, _random_ids(rng, vocab, test.n_prompt), 0)
-            pos = test.n_prompt
-        prompt = _random_ids(rng, vocab, test.n_prompt) if test.kind in ("pp", "pg") else None
-        tok = np.array([[int(rng.integers(0, vocab))]], np.int32)
-        t0 = time.perf_counter_ns()
-        if prompt is not None and len(prompt):
-            _, cache = eng.prefill(cache, prompt, pos)  # returns host logits: synchronized
-            pos += len(prompt)
-        if test.kind != "pp" and test.n_gen and eng.decode_loop():  # the n_gen steps in one dispatch
-            out, cache = eng.decode(cache, tok[0], [pos], test.n_gen)
-            out.block_until_ready()
-        elif test.kind != "pp":
-            for i in range(test.n_gen):
-                out, cache = eng.step(cache, tok, np.array([pos + i]))
-                out.block_until_ready()
-        dt = time.perf_counter_ns() - t0
+        with (eng.uncounted() if rep == 0 else contextlib.nullcontext()):  # a warm-up: not the user's tokens
+            ts_ns = _run_once(eng, test, rng, vocab)
         if rep > 0:
-            ns.append(dt)
-            ts.append(test.timed_tokens / (dt / 1e9))
+            ns.append(ts_ns)
+            ts.append(test.timed_tokens / (ts_ns / 1e9))
     return ts, ns
+
+
+def _run_once(eng, test: Test, rng, vocab: int) -> int:
+    """One run of `test`: its untimed context, then the timed part; returns the timed ns."""
+    cache = eng.new_cache(1)
+    pos = 0
+    if test.kind in ("pp", "tg") and test.n_depth:
+        _, cache = eng.prefill(cache, _random_ids(rng, vocab, test.n_depth), 0)
+        pos = test.n_depth
+    if test.kind == "gp":  # the prompt is context, not timed
+        _, cache = eng.prefill(cache, _random_ids(rng, vocab, test.n_prompt), 0)
+        pos = test.n_prompt
+    prompt = _random_ids(rng, vocab, test.n_prompt) if test.kind in ("pp", "pg") else None
+    tok = np.array([[int(rng.integers(0, vocab))]], np.int32)
+    t0 = time.perf_counter_ns()
+    if prompt is not None and len(prompt):
+        _, cache = eng.prefill(cache, prompt, pos)  # returns host logits: synchronized
+        pos += len(prompt)
+    if test.kind != "pp" and test.n_gen and eng.decode_loop():  # the n_gen steps in one dispatch
+        out, cache = eng.decode(cache, tok[0], [pos], test.n_gen)
+        out.block_until_ready()
+    elif test.kind != "pp":
+        for i in range(test.n_gen):
+            out, cache = eng.step(cache, tok, np.array([pos + i]))
+            out.block_until_ready()
+    return time.perf_counter_ns() - t0
 
 
 def run_bench(models: list[str], params: dict[str, Any], tests: list[Test], reps: int,
               on_result: Callable[[Result], None], on_status: Callable[[str], None] | None = None,
               extra_options: dict[str, Any] | None = None, seed: int = 0, warmup: bool = True,
-              switches: dict[str, Any] | None = None) -> list[Result]:
+              switches: dict[str, Any] | None = None,
+              on_engine: Callable[[Any], None] | None = None) -> list[Result]:
     """Every test of every combination of `params` (comma lists) on every model; `switches`: ik's
-    switches as given, recorded in the JSON/CSV fields they have; `warmup`: llama-bench's -w."""
+    switches as given, recorded in the JSON/CSV fields they have; `warmup`: llama-bench's -w;
+    `on_engine(engine)`: each combination's engine once its tests ran (bench --expert-stats)."""
     from ikjax.errors import IkjaxError
     from ikjax.runtime.engine import load
     backend = backend_name()
@@ -422,6 +431,8 @@ def run_bench(models: list[str], params: dict[str, Any], tests: list[Test], reps
                                backend=backend, switches=sw)
                 results.append(r)
                 on_result(r)
+            if on_engine is not None:
+                on_engine(eng)
             del eng
     return results
 

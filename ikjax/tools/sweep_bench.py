@@ -322,8 +322,9 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
         for kind, n_tokens, kv_needed in _row_steps(eng, tg, pp, n_kv):
             key = _key(eng, kind, n_tokens, kv_needed)
             if key not in warmed:
-                for _ in range(warm_runs):
-                    execute(kind, n_tokens, kv_needed)
+                with eng.uncounted():  # --expert-stats counts the rows' tokens, not the warm-ups'
+                    for _ in range(warm_runs):
+                        execute(kind, n_tokens, kv_needed)
                 warmed.add(key)
     done = 0
     for row, n_kv in enumerate(measured_points(sweep_ctx(o), pp, stride)):
