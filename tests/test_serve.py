@@ -341,6 +341,26 @@ def test_metrics(server):
     assert "llamacpp:tokens_predicted_total" in text and "llamacpp:prompt_tokens_seconds " in text
 
 
+def test_expert_stats_endpoint(server, tiny_model, tmp_path):
+    """GET /expert-stats: with --expert-stats FILE.json the counts so far, in the file's form (a
+    client keeps them should the server die before writing the file), the file written at the end;
+    without it a 404 JSON error."""
+    status, body = call(server, "GET", "/expert-stats")
+    assert status == 404 and "--expert-stats" in body["error"]["message"]
+    f = tmp_path / "s.json"
+    s = Proc(tiny_model, "-c", "512", "-np", "2", "-ub", str(UB), "--temp", "0", "--expert-stats", str(f))
+    try:
+        status, ans = call(s, "POST", "/completion", {"prompt": "alpha beta gamma", "n_predict": 6})
+        assert status == 200, ans
+        status, st = call(s, "GET", "/expert-stats")
+        assert status == 200 and set(st) == {"tokens", "layers"} and st["layers"]
+        fed = ans["tokens_evaluated"] + ans["tokens_predicted"] - 1  # the last token is never fed
+        assert st["tokens"] == fed, (st["tokens"], ans["tokens_evaluated"], ans["tokens_predicted"])
+    finally:
+        s.stop()
+    assert json.loads(f.read_text()) == st
+
+
 # -- errors --------------------------------------------------------------------------------------
 
 def _error(status_body, status: int, needle: str):

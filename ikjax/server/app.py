@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   (OpenAI; SSE when stream)
     POST /completion  POST /tokenize  POST /detokenize  GET /props  GET /slots  GET /health
-    GET /metrics (Prometheus)   GET / (a chat page)
+    GET /metrics (Prometheus)   GET /expert-stats (with --expert-stats)   GET / (a chat page)
 
 Each generate request becomes a `Job` on the scheduler (ikjax.runtime.scheduler); the handler
 awaits its text deltas and writes them as one JSON answer or as Server-Sent Events (`data: {...}`
@@ -117,6 +117,7 @@ class Server:
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         r.add_get("/metrics", self.metrics_text)
+        r.add_get("/expert-stats", self.expert_stats)
         r.add_get("/", self.index)
         r.add_get("/index.html", self.index)
         app.on_shutdown.append(self._shutdown)
@@ -603,6 +604,14 @@ class Server:
         if bad_ids:
             raise bad(f"tokens: id {bad_ids[0]} is outside the vocabulary [0, {V})")
         return web.json_response({"content": self.tok.decode(ids)})
+
+    async def expert_stats(self, request: web.Request) -> web.Response:
+        """The expert statistics counted so far (--expert-stats FILE.json), in the file's form: read
+        while the server runs, and kept by a client should the server die before writing the file."""
+        if not self.eng.options.expert_stats:
+            raise ApiError(404, "expert statistics are off (start the server with --expert-stats FILE.json)")
+        stats = await asyncio.to_thread(self.eng.expert_stats)
+        return web.json_response(stats)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
