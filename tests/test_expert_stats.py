@@ -323,3 +323,23 @@ def test_stopped_run_still_writes_its_counts(tiny4_model, tmp_path, sig):
         assert p.returncode == -signal.SIGTERM, (p.returncode, stderr[-800:])
     st = json.loads(out.read_text())
     assert st["tokens"] > 1 and all(sum(v) == st["tokens"] * 4 for v in st["layers"].values())
+
+
+def test_short_synthetic_models_keep_a_moe_layer(tmp_path, monkeypatch):
+    """make-model --layers N below a preset's dense lead (R1: 3) keeps one MoE layer (it made a
+    file of dense layers only, whose expert statistics counted 0 tokens); counting a model with no
+    MoE layer is refused in one line."""
+    from ikjax.tools import synthetic
+    for preset, layers in (("tiny", 1), ("r1", 2), ("r1", 3)):
+        cfg = synthetic.preset_config(preset, layers=layers)
+        assert cfg["first_k_dense_replace"] == layers - 1, (preset, layers)
+    assert synthetic.preset_config("r1", layers=4)["first_k_dense_replace"] == 3
+    p = synthetic.make_model(tmp_path / "one.gguf", "tiny", "Q8_0", layers=1)
+    eng = ikjax.load(p, ctx=64, expert_stats=True)
+    eng.logits([1, 2, 3])
+    assert eng.expert_stats()["tokens"] == 3 and list(eng.expert_stats()["layers"]) == ["0"]
+    real = synthetic.preset_config
+    monkeypatch.setattr(synthetic, "preset_config", lambda *a, **k: dict(real(*a, **k), first_k_dense_replace=2))
+    dense = synthetic.make_model(tmp_path / "dense.gguf", "tiny", "Q8_0", layers=2)  # dense layers only
+    with pytest.raises(OptionError, match="has no MoE layer"):
+        ikjax.load(dense, ctx=64, expert_stats=True)

@@ -114,6 +114,9 @@ class Engine:
             check_fits(memory, self.options, path)
             log.info("host experts: two whole layers do not fit the device beside the rest; big batches stream "
                      "the routed experts by runs (IKJAX_STREAM=chunks' form)")
+        moe_layers = [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)] if cfg.n_expert else []
+        if o.expert_stats and not moe_layers:  # refused before the load, not after it
+            raise OptionError(f"expert-stats: {path} has no MoE layer (no routed experts to count)")
         self.gpu_experts_note = ""
         if o.gpu_experts:  # copies of the most used host-resident experts in the VRAM left
             free = None
@@ -155,8 +158,8 @@ class Engine:
         self._collectives: dict[tuple, object] = {}  # Engine.collectives, by step key
         # --expert-stats: the steps count each MoE layer's routing here (ikjax.model.moe)
         self._expert_counts = None
-        if o.expert_stats and cfg.n_expert:
-            self._expert_counts = moe.ExpertCounts(cfg.n_expert, [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)])
+        if o.expert_stats:
+            self._expert_counts = moe.ExpertCounts(cfg.n_expert, moe_layers)
         self._steps = Executables(self.executor, config=cfg, options=self.options, layout=self.cache_layout,
                                   source=self.file.path, memory=memory, recent=self._recent)
 

@@ -139,7 +139,9 @@ def preset_config(preset: str, layers: int | None = None, experts: int | None = 
         if layers < 1:
             raise OptionError(f"layers: need >= 1, got {layers}")
         cfg["num_hidden_layers"] = layers
-        cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], layers)
+        # at least one MoE layer: a shortened R1 (3 dense lead layers) of 1-3 layers had none, a
+        # file with expert counts in its header and not one expert (an outside probe)
+        cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], layers - 1)
     if experts is not None:
         used = cfg["num_experts_per_tok"]
         groups = cfg.get("n_group") or 1
