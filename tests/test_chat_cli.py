@@ -65,6 +65,31 @@ def test_bad_template_refused_before_loading(tiny_model, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: chat template 'nope'"), err
 
 
+def test_a_message_that_cannot_be_sent_is_dropped_not_the_chat(eng, tiny_model):
+    """A typed line with bytes that are not UTF-8 (a Latin-1 terminal's é) is dropped with a note
+    and the chat goes on (it ended the program with status 1, the conversation lost)."""
+    rc, out, err = _chat(tiny_model, "-n", "4", stdin=b"Hello\ncaf\xe9 au lait\nmore\n")
+    assert rc == 0, err
+    assert "[message dropped: message: not valid UTF-8 (byte 0xe9 at character 3); send it again]" in err
+    assert "chat: 2 turns" in err and out.count("> ") == 4  # three lines read, then the end of input
+
+
+def test_template_file_flag_always_reads_the_file(eng, tiny_model, tmp_path):
+    """--chat-template-file NAME reads the file NAME even where NAME is also a builtin's name
+    (it took the builtin chatml over ./chatml); the file flag and the name flag are one choice."""
+    (tmp_path / "chatml").write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] ")
+    res = subprocess.run([sys.executable, "-m", "ikjax.cli", "chat", "-m", tiny_model, *ARGS, "-n", "3",
+                          "--chat-template-file", "chatml", "-v"], input=b"Hi\n", capture_output=True, timeout=240,
+                         env=_env(), cwd=tmp_path)
+    err = res.stderr.decode()
+    assert res.returncode == 0, err
+    assert f"chat template: {tmp_path / 'chatml'}" in err
+    want = eng.chat([{"role": "user", "content": "Hi"}], 3, chat_template=str(tmp_path / "chatml"))
+    assert f"prompt {want.usage.prompt_tokens} tokens" in err
+    rc, _, err = _chat(tiny_model, "--chat-template", "chatml", "--chat-template-file", "x", stdin=b"")
+    assert rc == 1 and err.strip().splitlines()[-1] == "error: --chat-template and --chat-template-file: give one of them"
+
+
 def test_ctrl_c_stops_the_answer_not_the_chat(tiny_model):
     p = subprocess.Popen([sys.executable, "-m", "ikjax.cli", "chat", "-m", tiny_model, *ARGS, "--ignore-eos", "-v"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())

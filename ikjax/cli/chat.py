@@ -26,7 +26,7 @@ import typer
 
 from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
                               app, handle, announce_seed, ik_sampling, ik_seed, load_engine, log, process_escapes, read_prompt_file,
-                              setup_compile_cache)
+                              setup_compile_cache, template_choice)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import ContextFullError, OptionError
@@ -41,10 +41,13 @@ def chat(
     file: Annotated[Optional[str], typer.Option("-f", "--file", help="first user message from a file")] = None,
     system_prompt: Annotated[str, typer.Option("-sys", "--system-prompt", help="system message")] = "",
     chat_template: Annotated[Optional[str], typer.Option(
-        "--chat-template", "--chat-template-file", metavar="NAME|FILE",
+        "--chat-template", metavar="NAME|FILE",
         help="chat template: a builtin name (deepseek3, deepseek-r1, deepseek2, chatml, kimi-k2, chatglm4) or "
         "a file holding a Jinja template; default: the model file's own (else a builtin chosen from its "
         "pre-tokenizer)")] = None,
+    chat_template_file: Annotated[Optional[str], typer.Option(
+        "--chat-template-file", metavar="FILE", help="a Jinja chat template file (llama-cli's flag: always the "
+        "file, even one named like a builtin)")] = None,
     conversation: Annotated[bool, typer.Option("-cnv", "--conversation", help="conversation mode (always on)")] = True,
     jinja: Annotated[bool, typer.Option("--jinja", help="Jinja chat templates (always on)")] = True,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="most tokens an answer may have "
@@ -69,6 +72,7 @@ def chat(
     from ikjax.runtime.sampling import check_penalty, check_sampling
     from ikjax.tokenizer import check_text
     # every value checked before the model loads
+    chat_template = template_choice(chat_template, chat_template_file)
     check_choice(chat_template)
     temp, top_p = ik_sampling(temp, top_p)
     seed, drawn = ik_seed(seed)  # (a drawn one is printed once the model loaded: a refused command prints none)
@@ -134,7 +138,7 @@ class Chat:
         while True:
             _out("> " if not lines else "")
             try:  # a closed stdin (`<&-`: sys.stdin is None) is the end of input, as llama-cli reads it
-                line = sys.stdin.readline() if sys.stdin is not None else ""
+                line = _read_line()
             except KeyboardInterrupt:
                 _out("\n")
                 raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -172,7 +176,15 @@ class Chat:
         return dropped
 
     def turn(self, user: str) -> None:
-        """Render the conversation with the new message, stream the answer; Ctrl-C ends it early."""
+        """Render the conversation with the new message, stream the answer; Ctrl-C ends it early.
+        A message that cannot be sent (bytes that are not UTF-8, a template that fails on it, a
+        conversation past -c) is dropped with a note; the conversation goes on (it ended the program)."""
+        from ikjax.tokenizer import check_text
+        try:
+            check_text(user, "message")
+        except OptionError as e:
+            log(f"[message dropped: {str(e).splitlines()[0]}; send it again]")
+            return
         self.messages.append({"role": "user", "content": user})
         dropped = self.fit()
         if dropped:
@@ -185,6 +197,10 @@ class Chat:
             self.messages.pop()
             log(f"[message dropped: the conversation with it is {e.tokens} tokens, more than -c {e.ctx} holds; "
                 f"send a shorter one, or restart with a larger -c]")
+            return
+        except OptionError as e:  # e.g. the template raised on this conversation
+            self.messages.pop()
+            log(f"[message dropped: {str(e).splitlines()[0]}]")
             return
         t0 = time.perf_counter()
         interrupted = False
@@ -225,6 +241,18 @@ class Chat:
         rate = f", {self.generated / self.gen_seconds:.2f} t/s with the prompts" if self.gen_seconds > 0 else ""
         log(f"chat: {self.turns} turns; prompt tokens {self.prompt_tokens} ({self.cached_tokens} reused from the "
             f"KV cache, {self.prompt_tokens - self.cached_tokens} fed); {self.generated} tokens generated{rate}")
+
+
+def _read_line() -> str:
+    """One line of stdin ("" at its end), its bytes decoded as UTF-8 with any others kept as lone
+    surrogates (PEP 383), which `turn` names and drops: a text-mode stdin under a UTF-8 locale
+    raised UnicodeDecodeError mid-conversation on a Latin-1 byte, ending the chat."""
+    if sys.stdin is None:
+        return ""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # a replaced stdin (tests, embedding): already text
+        return sys.stdin.readline()
+    return raw.readline().decode("utf-8", errors="surrogateescape")
 
 
 def _out(text: str) -> None:

@@ -326,6 +326,20 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     return eng
 
 
+def template_choice(chat_template: Optional[str], chat_template_file: Optional[str]) -> Optional[str]:
+    """--chat-template NAME|FILE or --chat-template-file FILE (one of them) as the choice
+    `ikjax.chat_template` reads: the file flag always names a file, given by its absolute path (a
+    file `./chatml` given as `--chat-template-file chatml` was read as the builtin chatml)."""
+    if chat_template_file is None:
+        return chat_template
+    if chat_template:
+        raise OptionError("--chat-template and --chat-template-file: give one of them")
+    path = Path(os.path.expanduser(chat_template_file))
+    if not path.is_file():
+        raise OptionError(f"--chat-template-file {chat_template_file}: no such file")
+    return str(path.absolute())
+
+
 def check_stats_target(path: str) -> None:
     """--expert-stats FILE: refused now, before anything loads, if it cannot be written or would
     replace a file that is not an earlier run's statistics."""

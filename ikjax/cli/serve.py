@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ikjax.cli.common import app, batch_invariance, handle, load_engine, log, setup_compile_cache
+from ikjax.cli.common import app, batch_invariance, handle, load_engine, log, setup_compile_cache, template_choice
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
@@ -95,12 +95,7 @@ def serve(
         raise OptionError(f"--prompt-cache: expected one of {', '.join(PROMPT_CACHE_MODES)}, got {prompt_cache!r}")
     if max_queue < 0:
         raise OptionError(f"--max-queue: need >= 0, got {max_queue}")
-    if chat_template_file is not None:
-        if chat_template:
-            raise OptionError("--chat-template and --chat-template-file: give one of them")
-        if not Path(chat_template_file).is_file():
-            raise OptionError(f"--chat-template-file {chat_template_file}: no such file")
-        chat_template = chat_template_file
+    chat_template = template_choice(chat_template, chat_template_file)
     keys = [api_key] if api_key else []
     if api_key_file is not None:
         try:
