@@ -217,6 +217,66 @@ def test_damaged_jax_entries_are_replaced(tiny_model, tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "c.npy"))
 
 
+def test_damaged_stored_steps_are_compiled_again(tiny_model, tmp_path):
+    """A stored step (IKJAX_STORE_STEPS=1) whose bytes changed on disk after it was written whole
+    (one flipped bit inside the serialized executable) is a miss said in one line, removed, and the
+    step compiled again with the same logits (it was deserialized and run as machine code: a segfault
+    or an illegal instruction on every later run, once a wrong perplexity: an outside probe)."""
+    cache = tmp_path / "xla"
+    env = {"IKJAX_COMPILE_CACHE": str(cache), "IKJAX_STORE_STEPS": "1"}
+    _run(tiny_model, tmp_path / "a.npy", env)
+    steps = sorted(p for p in _files(cache) if p.parent.name == "steps")
+    assert len(steps) >= 2
+    for p in steps:
+        data = bytearray(p.read_bytes())
+        data[int(len(data) * 0.63)] ^= 1
+        p.write_bytes(bytes(data))
+    err: list[str] = []
+    r = _run(tiny_model, tmp_path / "b.npy", env, err)
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+    assert r["step_loads"] == 0 and r["compiled"] == 2, r
+    notes = [line for line in err[0].splitlines() if "damaged" in line]
+    assert len(notes) == len(steps) and all("checksum does not match" in n for n in notes), err[0]
+    err.clear()
+    # the damaged entries are gone: served by JAX's cache now (a step JAX loaded is not stored whole
+    # again on XLA:CPU, see Executables._compile), nothing said
+    again = _run(tiny_model, tmp_path / "c.npy", env, err)
+    assert again["from_cache"] == 2 and "damaged" not in err[0], (again, err[0])
+    assert not [p for p in steps if p.exists() and p.read_bytes() == b""]
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "c.npy"))
+
+
+WRITE_FAILS = """
+import sys
+import jax, jax.numpy as jnp
+from jax._src import compilation_cache as jcc
+from ikjax.runtime import compile_cache
+compile_cache.setup()
+
+class Full:
+    def put(self, *a, **k):
+        raise OSError(28, "No space left on device")
+    def get(self, *a, **k):
+        return None
+jcc._get_cache = lambda backend: Full()
+for k in range(3):
+    jax.jit(lambda x, k=k: x * k + 1)(jnp.arange(4.0)).block_until_ready()
+print("ok")
+"""
+
+
+def test_entries_not_written_are_one_line(tmp_path):
+    """JAX's cache write failing (a full disk, the directory removed under the run): the run goes
+    on, and says so once in one ikjax line, not a two-line UserWarning naming site-packages each
+    time."""
+    res = subprocess.run([sys.executable, "-c", WRITE_FAILS], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "IKJAX_COMPILE_CACHE": str(tmp_path / "xla")})
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+    assert "UserWarning" not in res.stderr and "site-packages" not in res.stderr, res.stderr
+    lines = [line for line in res.stderr.splitlines() if "not written" in line]
+    assert len(lines) == 1 and "No space left on device" in lines[0], res.stderr
+
+
 PROGRAMS = """
 import functools, json, sys
 import jax, jax.numpy as jnp, numpy as np

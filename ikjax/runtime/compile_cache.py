@@ -281,6 +281,36 @@ def _guard_reads() -> None:
             return None, None
     guarded._ikjax_guard = True
     jcc.get_executable_and_time = guarded
+    write = getattr(jcc, "put_executable_and_time", None)
+    if write is None or getattr(write, "_ikjax_guard", False):
+        return
+
+    @functools.wraps(write)
+    def guarded_write(*args, **kwargs):
+        try:
+            return write(*args, **kwargs)
+        except Exception as e:  # a full disk, a directory removed under the run: one line, not JAX's warning
+            if _own_directory() is None or getattr(jax.config, "jax_raise_persistent_cache_errors", False):
+                raise
+            _not_written(e)
+    guarded_write._ikjax_guard = True
+    jcc.put_executable_and_time = guarded_write
+
+
+_unwritten = 0  # entries of our directory this process could not write
+
+
+def _not_written(error: Exception) -> None:
+    """An entry JAX could not write in our directory: the run goes on (the step is compiled; the
+    next run compiles it again); the first one said in one line, the rest at -v (JAX printed a
+    two-line UserWarning naming site-packages for each, an outside probe found)."""
+    global _unwritten
+    _unwritten += 1
+    why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+    if _unwritten == 1:
+        log.warning("compilation cache: an entry was not written in %s (%s); the run goes on", describe(), why)
+    else:
+        log.info("compilation cache: an entry was not written (%s)", why)
 
 
 def _own_directory() -> Path | None:
@@ -360,6 +390,43 @@ def _drop(path: Path, why: str) -> None:
         pass
 
 
+# A stored entry's file: MAGIC, the BLAKE2b digest of the body, the body (the pickled entry). Why
+# the digest: a few flipped bytes inside a serialized executable deserialize quietly and run as
+# machine code (an outside probe: segfaults, illegal instructions, and once a wrong perplexity,
+# on every later run of the command, the entry never removed); a damaged entry is now a miss.
+_MAGIC = b"IKJXSTP2"
+_DIGEST = 32
+
+
+def _framed(body: bytes) -> bytes:
+    return _MAGIC + hashlib.blake2b(body, digest_size=_DIGEST).digest() + body
+
+
+def _checked_body(data: bytes) -> bytes | None:
+    """The body of a framed entry (`_framed`); None for another format; ValueError for a body whose
+    digest does not match (damaged on disk)."""
+    head = len(_MAGIC) + _DIGEST
+    if not data.startswith(_MAGIC):
+        return None
+    body = data[head:]
+    if len(data) < head or hashlib.blake2b(body, digest_size=_DIGEST).digest() != data[len(_MAGIC):head]:
+        raise DamagedEntry("damaged: its checksum does not match its bytes")
+    return body
+
+
+class DamagedEntry(ValueError):
+    """A stored entry whose bytes changed on disk after it was written whole."""
+
+
+def _unreadable(path: Path, e: BaseException) -> None:
+    """An entry that could not be read: removed; a damaged one said without -v (the bytes changed
+    on disk under the cache), a stale or partial one only in the log."""
+    if isinstance(e, DamagedEntry):
+        log.warning("compilation cache: stored entry %s is damaged (its checksum does not match its bytes); "
+                    "compiled again", path.name)
+    _drop(path, f"unreadable: {type(e).__name__}: {e}")
+
+
 def _read_step(path: Path) -> tuple[str | None, Any]:
     """(the full key an entry was stored under, its executable) of a stored step's file; (None,
     None) for an entry that is not a stored step at all. Raises what reading or deserializing it
@@ -370,7 +437,10 @@ def _read_step(path: Path) -> tuple[str | None, Any]:
     ops.register_native_targets()
     import pickle
     from jax.experimental.serialize_executable import deserialize_and_load
-    entry = pickle.loads(path.read_bytes())
+    body = _checked_body(path.read_bytes())
+    if body is None:
+        return None, None  # another format (an earlier version's entry)
+    entry = pickle.loads(body)
     if not (isinstance(entry, tuple) and len(entry) == 5 and isinstance(entry[0], str)):
         return None, None  # not ours, or stored before entries named their devices
     stored_key, payload, in_tree, out_tree, device_ids = entry
@@ -400,7 +470,7 @@ def load_step(parts: tuple, signature: tuple | None = None, *, label: str | None
     try:
         ahead = _take_prefetched(path)
     except Exception as e:  # noqa: BLE001 - its read failed on the prefetch thread: as if read here
-        _drop(path, f"unreadable: {type(e).__name__}: {e}")
+        _unreadable(path, e)
         return None
     exe = _load_entry(path, key, signature, ahead)
     if exe is None:
@@ -420,8 +490,8 @@ def _load_entry(path: Path, key: str, signature: tuple | None, read: tuple | Non
     another version, compiled for other argument types)."""
     try:
         stored_key, exe = read if read is not None else _read_step(path)
-    except Exception as e:  # noqa: BLE001 - a stale or partial entry: compile as if absent
-        _drop(path, f"unreadable: {type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - a stale, partial or damaged entry: compile as if absent
+        _unreadable(path, e)
         return None
     if stored_key != key:
         _drop(path, "stored for other arguments or by another version")
@@ -584,7 +654,7 @@ def _store(path: Path, key: str, exe, what: str) -> bool:
         from jax.experimental.serialize_executable import serialize
         from ikjax.atomic_file import atomic_write
         devices = [d.id for d in exe.runtime_executable().local_devices()]
-        data = pickle.dumps((key, *serialize(exe), devices))
+        data = _framed(pickle.dumps((key, *serialize(exe), devices)))
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with atomic_write(path, len(data), f"compiled {what}") as tmp:
             tmp.write_bytes(data)
