@@ -154,7 +154,8 @@ _VARS = (
              "ikjax.runtime.compile_cache"),
     Variable("IKJAX_CACHE", "", (), "directory of the built-in and `synthetic:` models (default ~/.cache/ikjax)",
              "ikjax.tools.synthetic"),
-    Variable("IKJAX_DEBUG", "", (), "any value: the CLI prints a traceback instead of the one-line error",
+    Variable("IKJAX_DEBUG", "", (), "any value: the CLI prints a traceback where an unexpected error would be one line (an error ikjax names, "
+             "such as a missing file, stays one line)",
              "ikjax.cli"),
     Variable("IKJAX_CPU_ISA", "", ("generic", "avx2", "avx512", "amx"),
              "cap the C++ kernels' instruction-set level (read by the C++ runtime per call)",

@@ -284,8 +284,9 @@ FrequencyPenalty = Annotated[float, typer.Option("--frequency-penalty", help="pe
 
 
 def load_engine(model: Optional[str], verbose: bool = False, while_loading: Optional[Callable] = None,
-                **opts: Any):
-    """Load `-m` (after `resolve_model`) with these run options; the memory plan goes to stderr.
+                plan_batch: int = 1, **opts: Any):
+    """Load `-m` (after `resolve_model`) with these run options; the memory plan goes to stderr
+    (for `plan_batch` sequences: serve's -np slots, whose KV cache the plan of one left out).
     `while_loading(engine)`: the command's first compiles, run while the weights still stream in
     where the engine loads them in a thread (Engine._overlaps_load), before the memory plan."""
     from ikjax.runtime.engine import (
@@ -318,8 +319,8 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     if isinstance(stats_file, str):
         at_end(functools.partial(_save_expert_stats, eng, stats_file))
         terminate_on_sigterm()
-    log("memory plan:")
-    for line in eng.memory_plan().lines():
+    log("memory plan:" if plan_batch == 1 else f"memory plan ({plan_batch} sequences):")
+    for line in eng.memory_plan(plan_batch).lines():
         log("  " + line)
     if eng.gpu_experts_note:
         log(eng.gpu_experts_note)

@@ -135,7 +135,7 @@ def serve(
 
     loading = LoadingResponder(sock).start()  # 503 "Loading model" until the server proper answers
     try:
-        eng = load_engine(run.model, run.verbose, while_loading=warm_up, **run_opts)
+        eng = load_engine(run.model, run.verbose, while_loading=warm_up, plan_batch=parallel, **run_opts)
     except BaseException:
         loading.stop()
         raise
