@@ -302,9 +302,15 @@ def test_stopped_run_still_writes_its_counts(tiny4_model, tmp_path, sig):
     import threading
     import time
     out = tmp_path / "s.json"
-    p = subprocess.Popen([sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny4_model, "-p", "hello", "-n", "4000",
-                          "-c", "4096", "--ignore-eos", "--temp", "0", "--expert-stats", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # an xdist worker ignores SIGINT, which a child inherits (Python then installs no KeyboardInterrupt):
+    # the child starts with SIGINT's default, as a terminal's Ctrl-C finds it (test_surfaces does the same)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny4_model, "-p", "hello", "-n",
+                              "4000", "-c", "4096", "--ignore-eos", "--temp", "0", "--expert-stats", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    finally:
+        signal.signal(signal.SIGINT, old)
     got = []
     reader = threading.Thread(target=lambda: got.extend(iter(lambda: p.stdout.read(1), b"")), daemon=True)
     reader.start()
