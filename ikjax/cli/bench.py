@@ -272,8 +272,6 @@ class _ExpertStats:
     def __init__(self, path: str, gpu_experts: Optional[str]):
         from ikjax.cli.common import check_stats_target
         from ikjax.cli.parser import at_end, terminate_on_sigterm
-        if not str(path).strip():
-            raise OptionError("expert-stats: empty path (give a file name)")
         check_stats_target(path)
         self.path, self.gpu_experts = path, gpu_experts
         self.total: dict = {"tokens": 0, "layers": {}}
@@ -289,20 +287,14 @@ class _ExpertStats:
         return opts
 
     def add(self, eng) -> None:
-        """One combination's engine, done: its counts join the totals."""
-        st = eng.expert_stats()
+        """One combination's engine, done: its counts join the totals (models with other expert
+        counts, several -m, are refused: not one profile)."""
+        from ikjax.model.moe import add_stats
+        add_stats(self.total, eng.expert_stats())
         self.engines += 1
-        self.total["tokens"] += st["tokens"]
-        for k, v in st["layers"].items():
-            mine = self.total["layers"].setdefault(k, [0] * len(v))
-            if len(mine) != len(v):  # models with other expert counts (several -m): not one profile
-                raise OptionError(f"expert-stats: layer {k} has {len(mine)} experts in one model and {len(v)} in "
-                                  f"another; count one model a file")
-            self.total["layers"][k] = [a + b for a, b in zip(mine, v)]
 
     def save(self) -> None:
         from ikjax.cli.common import save_stats
-        from ikjax.runtime.engine import write_expert_stats
         if self.engines:
-            save_stats(self.path, self.total, merge=bool(self.gpu_experts), save=write_expert_stats)
+            save_stats(self.path, self.total, merge=bool(self.gpu_experts))
 

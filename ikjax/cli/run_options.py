@@ -32,7 +32,6 @@ import typer
 
 from ikjax.cli.common import backend, log
 from ikjax.options import RunOptions, switch_notes
-from ikjax.errors import OptionError
 
 _D = RunOptions()
 # ik's common default -amb (common.h attn_max_batch = 256) for the commands that mirror its common-argument
@@ -259,9 +258,7 @@ def load_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     no_fmoe = params.get("no_fmoe")
     if no_fmoe is not None and RunOptions.from_kwargs(fmoe=no_fmoe).fmoe:  # ik's -no-fmoe: fused MoE off
         kw["fmoe"] = "0"
-    if params.get("expert_stats") is not None and not str(params["expert_stats"]).strip():
-        raise OptionError("expert-stats: empty path (give a file name)")
-    if params.get("expert_stats"):  # the file (ikjax.cli.common.load_engine counts and writes it)
+    if params.get("expert_stats") is not None:  # the file (load_engine checks, counts and writes it; "" refused there)
         kw["expert_stats"] = params["expert_stats"]
         if params.get("gpu_experts"):  # --gpu-experts reads it first (ikjax.placement.hot)
             kw["expert_counts"] = params["expert_stats"]
@@ -283,7 +280,7 @@ def check_options(params: dict[str, Any], command: str) -> tuple[dict[str, Any],
     """Validate a command's run options and ik switches before anything is loaded; print one note per
     option that has no effect here. Returns (ikjax.load keyword arguments, the checked RunOptions)."""
     run_opts = load_kwargs(params)
-    checked = RunOptions.from_kwargs(**{**run_opts, **({"expert_stats": True} if run_opts.get("expert_stats") else {})})
+    checked = RunOptions.from_kwargs(**{**run_opts, **({"expert_stats": True} if "expert_stats" in run_opts else {})})
     if checked.ctx == 0:  # ik's -c 0: the model's training context, read now (the commands check rows and slots against it)
         n = model_context_length(params.get("model"))
         log(f"note: -c 0: the model's training context, {n} tokens")

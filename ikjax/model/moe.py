@@ -120,8 +120,6 @@ class ExpertCounts:
         counts = np.asarray(counts).reshape(len(layers), -1)
         with self._lock:
             for layer, c in zip(layers.tolist(), counts):
-                if layer not in self.layers:
-                    self.layers[layer] = np.zeros(self.n_expert, np.int64)
                 self.layers[layer] += c
             if self.first_moe_layer in layers.tolist():  # once a step: the tokens it fed
                 self.tokens += int(n_valid)
@@ -129,6 +127,19 @@ class ExpertCounts:
     def as_json(self) -> dict:
         with self._lock:
             return {"tokens": self.tokens, "layers": {str(i): c.tolist() for i, c in sorted(self.layers.items())}}
+
+
+def add_stats(into: dict, other: dict) -> dict:
+    """`other`'s counts added to `into` (both in `ExpertCounts.as_json`'s form), layer by layer;
+    refused where a layer's expert counts differ (statistics of another model)."""
+    into["tokens"] += int(other.get("tokens", 0))
+    for k, v in other.get("layers", {}).items():
+        mine = into["layers"].setdefault(k, [0] * len(v))
+        if len(mine) != len(v):
+            raise OptionError(f"expert-stats: layer {k} has {len(mine)} experts in one count and {len(v)} in "
+                              f"another; count one model a file")
+        into["layers"][k] = [a + b for a, b in zip(mine, v)]
+    return into
 
 
 def is_stats_file(path: str) -> bool:

@@ -405,11 +405,10 @@ def _framed(body: bytes) -> bytes:
 def _checked_body(data: bytes) -> bytes | None:
     """The body of a framed entry (`_framed`); None for another format; ValueError for a body whose
     digest does not match (damaged on disk)."""
-    head = len(_MAGIC) + _DIGEST
     if not data.startswith(_MAGIC):
         return None
-    body = data[head:]
-    if len(data) < head or hashlib.blake2b(body, digest_size=_DIGEST).digest() != data[len(_MAGIC):head]:
+    digest, body = data[len(_MAGIC):len(_MAGIC) + _DIGEST], data[len(_MAGIC) + _DIGEST:]
+    if hashlib.blake2b(body, digest_size=_DIGEST).digest() != digest:  # (a short file: a short digest)
         raise DamagedEntry("damaged: its checksum does not match its bytes")
     return body
 

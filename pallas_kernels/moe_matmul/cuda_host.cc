@@ -101,15 +101,39 @@ ffi::Error slot_bytes(const char* what, int64_t slot, size_t need, const char** 
   return ffi::Error::Success();
 }
 
-// The host bytes of every layer a call may read: its slot table (one slot, or one per layer of a
-// scanned group, whose step passes the layer's index as a device value), each checked to hold `need`.
-ffi::Error table_bytes(const char* what, ffi::Span<const int64_t> slots, size_t need, std::vector<const char*>* out) {
-  if (slots.size() < 1) return ffi::Error::InvalidArgument(std::string(what) + ": an empty slot table");
-  out->assign(slots.size(), nullptr);
-  for (size_t l = 0; l < slots.size(); ++l)
-    if (ffi::Error e = slot_bytes(what, slots[l], need, &(*out)[l]); e.failure()) return e;
-  return ffi::Error::Success();
-}
+// The host bytes of every layer a call may read, for gate, up and down: each tensor's slot table
+// (one slot, or one per layer of a scanned group, whose step passes the layer's index as a device
+// value), each entry checked to hold `need[t]` bytes, the three tables of one length.
+struct ExpertTables {
+  std::vector<const char*> t[3];
+
+  ffi::Error resolve(const char* what, const ffi::Span<const int64_t> (&slots)[3], const size_t (&need)[3]) {
+    for (int k = 0; k < 3; ++k) {
+      if (slots[k].size() < 1) return ffi::Error::InvalidArgument(std::string(what) + ": an empty slot table");
+      t[k].assign(slots[k].size(), nullptr);
+      for (size_t l = 0; l < slots[k].size(); ++l)
+        if (ffi::Error e = slot_bytes(what, slots[k][l], need[k], &t[k][l]); e.failure()) return e;
+    }
+    if (t[1].size() != t[0].size() || t[2].size() != t[0].size())
+      return ffi::Error::InvalidArgument(std::string(what) + ": gate, up and down slot tables differ in length");
+    return ffi::Error::Success();
+  }
+
+  size_t layers() const { return t[0].size(); }
+
+  // Layer `layer`'s gate, up and down bytes; false for an index outside the tables.
+  bool pick(int32_t layer, const char* (&out)[3]) const {
+    if (layer < 0 || static_cast<size_t>(layer) >= layers()) return false;
+    for (int k = 0; k < 3; ++k) out[k] = t[k][layer];
+    return true;
+  }
+
+  ffi::Error pick_or_error(const char* what, int32_t layer, const char* (&out)[3]) const {
+    return pick(layer, out) ? ffi::Error::Success()
+                            : ffi::Error::Internal(std::string(what) + ": layer index " + std::to_string(layer) +
+                                                   " outside its table of " + std::to_string(layers()));
+  }
+};
 
 ffi::Error staging_for(cudaStream_t s, size_t need, char** out) {
   std::lock_guard<std::mutex> lock(staging_mu);
@@ -131,8 +155,7 @@ ffi::Error staging_for(cudaStream_t s, size_t need, char** out) {
 
 struct Job {
   MoeExpertsArgs args;
-  // per layer of the call's slot tables: the layer's bytes, picked once the index is on the host
-  std::vector<const char*> gate, up, down;
+  ExpertTables tables;  // the call's layers' bytes, one picked once the index is on the host
 };
 
 // Time spent inside the host kernel, for sweep-bench's report (`host_stats`): decode-sized calls
@@ -155,14 +178,16 @@ void CUDART_CB run_job(void* p) {
   // the expert tensors. The same pass counts the experts the call reads (a non-zero weight) for
   // host_stats' bytes.
   const int32_t layer = a.ids[a.N * a.k];  // copied with the ids (HostMoeImpl)
-  if (layer < 0 || static_cast<size_t>(layer) >= job->gate.size()) {
-    std::fprintf(stderr, "ikjax host moe_experts: layer index %d outside its table of %zu\n", layer, job->gate.size());
+  const char* layer_bytes[3];
+  if (!job->tables.pick(layer, layer_bytes)) {
+    std::fprintf(stderr, "ikjax host moe_experts: layer index %d outside its table of %zu\n", layer,
+                 job->tables.layers());
     std::abort();
   }
   MoeExpertsArgs& am = job->args;
-  am.gate = reinterpret_cast<const uint8_t*>(job->gate[layer]);
-  am.up = reinterpret_cast<const uint8_t*>(job->up[layer]);
-  am.down = reinterpret_cast<const uint8_t*>(job->down[layer]);
+  am.gate = reinterpret_cast<const uint8_t*>(layer_bytes[0]);
+  am.up = reinterpret_cast<const uint8_t*>(layer_bytes[1]);
+  am.down = reinterpret_cast<const uint8_t*>(layer_bytes[2]);
   thread_local std::vector<char> seen;
   seen.assign(a.E, 0);
   int64_t used = 0;
@@ -346,12 +371,11 @@ ffi::Error HostMoeImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (n_expert < 1 || n_ff < 1 || gate_row_bytes < 1 || up_row_bytes < 1 || down_row_bytes < 1)
     return ffi::Error::InvalidArgument("host moe_experts: expert sizes must be set");
   auto job = std::make_unique<Job>();
-  for (auto [slots, rows, row_bytes, ptrs] : {std::tuple{gate_slots, n_expert * n_ff, gate_row_bytes, &job->gate},
-                                              std::tuple{up_slots, n_expert * n_ff, up_row_bytes, &job->up},
-                                              std::tuple{down_slots, n_expert * d, down_row_bytes, &job->down}})
-    if (ffi::Error e = table_bytes("host moe_experts", slots, size_t(rows * row_bytes), ptrs); e.failure()) return e;
-  if (job->up.size() != job->gate.size() || job->down.size() != job->gate.size())
-    return ffi::Error::InvalidArgument("host moe_experts: gate, up and down slot tables differ in length");
+  if (ffi::Error e = job->tables.resolve("host moe_experts", {gate_slots, up_slots, down_slots},
+                                         {size_t(n_expert * n_ff * gate_row_bytes), size_t(n_expert * n_ff * up_row_bytes),
+                                          size_t(n_expert * d * down_row_bytes)});
+      e.failure())
+    return e;
   for (int64_t t : {gate_type, up_type, down_type})
     if (!IKJ_DISPATCH(quant_matmul_supported)(static_cast<int>(t)))
       return ffi::Error::InvalidArgument("host moe_experts: unsupported type id " + std::to_string(t));
@@ -444,13 +468,11 @@ ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights,
       return ffi::Error::InvalidArgument("stream_experts: gate, up and down need the same number of slots");
     per_expert[t] = (*outs[t])->size_bytes() / slots;
   }
-  std::vector<const char*> tables[3];
-  const ffi::Span<const int64_t> tensor_slots[3] = {gate_slots, up_slots, down_slots};
-  for (int t = 0; t < 3; ++t)
-    if (ffi::Error e = table_bytes("stream_experts", tensor_slots[t], per_expert[t] * E, &tables[t]); e.failure())
-      return e;
-  if (tables[1].size() != tables[0].size() || tables[2].size() != tables[0].size())
-    return ffi::Error::InvalidArgument("stream_experts: gate, up and down slot tables differ in length");
+  ExpertTables tables;
+  if (ffi::Error e = tables.resolve("stream_experts", {gate_slots, up_slots, down_slots},
+                                    {per_expert[0] * E, per_expert[1] * E, per_expert[2] * E});
+      e.failure())
+    return e;
   const int64_t nk = wd[0] * wd[1];
   const size_t ib = (nk + 1) * sizeof(int32_t), wb = nk * sizeof(float), tb = E * sizeof(int32_t);
   const size_t off_w = align64(ib), off_t = off_w + align64(wb);
@@ -480,11 +502,8 @@ ffi::Error StreamExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> weights,
     return ffi::Error::Internal(std::string("stream_experts: D2H copy: ") + cudaGetErrorString(e));
   if ((e = cudaStreamSynchronize(stream)) != cudaSuccess)
     return ffi::Error::Internal(std::string("stream_experts: stream: ") + cudaGetErrorString(e));
-  const int32_t layer = hi[nk];
-  if (layer < 0 || static_cast<size_t>(layer) >= tables[0].size())
-    return ffi::Error::Internal("stream_experts: layer index " + std::to_string(layer) + " outside its table of " +
-                                std::to_string(tables[0].size()));
-  const char* srcs[3] = {tables[0][layer], tables[1][layer], tables[2][layer]};
+  const char* srcs[3];
+  if (ffi::Error le = tables.pick_or_error("stream_experts", hi[nk], srcs); le.failure()) return le;
 
   std::vector<char> used(E, 0);
   for (int64_t i = 0; i < nk; ++i) {
@@ -607,35 +626,31 @@ ffi::Error ChunkStartImpl(cudaStream_t stream, ffi::AnyBuffer after, ffi::Buffer
                           int64_t lo) {
   (void)after;
   ffi::ResultBuffer<ffi::U8>* outs[3] = {&gate, &up, &down};
-  const ffi::Span<const int64_t> tensor_slots[3] = {gate_slots, up_slots, down_slots};
   auto gd = gate->dimensions();
   if (gd.size() < 1 || gd[0] < 1) return ffi::Error::InvalidArgument("chunk_copy_start: no experts in the run");
   const int64_t n = gd[0];
   if (lo < 0 || lo + n > n_expert)
     return ffi::Error::InvalidArgument("chunk_copy_start: experts [" + std::to_string(lo) + ", " +
                                        std::to_string(lo + n) + ") outside [0, " + std::to_string(n_expert) + ")");
-  std::vector<const char*> tables[3];
   size_t per_expert[3];
   for (int t = 0; t < 3; ++t) {
     auto d = (*outs[t])->dimensions();
     if (d.size() < 1 || d[0] != n)
       return ffi::Error::InvalidArgument("chunk_copy_start: gate, up and down need the same number of experts");
     per_expert[t] = (*outs[t])->size_bytes() / n;
-    if (ffi::Error e = table_bytes("chunk_copy_start", tensor_slots[t], per_expert[t] * n_expert, &tables[t]);
-        e.failure())
-      return e;
   }
-  if (tables[1].size() != tables[0].size() || tables[2].size() != tables[0].size())
-    return ffi::Error::InvalidArgument("chunk_copy_start: gate, up and down slot tables differ in length");
+  ExpertTables tables;
+  if (ffi::Error e = tables.resolve("chunk_copy_start", {gate_slots, up_slots, down_slots},
+                                    {per_expert[0] * n_expert, per_expert[1] * n_expert, per_expert[2] * n_expert});
+      e.failure())
+    return e;
   if (layer_index.element_count() != 1)
     return ffi::Error::InvalidArgument("chunk_copy_start: the layer index must be s32 [1]");
   int32_t layer = 0;
-  if (tables[0].size() > 1)
+  if (tables.layers() > 1)
     if (ffi::Error le = read_layer(stream, layer_index, &layer); le.failure()) return le;
-  if (layer < 0 || static_cast<size_t>(layer) >= tables[0].size())
-    return ffi::Error::Internal("chunk_copy_start: layer index " + std::to_string(layer) + " outside its table of " +
-                                std::to_string(tables[0].size()));
-  const char* srcs[3] = {tables[0][layer], tables[1][layer], tables[2][layer]};
+  const char* srcs[3];
+  if (ffi::Error le = tables.pick_or_error("chunk_copy_start", layer, srcs); le.failure()) return le;
   std::lock_guard<std::mutex> lock(chunk_mu);
   cudaError_t e;
   cudaStream_t& side = side_streams[stream];

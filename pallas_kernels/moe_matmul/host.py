@@ -199,8 +199,8 @@ def stream_supported(gate, up, down) -> bool:
 
 
 def _stream_slots(t) -> np.ndarray:
-    """`_slot_table` of a pinned tensor (each layer's whole bytes)."""
-    return np.asarray([host_slot(a, a.host_address(), a.nbytes) for a in _layers_of(t)], np.int64)
+    """`_slot_table`'s slots of a pinned tensor, whole experts a row."""
+    return _slot_table(t, t.shape[0], "streamed experts")[0]
 
 
 def _slot_shapes(slots: int, *tensors) -> tuple:
