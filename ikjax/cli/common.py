@@ -18,7 +18,8 @@ from typing import Annotated, Any, Callable, NoReturn, Optional
 import typer
 
 from ikjax import env
-from ikjax.cli.parser import EXIT_INTERRUPTED, Group, at_end, is_stdout_error, output_error, terminate_on_sigterm
+from ikjax.cli.parser import (EXIT_INTERRUPTED, Group, Terminated, at_end, is_stdout_error, output_error,
+                              terminate_on_sigterm)
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.options import RunOptions
 
@@ -86,8 +87,8 @@ def handle(func: Callable) -> Callable:
             err(str(e).splitlines()[0] if str(e) else type(e).__name__)
             _end_processes(1)
             raise typer.Exit(1)
-        except KeyboardInterrupt:
-            err("interrupted")
+        except KeyboardInterrupt as e:
+            err("terminated" if isinstance(e, Terminated) else "interrupted")
             _end_processes(EXIT_INTERRUPTED)
             raise typer.Exit(EXIT_INTERRUPTED)
         except OSError as e:
@@ -98,7 +99,7 @@ def handle(func: Callable) -> Callable:
             raise typer.Exit(code)
         except Exception as e:  # noqa: BLE001
             if _is_interrupt(e):
-                err("interrupted")
+                err("terminated" if "Terminated" in str(e) else "interrupted")
                 _end_processes(EXIT_INTERRUPTED)
                 raise typer.Exit(EXIT_INTERRUPTED)
             _unexpected(e)
@@ -109,7 +110,7 @@ def _is_interrupt(e: BaseException) -> bool:
     """Ctrl-C that landed inside a host callback of a step (the expert statistics' counting runs
     on the calling thread on a CPU): JAX reports the callback's KeyboardInterrupt as a runtime
     error ("CpuCallback error calling callback: Traceback ... KeyboardInterrupt")."""
-    return type(e).__name__ == "JaxRuntimeError" and "KeyboardInterrupt" in str(e)
+    return type(e).__name__ == "JaxRuntimeError" and ("KeyboardInterrupt" in str(e) or "Terminated" in str(e))
 
 
 def _end_processes(code: int) -> None:
@@ -400,27 +401,24 @@ def _save_expert_stats(eng, path: str) -> None:
     `path`; where --gpu-experts read `path` first, its counts plus this run's (a profile that grows
     run by run, never replaced by one short run's). A run that fed no token leaves an existing
     file as it is (an earlier profile is not wiped by `-n 0`)."""
-    save_stats(path, eng.expert_stats(), merge=eng.options.expert_counts == path, save=eng.save_expert_stats)
+    save_stats(path, eng.expert_stats(), merge=eng.options.expert_counts == path)
 
 
-def save_stats(path: str, st: dict, *, merge: bool, save: Callable) -> None:
-    """`_save_expert_stats`' rule for any run's statistics `st` (bench sums its engines'): `save(path,
-    stats)` writes them."""
+def save_stats(path: str, st: dict, *, merge: bool) -> None:
+    """`_save_expert_stats`' rule for any run's statistics `st` (bench sums its engines')."""
+    from ikjax.model.moe import add_stats
+    from ikjax.runtime.engine import write_expert_stats
     if st["tokens"] == 0 and os.path.isfile(os.path.expanduser(path)):
         log(f"expert stats: no token counted; {path} kept as it was")
         return
     if merge:
         import json
         try:
-            old = json.loads(Path(path).read_text())
-            for k, v in old.get("layers", {}).items():
-                mine = st["layers"].get(k, [0] * len(v))
-                st["layers"][k] = [a + b for a, b in zip(mine, v)]
-            st["tokens"] += int(old.get("tokens", 0))
-        except (OSError, ValueError, TypeError, AttributeError):
+            st = add_stats({"tokens": st["tokens"], "layers": dict(st["layers"])}, json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError, AttributeError, KeyError):
             pass  # --gpu-experts checked the file when the run started; a file changed since is replaced
     try:
-        save(path, st)
+        write_expert_stats(path, st)
     except (OptionError, OSError) as e:  # (at exit: one line and a failing status, not a traceback)
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
         sys.stdout.flush()

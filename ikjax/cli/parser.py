@@ -269,18 +269,29 @@ def run_at_end() -> None:
             pass
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is (`terminate_on_sigterm`):
+    the command unwinds by the interrupt's path, and the process then dies of the signal."""
+
+
+_TERMINATED: list = []  # set once SIGTERM arrived (`_interrupted_exit` then dies of it)
+
+
 def terminate_on_sigterm() -> None:
-    """SIGTERM (a `kill`, a job scheduler's stop) where it would end the process at once: the
-    `at_end` functions first, then the default death by the signal (status 143, as any tool).
-    Only where SIGTERM still has its default action (a server installs its own)."""
+    """SIGTERM (a `kill`, a job scheduler's stop) where it would end the process at once: raised as
+    `Terminated` where the main thread is, so the command leaves by Ctrl-C's path (`at_end`'s
+    functions run there, outside any step), then the process dies of the signal (status 143, as
+    any tool). Why not the work in the handler itself: a handler runs between two bytecodes of
+    the main thread, which may be inside a step's host callback (the expert counting), whose step
+    the statistics' read then waited for: a deadlock. Only where SIGTERM still has its default
+    action (a server installs its own)."""
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return
 
     def on_term(signum, frame):
-        run_at_end()
-        _flush_std()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+        _TERMINATED.append(True)
+        raise Terminated()
     signal.signal(signal.SIGTERM, on_term)
 
 
@@ -292,6 +303,9 @@ def _interrupted_exit() -> None:
     on the interrupt), stdout/stderr are flushed here."""
     run_at_end()
     _flush_std()
+    if _TERMINATED:  # SIGTERM's path: the death by the signal it asked for
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
     os._exit(EXIT_INTERRUPTED)
 
 
