@@ -101,14 +101,25 @@ def main() -> None:
         notes = {id(base): "pick_config"}
         if args.form == "dot":
             base = invariant_config("Q4_0", N, K)
+            wfirst = invariant_config("Q4_0", N, K, weight_first=True)
             row_form = pick_config("Q4_0", M, N, K, rows_max=1, tile_rows=1, split_rows=1)
-            cands = [base, row_form]
-            notes = {id(base): "invariant_config", id(row_form): f"rows form, {M} programs a column tile"}
+            cands = [base, wfirst, row_form]
+            notes = {id(base): "invariant_config", id(wfirst): "invariant_config, weight first",
+                     id(row_form): f"rows form, {M} programs a column tile"}
+            # the weight-first form's variations first (the matrix unit's M of 64 a warp group)
+            for bn, bk, w, st in itertools.product((64, 128), (128, 256), (4, 8), (2, 3)):
+                if K % bk or N % bn:
+                    continue
+                nt = K // bk
+                for split in sorted({1, wfirst["split"], 2 * wfirst["split"]}):
+                    if split == 1 or nt >= 2 * split:
+                        cands.append(dict(mode="dot", bm=16, bn=bn, bk=bk, split=split, num_warps=w, num_stages=st,
+                                          swap=True))
             for bn, bk, w, st in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3)):
                 if K % bk or N % bn:
                     continue
                 nt = K // bk
-                for split in (1, 2, 4, 8, 16):
+                for split in (1, 2, 4, 8):
                     if split == 1 or nt >= 2 * split:
                         cands.append(dict(mode="dot", bm=16, bn=bn, bk=bk, split=split, num_warps=w, num_stages=st))
         for bn, bk, w, st in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (3,)):
@@ -144,7 +155,8 @@ def main() -> None:
         show = [(next((r[0] for r in results if r[1] is c), float("nan")), c, notes[id(c)])
                 for c in cands if id(c) in notes] + [r for r in results[:3]]
         for s, cfg, note in show:
-            sched = f"bn {cfg['bn']} bk {cfg['bk']} split {cfg['split']} w{cfg['num_warps']} s{cfg['num_stages']}"
+            sched = f"bn {cfg['bn']} bk {cfg['bk']} split {cfg['split']} w{cfg['num_warps']} s{cfg['num_stages']}" \
+                + (" wfirst" if cfg.get("swap") else "")
             lines.append(f"| {name} | {sched} {note} | {s * 1e6:.1f} | {nbytes / s / 1e9:.0f} |")
             print(lines[-1], flush=True)
         best[name] = results[0][1] if results else None

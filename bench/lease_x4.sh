@@ -175,6 +175,7 @@ case $STAGE in
       | grep -E "wall|ready|rc="
   done
   for form in ${FORMS:-rows dot}; do
+    [ -n "${NO_SERVE14:-}" ] && break
     el "serve load rows, IKJAX_INVARIANT_FORM=$form"
     OUT=$OUT/serve-$form LOAD_ONLY=1 IKJAX_INVARIANT_FORM=$form timeout 200 bash bench/gpu_serve.sh 2>&1 \
       | grep -E "^\||up in"
@@ -1234,6 +1235,21 @@ PY
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/ot_scan_check.py $M --against /tmp/tiny6_cpu.npy --mibs 512 \
     --streams chunks 2>&1 | grep -E "^mib|^all-GPU|rror"
   RUNS64="16:scan 16:unroll" WARM64="${WARM66:-16:scan 16:unroll 16:scan 16:unroll}" STAGE=64 bash "$0" 2>&1 | grep -E "^\[|^rc|^\||compiled"
+  ;;
+67)
+  # the kernels' float32 tile products (IEEE, not TF32) and the weight-first matrix-unit schedule: the GPU
+  # kernel tests, the dot schedules' sweep at 1 and 8 rows, then (STAGE=14) profile8 per invariant form
+  V2L=/tmp/v2lite-27L-Q4_0.gguf  # gpu_invariance.sh's and gpu_serve.sh's file
+  [ -f $V2L ] || setsid nohup python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /tmp/v2l.log 2>&1 < /dev/null &
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_kernel_precision.py tests/test_kernels_quant_matmul.py \
+    tests/test_prompt_attention.py tests/test_kernels_mla.py -k "${GPU_TESTS67:-precision or invariant or real_size or compiled}" 2>&1 | tail -4
+  for rows in ${ROWS67:-1 8}; do
+    el "dot schedules, $rows rows"
+    PYTHONPATH=$PWD timeout 200 python3 bench/gpu_gemv_tune.py --form dot --rows $rows --budget ${TUNE67:-80} \
+      --out "$OUT" 2>&1 | grep -v Warning | grep -E "invariant_config|rows form|^\\|.*\\| [0-9.]+ \\| [0-9]+ \\|$" | head -60
+  done
+  while [ ! -f $V2L ] || pgrep -f "make-model -o $V2L" > /dev/null; do sleep 3; done
+  [ -n "${FORMS67:-}" ] && FORMS="$FORMS67" NO_SERVE14=1 STAGE=14 GPU_TESTS="none_at_all" bash "$0" 2>&1 | grep -E "wall|ready|rc=|^\\["
   ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache

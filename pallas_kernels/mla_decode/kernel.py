@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash import online_softmax_step
+from pallas_kernels.flash import online_softmax_step, tile_dot
 from pallas_kernels.quant_matmul.kernel import _compiler_params, _pow2_divisor, chain_sum
 from pallas_kernels.quant_matmul.packing import int8_to_f32
 
@@ -58,9 +58,8 @@ def _kernel(*refs, q8, bh, bs, split, dv, dpe, scale, cdt):
         m, l, acc = carry
         kv0 = start + j * bs
         kc, kp = load(kv0)
-        dn = (((1,), (1,)), ((), ()))
-        s = lax.dot_general(qc, kc, dn, preferred_element_type=F32) + \
-            lax.dot_general(qp, kp, dn, preferred_element_type=F32)
+        dn = ((1,), (1,))
+        s = tile_dot(qc, kc, dn) + tile_dot(qp, kp, dn)
         s = s * scale
         pos = kv0 + lax.broadcasted_iota(jnp.int32, (bh, bs), 1)
         s = jnp.where(pos < length, s, NEG)

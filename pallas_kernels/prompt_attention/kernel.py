@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash import online_softmax_step
+from pallas_kernels.flash import online_softmax_step, tile_dot
 from pallas_kernels.quant_matmul.kernel import _compiler_params
 
 F32 = jnp.float32
@@ -49,7 +49,7 @@ def _kernel(pos_ref, q_ref, kv_ref, kr_ref, o_ref, *, bq, bk, nope, rope, dv, sc
     qn = q_ref[b, pl.ds(q0, bq), h, pl.ds(0, nope)].astype(cdt)        # [bq, nope]
     qr = q_ref[b, pl.ds(q0, bq), h, pl.ds(nope, rope)].astype(cdt)     # [bq, rope]
     n_blk = (jnp.max(qpos) + bk) // bk                                 # blocks up to the last query
-    dn = (((1,), (1,)), ((), ()))
+    dn = ((1,), (1,))
 
     def body(j, carry):
         m, l, acc = carry
@@ -57,8 +57,7 @@ def _kernel(pos_ref, q_ref, kv_ref, kr_ref, o_ref, *, bq, bk, nope, rope, dv, sc
         kn = kv_ref[b, pl.ds(k0, bk), h, pl.ds(0, nope)].astype(cdt)
         v = kv_ref[b, pl.ds(k0, bk), h, pl.ds(nope, dv)].astype(cdt)
         kr = kr_ref[b, pl.ds(k0, bk), pl.ds(0, rope)].astype(cdt)
-        s = (lax.dot_general(qn, kn, dn, preferred_element_type=F32)
-             + lax.dot_general(qr, kr, dn, preferred_element_type=F32)) * scale
+        s = (tile_dot(qn, kn, dn) + tile_dot(qr, kr, dn)) * scale
         kpos = k0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
         s = jnp.where(kpos <= qpos[:, None], s, NEG)
         return online_softmax_step(m, l, acc, s, v, cdt)

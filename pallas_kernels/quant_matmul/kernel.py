@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.flash import tile_dot
+
 from .packing import GEOMETRY, PART_AXIS, PackedWeight, decode_part, decode_part_factored, x_view
 
 F32 = jnp.float32
@@ -80,7 +82,7 @@ def _silu_mul(g, u):
 
 
 def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu,
-            seq_rows=0, has_row_live=False):
+            seq_rows=0, has_row_live=False, swap=False):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
@@ -156,23 +158,27 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
             for p in range(P):
                 tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p, cache)
                 w = decode_part(qtype, tiles, p).reshape(bn, width).astype(cdt)
-                acc = acc + lax.dot_general(xs[p], w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+                if swap:  # the decoded weight as the matrix unit's first operand: [bn, bm]
+                    acc = acc + tile_dot(w, xs[p], ((1,), (1,)))
+                else:
+                    acc = acc + tile_dot(xs[p], w, ((1,), (1,)))
             new.append(acc)
         return tuple(new)
 
-    init = tuple(jnp.zeros((bm, bn), F32) for _ in range(n_w))
+    init = tuple(jnp.zeros((bn, bm) if swap else (bm, bn), F32) for _ in range(n_w))
+    rows_first = (lambda a: a.T) if swap else (lambda a: a)  # accumulators as [bm, bn]
     if seq_rows:
         # rows at or past the live count of their sequence (x is [sequences x seq_rows] rows, a
         # tile never straddles two): neither computed nor written, their output left as it was
         @pl.when((m0 % seq_rows) < live_ref[0])
         def _():
             accs = lax.fori_loop(0, nt, body, init)
-            o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = accs[0].astype(o_ref.dtype)
+            o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = rows_first(accs[0]).astype(o_ref.dtype)
         return
     if nt == nt_all and not has_row_live:
         # both bounds of one integer type (Triton's scf.for requires it)
         hi = jnp.where(alive, jnp.int32(nt), jnp.int32(0)) if has_expert else nt
-        accs = lax.fori_loop(jnp.int32(0) if has_expert else 0, hi, body, init)
+        accs = tuple(rows_first(a) for a in lax.fori_loop(jnp.int32(0) if has_expert else 0, hi, body, init))
         y = _silu_mul(accs[0], accs[1]) if swiglu else accs[0]
         o_ref[0, pl.ds(m0, bm), pl.ds(n0, bn)] = y
         return
@@ -183,7 +189,7 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     lo = s * nt
     end = jnp.minimum(lo + nt, nt_all)
     hi = jnp.where(alive, end, lo).astype(lo.dtype) if has_expert or has_row_live else end
-    accs = lax.fori_loop(lo, hi, body, init)
+    accs = tuple(rows_first(a) for a in lax.fori_loop(lo, hi, body, init))
     if has_row_live:  # a dead row (an idle slot) beside live ones: computed, written as zeros
         accs = tuple(jnp.where(row_mask[:, None], a, 0.0) for a in accs)
 
@@ -238,18 +244,21 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
 INVARIANT_BM = 16
 
 
-def invariant_config(qtype: str, N: int, K: int, *, split_rows: int = 1):
+def invariant_config(qtype: str, N: int, K: int, *, split_rows: int = 1, weight_first: bool = False):
     """The batch-invariant decode schedule: `tl.dot` tiles of INVARIANT_BM rows, tile, k-steps and
     split-K from (N, K) alone, split sized as if `split_rows` one-row tiles shared the columns
     (an MoE token's k slots, a row's heads). Each row's result is a fixed sequence of matrix-unit
     products and in-order adds, whatever the other rows hold and however many there are: a batch's
     row gets the bits it gets alone, and eight rows cost one weight decode, not eight (the one-row
-    rows schedule paid per row in arithmetic: RESULTS §23k)."""
+    rows schedule paid per row in arithmetic: RESULTS §23k). `weight_first`: the decoded weight
+    tile is the product's first operand ([bn, bk] x [bk, rows]), the rows' tile the second: the
+    same per-row independence, the big operand kept where the matrix unit takes it from registers."""
     G, P, L, R = GEOMETRY[qtype]
     bk = max(G * R, _pow2_divisor(K, 128))
     bn = _pow2_divisor(N, 64)
     split = _split_k(N // bn * max(1, split_rows), K // bk)
-    return dict(mode="dot", bm=INVARIANT_BM, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3 if bk <= 128 else 2)
+    cfg = dict(mode="dot", bm=INVARIANT_BM, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3 if bk <= 128 else 2)
+    return dict(cfg, swap=True) if weight_first else cfg
 
 
 def invariant_dot(qtype: str, dtype) -> bool:
@@ -318,7 +327,8 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
     grid = (N // bn, Mp // bm, split) if mode == "rows" or split > 1 or has_row_live else (N // bn, Mp // bm)
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
                              mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
-                             swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live)
+                             swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live,
+                             swap=bool(cfg.get("swap", False)))
     late = swiglu and nt < K // bk  # split-K SwiGLU: the kernel writes [gate | up] partial sums
     out = pl.pallas_call(
         kern,
@@ -335,19 +345,21 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
 
 
 def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False, config: dict | None = None,
-                 layer=None, row_invariant: bool = False, live_rows=None, matrix_unit: bool = False):
+                 layer=None, row_invariant: bool = False, live_rows=None, matrix_unit: bool = False,
+                 weight_first: bool = False):
     """x [..., K] @ W[N, K]^T -> [..., N] float32 (W a PackedWeight without expert axis; with `layer`,
     an int32 scalar, W's arrays are a stack of layers' [L, ...] and layer `layer` is read in place).
     `row_invariant`: every row computed by the program a single row gets (one-row tiles, the
     one-row split), so each row's result is the same whatever the row count (see pick_config);
-    with `matrix_unit`, by the matrix-unit schedule of invariant_config instead.
+    with `matrix_unit`, by the matrix-unit schedule of invariant_config instead (`weight_first`:
+    its form with the weight as the first operand).
     `live_rows` (with row_invariant; [rows] int, nonzero = live): the other rows are not computed
     (zeros): a server's idle slots."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     N, K = w.shape[-2], w.shape[-1]
     if row_invariant and matrix_unit and invariant_dot(w.qtype, dtype):
-        cfg = config or invariant_config(w.qtype, N, K)
+        cfg = config or invariant_config(w.qtype, N, K, weight_first=weight_first)
     elif row_invariant:
         cfg = config or pick_config(w.qtype, x2.shape[0], N, K, rows_max=1, tile_rows=1, split_rows=1)
     else:
@@ -384,16 +396,17 @@ def quant_matmul_live(x, w: PackedWeight, live, dtype=jnp.bfloat16, *, interpret
 
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
                          interpret: bool = False, config: dict | None = None, layer=None,
-                         split_rows: int | None = None, live_rows=None):
+                         split_rows: int | None = None, live_rows=None, weight_first: bool = False):
     """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
     (PackedWeight [E, N, K]); expert -1 marks a dead tile (zeros, no weight read). `ws` = (w,) or,
     with swiglu, (gate, up). -> [M, N] float32. `config`="invariant": the batch-invariant
     decode schedule (invariant_config, tiles of INVARIANT_BM rows, split for `split_rows`), where
-    `live_rows` ([M] int, nonzero = live) marks rows whose output is kept (the others zeros)."""
+    `live_rows` ([M] int, nonzero = live) marks rows whose output is kept (the others zeros);
+    `weight_first` as invariant_config's."""
     w0 = ws[0]
     N, K = w0.shape[-2], w0.shape[-1]
     if config == "invariant":
-        cfg = invariant_config(w0.qtype, N, K, split_rows=split_rows or 1)
+        cfg = invariant_config(w0.qtype, N, K, split_rows=split_rows or 1, weight_first=weight_first)
         if tile_rows != cfg["bm"]:
             raise ValueError(f"the invariant schedule takes tiles of {cfg['bm']} rows, got {tile_rows}")
     else:
