@@ -261,3 +261,43 @@ def test_idle_rows_attend_to_one_key(tiny4_model, monkeypatch):
         jax.effects_barrier()
         assert seen and all(s == ([7, 7] if name == "both" else [7, 1]) for s in seen), (name, seen)
     assert np.array_equal(out["idle"][0], out["both"][0])
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "BF16"])
+def test_elementwise_rows_equal_alone(name, monkeypatch):
+    """The rows schedule's elementwise form (IKJAX_ROWS_FORM=ew: each row's products added into an
+    accumulator tile, summed once): each row as alone, the experts' SwiGLU with split-K, and both
+    near the reference; the setting reaches pick_config through the kernel context."""
+    from ikjax.ops import registry
+    from pallas_kernels.quant_matmul.kernel import ROWS_ELEMENTWISE, pick_config, quant_matmul_experts
+    rng = np.random.default_rng(abs(hash(name + "ew")) % 2**32)
+    N, K = 48, 1024
+    pw = prepare(random_quant_array(name, (N, K), rng))
+    x = jnp.asarray(rng.standard_normal((7, K)), jnp.float32)
+    token = ROWS_ELEMENTWISE.set(True)
+    try:
+        assert pick_config(name, 7, N, K, rows_max=1, tile_rows=1, split_rows=1)["ew"]
+        f = lambda x: quant_matmul(x, pw, jnp.bfloat16, interpret=True, row_invariant=True)
+        y = np.asarray(f(x))
+        assert np.array_equal(y, rows_alone(f, x))
+        ref = np.asarray(quant_matmul_ref(x, pw, jnp.bfloat16))
+        assert np.abs(y - ref).max() <= 2e-2 * np.abs(ref).max()
+        g, u = (prepare(random_quant_array(name, (4, 32, K), rng)) for _ in range(2))
+        e = jnp.asarray([3, 0, 2, 3, 1, 0, 2], jnp.int32)
+        h = lambda x: quant_matmul_experts(x, (g, u), e[:x.shape[0]], jnp.bfloat16, tile_rows=1, swiglu=True,
+                                           interpret=True, split_rows=6)
+        hy = np.asarray(h(x))
+        assert np.array_equal(hy[:1], np.asarray(h(x[:1])))
+        token2 = ROWS_ELEMENTWISE.set(False)
+        try:
+            plain = np.asarray(h(x))
+        finally:
+            ROWS_ELEMENTWISE.reset(token2)
+        assert np.abs(hy - plain).max() <= 2e-3 * np.abs(plain).max()
+    finally:
+        ROWS_ELEMENTWISE.reset(token)
+    with registry.kernel_context("interpret"):
+        assert not ROWS_ELEMENTWISE.get()
+    monkeypatch.setenv("IKJAX_ROWS_FORM", "ew")
+    with registry.kernel_context("interpret"):
+        assert ROWS_ELEMENTWISE.get()
