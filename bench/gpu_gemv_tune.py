@@ -77,10 +77,6 @@ def main() -> None:
     ap.add_argument("--form", choices=("rows", "dot"), default="rows")
     ap.add_argument("--rows", type=int, default=1, help="--form dot: rows of x (the decode batch)")
     ap.add_argument("--interpret", action="store_true")
-    ap.add_argument("--tokens", type=int, default=1,
-                    help="--form rows: decode rows; the expert products get 6 picks a row of 64 experts")
-    ap.add_argument("--ew", action="store_true",
-                    help="beside each schedule its elementwise form (a row's products summed once, not a k-step)")
     args = ap.parse_args()
     t_stop = time.time() + args.budget
     rng = np.random.default_rng(0)
@@ -90,8 +86,6 @@ def main() -> None:
     for k, name in enumerate(todo):
         E, N, K, M, swiglu = SHAPES[name]
         M = args.rows if args.form == "dot" else M
-        if E and args.tokens > 1:  # a decode batch's picks: 6 distinct of 64 a row, rows alike or not
-            E, M = 64, 6 * args.tokens
         t_end = time.time() + (t_stop - time.time()) / (len(todo) - k)  # an equal share of what is left
         lead = (E,) if E else ()
         one = prepare(random_quant_array("Q4_0", lead + (N, K), rng, fast=True))
@@ -101,8 +95,7 @@ def main() -> None:
         us_ = [prepare(random_quant_array("Q4_0", lead + (N, K), rng, fast=True)) for _ in range(copies)] \
             if swiglu else [None] * copies
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-        e = jnp.asarray(np.concatenate([rng.choice(E, min(E, 6), replace=False) for _ in range(M // min(E, 6))])
-                        if E and args.tokens > 1 else rng.choice(E, M, replace=False) if E else np.zeros(1), jnp.int32)
+        e = jnp.asarray(rng.choice(E, M, replace=False) if E else np.zeros(1), jnp.int32)
         base = pick_config("Q4_0", M, N, K, tile_rows=1 if E else None)
         cands = [base]
         notes = {id(base): "pick_config"}
@@ -113,10 +106,6 @@ def main() -> None:
             cands = [base, wfirst, row_form]
             notes = {id(base): "invariant_config", id(wfirst): "invariant_config, weight first",
                      id(row_form): f"rows form, {M} programs a column tile"}
-            if args.ew:
-                ew_form = dict(row_form, ew=True)
-                cands.append(ew_form)
-                notes[id(ew_form)] = "rows form, elementwise"
             # the weight-first form's variations first (the matrix unit's M of 64 a warp group)
             for bn, bk, w, st in itertools.product((64, 128), (128, 256), (4, 8), (2, 3)):
                 if K % bk or N % bn:
@@ -133,18 +122,8 @@ def main() -> None:
                 for split in (1, 2, 4, 8):
                     if split == 1 or nt >= 2 * split:
                         cands.append(dict(mode="dot", bm=16, bn=bn, bk=bk, split=split, num_warps=w, num_stages=st))
-        if args.ew and args.form == "rows":
-            ew_base = dict(base, ew=True)
-            cands.append(ew_base)
-            notes[id(ew_base)] = "pick_config, elementwise"
-            for bn, bk, w in itertools.product((16, 32, 64), (128, 256, 512), (4, 8)):
-                if K % bk == 0 and N % bn == 0 and bn * bk // 2 <= 8192:
-                    nt = K // bk
-                    for split in sorted({1 if swiglu else base["split"], base["split"], min(nt, base["split"] * 2)}):
-                        cands.append(dict(mode="rows", bm=1, bn=bn, bk=bk, split=split, num_warps=w, num_stages=3,
-                                          ew=True))
         for bn, bk, w, st in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (3,)):
-            if args.form == "dot" or args.ew:
+            if args.form == "dot":
                 break
             if K % bk or N % bn or bn * bk // 2 > 16384:
                 continue
@@ -177,7 +156,7 @@ def main() -> None:
                 for c in cands if id(c) in notes] + [r for r in results[:3]]
         for s, cfg, note in show:
             sched = f"bn {cfg['bn']} bk {cfg['bk']} split {cfg['split']} w{cfg['num_warps']} s{cfg['num_stages']}" \
-                + (" wfirst" if cfg.get("swap") else "") + (" ew" if cfg.get("ew") else "")
+                + (" wfirst" if cfg.get("swap") else "")
             lines.append(f"| {name} | {sched} {note} | {s * 1e6:.1f} | {nbytes / s / 1e9:.0f} |")
             print(lines[-1], flush=True)
         best[name] = results[0][1] if results else None

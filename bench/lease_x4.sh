@@ -1251,33 +1251,6 @@ PY
   while [ ! -f $V2L ] || pgrep -f "make-model -o $V2L" > /dev/null; do sleep 3; done
   [ -n "${FORMS67:-}" ] && FORMS="$FORMS67" NO_SERVE14=1 STAGE=14 GPU_TESTS="none_at_all" bash "$0" 2>&1 | grep -E "wall|ready|rc=|^\\["
   ;;
-68)
-  # the rows schedule's elementwise form (IKJAX_ROWS_FORM=ew): its GPU tests, the schedules' sweep (experts at 1 and
-  # 8 tokens, dense at 8 rows), profile8 per "INVARIANT_FORM:ROWS_FORM", then sweep-bench's rows per ROWS_FORM
-  V2L=/tmp/v2lite-27L-Q4_0.gguf
-  [ -f $V2L ] || setsid nohup python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /tmp/v2l.log 2>&1 < /dev/null &
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_kernel_precision.py tests/test_kernels_quant_matmul.py \
-    -k "${GPU_TESTS68:-precision or elementwise or invariant}" 2>&1 | tail -4
-  for t in ${TOKENS68:-1 8}; do
-    el "rows schedules, $t tokens"
-    PYTHONPATH=$PWD timeout 200 python3 bench/gpu_gemv_tune.py --form rows --tokens $t --ew --only "${ONLY68:-exps}" \
-      --budget ${TUNE68:-50} --out "$OUT" 2>&1 | grep -v Warning | grep "^|" | head -30
-  done
-  el "dot schedules and rows forms, 8 rows"
-  PYTHONPATH=$PWD timeout 200 python3 bench/gpu_gemv_tune.py --form dot --rows 8 --ew --budget ${TUNE68D:-40} \
-    --out "$OUT" 2>&1 | grep -v Warning | grep -E "rows form|weight first" | head -30
-  while [ ! -f $V2L ] || pgrep -f "make-model -o $V2L" > /dev/null; do sleep 3; done
-  for v in ${FORMS68:-rows:sum rows:ew dotw:ew}; do
-    el "profile8, IKJAX_INVARIANT_FORM=${v%%:*} IKJAX_ROWS_FORM=${v##*:}"
-    OUT=$OUT/inv-${v%%:*}-${v##*:} STAGES=inv1 PARTS1=profile8 IKJAX_INVARIANT_FORM=${v%%:*} IKJAX_ROWS_FORM=${v##*:} \
-      bash bench/gpu_invariance.sh 2>&1 | grep -E "wall|rc="
-  done
-  for r in ${SWEEP68:-sum ew}; do
-    el "sweep-bench, IKJAX_ROWS_FORM=$r"
-    IKJAX_ROWS_FORM=$r IKJAX_COMPILE_CACHE=/tmp/cc68 timeout 120 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
-      -c 4096 -ub 512 -n 64 2>/dev/null | grep "^|" | sed -n 3,10p
-  done
-  ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
   M=/tmp/tiny4-Q4_K.gguf

@@ -117,10 +117,6 @@ _VARS = (
              "batch-invariant decode products (IKJAX_BATCH_INVARIANT=1): `rows`, a program per row; `dot`, the "
              "dense and per-head products on the matrix unit in tiles of 16 rows (faster at 8 rows, slower at 1: "
              "RESULTS §23l); `dotw`, the same with the weight as the first operand", "ikjax.ops.registry"),
-    Variable("IKJAX_ROWS_FORM", "sum", ("sum", "ew"),
-             "the GPU decode products' row schedule: `sum`, each k-step's products summed per group with the "
-             "scales factored out; `ew`, the tile decoded once and each row's products added elementwise, "
-             "summed once at the end", "pallas_kernels.quant_matmul"),
     Variable("IKJAX_SERVE_BURST_MS", "40", (),
              "`serve`: a decode dispatch makes as many tokens (up to 8) as fit this many ms at the last "
              "dispatch's pace; its tokens reach the streams together, and a request arriving meanwhile "

@@ -209,31 +209,6 @@ def test_gpu_invariant_rows_bit_for_bit(name, weight_first):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "IQ4_XS", "BF16"])
-def test_gpu_elementwise_rows_bit_for_bit(name):
-    """On the hardware: the rows schedule's elementwise form (IKJAX_ROWS_FORM=ew) gives each of 8
-    rows the bits of the row alone (the 8-row call a program per row, as the server's decode), at
-    V2-Lite's sizes, near the reference."""
-    from pallas_kernels.quant_matmul.kernel import ROWS_ELEMENTWISE
-    assert jax.default_backend() == "gpu"
-    rng = np.random.default_rng(8)
-    token = ROWS_ELEMENTWISE.set(True)
-    try:
-        for N, K in [(2048, 1408), (5632, 2048), (576, 2048), (102400, 2048)]:
-            try:
-                pw = prepare(random_quant_array(name, (N, K), rng, fast=True))
-            except ValueError:
-                continue
-            x = jnp.asarray(rng.standard_normal((8, K)), jnp.float32)
-            f = functools.partial(quant_matmul, w=pw, row_invariant=True)
-            alone = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(8)])
-            assert np.array_equal(np.asarray(f(x)), alone), (name, N, K)
-            assert rel(alone, quant_matmul_ref(x, pw)) < 6e-3, (name, N, K)
-    finally:
-        ROWS_ELEMENTWISE.reset(token)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K"])
 def test_gpu_live_rows_real_size(name):
     """The bounded kv_b expansion at V2-Lite's size on the GPU: live rows as the reference's."""

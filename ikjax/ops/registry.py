@@ -38,7 +38,6 @@ import jax.numpy as jnp
 from ikjax import env
 from ikjax.errors import OptionError
 from pallas_kernels import cpu as _cpu
-from pallas_kernels.quant_matmul import kernel as _qm_kernel
 
 BACKENDS = ("auto", "xla", "pallas", "cpu", "interpret")
 _ALIASES = {"jnp": "xla"}
@@ -69,11 +68,9 @@ def kernel_context(backend: str | None = None, threads: int = 0, seq_tokens: int
     `seq_tokens` the T of its [B, T] tokens)."""
     token = _CONTEXT.set(KernelContext(backend, threads, seq_tokens))
     stream = _STREAM.set({})
-    rows = _qm_kernel.ROWS_ELEMENTWISE.set(env.choice("IKJAX_ROWS_FORM") == "ew")
     try:
         yield
     finally:
-        _qm_kernel.ROWS_ELEMENTWISE.reset(rows)
         _STREAM.reset(stream)
         _CONTEXT.reset(token)
 

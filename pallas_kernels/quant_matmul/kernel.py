@@ -17,7 +17,6 @@ each m-tile reads only its expert (the gather MoE form uses one row per tile, th
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 
 import jax
@@ -83,7 +82,7 @@ def _silu_mul(g, u):
 
 
 def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu,
-            seq_rows=0, has_row_live=False, swap=False, ew=False):
+            seq_rows=0, has_row_live=False, swap=False):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
@@ -120,11 +119,6 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
                 xs = [x_ref[m0 + r, pl.ds(t * ng, ng), p, :].astype(cdt).astype(F32) for r in range(bm)]
                 for wi in range(n_w):
                     tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p, caches[wi])
-                    if ew:  # the tile decoded once, each row's products added elementwise (no sum a k-step)
-                        w = decode_part(qtype, tiles, p)
-                        for r in range(bm):
-                            new[wi][r] = new[wi][r] + w * xs[r][None]
-                        continue
                     q, scale, bias, sub = decode_part_factored(qtype, tiles, p)
                     for r in range(bm):
                         xr = xs[r]
@@ -141,13 +135,11 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
                         new[wi][r] = new[wi][r] + c
             return tuple(tuple(a) for a in new)
 
-        init = tuple(tuple(jnp.zeros((bn, ng, L) if ew else (bn, ng), F32) for _ in range(bm)) for _ in range(n_w))
+        init = tuple(tuple(jnp.zeros((bn, ng), F32) for _ in range(bm)) for _ in range(n_w))
         lo = s * nt
         end = jnp.minimum(lo + nt, nt_all)  # the last split may have fewer k-steps
         hi = jnp.where(alive, end, lo).astype(lo.dtype) if has_expert or has_row_live else end
         accs = lax.fori_loop(lo, hi, body, init)
-        if ew:  # the elementwise sums reduced once: over each group, then over the groups
-            accs = tuple(tuple(jnp.sum(a, axis=2) for a in acc) for acc in accs)
         for r in range(bm):
             ys = [jnp.sum(accs[wi][r], axis=1) for wi in range(n_w)]
             if swiglu and nt < nt_all:  # split-K: gate and up partial sums side by side, SiLU after the sum
@@ -219,13 +211,6 @@ def _split_k(tiles: int, nt_all: int) -> int:
     return -(-nt_all // -(-nt_all // split))  # no empty split
 
 
-# The rows schedule's per-row arithmetic (pick_config): False, each k-step's products summed over
-# each group (scales factored out of the sum); True, the tile decoded once and each row's products
-# added elementwise into its accumulator, summed once at the end (no cross-lane sum a k-step). Set
-# for a trace by the caller (ikjax.ops.registry.kernel_context: IKJAX_ROWS_FORM).
-ROWS_ELEMENTWISE: contextvars.ContextVar[bool] = contextvars.ContextVar("rows_elementwise", default=False)
-
-
 def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_rows: int | None = None,
                 split_rows: int | None = None):
     """Static schedule for one call (mode, bm, bn, bk, split, warps, stages).
@@ -245,8 +230,7 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
         width = bk // P
         bn = max(1, min(_pow2_divisor(N, 32), _pow2_floor(max(1, budget // width))))
         tiles = N // bn * max(1, (M if split_rows is None else split_rows) // bm)
-        cfg = dict(mode="rows", bm=bm, bn=bn, bk=bk, split=_split_k(tiles, K // bk), num_warps=4, num_stages=3)
-        return dict(cfg, ew=True) if ROWS_ELEMENTWISE.get() else cfg
+        return dict(mode="rows", bm=bm, bn=bn, bk=bk, split=_split_k(tiles, K // bk), num_warps=4, num_stages=3)
     bm = tile_rows or (16 if M <= 16 else 64 if M <= 128 else 128)
     wide = bm >= 128 and qtype not in ("F32", "F16", "BF16")     # float tiles: 256 wide overflows smem
     bn = _pow2_divisor(N, 64 if M <= 16 else 256 if wide else 128)
@@ -344,7 +328,7 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
                              mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
                              swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live,
-                             swap=bool(cfg.get("swap", False)), ew=bool(cfg.get("ew", False)))
+                             swap=bool(cfg.get("swap", False)))
     late = swiglu and nt < K // bk  # split-K SwiGLU: the kernel writes [gate | up] partial sums
     out = pl.pallas_call(
         kern,
