@@ -100,11 +100,11 @@ def main() -> None:
         cands = [base]
         notes = {id(base): "pick_config"}
         if args.form == "dot":
-            base = invariant_config("Q4_0", N, K)
-            wfirst = invariant_config("Q4_0", N, K, weight_first=True)
+            wfirst = invariant_config("Q4_0", N, K)  # the weight as the first operand (swap)
+            base = dict(wfirst, swap=False)
             row_form = pick_config("Q4_0", M, N, K, rows_max=1, tile_rows=1, split_rows=1)
             cands = [base, wfirst, row_form]
-            notes = {id(base): "invariant_config", id(wfirst): "invariant_config, weight first",
+            notes = {id(base): "invariant_config, rows first", id(wfirst): "invariant_config (weight first)",
                      id(row_form): f"rows form, {M} programs a column tile"}
             # the weight-first form's variations first (the matrix unit's M of 64 a warp group)
             for bn, bk, w, st in itertools.product((64, 128), (128, 256), (4, 8), (2, 3)):

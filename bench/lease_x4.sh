@@ -234,7 +234,7 @@ case $STAGE in
     IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --cprofile --top ${TOP20:-30} \
       --steps ${STEPS20:-0,3} 2>&1 | grep -v Warning > "$OUT/cprofile.txt"; head -c 20000 "$OUT/cprofile.txt"
   fi
-  SB="-m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 64"
+  SB="-m $V2L -mla 3 -fa 1 ${SB21:--c 4096 -ub 512 -n 64}"
   rm -rf /tmp/cc20; el "cold"
   if [ -n "${COLD_TIMELINE:-}" ]; then  # the cold run under the sampler too (its own cache, then the plain one)
     t0=$(date +%s.%N)
@@ -1250,6 +1250,14 @@ PY
   done
   while [ ! -f $V2L ] || pgrep -f "make-model -o $V2L" > /dev/null; do sleep 3; done
   [ -n "${FORMS67:-}" ] && FORMS="$FORMS67" NO_SERVE14=1 STAGE=14 GPU_TESTS="none_at_all" bash "$0" 2>&1 | grep -E "wall|ready|rc=|^\\["
+  ;;
+69)
+  # the float32 kernels' GPU test with its failure shown, the invariant schedule's bit-for-bit test, then issue
+  # 22's deep shape cold under the stack sampler, cold, warm (STAGE=21 with SB21)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_kernel_precision.py tests/test_kernels_quant_matmul.py \
+    -k "precision or invariant_rows" 2>&1 | grep -E "^E |Error|passed|failed" | head -30
+  SB21="${SB69:--c 16384 -ub 2048 -n 128}" STAGE=21 NO_TABLE=1 COLD_TIMELINE=1 COLD21=default WARM21=default \
+    COLD_TL_LINES=${TL69:-90} TL_LINES=40 bash "$0" 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
   ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache

@@ -113,10 +113,10 @@ _VARS = (
              "RMSNorm one row per program): a batched row gets the bits it gets alone, so greedy answers "
              "do not depend on the batch (RESULTS §23c); `serve` sets it unless told otherwise "
              "(`--no-batch-invariant`), `generate --batch-invariant` too; costs ~8 % of GPU S_TG at batch 1", "ikjax.ops.registry"),
-    Variable("IKJAX_INVARIANT_FORM", "rows", ("rows", "dot", "dotw"),
+    Variable("IKJAX_INVARIANT_FORM", "rows", ("rows", "dot"),
              "batch-invariant decode products (IKJAX_BATCH_INVARIANT=1): `rows`, a program per row; `dot`, the "
              "dense and per-head products on the matrix unit in tiles of 16 rows (faster at 8 rows, slower at 1: "
-             "RESULTS §23l); `dotw`, the same with the weight as the first operand", "ikjax.ops.registry"),
+             "RESULTS §23l, §23aa)", "ikjax.ops.registry"),
     Variable("IKJAX_SERVE_BURST_MS", "40", (),
              "`serve`: a decode dispatch makes as many tokens (up to 8) as fit this many ms at the last "
              "dispatch's pace; its tokens reach the streams together, and a request arriving meanwhile "

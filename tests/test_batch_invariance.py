@@ -46,17 +46,16 @@ def test_schedules_do_not_depend_on_the_batch():
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
-@pytest.mark.parametrize("matrix_unit", [False, True, "weight_first"])
+@pytest.mark.parametrize("matrix_unit", [False, True])
 def test_quant_matmul_rows_equal_alone(name, matrix_unit):
-    """A program per row, or the matrix-unit schedule (tiles of 16 rows, split-K by (N, K) alone;
-    the rows' tile as the product's second operand or its first): each row as alone, 13 rows as
-    their first 13 of 40, close to the reference."""
+    """A program per row, or the matrix-unit schedule (tiles of 16 rows, split-K by (N, K) alone,
+    the weight tile as the first operand): each row as alone, 13 rows as their first 13 of 40,
+    close to the reference."""
     rng = np.random.default_rng(abs(hash(name + "inv")) % 2**32)
     N, K = 48, 512
     pw = prepare(random_quant_array(name, (N, K), rng))
     x = jnp.asarray(rng.standard_normal((13, K)), jnp.float32)
-    f = lambda x: quant_matmul(x, pw, jnp.bfloat16, interpret=True, row_invariant=True, matrix_unit=bool(matrix_unit),
-                               weight_first=matrix_unit == "weight_first")
+    f = lambda x: quant_matmul(x, pw, jnp.bfloat16, interpret=True, row_invariant=True, matrix_unit=matrix_unit)
     y = np.asarray(f(x))
     assert np.array_equal(y, rows_alone(f, x))
     x40 = jnp.concatenate([x, jnp.asarray(rng.standard_normal((27, K)), jnp.float32)])
@@ -80,20 +79,21 @@ def test_moe_gather_tokens_equal_alone():
     assert np.array_equal(y[:1], np.asarray(moe_experts(x[:1], w[:1], ids[:1], *pws, interpret=True)))
 
 
-@pytest.mark.parametrize("weight_first", [False, True])
-def test_invariant_schedules_lower_to_triton(weight_first):
+@pytest.mark.parametrize("swap", [False, True])
+def test_invariant_schedules_lower_to_triton(swap):
     """The matrix-unit invariant schedule (either operand order) lowers to Triton: a dense product
     with split-K and live rows, and the per-head form (a head's rows one tile, heads as experts)."""
+    from pallas_kernels.quant_matmul.kernel import invariant_config
     from pallas_kernels.quant_matmul.kernel import quant_matmul_experts
     from pallas_kernels.testing import cuda_lowering
     rng = np.random.default_rng(9)
     pw = prepare(random_quant_array("Q4_0", (576, 2048), rng, fast=True))
-    cuda_lowering(lambda x, w, m: quant_matmul(x, w, row_invariant=True, live_rows=m, matrix_unit=True,
-                                               weight_first=weight_first),
+    cfg = dict(invariant_config("Q4_0", 576, 2048), swap=swap)
+    cuda_lowering(lambda x, w, m: quant_matmul(x, w, row_invariant=True, live_rows=m, matrix_unit=True, config=cfg),
                   jnp.zeros((8, 2048), jnp.bfloat16), pw, jnp.ones((8,), jnp.int32))
     ph = prepare(random_quant_array("Q4_0", (16, 128, 512), rng, fast=True))
     cuda_lowering(lambda x, w, e, m: quant_matmul_experts(x, (w,), e, tile_rows=16, split_rows=16, config="invariant",
-                                                          live_rows=m, weight_first=weight_first),
+                                                          live_rows=m),
                   jnp.zeros((256, 512), jnp.bfloat16), ph, jnp.arange(16, dtype=jnp.int32), jnp.ones((256,), jnp.int32))
 
 

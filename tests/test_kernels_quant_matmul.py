@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.quant_matmul import KERNEL_TYPES, dequantize_packed, prepare, quant_matmul, quant_matmul_ref
-from pallas_kernels.quant_matmul.kernel import pick_config, quant_matmul_experts, quant_matmul_live
+from pallas_kernels.quant_matmul.kernel import invariant_config, pick_config, quant_matmul_experts, quant_matmul_live
 from pallas_kernels.testing import cuda_lowering, random_quant_array
 
 TYPES = list(KERNEL_TYPES)
@@ -185,9 +185,9 @@ def test_gpu_real_size(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("weight_first", [False, True])
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "IQ4_XS", "BF16"])
-def test_gpu_invariant_rows_bit_for_bit(name, weight_first):
+def test_gpu_invariant_rows_bit_for_bit(name, swap):
     """On the hardware (the matrix unit's order, not the interpreter's): each of 8 rows of the
     matrix-unit invariant schedule equals the row alone bit for bit, at V2-Lite's sizes (split-K
     among them), idle rows zeros, near the reference."""
@@ -199,7 +199,8 @@ def test_gpu_invariant_rows_bit_for_bit(name, weight_first):
         except ValueError:
             continue
         x = jnp.asarray(rng.standard_normal((8, K)), jnp.float32)
-        f = functools.partial(quant_matmul, w=pw, row_invariant=True, matrix_unit=True, weight_first=weight_first)
+        cfg = dict(invariant_config(name, N, K), swap=swap)  # both operand orders
+        f = functools.partial(quant_matmul, w=pw, row_invariant=True, matrix_unit=True, config=cfg)
         alone = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(8)])
         assert np.array_equal(np.asarray(f(x)), alone), (name, N, K)
         mask = jnp.asarray([1, 0, 0, 1, 0, 0, 0, 1], jnp.int32)

@@ -174,8 +174,7 @@ def _qm_pallas(x, w, dtype, interpret: bool):
     # row by row: the idle slots' rows of a server's decode batch are skipped (registry.live_rows)
     live = registry.live_rows_mask(registry.rows(x)) if invariant else None
     return _qm.quant_matmul(x, pw, dtype, interpret=interpret, layer=layer, row_invariant=invariant, live_rows=live,
-                            matrix_unit=invariant and registry.invariant_matrix_unit(),
-                            weight_first=registry.invariant_weight_first())
+                            matrix_unit=invariant and registry.invariant_matrix_unit())
 
 
 def quant_linear(x, w, dtype, *, backend: str | None = None):
@@ -267,8 +266,7 @@ def _heads_dot(x, pw, layer, dtype, interpret: bool):
     live = registry.live_rows_mask(n)  # the padding rows are computed on zeros and dropped
     row_live = None if live is None else jnp.tile(jnp.pad((live != 0).astype(jnp.int32), (0, n_p - n)), H)
     y = _qm.quant_matmul_experts(xh, (pw,), heads, dtype, tile_rows=bm, interpret=interpret, layer=layer,
-                                 split_rows=H, config="invariant", live_rows=row_live,
-                                 weight_first=registry.invariant_weight_first())
+                                 split_rows=H, config="invariant", live_rows=row_live)
     y = jnp.swapaxes(y.reshape(H, n_p, -1)[:, :n], 0, 1)
     return y.reshape(x.shape[:-1] + (y.shape[-1],))
 

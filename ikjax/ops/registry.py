@@ -316,13 +316,7 @@ def invariant_matrix_unit() -> bool:
     """Whether the batch-invariant decode's dense and per-head products take the matrix-unit
     schedule (IKJAX_INVARIANT_FORM=dot; pallas_kernels' invariant_config) rather than a program
     per row: eight rows for about the price of one, one row ~1.5x the row kernel's (RESULTS §23l)."""
-    return env.choice("IKJAX_INVARIANT_FORM") in ("dot", "dotw")
-
-
-def invariant_weight_first() -> bool:
-    """The matrix-unit schedule with the decoded weight as the product's first operand
-    (IKJAX_INVARIANT_FORM=dotw; invariant_config's `weight_first`)."""
-    return env.choice("IKJAX_INVARIANT_FORM") == "dotw"
+    return env.choice("IKJAX_INVARIANT_FORM") == "dot"
 
 
 def rows(x) -> int:

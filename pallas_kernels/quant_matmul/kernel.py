@@ -244,21 +244,22 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
 INVARIANT_BM = 16
 
 
-def invariant_config(qtype: str, N: int, K: int, *, split_rows: int = 1, weight_first: bool = False):
+def invariant_config(qtype: str, N: int, K: int, *, split_rows: int = 1):
     """The batch-invariant decode schedule: `tl.dot` tiles of INVARIANT_BM rows, tile, k-steps and
     split-K from (N, K) alone, split sized as if `split_rows` one-row tiles shared the columns
     (an MoE token's k slots, a row's heads). Each row's result is a fixed sequence of matrix-unit
     products and in-order adds, whatever the other rows hold and however many there are: a batch's
     row gets the bits it gets alone, and eight rows cost one weight decode, not eight (the one-row
-    rows schedule paid per row in arithmetic: RESULTS §23k). `weight_first`: the decoded weight
-    tile is the product's first operand ([bn, bk] x [bk, rows]), the rows' tile the second: the
-    same per-row independence, the big operand kept where the matrix unit takes it from registers."""
+    rows schedule paid per row in arithmetic: RESULTS §23k). The decoded weight tile is the
+    product's first operand ([bn, bk] x [bk, rows], `swap`), the rows' tile the second: the same
+    per-row independence, 5-12 % faster than the other order on V2-Lite's matrices at 1 and 8 rows
+    (H200, RESULTS §23aa)."""
     G, P, L, R = GEOMETRY[qtype]
     bk = max(G * R, _pow2_divisor(K, 128))
     bn = _pow2_divisor(N, 64)
     split = _split_k(N // bn * max(1, split_rows), K // bk)
-    cfg = dict(mode="dot", bm=INVARIANT_BM, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3 if bk <= 128 else 2)
-    return dict(cfg, swap=True) if weight_first else cfg
+    return dict(mode="dot", bm=INVARIANT_BM, bn=bn, bk=bk, split=split, num_warps=4, num_stages=3 if bk <= 128 else 2,
+                swap=True)
 
 
 def invariant_dot(qtype: str, dtype) -> bool:
@@ -345,21 +346,19 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
 
 
 def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False, config: dict | None = None,
-                 layer=None, row_invariant: bool = False, live_rows=None, matrix_unit: bool = False,
-                 weight_first: bool = False):
+                 layer=None, row_invariant: bool = False, live_rows=None, matrix_unit: bool = False):
     """x [..., K] @ W[N, K]^T -> [..., N] float32 (W a PackedWeight without expert axis; with `layer`,
     an int32 scalar, W's arrays are a stack of layers' [L, ...] and layer `layer` is read in place).
     `row_invariant`: every row computed by the program a single row gets (one-row tiles, the
     one-row split), so each row's result is the same whatever the row count (see pick_config);
-    with `matrix_unit`, by the matrix-unit schedule of invariant_config instead (`weight_first`:
-    its form with the weight as the first operand).
+    with `matrix_unit`, by the matrix-unit schedule of invariant_config instead.
     `live_rows` (with row_invariant; [rows] int, nonzero = live): the other rows are not computed
     (zeros): a server's idle slots."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     N, K = w.shape[-2], w.shape[-1]
     if row_invariant and matrix_unit and invariant_dot(w.qtype, dtype):
-        cfg = config or invariant_config(w.qtype, N, K, weight_first=weight_first)
+        cfg = config or invariant_config(w.qtype, N, K)
     elif row_invariant:
         cfg = config or pick_config(w.qtype, x2.shape[0], N, K, rows_max=1, tile_rows=1, split_rows=1)
     else:
@@ -396,17 +395,16 @@ def quant_matmul_live(x, w: PackedWeight, live, dtype=jnp.bfloat16, *, interpret
 
 def quant_matmul_experts(x, ws, expert, dtype=jnp.bfloat16, *, tile_rows: int = 1, swiglu: bool = False,
                          interpret: bool = False, config: dict | None = None, layer=None,
-                         split_rows: int | None = None, live_rows=None, weight_first: bool = False):
+                         split_rows: int | None = None, live_rows=None):
     """Rows of x [M, K], M = len(expert) * tile_rows; tile i multiplies by expert[i]'s weight
     (PackedWeight [E, N, K]); expert -1 marks a dead tile (zeros, no weight read). `ws` = (w,) or,
     with swiglu, (gate, up). -> [M, N] float32. `config`="invariant": the batch-invariant
     decode schedule (invariant_config, tiles of INVARIANT_BM rows, split for `split_rows`), where
-    `live_rows` ([M] int, nonzero = live) marks rows whose output is kept (the others zeros);
-    `weight_first` as invariant_config's."""
+    `live_rows` ([M] int, nonzero = live) marks rows whose output is kept (the others zeros)."""
     w0 = ws[0]
     N, K = w0.shape[-2], w0.shape[-1]
     if config == "invariant":
-        cfg = invariant_config(w0.qtype, N, K, split_rows=split_rows or 1, weight_first=weight_first)
+        cfg = invariant_config(w0.qtype, N, K, split_rows=split_rows or 1)
         if tile_rows != cfg["bm"]:
             raise ValueError(f"the invariant schedule takes tiles of {cfg['bm']} rows, got {tile_rows}")
     else:
