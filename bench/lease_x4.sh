@@ -1259,6 +1259,12 @@ PY
   SB21="${SB69:--c 16384 -ub 2048 -n 128}" STAGE=21 NO_TABLE=1 COLD_TIMELINE=1 COLD21=default WARM21=default \
     COLD_TL_LINES=${TL69:-90} TL_LINES=40 bash "$0" 2>&1 | grep -v "installed\|ik build\|H200, \|cores;"
   ;;
+70)
+  # the float32 kernels' GPU test, then serve's load rows per invariant form (STAGE=14's serve part)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_kernel_precision.py 2>&1 \
+    | grep -E "^E |Error|passed|failed" | head -20
+  FORMS="${FORMS70:-rows dot}" STAGE=14 GPU_TESTS="none_at_all" bash "$0" 2>&1 | grep -E "^\\||up in|^\\["
+  ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
   M=/tmp/tiny4-Q4_K.gguf
