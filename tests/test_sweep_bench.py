@@ -102,8 +102,8 @@ def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model, loop, mon
     import ikjax
     monkeypatch.setenv("IKJAX_DECODE_LOOP", loop)
     eng = ikjax.load(tiny_model, ctx=512, ubatch=128, mla=3, fa=True)
-    tg = 4
-    calls, rows_seen = [], []
+    tg = 6
+    calls, rows_seen, loop_n = [], [], {}
     step, decode = eng.step, eng.decode
 
     def recording_step(cache, tokens, start, *a, **k):
@@ -111,9 +111,10 @@ def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model, loop, mon
                       len(rows_seen)))
         return step(cache, tokens, start, *a, **k)
 
-    def recording_decode(cache, tokens, start, n, **k):  # the tg tokens in one dispatch
-        assert n == tg
-        calls.append((1, eng.kv_bucket(int(start[0]) + n, 1), len(rows_seen)))
+    def recording_decode(cache, tokens, start, n, **k):  # the tg tokens in one dispatch (the loop compiled for tg)
+        assert k.get("chunk", n) == tg
+        loop_n[len(calls)] = n
+        calls.append((1, eng.kv_bucket(int(start[0]) + tg, 1), len(rows_seen)))
         return decode(cache, tokens, start, n, **k)
 
     eng.step, eng.decode = recording_step, recording_decode
@@ -138,6 +139,10 @@ def test_every_step_shape_runs_once_untimed_before_its_row(tiny_model, loop, mon
         mine = [i for i, c in enumerate(calls) if c[2] == r + 1]
         warm = [i for i in mine if i in warmups]
         assert mine[:len(warm)] == warm and len(mine) - len(warm) == per_row
+    # the decode loop warms up on its first few tokens; its timed runs make all tg
+    assert {loop_n[i] for i in loop_n if i in warmups} <= {min(tg, sb.WARM_LOOP_TOKENS)}
+    assert {loop_n[i] for i in loop_n if i not in warmups} <= {tg}
+    assert loop == "0" or any(i in warmups for i in loop_n)
 
 
 def test_steps_compile_side_by_side(tiny_model):

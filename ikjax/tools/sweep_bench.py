@@ -266,6 +266,10 @@ def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None 
     return sum(one(*j) for j in jobs)
 
 
+# Tokens of the decode loop a sweep's warm-up runs (its row then runs all of them, timed).
+WARM_LOOP_TOKENS = 4
+
+
 def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
         on_progress: Callable[[int, int], None] | None = None, nrep: int = 1,
         before_row: Callable[[int], None] | None = None, *, pp: int | None = None, stride: int = 1,
@@ -296,11 +300,12 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
     cache = eng.new_cache(1)
     warmed: set[tuple[str, int, int]] = set()
 
-    def execute(kind: str, n_tokens: int, kv_needed: int) -> None:
-        """Run one step (tokens at kv_needed - n_tokens..) and wait for it."""
+    def execute(kind: str, n_tokens: int, kv_needed: int, n_loop: int | None = None) -> None:
+        """Run one step (tokens at kv_needed - n_tokens..) and wait for it; the decode loop's
+        compiled `tg` tokens, or its first `n_loop` of them."""
         nonlocal cache
         if kind == "loop":
-            out, cache = eng.decode(cache, rng.integers(0, vocab, (1,)), [kv_needed - tg], tg)
+            out, cache = eng.decode(cache, rng.integers(0, vocab, (1,)), [kv_needed - tg], n_loop or tg, chunk=tg)
         else:
             out, cache = eng.step(cache, rng.integers(0, vocab, (1, n_tokens)), np.array([kv_needed - n_tokens]))
         out.block_until_ready()
@@ -318,13 +323,15 @@ def run(eng, tg: int | None = None, seed: int = 0, warmup: bool = True,
         (ik warms up too, and runs no new code later): a new executable's first run loads its
         kernels onto the device and grows the allocator (on the CPU alone, twice: see warm_runs).
         Its cache writes land at or past n_kv, which the row's own steps write again before
-        anything reads them."""
+        anything reads them. The decode loop warms up on its first WARM_LOOP_TOKENS tokens (the
+        same executable, every kernel of its body run): the whole loop cost the deep shape's first
+        row 0.33 s more (RESULTS §22z)."""
         for kind, n_tokens, kv_needed in _row_steps(eng, tg, pp, n_kv):
             key = _key(eng, kind, n_tokens, kv_needed)
             if key not in warmed:
                 with eng.uncounted():  # --expert-stats counts the rows' tokens, not the warm-ups'
                     for _ in range(warm_runs):
-                        execute(kind, n_tokens, kv_needed)
+                        execute(kind, n_tokens, kv_needed, min(tg, WARM_LOOP_TOKENS))
                 warmed.add(key)
     done = 0
     for row, n_kv in enumerate(measured_points(sweep_ctx(o), pp, stride)):
