@@ -45,8 +45,8 @@ def _moe_xla(x, weights, ids, gate, up, down, dtype, fused=True):
 
 
 def _moe_pallas_supported(x, weights, ids, gate, up, down, dtype, fused=True) -> bool:
-    # f32 compute is the exact reference mode: the grouped kernel's tile products (tl.dot) would
-    # round through TF32, so prompt-sized f32 work stays on XLA's HIGHEST-precision path
+    # f32 compute is the exact reference mode: prompt-sized f32 work stays on XLA's HIGHEST path
+    # (the grouped kernel's f32 tiles, IEEE since pallas_kernels.flash.tile_dot, overflow shared memory)
     if not gather_form(ids.shape[0], ids.shape[1], gate.shape[0]) and jnp.dtype(dtype) == jnp.float32:
         return False
     return all(pallas_ok(t) for t in (gate, up, down))

@@ -139,7 +139,9 @@ def _qm_pallas_supported(auto: bool):
         rows = registry.rows(x)
         if auto and rows > AUTO_MAX_ROWS and not (registry.batch_invariant() and rows <= registry.INVARIANT_MAX_ROWS):
             return False
-        if rows > AUTO_MAX_ROWS and jnp.dtype(dtype) == jnp.float32:  # no TF32 in f32 mode
+        # f32 mode: prompt-sized products on XLA's HIGHEST path (the Pallas tile products at f32 are
+        # IEEE too, pallas_kernels.flash.tile_dot, but a 128-row f32 tile overflows shared memory)
+        if rows > AUTO_MAX_ROWS and jnp.dtype(dtype) == jnp.float32:
             return False
         return pallas_ok(w)
     return supported
@@ -197,7 +199,7 @@ def _live_mask(y, live, dtype):
 
 def _ql_live_pallas_supported(gpu: bool):
     def supported(x, w, dtype, live) -> bool:
-        # f32 on a GPU: no TF32 in f32 mode (as quant_linear's prompt-sized products)
+        # f32 on a GPU: XLA's HIGHEST path, as quant_linear's prompt-sized products
         return (x.ndim == 3 and x.shape[1] % 16 == 0 and not (gpu and jnp.dtype(dtype) == jnp.float32)
                 and pallas_ok(w))
     return supported
