@@ -1265,6 +1265,25 @@ PY
     | grep -E "^E |Error|passed|failed" | head -20
   FORMS="${FORMS70:-rows dot}" STAGE=14 GPU_TESTS="none_at_all" bash "$0" 2>&1 | grep -E "^\\||up in|^\\["
   ;;
+71)
+  # issue 22's targets as a user times them: each SHAPES71 cold (fresh cache) then warm, every stdout line
+  # stamped with the seconds since the command started (the first row's line is the first-row time)
+  v2l_ready
+  stamp() { python3 -c "
+import sys, time
+t0 = float(sys.argv[1])
+for line in sys.stdin:
+    print(f'{time.time() - t0:7.2f}s {line}', end='', flush=True)" "$1"; }
+  for shape in "${SHAPE71A:--c 16384 -ub 2048 -n 128}" "${SHAPE71B:--c 4096 -ub 512 -n 64}"; do
+    rm -rf /tmp/cc71
+    for run in cold warm; do
+      t0=$(date +%s.%N)
+      IKJAX_COMPILE_CACHE=/tmp/cc71 timeout 100 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 $shape 2> /tmp/e71 \
+        | stamp $t0 | grep -E "\\|  +[0-9]" | sed -n "1,2p;\$p"
+      echo "$shape $run: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s command to end; $(grep -E "compiled" /tmp/e71 | sed 's/(.tmp[^)]*)//')"
+    done
+  done
+  ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
   M=/tmp/tiny4-Q4_K.gguf
