@@ -1284,6 +1284,18 @@ for line in sys.stdin:
     done
   done
   ;;
+72)
+  # the load's programs compiled ahead (IKJAX_PROGRAMS_AHEAD) against the load compiling them, cold, alternating
+  v2l_ready
+  for a in ${AHEAD72:-1 0 1 0}; do
+    rm -rf /tmp/cc72; t0=$(date +%s.%N)
+    IKJAX_PROGRAMS_AHEAD=$a IKJAX_COMPILE_CACHE=/tmp/cc72 timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
+      ${SHAPE72:--c 16384 -ub 2048 -n 128} 2> /tmp/e72 | while read -r line; do case "$line" in "|  "[0-9]*)
+      echo "first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s"; break;; esac; done
+    sleep 1
+    echo "ahead=$a: $(grep -E "compiled|loaded" /tmp/e72 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+  done
+  ;;
 53)
   # the nested jits that come out as several jaxprs alike (bench/jaxpr_dedup_probe.py), two -ot runs in one cache
   M=/tmp/tiny4-Q4_K.gguf

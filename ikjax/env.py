@@ -146,6 +146,9 @@ _VARS = (
     Variable("IKJAX_DRY_SHAPES", "auto", ("auto", "1", "0"),
              "compile steps from the weights' shapes computed before the load, not after its first layers (auto: on accelerators; 0: after)",
              "ikjax.runtime.engine"),
+    Variable("IKJAX_PROGRAMS_AHEAD", "1", ("1", "0"),
+             "with the dry shapes (IKJAX_DRY_SHAPES), compile the load's programs side by side ahead of the load "
+             "that runs them (0: the load compiles each as it comes)", "ikjax.runtime.compile_cache"),
     Variable("IKJAX_PREFETCH_STEPS", "1", ("1", "0"),
              "read the stored steps the last run of the same model and options used while the weights load (0: off)",
              "ikjax.runtime.compile_cache"),

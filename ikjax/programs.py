@@ -20,6 +20,22 @@ Runner = Callable[[str, Any, tuple, tuple], Any]
 _runner: Runner | None = None
 # set (in this thread) by `abstract()`: programs give their outputs' ShapeDtypeStructs only
 _abstract = contextvars.ContextVar("ikjax_programs_abstract", default=False)
+# set (in this thread) by `recording()`: the calls `abstract()` traced, in order
+_recorded = contextvars.ContextVar("ikjax_programs_recorded", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Within (in this thread only), each program traced under `abstract()` is appended to the
+    list given as (name, jitted, args as ShapeDtypeStructs, static): the programs a real load will
+    run, known before it runs them, so that the runtime can compile them side by side ahead of it
+    (ikjax.runtime.compile_cache.precompile_programs)."""
+    calls: list = []
+    token = _recorded.set(calls)
+    try:
+        yield calls
+    finally:
+        _recorded.reset(token)
 
 
 @contextlib.contextmanager
@@ -58,6 +74,9 @@ def run(name: str, jitted: Any, args: tuple, static: tuple = ()) -> Any:
     the array arguments `args` in `jitted`'s parameters. Inside `abstract()`: the outputs'
     ShapeDtypeStructs."""
     if _abstract.get():
+        calls = _recorded.get()
+        if calls is not None:
+            calls.append((name, jitted, args, static))
         return _shapes_of(jitted, args, static)
     r = _runner
     if r is None:

@@ -359,6 +359,28 @@ def test_repacks_of_a_load_kept_whole(tiny_model, tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
 
 
+def test_load_programs_compiled_ahead_of_the_load(tiny_model, tmp_path):
+    """With the weights' shapes computed before the load (IKJAX_DRY_SHAPES) the load's programs
+    (interpret-mode repacks here: a GPU's load) compile side by side ahead of it, and the load runs
+    those executables rather than compiling its own: every program the load ran came from there,
+    the same logits as a load that compiles each itself (IKJAX_PROGRAMS_AHEAD=0)."""
+    base = {"IKJAX_STORE_STEPS": "1", "IKJAX_KERNELS": "interpret", "IKJAX_LOAD_OVERLAP": "1", "IKJAX_DRY_SHAPES": "1"}
+    code = RUN.replace("step_loads=compile_cache.step_loads()",
+                       "step_loads=compile_cache.step_loads(), ahead=compile_cache.programs_ahead()")
+    outs = {}
+    for ahead in ("1", "0"):
+        env = {**base, "IKJAX_PROGRAMS_AHEAD": ahead, "IKJAX_COMPILE_CACHE": str(tmp_path / f"xla{ahead}")}
+        res = subprocess.run([sys.executable, "-c", code, tiny_model, str(tmp_path / f"{ahead}.npy")],
+                             env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        outs[ahead] = json.loads(res.stdout.strip().splitlines()[-1])
+        stored = [p for p in _files(tmp_path / f"xla{ahead}") if p.parent.name == "programs"]
+        assert stored, ahead
+        # each distinct program the load ran: served from ahead (1), compiled by the load (0)
+        assert outs[ahead]["ahead"] == (len(stored) if ahead == "1" else 0), (ahead, outs[ahead], len(stored))
+    np.testing.assert_array_equal(np.load(tmp_path / "1.npy"), np.load(tmp_path / "0.npy"))
+
+
 def test_load_programs_on_another_device_come_back_there(tmp_path):
     """A program whose arrays live on the second of two devices (a -sm layer stage's load), and one
     on the first device of a process that sees two (the first stage's; it came back bound to both

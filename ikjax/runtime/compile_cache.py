@@ -132,7 +132,7 @@ def resolve(spec: str | None = None) -> Path | None:
 _LOWERING = threading.Lock()
 
 
-def lower(jitted, *args, **kwargs):
+def lower(jitted, *args, _serialized: bool = True, **kwargs):
     """`jitted.lower(*args, **kwargs)`, one at a time in this process.
 
     Why: steps compile side by side (`compile_side_by_side`), and two threads tracing at once race
@@ -147,6 +147,8 @@ def lower(jitted, *args, **kwargs):
     (arrays made by a stored program against arrays a traced one made), and every nested jit
     called with both was traced, and lowered, twice (RESULTS §25j)."""
     args, kwargs = jax.tree.map(_abstract, (args, kwargs))
+    if not _serialized:  # precompile_programs: programs keyed without tracing, beside the steps
+        return jitted.lower(*args, **kwargs)
     with _LOWERING:
         return jitted.lower(*args, **kwargs)
 
@@ -686,6 +688,10 @@ PROGRAM_LOAD = "ikjax/stored_program_loads"  # ours: load programs read whole fr
 _counts[PROGRAM_LOAD] = 0
 _programs: dict[str, Any] = {}  # full key -> executable, this process (a layer's program, once a run)
 _programs_lock = threading.Lock()
+_programs_pending: dict[str, Any] = {}  # full key -> Future of a program compiling ahead (precompile_programs)
+_programs_ahead: set[str] = set()  # keys compiled ahead and not yet asked for by the load
+PROGRAM_AHEAD = "ikjax/load_programs_compiled_ahead"  # ours: the load's calls served by precompile_programs
+_counts[PROGRAM_AHEAD] = 0
 
 
 def _stores_programs() -> bool:
@@ -705,10 +711,16 @@ def run_program(name: str, jitted, args: tuple, static: tuple):
     leaves, tree = jax.tree.flatten((args, {}))
     if directory() is None or not _stores_programs():
         return jitted(*args, *static)
-    parts = ("program", name, str(tree), tuple(describe_leaf(a) for a in leaves), repr(static))
-    key = _step_key(parts)
+    key = _program_key(name, tree, leaves, static)
     with _programs_lock:
         exe = _programs.get(key)
+        pending = _programs_pending.get(key) if exe is None else None
+    if pending is not None:  # compiling ahead: wait for it rather than compile it twice
+        exe = pending.result()
+    with _programs_lock:
+        if key in _programs_ahead and exe is not None:
+            _programs_ahead.discard(key)
+            _count(PROGRAM_AHEAD)
     if exe is None:
         exe = _program(key, jitted, args, static, signature_of(tree, leaves))
         with _programs_lock:
@@ -732,12 +744,82 @@ def run_program(name: str, jitted, args: tuple, static: tuple):
 NO_GPU_AUTOTUNE = {"xla_gpu_autotune_level": 0}
 
 
+def _program_key(name: str, tree, leaves: list, static: tuple, host: frozenset = frozenset()) -> str:
+    """A program's full key from its call (arrays, or ShapeDtypeStructs with the same placement);
+    the leaves numbered in `host` described as host arrays (no placement)."""
+    described = tuple((*describe_leaf(a)[:2], None, None) if i in host else describe_leaf(a)
+                      for i, a in enumerate(leaves))
+    return _step_key(("program", name, str(tree), described, repr(static)))
+
+
+def _host_variants(leaves: list) -> list[frozenset]:
+    """Which leaves a real load may pass as host arrays (NumPy: the file's bytes) where the load on
+    shapes alone had them placed on one device: every subset of the single-device leaves (a
+    program takes a few). The executable compiled for the placed form runs the host form too (JAX
+    moves a host argument to the device the executable expects)."""
+    single = [i for i, a in enumerate(leaves)
+              if len(getattr(getattr(a, "sharding", None), "device_set", ())) == 1]
+    if len(single) > 4:
+        return [frozenset()]
+    out = []
+    for mask in range(1 << len(single)):
+        out.append(frozenset(i for b, i in enumerate(single) if mask >> b & 1))
+    return out
+
+
+def precompile_programs(calls: list, threads: int = 4) -> int:
+    """Compile (or read whole) the load's programs `calls` (ikjax.programs.recording's, traced on
+    shapes alone) side by side on threads, ahead of the load that will run them; returns how many
+    distinct ones were started. Why: a cold load compiled its programs one after another in its
+    own thread, 2.2 s of the deep V2-Lite shape's cold start, and the first row waited 0.6 s for
+    that load after its steps had compiled (RESULTS §22z). The load finds each program here by the
+    same key (`run_program` waits for one still compiling); a call whose key differs is compiled
+    by the load as before. Off where programs are not kept (`run_program` would not look)."""
+    if directory() is None or not _stores_programs() or not calls:
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+    todo = {}
+    for name, jitted, args, static in calls:
+        leaves, tree = jax.tree.flatten((args, {}))
+        keys = [_program_key(name, tree, leaves, static, host) for host in _host_variants(leaves)]
+        with _programs_lock:
+            if keys[0] in _programs or keys[0] in _programs_pending or keys[0] in todo:
+                continue
+        todo[keys[0]] = (keys[1:], jitted, args, static, signature_of(tree, leaves))
+    if not todo:
+        return 0
+    pool = ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="ikjax-programs")
+
+    def one(key, others, jitted, args, static, signature):
+        try:
+            # not under the steps' lowering lock: these are keyed without tracing, and the steps
+            # compiling beside them (a load that overlaps them stores its steps whole) are too
+            exe = _program(key, jitted, args, static, signature, serialized=False)
+        except Exception as e:  # noqa: BLE001 - the load then compiles it itself, and raises if it must
+            log.info("a load program did not compile ahead (%s: %s)", type(e).__name__, e)
+            exe = None
+        with _programs_lock:
+            for k in (key, *others):
+                if exe is not None and k not in _programs:
+                    _programs[k] = exe
+                    _programs_ahead.add(k)
+                _programs_pending.pop(k, None)
+        return exe
+    with _programs_lock:
+        for key, (others, jitted, args, static, signature) in todo.items():
+            future = pool.submit(one, key, others, jitted, args, static, signature)
+            for k in (key, *others):
+                _programs_pending.setdefault(k, future)
+    pool.shutdown(wait=False)
+    return len(todo)
+
+
 def _program_path(key: str) -> Path | None:
     d = directory()
     return None if d is None else d / "programs" / (hashlib.sha256(key.encode()).hexdigest() + ".pkl")
 
 
-def _program(key: str, jitted, args: tuple, static: tuple, signature: tuple):
+def _program(key: str, jitted, args: tuple, static: tuple, signature: tuple, serialized: bool = True):
     """The stored executable for `key` where it serves, else one compiled here (and stored)."""
     path = _program_path(key)
     if path is not None and path.is_file():
@@ -748,10 +830,16 @@ def _program(key: str, jitted, args: tuple, static: tuple, signature: tuple):
     hits0 = thread_counts()[0]
     # the load's programs move and repack bytes: nothing for XLA's GPU autotuner to choose (the
     # runner is installed on accelerators only: setup)
-    exe = lower(jitted, *args, *static).compile(dict(NO_GPU_AUTOTUNE) if jax.default_backend() == "gpu" else None)
+    exe = lower(jitted, *args, *static, _serialized=serialized).compile(
+        dict(NO_GPU_AUTOTUNE) if jax.default_backend() == "gpu" else None)
     if path is not None and thread_counts()[0] == hits0:  # compiled here, not JAX's cache's (XLA:CPU)
         _store(path, key, exe, "program")
     return exe
+
+
+def programs_ahead() -> int:
+    """The load's program calls this process served from programs compiled ahead of it."""
+    return _counts[PROGRAM_AHEAD]
 
 
 def program_loads() -> int:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-from ikjax import env, ops
+from ikjax import env, ops, programs
 from ikjax.errors import DoesNotFitError, OptionError
 from ikjax.gguf_io.config import ModelConfig, load_notes
 from ikjax.gguf_io.reader import GGUFModelFile
@@ -145,10 +145,11 @@ class Engine:
         self._recent = self._prefetch_steps()
         self._load_start = (time.perf_counter(), before)
         if self._overlaps_load():
+            # the shapes computed without the bytes (issue 22's cold start), and with them the load's
+            # programs started compiling ahead (IKJAX_PROGRAMS_AHEAD), before the load asks for any
+            self._dry = self._dry_shapes()
             # the bytes stream in on a thread of their own; steps compile meanwhile from `_shapes`
             self._loading = BackgroundLoad(self.executor.load, self.file)
-            # the shapes computed without the bytes, not waited for (issue 22's cold start)
-            self._dry = self._dry_shapes()
             self._shapes = self._dry if self._dry is not None else self._loading.shapes()
         else:
             self._weights = self._shapes = self.executor.load(self.file)
@@ -174,10 +175,15 @@ class Engine:
         if choice == "0" or choice == "auto" and self.executor.on_cpu_only:
             return None
         try:
-            return self.executor.load(self.file, shapes_only=True)
+            with programs.recording() as calls:
+                shapes = self.executor.load(self.file, shapes_only=True)
         except Exception as e:  # noqa: BLE001 - the shapes then come from the load
             log.info("the weights' shapes come from the load (%s: %s)", type(e).__name__, e)
             return None
+        # the load's programs compiled side by side ahead of the load that runs them (cold start)
+        if env.choice("IKJAX_PROGRAMS_AHEAD") == "1":
+            compile_cache.precompile_programs(calls)
+        return shapes
 
     def _prefetch_steps(self) -> str | None:
         """This run's label for its stored steps (compile_cache.recent_label), with the ones its
