@@ -92,6 +92,8 @@ class TensorOverride:
         if not isinstance(value, (str, list, tuple)):
             raise OptionError(f"ot: expected REGEX=DEVICE rules (a string or a list of strings), got {value!r}")
         items = value.split(",") if isinstance(value, str) else list(value)
+        if isinstance(value, str) and not value.strip():
+            raise OptionError("ot: expected REGEX=DEVICE rules, got an empty value")
         rules = []
         for item in items:
             if isinstance(item, TensorOverride):
@@ -101,7 +103,9 @@ class TensorOverride:
                 raise OptionError(f"ot: expected a REGEX=DEVICE string, got {type(item).__name__} {item!r}")
             if "=" not in item:
                 raise OptionError(f"ot: expected REGEX=DEVICE, got {item!r}")
-            pat, dev = item.rsplit("=", 1)
+            pat, dev = item.split("=", 1)  # at the first "=", as ik (`exps=CPU=CPU`: the device "CPU=CPU")
+            if not pat:
+                raise OptionError(f"ot: empty regex in {item!r} (REGEX=DEVICE)")
             try:
                 with warnings.catch_warnings():  # ("Possible nested set": a FutureWarning, not the user's error)
                     warnings.simplefilter("ignore")

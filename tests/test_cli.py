@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -423,3 +426,30 @@ def test_chat_with_stdin_closed_ends_cleanly(tiny_model):
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), preexec_fn=lambda: os.close(0))
     assert r.returncode == 0 and "Traceback" not in r.stderr and "error" not in r.stderr, r.stderr[-1500:]
+
+
+def test_placement_flags_as_the_load_has_them(tiny_model, tmp_path, caplog):
+    """An outside probe's findings: `-ot ''` refused in one line as ik does (it was dropped),
+    `bench -ngl -1` read as every layer like the other commands (it was refused), `-t` past the
+    cores noted (it was clamped silently), and `info` prints the load's own placement notes."""
+    assert_one_line_error(invoke(["generate", "-m", tiny_model, "-p", "hi", "-n", "1", "-ot", ""], 1), "ot:", "empty")
+    res = invoke(["bench", "-m", tiny_model, "-p", "8", "-n", "1", "-r", "1", "-ngl", "-1", "-o", "csv"])
+    assert "-1" in res.stdout.splitlines()[1] or "99" in res.stdout.splitlines()[1], res.stdout
+    res = invoke(["generate", "-m", tiny_model, "-p", "hi", "-n", "1", "-t", "100000"])
+    assert re.search(r"note: -t 100000: this process may run on \d+ cores", res.stderr + caplog.text), res.stderr
+    res = invoke(["info", tiny_model, "-ot", "nomatch=CPU"])
+    assert "note           -ot nomatch=CPU: matches no tensor of this file" in res.stdout, res.stdout
+
+
+def test_info_plans_the_graph_split_as_the_load(tiny_model):
+    """`info -sm graph` over 4 (fake CPU) devices prints the per-device weights the load prints
+    (it planned from names and sizes alone, so nothing split: the whole model on every device)."""
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()}
+    lines = {}
+    for cmd in (["info", tiny_model], ["generate", "-m", tiny_model, "-p", "hi", "-n", "1"]):
+        res = subprocess.run([sys.executable, "-m", "ikjax.cli", *cmd, "-sm", "graph"], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        lines[cmd[0]] = [line.split("MiB weights")[0].strip() for line in (res.stdout + res.stderr).splitlines()
+                         if "MiB weights" in line and "on CPU" in line]
+    assert len(lines["info"]) == 4 and lines["info"] == lines["generate"], lines

@@ -131,12 +131,17 @@ def test_ot_devices_that_do_not_exist_are_refused(model4):
         _place(model4, devices=TWO_GPUS, ot="attn=GPU2")
     with pytest.raises(OptionError, match="no accelerator"):
         _place(model4, devices=CPU_ONLY, ot="exps=GPU1")
-    p = _place(model4, devices=TWO_GPUS, ot="exps=CUDA1,attn=CPU")
+    # -sm none runs on one device (-mg): a rule naming another is refused, not planned there and
+    # loaded elsewhere (an outside probe: the plan said CPU2, the weights sat on the main device)
+    with pytest.raises(OptionError, match=r"^ot: 'exps=CUDA1' names GPU1, but with -sm none the model runs on one "
+                                          r"device, GPU0 \(-mg 0\)"):
+        _place(model4, devices=TWO_GPUS, ot="exps=CUDA1,attn=CPU")
+    p = _place(model4, devices=TWO_GPUS, ot="exps=CUDA1,attn=CPU", main_gpu=1)
     assert p.devices == ("GPU0", "GPU1")
     assert {t.device for t in p.tensors if "exps" in t.name} == {"GPU1"}
     assert all(t.device == "CPU" and t.on_host for t in p.tensors if "attn" in t.name)
     by_dev = p.device_bytes()
-    assert by_dev["GPU1"] == sum(t.nbytes for t in p.tensors if "exps" in t.name)
+    assert by_dev["GPU1"] == sum(t.nbytes for t in p.tensors if not t.on_host)  # -mg 1: the one device
     assert sum(by_dev.values()) + p.host_bytes == p.total_bytes
 
 
@@ -404,3 +409,22 @@ def test_memory_plan_counts_host_non_experts_in_flight(model4):
     assert plan.stream_buffer_bytes == layer2  # layer 2's non-experts (its experts run on the host at ubatch 1)
     assert plan_memory(cfg, RunOptions.from_kwargs(ubatch=1), placement=_place(model4, ot=r"blk\.2\.=CPU")
                        ).stream_buffer_bytes == 0  # a CPU-only machine: one RAM
+
+
+def test_ot_rules_as_ik_reads_them_and_notes_for_rules_that_do_nothing(model4):
+    """-ot splits a rule at its first "=" (ik: `exps=CPU=CPU` names the device "CPU=CPU"), refuses an
+    empty regex, and a rule that matches no tensor, or only tensors an earlier rule took, gets a note
+    (an outside probe: both passed silently). -mg under -sm layer gets a note too; -ts shares whose
+    sum overflows are refused (they put every layer on the last device)."""
+    with pytest.raises(OptionError, match=r"unknown device 'CPU=CPU'"):
+        _place(model4, ot="exps=CPU=CPU")
+    with pytest.raises(OptionError, match=r"^ot: empty regex in '=CPU'"):
+        _place(model4, ot="=CPU")
+    p = _place(model4, ot="nomatch=CPU,exps=CPU,ffn_.*_exps=CPU")
+    assert "-ot nomatch=CPU: matches no tensor of this file" in p.notes
+    assert "-ot ffn_.*_exps=CPU: every tensor it matches is taken by an earlier rule" in p.notes
+    assert not [n for n in p.notes if n.startswith("-ot exps=CPU")]
+    p = _place(model4, devices=TWO_GPUS, split_mode="layer", main_gpu=1)
+    assert any(n.startswith("-mg 1 has no effect with -sm layer") for n in p.notes), p.notes
+    with pytest.raises(OptionError, match=r"^ts: shares .* do not add up to a finite number"):
+        _place(model4, devices=TWO_GPUS, split_mode="layer", tensor_split="1e308,1e308")

@@ -203,9 +203,10 @@ def bench(
     for flag, value in (("ub", ubatch), ("b", batch), ("t", threads.replace("/", ",")), ("ngl", ngl), ("amb", amb),
                         ("mla", mla)):
         vals = lb.int_list(value, flag)
-        low = 1 if flag in ("ub", "b") else 0
+        low = 1 if flag in ("ub", "b") else -1 if flag == "ngl" else 0  # -ngl -1: every layer, as the other commands
         if any(v < low for v in vals):
-            raise OptionError(f"-{flag}: values must be >= {low}, got {value!r}")
+            raise OptionError(f"-{flag}: values must be >= {low}{' (-1: every layer)' if flag == 'ngl' else ''}, "
+                              f"got {value!r}")
     tests = lb.make_tests(counts(n_prompt, "p"), counts(n_gen, "n"), pairs(gp, "gp"),
                           counts(depth, "d") or [0], pairs(pg, "pg"))
     if not tests:

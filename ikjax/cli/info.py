@@ -114,7 +114,12 @@ def info(
         for t in f.tensors.values():
             out(f"  {t.name:<40} {t.type_name:<8} {str(list(t.shape)):<24} {fmt_bytes(t.nbytes)}")
     out("")
-    plan = plan_memory(cfg, opts, ((t.name, t.nbytes) for t in f.tensors.values()))
+    # the load's own placement (the tensors' shapes and types: -sm graph splits by them), and its notes
+    from ikjax.placement.rules import plan_placement
+    placement = plan_placement(cfg, f.tensors.values(), opts)
+    for note in placement.notes:
+        out(f"note           {note}")
+    plan = plan_memory(cfg, opts, placement=placement)
     out(f"memory plan (-c {opts.ctx} -ub {opts.ubatch} -mla {opts.mla} -fa {int(opts.fa)} -ctk {opts.ctk}"
         + (f" -amb {opts.amb}" if opts.amb else "") + ")")
     for line in plan.lines():

@@ -31,6 +31,7 @@ from typing import Annotated, Any, Callable, Iterable, Optional
 import typer
 
 from ikjax.cli.common import backend, log
+from ikjax.errors import OptionError
 from ikjax.options import RunOptions, switch_notes
 
 _D = RunOptions()
@@ -251,6 +252,8 @@ def load_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     """A command's option values -> ikjax.load keyword arguments (RunOptions names)."""
     kw = {k: params[k] for k in RUN_OPTION_PARAMS if k in params}
     ot = kw.pop("ot", None)
+    if isinstance(ot, list) and any(not str(o).strip() for o in ot):
+        raise OptionError("ot: expected REGEX=DEVICE rules, got an empty value")  # as ik refuses `-ot ''`
     if ot:
         kw["ot"] = ",".join(ot) if isinstance(ot, list) else ot
     if params.get("no_fa") is not None and RunOptions.from_kwargs(fa=params["no_fa"]).fa:  # ik's -no-fa

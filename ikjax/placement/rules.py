@@ -25,7 +25,8 @@ Rules, as ik_llama.cpp applies them:
   (> any layer count here) puts everything on the device. Tensors of layers past n_layer (the MTP
   `nextn` block) count as layers for this rule. One difference from ik: ik always keeps the input
   embedding (`token_embd`) in host memory and gathers its rows on the CPU; ikjax keeps it with the
-  device layers (device unless `-ngl 0`) until the host-side gather exists, and says so in the plan.
+  device layers (device unless `-ngl 0`) until the host-side gather exists (the plan counts it in the
+  device's weights; no line singles it out).
 - `-ot` rules take precedence over `-ngl`, as in ik (an override names the buffer outright).
 - On a CPU-only machine device memory and host memory are the same RAM. The requested placement
   is recorded anyway (so the memory plan and `ikjax info` show what a GPU run would hold), and
@@ -258,7 +259,7 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
                                                   options.ngl)
         split.update(layer_device=layer_dev, embed_device=layer_dev[0] if layer_dev else out_dev,
                      output_device=out_dev, main_device=layer_dev[0] if layer_dev else out_dev)
-    elif mode == "graph":
+    if mode == "graph":
         mesh = splits.graph_devices(options.tensor_split, n_dev)
         split.update(main_device=mesh[0])
         if options.main_gpu != 0:
@@ -267,7 +268,10 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
         if len(mesh) < n_dev:
             left = [labels[i] for i in range(n_dev) if i not in mesh]
             notes.append(f"-sm graph over {len(mesh)} of {n_dev} devices: -ts leaves out {', '.join(left)}")
-    elif options.tensor_split and len(devices) > 1:
+    if mode == "layer" and options.main_gpu != 0:
+        notes.append(f"-mg {options.main_gpu} has no effect with -sm layer: the split (-ts) decides each layer's "
+                     f"device, the first layers' on {labels[split['main_device']]}")
+    if mode not in ("layer", "graph") and options.tensor_split and len(devices) > 1:
         notes.append("-ts has no effect with -sm none: the model runs on one device (-mg); ikjax's default split "
                      "mode is none, give -sm layer or -sm graph to split")
     main = labels[split["main_device"]]
@@ -278,6 +282,10 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
         if mode != "none" and mem == DEVICE:
             raise OptionError(f"ot: {rule!r} names a device, but with -sm {mode} the split decides which device "
                               f"holds each tensor (-ts); only =CPU (host memory) combines with -sm")
+        if mode == "none" and mem == DEVICE and dev != main:
+            raise OptionError(f"ot: {rule!r} names {dev}, but with -sm none the model runs on one device, {main} "
+                              f"(-mg {options.main_gpu}): an -ot rule moves tensors to CPU (host memory) or to "
+                              f"that device; give -sm layer or -sm graph to use several")
         if unified and mem == DEVICE:
             notes.append(f"-ot {rule}: no accelerator here, the tensors it matches run on the CPU "
                          f"(device and host memory are one RAM)")
@@ -285,14 +293,16 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
     n_layer, ngl = cfg.n_layer, options.ngl
     first_device_layer = max(n_layer - ngl, 0)
     out = []
+    matched: set[int] = set()
     for t in tensors:
         if isinstance(t, tuple):
             name, shape, nbytes = t
         else:
             name, shape, nbytes = t.name, t.shape, t.nbytes
         layer = layer_of(name)
-        for r, why, mem, dev in targets:
+        for i, (r, why, mem, dev) in enumerate(targets):
             if r.matches(name):
+                matched.add(i)
                 break
         else:
             if layer is not None:
@@ -318,6 +328,11 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
             elif not unified:  # one copy in host RAM, read by every device's host call
                 split_dim = None
         out.append(TensorPlacement(name, mem, dev, layer, axes, int(nbytes), why, spread, split_dim))
+    for i, (r, why, _, _) in enumerate(targets):
+        if i not in matched:
+            shadow = any(r.matches(t.name) for t in out)  # matched, but an earlier rule took those tensors
+            notes.append(f"{why}: " + ("every tensor it matches is taken by an earlier rule" if shadow
+                                       else "matches no tensor of this file"))
     if mode == "graph":
         out = splits.consistent_splits(out)
         whole = splits.whole_groups(out, len(mesh))

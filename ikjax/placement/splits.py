@@ -27,6 +27,7 @@ whole layers) and `-sm graph` (every layer split over a `jax.sharding.Mesh`), wi
 from __future__ import annotations
 
 import bisect
+import math
 import dataclasses
 from typing import Any, Sequence
 
@@ -46,6 +47,9 @@ def shares_for(tensor_split: Sequence[float], n_devices: int, flag: str = "ts") 
     if len(tensor_split) > n_devices:
         raise OptionError(f"{flag}: {len(tensor_split)} shares ({','.join(f'{x:g}' for x in tensor_split)}) "
                           f"for {n_devices} devices")
+    if not math.isfinite(float(sum(tensor_split))):  # 1e308,1e308: the sum overflows, every fraction NaN
+        raise OptionError(f"{flag}: shares {','.join(f'{x:g}' for x in tensor_split)} do not add up to a finite "
+                          f"number; give proportions such as 3,1")
     return list(tensor_split) + [0.0] * (n_devices - len(tensor_split))
 
 
