@@ -366,19 +366,24 @@ def test_load_programs_compiled_ahead_of_the_load(tiny_model, tmp_path):
     the same logits as a load that compiles each itself (IKJAX_PROGRAMS_AHEAD=0)."""
     base = {"IKJAX_STORE_STEPS": "1", "IKJAX_KERNELS": "interpret", "IKJAX_LOAD_OVERLAP": "1", "IKJAX_DRY_SHAPES": "1"}
     code = RUN.replace("step_loads=compile_cache.step_loads()",
-                       "step_loads=compile_cache.step_loads(), ahead=compile_cache.programs_ahead()")
+                       "step_loads=compile_cache.step_loads(), ahead=compile_cache.programs_ahead(), "
+                       "program_loads=compile_cache.program_loads()")
     outs = {}
-    for ahead in ("1", "0"):
-        env = {**base, "IKJAX_PROGRAMS_AHEAD": ahead, "IKJAX_COMPILE_CACHE": str(tmp_path / f"xla{ahead}")}
-        res = subprocess.run([sys.executable, "-c", code, tiny_model, str(tmp_path / f"{ahead}.npy")],
+    for run, ahead in (("cold", "1"), ("off", "0"), ("warm", "1")):
+        cache = tmp_path / ("xla0" if ahead == "0" else "xla1")
+        env = {**base, "IKJAX_PROGRAMS_AHEAD": ahead, "IKJAX_COMPILE_CACHE": str(cache)}
+        res = subprocess.run([sys.executable, "-c", code, tiny_model, str(tmp_path / f"{run}.npy")],
                              env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr
-        outs[ahead] = json.loads(res.stdout.strip().splitlines()[-1])
-        stored = [p for p in _files(tmp_path / f"xla{ahead}") if p.parent.name == "programs"]
-        assert stored, ahead
-        # each distinct program the load ran: served from ahead (1), compiled by the load (0)
-        assert outs[ahead]["ahead"] == (len(stored) if ahead == "1" else 0), (ahead, outs[ahead], len(stored))
-    np.testing.assert_array_equal(np.load(tmp_path / "1.npy"), np.load(tmp_path / "0.npy"))
+        outs[run] = json.loads(res.stdout.strip().splitlines()[-1])
+        stored = [p for p in _files(cache) if p.parent.name == "programs"]
+        assert stored, run
+        # each distinct program the load ran: served from ahead (1), compiled by the load (0); warm,
+        # read whole on the ahead threads and served from there
+        assert outs[run]["ahead"] == (0 if ahead == "0" else len(stored)), (run, outs[run], len(stored))
+        assert outs[run]["program_loads"] == (len(stored) if run == "warm" else 0), (run, outs[run])
+    for run in ("off", "warm"):
+        np.testing.assert_array_equal(np.load(tmp_path / "cold.npy"), np.load(tmp_path / f"{run}.npy"))
 
 
 def test_load_programs_on_another_device_come_back_there(tmp_path):
