@@ -453,3 +453,18 @@ def test_info_plans_the_graph_split_as_the_load(tiny_model):
         lines[cmd[0]] = [line.split("MiB weights")[0].strip() for line in (res.stdout + res.stderr).splitlines()
                          if "MiB weights" in line and "on CPU" in line]
     assert len(lines["info"]) == 4 and lines["info"] == lines["generate"], lines
+
+
+def test_info_checks_gpu_experts_as_a_load(tiny_model, tmp_path):
+    """`info --gpu-experts N` says which copies a load would make from the statistics, and refuses
+    what a load refuses (no statistics, no host experts) in one line; it printed nothing before."""
+    stats = tmp_path / "st.json"
+    res = subprocess.run([sys.executable, "-m", "ikjax.cli", "generate", "-m", tiny_model, "-p", "hello there", "-n",
+                          "4", "--expert-stats", str(stats)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and stats.is_file(), res.stderr  # (written as the process ends)
+    res = invoke(["info", tiny_model, "-ot", "exps=CPU", "--gpu-experts", "2", "--expert-stats", stats])
+    assert re.search(r"note +gpu experts: \d+ of \d+ host-resident experts also on the GPU", res.stdout), res.stdout
+    assert_one_line_error(invoke(["info", tiny_model, "-ot", "exps=CPU", "--gpu-experts", "2"], 1),
+                          "gpu-experts", "needs expert statistics")
+    assert_one_line_error(invoke(["info", tiny_model, "--gpu-experts", "2", "--expert-stats", stats], 1),
+                          "gpu-experts", "no routed experts are in host memory")

@@ -119,6 +119,16 @@ def info(
     placement = plan_placement(cfg, f.tensors.values(), opts)
     for note in placement.notes:
         out(f"note           {note}")
+    if opts.gpu_experts:  # checked as a load checks it (host experts, the statistics file, its layers)
+        from ikjax.placement import hot as hot_experts
+        n = "0" if opts.gpu_experts == "auto" else opts.gpu_experts
+        hot, line, _ = hot_experts.plan(placement, cfg.n_expert, f.tensors, n, opts.expert_counts, None)
+        if opts.gpu_experts == "auto":
+            line = ("--gpu-experts auto: the most used host experts of each layer (by the statistics) are "
+                    "copied into the device memory the plan leaves, decided at load")
+        else:
+            placement = hot
+        out(f"note           {line}")
     plan = plan_memory(cfg, opts, placement=placement)
     out(f"memory plan (-c {opts.ctx} -ub {opts.ubatch} -mla {opts.mla} -fa {int(opts.fa)} -ctk {opts.ctk}"
         + (f" -amb {opts.amb}" if opts.amb else "") + ")")
