@@ -92,8 +92,6 @@ class TensorOverride:
         if not isinstance(value, (str, list, tuple)):
             raise OptionError(f"ot: expected REGEX=DEVICE rules (a string or a list of strings), got {value!r}")
         items = value.split(",") if isinstance(value, str) else list(value)
-        if isinstance(value, str) and not value.strip():
-            raise OptionError("ot: expected REGEX=DEVICE rules, got an empty value")
         rules = []
         for item in items:
             if isinstance(item, TensorOverride):

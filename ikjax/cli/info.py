@@ -121,7 +121,7 @@ def info(
         out(f"note           {note}")
     if opts.gpu_experts:  # checked as a load checks it (host experts, the statistics file, its layers)
         from ikjax.placement import hot as hot_experts
-        n = "0" if opts.gpu_experts == "auto" else opts.gpu_experts
+        n = "0" if opts.gpu_experts == "auto" else opts.gpu_experts  # auto needs the device: checks only
         hot, line, _ = hot_experts.plan(placement, cfg.n_expert, f.tensors, n, opts.expert_counts, None)
         if opts.gpu_experts == "auto":
             line = ("--gpu-experts auto: the most used host experts of each layer (by the statistics) are "

@@ -27,8 +27,8 @@ whole layers) and `-sm graph` (every layer split over a `jax.sharding.Mesh`), wi
 from __future__ import annotations
 
 import bisect
-import math
 import dataclasses
+import math
 from typing import Any, Sequence
 
 from ikjax.errors import OptionError

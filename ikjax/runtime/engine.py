@@ -76,10 +76,10 @@ class Engine:
         self.spans = layer_spans(cfg, self.file.tensors, self.placement)
         for note in self.placement.notes:
             log.warning("note: %s", note)
-        cores = ops.registry.default_threads()
-        if max(o.threads, o.threads_batch or 0) > cores:  # the C++ pool runs at most one thread a core
+        asked, cores = max(o.threads, o.threads_batch), ops.registry.default_threads()
+        if asked > cores:  # the C++ pool runs at most one thread a core
             log.warning("note: -t %d: this process may run on %d cores; the CPU kernels run %d threads",
-                        max(o.threads, o.threads_batch or 0), cores, cores)
+                        asked, cores, cores)
         for note in load_notes(cfg, self.file.tensors, self.file.metadata):  # MTP layers, V3.2's indexer
             log.warning("%s: %s", path, note)
         if o.ctx > cfg.context_length:  # ik warns too: positions past training are untested ground
