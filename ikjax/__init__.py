@@ -37,6 +37,12 @@ def _pinned_host_limit(environ, ram_gib: int) -> str | None:
 if (_limit := _pinned_host_limit(_os.environ, _host_ram_gib())) is not None:
     _os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = _limit
 
+# the command line's JAX backend starts on a thread here, once the settings above are in the
+# environment and before JAX, gguf and the package are imported (ikjax/early_backend.py)
+from ikjax import early_backend as _early  # noqa: E402
+
+_early.start_for_cli()
+
 from ikjax import quant as _quant  # noqa: F401  (registers ik_llama.cpp's types)
 from ikjax.errors import DoesNotFitError, IkjaxError, ModelFileError, OptionError
 from ikjax.options import RunOptions

@@ -105,7 +105,7 @@ _VARS = (
              "for the others to join before it ends with one line", "ikjax.runtime.distributed"),
     Variable("IKJAX_EARLY_BACKEND", "1", ("1", "0"),
              "start JAX's backend on a thread as the command line starts (beside its imports and parsing)",
-             "ikjax.cli.early_backend"),
+             "ikjax.early_backend"),
     Variable("IKJAX_WEIGHTS", "", ("copy",),
              "`copy`: copy CPU weights out of the memory map instead of aliasing its pages", "ikjax.model.weights"),
     Variable("IKJAX_BATCH_INVARIANT", "0", ("1", "0"),

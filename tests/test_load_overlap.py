@@ -237,10 +237,10 @@ def test_overlap_decision_on_an_accelerator(monkeypatch):
     assert decide(["device", "device"], store="0", overlap="1")
 
 
-# --- JAX's backend started on a thread as the command line starts (ikjax.cli.early_backend) ---
+# --- JAX's backend started on a thread as the command line starts (ikjax.early_backend) ---
 
 def test_early_backend_only_for_model_commands_without_a_coordinator(monkeypatch):
-    from ikjax.cli import early_backend as eb
+    from ikjax import early_backend as eb
     monkeypatch.delenv("IKJAX_EARLY_BACKEND", raising=False)
     assert eb.wanted(["sweep-bench", "-m", "x.gguf"])
     assert eb.wanted(["serve", "-m", "x.gguf", "--port", "8080"])
@@ -250,6 +250,25 @@ def test_early_backend_only_for_model_commands_without_a_coordinator(monkeypatch
         assert not eb.wanted(args), args  # a coordinator must join before any backend exists
     monkeypatch.setenv("IKJAX_EARLY_BACKEND", "0")
     assert not eb.wanted(["sweep-bench", "-m", "x.gguf"])
+    # only the command line's own process: the console script, or `python -m ikjax.cli` (argv[0]
+    # is "-m" while Python imports the module's packages); never a script or pytest importing ikjax
+    assert eb.is_cli(["/usr/local/bin/ikjax", "serve"]) and eb.is_cli(["-m", "sweep-bench"])
+    for argv in ([], ["-c", "serve"], ["/x/pytest", "serve"], ["myscript.py", "sweep-bench"], ["ikjax.py"]):
+        assert not eb.is_cli(argv), argv
+
+
+def test_early_backend_starts_before_the_package_imports_gguf(tiny4_model, tmp_path):
+    """As the command line: the backend's thread starts from ikjax/__init__, before the package
+    imports gguf (and its own modules), so it runs beside those imports."""
+    probe = ("import sys\n"
+             "sys.argv = ['/usr/bin/ikjax'] + sys.argv[1:]\n"
+             "import ikjax, ikjax.early_backend as eb\n"
+             "print('thread', eb._thread is not None, 'gguf first', eb.began_after_gguf)\n")
+    env = dict(os.environ, IKJAX_COMPILE_CACHE=str(tmp_path / "cc"))
+    out = subprocess.run([sys.executable, "-c", probe, "generate", "-m", tiny4_model], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["thread", "True", "gguf", "first", "False"]
 
 
 EARLY = """
@@ -257,7 +276,7 @@ import sys, threading
 sys.argv = ["ikjax"] + sys.argv[1:]
 import ikjax.cli
 names = [t.name for t in threading.enumerate()]
-print("started", "ikjax-backend-start" in names or ikjax.cli._early._thread is not None)
+print("started", "ikjax-backend-start" in names or __import__("ikjax.early_backend").early_backend._thread is not None)
 ikjax.cli.main()
 """
 

@@ -14,16 +14,8 @@ grammar, `run_options` the run options four commands share (declared once). Impo
 modules here registers them, in the order `ikjax --help` lists them; nothing inside the package
 imports this module back. `ikjax = "ikjax.cli:app"` (pyproject.toml) is the console script.
 """
-import atexit as _atexit
-import sys as _sys
-
 from ikjax import interrupt as _interrupt
-from ikjax.cli import early_backend as _early
-
-# JAX's backend starts on a thread now, beside the imports below and the command's parsing
-if _early.start(_sys.argv[1:]):
-    _atexit.register(_early.join, 10.0)
-
+# (JAX's backend is already starting on a thread: ikjax/__init__, ikjax.early_backend)
 from ikjax.cli.common import app  # noqa: E402
 # importing a command module registers its command on `app`: this order is `ikjax --help`'s
 from ikjax.cli import sweep_bench, plot, bench, generate, chat, perplexity, info, make_model, serve  # noqa: F401,E402
