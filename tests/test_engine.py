@@ -340,3 +340,29 @@ def test_generate_fills_the_context_exactly(tiny_model, ctx):
     assert "\n" not in str(e.value) and "run past the cache" in str(e.value)
     with pytest.raises(OptionError):
         small.decode(small.new_cache(1), [5], [small.capacity - 3], 4, chunk=16)
+
+
+@pytest.mark.parametrize("ctk", ["f16", "q8_0"])
+def test_cache_program_compiled_ahead_makes_the_eager_cache(tiny_model, ctk):
+    """`prepare_cache` compiles the program `new_cache` runs (one program, beside the first steps'
+    compile): its cache equals the eagerly made zeros leaf for leaf (shape, dtype, sharding, all
+    zero), and the `new_cache` after it compiles nothing more."""
+    from ikjax.model import cache as kvcache
+    from ikjax.runtime import executors
+    eng = ikjax.load(tiny_model, ctx=256, ubatch=32, mla=3, ctk=ctk)
+    layout = eng.cache_layout(2)
+    executors._zeroed_cache.cache_clear()
+    eng.prepare_cache(2)
+    assert executors._zeroed_cache.cache_info().currsize == 1
+    with jax.log_compiles():
+        hits = executors._zeroed_cache.cache_info().hits
+        made = eng.new_cache(2)
+    assert executors._zeroed_cache.cache_info().hits == hits + 1
+    eager = kvcache.init_cache(layout)
+    assert jax.tree.structure(made) == jax.tree.structure(eager)
+    for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(eager)):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.sharding == b.sharding
+        assert not np.asarray(a).any()
+    # and it is a cache the engine's steps take
+    logits, _ = eng.step(made, np.arange(1, 6)[None].repeat(2, 0), np.zeros(2, np.int32))
+    assert np.isfinite(np.asarray(logits)).all()

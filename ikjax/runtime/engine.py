@@ -547,6 +547,11 @@ class Engine:
         """A zeroed KV cache: per device with -sm layer, replicated over the mesh with -sm graph."""
         return self.executor.new_cache(self.cache_layout(_batch_size(batch)))
 
+    def prepare_cache(self, batch: int = 1) -> None:
+        """Compile what `new_cache(batch)` runs, ahead: beside the first steps' compile, so the
+        first cache costs its allocation only (ikjax.runtime.executors._zeroed_cache)."""
+        self.executor.prepare_cache(self.cache_layout(_batch_size(batch)))
+
     def cache_layout(self, batch: int = 1) -> kvcache.CacheLayout:
         return kvcache.CacheLayout.for_model(self.config, self.options.mla, self.options.ctk, batch, self.capacity,
                                              tuple(count for _, count in self.spans))

@@ -99,6 +99,10 @@ class Executor(abc.ABC):
     def new_cache(self, layout: kvcache.CacheLayout):
         """A zeroed KV cache on the executor's devices."""
 
+    def prepare_cache(self, layout: kvcache.CacheLayout) -> None:
+        """Compile what `new_cache(layout)` will run, ahead (beside the steps' compile); nothing
+        where an executor has nothing to compile ahead."""
+
     @abc.abstractmethod
     def compile(self, weights, layout: kvcache.CacheLayout, B: int, T: int, plan: StepPlan,
                 decode: tuple | None = None):
@@ -111,6 +115,15 @@ class Executor(abc.ABC):
     def collectives(self, exe) -> "tensor_parallel.Collectives | None":
         """The collectives a compiled step runs between devices (-sm graph), else None."""
         return None
+
+
+@functools.lru_cache(maxsize=16)
+def _zeroed_cache(layout: kvcache.CacheLayout):
+    """The compiled program that makes a zeroed cache of this layout on the default device. Why
+    one program, compiled ahead: the cache's zeros made eagerly compiled one small program per
+    shape at the first `new_cache`, 0.2 s of the deep V2-Lite shape's cold first row on an H200
+    after its steps had compiled (RESULTS §22z); `SingleDevice.prepare_cache` compiles it beside them."""
+    return jax.jit(kvcache.init_cache, static_argnums=0).lower(layout).compile()
 
 
 class SingleDevice(Executor):
@@ -131,7 +144,11 @@ class SingleDevice(Executor):
         if self._device is not None:
             with jax.default_device(self._device):
                 return kvcache.init_cache(layout)
-        return kvcache.init_cache(layout)
+        return _zeroed_cache(layout)()
+
+    def prepare_cache(self, layout: kvcache.CacheLayout) -> None:
+        if self._device is None:
+            _zeroed_cache(layout)
 
     def _on_main_device(self, cache):
         """(sharding, cache shapes) of a single-device step: with -sm none on device -mg of several
