@@ -1284,6 +1284,41 @@ for line in sys.stdin:
     done
   done
   ;;
+73)
+  # issue 22 then 25 on an nvidia-h200-x2 lease, call 1: the deep first row cold on GPU 0 with the start of
+  # this commit against the one before it (bench/early_start_ab.py new / old, alternating, a fresh cache each,
+  # after one discarded cold run: a fresh machine's first model process is 2.3 s slower, RESULTS §22ab);
+  # then the R1 file (R1_LAYERS, 7) written in the background and the V2-Lite table's runs on 2 GPUs
+  v2l_ready
+  for v in discard ${AB73:-new old new old new old}; do
+    rm -rf /tmp/cc73; t0=$(date +%s.%N)
+    IKJAX_COMPILE_CACHE=/tmp/cc73 CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/early_start_ab.py ${v/discard/new} \
+      sweep-bench -m $V2L -mla 3 -fa 1 ${SHAPE73:--c 16384 -ub 2048 -n 128} 2> /tmp/e73 | while read -r line; do
+      case "$line" in "|  "[0-9]*) echo "$v: first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $line"; break;; esac; done
+    sleep 1
+    echo "   $(grep -E "compiled|loaded" /tmp/e73 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+  done
+  mkdir -p /tmp/mg; ln -sf $V2L /tmp/mg/v2l.gguf; printf %s "--preset v2-lite --type Q4_0" > /tmp/mg/v2l.args
+  R1ARGS="--preset r1 --layers ${R1_LAYERS:-7} --type Q4_0"
+  if [ ! -f /tmp/mg/r1.gguf ] && [ ! -f /tmp/mg/r1.started ]; then
+    touch /tmp/mg/r1.started
+    setsid nohup bash -c "python3 -m ikjax.cli make-model -o /tmp/mg/r1.tmp.gguf $R1ARGS > /tmp/mg/r1.log 2>&1 \
+      && printf %s '$R1ARGS' > /tmp/mg/r1.args && mv /tmp/mg/r1.tmp.gguf /tmp/mg/r1.gguf" > /dev/null 2>&1 < /dev/null &
+  fi
+  left=$(( ${DEADLINE:-560} - ($(date +%s) - T0) ))
+  OUT=$OUT/mg73 PARTS=${PARTS73:-"v2l_layer2 v2l_graph2"} DEADLINE=$left BUILD_CUDA=0 MG_NO_INSTALL=1 MG_WORK=/tmp/mg \
+    bash bench/multi_gpu.sh 2>&1 | tail -24
+  ls -la /tmp/mg; tail -1 /tmp/mg/r1.log
+  ;;
+74)
+  # call 2: the R1 file's split runs on 2 GPUs (PARTS74), nothing else on the host
+  while [ ! -f /tmp/mg/r1.gguf ] && [ $(( $(date +%s) - T0 )) -lt 200 ]; do sleep 5; done
+  ls -la /tmp/mg/r1.gguf || { tail /tmp/mg/r1.log; exit 1; }
+  R1L=$(grep -o -- '--layers [0-9]*' /tmp/mg/r1.args | cut -d' ' -f2)
+  left=$(( ${DEADLINE:-560} - ($(date +%s) - T0) ))
+  OUT=$OUT/mg74 PARTS=${PARTS74:-"r1_layer2 r1_graph2"} DEADLINE=$left R1_LAYERS=${R1L:-7} BUILD_CUDA=0 MG_NO_INSTALL=1 \
+    MG_WORK=/tmp/mg bash bench/multi_gpu.sh 2>&1 | tail -30
+  ;;
 72)
   # the load's programs compiled ahead (IKJAX_PROGRAMS_AHEAD) against the load compiling them, cold, alternating
   v2l_ready
