@@ -1297,7 +1297,8 @@ for line in sys.stdin:
       case "$line" in "|  "[0-9]*) echo "$v: first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $line"; break;; esac; done
     sleep 1
     echo "   $(grep -E "compiled|loaded" /tmp/e73 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
-  done
+  done 2>&1 | tee $OUT/ab73.txt | tail -${AB73_LINES:-8}
+  [ "${PARTS73:-}" = none ] && exit 0
   mkdir -p /tmp/mg; ln -sf $V2L /tmp/mg/v2l.gguf; printf %s "--preset v2-lite --type Q4_0" > /tmp/mg/v2l.args
   R1ARGS="--preset r1 --layers ${R1_LAYERS:-7} --type Q4_0"
   if [ ! -f /tmp/mg/r1.gguf ] && [ ! -f /tmp/mg/r1.started ]; then
