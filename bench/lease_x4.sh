@@ -1311,6 +1311,22 @@ for line in sys.stdin:
     bash bench/multi_gpu.sh 2>&1 | tail -24
   ls -la /tmp/mg; tail -1 /tmp/mg/r1.log
   ;;
+75)
+  # HEAD's health on one GPU: every gpu-marked test file (no fixtures carried: those tests skip, saying so),
+  # then issue 22's deep shape (SHAPE75) cold with its first row time-stamped, then warm (same cache)
+  v2l_ready
+  timeout ${TESTS75_S:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs tests/test_decode_gpu.py \
+    tests/test_kernels_quant_matmul.py tests/test_kernels_moe.py tests/test_kernels_mla.py tests/test_prompt_attention.py \
+    tests/test_kernel_precision.py tests/test_hybrid_gpu.py 2>&1 | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" | head -30
+  rm -rf /tmp/cc75
+  for v in cold warm; do
+    t0=$(date +%s.%N)
+    IKJAX_COMPILE_CACHE=/tmp/cc75 CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
+      ${SHAPE75:--c 16384 -ub 2048 -n 128} 2> /tmp/e75 | while read -r line; do
+      case "$line" in "|  "[0-9]*) echo "$v $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s: $line";; esac; done
+    echo "   $v end $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $(grep -E "compiled|loaded" /tmp/e75 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+  done 2>&1 | tee $OUT/health75.txt
+  ;;
 74)
   # call 2: the R1 file's split runs on 2 GPUs (PARTS74), nothing else on the host
   while [ ! -f /tmp/mg/r1.gguf ] && [ $(( $(date +%s) - T0 )) -lt 200 ]; do sleep 5; done
