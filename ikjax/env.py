@@ -313,7 +313,7 @@ def cache_home() -> Path:
 
 # The C++ runtime's numeric knobs and the least each takes (it reads them itself and, on a value it
 # cannot use, runs its default: checked here first, so a typo is an error, not a silent default)
-NATIVE_MIN = {"IKJAX_SPIN": 0, "IKJAX_SPIN_LONG": 0, "IKJAX_AMX_MIN_ROWS": 16}
+NATIVE_MIN = {"IKJAX_SPIN": 0, "IKJAX_SPIN_LONG": 0, "IKJAX_AMX_MIN_ROWS": 16, "IKJAX_CPU_PART_ROWS": 64}
 
 
 def check_native() -> None:

@@ -136,6 +136,7 @@ def test_native_knobs_refused_when_an_engine_loads(monkeypatch):
     from ikjax.errors import OptionError
     for name, bad, msg in (("IKJAX_AMX_MIN_ROWS", "8", "integer >= 16"), ("IKJAX_AMX_MIN_ROWS", "64 rows", "integer"),
                            ("IKJAX_SPIN", "-1", "integer >= 0"), ("IKJAX_AVXVNNI", "2", "one of 1, 0"),
+                           ("IKJAX_CPU_PART_ROWS", "10", "integer >= 64"), ("IKJAX_CPU_PART_ROWS", "abc", "integer"),
                            ("IKJAX_MOE_ONE_JOB", "yes", "one of 0, 1"), ("IKJAX_CPU_ISA", "sse4", "one of generic")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(OptionError, match=f"{name} must be .*{msg}"):
@@ -145,6 +146,7 @@ def test_native_knobs_refused_when_an_engine_loads(monkeypatch):
         monkeypatch.delenv(name)
     monkeypatch.setenv("IKJAX_AMX_MIN_ROWS", "32")
     monkeypatch.setenv("IKJAX_SPIN", "0")
+    monkeypatch.setenv("IKJAX_CPU_PART_ROWS", "64")
     env.check_native()  # values the kernels take pass
 
 

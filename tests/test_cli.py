@@ -57,6 +57,18 @@ def test_bare_flag_rewrite():
     assert _rewrite(["-fa", "model.gguf"], has_positional=True) == ["-fa", "1", "model.gguf"]
 
 
+def test_a_missing_value_names_its_option(tiny_model):
+    """An option that takes a value, followed by another option: refused naming both, never read as
+    `-op '-muge'` plus a stray `1` ("Got unexpected extra argument(s) (1)") nor run with the switch
+    eaten as a value. Negative numbers stay values."""
+    for args, flag, nxt in ((["-op", "-muge"], "-op", "-muge"), (["--numa", "-fa"], "--numa", "-fa"),
+                            (["-t", "-fa"], "-t", "-fa"), (["-cuda", "-rtr"], "-cuda", "-rtr")):
+        res = invoke(["sweep-bench", "-m", tiny_model, "-c", 128, "-ub", 64, *args], 1)
+        assert_one_line_error(res, f"{flag}: needs a value, got the option {nxt}")
+    assert_one_line_error(invoke(["bench", "-m", tiny_model, "-mla", "-fa"], 1), "-mla: needs a value")
+    assert _rewrite(["-ngl", "-1", "-fa"], valued={"-ngl"}, options={"-ngl", "-fa"}) == ["-ngl", "-1", "-fa", "1"]
+
+
 def test_short_flags_reach_the_options(tiny_model):
     res = invoke(["info", tiny_model, "-c", 8192, "-ub", 256, "-b", 1024, "-mla", 2, "-fa", "-ctk", "q8_0",
                   "-amb", 64])

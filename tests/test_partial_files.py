@@ -181,6 +181,7 @@ def test_plot_reads_good_rows_and_writes_atomically(tmp_path, monkeypatch):
     p = _jsonl(tmp_path, "")  # blank lines are allowed
     rows = read_jsonl(p)
     assert [r["n_kv"] for r in rows] == [0, 512]
+    (tmp_path / "sub").mkdir()
     out = plot_files([p], tmp_path / "sub" / "out.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _listing(tmp_path / "sub") == ["out.png"]
@@ -204,6 +205,10 @@ def test_plot_refuses_bad_targets_and_files(tmp_path):
         plot_files([p], tmp_path / "d.png")
     with pytest.raises(OptionError, match="format"):
         plot_files([p], tmp_path / "out.xyz")
+    # a directory that does not exist is refused (as sweep-bench --plot, make-model -o), not made
+    with pytest.raises(OptionError, match="does not exist"):
+        plot_files([p], tmp_path / "no" / "such" / "out.png")
+    assert not (tmp_path / "no").exists()
     with pytest.raises(IkjaxError, match="cannot read"):
         read_jsonl(tmp_path / "missing.jsonl")
     empty = tmp_path / "empty.jsonl"

@@ -606,6 +606,15 @@ def test_slots_by_id_erase_models_by_id_embeddings_allow(server):
     _error(call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}), 400, "needs content")
 
 
+def test_user_field_must_be_a_string():
+    """OpenAI's `user` is a string (OpenAI and vLLM answer 400 to any other type): refused naming it."""
+    from ikjax.server.openai import ApiError, Defaults, gen_params
+    assert gen_params({"user": "u-1"}, Defaults(), max_names=("max_tokens",)).max_tokens is None
+    for bad in (5, ["u"], {"id": 1}, True):
+        with pytest.raises(ApiError, match="^user: expected a string"):
+            gen_params({"user": bad}, Defaults(), max_names=("max_tokens",))
+
+
 def test_text_offsets_count_the_answers_characters():
     """/v1/completions' logprobs.text_offset: a token ending inside a UTF-8 character ('!' + the
     first byte of 'ׂ', then its second byte + '!') adds the character once, with the token that
@@ -626,6 +635,10 @@ def test_api_key_401(small):
     _error(call(small, "OPTIONS", "/completion"), 401, "API key")  # not a preflight: no way around the key
     with pytest.raises(openai.AuthenticationError):
         client(small, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    # a key without "Bearer " (or a Basic one) is a wrong key, not a missing one (llama-server: "Invalid API Key")
+    for auth in ("sekret", "Basic c2VrcmV0", "Bearer"):
+        _error(call(small, "POST", "/completion", {"prompt": "x", "n_predict": 1}, headers={"Authorization": auth}),
+               401, "Invalid API Key")
     assert call(small, "GET", "/health")[0] == 200  # open without a key, as llama-server's
     r = client(small, "sekret").completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert r.usage.completion_tokens >= 1

@@ -49,12 +49,16 @@ _BARE_FLAGS = {"-fa", "--fa", "--flash-attn", "-fmoe", "--fmoe", "--fused-moe"}
 
 
 def _rewrite(args: list[str], bare: set[str] | frozenset[str] = frozenset(_BARE_FLAGS),
-             has_positional: bool = False) -> list[str]:
+             has_positional: bool = False, valued: set[str] | frozenset[str] = frozenset(),
+             options: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """ik's bare switches: `-fa` alone means `-fa 1`; `auto` means on.
 
     A bare switch followed by another option (or nothing) gets the value 1. Followed by a word that
     is not 0/1/on/off/auto, it is refused naming the switch (`-fa 2`), unless the command takes a
     positional argument (`ikjax info -fa model.gguf`), where the word is that argument.
+    `valued`: the command's options that take a value; the word after one is its value, as is,
+    and an option name of the command there (`options`) is refused: `-op -muge` lacks -op's value
+    (it was read as `-op '-muge'` and a stray `1`).
     """
     out: list[str] = []
     i = 0
@@ -65,6 +69,13 @@ def _rewrite(args: list[str], bare: set[str] | frozenset[str] = frozenset(_BARE_
         if a == "--":
             out += args[i:]
             break
+        if a in valued and a not in bare:
+            if i < len(args):
+                if args[i] in options:
+                    raise _UsageError(f"{a}: needs a value, got the option {args[i]}")
+                out.append(args[i])
+                i += 1
+            continue
         if a not in bare:
             continue
         nxt = args[i] if i < len(args) else None
@@ -114,7 +125,10 @@ class ExactCommand(TyperCommand):
         """The command line as the parser reads it: a bare switch given its 1."""
         bare = {o for p in self.params if p.name in BARE_PARAMS for o in (*p.opts, *p.secondary_opts)}
         has_positional = any(p.param_type_name == "argument" for p in self.params)
-        return _rewrite(args, bare, has_positional)
+        opts = [p for p in self.params if p.param_type_name == "option"]
+        options = {o for p in opts for o in (*p.opts, *p.secondary_opts)}
+        valued = {o for p in opts if not p.is_flag and not p.count and p.nargs == 1 for o in p.opts}
+        return _rewrite(args, bare, has_positional, valued, options)
 
 
 class ListCommand(ExactCommand):

@@ -170,8 +170,9 @@ class Server:
         if keys and request.path not in PUBLIC:
             auth = request.headers.get("Authorization", "")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-Api-Key")
-            if given not in keys:
-                raise ApiError(401, "Invalid API Key" if given else "missing API key (Authorization: Bearer KEY)")
+            if given not in keys:  # a key sent in another form (no "Bearer ") is a wrong key, not a missing one
+                raise ApiError(401, "Invalid API Key" if given or auth.strip() else
+                               "missing API key (Authorization: Bearer KEY)")
         return await handler(request)
 
     async def _body(self, request: web.Request) -> dict:

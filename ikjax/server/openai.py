@@ -301,6 +301,7 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     presence_penalty = _or(body.get("presence_penalty"), 0.0)
     return_tokens = _get(body, "return_tokens", lambda v: isinstance(v, bool), "true or false", False)
     timings_per_token = _get(body, "timings_per_token", lambda v: isinstance(v, bool), "true or false", False)
+    _get(body, "user", lambda v: isinstance(v, str), "a string", None)  # (OpenAI's and vLLM's 400; not used here)
     count = _get(body, "n", _is_int, "an integer", 1)
     if count != 1:
         raise bad(f"n: only one choice per request is supported, got {count}")

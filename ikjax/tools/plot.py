@@ -80,7 +80,7 @@ def plot_runs(runs: Sequence[tuple[str, list[dict]]], out: str | Path, title: st
         if fmt not in fig.canvas.get_supported_filetypes():
             raise OptionError(f"output: {out}: unknown image format {fmt!r} "
                               f"(one of {', '.join(sorted(fig.canvas.get_supported_filetypes()))})")
-        check_target(out)
+        check_target(out, parent_exists=True)  # a mistyped directory is refused, not made
         for label, rows in runs:
             rows = sorted(rows, key=lambda r: r["n_kv"])
             x = [r["n_kv"] for r in rows]
