@@ -100,6 +100,8 @@
 #            background, the hybrid GPU tests. STAGE=64: those files' -ot runs cold / warm, scan against unroll.
 #   STAGE=16: the matrix-unit invariant schedule's tuning sweep on V2-Lite's dense matrices
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
+#   STAGE=75: HEAD's health (the gpu-marked tests, the deep shape cold then warm). STAGE=76: the RMSNorm
+#            folded into the decode products (IKJAX_FOLD_NORM) on / off: GPU tests, deep-shape rows, kernels.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
 #                                       tool returns only a few files a call: one archive returns all)
@@ -1326,6 +1328,28 @@ for line in sys.stdin:
       case "$line" in "|  "[0-9]*) echo "$v $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s: $line";; esac; done
     echo "   $v end $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $(grep -E "compiled|loaded" /tmp/e75 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
   done 2>&1 | tee $OUT/health75.txt
+  ;;
+76)
+  # the RMSNorm folded into the decode products (IKJAX_FOLD_NORM, stop 61): its GPU tests and the decode
+  # tests (the model file written meanwhile), then issue 22's deep shape (SHAPE76) with the fold on / off
+  # alternating in one cache (each form's cold run first), then the decode token's kernels both ways
+  # (bench/gpu_decode_profile.py, command buffers off: every kernel in the profile)
+  v2l_ready > /dev/null 2>&1 &
+  timeout ${TESTS76_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs tests/test_norm_linear.py \
+    tests/test_decode_gpu.py tests/test_kernels_quant_matmul.py 2>&1 | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED|Error" | head -20
+  wait; v2l_ready
+  rm -rf /tmp/cc76
+  for v in ${FOLDS76:-1 0 1 0 1 0}; do
+    t0=$(date +%s.%N)
+    IKJAX_FOLD_NORM=$v IKJAX_COMPILE_CACHE=/tmp/cc76 CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m ikjax.cli sweep-bench -m $V2L \
+      -mla 3 -fa 1 ${SHAPE76:--c 16384 -ub 2048 -n 128} 2> /tmp/e76 | while read -r line; do
+      case "$line" in "|  "[0-9]*) echo "fold=$v $line";; esac; done
+    echo "   fold=$v end $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $(grep -E "compiled" /tmp/e76 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+  done 2>&1 | tee $OUT/fold76.txt
+  for v in ${PROF76:-1 0}; do
+    IKJAX_FOLD_NORM=$v IKJAX_COMPILE_CACHE=/tmp/cc76p timeout 150 env DPROF_NO_CMDBUF=1 python3 bench/gpu_decode_profile.py $V2L \
+      --top ${TOP76:-14} 2>&1 | grep -v Warn | tee $OUT/dprof76-$v.txt | head -${HEAD76:-30}
+  done
   ;;
 74)
   # call 2: the R1 file's split runs on 2 GPUs (PARTS74), nothing else on the host

@@ -96,6 +96,9 @@ _VARS = (
     Variable("IKJAX_SHORT_STEPS", "absorbed", ("absorbed", "expanded"),
              "-mla 3 steps of few tokens (T < 171 at DeepSeek's dims): attention over the latent cache as "
              "decode's, or expanded by kv_b as prompts'", "ikjax.model.deepseek2"),
+    Variable("IKJAX_FOLD_NORM", "1", ("1", "0"),
+             "GPU decode: the RMSNorm before a product folded into the Pallas product (its weight times x, the "
+             "1/rms on the sum), or its own kernels", "ikjax.ops.quant_matmul"),
     Variable("IKJAX_PREFETCH", "1", ("1", "0"),
              "fault in the next layer's file pages on a thread while a layer loads", "ikjax.model.weights"),
     Variable("IKJAX_LOAD_OVERLAP", "auto", ("auto", "1", "0"),

@@ -27,7 +27,7 @@ from ikjax import env, ops
 from ikjax.gguf_io.config import ModelConfig
 from ikjax.model import cache as kvcache
 from ikjax.model.groups import LayerGroup, unroll_scan
-from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, rms_norm, split_linear
+from ikjax.model.layers import DENSE_FFN, dense_ffn, linear, norm_linear, rms_norm, split_linear
 from ikjax.model.moe import count_experts, counting as moe_counting, flush_counts, moe_ffn
 from ikjax.model.rope import apply_rope, inverse_frequencies, rope_tables
 from ikjax.ops import precision_for, split_heads_kv
@@ -91,12 +91,14 @@ def head_matrices(layer: dict, cfg: ModelConfig, prefer_kv_b: bool, dtype):
 
 
 def _projections(x, layer, cfg: ModelConfig, dtype):
-    """Queries [.., H, qk] and the kv_a output [.., r + rope] of the normed input."""
+    """Queries [.., H, qk] and the kv_a output [.., r + rope] of RMSNorm(x) (attn_norm). Each norm
+    that feeds a product is that product's (`norm_linear`: folded into it on a GPU's decode step)."""
     q_key = "q_a" if cfg.q_lora_rank else "q"
     q_rows = cfg.q_lora_rank or cfg.n_head * cfg.qk_dim
-    q, kv = split_linear(x, layer, "attn_in", (q_key, "kv_a_mqa"), (q_rows, cfg.latent_dim), dtype)
+    q, kv = split_linear(x, layer, "attn_in", (q_key, "kv_a_mqa"), (q_rows, cfg.latent_dim), dtype,
+                         norm=(layer["attn_norm"], cfg.rms_eps))
     if cfg.q_lora_rank:
-        q = linear(rms_norm(q, layer["q_a_norm"], cfg.rms_eps), layer["q_b"], dtype)
+        q = norm_linear(q, layer["q_a_norm"], cfg.rms_eps, layer["q_b"], dtype)
     return q.reshape(*x.shape[:-1], cfg.n_head, cfg.qk_dim), kv
 
 
@@ -117,7 +119,8 @@ def absorbed_pays(T: int, cfg: ModelConfig) -> bool:
 
 
 def attention_block(x, layer, group_cache, j, start, q_pos, cos, sin, cfg: ModelConfig, plan: StepPlan):
-    """x [B,T,d] normed input -> (attention output [B,T,d], updated group cache). `group_cache`:
+    """x [B,T,d] the layer's input (attn_norm applied here, by its products) -> (attention output
+    [B,T,d], updated group cache). `group_cache`:
     the layer group's stacked cache entries (ikjax.model.cache), this layer's at index j."""
     dtype = plan.compute_dtype
     prec = precision_for(dtype)
@@ -342,8 +345,7 @@ def _layer(x, layer, gcache, j, i: int, start, q_pos, cos, sin, *, cfg: ModelCon
     sequence goes on, through the FFN, as a decode step's token would (returns [B,1,d])."""
     heads_axis = plan.split_axis(f"{i}.attn")  # -sm graph: this device's heads only
     lcfg = dataclasses.replace(cfg, n_head=cfg.n_head // plan.tp.n) if heads_axis else cfg
-    a, gcache = attention_block(rms_norm(x, layer["attn_norm"], cfg.rms_eps), layer, gcache, j,
-                                start, q_pos, cos, sin, lcfg, plan)
+    a, gcache = attention_block(x, layer, gcache, j, start, q_pos, cos, sin, lcfg, plan)
     if heads_axis:
         a = jax.lax.psum(a, heads_axis)
     if out_rows is not None:
@@ -382,8 +384,7 @@ def output_head(weights, x, last, *, cfg: ModelConfig, plan: StepPlan, gather: b
     (the -sm graph decode loop picks its token from them without gathering the logits)."""
     if not plan.all_logits:
         x = jnp.take_along_axis(x, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]  # -1: an idle row
-    logits = linear(rms_norm(x, fetch(weights["output_norm"]), cfg.rms_eps), fetch(weights["output"]),
-                    plan.compute_dtype)
+    logits = norm_linear(x, fetch(weights["output_norm"]), cfg.rms_eps, fetch(weights["output"]), plan.compute_dtype)
     if gather and (axis := plan.split_axis("out")) is not None:  # each device's vocabulary rows, in device order
         logits = jax.lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
     return logits

@@ -19,18 +19,27 @@ def linear(x, w, dtype):
     return ops.quant_linear(x, w, dtype)
 
 
+def norm_linear(x, norm_weight, eps: float, w, dtype):
+    """linear(rms_norm(x, norm_weight, eps), w, dtype): on a GPU's decode step one kernel, the
+    norm folded into the product (ikjax.ops picks; the two ops apart everywhere else)."""
+    return ops.norm_linear(x, norm_weight, eps, w, dtype)
+
+
 def swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def split_linear(x, layer: dict, fused: str, keys: tuple[str, ...], sizes: tuple[int, ...], dtype):
+def split_linear(x, layer: dict, fused: str, keys: tuple[str, ...], sizes: tuple[int, ...], dtype,
+                 norm: tuple | None = None):
     """The products of x with layer[keys...]: one product with the row-stacked `fused` matrix when
-    the file's types allowed stacking them at load (ikjax.model.weights.fuse_rows), else one each."""
+    the file's types allowed stacking them at load (ikjax.model.weights.fuse_rows), else one each.
+    `norm` (weight, eps): of rms_norm(x) instead (`norm_linear`)."""
+    prod = (lambda w: linear(x, w, dtype)) if norm is None else (lambda w: norm_linear(x, *norm, w, dtype))
     if fused in layer:
-        y = linear(x, layer[fused], dtype)
+        y = prod(layer[fused])
         cuts = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
         return tuple(jnp.split(y, cuts, axis=-1))
-    return tuple(linear(x, layer[k], dtype) for k in keys)
+    return tuple(prod(layer[k]) for k in keys)
 
 
 # (stacked gate|up, gate, up, down) names of the two SwiGLU FFNs of a layer

@@ -8,6 +8,7 @@ same bits alone or batched. Everywhere else XLA's norm fuses into its neighbours
 from __future__ import annotations
 
 from ikjax.ops import registry
+from ikjax.quant.array import LayerSlice
 from pallas_kernels.rms_norm import cpu as _norm_cpu
 from pallas_kernels.rms_norm import rms_norm_ref, rms_norm_rows
 
@@ -17,7 +18,10 @@ def _rows_supported(x, weight, eps) -> bool:
 
 
 def rms_norm(x, weight, eps: float, *, backend: str | None = None):
-    """x [..., d] -> float32 x / sqrt(mean(x^2) + eps) * weight."""
+    """x [..., d] -> float32 x / sqrt(mean(x^2) + eps) * weight (weight [d], or a LayerSlice of a
+    scanned group's stack: sliced here, XLA fuses the slice into the norm)."""
+    if isinstance(weight, LayerSlice):
+        weight = weight.get()
     impls = {
         "xla": registry.Impl(lambda *a: True, rms_norm_ref),
         "pallas": registry.Impl(_rows_supported, lambda x, w, e: rms_norm_rows(x, w, e)),

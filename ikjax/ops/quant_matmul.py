@@ -12,8 +12,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ikjax import programs
+from ikjax import env, programs
 from ikjax.ops import registry
+from ikjax.ops.norm import rms_norm
 from ikjax.placement.host import HostStack
 from ikjax.quant import by_name
 from ikjax.quant.array import LayerSlice, QuantArray
@@ -63,12 +64,13 @@ def needs_repack(backend: str | None = None) -> bool:
 def layer_view(tensors: dict, j) -> dict:
     """Layer j of a scanned group's stacked tensors (ikjax.model.groups), as the ops read it: each
     quantized weight a LayerSlice (the kernels read it in place, the XLA forms slice it; under the
-    C++ kernels the F32 router too, loaded as an F32 QuantArray: ikjax.model.weights), each float
-    array (norms, biases: small) sliced, each host-resident expert tensor (a HostStack) a view whose
-    host calls pick layer j at run time."""
+    C++ kernels the F32 router too, loaded as an F32 QuantArray: ikjax.model.weights), each norm's
+    weight a LayerSlice too (a decode product that folds the norm in reads it in place,
+    `norm_linear`; `rms_norm` slices it), each other float array (biases: small) sliced, each
+    host-resident expert tensor (a HostStack) a view whose host calls pick layer j at run time."""
     out = {}
     for k, v in tensors.items():
-        if isinstance(v, (QuantArray, PackedWeight)):
+        if isinstance(v, (QuantArray, PackedWeight)) or k.endswith("_norm") and isinstance(v, jax.Array):
             out[k] = LayerSlice(v, j)
         elif isinstance(v, HostStack):
             out[k] = v.at(j)
@@ -190,6 +192,43 @@ def quant_linear(x, w, dtype, *, backend: str | None = None):
         "cpu": registry.Impl(_qm_cpu_supported, _qm_cpu_run),
     }
     return registry.dispatch("quant_linear", impls, b, x, w, dtype)
+
+
+# -- RMSNorm folded into a decode product -----------------------------------------------------------
+
+def _normed_pallas_supported(x, norm_w, eps, w, dtype) -> bool:
+    # the plain decode schedule only: a batch-invariant step keeps its norm (one program a row) and
+    # its products (whose bits must not depend on the batch) as they are; prompts take XLA's path
+    rows = registry.rows(x)
+    nw = norm_w.stack if isinstance(norm_w, LayerSlice) else norm_w
+    return (env.choice("IKJAX_FOLD_NORM") == "1" and rows <= AUTO_MAX_ROWS and not registry.batch_invariant()
+            and nw.shape[-1] == x.shape[-1] and pallas_ok(w))
+
+
+def _normed_pallas(interpret: bool):
+    def run(x, norm_w, eps, w, dtype):
+        pw, layer = pallas_weight(w)
+        nw, nl = (norm_w.stack, norm_w.index) if isinstance(norm_w, LayerSlice) else (norm_w, None)
+        return _qm.quant_matmul_normed(x, nw, eps, pw, dtype, interpret=interpret, layer=layer, norm_layer=nl)
+    return run
+
+
+def _normed_composed(x, norm_w, eps, w, dtype):
+    return quant_linear(rms_norm(x, one_layer(norm_w), eps), w, dtype)
+
+
+def norm_linear(x, norm_w, eps: float, w, dtype, *, backend: str | None = None):
+    """quant_linear(rms_norm(x, norm_w, eps), w, dtype), the norm's weight an array [K] or a
+    LayerSlice of a scanned group's stack (read in place). `pallas`/`interpret`: a decode product
+    with the norm folded in (pallas_kernels' quant_matmul_normed: no kernel of its own for the
+    norm; IKJAX_FOLD_NORM=0 keeps them apart). Everywhere else (`xla`, the CPU kernels, prompts,
+    batch-invariant steps) the two ops as they are, each dispatched by its own registry."""
+    impls = {
+        "xla": registry.Impl(lambda *a: True, _normed_composed),
+        "pallas": registry.Impl(_normed_pallas_supported, _normed_pallas(False)),
+        "interpret": registry.Impl(_normed_pallas_supported, _normed_pallas(True)),
+    }
+    return registry.dispatch("norm_linear", impls, registry.resolve_backend(backend), x, norm_w, eps, w, dtype)
 
 
 def _live_mask(y, live, dtype):

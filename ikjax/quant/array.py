@@ -88,7 +88,8 @@ class LayerSlice(LogicalShape):
 
     @property
     def shape(self) -> tuple:
-        return self.stack.shape
+        s = self.stack.shape
+        return s[1:] if isinstance(self.stack, jax.Array) else s  # a plain array's leading axis is the layers'
 
     @property
     def qtype(self):

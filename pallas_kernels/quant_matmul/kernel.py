@@ -82,17 +82,22 @@ def _silu_mul(g, u):
 
 
 def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, nt, nt_all, n_out, cdt, swiglu,
-            seq_rows=0, has_row_live=False, swap=False):
+            seq_rows=0, has_row_live=False, swap=False, has_norm=False):
     G, P, L, R = GEOMETRY[qtype]
     ng = bk // G
     it = iter(refs)
     x_ref = next(it)
+    # has_norm (rows schedule): x is the RMSNorm's input; nw_ref [layers, K/G, P, L] its weights,
+    # norm_layer_ref [1] which layer's; ss_ref [split, rows, 16] takes each row's sum of squares
+    nw_ref = next(it) if has_norm else None
+    norm_layer_ref = next(it) if has_norm else None
     e_ref = next(it) if has_expert else None
     layer_ref = next(it) if has_layer else None
     live_ref = next(it) if seq_rows else None
     row_live_ref = next(it) if has_row_live else None
     wrefs = [{n: next(it) for n in names} for _ in range(n_w)]
     o_ref = next(it)
+    ss_ref = next(it) if has_norm else None
     j, i = pl.program_id(0), pl.program_id(1)
     n0, m0 = j * bn, i * bm
     # expert -1: a dead tile (a slot whose weight is 0, e.g. another device's expert under -sm
@@ -111,12 +116,21 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     if mode == "rows":
         s = pl.program_id(2)
 
-        def body(t, accs):
+        def body(t, carry):
+            accs, sss = carry
             new = [list(a) for a in accs]
+            new_ss = list(sss)
             caches = [dict() for _ in range(n_w)]
             for p in range(P):
                 # x rows rounded to the compute dtype as the reference does, then float32
-                xs = [x_ref[m0 + r, pl.ds(t * ng, ng), p, :].astype(cdt).astype(F32) for r in range(bm)]
+                xs = [x_ref[m0 + r, pl.ds(t * ng, ng), p, :].astype(F32) for r in range(bm)]
+                if has_norm:
+                    # RMSNorm folded in: products of x * weight here, the rows' 1/rms applied to
+                    # the summed partials (_call); each row's sum of squares on the side
+                    nw = nw_ref[norm_layer_ref[0], pl.ds(t * ng, ng), p, :]
+                    new_ss = [a + xr * xr for a, xr in zip(new_ss, xs)]
+                    xs = [xr * nw for xr in xs]
+                xs = [xr.astype(cdt).astype(F32) for xr in xs]
                 for wi in range(n_w):
                     tiles = _load_tiles(qtype, wrefs[wi], lead, n0, bn, t, ng, R, p, caches[wi])
                     q, scale, bias, sub = decode_part_factored(qtype, tiles, p)
@@ -133,13 +147,19 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
                             if bias is not None:
                                 c = c + bias * jnp.sum(xr, axis=1)[None]
                         new[wi][r] = new[wi][r] + c
-            return tuple(tuple(a) for a in new)
+            return tuple(tuple(a) for a in new), tuple(new_ss)
 
         init = tuple(tuple(jnp.zeros((bn, ng), F32) for _ in range(bm)) for _ in range(n_w))
+        ss0 = tuple(jnp.zeros((ng, L), F32) for _ in range(bm)) if has_norm else ()
         lo = s * nt
         end = jnp.minimum(lo + nt, nt_all)  # the last split may have fewer k-steps
         hi = jnp.where(alive, end, lo).astype(lo.dtype) if has_expert or has_row_live else end
-        accs = lax.fori_loop(lo, hi, body, init)
+        accs, sss = lax.fori_loop(lo, hi, body, (init, ss0))
+        if has_norm:
+            @pl.when(j == 0)  # every column tile sums the same squares: the first one writes them
+            def _():
+                for r in range(bm):
+                    ss_ref[s, m0 + r, :] = jnp.broadcast_to(jnp.sum(sss[r]), (16,))
         for r in range(bm):
             ys = [jnp.sum(accs[wi][r], axis=1) for wi in range(n_w)]
             if swiglu and nt < nt_all:  # split-K: gate and up partial sums side by side, SiLU after the sum
@@ -286,9 +306,10 @@ def kernel_supports(qtype: str, N: int, K: int) -> bool:
     return K % (G * R) == 0 and N % 16 == 0
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret", "seq_rows", "out_dtype"))
-def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, config, interpret, seq_rows=0,
-          out_dtype=F32):
+@functools.partial(jax.jit, static_argnames=("dtype", "swiglu", "config", "interpret", "seq_rows", "out_dtype",
+                                             "norm_eps"))
+def _call(x, ws, expert, layer, live=None, row_live=None, norm=None, *, dtype, swiglu, config, interpret, seq_rows=0,
+          out_dtype=F32, norm_eps=None):
     cfg = dict(config)
     w0: PackedWeight = ws[0]
     qtype = w0.qtype
@@ -302,6 +323,12 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
     xv = x_view(xc, qtype)
     names = tuple(sorted(w0.arrays))
     args = [xv]
+    has_norm = norm is not None
+    if has_norm:
+        if mode != "rows" or swiglu or expert is not None or row_live is not None or seq_rows:
+            raise ValueError(f"a folded RMSNorm needs the plain rows schedule, got {mode}")
+        nw, norm_layer = norm  # [layers, K] float32, int32 scalar
+        args += [x_view(nw.astype(F32), qtype), jnp.reshape(norm_layer, (1,)).astype(jnp.int32)]
     has_expert = expert is not None
     if has_expert:
         e = expert.astype(jnp.int32)
@@ -329,16 +356,25 @@ def _call(x, ws, expert, layer, live=None, row_live=None, *, dtype, swiglu, conf
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
                              mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
                              swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live,
-                             swap=bool(cfg.get("swap", False)))
+                             swap=bool(cfg.get("swap", False)), has_norm=has_norm)
     late = swiglu and nt < K // bk  # split-K SwiGLU: the kernel writes [gate | up] partial sums
+    out_shape = jax.ShapeDtypeStruct((split, Mp, 2 * N if late else N), out_dtype)
+    if has_norm:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((split, Mp, 16), F32))
     out = pl.pallas_call(
         kern,
-        out_shape=jax.ShapeDtypeStruct((split, Mp, 2 * N if late else N), out_dtype),
+        out_shape=out_shape,
         grid=grid,
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(cfg["num_warps"], cfg["num_stages"]),
-        name=f"quant_matmul_{qtype.lower()}_{mode}",
+        name=f"quant_matmul_{qtype.lower()}_{mode}{'_normed' if has_norm else ''}",
     )(*args)
+    if has_norm:
+        # the rows' 1/rms, as the reference's x * rsqrt(mean(x^2) + eps), on the summed partials
+        # (x * weight was rounded to the compute dtype in its place): one fusion with the sum
+        out, ss = out
+        inv = lax.rsqrt(chain_sum(ss)[:, :1] / K + norm_eps)
+        return (chain_sum(out) * inv)[:M]
     y = chain_sum(out)
     if late:
         y = _silu_mul(y[:, :N], y[:, N:])
@@ -367,6 +403,29 @@ def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = Fa
         live_rows = None
     y = _call(x2, (w,), None, layer, None, live_rows, dtype=jnp.dtype(dtype), swiglu=False,
               config=tuple(sorted(cfg.items())), interpret=interpret)
+    return y.reshape(*lead, N)
+
+
+def quant_matmul_normed(x, norm_weight, eps: float, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False,
+                        layer=None, norm_layer=None, config: dict | None = None):
+    """RMSNorm(x) @ W[N, K]^T -> [..., N] float32, the norm folded into the decode schedule: the
+    kernel multiplies x by the norm's weight where it rounds x to the compute dtype, sums each
+    row's squares beside its products, and the rows' 1/rms scales the summed result
+    (linear(rms_norm(x)) = rsqrt(mean(x^2) + eps) * (W (weight * x))). Why: a decode token's norms
+    were two XLA kernels each (the sum of squares, then the scaled copy the product reads), ~1.5 us
+    of launch a kernel at one row; folded, the norm costs one multiply-add per x element.
+    `norm_weight` [K] float, or a stack [layers, K] read at `norm_layer` in place (a scanned
+    group's, as `layer` is W's). Rows schedule only (<= 4 rows; pick_config)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    N, K = w.shape[-2], w.shape[-1]
+    cfg = config or pick_config(w.qtype, x2.shape[0], N, K)
+    if cfg["mode"] != "rows":
+        raise ValueError(f"a folded RMSNorm needs the rows schedule (<= 4 rows), got {x2.shape[0]} rows")
+    nw = norm_weight.reshape(-1, K)
+    nl = jnp.int32(0) if norm_layer is None else norm_layer
+    y = _call(x2, (w,), None, layer, None, None, (nw, nl), dtype=jnp.dtype(dtype), swiglu=False,
+              config=tuple(sorted(cfg.items())), interpret=interpret, norm_eps=float(eps))
     return y.reshape(*lead, N)
 
 
