@@ -1319,7 +1319,8 @@ for line in sys.stdin:
   v2l_ready
   timeout ${TESTS75_S:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs tests/test_decode_gpu.py \
     tests/test_kernels_quant_matmul.py tests/test_kernels_moe.py tests/test_kernels_mla.py tests/test_prompt_attention.py \
-    tests/test_kernel_precision.py tests/test_hybrid_gpu.py 2>&1 | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" | head -30
+    tests/test_kernel_precision.py tests/test_hybrid_gpu.py tests/test_norm_linear.py 2>&1 | tee $OUT/tests75.txt \
+    | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" | head -30
   rm -rf /tmp/cc75
   for v in cold warm; do
     t0=$(date +%s.%N)
@@ -1336,7 +1337,8 @@ for line in sys.stdin:
   # (bench/gpu_decode_profile.py, command buffers off: every kernel in the profile)
   v2l_ready > /dev/null 2>&1 &
   timeout ${TESTS76_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs tests/test_norm_linear.py \
-    tests/test_decode_gpu.py tests/test_kernels_quant_matmul.py 2>&1 | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED|Error" | head -20
+    tests/test_decode_gpu.py tests/test_kernels_quant_matmul.py 2>&1 | tee $OUT/tests76.txt \
+    | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED|Error" | head -20
   wait; v2l_ready
   rm -rf /tmp/cc76
   for v in ${FOLDS76:-1 0 1 0 1 0}; do
@@ -1350,6 +1352,13 @@ for line in sys.stdin:
     IKJAX_FOLD_NORM=$v IKJAX_COMPILE_CACHE=/tmp/cc76p timeout 150 env DPROF_NO_CMDBUF=1 python3 bench/gpu_decode_profile.py $V2L \
       --top ${TOP76:-14} 2>&1 | grep -v Warn | tee $OUT/dprof76-$v.txt | head -${HEAD76:-30}
   done
+  ;;
+77)
+  # the decode step's optimized HLO with the norms folded (bench/gpu_decode_hlo.py: what each layer
+  # still launches), then STAGE=75 (HEAD's health: the gpu-marked tests, the deep shape cold / warm)
+  v2l_ready
+  timeout 150 python3 bench/gpu_decode_hlo.py --model $V2L --out $OUT 2>&1 | grep -v Warn | head -${HEAD77:-60}
+  STAGE=75 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|stage 75 done"
   ;;
 74)
   # call 2: the R1 file's split runs on 2 GPUs (PARTS74), nothing else on the host
