@@ -55,6 +55,8 @@ def test_model_on_pallas_kernels_matches_xla_path_and_transformers(latent576, mo
     tol = 1e-5 if ctk == "f32" else 1e-3
     assert rel_err(pallas[:32], xla[:32]) < tol
     assert rel_err(pallas[32:], xla[32:]) < tol  # the MLA decode kernel, the GEMV, the MoE gather kernel
+    from ikjax import ops
+    assert ops.selected("norm_linear") == "interpret"  # decode's norms folded into its products
 
 
 def test_prompt_attention_kernel_in_the_model(latent576, monkeypatch):
