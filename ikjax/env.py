@@ -339,6 +339,46 @@ def check_native() -> None:
                 raise OptionError(f"{v.name} must be an integer >= {lo}, got {value!r}")
 
 
+# The numeric variables their modules read as positive numbers (positive_int / positive_float), and
+# the word each also takes
+POSITIVE = {"IKJAX_DECODE_UNROLL": (int, "auto"), "IKJAX_JOIN_TIMEOUT": (int, None), "IKJAX_STREAM_AHEAD": (int, None),
+            "IKJAX_STREAM_MIB": (float, None), "IKJAX_MIN_OFFLOAD_BATCH": (int, None),
+            "IKJAX_SERVE_BURST_MS": (float, None)}
+_warned_unknown: set[str] = set()
+
+
+def check_all() -> None:
+    """Every IKJAX_* variable set now, checked when an engine loads (before the file is opened):
+    a choice outside its values or a number its module cannot use is refused naming it
+    (OptionError), the C++ kernels' knobs as `check_native`. Why here: each is otherwise read
+    only when its path runs (IKJAX_STREAM_MIB=-5 was refused at the first host-expert step, after
+    a minute's load; IKJAX_DECODE_LOOP=yes after the load). A name ikjax does not know (a typo:
+    IKJAX_KERNELS misspelt) is named on stderr once, with the closest known one, and left alone."""
+    import difflib
+    import sys
+    for name, value in os.environ.items():
+        if not name.startswith("IKJAX_"):
+            continue
+        v = VARIABLES.get(name)
+        if v is None:
+            if name not in _warned_unknown:
+                _warned_unknown.add(name)
+                near = difflib.get_close_matches(name, VARIABLES, n=1)
+                print(f"ikjax: {name} is not a variable ikjax reads (ignored)"
+                      + (f"; did you mean {near[0]}?" if near else ""), file=sys.stderr)
+            continue
+        if not value:
+            continue
+        if v.choices:
+            choice(name)
+        elif name in POSITIVE:
+            cast, word = POSITIVE[name]
+            if word is None or value.lower() != word:
+                _positive(name, cast, "number of MiB" if name.endswith("_MIB") else
+                          "integer" if cast is int else "number")
+    check_native()
+
+
 def markdown_table() -> str:
     """The README's table of every variable (a test keeps the README in step with it)."""
     rows = ["| variable | values | default | what it does | read by |", "|---|---|---|---|---|"]

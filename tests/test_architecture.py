@@ -150,6 +150,30 @@ def test_native_knobs_refused_when_an_engine_loads(monkeypatch):
     env.check_native()  # values the kernels take pass
 
 
+def test_every_variable_checked_when_an_engine_loads(monkeypatch, capsys):
+    """Each IKJAX_* set is checked before the file is opened, not at its first use after a load
+    (IKJAX_STREAM_MIB=-5 at the first host-expert step, IKJAX_DECODE_LOOP=yes after the load);
+    an unknown name is named on stderr with the closest known one, and left alone."""
+    import ikjax
+    from ikjax.errors import IkjaxError, OptionError
+    for name, bad, msg in (("IKJAX_STREAM_MIB", "-5", "positive number of MiB"), ("IKJAX_JOIN_TIMEOUT", "abc", "positive integer"),
+                           ("IKJAX_DECODE_LOOP", "yes", "one of 1, 0"), ("IKJAX_DECODE_UNROLL", "0", "positive integer"),
+                           ("IKJAX_FOLD_NORM", "on", "one of 1, 0"), ("IKJAX_SERVE_BURST_MS", "fast", "positive number")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(OptionError, match=f"{name} must be a? ?{msg}"):
+            ikjax.load("/nonexistent/model.gguf")
+        monkeypatch.delenv(name)
+    for name, good in (("IKJAX_DECODE_UNROLL", "auto"), ("IKJAX_DECODE_UNROLL", "4"), ("IKJAX_STREAM_MIB", "64.5")):
+        monkeypatch.setenv(name, good)
+        env.check_all()
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("IKJAX_KERNEL", "xla")
+    with pytest.raises(IkjaxError) as e:  # the file's own error: the unknown name is not refused
+        ikjax.load("/nonexistent/model.gguf")
+    assert "IKJAX_KERNEL" not in str(e.value)
+    assert "IKJAX_KERNEL is not a variable ikjax reads (ignored); did you mean IKJAX_KERNELS?" in capsys.readouterr().err
+
+
 def test_readme_lists_every_variable():
     assert env.markdown_table() in (REPO / "README.md").read_text()
 

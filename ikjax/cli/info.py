@@ -45,7 +45,7 @@ def info(
     from ikjax.gguf_io.reader import GGUFModelFile
     from ikjax.runtime.memory_plan import plan_memory
     _, opts = check_options(run, "info")
-    env.check_native()  # what the report says of the C++ kernels is what runs: a bad knob is an error
+    env.check_all()  # what the report says of the C++ kernels is what runs: a bad knob is an error
     if file is not None and run.model is not None and file != run.model:
         raise OptionError(f"info: two models given ({file!r} and -m {run.model!r}); give one")
     path = file if file is not None else run.model

@@ -878,5 +878,5 @@ def _batch_size(batch) -> int:
 def load(path: str, **options) -> Engine:
     """Open a deepseek2 GGUF (any shard of a split model) with ik_llama.cpp-named options."""
     compile_cache.setup()  # before anything compiles: JAX looks for its cache once
-    env.check_native()  # the C++ kernels' knobs: a bad value is an error here, not their default later
+    env.check_all()  # every IKJAX_* set: a bad value is an error here, not at its first use or a default later
     return Engine(os.path.expanduser(str(path)), RunOptions.from_kwargs(**options))  # "~/" as the CLI reads it
