@@ -166,6 +166,12 @@ def test_bench_cartesian_product_and_skip(tiny_model):
         assert m and float(m.group(1)) > 0, r
 
 
+def test_bench_refuses_a_mode_that_does_not_exist(tiny_model):
+    """-mla 2,5: 5 is no MLA mode anywhere (ik's are 0-3): refused before anything loads, not a
+    'skipped' row (those are for combinations this build cannot run, as -ctk q4_0 above)."""
+    assert_one_line_error(invoke(["bench", "-m", tiny_model, "-mla", "2,5"], 1), "-mla: modes are 0, 1, 2 or 3, got '2,5'")
+
+
 def test_bench_json_csv_depth(tiny_model):
     res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 2, "-gp", "32,2", "-pg", "16,4", "-d", "0,16", "-r", 2,
                   "-o", "json"])

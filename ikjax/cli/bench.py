@@ -207,6 +207,8 @@ def bench(
         if any(v < low for v in vals):
             raise OptionError(f"-{flag}: values must be >= {low}{' (-1: every layer)' if flag == 'ngl' else ''}, "
                               f"got {value!r}")
+        if flag == "mla" and any(v > 3 for v in vals):  # no such mode anywhere (ik's are 0-3): not a row's 'skipped'
+            raise OptionError(f"-mla: modes are 0, 1, 2 or 3, got {value!r}")
     tests = lb.make_tests(counts(n_prompt, "p"), counts(n_gen, "n"), pairs(gp, "gp"),
                           counts(depth, "d") or [0], pairs(pg, "pg"))
     if not tests:
