@@ -45,6 +45,10 @@ def decode_checks(eng, ids) -> dict:
     from ikjax.runtime.generation import _put_row
     out = {"greedy": list(eng.generate(ids, 20)), "short": list(eng.generate(ids, 5)),
            "sampled": list(eng.generate(ids, 12, temperature=0.8, top_k=20, seed=3))}
+    # other sampling values (top_k in the same bucket): step arguments, no executable compiled for them
+    n_exes = len(eng._executables.items())
+    out["resampled"] = list(eng.generate(ids, 12, temperature=0.6, top_k=30, top_p=0.9, seed=4))
+    out["resampled_compiles"] = len(eng._executables.items()) - n_exes
     prompts = [ids, ids[:9]]
     cache = eng.new_cache(2)
     first = []

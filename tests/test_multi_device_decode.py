@@ -35,8 +35,10 @@ def test_decode_loop_equals_one_device(rows, sm):
     assert r["loops"], "the split engine does not run the decode loop"
     one, many = r["one"], r["many"]
     assert len(one["greedy"]) == 20 and len(one["short"]) == 5 and len(one["sampled"]) == 12
-    for what in ("greedy", "short", "sampled", "batch_banned", "generate_batch"):
+    for what in ("greedy", "short", "sampled", "resampled", "batch_banned", "generate_batch"):
         assert many[what] == one[what], (what, many[what], one[what])
+    # a draw's values are step arguments (a key per row) under both split modes, as on one device
+    assert many["resampled_compiles"] == one["resampled_compiles"] == 0
     assert one["generate_batch"][0] == one["greedy"][:6]  # a row of the batch = the prompt alone
     # the bans bit: the first sequence's greedy picks are banned, so it takes other tokens
     assert not set(one["batch_banned"][0]) & set(one["ban"])
@@ -55,7 +57,8 @@ def test_graph_collectives_per_step(rows):
     2 L + 2."""
     r = _case(rows, "graph")
     L = r["n_layer"]
-    got = {(c["batch"], c["sampling"]["temperature"] > 0): c for c in r["collectives"]}
+    # a draw names its top_k bucket (a key per row: generation.sampling_key), greedy its ban at most
+    got = {(c["batch"], "bucket" in c["sampling"]): c for c in r["collectives"]}
     assert set(got) == {(1, False), (1, True), (2, False)}, r["collectives"]
     for B in (1, 2):
         c = got[(B, False)]

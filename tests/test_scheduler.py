@@ -150,7 +150,8 @@ def test_lone_stream_decodes_as_a_batch_of_one(eng, monkeypatch):
 def test_split_modes_serve_a_lone_stream_and_two(tiny4_model):
     """-sm layer and -sm graph (two fake CPU devices, a process of their own): a stream alone (the
     batch of one: its row taken out of a cache split over the devices) and then beside a second
-    one give generate's answers."""
+    one give generate's answers; two sampled streams side by side (their draws in the decode loop,
+    a key per row) give generate's tokens for their seeds."""
     import subprocess
     import sys
     from conftest import TEST_XLA_FLAGS
@@ -167,9 +168,17 @@ def test_split_modes_serve_a_lone_stream_and_two(tiny4_model):
             "    while len(ca.tokens) < 5: time.sleep(0.001)\n"
             "    s.submit(s.make_request(b, 8, on_event=cb, ignore_eos=True))\n"
             "    while ca.end is None or cb.end is None: time.sleep(0.01)\n"
+            "    # sampled streams side by side: a key per row in the split modes' decode loop too\n"
+            "    cs, ct = C(), C()\n"
+            "    s.submit(s.make_request(a, 12, on_event=cs, ignore_eos=True, temperature=0.9, top_k=20, seed=3))\n"
+            "    s.submit(s.make_request(b, 12, on_event=ct, ignore_eos=True, temperature=0.6, top_p=0.9, seed=5))\n"
+            "    while cs.end is None or ct.end is None: time.sleep(0.01)\n"
             "    s.stop()\n"
+            "    assert eng.row_sampling(), sm\n"
             "    assert ca.tokens == list(eng.generate(a, 24, ignore_eos=True)), (sm, 'a')\n"
             "    assert cb.tokens == list(eng.generate(b, 8, ignore_eos=True)), (sm, 'b')\n"
+            "    assert cs.tokens == list(eng.generate(a, 12, ignore_eos=True, temperature=0.9, top_k=20, seed=3)), (sm, 's')\n"
+            "    assert ct.tokens == list(eng.generate(b, 12, ignore_eos=True, temperature=0.6, top_p=0.9, seed=5)), (sm, 't')\n"
             "    print(sm, 'ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -427,8 +427,9 @@ class Engine:
 
     def row_sampling(self) -> bool:
         """Whether `decode` can draw each row with its own key (sampling "rows": the server's
-        sampled streams in the decode loop): the loop on one device."""
-        return self.decode_loop() and self.executor.plain_loop
+        sampled streams in the decode loop, and `generate`'s draws, whose values then compile
+        nothing): the loop on one device and under -sm layer."""
+        return self.decode_loop() and self.executor.row_keys
 
     _sampling_key = staticmethod(generation.sampling_key)
 
@@ -452,7 +453,7 @@ class Engine:
         tokens = self._ids("tokens", tokens, 1)
         if (sampling or {}).get("rows"):
             if not self.row_sampling():
-                raise OptionError("decode: a key per row needs the one-device decode loop")
+                raise OptionError("decode: a key per row needs the decode loop on one device or under -sm layer")
             draws = "bucket" in sampling or sampling.get("temperature", 0.0) > 0.0
             keys, params = key if draws and isinstance(key, tuple) and len(key) == 2 else (key, None)
             if keys is None or getattr(keys, "shape", ()) != (len(tokens),):

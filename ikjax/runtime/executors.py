@@ -43,6 +43,7 @@ from ikjax.placement import devices
 from ikjax.runtime import compile_cache, distributed
 from ikjax.runtime import mesh as tensor_parallel
 from ikjax.runtime.executables import compile_step, gpu_options
+from ikjax.runtime.sampling import ROW_PARAMS
 from ikjax.runtime.pipeline import Pipeline
 
 log = logging.getLogger("ikjax")
@@ -68,6 +69,7 @@ class Executor(abc.ABC):
     loops = False                # runs the decode loop (several steps per dispatch)
     plain_loop = False           # its decode loop is generation.decode_steps itself: token -1 an idle
                                  # row, a PRNG key per row with sampling ("rows", True)
+    row_keys = False             # its decode loop draws with a PRNG key per row (sampling ("rows", True))
     stores_steps = False         # its steps may be stored whole (compile_cache.store_step)
     compiles_in_parallel = False  # several steps may compile at once (on an accelerator)
 
@@ -132,6 +134,7 @@ class SingleDevice(Executor):
 
     loops = True
     plain_loop = True
+    row_keys = True
     overlaps_load = True
 
     def __init__(self, placement, config: ModelConfig, spans: tuple):
@@ -170,6 +173,7 @@ class LayerPipeline(Executor):
 
     split_mode = "layer"
     loops = True
+    row_keys = True  # the last stage draws as decode_steps does (pipeline._decode_stage)
 
     def __init__(self, placement, config: ModelConfig, spans: tuple):
         super().__init__(placement, config, spans)
@@ -200,6 +204,7 @@ class GraphMesh(Executor):
 
     split_mode = "graph"
     loops = True
+    row_keys = True  # decode_steps inside the shard_map (mesh._decode), the keys' raw data as inputs
 
     def __init__(self, placement, config: ModelConfig, spans: tuple, layout: kvcache.CacheLayout):
         super().__init__(placement, config, spans)
@@ -222,7 +227,11 @@ class GraphMesh(Executor):
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sh)
         if decode is not None:  # the decode loop inside the shard_map (mesh.decode)
             chunk, sampling = decode
-            key = jax.ShapeDtypeStruct(_KEY_DATA.shape, _KEY_DATA.dtype, sharding=sh)
+            rows = dict(sampling).get("rows", False)
+            key = jax.ShapeDtypeStruct(((B,) if rows else ()) + _KEY_DATA.shape, _KEY_DATA.dtype, sharding=sh)
+            if rows and "bucket" in dict(sampling):  # (keys, each row's setting: sampling.row_params)
+                key = (key, {n: jax.ShapeDtypeStruct((B,), jnp.int32 if n == "top_k" else jnp.float32, sharding=sh)
+                             for n in ROW_PARAMS})
             lowered = compile_cache.lower(tensor_parallel.decode(), weights, cache, i32((B,)), i32((B,)), i32(()),
                                           key, cfg=self.config, plan=plan, layout=layout, chunk=chunk,
                                           sampling=sampling)
@@ -246,8 +255,8 @@ class GraphMesh(Executor):
         # every process), the replicated logits (or tokens) read from this process's own copy;
         # the decode loop's PRNG key travels as its raw data
         rep = devices.replicated(self.mesh)
-        inputs = tuple(jax.random.key_data(a) if _is_key(a) else a for a in inputs)
-        out, cache = exe(weights, cache, *(distributed.global_input(a, rep) for a in inputs))
+        inputs = jax.tree.map(lambda a: jax.random.key_data(a) if _is_key(a) else a, inputs)  # (keys, row settings) too
+        out, cache = exe(weights, cache, *jax.tree.map(lambda a: distributed.global_input(a, rep), inputs))
         return distributed.local_value(out), cache
 
 

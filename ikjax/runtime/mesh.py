@@ -229,8 +229,10 @@ def step():
 def fused_pick(plan, sampling: tuple) -> bool:
     """Whether the decode loop picks each token without gathering the logits (`_greedy_steps`):
     greedy, with the output head and the embedding split by the same vocabulary rows."""
-    tp = plan.tp
-    return dict(sampling).get("temperature", 0.0) <= 0.0 and tp.has("out") and tp.has("embd")
+    tp, s = plan.tp, dict(sampling)
+    # a draw with a key per row names its top_k bucket, not its temperature (generation.sampling_key)
+    greedy = s.get("temperature", 0.0) <= 0.0 and "bucket" not in s
+    return greedy and tp.has("out") and tp.has("embd")
 
 
 def _pick_and_embed(logits, table, axis: str, ban: tuple):
@@ -303,8 +305,9 @@ def _decode(weights, cache, tok, start, n, key_data, *, cfg, plan, layout, chunk
         w = jax.tree.map(lambda a: a[0], w)  # this device's part
         if fused and w["token_embd"].shape[0] == w["output"].shape[0]:
             return _greedy_steps(w, c, t, s, n_, cfg=cfg, plan=plan, chunk=chunk, ban=dict(sampling).get("ban", ()))
-        return decode_steps(w, c, t, s, n_, jax.random.wrap_key_data(kd), cfg=cfg, plan=plan, chunk=chunk,
-                            sampling=sampling)
+        # a key per row (sampling "rows"): their raw data [B, ...], beside each row's setting where it draws
+        key = (jax.random.wrap_key_data(kd[0]), kd[1]) if isinstance(kd, tuple) else jax.random.wrap_key_data(kd)
+        return decode_steps(w, c, t, s, n_, key, cfg=cfg, plan=plan, chunk=chunk, sampling=sampling)
     f = jax.shard_map(local, mesh=tp.mesh, in_specs=(P(tp.axis), specs, P(), P(), P(), P()),
                       out_specs=(P(), specs), check_vma=False)
     return f(weights, cache, tok, start, n, key_data)

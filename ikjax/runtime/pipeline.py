@@ -23,7 +23,7 @@ from ikjax.model.deepseek2 import embed, output_head, run_layers, trims_last_lay
 from ikjax.placement.devices import jax_devices
 from ikjax.placement.host import is_host_resident
 from ikjax.runtime import compile_cache
-from ikjax.runtime.sampling import sample_device
+from ikjax.runtime.sampling import ROW_PARAMS, sample_device, sample_rows
 
 
 def _stage(weights, cache, x, start, last, *, cfg, plan, embed_in: bool, head_out: bool):
@@ -48,7 +48,10 @@ def _decode_stage(weights, cache, x, start, key, out, i, *, cfg, plan, embed_in:
     writes it into column i of the chunk's tokens `out` [B, chunk] (donated: one buffer for the
     chunk, whatever n is), so what leaves the stage is ids [B], never logits. Returns
     (x, cache, start + 1, out, i + 1): the next token's positions and column stay on the device
-    (no host-to-device copy per token); `key`, `out` and `i` are None on the other stages."""
+    (no host-to-device copy per token); `key`, `out` and `i` are None on the other stages.
+    sampling's ("rows", True): `key` holds a key per row and, where it draws, the rows' settings
+    ((keys [B], sampling.row_params)), drawn as `generation.decode_steps` draws them: the values
+    are step arguments, so another temperature or top_k in the bucket compiles nothing."""
     B = x.shape[0]
     zeros = jnp.zeros((B,), jnp.int32)
     with ops.kernel_context(plan.backend, plan.threads, seq_tokens=1):
@@ -57,7 +60,14 @@ def _decode_stage(weights, cache, x, start, key, out, i, *, cfg, plan, embed_in:
         x, cache = run_layers(weights["groups"], cache, x, start, cfg=cfg, plan=plan, last=zeros)
         if head_out:
             logits = output_head(weights, x, zeros, cfg=cfg, plan=plan)
-            x = sample_device(logits, jax.random.fold_in(key, start[0]), **dict(sampling))
+            filters = {k: v for k, v in sampling if k != "rows"}
+            if dict(sampling).get("rows"):
+                if "bucket" in filters:
+                    key, params = key
+                    filters = dict(filters, params=params)
+                x = sample_rows(logits, key, start, **filters)
+            else:
+                x = sample_device(logits, jax.random.fold_in(key, start[0]), **filters)
             out = jax.lax.dynamic_update_slice(out, x[:, None], (0, i))
             i = i + 1
     return x, cache, start + 1, out, i
@@ -214,7 +224,13 @@ class Pipeline:
             x = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh) if embed_in else \
                 jax.ShapeDtypeStruct((B, 1, self.cfg.d_model), jnp.float32, sharding=sh)
             i32 = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh)
-            k = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sh) if head_out else None
+            k = None
+            if head_out:
+                rows = dict(sampling).get("rows", False)
+                k = jax.ShapeDtypeStruct((B,) if rows else key.shape, key.dtype, sharding=sh)
+                if rows and "bucket" in dict(sampling):  # (keys, each row's setting: sampling.row_params)
+                    k = (k, {n: jax.ShapeDtypeStruct((B,), jnp.int32 if n == "top_k" else jnp.float32, sharding=sh)
+                             for n in ROW_PARAMS})
             out = jax.ShapeDtypeStruct((B, chunk), jnp.int32, sharding=sh) if head_out else None
             i = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh) if head_out else None
             lowered = compile_cache.lower(_decode_stage_jit(), w, c, x, i32, k, out, i, cfg=self.cfg, plan=plan,
