@@ -13,7 +13,8 @@ Two schedules over one kernel body:
 Both take an optional per-m-tile expert index: the weights then carry a leading expert axis and
 each m-tile reads only its expert (the gather MoE form uses one row per tile, the grouped form
 `bm` rows of tokens sorted by expert). `swiglu=True` takes two weights (gate, up) and writes
-`silu(x W_g^T) * (x W_u^T)` (ik's fused `-fmoe`).
+`silu(x W_g^T) * (x W_u^T)` (ik's fused `-fmoe`). The rows schedule also takes an RMSNorm folded
+in (`quant_matmul_normed`: x times the norm's weight, the squares summed beside, 1/rms on the sum).
 """
 from __future__ import annotations
 
