@@ -470,6 +470,26 @@ def test_failed_step_fails_the_slots_and_the_loop_goes_on(eng, monkeypatch):
         s.stop()
 
 
+def test_top_k_past_the_vocabulary_is_off(eng, sched):
+    """A top_k at or past the vocabulary keeps every id: it is off (0), so it draws top_k 0's tokens,
+    compiles no loop of its own, and one of 3e9 (past int32) no longer fails the whole batch: a
+    greedy stream beside it finishes with generate's answer."""
+    from ikjax.runtime.sampling import check_sampling
+    V = eng.config.vocab_size
+    assert check_sampling(top_k=3_000_000_000)["top_k"] == 0 and check_sampling(top_k=10**20, vocab=V)["top_k"] == 0
+    assert check_sampling(top_k=V, vocab=V)["top_k"] == 0 and check_sampling(top_k=V - 1, vocab=V)["top_k"] == V - 1
+    p, q = ids(eng, 6, 10), ids(eng, 5, 11)
+    want = list(eng.generate(p, 10, temperature=0.7, top_k=0, seed=4, ignore_eos=True))
+    n = eng.compile_count
+    for k in (V, 4 * V + 1, 3_000_000_000):
+        assert list(eng.generate(p, 10, temperature=0.7, top_k=k, seed=4, ignore_eos=True)) == want, k
+    assert eng.compile_count == n  # the top_k 0 loop serves them all
+    (_, cg), (_, cs) = submit(sched, q, 16, ignore_eos=True), submit(sched, p, 10, temperature=0.7, top_k=3_000_000_000,
+                                                                      seed=4, ignore_eos=True)
+    assert cs.wait()[0] == "done" and cs.tokens == want
+    assert cg.wait()[0] == "done" and cg.tokens == list(eng.generate(q, 16, ignore_eos=True))
+
+
 def test_sampling_seeded_and_ignore_eos(eng, sched):
     p = ids(eng, 6, 9)
     a = submit(sched, p, 12, temperature=0.9, top_k=20, seed=3)[1]

@@ -25,7 +25,7 @@ from ikjax.model import moe
 from ikjax.model.deepseek2 import StepPlan, forward
 from ikjax.runtime import buckets as kv_buckets
 from ikjax.runtime.sampling import (Penalties, check_count, check_finite_logits, check_penalty,
-                                    check_sampling, row_params, sample_device, sample_next, sample_rows,
+                                    check_sampling, effective_top_k, row_params, sample_device, sample_next, sample_rows,
                                     top_k_bucket)
 
 log = logging.getLogger("ikjax")
@@ -144,6 +144,8 @@ def device_sampling(eng, sp: dict, ban: tuple = ()) -> dict:
     step arguments, so another temperature or top_k in the bucket compiles no loop; the same tokens
     (sample_rows draws row b as sample_device draws it alone)."""
     out = {**sp, "ban": tuple(ban)} if ban else dict(sp)
+    if "top_k" in out:  # (as generate checks it: one past the vocabulary is off)
+        out["top_k"] = effective_top_k(int(out["top_k"]), eng.config.vocab_size)
     if sp.get("temperature", 0.0) > 0.0 and eng.row_sampling():
         out["rows"] = True
     return out
@@ -333,7 +335,7 @@ def generate(eng, prompt_ids: Sequence[int], max_tokens: int, *, temperature: fl
              ignore_eos: bool = False, session: KVSession | None = None) -> Generation:
     """`Engine.generate` (its docstring): every argument checked here, before anything runs."""
     max_tokens = check_count("max_tokens", max_tokens)
-    p = check_sampling(temperature, top_k, top_p, min_p, seed)
+    p = check_sampling(temperature, top_k, top_p, min_p, seed, vocab=eng.config.vocab_size)
     pen = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
     ids = check_ids(prompt_ids, eng.config.vocab_size, "prompt_ids")
     check_prompt_fits(len(ids), eng.options.ctx, "prompt_ids")
@@ -428,7 +430,7 @@ def generate_batch(eng, prompts: Sequence[Sequence[int]], max_tokens: int, *, te
     (`_batch_loop`, where `Engine.decode_loop`) or one step per token for every unfinished
     sequence, the batch padded to a power of two."""
     max_tokens = check_count("max_tokens", max_tokens)
-    p = check_sampling(temperature, top_k, top_p, min_p, seed)
+    p = check_sampling(temperature, top_k, top_p, min_p, seed, vocab=eng.config.vocab_size)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
         raise OptionError("prompts: expected a non-empty list of token id sequences")
     ctx, V = eng.options.ctx, eng.config.vocab_size

@@ -34,10 +34,12 @@ def check_count(name: str, value) -> int:
     return int(value)
 
 
-def check_sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None) -> dict:
+def check_sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, vocab: int | None = None) -> dict:
     """Validate the sampling parameters; return them as plain Python numbers.
 
-    temperature: finite, >= 0 (0 = greedy). top_k: integer >= 0 (0 = off). top_p: 0 < p <= 1
+    temperature: finite, >= 0 (0 = greedy). top_k: integer >= 0 (0 = off; one at or past the
+    vocabulary, `vocab` where the caller knows it, else 2^31, keeps every id: returned as 0, so it
+    compiles no loop of its own and never overflows the device's int32). top_p: 0 < p <= 1
     (1 = off). min_p: 0 <= p <= 1 (0 = off). seed: None or -1 (random, llama.cpp's convention)
     or an integer >= 0.
     """
@@ -51,8 +53,15 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None) ->
         raise OptionError(f"min_p: expected a number in [0, 1] (0 = off), got {min_p!r}")
     if seed is not None and (not _is_int(seed) or seed < -1):
         raise OptionError(f"seed: expected an integer >= 0, or -1 / None for a random seed, got {seed!r}")
-    return dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
-                seed=None if seed is None or seed == -1 else int(seed))
+    return dict(temperature=float(temperature), top_k=effective_top_k(int(top_k), vocab), top_p=float(top_p),
+                min_p=float(min_p), seed=None if seed is None or seed == -1 else int(seed))
+
+
+def effective_top_k(top_k: int, vocab: int | None = None) -> int:
+    """top_k as the samplers take it: 0 (off) where it keeps every id, at or past the vocabulary
+    (`vocab`) or 2^31 (a top_k of 3e9 from one client overflowed the device's int32 and ended every
+    stream of the server's batch; each power of two past the vocabulary compiled a loop of its own)."""
+    return 0 if top_k >= min(vocab or 2**31, 2**31) else top_k
 
 
 @dataclass(frozen=True)

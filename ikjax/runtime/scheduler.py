@@ -227,7 +227,7 @@ class Scheduler:
                               f"which must hold the prompt and at least one new token")
         if max_tokens is not None:
             max_tokens = check_count("max_tokens", max_tokens)
-        sampling = check_sampling(temperature, top_k, top_p, min_p, seed)
+        sampling = check_sampling(temperature, top_k, top_p, min_p, seed, vocab=self.eng.config.vocab_size)
         if sampling["seed"] is None:  # random: drawn here, so the answer can say which (and be redone)
             sampling["seed"] = int(np.random.default_rng().integers(0, 2**32 - 1))
         pen = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
