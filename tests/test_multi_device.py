@@ -206,8 +206,8 @@ def test_one_device_keeps_the_note(tiny_model):
 def test_graph_split_notes_what_runs_whole_and_ignored_options(tiny_model):
     """-sm graph over a device count the model's heads, experts and vocabulary do not divide runs
     those groups whole on every device: a note says which (it was silent: 3x the memory and no
-    split); -mg under -sm graph, a device left out by a 0 share, and -ts without a split mode are
-    noted too. Over 2 devices (all divide) nothing is noted."""
+    split); -mg under -sm graph, a device left out by a 0 share (either split mode), and -ts without
+    a split mode are noted too. Over 2 devices (all divide) nothing is noted."""
     from types import SimpleNamespace
     from ikjax.options import RunOptions
     from ikjax.placement.rules import plan_placement
@@ -223,4 +223,6 @@ def test_graph_split_notes_what_runs_whole_and_ignored_options(tiny_model):
     assert len(three) == 1 and "do not divide into 3 whole parts" in three[0] and "attention heads" in three[0], three
     assert any("-mg 1 has no effect with -sm graph" in n for n in notes(2, sm="graph", mg=1))
     assert any("over 2 of 3 devices: -ts leaves out CPU1" in n for n in notes(3, sm="graph", ts="1,0,1"))
+    assert any("-sm layer over 1 of 2 devices: -ts leaves out CPU0" in n for n in notes(2, sm="layer", ts="0,1"))
+    assert not any("leaves out" in n for n in notes(2, sm="layer", ts="1,1") + notes(2, sm="layer"))
     assert any("-ts has no effect with -sm none" in n for n in notes(2, ts="3,1"))

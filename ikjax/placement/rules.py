@@ -259,6 +259,10 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
                                                   options.ngl)
         split.update(layer_device=layer_dev, embed_device=layer_dev[0] if layer_dev else out_dev,
                      output_device=out_dev, main_device=layer_dev[0] if layer_dev else out_dev)
+        used = set(layer_dev) | {out_dev}
+        if options.tensor_split and len(used) < n_dev:  # as -sm graph's note: a 0 share leaves a device idle
+            left = [labels[i] for i in range(n_dev) if i not in used]
+            notes.append(f"-sm layer over {len(used)} of {n_dev} devices: -ts leaves out {', '.join(left)}")
     if mode == "graph":
         mesh = splits.graph_devices(options.tensor_split, n_dev)
         split.update(main_device=mesh[0])
