@@ -43,7 +43,7 @@ from ikjax.placement import devices
 from ikjax.runtime import compile_cache, distributed
 from ikjax.runtime import mesh as tensor_parallel
 from ikjax.runtime.executables import compile_step, gpu_options
-from ikjax.runtime.sampling import ROW_PARAMS
+from ikjax.runtime.sampling import row_params_shapes
 from ikjax.runtime.pipeline import Pipeline
 
 log = logging.getLogger("ikjax")
@@ -230,8 +230,7 @@ class GraphMesh(Executor):
             rows = dict(sampling).get("rows", False)
             key = jax.ShapeDtypeStruct(((B,) if rows else ()) + _KEY_DATA.shape, _KEY_DATA.dtype, sharding=sh)
             if rows and "bucket" in dict(sampling):  # (keys, each row's setting: sampling.row_params)
-                key = (key, {n: jax.ShapeDtypeStruct((B,), jnp.int32 if n == "top_k" else jnp.float32, sharding=sh)
-                             for n in ROW_PARAMS})
+                key = (key, row_params_shapes(B, sh))
             lowered = compile_cache.lower(tensor_parallel.decode(), weights, cache, i32((B,)), i32((B,)), i32(()),
                                           key, cfg=self.config, plan=plan, layout=layout, chunk=chunk,
                                           sampling=sampling)

@@ -23,7 +23,7 @@ from ikjax.model.deepseek2 import embed, output_head, run_layers, trims_last_lay
 from ikjax.placement.devices import jax_devices
 from ikjax.placement.host import is_host_resident
 from ikjax.runtime import compile_cache
-from ikjax.runtime.sampling import ROW_PARAMS, sample_device, sample_rows
+from ikjax.runtime.sampling import row_params_shapes, sample_device, sample_rows
 
 
 def _stage(weights, cache, x, start, last, *, cfg, plan, embed_in: bool, head_out: bool):
@@ -229,8 +229,7 @@ class Pipeline:
                 rows = dict(sampling).get("rows", False)
                 k = jax.ShapeDtypeStruct((B,) if rows else key.shape, key.dtype, sharding=sh)
                 if rows and "bucket" in dict(sampling):  # (keys, each row's setting: sampling.row_params)
-                    k = (k, {n: jax.ShapeDtypeStruct((B,), jnp.int32 if n == "top_k" else jnp.float32, sharding=sh)
-                             for n in ROW_PARAMS})
+                    k = (k, row_params_shapes(B, sh))
             out = jax.ShapeDtypeStruct((B, chunk), jnp.int32, sharding=sh) if head_out else None
             i = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh) if head_out else None
             lowered = compile_cache.lower(_decode_stage_jit(), w, c, x, i32, k, out, i, cfg=self.cfg, plan=plan,

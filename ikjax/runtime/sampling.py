@@ -261,6 +261,14 @@ def row_params(settings) -> dict:
             "min_p": np.array([s["min_p"] for s in settings], np.float32)}
 
 
+def row_params_shapes(B: int, sharding=None) -> dict:
+    """The ShapeDtypeStructs of `row_params`' arrays for a batch of B (a decode loop's arguments,
+    compiled ahead: the split modes' executors)."""
+    import jax
+    return {n: jax.ShapeDtypeStruct((B,), np.int32 if n == "top_k" else np.float32, sharding=sharding)
+            for n in ROW_PARAMS}
+
+
 def sample_device(logits, key, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   min_p: float = 0.0, ban: tuple = ()):
     """`sample_next` inside a compiled step: logits [B, V] -> token ids [B] int32, the same filters
