@@ -283,14 +283,19 @@ def choice(name: str) -> str:
     return value
 
 
+# the largest value a numeric variable takes (a finite count of MiB, ms, s or steps: `inf` and
+# 1e300 passed `> 0` and failed at first use, after a load)
+POSITIVE_MAX = 2**31
+
+
 def _positive(name: str, cast, what: str):
     value = os.environ.get(name) or _var(name).default
     try:
         x = cast(value)
-    except ValueError:
+    except (ValueError, OverflowError):
         x = 0
-    if not x > 0:
-        raise OptionError(f"{name} must be a positive {what}, got {value!r}")
+    if not (0 < x <= POSITIVE_MAX):  # (NaN fails it too)
+        raise OptionError(f"{name} must be a positive {what} (at most {POSITIVE_MAX}), got {value!r}")
     return x
 
 
@@ -328,15 +333,17 @@ def check_native() -> None:
         if not value or not v.read_by.endswith(".cc"):
             continue
         if v.choices:
-            choice(v.name)
+            # the C++ side compares exactly: `Generic` passed a case-insensitive check and ran the default
+            if value not in v.choices:
+                choice(v.name)  # (names the values)
+                raise OptionError(f"{v.name} must be one of {', '.join(v.choices)} (lower case, as the C++ "
+                                  f"kernels read it), got {value!r}")
         elif v.name in NATIVE_MIN:
+            # plain digits, as strtoll reads them whole (`3_2` and `32 ` passed int() and ran the default),
+            # and no more than POSITIVE_MAX (atoll of 20 digits overflowed)
             lo = NATIVE_MIN[v.name]
-            try:
-                ok = int(value) >= lo
-            except ValueError:
-                ok = False
-            if not ok:
-                raise OptionError(f"{v.name} must be an integer >= {lo}, got {value!r}")
+            if not (value.isascii() and value.isdigit() and lo <= int(value) <= POSITIVE_MAX):
+                raise OptionError(f"{v.name} must be an integer >= {lo} (at most {POSITIVE_MAX}), got {value!r}")
 
 
 # The numeric variables their modules read as positive numbers (positive_int / positive_float), and

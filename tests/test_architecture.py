@@ -137,7 +137,10 @@ def test_native_knobs_refused_when_an_engine_loads(monkeypatch):
     for name, bad, msg in (("IKJAX_AMX_MIN_ROWS", "8", "integer >= 16"), ("IKJAX_AMX_MIN_ROWS", "64 rows", "integer"),
                            ("IKJAX_SPIN", "-1", "integer >= 0"), ("IKJAX_AVXVNNI", "2", "one of 1, 0"),
                            ("IKJAX_CPU_PART_ROWS", "10", "integer >= 64"), ("IKJAX_CPU_PART_ROWS", "abc", "integer"),
-                           ("IKJAX_MOE_ONE_JOB", "yes", "one of 0, 1"), ("IKJAX_CPU_ISA", "sse4", "one of generic")):
+                           ("IKJAX_MOE_ONE_JOB", "yes", "one of 0, 1"), ("IKJAX_CPU_ISA", "sse4", "one of generic"),
+                           # what the C++ side reads differently: exact case, plain digits, no overflow
+                           ("IKJAX_CPU_ISA", "Generic", "lower case"), ("IKJAX_AMX_MIN_ROWS", "3_2", "integer >= 16"),
+                           ("IKJAX_AMX_MIN_ROWS", "32 ", "integer >= 16"), ("IKJAX_SPIN", "9" * 20, "at most")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(OptionError, match=f"{name} must be .*{msg}"):
             env.check_native()
@@ -158,7 +161,9 @@ def test_every_variable_checked_when_an_engine_loads(monkeypatch, capsys):
     from ikjax.errors import IkjaxError, OptionError
     for name, bad, msg in (("IKJAX_STREAM_MIB", "-5", "positive number of MiB"), ("IKJAX_JOIN_TIMEOUT", "abc", "positive integer"),
                            ("IKJAX_DECODE_LOOP", "yes", "one of 1, 0"), ("IKJAX_DECODE_UNROLL", "0", "positive integer"),
-                           ("IKJAX_FOLD_NORM", "on", "one of 1, 0"), ("IKJAX_SERVE_BURST_MS", "fast", "positive number")):
+                           ("IKJAX_FOLD_NORM", "on", "one of 1, 0"), ("IKJAX_SERVE_BURST_MS", "fast", "positive number"),
+                           ("IKJAX_STREAM_MIB", "inf", "positive number of MiB"), ("IKJAX_SERVE_BURST_MS", "nan", "positive"),
+                           ("IKJAX_JOIN_TIMEOUT", "9" * 25, "positive integer")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(OptionError, match=f"{name} must be a? ?{msg}"):
             ikjax.load("/nonexistent/model.gguf")

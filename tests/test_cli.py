@@ -124,7 +124,7 @@ def test_cli_refuses_a_bad_kernel_knob(tiny_model, monkeypatch):
     from the commands that load an engine and from `info`, which reports the kernels' settings."""
     monkeypatch.setenv("IKJAX_AMX_MIN_ROWS", "8")
     for cmd in (["info", tiny_model], ["sweep-bench", "-m", tiny_model, "-c", "256", "-ub", "64", "-n", "4"]):
-        assert_one_line_error(invoke(cmd, code=1), "IKJAX_AMX_MIN_ROWS must be an integer >= 16, got '8'")
+        assert_one_line_error(invoke(cmd, code=1), "IKJAX_AMX_MIN_ROWS must be an integer >= 16 (at most 2147483648), got '8'")
 
 
 def test_info_memory_plan_matches_engine(tiny_model):
@@ -164,6 +164,19 @@ def test_bench_cartesian_product_and_skip(tiny_model):
     for r in ok:
         m = re.fullmatch(r"(\d+\.\d\d) ± (\d+\.\d\d)", r[col["t/s"]])
         assert m and float(m.group(1)) > 0, r
+
+
+def test_bench_and_perplexity_check_variables_first(tiny_model, tmp_path, monkeypatch):
+    """A bad IKJAX_* value: one line before anything loads, from bench too (it was a 'skipped' row
+    a combination) and perplexity (it tokenized the text with the model's header first)."""
+    monkeypatch.setenv("IKJAX_KERNELS", "foo")
+    assert_one_line_error(invoke(["bench", "-m", tiny_model, "-p", 8, "-n", 2, "-mla", "2,3"], 1),
+                          "IKJAX_KERNELS must be one of")
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 200)
+    res = invoke(["perplexity", "-m", tiny_model, "-f", str(text), "-c", 64, "--chunks", 1], 1)
+    assert_one_line_error(res, "IKJAX_KERNELS must be one of")
+    assert "tokenization" not in res.stderr
 
 
 def test_bench_refuses_a_mode_that_does_not_exist(tiny_model):

@@ -16,6 +16,7 @@ import typer
 
 from ikjax.cli.common import app, backend, handle, log, resolve_model, setup_compile_cache, setup_logging, \
     stderr_console
+from ikjax import env
 from ikjax.cli.parser import ListCommand
 from ikjax.cli.run_options import SWITCH_PARAMS, RunArgs, takes_run_options
 from ikjax.errors import OptionError
@@ -29,6 +30,7 @@ BENCH_FIXED = ("threads_batch", "cpu_moe", "n_cpu_moe", "kv_block", "split_mode"
 def _check_bench_options(params: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """bench's ik switches and the run options it does not sweep, checked and noted once.
     Returns (the fixed run options, the -fmoe list after -no-fmoe)."""
+    env.check_all()  # every IKJAX_* set: one line before anything loads, not a 'skipped' row each
     fixed = {k: params[k] for k in BENCH_FIXED if params.get(k) is not None}
     RunOptions.from_kwargs(**fixed)
     switches = {k: params[k] for k in SWITCH_PARAMS if k in params}

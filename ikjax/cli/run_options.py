@@ -30,6 +30,7 @@ from typing import Annotated, Any, Callable, Iterable, Optional
 
 import typer
 
+from ikjax import env
 from ikjax.cli.common import backend, log
 from ikjax.errors import OptionError
 from ikjax.options import RunOptions, switch_notes
@@ -282,6 +283,7 @@ def model_context_length(model: str | None) -> int:
 def check_options(params: dict[str, Any], command: str) -> tuple[dict[str, Any], RunOptions]:
     """Validate a command's run options and ik switches before anything is loaded; print one note per
     option that has no effect here. Returns (ikjax.load keyword arguments, the checked RunOptions)."""
+    env.check_all()  # every IKJAX_* set, before the model file is opened (perplexity reads its header first)
     run_opts = load_kwargs(params)
     checked = RunOptions.from_kwargs(**{**run_opts, **({"expert_stats": True} if "expert_stats" in run_opts else {})})
     if checked.ctx == 0:  # ik's -c 0: the model's training context, read now (the commands check rows and slots against it)
