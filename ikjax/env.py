@@ -381,8 +381,7 @@ def check_all() -> None:
         elif name in POSITIVE:
             cast, word = POSITIVE[name]
             if word is None or value.lower() != word:
-                _positive(name, cast, "number of MiB" if name.endswith("_MIB") else
-                          "integer" if cast is int else "number")
+                (positive_int if cast is int else positive_float)(name)  # the readers' own check
     check_native()
 
 
