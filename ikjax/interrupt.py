@@ -6,7 +6,8 @@ traceback; inside JAX's garbage-collection callback it was swallowed ("Exception
 command ran on to status 0; during the backend's start the process died of the signal with no line.
 So a process started as the CLI (`ikjax ...`, `python -m ikjax.cli ...`) gets this handler from
 `ikjax/__init__` until `ikjax.cli` has imported its commands (`restore`), from where the commands'
-own handling (`ikjax.cli.common.handle`) gives the same line and status. A program that imports
+own handling (`ikjax.cli.common.handle`) gives the same line and status (`check` finds a Ctrl-C that
+JAX swallowed). A program that imports
 ikjax as a library keeps its own SIGINT handling: nothing is installed there."""
 from __future__ import annotations
 
@@ -45,7 +46,42 @@ def install_for_cli() -> bool:
     return True
 
 
+_requested = threading.Event()  # set by a command's Ctrl-C (`_interrupted_in_command`), read by `check`
+
+
+def _interrupted_in_command(signum, frame) -> None:
+    """A command's Ctrl-C: Python's KeyboardInterrupt, and a flag that outlives it. Why the flag:
+    the interrupt lands between two bytecodes of whatever the main thread runs, and inside JAX's
+    garbage-collection callback (`_xla_gc_callback`, run at any allocation of a generation loop)
+    Python reports it as "Exception ignored" and drops it: the command ran on to the end and
+    exited 0. The command's loops (`check`) and `common.handle` after the body find the flag."""
+    _requested.set()
+    raise KeyboardInterrupt
+
+
+def check() -> None:
+    """Raise the KeyboardInterrupt a command's Ctrl-C raised, in case it was swallowed where it
+    landed; called once a token / row / chunk by the CLI's loops and after a command's body."""
+    if _requested.is_set():
+        raise KeyboardInterrupt
+
+
+def clear() -> None:
+    """Forget a Ctrl-C that was handled (chat: it stopped the answer, the conversation goes on)."""
+    _requested.clear()
+
+
 def restore() -> None:
-    """Python's KeyboardInterrupt again, where the starting handler is in place."""
+    """A command's Ctrl-C handling, where the starting handler is in place (the CLI's process):
+    KeyboardInterrupt as Python's own, plus the flag that `check` reads."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, _interrupted_in_command)
+        previous = sys.unraisablehook
+
+        def quiet_swallowed_interrupt(unraisable) -> None:
+            """The swallowed Ctrl-C's "Exception ignored ... Traceback" is not printed: `check`
+            ends the command with its one line."""
+            if isinstance(unraisable.exc_value, KeyboardInterrupt) and _requested.is_set():
+                return
+            previous(unraisable)
+        sys.unraisablehook = quiet_swallowed_interrupt

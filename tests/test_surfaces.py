@@ -315,6 +315,38 @@ def test_ctrl_c_while_starting_exits_130(entry):
     assert p.returncode == 130 and err.decode() == "error: interrupted\n", (p.returncode, err.decode()[-800:])
 
 
+def test_ctrl_c_swallowed_by_a_gc_callback_still_ends_the_command(tmp_path):
+    """Ctrl-C that lands inside a garbage-collection callback (JAX's `_xla_gc_callback` runs at
+    allocations all through a generation) is dropped by Python ("Exception ignored"): generate ran
+    on to its last token and exited 0. The command's handler keeps a flag that the token loop reads
+    (ikjax/interrupt.py): one line, status 130, the rest of the tokens not generated, and no
+    "Exception ignored" traceback. The signal is sent from inside a gc callback once tokens flow."""
+    code = ("import gc, os, signal, sys\n"
+            "sys.argv = ['ikjax', 'generate', '-m', 'synthetic:tiny', '-p', 'hello', '-n', '3000', '--ignore-eos',"
+            " '--temp', '0', '-c', '4096']\n"
+            "import ikjax.cli\n"
+            "fired = []\n"
+            "def cb(phase, info):\n"
+            "    if phase == 'start' and not fired and os.fstat(1).st_size > 100:\n"
+            "        fired.append(1)\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        for _ in range(100):\n"  # the handler runs here, inside the callback
+            "            pass\n"
+            "gc.callbacks.insert(0, cb)\n"
+            "ikjax.cli.main()\n")
+    out = tmp_path / "out.txt"
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # (see test_ctrl_c_exits_130)
+    try:
+        with open(out, "wb") as f:
+            r = subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.PIPE, timeout=300)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    err = r.stderr.decode()
+    assert r.returncode == 130 and err.splitlines()[-1] == "error: interrupted", (r.returncode, err[-800:])
+    assert "Exception ignored" not in err and "Traceback" not in err, err[-800:]
+    assert "generated 3000 tokens" not in err and out.stat().st_size > 100, (out.stat().st_size, err[-800:])
+
+
 def test_importing_ikjax_as_a_library_keeps_sigint():
     """A program that imports ikjax keeps Python's KeyboardInterrupt: the starting handler is the
     CLI's only, and goes once the CLI has imported its commands."""

@@ -16,7 +16,7 @@ import typer
 
 from ikjax.cli.common import app, backend, handle, log, resolve_model, setup_compile_cache, setup_logging, \
     stderr_console
-from ikjax import env
+from ikjax import env, interrupt
 from ikjax.cli.parser import ListCommand
 from ikjax.cli.run_options import SWITCH_PARAMS, RunArgs, takes_run_options
 from ikjax.errors import OptionError
@@ -233,6 +233,7 @@ def bench(
         status.start()
 
     def on_result(r):
+        interrupt.check()  # (ikjax/interrupt.py: a Ctrl-C JAX swallowed)
         if output == "md":
             if not first:
                 first.append(1)

@@ -24,6 +24,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ikjax import interrupt
 from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
                               app, handle, announce_seed, ik_sampling, ik_seed, load_engine, log, process_escapes, read_prompt_file,
                               setup_compile_cache, template_choice)
@@ -119,6 +120,7 @@ class Chat:
             "Ctrl-C at the prompt or Ctrl-D ends")
         try:
             while True:
+                interrupt.check()  # a Ctrl-C outside an answer that JAX swallowed ends it (ikjax/interrupt.py)
                 if first is not None:
                     user, first = first, None
                     _out(f"> {user}\n")

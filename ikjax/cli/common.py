@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 
-from ikjax import env
+from ikjax import env, interrupt
 from ikjax.cli.parser import (EXIT_INTERRUPTED, Group, Terminated, at_end, is_stdout_error, output_error,
                               terminate_on_sigterm)
 from ikjax.errors import IkjaxError, OptionError
@@ -79,7 +79,14 @@ def handle(func: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             _join_processes(func.__name__, kwargs)
-            return func(*args, **kwargs)
+            try:
+                result = func(*args, **kwargs)
+            except typer.Exit as e:
+                if not e.exit_code:
+                    interrupt.check()  # a Ctrl-C swallowed where it landed is still one (ikjax/interrupt.py)
+                raise
+            interrupt.check()
+            return result
         except typer.Exit as e:
             _end_processes(e.exit_code)
             raise

@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ikjax import interrupt
 from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
                               TopK, TopP, app, batch_invariance, compiled_line, handle, load_engine, log,
                               announce_seed, ik_sampling, ik_seed, process_escapes, read_prompt_file, setup_compile_cache)
@@ -124,6 +125,7 @@ def generate(
                               stream=True, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                               frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                               ignore_eos=ignore_eos):
+            interrupt.check()  # a Ctrl-C that JAX's gc callback swallowed ends it here
             if t_first is None:
                 t_first = time.perf_counter()
             n += 1

@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ikjax import interrupt
 from ikjax.cli.common import app, compiled_line, handle, load_engine, log, read_text_file, setup_compile_cache
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, model_context_length, takes_run_options
@@ -143,6 +144,7 @@ def _run_ppl(eng, ids, n_ctx: int, n_chunk: int, n_seq: int, save_base: Optional
     t0 = time.perf_counter()
 
     def on_chunk(i: int, nll) -> None:
+        interrupt.check()  # (ikjax/interrupt.py: a Ctrl-C JAX swallowed)
         if i == 0:  # after the first pass (n_seq chunks), before its progress, as ik
             dt = time.perf_counter() - t0
             log(f"perplexity: {dt:.2f} seconds per pass - ETA {_eta(dt, n_chunk, n_seq)}")
@@ -166,6 +168,7 @@ def _run_kld(eng, base, chunks: int, n_seq: int) -> None:
     t0 = time.perf_counter()
 
     def on_chunk(i: int, res) -> None:
+        interrupt.check()
         if i == 0:
             dt = time.perf_counter() - t0
             log(f"kl_divergence: {dt:.2f} seconds per pass - ETA {_eta(dt, n_chunk, n_seq)}")

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ikjax import interrupt
 from ikjax.cli.common import Progress, app, compiled_line, handle, load_engine, log, setup_compile_cache
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
@@ -143,7 +144,8 @@ def sweep_bench(
             for line in ("", info.banner(), "", *header):
                 prog.echo(line)
         for row in sb.run(eng, tg, seed=seed, nrep=reps, before_row=before_row, warmup=warmup, memory=memory,
-                          on_progress=lambda done, _: prog.update(completed=done), **shape_args):
+                          on_progress=lambda done, _: (interrupt.check(), prog.update(completed=done)), **shape_args):
+            interrupt.check()  # (ikjax/interrupt.py: a Ctrl-C JAX swallowed)
             rows.append(row)
             prog.update(description=f"sweep-bench N_KV {row.n_kv + pp}")
             prog.echo(row.markdown() if output_format == "md" else row.jsonl(info))
