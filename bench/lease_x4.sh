@@ -1362,6 +1362,24 @@ for line in sys.stdin:
   timeout 150 python3 bench/gpu_decode_hlo.py --model $V2L --out $OUT 2>&1 | grep -v Warn | head -${HEAD77:-60}
   STAGE=75 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|stage 75 done"
   ;;
+78)
+  # issue 22's deep first row on the 16-core host, where its 5 s of compile go now (stop 62): a throwaway
+  # cold run first (a fresh machine's first model process pays the binaries' first reads), then the two
+  # first-row steps each compiled alone under jax.profiler (trace + lower against XLA, XLA's events),
+  # the decode loop's trace + lower under cProfile, then the cold run under the stack sampler (STAGE=69's)
+  v2l_ready
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
+    > /dev/null 2>&1; echo "throwaway run rc=$?"
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
+    --top ${TOP78:-24} --steps 0,1 2>&1 | grep -v Warning | tee $OUT/prof78.txt | head -${HEAD78:-80}
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
+    --cprofile --top ${TOP78C:-30} --steps ${CSTEPS78:-0,1} 2>&1 | grep -v Warning | tee $OUT/cprof78.txt | head -${HEADC78:-150}
+  t0=$(date +%s.%N)
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/warm_timeline.py --min-ms 50 -- sweep-bench -m $V2L -mla 3 -fa 1 \
+    -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/cold_timeline78.txt"
+  echo "cold under the sampler: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s"
+  grep -v "^|" "$OUT/cold_timeline78.txt" | grep -v Warn | grep -v "^  \[" | head -${TL78:-90}
+  ;;
 74)
   # call 2: the R1 file's split runs on 2 GPUs (PARTS74), nothing else on the host
   while [ ! -f /tmp/mg/r1.gguf ] && [ $(( $(date +%s) - T0 )) -lt 200 ]; do sleep 5; done
