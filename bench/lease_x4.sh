@@ -1380,6 +1380,26 @@ for line in sys.stdin:
   echo "cold under the sampler: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s"
   grep -v "^|" "$OUT/cold_timeline78.txt" | grep -v Warn | grep -v "^  \[" | head -${TL78:-90}
   ;;
+79)
+  # the RMSNorm folded into the batch-invariant row form (serve's decode, stop 62), call 1: its GPU tests, then
+  # the in-process probe per IKJAX_FOLD_NORM (greedy scheduler answers against generate, a batched row's
+  # logits against alone, the invariant step's GPU time at [1,1] / [8,1]: bench/gpu_batch_invariance.py)
+  timeout ${TESTS79_S:-220} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs tests/test_norm_linear.py \
+    tests/test_kernels_quant_matmul.py -k "${TESTK79:-norm or invariant or live_rows}" 2>&1 | tee $OUT/tests79.txt \
+    | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED|Error" | head -20
+  for fold in ${FOLDS79:-1 0}; do
+    el "invariant probe, IKJAX_FOLD_NORM=$fold"
+    OUT=$OUT/inv-f$fold STAGES=inv1 PARTS1=${PARTS79:-greedy,logits,profile8} IKJAX_FOLD_NORM=$fold timeout 250 \
+      bash bench/gpu_invariance.sh 2>&1 | grep -vE "Warning|^ *$" | tail -${TAIL79:-18}
+  done
+  ;;
+80)
+  # call 2: serve's load rows (1 and 8 streams, bench/gpu_serve.sh LOAD_ONLY=1) per IKJAX_FOLD_NORM, alternating
+  for fold in ${FOLDS80:-1 0 1 0}; do
+    el "serve load rows, IKJAX_FOLD_NORM=$fold"
+    OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
+  done
+  ;;
 74)
   # call 2: the R1 file's split runs on 2 GPUs (PARTS74), nothing else on the host
   while [ ! -f /tmp/mg/r1.gguf ] && [ $(( $(date +%s) - T0 )) -lt 200 ]; do sleep 5; done

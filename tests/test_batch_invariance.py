@@ -231,6 +231,12 @@ def test_idle_rows_skipped_and_live_rows_as_alone(tiny4_model, monkeypatch, form
             assert any(seen), "no product got the live-rows mask"
     assert np.array_equal(out["idle"][[0, 2]], out["all"][[0, 2]])
     assert np.isfinite(out["idle"]).all()
+    # and as the row alone (a batch of one; decode steps from position 0: prompts are not batch-invariant),
+    # the row form's norms folded into its products
+    batch, _ = eng.step(eng.new_cache(3), nxt, np.zeros(3, np.int32))
+    alone, _ = eng.step(eng.new_cache(1), nxt[2:], np.zeros(1, np.int32))
+    assert np.array_equal(np.asarray(alone)[0], np.asarray(batch)[2])
+    assert registry.selected("norm_linear") == ("interpret" if form == "rows" else "xla")
 
 
 def test_idle_rows_attend_to_one_key(tiny4_model, monkeypatch):

@@ -80,6 +80,30 @@ def test_stacked_weights_and_norms_read_in_place():
         assert rel(y, want) < 1e-5, layer
 
 
+def _invariant_rows(x, nw, pw, dtype, live=None, interpret=True):
+    return quant_matmul_normed(x, nw, EPS, pw, dtype, interpret=interpret, row_invariant=True,
+                               live_rows=None if live is None else jnp.asarray(live, jnp.int32))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q6_K", "IQ4_XS"])
+def test_folded_norm_batch_invariant_rows(name):
+    """The batch-invariant step's row form, folded (serve's decode): each row of a batch gets the
+    bits it gets alone (its products, its sum of squares and its scale are its own programs'),
+    whatever the other rows hold or how many there are; an idle slot's row is zeros and changes
+    nothing; both within rounding of the references in a row."""
+    pw, x, nw = _inputs(name, 6, 48, 1024, abs(hash(name + "i")) % 2**32)
+    alone = [np.asarray(_invariant_rows(x[r:r + 1], nw, pw, jnp.bfloat16)) for r in range(6)]
+    batch = np.asarray(_invariant_rows(x, nw, pw, jnp.bfloat16))
+    for r in range(6):
+        assert np.array_equal(batch[r:r + 1], alone[r]), (name, r)
+    live = [1, 0, 1, 1, 0, 1]
+    some = np.asarray(_invariant_rows(x.at[1].set(1e4), nw, pw, jnp.bfloat16, live))
+    for r in range(6):
+        assert np.array_equal(some[r:r + 1], alone[r] if live[r] else np.zeros_like(alone[r])), (name, r)
+    ref = quant_matmul_ref(rms_norm_ref(x, nw, EPS), pw, jnp.bfloat16)
+    assert rel(batch, ref) < 6e-3 and rel(batch, _folded_exact(x, nw, pw, jnp.bfloat16)) < 1e-5
+
+
 @pytest.mark.parametrize("name", sorted(KERNEL_TYPES))
 def test_folded_norm_triton_lowering(name):
     rng = np.random.default_rng(5)
@@ -87,6 +111,8 @@ def test_folded_norm_triton_lowering(name):
     for M in (1, 4):
         cuda_lowering(lambda x, nw, w: quant_matmul_normed(x, nw, EPS, w), jnp.zeros((M, 512), jnp.float32),
                       jnp.ones((2, 512), jnp.float32), pw)
+    cuda_lowering(lambda x, nw, w, live: quant_matmul_normed(x, nw, EPS, w, row_invariant=True, live_rows=live),
+                  jnp.zeros((8, 512), jnp.float32), jnp.ones((2, 512), jnp.float32), pw, jnp.ones((8,), jnp.int32))
 
 
 def test_op_folds_only_decode_products_outside_batch_invariant_steps(monkeypatch):
@@ -107,7 +133,11 @@ def test_op_folds_only_decode_products_outside_batch_invariant_steps(monkeypatch
         assert registry.selected("norm_linear") == "xla" and registry.selected("quant_linear") == "interpret"
         assert rel(y0, want[:1]) < 6e-3
         monkeypatch.setenv("IKJAX_FOLD_NORM", "1")
-        monkeypatch.setenv("IKJAX_BATCH_INVARIANT", "1")  # each row as alone: norm and product kept apart
+        monkeypatch.setenv("IKJAX_BATCH_INVARIANT", "1")  # each row as alone: the row form folds, 8 rows too
+        y8 = ops.norm_linear(x, view["attn_norm"], EPS, view["w"], jnp.bfloat16)
+        assert registry.selected("norm_linear") == "interpret"
+        assert rel(y8, want) < 6e-3
+        monkeypatch.setenv("IKJAX_INVARIANT_FORM", "dot")  # the matrix-unit form: norm and product kept apart
         ops.norm_linear(x[:1], view["attn_norm"], EPS, view["w"], jnp.bfloat16)
         assert registry.selected("norm_linear") == "xla" and registry.selected("rms_norm") == "interpret"
     monkeypatch.setenv("IKJAX_FOLD_NORM", "2")
@@ -134,3 +164,24 @@ def test_gpu_folded_norm_real_size(name):
             y = quant_matmul_normed(x, nw, EPS, pw, jnp.bfloat16)
             assert rel(y, _folded_exact(x, nw, pw, jnp.bfloat16)) < 1e-4, (name, N, K, M)
             assert rel(y, quant_matmul_ref(rms_norm_ref(x, nw, EPS), pw, jnp.bfloat16)) < 6e-3, (name, N, K, M)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "IQ4_XS"])
+def test_gpu_folded_norm_batch_invariant_rows(name):
+    """On the hardware, the invariant row form folded at V2-Lite's norm-fed shapes: 8 rows (two of
+    them idle slots) each equal to the row alone bit for bit, within rounding of the references."""
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(13)
+    for N, K in [(2112, 2048), (102400, 2048)]:
+        pw = prepare(random_quant_array(name, (N, K), rng, fast=True))
+        nw = jnp.asarray(rng.uniform(0.2, 2.0, K), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((8, K)) * 4, jnp.float32)
+        live = [1, 1, 0, 1, 1, 1, 0, 1]
+        batch = np.asarray(_invariant_rows(x, nw, pw, jnp.bfloat16, live, interpret=False))
+        for r in range(8):
+            alone = np.asarray(_invariant_rows(x[r:r + 1], nw, pw, jnp.bfloat16, interpret=False))
+            assert np.array_equal(batch[r:r + 1], alone if live[r] else np.zeros_like(alone)), (name, N, r)
+        ref = quant_matmul_ref(rms_norm_ref(x, nw, EPS), pw, jnp.bfloat16)
+        on = np.asarray(live, bool)
+        assert rel(batch[on], np.asarray(ref)[on]) < 6e-3, (name, N, K)

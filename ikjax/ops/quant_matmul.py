@@ -196,12 +196,21 @@ def quant_linear(x, w, dtype, *, backend: str | None = None):
 
 # -- RMSNorm folded into a decode product -----------------------------------------------------------
 
+def _normed_invariant(x) -> bool:
+    """A batch-invariant decode step's product in the row form (a program a row): folded there too,
+    each row's norm and product computed by its own programs (quant_matmul_normed's row_invariant).
+    The matrix-unit form (IKJAX_INVARIANT_FORM=dot) keeps the two apart."""
+    return (registry.batch_invariant() and registry.rows(x) <= registry.INVARIANT_MAX_ROWS
+            and not registry.invariant_matrix_unit())
+
+
 def _normed_pallas_supported(x, norm_w, eps, w, dtype) -> bool:
-    # the plain decode schedule only: a batch-invariant step keeps its norm (one program a row) and
-    # its products (whose bits must not depend on the batch) as they are; prompts take XLA's path
+    # decode products only (prompts take XLA's path); in a batch-invariant step, the row form's
     rows = registry.rows(x)
     nw = norm_w.stack if isinstance(norm_w, LayerSlice) else norm_w
-    return (env.choice("IKJAX_FOLD_NORM") == "1" and rows <= AUTO_MAX_ROWS and not registry.batch_invariant()
+    if env.choice("IKJAX_FOLD_NORM") != "1" or (registry.batch_invariant() and not _normed_invariant(x)):
+        return False
+    return ((rows <= AUTO_MAX_ROWS or _normed_invariant(x))
             and nw.shape[-1] == x.shape[-1] and pallas_ok(w))
 
 
@@ -209,7 +218,10 @@ def _normed_pallas(interpret: bool):
     def run(x, norm_w, eps, w, dtype):
         pw, layer = pallas_weight(w)
         nw, nl = (norm_w.stack, norm_w.index) if isinstance(norm_w, LayerSlice) else (norm_w, None)
-        return _qm.quant_matmul_normed(x, nw, eps, pw, dtype, interpret=interpret, layer=layer, norm_layer=nl)
+        invariant = _normed_invariant(x)
+        live = registry.live_rows_mask(registry.rows(x)) if invariant else None
+        return _qm.quant_matmul_normed(x, nw, eps, pw, dtype, interpret=interpret, layer=layer, norm_layer=nl,
+                                       row_invariant=invariant, live_rows=live)
     return run
 
 
@@ -221,8 +233,9 @@ def norm_linear(x, norm_w, eps: float, w, dtype, *, backend: str | None = None):
     """quant_linear(rms_norm(x, norm_w, eps), w, dtype), the norm's weight an array [K] or a
     LayerSlice of a scanned group's stack (read in place). `pallas`/`interpret`: a decode product
     with the norm folded in (pallas_kernels' quant_matmul_normed: no kernel of its own for the
-    norm; IKJAX_FOLD_NORM=0 keeps them apart). Everywhere else (`xla`, the CPU kernels, prompts,
-    batch-invariant steps) the two ops as they are, each dispatched by its own registry."""
+    norm; IKJAX_FOLD_NORM=0 keeps them apart), the batch-invariant row form's included. Everywhere
+    else (`xla`, the CPU kernels, prompts, the invariant matrix-unit form) the two ops as they are,
+    each dispatched by its own registry."""
     impls = {
         "xla": registry.Impl(lambda *a: True, _normed_composed),
         "pallas": registry.Impl(_normed_pallas_supported, _normed_pallas(False)),

@@ -326,7 +326,7 @@ def _call(x, ws, expert, layer, live=None, row_live=None, norm=None, *, dtype, s
     args = [xv]
     has_norm = norm is not None
     if has_norm:
-        if mode != "rows" or swiglu or expert is not None or row_live is not None or seq_rows:
+        if mode != "rows" or swiglu or expert is not None or seq_rows:
             raise ValueError(f"a folded RMSNorm needs the plain rows schedule, got {mode}")
         nw, norm_layer = norm  # [layers, K] float32, int32 scalar
         args += [x_view(nw.astype(F32), qtype), jnp.reshape(norm_layer, (1,)).astype(jnp.int32)]
@@ -408,7 +408,8 @@ def quant_matmul(x, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = Fa
 
 
 def quant_matmul_normed(x, norm_weight, eps: float, w: PackedWeight, dtype=jnp.bfloat16, *, interpret: bool = False,
-                        layer=None, norm_layer=None, config: dict | None = None):
+                        layer=None, norm_layer=None, config: dict | None = None, row_invariant: bool = False,
+                        live_rows=None):
     """RMSNorm(x) @ W[N, K]^T -> [..., N] float32, the norm folded into the decode schedule: the
     kernel multiplies x by the norm's weight where it rounds x to the compute dtype, sums each
     row's squares beside its products, and the rows' 1/rms scales the summed result
@@ -416,16 +417,23 @@ def quant_matmul_normed(x, norm_weight, eps: float, w: PackedWeight, dtype=jnp.b
     were two XLA kernels each (the sum of squares, then the scaled copy the product reads), ~1.5 us
     of launch a kernel at one row; folded, the norm costs one multiply-add per x element.
     `norm_weight` [K] float, or a stack [layers, K] read at `norm_layer` in place (a scanned
-    group's, as `layer` is W's). Rows schedule only (<= 4 rows; pick_config)."""
+    group's, as `layer` is W's). Rows schedule only (<= 4 rows; pick_config).
+    `row_invariant` (and `live_rows`, as quant_matmul's): the batch-invariant decode's one-row
+    programs, for any row count: a row's products, its sum of squares (one split's, in the
+    split's k order) and its scale depend on that row alone, so it gets the bits it gets alone."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     N, K = w.shape[-2], w.shape[-1]
-    cfg = config or pick_config(w.qtype, x2.shape[0], N, K)
+    if row_invariant:
+        cfg = config or pick_config(w.qtype, x2.shape[0], N, K, rows_max=1, tile_rows=1, split_rows=1)
+    else:
+        cfg = config or pick_config(w.qtype, x2.shape[0], N, K)
+        live_rows = None
     if cfg["mode"] != "rows":
         raise ValueError(f"a folded RMSNorm needs the rows schedule (<= 4 rows), got {x2.shape[0]} rows")
     nw = norm_weight.reshape(-1, K)
     nl = jnp.int32(0) if norm_layer is None else norm_layer
-    y = _call(x2, (w,), None, layer, None, None, (nw, nl), dtype=jnp.dtype(dtype), swiglu=False,
+    y = _call(x2, (w,), None, layer, None, live_rows, (nw, nl), dtype=jnp.dtype(dtype), swiglu=False,
               config=tuple(sorted(cfg.items())), interpret=interpret, norm_eps=float(eps))
     return y.reshape(*lead, N)
 
