@@ -20,9 +20,11 @@ from ikjax import env, interrupt
 from ikjax.cli.parser import ListCommand
 from ikjax.cli.run_options import SWITCH_PARAMS, RunArgs, takes_run_options
 from ikjax.errors import OptionError
-from ikjax.options import RunOptions, switch_notes
+from ikjax.options import CACHE_TYPES, COMPUTE_DTYPES, RunOptions, switch_notes
 
 _D = RunOptions()
+# ik_llama.cpp's other KV cache types (its `-ctk` list): known names, not stored by ikjax
+IK_CACHE_TYPES = ("q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q6_0", "q8_kv")
 
 BENCH_FIXED = ("threads_batch", "cpu_moe", "n_cpu_moe", "kv_block", "split_mode", "main_gpu", "ts")
 
@@ -211,6 +213,14 @@ def bench(
                               f"got {value!r}")
         if flag == "mla" and any(v > 3 for v in vals):  # no such mode anywhere (ik's are 0-3): not a row's 'skipped'
             raise OptionError(f"-mla: modes are 0, 1, 2 or 3, got {value!r}")
+    # a type no build knows is a bad flag, refused before anything runs (llama-bench's "invalid
+    # parameter"), not a 'skipped' row per combination; a cache type of ik's that this build does
+    # not store (q4_0, ...) stays a combination's 'skipped' row, as a backend's missing type there
+    for flag, value, allowed in (("-ctk", ctk, CACHE_TYPES + IK_CACHE_TYPES), ("-ctv", ctv, CACHE_TYPES + IK_CACHE_TYPES),
+                                 ("--dtype", dtype, COMPUTE_DTYPES)):
+        for v in str(value).split(",") if value else ():
+            if v.strip().lower() not in allowed:
+                raise OptionError(f"{flag}: {v.strip()!r} is not one of {', '.join(allowed)} (got {value!r})")
     tests = lb.make_tests(counts(n_prompt, "p"), counts(n_gen, "n"), pairs(gp, "gp"),
                           counts(depth, "d") or [0], pairs(pg, "pg"))
     if not tests:
