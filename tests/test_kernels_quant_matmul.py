@@ -247,3 +247,31 @@ def test_dead_rows_triton_lowering():
         pw = prepare(random_quant_array("Q4_0", (256, K), rng, fast=True))
         cuda_lowering(lambda x, w, m: quant_matmul(x, w, row_invariant=True, live_rows=m),
                       jnp.zeros((8, K), jnp.bfloat16), pw, jnp.ones((8,), jnp.int32))
+
+
+def test_triton_lowering_imports_nothing_it_cannot_find():
+    """Lowering a Pallas kernel for CUDA looks up no module that does not exist: MLIR asked for the
+    `tt` dialect's Python module under names jaxlib does not use, ~230 failed imports a kernel
+    (a third of its lowering, on a cold start's critical path), until pallas_kernels registered
+    it under the first of them (pallas_kernels/__init__.py)."""
+    import importlib._bootstrap as bootstrap
+    import sys
+    from pallas_kernels.quant_matmul.kernel import quant_matmul as qm
+    from pallas_kernels.testing import cuda_lowering
+    assert sys.modules.get("jaxlib.mlir.dialects.tt") is not None
+    rng = np.random.default_rng(0)
+    pw = prepare(random_quant_array("Q4_0", (64, 512), rng, fast=True))
+    cuda_lowering(lambda x, w: qm(x * 2.5, w), jnp.zeros((1, 512), jnp.float32), pw)  # the lowering's own imports
+    asked: list[str] = []
+    orig = bootstrap._find_and_load
+
+    def find_and_load(name, import_):
+        asked.append(name)
+        return orig(name, import_)
+    bootstrap._find_and_load = find_and_load
+    try:
+        exported = cuda_lowering(lambda x, w: qm(x * 1.5, w), jnp.zeros((1, 512), jnp.float32), pw)
+    finally:
+        bootstrap._find_and_load = orig
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+    assert not [n for n in asked if n.endswith(".tt")], sorted(set(asked))
