@@ -98,8 +98,8 @@ class ChatTemplate:
             if not isinstance(m, Mapping):
                 raise ChatTemplateError(f"messages[{i}]: expected an object with role and content, got "
                                         f"{type(m).__name__}")
-            chat.append(_alias_reasoning(_plain(m)))
-        variables = {"tools": None, "documents": None, **_plain(kwargs)}
+            chat.append(_alias_reasoning(_plain(m, f"messages[{i}]")))
+        variables = {"tools": None, "documents": None, **_plain(kwargs, "the template's variables")}
         try:
             return self._template.render(messages=chat, add_generation_prompt=bool(add_generation_prompt),
                                          **variables)
@@ -500,9 +500,16 @@ def _compile(source: str, name: str):
                                 f"{_one_line(e)}") from None
 
 
-def _plain(value: Any) -> Any:
+# what a template may see nests at most this deep (a tool's JSON schema: a few levels): deeper data is
+# refused by name, where the copy below recursed until Python's limit and the server answered a 500
+# with a 2,900-line traceback in its log
+MAX_DEPTH = 64
+
+
+def _plain(value: Any, where: str = "value", depth: int = 0) -> Any:
     """What a template may see: JSON-like data only (str, int, float, bool, None, lists, dicts);
-    subclasses lose their extra methods, anything else becomes a placeholder "<TypeName>"."""
+    subclasses lose their extra methods, anything else becomes a placeholder "<TypeName>".
+    Nested deeper than MAX_DEPTH: a ChatTemplateError naming `where`."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, str):
@@ -513,15 +520,17 @@ def _plain(value: Any) -> Any:
         return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
+    if isinstance(value, (Mapping, tuple, list)) and depth >= MAX_DEPTH:
+        raise ChatTemplateError(f"{where}: nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {_plain(k, where, depth + 1): _plain(v, where, depth + 1) for k, v in value.items()}
     if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
+        return tuple(_plain(v, where, depth + 1) for v in value)
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [_plain(v, where, depth + 1) for v in value]
     item = getattr(value, "item", None)  # numpy scalars
     if callable(item) and type(value).__module__ == "numpy":
-        return _plain(item())
+        return _plain(item(), where, depth)
     return f"<{type(value).__name__}>"
 
 

@@ -651,3 +651,12 @@ def test_logit_bias(eng, sched):
     for bad in ({eng.config.vocab_size: 1.0}, {"a": 1.0}, {1: "x"}, {1: float("nan")}, [[1]], 5):
         with pytest.raises(ikjax.OptionError, match="logit_bias"):
             sched.make_request(p, 2, on_event=Collect(), logit_bias=bad)
+    # every token banned (it drew banned ids): refused; every token but one: that one, every time
+    V, eos = eng.config.vocab_size, eng.config.eos_token_id
+    with pytest.raises(ikjax.OptionError, match="bans every token"):
+        sched.make_request(p, 2, on_event=Collect(), logit_bias={i: -100.0 for i in range(V)})
+    with pytest.raises(ikjax.OptionError, match="bans every token .* with ignore_eos"):
+        sched.make_request(p, 2, on_event=Collect(), logit_bias={i: False for i in range(V) if i != eos},
+                           ignore_eos=True)
+    _, c = submit(sched, p, 3, logit_bias={i: -100.0 for i in range(V) if i != t}, temperature=1.0, seed=1)
+    assert c.wait()[0] == "done" and c.tokens == [t] * 3

@@ -441,6 +441,55 @@ def test_bad_requests_are_400(server):
     assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
 
 
+def _raw_http(s: Proc, data: bytes) -> tuple[str, bytes]:
+    """(status line, body) of bytes sent as they are (what http.client will not send)."""
+    import socket
+    with socket.create_connection((s.host, int(s.port)), timeout=30) as sock:
+        sock.sendall(data)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode(), body
+
+
+def test_fourth_probe_huge_and_deep_and_malformed_requests(server):
+    """An outside probe of the HTTP side (stop 62): an 8 MB prompt was tokenized in full (20 s on a
+    2-core host, the tokenizer holding the GIL) before it was found too long, while /health and
+    every other stream waited; JSON nested 480 deep in a chat message was a 500 with a 2,900-line
+    traceback; a request aiohttp's parser refuses was a text/plain answer and a logged traceback;
+    a logit_bias banning every token drew banned tokens."""
+    import threading
+    answers = {}
+    big = {"prompt": "ab " * ((8 << 20) // 3), "max_tokens": 1}
+    t = threading.Thread(target=lambda: answers.update(big=call(server, "POST", "/v1/completions", big)))
+    t0 = time.perf_counter()
+    t.start()
+    status, _ = call(server, "GET", "/health")
+    t.join(60)
+    assert status == 200 and time.perf_counter() - t0 < 10
+    _error(answers["big"], 400, "characters cannot fit a slot's context")
+    deep = "[" * 480 + "]" * 480
+    _error(call(server, "POST", "/v1/chat/completions", raw=(
+        '{"messages":[{"role":"user","content":"hi","x":' + deep + '}],"max_tokens":1}').encode()), 400,
+        "messages[0]: nested deeper than 64 levels")
+    n0 = len(server.lines)
+    for data, needle in ((b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nab\r\n0\r\n\r\n",
+                          b"chunk size"),
+                         (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n", b"8190 bytes")):
+        line, body = _raw_http(server, data)
+        assert " 400 " in line, (line, body[:300])
+        err = json.loads(body)["error"]
+        assert err["code"] == 400 and needle.decode() in err["message"] and err["message"].startswith("malformed HTTP")
+    time.sleep(0.3)
+    logged = server.lines[n0:]
+    assert not any("Traceback" in ln for ln in logged) and sum("malformed HTTP request" in ln for ln in logged) == 2, \
+        logged[-10:]
+    _error(call(server, "POST", "/completion", {"prompt": "hi", "n_predict": 2,
+                                                "logit_bias": [[i, False] for i in range(1024)]}), 400, "bans every token")
+    assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
+
+
 def test_no_reasoning_field_for_no_reasoning(server):
     """n_predict 0 under R1's template (the prompt opened <think>): no reasoning came, so no
     reasoning_content (it was ""), as an answer whose <think> block is empty has none. (OpenAI's

@@ -238,6 +238,9 @@ class Scheduler:
         bias = [(t, b) for t, b in check_logit_bias(logit_bias, self.eng.config.vocab_size) if b != 0]
         # a bias of -100 or less is a ban (the device argmax honours bans; other biases sample on the host)
         ban = frozenset(({eos} if ignore_eos and eos is not None else set()) | {t for t, b in bias if b <= LOGIT_BAN})
+        if len(ban) >= self.eng.config.vocab_size:  # nothing left to draw: it drew banned ids before
+            raise OptionError(f"logit_bias: bans every token of the vocabulary ({self.eng.config.vocab_size})"
+                              f"{' with ignore_eos' if ignore_eos else ''}; leave at least one")
         return Request(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(stops),
                        on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, penalties=pen,
                        top_logprobs=top_logprobs, logit_bias=tuple((t, b) for t, b in bias if b > LOGIT_BAN),

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 
 from ikjax.chat_template import (AnswerSplitter, developer_as_system, forced_answer_start, opens_reasoning,
                                  renders_text_beside_calls)
@@ -71,10 +71,54 @@ class _AnsweredBodyErrors(logging.Filter):
         return not isinstance(exc, (web.RequestPayloadError, ContentEncodingError))
 
 
+class _MalformedHttpOneLine(logging.Filter):
+    """A request aiohttp's HTTP parser refuses (a bad chunk size, Content-Length beside
+    Transfer-Encoding, a header past 8190 bytes, an unknown method...) was logged as "Error
+    handling request" with a traceback, one per bad request: a client could fill the log. Such a
+    record becomes one line naming the problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args, record.exc_info = "malformed HTTP request: %s", (_framing_reason(exc),), None
+        return True
+
+
+def _framing_reason(exc: BaseException | None, message: str | None = None) -> str:
+    why = getattr(exc, "message", None) or message or (str(exc) if exc is not None else "")
+    return " ".join(str(why).split())[:300] or "unreadable"
+
+
 def _quiet_answered_body_errors() -> None:
     logger = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, _AnsweredBodyErrors) for f in logger.filters):
-        logger.addFilter(_AnsweredBodyErrors())
+    for kind in (_AnsweredBodyErrors, _MalformedHttpOneLine):
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
+    _json_framing_errors()
+
+
+def _json_framing_errors() -> None:
+    """What aiohttp answers itself, before any handler runs (its HTTP parser refused the request),
+    in this server's JSON error form with the same status: it answered text/plain ("400 Bad
+    Request ... Invalid chunk size"). aiohttp has no hook for this answer, so its RequestHandler's
+    `handle_error` is wrapped, in the serving process only; its 500s (a handler's failure, which
+    `_errors` already turns into JSON) are left as they are."""
+    from aiohttp import web_protocol
+    orig = web_protocol.RequestHandler.handle_error
+    if getattr(orig, "ikjax_json", False):
+        return
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None):
+        resp = orig(self, request, status, exc, message)
+        if status >= 500:
+            return resp
+        out = web.json_response(ApiError(status, f"malformed HTTP request: {_framing_reason(exc, message)}").body(),
+                                status=status)
+        out.force_close()
+        return out
+    handle_error.ikjax_json = True
+    web_protocol.RequestHandler.handle_error = handle_error
 
 
 class Server:
@@ -205,10 +249,17 @@ class Server:
         return name
 
     # -- text in -----------------------------------------------------------------------------------
-    async def _encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+    async def _encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True,
+                      prompt: bool = True) -> list[int]:
         """Token ids of `text`; `add_bos` None: a BOS where the model's tokenizer adds one (DeepSeek
         files; not GLM-4 / Kimi / GigaChat ones, as llama-server); `parse_special` False: special
-        tokens' text stays text (/tokenize's field)."""
+        tokens' text stays text (/tokenize's field). `prompt`: a text longer than a slot's context
+        could hold even at the vocabulary's longest token is refused before it is tokenized (an 8 MB
+        prompt took 20 s of this 2-core host's tokenizer to be told it was too long)."""
+        limit = self.scheduler.ctx * self.tok.max_token_chars
+        if prompt and isinstance(text, str) and len(text) > limit and self.tok.tokenizer.normalizer is None:
+            raise bad(f"prompt: {len(text)} characters cannot fit a slot's context ({self.scheduler.ctx} tokens, "
+                      f"-c / -np; a token of this vocabulary holds at most {self.tok.max_token_chars} characters)")
         try:
             return await asyncio.to_thread(self.tok.encode, text, add_bos, parse_special)
         except OptionError as e:
@@ -259,7 +310,9 @@ class Server:
                                  body.get("tool_choice"), keep_text=renders_text_beside_calls(self.template.source))
         if tools:
             extra["tools"] = tools
-        text = self.template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+        # on a worker thread: a long conversation's render is Python work the event loop need not wait for
+        text = await asyncio.to_thread(self.template.render, messages, add_generation_prompt=add_generation_prompt,
+                                       **extra)
         start = forced_answer_start(text, self.template.source, body.get("tool_choice")) \
             if tools and add_generation_prompt else ""
         text += start
@@ -591,20 +644,24 @@ class Server:
         # add_special: the special tokens the model's tokenizer adds (a BOS where it adds one), as
         # llama-server's llama_tokenize(add_special); never a BOS the model's prompts do not get
         ids = await self._encode(text, None if oai.bool_field(body, "add_special", False) else False,
-                                 oai.bool_field(body, "parse_special", True))
+                                 oai.bool_field(body, "parse_special", True), prompt=False)
         if oai.bool_field(body, "with_pieces", False):
-            pieces = [{"id": i, "piece": _piece(self.tok.piece(i, special=True))} for i in ids]
+            pieces = await asyncio.to_thread(lambda: [{"id": i, "piece": _piece(self.tok.piece(i, special=True))}
+                                                      for i in ids])
             return web.json_response({"tokens": pieces})
         return web.json_response({"tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        ids = oai.tokens_field(body)
-        V = self.tok.n_vocab
-        bad_ids = [t for t in ids if not 0 <= t < V]
-        if bad_ids:
-            raise bad(f"tokens: id {bad_ids[0]} is outside the vocabulary [0, {V})")
-        return web.json_response({"content": self.tok.decode(ids)})
+
+        def text() -> str:  # on a worker thread: a 32 MiB body holds ~15M ids, seconds of Python work
+            ids = oai.tokens_field(body)
+            V = self.tok.n_vocab
+            bad_ids = [t for t in ids if not 0 <= t < V]
+            if bad_ids:
+                raise bad(f"tokens: id {bad_ids[0]} is outside the vocabulary [0, {V})")
+            return self.tok.decode(ids)
+        return web.json_response({"content": await asyncio.to_thread(text)})
 
     async def expert_stats(self, request: web.Request) -> web.Response:
         """The expert statistics counted so far (--expert-stats FILE.json), in the file's form: read
