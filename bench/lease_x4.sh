@@ -1400,6 +1400,24 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+81)
+  # issue 22: the deep first row cold with pallas_kernels' Triton dialect registration (new) and without (old:
+  # ~230 failed imports a kernel's lowering), alternating after a discarded run, a fresh cache each
+  # (bench/triton_dialect_ab.py), the first row's line time-stamped from the command's start; then the
+  # quant_matmul / norm GPU tests
+  v2l_ready
+  for v in discard ${AB81:-new old new old new old}; do
+    rm -rf /tmp/cc81; t0=$(date +%s.%N)
+    IKJAX_COMPILE_CACHE=/tmp/cc81 CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/triton_dialect_ab.py ${v/discard/new} \
+      sweep-bench -m $V2L -mla 3 -fa 1 ${SHAPE81:--c 16384 -ub 2048 -n 128} 2> /tmp/e81 | while read -r line; do
+      case "$line" in "|  "[0-9]*) echo "$v: first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $line"; break;; esac; done
+    sleep 1
+    echo "   $(grep -E "compiled|loaded" /tmp/e81 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+  done 2>&1 | tee $OUT/ab81.txt
+  timeout ${TESTS81_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs tests/test_norm_linear.py \
+    tests/test_kernels_quant_matmul.py tests/test_decode_gpu.py 2>&1 | tee $OUT/tests81.txt \
+    | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED|Error" | head -20
+  ;;
 74)
   # call 2: the R1 file's split runs on 2 GPUs (PARTS74), nothing else on the host
   while [ ! -f /tmp/mg/r1.gguf ] && [ $(( $(date +%s) - T0 )) -lt 200 ]; do sleep 5; done
