@@ -162,6 +162,18 @@ start_bg() {  # the ik build and the 8-layer R1 in the background (idempotent; N
   [ -f /tmp/ikc/build.log ] || bash bench/gpu_ik_build.sh "${IK_JOBS:-44}"
   start_r1_8
 }
+first_row_ab() {  # first_row_ab AB_SCRIPT "new old ..." "SHAPE" OUTFILE: issue 22's deep first row cold on GPU 0
+  # per form of an A/B wrapper (bench/*_ab.py FORM COMMAND...), after one discarded run (a fresh machine's first
+  # model process is 2.3 s slower, RESULTS §22ab), a fresh compile cache each, the first row's line time-stamped
+  for v in discard $2; do
+    rm -rf /tmp/cc_ab; t0=$(date +%s.%N)
+    IKJAX_COMPILE_CACHE=/tmp/cc_ab CUDA_VISIBLE_DEVICES=0 timeout 60 python3 $1 ${v/discard/new} \
+      sweep-bench -m $V2L -mla 3 -fa 1 $3 2> /tmp/e_ab | while read -r line; do
+      case "$line" in "|  "[0-9]*) echo "$v: first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $line"; break;; esac; done
+    sleep 1
+    echo "   $(grep -E "compiled|loaded" /tmp/e_ab | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+  done 2>&1 | tee $4
+}
 v2l_ready() {  # the 27-layer V2-Lite shape at $V2L, made once a machine, read into the page cache
   V2L=/tmp/v2l-Q4_0.gguf
   [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
@@ -1292,14 +1304,8 @@ for line in sys.stdin:
   # after one discarded cold run: a fresh machine's first model process is 2.3 s slower, RESULTS §22ab);
   # then the R1 file (R1_LAYERS, 7) written in the background and the V2-Lite table's runs on 2 GPUs
   v2l_ready
-  for v in discard ${AB73:-new old new old new old}; do
-    rm -rf /tmp/cc73; t0=$(date +%s.%N)
-    IKJAX_COMPILE_CACHE=/tmp/cc73 CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/early_start_ab.py ${v/discard/new} \
-      sweep-bench -m $V2L -mla 3 -fa 1 ${SHAPE73:--c 16384 -ub 2048 -n 128} 2> /tmp/e73 | while read -r line; do
-      case "$line" in "|  "[0-9]*) echo "$v: first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $line"; break;; esac; done
-    sleep 1
-    echo "   $(grep -E "compiled|loaded" /tmp/e73 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
-  done 2>&1 | tee $OUT/ab73.txt | tail -${AB73_LINES:-8}
+  first_row_ab bench/early_start_ab.py "${AB73:-new old new old new old}" "${SHAPE73:--c 16384 -ub 2048 -n 128}" \
+    $OUT/ab73.txt | tail -${AB73_LINES:-8}
   [ "${PARTS73:-}" = none ] && exit 0
   mkdir -p /tmp/mg; ln -sf $V2L /tmp/mg/v2l.gguf; printf %s "--preset v2-lite --type Q4_0" > /tmp/mg/v2l.args
   R1ARGS="--preset r1 --layers ${R1_LAYERS:-7} --type Q4_0"
@@ -1406,14 +1412,8 @@ for line in sys.stdin:
   # (bench/triton_dialect_ab.py), the first row's line time-stamped from the command's start; then the
   # quant_matmul / norm GPU tests
   v2l_ready
-  for v in discard ${AB81:-new old new old new old}; do
-    rm -rf /tmp/cc81; t0=$(date +%s.%N)
-    IKJAX_COMPILE_CACHE=/tmp/cc81 CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/triton_dialect_ab.py ${v/discard/new} \
-      sweep-bench -m $V2L -mla 3 -fa 1 ${SHAPE81:--c 16384 -ub 2048 -n 128} 2> /tmp/e81 | while read -r line; do
-      case "$line" in "|  "[0-9]*) echo "$v: first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $line"; break;; esac; done
-    sleep 1
-    echo "   $(grep -E "compiled|loaded" /tmp/e81 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
-  done 2>&1 | tee $OUT/ab81.txt
+  first_row_ab bench/triton_dialect_ab.py "${AB81:-new old new old new old}" "${SHAPE81:--c 16384 -ub 2048 -n 128}" \
+    $OUT/ab81.txt
   timeout ${TESTS81_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs tests/test_norm_linear.py \
     tests/test_kernels_quant_matmul.py tests/test_decode_gpu.py 2>&1 | tee $OUT/tests81.txt \
     | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED|Error" | head -20
