@@ -23,6 +23,7 @@ import sys
 import threading
 
 from ikjax import env
+from ikjax.errors import OptionError
 
 COMMANDS = frozenset({"sweep-bench", "bench", "generate", "chat", "perplexity", "serve"})
 _thread: threading.Thread | None = None
@@ -38,7 +39,11 @@ def _start(jax) -> None:
 
 def wanted(args: list[str]) -> bool:
     """Whether the command line `args` (sys.argv[1:]) runs a model on this process's own backend."""
-    if env.choice("IKJAX_EARLY_BACKEND") == "0" or not args or args[0] not in COMMANDS:
+    try:
+        off = env.choice("IKJAX_EARLY_BACKEND") == "0"
+    except OptionError:  # a bad value: no early start; the command refuses it in one line (env.check_all)
+        return False
+    if off or not args or args[0] not in COMMANDS:
         return False
     return not any(a == "--coordinator" or a.startswith("--coordinator=") or a in ("-h", "--help") for a in args)
 

@@ -19,6 +19,7 @@ from ikjax.errors import OptionError
 
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 COMPUTE_DTYPES = ("auto", "f32", "bf16", "f16")
+INT32_MAX = 2**31 - 1
 # the tensors `--cpu-moe` / `--n-cpu-moe N` keep in host memory (ik: ffn_{up,down,gate}_exps)
 ROUTED_EXPERTS = r"ffn_(up|down|gate)_exps"
 
@@ -182,8 +183,8 @@ class RunOptions:
             if name not in v:
                 return
             x = v[name]
-            if isinstance(x, bool) or not isinstance(x, (int, str)) or not str(x).lstrip("-").isdigit():
-                raise OptionError(f"{name}: expected an integer, got {x!r}")
+            if isinstance(x, bool) or not isinstance(x, (int, str)) or not re.fullmatch(r"\s*-?[0-9]+\s*", str(x)):
+                raise OptionError(f"{name}: expected an integer, got {x!r}")  # ("--5", "²": int() refused them)
             x = int(x)
             if x < lo or (hi is not None and x > hi):
                 raise OptionError(f"{name}: {x} out of range [{lo}, {hi if hi is not None else 'inf'}]")
@@ -205,9 +206,10 @@ class RunOptions:
 
         integer("mla", 0, 3)
         integer("amb", 0)
-        integer("ctx", 0)
-        integer("ubatch", 1)
-        integer("batch", 1)
+        # token counts index int32 positions (-c 10^23 planned a KV cache of 1.2e20 MiB)
+        integer("ctx", 0, INT32_MAX)
+        integer("ubatch", 1, INT32_MAX)
+        integer("batch", 1, INT32_MAX)
         if str(v.get("ngl", "")).strip() == "-1":  # llama.cpp's -ngl -1: its default, every layer (as 99 here)
             v["ngl"] = 99
         integer("ngl", 0)

@@ -245,6 +245,43 @@ def test_run_config_rejects_unknown_key_and_bad_value(tmp_path, tiny_model):
     assert_one_line_error(invoke(["run", "--config", cfg], 1), "keys 'c' and 'ctx'")
 
 
+def test_probe_configs_specs_and_switches(tmp_path, tiny_model):
+    """An outside probe of configs and flags (stop 62), each once silent or a raw Python message:
+    `"model": null` ran the built-in default model; a key given twice and `--config` given twice
+    kept the last; "--5" for an integer was a ValueError; `-no-fa -fa 1` ran without flash
+    attention; a synthetic spec's extra field was ignored and 10^12 layers planned tensors until
+    memory ran out; `plot --labels` of the wrong count drew; `make-model --seed -1` was NumPy's
+    message; the memory plan rounded -c up to --kv-block unsaid."""
+    cfg = tmp_path / "c.json"
+    for text, words in (('{"command": "info", "model": null}', ("'model'", "null")),
+                        ('{"command": "info", "model": "%s", "ctx": 512, "ctx": 1024}' % tiny_model, ("'ctx' given twice",)),
+                        ('{"command": "info", "model": "%s", "ctx": "--5"}' % tiny_model, ("'ctx'", "integer")),
+                        ('{"command": "info", "model": "%s", "fa": true, "no_fa": true}' % tiny_model,
+                         ("-fa and -no-fa both given",))):
+        cfg.write_text(text)
+        assert_one_line_error(invoke(["run", "--config", cfg], 1), *words)
+    cfg.write_text('{"command": "info", "model": "%s", "ctx": " 512 "}' % tiny_model)
+    assert "-c 512 " in invoke(["run", "--config", cfg]).stdout
+    assert_one_line_error(invoke(["run", "--config", cfg, "--config", cfg], 1), "--config: given more than once")
+    for args in (["-no-fa", "-fa", 1], ["-fa", 1, "-no-fa"], ["--flash-attn=1", "-no-fa"]):
+        assert_one_line_error(invoke(["info", tiny_model, *args], 1), "-fa and -no-fa both given")
+    assert_one_line_error(invoke(["info", tiny_model, "-no-fmoe", "-fmoe", 1], 1), "-fmoe and -no-fmoe both given")
+    assert "-fa 0 " in invoke(["info", tiny_model, "-no-fa"]).stdout
+    for spec, words in (("synthetic:tiny:Q4_0:2:extra", ("is not synthetic:PRESET",)),
+                        ("synthetic:tiny:", ("is not synthetic:PRESET",)),
+                        ("synthetic:tiny:Q9_0", ("type 'Q9_0'",)),
+                        ("synthetic:tiny:Q8_0:100000", ("layers: need 1 to 1024",))):
+        res = invoke(["info", spec], 1)
+        assert_one_line_error(res, *words)
+    assert_one_line_error(invoke(["make-model", "--layers", 999999999999, "-o", tmp_path / "m.gguf"], 1), "layers")
+    assert_one_line_error(invoke(["make-model", "--seed", -1, "-o", tmp_path / "m.gguf"], 1), "seed: need 0 to")
+    assert not list(tmp_path.glob("*.gguf*"))
+    assert_one_line_error(invoke(["plot", cfg, cfg, "--labels", "a"], 1), "--labels: 1 label(s) for 2 file(s)")
+    out = invoke(["info", tiny_model, "-c", 1000]).stdout
+    assert re.search(r"KV cache .*1024 tokens: -c 1000 rounded up to --kv-block", out), out
+    assert_one_line_error(invoke(["info", tiny_model, "-c", 10**23], 1), "ctx")
+
+
 def test_run_config_sweep(tmp_path, tiny_model):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"command": "sweep-bench", "model": tiny_model, "ctx": 256, "ub": 128, "n": 2,

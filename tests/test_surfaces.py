@@ -347,6 +347,28 @@ def test_ctrl_c_swallowed_by_a_gc_callback_still_ends_the_command(tmp_path):
     assert "generated 3000 tokens" not in err and out.stat().st_size > 100, (out.stat().st_size, err[-800:])
 
 
+def test_bad_early_backend_value_and_sigterm_during_make_model(tmp_path):
+    """An outside probe (stop 62): IKJAX_EARLY_BACKEND=bogus printed a traceback from the package's
+    import on every command (now the one line every IKJAX_* value gets); SIGTERM while make-model
+    wrote left its 210 MB `.part` file (now it unwinds as Ctrl-C does: the file removed, "error:
+    terminated", and the death by the signal)."""
+    env = {**os.environ, "IKJAX_EARLY_BACKEND": "bogus"}
+    r = subprocess.run([IKJAX, "info", "synthetic:tiny"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1 and r.stderr == "error: IKJAX_EARLY_BACKEND must be one of 1, 0, got 'bogus'\n", r.stderr
+    out = tmp_path / "big.gguf"
+    p = subprocess.Popen([IKJAX, "make-model", "--preset", "tiny", "--experts", "2000", "-o", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    t0 = time.time()
+    while not list(tmp_path.glob(".big.gguf.*")) and time.time() - t0 < 60 and p.poll() is None:
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".big.gguf.*")), "no part file appeared"
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGTERM and err.decode().strip().splitlines()[-1] == "error: terminated", err[-500:]
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
 def test_importing_ikjax_as_a_library_keeps_sigint():
     """A program that imports ikjax keeps Python's KeyboardInterrupt: the starting handler is the
     CLI's only, and goes once the CLI has imported its commands."""

@@ -97,8 +97,11 @@ def test_bad_requests():
     # 8 experts in R1's 8 groups: the router's 4 groups would hold 4, fewer than the 8 it picks
     # (make-model wrote such a file and the loader refused it); every count make-model accepts
     # makes a config the loader takes
-    with pytest.raises(ikjax.OptionError, match=">= 16"):
+    with pytest.raises(ikjax.OptionError, match="from 16 "):
         synthetic.preset_config("r1", experts=8)
+    for kw in ({"layers": 1025}, {"layers": 0}, {"experts": 4104}):  # past any model: refused before planning
+        with pytest.raises(ikjax.OptionError, match="layers: need 1 to 1024|to 4096"):
+            synthetic.preset_config("tiny", **kw)
     from ikjax.gguf_io.config import ModelConfig
     from ikjax.gguf_io.writer import _trailing_metadata, deepseek2_metadata
 

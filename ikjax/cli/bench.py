@@ -287,13 +287,12 @@ class _ExpertStats:
 
     def __init__(self, path: str, gpu_experts: Optional[str]):
         from ikjax.cli.common import check_stats_target
-        from ikjax.cli.parser import at_end, terminate_on_sigterm
+        from ikjax.cli.parser import at_end
         check_stats_target(path)
         self.path, self.gpu_experts = path, gpu_experts
         self.total: dict = {"tokens": 0, "layers": {}}
         self.engines = 0
-        at_end(self.save)
-        terminate_on_sigterm()
+        at_end(self.save)  # (SIGTERM unwinds every command to it: common.handle)
 
     def load_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"expert_stats": True}

@@ -8,6 +8,7 @@ plan, timings — goes to stderr through `log`, `Progress` and `stderr_console`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -77,6 +78,10 @@ def handle(func: Callable) -> Callable:
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        with _sigterm_unwinds():
+            return _handled(*args, **kwargs)
+
+    def _handled(*args, **kwargs):
         try:
             _join_processes(func.__name__, kwargs)
             try:
@@ -111,6 +116,25 @@ def handle(func: Callable) -> Callable:
                 raise typer.Exit(EXIT_INTERRUPTED)
             _unexpected(e)
     return wrapper
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """SIGTERM during a command unwinds it as Ctrl-C does (`parser.terminate_on_sigterm`): the
+    atomic output files it was writing are removed (make-model killed by a job scheduler left its
+    `.part` file, 210 MB), `at_end`'s work runs, then the process dies of the signal. Where SIGTERM
+    had its default action on the main thread; the default comes back after the command (an
+    in-process caller, a test, keeps its own)."""
+    import signal
+    import threading
+    mine = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if mine:
+        terminate_on_sigterm()
+    try:
+        yield
+    finally:
+        if mine and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _is_interrupt(e: BaseException) -> bool:
@@ -203,6 +227,8 @@ def resolve_model(spec: Optional[str]) -> str:
     parts = (spec or "synthetic:tiny").split(":")[1:]
     if not parts or not parts[0]:
         raise OptionError(f"model: no preset in {spec!r} (synthetic:PRESET[:TYPE[:LAYERS]], e.g. synthetic:tiny)")
+    if len(parts) > 3 or (len(parts) > 1 and not parts[-1]):  # a field more, or a trailing ':' (were ignored)
+        raise OptionError(f"model: {spec!r} is not synthetic:PRESET[:TYPE[:LAYERS]] (e.g. synthetic:tiny:Q4_0:8)")
     preset = parts[0]
     qtype = (parts[1] if len(parts) > 1 and parts[1] else "Q8_0").upper()
     layers = None
@@ -213,6 +239,9 @@ def resolve_model(spec: Optional[str]) -> str:
         layers = int(parts[2])
     if preset not in synthetic.PRESETS:
         raise OptionError(f"model: unknown preset {preset!r} in {spec!r} (one of {', '.join(synthetic.PRESETS)})")
+    if qtype not in synthetic.SUPPORTED_TYPES:  # before the "making ..." line
+        raise OptionError(f"model: type {qtype!r} in {spec!r} is not one of {', '.join(synthetic.SUPPORTED_TYPES)}")
+    synthetic.preset_config(preset, layers)  # the layer count's bound, before anything is planned
     path = synthetic.default_model_path().with_name(
         f"{preset}-{qtype}{f'-{layers}L' if layers else ''}-g{synthetic.GENERATOR}.gguf")
     if not path.exists():
@@ -325,8 +354,7 @@ def load_engine(model: Optional[str], verbose: bool = False, while_loading: Opti
     if eng.load_overlapped:
         log(f"loaded {path} in {eng.loaded_at - t0:.2f}s, in a thread beside the compile")
     if isinstance(stats_file, str):
-        at_end(functools.partial(_save_expert_stats, eng, stats_file))
-        terminate_on_sigterm()
+        at_end(functools.partial(_save_expert_stats, eng, stats_file))  # (SIGTERM too: `handle`)
     log("memory plan:" if plan_batch == 1 else f"memory plan ({plan_batch} sequences):")
     for line in eng.memory_plan(plan_batch).lines():
         log("  " + line)

@@ -37,6 +37,8 @@ def make_model(
     from ikjax.tools import synthetic
     if output is None:
         raise OptionError("output: give -o FILE.gguf")
+    if not 0 <= seed < 2**32:  # (NumPy's "expected non-negative integer" as an unexpected error before)
+        raise OptionError(f"seed: need 0 to {2**32 - 1}, got {seed}")
     cfg = synthetic.preset_config(preset, layers, experts, q_lora_rank)
     plans = synthetic.plan_tensors(cfg, qtype.upper()) if qtype.upper() in synthetic.SUPPORTED_TYPES else None
     if plans is None:

@@ -109,6 +109,21 @@ def unknown_option_message(name: str, close) -> str:
     return f"unknown option {name}" + (f" (did you mean {', '.join(close)}?)" if close else "")
 
 
+_GIVEN: list = [frozenset(), frozenset(), frozenset()]  # the last parsed command's parameters, those given, twice
+
+
+def given_options() -> tuple[frozenset, frozenset]:
+    """(the parameter names of the command parsed last, those of them its command line gave): an
+    option given on the line, as against its default (`-fa 1` and the default "1" look alike)."""
+    return _GIVEN[0], _GIVEN[1]
+
+
+def repeated_options() -> frozenset:
+    """The parameters the last parsed command line gave more than once (a single-valued option's
+    last value is the one typer keeps, as ik's own parser does)."""
+    return _GIVEN[2]
+
+
 class ExactCommand(TyperCommand):
     """A command whose options are matched exactly (ik's flags) and whose bare switches get 1."""
 
@@ -119,7 +134,12 @@ class ExactCommand(TyperCommand):
         return parser
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, self.prepare(list(args)))
+        args = self.prepare(list(args))
+        flags = {o: p.name for p in self.params if p.param_type_name == "option" for o in (*p.opts, *p.secondary_opts)}
+        given = [flags[a.split("=", 1)[0]] for a in args if isinstance(a, str) and a.split("=", 1)[0] in flags]
+        _GIVEN[:] = [frozenset(p.name for p in self.params), frozenset(given),
+                     frozenset(n for n in given if given.count(n) > 1)]
+        return super().parse_args(ctx, args)
 
     def prepare(self, args: list[str]) -> list[str]:
         """The command line as the parser reads it: a bare switch given its 1."""

@@ -10,6 +10,7 @@ import typer
 
 from ikjax.cli.common import app, handle
 from ikjax.cli.parser import ExactCommand
+from ikjax.errors import OptionError
 
 
 @app.command("plot", cls=ExactCommand)
@@ -22,5 +23,8 @@ def plot_cmd(
 ) -> None:
     """Plot S_PP and S_TG against N_KV for several sweep-bench --output-format jsonl runs (like sweep-bench-plot)."""
     from ikjax.tools.plot import plot_files
-    out = plot_files(files, output, labels.split(",") if labels else None, title)
+    names = labels.split(",") if labels is not None else None
+    if names is not None and len(names) != len(files):  # (a PNG with too few or too many names, before)
+        raise OptionError(f"--labels: {len(names)} label(s) for {len(files)} file(s); give one a file")
+    out = plot_files(files, output, names, title)
     typer.echo(str(out))

@@ -15,11 +15,12 @@ from ikjax.cli.common import app, handle
 from ikjax.cli.generate import generate
 from ikjax.cli.info import info
 from ikjax.cli.make_model import make_model
-from ikjax.cli.parser import ExactCommand
+from ikjax.cli.parser import ExactCommand, repeated_options
 from ikjax.cli.perplexity import perplexity_cmd
 from ikjax.cli.run_config import parse_config
 from ikjax.cli.serve import serve
 from ikjax.cli.sweep_bench import sweep_bench
+from ikjax.errors import OptionError
 
 CONFIG_COMMANDS: dict[str, Callable] = {"sweep-bench": sweep_bench, "bench": bench, "generate": generate,
                                         "info": info, "make-model": make_model, "serve": serve,
@@ -33,5 +34,7 @@ def run(
                                         "\"model\": ..., \"ctx\": ..., ...}")],
 ) -> None:
     """Run a subcommand with every option from a JSON config (keys = option names, e.g. ctx, ubatch, mla, fa, ot)."""
+    if "config" in repeated_options():  # (the last file ran, the others unread and unsaid)
+        raise OptionError("--config: given more than once; one config runs one command")
     name, func, kwargs = parse_config(config, CONFIG_COMMANDS)
     func(**kwargs)

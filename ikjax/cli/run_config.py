@@ -14,8 +14,10 @@ single value (`"prompt": ["Hel", "lo"]`) is refused, not run as "Hel,lo".
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -62,8 +64,8 @@ def _base_type(hint: Any) -> Any:
 
 
 def _coerce(key: str, value: Any, kind: Any, comma_list: bool = True) -> Any:
-    if value is None:
-        return None
+    if value is None:  # ("model": null ran the built-in default model, quietly)
+        raise OptionError(f"config key {key!r}: null is not a value (leave the key out for the default)")
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -73,7 +75,7 @@ def _coerce(key: str, value: Any, kind: Any, comma_list: bool = True) -> Any:
     if kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):  # ("--5", "²": int() refused them)
             return int(value)
         raise OptionError(f"config key {key!r}: expected an integer, got {value!r}")
     if kind is float:
@@ -107,6 +109,16 @@ def _short(value: Any, limit: int = 60) -> str:
     return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
+def _no_repeats(path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different ({"ctx": 512, "ctx": 1024} ran -c 1024 unsaid)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise OptionError(f"{path}: key {k!r} given twice; give it once")
+        out[k] = v
+    return out
+
+
 def _load(path: str | Path) -> Any:
     """The JSON of a config file; OptionError naming the file for anything that stops reading it."""
     p = Path(path)
@@ -118,7 +130,7 @@ def _load(path: str | Path) -> Any:
         raise OptionError(f"{path}: the config is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                           f"{e.start}); save it as UTF-8") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=functools.partial(_no_repeats, path))
     except json.JSONDecodeError as e:
         raise OptionError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:

@@ -32,6 +32,7 @@ import typer
 
 from ikjax import env
 from ikjax.cli.common import backend, log
+from ikjax.cli.parser import given_options
 from ikjax.errors import OptionError
 from ikjax.options import RunOptions, switch_notes
 
@@ -238,6 +239,10 @@ def takes_run_options(names: Iterable[str] = ALL, *, after: Optional[dict[str, s
 
         @functools.wraps(func)
         def wrapper(**kwargs: Any) -> Any:
+            for on, off in (("fa", "no_fa"), ("fmoe", "no_fmoe")):
+                if on in names and off in names and _given(on, kwargs) and _given(off, kwargs):
+                    # (-no-fa won whatever the order, unsaid: `-no-fa -fa 1` ran without flash attention)
+                    raise OptionError(f"-{on} and -no-{on} both given; give one")
             bound = signature.bind(**kwargs)
             bound.apply_defaults()  # `ikjax run --config` passes only the keys it was given
             values = bound.arguments
@@ -247,6 +252,15 @@ def takes_run_options(names: Iterable[str] = ALL, *, after: Optional[dict[str, s
         wrapper.__annotations__ = {**{p.name: p.annotation for p in layout}, "return": None}
         return wrapper
     return decorate
+
+
+def _given(name: str, kwargs: dict[str, Any]) -> bool:
+    """Whether the user gave option `name`: on the command line (what the command's parser saw,
+    `parser.given_options`), or as a key of a config (`ikjax run` passes only the keys the file has)."""
+    params, given = given_options()
+    if name in params:
+        return name in given
+    return kwargs.get(name) is not None
 
 
 def load_kwargs(params: dict[str, Any]) -> dict[str, Any]:

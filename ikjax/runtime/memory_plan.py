@@ -53,6 +53,9 @@ class MemoryPlan:
     # KV cache bytes on each device (-sm layer: its layers' share; -sm graph: a whole copy on each)
     device_kv: tuple[tuple[str, int], ...] = ()
     split_mode: str = "none"
+    # the context asked for (-c) and the rows the cache holds for it (rounded up to --kv-block; per sequence)
+    ctx: int | None = None
+    kv_rows: int | None = None
     # Measured on the running process (None where there is none: `ikjax info`):
     runtime_bytes: int | None = None  # RSS before the model: Python, JAX and XLA's runtime
     load_copy_bytes: int | None = None  # anonymous memory the load added besides the weights (f32 norms, repacks)
@@ -116,7 +119,9 @@ class MemoryPlan:
                 out.append(f"  on device {dev:<5}{nbytes / MIB:10.2f} MiB")
             out.append(f"  on host        {self.host_weights_bytes / MIB:10.2f} MiB"
                        + (" (no accelerator here: host and device are one RAM)" if self.unified else ""))
-        out += [f"KV cache         {self.kv_bytes / MIB:10.2f} MiB ({self.kv_bytes_per_token} B/token)",
+        rounded = (f", {self.kv_rows} tokens: -c {self.ctx} rounded up to --kv-block"
+                   if self.ctx is not None and self.kv_rows is not None and self.kv_rows != self.ctx else "")
+        out += [f"KV cache         {self.kv_bytes / MIB:10.2f} MiB ({self.kv_bytes_per_token} B/token{rounded})",
                 f"attention buffer {self.attention_buffer_bytes / MIB:10.2f} MiB"]
         if self.stream_buffer_bytes:
             out.append(f"stream buffer    {self.stream_buffer_bytes / MIB:10.2f} MiB (host experts on the device "
@@ -365,7 +370,7 @@ def plan_memory(cfg: ModelConfig, options: RunOptions, tensor_bytes: Iterable[tu
     return MemoryPlan(placement.total_bytes, layout.total_bytes(), layout.bytes_per_token(), buf,
                       placement.host_bytes, device_weights=tuple(placement.device_bytes().items()),
                       unified=placement.unified, device_kv=kv_per_device(placement, layout),
-                      split_mode=placement.split_mode,
+                      split_mode=placement.split_mode, ctx=o.ctx, kv_rows=capacity,
                       stream_buffer_bytes=stream_buffer(placement, o.ubatch, hot=bool(o.gpu_experts)
                                                         or placement.split_mode == "graph", whole=stream_whole))
 

@@ -126,6 +126,10 @@ class TensorPlan:
         return math.prod(self.shape) // be * bb
 
 
+# bounds of a synthetic model's shape, far past any real one (R1 61 layers, Kimi K2 384 experts)
+MAX_LAYERS, MAX_EXPERTS = 1024, 4096
+
+
 def preset_config(preset: str, layers: int | None = None, experts: int | None = None,
                   q_lora_rank: int | None = None) -> dict[str, Any]:
     """The preset's HF-style config with the overrides applied. `q_lora_rank`: N >= 1 gives the
@@ -136,8 +140,8 @@ def preset_config(preset: str, layers: int | None = None, experts: int | None = 
         raise OptionError(f"preset: {preset!r} is not one of {', '.join(PRESETS)}")
     cfg = dict(PRESETS[preset])
     if layers is not None:
-        if layers < 1:
-            raise OptionError(f"layers: need >= 1, got {layers}")
+        if not 1 <= layers <= MAX_LAYERS:  # (10^12 layers planned a tensor list until 24 GB ran out)
+            raise OptionError(f"layers: need 1 to {MAX_LAYERS} (DeepSeek models have 27-61), got {layers}")
         cfg["num_hidden_layers"] = layers
         # at least one MoE layer: a shortened R1 (3 dense lead layers) of 1-3 layers had none, a
         # file with expert counts in its header and not one expert (an outside probe)
@@ -149,9 +153,9 @@ def preset_config(preset: str, layers: int | None = None, experts: int | None = 
         # the router picks `used` experts from `topk_groups` of the groups: those must hold that many
         # (R1: 8 of 4 groups of 8, so >= 2 a group: 16 experts, not 8; a file the loader refuses)
         least = groups * max(1, -(-used // topk_groups)) if groups > 1 else used
-        if experts < least or experts % groups:
-            raise OptionError(f"experts: need a multiple of {groups} groups and >= {least} (the router picks "
-                              f"{used} from {topk_groups} groups), got {experts}")
+        if experts < least or experts % groups or experts > MAX_EXPERTS:
+            raise OptionError(f"experts: need a multiple of {groups} groups from {least} (the router picks "
+                              f"{used} from {topk_groups} groups) to {MAX_EXPERTS}, got {experts}")
         cfg["n_routed_experts"] = experts
     if q_lora_rank is not None:
         if isinstance(q_lora_rank, bool) or not isinstance(q_lora_rank, int) or q_lora_rank < 0:
