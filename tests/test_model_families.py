@@ -15,6 +15,7 @@ template fallbacks, the `make-model` presets' metadata and their routers' spread
 from __future__ import annotations
 
 import logging
+import types
 
 import numpy as np
 import pytest
@@ -524,8 +525,9 @@ def test_server_prompts_follow_the_bos_rule(pre, add_bos, bos):
     from ikjax.server.app import Server
     from ikjax.tokenizer import GGUFTokenizer
     tok = GGUFTokenizer(_tok_metadata(pre, add_bos))
-    srv = object.__new__(Server)  # only the tokenizer and template are read by these two paths
+    srv = object.__new__(Server)  # only the tokenizer, template and a slot's context are read by these two paths
     srv.tok, srv.template = tok, ChatTemplate("{{ messages[0]['content'] }}", "test")
+    srv.scheduler = types.SimpleNamespace(ctx=4096)
     ids = asyncio.run(srv._prompt_ids("Hello"))
     assert (ids[0] == tok.bos_id) == bos and ids[int(bos):] == tok.encode("Hello", add_bos=False)
     chat, _, _ = asyncio.run(srv._chat_prompt({"messages": [{"role": "user", "content": "Hi"}]}))
