@@ -316,7 +316,12 @@ def xdg_cache_home() -> Path:
 def cache_home() -> Path:
     """$IKJAX_CACHE, else $XDG_CACHE_HOME/ikjax, else ~/.cache/ikjax."""
     set_ = raw("IKJAX_CACHE")
-    return Path(set_).expanduser() if set_ else xdg_cache_home() / "ikjax"
+    if not set_:
+        return xdg_cache_home() / "ikjax"
+    p = Path(set_).expanduser()
+    if p.exists() and not p.is_dir():  # (named "output: cannot create /dev/null/tiny-...gguf" before)
+        raise OptionError(f"IKJAX_CACHE: {set_} is not a directory (the synthetic models' cache)")
+    return p
 
 
 # The C++ runtime's numeric knobs and the least each takes (it reads them itself and, on a value it

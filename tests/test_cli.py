@@ -277,6 +277,8 @@ def test_probe_configs_specs_and_switches(tmp_path, tiny_model):
     assert_one_line_error(invoke(["make-model", "--seed", -1, "-o", tmp_path / "m.gguf"], 1), "seed: need 0 to")
     assert not list(tmp_path.glob("*.gguf*"))
     assert_one_line_error(invoke(["plot", cfg, cfg, "--labels", "a"], 1), "--labels: 1 label(s) for 2 file(s)")
+    assert_one_line_error(invoke(["run", "--config", ""], 1), "--config: empty path")
+    assert_one_line_error(invoke(["plot", cfg, "-o", ""], 1), "output: empty path")
     out = invoke(["info", tiny_model, "-c", 1000]).stdout
     assert re.search(r"KV cache .*1024 tokens: -c 1000 rounded up to --kv-block", out), out
     assert_one_line_error(invoke(["info", tiny_model, "-c", 10**23], 1), "ctx")

@@ -23,6 +23,8 @@ def plot_cmd(
 ) -> None:
     """Plot S_PP and S_TG against N_KV for several sweep-bench --output-format jsonl runs (like sweep-bench-plot)."""
     from ikjax.tools.plot import plot_files
+    if not output.strip():  # (". is a directory")
+        raise OptionError("output: empty path; give -o FILE.png")
     names = labels.split(",") if labels is not None else None
     if names is not None and len(names) != len(files):  # (a PNG with too few or too many names, before)
         raise OptionError(f"--labels: {len(names)} label(s) for {len(files)} file(s); give one a file")

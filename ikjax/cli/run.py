@@ -34,6 +34,8 @@ def run(
                                         "\"model\": ..., \"ctx\": ..., ...}")],
 ) -> None:
     """Run a subcommand with every option from a JSON config (keys = option names, e.g. ctx, ubatch, mla, fa, ot)."""
+    if not config.strip():  # ("": cannot read config: Is a directory)
+        raise OptionError("--config: empty path; give a JSON file")
     if "config" in repeated_options():  # (the last file ran, the others unread and unsaid)
         raise OptionError("--config: given more than once; one config runs one command")
     name, func, kwargs = parse_config(config, CONFIG_COMMANDS)
