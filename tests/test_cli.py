@@ -262,6 +262,12 @@ def test_probe_configs_specs_and_switches(tmp_path, tiny_model):
         assert_one_line_error(invoke(["run", "--config", cfg], 1), *words)
     cfg.write_text('{"command": "info", "model": "%s", "ctx": " 512 "}' % tiny_model)
     assert "-c 512 " in invoke(["run", "--config", cfg]).stdout
+    from ikjax.cli.run_config import _coerce
+    from ikjax.errors import OptionError  # numbers as text, floats as integers ("0.8" was refused)
+    assert _coerce("temp", "0.8", float) == 0.8 and _coerce("temp", " 1e-2 ", float) == 0.01
+    for bad in ("nan", "inf", "0.8x", "--1"):
+        with pytest.raises(OptionError, match="'temp': expected a number"):
+            _coerce("temp", bad, float)
     assert_one_line_error(invoke(["run", "--config", cfg, "--config", cfg], 1), "--config: given more than once")
     for args in (["-no-fa", "-fa", 1], ["-fa", 1, "-no-fa"], ["--flash-attn=1", "-no-fa"]):
         assert_one_line_error(invoke(["info", tiny_model, *args], 1), "-fa and -no-fa both given")

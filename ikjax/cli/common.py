@@ -246,10 +246,8 @@ def resolve_model(spec: Optional[str]) -> str:
         f"{preset}-{qtype}{f'-{layers}L' if layers else ''}-g{synthetic.GENERATOR}.gguf")
     if not path.exists():
         log(f"making synthetic model {preset} {qtype} -> {path} (first use)")
-        size = _synthetic_size(preset, qtype, layers)
-        if size is not None and size >= LONG_MAKE_BYTES:
-            log(f"note: {fmt_bytes(size)} of random weights to write before the run starts: minutes on a CPU "
-                f"(about 60 MiB/s on 2 cores); made once, then reused from {path.parent}")
+        note_long_make(_synthetic_size(preset, qtype, layers) or 0,
+                       f"; made once, before the run starts, then reused from {path.parent}")
         t0 = time.perf_counter()
         synthetic.make_model(path, preset, qtype, layers=layers)
         log(f"made in {time.perf_counter() - t0:.1f}s")
@@ -258,6 +256,13 @@ def resolve_model(spec: Optional[str]) -> str:
 
 # a synthetic model at least this large gets a note before it is made (v2-lite and r1 are 8 GB)
 LONG_MAKE_BYTES = 1 << 30
+
+
+def note_long_make(nbytes: int, tail: str = "") -> None:
+    """The note before a synthetic model of `nbytes` (at least LONG_MAKE_BYTES) is written."""
+    if nbytes >= LONG_MAKE_BYTES:
+        log(f"note: {fmt_bytes(nbytes)} of random weights to write: minutes on a CPU (about 60 MiB/s on 2 cores)"
+            + tail)
 
 
 def _synthetic_size(preset: str, qtype: str, layers: int | None) -> int | None:

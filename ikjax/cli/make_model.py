@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from ikjax.atomic_file import check_target
-from ikjax.cli.common import app, fmt_bytes, handle, stderr_console
+from ikjax.cli.common import app, fmt_bytes, handle, note_long_make, stderr_console
 from ikjax.cli.parser import ExactCommand
 from ikjax.errors import OptionError
 
@@ -46,6 +46,7 @@ def make_model(
     total = sum(t.nbytes for t in plans)
     # the writer's own check (writable first, then the space with its margin), before the bar starts
     check_target(output, total, "output", parent_exists=True)
+    note_long_make(total)  # as a synthetic: spec's first use says
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=stderr_console(), transient=True) as prog:

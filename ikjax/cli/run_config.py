@@ -81,6 +81,8 @@ def _coerce(key: str, value: Any, kind: Any, comma_list: bool = True) -> Any:
     if kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", value):
+            return float(value)  # a number as text, as integers are taken ("0.8" was refused where "512" passed)
         raise OptionError(f"config key {key!r}: expected a number, got {value!r}")
     if kind is list:
         if isinstance(value, str):
