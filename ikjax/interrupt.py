@@ -66,11 +66,6 @@ def check() -> None:
         raise KeyboardInterrupt
 
 
-def clear() -> None:
-    """Forget a Ctrl-C that was handled (chat: it stopped the answer, the conversation goes on)."""
-    _requested.clear()
-
-
 def restore() -> None:
     """A command's Ctrl-C handling, where the starting handler is in place (the CLI's process):
     KeyboardInterrupt as Python's own, plus the flag that `check` reads."""

@@ -144,8 +144,8 @@ def sweep_bench(
             for line in ("", info.banner(), "", *header):
                 prog.echo(line)
         for row in sb.run(eng, tg, seed=seed, nrep=reps, before_row=before_row, warmup=warmup, memory=memory,
+                          # (after every step: a Ctrl-C that JAX swallowed ends the sweep there, ikjax/interrupt.py)
                           on_progress=lambda done, _: (interrupt.check(), prog.update(completed=done)), **shape_args):
-            interrupt.check()  # (ikjax/interrupt.py: a Ctrl-C JAX swallowed)
             rows.append(row)
             prog.update(description=f"sweep-bench N_KV {row.n_kv + pp}")
             prog.echo(row.markdown() if output_format == "md" else row.jsonl(info))

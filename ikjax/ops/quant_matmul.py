@@ -205,13 +205,12 @@ def _normed_invariant(x) -> bool:
 
 
 def _normed_pallas_supported(x, norm_w, eps, w, dtype) -> bool:
-    # decode products only (prompts take XLA's path); in a batch-invariant step, the row form's
-    rows = registry.rows(x)
-    nw = norm_w.stack if isinstance(norm_w, LayerSlice) else norm_w
-    if env.choice("IKJAX_FOLD_NORM") != "1" or (registry.batch_invariant() and not _normed_invariant(x)):
+    # decode products only (prompts take XLA's path); in a batch-invariant step, the row form's only
+    invariant = registry.batch_invariant()
+    if env.choice("IKJAX_FOLD_NORM") != "1" or (invariant and not _normed_invariant(x)):
         return False
-    return ((rows <= AUTO_MAX_ROWS or _normed_invariant(x))
-            and nw.shape[-1] == x.shape[-1] and pallas_ok(w))
+    nw = norm_w.stack if isinstance(norm_w, LayerSlice) else norm_w
+    return ((invariant or registry.rows(x) <= AUTO_MAX_ROWS) and nw.shape[-1] == x.shape[-1] and pallas_ok(w))
 
 
 def _normed_pallas(interpret: bool):
