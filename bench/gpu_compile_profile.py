@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=64)
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--steps", default="", help="indices of the sweep's steps to profile (default all)")
+    ap.add_argument("--longest", type=int, default=0, help="also list this many single longest events, with args")
     ap.add_argument("--cprofile", action="store_true", help="Python functions under cProfile, not XLA's events")
     a = ap.parse_args()
     os.environ.setdefault("IKJAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="cc-prof-"))
@@ -101,6 +102,16 @@ def main() -> None:
                 s[1] += 1
         for name, (sec, cnt) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:a.top]:
             print(f"  {sec:8.3f} s  x{cnt:<5d} {name}")
+        if a.longest:
+            # the single longest events, when they ran (from the trace's first event) and what they
+            # carry (a kernel module's name): one long ptxas / LLVM job is a serial floor of the step
+            xs = [e for e in events if e.get("ph") == "X" and "dur" in e and not e["name"].startswith("$")]
+            t_first = min((e["ts"] for e in xs), default=0)
+            print(f"  longest {a.longest} single events (start..end s from the trace's first event, thread):")
+            for e in sorted(xs, key=lambda e: -e["dur"])[:a.longest]:
+                args = json.dumps(e.get("args", {}))[:150]
+                print(f"  {e['dur'] / 1e6:8.3f} s  {(e['ts'] - t_first) / 1e6:6.2f}..{(e['ts'] + e['dur'] - t_first) / 1e6:6.2f}"
+                      f"  tid {e.get('tid')}  {e['name'][:60]}  {args}")
 
 
 if __name__ == "__main__":

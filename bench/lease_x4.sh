@@ -1406,6 +1406,17 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+82)
+  # issue 22's deep first row on the 16-core host (stop 63): which single compile jobs are long (one long
+  # ptxas / LLVM job is a serial floor of its step), each first-row step compiled alone under jax.profiler,
+  # after a throwaway cold run; then the cold first row three times (a fresh cache each) as this lease's baseline
+  v2l_ready
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
+    > /dev/null 2>&1; echo "throwaway run rc=$?"
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
+    --top ${TOP82:-30} --longest ${LONG82:-40} --steps 0,1 2>&1 | grep -v Warning > $OUT/prof82.txt; head -${HEAD82:-150} $OUT/prof82.txt
+  first_row_ab bench/triton_dialect_ab.py "${AB82:-new new new}" "${SHAPE82:--c 16384 -ub 2048 -n 128}" $OUT/base82.txt
+  ;;
 81)
   # issue 22: the deep first row cold with pallas_kernels' Triton dialect registration (new) and without (old:
   # ~230 failed imports a kernel's lowering), alternating after a discarded run, a fresh cache each
