@@ -167,7 +167,7 @@ first_row_ab() {  # first_row_ab AB_SCRIPT "new old ..." "SHAPE" OUTFILE: issue 
   # model process is 2.3 s slower, RESULTS §22ab), a fresh compile cache each, the first row's line time-stamped
   for v in discard $2; do
     rm -rf /tmp/cc_ab; t0=$(date +%s.%N)
-    IKJAX_COMPILE_CACHE=/tmp/cc_ab CUDA_VISIBLE_DEVICES=0 timeout 60 python3 $1 ${v/discard/new} \
+    IKJAX_COMPILE_CACHE=/tmp/cc_ab CUDA_VISIBLE_DEVICES=0 timeout 60 python3 $1 ${v/discard/${DISCARD_FORM:-new}} \
       sweep-bench -m $V2L -mla 3 -fa 1 $3 2> /tmp/e_ab | while read -r line; do
       case "$line" in "|  "[0-9]*) echo "$v: first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $line"; break;; esac; done
     sleep 1
@@ -1405,6 +1405,16 @@ for line in sys.stdin:
     el "serve load rows, IKJAX_FOLD_NORM=$fold"
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
+  ;;
+83)
+  # issue 22 (stop 63): what XLA compiles for the deep first row's two steps (bench/gpu_hlo_census.py: fusions
+  # by emitter, Pallas kernels by name and size, the optimized HLO saved), then the first row cold A/B over
+  # XLA_FLAGS forms (bench/env_ab.py; AB_FORMS83 names them)
+  v2l_ready
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_hlo_census.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
+    --save $OUT/hlo83 2>&1 | grep -v Warning > $OUT/census83.txt; head -${HEAD83:-80} $OUT/census83.txt
+  export DISCARD_FORM=base AB_FORMS=${AB_FORMS83:-"base=;nogemm=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"}
+  first_row_ab bench/env_ab.py "${AB83:-nogemm base nogemm base}" "${SHAPE83:--c 16384 -ub 2048 -n 128}" $OUT/ab83.txt
   ;;
 82)
   # issue 22's deep first row on the 16-core host (stop 63): which single compile jobs are long (one long
