@@ -54,8 +54,9 @@ def main() -> None:
 
     import ikjax
     if os.environ.get("DPROF_MAX_STACK"):  # layer groups whose stacked tensors stay under this many bytes
-        from ikjax.model import groups
-        groups.PALLAS_MAX_STACK_BYTES = int(float(os.environ["DPROF_MAX_STACK"]))
+        from ikjax import ops
+        limit = int(float(os.environ["DPROF_MAX_STACK"]))
+        ops.pallas_stack_limit = lambda: limit
     if os.environ.get("DPROF_NO_CMDBUF"):  # every kernel on its own in the profile (no CUDA graph hides them)
         from ikjax.runtime import executables
         executables._DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": ""}

@@ -1406,6 +1406,31 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+84)
+  # issue 22 (stop 63): one layer group per run of identical layers on the GPU (Pallas's offsets 64-bit past 2^31
+  # elements; V2-Lite's MoE layers one group of 26, not 20 + 6): the gpu-marked kernel tests; greedy text of the
+  # two forms compared (generate, 64 tokens); the deep first row cold, A/B (bench/wide_offsets_ab.py); the new
+  # form's whole sweep cold then warm (every row's S_PP / S_TG against the issue's)
+  v2l_ready
+  timeout ${TESTS84_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs ${TESTFILES84:-tests/test_decode_gpu.py \
+    tests/test_kernels_quant_matmul.py tests/test_kernels_moe.py tests/test_kernels_mla.py} 2>&1 | tee $OUT/tests84.txt \
+    | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" | head -20
+  for v in new old; do
+    IKJAX_COMPILE_CACHE=/tmp/cc84g timeout 120 python3 bench/wide_offsets_ab.py $v generate -m $V2L -mla 3 -fa 1 -c 4096 \
+      -p "The history of the printing press begins" -n 64 --temp 0 > $OUT/gen84-$v.txt 2> $OUT/gen84-$v.err
+    echo "generate $v: rc=$? $(wc -c < $OUT/gen84-$v.txt) bytes; $(grep -E 'group|compiled' $OUT/gen84-$v.err | head -2 | tr '\n' ' ')"
+  done
+  cmp -s $OUT/gen84-new.txt $OUT/gen84-old.txt && echo "greedy text: the same" || { echo "greedy text DIFFERS"; head -c 300 $OUT/gen84-*.txt; }
+  first_row_ab bench/wide_offsets_ab.py "${AB84:-new old new old new old}" "${SHAPE84:--c 16384 -ub 2048 -n 128}" $OUT/ab84.txt
+  rm -rf /tmp/cc84
+  for v in cold warm; do
+    t0=$(date +%s.%N)
+    IKJAX_COMPILE_CACHE=/tmp/cc84 CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
+      ${SHAPE84:--c 16384 -ub 2048 -n 128} 2> /tmp/e84 | while read -r line; do
+      case "$line" in "|  "[0-9]*) echo "$v $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s: $line";; esac; done
+    echo "   end $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $(grep -E "compiled|loaded" /tmp/e84 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+  done
+  ;;
 83)
   # issue 22 (stop 63): what XLA compiles for the deep first row's two steps (bench/gpu_hlo_census.py: fusions
   # by emitter, Pallas kernels by name and size, the optimized HLO saved), then the first row cold A/B over

@@ -28,3 +28,58 @@ def _triton_dialect_found_once() -> None:
 
 
 _triton_dialect_found_once()
+
+
+WIDE_OFFSETS = False  # whether `_wide_offsets_where_needed` took (read by ikjax.model.groups)
+
+
+def _wide_offsets_where_needed() -> None:
+    """Give Pallas's Triton lowering 64-bit offsets for every array of more than 2^31 elements.
+
+    Why: the lowering indexes an operand with 32-bit offsets (in elements) unless the operand's
+    size passes 2^32 bytes; Triton's pointer arithmetic takes them signed, so a byte array of 2^31
+    to 2^32 bytes (V2-Lite's 26 MoE layers stack 2.7 GB of each expert tensor) wraps to a negative
+    offset: an illegal address on the GPU. The layer groups used to stop a stack below 2^31 bytes
+    instead (V2-Lite: 1 dense + 20 + 6 MoE layers; an R1 expert tensor of 2.1 GB a layer: a group
+    per layer), and each group is traced, lowered and compiled again: a third of a cold step's
+    lowering and kernel compiles on the deep V2-Lite shape (RESULTS §22ai). The lowering's own
+    rule is kept (its offsets are 64-bit from 2^32 bytes); this makes the operand look that big to
+    it where its elements pass 2^31, so its offsets are 64-bit there too. Offsets are all the dtype
+    is read for there. Where the lowering is not the one this was written against, nothing is
+    patched and the groups keep their limit."""
+    global WIDE_OFFSETS
+    import dataclasses
+    import inspect
+    import math
+    try:
+        import jax
+        import numpy as np
+        from jax._src.pallas.triton import lowering as tl
+    except ImportError:  # no Pallas Triton lowering: nothing to widen
+        return
+    orig = getattr(tl, "_compute_offsets_from_indices", None)
+    if orig is None or getattr(orig, "ikjax_wide", False):
+        WIDE_OFFSETS = orig is not None
+        return
+    try:
+        fits = (list(inspect.signature(orig).parameters) == ["block_info", "nd_indexer"]
+                and "full_shape_dtype" in {f.name for f in dataclasses.fields(tl.BlockInfo)}
+                and "2**32" in inspect.getsource(orig))
+    except (TypeError, OSError):
+        fits = False
+    if not fits:
+        return
+
+    def offsets(block_info, nd_indexer):
+        full = block_info.full_shape_dtype
+        if math.prod(full.shape) > 2**31:
+            block_info = dataclasses.replace(block_info, full_shape_dtype=jax.ShapeDtypeStruct(full.shape, np.uint64))
+        return orig(block_info, nd_indexer)
+
+    offsets.ikjax_wide = True
+    offsets.__wrapped__ = orig
+    tl._compute_offsets_from_indices = offsets
+    WIDE_OFFSETS = True
+
+
+_wide_offsets_where_needed()

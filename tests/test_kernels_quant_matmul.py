@@ -275,3 +275,50 @@ def test_triton_lowering_imports_nothing_it_cannot_find():
         bootstrap._find_and_load = orig
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
     assert not [n for n in asked if n.endswith(".tt")], sorted(set(asked))
+
+
+def test_triton_offsets_are_64_bit_past_2_31_elements():
+    """A stacked weight of more than 2^31 bytes is indexed with 64-bit offsets in the lowered
+    kernel (pallas_kernels._wide_offsets_where_needed): Pallas's own rule widens them only past 2^32
+    bytes, so a 2.7 GB stack (V2-Lite's 26 MoE layers) wrapped to a negative offset on the GPU, and
+    the layer groups had to stop below 2^31 bytes. Lowered for CUDA on abstract shapes (nothing of
+    that size is allocated); a small stack keeps 32-bit offsets."""
+    import math
+
+    import pallas_kernels
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as tl
+    from pallas_kernels.quant_matmul.kernel import quant_matmul as qm
+    from pallas_kernels.quant_matmul.packing import PackedWeight
+    from pallas_kernels.testing import cuda_lowering
+    assert pallas_kernels.WIDE_OFFSETS and tl._compute_offsets_from_indices.ikjax_wide
+    one = prepare(random_quant_array("Q4_0", (64, 512), np.random.default_rng(0), fast=True))
+    per_layer = max(math.prod(a.shape) for a in one.arrays.values())
+
+    def stack(layers):
+        return PackedWeight({k: jax.ShapeDtypeStruct((layers,) + a.shape, a.dtype) for k, a in one.arrays.items()},
+                            one.qtype, one.shape)
+
+    def widths(layers, offsets):
+        seen = []
+        patched = tl._compute_offsets_from_indices
+
+        def spy(block_info, nd_indexer):
+            out = offsets(block_info, nd_indexer)
+            t = out.type
+            elt = ir.RankedTensorType(t).element_type if isinstance(t, ir.RankedTensorType) else t
+            seen.append((math.prod(block_info.full_shape_dtype.shape), ir.IntegerType(elt).width))
+            return out
+        tl._compute_offsets_from_indices = spy
+        try:
+            cuda_lowering(lambda x, w, j: qm(x, w, layer=j), jax.ShapeDtypeStruct((1, 512), jnp.float32), stack(layers),
+                          jax.ShapeDtypeStruct((), jnp.int32))
+        finally:
+            tl._compute_offsets_from_indices = patched
+        return {w for n, w in seen if n == layers * per_layer}
+
+    big = 2**31 // per_layer + 1  # the stack's bytes pass 2^31
+    assert big * per_layer > 2**31
+    assert widths(big, tl._compute_offsets_from_indices) == {64}
+    assert widths(big, tl._compute_offsets_from_indices.__wrapped__) == {32}  # Pallas's own rule: the wrap
+    assert widths(4, tl._compute_offsets_from_indices) == {32}

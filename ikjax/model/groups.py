@@ -137,21 +137,16 @@ def _signature(cfg, i: int, tensors: Mapping[str, Any], placement) -> tuple | No
     return tuple(sig)
 
 
-# The Pallas (Triton) kernels index their operands with 32-bit offsets: a stacked weight of 2^31
-# bytes or more would wrap (an illegal address on the GPU: V2-Lite's 26 MoE layers stack 2.7 GB
-# of each expert tensor). Where they run, a group stops before any of its stacks would reach it.
-PALLAS_MAX_STACK_BYTES = 2**31 - 1
-
-
 def layer_spans(cfg, tensors: Mapping[str, Any], placement=None, mode: str | None = None,
                 max_stack_bytes: int | None = None) -> tuple[tuple[int, int], ...]:
     """(first, count) of each group, in layer order, covering layers 0 .. n_layer - 1: maximal runs
     of consecutive layers with the same `_signature` (all ones with mode "unroll"), each of whose
-    stacked tensors stays under `max_stack_bytes` (default: `PALLAS_MAX_STACK_BYTES` where the
-    Pallas kernels read the weights, else no limit)."""
+    stacked tensors stays under `max_stack_bytes` (default: `ops.pallas_stack_limit()` where the
+    Pallas kernels read the weights: none where their offsets are 64-bit as needed, else below
+    2^31 bytes; no limit elsewhere)."""
     mode = mode or layer_mode()
     if max_stack_bytes is None and ops.needs_repack():
-        max_stack_bytes = PALLAS_MAX_STACK_BYTES
+        max_stack_bytes = ops.pallas_stack_limit()
     spans: list[list[int]] = []
     prev = None
     for i in range(cfg.n_layer):

@@ -12,6 +12,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from ikjax import env, programs
 from ikjax.ops import registry
 from ikjax.ops.norm import rms_norm
@@ -61,6 +62,13 @@ def needs_repack(backend: str | None = None) -> bool:
     return registry.resolve_backend(backend) in ("pallas", "interpret")
 
 
+def pallas_stack_limit() -> int | None:
+    """The largest stacked weight (bytes) the Pallas kernels read in place, None for no limit: with
+    the lowering's offsets 64-bit wherever an operand passes 2^31 elements
+    (`pallas_kernels.WIDE_OFFSETS`) any size; without, below 2^31 bytes (32-bit offsets wrap)."""
+    return None if pallas_kernels.WIDE_OFFSETS else 2**31 - 1
+
+
 def layer_view(tensors: dict, j) -> dict:
     """Layer j of a scanned group's stacked tensors (ikjax.model.groups), as the ops read it: each
     quantized weight a LayerSlice (the kernels read it in place, the XLA forms slice it; under the
@@ -100,9 +108,10 @@ def pallas_weight(w):
     """(PackedWeight, layer index or None) for the Pallas kernels: a LayerSlice of a repacked stack
     is read in place at its index."""
     if isinstance(w, LayerSlice):
-        # the Triton kernels' offsets are 32-bit: a stack of 2^31 bytes or more (which the layer
-        # groups avoid, ikjax.model.groups.PALLAS_MAX_STACK_BYTES) is read as its one layer (a copy)
-        if isinstance(w.stack, PackedWeight) and max(a.size for a in w.stack.arrays.values()) < 2**31:
+        # without 64-bit offsets, a stack of 2^31 bytes or more (which the layer groups then avoid:
+        # `pallas_stack_limit`) is read as its one layer (a copy)
+        limit = pallas_stack_limit()
+        if isinstance(w.stack, PackedWeight) and (limit is None or max(a.nbytes for a in w.stack.arrays.values()) <= limit):
             return w.stack, w.index
         return packed(w.get()), None
     return packed(w), None
