@@ -1406,6 +1406,20 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+85)
+  # issue 22 (stop 63): after one group per run of identical layers, the load is as long as the compile on the
+  # deep first row. Does a put hold the GIL, do parallel puts add up (bench/gil_probe.py on the model file);
+  # then the cold run under the stack sampler, every thread's timeline (STAGE=78's last part)
+  v2l_ready
+  timeout 100 python3 bench/gil_probe.py $V2L 2>&1 | grep -v Warn | tee $OUT/gil85.txt
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
+    > /dev/null 2>&1; echo "throwaway run rc=$?"
+  t0=$(date +%s.%N)
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/warm_timeline.py --min-ms ${MINMS85:-40} -- sweep-bench -m $V2L \
+    -mla 3 -fa 1 -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/cold_timeline85.txt"
+  echo "cold under the sampler: $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s"
+  grep -v "^|" "$OUT/cold_timeline85.txt" | grep -v Warn | grep -v "^  \[" | head -${TL85:-140}
+  ;;
 84)
   # issue 22 (stop 63): one layer group per run of identical layers on the GPU (Pallas's offsets 64-bit past 2^31
   # elements; V2-Lite's MoE layers one group of 26, not 20 + 6): the gpu-marked kernel tests; greedy text of the
