@@ -1406,6 +1406,15 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+86)
+  # issue 22 (stop 63): which load programs the cold load compiles itself (not ahead), and why their keys differ
+  # from the recorded ones (bench/load_programs_probe.py), after a throwaway run
+  v2l_ready
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
+    > /dev/null 2>&1; echo "throwaway run rc=$?"
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/load_programs_probe.py sweep-bench -m $V2L -mla 3 -fa 1 \
+    -c 16384 -ub 2048 -n 128 2>&1 >/dev/null | grep -v Warn | sed -n '/# the load/,$p' | cut -c1-700 | tee $OUT/probe86.txt
+  ;;
 85)
   # issue 22 (stop 63): after one group per run of identical layers, the load is as long as the compile on the
   # deep first row. Does a put hold the GIL, do parallel puts add up (bench/gil_probe.py on the model file);
