@@ -1406,6 +1406,23 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+87)
+  # issue 22 (stop 63): the load on shapes alone records the groups' zeroed stacks and put (compiled ahead, off the
+  # steps' lowering lock): which load programs the load still compiles itself (bench/load_programs_probe.py); greedy
+  # text of the two forms; the deep first row cold, A/B (bench/stack_programs_ab.py)
+  v2l_ready
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
+    > /dev/null 2>&1; echo "throwaway run rc=$?"
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/load_programs_probe.py sweep-bench -m $V2L -mla 3 -fa 1 \
+    -c 16384 -ub 2048 -n 128 2>&1 >/dev/null | grep -v Warn | sed -n '/# the load/,$p' | cut -c1-400 | tee $OUT/probe87.txt
+  for v in new old; do
+    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 120 python3 bench/stack_programs_ab.py $v generate -m $V2L -mla 3 -fa 1 -c 4096 \
+      -p "The history of the printing press begins" -n 64 --temp 0 > $OUT/gen87-$v.txt 2> $OUT/gen87-$v.err
+    echo "generate $v: rc=$? $(wc -c < $OUT/gen87-$v.txt) bytes"
+  done
+  cmp -s $OUT/gen87-new.txt $OUT/gen87-old.txt && echo "greedy text: the same" || { echo "greedy text DIFFERS"; head -c 300 $OUT/gen87-*.txt; }
+  first_row_ab bench/stack_programs_ab.py "${AB87:-new old new old new old}" "${SHAPE87:--c 16384 -ub 2048 -n 128}" $OUT/ab87.txt
+  ;;
 86)
   # issue 22 (stop 63): which load programs the cold load compiles itself (not ahead), and why their keys differ
   # from the recorded ones (bench/load_programs_probe.py), after a throwaway run

@@ -208,10 +208,15 @@ class _Stacks:
         self.abstract = [jax.ShapeDtypeStruct((count,) + tuple(a.shape), a.dtype,
                                               sharding=getattr(a, "sharding", None) or _default_sharding(a.dtype))
                          for a in leaves] if programs.is_abstract() else None
-        if self.abstract is not None:
-            self.on_host, self.dev = [], []
-            return
         self.on_host = [s is None or all(d.platform == "cpu" for d in s.device_set) for s in self.shardings]
+        if self.abstract is not None:
+            # on shapes alone: the zeroed stacks' program traced, so that a recording load
+            # (programs.recording) has it compiled ahead with the rest; the real load compiled it
+            # itself, under the steps' lowering lock (1.4 s of a deep V2-Lite cold start, §22ai)
+            specs = tuple(((count,) + tuple(a.shape), np.dtype(a.dtype), self.shardings[k])
+                          for k, a in enumerate(leaves) if not self.on_host[k])
+            self.dev = list(_zeros(specs)) if specs else []
+            return
         self.host: list = [None] * len(leaves)
         dev_specs = []
         for k, a in enumerate(leaves):
@@ -227,6 +232,11 @@ class _Stacks:
 
     def put(self, j: int, leaves: list) -> None:
         if self.abstract is not None:
+            # on shapes alone, one layer's put traced for the recording (the same program puts
+            # every layer: the index is an argument)
+            dev_leaves = [a for k, a in enumerate(leaves) if not self.on_host[k]]
+            if j == 0 and dev_leaves:
+                self.dev = list(programs.run("put_layer", _put_layer, (tuple(self.dev), tuple(dev_leaves), np.int32(j))))
             return
         dev_leaves = []
         for k, a in enumerate(leaves):
