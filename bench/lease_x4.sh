@@ -174,6 +174,26 @@ first_row_ab() {  # first_row_ab AB_SCRIPT "new old ..." "SHAPE" OUTFILE: issue 
     echo "   $(grep -E "compiled|loaded" /tmp/e_ab | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
   done 2>&1 | tee $4
 }
+throwaway_run() {  # a cold run discarded: a fresh machine's first model process pays the binaries' first reads (§22ab)
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
+    > /dev/null 2>&1; echo "throwaway run rc=$?"
+}
+
+greedy_same() {  # greedy_same FORM_A FORM_B TAG: generate's greedy text (64 tokens) under two forms of
+  # bench/first_row_forms.py, a fresh compile cache each, compared byte for byte
+  for v in $1 $2; do
+    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 120 python3 bench/first_row_forms.py $v generate -m $V2L -mla 3 -fa 1 -c 4096 \
+      -p "The history of the printing press begins" -n 64 --temp 0 > $OUT/gen$3-$v.txt 2> $OUT/gen$3-$v.err
+    echo "generate $v: rc=$? $(wc -c < $OUT/gen$3-$v.txt) bytes"
+  done
+  cmp -s $OUT/gen$3-$1.txt $OUT/gen$3-$2.txt && echo "greedy text: the same" || { echo "greedy text DIFFERS"; head -c 300 $OUT/gen$3-*.txt; }
+}
+
+load_probe() {  # load_probe TAG: the load's programs the cold deep run compiles itself, and why (bench/load_programs_probe.py)
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/load_programs_probe.py sweep-bench -m $V2L -mla 3 -fa 1 \
+    -c 16384 -ub 2048 -n 128 2>&1 >/dev/null | grep -v Warn | sed -n '/# the load/,$p' | cut -c1-700 | tee $OUT/probe$1.txt
+}
+
 v2l_ready() {  # the 27-layer V2-Lite shape at $V2L, made once a machine, read into the page cache
   V2L=/tmp/v2l-Q4_0.gguf
   [ -f $V2L ] || { el "make-model"; python3 -m ikjax.cli make-model -o $V2L --preset v2-lite --type Q4_0 > /dev/null; }
@@ -1374,8 +1394,7 @@ for line in sys.stdin:
   # first-row steps each compiled alone under jax.profiler (trace + lower against XLA, XLA's events),
   # the decode loop's trace + lower under cProfile, then the cold run under the stack sampler (STAGE=69's)
   v2l_ready
-  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
-    > /dev/null 2>&1; echo "throwaway run rc=$?"
+  throwaway_run
   IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
     --top ${TOP78:-24} --steps 0,1 2>&1 | grep -v Warning | tee $OUT/prof78.txt | head -${HEAD78:-80}
   IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
@@ -1408,29 +1427,21 @@ for line in sys.stdin:
   ;;
 87)
   # issue 22 (stop 63): the load on shapes alone records the groups' zeroed stacks and put (compiled ahead, off the
-  # steps' lowering lock): which load programs the load still compiles itself (bench/load_programs_probe.py); greedy
-  # text of the two forms; the deep first row cold, A/B (bench/stack_programs_ab.py)
+  # steps' lowering lock): which load programs the load still compiles itself; greedy text of the two forms; the
+  # deep first row cold, A/B (bench/first_row_forms.py new / old-stacks)
   v2l_ready
-  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
-    > /dev/null 2>&1; echo "throwaway run rc=$?"
-  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/load_programs_probe.py sweep-bench -m $V2L -mla 3 -fa 1 \
-    -c 16384 -ub 2048 -n 128 2>&1 >/dev/null | grep -v Warn | sed -n '/# the load/,$p' | cut -c1-400 | tee $OUT/probe87.txt
-  for v in new old; do
-    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 120 python3 bench/stack_programs_ab.py $v generate -m $V2L -mla 3 -fa 1 -c 4096 \
-      -p "The history of the printing press begins" -n 64 --temp 0 > $OUT/gen87-$v.txt 2> $OUT/gen87-$v.err
-    echo "generate $v: rc=$? $(wc -c < $OUT/gen87-$v.txt) bytes"
-  done
-  cmp -s $OUT/gen87-new.txt $OUT/gen87-old.txt && echo "greedy text: the same" || { echo "greedy text DIFFERS"; head -c 300 $OUT/gen87-*.txt; }
-  first_row_ab bench/stack_programs_ab.py "${AB87:-new old new old new old}" "${SHAPE87:--c 16384 -ub 2048 -n 128}" $OUT/ab87.txt
+  throwaway_run
+  load_probe 87
+  greedy_same new old-stacks 87
+  first_row_ab bench/first_row_forms.py "${AB87:-new old-stacks new old-stacks new old-stacks}" "${SHAPE87:--c 16384 -ub 2048 -n 128}" \
+    $OUT/ab87.txt
   ;;
 86)
   # issue 22 (stop 63): which load programs the cold load compiles itself (not ahead), and why their keys differ
-  # from the recorded ones (bench/load_programs_probe.py), after a throwaway run
+  # from the recorded ones, after a throwaway run
   v2l_ready
-  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
-    > /dev/null 2>&1; echo "throwaway run rc=$?"
-  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/load_programs_probe.py sweep-bench -m $V2L -mla 3 -fa 1 \
-    -c 16384 -ub 2048 -n 128 2>&1 >/dev/null | grep -v Warn | sed -n '/# the load/,$p' | cut -c1-700 | tee $OUT/probe86.txt
+  throwaway_run
+  load_probe 86
   ;;
 85)
   # issue 22 (stop 63): after one group per run of identical layers, the load is as long as the compile on the
@@ -1438,8 +1449,7 @@ for line in sys.stdin:
   # then the cold run under the stack sampler, every thread's timeline (STAGE=78's last part)
   v2l_ready
   timeout 100 python3 bench/gil_probe.py $V2L 2>&1 | grep -v Warn | tee $OUT/gil85.txt
-  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
-    > /dev/null 2>&1; echo "throwaway run rc=$?"
+  throwaway_run
   t0=$(date +%s.%N)
   IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/warm_timeline.py --min-ms ${MINMS85:-40} -- sweep-bench -m $V2L \
     -mla 3 -fa 1 -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/cold_timeline85.txt"
@@ -1449,19 +1459,14 @@ for line in sys.stdin:
 84)
   # issue 22 (stop 63): one layer group per run of identical layers on the GPU (Pallas's offsets 64-bit past 2^31
   # elements; V2-Lite's MoE layers one group of 26, not 20 + 6): the gpu-marked kernel tests; greedy text of the
-  # two forms compared (generate, 64 tokens); the deep first row cold, A/B (bench/wide_offsets_ab.py); the new
+  # two forms compared (generate, 64 tokens); the deep first row cold, A/B (bench/first_row_forms.py new / old-groups); the new
   # form's whole sweep cold then warm (every row's S_PP / S_TG against the issue's)
   v2l_ready
   timeout ${TESTS84_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs ${TESTFILES84:-tests/test_decode_gpu.py \
     tests/test_kernels_quant_matmul.py tests/test_kernels_moe.py tests/test_kernels_mla.py} 2>&1 | tee $OUT/tests84.txt \
     | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" | head -20
-  for v in new old; do
-    IKJAX_COMPILE_CACHE=/tmp/cc84g timeout 120 python3 bench/wide_offsets_ab.py $v generate -m $V2L -mla 3 -fa 1 -c 4096 \
-      -p "The history of the printing press begins" -n 64 --temp 0 > $OUT/gen84-$v.txt 2> $OUT/gen84-$v.err
-    echo "generate $v: rc=$? $(wc -c < $OUT/gen84-$v.txt) bytes; $(grep -E 'group|compiled' $OUT/gen84-$v.err | head -2 | tr '\n' ' ')"
-  done
-  cmp -s $OUT/gen84-new.txt $OUT/gen84-old.txt && echo "greedy text: the same" || { echo "greedy text DIFFERS"; head -c 300 $OUT/gen84-*.txt; }
-  first_row_ab bench/wide_offsets_ab.py "${AB84:-new old new old new old}" "${SHAPE84:--c 16384 -ub 2048 -n 128}" $OUT/ab84.txt
+  greedy_same new old-groups 84
+  first_row_ab bench/first_row_forms.py "${AB84:-new old-groups new old-groups new old-groups}" "${SHAPE84:--c 16384 -ub 2048 -n 128}" $OUT/ab84.txt
   rm -rf /tmp/cc84
   for v in cold warm; do
     t0=$(date +%s.%N)
@@ -1474,31 +1479,30 @@ for line in sys.stdin:
 83)
   # issue 22 (stop 63): what XLA compiles for the deep first row's two steps (bench/gpu_hlo_census.py: fusions
   # by emitter, Pallas kernels by name and size, the optimized HLO saved), then the first row cold A/B over
-  # XLA_FLAGS forms (bench/env_ab.py; AB_FORMS83 names them)
+  # XLA_FLAGS forms (bench/first_row_forms.py; AB_FORMS83 names them)
   v2l_ready
   IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_hlo_census.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
     --save $OUT/hlo83 2>&1 | grep -v Warning > $OUT/census83.txt; head -${HEAD83:-80} $OUT/census83.txt
   export DISCARD_FORM=base AB_FORMS=${AB_FORMS83:-"base=;nogemm=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"}
-  first_row_ab bench/env_ab.py "${AB83:-nogemm base nogemm base}" "${SHAPE83:--c 16384 -ub 2048 -n 128}" $OUT/ab83.txt
+  first_row_ab bench/first_row_forms.py "${AB83:-nogemm base nogemm base}" "${SHAPE83:--c 16384 -ub 2048 -n 128}" $OUT/ab83.txt
   ;;
 82)
   # issue 22's deep first row on the 16-core host (stop 63): which single compile jobs are long (one long
   # ptxas / LLVM job is a serial floor of its step), each first-row step compiled alone under jax.profiler,
   # after a throwaway cold run; then the cold first row three times (a fresh cache each) as this lease's baseline
   v2l_ready
-  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
-    > /dev/null 2>&1; echo "throwaway run rc=$?"
+  throwaway_run
   IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 150 python3 bench/gpu_compile_profile.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
     --top ${TOP82:-30} --longest ${LONG82:-40} --steps 0,1 2>&1 | grep -v Warning > $OUT/prof82.txt; head -${HEAD82:-150} $OUT/prof82.txt
-  first_row_ab bench/triton_dialect_ab.py "${AB82:-new new new}" "${SHAPE82:--c 16384 -ub 2048 -n 128}" $OUT/base82.txt
+  first_row_ab bench/first_row_forms.py "${AB82:-new new new}" "${SHAPE82:--c 16384 -ub 2048 -n 128}" $OUT/base82.txt
   ;;
 81)
   # issue 22: the deep first row cold with pallas_kernels' Triton dialect registration (new) and without (old:
   # ~230 failed imports a kernel's lowering), alternating after a discarded run, a fresh cache each
-  # (bench/triton_dialect_ab.py), the first row's line time-stamped from the command's start; then the
+  # (bench/first_row_forms.py new / old-triton), the first row's line time-stamped from the command's start; then the
   # quant_matmul / norm GPU tests
   v2l_ready
-  first_row_ab bench/triton_dialect_ab.py "${AB81:-new old new old new old}" "${SHAPE81:--c 16384 -ub 2048 -n 128}" \
+  first_row_ab bench/first_row_forms.py "${AB81:-new old-triton new old-triton new old-triton}" "${SHAPE81:--c 16384 -ub 2048 -n 128}" \
     $OUT/ab81.txt
   timeout ${TESTS81_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 -rs tests/test_norm_linear.py \
     tests/test_kernels_quant_matmul.py tests/test_decode_gpu.py 2>&1 | tee $OUT/tests81.txt \
