@@ -7,6 +7,7 @@ import time
 
 import gguf
 import numpy as np
+import pytest
 
 from ikjax.gguf_io import writer as gw
 from ikjax.gguf_io.config import ModelConfig
@@ -65,3 +66,18 @@ def test_multi_gb_file_opens_instantly_without_reading_data(tmp_path):
 def test_split_names():
     assert split_paths("/m/R1-00002-of-00003.gguf") == [f"/m/R1-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
     assert split_paths("/m/plain.gguf") == ["/m/plain.gguf"]
+
+
+def test_writer_refuses_yarn_mscale_it_cannot_store():
+    """A YaRN config whose mscale differs from mscale_all_dim is refused by the writer, naming both:
+    GGUF keeps only 0.1 * mscale_all_dim, so the file would compute another model's attention
+    (transformers scales cos / sin by their ratio; an outside probe against it measured 0.7 %). Equal
+    values, as every released DeepSeek config has, are written."""
+    from ikjax.tools.synthetic import preset_config
+    cfg = dict(preset_config("tiny"))
+    yarn = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.707)
+    with pytest.raises(ValueError, match=r"mscale 1.0 differs from mscale_all_dim 0.707"):
+        gw.deepseek2_metadata({**cfg, "rope_scaling": yarn}, layout="all", qtype="F32")
+    kv = dict((k, v) for k, v, _ in gw.deepseek2_metadata({**cfg, "rope_scaling": {**yarn, "mscale": 0.707}},
+                                                          layout="all", qtype="F32"))
+    assert kv["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.0707)

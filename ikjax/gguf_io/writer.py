@@ -244,6 +244,14 @@ def deepseek2_metadata(cfg: Mapping[str, Any], *, layout: str = "all", qtype: st
     kv.append((f"{a}.rope.dimension_count", rope, VT.UINT32))
     rs = _rope_scaling(cfg)
     if rs is not None and (rs.get("type") or rs.get("rope_type")) == "yarn":
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        if m and m_all and float(m) != float(m_all):
+            # transformers then scales cos / sin by get_mscale(factor, mscale) / get_mscale(factor,
+            # mscale_all_dim); the GGUF keeps 0.1 * mscale_all_dim only (as ik's converter), so the file
+            # would compute another model's attention (0.7 % off on a tiny V3, RESULTS §22ai's probe).
+            # Every released DeepSeek, Kimi and GLM config has the two equal.
+            raise ValueError(f"unsupported rope scaling for deepseek2: mscale {m} differs from mscale_all_dim {m_all} "
+                             f"(GGUF keeps only yarn_log_multiplier = 0.1 * mscale_all_dim)")
         kv += [
             (f"{a}.rope.scaling.type", "yarn", VT.STRING),
             (f"{a}.rope.scaling.factor", float(rs["factor"]), VT.FLOAT32),
