@@ -125,7 +125,7 @@ if [ ! -f /tmp/lease_installed ]; then
   python3 -c "import pallas_kernels._cuda_host" || { echo "no CUDA host handler"; exit 1; }
   touch /tmp/lease_installed
   # whether this machine's Python writes bytecode: with PYTHONDONTWRITEBYTECODE set every process compiles
-  # the package's ~100 modules from source again (~0.5 s of imports on this workplace's EPYC, stop 63)
+  # the package's modules from source again (~0.15 s of an engine start on this workplace's EPYC, stop 63)
   el "installed; python $(python3 -c 'import sys; print(sys.version.split()[0], "dont_write_bytecode", sys.dont_write_bytecode)')"
   # ml_dtypes 0.7.0's import takes ~1 s of CPU (its ufunc loops registered one by one: RESULTS §22aj), before JAX starts
   el "ml_dtypes $(python3 -c 'import time; t = time.perf_counter(); import numpy; t1 = time.perf_counter(); import ml_dtypes; print(ml_dtypes.__version__, f"imported in {time.perf_counter() - t1:.3f} s")')"
