@@ -178,6 +178,18 @@ first_row_ab() {  # first_row_ab AB_SCRIPT "new old ..." "SHAPE" OUTFILE: issue 
     echo "   $(grep -E "compiled|loaded" /tmp/e_ab | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
   done 2>&1 | tee $4
 }
+cold_warm_sweep() {  # cold_warm_sweep "SHAPE": the V2-Lite shape's sweep-bench cold (a fresh cache) then warm, every
+  # row's line time-stamped from the command's start, then the end and the compile / load lines
+  rm -rf /tmp/cc_cw
+  for v in cold warm; do
+    t0=$(date +%s.%N)
+    IKJAX_COMPILE_CACHE=/tmp/cc_cw CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
+      $1 2> /tmp/e_cw | while read -r line; do
+      case "$line" in "|  "[0-9]*) echo "$v $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s: $line";; esac; done
+    echo "   $v end $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $(grep -E "compiled|loaded" /tmp/e_cw | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
+  done
+}
+
 throwaway_run() {  # a cold run discarded: a fresh machine's first model process pays the binaries' first reads (§22ab)
   IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
     > /dev/null 2>&1; echo "throwaway run rc=$?"
@@ -1353,14 +1365,7 @@ for line in sys.stdin:
     tests/test_kernel_precision.py tests/test_norm_linear.py} 2>&1 | tee $OUT/tests75.txt \
     | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" | head -30
   [ "${PARTS75:-}" = tests ] && exit 0
-  rm -rf /tmp/cc75
-  for v in cold warm; do
-    t0=$(date +%s.%N)
-    IKJAX_COMPILE_CACHE=/tmp/cc75 CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
-      ${SHAPE75:--c 16384 -ub 2048 -n 128} 2> /tmp/e75 | while read -r line; do
-      case "$line" in "|  "[0-9]*) echo "$v $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s: $line";; esac; done
-    echo "   $v end $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $(grep -E "compiled|loaded" /tmp/e75 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
-  done 2>&1 | tee $OUT/health75.txt
+  cold_warm_sweep "${SHAPE75:--c 16384 -ub 2048 -n 128}" 2>&1 | tee $OUT/health75.txt
   ;;
 76)
   # the RMSNorm folded into the decode products (IKJAX_FOLD_NORM, stop 61): its GPU tests and the decode
@@ -1471,14 +1476,7 @@ for line in sys.stdin:
     | grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" | head -20
   greedy_same new old-groups 84
   first_row_ab bench/first_row_forms.py "${AB84:-new old-groups new old-groups new old-groups}" "${SHAPE84:--c 16384 -ub 2048 -n 128}" $OUT/ab84.txt
-  rm -rf /tmp/cc84
-  for v in cold warm; do
-    t0=$(date +%s.%N)
-    IKJAX_COMPILE_CACHE=/tmp/cc84 CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
-      ${SHAPE84:--c 16384 -ub 2048 -n 128} 2> /tmp/e84 | while read -r line; do
-      case "$line" in "|  "[0-9]*) echo "$v $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s: $line";; esac; done
-    echo "   end $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $(grep -E "compiled|loaded" /tmp/e84 | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
-  done
+  cold_warm_sweep "${SHAPE84:--c 16384 -ub 2048 -n 128}"
   ;;
 83)
   # issue 22 (stop 63): what XLA compiles for the deep first row's two steps (bench/gpu_hlo_census.py: fusions

@@ -30,7 +30,7 @@ def _triton_dialect_found_once() -> None:
 _triton_dialect_found_once()
 
 
-WIDE_OFFSETS = False  # whether `_wide_offsets_where_needed` took (read by ikjax.model.groups)
+WIDE_OFFSETS = False  # whether `_wide_offsets_where_needed` took (ikjax.ops.pallas_stack_limit reads it)
 
 
 def _wide_offsets_where_needed() -> None:
@@ -61,11 +61,11 @@ def _wide_offsets_where_needed() -> None:
     if orig is None or getattr(orig, "ikjax_wide", False):
         WIDE_OFFSETS = orig is not None
         return
-    try:
+    try:  # (the 2^32 threshold read from the function's constants: its source would cost ~6 ms a process)
         fits = (list(inspect.signature(orig).parameters) == ["block_info", "nd_indexer"]
                 and "full_shape_dtype" in {f.name for f in dataclasses.fields(tl.BlockInfo)}
-                and "2**32" in inspect.getsource(orig))
-    except (TypeError, OSError):
+                and 2**32 in getattr(getattr(orig, "__code__", None), "co_consts", ()))
+    except (TypeError, ValueError):
         fits = False
     if not fits:
         return

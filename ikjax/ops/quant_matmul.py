@@ -111,7 +111,7 @@ def pallas_weight(w):
         # without 64-bit offsets, a stack of 2^31 bytes or more (which the layer groups then avoid:
         # `pallas_stack_limit`) is read as its one layer (a copy)
         limit = pallas_stack_limit()
-        if isinstance(w.stack, PackedWeight) and (limit is None or max(a.nbytes for a in w.stack.arrays.values()) <= limit):
+        if isinstance(w.stack, PackedWeight) and (limit is None or max(a.size for a in w.stack.arrays.values()) <= limit):
             return w.stack, w.index
         return packed(w.get()), None
     return packed(w), None
