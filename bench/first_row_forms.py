@@ -54,6 +54,9 @@ FORMS = {"new": lambda: None, "old-triton": old_triton, "old-groups": old_groups
 
 def main() -> None:
     form, argv = sys.argv[1], sys.argv[2:]
+    # as the console script: ikjax/__init__ starts the backend's thread only for the command line's own
+    # process (ikjax.early_backend.is_cli), so the forms import the package as `ikjax` does
+    sys.argv = ["ikjax", *argv]
     table = env_forms(os.environ.get("AB_FORMS", ""))
     if form in table:
         for k, v in table[form].items():
@@ -64,7 +67,6 @@ def main() -> None:
         raise SystemExit(f"form {form!r}: expected one of {', '.join(FORMS)} or a name in AB_FORMS "
                          f"({', '.join(table) or 'empty'})")
     import ikjax.cli
-    sys.argv = ["ikjax", *argv]
     ikjax.cli.main()
 
 

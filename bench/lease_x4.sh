@@ -1434,6 +1434,18 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+88)
+  # issue 22 (stop 64): each accelerator's first allocation (XLA's memory reserve, 1.5-1.8 s on an H200:
+  # bench/backend_start_probe.py) made on the early backend thread, beside the imports: the deep first row cold,
+  # A/B against the thread making the devices only (IKJAX_EARLY_BACKEND=devices, before), then the deep sweep
+  # cold and warm as a user runs it
+  v2l_ready
+  throwaway_run
+  export DISCARD_FORM=new AB_FORMS="new=;devices=IKJAX_EARLY_BACKEND=devices"
+  first_row_ab bench/first_row_forms.py "${AB88:-devices new devices new devices new}" "${SHAPE88:--c 16384 -ub 2048 -n 128}" \
+    $OUT/ab88.txt
+  cold_warm_sweep "${SHAPE88:--c 16384 -ub 2048 -n 128}"
+  ;;
 87)
   # issue 22 (stop 63): the load on shapes alone records the groups' zeroed stacks and put (compiled ahead, off the
   # steps' lowering lock): which load programs the load still compiles itself; greedy text of the two forms; the
