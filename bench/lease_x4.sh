@@ -1438,7 +1438,8 @@ for line in sys.stdin:
   # issue 22 (stop 64): each accelerator's first allocation (XLA's memory reserve, 1.5-1.8 s on an H200:
   # bench/backend_start_probe.py) made on the early backend thread, beside the imports: the deep first row cold,
   # A/B against the thread making the devices only (IKJAX_EARLY_BACKEND=devices, before), then the deep sweep
-  # cold and warm as a user runs it
+  # cold and warm as a user runs it. Run at 6577400 (RESULTS §22ak: no gain, the load's thread had paid the
+  # reserve beside the compile; the change was taken back, so `devices` is no value of IKJAX_EARLY_BACKEND since)
   v2l_ready
   throwaway_run
   export DISCARD_FORM=new AB_FORMS="new=;devices=IKJAX_EARLY_BACKEND=devices"

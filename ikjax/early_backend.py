@@ -30,40 +30,11 @@ _thread: threading.Thread | None = None
 began_after_gguf = False  # whether gguf was already imported when the thread began (tests: it is not)
 
 
-def _start(jax, allocate: bool) -> None:
+def _start(jax) -> None:
     try:
-        devices = jax.local_devices()
-        if allocate:
-            _first_allocation(jax, devices)
+        jax.devices()
     except Exception:  # noqa: BLE001 - the command's own first use reports it, as one line
         pass
-
-
-def _first_allocation(jax, devices) -> None:
-    """Put one byte on each local accelerator, one thread a device, and wait for it.
-
-    Why: with JAX 0.11.2 on an H200 the first `jax.devices()` takes 0.35 s, and the device's first
-    allocation 1.5-1.8 s (XLA's allocator reserving 75 % of 141 GB up front; 0.18 s with
-    XLA_PYTHON_CLIENT_PREALLOCATE=false: bench/backend_start_probe.py, RESULTS §22ak). Whoever puts
-    the first array pays that: the command's own thread, after its imports, unless it is paid
-    here, beside them. The reserve itself is unchanged."""
-    import numpy as np
-    accel = [d for d in devices if d.platform != "cpu"]
-    one = np.zeros((1,), np.int8)
-
-    def put(d) -> None:
-        try:
-            jax.device_put(one, d).block_until_ready()
-        except Exception:  # noqa: BLE001 - as above
-            pass
-    threads = [threading.Thread(target=put, args=(d,), name=f"ikjax-first-allocation-{d.id}", daemon=True)
-               for d in accel[1:]]
-    for t in threads:
-        t.start()
-    if accel:
-        put(accel[0])
-    for t in threads:
-        t.join()
 
 
 def wanted(args: list[str]) -> bool:
@@ -96,8 +67,7 @@ def start(args: list[str]) -> bool:
     # JAX is imported here, on the calling thread: two threads importing NumPy's C extension at
     # once break it ("partially initialized module numpy._core._multiarray_umath")
     import jax
-    allocate = env.choice("IKJAX_EARLY_BACKEND") == "1"  # (`wanted` has read it: a bad value never gets here)
-    _thread = threading.Thread(target=_start, args=(jax, allocate), name="ikjax-backend-start", daemon=True)
+    _thread = threading.Thread(target=_start, args=(jax,), name="ikjax-backend-start", daemon=True)
     _thread.start()
     atexit.register(join, 10.0)
     return True

@@ -106,9 +106,8 @@ _VARS = (
              "steps compile side by side (one accelerator, weights all on it)", "ikjax.runtime.engine"),
     Variable("IKJAX_JOIN_TIMEOUT", "300", (), "seconds a process of a several-process run (--coordinator) waits "
              "for the others to join before it ends with one line", "ikjax.runtime.distributed"),
-    Variable("IKJAX_EARLY_BACKEND", "1", ("1", "devices", "0"),
-             "start JAX's backend on a thread as the command line starts (beside its imports and parsing), "
-             "with each accelerator's first allocation (XLA's memory reserve); `devices`: the devices only",
+    Variable("IKJAX_EARLY_BACKEND", "1", ("1", "0"),
+             "start JAX's backend on a thread as the command line starts (beside its imports and parsing)",
              "ikjax.early_backend"),
     Variable("IKJAX_WEIGHTS", "", ("copy",),
              "`copy`: copy CPU weights out of the memory map instead of aliasing its pages", "ikjax.model.weights"),

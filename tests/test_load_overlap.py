@@ -271,38 +271,6 @@ def test_early_backend_starts_before_the_package_imports_gguf(tiny4_model, tmp_p
     assert out.stdout.split() == ["thread", "True", "gguf", "first", "False"]
 
 
-def test_early_backend_makes_each_accelerators_first_allocation():
-    """The thread puts one byte on every accelerator (one thread a device) and waits for it: the
-    first allocation reserves XLA's memory pool, 1.5-1.8 s on an H200 (RESULTS §22ak), which the
-    command would otherwise pay on its own thread. No put on a CPU device; a failed put is left
-    to the command's own first use (no exception out of the thread); `devices` skips them."""
-    import threading
-    from types import SimpleNamespace
-    from ikjax import early_backend as eb
-
-    puts, lock = [], threading.Lock()
-
-    class Ready:
-        def block_until_ready(self):
-            return self
-
-    def device_put(x, d):
-        with lock:
-            puts.append((d.id, x.nbytes, threading.current_thread().name))
-        if d.id == 3:
-            raise RuntimeError("out of memory")
-        return Ready()
-
-    devs = [SimpleNamespace(id=i, platform=p) for i, p in enumerate(["gpu", "gpu", "cpu", "gpu"])]
-    fake = SimpleNamespace(local_devices=lambda: devs, device_put=device_put)
-    eb._start(fake, allocate=True)
-    assert sorted(p[:2] for p in puts) == [(0, 1), (1, 1), (3, 1)]
-    assert len({p[2] for p in puts}) == 3  # side by side: each device's reserve is its own driver call
-    puts.clear()
-    eb._start(fake, allocate=False)
-    assert puts == []
-
-
 EARLY = """
 import sys, threading
 sys.argv = ["ikjax"] + sys.argv[1:]

@@ -354,7 +354,7 @@ def test_bad_early_backend_value_and_sigterm_during_make_model(tmp_path):
     terminated", and the death by the signal)."""
     env = {**os.environ, "IKJAX_EARLY_BACKEND": "bogus"}
     r = subprocess.run([IKJAX, "info", "synthetic:tiny"], capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 1 and r.stderr == "error: IKJAX_EARLY_BACKEND must be one of 1, devices, 0, got 'bogus'\n", r.stderr
+    assert r.returncode == 1 and r.stderr == "error: IKJAX_EARLY_BACKEND must be one of 1, 0, got 'bogus'\n", r.stderr
     r = subprocess.run([IKJAX, "info", "synthetic:tiny:Q4_0:3"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "IKJAX_CACHE": "/dev/null"})  # ("output: cannot create /dev/null/...")
     assert r.returncode == 1 and r.stderr.endswith("error: IKJAX_CACHE: /dev/null is not a directory "
