@@ -1434,6 +1434,21 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+89)
+  # issue 22 (stop 64): the deep first row's cold timeline, phase by phase: the main thread's engine start, the
+  # dry load and the load's programs ahead, who holds the lowering lock (bench/lowering_timeline.py, run as the
+  # console script), then every thread's stack sampled (bench/warm_timeline.py), after a throwaway run
+  v2l_ready
+  throwaway_run
+  for k in 1 2; do
+    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/lowering_timeline.py sweep-bench -m $V2L -mla 3 -fa 1 \
+      -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/lock_timeline89-$k.txt"
+    sed -n '/# lowering timeline/,$p' "$OUT/lock_timeline89-$k.txt" | head -${TL89:-80}
+  done
+  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/warm_timeline.py --min-ms ${MINMS89:-30} -- sweep-bench -m $V2L \
+    -mla 3 -fa 1 -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/cold_timeline89.txt"
+  grep -v "^|" "$OUT/cold_timeline89.txt" | grep -v Warn | grep -v "^  \[" | head -${TLS89:-120}
+  ;;
 88)
   # issue 22 (stop 64): each accelerator's first allocation (XLA's memory reserve, 1.5-1.8 s on an H200:
   # bench/backend_start_probe.py) made on the early backend thread, beside the imports: the deep first row cold,

@@ -18,7 +18,22 @@ import time
 T0 = time.perf_counter()
 
 
+# the main thread's phases before and around the steps' compile: (module, attribute) timed as events
+PHASES = [("ikjax.runtime.engine", "GGUFModelFile"), ("ikjax.runtime.engine", "plan_placement"),
+          ("ikjax.runtime.engine", "layer_spans"), ("ikjax.runtime.engine", "process_memory"),
+          ("ikjax.runtime.engine", "runtime_ready"), ("ikjax.runtime.engine", "executor_for"),
+          ("ikjax.runtime.engine", "check_fits"), ("ikjax.runtime.engine.Engine", "__init__"),
+          ("ikjax.runtime.engine.Engine", "_dry_shapes"), ("ikjax.runtime.engine.Engine", "_prefetch_steps"),
+          ("ikjax.runtime.engine.Engine", "_static_plan"), ("ikjax.runtime.engine.Engine", "wait_loaded"),
+          ("ikjax.runtime.engine.Engine", "prepare_cache"), ("ikjax.runtime.compile_cache", "precompile_programs"),
+          ("ikjax.tools.sweep_bench", "precompile")]
+
+
 def main() -> None:
+    # as the console script (before ikjax is imported): the early backend thread starts as it does for `ikjax`
+    sys.argv = ["ikjax", *sys.argv[1:]]
+    import importlib
+
     import jax._src.stages as stages
 
     from ikjax.runtime import compile_cache as cc
@@ -84,8 +99,23 @@ def main() -> None:
             note(t, f"XLA compile {getattr(self, '_name', '') or ''}")
     stages.Lowered.compile = compile_
 
+    def timed(owner, attr: str, label: str) -> None:
+        orig = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                note(t, f"phase {label}")
+        setattr(owner, attr, wrapper)
+    for mod, attr in PHASES:
+        path, _, cls = mod.rpartition(".") if mod.endswith(".Engine") else (mod, "", "")
+        owner = importlib.import_module(path)
+        owner = getattr(owner, cls) if cls else owner
+        timed(owner, attr, f"{cls + '.' if cls else ''}{attr}")
+
     import ikjax.cli
-    sys.argv = ["ikjax", *sys.argv[1:]]
     code = 0
     try:
         ikjax.cli.app(standalone_mode=False)
@@ -94,7 +124,7 @@ def main() -> None:
     finally:
         print(f"\n# lowering timeline (rc {code}): start - end s, thread, what", file=sys.stderr)
         for s, e, th, what in sorted(events):
-            if e - s >= 0.03 or "compile" in what:
+            if e - s >= 0.03 or "compile" in what or what.startswith("phase"):
                 print(f"  {s:6.2f} - {e:6.2f} ({e - s:5.2f}) {th:26s} {what}", file=sys.stderr)
         by: dict[str, float] = {}
         for s, e, th, what in events:
