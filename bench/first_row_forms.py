@@ -6,6 +6,8 @@
                   kernel's lowering, RESULTS §22ag)
   old-groups      the layer groups stopped below 2^31 bytes a stack (V2-Lite's MoE layers as groups
                   of 20 and 6, each traced, lowered and compiled: before the 64-bit offsets, §22ai)
+  old-order       sweep-bench's first-row steps lowered decode loop first (before §22al: the
+                  prompt step, whose XLA compile is the longest, lowered second)
   old-stacks      the load on shapes alone without the groups' zeroed stacks and put (the load then
                   compiles both itself, under the steps' lowering lock, §22ai)
   NAME            a set of environment variables in AB_FORMS (`name=VAR=value,VAR2=value2;name2=...`,
@@ -49,7 +51,12 @@ def old_stacks() -> None:
     programs.run = run
 
 
-FORMS = {"new": lambda: None, "old-triton": old_triton, "old-groups": old_groups, "old-stacks": old_stacks}
+def old_order() -> None:
+    from ikjax.tools import sweep_bench
+    sweep_bench.lowering_order = lambda jobs: list(jobs)
+
+
+FORMS = {"old-order": old_order, "new": lambda: None, "old-triton": old_triton, "old-groups": old_groups, "old-stacks": old_stacks}
 
 
 def main() -> None:

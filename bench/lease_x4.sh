@@ -1434,6 +1434,16 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+90)
+  # issue 22 (stop 64): sweep-bench's first-row steps lower in a set order, the prompt step first (its XLA compile is
+  # the longest: §22al's timeline); the first row cold A/B against the decode loop first (old-order) at the deep
+  # shape and at the issue's -c 4096 -ub 512 -n 64, then the deep sweep cold and warm
+  v2l_ready
+  throwaway_run
+  first_row_ab bench/first_row_forms.py "${AB90:-old-order new old-order new old-order new}" "-c 16384 -ub 2048 -n 128" $OUT/ab90.txt
+  first_row_ab bench/first_row_forms.py "${AB90S:-old-order new old-order new}" "-c 4096 -ub 512 -n 64" $OUT/ab90s.txt
+  cold_warm_sweep "-c 16384 -ub 2048 -n 128"
+  ;;
 89)
   # issue 22 (stop 64): the deep first row's cold timeline, phase by phase: the main thread's engine start, the
   # dry load and the load's programs ahead, who holds the lowering lock (bench/lowering_timeline.py, run as the

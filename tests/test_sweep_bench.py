@@ -241,6 +241,52 @@ def test_compile_side_by_side_runs_each_family_first_before_the_rest():
         compile_side_by_side([("a", boom), ("a", job("x"))])
 
 
+def test_side_by_side_firsts_lower_in_the_order_given():
+    """The families' first jobs lower one at a time in `work`'s order whatever order they reach
+    `compile_cache.lower` in (the later ones ask first here); a job that ends without lowering (a
+    stored step) or fails before it ends its turn, so no one waits for it; a follower lowers after
+    its first, without a turn. Each job's XLA compile still runs beside the others' lowerings."""
+    import threading
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from ikjax.runtime import compile_cache
+    from ikjax.runtime.executables import compile_side_by_side
+    order, lock = [], threading.Lock()
+    f = jax.jit(lambda x: jnp.sin(x) * 2)
+
+    def job(name, delay, lowers=True, fails=False):
+        def run():
+            time.sleep(delay)  # later jobs reach their lowering first
+            if fails:
+                raise RuntimeError("no such step")
+            if lowers:
+                compile_cache.lower(f, jax.ShapeDtypeStruct((3,), jnp.float32))
+                with lock:
+                    order.append(name)
+            return name
+        return run
+    work = [("pp2048", job("pp2048", 0.4)), ("stored", job("stored", 0.3, lowers=False)),
+            ("loop", job("loop", 0.2)), ("cache", job("cache", 0.0)), ("pp2048", job("pp2048-follower", 0.0))]
+    assert compile_side_by_side(work) == ["pp2048", "stored", "loop", "cache", "pp2048-follower"]
+    assert order == ["pp2048", "loop", "cache", "pp2048-follower"], order
+    order.clear()
+    with pytest.raises(RuntimeError, match="no such step"):
+        compile_side_by_side([("a", job("a", 0.2, fails=True)), ("b", job("b", 0.0))])
+    assert order == ["b"]
+    # outside a batch, lower takes the lock alone as before
+    assert compile_cache.lower(f, jax.ShapeDtypeStruct((2,), jnp.float32)).compile()(jnp.ones(2)).shape == (2,)
+
+
+def test_sweep_lowers_the_prompt_steps_first():
+    """sweep_bench's side-by-side compile lowers the prompt steps first, the most tokens first, then
+    the decode loops (the longest XLA compile starts first, RESULTS §22al)."""
+    jobs = [(1, "loop", 1, 16384), (2, "step", 512, 1024), (3, "step", 2048, 16384), (4, "step", 1, 300)]
+    assert [j[0] for j in sb.lowering_order(jobs)] == [3, 2, 4, 1]
+
+
 def _recorded_sweep(eng, tg: int, rows: int | None = None) -> list[tuple]:
     """Run the sweep (no warm-up runs: their random tokens depend on which shapes are new, so the
     token streams of two -c would differ) and keep what every step returned: ("pp", start, last

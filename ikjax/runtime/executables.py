@@ -85,7 +85,11 @@ def compile_side_by_side(work: list[tuple[Any, Callable[[], Any]]], max_threads:
     token count at several KV buckets) hold the same GEMM fusions, and XLA keeps what its GPU
     autotuner measured for a fusion in the process (RESULTS §22b: compiled all at once, every step
     autotuned the same GEMMs again, the autotuning's kernel runs queueing on the one GPU); the
-    followers then find those results instead of measuring them again. Results in `work`'s order."""
+    followers then find those results instead of measuring them again. Results in `work`'s order.
+
+    The families' firsts lower one at a time in `work`'s order (`compile_cache.LoweringTurns`):
+    put the job whose XLA compile is longest first, its compile then runs while the others lower.
+    A follower lowers when its first is done, as the lock lets it."""
     if len(work) <= 1:
         return [fn() for _, fn in work]
     from concurrent.futures import ThreadPoolExecutor
@@ -93,10 +97,12 @@ def compile_side_by_side(work: list[tuple[Any, Callable[[], Any]]], max_threads:
     firsts: dict[Any, int] = {}
     for i, (family, _) in enumerate(work):
         firsts.setdefault(family, i)
+    turns = compile_cache.LoweringTurns()
     # every first is submitted before any follower, and enough threads run them all at once, so a
-    # follower waiting for its first never holds a thread its first needs
+    # follower waiting for its first never holds a thread its first needs (nor a first its turn)
     with ThreadPoolExecutor(max(len(firsts), min(len(work), max_threads))) as pool:
-        futures: dict[int, Any] = {i: pool.submit(work[i][1]) for i in firsts.values()}
+        futures: dict[int, Any] = {i: pool.submit(compile_cache.in_turn, turns, turn, work[i][1])
+                                   for turn, i in enumerate(firsts.values())}
         for i, (family, fn) in enumerate(work):
             if i not in futures:
                 lead = futures[firsts[family]]

@@ -239,6 +239,16 @@ def step_shapes(eng, tg: int, n_kv: int | None = None, *, pp: int | None = None,
     return [(n, kv) for _, n, kv in _shapes(eng, tg, pp, n_kv, stride)]
 
 
+def lowering_order(jobs: list[tuple[int, str, int, int]]) -> list[tuple[int, str, int, int]]:
+    """Jobs (k, kind, n_tokens, kv_needed) in the order they lower when they compile side by side:
+    prompt steps first, the most tokens first, then the decode loops. Why: the lowerings run one
+    at a time and each XLA compile starts when its lowering ends, so the longest compile should
+    start first. On the deep V2-Lite shape (H200, 16-core host) the 2048-token prompt step lowers
+    in 0.92 s and compiles in 3.1 s, the decode loop 1.35 s and 1.8 s: prompt first, the pair is
+    done about 1.3 s sooner than decode first (RESULTS §22al)."""
+    return sorted(jobs, key=lambda j: (j[1] == "loop", -j[2]))
+
+
 def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None = None,
                on_begin: Callable[[int, int, int, int], None] | None = None, n_kv: int | None = None,
                *, pp: int | None = None, stride: int = 1) -> float:
@@ -258,6 +268,7 @@ def precompile(eng, tg: int, on_shape: Callable[[int, int, float], None] | None 
         return s
     jobs = [(k, *shape) for k, shape in enumerate(shapes, 1)]
     if eng.compile_in_parallel() and len(jobs) > 1:
+        jobs = lowering_order(jobs)
         # XLA compiles (and loads cached executables) with the GIL released: a row's steps side
         # by side take about as long as the longest (warm start: the first row's 2 steps came from
         # the cache in 4.8 s one after the other); the first step of each (kind, token count)
