@@ -173,7 +173,7 @@ first_row_ab() {  # first_row_ab AB_SCRIPT "new old ..." "SHAPE" OUTFILE: issue 
     rm -rf /tmp/cc_ab; t0=$(date +%s.%N)
     IKJAX_COMPILE_CACHE=/tmp/cc_ab CUDA_VISIBLE_DEVICES=0 timeout 60 python3 $1 ${v/discard/${DISCARD_FORM:-new}} \
       sweep-bench -m $V2L -mla 3 -fa 1 $3 2> /tmp/e_ab | while read -r line; do
-      case "$line" in "|  "[0-9]*) echo "$v: first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $line"; break;; esac; done
+      case "$line" in "|"*[0-9]*" |"*) echo "$v: first row at $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $line"; break;; esac; done
     sleep 1
     echo "   $(grep -E "compiled|loaded" /tmp/e_ab | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
   done 2>&1 | tee $4
@@ -185,7 +185,7 @@ cold_warm_sweep() {  # cold_warm_sweep "SHAPE": the V2-Lite shape's sweep-bench 
     t0=$(date +%s.%N)
     IKJAX_COMPILE_CACHE=/tmp/cc_cw CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 \
       $1 2> /tmp/e_cw | while read -r line; do
-      case "$line" in "|  "[0-9]*) echo "$v $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s: $line";; esac; done
+      case "$line" in "|"*[0-9]*" |"*) echo "$v $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s: $line";; esac; done
     echo "   $v end $(python3 -c "import time; print(f'{time.time() - $t0:.2f}')") s; $(grep -E "compiled|loaded" /tmp/e_cw | sed 's/(.tmp[^)]*)//' | tr '\n' ' ')"
   done
 }
@@ -1433,6 +1433,13 @@ for line in sys.stdin:
     el "serve load rows, IKJAX_FOLD_NORM=$fold"
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
+  ;;
+91)
+  # issue 22 (stop 64): STAGE=90's A/B again, each pair the other way round (new first), at both shapes
+  v2l_ready
+  throwaway_run
+  first_row_ab bench/first_row_forms.py "${AB91:-new old-order new old-order new old-order}" "-c 16384 -ub 2048 -n 128" $OUT/ab91.txt
+  first_row_ab bench/first_row_forms.py "${AB91S:-new old-order new old-order new old-order}" "-c 4096 -ub 512 -n 64" $OUT/ab91s.txt
   ;;
 90)
   # issue 22 (stop 64): sweep-bench's first-row steps lower in a set order, the prompt step first (its XLA compile is
