@@ -41,8 +41,13 @@ def test_overlap_computes_what_a_plain_load_does(tiny4_model, monkeypatch):
     eng.precompile(1, 16, 32)  # from the shapes, possibly before the load is done
     np.testing.assert_array_equal(eng.logits(PROMPT), ref_logits)
     assert list(eng.generate(PROMPT, 6)) == ref_tokens
-    # the plan charged the load once it was waited for, and the tree is the arrays themselves
+    # the plan charged the load once it was waited for, and the tree is the arrays themselves; the
+    # file's resident mapped bytes were measured on the load's thread (not the caller's, between
+    # the compile and the first row), as the plain load measures them after its load
     assert eng.memory_plan().load_copy_bytes is not None
+    from ikjax.runtime.memory_plan import mapped_rss
+    assert eng._mapped_at_load is not None and plain._mapped_at_load is None
+    assert abs(eng._mapped_at_load - mapped_rss([tiny4_model])) <= 1 << 20
     assert all(hasattr(a, "block_until_ready") for a in __import__("jax").tree.leaves(eng.weights))
 
 

@@ -143,6 +143,7 @@ class Engine:
         self._weights = None
         self._dry = None  # the weights' shapes computed before the load (`_dry_shapes`), if used
         self._loading: BackgroundLoad | None = None
+        self._mapped_at_load: int | None = None  # the file's resident mapped bytes, measured by the load's thread
         self._load_lock = threading.Lock()
         # the stored steps this model and these options used last time, read while the weights
         # load (compile_cache.prefetch_steps: issue 22's warm start)
@@ -153,7 +154,7 @@ class Engine:
             # programs started compiling ahead (IKJAX_PROGRAMS_AHEAD), before the load asks for any
             self._dry = self._dry_shapes()
             # the bytes stream in on a thread of their own; steps compile meanwhile from `_shapes`
-            self._loading = BackgroundLoad(self.executor.load, self.file)
+            self._loading = BackgroundLoad(self._load_and_measure, self.file)
             self._shapes = self._dry if self._dry is not None else self._loading.shapes()
         else:
             self._weights = self._shapes = self.executor.load(self.file)
@@ -283,7 +284,9 @@ class Engine:
                     if is_host_resident(t):
                         t.whole_ok = False
         after = process_memory()
-        mapped = mapped_rss(shard.path for shard in self.file.shards)
+        mapped = self._mapped_at_load
+        if mapped is None:
+            mapped = mapped_rss(shard.path for shard in self.file.shards)
         memory = charge_load(memory, before, (after[0] - compiled_bytes, after[1]), mapped, self._stacked_host_bytes())
         self.loaded_at = end or time.perf_counter()  # perf_counter when the load ended (its thread's end)
         log.info("loaded %s in %.2fs", self.file.path, self.loaded_at - t0)
@@ -292,6 +295,15 @@ class Engine:
         if stages:
             log.info("-sm %s: %s", self.split_mode, stages)
         return memory
+
+    def _load_and_measure(self, file, **kwargs):
+        """The load, on its thread (BackgroundLoad), then the file's resident mapped bytes for the
+        memory plan (`_loaded`): reading /proc/self/smaps of a GPU process (thousands of
+        mappings) took 60-90 ms, which the command's thread paid between the steps' compile and
+        the first row (RESULTS §22al); the load's thread ends sooner and has the time."""
+        tree = self.executor.load(file, **kwargs)
+        self._mapped_at_load = mapped_rss(shard.path for shard in file.shards)
+        return tree
 
     def _stacked_host_bytes(self) -> int:
         """File bytes of the weights a CPU-only load holds as stacked copies (the layers of scanned
