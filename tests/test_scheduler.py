@@ -573,14 +573,27 @@ def test_gpu_token_buckets_are_two_sizes(eng):
         eng.backend = was
 
 
-def test_warmup_side_by_side_compiles_every_step_it_uses(tiny_model):
+def test_warmup_side_by_side_compiles_every_step_it_uses(tiny_model, monkeypatch):
     """On an accelerator the warm-up compiles its steps on threads (compile_side_by_side), forced
-    here on CPU: each step once, and requests then compile nothing more and answer as generate."""
+    here on CPU: each step once, and requests then compile nothing more and answer as generate.
+    They lower in the order given: the prompt steps first, the most tokens first, then the decode
+    loops, then the one-token steps (the longest XLA compiles start first, RESULTS §22al)."""
+    from ikjax.runtime import scheduler as sched
+    families, real = [], sched.compile_side_by_side
+
+    def recorded(work, *a, **k):
+        families.extend(f for f, _ in work)
+        return real(work, *a, **k)
+    monkeypatch.setattr(sched, "compile_side_by_side", recorded)
     eng = ikjax.load(tiny_model, ctx=CTX, ubatch=UB)
     eng.compile_in_parallel = lambda: True
     s = Scheduler(eng, 2)
     n = s.warmup()
     assert n > 2 and eng.compile_count == n == len(eng._executables)
+    kinds = [0 if name == "precompile" and T > 1 else 1 if name == "precompile_decode" else 2 for name, T, _ in families]
+    assert kinds == sorted(kinds) and set(kinds) == {0, 1, 2}, families
+    prompt_tokens = [T for (name, T, _), k in zip(families, kinds) if k == 0]
+    assert prompt_tokens == sorted(prompt_tokens, reverse=True) and len(set(prompt_tokens)) > 1, families
     s.start()
     try:
         runs = [(p, submit(s, p, 6)) for p in (ids(eng, 40, 1), ids(eng, 5, 2))]
