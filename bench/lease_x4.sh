@@ -1439,13 +1439,14 @@ for line in sys.stdin:
   v2l_ready
   throwaway_run
   first_row_ab bench/first_row_forms.py "${AB91:-new old-order new old-order new old-order}" "-c 16384 -ub 2048 -n 128" $OUT/ab91.txt
-  first_row_ab bench/first_row_forms.py "${AB91S:-new old-order new old-order new old-order}" "-c 4096 -ub 512 -n 64" $OUT/ab91s.txt
+  [ "${AB91S-x}" = "" ] || first_row_ab bench/first_row_forms.py "${AB91S:-new old-order new old-order new old-order}" \
+    "-c 4096 -ub 512 -n 64" $OUT/ab91s.txt
   # XLA's own LLVM passes lighter (the prompt step's kernel modules took 6.5 CPU-s of LLVM, §22ai): first row and
   # the row's S_PP / S_TG; then the prompt step's compile alone under jax.profiler, its events by name
   export AB_FORMS="lite=XLA_FLAGS=--xla_llvm_disable_expensive_passes=true"
   first_row_ab bench/first_row_forms.py "${AB91L:-lite new lite new}" "-c 16384 -ub 2048 -n 128" $OUT/ab91l.txt
-  IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 120 python3 bench/gpu_compile_profile.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
-    --top ${TOP91:-45} --steps 1 2>&1 | grep -v Warning > $OUT/prof91.txt; head -${HEAD91:-70} $OUT/prof91.txt
+  [ -n "${NO_PROF91:-}" ] || { IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 120 python3 bench/gpu_compile_profile.py $V2L --ctx 16384 \
+    --ubatch 2048 --tg 128 --top ${TOP91:-45} --steps 1 2>&1 | grep -v Warning > $OUT/prof91.txt; head -${HEAD91:-70} $OUT/prof91.txt; }
   ;;
 90)
   # issue 22 (stop 64): sweep-bench's first-row steps lower in a set order, the prompt step first (its XLA compile is
