@@ -453,6 +453,32 @@ def _raw_http(s: Proc, data: bytes) -> tuple[str, bytes]:
     return head.split(b"\r\n")[0].decode(), body
 
 
+def test_a_client_that_shuts_its_side_after_sending_gets_its_answers(server):
+    """`printf 'POST ...' | nc -N host port`: the client shuts its writing side down once its request
+    is sent. aiohttp closed such a connection on the EOF before any handler answered (stops 62-63:
+    no answer at all). Now each whole request that came is answered, pipelined ones too, and then the
+    connection closes; a body cut short by the EOF still gets the connection closed, unanswered, and
+    the server goes on."""
+    import socket
+    body = json.dumps({"prompt": "hi", "n_predict": 2}).encode()
+    req = b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(
+        body) + body
+
+    def half_closed(data: bytes) -> bytes:
+        with socket.create_connection((server.host, int(server.port)), timeout=60) as sock:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            out = b""
+            while chunk := sock.recv(65536):  # ends when the server closes (a timeout fails the test)
+                out += chunk
+        return out
+    one = half_closed(req)
+    assert one.startswith(b"HTTP/1.1 200") and json.loads(one.partition(b"\r\n\r\n")[2])["tokens_predicted"] == 2
+    assert half_closed(req * 2).count(b"HTTP/1.1 200 OK") == 2
+    assert half_closed(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro") == b""
+    assert call(server, "GET", "/health")[0] == 200
+
+
 def test_fourth_probe_huge_and_deep_and_malformed_requests(server):
     """An outside probe of the HTTP side (stop 62): an 8 MB prompt was tokenized in full (20 s on a
     2-core host, the tokenizer holding the GIL) before it was found too long, while /health and

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 
 from ikjax.chat_template import (AnswerSplitter, developer_as_system, forced_answer_start, opens_reasoning,
@@ -794,9 +794,54 @@ def run(server: Server, sock: socket.socket, on_listening=None) -> None:
     asyncio.run(_serve(server, sock, on_listening))
 
 
+class _AnswersHalfClosed(web_protocol.RequestHandler):
+    """aiohttp's connection handler, except for a client that shuts its side down after sending
+    (`nc -N`, `printf ... | nc`, a socket's shutdown(SHUT_WR)): aiohttp let asyncio close the
+    connection on that EOF, before any handler answered, and such a client got no answer at all.
+    Where every request that came is whole (its body in), the connection stays open until they
+    are answered and then closes; a body cut short by the EOF still closes it at once, as before."""
+
+    _bodies: list | None = None  # each request's body stream parsed on this connection (the last few)
+
+    def data_received(self, data: bytes) -> None:
+        queue = getattr(self, "_messages", None)
+        before = len(queue) if queue is not None else 0
+        super().data_received(data)
+        if queue is not None and len(queue) > before:
+            self._bodies = ((self._bodies or []) + [payload for _, payload in list(queue)[before:]])[-8:]
+
+    _client_done = False  # the client shut its side down after whole requests
+
+    def eof_received(self):
+        if self._bodies and all(b.is_eof() for b in self._bodies):
+            self._client_done = True  # no further request can come: answer what came, then close
+            if not getattr(self, "_messages", None):
+                self.close()
+            return True
+        return super().eof_received()
+
+    async def finish_response(self, request, resp, start_time):
+        out = await super().finish_response(request, resp, start_time)
+        if self._client_done and not getattr(self, "_messages", None):
+            self.close()  # the last request's answer is out
+        return out
+
+
+class _Server(web_server.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _AnswersHalfClosed(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web_server.Server:
+        made = await super()._make_server()
+        made.__class__ = _Server  # (the same server; only its connections' handler class differs)
+        return made
+
+
 async def _serve(server: Server, sock: socket.socket, on_listening) -> None:
-    runner = web.AppRunner(server.app(), handler_cancellation=True, keepalive_timeout=server.config.timeout,
-                           access_log=None)
+    runner = _Runner(server.app(), handler_cancellation=True, keepalive_timeout=server.config.timeout,
+                     access_log=None)
     await runner.setup()
     site = web.SockSite(runner, sock, shutdown_timeout=1.0)
     await site.start()
