@@ -479,6 +479,36 @@ def test_a_client_that_shuts_its_side_after_sending_gets_its_answers(server):
     assert call(server, "GET", "/health")[0] == 200
 
 
+def test_http_1_0_streams_end_and_expect_is_answered_as_json(server):
+    """An outside probe (stop 64, RESULTS §23af): an HTTP/1.0 client asking for keep-alive got its
+    stream's `[DONE]` and then waited for the keep-alive timeout (HTTP/1.0 has no chunked framing:
+    the stream ends with the connection); an unknown Expect value was a text/plain 417; a client
+    gone right after its `Expect: 100-continue` headers, or right after a streaming request, logged
+    a traceback each time."""
+    import socket
+    body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    t0 = time.perf_counter()
+    with socket.create_connection((server.host, int(server.port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+        out = b""
+        while chunk := sock.recv(65536):  # the server closes once the stream is done
+            out += chunk
+    assert out.startswith(b"HTTP/1.0 200") and out.rstrip().endswith(b"data: [DONE]") and time.perf_counter() - t0 < 30
+    line, answer = _raw_http(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 200-foo\r\n"
+                                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+    assert line.startswith("HTTP/1.1 417") and "only 100-continue" in json.loads(answer)["error"]["message"]
+    before = sum("Traceback" in ln for ln in server.lines)
+    for head in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5000\r\n\r\n",
+                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body):
+        for _ in range(10):
+            with socket.create_connection((server.host, int(server.port)), timeout=30) as sock:
+                sock.sendall(head)
+    time.sleep(1)
+    assert sum("Traceback" in ln for ln in server.lines) == before, "".join(server.lines[-30:])
+    assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
+
+
 def test_fourth_probe_huge_and_deep_and_malformed_requests(server):
     """An outside probe of the HTTP side (stop 62): an 8 MB prompt was tokenized in full (20 s on a
     2-core host, the tokenizer holding the GIL) before it was found too long, while /health and
@@ -700,6 +730,31 @@ def test_text_offsets_count_the_answers_characters():
     assert text_offsets(pieces) == [0, 1, 3, 3] and text == "!\u05c2!\ufffdx"
     assert text_offsets(pieces, 5) == [5, 6, 8, 8]
     assert text_offsets([]) == []
+
+
+def test_expect_100_continue_only_where_the_body_will_be_read(small):
+    """`Expect: 100-continue` (curl's, for big bodies): no interim 100 ahead of a 401 for a missing key
+    or of the 413 for a body over the limit (the client would upload it first); with the key and a
+    body in bounds, the 100, then the answer."""
+    import socket
+
+    def first_line(head: bytes, body: bytes | None = None) -> list[bytes]:
+        with socket.create_connection((small.host, int(small.port)), timeout=30) as sock:
+            sock.sendall(head)
+            got = sock.recv(65536)
+            if body is not None and got.startswith(b"HTTP/1.1 100"):
+                sock.sendall(body)
+                while b"\r\n\r\n" not in got.partition(b"\r\n\r\n")[2]:
+                    got += sock.recv(65536)
+        return [ln for ln in got.split(b"\r\n") if ln.startswith(b"HTTP/1.1")]
+    assert first_line(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 30\r\n\r\n") \
+        == [b"HTTP/1.1 401 Unauthorized"]
+    assert first_line(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+                      b"Expect: 100-continue\r\nContent-Length: 60000000\r\n\r\n") == [b"HTTP/1.1 413 Request Entity Too Large"]
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    assert first_line(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+                      b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body), body) \
+        == [b"HTTP/1.1 100 Continue", b"HTTP/1.1 200 OK"]
 
 
 def test_api_key_401(small):
