@@ -250,6 +250,8 @@ def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
                     texts.append(part["text"])
                 else:
                     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                    if kind == "text":
+                        raise ChatTemplateError(f"messages[{i}].content[{j}]: a text part needs a string 'text'")
                     raise ChatTemplateError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
             m["content"] = join_text_parts(texts)
         elif c is None:  # absent or null: empty text, as the server reads it (the template failed on it), but

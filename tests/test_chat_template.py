@@ -227,6 +227,12 @@ def test_flatten_content_parts():
     assert messages_field({"messages": parts("", "b")})[0]["content"] == "b"
     with pytest.raises(ChatTemplateError, match="image_url"):
         flatten_content([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    # a text part without its text (stop 64's probe: "only text parts are supported, got 'text'")
+    with pytest.raises(ChatTemplateError, match=r"content\[0\]: a text part needs a string 'text'"):
+        flatten_content([{"role": "user", "content": [{"type": "text"}]}])
+    from ikjax.server.openai import ApiError
+    with pytest.raises(ApiError, match=r"content\[1\]: a text part needs a string 'text'"):
+        messages_field({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 3}]}]})
     # absent or null content: empty text, as the server reads it (the template failed: "'dict object' has
     # no attribute 'content'"), kept None for an assistant's tool-call turn
     calls = [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]

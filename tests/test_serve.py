@@ -163,6 +163,13 @@ def test_streams_equal_whole_answers(server, ref):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # OpenAI's chunks before the usage chunk carry "usage": null (the key itself: a raw client's view)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        req = {"model": MODEL, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+               **({"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]})}
+        _, sse = call(server, "POST", path, req)
+        events = [json.loads(ln[6:]) for ln in sse.splitlines() if ln.startswith("data: {")]
+        assert all("usage" in e and e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] > 0
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
     chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
                                      extra_body={"reasoning_format": "none"})
@@ -809,6 +816,12 @@ def test_queue_full_503_and_cancellation_frees_the_slot(small):
                     headers={**auth, "Content-Type": "application/json"})
     time.sleep(0.5)
     _error(call(small, "POST", "/completion", {"prompt": "three", "n_predict": 1}, auth), 503, "busy")
+    full = http.client.HTTPConnection(small.host, int(small.port), timeout=60)  # a 503 says when to come back
+    full.request("POST", "/completion", body=json.dumps({"prompt": "four", "n_predict": 1}),
+                 headers={**auth, "Content-Type": "application/json"})
+    answer = full.getresponse()
+    assert answer.status == 503 and answer.getheader("Retry-After") == "1"
+    full.close()
     # the client of the stream goes away: its slot serves the queued request at once
     t0 = time.perf_counter()
     busy.sock.shutdown(socket.SHUT_RDWR)

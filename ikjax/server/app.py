@@ -201,7 +201,9 @@ class Server:
                 out.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
             return out
         except QueueFullError as e:
-            return _error(ApiError(503, str(e)))
+            out = _error(ApiError(503, str(e)))
+            out.headers["Retry-After"] = "1"  # (as the listener's own 503 while the model loads)
+            return out
         except OptionError as e:  # a prompt too long for a slot, a token outside the vocabulary
             return _error(bad(str(e).splitlines()[0]))
         except (asyncio.CancelledError, ConnectionResetError):
@@ -447,7 +449,7 @@ class Server:
                 yield {**delta({}, _finish(job, calls)), "timings": job.req.timings()}
                 if params.include_usage:
                     yield {**chunk, "choices": [], "usage": self._usage(job)}
-            return await self._stream(request, job, events(), done=True)
+            return await self._stream(request, job, _usage_on_every_chunk(events(), params.include_usage), done=True)
         finally:
             job.cancel()
 
@@ -490,7 +492,7 @@ class Server:
                 yield {**choice("", oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
                 if params.include_usage:
                     yield {**head, "choices": [], "usage": self._usage(job)}
-            return await self._stream(request, job, events(), done=True)
+            return await self._stream(request, job, _usage_on_every_chunk(events(), params.include_usage), done=True)
         finally:
             job.cancel()
 
@@ -762,6 +764,14 @@ def _piece(b: bytes) -> str | list[int]:
         return b.decode("utf-8")
     except UnicodeDecodeError:
         return list(b)
+
+
+async def _usage_on_every_chunk(events, include_usage: bool):
+    """With stream_options.include_usage, OpenAI's chunks before the last carry `"usage": null` (the
+    last one, with no choices, the counts): clients that read `chunk.usage` on every chunk expect
+    the key."""
+    async for obj in events:
+        yield {**obj, "usage": None} if include_usage and "usage" not in obj else obj
 
 
 def _error(e: ApiError) -> web.Response:

@@ -378,6 +378,8 @@ def messages_field(body: dict) -> list[dict]:
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    if kind == "text":  # (the probe's "only text parts are supported, got 'text'")
+                        raise bad(f"messages[{i}].content[{j}]: a text part needs a string 'text'")
                     raise bad(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
                 parts.append(part["text"])
             content = join_text_parts(parts)  # as llama-server joins a text-only model's parts
