@@ -230,6 +230,22 @@ def join_text_parts(texts: Iterable[str]) -> str:
     return out
 
 
+def text_of_parts(parts: list, i: int) -> str:
+    """messages[i]'s content parts (OpenAI's `{"type": "text", "text": ...}`) as one string
+    (`join_text_parts`); ChatTemplateError naming the first part that is not text, or a text part
+    without its text. The one check of the Python API (`flatten_content`) and the server."""
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+            continue
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind == "text":  # (stop 64's probe: "only text parts are supported, got 'text'")
+            raise ChatTemplateError(f"messages[{i}].content[{j}]: a text part needs a string 'text'")
+        raise ChatTemplateError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+    return join_text_parts(texts)
+
+
 def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
     """Messages whose `content` is a list of OpenAI content parts (`{"type": "text", "text": ...}`)
     with the text parts joined by newlines, as llama-server does for a text-only model: DeepSeek's
@@ -244,16 +260,7 @@ def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
             raise ChatTemplateError(f"messages[{i}].role: expected a string such as \"user\", got {m.get('role')!r}")
         c = m.get("content")
         if isinstance(c, list):
-            texts = []
-            for j, part in enumerate(c):
-                if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
-                else:
-                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                    if kind == "text":
-                        raise ChatTemplateError(f"messages[{i}].content[{j}]: a text part needs a string 'text'")
-                    raise ChatTemplateError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
-            m["content"] = join_text_parts(texts)
+            m["content"] = text_of_parts(c, i)
         elif c is None:  # absent or null: empty text, as the server reads it (the template failed on it), but
             # kept None beside tool_calls: R1's template tells an assistant's call turn by it
             m["content"] = None if m["role"] == "assistant" and m.get("tool_calls") else ""

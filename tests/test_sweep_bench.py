@@ -271,7 +271,9 @@ def test_side_by_side_firsts_lower_in_the_order_given():
     work = [("pp2048", job("pp2048", 0.4)), ("stored", job("stored", 0.3, lowers=False)),
             ("loop", job("loop", 0.2)), ("cache", job("cache", 0.0)), ("pp2048", job("pp2048-follower", 0.0))]
     assert compile_side_by_side(work) == ["pp2048", "stored", "loop", "cache", "pp2048-follower"]
-    assert order == ["pp2048", "loop", "cache", "pp2048-follower"], order
+    firsts = [n for n in order if n != "pp2048-follower"]
+    assert firsts == ["pp2048", "loop", "cache"], order  # the follower may come anywhere after its first
+    assert order.index("pp2048-follower") > order.index("pp2048"), order
     order.clear()
     with pytest.raises(RuntimeError, match="no such step"):
         compile_side_by_side([("a", job("a", 0.2, fails=True)), ("b", job("b", 0.0))])

@@ -341,7 +341,10 @@ class Scheduler:
         if eng.compile_in_parallel() and len(work) > 1:  # a family: one kind of step, one token count
             # lowered one at a time in this order: the prompt steps first, the most tokens first, then the
             # decode loops and the one-token steps (the longest XLA compiles start first, RESULTS §22al)
-            work.sort(key=lambda w: (1, 0) if w[0] == eng.precompile_decode else (2, 0) if w[1][1] == 1 else (0, -w[1][1]))
+            def order(w) -> tuple[int, int]:  # (kind: prompt step 0, decode loop 1, one-token step 2; tokens)
+                fn, (_, tokens, *_) = w
+                return (1, 0) if fn == eng.precompile_decode else (2, 0) if tokens == 1 else (0, -tokens)
+            work.sort(key=order)
             # (each loop form its own family: they start at once beside the plain one)
             compile_side_by_side([((fn.__name__, j[1], repr(j[3:])), functools.partial(fn, *j)) for fn, j in work])
         else:

@@ -449,7 +449,7 @@ class Server:
                 yield {**delta({}, _finish(job, calls)), "timings": job.req.timings()}
                 if params.include_usage:
                     yield {**chunk, "choices": [], "usage": self._usage(job)}
-            return await self._stream(request, job, _usage_on_every_chunk(events(), params.include_usage), done=True)
+            return await self._stream(request, job, _usage_null_until_last(events()) if params.include_usage else events(), done=True)
         finally:
             job.cancel()
 
@@ -492,7 +492,7 @@ class Server:
                 yield {**choice("", oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
                 if params.include_usage:
                     yield {**head, "choices": [], "usage": self._usage(job)}
-            return await self._stream(request, job, _usage_on_every_chunk(events(), params.include_usage), done=True)
+            return await self._stream(request, job, _usage_null_until_last(events()) if params.include_usage else events(), done=True)
         finally:
             job.cancel()
 
@@ -766,12 +766,12 @@ def _piece(b: bytes) -> str | list[int]:
         return list(b)
 
 
-async def _usage_on_every_chunk(events, include_usage: bool):
+async def _usage_null_until_last(events):
     """With stream_options.include_usage, OpenAI's chunks before the last carry `"usage": null` (the
     last one, with no choices, the counts): clients that read `chunk.usage` on every chunk expect
     the key."""
     async for obj in events:
-        yield {**obj, "usage": None} if include_usage and "usage" not in obj else obj
+        yield obj if "usage" in obj else {**obj, "usage": None}
 
 
 def _error(e: ApiError) -> web.Response:
@@ -861,6 +861,7 @@ class _AnswersHalfClosed(web_protocol.RequestHandler):
     are answered and then closes; a body cut short by the EOF still closes it at once, as before."""
 
     _bodies: list | None = None  # each request's body stream parsed on this connection (the last few)
+    _client_done = False  # the client shut its side down after whole requests
 
     def data_received(self, data: bytes) -> None:
         queue = getattr(self, "_messages", None)
@@ -868,8 +869,6 @@ class _AnswersHalfClosed(web_protocol.RequestHandler):
         super().data_received(data)
         if queue is not None and len(queue) > before:
             self._bodies = ((self._bodies or []) + [payload for _, payload in list(queue)[before:]])[-8:]
-
-    _client_done = False  # the client shut its side down after whole requests
 
     def eof_received(self):
         if self._bodies and all(b.is_eof() for b in self._bodies):

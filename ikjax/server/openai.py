@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ikjax.chat_template import join_text_parts
+from ikjax.chat_template import ChatTemplateError, text_of_parts
 from ikjax.runtime.sampling import check_top_logprobs
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -374,15 +374,10 @@ def messages_field(body: dict) -> list[dict]:
             raise bad(f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {role!r}"[:300])
         content = m.get("content")
         if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    if kind == "text":  # (the probe's "only text parts are supported, got 'text'")
-                        raise bad(f"messages[{i}].content[{j}]: a text part needs a string 'text'")
-                    raise bad(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
-                parts.append(part["text"])
-            content = join_text_parts(parts)  # as llama-server joins a text-only model's parts
+            try:
+                content = text_of_parts(content, i)  # as llama-server joins a text-only model's parts
+            except ChatTemplateError as e:
+                raise bad(str(e)) from None
         elif content is None:  # kept None beside tool_calls: R1's template tells a call turn by it
             if role != "assistant":  # OpenAI's 400 (llama-server: "Missing 'content'"); an assistant
                 # turn may be all calls, or empty
