@@ -1434,6 +1434,19 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+92)
+  # issue 22 (stop 65): which kernel modules the first row's two steps compile longest (each step alone, XLA's trace
+  # events with their modules' names: --longest), to pick the kernels whose compile to shorten; then the deep first
+  # row cold at HEAD on this lease's host (its speed: hosts differ by ~1.3x, RESULTS §22al)
+  v2l_ready
+  throwaway_run
+  for s in ${STEPS92:-1 0}; do
+    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 120 python3 bench/gpu_compile_profile.py $V2L --ctx 16384 --ubatch 2048 --tg 128 \
+      --top ${TOP92:-30} --longest ${LONG92:-40} --steps $s 2>&1 | grep -v Warning > $OUT/prof92-$s.txt
+    head -${HEAD92:-80} $OUT/prof92-$s.txt
+  done
+  [ "${AB92-x}" = "" ] || first_row_ab bench/first_row_forms.py "${AB92:-new new}" "-c 16384 -ub 2048 -n 128" $OUT/ab92.txt
+  ;;
 91)
   # issue 22 (stop 64): STAGE=90's A/B again, each pair the other way round (new first), at both shapes
   v2l_ready
