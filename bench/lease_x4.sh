@@ -1445,6 +1445,11 @@ for line in sys.stdin:
       --top ${TOP92:-30} --longest ${LONG92:-40} --steps $s 2>&1 | grep -v Warning > $OUT/prof92-$s.txt
     head -${HEAD92:-80} $OUT/prof92-$s.txt
   done
+  for k in $(seq ${TL92:-2}); do  # the cold timeline with the prompt step lowered first (§22al's was the old order)
+    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/lowering_timeline.py sweep-bench -m $V2L -mla 3 -fa 1 \
+      -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/lock_timeline92-$k.txt"
+    sed -n '/# lowering timeline/,$p' "$OUT/lock_timeline92-$k.txt" | head -${TLH92:-70}
+  done
   [ "${AB92-x}" = "" ] || first_row_ab bench/first_row_forms.py "${AB92:-new new}" "-c 16384 -ub 2048 -n 128" $OUT/ab92.txt
   ;;
 91)
