@@ -8,6 +8,9 @@
                   of 20 and 6, each traced, lowered and compiled: before the 64-bit offsets, §22ai)
   old-order       sweep-bench's first-row steps lowered decode loop first (before §22al: the
                   prompt step, whose XLA compile is the longest, lowered second)
+  old-check       the decode loop's XLA option checked after its lowering (a trivial compile between its
+                  lowering and its compile, before §22am)
+  old-threads     the load's programs compiled ahead on four threads (before §22am)
   old-stacks      the load on shapes alone without the groups' zeroed stacks and put (the load then
                   compiles both itself, under the steps' lowering lock, §22ai)
   NAME            a set of environment variables in AB_FORMS (`name=VAR=value,VAR2=value2;name2=...`,
@@ -56,7 +59,25 @@ def old_order() -> None:
     sweep_bench.lowering_order = lambda jobs: list(jobs)
 
 
-FORMS = {"old-order": old_order, "new": lambda: None, "old-triton": old_triton, "old-groups": old_groups, "old-stacks": old_stacks}
+def old_check() -> None:
+    from ikjax.runtime import compile_cache, executables
+    orig = compile_cache.lower
+
+    def lower(jitted, *args, **kwargs):
+        out = orig(jitted, *args, **kwargs)
+        if jitted is executables._jitted_decode:  # the check's trivial compile again, where it was
+            executables._check_option.cache_clear()
+            executables._check_option("xla_gpu_command_buffer_unroll_loops", True, "IKJAX_DECODE_GRAPH_UNROLL=1")
+        return out
+    compile_cache.lower = lower
+
+
+def old_threads() -> None:
+    from ikjax.runtime import compile_cache
+    compile_cache.precompile_programs.__defaults__ = (4,)
+
+
+FORMS = {"old-check": old_check, "old-threads": old_threads, "old-order": old_order, "new": lambda: None, "old-triton": old_triton, "old-groups": old_groups, "old-stacks": old_stacks}
 
 
 def main() -> None:

@@ -467,6 +467,31 @@ def test_unknown_xla_option_is_one_option_error():
     executables._check_option("xla_gpu_command_buffer_unroll_loops", True, "IKJAX_DECODE_GRAPH_UNROLL=1")  # known here
 
 
+@pytest.mark.parametrize("decode", [None, (4, ())])
+def test_step_options_are_made_before_the_lowering(monkeypatch, decode):
+    """compile_step makes a step's XLA options (whose first check compiles a trivial program,
+    `_check_option`) before it lowers: a job side by side then checks while it waits for its
+    lowering turn, not between its lowering and its compile (0.35-0.6 s of the deep first row's
+    decode loop, RESULTS §22am)."""
+    from ikjax.runtime import compile_cache, executables
+
+    order = []
+    monkeypatch.setattr(executables, "gpu_options", lambda plan, dec, gpu=True: order.append(("options", dec)) or {})
+
+    class Lowered:
+        def compile(self, options):
+            order.append(("compile", options))
+            return "exe"
+
+    def lower(jitted, *args, **kwargs):
+        order.append(("lower", jitted is executables._jitted_decode))
+        return Lowered()
+    monkeypatch.setattr(compile_cache, "lower", lower)
+    plan = SimpleNamespace(backend="pallas")
+    assert executables.compile_step({}, {}, 1, 1, cfg=None, plan=plan, decode=decode, gpu=True) == "exe"
+    assert order == [("options", decode is not None), ("lower", decode is not None), ("compile", {})]
+
+
 def test_steps_lower_one_at_a_time_from_shapes():
     """compile_cache.lower: no two lowerings at once (threads racing in JAX's trace cache made a
     nested jit two jaxprs, and a step's module, and so JAX's cache key, differ between runs of one

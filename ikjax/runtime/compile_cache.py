@@ -819,14 +819,18 @@ def _host_variants(leaves: list) -> list[frozenset]:
     return out
 
 
-def precompile_programs(calls: list, threads: int = 4) -> int:
+def precompile_programs(calls: list, threads: int = 8) -> int:
     """Compile (or read whole) the load's programs `calls` (ikjax.programs.recording's, traced on
     shapes alone) side by side on threads, ahead of the load that will run them; returns how many
     distinct ones were started. Why: a cold load compiled its programs one after another in its
     own thread, 2.2 s of the deep V2-Lite shape's cold start, and the first row waited 0.6 s for
     that load after its steps had compiled (RESULTS §22z). The load finds each program here by the
     same key (`run_program` waits for one still compiling); a call whose key differs is compiled
-    by the load as before. Off where programs are not kept (`run_program` would not look)."""
+    by the load as before. Off where programs are not kept (`run_program` would not look).
+
+    Eight threads, not four: the deep V2-Lite shape's eight programs then all lower (Python, under
+    the GIL) before the steps' lowering starts, where four threads left a second round of four
+    lowering beside the prompt step's (RESULTS §22am)."""
     if directory() is None or not _stores_programs() or not calls:
         return 0
     from concurrent.futures import ThreadPoolExecutor

@@ -117,13 +117,17 @@ def compile_step(weights, cache, B: int, T: int, *, cfg: ModelConfig, plan: Step
     the decode loop (`decode_steps`) instead of one step of T tokens. On a GPU each compiles with
     `gpu_options`."""
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sharding)
+    # the options before the lowering: their first check compiles a trivial program (`_check_option`),
+    # which then runs while this job waits for its lowering turn, not between its lowering and its
+    # compile (0.35-0.6 s of the deep first row's decode loop, its critical path, RESULTS §22am)
+    options = gpu_options(plan, decode is not None, gpu)
     if decode is not None:
         chunk, sampling = decode
         lowered = compile_cache.lower(_jitted_decode, weights, cache, i32((B,)), i32((B,)), i32(()),
                                       _decode_key(B, sampling), cfg=cfg, plan=plan, chunk=chunk, sampling=sampling)
-        return lowered.compile(gpu_options(plan, True, gpu))
+        return lowered.compile(options)
     return compile_cache.lower(_jitted_forward, weights, cache, i32((B, T)), i32((B,)), i32((B,)), cfg=cfg,
-                               plan=plan).compile(gpu_options(plan, False, gpu))
+                               plan=plan).compile(options)
 
 
 # JAX settings that change what a traced step's arguments are (x64: Python ints and int64 inputs)

@@ -227,6 +227,7 @@ class GraphMesh(Executor):
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sh)
         if decode is not None:  # the decode loop inside the shard_map (mesh.decode)
             chunk, sampling = decode
+            options = self._decode_options(plan)  # before the lowering, as compile_step's
             rows = dict(sampling).get("rows", False)
             key = jax.ShapeDtypeStruct(((B,) if rows else ()) + _KEY_DATA.shape, _KEY_DATA.dtype, sharding=sh)
             if rows and "bucket" in dict(sampling):  # (keys, each row's setting: sampling.row_params)
@@ -234,9 +235,10 @@ class GraphMesh(Executor):
             lowered = compile_cache.lower(tensor_parallel.decode(), weights, cache, i32((B,)), i32((B,)), i32(()),
                                           key, cfg=self.config, plan=plan, layout=layout, chunk=chunk,
                                           sampling=sampling)
-            return lowered.compile(self._decode_options(plan))
+            return lowered.compile(options)
+        options = gpu_options(plan, False, self.on_gpu)
         return compile_cache.lower(tensor_parallel.step(), weights, cache, i32((B, T)), i32((B,)), i32((B,)),
-                                   cfg=self.config, plan=plan, layout=layout).compile(gpu_options(plan, False, self.on_gpu))
+                                   cfg=self.config, plan=plan, layout=layout).compile(options)
 
     def _decode_options(self, plan) -> dict | None:
         """XLA options of the decode loop: on GPUs the one-device loop's command buffers, whose
