@@ -1434,6 +1434,21 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+93)
+  # issue 22 (stop 65): the decode loop's XLA option checked before its lowering (old-check: after it, a trivial
+  # compile between the decode loop's lowering and its compile, §22am) and the load's programs ahead on 8 threads
+  # (old-threads: 4); the deep first row cold, alternating after a discarded run, then one cold timeline
+  v2l_ready
+  throwaway_run
+  first_row_ab bench/first_row_forms.py "${AB93:-old-check new old-check new old-check new}" "-c 16384 -ub 2048 -n 128" $OUT/ab93.txt
+  [ "${AB93T-x}" = "" ] || first_row_ab bench/first_row_forms.py "${AB93T:-old-threads new old-threads new}" \
+    "-c 16384 -ub 2048 -n 128" $OUT/ab93t.txt
+  for k in $(seq ${TL93:-1}); do
+    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/lowering_timeline.py sweep-bench -m $V2L -mla 3 -fa 1 \
+      -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/lock_timeline93-$k.txt"
+    sed -n '/# lowering timeline/,$p' "$OUT/lock_timeline93-$k.txt" | grep -v "phase precompile$\|prepare_cache$" | head -${TLH93:-45}
+  done
+  ;;
 92)
   # issue 22 (stop 65): which kernel modules the first row's two steps compile longest (each step alone, XLA's trace
   # events with their modules' names: --longest), to pick the kernels whose compile to shorten; then the deep first
