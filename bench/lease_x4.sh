@@ -1446,7 +1446,7 @@ for line in sys.stdin:
   for k in $(seq ${TL93:-1}); do
     IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/lowering_timeline.py sweep-bench -m $V2L -mla 3 -fa 1 \
       -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/lock_timeline93-$k.txt"
-    sed -n '/# lowering timeline/,$p' "$OUT/lock_timeline93-$k.txt" | grep -v "phase precompile$\|prepare_cache$" | head -${TLH93:-45}
+    sed -n '/# lowering timeline/,$p' "$OUT/lock_timeline93-$k.txt" | grep -v "( 0.00)" | head -${TLH93:-45}
   done
   ;;
 92)
