@@ -49,13 +49,30 @@ from ikjax.options import RunOptions
 from ikjax.version import __version__
 
 
+def _import_whole(module: str):
+    """`module`, imported; an import that did not finish (Ctrl-C while a notebook's first `ikjax.load`
+    imports the runtime) takes the package's modules it started out of `sys.modules` again, so the
+    next call imports them afresh: left half-made, every later `ikjax.load` failed with "module
+    'ikjax.ops' has no attribute 'registry'" until the process restarted."""
+    import importlib
+    import sys
+    before = set(sys.modules)
+    try:
+        return importlib.import_module(module)
+    except BaseException:
+        for m in set(sys.modules) - before:
+            # (Python modules only: a C++ extension loads once a process, and is whole once loaded)
+            if m.split(".")[0] in ("ikjax", "pallas_kernels") and str(getattr(sys.modules[m], "__file__", "")).endswith(".py"):
+                sys.modules.pop(m, None)
+        raise
+
+
 def __getattr__(name):
     # The facade: the runtime (and through it the kernels) loads on first use, so importing a low
     # layer (`ikjax.quant`, which `pallas_kernels` reads) never drags the engine in. Nothing inside
     # the package imports this module (tests/test_architecture.py).
     if name in ("Engine", "load"):
-        from ikjax.runtime import engine
-        return getattr(engine, name)
+        return getattr(_import_whole("ikjax.runtime.engine"), name)
     if name == "MemoryPlan":
         from ikjax.runtime.memory_plan import MemoryPlan
         return MemoryPlan

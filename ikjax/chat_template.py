@@ -246,6 +246,11 @@ def text_of_parts(parts: list, i: int) -> str:
     return join_text_parts(texts)
 
 
+# the roles a chat message may have (OpenAI's; `developer` is read as `system`): the templates drop
+# any other role's message without a word, so the answer would come as if it had not been sent
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
     """Messages whose `content` is a list of OpenAI content parts (`{"type": "text", "text": ...}`)
     with the text parts joined by newlines, as llama-server does for a text-only model: DeepSeek's
@@ -258,6 +263,8 @@ def flatten_content(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
         m = dict(m)
         if not isinstance(m.get("role"), str) or not m["role"]:  # (a template drops it: the text vanished)
             raise ChatTemplateError(f"messages[{i}].role: expected a string such as \"user\", got {m.get('role')!r}")
+        if m["role"] not in ROLES:  # a template drops a role it does not know: the message would vanish unseen
+            raise ChatTemplateError(f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {m['role']!r}"[:300])
         c = m.get("content")
         if isinstance(c, list):
             m["content"] = text_of_parts(c, i)

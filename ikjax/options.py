@@ -9,6 +9,7 @@ Defaults are ik_llama.cpp's where they change results or speed (`-mla 3`, `-fa` 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 import warnings
 from dataclasses import dataclass
@@ -183,6 +184,8 @@ class RunOptions:
             if name not in v:
                 return
             x = v[name]
+            if isinstance(x, numbers.Integral) and not isinstance(x, bool):  # (NumPy's integers too)
+                x = int(x)
             if isinstance(x, bool) or not isinstance(x, (int, str)) or not re.fullmatch(r"\s*-?[0-9]+\s*", str(x)):
                 raise OptionError(f"{name}: expected an integer, got {x!r}")  # ("--5", "²": int() refused them)
             x = int(x)

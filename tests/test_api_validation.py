@@ -62,6 +62,16 @@ def test_chat_names_an_unknown_option(eng):
         eng.chat([{"role": "user", "content": "hi"}], 2, foo=1)
 
 
+@pytest.mark.parametrize("role", ["User", "human", "system ", "function", "wizard"])
+def test_chat_refuses_a_role_the_template_would_drop(eng, role):
+    """A message whose role the template does not know vanished from the prompt, and an answer came
+    as if it had not been sent (an outside probe, stop 65: `eng.chat([{"role": "User", ...}])`
+    rendered the bare assistant opening). Refused naming the message, as the server refuses it."""
+    from ikjax.chat_template import ChatTemplateError
+    with pytest.raises(ChatTemplateError, match=r"^messages\[1\]\.role: expected one of system, developer, user"):
+        eng.chat([{"role": "user", "content": "hi"}, {"role": role, "content": "hello"}], 2)
+
+
 def _call(eng, fn, kw):
     kw = dict(kw)
     max_tokens = kw.pop("max_tokens", 4)
@@ -157,3 +167,46 @@ def test_check_helpers_and_sampler_edges():
     # min_p = 1 keeps exactly the most likely token; top_p tiny too
     assert sample_next(logits, temperature=1.0, min_p=1.0, rng=np.random.default_rng(0)) == 1
     assert sample_next(logits, temperature=1.0, top_p=1e-9, rng=np.random.default_rng(0)) == 1
+
+
+def test_a_load_interrupted_in_the_runtime_import_leaves_the_next_one_working(tiny_model):
+    """Ctrl-C while a notebook's first `ikjax.load` imports the runtime (an outside probe, stop 65): every
+    later `ikjax.load` failed with "module 'ikjax.ops' has no attribute 'registry'" until the process
+    restarted. The interrupted import now takes its half-made modules back out of sys.modules; the
+    next load imports them afresh and runs. (The interrupt raised from the import hook, at the third
+    import of ikjax.ops: where a real one landed.)"""
+    import subprocess
+    import sys
+    script = """
+import builtins, sys
+import ikjax
+real, seen = builtins.__import__, [0]
+def imp(name, *a, **k):
+    if name.startswith("ikjax.ops"):
+        seen[0] += 1
+        if seen[0] == 3:
+            raise KeyboardInterrupt
+    return real(name, *a, **k)
+builtins.__import__ = imp
+try:
+    ikjax.load
+except KeyboardInterrupt:
+    print("interrupted")
+builtins.__import__ = real
+print(ikjax.load(sys.argv[1], ctx=32).logits([1, 2]).shape)
+"""
+    res = subprocess.run([sys.executable, "-c", script, str(tiny_model)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["interrupted", "(2,", f"{ikjax.load(tiny_model, ctx=32).config.vocab_size})"]
+
+
+def test_numpy_integers_are_integers_to_the_options():
+    """`ikjax.load(M, ctx=np.int64(64))` was refused ("expected an integer, got np.int64(64)") while
+    ctx=" 64 " was taken (an outside probe, stop 65): NumPy's integers are integers; a float still is not."""
+    from ikjax.options import RunOptions
+    o = RunOptions.from_kwargs(ctx=np.int64(64), ubatch=np.int32(16), threads=np.uint8(2))
+    assert (o.ctx, o.ubatch, o.threads) == (64, 16, 2) and type(o.ctx) is int
+    with pytest.raises(OptionError, match="ctx: expected an integer"):
+        RunOptions.from_kwargs(ctx=np.float64(64))
+    with pytest.raises(OptionError, match="ctx: expected an integer"):
+        RunOptions.from_kwargs(ctx=np.bool_(True))

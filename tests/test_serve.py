@@ -430,7 +430,7 @@ def test_bad_requests_are_400(server):
                          ("n_indent", 4)):
         _error(call(server, "POST", "/completion", {"prompt": "x", "n_predict": 1, field: value}), 400, field)
     _error(call(server, "POST", "/completion", {"prompt": "x", "samplers": ["temperature", "top_k"]}), 400, "samplers")
-    _error(call(server, "POST", "/completion", {"prompt": "x", "samplers": ["dry", "top_k"]}), 400, "dry")
+    _error(call(server, "POST", "/completion", {"prompt": "x", "samplers": ["foo", "top_k"]}), 400, "foo")
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "suffix": " after"}), 400, "suffix")
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "best_of": 2}), 400, "best_of")
     # echo with logprobs: OpenAI lists the prompt's tokens too, which are not computed here (it answered
@@ -440,12 +440,62 @@ def test_bad_requests_are_400(server):
         _error(call(server, "POST", "/completion", {"prompt": "x", "n_predict": 1, "n_keep": keep}), 400, "n_keep")
     assert call(server, "POST", "/completion", {"prompt": "x", "n_predict": 1, "n_keep": -1})[0] == 200
     # their off values (what llama-server's own clients send by default) are fine
-    offs = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
+    offs = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": 0.0,
             "dynatemp_range": 0.0, "min_keep": 0, "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
             "best_of": 1, "suffix": ""}
     assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1, **offs})[0] == 200
     # the server is fine afterwards
     assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
+
+
+def test_ik_web_ui_requests_and_ik_fields(server):
+    """What ik_llama.cpp's own web UI sends with every message (an outside probe, stop 65: refused with
+    a 400 before): its sampler string "kdypmxntw" and the settings of the samplers not run here at
+    ik's off values (top_n_sigma 0, typical_p / tfs_z 1 or above, dynatemp_range 0 or below, an
+    adaptive target below 0, XTC at a threshold above 0.5). ik's fields that would change the answer
+    are refused, never ignored; the penalties run whether `samplers` names them or not (ik applies
+    them before its chain); a temperature below 0 is greedy; logit_bias takes text as ik does (each
+    of its tokens biased)."""
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hi"}]
+    webui = {"messages": msgs, "stream": False, "cache_prompt": True, "reasoning_format": "auto",
+             "samplers": "kdypmxntw", "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "xtc_probability": 0.0,
+             "xtc_threshold": 0.1, "top_n_sigma": 0.0, "repeat_last_n": 64, "repeat_penalty": 1.0,
+             "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "dry_base": 1.75,
+             "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": 4, "adaptive_target": -1.0,
+             "adaptive_decay": 0.9, "timings_per_token": False, "temperature": 0.8, "top_k": 40, "top_p": 0.95,
+             "min_p": 0.05, "typical_p": 1.0}
+    status, out = call(server, "POST", "/v1/chat/completions", webui)
+    assert status == 200 and out["choices"][0]["finish_reason"] in ("length", "stop"), out
+    status, out = call(server, "POST", "/v1/completions", {**{k: v for k, v in webui.items() if k != "messages"},
+                                                           "prompt": "hi"})
+    assert status == 200, out
+    base = {"prompt": "the same words the same words", "n_predict": 6, "temperature": 0, "return_tokens": True}
+    greedy = call(server, "POST", "/completion", base)[1]["tokens"]
+    for extra in ({"samplers": ["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]},
+                  {"typical_p": 1.5, "tfs_z": 1.5, "dynatemp_range": -1, "top_n_sigma": -0.5},
+                  {"xtc_probability": 0.5, "xtc_threshold": 0.9}, {"temperature": -1}):
+        status, out = call(server, "POST", "/completion", {**base, **extra})
+        assert status == 200 and out["tokens"] == greedy, (extra, out)
+    for field, value in (("adaptive_target", 0.5), ("banned_strings", ["#"]), ("banned_regex", ["a+"]),
+                         ("penalty_prompt", [1, 2]), ("system_prompt", "be brief"), ("top_n_sigma", 0.5)):
+        _error(call(server, "POST", "/completion", {**base, field: value}), 400, field)
+    # the penalties run with a chain that does not name them
+    pen = {**base, "repeat_penalty": 1.5, "repeat_last_n": -1}
+    with_pen = call(server, "POST", "/completion", pen)[1]["tokens"]
+    assert call(server, "POST", "/completion", {**pen, "samplers": "kt"})[1]["tokens"] == with_pen
+    # logit_bias by text: each of the text's tokens, as the same ids would
+    word = call(server, "POST", "/detokenize", {"tokens": greedy[:1]})[1]["content"]  # greedy's first token's text
+    ids = call(server, "POST", "/tokenize", {"content": word, "add_special": False})[1]["tokens"]
+    by_id = call(server, "POST", "/completion", {**base, "logit_bias": [[t, -100] for t in ids]})[1]["tokens"]
+    assert not set(ids) & set(by_id) and (by_id != greedy or greedy[0] not in ids)
+    for bias in ({word: -100}, [[word, -100]], [[word, False]]):
+        assert call(server, "POST", "/completion", {**base, "logit_bias": bias})[1]["tokens"] == by_id, bias
+    # the figures ik's web UI shows as the context's use
+    t = call(server, "POST", "/completion", base)[1]["timings"]
+    assert t["n_ctx"] == CTX and t["n_past"] == len(call(server, "POST", "/tokenize", {
+        "content": base["prompt"], "add_special": True})[1]["tokens"]) + 6, t
+    props = call(server, "GET", "/v1/props")[1]
+    assert props["n_ctx"] == CTX and props["model_name"] and props["total_slots"] == NP
 
 
 def _raw_http(s: Proc, data: bytes) -> tuple[str, bytes]:
@@ -811,6 +861,11 @@ def test_queue_full_503_and_cancellation_frees_the_slot(small):
     cancelled0 = _counter(small, "ikjax_requests_total", {"reason": "cancelled"})
     tokens0 = _counter(small, "ikjax_tokens_predicted_total")
     busy, _ = _open_stream(small, "one")  # holds the only slot
+    # llama-server's /health with no idle slot: said, and a 503 where the caller asks for one
+    assert call(small, "GET", "/health")[1]["status"] == "no slot available"
+    status, health = call(small, "GET", "/health?fail_on_no_slot=1&include_slots")
+    assert status == 503 and health["slots_idle"] == 0 and health["slots"][0]["is_processing"], health
+    assert _counter(small, "llamacpp:kv_cache_tokens") > 0
     waiting = http.client.HTTPConnection(small.host, int(small.port), timeout=120)  # waits in the queue of 1
     waiting.request("POST", "/completion", body=json.dumps({"prompt": "two", "n_predict": 3}),
                     headers={**auth, "Content-Type": "application/json"})
@@ -836,6 +891,8 @@ def test_queue_full_503_and_cancellation_frees_the_slot(small):
             break
         time.sleep(0.1)
     assert not slots[0]["is_processing"]
+    assert call(small, "GET", "/health?fail_on_no_slot=1") == (200, {"status": "ok", "slots_idle": 1,
+                                                                      "slots_processing": 0})
     assert _counter(small, "ikjax_requests_total", {"reason": "cancelled"}) == cancelled0 + 1
     assert _counter(small, "ikjax_tokens_predicted_total") - tokens0 < 1500  # the stream was cut short
 

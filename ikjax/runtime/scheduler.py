@@ -104,6 +104,7 @@ class Request:
     # each new token's log-probability and this many alternatives (`token_logprobs`); None: none
     top_logprobs: int | None = None
     want_slot: int | None = None  # run on this slot only (llama-server's id_slot); None: any
+    n_ctx: int = 0  # a slot's context (its `timings` say it, as llama-server's do)
     id: int = field(default_factory=lambda: next(_ids))
     # the scheduler's bookkeeping, readable by the caller once "done" arrived
     slot: int | None = None
@@ -138,7 +139,8 @@ class Request:
                 "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,
                 "predicted_n": n, "predicted_ms": pred_ms,
                 "predicted_per_token_ms": pred_ms / n if n else 0.0,
-                "predicted_per_second": n / pred_ms * 1e3 if pred_ms and n else 0.0}
+                "predicted_per_second": n / pred_ms * 1e3 if pred_ms and n else 0.0,
+                "n_ctx": self.n_ctx, "n_past": len(self.prompt) + n}
 
 
 @dataclass(eq=False)
@@ -244,7 +246,7 @@ class Scheduler:
         return Request(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(stops),
                        on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, penalties=pen,
                        top_logprobs=top_logprobs, logit_bias=tuple((t, b) for t, b in bias if b > LOGIT_BAN),
-                       want_slot=None if slot is None else int(slot))
+                       want_slot=None if slot is None else int(slot), n_ctx=self.ctx)
 
     def submit(self, req: Request) -> Request:
         with self._cv:

@@ -166,6 +166,7 @@ class Server:
         r.add_get("/health", self.health)
         r.add_get("/v1/health", self.health)
         r.add_get("/props", self.props)
+        r.add_get("/v1/props", self.props)
         r.add_get("/slots", self.slots)
         r.add_post("/slots/{id}", self.slot_action)
         r.add_get("/v1/models/{model}", self.model)
@@ -369,6 +370,7 @@ class Server:
         return ids, text, start
 
     def _job(self, ids: list[int], params: GenParams, keep: frozenset[int] = frozenset()) -> Job:
+        params.logit_bias = oai.bias_by_id(params.logit_bias, lambda text: self.tok.encode(text, False, False))
         return Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe, keep=keep).start()
 
     # -- generation --------------------------------------------------------------------------------
@@ -640,12 +642,22 @@ class Server:
                                   "models": [{"name": self.config.model_name, "model": self.config.model_name}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "slots_idle": self.scheduler.n_slots - self.scheduler.slots_busy(),
-                                  "slots_processing": self.scheduler.slots_busy()})
+        """llama-server's: the slots idle and busy; "no slot available" when none is idle, a 503
+        then with `?fail_on_no_slot` (what a load balancer routes on); `?include_slots`: /slots too."""
+        busy = self.scheduler.slots_busy()
+        out = {"status": "ok", "slots_idle": self.scheduler.n_slots - busy, "slots_processing": busy}
+        if "include_slots" in request.query:
+            out["slots"] = self.scheduler.slot_info()
+        status = 200
+        if busy >= self.scheduler.n_slots:
+            out["status"] = "no slot available"
+            status = 503 if "fail_on_no_slot" in request.query else 200
+        return web.json_response(out, status=status)
 
     async def props(self, request: web.Request) -> web.Response:
         d = self.config.defaults
         return web.json_response({
+            "n_ctx": self.scheduler.ctx, "model_name": self.config.model_name,
             "default_generation_settings": {"n_ctx": self.scheduler.ctx, "params": {
                 "n_predict": d.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
                 "min_p": d.min_p, "seed": d.seed, "cache_prompt": True}},

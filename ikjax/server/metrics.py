@@ -21,6 +21,7 @@ class _SchedulerCollector:
 
     def collect(self):
         s, st = self.s, self.s.stats
+        cached = sum(slot["n_cached"] for slot in s.slot_info())
         # (ikjax name, llama-server's name or None, counter?, help, value): the figures llama-server has
         # are given under its `llamacpp:` names too, so a dashboard made for it reads this server
         rows = (
@@ -38,6 +39,9 @@ class _SchedulerCollector:
             ("requests_deferred", "requests_deferred", False, "requests waiting for a slot", s.queue_length()),
             ("requests_processing", "requests_processing", False, "slots busy", s.slots_busy()),
             ("slots", None, False, "slots (-np)", s.n_slots),
+            ("kv_cache_tokens", "kv_cache_tokens", False, "tokens held in the slots' KV caches", cached),
+            ("kv_cache_usage_ratio", "kv_cache_usage_ratio", False, "the slots' KV caches' use (0..1)",
+             cached / (s.n_slots * s.ctx) if s.n_slots * s.ctx else 0.0),
         )
         for name, theirs, counter, what, value in rows:
             family = CounterMetricFamily if counter else GaugeMetricFamily

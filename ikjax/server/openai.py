@@ -14,9 +14,9 @@ from __future__ import annotations
 import codecs
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from ikjax.chat_template import ChatTemplateError, text_of_parts
+from ikjax.chat_template import ROLES, ChatTemplateError, text_of_parts
 from ikjax.runtime.sampling import check_top_logprobs
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -130,12 +130,24 @@ def logprobs_field(body: dict, endpoint: str) -> int | None:
     return check_top_logprobs(body.get("n_probs"), "n_probs") or None
 
 
-# llama-server's samplers and limits this server does not run, each with the value that turns it off:
-# a request asking for one is refused (a 400 naming it), never answered as if it had not asked
-_NOT_RUN = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
-            "dynatemp_range": 0.0, "min_keep": 0, "t_max_predict_ms": 0, "n_indent": 0}
-_NOT_RUN["tfs_z"] = 1.0  # (ik's tail-free sampling)
-_OFF_BELOW = {"top_n_sigma"}  # off at any value <= its off value
+# llama-server's samplers and limits this server does not run, each with a test of whether a value
+# asks for it and the value that turns it off, as ik_llama.cpp reads them (common/sampling.h: typical_p
+# and tfs_z off at 1 and above, top_n_sigma at 0 and below, dynatemp_range at 0 and below, the adaptive
+# target below 0): a request asking for one is refused (a 400 naming it), never answered as if it had not
+# asked; one at an off value (what ik's own web UI sends with every request) is fine
+_NOT_RUN = {
+    "mirostat": (lambda v: v != 0, "0"),
+    "typical_p": (lambda v: v < 1, "1"),
+    "tfs_z": (lambda v: v < 1, "1"),  # (ik's tail-free sampling)
+    "dry_multiplier": (lambda v: v != 0, "0"),
+    "xtc_probability": (lambda v: v > 0, "0"),
+    "top_n_sigma": (lambda v: v > 0, "0"),
+    "dynatemp_range": (lambda v: v > 0, "0"),
+    "adaptive_target": (lambda v: v >= 0, "-1"),  # (ik's adaptive-p sampler)
+    "min_keep": (lambda v: v != 0, "0"),
+    "t_max_predict_ms": (lambda v: v != 0, "0"),
+    "n_indent": (lambda v: v != 0, "0"),
+}
 # other servers' fields (vLLM's, llama-server's) that ask for what is not done here, each with a
 # test of whether the request asks for it: refused as _NOT_RUN's, never ignored
 _NOT_DONE = {
@@ -165,51 +177,95 @@ _NOT_DONE = {
     "response_fields": (lambda v: v is not None, "the response's fields are not selectable here"),
     "modalities": (lambda v: v not in (None, ["text"]), "this model answers in text only"),
     "audio": (lambda v: v is not None, "this model answers in text only"),
+    # ik_llama.cpp's server's own fields that change the answer
+    "banned_strings": (lambda v: v not in (None, []), "strings are not banned here (logit_bias -100 bans a token)"),
+    "banned_regex": (lambda v: v not in (None, []), "strings are not banned here"),
+    "banned_regex_case_insensitive": (lambda v: v not in (None, []), "strings are not banned here"),
+    "penalty_prompt": (lambda v: v is not None, "the penalties read the prompt and the answer here"),
+    "system_prompt": (lambda v: v is not None, "no server-wide system prompt here: put it in the prompt or messages"),
 }
 _ORDER = ("top_k", "top_p", "min_p", "temperature")  # the order this server applies its filters in
-_SAMPLER_NAMES = {"top_k": "top_k", "k": "top_k", "top_p": "top_p", "p": "top_p", "min_p": "min_p", "m": "min_p",
+# sampler names as ik_llama.cpp's server reads them (common/sampling.cpp: its names, their other spellings,
+# one letter each in the string form) and mainline llama.cpp's: the ones run here, and the ones not run
+# here (their settings are checked as _NOT_RUN's: named in `samplers` at their off values, they change nothing)
+_SAMPLER_NAMES = {"top_k": "top_k", "top-k": "top_k", "k": "top_k", "top_p": "top_p", "top-p": "top_p",
+                  "nucleus": "top_p", "p": "top_p", "min_p": "min_p", "min-p": "min_p", "m": "min_p",
                   "temperature": "temperature", "temp": "temperature", "t": "temperature",
                   "penalties": "penalties", "e": "penalties"}
+_SAMPLERS_NOT_RUN = {"dry": "dry", "d": "dry", "typical_p": "typical_p", "typical-p": "typical_p", "typical": "typical_p",
+                     "typ_p": "typical_p", "typ": "typical_p", "y": "typical_p", "tfs_z": "tfs_z", "tfs-z": "tfs_z",
+                     "tfs": "tfs_z", "f": "tfs_z", "xtc": "xtc", "x": "xtc", "top_n_sigma": "top_n_sigma",
+                     "top-n-sigma": "top_n_sigma", "n": "top_n_sigma", "adaptive_p": "adaptive_p",
+                     "adaptive-p": "adaptive_p", "w": "adaptive_p", "infill": "infill"}
 
 
 def _check_not_run(body: dict) -> list[str] | None:
     """Refuse the samplers and limits that are not run here (`_NOT_RUN`, `_NOT_DONE`) at a value
-    that asks for them, and a `samplers` order other than this server's (penalties first, then
-    top_k, top_p, min_p, temperature). Returns the samplers `samplers` names (None: not given):
-    the others are off for this request, as in llama-server's chain."""
+    that asks for them, and a `samplers` order other than this server's (top_k, top_p, min_p,
+    temperature; penalties, where named, first). Returns the samplers `samplers` names that run here
+    (None: not given): the others of those four are off for this request, as in llama-server's chain.
+    The penalties always run (ik_llama.cpp applies them before its chain, named or not)."""
     keep = body.get("n_keep")  # tokens kept when a prompt is cut to fit: prompts never are here (a 400)
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < -1):
         raise bad(f"n_keep: expected an integer >= -1, got {keep!r}"[:300])
     for name, (asks, why) in _NOT_DONE.items():
         if asks(body.get(name)):
             raise bad(f"{name}: not supported ({why}); leave it out")
-    for name, off in _NOT_RUN.items():
+    for name, (on, off) in _NOT_RUN.items():
         v = body.get(name)
         if v is None:
             continue
         if not _is_num(v):
             raise bad(f"{name}: expected a number, got {v!r}"[:300])
-        if v == off or (name in _OFF_BELOW and v <= off):
-            continue
-        raise bad(f"{name}: this sampler / limit is not supported here; leave it out or at {off:g} (off)")
+        if name == "xtc_probability" and _is_num(body.get("xtc_threshold")) and body["xtc_threshold"] > 0.5:
+            continue  # (XTC is off at a threshold above 0.5, whatever its probability)
+        if on(v):
+            raise bad(f"{name}: this sampler / limit is not supported here; leave it out or at {off} (off)")
     order = body.get("samplers")
     if order is None:
         return None
-    if isinstance(order, str):  # llama-server's short form: one letter a sampler, "kpmt"
-        names = [_SAMPLER_NAMES.get(c, c) for c in order.replace(";", "")]
+    if isinstance(order, str):  # the short form: one letter a sampler, "kpmt" (ik's web UI: "kdypmxntw")
+        given = [c for c in order.replace(";", "")]
     elif isinstance(order, list) and all(isinstance(x, str) for x in order):
-        names = [_SAMPLER_NAMES.get(x.lower(), x) for x in order]
+        given = [x.lower() for x in order]
     else:
         raise bad(f"samplers: expected a list of sampler names, got {order!r}"[:300])
-    unknown = [x for x in names if x not in _ORDER and x != "penalties"]
+    unknown = [x for x in given if x not in _SAMPLER_NAMES and x not in _SAMPLERS_NOT_RUN]
     if unknown:
-        raise bad(f"samplers: {', '.join(map(str, unknown))} not supported here (this server runs penalties, "
-                  f"top_k, top_p, min_p, temperature)"[:300])
+        raise bad(f"samplers: {', '.join(map(str, unknown))} unknown (this server runs penalties, top_k, top_p, "
+                  f"min_p, temperature)"[:300])
+    names = [_SAMPLER_NAMES[x] for x in given if x in _SAMPLER_NAMES]
     kept = [x for x in names if x in _ORDER]
     if kept != [x for x in _ORDER if x in kept] or ("penalties" in names and names.index("penalties") != 0):
         raise bad(f"samplers: this server applies penalties, top_k, top_p, min_p, temperature in that order; "
-                  f"got {', '.join(names)}"[:300])
+                  f"got {', '.join(given)}"[:300])
     return names
+
+
+def bias_by_id(bias, encode: Callable[[str], list[int]]):
+    """`logit_bias` with text in place of token ids, as ik_llama.cpp's server reads it: a key of the
+    object form, or a pair's first element, that is not an integer is tokenized (no special tokens)
+    and each of its tokens gets the bias. Returns the bias with ids only (checked against the
+    vocabulary by Scheduler.make_request); another shape as given (refused there)."""
+    def is_id(k) -> bool:
+        return _is_int(k) or (isinstance(k, str) and k.strip().lstrip("-").isdigit())
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, list) and all(isinstance(p, list) and len(p) == 2 for p in bias):
+        items = [tuple(p) for p in bias]
+    else:
+        return bias
+    if all(is_id(k) or not isinstance(k, str) for k, _ in items):
+        return bias
+    out = []
+    for k, v in items:
+        if is_id(k) or not isinstance(k, str):
+            out.append([k, v])
+            continue
+        if len(k) > 4096:
+            raise bad(f"logit_bias: a text of {len(k)} characters; at most 4096")
+        out.extend([t, v] for t in encode(k))
+    return out
 
 
 def text_offsets(pieces: list[bytes], start: int = 0) -> list[int]:
@@ -260,7 +316,9 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
             break
     if n is None:
         n = d.n_predict
-    temperature = float(_get(body, "temperature", lambda v: _is_num(v) and v >= 0, "a number >= 0", d.temperature))
+    temperature = float(_get(body, "temperature", lambda v: _is_num(v) and math.isfinite(v),
+                             "a number (0 or below: greedy)", d.temperature))
+    temperature = max(temperature, 0.0)  # (llama-server: a temperature <= 0 samples greedily)
     top_k = _get(body, "top_k", _is_int, "an integer (<= 0 = off)", d.top_k)
     top_p = float(_get(body, "top_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", d.top_p))
     min_p = float(_get(body, "min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", d.min_p))
@@ -321,8 +379,6 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
         min_p = min_p if "min_p" in kept else 0.0
         if "temperature" not in kept and temperature > 0:  # the distribution as it is (greedy stays greedy)
             temperature = 1.0
-        if "penalties" not in kept:
-            repeat_penalty, frequency_penalty, presence_penalty = 1.0, 0.0, 0.0
     return GenParams(max_tokens=None if n == -1 else n, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                      min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
@@ -350,9 +406,6 @@ def prompt_field(body: dict, name: str = "prompt") -> str | list:
         return p  # mixed: the server tokenizes the texts (Server._prompt_ids)
     raise bad(f"{name}: expected a string or a non-empty list of token ids"
               + (", got an empty list" if p == [] else f", got {type(p).__name__}"))
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def messages_field(body: dict) -> list[dict]:
