@@ -210,3 +210,11 @@ def test_numpy_integers_are_integers_to_the_options():
         RunOptions.from_kwargs(ctx=np.float64(64))
     with pytest.raises(OptionError, match="ctx: expected an integer"):
         RunOptions.from_kwargs(ctx=np.bool_(True))
+
+
+@pytest.mark.parametrize("path", ["", "  ", b"/tmp/model.gguf", None, 5])
+def test_load_names_a_path_that_is_no_path(path):
+    """`ikjax.load("")` said ".: not a regular file (a directory)" and `ikjax.load(b"...")` "cannot open: no
+    such file" for a file that exists (an outside probe, stop 65): the argument itself is named."""
+    with pytest.raises(OptionError, match=r"^path: expected the model file's path"):
+        ikjax.load(path)

@@ -892,4 +892,6 @@ def load(path: str, **options) -> Engine:
     """Open a deepseek2 GGUF (any shard of a split model) with ik_llama.cpp-named options."""
     compile_cache.setup()  # before anything compiles: JAX looks for its cache once
     env.check_all()  # every IKJAX_* set: a bad value is an error here, not at its first use or a default later
-    return Engine(os.path.expanduser(str(path)), RunOptions.from_kwargs(**options))  # "~/" as the CLI reads it
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():  # ("" read as ".", b"..." as "b'...'")
+        raise OptionError(f"path: expected the model file's path (a non-empty str or os.PathLike), got {path!r}"[:300])
+    return Engine(os.path.expanduser(os.fspath(path)), RunOptions.from_kwargs(**options))  # "~/" as the CLI reads it

@@ -171,7 +171,7 @@ def encode_prompt(eng, prompt) -> list[int]:
         bos = tok.token_text(tok.bos_id)
         ids = tok.encode(prompt, add_bos=False if bos and prompt.startswith(bos) else None)
         if not ids:
-            raise OptionError("prompt: empty (and the model has no BOS token)")
+            raise OptionError("prompt: empty (and this model's file adds no BOS token to a prompt)")
         return ids
     if isinstance(prompt, np.ndarray) and prompt.ndim == 1:  # (as generate and logits take them)
         return [int(t) for t in prompt]
