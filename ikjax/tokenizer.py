@@ -178,6 +178,9 @@ class GGUFTokenizer:
         text it is, not as that token (llama-server's /tokenize `parse_special`, llama_tokenize's
         flag of that name)."""
         check_text(text)
+        for name, v in (("add_bos", add_bos), ("parse_special", parse_special)):  # ("no" was read as true)
+            if v is not None and not isinstance(v, (bool, np.bool_)):
+                raise OptionError(f"{name}: expected True or False, got {v!r}"[:300])
         tok = self.tokenizer if parse_special else self._literal()
         # the batch call of one text: the same ids, with the GIL released while the library works
         # (`encode` holds it: a server's event loop stood still for the 20 s an 8 MB prompt took)

@@ -218,3 +218,12 @@ def test_load_names_a_path_that_is_no_path(path):
     such file" for a file that exists (an outside probe, stop 65): the argument itself is named."""
     with pytest.raises(OptionError, match=r"^path: expected the model file's path"):
         ikjax.load(path)
+
+
+def test_tokenizer_flags_are_booleans(eng):
+    """`tokenizer.encode("a", add_bos="no")` added BOS (the string read as true; an outside probe, stop 65)."""
+    tok = eng.tokenizer
+    for kw in ({"add_bos": "no"}, {"add_bos": 0}, {"parse_special": "false"}):
+        with pytest.raises(OptionError, match=f"^{next(iter(kw))}: expected True or False"):
+            tok.encode("a", **kw)
+    assert tok.encode("a", add_bos=np.bool_(False)) == tok.encode("a", add_bos=False)
