@@ -174,8 +174,11 @@ class _Cursor:
         if pos > end:
             raise self.fail(f"truncated or damaged GGUF header: metadata {key}: the last of its {count} strings "
                             f"runs past the end of the file")
+        start = self.pos
         self.pos = pos
-        return StringArray(buf, offsets, lengths)
+        # the strings' bytes copied out of the file's map (a vocabulary's few MiB, once): an array kept by the
+        # tokenizer would otherwise hold the map, and with it the file, open after `Engine.close`
+        return StringArray(memoryview(bytes(buf[start:pos])), offsets - start, lengths)
 
 
 def _file_size(path: str) -> int:
@@ -310,6 +313,14 @@ class GGUFShard:
             prev = t if known else None
         return None
 
+    def close(self) -> None:
+        """Unmap the file now. Arrays still viewing the map keep it: it then goes with the last of
+        them (Python's mmap refuses to close under them), never under one."""
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass
+
     def bytes_of(self, info: TensorInfo) -> np.ndarray:
         """A read-only uint8 view of the tensor's bytes, shaped [..., rows, row_bytes]."""
         rows_shape = info.shape[:-1]
@@ -398,6 +409,11 @@ class GGUFModelFile:
             if len(self.shards) > 1 and md.get("split.no", i) != i:
                 raise ModelFileError(f"{shard.path}: split.no is {md['split.no']}, expected {i} for shard "
                                      f"{i + 1} of {len(self.shards)}")
+
+    def close(self) -> None:
+        """Unmap every shard (`GGUFShard.close`)."""
+        for shard in self.shards:
+            shard.close()
 
     def check_unchanged(self) -> None:
         """Refuse (one line) to go on with a model whose file changed on disk since it was opened.

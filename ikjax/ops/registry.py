@@ -75,6 +75,12 @@ def kernel_context(backend: str | None = None, threads: int = 0, seq_tokens: int
         _CONTEXT.reset(token)
 
 
+def forget_model_file(dev: int, inode: int) -> None:
+    """The kernels' hold on a model file let go of (`Engine.close`): the C++ row gather keeps one
+    descriptor a file it reads rows from (pallas_kernels/embed_rows/cpu_ffi.cc)."""
+    _cpu.forget_file(dev, inode)
+
+
 def cpu_kernel_report() -> str:
     """Which instruction-set level the C++ kernels run at here and why (`ikjax info`): the
     surfaces ask the registry, which owns the kernels, never the kernels themselves."""

@@ -58,3 +58,10 @@ def isa_report() -> str:
 def available_cores() -> int:
     import os
     return _cpu.available_cores() if _cpu is not None else len(os.sched_getaffinity(0))
+
+
+def forget_file(dev: int, inode: int) -> bool:
+    """Let go of the CPU row gather's open descriptor of file (st_dev, st_ino), if it has one (an
+    engine closed: a deleted model file's space is freed; a later read of a live mapping of it opens it
+    again). False where none was open or the extension predates it."""
+    return bool(_cpu.forget_file(dev, inode)) if _cpu is not None and hasattr(_cpu, "forget_file") else False

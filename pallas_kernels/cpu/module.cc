@@ -42,6 +42,8 @@ NB_MODULE(_cpu, m) {
       nb::arg("bf16") = false,
       "test only: y = x @ W.T (float32 bytes, [M, N]) by the AMX prompt engine on emulated tiles "
       "(quant_matmul/cpu_amx.h; bf16: its bf16 form, else int8), at any level");
+  m.def("forget_file", &ikj::embed_rows_forget_file, nb::arg("dev"), nb::arg("inode"),
+        "let go of the row gather's open descriptor of file (st_dev, st_ino), if it has one (an engine closed)");
   m.def("quant_type_supported", [](int type) { return IKJ_DISPATCH(quant_matmul_supported)(type); },
         "whether the quant core (qgemm_tile) has a path for this ggml type id at the current level");
 }

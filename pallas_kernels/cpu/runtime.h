@@ -13,6 +13,10 @@ namespace ikj {
 // Cores this process may run on (sched_getaffinity), at least 1.
 int available_cores();
 
+// The CPU row gather (embed_rows/cpu_ffi.cc) keeps an open descriptor of each model file it reads rows
+// from; this lets go of file (st_dev, st_ino)'s. True where one was open.
+bool embed_rows_forget_file(uint64_t dev, uint64_t inode);
+
 // A kernel form's switch: false only where the environment variable `var` is "0" (read per call,
 // so a test or an A/B can flip it between calls). IKJAX_AMX_FUSED, IKJAX_AMX_PREFETCH, ...
 bool env_on(const char* var);

@@ -16,8 +16,10 @@
 // and checked against the mapping's. Where that lookup is unavailable (another OS, an older
 // kernel, an anonymous copy of the table, a file replaced on disk) the row is copied through the
 // mapping as XLA would: the same bytes, only the RSS saving is lost.
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -46,11 +48,20 @@ struct ProcmapQuery {
 };
 constexpr unsigned long kProcmapQuery = _IOWR('f', 17, ProcmapQuery);
 
-// One file-backed mapping: [start, end) shows file `fd` from byte `offset`.
+// An open descriptor, closed when its last holder lets go: `forget` takes a file out of the cache while
+// a call may still be reading it, and the number must not be reused under that call.
+struct OpenFile {
+  int fd;
+  explicit OpenFile(int f) : fd(f) {}
+  ~OpenFile() { close(fd); }
+};
+
+// One file-backed mapping: [start, end) shows file `file->fd` from byte `offset`.
 struct Vma {
   uintptr_t start = 0, end = 0;
   uint64_t offset = 0;
-  int fd = -1;  // -1: not a file we can pread (anonymous, deleted, replaced): copy through the mapping
+  // null: not a file we can pread (anonymous, deleted, replaced): copy through the mapping
+  std::shared_ptr<OpenFile> file;
 };
 
 class Files {
@@ -78,7 +89,7 @@ class Files {
     v.start = q.vma_start, v.end = q.vma_end, v.offset = q.vma_offset;
     if (q.inode == 0 || q.vma_name_size == 0 || name[0] != '/') return v;  // anonymous or special
     const uint64_t dev = makedev(q.dev_major, q.dev_minor);
-    const std::string key = std::to_string(dev) + ":" + std::to_string(q.inode);
+    const std::string key = Key(dev, q.inode);
     auto it = fds_.find(key);
     if (it == fds_.end()) {
       int fd = open(name, O_RDONLY | O_CLOEXEC);
@@ -88,16 +99,24 @@ class Files {
         fd = -1;
       }
       if (fd < 0) return v;
-      it = fds_.emplace(key, fd).first;
+      it = fds_.emplace(key, std::make_shared<OpenFile>(fd)).first;
     }
-    v.fd = it->second;
+    v.file = it->second;
     return v;
   }
 
+  // Let go of the descriptor of file (dev, inode), if one is open (an engine closed: its file's
+  // space is freed once deleted; a later call on a mapping of it opens it again).
+  bool forget(uint64_t dev, uint64_t inode) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return fds_.erase(Key(dev, inode)) > 0;
+  }
+
  private:
+  static std::string Key(uint64_t dev, uint64_t inode) { return std::to_string(dev) + ":" + std::to_string(inode); }
   std::mutex mu_;
   int maps_fd_ = -1;
-  std::unordered_map<std::string, int> fds_;
+  std::unordered_map<std::string, std::shared_ptr<OpenFile>> fds_;
 };
 
 Files& files() {
@@ -105,17 +124,34 @@ Files& files() {
   return f;
 }
 
-bool pread_all(int fd, uint8_t* dst, size_t n, uint64_t off) {
+// 1: read; 0: an error (read through the mapping instead); -1: the file ends before these bytes (it
+// was truncated under its mapping, whose pages past the new end would kill the process with SIGBUS)
+int pread_all(int fd, uint8_t* dst, size_t n, uint64_t off) {
   while (n > 0) {
     ssize_t r = pread(fd, dst, n, static_cast<off_t>(off));
-    if (r <= 0) return false;
+    if (r == 0) return -1;
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return 0;
+    }
     dst += r, n -= static_cast<size_t>(r), off += static_cast<uint64_t>(r);
   }
-  return true;
+  return 1;
 }
 #endif
 
 }  // namespace
+
+namespace ikj {
+bool embed_rows_forget_file(uint64_t dev, uint64_t inode) {
+#if defined(__linux__)
+  return files().forget(dev, inode);
+#else
+  (void)dev, (void)inode;
+  return false;
+#endif
+}
+}  // namespace ikj
 
 static ffi::Error EmbedRowsImpl(ffi::Buffer<ffi::U8> table, ffi::Buffer<ffi::S32> tokens,
                                 ffi::ResultBuffer<ffi::U8> out) {
@@ -139,9 +175,13 @@ static ffi::Error EmbedRowsImpl(ffi::Buffer<ffi::U8> table, ffi::Buffer<ffi::S32
 #if defined(__linux__)
     const uintptr_t a = reinterpret_cast<uintptr_t>(row);
     if (a < v.start || a + static_cast<uintptr_t>(R) > v.end) v = files().lookup(a);
-    if (v.fd >= 0 && a >= v.start && a + static_cast<uintptr_t>(R) <= v.end &&
-        pread_all(v.fd, o, static_cast<size_t>(R), v.offset + (a - v.start)))
-      continue;
+    if (v.file && a >= v.start && a + static_cast<uintptr_t>(R) <= v.end) {
+      const int got = pread_all(v.file->fd, o, static_cast<size_t>(R), v.offset + (a - v.start));
+      if (got > 0) continue;
+      if (got < 0)
+        return ffi::Error::Internal("embed_rows: the model file is shorter than when it was loaded (truncated on "
+                                    "disk); load it again");
+    }
 #endif
     std::memcpy(o, row, static_cast<size_t>(R));
   }
