@@ -561,7 +561,11 @@ class Engine:
     def expert_stats(self) -> dict:
         """Tokens routed to each expert of each MoE layer over every step this engine ran (loaded with
         `expert_stats=True`, the CLI's --expert-stats): {"tokens": N, "layers": {"3": [tokens routed to
-        expert 0, 1, ...], ...}}, N the real tokens fed (prompt and generation)."""
+        expert 0, 1, ...], ...}}, N the real tokens fed (prompt and generation). Every token a step
+        computed counts: a decode loop that draws several tokens a dispatch computes the rest of its
+        dispatch after a stop string or an abandoned stream too (up to its chunk, 16 tokens), and
+        those are counted, as the work they were (statistics of a whole prompt file or sweep are
+        what placement reads; a stream's last few tokens move them by a few tokens in thousands)."""
         if self._expert_counts is None:
             raise OptionError("expert-stats: load the model with expert_stats=True (--expert-stats FILE.json) "
                               "to count the experts' tokens")
