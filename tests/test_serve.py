@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import math
 import os
 import socket
 import subprocess
@@ -1108,6 +1109,11 @@ def test_logprobs_every_endpoint(server, ref):
     status, body = call(server, "POST", "/completion", {"prompt": text, "n_predict": n, "temperature": 0, "n_probs": 2})
     assert status == 200 and [p["id"] for p in body["completion_probabilities"]] == [t for _, t in shown]
     assert all(len(p["top_logprobs"]) == 2 for p in body["completion_probabilities"])
+    # ... and ik_llama.cpp's form beside it: content, probs [{tok_str, prob}] (its own clients read that)
+    for p in body["completion_probabilities"]:
+        assert p["content"] == p["token"] and [q["tok_str"] for q in p["probs"]] == [
+            q["token"] for q in p["top_logprobs"]]
+        assert all(abs(q["prob"] - math.exp(t["logprob"])) < 1e-9 for q, t in zip(p["probs"], p["top_logprobs"]))
     # refusals
     _error(call(server, "POST", "/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}), 400, "top_logprobs")
     _error(call(server, "POST", "/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21}),

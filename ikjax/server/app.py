@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import socket
 import threading
@@ -595,8 +596,14 @@ class Server:
 
     def _probabilities(self, job: Job, piece: bool = False) -> list[dict]:
         """llama-server's `completion_probabilities` (n_probs): id, token, logprob, bytes and
-        top_logprobs (id, token, logprob, bytes) of each token."""
-        return self._entries(job, piece, with_id=True)
+        top_logprobs (id, token, logprob, bytes) of each token, as mainline's server gives them, and
+        `content` with `probs` ([{tok_str, prob}], the alternatives' probabilities), as ik_llama.cpp's
+        gives them (its clients read that form: an outside probe, stop 65)."""
+        out = self._entries(job, piece, with_id=True)
+        for e in out:
+            e["content"] = e["token"]
+            e["probs"] = [{"tok_str": a["token"], "prob": math.exp(a["logprob"])} for a in e["top_logprobs"]]
+        return out
 
     def _usage(self, job: Job) -> dict:
         return oai.usage(len(job.req.prompt), job.n_generated, job.req.n_cached)
