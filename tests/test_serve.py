@@ -499,6 +499,32 @@ def test_ik_web_ui_requests_and_ik_fields(server):
     assert props["n_ctx"] == CTX and props["model_name"] and props["total_slots"] == NP
 
 
+def test_several_prompts_in_one_request(server):
+    """OpenAI's batch form on /v1/completions (a choice a prompt, by index) and llama-server's on
+    /completion (a list of answers, each with its index; ik_llama.cpp runs a task a prompt): each
+    answer equals the same prompt sent alone (greedy), usage sums them; a list holding an id is one
+    prompt (llama-server's mixed form); streamed, or past 16 prompts, a 400 naming the prompt."""
+    texts = prompts(3, seed=11)
+    alone = [call(server, "POST", "/completion", {"prompt": t, "n_predict": 5, "temperature": 0})[1] for t in texts]
+    status, out = call(server, "POST", "/completion", {"prompt": texts, "n_predict": 5, "temperature": 0})
+    assert status == 200 and isinstance(out, list) and [o["index"] for o in out] == [0, 1, 2]
+    assert [o["content"] for o in out] == [a["content"] for a in alone]
+    assert [o["tokens_evaluated"] for o in out] == [a["tokens_evaluated"] for a in alone]
+    ids = call(server, "POST", "/tokenize", {"content": texts[0], "add_special": True})[1]["tokens"]
+    status, out = call(server, "POST", "/v1/completions", {"prompt": [texts[1], ids], "max_tokens": 5,
+                                                           "temperature": 0, "echo": True})
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1], out
+    assert out["choices"][0]["text"] == texts[1] + alone[1]["content"]
+    assert out["choices"][1]["text"].endswith(alone[0]["content"])
+    assert out["usage"]["prompt_tokens"] == alone[1]["tokens_evaluated"] + len(ids)
+    assert out["usage"]["completion_tokens"] == alone[0]["tokens_predicted"] + alone[1]["tokens_predicted"]
+    mixed = call(server, "POST", "/completion", {"prompt": [ids[0], texts[0][:5]], "n_predict": 2})
+    assert mixed[0] == 200 and isinstance(mixed[1], dict)  # ids and text in one list: one prompt
+    _error(call(server, "POST", "/v1/completions", {"prompt": texts, "max_tokens": 2, "stream": True}), 400, "prompt")
+    _error(call(server, "POST", "/completion", {"prompt": ["a"] * 17, "n_predict": 1}), 400, "at most 16")
+    _error(call(server, "POST", "/completion", {"prompt": ["a", []], "n_predict": 1}), 400, "prompt[1]")
+
+
 def _raw_http(s: Proc, data: bytes) -> tuple[str, bytes]:
     """(status line, body) of bytes sent as they are (what http.client will not send)."""
     import socket

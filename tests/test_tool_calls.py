@@ -554,7 +554,8 @@ def test_requests_other_servers_accept_are_answered_or_refused(app_server):
     assert r.status_code == 200
     req = app_server["reqs"][-1]
     assert (req.sampling["top_k"], req.sampling["top_p"], req.sampling["min_p"]) == (0, 1.0, 0.0), req.sampling
-    assert req.sampling["temperature"] == pytest.approx(0.7) and req.penalties.repeat == 1.0
+    # (the penalties run whether `samplers` names them or not, as ik_llama.cpp applies them)
+    assert req.sampling["temperature"] == pytest.approx(0.7) and req.penalties.repeat == pytest.approx(1.2)
     r = post(add_generation_prompt=False)
     assert r.status_code == 200
     assert not app_server["tok"].decode(app_server["prompts"][-1]).endswith("<｜Assistant｜>")

@@ -464,14 +464,22 @@ class Server:
                                 endpoint="completions")
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         oai.check_completions_only(body)
-        prompt = oai.prompt_field(body)
-        ids = await self._prompt_ids(prompt)
+        prompts = oai.prompts_field(body)
         echo = oai.bool_field(body, "echo", False)
         if echo and params.top_logprobs is not None:  # OpenAI's answer lists the prompt's tokens too
             raise bad("echo with logprobs: the prompt's log-probabilities are not computed here; ask for one of them")
-        job = self._job(ids, params)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
                 "system_fingerprint": "ikjax", "object": "text_completion"}
+        if len(prompts) > 1:  # OpenAI's batch: a choice a prompt, by its index
+            def one(i: int, prompt, ids: list[int], job: Job, text: str) -> dict:
+                prefix = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else ""
+                return {"index": i, "text": prefix + text, "logprobs": self._completions_logprobs(job, len(prefix)),
+                        "finish_reason": oai.FINISH[job.finish_reason]}
+            results, jobs = await self._batch(prompts, params, one)
+            return web.json_response({**head, "choices": results, "usage": self._usage_of(jobs)})
+        prompt = prompts[0]
+        ids = await self._prompt_ids(prompt)
+        job = self._job(ids, params)
         prefix = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else ""
         try:
             if not params.stream:
@@ -504,7 +512,12 @@ class Server:
         body = await self._body(request)
         params = oai.gen_params(body, self.config.defaults, max_names=("n_predict", "max_tokens"))
         params.id_slot = oai.check_slot(body, self.config.n_slots)
-        prompt = oai.prompt_field(body)
+        prompts = oai.prompts_field(body)
+        if len(prompts) > 1:  # llama-server's: an answer a prompt, in a list, each with its index
+            results, _ = await self._batch(prompts, params, lambda i, prompt, ids, job, text: {
+                **self._completion_final(job, text, prompt, True), "index": i})
+            return web.json_response(results)
+        prompt = prompts[0]
         ids = await self._prompt_ids(prompt)
         job = self._job(ids, params)
         try:
@@ -526,6 +539,33 @@ class Server:
             return await self._stream(request, job, events(), done=False)
         finally:
             job.cancel()
+
+    async def _batch(self, prompts: list, params: GenParams, answer) -> tuple[list[dict], list[Job]]:
+        """Several prompts of one request, each a job of its own (they batch across the slots as
+        separate requests do); `answer(i, prompt, ids, job, text)` makes each one's entry. Not
+        streamed (a 400: one stream a prompt); a job that cannot start (a full queue) or a client
+        gone cancels them all."""
+        if params.stream:
+            raise bad(f"prompt: {len(prompts)} prompts in one streamed request are not supported here; stream "
+                      f"each as a request of its own, or leave stream false")
+        ids = [await self._prompt_ids(p) for p in prompts]
+        jobs: list[Job] = []
+        try:
+            for one in ids:
+                jobs.append(self._job(one, params))
+
+            async def text(job: Job) -> str:
+                return "".join([p async for p in job.pieces()])
+            texts = await asyncio.gather(*(text(j) for j in jobs))
+            return [answer(i, p, x, j, t) for i, (p, x, j, t) in enumerate(zip(prompts, ids, jobs, texts))], jobs
+        finally:
+            for j in jobs:
+                j.cancel()
+
+    def _usage_of(self, jobs: list[Job]) -> dict:
+        """`usage` summed over the jobs of one request."""
+        return oai.usage(sum(len(j.req.prompt) for j in jobs), sum(j.n_generated for j in jobs),
+                         sum(j.req.n_cached for j in jobs))
 
     def _completion_final(self, job: Job, text: str, prompt, whole: bool) -> dict:
         """/completion's answer, or the last event of its stream (`whole` False: no text, no ids)."""

@@ -401,11 +401,26 @@ def prompt_field(body: dict, name: str = "prompt") -> str | list:
     if isinstance(p, list) and p and all(_is_int(t) for t in p):
         return p
     if isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
-        raise bad(f"{name}: one prompt per request (got {len(p)})")
+        raise bad(f"{name}: one prompt here (got {len(p)})")
     if isinstance(p, list) and p and all(_is_int(t) or isinstance(t, str) for t in p):
         return p  # mixed: the server tokenizes the texts (Server._prompt_ids)
     raise bad(f"{name}: expected a string or a non-empty list of token ids"
               + (", got an empty list" if p == [] else f", got {type(p).__name__}"))
+
+
+MAX_PROMPTS = 16  # prompts in one request (each a job of its own, as ik_llama.cpp's tasks)
+
+
+def prompts_field(body: dict) -> list:
+    """The prompts of a completion request: one (`prompt_field`), or several, as llama-server and
+    OpenAI take them: a list of two or more texts or id lists (a list holding any id is one prompt,
+    llama-server's mixed form). Each is checked as `prompt_field` checks one."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
+        if len(p) > MAX_PROMPTS:
+            raise bad(f"prompt: at most {MAX_PROMPTS} prompts a request, got {len(p)}")
+        return [prompt_field({f"prompt[{i}]": t}, f"prompt[{i}]") for i, t in enumerate(p)]
+    return [prompt_field(body)]
 
 
 def messages_field(body: dict) -> list[dict]:
