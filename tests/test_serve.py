@@ -217,6 +217,12 @@ def test_reasoning_content(server):
     parts = list(c.chat.completions.create(**kw, stream=True))
     assert "".join(p.choices[0].delta.model_extra.get("reasoning_content") or "" for p in parts
                    ) == split.model_extra["reasoning_content"]
+    # ik's deepseek-legacy: reasoning_content whole, inline in the content when streamed
+    legacy = {"reasoning_format": "deepseek-legacy"}
+    whole = c.chat.completions.create(**kw, extra_body=legacy).choices[0].message
+    assert whole.model_extra["reasoning_content"] == split.model_extra["reasoning_content"] and whole.content == ""
+    streamed = list(c.chat.completions.create(**kw, stream=True, extra_body=legacy))
+    assert "".join(p.choices[0].delta.content or "" for p in streamed if p.choices) == plain.content
 
 
 def test_stop_string_and_sampling_fields(server):

@@ -51,7 +51,7 @@ def serve(
                                            "read/write timeout)")] = 600.0,
     reasoning_format: Annotated[str, typer.Option(
         "--reasoning-format", help="deepseek: R1's <think> block as reasoning_content (auto = deepseek); none: "
-        "left in content")] = "deepseek",
+        "left in content; deepseek-legacy: as deepseek, but inline in content when streamed")] = "deepseek",
     alias: Annotated[Optional[str], typer.Option("-a", "--alias", help="the model's name in the API "
                                                  "(default: the file's name)")] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="default tokens to generate (-1: until "

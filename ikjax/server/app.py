@@ -48,7 +48,9 @@ log = logging.getLogger("ikjax")
 MAX_BODY = 32 << 20  # bytes of a request body (a 128k-token prompt as JSON ids is ~1 MiB)
 PUBLIC = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html"})
 STATIC = Path(__file__).resolve().parent / "static"
-REASONING_FORMATS = ("deepseek", "none", "auto")
+# llama-server's --reasoning-format values; deepseek-legacy (ik's and mainline's): as deepseek, but a streamed
+# answer's reasoning stays inline in its content (read here as none when streamed)
+REASONING_FORMATS = ("deepseek", "none", "auto", "deepseek-legacy")
 
 
 @dataclass
@@ -390,6 +392,8 @@ class Server:
         fmt = self.config.reasoning_format if fmt is None else fmt
         if fmt not in REASONING_FORMATS:
             raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}")
+        if fmt == "deepseek-legacy":
+            fmt = "none" if params.stream else "deepseek"
         opened = opens_reasoning(text[:len(text) - len(start)])
         # calls in the template family's own syntax, of the offered tools only; a forced call's
         # opening (the prompt's end) read as the answer's first text
