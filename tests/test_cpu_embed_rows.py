@@ -114,6 +114,8 @@ def fds():
             pass
     return n
 before = fds()
+if before == 0:  # no PROCMAP_QUERY (Linux < 6.11): the gather reads through the mapping, as XLA's would
+    print("no-procmap"); sys.exit(0)
 os.truncate(path, R * 16)
 try:
     np.asarray(fn(dev, ids))
@@ -127,4 +129,7 @@ print("forget", _cpu.forget_file(st.st_dev, st.st_ino), before - fds())
     assert res.returncode == 0, (res.returncode, res.stderr[-1500:])
     if res.stdout.strip() == "copied":
         pytest.skip("the CPU client copied the table (not aliased): nothing to read through the mapping")
+    if res.stdout.strip() == "no-procmap":
+        pytest.skip("this kernel has no PROCMAP_QUERY (Linux < 6.11): rows are read through the mapping, and a "
+                    "truncated file's SIGBUS is not caught there")
     assert res.stdout.split() == ["error:", "True", "forget", "True", "1"], res.stdout

@@ -486,10 +486,23 @@ def test_ik_web_ui_requests_and_ik_fields(server):
     for field, value in (("adaptive_target", 0.5), ("banned_strings", ["#"]), ("banned_regex", ["a+"]),
                          ("penalty_prompt", [1, 2]), ("system_prompt", "be brief"), ("top_n_sigma", 0.5)):
         _error(call(server, "POST", "/completion", {**base, field: value}), 400, field)
-    # the penalties run with a chain that does not name them
-    pen = {**base, "repeat_penalty": 1.5, "repeat_last_n": -1}
+    # the penalties run with a chain that does not name them (settings that change this prompt's answer)
+    seq = call(server, "POST", "/tokenize", {"content": base["prompt"], "add_special": True})[1]["tokens"]
+    for _ in range(160):  # the prompt grown by greedy's choice until that choice is in it: a penalty then acts
+        t = call(server, "POST", "/completion", {**base, "prompt": seq, "n_predict": 1})[1]["tokens"][0]
+        if t in seq:
+            break
+        seq.append(t)
+    else:
+        raise AssertionError("no greedy repeat within 160 tokens: pick another prompt")
+    pen = {**base, "prompt": seq, "repeat_penalty": 1.5, "frequency_penalty": 1.0, "repeat_last_n": -1}
     with_pen = call(server, "POST", "/completion", pen)[1]["tokens"]
-    assert call(server, "POST", "/completion", {**pen, "samplers": "kt"})[1]["tokens"] == with_pen
+    assert with_pen != call(server, "POST", "/completion", {**base, "prompt": seq})[1]["tokens"]
+    for chain in ("kt", "top_k;temperature", ["top_k", "temperature"], "kkt", "dkypmxts"):
+        assert call(server, "POST", "/completion", {**pen, "samplers": chain})[1]["tokens"] == with_pen, chain
+    _error(call(server, "POST", "/completion", {**base, "samplers": "top_k;foo"}), 400, "foo")
+    for ok in ({"system_prompt": ""}, {"min_keep": 1}):
+        assert call(server, "POST", "/completion", {**base, **ok})[0] == 200, ok
     # logit_bias by text: each of the text's tokens, as the same ids would
     word = call(server, "POST", "/detokenize", {"tokens": greedy[:1]})[1]["content"]  # greedy's first token's text
     ids = call(server, "POST", "/tokenize", {"content": word, "add_special": False})[1]["tokens"]
@@ -497,6 +510,12 @@ def test_ik_web_ui_requests_and_ik_fields(server):
     assert not set(ids) & set(by_id) and (by_id != greedy or greedy[0] not in ids)
     for bias in ({word: -100}, [[word, -100]], [[word, False]]):
         assert call(server, "POST", "/completion", {**base, "logit_bias": bias})[1]["tokens"] == by_id, bias
+    # digits are ASCII digits ("²" is text, a 500 before); in the list form any string is text, as in ik
+    assert call(server, "POST", "/completion", {**base, "logit_bias": {"²": -1}})[0] == 200
+    tid = call(server, "POST", "/tokenize", {"content": "42", "add_special": False})[1]["tokens"]
+    as_text = call(server, "POST", "/completion", {**base, "logit_bias": [["42", -100]]})[1]["tokens"]
+    assert as_text == call(server, "POST", "/completion", {**base, "logit_bias": [[t, -100] for t in tid]})[1]["tokens"]
+    _error(call(server, "POST", "/completion", {**base, "logit_bias": {"x" * 70000: -1}}), 400, "logit_bias")
     # the figures ik's web UI shows as the context's use
     t = call(server, "POST", "/completion", base)[1]["timings"]
     assert t["n_ctx"] == CTX and t["n_past"] == len(call(server, "POST", "/tokenize", {
@@ -896,8 +915,9 @@ def test_queue_full_503_and_cancellation_frees_the_slot(small):
     busy, _ = _open_stream(small, "one")  # holds the only slot
     # llama-server's /health with no idle slot: said, and a 503 where the caller asks for one
     assert call(small, "GET", "/health")[1]["status"] == "no slot available"
-    status, health = call(small, "GET", "/health?fail_on_no_slot=1&include_slots")
+    status, health = call(small, "GET", "/health?fail_on_no_slot=1&include_slots", headers=auth)
     assert status == 503 and health["slots_idle"] == 0 and health["slots"][0]["is_processing"], health
+    _error(call(small, "GET", "/health?include_slots"), 401, "API key")  # what /slots shows: behind the key
     assert _counter(small, "llamacpp:kv_cache_tokens") > 0
     waiting = http.client.HTTPConnection(small.host, int(small.port), timeout=120)  # waits in the queue of 1
     waiting.request("POST", "/completion", body=json.dumps({"prompt": "two", "n_predict": 3}),

@@ -844,7 +844,7 @@ def precompile_programs(calls: list, threads: int = 8) -> int:
         todo[keys[0]] = (keys[1:], jitted, args, static, signature_of(tree, leaves))
     if not todo:
         return 0
-    pool = ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="ikjax-programs")
+    pool = ThreadPoolExecutor(min(threads, len(todo), max(2, os.cpu_count() or 1)), thread_name_prefix="ikjax-programs")
 
     def one(key, others, jitted, args, static, signature):
         try:

@@ -211,11 +211,14 @@ class Engine:
     @property
     def weights(self):
         """The weight tree on its devices; waits for a load still under way (`_overlaps_load`)."""
-        if self._closed:
-            raise OptionError(f"{self.file.path}: this engine was closed (Engine.close); load the model again")
+        self._check_open()
         if self._weights is None:
             self.wait_loaded()
         return self._weights
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OptionError(f"{self.file.path}: this engine was closed (Engine.close); load the model again")
 
     def close(self) -> None:
         """Let go of this engine's memory now, not whenever Python collects it: the weights, the
@@ -234,6 +237,7 @@ class Engine:
             pass
         self._closed = True
         self._weights = self._shapes = self._dry = None
+        self.executor.unbind()  # (-sm layer's stages hold every weight)
         self._steps.forget_all()
         gc.collect()  # the arrays that viewed the file's map go before the map
         self.file.close()
@@ -457,6 +461,7 @@ class Engine:
 
     def precompile(self, batch: int, n_tokens: int, kv_needed: int, all_logits: bool = False) -> float:
         """Compile the step for this shape ahead of time (no execution, no cache allocated); seconds taken."""
+        self._check_open()
         return self._steps.precompile(self._shapes, batch, n_tokens,
                                       self._plan(self.kv_bucket(kv_needed, n_tokens), all_logits, n_tokens))
 
@@ -555,6 +560,7 @@ class Engine:
 
     def precompile_decode(self, batch: int, chunk: int, kv_needed: int, sampling: dict | None = None) -> float:
         """Compile the decode loop of `chunk` steps whose last step reads `kv_needed` entries."""
+        self._check_open()
         return self._steps.precompile(self._shapes, batch, 1, self._decode_plan(kv_needed - chunk, chunk),
                                       (chunk, self._sampling_key(sampling)))
 

@@ -93,6 +93,9 @@ class Executor(abc.ABC):
     def bind(self, weights) -> None:
         """After the load was measured: whatever the executor derives from the weights."""
 
+    def unbind(self) -> None:
+        """Let go of what `bind` derived from the weights (`Engine.close`)."""
+
     def describe(self) -> str:
         """Where the parts of a step run, for the log ("" where that says nothing new)."""
         return ""
@@ -181,6 +184,9 @@ class LayerPipeline(Executor):
 
     def bind(self, weights) -> None:
         self.pipeline = Pipeline(self.placement, weights, self.config)
+
+    def unbind(self) -> None:
+        self.pipeline = None  # its stages hold every weight (and the head's copies)
 
     def describe(self) -> str:
         return self.pipeline.describe()

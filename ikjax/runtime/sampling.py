@@ -8,6 +8,7 @@ probabilities in the middle of a generation.
 from __future__ import annotations
 
 import math
+import re
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -143,7 +144,7 @@ def check_logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
                           f"got {type(bias).__name__}")
     out = {}
     for k, v in items:
-        tok = int(k) if _is_int(k) or (isinstance(k, str) and k.strip().lstrip("-").isdigit()) else None
+        tok = int(k) if _is_int(k) or (isinstance(k, str) and re.fullmatch(r"\s*-?[0-9]+\s*", k)) else None
         if tok is None or not 0 <= tok < vocab_size:
             raise OptionError(f"logit_bias: {k!r} is not a token id of this model (0..{vocab_size - 1})")
         if v is False:

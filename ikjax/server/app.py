@@ -233,9 +233,9 @@ class Server:
         self._check_key(request)
         return await handler(request)
 
-    def _check_key(self, request: web.Request) -> None:
+    def _check_key(self, request: web.Request, public: bool | None = None) -> None:
         keys = self._keys
-        if keys and request.path not in PUBLIC:
+        if keys and not (request.path in PUBLIC if public is None else public):
             auth = request.headers.get("Authorization", "")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-Api-Key")
             if given not in keys:  # a key sent in another form (no "Bearer ") is a wrong key, not a missing one
@@ -372,8 +372,13 @@ class Server:
         ids = await self._encode(text, add_bos=False if bos and text.startswith(bos) else None)
         return ids, text, start
 
+    async def _bias_by_id(self, params: GenParams) -> None:
+        """`logit_bias` given by text, tokenized on a worker thread (not on the event loop)."""
+        if oai.bias_has_text(params.logit_bias):
+            params.logit_bias = await asyncio.to_thread(oai.bias_by_id, params.logit_bias,
+                                                        lambda text: self.tok.encode(text, False, False))
+
     def _job(self, ids: list[int], params: GenParams, keep: frozenset[int] = frozenset()) -> Job:
-        params.logit_bias = oai.bias_by_id(params.logit_bias, lambda text: self.tok.encode(text, False, False))
         return Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe, keep=keep).start()
 
     # -- generation --------------------------------------------------------------------------------
@@ -382,6 +387,7 @@ class Server:
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_completion_tokens", "max_tokens",
                                                                        "n_predict"), endpoint="chat")
+        await self._bias_by_id(params)
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         one_call = body.get("parallel_tool_calls") is False  # OpenAI's: at most one call an answer
@@ -466,6 +472,7 @@ class Server:
         model = self._check_model(body)
         params = oai.gen_params(body, self.config.defaults, max_names=("max_tokens", "n_predict"),
                                 endpoint="completions")
+        await self._bias_by_id(params)
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         oai.check_completions_only(body)
         prompts = oai.prompts_field(body)
@@ -515,6 +522,7 @@ class Server:
         """llama-server's own /completion (n_predict, cache_prompt, stream; no [DONE])."""
         body = await self._body(request)
         params = oai.gen_params(body, self.config.defaults, max_names=("n_predict", "max_tokens"))
+        await self._bias_by_id(params)
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         prompts = oai.prompts_field(body)
         if len(prompts) > 1:  # llama-server's: an answer a prompt, in a list, each with its index
@@ -697,7 +705,8 @@ class Server:
         then with `?fail_on_no_slot` (what a load balancer routes on); `?include_slots`: /slots too."""
         busy = self.scheduler.slots_busy()
         out = {"status": "ok", "slots_idle": self.scheduler.n_slots - busy, "slots_processing": busy}
-        if "include_slots" in request.query:
+        if "include_slots" in request.query:  # (what /slots shows: behind the key, as /slots is)
+            self._check_key(request, public=False)
             out["slots"] = self.scheduler.slot_info()
         status = 200
         if busy >= self.scheduler.n_slots:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import codecs
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ikjax.chat_template import ROLES, ChatTemplateError, text_of_parts
+from ikjax.errors import IkjaxError
 from ikjax.runtime.sampling import check_top_logprobs
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -144,7 +146,7 @@ _NOT_RUN = {
     "top_n_sigma": (lambda v: v > 0, "0"),
     "dynatemp_range": (lambda v: v > 0, "0"),
     "adaptive_target": (lambda v: v >= 0, "-1"),  # (ik's adaptive-p sampler)
-    "min_keep": (lambda v: v != 0, "0"),
+    "min_keep": (lambda v: v > 1, "0"),  # (ik keeps max(1, min_keep): 1 is off too)
     "t_max_predict_ms": (lambda v: v != 0, "0"),
     "n_indent": (lambda v: v != 0, "0"),
 }
@@ -182,7 +184,8 @@ _NOT_DONE = {
     "banned_regex": (lambda v: v not in (None, []), "strings are not banned here"),
     "banned_regex_case_insensitive": (lambda v: v not in (None, []), "strings are not banned here"),
     "penalty_prompt": (lambda v: v is not None, "the penalties read the prompt and the answer here"),
-    "system_prompt": (lambda v: v is not None, "no server-wide system prompt here: put it in the prompt or messages"),
+    "system_prompt": (lambda v: v not in (None, ""), "no server-wide system prompt here: put it in the prompt or "
+                                                      "messages"),
 }
 _ORDER = ("top_k", "top_p", "min_p", "temperature")  # the order this server applies its filters in
 # sampler names as ik_llama.cpp's server reads them (common/sampling.cpp: its names, their other spellings,
@@ -196,7 +199,8 @@ _SAMPLERS_NOT_RUN = {"dry": "dry", "d": "dry", "typical_p": "typical_p", "typica
                      "typ_p": "typical_p", "typ": "typical_p", "y": "typical_p", "tfs_z": "tfs_z", "tfs-z": "tfs_z",
                      "tfs": "tfs_z", "f": "tfs_z", "xtc": "xtc", "x": "xtc", "top_n_sigma": "top_n_sigma",
                      "top-n-sigma": "top_n_sigma", "n": "top_n_sigma", "adaptive_p": "adaptive_p",
-                     "adaptive-p": "adaptive_p", "w": "adaptive_p", "infill": "infill"}
+                     "adaptive-p": "adaptive_p", "w": "adaptive_p", "infill": "infill", "i": "infill",
+                     "s": "top_n_sigma", "dist": "dist"}  # (mainline's "s" is top_n_sigma; ik's is the final draw)
 
 
 def _check_not_run(body: dict) -> list[str] | None:
@@ -224,8 +228,10 @@ def _check_not_run(body: dict) -> list[str] | None:
     order = body.get("samplers")
     if order is None:
         return None
-    if isinstance(order, str):  # the short form: one letter a sampler, "kpmt" (ik's web UI: "kdypmxntw")
-        given = [c for c in order.replace(";", "")]
+    if isinstance(order, str) and ";" in order:  # names joined by ";" (llama-cli's --samplers form)
+        given = [x.strip().lower() for x in order.split(";") if x.strip()]
+    elif isinstance(order, str):  # the short form: one letter a sampler, "kpmt" (ik's web UI: "kdypmxntw")
+        given = list(order)
     elif isinstance(order, list) and all(isinstance(x, str) for x in order):
         given = [x.lower() for x in order]
     else:
@@ -234,7 +240,7 @@ def _check_not_run(body: dict) -> list[str] | None:
     if unknown:
         raise bad(f"samplers: {', '.join(map(str, unknown))} unknown (this server runs penalties, top_k, top_p, "
                   f"min_p, temperature)"[:300])
-    names = [_SAMPLER_NAMES[x] for x in given if x in _SAMPLER_NAMES]
+    names = list(dict.fromkeys(_SAMPLER_NAMES[x] for x in given if x in _SAMPLER_NAMES))  # ("kkt": top_k once)
     kept = [x for x in names if x in _ORDER]
     if kept != [x for x in _ORDER if x in kept] or ("penalties" in names and names.index("penalties") != 0):
         raise bad(f"samplers: this server applies penalties, top_k, top_p, min_p, temperature in that order; "
@@ -242,29 +248,43 @@ def _check_not_run(body: dict) -> list[str] | None:
     return names
 
 
-def bias_by_id(bias, encode: Callable[[str], list[int]]):
-    """`logit_bias` with text in place of token ids, as ik_llama.cpp's server reads it: a key of the
-    object form, or a pair's first element, that is not an integer is tokenized (no special tokens)
-    and each of its tokens gets the bias. Returns the bias with ids only (checked against the
-    vocabulary by Scheduler.make_request); another shape as given (refused there)."""
-    def is_id(k) -> bool:
-        return _is_int(k) or (isinstance(k, str) and k.strip().lstrip("-").isdigit())
+_ID = re.compile(r"\s*-?[0-9]+\s*")  # a token id as text: ASCII digits only ("²".isdigit() is true)
+MAX_BIAS_TEXT = 65536  # characters of logit_bias text in one request
+
+
+def bias_has_text(bias) -> bool:
+    """Whether `logit_bias` names tokens by text anywhere (`bias_by_id` then tokenizes it)."""
     if isinstance(bias, dict):
-        items = list(bias.items())
+        return any(isinstance(k, str) and not _ID.fullmatch(k) for k in bias)
+    return isinstance(bias, list) and any(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in bias)
+
+
+def bias_by_id(bias, encode: Callable[[str], list[int]]):
+    """`logit_bias` with text in place of token ids, as ik_llama.cpp's server reads it: in the object
+    form a key that is not an integer, in the list form a pair's first element that is a string
+    (there even "42" is text), is tokenized (no special tokens) and each of its tokens gets the
+    bias. Returns the bias with ids only, as {id: bias} (checked against the vocabulary by
+    Scheduler.make_request; a later entry wins, as in ik); another shape as given (refused there).
+    At most MAX_BIAS_TEXT characters of text (a 32 MiB body of keys held the server ~40 s)."""
+    if isinstance(bias, dict):
+        items = [(k, v, isinstance(k, str) and not _ID.fullmatch(k)) for k, v in bias.items()]
     elif isinstance(bias, list) and all(isinstance(p, list) and len(p) == 2 for p in bias):
-        items = [tuple(p) for p in bias]
+        items = [(k, v, isinstance(k, str)) for k, v in bias]
     else:
         return bias
-    if all(is_id(k) or not isinstance(k, str) for k, _ in items):
-        return bias
-    out = []
-    for k, v in items:
-        if is_id(k) or not isinstance(k, str):
-            out.append([k, v])
+    if sum(len(k) for k, _, text in items if text) > MAX_BIAS_TEXT:
+        raise bad(f"logit_bias: more than {MAX_BIAS_TEXT} characters of text")
+    out: dict = {}
+    for k, v, text in items:
+        if not text:
+            out[str(k).strip() if isinstance(k, str) else k] = v
             continue
-        if len(k) > 4096:
-            raise bad(f"logit_bias: a text of {len(k)} characters; at most 4096")
-        out.extend([t, v] for t in encode(k))
+        try:
+            ids = encode(k)
+        except IkjaxError as e:  # (a lone surrogate: not UTF-8)
+            raise bad(f"logit_bias: {k[:40]!r}: {e}"[:300]) from None
+        for t in ids:
+            out[t] = v
     return out
 
 
