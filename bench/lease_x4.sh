@@ -1434,6 +1434,13 @@ for line in sys.stdin:
     OUT=$OUT/serve-f$fold LOAD_ONLY=1 IKJAX_FOLD_NORM=$fold timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
   done
   ;;
+94)
+  # HEAD's health at the end of stop 65 (STAGE=75: the gpu-marked tests, the deep shape cold / warm), then
+  # Engine.close on a GPU: the device memory in use before, loaded, after close (bench/close_probe.py)
+  STAGE=75 bash bench/lease_x4.sh 2>&1 | grep -v "installed\|ik build\|stage 75 done"
+  v2l_ready
+  timeout 120 python3 bench/close_probe.py $V2L 2>&1 | grep -v Warn | tail -5
+  ;;
 93)
   # issue 22 (stop 65): the decode loop's XLA option checked before its lowering (old-check: after it, a trivial
   # compile between the decode loop's lowering and its compile, §22am) and the load's programs ahead on 8 threads
