@@ -140,7 +140,7 @@ class Request:
                 "predicted_n": n, "predicted_ms": pred_ms,
                 "predicted_per_token_ms": pred_ms / n if n else 0.0,
                 "predicted_per_second": n / pred_ms * 1e3 if pred_ms and n else 0.0,
-                "n_ctx": self.n_ctx, "n_past": len(self.prompt) + n}
+                "n_ctx": self.n_ctx, "n_past": len(self.prompt) + max(n - 1, 0)}  # (the last token is not in the cache yet)
 
 
 @dataclass(eq=False)

@@ -947,8 +947,36 @@ class _AnswersHalfClosed(web_protocol.RequestHandler):
             self._client_done = True  # no further request can come: answer what came, then close
             if not getattr(self, "_messages", None):
                 self.close()
+            asyncio.get_running_loop().create_task(self._probe_gone())
             return True
         return super().eof_received()
+
+    async def _probe_gone(self, first: float = 1.0, every: float = 0.5) -> None:
+        """The client sent its FIN while a request is in flight. It may have shut only its writing side
+        (`nc -N`: it reads the answer) or closed the socket (a timeout, a retry: nobody will read), and
+        TCP cannot tell the two apart until something is written: a closed socket answers with a reset,
+        and the write after that fails, which ends the connection and cancels the handler, its job and
+        its slot (handler_cancellation). Not written, a non-streamed request whose client had gone ran to
+        its end, up to the slot's context (an outside probe, stop 65: an openai client's timeout and two
+        retries left three slots generating to their context's end). So while the request's answer has
+        not started, an interim `100 Continue` (HTTP/1.1's clients skip 1xx responses) after a second and
+        every half second after it; a stream's own writes find a gone client already."""
+        await asyncio.sleep(first)
+        while True:
+            transport = self.transport
+            if transport is None or transport.is_closing():
+                return
+            req = self._current_request
+            if req is None:
+                if not getattr(self, "_messages", None):
+                    return  # every request answered
+            else:
+                writer = getattr(req, "_payload_writer", None)
+                if req.version < (1, 1) or writer is None:
+                    return
+                if not getattr(writer, "_headers_written", True) and not writer.output_size:
+                    transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await asyncio.sleep(every)
 
     async def finish_response(self, request, resp, start_time):
         out = await super().finish_response(request, resp, start_time)

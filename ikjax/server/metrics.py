@@ -27,7 +27,8 @@ class _SchedulerCollector:
         rows = (
             ("prompt_tokens", "prompt_tokens", True, "prompt tokens computed", st.prompt_tokens),
             ("prompt_tokens_cached", None, True, "prompt tokens taken from a slot's cache", st.cached_tokens),
-            ("tokens_predicted", "tokens_predicted", True, "tokens generated", st.generated_tokens),
+            ("tokens_predicted", "tokens_predicted", True, "tokens the decode steps generated (a stream's few "
+             "past its stop string too: the work done; usage counts the answer's)", st.generated_tokens),
             ("prompt_seconds", "prompt_seconds", True, "seconds spent feeding prompts", st.prompt_seconds),
             ("decode_seconds", "tokens_predicted_seconds", True, "seconds spent in decode steps", st.decode_seconds),
             ("decode_steps", "n_decode", True, "decode steps run (all slots at once)", st.decode_steps),
