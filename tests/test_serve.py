@@ -625,6 +625,23 @@ def test_a_gone_client_of_a_non_streamed_request_frees_its_slot(small):
     assert json.loads(rest.partition(b"\r\n\r\n")[2])["tokens_predicted"] > 0
 
 
+def test_a_second_interrupt_forces_the_exit_cleanly(tiny_model):
+    """Ctrl-C twice: the first starts the clean shutdown, the second forces the exit at once (status 130,
+    or death by SIGINT once the command has handed the signal back: a shell shows 130 for both), never a
+    traceback (an outside probe, stop 65: a KeyboardInterrupt from JAX's atexit callback)."""
+    import signal
+    for gap in (0.02, 0.1):
+        s = Proc(tiny_model, "-c", "512", "-np", "1")
+        s.p.send_signal(signal.SIGINT)
+        time.sleep(gap)
+        if s.p.poll() is None:
+            s.p.send_signal(signal.SIGINT)
+        # 0: the first one's clean exit came first; 130 / death by SIGINT (a shell's 130 both): forced
+        assert s.p.wait(30) in (0, 130, -signal.SIGINT), (gap, s.p.returncode, "".join(s.lines[-10:]))
+        time.sleep(0.2)
+        assert not any("Traceback" in x or "Exception ignored" in x for x in s.lines), s.lines[-10:]
+
+
 def test_http_1_0_streams_end_and_expect_is_answered_as_json(server):
     """An outside probe (stop 64, RESULTS §23af): an HTTP/1.0 client asking for keep-alive got its
     stream's `[DONE]` and then waited for the keep-alive timeout (HTTP/1.0 has no chunked framing:

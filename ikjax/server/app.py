@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import threading
@@ -1005,8 +1006,18 @@ async def _serve(server: Server, sock: socket.socket, on_listening) -> None:
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def first(_sig: int) -> None:
+        """The first SIGINT / SIGTERM: a clean shutdown (streams told, exit 0). A second one while it
+        runs forces the exit at once, with the signal's status (130 / 143): it came out as a
+        KeyboardInterrupt from an atexit callback, or as death by the signal, by its timing (an
+        outside probe, stop 65)."""
+        stop.set()
+        for s in (signal.SIGINT, signal.SIGTERM):  # (a process handler: it outlives the loop, into the exit)
+            loop.remove_signal_handler(s)
+            signal.signal(s, lambda n, _frame: os._exit(128 + n))
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, first, sig)
     host, port = sock.getsockname()[:2]
     if on_listening is not None:
         on_listening(f"http://{_url_host(host)}:{port}")
