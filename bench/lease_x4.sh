@@ -190,6 +190,15 @@ cold_warm_sweep() {  # cold_warm_sweep "SHAPE": the V2-Lite shape's sweep-bench 
   done
 }
 
+cold_timeline() {  # cold_timeline TAG RUNS LINES: the deep shape's cold run under bench/lowering_timeline.py RUNS times,
+  # a fresh cache each, its timeline's first LINES lines (events of 0.00 s left out)
+  for k in $(seq $2); do
+    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/lowering_timeline.py sweep-bench -m $V2L -mla 3 -fa 1 \
+      -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/lock_timeline$1-$k.txt"
+    sed -n '/# lowering timeline/,$p' "$OUT/lock_timeline$1-$k.txt" | grep -v "( 0.00)" | head -$3
+  done
+}
+
 throwaway_run() {  # a cold run discarded: a fresh machine's first model process pays the binaries' first reads (§22ab)
   IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 60 python3 -m ikjax.cli sweep-bench -m $V2L -mla 3 -fa 1 -c 4096 -ub 512 -n 16 \
     > /dev/null 2>&1; echo "throwaway run rc=$?"
@@ -1450,11 +1459,7 @@ for line in sys.stdin:
   first_row_ab bench/first_row_forms.py "${AB93:-old-check new old-check new old-check new}" "-c 16384 -ub 2048 -n 128" $OUT/ab93.txt
   [ "${AB93T-x}" = "" ] || first_row_ab bench/first_row_forms.py "${AB93T:-old-threads new old-threads new}" \
     "-c 16384 -ub 2048 -n 128" $OUT/ab93t.txt
-  for k in $(seq ${TL93:-1}); do
-    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/lowering_timeline.py sweep-bench -m $V2L -mla 3 -fa 1 \
-      -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/lock_timeline93-$k.txt"
-    sed -n '/# lowering timeline/,$p' "$OUT/lock_timeline93-$k.txt" | grep -v "( 0.00)" | head -${TLH93:-45}
-  done
+  cold_timeline 93 ${TL93:-1} ${TLH93:-45}
   ;;
 92)
   # issue 22 (stop 65): which kernel modules the first row's two steps compile longest (each step alone, XLA's trace
@@ -1467,11 +1472,7 @@ for line in sys.stdin:
       --top ${TOP92:-30} --longest ${LONG92:-40} --steps $s 2>&1 | grep -v Warning > $OUT/prof92-$s.txt
     head -${HEAD92:-80} $OUT/prof92-$s.txt
   done
-  for k in $(seq ${TL92:-2}); do  # the cold timeline with the prompt step lowered first (§22al's was the old order)
-    IKJAX_COMPILE_CACHE=$(mktemp -d) timeout 100 python3 bench/lowering_timeline.py sweep-bench -m $V2L -mla 3 -fa 1 \
-      -c 16384 -ub 2048 -n 128 > /dev/null 2> "$OUT/lock_timeline92-$k.txt"
-    sed -n '/# lowering timeline/,$p' "$OUT/lock_timeline92-$k.txt" | head -${TLH92:-70}
-  done
+  cold_timeline 92 ${TL92:-2} ${TLH92:-70}  # the prompt step lowered first (§22al's was the old order)
   [ "${AB92-x}" = "" ] || first_row_ab bench/first_row_forms.py "${AB92:-new new}" "-c 16384 -ub 2048 -n 128" $OUT/ab92.txt
   ;;
 91)
