@@ -49,6 +49,7 @@ log = logging.getLogger("ikjax")
 MAX_BODY = 32 << 20  # bytes of a request body (a 128k-token prompt as JSON ids is ~1 MiB)
 PUBLIC = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html"})
 STATIC = Path(__file__).resolve().parent / "static"
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # the interim answer (to an Expect, and _probe_gone's probe)
 # llama-server's --reasoning-format values; deepseek-legacy (ik's and mainline's): as deepseek, but a streamed
 # answer's reasoning stays inline in its content (read here as none when streamed)
 REASONING_FORMATS = ("deepseek", "none", "auto", "deepseek-legacy")
@@ -258,7 +259,7 @@ class Server:
             self._check_key(request)
             if (request.content_length or 0) > MAX_BODY:
                 raise ApiError(413, f"request body over {MAX_BODY >> 20} MiB")
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await request.writer.write(CONTINUE)
         except ApiError as e:
             out = _error(e)
             out.force_close()  # the body was never read: no further request can follow on this connection
@@ -373,11 +374,14 @@ class Server:
         ids = await self._encode(text, add_bos=False if bos and text.startswith(bos) else None)
         return ids, text, start
 
-    async def _bias_by_id(self, params: GenParams) -> None:
-        """`logit_bias` given by text, tokenized on a worker thread (not on the event loop)."""
+    async def _gen_params(self, body: dict, **kw) -> GenParams:
+        """`oai.gen_params`, with a `logit_bias` given by text tokenized on a worker thread (not on the
+        event loop)."""
+        params = oai.gen_params(body, self.config.defaults, **kw)
         if oai.bias_has_text(params.logit_bias):
             params.logit_bias = await asyncio.to_thread(oai.bias_by_id, params.logit_bias,
                                                         lambda text: self.tok.encode(text, False, False))
+        return params
 
     def _job(self, ids: list[int], params: GenParams, keep: frozenset[int] = frozenset()) -> Job:
         return Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe, keep=keep).start()
@@ -386,9 +390,8 @@ class Server:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         model = self._check_model(body)
-        params = oai.gen_params(body, self.config.defaults, max_names=("max_completion_tokens", "max_tokens",
-                                                                       "n_predict"), endpoint="chat")
-        await self._bias_by_id(params)
+        params = await self._gen_params(body, max_names=("max_completion_tokens", "max_tokens", "n_predict"),
+                                        endpoint="chat")
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         one_call = body.get("parallel_tool_calls") is False  # OpenAI's: at most one call an answer
@@ -471,9 +474,7 @@ class Server:
         """OpenAI's /v1/completions."""
         body = await self._body(request)
         model = self._check_model(body)
-        params = oai.gen_params(body, self.config.defaults, max_names=("max_tokens", "n_predict"),
-                                endpoint="completions")
-        await self._bias_by_id(params)
+        params = await self._gen_params(body, max_names=("max_tokens", "n_predict"), endpoint="completions")
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         oai.check_completions_only(body)
         prompts = oai.prompts_field(body)
@@ -495,7 +496,7 @@ class Server:
         prefix = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else ""
         try:
             if not params.stream:
-                text = prefix + "".join([p async for p in job.pieces()])
+                text = prefix + await job.text()
                 return web.json_response({
                     **head, "choices": [{"index": 0, "text": text,
                                          "logprobs": self._completions_logprobs(job, len(prefix)),
@@ -522,8 +523,7 @@ class Server:
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """llama-server's own /completion (n_predict, cache_prompt, stream; no [DONE])."""
         body = await self._body(request)
-        params = oai.gen_params(body, self.config.defaults, max_names=("n_predict", "max_tokens"))
-        await self._bias_by_id(params)
+        params = await self._gen_params(body, max_names=("n_predict", "max_tokens"))
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         prompts = oai.prompts_field(body)
         if len(prompts) > 1:  # llama-server's: an answer a prompt, in a list, each with its index
@@ -535,7 +535,7 @@ class Server:
         job = self._job(ids, params)
         try:
             if not params.stream:
-                text = "".join([p async for p in job.pieces()])
+                text = await job.text()
                 return web.json_response(self._completion_final(job, text, prompt, True))
 
             async def events():
@@ -566,10 +566,7 @@ class Server:
         try:
             for one in ids:
                 jobs.append(self._job(one, params))
-
-            async def text(job: Job) -> str:
-                return "".join([p async for p in job.pieces()])
-            texts = await asyncio.gather(*(text(j) for j in jobs))
+            texts = await asyncio.gather(*(j.text() for j in jobs))
             return [answer(i, p, x, j, t) for i, (p, x, j, t) in enumerate(zip(prompts, ids, jobs, texts))], jobs
         finally:
             for j in jobs:
@@ -976,7 +973,7 @@ class _AnswersHalfClosed(web_protocol.RequestHandler):
                 if req.version < (1, 1) or writer is None:
                     return
                 if not getattr(writer, "_headers_written", True) and not writer.output_size:
-                    transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    transport.write(CONTINUE)
             await asyncio.sleep(every)
 
     async def finish_response(self, request, resp, start_time):

@@ -64,6 +64,10 @@ class Job:
             self.done = True
             self.scheduler.cancel(self.req, reason)
 
+    async def text(self) -> str:
+        """The whole answer's text (a request that is not streamed)."""
+        return "".join([p async for p in self.pieces()])
+
     async def pieces(self, every_token: bool = False) -> AsyncIterator[str]:
         """Text deltas until the request ends; then `finish_reason` is set. `every_token`: one
         piece per generated token, "" when its text is held back (an incomplete UTF-8 character,

@@ -252,25 +252,29 @@ _ID = re.compile(r"\s*-?[0-9]+\s*")  # a token id as text: ASCII digits only ("Â
 MAX_BIAS_TEXT = 65536  # characters of logit_bias text in one request
 
 
+def _bias_items(bias) -> list[tuple[Any, Any, bool]] | None:
+    """(key, bias, whether the key is text) of each `logit_bias` entry, as ik_llama.cpp's server reads
+    them: in the object form a key that is not an integer is text, in the list form a pair's first
+    element that is a string (there even "42" is text). None for another shape (refused later)."""
+    if isinstance(bias, dict):
+        return [(k, v, isinstance(k, str) and not _ID.fullmatch(k)) for k, v in bias.items()]
+    if isinstance(bias, list) and all(isinstance(p, list) and len(p) == 2 for p in bias):
+        return [(k, v, isinstance(k, str)) for k, v in bias]
+    return None
+
+
 def bias_has_text(bias) -> bool:
     """Whether `logit_bias` names tokens by text anywhere (`bias_by_id` then tokenizes it)."""
-    if isinstance(bias, dict):
-        return any(isinstance(k, str) and not _ID.fullmatch(k) for k in bias)
-    return isinstance(bias, list) and any(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in bias)
+    return any(text for _, _, text in _bias_items(bias) or ())
 
 
 def bias_by_id(bias, encode: Callable[[str], list[int]]):
-    """`logit_bias` with text in place of token ids, as ik_llama.cpp's server reads it: in the object
-    form a key that is not an integer, in the list form a pair's first element that is a string
-    (there even "42" is text), is tokenized (no special tokens) and each of its tokens gets the
-    bias. Returns the bias with ids only, as {id: bias} (checked against the vocabulary by
-    Scheduler.make_request; a later entry wins, as in ik); another shape as given (refused there).
+    """`logit_bias` with its text keys (`_bias_items`) tokenized (no special tokens), each of the
+    text's tokens getting the bias. Returns the bias with ids only, as {id: bias} (checked against
+    the vocabulary by Scheduler.make_request; a later entry wins, as in ik); another shape as given.
     At most MAX_BIAS_TEXT characters of text (a 32 MiB body of keys held the server ~40 s)."""
-    if isinstance(bias, dict):
-        items = [(k, v, isinstance(k, str) and not _ID.fullmatch(k)) for k, v in bias.items()]
-    elif isinstance(bias, list) and all(isinstance(p, list) and len(p) == 2 for p in bias):
-        items = [(k, v, isinstance(k, str)) for k, v in bias]
-    else:
+    items = _bias_items(bias)
+    if items is None:
         return bias
     if sum(len(k) for k, _, text in items if text) > MAX_BIAS_TEXT:
         raise bad(f"logit_bias: more than {MAX_BIAS_TEXT} characters of text")
