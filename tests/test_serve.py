@@ -82,7 +82,9 @@ def small(tiny_model, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("\nother-key\n  third  \n")  # llama-server's --api-key-file: a key a line
     # R1's builtin template by name: the page's reasoning pane, and answers long enough to stop
-    s = Proc(tiny_model, "-c", "2048", "-np", "1", "-ub", str(UB), "--max-queue", "1", "--api-key", "sekret",
+    # a slot of 8192 tokens: a stream held open for seconds even where the tiny model decodes 1.6k t/s
+    # (this workplace's Zen 4: 1,900 tokens in 1.2 s, over before a gone client could be noticed)
+    s = Proc(tiny_model, "-c", "8192", "-np", "1", "-ub", str(UB), "--max-queue", "1", "--api-key", "sekret",
              "--api-key-file", str(keys), "--temp", "0", "--chat-template", "deepseek-r1")
     yield s
     s.stop()
@@ -528,7 +530,9 @@ def test_several_prompts_in_one_request(server):
     """OpenAI's batch form on /v1/completions (a choice a prompt, by index) and llama-server's on
     /completion (a list of answers, each with its index; ik_llama.cpp runs a task a prompt): each
     answer equals the same prompt sent alone (greedy), usage sums them; a list holding an id is one
-    prompt (llama-server's mixed form); streamed, or past 16 prompts, a 400 naming the prompt."""
+    prompt (llama-server's mixed form); past 16 prompts, a 400 naming the prompt. Streamed (the
+    OpenAI client's and llama-server's streams; each event names its prompt's index): each index's
+    pieces make the same answer, each ends with its own finish_reason, usage counts them all."""
     texts = prompts(3, seed=11)
     alone = [call(server, "POST", "/completion", {"prompt": t, "n_predict": 5, "temperature": 0})[1] for t in texts]
     status, out = call(server, "POST", "/completion", {"prompt": texts, "n_predict": 5, "temperature": 0})
@@ -545,7 +549,27 @@ def test_several_prompts_in_one_request(server):
     assert out["usage"]["completion_tokens"] == alone[0]["tokens_predicted"] + alone[1]["tokens_predicted"]
     mixed = call(server, "POST", "/completion", {"prompt": [ids[0], texts[0][:5]], "n_predict": 2})
     assert mixed[0] == 200 and isinstance(mixed[1], dict)  # ids and text in one list: one prompt
-    _error(call(server, "POST", "/v1/completions", {"prompt": texts, "max_tokens": 2, "stream": True}), 400, "prompt")
+    chunks = list(client(server).completions.create(model=MODEL, prompt=texts, max_tokens=5, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+    by_index: dict[int, list] = {}
+    for ch in chunks[:-1]:
+        assert len(ch.choices) == 1, ch
+        by_index.setdefault(ch.choices[0].index, []).append(ch.choices[0])
+    assert sorted(by_index) == [0, 1, 2]
+    for i, parts in by_index.items():
+        assert "".join(p.text for p in parts) == alone[i]["content"]
+        assert [p.finish_reason for p in parts][-1] in ("stop", "length")
+        assert all(p.finish_reason is None for p in parts[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(a["tokens_predicted"] for a in alone)
+    status, sse = call(server, "POST", "/completion", {"prompt": texts, "n_predict": 5, "temperature": 0,
+                                                       "stream": True})
+    events = [json.loads(ln[6:]) for ln in sse.splitlines() if ln.startswith("data: ")]
+    assert status == 200 and "[DONE]" not in sse  # (llama-server's /completion: no [DONE])
+    for i in range(3):
+        mine = [e for e in events if e["index"] == i]
+        assert "".join(e["content"] for e in mine) == alone[i]["content"]
+        assert [e["stop"] for e in mine].count(True) == 1 and mine[-1]["stop"]
+        assert mine[-1]["tokens_predicted"] == alone[i]["tokens_predicted"]
     _error(call(server, "POST", "/completion", {"prompt": ["a"] * 17, "n_predict": 1}), 400, "at most 16")
     _error(call(server, "POST", "/completion", {"prompt": ["a", []], "n_predict": 1}), 400, "prompt[1]")
 
@@ -598,7 +622,7 @@ def test_a_gone_client_of_a_non_streamed_request_frees_its_slot(small):
     import socket
     auth = {"Authorization": "Bearer sekret"}
     cancelled0 = _counter(small, "ikjax_requests_total", {"reason": "cancelled"})
-    body = json.dumps({"prompt": "Hello there", "n_predict": 1900}).encode()
+    body = json.dumps({"prompt": "Hello there", "n_predict": 8000, "ignore_eos": True}).encode()
     sock = socket.create_connection((small.host, int(small.port)), timeout=30)
     sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
@@ -940,7 +964,7 @@ def test_api_key_401(small):
 
 
 def _open_stream(s: Proc, prompt: str):
-    """A long stream (until the 2048-token slot is full, ignoring EOS): (connection, response)
+    """A long stream (until the 8192-token slot is full, ignoring EOS): (connection, response)
     with its first event read."""
     c = http.client.HTTPConnection(s.host, int(s.port), timeout=120)
     c.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt, "stream": True, "temperature": 0,

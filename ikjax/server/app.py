@@ -466,7 +466,8 @@ class Server:
                 yield {**delta({}, _finish(job, calls)), "timings": job.req.timings()}
                 if params.include_usage:
                     yield {**chunk, "choices": [], "usage": self._usage(job)}
-            return await self._stream(request, job, _usage_null_until_last(events()) if params.include_usage else events(), done=True)
+            return await self._stream(request, [job], _usage_null_until_last(events()) if params.include_usage
+                                      else events(), done=True)
         finally:
             job.cancel()
 
@@ -483,94 +484,85 @@ class Server:
             raise bad("echo with logprobs: the prompt's log-probabilities are not computed here; ask for one of them")
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
                 "system_fingerprint": "ikjax", "object": "text_completion"}
-        if len(prompts) > 1:  # OpenAI's batch: a choice a prompt, by its index
-            def one(i: int, prompt, ids: list[int], job: Job, text: str) -> dict:
-                prefix = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else ""
-                return {"index": i, "text": prefix + text, "logprobs": self._completions_logprobs(job, len(prefix)),
-                        "finish_reason": oai.FINISH[job.finish_reason]}
-            results, jobs = await self._batch(prompts, params, one)
-            return web.json_response({**head, "choices": results, "usage": self._usage_of(jobs)})
-        prompt = prompts[0]
-        ids = await self._prompt_ids(prompt)
-        job = self._job(ids, params)
-        prefix = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else ""
+        ids, jobs = await self._start_jobs(prompts, params)
         try:
-            if not params.stream:
-                text = prefix + await job.text()
-                return web.json_response({
-                    **head, "choices": [{"index": 0, "text": text,
-                                         "logprobs": self._completions_logprobs(job, len(prefix)),
-                                         "finish_reason": oai.FINISH[job.finish_reason]}],
-                    "usage": self._usage(job), "timings": job.req.timings()})
+            # echo: the prompt as given (ids as their text) before the answer
+            prefixes = [(p if isinstance(p, str) else self.tok.decode(x)) if echo else "" for p, x in zip(prompts, ids)]
+            if not params.stream:  # a choice a prompt, by its index (OpenAI's batch)
+                texts = await asyncio.gather(*(j.text() for j in jobs))
+                choices = [{"index": i, "text": pre + text, "logprobs": self._completions_logprobs(job, len(pre)),
+                            "finish_reason": oai.FINISH[job.finish_reason]}
+                           for i, (pre, job, text) in enumerate(zip(prefixes, jobs, texts))]
+                timings = {"timings": jobs[0].req.timings()} if len(jobs) == 1 else {}
+                return web.json_response({**head, "choices": choices, "usage": self._usage_of(jobs), **timings})
 
-            def choice(text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
-                return {**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            def choice(i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
+                return {**head, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
-            async def events():
+            async def one(i: int, job: Job, prefix: str):
                 offset = len(prefix)
                 if prefix:
-                    yield choice(prefix)
+                    yield choice(i, prefix)
                 async for piece in job.pieces():
-                    yield choice(piece, logprobs=self._completions_logprobs(job, offset, piece=True))
+                    yield choice(i, piece, logprobs=self._completions_logprobs(job, offset, piece=True))
                     offset += len(piece)
-                yield {**choice("", oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
+                yield {**choice(i, "", oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
+
+            async def events():
+                async for obj in _merged([one(i, job, pre) for i, (job, pre) in enumerate(zip(jobs, prefixes))]):
+                    yield obj
                 if params.include_usage:
-                    yield {**head, "choices": [], "usage": self._usage(job)}
-            return await self._stream(request, job, _usage_null_until_last(events()) if params.include_usage else events(), done=True)
+                    yield {**head, "choices": [], "usage": self._usage_of(jobs)}
+            return await self._stream(request, jobs, _usage_null_until_last(events()) if params.include_usage
+                                      else events(), done=True)
         finally:
-            job.cancel()
+            _cancel(jobs)
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
-        """llama-server's own /completion (n_predict, cache_prompt, stream; no [DONE])."""
+        """llama-server's own /completion (n_predict, cache_prompt, stream; no [DONE]). Several
+        prompts: a list of answers, each with its index (ik_llama.cpp runs a task a prompt); streamed,
+        each event carries its prompt's index."""
         body = await self._body(request)
         params = await self._gen_params(body, max_names=("n_predict", "max_tokens"))
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         prompts = oai.prompts_field(body)
-        if len(prompts) > 1:  # llama-server's: an answer a prompt, in a list, each with its index
-            results, _ = await self._batch(prompts, params, lambda i, prompt, ids, job, text: {
-                **self._completion_final(job, text, prompt, True), "index": i})
-            return web.json_response(results)
-        prompt = prompts[0]
-        ids = await self._prompt_ids(prompt)
-        job = self._job(ids, params)
+        _, jobs = await self._start_jobs(prompts, params)
         try:
             if not params.stream:
-                text = await job.text()
-                return web.json_response(self._completion_final(job, text, prompt, True))
+                texts = await asyncio.gather(*(j.text() for j in jobs))
+                answers = [{**self._completion_final(job, text, prompt, True), "index": i}
+                           for i, (prompt, job, text) in enumerate(zip(prompts, jobs, texts))]
+                return web.json_response(answers if len(jobs) > 1 else answers[0])
 
-            async def events():
+            async def one(i: int, job: Job, prompt):
                 # with return_tokens, an event per token (its text may be "" while held back)
                 async for piece in job.pieces(every_token=params.return_tokens):
-                    event = {"content": piece, "stop": False, "id_slot": job.req.slot, "index": 0,
+                    event = {"content": piece, "stop": False, "id_slot": job.req.slot, "index": i,
                              "tokens": list(job.new_ids) if params.return_tokens else []}
                     if params.top_logprobs is not None:
                         event["completion_probabilities"] = self._probabilities(job, piece=True)
                     if params.timings_per_token:  # llama-server's live speed figures
                         event["timings"] = job.req.timings()
                     yield event
-                yield self._completion_final(job, job.tail, prompt, False)
-            return await self._stream(request, job, events(), done=False)
+                yield {**self._completion_final(job, job.tail, prompt, False), "index": i}
+            return await self._stream(request, jobs, _merged([one(i, job, prompt) for i, (job, prompt)
+                                                              in enumerate(zip(jobs, prompts))]), done=False)
         finally:
-            job.cancel()
+            _cancel(jobs)
 
-    async def _batch(self, prompts: list, params: GenParams, answer) -> tuple[list[dict], list[Job]]:
-        """Several prompts of one request, each a job of its own (they batch across the slots as
-        separate requests do); `answer(i, prompt, ids, job, text)` makes each one's entry. Not
-        streamed (a 400: one stream a prompt); a job that cannot start (a full queue) or a client
-        gone cancels them all."""
-        if params.stream:
-            raise bad(f"prompt: {len(prompts)} prompts in one streamed request are not supported here; stream "
-                      f"each as a request of its own, or leave stream false")
+    async def _start_jobs(self, prompts: list, params: GenParams) -> tuple[list[list[int]], list[Job]]:
+        """(ids, started jobs) of a request's prompts, each a job of its own (several batch across
+        the slots as separate requests do). Every prompt is tokenized and checked before any job
+        starts; a job that cannot start (a full queue: the 503) cancels those started before it."""
         ids = [await self._prompt_ids(p) for p in prompts]
         jobs: list[Job] = []
         try:
             for one in ids:
                 jobs.append(self._job(one, params))
-            texts = await asyncio.gather(*(j.text() for j in jobs))
-            return [answer(i, p, x, j, t) for i, (p, x, j, t) in enumerate(zip(prompts, ids, jobs, texts))], jobs
-        finally:
-            for j in jobs:
-                j.cancel()
+        except BaseException:
+            _cancel(jobs)
+            raise
+        return ids, jobs
 
     def _usage_of(self, jobs: list[Job]) -> dict:
         """`usage` summed over the jobs of one request."""
@@ -659,10 +651,10 @@ class Server:
         return oai.usage(len(job.req.prompt), job.n_generated, job.req.n_cached)
 
     # -- SSE -----------------------------------------------------------------------------------------
-    async def _stream(self, request: web.Request, job: Job, events, done: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, jobs: list[Job], events, done: bool) -> web.StreamResponse:
         """Server-Sent Events: each object as `data: {...}`, then `data: [DONE]` (OpenAI's streams).
         An error after the headers went out is one last `data: {"error": ...}` event; a reader that
-        went away or stopped reading (--timeout) ends the stream, and `job` is cancelled."""
+        went away or stopped reading (--timeout) ends the stream, and its jobs are cancelled."""
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "X-Accel-Buffering": "no"})
         if request.version < aiohttp.HttpVersion11:
@@ -671,7 +663,7 @@ class Server:
             # for the keep-alive timeout after [DONE])
             out.force_close()
         try:
-            await out.prepare(request)  # (inside: a reader gone before the headers went out cancels the job too)
+            await out.prepare(request)  # (inside: a reader gone before the headers went out cancels the jobs too)
             try:
                 async for obj in events:
                     await self._write(out, _sse(obj))
@@ -681,7 +673,7 @@ class Server:
                 await self._write(out, b"data: [DONE]\n\n")
             await out.write_eof()
         except (ConnectionError, asyncio.TimeoutError):
-            job.cancel()
+            _cancel(jobs)
         return out
 
     async def _write(self, out: web.StreamResponse, data: bytes) -> None:
@@ -834,6 +826,43 @@ def _piece(b: bytes) -> str | list[int]:
         return b.decode("utf-8")
     except UnicodeDecodeError:
         return list(b)
+
+
+def _cancel(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.cancel()
+
+
+async def _merged(streams: list):
+    """The events of several async generators (a streamed request's prompts, each its own job) in
+    the order they come; the first error ends them all. One is iterated as it is."""
+    if len(streams) == 1:
+        async for obj in streams[0]:
+            yield obj
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(events) -> None:
+        try:
+            async for obj in events:
+                await queue.put((True, obj))
+            await queue.put((False, None))
+        except Exception as e:  # (an ApiError: the stream's last event names it)
+            await queue.put((False, e))
+    tasks = [asyncio.ensure_future(pump(events)) for events in streams]
+    try:
+        left = len(tasks)
+        while left:
+            more, obj = await queue.get()
+            if more:
+                yield obj
+            elif obj is not None:
+                raise obj
+            else:
+                left -= 1
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _usage_null_until_last(events):
