@@ -79,7 +79,8 @@ def serve(
     """Serve the model over HTTP: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and
     llama-server's /completion, /tokenize, /detokenize, /props, /health, /metrics, a chat page at /."""
     from ikjax.runtime.scheduler import PROMPT_CACHE_MODES, Scheduler
-    from ikjax.server.app import REASONING_FORMATS, LoadingResponder, Server, ServerConfig, bind, run as run_server
+    from ikjax.server.app import REASONING_FORMATS, Server, ServerConfig
+    from ikjax.server.transport import LoadingResponder, bind, run as run_server
     from ikjax.server.openai import Defaults
 
     if parallel < 1:
