@@ -1148,6 +1148,56 @@ def test_chat_page_streams_and_stops(small, browser):
     assert not call(small, "GET", "/slots", headers=auth)[1][0]["is_processing"]
 
 
+def test_chat_page_new_chat_system_message_and_refused_turns(small, browser):
+    """The page's conversation: "New chat" while an answer streams starts an empty conversation (the
+    stopped answer used to be added to the new one's turns); the system field goes first in every
+    request (the answer equals the API's for [system, user]); a turn the server refuses (a 400)
+    leaves the conversation, marked, and the next message is answered."""
+    import aiohttp
+    auth = {"Authorization": "Bearer sekret"}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    want = call(small, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0},
+                headers=auth)[1]["choices"][0]["message"]
+
+    async def drive():
+        async with aiohttp.ClientSession() as s, s.ws_connect(browser.page_ws, max_msg_size=0) as ws:
+            page = Page(ws)
+            await page.call("Page.navigate", url=small.url + "/")
+            await page.until("document.readyState === 'complete' && !!document.getElementById('send')")
+            await page.js("""(() => { const $ = (i) => document.getElementById(i);
+                $('key').value = 'sekret'; $('temperature').value = '0'; $('max_tokens').value = '-1';
+                $('input').value = 'tell me a long story'; $('send').click(); })()""")
+            await page.until("(() => { const a = document.querySelector('.assistant');"
+                             "return a && a.textContent.length > 20; })()")
+            await page.js("document.getElementById('clear').click()")
+            await page.until("document.getElementById('send').disabled === false")
+            assert await page.js("JSON.stringify(chatLog)") == "[]"
+            await page.js("""(() => { const $ = (i) => document.getElementById(i);
+                $('system').value = 'Be brief.'; $('max_tokens').value = '12';
+                $('input').value = 'hello there'; $('send').click(); })()""")
+            await page.until("document.querySelector('.assistant') && "
+                             "document.querySelector('.assistant').dataset.done === '1'")
+            shown = await page.js("document.querySelector('.assistant .content').textContent")
+            assert shown == want["content"]
+            log = json.loads(await page.js("JSON.stringify(chatLog)"))
+            assert [m["role"] for m in log] == ["user", "assistant"]  # (the system message is sent, not kept)
+            await page.js("""(() => { const $ = (i) => document.getElementById(i);
+                $('max_tokens').value = '-5'; $('input').value = 'refused'; $('send').click(); })()""")
+            await page.until("document.querySelectorAll('.assistant')[1] && "
+                             "document.querySelectorAll('.assistant')[1].dataset.done === '1'")
+            assert await page.js("document.querySelectorAll('.assistant')[1].dataset.finish") == "error"
+            assert "max_tokens" in await page.js("document.querySelector('.error').textContent")
+            assert await page.js("document.querySelectorAll('.user')[1].classList.contains('unsent')") is True
+            assert len(json.loads(await page.js("JSON.stringify(chatLog)"))) == 2
+            await page.js("""(() => { const $ = (i) => document.getElementById(i);
+                $('max_tokens').value = '4'; $('input').value = 'and then'; $('send').click(); })()""")
+            await page.until("document.querySelectorAll('.assistant')[2] && "
+                             "document.querySelectorAll('.assistant')[2].dataset.done === '1'")
+            assert await page.js("document.querySelectorAll('.assistant')[2].dataset.finish") in ("length", "stop")
+            assert len(json.loads(await page.js("JSON.stringify(chatLog)"))) == 4
+    asyncio.run(drive())
+
+
 def test_port_in_use_is_one_line_before_loading(tiny_model):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
