@@ -9,6 +9,7 @@ process with the options of one slot (ctx 256, ubatch 16).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import math
@@ -1103,24 +1104,40 @@ def browser(tmp_path_factory):
     b.close()
 
 
+@contextlib.asynccontextmanager
+async def _chat_page(browser, s: Proc):
+    """The chat page at / of server `s`, loaded in the browser's page (a DevTools session)."""
+    import aiohttp
+    async with aiohttp.ClientSession() as session, session.ws_connect(browser.page_ws, max_msg_size=0) as ws:
+        page = Page(ws)
+        await page.call("Page.navigate", url=s.url + "/")
+        await page.until("document.readyState === 'complete' && !!document.getElementById('send')")
+        yield page
+
+
+async def _send(page, text: str, **fields) -> None:
+    """Set the page's fields (by element id) and send `text`, as a user clicks Send."""
+    sets = " ".join(f"$({json.dumps(k)}).value = {json.dumps(str(v))};" for k, v in fields.items())
+    await page.js(f"(() => {{ const $ = (i) => document.getElementById(i); {sets} "
+                  f"$('input').value = {json.dumps(text)}; $('send').click(); }})()")
+
+
+def _api_answer(s: Proc, msgs: list[dict]) -> dict:
+    """The greedy 12-token answer's message of the API itself, for the page to equal."""
+    return call(s, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0},
+                headers={"Authorization": "Bearer sekret"})[1]["choices"][0]["message"]
+
+
 def test_chat_page_streams_and_stops(small, browser):
     """The page at / in headless chromium: an answer streams in equal to the API's own (reasoning
     shown apart), a second turn goes on the same conversation, and Stop ends a long answer and
     frees the server's slot."""
-    import aiohttp
     auth = {"Authorization": "Bearer sekret"}
-    msgs = [{"role": "user", "content": "hello there"}]
-    want = call(small, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0},
-                headers=auth)[1]["choices"][0]["message"]
+    want = _api_answer(small, [{"role": "user", "content": "hello there"}])
 
     async def drive():
-        async with aiohttp.ClientSession() as s, s.ws_connect(browser.page_ws, max_msg_size=0) as ws:
-            page = Page(ws)
-            await page.call("Page.navigate", url=small.url + "/")
-            await page.until("document.readyState === 'complete' && !!document.getElementById('send')")
-            await page.js("""(() => { const $ = (i) => document.getElementById(i);
-                $('key').value = 'sekret'; $('temperature').value = '0'; $('max_tokens').value = '12';
-                $('input').value = 'hello there'; $('send').click(); })()""")
+        async with _chat_page(browser, small) as page:
+            await _send(page, "hello there", key="sekret", temperature=0, max_tokens=12)
             await page.until("document.querySelector('.assistant') && "
                              "document.querySelector('.assistant').dataset.done === '1'")
             shown = await page.js("""(() => { const a = document.querySelector('.assistant');
@@ -1131,8 +1148,7 @@ def test_chat_page_streams_and_stops(small, browser):
             assert shown["reasoning"] == want.get("reasoning_content")
             assert shown["finish"] == "length"
             # a long answer, stopped while it streams
-            await page.js("""(() => { const $ = (i) => document.getElementById(i);
-                $('max_tokens').value = '-1'; $('input').value = 'tell me more'; $('send').click(); })()""")
+            await _send(page, "tell me more", max_tokens=-1)
             await page.until("(() => { const a = document.querySelectorAll('.assistant')[1];"
                              "return a && a.textContent.length > 20; })()")
             assert await page.js("document.getElementById('stop').disabled") is False
@@ -1153,44 +1169,31 @@ def test_chat_page_new_chat_system_message_and_refused_turns(small, browser):
     stopped answer used to be added to the new one's turns); the system field goes first in every
     request (the answer equals the API's for [system, user]); a turn the server refuses (a 400)
     leaves the conversation, marked, and the next message is answered."""
-    import aiohttp
-    auth = {"Authorization": "Bearer sekret"}
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
-    want = call(small, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0},
-                headers=auth)[1]["choices"][0]["message"]
+    want = _api_answer(small, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}])
 
     async def drive():
-        async with aiohttp.ClientSession() as s, s.ws_connect(browser.page_ws, max_msg_size=0) as ws:
-            page = Page(ws)
-            await page.call("Page.navigate", url=small.url + "/")
-            await page.until("document.readyState === 'complete' && !!document.getElementById('send')")
-            await page.js("""(() => { const $ = (i) => document.getElementById(i);
-                $('key').value = 'sekret'; $('temperature').value = '0'; $('max_tokens').value = '-1';
-                $('input').value = 'tell me a long story'; $('send').click(); })()""")
+        async with _chat_page(browser, small) as page:
+            await _send(page, "tell me a long story", key="sekret", temperature=0, max_tokens=-1)
             await page.until("(() => { const a = document.querySelector('.assistant');"
                              "return a && a.textContent.length > 20; })()")
             await page.js("document.getElementById('clear').click()")
             await page.until("document.getElementById('send').disabled === false")
             assert await page.js("JSON.stringify(chatLog)") == "[]"
-            await page.js("""(() => { const $ = (i) => document.getElementById(i);
-                $('system').value = 'Be brief.'; $('max_tokens').value = '12';
-                $('input').value = 'hello there'; $('send').click(); })()""")
+            await _send(page, "hello there", system="Be brief.", max_tokens=12)
             await page.until("document.querySelector('.assistant') && "
                              "document.querySelector('.assistant').dataset.done === '1'")
             shown = await page.js("document.querySelector('.assistant .content').textContent")
             assert shown == want["content"]
             log = json.loads(await page.js("JSON.stringify(chatLog)"))
             assert [m["role"] for m in log] == ["user", "assistant"]  # (the system message is sent, not kept)
-            await page.js("""(() => { const $ = (i) => document.getElementById(i);
-                $('max_tokens').value = '-5'; $('input').value = 'refused'; $('send').click(); })()""")
+            await _send(page, "refused", max_tokens=-5)
             await page.until("document.querySelectorAll('.assistant')[1] && "
                              "document.querySelectorAll('.assistant')[1].dataset.done === '1'")
             assert await page.js("document.querySelectorAll('.assistant')[1].dataset.finish") == "error"
             assert "max_tokens" in await page.js("document.querySelector('.error').textContent")
             assert await page.js("document.querySelectorAll('.user')[1].classList.contains('unsent')") is True
             assert len(json.loads(await page.js("JSON.stringify(chatLog)"))) == 2
-            await page.js("""(() => { const $ = (i) => document.getElementById(i);
-                $('max_tokens').value = '4'; $('input').value = 'and then'; $('send').click(); })()""")
+            await _send(page, "and then", max_tokens=4)
             await page.until("document.querySelectorAll('.assistant')[2] && "
                              "document.querySelectorAll('.assistant')[2].dataset.done === '1'")
             assert await page.js("document.querySelectorAll('.assistant')[2].dataset.finish") in ("length", "stop")
