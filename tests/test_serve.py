@@ -573,6 +573,18 @@ def test_several_prompts_in_one_request(server):
         assert mine[-1]["tokens_predicted"] == alone[i]["tokens_predicted"]
     _error(call(server, "POST", "/completion", {"prompt": ["a"] * 17, "n_predict": 1}), 400, "at most 16")
     _error(call(server, "POST", "/completion", {"prompt": ["a", []], "n_predict": 1}), 400, "prompt[1]")
+    # a bad prompt late in the list: the 400 names it, and no prompt of the list ran (every one is
+    # checked before any starts); a setting's error is not pinned on a prompt
+    before = call(server, "GET", "/metrics")[1]
+    _error(call(server, "POST", "/completion", {"prompt": [texts[0], texts[1], [10**7]], "n_predict": 4}), 400,
+           "prompt[2]: token id 10000000")
+    _error(call(server, "POST", "/v1/completions", {"model": MODEL, "prompt": [texts[0], [1] * CTX],
+                                                    "max_tokens": 4}), 400, "prompt[1]:")
+    _error(call(server, "POST", "/completion", {"prompt": texts[:2], "n_predict": 4, "top_p": 7}), 400, "top_p")
+    after = call(server, "GET", "/metrics")[1]
+    counted = [ln for ln in before.splitlines() if ln.startswith(("ikjax_prompt_tokens_total", "ikjax_requests_total"))]
+    assert counted and counted == [ln for ln in after.splitlines() if ln.startswith(
+        ("ikjax_prompt_tokens_total", "ikjax_requests_total"))], (before, after)
 
 
 def _raw_http(s: Proc, data: bytes) -> tuple[str, bytes]:
@@ -1003,6 +1015,10 @@ def test_queue_full_503_and_cancellation_frees_the_slot(small):
                     headers={**auth, "Content-Type": "application/json"})
     time.sleep(0.5)
     _error(call(small, "POST", "/completion", {"prompt": "three", "n_predict": 1}, auth), 503, "busy")
+    # more prompts in one request than the slot and the queue hold even when idle: never takeable, a
+    # 400 (a 503 would have the client retry it forever)
+    _error(call(small, "POST", "/completion", {"prompt": ["a", "b", "c"], "n_predict": 1}, auth), 400,
+           "--max-queue")
     full = http.client.HTTPConnection(small.host, int(small.port), timeout=60)  # a 503 says when to come back
     full.request("POST", "/completion", body=json.dumps({"prompt": "four", "n_predict": 1}),
                  headers={**auth, "Content-Type": "application/json"})
@@ -1198,6 +1214,69 @@ def test_chat_page_new_chat_system_message_and_refused_turns(small, browser):
                              "document.querySelectorAll('.assistant')[2].dataset.done === '1'")
             assert await page.js("document.querySelectorAll('.assistant')[2].dataset.finish") in ("length", "stop")
             assert len(json.loads(await page.js("JSON.stringify(chatLog)"))) == 4
+    asyncio.run(drive())
+
+
+def test_chat_page_input_method_empty_fields_and_stream_framing(small, browser):
+    """What an outside probe of the page found (stop 66): Enter that ends an input method's
+    composition sent the half-typed message; an emptied max-tokens field was sent as 0; a stream
+    framed with CRLF (an SSE proxy's) showed nothing; a stream cut before its end looked finished.
+    The page's fetch is wrapped to record each request's body and, for the chat endpoint, to answer
+    with a given SSE text split into small chunks (framings split across reads)."""
+    def sse(events: list, crlf: bool) -> str:
+        nl = "\r\n" if crlf else "\n"
+        return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}{nl}{nl}" for e in events)
+    delta = [{"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+             {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]}, "[DONE]"]
+
+    async def drive():
+        async with _chat_page(browser, small) as page:
+            await page.js("""(() => { window._bodies = []; window._fake = null; const real = window.fetch;
+                window.fetch = (url, opts) => {
+                  if (opts && opts.body) window._bodies.push(JSON.parse(opts.body));
+                  if (window._fake === null || url !== '/v1/chat/completions') return real(url, opts);
+                  const bytes = new TextEncoder().encode(window._fake);
+                  const body = new ReadableStream({ start(c) {
+                    for (let i = 0; i < bytes.length; i += 3) c.enqueue(bytes.slice(i, i + 3));
+                    c.close(); } });
+                  return Promise.resolve(new Response(body, { status: 200,
+                    headers: { 'Content-Type': 'text/event-stream' } })); }; })()""")
+
+            async def answer(fake: str, **fields) -> dict:
+                n = await page.js("document.querySelectorAll('.assistant').length")
+                await page.js(f"window._fake = {json.dumps(fake)}")
+                await _send(page, "hi", **fields)
+                await page.until(f"(() => {{ const a = document.querySelectorAll('.assistant')[{n}];"
+                                 f"return a && a.dataset.done === '1'; }})()")
+                return await page.js(f"""(() => {{ const a = document.querySelectorAll('.assistant')[{n}];
+                    const e = a.querySelector('.error');
+                    return {{content: a.querySelector('.content').textContent, finish: a.dataset.finish,
+                             error: e ? e.textContent : null, body: window._bodies[window._bodies.length - 1]}};
+                    }})()""")
+            # Enter while an input method composes: nothing sent, the text stays; then Enter sends
+            key = ("(() => { const i = document.getElementById('input'); i.value = 'かな';"
+                   "i.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', bubbles: true, cancelable: true, "
+                   "isComposing: %s})); })()")
+            await page.js(f"window._fake = {json.dumps(sse(delta, False))}")
+            await page.js(key % "true")
+            await asyncio.sleep(0.3)
+            assert await page.js("document.querySelectorAll('.msg').length") == 0
+            assert await page.js("document.getElementById('input').value") == "かな"
+            await page.js(key % "false")
+            await page.until("document.querySelector('.assistant') && "
+                             "document.querySelector('.assistant').dataset.done === '1'")
+            assert await page.js("document.querySelector('.user').textContent") == "かな"
+            # CRLF framing, in 3-byte reads; empty fields are left out of the request
+            for crlf in (False, True):
+                got = await answer(sse(delta, crlf), max_tokens="", temperature="")
+                assert (got["content"], got["finish"], got["error"]) == ("Hello", "stop", None), (crlf, got)
+                assert "max_tokens" not in got["body"] and "temperature" not in got["body"], got["body"]
+            got = await answer(sse(delta, True), max_tokens="7", temperature="0.5")
+            assert (got["body"]["max_tokens"], got["body"]["temperature"]) == (7, 0.5)
+            # a stream that ends with neither a finish_reason nor [DONE]: marked, the turn left out
+            got = await answer(sse(delta[:1], False))
+            assert got["finish"] == "error" and "cut off" in got["error"], got
+            assert await page.js("document.querySelectorAll('.user')[4].classList.contains('unsent')") is True
     asyncio.run(drive())
 
 

@@ -320,8 +320,10 @@ class Server:
                                                         lambda text: self.tok.encode(text, False, False))
         return params
 
-    def _job(self, ids: list[int], params: GenParams, keep: frozenset[int] = frozenset()) -> Job:
-        return Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe, keep=keep).start()
+    def _job(self, ids: list[int], params: GenParams, keep: frozenset[int] = frozenset(), start: bool = True) -> Job:
+        """A checked job (the scheduler's checks: OptionError), started unless `start` is False."""
+        job = Job(self.scheduler, self.tok, ids, params, on_first=self.metrics.ttft.observe, keep=keep)
+        return job.start() if start else job
 
     # -- generation --------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -489,15 +491,32 @@ class Server:
 
     async def _start_jobs(self, prompts: list, params: GenParams) -> tuple[list[list[int]], list[Job]]:
         """(ids, started jobs) of a request's prompts, each a job of its own (several batch across
-        the slots as separate requests do). Every prompt is tokenized and checked before any job
-        starts; a job that cannot start (a full queue: the 503) cancels those started before it."""
-        ids = [await self._prompt_ids(p) for p in prompts]
-        jobs: list[Job] = []
+        the slots as separate requests do). Every prompt is tokenized and checked (vocabulary,
+        length for a slot) before any job starts, so a bad prompt late in a list sends the 400
+        naming it (`prompt[i]`) with nothing run; a job that cannot start (a full queue: the 503)
+        cancels those started before it. More prompts than the slots and the queue hold together
+        can never be taken, busy server or not: a 400, not a 503 to retry forever."""
+        room = self.config.n_slots + self.scheduler.max_queue
+        if len(prompts) > room:
+            raise bad(f"prompt: {len(prompts)} prompts in one request, but {self.config.n_slots} slots (-np) and a "
+                      f"queue of {self.scheduler.max_queue} (--max-queue) take at most {room}; send fewer at once")
+        ids, jobs = [], []
+        for i, p in enumerate(prompts):
+            try:
+                one = await self._prompt_ids(p)
+                jobs.append(self._job(one, params, start=False))
+            except (ApiError, OptionError) as e:
+                msg = str(e).splitlines()[0]
+                if len(prompts) == 1 or not msg.startswith("prompt: "):  # (a setting's error is every prompt's)
+                    raise
+                raise bad(f"prompt[{i}]: {msg[len('prompt: '):]}") from None  # which prompt of the list
+            ids.append(one)
+        started: list[Job] = []
         try:
-            for one in ids:
-                jobs.append(self._job(one, params))
+            for job in jobs:
+                started.append(job.start())
         except BaseException:
-            _cancel(jobs)
+            _cancel(started)
             raise
         return ids, jobs
 
