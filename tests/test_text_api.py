@@ -153,6 +153,7 @@ def test_chat_session_reuses_the_cache_without_changing_answers(eng):
     s = eng.chat(msgs, 12, session=sess, stream=True)
     next(s)
     s.close()
+    assert s.finish_reason == "cancelled" and s.usage.completion_tokens >= 1  # (not "stop": it did not end)
     assert eng.chat(msgs, 12, session=sess).tokens == two.tokens
     # a stream left with `break` (never closed): the next call on the session ends it and goes on
     # (it was refused, "already in use", until the garbage collector found the stream)

@@ -28,7 +28,8 @@ from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
 from ikjax.tool_calls import TOOL_MARKERS, check_tools, partial_suffix, tool_messages
 
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
+# "cancelled": a stream closed before its end (the server counts such requests under that name)
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
 
 
 @dataclasses.dataclass
@@ -91,9 +92,9 @@ class StopStrings:
 class TextStream:
     """An iterator of text deltas (str) of one generation; see the module docstring. After the
     last delta: `text`, `tokens`, `finish_reason`, `usage`; `close()` stops it early (a cancelled
-    request: a session keeps what its cache holds). `reasoning_opened` says whether the prompt
-    opened R1's `<think>` block (`ReasoningSplitter(opened=...)` splits the deltas); `forced_start`
-    is the opening of a call the chat's `tool_choice` forced, which ends the prompt and is the
+    request, finish_reason "cancelled": a session keeps what its cache holds). `reasoning_opened`
+    says whether the prompt opened R1's `<think>` block (`ReasoningSplitter(opened=...)` splits the
+    deltas); `forced_start` is the opening of a call the chat's `tool_choice` forced, which ends the prompt and is the
     answer's first text (`AnswerSplitter(..., forced=stream.forced_start)` takes both)."""
 
     def __init__(self, gen: Generation, detok, stops: Sequence[str], *, prompt: str | None = None,
@@ -119,8 +120,8 @@ class TextStream:
     def close(self) -> None:
         self._it.close()
         self._gen.close()
-        if self.finish_reason is None:
-            self.finish_reason = FINISH_STOP
+        if self.finish_reason is None:  # stopped before its end: not "stop" (a stop string or EOS)
+            self.finish_reason = FINISH_CANCELLED
             self._set_usage()
 
     def _set_usage(self) -> None:

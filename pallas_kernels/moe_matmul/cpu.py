@@ -42,8 +42,10 @@ def moe_experts(x, weights, ids, gate, up, down, *, n_threads: int = 0, compute:
     """x [N, d] float, weights [N, k] float32, ids [N, k] int in [0, E), gate/up [E, F, d],
     down [E, d, F] QuantArrays (or LayerSlices of stacks of them, all of the same layer, read in
     place) -> [N, d] float32. n_threads: the -t / -tb count (0 = all cores).
-    compute "f32" matches the references at dtype=float32; "bf16" rounds x, h and the weights to
-    bf16 with f32 accumulation, as the references at dtype=bfloat16 (the model's default)."""
+    compute "f32" matches the references at dtype=float32; "bf16" is the fast mode of the model's
+    default dtype: the quantized products take the C++ core's QM_BF16 path (quant_matmul/cpu_kernel.h
+    says per type and level: int8 activations on the weights' own quants for most types at the avx2,
+    avx512 and amx levels, x and the weights rounded to bf16 with f32 accumulation elsewhere)."""
     if compute not in COMPUTE:
         raise ValueError(f"moe_experts (cpu): compute must be one of {sorted(COMPUTE)}, not {compute!r}")
     if not supported(gate, up, down):

@@ -6,14 +6,25 @@
 // mode:
 // - QM_F32: float activations and weights, f32 accumulation: matches the f32 reference to rounding,
 //   at every level and size (the exact mode).
-// - QM_BF16: the fast mode (the model's dtype="bf16"). Prompt-sized products (M >= 4 rows): x and
-//   the dequantized W rounded to bf16, f32 accumulation (AVX512_BF16 dot products where the CPU has
-//   them). Decode-sized products (M < 4): 8-bit activations for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
-//   IQ4_NL at the avx512 (VNNI vpdpbusd) and avx2 (vpmaddubsw) levels: each x row
-//   quantized per block of 32 (scale max|x| / 127, round to nearest) and int32 block dots scaled by
-//   the two block scales, ~0.5 % of the result's norm for Gaussian x; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and
-//   IQ4_XS the same at both levels (the same x quantization, int8 dot products on the super-blocks'
-//   quants); decode of other types and at the generic level is computed in f32.
+// - QM_BF16: the fast mode (the model's dtype="bf16"). What it computes depends on the type, the
+//   size and the level:
+//   - Decode-sized products (M < 4 rows) at the avx512 (VNNI vpdpbusd) and avx2 (vpmaddubsw) levels:
+//     8-bit activations for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL: each x row quantized per block
+//     of 32 (scale max|x| / 127, round to nearest) and int32 block dots scaled by the two block
+//     scales, ~0.5 % of the result's norm for Gaussian x; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS
+//     the same (int8 dot products on the super-blocks' quants). Other types, and every type at the
+//     generic level, in f32.
+//   - Prompt-sized Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL products (M >= 4) at the avx512 and avx2
+//     levels: the same 8-bit activations (QM_Q8 below), int8 dot products on the weights' own quants
+//     (Q4_1 / Q5_1's minimum times x's block sums in float); at avx2 Q4_K / Q5_K / IQ4_XS too. The
+//     amx level is the avx512 one whose engine also takes Q4_K / Q5_K / IQ4_XS and multiplies
+//     products of 16+ rows on AMX int8 tiles (cpu_amx.h), the same int32 sums.
+//   - Other prompt-sized products: x and the dequantized W rounded to bf16, f32 accumulation
+//     (AVX512_BF16 dot products where the CPU has them).
+// - QM_Q8: internal to the packed API (never a caller's mode): what qgemm_packed_compute returns
+//   for QM_BF16 where the int8 prompt engine applies; x then packed as 8-bit blocks.
+// - QM_Q8K: the same pack with one x scale per 256 values (Q8_K's grouping): avx2 IQ4_XS, whose
+//   block scales then go into the engine's vpmaddwd and its float work is once per super-block.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -21,15 +32,6 @@
 
 #include "cpu/isa.h"
 
-//   Prompt-sized Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL products at the avx512 (VNNI) and avx2
-//   levels take the same 8-bit activations (QM_Q8 below) instead of bf16: int8 dot products on the
-//   weights' own quants (Q4_1 / Q5_1's minimum times x's block sums in float); at avx2 Q4_K / Q5_K /
-//   IQ4_XS too. The amx level is the avx512 one whose engine also takes Q4_K / Q5_K / IQ4_XS and
-//   multiplies products of 16+ rows on AMX int8 tiles (cpu_amx.h), the same int32 sums.
-// - QM_Q8: internal to the packed API (never a caller's mode): what qgemm_packed_compute returns
-//   for QM_BF16 where the int8 prompt engine applies; x then packed as 8-bit blocks.
-// - QM_Q8K: the same pack with one x scale per 256 values (Q8_K's grouping): avx2 IQ4_XS, whose
-//   block scales then go into the engine's vpmaddwd and its float work is once per super-block.
 enum QmCompute : int { QM_F32 = 0, QM_BF16 = 1, QM_Q8 = 2, QM_Q8K = 3 };
 
 // Whether `type` (ggml type id) has a C++ path at this level.
