@@ -289,11 +289,34 @@ def forced_answer_start(prompt: str, source: str, tool_choice: Any) -> str:
     return f"{THINK_CLOSE}\n\n{call}" if opens_reasoning(prompt) else call
 
 
-def opens_reasoning(prompt: str) -> bool:
+def opens_reasoning(prompt: str, prefill: str = "") -> bool:
     """Whether a rendered prompt ends inside an open `<think>` block (R1's generation prompt
-    `<｜Assistant｜><think>\\n`): the answer then starts with reasoning and has no opening tag."""
-    tail = prompt.rstrip()
-    return tail.endswith(THINK_OPEN)
+    `<｜Assistant｜><think>\\n`): the answer then starts with reasoning and has no opening tag.
+    `prefill`: the end of `prompt` that is an assistant prefill (`split_prefill`), whose own tags
+    say where it leaves the block (its text is the model's, so a tag there is one)."""
+    if prefill:
+        o, c = prefill.rfind(THINK_OPEN), prefill.rfind(THINK_CLOSE)
+        if o >= 0 or c >= 0:
+            return o > c
+        prompt = prompt[:len(prompt) - len(prefill)]
+    return prompt.rstrip().endswith(THINK_OPEN)
+
+
+def split_prefill(messages: list, continue_final: bool | None = None) -> tuple[list, str | None]:
+    """llama-server's assistant prefill (ik_llama.cpp's too): a final assistant message without
+    tool calls is the start of the answer, continued, not a closed turn. Returns (the messages
+    before it, its text), to be rendered with the generation prompt and the text appended; the
+    answer then holds only what follows it. (messages, None) where there is nothing to continue,
+    or `continue_final` is False (vLLM's `continue_final_message: false`: the message stays a turn
+    and a new answer follows it). Two assistant messages at the end are refused, as there."""
+    if continue_final is False or not messages or messages[-1].get("role") != "assistant" \
+            or messages[-1].get("tool_calls"):
+        return messages, None
+    if len(messages) > 1 and messages[-2].get("role") == "assistant":
+        raise ChatTemplateError("messages: two assistant messages at the end; the last one is continued as the "
+                                "answer's start (a prefill), so the one before it has no turn to end")
+    text = messages[-1].get("content")
+    return messages[:-1], text if isinstance(text, str) else ""
 
 
 # -- reasoning: llama-server's --reasoning-format deepseek ---------------------------------------

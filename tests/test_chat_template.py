@@ -11,7 +11,8 @@ import random
 import pytest
 
 from ikjax.chat_template import (BUILTINS, ChatTemplate, ChatTemplateError, ReasoningSplitter, builtin, check_choice,
-                                 developer_as_system, fallback_name, flatten_content, opens_reasoning, split_reasoning, template_for)
+                                 developer_as_system, fallback_name, flatten_content, opens_reasoning, split_prefill,
+                                 split_reasoning, template_for)
 from ikjax.errors import OptionError
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -117,6 +118,11 @@ def test_r1_renders_the_turn_format():
     assert got == (f"{BOS}S<｜User｜>Hi<｜Assistant｜>\n\nHello! 日本 \"q\" <b>{EOS}<｜User｜>And now?\nTwo lines."
                    "<｜Assistant｜><think>\n")
     assert opens_reasoning(got) and not opens_reasoning(t.render(CONVERSATIONS[2], add_generation_prompt=False))
+    # a prefill's own tags say where it leaves the block; without any, the prompt's end says
+    assert opens_reasoning(got + "Let me", "Let me") and not opens_reasoning(got + "x</think>ok", "x</think>ok")
+    assert opens_reasoning(got + "a</think>b<think>c", "a</think>b<think>c")
+    plain = t.render(CONVERSATIONS[2], add_generation_prompt=False)
+    assert opens_reasoning(plain + "<think>hm", "<think>hm") and not opens_reasoning(plain + "hm", "hm")
     # an assistant tool call (content None, as OpenAI clients send it) renders R1's tool-call block
     calls = [{"role": "user", "content": "q"},
              {"role": "assistant", "content": None, "tool_calls": [
@@ -212,6 +218,18 @@ def test_render_refusals_are_one_line():
         builtin("deepseek3").render([{"role": "user", "content": [{"type": "text", "text": "a"}]}])
     with pytest.raises(ChatTemplateError, match="messages"):
         builtin("chatml").render("hello")
+
+
+def test_split_prefill():
+    """A final assistant message without tool calls is the answer's start (llama-server's prefill)."""
+    u, a = {"role": "user", "content": "q"}, {"role": "assistant", "content": "Sure"}
+    assert split_prefill([u, a]) == ([u], "Sure")
+    assert split_prefill([u]) == ([u], None) and split_prefill([u, a], False) == ([u, a], None)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    assert split_prefill([u, call]) == ([u, call], None)  # a call turn is a turn
+    assert split_prefill([u, {"role": "assistant", "content": None}]) == ([u], "")
+    with pytest.raises(ChatTemplateError, match="two assistant messages"):
+        split_prefill([u, a, a])
 
 
 def test_flatten_content_parts():

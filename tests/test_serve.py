@@ -319,6 +319,38 @@ def test_apply_template(server, ref):
     _error(call(server, "POST", "/apply-template", {"messages": msgs, "tools": "x"}), 400, "tools")
 
 
+def test_a_final_assistant_message_is_continued(server, ref):
+    """llama-server's (and ik_llama.cpp's) assistant prefill: a final assistant message is the start of
+    the answer, continued, not a closed turn followed by another (a probe found no way to prefill).
+    The prompt is the conversation before it with the generation prompt, then its text; the answer
+    holds what follows it, greedy as /completion gives for those ids; the reasoning split knows a
+    prefill that closed R1's <think>. `continue_final_message: false` (vLLM's) keeps it a turn."""
+    msgs = [{"role": "user", "content": "hi"}]
+    before = call(server, "POST", "/apply-template", {"messages": msgs})[1]["prompt"]
+    pre = [*msgs, {"role": "assistant", "content": "Sure, "}]
+    st, body = call(server, "POST", "/apply-template", {"messages": pre})
+    from ikjax.runtime.text import render_chat
+    r1 = ref.chat_template("deepseek-r1")
+    assert st == 200 and body["prompt"] == before + "Sure, " == render_chat(ref, pre, r1)
+    closed = call(server, "POST", "/apply-template", {"messages": pre, "continue_final_message": False})[1]["prompt"]
+    assert closed == r1.render(pre) != body["prompt"]
+    ids = call(server, "POST", "/tokenize", {"content": body["prompt"], "parse_special": True})[1]["tokens"]
+    want = call(server, "POST", "/completion", {"prompt": ids, "n_predict": 8, "temperature": 0})[1]["content"]
+    got = call(server, "POST", "/v1/chat/completions", {"messages": pre, "max_tokens": 8, "temperature": 0,
+                                                        "reasoning_format": "none"})[1]
+    assert got["choices"][0]["message"]["content"] == want, (got, want)
+    assert got["usage"]["prompt_tokens"] == len(ids)
+    assert ref.chat(pre, 8, chat_template=r1, reasoning_format="none").content == want  # the Python API's too
+    # R1's generation prompt opens <think>: a prefill that closes it leaves an answer without reasoning
+    done = [*msgs, {"role": "assistant", "content": "ok</think>\n\nThe answer:"}]
+    got = call(server, "POST", "/v1/chat/completions", {"messages": done, "max_tokens": 8, "temperature": 0})[1]
+    assert got["choices"][0]["message"].get("reasoning_content") is None, got
+    _error(call(server, "POST", "/v1/chat/completions", {"messages": [*pre, pre[-1]], "max_tokens": 2}), 400,
+           "two assistant messages")
+    _error(call(server, "POST", "/v1/chat/completions", {"messages": pre, "continue_final_message": "yes"}), 400,
+           "continue_final_message")
+
+
 def test_tokenize_detokenize(server, ref):
     status, body = call(server, "POST", "/tokenize", {"content": "hello world", "with_pieces": True})
     ids = [p["id"] for p in body["tokens"]]
@@ -422,6 +454,17 @@ def test_bad_requests_are_400(server):
     _error(call(server, "POST", "/v1/completions", {"prompt": [5] * CTX}), 400, "context")  # too long for a slot
     _error(call(server, "POST", "/detokenize", {"tokens": [-1]}), 400, "vocabulary")
     _error(call(server, "POST", "/v1/completions", raw=b"x" * (33 << 20)), 413, "MiB")
+    # JSON's words, not Python's (a probe, stop 67: "got NoneType", "use sys.set_int_max_str_digits()")
+    _error(call(server, "POST", "/v1/completions", raw=b"null"), 400, "expected a JSON object, got null")
+    _error(call(server, "POST", "/v1/completions", {"prompt": 5}), 400, "got a number")
+    status, body = call(server, "POST", "/completion", raw=b'{"prompt": "x", "n_predict": ' + b"9" * 5000 + b"}")
+    _error((status, body), 400, "more than 4300 digits")
+    assert "sys." not in body["error"]["message"]
+    # a temperature past float32's range: every id equally likely, answered without NumPy's overflow warning
+    n0 = len(server.lines)
+    assert call(server, "POST", "/completion", {"prompt": "x", "n_predict": 2, "temperature": 1e308})[0] == 200
+    time.sleep(0.2)
+    assert not any("Warning" in ln for ln in server.lines[n0:]), server.lines[n0:]
     # found by an outside probe (were 500s, or a silent no-op):
     _error(call(server, "POST", "/v1/completions", raw=b"[" * 100000 + b"]" * 100000), 400, "nested too deeply")
     _error(call(server, "POST", "/v1/completions", raw=b"abcde", headers={"Content-Encoding": "gzip"}), 400,
@@ -443,6 +486,13 @@ def test_bad_requests_are_400(server):
     _error(call(server, "POST", "/completion", {"prompt": "x", "samplers": ["foo", "top_k"]}), 400, "foo")
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "suffix": " after"}), 400, "suffix")
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "best_of": 2}), 400, "best_of")
+    # a third probe (stop 67): on chat and /completion best_of was ignored; llama-server's images on
+    # /completion were dropped unread; a prompt time limit was ignored
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    _error(call(server, "POST", "/v1/chat/completions", {**chat, "best_of": 2}), 400, "best_of")
+    for field, value in (("best_of", 3), ("image_data", [{"data": "AAAA", "id": 1}]),
+                         ("multimodal_data", ["AAAA"]), ("t_max_prompt_ms", 100)):
+        _error(call(server, "POST", "/completion", {"prompt": "x", "n_predict": 1, field: value}), 400, field)
     # echo with logprobs: OpenAI lists the prompt's tokens too, which are not computed here (it answered
     # with the answer's alone)
     _error(call(server, "POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2}), 400, "echo")
@@ -452,7 +502,7 @@ def test_bad_requests_are_400(server):
     # their off values (what llama-server's own clients send by default) are fine
     offs = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": 0.0,
             "dynatemp_range": 0.0, "min_keep": 0, "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
-            "best_of": 1, "suffix": ""}
+            "best_of": 1, "suffix": "", "t_max_predict_ms": -1, "t_max_prompt_ms": -1, "image_data": []}
     assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1, **offs})[0] == 200
     # the server is fine afterwards
     assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
@@ -730,17 +780,28 @@ def test_fourth_probe_huge_and_deep_and_malformed_requests(server):
         '{"messages":[{"role":"user","content":"hi","x":' + deep + '}],"max_tokens":1}').encode()), 400,
         "messages[0]: nested deeper than 64 levels")
     n0 = len(server.lines)
-    for data, needle in ((b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nab\r\n0\r\n\r\n",
-                          b"chunk size"),
-                         (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n", b"8190 bytes")):
+    # a header past the limit: 431 (RFC 6585), its text (an Authorization key, say) neither answered nor logged
+    for data, needle, code in (
+            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nab\r\n0\r\n\r\n",
+             b"chunk size", 400),
+            (b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"k" * 9000 + b"\r\n\r\n", b"8190 bytes", 431)):
         line, body = _raw_http(server, data)
-        assert " 400 " in line, (line, body[:300])
+        assert f" {code} " in line, (line, body[:300])
         err = json.loads(body)["error"]
-        assert err["code"] == 400 and needle.decode() in err["message"] and err["message"].startswith("malformed HTTP")
+        assert err["code"] == code and needle.decode() in err["message"] and err["message"].startswith("malformed HTTP")
+        assert "kkkk" not in err["message"]
     time.sleep(0.3)
     logged = server.lines[n0:]
     assert not any("Traceback" in ln for ln in logged) and sum("malformed HTTP request" in ln for ln in logged) == 2, \
         logged[-10:]
+    assert not any("kkkk" in ln for ln in logged), logged[-10:]
+    # a Content-Length past the limit: the 413 at once, not a wait for a body that never comes (--timeout's 408)
+    with socket.create_connection((server.host, int(server.port)), timeout=30) as sock:
+        t0 = time.perf_counter()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 99999999999\r\n\r\n{")
+        head = sock.recv(65536)
+        assert head.startswith(b"HTTP/1.1 413") and time.perf_counter() - t0 < 5, head[:200]
     _error(call(server, "POST", "/completion", {"prompt": "hi", "n_predict": 2,
                                                 "logit_bias": [[i, False] for i in range(1024)]}), 400, "bans every token")
     assert call(server, "POST", "/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
@@ -1326,10 +1387,16 @@ def test_logprobs_every_endpoint(server, ref):
     assert len(lp.tokens) == len(shown) and len(lp.top_logprobs) == len(shown)
     for (i, t), tok_lp, top, off in zip(shown, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
         assert abs(tok_lp - ref_rows[i][t]) < 2e-3, (tok_lp, ref_rows[i][t])
-        # ({token text: logprob}, OpenAI's form: two byte tokens that print alike share a key)
-        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(tok_lp, abs=1e-9)  # greedy: the top one
+        # ({token text: logprob}, OpenAI's form; a piece that is not whole UTF-8 named "bytes:\\xNN", so two
+        # byte tokens never share a key: as many alternatives as asked for)
+        assert len(top) == 3 and max(top.values()) == pytest.approx(tok_lp, abs=1e-9)  # greedy: the top one
+        assert sorted(top.values(), reverse=True) == pytest.approx(sorted(ref_rows[i], reverse=True)[:3], abs=2e-3)
         assert 0 <= off <= len(ch.text)
     assert lp.text_offset == sorted(lp.text_offset)
+    # 20 alternatives asked for, 20 listed: a byte token's key is its bytes, never U+FFFD (10 of 20 before)
+    top = call(server, "POST", "/v1/completions", {"prompt": "\u00e9\u65e5\U0001F600", "max_tokens": 1, "temperature": 0,
+                                                   "logprobs": 20})[1]["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert len(top) == 20 and not any("\ufffd" in k for k in top), top
     # /v1/chat/completions: logprobs + top_logprobs, whole and streamed
     msgs = [{"role": "user", "content": text}]
     raw = {"reasoning_format": "none"}  # the whole answer in `content`, as the tokens make it
@@ -1411,6 +1478,13 @@ def test_logprobs_and_zero_bias_do_not_change_a_seeded_answer(server, ref):
     reported = probs[1]["completion_probabilities"]
     assert [p["id"] for p in reported] == want
     assert all(len(p["top_logprobs"]) == 2 and p["logprob"] <= 0.0 for p in reported)
+    # penalties draw every token on the host, server and generate alike: one seed, one answer (generate
+    # took a device key from the seed's generator it never used, and its host draws ran one ahead)
+    for pen in ({"presence_penalty": 0.5}, {"repeat_penalty": 1.1}):
+        want = list(ref.generate(ids, 12, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=5, ignore_eos=True,
+                                 **pen))
+        status, body = call(server, "POST", "/completion", {**kw, "temperature": 1.0, "top_k": 0, **pen})
+        assert status == 200 and body["tokens"] == want, (pen, body, want)
 
 
 def test_concurrent_streams_each_with_its_own_sampling(server, ref):

@@ -531,7 +531,7 @@ def test_requests_other_servers_accept_are_answered_or_refused(app_server):
                {"max_tokens": 0}, {"max_completion_tokens": 0}, {"stream_options": {"include_usage": True}},
                {"min_tokens": 5}, {"stop_token_ids": [3]}, {"include_stop_str_in_output": True},
                {"prompt_logprobs": 1}, {"guided_json": {"type": "object"}}, {"guided_choice": ["a"]},
-               {"continue_final_message": True}, {"tfs_z": 0.5}, {"post_sampling_probs": True},
+               {"continue_final_message": "yes"}, {"tfs_z": 0.5}, {"post_sampling_probs": True},
                {"repetition_penalty": 1.2, "repeat_penalty": 1.1}, {"parallel_tool_calls": "no"},
                # vLLM's and OpenAI's fields a probe found answered as if absent (each would change the answer)
                {"structured_outputs": {"choice": ["yes", "no"]}}, {"allowed_token_ids": [5, 6]},

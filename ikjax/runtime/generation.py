@@ -389,7 +389,10 @@ def _generate(eng, gen: Generation, ids: np.ndarray, max_tokens: int, p: dict, s
         length = len(ids)
         pending = [pick(logits)]  # produced, not yet yielded
         n_new = 0
-        key = jax.random.key(int(rng.integers(0, 2**31 - 1)))  # the device's draws follow the seed
+        # the device's draws follow the seed: their key is the generator's next draw, taken only where
+        # the device will draw (no penalty; the engine loops), so host draws (penalties) continue
+        # the seed's sequence as the server's scheduler continues it (Scheduler._start_device_draws)
+        key = jax.random.key(int(rng.integers(0, 2**31 - 1))) if not penalize and eng.decode_loop() else None
         while True:
             for tok in pending:  # a stop id inside a decode chunk drops the tokens after it
                 n_new, length = n_new + 1, length + 1

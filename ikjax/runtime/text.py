@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ikjax.chat_template import (AnswerSplitter, ChatTemplate, ReasoningSplitter, developer_as_system, flatten_content,
-                                 forced_answer_start, opens_reasoning, renders_text_beside_calls)
+                                 forced_answer_start, opens_reasoning, renders_text_beside_calls, split_prefill)
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
@@ -214,8 +214,9 @@ def render_chat(eng, messages, chat_template=None, add_generation_prompt: bool =
 
 def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool = True,
                  template_kwargs: Mapping[str, Any] | None = None, tools: list | None = None,
-                 tool_choice: Any = None) -> tuple[str, str, ChatTemplate]:
-    """(prompt text, the answer's forced start at its end, the template). `chat_template`: a
+                 tool_choice: Any = None) -> tuple[str, str, ChatTemplate, str]:
+    """(prompt text, the answer's forced start at its end, the template, the prefill at its end: a
+    final assistant message continued, `chat_template.split_prefill`). `chat_template`: a
     ChatTemplate, or a choice for `Engine.chat_template` (None: the model's own); `tools`
     OpenAI's function tools (`chat_template.tool_messages`: in the template's system prompt where
     it does not render them),
@@ -232,11 +233,14 @@ def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool 
     kwargs = dict(template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
-    text = t.render(tool_messages(developer_as_system(flatten_content(messages), t.source), tools, t.source,
+    messages = flatten_content(messages)
+    messages, prefill = split_prefill(messages) if add_generation_prompt else (messages, None)
+    text = t.render(tool_messages(developer_as_system(messages, t.source), tools, t.source,
                                   tool_choice, keep_text=renders_text_beside_calls(t.source)),
                     add_generation_prompt, **kwargs)
-    start = forced_answer_start(text, t.source, tool_choice) if tools and add_generation_prompt else ""
-    return text + start, start, t
+    start = forced_answer_start(text, t.source, tool_choice) if tools and add_generation_prompt and prefill is None \
+        else ""
+    return text + start + (prefill or ""), start, t, prefill or ""
 
 
 # what chat() passes on to complete(): its sampling and stopping options
@@ -253,10 +257,10 @@ def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, re
         raise OptionError(f"chat: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
     if reasoning_format not in ("deepseek", "none"):
         raise OptionError(f"reasoning_format: expected 'deepseek' or 'none', got {reasoning_format!r}")
-    prompt, start, t = _render_chat(eng, messages, chat_template, True, template_kwargs, tools, tool_choice)
+    prompt, start, t, prefill = _render_chat(eng, messages, chat_template, True, template_kwargs, tools, tool_choice)
     if tool_choice == "none":
         tools = None
-    opened = opens_reasoning(prompt[:len(prompt) - len(start)])
+    opened = opens_reasoning(prompt[:len(prompt) - len(start)], prefill)
     keep = eng.tokenizer.ids_of(TOOL_MARKERS) if tools else frozenset()  # a call's markers: control tokens
     out = complete(eng, prompt, max_tokens, stream=stream, _prompt_text=prompt, _reasoning_opened=opened,
                    _forced_start=start, _keep=keep, **kw)

@@ -31,8 +31,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from ikjax.chat_template import (AnswerSplitter, developer_as_system, forced_answer_start, opens_reasoning,
-                                 renders_text_beside_calls)
+from ikjax.chat_template import (AnswerSplitter, ChatTemplateError, developer_as_system, forced_answer_start,
+                                 opens_reasoning, renders_text_beside_calls, split_prefill)
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
 from ikjax.server import openai as oai
@@ -209,6 +209,10 @@ class Server:
         return None
 
     async def _body(self, request: web.Request) -> dict:
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            # refused on the header, before waiting for bytes that may never come (a probe's 1-byte
+            # body under a 99 GB Content-Length waited out --timeout for a 408)
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length)
         try:
             raw = await asyncio.wait_for(request.read(), self.config.timeout)
         except asyncio.TimeoutError:
@@ -221,7 +225,10 @@ class Server:
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise bad(f"request body: not valid JSON ({str(e).splitlines()[0]})") from None
+            why = str(e).splitlines()[0]
+            if "int_max_str_digits" in why:  # (Python's advice to raise its limit is not the client's)
+                why = "an integer of more than 4300 digits"
+            raise bad(f"request body: not valid JSON ({why})") from None
         except RecursionError:
             raise bad("request body: not valid JSON (nested too deeply)") from None
         return oai.json_object(body)
@@ -231,7 +238,7 @@ class Server:
         if name is None or name == "":
             return self.config.model_name
         if not isinstance(name, str):
-            raise bad(f"model: expected a string, got {type(name).__name__}")
+            raise bad(f"model: expected a string, got {oai.json_type(name)}")
         if name not in self.names:
             raise ApiError(404, f"model {name!r} not found (this server serves {self.config.model_name!r})",
                            "not_found_error")
@@ -267,11 +274,16 @@ class Server:
             raise bad("prompt: empty")
         return ids
 
-    async def _chat_prompt(self, body: dict) -> tuple[list[int], str, str]:
-        """(prompt ids, prompt text, the answer's forced start) of a chat request: the start
-        (`forced_answer_start`: the opening of a call that `tool_choice` requires) ends the text
-        and the ids, and is the first part of the answer the splitter reads."""
+    async def _chat_prompt(self, body: dict) -> tuple[list[int], str, str, str]:
+        """(prompt ids, prompt text, the answer's forced start, the prefill) of a chat request: the
+        start (`forced_answer_start`: the opening of a call that `tool_choice` requires) ends the
+        text and the ids, and is the first part of the answer the splitter reads; the prefill (a
+        final assistant message, continued: `split_prefill`) ends them too, and is not repeated in
+        the answer (llama-server's)."""
         messages = oai.messages_field(body)
+        cont = body.get("continue_final_message")  # vLLM's; a final assistant message is continued unless false
+        if cont not in (None, True, False):
+            raise bad(f"continue_final_message: expected true or false, got {cont!r}"[:300])
         for name, why in (("chat_template", "this server renders its own template (--chat-template); give "
                                             "chat_template_kwargs for its variables"),
                           ("echo", "a chat answer does not repeat the prompt here")):
@@ -294,6 +306,13 @@ class Server:
             if name in extra:
                 raise bad(f"chat_template_kwargs.{name}: give {name} as the request's own field")
         check_tools(body.get("tools"), body.get("tool_choice"))  # an OptionError: the 400 of _errors
+        prefill = None
+        if add_generation_prompt or cont:  # (a raw render without the generation prompt continues nothing)
+            try:
+                messages, prefill = split_prefill(messages, cont)
+            except ChatTemplateError as e:
+                raise bad(str(e)) from None
+            add_generation_prompt = add_generation_prompt or prefill is not None
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
         messages = tool_messages(developer_as_system(messages, self.template.source), tools, self.template.source,
                                  body.get("tool_choice"), keep_text=renders_text_beside_calls(self.template.source))
@@ -303,13 +322,13 @@ class Server:
         text = await asyncio.to_thread(self.template.render, messages, add_generation_prompt=add_generation_prompt,
                                        **extra)
         start = forced_answer_start(text, self.template.source, body.get("tool_choice")) \
-            if tools and add_generation_prompt else ""
-        text += start
+            if tools and add_generation_prompt and prefill is None else ""
+        text += start + (prefill or "")
         bos = self.tok.token_text(self.tok.bos_id)
         # a template writes BOS itself: the text is tokenized without another one (llama-server strips
         # the template's and adds its own: the same ids)
         ids = await self._encode(text, add_bos=False if bos and text.startswith(bos) else None)
-        return ids, text, start
+        return ids, text, start, prefill or ""
 
     async def _gen_params(self, body: dict, **kw) -> GenParams:
         """`oai.gen_params`, with a `logit_bias` given by text tokenized on a worker thread (not on the
@@ -336,14 +355,14 @@ class Server:
         one_call = body.get("parallel_tool_calls") is False  # OpenAI's: at most one call an answer
         if body.get("parallel_tool_calls") not in (None, True, False):
             raise bad(f"parallel_tool_calls: expected true or false, got {body.get('parallel_tool_calls')!r}"[:300])
-        ids, text, start = await self._chat_prompt(body)
+        ids, text, start, prefill = await self._chat_prompt(body)
         fmt = body.get("reasoning_format")
         fmt = self.config.reasoning_format if fmt is None else fmt
         if fmt not in REASONING_FORMATS:
             raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}")
         if fmt == "deepseek-legacy":
             fmt = "none" if params.stream else "deepseek"
-        opened = opens_reasoning(text[:len(text) - len(start)])
+        opened = opens_reasoning(text[:len(text) - len(start)], prefill)
         # calls in the template family's own syntax, of the offered tools only; a forced call's
         # opening (the prompt's end) read as the answer's first text
         answer = AnswerSplitter.for_chat(opened if fmt != "none" else None, body["tools"] if use_tools else None,
@@ -559,6 +578,15 @@ class Server:
         b = self.tok.piece(tid)
         return b.decode("utf-8", errors="replace"), list(b)
 
+    def _legacy_key(self, tid: int, as_bytes: bool = False) -> str:
+        """A token as OpenAI's completions `logprobs` name it: its text, or "bytes:\\xNN..." for a
+        piece that is not whole UTF-8 (a byte token: every one printed as U+FFFD before, so the
+        alternatives' dict, keyed by text, kept one of them and listed fewer than asked for)."""
+        text, b = self._token(tid)
+        if as_bytes or "\ufffd" in text and "\ufffd".encode() not in bytes(b):
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+        return text
+
     def _entry(self, tid: int, lp: float, with_id: bool = False) -> dict:
         """One token's {token, logprob, bytes} (llama-server's form adds its id)."""
         text, b = self._token(tid)
@@ -583,11 +611,12 @@ class Server:
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         rows = self._logprob_rows(job, piece)
         for tid, lp, alts in rows:
-            out["tokens"].append(self._token(tid)[0])
+            out["tokens"].append(self._legacy_key(tid))
             out["token_logprobs"].append(lp)
             top: dict[str, float] = {}
-            for aid, alp in alts:  # best first: two ids that print alike keep the better one's value
-                top.setdefault(self._token(aid)[0], alp)
+            for aid, alp in alts:  # best first; two ids that print alike both listed (the second by its bytes)
+                key = self._legacy_key(aid)
+                top[key if key not in top else self._legacy_key(aid, as_bytes=True)] = alp
             out["top_logprobs"].append(top)
         out["text_offset"] = oai.text_offsets([self.tok.piece(tid) for tid, _, _ in rows], offset)
         return out
@@ -704,7 +733,7 @@ class Server:
         """llama-server's /apply-template: the prompt text a chat request's messages (and tools)
         render to, without generating: {"prompt": ...}."""
         body = await self._body(request)
-        _, text, _ = await self._chat_prompt(body)
+        _, text, _, _ = await self._chat_prompt(body)
         return web.json_response({"prompt": text})
 
     async def tokenize(self, request: web.Request) -> web.Response:

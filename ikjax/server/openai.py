@@ -23,6 +23,7 @@ from ikjax.runtime.sampling import check_top_logprobs
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               431: "invalid_request_error",
                500: "server_error", 501: "not_supported_error",
                503: "unavailable_error"}
 
@@ -98,9 +99,20 @@ def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def json_type(v: Any) -> str:
+    """A decoded JSON value's type as JSON names it (a client sent JSON, not Python's NoneType)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+
+
 def json_object(body: Any) -> dict:
     if not isinstance(body, dict):
-        raise bad(f"request body: expected a JSON object, got {type(body).__name__}")
+        raise bad(f"request body: expected a JSON object, got {json_type(body)}")
     return body
 
 
@@ -147,7 +159,9 @@ _NOT_RUN = {
     "dynatemp_range": (lambda v: v > 0, "0"),
     "adaptive_target": (lambda v: v >= 0, "-1"),  # (ik's adaptive-p sampler)
     "min_keep": (lambda v: v > 1, "0"),  # (ik keeps max(1, min_keep): 1 is off too)
-    "t_max_predict_ms": (lambda v: v != 0, "0"),
+    # (llama.cpp's time limits: off at 0 and below, -1 its default; the prompt's is not run there either)
+    "t_max_predict_ms": (lambda v: v > 0, "-1"),
+    "t_max_prompt_ms": (lambda v: v > 0, "-1"),
     "n_indent": (lambda v: v != 0, "0"),
 }
 # other servers' fields (vLLM's, llama-server's) that ask for what is not done here, each with a
@@ -161,7 +175,6 @@ _NOT_DONE = {
     "guided_regex": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
     "guided_choice": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
     "guided_grammar": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
-    "continue_final_message": (lambda v: v not in (None, False), "a final assistant message is not continued here"),
     "post_sampling_probs": (lambda v: v not in (None, False), "probabilities are the model's, before sampling"),
     # vLLM's and OpenAI's other fields that would change the answer (a probe found them ignored)
     "structured_outputs": (lambda v: v is not None, "grammar-constrained sampling is not supported here"),
@@ -179,6 +192,10 @@ _NOT_DONE = {
     "response_fields": (lambda v: v is not None, "the response's fields are not selectable here"),
     "modalities": (lambda v: v not in (None, ["text"]), "this model answers in text only"),
     "audio": (lambda v: v is not None, "this model answers in text only"),
+    "best_of": (lambda v: v not in (None, 1), "one answer is made a prompt (best_of 1)"),
+    # llama-server's multimodal fields on /completion (chat's image parts are refused by messages_field)
+    "image_data": (lambda v: v not in (None, []), "this model reads text only"),
+    "multimodal_data": (lambda v: v not in (None, []), "this model reads text only"),
     # ik_llama.cpp's server's own fields that change the answer
     "banned_strings": (lambda v: v not in (None, []), "strings are not banned here (logit_bias -100 bans a token)"),
     "banned_regex": (lambda v: v not in (None, []), "strings are not banned here"),
@@ -318,12 +335,10 @@ def check_slot(body: dict, n_slots: int) -> int | None:
 
 def check_completions_only(body: dict) -> None:
     """/v1/completions' fields this server does not do, refused as llama-server refuses them
-    ("Unsupported param"): `suffix` (fill-in-the-middle) and `best_of` other than 1."""
+    ("Unsupported param"): `suffix` (fill-in-the-middle); `best_of` other than 1 on every endpoint
+    (`_NOT_DONE`)."""
     if body.get("suffix") not in (None, ""):
         raise bad("suffix: not supported here (no fill-in-the-middle); leave it out")
-    best = body.get("best_of")
-    if best is not None and best != 1:
-        raise bad(f"best_of: only 1 is supported, got {best!r}"[:300])
 
 
 def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint: str = "completion") -> GenParams:
@@ -429,7 +444,7 @@ def prompt_field(body: dict, name: str = "prompt") -> str | list:
     if isinstance(p, list) and p and all(_is_int(t) or isinstance(t, str) for t in p):
         return p  # mixed: the server tokenizes the texts (Server._prompt_ids)
     raise bad(f"{name}: expected a string or a non-empty list of token ids"
-              + (", got an empty list" if p == [] else f", got {type(p).__name__}"))
+              + (", got an empty list" if p == [] else f", got {json_type(p)}"))
 
 
 MAX_PROMPTS = 16  # prompts in one request (each a job of its own, as ik_llama.cpp's tasks)
@@ -455,7 +470,7 @@ def messages_field(body: dict) -> list[dict]:
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise bad(f"messages[{i}]: expected an object with role and content, got {type(m).__name__}")
+            raise bad(f"messages[{i}]: expected an object with role and content, got {json_type(m)}")
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise bad(f"messages[{i}].role: expected a string, got {role!r}")

@@ -13,7 +13,7 @@ import socket
 import threading
 
 from aiohttp import web, web_protocol, web_server
-from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 
 from ikjax.errors import OptionError
 from ikjax.server.openai import ApiError
@@ -45,8 +45,16 @@ class _MalformedHttpOneLine(logging.Filter):
 
 
 def _framing_reason(exc: BaseException | None, message: str | None = None) -> str:
+    if _too_long(exc, message):  # aiohttp's message quotes the line: an Authorization header's key, say
+        return "a request line or header field over 8190 bytes"
     why = getattr(exc, "message", None) or message or (str(exc) if exc is not None else "")
     return " ".join(str(why).split())[:300] or "unreadable"
+
+
+def _too_long(exc: BaseException | None, message: str | None = None) -> bool:
+    """A request line or header past aiohttp's limit: 431 (RFC 6585), its text never echoed."""
+    why = str(getattr(exc, "message", None) or message or "")
+    return isinstance(exc, LineTooLong) or why.startswith("Got more than")
 
 
 def quiet_aiohttp_logs() -> None:
@@ -75,6 +83,8 @@ def _json_framing_errors() -> None:
         resp = orig(self, request, status, exc, message)
         if status >= 500:
             return resp
+        if _too_long(exc, message):
+            status = 431
         out = web.json_response(ApiError(status, f"malformed HTTP request: {_framing_reason(exc, message)}").body(),
                                 status=status)
         out.force_close()
