@@ -418,7 +418,7 @@ def test_generate_penalties_are_the_apis(tiny_model):
     # (control tokens print as nothing, as llama-cli without --special)
     assert res.stdout == prompt + eng.tokenizer.decode(out, skip_special=True) + "\n", (res.stdout, out)
     after = res.stderr.split("compiled", 1)[1]
-    assert "compiling step" not in after, res.stderr
+    assert "preparing step" not in after, res.stderr
     assert_one_line_error(invoke(args[:-6] + ["--presence-penalty", 3], code=1), "presence_penalty")
 
 
@@ -456,7 +456,7 @@ def test_outside_probe_cli_defects(tiny_model, tmp_path, monkeypatch):
     ids = eng.tokenizer.encode("Hello world")
     want = list(eng.generate(ids, 64 - len(ids), ignore_eos=True))
     assert len(want) == 64 - len(ids) and res.stdout == eng.tokenizer.decode(want, skip_special=True) + "\n"
-    assert "compiling step" not in res.stderr.split("compiled", 1)[1]
+    assert "preparing step" not in res.stderr.split("compiled", 1)[1]
     # --expert-stats never replaces a file that is not expert statistics (it overwrote the -f text)
     assert_one_line_error(invoke(["generate", "-m", tiny_model, "-f", prompt, "-n", 2, "--expert-stats", prompt], 1),
                           "not an expert-stats file")

@@ -299,7 +299,7 @@ def test_sweep_nrep_and_streams(tiny_model):
     assert len(rows) == 4  # -c 128 with -fa: ik's n_ctx 256, rows at 0, 64, 128, 192
     for flag in ("-mg 0", "-sm layer", "-rtr", "-thp", "-ctv q8_0"):
         assert any(l.startswith(f"note: {flag}") for l in res.stderr.splitlines()), flag
-    assert re.search(r"compiling step 1/\d+ of the first row \(\d+ tokens, KV bucket \d+\)", res.stderr), res.stderr
+    assert re.search(r"preparing step 1/\d+ of the first row \(\d+ tokens, KV bucket \d+\)", res.stderr), res.stderr
 
 
 def test_bench_jsonl_keys_and_types(tiny_model):

@@ -100,10 +100,10 @@ def generate(
         # with a penalty every token is chosen on the host after a one-token step (Engine.generate)
         shapes = _generate_shapes(eng, len(ids), n, stream=True, host_steps=penalties.active)
         t0 = time.perf_counter()
-        with Progress("compiling", total=len(shapes)) as prog:
+        with Progress("steps", total=len(shapes)) as prog:
             for k, (n_tok, kv, chunk) in enumerate(shapes, 1):
                 what = f"decode loop of {chunk} steps" if chunk else f"{n_tok} tokens"
-                prog.status(f"compiling step {k}/{len(shapes)} ({what}, KV bucket {eng.kv_bucket(kv, n_tok)})")
+                prog.status(f"preparing step {k}/{len(shapes)} ({what}, KV bucket {eng.kv_bucket(kv, n_tok)})")
                 _precompile_shape(eng, n_tok, kv, chunk, sampling, ban)
                 prog.update(advance=1)
         log(compiled_line(eng, count0, hits0, time.perf_counter() - t0))

@@ -107,9 +107,9 @@ def sweep_bench(
         first = sb.step_shapes(eng, tg, None if all_at_once else 0, **shape_args)
         t0 = time.perf_counter()
         what = "" if all_at_once else " of the first row"
-        with Progress("compiling", total=len(first)) as prog:
+        with Progress("steps", total=len(first)) as prog:
             sb.precompile(eng, tg, n_kv=None if all_at_once else 0, on_shape=lambda *_: prog.update(advance=1),
-                          on_begin=lambda k, n, t, kv: prog.status(f"compiling step {k}/{n}{what} "
+                          on_begin=lambda k, n, t, kv: prog.status(f"preparing step {k}/{n}{what} "
                                                                    f"({t} tokens, KV bucket {kv})"), **shape_args)
         compile_s = time.perf_counter() - t0
         later = f" for the first row; the other {n_shapes - len(first)} before their rows" \
