@@ -148,8 +148,13 @@ def test_ot_devices_that_do_not_exist_are_refused(model4):
 def test_gpu_target_on_a_cpu_only_machine_is_the_cpu_with_a_note(model4):
     p = _place(model4, devices=CPU_ONLY, ngl=0, ot="exps=CUDA0")
     assert all(t.memory == DEVICE and t.device == "CPU" for t in p.tensors if "exps" in t.name)
-    assert len(p.notes) == 1 and "no accelerator here" in p.notes[0] and "exps=CUDA0" in p.notes[0]
+    assert len(p.notes) == 2 and all("no accelerator here" in n for n in p.notes)
+    assert "exps=CUDA0" in p.notes[0] and p.notes[1].startswith("-ngl 0 has no effect")
     assert _place(model4, devices=CPU_ONLY, ot="exps=CPU").notes == ()
+    # -ngl on a CPU-only machine: a note, as for the other accelerator options (an outside probe found none);
+    # the default and any count of every layer say nothing
+    assert [n.split(":")[0] for n in _place(model4, devices=CPU_ONLY, ngl=2).notes] == ["-ngl 2 has no effect"]
+    assert _place(model4, devices=CPU_ONLY, ngl=4).notes == () == _place(model4, devices=CPU_ONLY, ngl=99).notes
 
 
 HOST_NON_EXPERTS = r"blk\.1\.attn=CPU,blk\.2\.ffn_norm=CPU,blk\.0\.ffn_(gate|up)=CPU,_shexp=CPU,token_embd=CPU,output=CPU"
