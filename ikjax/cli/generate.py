@@ -25,6 +25,9 @@ from ikjax.errors import OptionError
 @app.command("generate", cls=ExactCommand)
 @handle
 @takes_run_options(after={"prompt": "model", "file": "prompt", "no_echo": "wb"})
+_EMPTY_PROMPT = "prompt: empty (give -p TEXT or -f FILE; this model adds no BOS token to a prompt)"
+
+
 def generate(
     run: RunArgs,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt text")] = "",
@@ -78,6 +81,12 @@ def generate(
     from ikjax.runtime.sampling import check_sampling  # before loading: a bad value costs no load
     checked = check_sampling(temp, top_k, top_p, min_p, seed)
     sampling = {k: checked[k] for k in ("temperature", "top_k", "top_p", "min_p")}
+    if not prompt:  # the BOS alone where the model adds one; else nothing to go on from: said before the load
+        from ikjax.cli.common import resolve_model
+        from ikjax.gguf_io.reader import GGUFModelFile
+        from ikjax.tokenizer import add_bos_default
+        if not add_bos_default(GGUFModelFile(resolve_model(run.model)).metadata):
+            raise OptionError(_EMPTY_PROMPT)
     prepared: dict = {}
 
     def prepare(eng) -> None:
@@ -87,7 +96,7 @@ def generate(
         tok = GGUFTokenizer(eng.file.metadata, source=str(eng.file.path))
         ids = tok.encode(prompt)
         if not ids:
-            raise OptionError("prompt: empty (give -p TEXT or -f FILE; this model adds no BOS token to a prompt)")
+            raise OptionError(_EMPTY_PROMPT)
         room = eng.options.ctx - len(ids)
         if room < 1:
             raise OptionError(f"prompt: {len(ids)} tokens leave no room for a token in the context c={eng.options.ctx}")
