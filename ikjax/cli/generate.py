@@ -22,12 +22,12 @@ from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
 from ikjax.errors import OptionError
 
 
-@app.command("generate", cls=ExactCommand)
-@handle
-@takes_run_options(after={"prompt": "model", "file": "prompt", "no_echo": "wb"})
 _EMPTY_PROMPT = "prompt: empty (give -p TEXT or -f FILE; this model adds no BOS token to a prompt)"
 
 
+@app.command("generate", cls=ExactCommand)
+@handle
+@takes_run_options(after={"prompt": "model", "file": "prompt", "no_echo": "wb"})
 def generate(
     run: RunArgs,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt text")] = "",
