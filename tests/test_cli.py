@@ -177,6 +177,11 @@ def test_bench_and_perplexity_check_variables_first(tiny_model, tmp_path, monkey
     res = invoke(["perplexity", "-m", tiny_model, "-f", str(text), "-c", 64, "--chunks", 1], 1)
     assert_one_line_error(res, "IKJAX_KERNELS must be one of")
     assert "tokenization" not in res.stderr
+    monkeypatch.delenv("IKJAX_KERNELS")
+    # an -ot device this machine does not have: the same, before the text is tokenized (an outside probe)
+    for cmd in (["perplexity", "-m", tiny_model, "-f", str(text), "-c", 64, "--chunks", 1],
+                ["generate", "-m", tiny_model, "-p", "hi", "-n", 1]):
+        assert_one_line_error(invoke(cmd + ["-ot", "exps=GPU7"], 1), "exps=GPU7", "names accelerator 7")
 
 
 def test_bench_refuses_a_mode_that_does_not_exist(tiny_model):

@@ -307,6 +307,8 @@ def check_options(params: dict[str, Any], command: str) -> tuple[dict[str, Any],
         checked = dataclasses.replace(checked, ctx=n)
     switches = {k: params[k] for k in SWITCH_PARAMS if k in params}
     notes = switch_notes(switches, command, backend()) + checked.notes()
+    from ikjax.placement.rules import check_ot_devices
+    check_ot_devices(checked)
     for line in notes:
         log("note: " + line)
     _drop_repeated_notes(notes)

@@ -203,6 +203,21 @@ def _device_labels(devices: Sequence[Any], several: bool = False) -> tuple[tuple
     return tuple(f"GPU{i}" for i in range(len(accel))), False
 
 
+def check_ot_devices(options, devices: Sequence[Any] | None = None) -> None:
+    """Refuse (OptionError) an `-ot` rule naming a device this machine does not have: `place`'s
+    check (it makes it again with the split mode), made where a command checks its options, before it reads or tokenizes anything
+    (perplexity printed its tokenization first)."""
+    if not options.ot:
+        return
+    if devices is None:
+        import jax
+        devices = jax.devices()
+    # (several=True: CPU devices labelled one by one, so nothing `place` would take is refused here)
+    labels, unified = _device_labels(devices, several=True)
+    for r in options.ot:
+        _target(r.device, labels, unified, f"{r.pattern}={r.device}")
+
+
 def _target(dev: str, labels: tuple[str, ...], unified: bool, rule: str) -> tuple[str, str]:
     """(memory, device label) an `-ot` device name stands for on this machine; OptionError if it
     names a device that does not exist here."""
