@@ -396,7 +396,7 @@ def test_llama_cli_values_as_llama_cli_reads_them(tiny_model):
     assert invoke(base + ["-n", -2, "--temp", 0]).stdout == invoke(base + ["-n", -1, "--temp", 0]).stdout
 
 
-def test_ctx_0_is_the_model_s_training_context(tiny_model):
+def test_ctx_0_is_the_model_s_training_context(tiny_model, tmp_path):
     """ik's -c 0: the context the model was trained with (refused before), in the CLI (read from
     the file's header before the load: the commands check their rows and slots against it) and in
     the Python API."""
@@ -407,8 +407,10 @@ def test_ctx_0_is_the_model_s_training_context(tiny_model):
     res = invoke(["info", tiny_model, "-c", 0])
     assert f"note: -c 0: the model's training context, {n} tokens" in res.stderr + res.stdout
     assert f"memory plan (-c {n} " in res.stdout
-    # perplexity: chunks of that length (this file is too short for one of 16k tokens: refused, after the note)
-    res = invoke(["perplexity", "-m", tiny_model, "-f", __file__, "-c", 0, "--chunks", 1], 1)
+    # perplexity: chunks of that length (a text too short for one of 16k tokens: refused, after the note)
+    text = tmp_path / "short.txt"
+    text.write_text("hello world " * 2000)
+    res = invoke(["perplexity", "-m", tiny_model, "-f", str(text), "-c", 0, "--chunks", 1], 1)
     assert f"-c 0: the model's training context, {n} tokens a chunk" in res.stderr
 
 
