@@ -200,6 +200,32 @@ def test_bench_refuses_a_type_no_build_knows(tiny_model, args, msg):
     assert_one_line_error(invoke(["bench", "-m", tiny_model, "-p", 8, "-n", 2, *args], 1), msg)
 
 
+@pytest.mark.parametrize("fmt", ["json", "csv", "sql"])
+def test_bench_interrupted_prints_the_tests_that_finished(tiny_model, monkeypatch, fmt):
+    """Ctrl-C during `bench -o json|csv|sql` (formats written whole at the end): the tests that had
+    finished are printed in the format, then the one line and 130 (an outside probe: nothing came,
+    where llama-bench prints each test as it ends). Ctrl-C lands right after the first test."""
+    from ikjax.tools import llama_bench as lb
+    orig = lb.run_bench
+
+    def interrupted_after_one(models, params, tests, reps, on_result, *a, **k):
+        def once(r):
+            on_result(r)
+            raise KeyboardInterrupt
+        return orig(models, params, tests, reps, once, *a, **k)
+    monkeypatch.setattr(lb, "run_bench", interrupted_after_one)
+    res = invoke(["bench", "-m", tiny_model, "-p", "8", "-n", "2", "-r", "1", "-o", fmt], 130)
+    assert res.stderr.strip().splitlines()[-1] == "error: interrupted"
+    if fmt == "json":
+        recs = json.loads(res.stdout)
+        assert len(recs) == 1 and recs[0]["n_prompt"] == 8 and recs[0]["avg_ts"] > 0
+    elif fmt == "csv":
+        lines = res.stdout.splitlines()
+        assert len(lines) == 2 and lines[0].startswith("build_commit,") and '"8"' in lines[1]
+    else:
+        assert res.stdout.startswith("CREATE TABLE IF NOT EXISTS test") and res.stdout.count("INSERT INTO") == 1
+
+
 def test_bench_json_csv_depth(tiny_model):
     res = invoke(["bench", "-m", tiny_model, "-p", 16, "-n", 2, "-gp", "32,2", "-pg", "16,4", "-d", "0,16", "-r", 2,
                   "-o", "json"])

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ikjax.cli.common import app, backend, handle, log, resolve_model, setup_compile_cache, setup_logging, \
-    stderr_console
+from ikjax.cli.common import app, backend, handle, is_interrupt, log, resolve_model, setup_compile_cache, \
+    setup_logging, stderr_console
 from ikjax import env, interrupt
 from ikjax.cli.parser import ListCommand
 from ikjax.cli.run_options import SWITCH_PARAMS, RunArgs, takes_run_options
@@ -242,7 +242,10 @@ def bench(
         sys.stdout.flush()
         status.start()
 
+    finished = []  # what the whole-output formats print if a Ctrl-C ends the run early
+
     def on_result(r):
+        finished.append(r)
         interrupt.check()  # (ikjax/interrupt.py: a Ctrl-C JAX swallowed)
         if output == "md":
             if not first:
@@ -258,10 +261,19 @@ def bench(
                           soft_wrap=True)
 
     setup_compile_cache(run.compile_cache_dir)
-    with console.status("bench") as status:
-        results = lb.run_bench(models, params, tests, reps, on_result, lambda s: status.update(s),
-                               extra_options=fixed, seed=seed, warmup=do_warmup, switches=switches,
-                               on_engine=stats.add if stats is not None else None)
+    try:
+        with console.status("bench") as status:
+            results = lb.run_bench(models, params, tests, reps, on_result, lambda s: status.update(s),
+                                   extra_options=fixed, seed=seed, warmup=do_warmup, switches=switches,
+                                   on_engine=stats.add if stats is not None else None)
+    except BaseException as e:
+        # Ctrl-C / SIGTERM: the tests that finished are printed whole in the formats written at the end
+        # (json, csv, sql), then the interruption's line (llama-bench prints each test as it ends; an
+        # interrupted run here printed nothing); md and jsonl rows went out as they came
+        if output in ("json", "csv", "sql") and finished and (isinstance(e, KeyboardInterrupt) or is_interrupt(e)):
+            typer.echo({"json": lb.to_json, "csv": lb.to_csv, "sql": lb.to_sql}[output](finished),
+                       nl=output == "json")
+        raise
     if output == "md" and first:
         for line in lb.MarkdownTable.footer():
             typer.echo(line)

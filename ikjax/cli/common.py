@@ -110,7 +110,7 @@ def handle(func: Callable) -> Callable:
             _end_processes(code)
             raise typer.Exit(code)
         except Exception as e:  # noqa: BLE001
-            if _is_interrupt(e):
+            if is_interrupt(e):
                 err("terminated" if "Terminated" in str(e) else "interrupted")
                 _end_processes(EXIT_INTERRUPTED)
                 raise typer.Exit(EXIT_INTERRUPTED)
@@ -137,7 +137,7 @@ def _sigterm_unwinds():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _is_interrupt(e: BaseException) -> bool:
+def is_interrupt(e: BaseException) -> bool:
     """Ctrl-C that landed inside a host callback of a step (the expert statistics' counting runs
     on the calling thread on a CPU): JAX reports the callback's KeyboardInterrupt as a runtime
     error ("CpuCallback error calling callback: Traceback ... KeyboardInterrupt")."""
