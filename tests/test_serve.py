@@ -1199,6 +1199,36 @@ async def _send(page, text: str, **fields) -> None:
                   f"$('input').value = {json.dumps(text)}; $('send').click(); }})()")
 
 
+def _streamed(i: int, chars: int = 20) -> str:
+    """JS: whether assistant message i shows more than `chars` characters of answer or reasoning."""
+    return (f"(() => {{ const a = document.querySelectorAll('.assistant')[{i}]; if (!a) return false;"
+            f"const r = a.querySelector('details div');"
+            f"return a.querySelector('.content').textContent.length + (r ? r.textContent.length : 0) > {chars}; }})()")
+
+
+_FAKE_FETCH = """(() => { window._bodies = []; window._fake = null; window._fakeDelay = 0; const real = window.fetch;
+    window.fetch = (url, opts) => {
+      if (opts && opts.body) window._bodies.push(JSON.parse(opts.body));
+      if (window._fake === null || url !== '/v1/chat/completions') return real(url, opts);
+      const bytes = new TextEncoder().encode(window._fake), delay = window._fakeDelay;
+      const signal = opts && opts.signal;
+      const body = new ReadableStream({ async start(c) {
+        const step = delay ? 4096 : bytes.length > 100000 ? 65536 : 3;  // (framings split across reads)
+        for (let i = 0; i < bytes.length; i += step) {
+          if (signal && signal.aborted) { c.error(new DOMException('aborted', 'AbortError')); return; }
+          c.enqueue(bytes.slice(i, i + step));
+          if (delay) await new Promise((ok) => setTimeout(ok, delay));
+        }
+        c.close(); } });
+      return Promise.resolve(new Response(body, { status: 200,
+        headers: { 'Content-Type': 'text/event-stream' } })); }; })()"""
+
+
+def _sse(events: list, crlf: bool = False) -> str:
+    nl = "\r\n" if crlf else "\n"
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}{nl}{nl}" for e in events)
+
+
 def _api_answer(s: Proc, msgs: list[dict]) -> dict:
     """The greedy 12-token answer's message of the API itself, for the page to equal."""
     return call(s, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0},
@@ -1226,8 +1256,7 @@ def test_chat_page_streams_and_stops(small, browser):
             assert shown["finish"] == "length"
             # a long answer, stopped while it streams
             await _send(page, "tell me more", max_tokens=-1)
-            await page.until("(() => { const a = document.querySelectorAll('.assistant')[1];"
-                             "return a && a.textContent.length > 20; })()")
+            await page.until(_streamed(1))
             assert await page.js("document.getElementById('stop').disabled") is False
             await page.js("document.getElementById('stop').click()")
             await page.until("document.querySelectorAll('.assistant')[1].dataset.done === '1'")
@@ -1251,8 +1280,7 @@ def test_chat_page_new_chat_system_message_and_refused_turns(small, browser):
     async def drive():
         async with _chat_page(browser, small) as page:
             await _send(page, "tell me a long story", key="sekret", temperature=0, max_tokens=-1)
-            await page.until("(() => { const a = document.querySelector('.assistant');"
-                             "return a && a.textContent.length > 20; })()")
+            await page.until(_streamed(0))
             await page.js("document.getElementById('clear').click()")
             await page.until("document.getElementById('send').disabled === false")
             assert await page.js("JSON.stringify(chatLog)") == "[]"
@@ -1284,24 +1312,13 @@ def test_chat_page_input_method_empty_fields_and_stream_framing(small, browser):
     framed with CRLF (an SSE proxy's) showed nothing; a stream cut before its end looked finished.
     The page's fetch is wrapped to record each request's body and, for the chat endpoint, to answer
     with a given SSE text split into small chunks (framings split across reads)."""
-    def sse(events: list, crlf: bool) -> str:
-        nl = "\r\n" if crlf else "\n"
-        return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}{nl}{nl}" for e in events)
+    sse = _sse
     delta = [{"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]}, "[DONE]"]
 
     async def drive():
         async with _chat_page(browser, small) as page:
-            await page.js("""(() => { window._bodies = []; window._fake = null; const real = window.fetch;
-                window.fetch = (url, opts) => {
-                  if (opts && opts.body) window._bodies.push(JSON.parse(opts.body));
-                  if (window._fake === null || url !== '/v1/chat/completions') return real(url, opts);
-                  const bytes = new TextEncoder().encode(window._fake);
-                  const body = new ReadableStream({ start(c) {
-                    for (let i = 0; i < bytes.length; i += 3) c.enqueue(bytes.slice(i, i + 3));
-                    c.close(); } });
-                  return Promise.resolve(new Response(body, { status: 200,
-                    headers: { 'Content-Type': 'text/event-stream' } })); }; })()""")
+            await page.js(_FAKE_FETCH)
 
             async def answer(fake: str, **fields) -> dict:
                 n = await page.js("document.querySelectorAll('.assistant').length")
@@ -1338,6 +1355,71 @@ def test_chat_page_input_method_empty_fields_and_stream_framing(small, browser):
             got = await answer(sse(delta[:1], False))
             assert got["finish"] == "error" and "cut off" in got["error"], got
             assert await page.js("document.querySelectorAll('.user')[4].classList.contains('unsent')") is True
+    asyncio.run(drive())
+
+
+def test_chat_page_long_answers_scrolling_and_endings(small, browser):
+    """A third probe of the page (stop 67): a 4,000-token answer took 24 s to show after the server
+    had sent it in 6 (the whole text set and scrolled at every event: the square of its length) and
+    Stop waited as long; a reader who scrolled up was pulled back down; a long unbroken word ran
+    past the column; nothing on screen said an answer was stopped, cut at the limit, or all
+    reasoning; a refused turn's text was gone; leading indentation was trimmed off."""
+    delta = lambda text, fin=None, r=False: {"choices": [{"index": 0, "delta": {  # noqa: E731
+        "reasoning_content" if r else "content": text}, "finish_reason": fin}]}
+
+    async def drive():
+        async with _chat_page(browser, small) as page:
+            await page.js(_FAKE_FETCH)
+
+            async def turn(fake: str, text: str = "hi", delay: int = 0) -> int:
+                n = await page.js("document.querySelectorAll('.assistant').length")
+                await page.js(f"window._fake = {json.dumps(fake)}; window._fakeDelay = {delay}")
+                await _send(page, text, key="sekret")
+                return n
+
+            def done(n: int) -> str:
+                return f"(() => {{ const a = document.querySelectorAll('.assistant')[{n}]; return a && a.dataset.done === '1'; }})()"
+
+            def status(n: int) -> str:
+                return f"document.querySelectorAll('.assistant')[{n}].querySelector('.status').textContent"
+            # 16,000 events of reasoning then answer: shown whole in seconds, bit for bit
+            events = [delta("r%d " % i, r=True) for i in range(8000)] + [delta("w%d " % i) for i in range(8000)]
+            t0 = time.perf_counter()
+            n = await turn(_sse(events + [delta("", "length"), "[DONE]"]))
+            await page.until(done(n), timeout=60)
+            took = time.perf_counter() - t0
+            got = await page.js(f"""(() => {{ const a = document.querySelectorAll('.assistant')[{n}];
+                return [a.querySelector('.content').textContent, a.querySelector('details div').textContent]; }})()""")
+            assert got == ["".join("w%d " % i for i in range(8000)), "".join("r%d " % i for i in range(8000))]
+            assert took < 8, took  # (74 s before on this machine's kind)
+            assert "token limit" in await page.js(status(n))
+            # all reasoning, no reply: said
+            n = await turn(_sse([delta("hm", r=True), delta("", "stop"), "[DONE]"]))
+            await page.until(done(n))
+            assert "no reply after the reasoning" in await page.js(status(n))
+            # a slow stream: the reader scrolls up and stays there; Stop ends it at once, and says so
+            n = await turn(_sse([delta("line %d\n" % i) for i in range(3000)] + [delta("", "stop"), "[DONE]"]),
+                           delay=40)
+            await page.until(_streamed(n, 2000))
+            await page.js("document.getElementById('messages').scrollTop = 0")
+            await asyncio.sleep(0.5)
+            assert await page.js("document.getElementById('messages').scrollTop") == 0
+            t0 = time.perf_counter()
+            await page.js("document.getElementById('stop').click()")
+            await page.until(done(n))
+            assert time.perf_counter() - t0 < 2 and await page.js(status(n)) == "[stopped]"
+            # a long unbroken word wraps inside the column
+            n = await turn(_sse([delta("x" * 5000, "stop"), "[DONE]"]))
+            await page.until(done(n))
+            assert await page.js("(() => { const m = document.getElementById('messages');"
+                                 "return m.scrollWidth <= m.clientWidth + 1; })()") is True
+            # leading indentation kept; a refused turn's text back in the box
+            await page.js("window._fake = null")
+            await _send(page, "    indented code\n  line2", key="wrong")
+            await page.until(done(n + 1))
+            assert await page.js("document.querySelectorAll('.user')[%d].textContent" % (n + 1)) == \
+                "    indented code\n  line2"
+            assert await page.js("document.getElementById('input').value") == "    indented code\n  line2"
     asyncio.run(drive())
 
 
