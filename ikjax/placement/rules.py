@@ -310,7 +310,9 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
                          f"(device and host memory are one RAM)")
         targets.append((r, f"-ot {rule}", mem, dev))
     n_layer, ngl = cfg.n_layer, options.ngl
-    if unified and ngl < n_layer:  # (99, the default, and any count of every layer: nothing to say)
+    # (99, the default, and any count of every layer: nothing to say; under -sm layer over several CPU
+    # devices -ngl still picks the layers the split spreads)
+    if unified and mode == "none" and ngl < n_layer:
         notes.append(f"-ngl {ngl} has no effect: no accelerator here, every layer runs on the CPU "
                      f"(device and host memory are one RAM)")
     first_device_layer = max(n_layer - ngl, 0)
