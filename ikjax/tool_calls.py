@@ -152,9 +152,17 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
     fn = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or tool_choice.get("type", "function") != "function":
         raise OptionError(f"tool_choice: expected one of {', '.join(TOOL_CHOICES)} or {{\"type\": \"function\", "
-                          f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
+                          f"\"function\": {{\"name\": ...}}}}, got {_json_text(tool_choice)}")
     if not any(isinstance(t, Mapping) and t["function"]["name"] == fn["name"] for t in tools or ()):
         raise OptionError(f"tool_choice: no tool named {fn['name']!r} in tools")
+
+
+def _json_text(v: Any) -> str:
+    """A request's value as JSON shows it (a client sent JSON, not a Python repr), cut short."""
+    try:
+        return json.dumps(v, ensure_ascii=False)[:200]
+    except (TypeError, ValueError):
+        return repr(v)[:200]
 
 
 @functools.lru_cache(maxsize=64)  # a server asks the same few of its one template on every request
@@ -166,10 +174,20 @@ def _template_uses(source: str, word: str) -> bool:
                for block in re.findall(r"\{[{%].*?[%}]\}", source, re.S))
 
 
+@functools.lru_cache(maxsize=64)
+def _object_arguments(source: str) -> bool:
+    """Whether a template reads a call's arguments as an object (`arguments | tojson`, `.items()`:
+    Qwen's, GLM-4.5's), as transformers' templates are written to, where DeepSeek's and Kimi's print
+    them as they are: the former get the JSON text parsed (llama-server's minja and vLLM do the
+    same), the latter the text."""
+    return bool(re.search(r"arguments\s*\|\s*tojson|arguments\s*\|\s*items|arguments\.items\(\)", source))
+
+
 def tool_messages(messages: list[dict], tools: list | None, source: str, tool_choice: Any = None, *,
                   keep_text: bool = False) -> list[dict]:
     """`messages` made ready for a template whose Jinja text is `source`: assistant `tool_calls`
-    with their arguments as JSON text (a client may send an object) and, where the template has a
+    with their arguments as JSON text (a client may send an object), or as an object where the
+    template reads one (`_object_arguments`), and, where the template has a
     `tool_calls` branch, the turn's text kept where the template renders text and calls together
     (`keep_text`: V3-0324's, V3.1's, as transformers and llama-server keep it), else content None
     as R1's first template expects (it renders the calls only for a turn without text); where it
@@ -177,6 +195,7 @@ def tool_messages(messages: list[dict], tools: list | None, source: str, tool_ch
     results as user turns where the template knows no `tool` role; and the tool list in the system
     prompt when `tools` is given and the template does not render them."""
     family = tool_family(source)
+    wants_objects = _object_arguments(source)
     out = []
     for i, m in enumerate(messages):
         m = dict(m)
@@ -192,6 +211,11 @@ def tool_messages(messages: list[dict], tools: list | None, source: str, tool_ch
                                       f"\"arguments\": ...}}}}")
                 args = fn.get("arguments", "{}")
                 args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                if wants_objects:  # (`arguments | tojson` of a string wrote it twice encoded)
+                    try:
+                        args = json.loads(args)
+                    except (ValueError, RecursionError):
+                        pass
                 norm.append({**c, "type": c.get("type", "function"), "function": {**fn, "arguments": args}})
             if _template_uses(source, "tool_calls"):
                 m.update(tool_calls=norm, content=m.get("content") if keep_text and m.get("content") else None)
@@ -213,8 +237,24 @@ def tool_messages(messages: list[dict], tools: list | None, source: str, tool_ch
     return out
 
 
+def _json_object(text: str) -> bool:
+    """Whether a call's arguments are a JSON object (OpenAI's `arguments`: the text of one). A call
+    whose arguments are not ("{", "", "not json") is not a call: a client's json.loads of them
+    failed (an outside probe, stop 67)."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def _one_call(kind: str, body: str) -> ToolCall | None:
-    """The call between one form's begin and end markers, or None when it is not one."""
+    """The call between one form's begin and end markers, or None when it is not one (no name, or
+    arguments that are not a JSON object)."""
+    call = _call_of(kind, body)
+    return call if call is not None and _json_object(call.arguments) else None
+
+
+def _call_of(kind: str, body: str) -> ToolCall | None:
     if kind == DS_CALL_BEGIN:
         if DS_SEP not in body:
             return None
@@ -292,9 +332,10 @@ def parse_tool_calls(text: str, family: str | None = None,
     for begin, end in forms:
         for m in re.finditer(re.escape(begin) + "(.*?)" + re.escape(end), rest, re.S):
             c = _one_call(begin, m.group(1))
-            if c is not None:
-                calls.append((m.start(), c))
-                last = max(last, m.end())
+            if c is None:  # a malformed call: the section is text, not some of its calls
+                return text, []
+            calls.append((m.start(), c))
+            last = max(last, m.end())
     offered = None if names is None else set(names)
     if not calls or offered is not None and any(c.name not in offered for _, c in calls):
         return text, []
@@ -303,7 +344,17 @@ def parse_tool_calls(text: str, family: str | None = None,
         if tail.lstrip().startswith(e):
             tail = tail.lstrip()[len(e):]
             break
+    if any(w in tail for w in _markers(family)):  # the section's debris ("}{<｜tool▁call▁end｜>"), not content
+        tail = ""
     return text[:i] + (tail if tail.strip() else ""), [c for _, c in sorted(calls, key=lambda p: p[0])]
+
+
+@functools.lru_cache(maxsize=None)
+def _markers(family: str | None) -> tuple[str, ...]:
+    """Every marker of a family's call syntax (of every family for None)."""
+    starts, forms, ends = _syntax(family)
+    seps = {"deepseek": (DS_SEP,), "kimi": (KIMI_ARG,), None: (DS_SEP, KIMI_ARG)}.get(family, ())
+    return tuple(dict.fromkeys((*starts, *(w for f in forms for w in f), *ends, *seps)))
 
 
 class ToolCallSplitter:

@@ -59,11 +59,33 @@ def test_parse_every_call_syntax(form):
         assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
 
 
+BAD_ARGS = [  # a call whose arguments are not a JSON object is not a call (a client's json.loads failed on "{")
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\n```<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜><｜tool▁call▁end｜>",
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{bad<|tool_call_end|>",
+    "<tool_call>\n{\"name\": \"f\", \"arguments\": \"not json\"}\n</tool_call>",
+    "<tool_call>\n{\"name\": \"f\", \"arguments\": \"[1, 2]\"}\n</tool_call>",
+    # one good call and one malformed: the section stays text (no call half taken, nothing lost)
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>"
+    "{<｜tool▁call▁end｜><｜tool▁calls▁end｜>"]
+
+
 @pytest.mark.parametrize("text", ["no call here", "a <tool_call> that never ends",
                                   "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weath",
-                                  "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n</tool_call>"])
+                                  "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n</tool_call>", *BAD_ARGS])
 def test_what_is_not_a_complete_call_stays_content(text):
     assert parse_tool_calls(text) == (text, [])
+
+
+def test_the_sections_debris_after_its_calls_is_not_content():
+    """Text after the last call that holds call markers ("}{<｜tool▁call▁end｜>`") is the section's
+    debris, not content (an outside probe saw the markers in `content`); plain text after it stays."""
+    calls = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```"
+             "<｜tool▁call▁end｜>")
+    assert parse_tool_calls("hi " + calls + "}{<｜tool▁call▁end｜>`") == ("hi ", [ToolCall("get_time", "{}")])
+    content, got = parse_tool_calls("hi " + calls + "<｜tool▁calls▁end｜> Done.")
+    assert content == "hi  Done." and [c.name for c in got] == ["get_time"]
 
 
 @pytest.mark.parametrize("form", sorted(SAMPLES) + ["plain", "cut"])
@@ -175,6 +197,28 @@ def test_an_assistant_turn_keeps_its_text_beside_its_calls_where_the_template_re
     # through the text API, as eng.chat renders it
     from ikjax.runtime.text import render_chat
     assert "Let me check.<call>get_weather" in render_chat(None, msgs, both, add_generation_prompt=False)
+
+
+def test_earlier_calls_arguments_as_objects_where_the_template_reads_objects():
+    """A template that writes `arguments | tojson` (Qwen's, Hermes-style) gets the arguments as an
+    object, so they render once encoded, as transformers renders a client's object; DeepSeek's R1
+    template, which prints them as they are, gets the JSON text (an outside probe: the Hermes form
+    rendered "{\\"city\\": ...}" twice encoded, and a GLM-style `.items()` loop was a 400)."""
+    from ikjax.chat_template import ChatTemplate
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    hermes = ChatTemplate("{% for m in messages %}{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}"
+                          "\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}{% endfor %}",
+                          name="hermes-like")
+    got = hermes.render(tool_messages(msgs, None, hermes.source), add_generation_prompt=False)
+    assert got == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    glm = ChatTemplate("{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in "
+                       "c.function.arguments.items() %}{{ k }}={{ v }};{% endfor %}{% endfor %}{% endfor %}", name="glm-like")
+    assert glm.render(tool_messages(msgs, None, glm.source), add_generation_prompt=False) == "city=Paris;"
+    r1 = builtin("deepseek-r1")
+    assert '```json\n{"city": "Paris"}\n```' in r1.render(tool_messages(msgs, None, r1.source))
 
 
 def test_templates_without_tool_branches_get_calls_as_text():
