@@ -83,7 +83,8 @@ def test_the_sections_debris_after_its_calls_is_not_content():
     debris, not content (an outside probe saw the markers in `content`); plain text after it stays."""
     calls = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```"
              "<｜tool▁call▁end｜>")
-    assert parse_tool_calls("hi " + calls + "}{<｜tool▁call▁end｜>`") == ("hi ", [ToolCall("get_time", "{}")])
+    content, got = parse_tool_calls("hi " + calls + "}{<｜tool▁call▁end｜>`")
+    assert content == "hi " and _calls(got) == [("get_time", {})]
     content, got = parse_tool_calls("hi " + calls + "<｜tool▁calls▁end｜> Done.")
     assert content == "hi  Done." and [c.name for c in got] == ["get_time"]
 
