@@ -101,8 +101,8 @@ class ChatTemplate:
             chat.append(_alias_reasoning(_plain(m, f"messages[{i}]")))
         variables = {"tools": None, "documents": None, **_plain(kwargs, "the template's variables")}
         try:
-            return self._template.render(messages=chat, add_generation_prompt=bool(add_generation_prompt),
-                                         **variables)
+            return _bounded(self._template, self.name, messages=chat,
+                            add_generation_prompt=bool(add_generation_prompt), **variables)
         except jinja2.TemplateError as e:  # raise_exception, undefined fields, sandbox refusals
             raise ChatTemplateError(f"chat template {self.name}: {_one_line(e)}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,
@@ -112,6 +112,31 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate({self.name!r})"
+
+
+# What one render may make and take: a model file's template is untrusted text, and nested loops
+# (`range(99999)` in `range(99999)`) passed the sandbox's range cap and grew the process by
+# ~125 MB/s until it was killed (an outside probe, stop 67). A prompt that fits any context is far
+# below these.
+MAX_RENDER_CHARS = 32 << 20
+MAX_RENDER_SECONDS = 10.0
+
+
+def _bounded(template, name: str, **variables) -> str:
+    """`template.render(**variables)`, refused (ChatTemplateError) past MAX_RENDER_CHARS of output or
+    MAX_RENDER_SECONDS (checked at each piece of output the template writes)."""
+    import time
+    parts, size, t0 = [], 0, time.monotonic()
+    for piece in template.generate(**variables):
+        parts.append(piece)
+        size += len(piece)
+        if size > MAX_RENDER_CHARS:
+            raise ChatTemplateError(f"chat template {name}: its output passed {MAX_RENDER_CHARS >> 20} Mi characters; "
+                                    f"refused (a template that loops without end?)")
+        if time.monotonic() - t0 > MAX_RENDER_SECONDS:
+            raise ChatTemplateError(f"chat template {name}: rendering took over {MAX_RENDER_SECONDS:g} s; refused "
+                                    f"(a template that loops without end?)")
+    return "".join(parts)
 
 
 def builtin(name: str) -> ChatTemplate:
@@ -205,8 +230,8 @@ def renders_text_beside_calls(source: str) -> bool:
              {"role": "assistant", "content": "ikjaxprobetext",
               "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "ikjaxprobefn", "arguments": "{}"}}]}]
     try:
-        out = _compile(source, "probe").render(messages=probe, add_generation_prompt=False, tools=None,
-                                               documents=None, bos_token="", eos_token="")
+        out = _bounded(_compile(source, "probe"), "probe", messages=probe, add_generation_prompt=False, tools=None,
+                       documents=None, bos_token="", eos_token="")
     except Exception:  # noqa: BLE001 - any failure of the probe means: do not rely on it
         return False
     return "ikjaxprobetext" in out and "ikjaxprobefn" in out

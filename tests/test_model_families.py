@@ -530,9 +530,9 @@ def test_server_prompts_follow_the_bos_rule(pre, add_bos, bos):
     srv.scheduler = types.SimpleNamespace(ctx=4096)
     ids = asyncio.run(srv._prompt_ids("Hello"))
     assert (ids[0] == tok.bos_id) == bos and ids[int(bos):] == tok.encode("Hello", add_bos=False)
-    chat, _, _ = asyncio.run(srv._chat_prompt({"messages": [{"role": "user", "content": "Hi"}]}))
+    chat, _, _, _ = asyncio.run(srv._chat_prompt({"messages": [{"role": "user", "content": "Hi"}]}))
     assert (chat[0] == tok.bos_id) == bos
     srv.template = ChatTemplate("{{ bos }}{{ messages[0]['content'] }}".replace("{{ bos }}", tok.token_text(tok.bos_id)),
                                 "test")
-    chat, _, _ = asyncio.run(srv._chat_prompt({"messages": [{"role": "user", "content": "Hi"}]}))
+    chat, _, _, _ = asyncio.run(srv._chat_prompt({"messages": [{"role": "user", "content": "Hi"}]}))
     assert chat[0] == tok.bos_id and chat[1] != tok.bos_id

@@ -5,8 +5,10 @@ turns without changing the answer, the repetition penalty and --ignore-eos."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -336,3 +338,47 @@ def test_api_inputs_an_outside_probe_found(eng, tmp_path):
     with pytest.raises(OptionError, match="does not exist"):
         eng.save_expert_stats(tmp_path / "no" / "s.json", {"tokens": 0, "layers": {}})
     assert not (tmp_path / "no").exists()
+
+
+def test_api_inputs_a_second_outside_probe_found(eng, tmp_path):
+    """Stop 67's probe of the Python API: a template's nested loops grew the process without end;
+    float arrays ran as truncated ids; unknown keywords were Python's TypeError; a stream whose
+    session another call took over said "length"; expert statistics of any shape and a path that
+    is not a path were written; perplexity's base file replaced whatever file it was given."""
+    from ikjax.chat_template import ChatTemplateError
+    msgs = [{"role": "user", "content": "hi"}]
+    t0 = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match="Mi characters|took over"):
+        eng.chat(msgs, 1, chat_template="{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}"
+                                        "{% endfor %}")
+    assert time.perf_counter() - t0 < 30
+    for arr in (np.array([5.7, 6.2]), np.array([True, True])):
+        with pytest.raises(OptionError, match="integers"):
+            eng.complete(arr, 2)
+    for call in (lambda: eng.complete("hi", 2, foo=1), lambda: eng.generate([5], 2, foo=1),
+                 lambda: eng.generate_batch([[5]], 2, repeat_penalty=1.1)):
+        with pytest.raises(OptionError, match="unknown option"):
+            call()
+    s = eng.session()
+    st = eng.complete("Hello world", 30, stream=True, session=s, ignore_eos=True)
+    next(st)
+    eng.complete("Hello world", 2, session=s)  # takes the session over: the stream ends
+    list(st)
+    assert st.finish_reason == "cancelled"
+    for path, stats in ((tmp_path / "a.json", 5), (tmp_path / "b.json", {"x": 1}),
+                        (tmp_path / "c.json", {"tokens": 3, "layers": {"1": [-1, 2]}}), (7, {"tokens": 0, "layers": {}})):
+        with pytest.raises(OptionError, match="expert-stats"):
+            eng.save_expert_stats(path, stats)
+    assert not any(tmp_path.iterdir()) and not os.path.exists("7")
+    victim = tmp_path / "model.gguf"
+    victim.write_bytes(b"GGUF" + b"\0" * 100)
+    ids = eng.tokenizer.encode("hello world " * 40)
+    with pytest.raises(OptionError, match="not a base logits file"):
+        eng.perplexity(ids, 64, save_base=victim)
+    assert victim.read_bytes() == b"GGUF" + b"\0" * 100
+    with pytest.raises(OptionError, match="file path"):
+        eng.perplexity(ids, 64, save_base=5)
+    base = tmp_path / "base.kld"
+    eng.perplexity(ids, 64, save_base=base)
+    eng.perplexity(ids, 64, save_base=base)  # a base file is replaced
+    assert base.read_bytes()[:8] == b"_logits_"

@@ -752,7 +752,7 @@ class Engine:
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  stop: Iterable[int] = (), stream: bool = False, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 ignore_eos: bool = False, session: KVSession | None = None) -> Generation:
+                 ignore_eos: bool = False, session: KVSession | None = None, **unknown) -> Generation:
         """New token ids as they are produced (an iterator); stop on EOS, a stop id, `max_tokens`,
         or a full context.
 
@@ -771,6 +771,7 @@ class Engine:
         stop. `session` (`session()`): a KV cache kept across calls; a prompt extending what it
         holds feeds only the new tokens (`Generation.cached_tokens` says how many were reused).
         """
+        _refuse_unknown("generate", unknown)
         return generation.generate(self, prompt_ids, max_tokens, temperature=temperature, top_k=top_k,
                                    top_p=top_p, min_p=min_p, seed=seed, stop=stop, stream=stream,
                                    repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
@@ -809,13 +810,15 @@ class Engine:
     def complete(self, prompt, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None, stream: bool = False,
                  repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
-                 presence_penalty: float = 0.0, ignore_eos: bool = False, session: KVSession | None = None):
+                 presence_penalty: float = 0.0, ignore_eos: bool = False, session: KVSession | None = None,
+                 **unknown):
         """Text in, text out. `prompt`: text (BOS added as the model asks) or token ids;
         `max_tokens` None: until EOS or the context's end; `stop`: a string or a list of strings
         that end the answer (not included). Returns a `text.Completion` (`.text`, `.tokens`,
         `.finish_reason` "stop" | "length", `.usage`), or with `stream=True` a `text.TextStream`:
         an iterator of text deltas, token by token, never half a UTF-8 character or any part of
         a stop string. The other arguments are `generate`'s."""
+        _refuse_unknown("complete", unknown)
         return text.complete(self, prompt, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              min_p=min_p, seed=seed, stop=stop, stream=stream, repeat_penalty=repeat_penalty,
                              repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
@@ -840,7 +843,7 @@ class Engine:
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                       stop: Iterable[int] = ()) -> BatchGeneration:
+                       stop: Iterable[int] = (), **unknown) -> BatchGeneration:
         """Generate for several sequences at once, each at its own length; one list of new ids each.
 
         Same checks and stopping rules as `generate` (each sequence stops on its own at EOS / a
@@ -850,6 +853,7 @@ class Engine:
         `decode_loop()` (else one step per token for every unfinished sequence). The batch is
         padded to a power of two; greedy, each sequence gets the tokens `generate` gives it.
         """
+        _refuse_unknown("generate_batch", unknown)
         return generation.generate_batch(self, prompts, max_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, min_p=min_p, seed=seed, stop=stop)
 
@@ -912,12 +916,28 @@ def _non_finite_tensor(file: GGUFModelFile) -> str:
             f"(try --dtype f32)")
 
 
+def _refuse_unknown(method: str, unknown: dict) -> None:
+    """A keyword the method does not take: OptionError naming it (Python's TypeError before)."""
+    if unknown:
+        names = ", ".join(sorted(unknown))
+        raise OptionError(f"{method}: unknown option{'s' if len(unknown) > 1 else ''} {names}")
+
+
 def write_expert_stats(path, stats: dict) -> None:
     """Expert statistics ({"tokens", "layers"}) as JSON in `path`: whole or not at all, its directory
     existing, an existing file replaced only if it is an expert-stats file (`moe.refuse_overwrite`)."""
     import json
     from ikjax.atomic_file import atomic_write, check_target
-    data = json.dumps(stats)
+    if not isinstance(path, (str, os.PathLike)):
+        raise OptionError(f"expert-stats: expected a file path, got {type(path).__name__}")
+    layers = stats.get("layers") if isinstance(stats, dict) else None
+    def count(c) -> bool:
+        return isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c >= 0
+    if not (isinstance(stats, dict) and count(stats.get("tokens")) and isinstance(layers, dict)
+            and all(isinstance(v, (list, tuple)) and all(count(c) for c in v) for v in layers.values())):
+        raise OptionError('expert-stats: expected {"tokens": N, "layers": {"3": [counts >= 0, ...], ...}} '
+                          "(Engine.expert_stats()'s form)")
+    data = json.dumps(stats, default=int)
     check_target(path, len(data), "expert-stats", parent_exists=True)
     moe.refuse_overwrite(path)
     with atomic_write(path, len(data), what="expert-stats") as tmp:

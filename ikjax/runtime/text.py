@@ -149,7 +149,9 @@ class TextStream:
                 yield out
         self._gen.close()
         reason = self._gen.stop_reason
-        self.finish_reason = FINISH_STOP if stopped or reason == STOP_EOS else FINISH_LENGTH
+        # no reason: the generation was ended from outside (another call took its session over)
+        self.finish_reason = (FINISH_STOP if stopped or reason == STOP_EOS else
+                              FINISH_CANCELLED if reason is None else FINISH_LENGTH)
         self._set_usage()
 
 
@@ -175,6 +177,8 @@ def encode_prompt(eng, prompt) -> list[int]:
             raise OptionError("prompt: empty (and this model's file adds no BOS token to a prompt)")
         return ids
     if isinstance(prompt, np.ndarray) and prompt.ndim == 1:  # (as generate and logits take them)
+        if not np.issubdtype(prompt.dtype, np.integer):  # (5.7 ran as 5, True as 1)
+            raise OptionError(f"prompt: token ids must be integers, got an array of {prompt.dtype}")
         return [int(t) for t in prompt]
     if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Sequence):
         raise OptionError(f"prompt: expected text or a list of token ids, got {type(prompt).__name__}")
