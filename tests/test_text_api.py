@@ -352,6 +352,9 @@ def test_api_inputs_a_second_outside_probe_found(eng, tmp_path):
         eng.chat(msgs, 1, chat_template="{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}"
                                         "{% endfor %}")
     assert time.perf_counter() - t0 < 30
+    for kw in ({5: 1}, {"messages": []}, {"add_generation_prompt": False}):
+        with pytest.raises(OptionError, match="template_kwargs"):
+            eng.chat(msgs, 1, template_kwargs=kw)
     for arr in (np.array([5.7, 6.2]), np.array([True, True])):
         with pytest.raises(OptionError, match="integers"):
             eng.complete(arr, 2)

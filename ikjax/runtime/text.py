@@ -235,6 +235,11 @@ def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool 
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise OptionError(f"template_kwargs: expected a mapping of names to values, got {type(template_kwargs).__name__}")
     kwargs = dict(template_kwargs or {})
+    for k in kwargs:  # (Python's "keywords must be strings" / "got multiple values" before)
+        if not isinstance(k, str):
+            raise OptionError(f"template_kwargs: names must be strings, got {k!r}")
+        if k in ("messages", "add_generation_prompt", "tools"):
+            raise OptionError(f"template_kwargs: {k!r} is chat()'s own argument; give it as that")
     if tools:
         kwargs["tools"] = tools
     messages = flatten_content(messages)
