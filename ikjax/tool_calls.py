@@ -139,6 +139,10 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
     if tools is not None:
         if not isinstance(tools, list):
             raise OptionError(f"tools: expected a list of function tools, got {type(tools).__name__}")
+        try:  # they go into the prompt as JSON: a set, an object or NaN there would not be JSON
+            json.dumps(tools, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise OptionError(f"tools: not JSON ({str(e).splitlines()[0][:120]})") from None
         for i, t in enumerate(tools):
             fn = t.get("function") if isinstance(t, Mapping) else None
             if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping) \

@@ -336,6 +336,13 @@ def test_a_forced_call_s_think_close_is_not_content_without_reasoning_split():
     assert "".join(p[1] for p in parts) + c == "" and [t.name for t in calls] == ["get_weather"]
 
 
+def test_tools_must_be_json():
+    for params in ({"a": {1, 2}}, {"a": object()}, {"a": float("nan")}):
+        bad = {"type": "function", "function": {"name": "f", "parameters": params}}
+        with pytest.raises(OptionError, match="tools: not JSON"):
+            check_tools([bad], None)
+
+
 def test_a_call_asked_for_needs_tools():
     for choice in ("required", NAMED):
         for tools in (None, []):
