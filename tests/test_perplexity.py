@@ -392,6 +392,15 @@ def test_cli_bad_input_is_one_line(files, tmp_path):
     cut.write_bytes(base.read_bytes()[:-10])
     _assert_one_line_error(invoke(["perplexity", "-m", other, "-c", N_CTX, "--kl-divergence-base", cut,
                                    "--kl-divergence"], 1), "truncated")
+    # a header that claims fewer chunks than the file holds (an outside probe: a mean KLD of inf)
+    raw = bytearray(base.read_bytes())
+    n_chunk = int.from_bytes(raw[16:20], "little")
+    assert n_chunk > 1
+    raw[16:20] = (n_chunk - 1).to_bytes(4, "little")
+    fewer = tmp_path / "fewer.kld"
+    fewer.write_bytes(bytes(raw))
+    _assert_one_line_error(invoke(["perplexity", "-m", other, "-c", N_CTX, "--kl-divergence-base", fewer,
+                                   "--kl-divergence"], 1), "damaged header")
 
 
 def test_api_bad_input(files):

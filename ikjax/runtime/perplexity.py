@@ -98,6 +98,9 @@ class BaseLogits:
         if size < need:
             raise ModelFileError(f"kl-divergence-base {path}: truncated ({size} bytes, its header (n_ctx {n_ctx}, "
                                  f"n_vocab {n_vocab}, {n_chunk} chunks) needs {need})")
+        if size > need:  # the rows would be read from the tokens' bytes: a mean KLD of inf, said as a number
+            raise ModelFileError(f"kl-divergence-base {path}: {size} bytes, more than its header (n_ctx {n_ctx}, "
+                                 f"n_vocab {n_vocab}, {n_chunk} chunks) describes ({need}): a damaged header")
         tokens = np.fromfile(path, "<i4", n_ctx * n_chunk, offset=HEADER_BYTES)
         rows = np.memmap(path, "<u2", "r", offset=HEADER_BYTES + tok_bytes, shape=(n_chunk, ns, nv))
         return cls(path, n_ctx, n_vocab, n_chunk, tokens, rows)
