@@ -48,8 +48,10 @@ def make_model(
     check_target(output, total, "output", parent_exists=True)
     note_long_make(total)  # as a synthetic: spec's first use says
     t0 = time.perf_counter()
+    console = stderr_console()
+    # a bar on a terminal only: stopped on a log file, rich left a blank line (before "error: interrupted")
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=stderr_console(), transient=True) as prog:
+                  TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal) as prog:
         task = prog.add_task(f"{preset} {qtype.upper()}", total=total)
         synthetic.make_model(output, preset, qtype, layers=layers, experts=experts, q_lora_rank=q_lora_rank, seed=seed,
                              progress=lambda name, done, tot: prog.update(task, completed=done))
