@@ -14,7 +14,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ikjax.errors import OptionError
 
@@ -41,6 +41,19 @@ def _existing_ancestor(p: Path) -> Path:
     return Path("/")
 
 
+def keep_foreign(path: str | os.PathLike, what: str, ours: Callable[[Path], bool], kind: str) -> None:
+    """Refuse, in one line, to write over an existing non-empty file that `ours` says is not one of
+    this output's own (`kind`): a mistyped output path named the loaded model, the -f text or a config,
+    and replaced it (outside probes: the expert statistics', stop 63; perplexity's base file, stop 67)."""
+    p = Path(os.path.expanduser(str(path)))
+    try:
+        foreign = p.is_file() and p.stat().st_size > 0 and not ours(p)
+    except OSError:
+        return  # unreadable: check_target says what is wrong with it
+    if foreign:
+        raise OptionError(f"{what}: {path} exists and is not {kind}: it is kept; give another file name")
+
+
 def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "output", *,
                  parent_exists: bool = False) -> Path:
     """Refuse, with one line naming `what` and the path, a target that cannot take the file:
@@ -48,6 +61,8 @@ def check_target(path: str | os.PathLike, needed_bytes: int = 0, what: str = "ou
     or a file system with less than `needed_bytes` free. `parent_exists`: a user's output path,
     whose directory must exist (as ik's tools open their files): a mistyped path is refused,
     not made. Returns the absolute target path."""
+    if not isinstance(path, (str, os.PathLike)):  # (an API's save_base=5 wrote a file named ./5)
+        raise OptionError(f"{what}: expected a file path, got {type(path).__name__}")
     if not str(path).strip():  # ("" is the current directory to abspath)
         raise OptionError(f"{what}: empty path (give a file name)")
     p = Path(os.path.abspath(os.path.expanduser(str(path))))

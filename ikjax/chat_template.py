@@ -327,6 +327,16 @@ def opens_reasoning(prompt: str, prefill: str = "") -> bool:
     return prompt.rstrip().endswith(THINK_OPEN)
 
 
+def answer_opening(text: str, source: str, tools, tool_choice: Any, add_generation_prompt: bool,
+                   prefill: str | None) -> str:
+    """What a rendered chat prompt ends with after the template's text: a prefill as given (the
+    answer continues it), else the opening of a call `tool_choice` forces (`forced_answer_start`),
+    else nothing. One rule for the server and `eng.chat`."""
+    if prefill is not None:
+        return prefill
+    return forced_answer_start(text, source, tool_choice) if tools and add_generation_prompt else ""
+
+
 def split_prefill(messages: list, continue_final: bool | None = None) -> tuple[list, str | None]:
     """llama-server's assistant prefill (ik_llama.cpp's too): a final assistant message without
     tool calls is the start of the answer, continued, not a closed turn. Returns (the messages

@@ -11,7 +11,6 @@ import contextlib
 import contextvars
 import json
 import math
-import os
 import threading
 
 import jax
@@ -156,10 +155,8 @@ def is_stats_file(path: str) -> bool:
 def refuse_overwrite(path: str) -> None:
     """Refuse, in one line, to write expert statistics over an existing file that is not an
     expert-stats file (the model, the -f text, a config: a probe saw the loaded GGUF replaced)."""
-    p = os.path.expanduser(str(path))
-    if os.path.isfile(p) and os.path.getsize(p) > 0 and not is_stats_file(p):
-        raise OptionError(f"expert-stats: {path} exists and is not an expert-stats file (JSON {{\"tokens\": N, "
-                          f"\"layers\": {{...}}}}): it is kept; give another file name")
+    from ikjax.atomic_file import keep_foreign
+    keep_foreign(path, "expert-stats", is_stats_file, 'an expert-stats file (JSON {"tokens": N, "layers": {...}})')
 
 
 # The counts of the MoE layers traced so far in this step (`counting`), awaiting the step's one call

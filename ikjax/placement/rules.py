@@ -205,8 +205,8 @@ def _device_labels(devices: Sequence[Any], several: bool = False) -> tuple[tuple
 
 def check_ot_devices(options, devices: Sequence[Any] | None = None) -> None:
     """Refuse (OptionError) an `-ot` rule naming a device this machine does not have: `place`'s
-    check (it makes it again with the split mode), made where a command checks its options, before it reads or tokenizes anything
-    (perplexity printed its tokenization first)."""
+    check (it makes it again with the split mode), made where a command checks its options, before
+    it reads or tokenizes anything (perplexity printed its tokenization first)."""
     if not options.ot:
         return
     if devices is None:

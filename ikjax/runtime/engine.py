@@ -928,11 +928,10 @@ def write_expert_stats(path, stats: dict) -> None:
     existing, an existing file replaced only if it is an expert-stats file (`moe.refuse_overwrite`)."""
     import json
     from ikjax.atomic_file import atomic_write, check_target
-    if not isinstance(path, (str, os.PathLike)):
-        raise OptionError(f"expert-stats: expected a file path, got {type(path).__name__}")
-    layers = stats.get("layers") if isinstance(stats, dict) else None
     def count(c) -> bool:
         return isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c >= 0
+
+    layers = stats.get("layers") if isinstance(stats, dict) else None
     if not (isinstance(stats, dict) and count(stats.get("tokens")) and isinstance(layers, dict)
             and all(isinstance(v, (list, tuple)) and all(count(c) for c in v) for v in layers.values())):
         raise OptionError('expert-stats: expected {"tokens": N, "layers": {"3": [counts >= 0, ...], ...}} '

@@ -124,19 +124,9 @@ def join_rows(scale: np.ndarray, min_log_prob: np.ndarray, q: np.ndarray) -> np.
     return out
 
 
-def _refuse_overwrite(path, what: str) -> None:
-    """An existing file is replaced only if it is a base file (an outside probe's --kl-divergence-base
-    named the model: the GGUF was replaced by logits, the loaded engine's file gone)."""
-    p = Path(os.path.expanduser(str(path)))
-    try:
-        if p.is_file() and p.stat().st_size > 0:
-            with open(p, "rb") as f:
-                head = f.read(len(MAGIC))
-            if head != MAGIC:
-                raise OptionError(f"{what}: {path} exists and is not a base logits file; give another name "
-                                  f"(or remove it first)")
-    except OSError:
-        pass  # unreadable: check_target says what is wrong with it
+def _is_base_file(p: Path) -> bool:
+    with open(p, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
 
 
 class BaseLogitsWriter:
@@ -145,13 +135,12 @@ class BaseLogitsWriter:
     --kl-divergence to read."""
 
     def __init__(self, path, n_ctx: int, n_vocab: int, n_chunk: int, tokens: np.ndarray):
-        from ikjax.atomic_file import _make_parent, check_target
+        from ikjax.atomic_file import _make_parent, check_target, keep_foreign
         what = "kl-divergence-base"
-        if not isinstance(path, (str, os.PathLike)):  # (5 wrote a file named ./5)
-            raise OptionError(f"{what}: expected a file path, got {type(path).__name__}")
-        _refuse_overwrite(path, what)
         self.path = check_target(path, HEADER_BYTES + 4 * n_ctx * n_chunk
                                  + 2 * row_words(n_vocab) * n_scored(n_ctx) * n_chunk, what, parent_exists=True)
+        # (it replaced a loaded GGUF named by mistake)
+        keep_foreign(self.path, what, _is_base_file, "a base logits file")
         _make_parent(self.path, what)  # (a missing directory was a FileNotFoundError after the run's load)
         self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.part")
         self.n_vocab = n_vocab

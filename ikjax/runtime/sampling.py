@@ -56,8 +56,8 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, vo
         raise OptionError(f"seed: expected an integer >= 0, or -1 / None for a random seed, got {seed!r}")
     # past float32's range the device's temperature was inf (and NumPy warned in the cast); logits over
     # 1e30 are all ~0, every id equally likely, as at any larger temperature
-    return dict(temperature=min(float(temperature), 1e30), top_k=effective_top_k(int(top_k), vocab), top_p=float(top_p),
-                min_p=float(min_p), seed=None if seed is None or seed == -1 else int(seed))
+    return dict(temperature=min(float(temperature), 1e30), top_k=effective_top_k(int(top_k), vocab),
+                top_p=float(top_p), min_p=float(min_p), seed=None if seed is None or seed == -1 else int(seed))
 
 
 def effective_top_k(top_k: int, vocab: int | None = None) -> int:

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ikjax.chat_template import (AnswerSplitter, ChatTemplate, ReasoningSplitter, developer_as_system, flatten_content,
-                                 forced_answer_start, opens_reasoning, renders_text_beside_calls, split_prefill)
+from ikjax.chat_template import (AnswerSplitter, ChatTemplate, ReasoningSplitter, answer_opening, developer_as_system,
+                                 flatten_content, opens_reasoning, renders_text_beside_calls, split_prefill)
 from ikjax.errors import OptionError
 from ikjax.runtime.generation import STOP_EOS, Generation, KVSession
 from ikjax.tokenizer import check_text
@@ -94,8 +94,8 @@ class TextStream:
     last delta: `text`, `tokens`, `finish_reason`, `usage`; `close()` stops it early (a cancelled
     request, finish_reason "cancelled": a session keeps what its cache holds). `reasoning_opened`
     says whether the prompt opened R1's `<think>` block (`ReasoningSplitter(opened=...)` splits the
-    deltas); `forced_start` is the opening of a call the chat's `tool_choice` forced, which ends the prompt and is the
-    answer's first text (`AnswerSplitter(..., forced=stream.forced_start)` takes both)."""
+    deltas); `forced_start` is the opening of a call the chat's `tool_choice` forced, which ends the
+    prompt and is the answer's first text (`AnswerSplitter(..., forced=stream.forced_start)` takes both)."""
 
     def __init__(self, gen: Generation, detok, stops: Sequence[str], *, prompt: str | None = None,
                  reasoning_opened: bool = False, forced_start: str = ""):
@@ -247,9 +247,8 @@ def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool 
     text = t.render(tool_messages(developer_as_system(messages, t.source), tools, t.source,
                                   tool_choice, keep_text=renders_text_beside_calls(t.source)),
                     add_generation_prompt, **kwargs)
-    start = forced_answer_start(text, t.source, tool_choice) if tools and add_generation_prompt and prefill is None \
-        else ""
-    return text + start + (prefill or ""), start, t, prefill or ""
+    end = answer_opening(text, t.source, tools, tool_choice, add_generation_prompt, prefill)
+    return text + end, ("" if prefill is not None else end), t, prefill or ""
 
 
 # what chat() passes on to complete(): its sampling and stopping options

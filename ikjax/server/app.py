@@ -31,7 +31,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from ikjax.chat_template import (AnswerSplitter, ChatTemplateError, developer_as_system, forced_answer_start,
+from ikjax.chat_template import (AnswerSplitter, ChatTemplateError, answer_opening, developer_as_system,
                                  opens_reasoning, renders_text_beside_calls, split_prefill)
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
@@ -321,9 +321,9 @@ class Server:
         # on a worker thread: a long conversation's render is Python work the event loop need not wait for
         text = await asyncio.to_thread(self.template.render, messages, add_generation_prompt=add_generation_prompt,
                                        **extra)
-        start = forced_answer_start(text, self.template.source, body.get("tool_choice")) \
-            if tools and add_generation_prompt and prefill is None else ""
-        text += start + (prefill or "")
+        end = answer_opening(text, self.template.source, tools, body.get("tool_choice"), add_generation_prompt, prefill)
+        text += end
+        start = "" if prefill is not None else end
         bos = self.tok.token_text(self.tok.bos_id)
         # a template writes BOS itself: the text is tokenized without another one (llama-server strips
         # the template's and adds its own: the same ids)
