@@ -102,6 +102,7 @@
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 #   STAGE=75: HEAD's health (the gpu-marked tests, the deep shape cold then warm). STAGE=76: the RMSNorm
 #            folded into the decode products (IKJAX_FOLD_NORM) on / off: GPU tests, deep-shape rows, kernels.
+#   STAGE=95: issue 22: XLA's command-buffer log for the scanned decode plain and after a 2-token step.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
 #                                       tool returns only a few files a call: one archive returns all)
@@ -1632,6 +1633,28 @@ for line in sys.stdin:
   for run in 1 2; do
     el "dedup probe, -ot run $run"
     timeout 150 python3 bench/jaxpr_dedup_probe.py $M -c 512 -ub 256 -n 4 -ot exps=CPU -t 4 2>&1 | grep -E "^step|^    |compiled .* in all|rror" | cut -c1-700 | head -40
+  done
+  ;;
+95)
+  # issue 22, the scanned decode's loss after a step of T >= 2 (§22u, §22v): does XLA update or record
+  # the decode's command buffers again on every token after such a step? XLA's command-buffer log
+  # counted for the decode calls plain and after one 2-token step (VARIANTS95: "TAG|ENV|ARGS;..."),
+  # and the wall a token with command buffers off both ways
+  v2l_ready
+  IFS=';' read -ra vs <<< "${VARIANTS95:-log-plain|LOG95=1|;log-step2|LOG95=1|--prefill --prefill-tokens 2;nocmd-plain|DPROF_NO_CMDBUF=1|;nocmd-step2|DPROF_NO_CMDBUF=1|--prefill --prefill-tokens 2}"
+  for v in "${vs[@]}"; do
+    tag=${v%%|*}; rest=${v#*|}; envs=${rest%%|*}; args=${rest#*|}
+    echo "== $tag: ${envs:-(default env)} | ${args:-plain}"
+    if [[ $envs == *LOG95=1* ]]; then
+      env $envs TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE="command_buffer_thunk=3,command_buffer_cmd=2,command_executor=2,gpu_command_buffer=2,cuda_command_buffer=2,command_buffer_conversion_pass=2,while_thunk=2" \
+        IKJAX_COMPILE_CACHE=/tmp/cc95 timeout 170 python3 bench/gpu_decode_profile.py $V2L --top 3 $args > /tmp/d95.out 2> /tmp/d95.err
+      grep "a token wall" /tmp/d95.out; echo "log lines: $(wc -l < /tmp/d95.err)"
+      grep -v Warn /tmp/d95.err | sed 's/^.*\] //' | sed -E 's/0x[0-9a-f]+|[0-9]+/N/g' | cut -c1-150 | sort | uniq -c | sort -rn | head -${TOP95:-18}
+      cp /tmp/d95.err $OUT/log95-$tag.txt 2>/dev/null; gzip -f $OUT/log95-$tag.txt
+    else
+      env $envs IKJAX_COMPILE_CACHE=/tmp/cc95-$tag timeout 170 python3 bench/gpu_decode_profile.py $V2L --top 3 $args 2>&1 | grep -v Warn | head -${HEAD95:-1}
+    fi
+    el "done $tag"
   done
   ;;
 esac
