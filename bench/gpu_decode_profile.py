@@ -41,6 +41,9 @@ def main() -> None:
                                         "step2all", "batch2"), help="what else runs before the calls")
     ap.add_argument("--other-after", action="store_true", help="--other after the --prefill, not before")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
+    ap.add_argument("--after", choices=("copyweights", "clear", "both"),
+                    help="after the --prefill: the weights copied into new buffers (copyweights), or every compiled "
+                         "program dropped and the decode loaded again (clear: the prompt step's modules unloaded)")
     ap.add_argument("--cpu-moe", action="store_true", help="routed experts in host RAM (-ot exps=CPU): a hybrid token")
     ap.add_argument("--threads", type=int, default=0, help="-t for the host experts (0: all cores)")
     ap.add_argument("--ubatch", type=int, default=512)
@@ -115,6 +118,18 @@ def main() -> None:
         n = a.prefill_tokens
         out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, n)), np.array([a.kv - n]))
         out.block_until_ready()
+    if a.after in ("copyweights", "both"):
+        import jax.numpy as jnp
+        eng.weights = jax.tree.map(lambda x: jnp.array(x, copy=True), eng.weights)
+        jax.block_until_ready(eng.weights)
+        import gc
+        gc.collect()
+    if a.after in ("clear", "both"):
+        import gc
+        eng._steps.forget_all()
+        jax.clear_caches()
+        gc.collect()
+        eng.precompile_decode(1, a.tg, a.kv + a.tg)
     moved = collections.Counter()
 
     def ptrs(c):

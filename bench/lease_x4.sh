@@ -1657,6 +1657,23 @@ for line in sys.stdin:
     el "done $tag"
   done
   ;;
+96)
+  # issue 22, §22aq: where the scanned decode's loss after a 2-token step lives: the weights' buffers
+  # (copied after the step), the prompt step's loaded programs (dropped after it), the GPU's clocks
+  # (sampled during each run); VARIANTS96 "TAG|ENV|ARGS;..."
+  v2l_ready
+  IFS=';' read -ra vs <<< "${VARIANTS96:-plain||;step2||--prefill --prefill-tokens 2;copy||--prefill --prefill-tokens 2 --after copyweights;clear||--prefill --prefill-tokens 2 --after clear;unroll-step2|IKJAX_LAYERS=unroll|--prefill --prefill-tokens 2}"
+  for v in "${vs[@]}"; do
+    tag=${v%%|*}; rest=${v#*|}; envs=${rest%%|*}; args=${rest#*|}
+    echo "== $tag: ${envs:-(default env)} | ${args:-plain}"
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,pstate,temperature.gpu --format=csv,noheader -lms 200 > /tmp/smi96.txt 2>&1 &
+    smi=$!
+    env $envs IKJAX_COMPILE_CACHE=/tmp/cc96 timeout 170 python3 bench/gpu_decode_profile.py $V2L --top 3 $args 2>&1 | grep -v Warn | head -1
+    kill $smi 2>/dev/null
+    echo "clocks (sm MHz, mem MHz, W, pstate, C) sampled while it ran, busiest 5: $(sort -t, -k3 -rn /tmp/smi96.txt | head -5 | tr '\n' ';')"
+    el "done $tag"
+  done
+  ;;
 esac
 ikprog
 el "stage $STAGE done"
