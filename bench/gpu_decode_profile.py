@@ -21,6 +21,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_trace import gpu_kernels, host_events  # noqa: E402
 
 
+def cuda_limits(set_stack: int | None = None) -> dict:
+    """The CUDA primary context's per-thread stack (local memory) and heap limits, through the
+    driver API (ctypes): a kernel that needs more local memory than the context holds grows it at
+    launch, and since CUDA 11 it never shrinks back (CU_CTX_LMEM_RESIZE_TO_MAX is the default)."""
+    import ctypes
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return {}
+    ctx, dev = ctypes.c_void_p(), ctypes.c_int()
+    cu.cuDeviceGet(ctypes.byref(dev), 0)
+    if cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+        return {}
+    cu.cuCtxPushCurrent(ctx)
+    try:
+        if set_stack is not None:
+            rc = cu.cuCtxSetLimit(0, ctypes.c_size_t(set_stack))
+            print(f"cuCtxSetLimit(STACK_SIZE, {set_stack}) -> {rc}")
+        out = {}
+        for name, k in (("stack", 0), ("printf", 1), ("heap", 2)):
+            v = ctypes.c_size_t()
+            cu.cuCtxGetLimit(ctypes.byref(v), k)
+            out[name] = v.value
+        return out
+    finally:
+        cu.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p()))
+        cu.cuDevicePrimaryCtxRelease(dev)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -41,7 +70,7 @@ def main() -> None:
                                         "step2all", "batch2"), help="what else runs before the calls")
     ap.add_argument("--other-after", action="store_true", help="--other after the --prefill, not before")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
-    ap.add_argument("--after", choices=("copyweights", "clear", "both"),
+    ap.add_argument("--after", choices=("copyweights", "clear", "both", "stack"),
                     help="after the --prefill: the weights copied into new buffers (copyweights), or every compiled "
                          "program dropped and the decode loaded again (clear: the prompt step's modules unloaded)")
     ap.add_argument("--cpu-moe", action="store_true", help="routed experts in host RAM (-ot exps=CPU): a hybrid token")
@@ -114,10 +143,15 @@ def main() -> None:
         cache = jax.tree.map(lambda c: (jax.random.normal(next(keys), c.shape, jax.numpy.float32) * 0.5).astype(c.dtype)
                              if jax.numpy.issubdtype(c.dtype, jax.numpy.floating) else c, cache)
         jax.block_until_ready(cache)
+    limits_before = cuda_limits()
+    print(f"cuda limits before the prefill: {limits_before}")
     if a.prefill:
         n = a.prefill_tokens
         out, cache = eng.step(cache, rng.integers(0, eng.config.vocab_size, (1, n)), np.array([a.kv - n]))
         out.block_until_ready()
+    print(f"cuda limits after the prefill: {cuda_limits()}")
+    if a.after == "stack" and limits_before:
+        print(f"cuda limits after setting the stack back: {cuda_limits(limits_before['stack'])}")
     if a.after in ("copyweights", "both"):
         import jax.numpy as jnp
         eng.weights = jax.tree.map(lambda x: jnp.array(x, copy=True), eng.weights)
@@ -130,6 +164,7 @@ def main() -> None:
         jax.clear_caches()
         gc.collect()
         eng.precompile_decode(1, a.tg, a.kv + a.tg)
+        print(f"cuda limits after clearing: {cuda_limits()}")
     moved = collections.Counter()
 
     def ptrs(c):

@@ -1668,7 +1668,7 @@ for line in sys.stdin:
     echo "== $tag: ${envs:-(default env)} | ${args:-plain}"
     nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,pstate,temperature.gpu --format=csv,noheader -lms 200 > /tmp/smi96.txt 2>&1 &
     smi=$!
-    env $envs IKJAX_COMPILE_CACHE=/tmp/cc96 timeout 170 python3 bench/gpu_decode_profile.py $V2L --top 3 $args 2>&1 | grep -v Warn | head -1
+    env $envs IKJAX_COMPILE_CACHE=/tmp/cc96 timeout 170 python3 bench/gpu_decode_profile.py $V2L --top 3 $args 2>&1 | grep -v Warn | grep -B20 -m1 "a token wall"
     kill $smi 2>/dev/null
     echo "clocks (sm MHz, mem MHz, W, pstate, C) sampled while it ran, busiest 5: $(sort -t, -k3 -rn /tmp/smi96.txt | head -5 | tr '\n' ';')"
     el "done $tag"
