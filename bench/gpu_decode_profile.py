@@ -70,7 +70,7 @@ def main() -> None:
                                         "step2all", "batch2"), help="what else runs before the calls")
     ap.add_argument("--other-after", action="store_true", help="--other after the --prefill, not before")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
-    ap.add_argument("--after", choices=("copyweights", "clear", "both", "stack"),
+    ap.add_argument("--after", choices=("copyweights", "clear", "both", "stack", "dropdecode", "dropprompt"),
                     help="after the --prefill: the weights copied into new buffers (copyweights), or every compiled "
                          "program dropped and the decode loaded again (clear: the prompt step's modules unloaded)")
     ap.add_argument("--cpu-moe", action="store_true", help="routed experts in host RAM (-ot exps=CPU): a hybrid token")
@@ -165,6 +165,16 @@ def main() -> None:
         gc.collect()
         eng.precompile_decode(1, a.tg, a.kv + a.tg)
         print(f"cuda limits after clearing: {cuda_limits()}")
+    if a.after in ("dropdecode", "dropprompt"):
+        import gc
+        steps = eng._steps
+        with steps._lock:
+            for k in [k for k in steps.table if (k[3] is None) == (a.after == "dropprompt")]:
+                del steps.table[k]
+        jax.clear_caches()
+        gc.collect()
+        eng.precompile_decode(1, a.tg, a.kv + a.tg)
+        print(f"after {a.after}: {len(steps.table)} step(s) kept")
     moved = collections.Counter()
 
     def ptrs(c):
