@@ -66,7 +66,7 @@ def main() -> None:
                     help="one 512-token prompt step first, then the decode calls back to back: a cache of real "
                          "rows (tokens routed as after a prompt) without a prompt step between the calls")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="the prefill's tokens (ending at --kv)")
-    ap.add_argument("--other", choices=("compile", "trivial", "matmul", "discard", "random", "step1", "headdot", "headrows", "step2idle",
+    ap.add_argument("--other", choices=("compile", "trivial", "matmul", "matmulkeep", "dot2keep", "discard", "random", "step1", "headdot", "headrows", "step2idle",
                                         "step2all", "batch2"), help="what else runs before the calls")
     ap.add_argument("--other-after", action="store_true", help="--other after the --prefill, not before")
     ap.add_argument("--decode-first", action="store_true", help="one decode call before the prefill")
@@ -111,6 +111,12 @@ def main() -> None:
         eng.precompile(1, 512, a.kv)
     elif a.other == "trivial":  # some other XLA GPU program, not ours
         jax.block_until_ready(jax.jit(lambda v: (v * 2 + 1).sum())(jax.numpy.ones((1 << 26,))))
+    elif a.other in ("matmulkeep", "dot2keep"):  # as matmul / a two-row product, its program kept loaded
+        import jax.numpy as jnp
+        shape = ((8192, 8192), (8192, 8192)) if a.other == "matmulkeep" else ((2, 2048), (2048, 3072))
+        x, y = jnp.ones(shape[0], jnp.bfloat16), jnp.ones(shape[1], jnp.bfloat16)
+        main.kept = jax.jit(lambda u, v: (u @ v).sum()).lower(x, y).compile()
+        jax.block_until_ready(main.kept(x, y))
     elif a.other == "matmul":  # a large product on the matrix unit (what a prompt step is mostly made of)
         m = jax.numpy.ones((8192, 8192), jax.numpy.bfloat16)
         jax.block_until_ready(jax.jit(lambda v: (v @ v).sum())(m))

@@ -1674,6 +1674,14 @@ for line in sys.stdin:
     el "done $tag"
   done
   ;;
+97)
+  # issue 22, §22aq: the custom calls and fusions a 2-token step holds that a one-token step does not
+  # (bench/gpu_step_hlo_diff.py), then STAGE=96's decode variants (VARIANTS96)
+  v2l_ready
+  timeout 200 python3 bench/gpu_step_hlo_diff.py $V2L 2>&1 | grep -v Warn | tail -40
+  el "hlo diff done"
+  STAGE=96 bash bench/lease_x4.sh 2>&1 | grep -v "clocks (sm\|cuda limits\|installed\|ik build\|H200, \|cores;"
+  ;;
 esac
 ikprog
 el "stage $STAGE done"
