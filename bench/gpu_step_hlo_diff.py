@@ -23,6 +23,8 @@ def summary(d: Path, tag: str) -> collections.Counter:
         text = f.read_text(errors="replace")
         for m in re.finditer(r'custom_call_target="([^"]+)"', text):
             c["custom_call " + m.group(1)] += 1
+        for m in re.finditer(r'"kind":"([^"]+)"', text):  # custom fusions' kinds (triton gemm, cudnn, dynamic slices)
+            c["custom fusion " + m.group(1)] += 1
         for m in re.finditer(r"kind=(k\w+)", text):
             c["fusion " + m.group(1)] += 1
         for m in re.finditer(r'"name":"([A-Za-z_]+)', text):  # Triton / Pallas kernel names in backend configs
@@ -55,6 +57,10 @@ def main() -> None:
                 "eng.precompile(1, %d, %d)" % (a.model, t, a.kv))
         subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=300)
         out[t] = summary(d, f"T={t}")
+        if os.environ.get("OUT"):  # the optimized modules themselves, for reading off the device
+            import shutil
+            for f in d.glob("*after_optimizations.txt"):
+                shutil.copy(f, Path(os.environ["OUT"]) / f"T{t}-{f.name[-80:]}")
     big, small = out[a.tokens], out[a.other]
     print(f"in the T={a.tokens} step, not (or more than) in the T={a.other} step:")
     for k in sorted(set(big) | set(small)):
