@@ -50,6 +50,70 @@ def cuda_limits(set_stack: int | None = None) -> dict:
         cu.cuDevicePrimaryCtxRelease(dev)
 
 
+_LOCAL_PTX = """.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry biglocal(.param .u64 p_out, .param .u32 p_n)
+{
+    .local .align 16 .b8 depot[%(bytes)d];
+    .reg .b32 %%r<8>;
+    .reg .b64 %%rd<10>;
+    mov.u64 %%rd1, depot;
+    ld.param.u64 %%rd2, [p_out];
+    ld.param.u32 %%r1, [p_n];
+    mov.u32 %%r2, %%tid.x;
+    add.u32 %%r3, %%r1, %%r2;
+    and.b32 %%r3, %%r3, %(mask)d;
+    mul.wide.u32 %%rd3, %%r3, 4;
+    add.u64 %%rd4, %%rd1, %%rd3;
+    st.local.u32 [%%rd4], %%r2;
+    xor.b32 %%r5, %%r3, 1;
+    mul.wide.u32 %%rd8, %%r5, 4;
+    add.u64 %%rd9, %%rd1, %%rd8;
+    ld.local.u32 %%r4, [%%rd9];
+    cvta.to.global.u64 %%rd5, %%rd2;
+    mul.wide.u32 %%rd6, %%r2, 4;
+    add.u64 %%rd7, %%rd5, %%rd6;
+    st.global.u32 [%%rd7], %%r4;
+    ret;
+}
+"""
+
+
+def big_local_kernel(nbytes: int, unload: bool) -> str:
+    """A kernel of `nbytes` of local memory a thread launched once through the driver API in JAX's
+    context (its module kept loaded unless `unload`): whether a context's grown local-memory
+    reservation is the state a T >= 2 step's program leaves for the scanned decode (§22aq)."""
+    import ctypes
+    cu = ctypes.CDLL("libcuda.so.1")
+    ctx, dev = ctypes.c_void_p(), ctypes.c_int()
+    cu.cuDeviceGet(ctypes.byref(dev), 0)
+    cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    cu.cuCtxPushCurrent(ctx)
+    try:
+        mod, fn, buf = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
+        ptx = (_LOCAL_PTX % {"bytes": nbytes, "mask": nbytes // 4 - 1}).encode() + b"\0"
+        rc = cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx))
+        if rc:
+            return f"cuModuleLoadData -> {rc}"
+        cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"biglocal")
+        local = ctypes.c_int()
+        cu.cuFuncGetAttribute(ctypes.byref(local), 3, fn)  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+        cu.cuMemAlloc_v2(ctypes.byref(buf), ctypes.c_size_t(4096))
+        n = ctypes.c_uint32(1)
+        params = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(buf), ctypes.c_void_p),
+                                       ctypes.cast(ctypes.byref(n), ctypes.c_void_p))
+        rc = cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, None, params, None)
+        rc2 = cu.cuCtxSynchronize()
+        if unload:
+            cu.cuModuleUnload(mod)
+        else:
+            big_local_kernel.kept = mod
+        return f"local {local.value} B a thread, launch {rc}, sync {rc2}, {'unloaded' if unload else 'kept'}"
+    finally:
+        cu.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -73,6 +137,9 @@ def main() -> None:
     ap.add_argument("--after", choices=("copyweights", "clear", "both", "stack", "dropdecode", "dropprompt"),
                     help="after the --prefill: the weights copied into new buffers (copyweights), or every compiled "
                          "program dropped and the decode loaded again (clear: the prompt step's modules unloaded)")
+    ap.add_argument("--big-local", type=int, default=0,
+                    help="launch a kernel of this many bytes of local memory a thread before the calls (driver API)")
+    ap.add_argument("--big-local-unload", action="store_true", help="--big-local's module unloaded after its launch")
     ap.add_argument("--cpu-moe", action="store_true", help="routed experts in host RAM (-ot exps=CPU): a hybrid token")
     ap.add_argument("--threads", type=int, default=0, help="-t for the host experts (0: all cores)")
     ap.add_argument("--ubatch", type=int, default=512)
@@ -149,6 +216,8 @@ def main() -> None:
         cache = jax.tree.map(lambda c: (jax.random.normal(next(keys), c.shape, jax.numpy.float32) * 0.5).astype(c.dtype)
                              if jax.numpy.issubdtype(c.dtype, jax.numpy.floating) else c, cache)
         jax.block_until_ready(cache)
+    if a.big_local:
+        print(f"big-local kernel: {big_local_kernel(a.big_local, a.big_local_unload)}")
     limits_before = cuda_limits()
     print(f"cuda limits before the prefill: {limits_before}")
     if a.prefill:
