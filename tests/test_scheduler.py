@@ -470,6 +470,40 @@ def test_failed_step_fails_the_slots_and_the_loop_goes_on(eng, monkeypatch):
         s.stop()
 
 
+def test_a_callback_that_raises_ends_only_its_request(eng):
+    """The caller's callback raising (the server's hand-over to a closed event loop) cancels that
+    request alone: before, the step's exception failed every slot's request through _reset, and a
+    callback raising again there ended the scheduler's thread (later requests queued for ever)."""
+    s = Scheduler(eng, 2).start()
+    try:
+        class Raising(Collect):
+            def __init__(self, on_done: bool):
+                super().__init__()
+                self.on_done = on_done
+
+            def __call__(self, kind, value):
+                super().__call__(kind, value)
+                if kind == "token" and len(self.tokens) == 3 or kind != "token" and self.on_done:
+                    raise RuntimeError("Event loop is closed")
+        p, q = ids(eng, 5, 21), ids(eng, 9, 22)
+        good = Collect()
+        req_good = s.submit(s.make_request(p, 12, on_event=good, ignore_eos=True))
+        for on_done in (False, True):
+            bad = Raising(on_done)
+            req_bad = s.submit(s.make_request(q, 12, on_event=bad, ignore_eos=True))
+            deadline = time.time() + 60
+            while req_bad.finish_reason is None and time.time() < deadline:
+                time.sleep(0.01)
+            assert req_bad.finish_reason == "cancelled" and len(bad.tokens) == 3
+        assert good.wait() == ("done", "max_tokens") and good.tokens == list(eng.generate(p, 12, ignore_eos=True))
+        assert req_good.finish_reason == "max_tokens" and s._thread.is_alive()
+        _, c = submit(s, q, 4)  # the loop still serves
+        assert c.wait()[0] == "done" and c.tokens == list(eng.generate(q, 4))
+        assert s.slots_busy() == 0
+    finally:
+        s.stop()
+
+
 def test_top_k_past_the_vocabulary_is_off(eng, sched):
     """A top_k at or past the vocabulary keeps every id: it is off (0), so it draws top_k 0's tokens,
     compiles no loop of its own, and one of 3e9 (past int32) no longer fails the whole batch: a
@@ -661,7 +695,9 @@ def test_logit_bias(eng, sched):
     assert c.wait()[0] == "done" and plain[0] not in c.tokens and req._setting is None
     req, c = submit(sched, p, 4, temperature=1.5, seed=4, ignore_eos=True)
     assert c.wait()[0] == "done" and (req._setting is not None) == sched._row_keys
-    for bad in ({eng.config.vocab_size: 1.0}, {"a": 1.0}, {1: "x"}, {1: float("nan")}, [[1]], 5):
+    # 1e308: finite, but a repeat penalty below 1 made its logit Inf and the request ended blaming the model
+    for bad in ({eng.config.vocab_size: 1.0}, {"a": 1.0}, {1: "x"}, {1: float("nan")}, [[1]], 5, {1: 1e308},
+                {1: -1e31}):
         with pytest.raises(ikjax.OptionError, match="logit_bias"):
             sched.make_request(p, 2, on_event=Collect(), logit_bias=bad)
     # every token banned (it drew banned ids): refused; every token but one: that one, every time

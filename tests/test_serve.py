@@ -976,6 +976,15 @@ def test_user_field_must_be_a_string():
     """OpenAI's `user` is a string (OpenAI and vLLM answer 400 to any other type): refused naming it."""
     from ikjax.server.openai import ApiError, Defaults, gen_params
     assert gen_params({"user": "u-1"}, Defaults(), max_names=("max_tokens",)).max_tokens is None
+    # top_p 0 ("only the most likely token") is applied after the `samplers` chain's filter: a chain of
+    # top_p without top_k kept every token before; a chain without top_p had its top_k set to 1
+    mk = ("max_tokens",)
+    for chain in (["top_p", "temperature"], "pt"):
+        g = gen_params({"top_p": 0, "temperature": 1.0, "samplers": chain}, Defaults(), max_names=mk)
+        assert (g.top_k, g.top_p) == (1, 1.0), chain
+    g = gen_params({"top_p": 0, "top_k": 40, "temperature": 1.0, "samplers": ["top_k", "temperature"]}, Defaults(),
+                   max_names=mk)
+    assert (g.top_k, g.top_p) == (40, 1.0)
     for bad in (5, ["u"], {"id": 1}, True):
         with pytest.raises(ApiError, match="^user: expected a string"):
             gen_params({"user": bad}, Defaults(), max_names=("max_tokens",))

@@ -131,6 +131,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
 LOGIT_BAN = -100.0  # a bias this low bans the token (OpenAI: "-100 should result in a ban")
 
 
+MAX_LOGIT_BIAS = 1e30  # |bias| past it: refused (times any penalty factor it stays finite in float32)
+
+
 def check_logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's / llama-server's `logit_bias` as (token id, bias) pairs: a mapping of ids (or their
     decimal strings) to numbers, or llama-server's list of [id, number | false] pairs (false: never
@@ -151,8 +154,11 @@ def check_logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
             raise OptionError(f"logit_bias: {k!r} is not a token id of this model (0..{vocab_size - 1})")
         if v is False:
             v = LOGIT_BAN
-        if not _is_real(v) or not math.isfinite(v):
-            raise OptionError(f"logit_bias[{k!r}]: expected a finite number (or false), got {v!r}")
+        if not _is_real(v) or not math.isfinite(v) or abs(v) > MAX_LOGIT_BIAS:
+            # bounded: a bias of 1e308 divided by a repeat penalty below 1 overflowed to Inf, and the
+            # request ended blaming the model's weights (an outside review, stop 68)
+            raise OptionError(f"logit_bias[{k!r}]: expected a finite number in [-{MAX_LOGIT_BIAS:g}, "
+                              f"{MAX_LOGIT_BIAS:g}] (or false), got {v!r}")
         out[tok] = float(v)
     return tuple(sorted(out.items()))
 

@@ -804,9 +804,26 @@ class Scheduler:
         reason = generation.stop_reason(tok, n, len(req.prompt) + n, limit, req.stop_ids, self.ctx)
         if reason == STOP_MAX_TOKENS and req.max_tokens is None:
             reason = STOP_CONTEXT
-        req.on_event("token", tok)
-        if reason is not None:
+        if not self._notify(req, "token", tok):  # its caller is gone: it leaves now, its slot freed
+            self._finish(req, STOP_CANCELLED)
+        elif reason is not None:
             self._finish(req, reason)
+
+    def _notify(self, req: Request, kind: str, value) -> bool:
+        """req.on_event(kind, value); False if it raised. Why: the callback is the caller's code (the
+        server's hand-over to its event loop raises once that loop is closed); one that raised in a
+        step failed every request on every slot through _reset, and one that raised again there
+        ended the scheduler's thread, every later request then queued for ever (an outside review,
+        stop 68). A failing callback ends its own request only."""
+        try:
+            req.on_event(kind, value)
+            return True
+        except Exception as e:  # noqa: BLE001 - the caller's code: its failure is its request's alone
+            if req.cancelled is None:
+                req.cancelled = f"its callback raised {type(e).__name__}"
+                log.warning("scheduler: request %d's callback raised on %r (%s): the request is cancelled",
+                            req.id, kind, _one_line(e))
+            return False
 
     def _finish(self, req: Request, reason: str, message: str | None = None) -> None:
         if req.finish_reason is not None:
@@ -818,9 +835,9 @@ class Scheduler:
             self.slots[req.slot].last_used = req.t_end
         self.stats.requests[reason] = self.stats.requests.get(reason, 0) + 1
         if message is not None:
-            req.on_event("error", message)
+            self._notify(req, "error", message)
         else:
-            req.on_event("done", reason)
+            self._notify(req, "done", reason)
 
     def _reset(self, message: str) -> None:
         """After a failed step (the batch cache may be consumed): fail the requests on slots, start

@@ -362,8 +362,6 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     top_p = float(_get(body, "top_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", d.top_p))
     min_p = float(_get(body, "min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", d.min_p))
     seed = _get(body, "seed", _is_int, "an integer (-1 = random)", d.seed)
-    if top_p == 0.0:  # "only the most likely token": what top_p -> 0 means, without an empty set
-        top_p, top_k = 1.0, 1
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -418,6 +416,9 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
         min_p = min_p if "min_p" in kept else 0.0
         if "temperature" not in kept and temperature > 0:  # the distribution as it is (greedy stays greedy)
             temperature = 1.0
+    # after the chain's filter: a top_p of 0 left out of `samplers` does not run, so it must not set top_k
+    if top_p == 0.0:  # "only the most likely token": what top_p -> 0 means, without an empty set
+        top_p, top_k = 1.0, 1
     return GenParams(max_tokens=None if n == -1 else n, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                      min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
