@@ -95,6 +95,25 @@ def test_sampling_is_seeded_and_filters():
     assert stopped == one[:3]
 
 
+def test_a_temperature_under_float32s_range_draws_the_most_likely_token(tiny_model):
+    """A positive temperature below float32's smallest (1e-40, 5e-324): 1/t was Inf with a
+    RuntimeWarning on the user's terminal, and Inf times a logit difference of 0 is NaN; now the
+    largest float32, the draw the most likely token on the device and on the host, no warning."""
+    import warnings
+
+    from ikjax.runtime.sampling import inverse_temperature, sample_next
+    eng = ikjax.load(tiny_model, ctx=128, ubatch=32)
+    p = [5, 6, 7, 8]
+    greedy = list(eng.generate(p, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for t in (1e-40, 5e-324):
+            assert np.isfinite(inverse_temperature(t))
+            assert list(eng.generate(p, 6, temperature=t, seed=1)) == greedy, t
+            logits = np.array([1.0, 3.0, 2.0, 3.0 - 1e-9])
+            assert sample_next(logits, temperature=t, top_k=0, top_p=1.0, min_p=0.0, rng=np.random.default_rng(0)) == 1
+
+
 def test_decode_loop_equals_one_token_per_dispatch(monkeypatch):
     """Several decode steps per dispatch (Engine.decode, tokens picked on the device) give the
     tokens of one step per dispatch, through a stop id inside a chunk and the context's end."""

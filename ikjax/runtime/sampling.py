@@ -224,7 +224,8 @@ def sample_next(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0,
     if min_p > 0.0:
         keep = probs >= min_p * probs[0]  # min_p <= 1 always keeps the most likely token
         order, probs = order[keep], probs[keep]
-    scaled = np.exp((logits[order] - logits[order[0]]) / temperature)
+    with np.errstate(over="ignore"):  # a tiny temperature: -Inf past the first, exp 0 (only the most likely)
+        scaled = np.exp((logits[order] - logits[order[0]]) / temperature)
     scaled /= scaled.sum()
     rng = rng or np.random.default_rng()
     return int(order[rng.choice(len(order), p=scaled)])
@@ -255,7 +256,10 @@ def inverse_temperature(temperature) -> np.float32:
     device, where a GPU may not round it as IEEE does; a product rounds alike everywhere, so a
     stream drawn with its setting as a step argument (the server) and one with it compiled in
     (`generate`) draw the same tokens."""
-    return np.float32(1.0) / np.float32(temperature)
+    with np.errstate(divide="ignore", over="ignore"):  # a temperature under float32's range: 1/0
+        inv = np.float32(1.0) / np.float32(temperature)
+    # (the largest float32, not Inf: Inf times a logit of 0 is NaN; the draw is the most likely token)
+    return inv if np.isfinite(inv) else np.finfo(np.float32).max
 
 
 ROW_PARAMS = ("inv_temperature", "top_k", "top_p", "min_p")  # row_params' arrays
