@@ -504,6 +504,44 @@ def test_a_callback_that_raises_ends_only_its_request(eng):
         s.stop()
 
 
+def test_an_erase_answered_during_an_admission_is_never_skipped(eng, monkeypatch):
+    """erase_slot answered while the loop was taking that slot for a request (between its dequeue and
+    the slot's taking) was then skipped: the request reused the tokens the caller had just erased.
+    Now an erase is either applied before the reuse is reckoned or refused (the slot busy)."""
+    import threading
+    s = Scheduler(eng, 1).start()
+    try:
+        p = ids(eng, 20, 31)
+        _, c = submit(s, p, 2)
+        assert c.wait()[0] == "done" and s.slot_info()[0]["n_cached"] > 0
+        outcome = {}
+        real = Scheduler._reuse
+
+        def reuse(self, slot, prompt, cache_prompt):  # an erase arriving mid-admission, waited for a while
+            if not outcome:
+                def erase():
+                    try:
+                        outcome["erased"] = s.erase_slot(0)
+                    except ikjax.OptionError as e:
+                        outcome["refused"] = str(e)
+                t = threading.Thread(target=erase)
+                outcome["thread"] = t
+                t.start()
+                t.join(0.3)
+            return real(self, slot, prompt, cache_prompt)
+        monkeypatch.setattr(Scheduler, "_reuse", reuse)
+        req, c = submit(s, p + [5], 2)
+        assert c.wait()[0] == "done"
+        outcome["thread"].join(10)
+        assert ("erased" in outcome) != ("refused" in outcome), outcome
+        if "erased" in outcome:
+            assert req.n_cached == 0, (outcome, req.n_cached)
+        else:
+            assert "processing" in outcome["refused"]
+    finally:
+        s.stop()
+
+
 def test_top_k_past_the_vocabulary_is_off(eng, sched):
     """A top_k at or past the vocabulary keeps every id: it is off (0), so it draws top_k 0's tokens,
     compiles no loop of its own, and one of 3e9 (past int32) no longer fails the whole batch: a

@@ -393,11 +393,7 @@ class Scheduler:
     def _iteration(self) -> None:
         self._drop_cancelled()
         with self._cv:
-            erase, self._erase = self._erase, set()
-        for i in erase:  # (a request admitted since erase_slot was asked keeps what it reused)
-            slot = self.slots[i]
-            if slot.req is None:
-                slot.tokens, slot.exact, slot.prompt_end = [], 0, 0
+            self._apply_erases()
         self._admit()
         self._sync_solo()
         fed = bool(self._prefill)
@@ -536,15 +532,27 @@ class Scheduler:
                 if req is None:
                     return
                 self._queue.remove(req)
-            best = self.slots[req.want_slot] if req.want_slot is not None else \
-                max(free, key=lambda s: (self._reuse(s, req.prompt, req.cache_prompt), self._similar(s, req.prompt),
-                                         -s.last_used))
-            req.slot = best.index
-            req.n_cached = req._pos = self._reuse(best, req.prompt, req.cache_prompt)
+                # under the lock with the slot's taking: an erase_slot answered before it is applied
+                # before any reuse is reckoned, one after it is refused (the slot busy); before, an
+                # erase between the two was answered, then skipped, the slot's tokens reused
+                self._apply_erases()
+                best = self.slots[req.want_slot] if req.want_slot is not None else \
+                    max(free, key=lambda s: (self._reuse(s, req.prompt, req.cache_prompt),
+                                             self._similar(s, req.prompt), -s.last_used))
+                req.slot = best.index
+                req.n_cached = req._pos = self._reuse(best, req.prompt, req.cache_prompt)
+                best.req = req
             req._rng = np.random.default_rng(req.sampling["seed"])
-            best.req = req
             best.last_used = now
             self._prefill.append(req)
+
+    def _apply_erases(self) -> None:
+        """The idle slots' pending erase_slot calls (the caller holds the lock; the loop's thread)."""
+        erase, self._erase = self._erase, set()
+        for i in erase:
+            slot = self.slots[i]
+            if slot.req is None:
+                slot.tokens, slot.exact, slot.prompt_end = [], 0, 0
 
     def _prefill_chunk(self) -> None:
         req = self._prefill[0]
