@@ -59,6 +59,12 @@ def _interrupted_in_command(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def request() -> None:
+    """Mark an interrupt as asked for (SIGTERM's handler, `ikjax.cli.parser.terminate_on_sigterm`):
+    `check` then raises it wherever it was swallowed, and its "Exception ignored" is not printed."""
+    _requested.set()
+
+
 def check() -> None:
     """Raise the KeyboardInterrupt a command's Ctrl-C raised, in case it was swallowed where it
     landed; called once a token / row / chunk by the CLI's loops and after a command's body."""

@@ -20,7 +20,7 @@ import typer
 
 from ikjax import env, interrupt
 from ikjax.cli.parser import (EXIT_INTERRUPTED, Group, Terminated, at_end, is_stdout_error, output_error,
-                              terminate_on_sigterm)
+                              terminate_on_sigterm, terminated)
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.options import RunOptions
 
@@ -99,8 +99,8 @@ def handle(func: Callable) -> Callable:
             err(str(e).splitlines()[0] if str(e) else type(e).__name__)
             _end_processes(1)
             raise typer.Exit(1)
-        except KeyboardInterrupt as e:
-            err("terminated" if isinstance(e, Terminated) else "interrupted")
+        except KeyboardInterrupt as e:  # (a SIGTERM found by interrupt.check is a plain KeyboardInterrupt)
+            err("terminated" if isinstance(e, Terminated) or terminated() else "interrupted")
             _end_processes(EXIT_INTERRUPTED)
             raise typer.Exit(EXIT_INTERRUPTED)
         except OSError as e:

@@ -311,6 +311,11 @@ class Terminated(KeyboardInterrupt):
 _TERMINATED: list = []  # set once SIGTERM arrived (`_interrupted_exit` then dies of it)
 
 
+def terminated() -> bool:
+    """Whether SIGTERM arrived (its interrupt may have been swallowed and found by interrupt.check)."""
+    return bool(_TERMINATED)
+
+
 def terminate_on_sigterm() -> None:
     """SIGTERM (a `kill`, a job scheduler's stop) where it would end the process at once: raised as
     `Terminated` where the main thread is, so the command leaves by Ctrl-C's path (`at_end`'s
@@ -325,6 +330,9 @@ def terminate_on_sigterm() -> None:
     def on_term(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
         _TERMINATED.append(True)
+        # flagged as Ctrl-C is: raised inside JAX's gc callback it was swallowed ("Exception ignored"
+        # and its traceback), and `serve` came up and served on (an outside probe, stop 68)
+        interrupt.request()
         raise Terminated()
     signal.signal(signal.SIGTERM, on_term)
 

@@ -20,6 +20,7 @@ import typer
 from ikjax.cli.common import app, batch_invariance, handle, load_engine, log, setup_compile_cache, template_choice
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, takes_run_options
+from ikjax import interrupt
 from ikjax.errors import OptionError
 
 
@@ -137,6 +138,7 @@ def serve(
     loading = LoadingResponder(sock).start()  # 503 "Loading model" until the server proper answers
     try:
         eng = load_engine(run.model, run.verbose, while_loading=warm_up, plan_batch=parallel, **run_opts)
+        interrupt.check()  # a Ctrl-C / SIGTERM swallowed during the load: not a server that comes up
     except BaseException:
         loading.stop()
         raise

@@ -190,6 +190,14 @@ class _AnswersHalfClosed(web_protocol.RequestHandler):
         if self._bodies and all(b.is_eof() for b in self._bodies):
             self._client_done = True  # no further request can come: answer what came, then close
             if not getattr(self, "_messages", None):
+                if getattr(self, "_waiter", None) is not None:
+                    # idle between requests, waiting for the next (a keep-alive client that closed): nothing to answer, the
+                    # socket closed now. aiohttp's close() only cancelled the wait for the next request,
+                    # which left its loop before the line that closes the transport: every such
+                    # connection stayed in CLOSE-WAIT, a descriptor a request until the process ran
+                    # out of them (an outside probe, stop 68: 2,000 requests, 2,000 descriptors)
+                    self.force_close()
+                    return True
                 self.close()
             asyncio.get_running_loop().create_task(self._probe_gone())
             return True
