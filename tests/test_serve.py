@@ -649,6 +649,33 @@ def _raw_http(s: Proc, data: bytes) -> tuple[str, bytes]:
     return head.split(b"\r\n")[0].decode(), body
 
 
+def test_connections_closed_by_their_clients_are_closed(server):
+    """An outside probe (stop 68): every keep-alive connection that its client closed between requests
+    (curl, requests, http.client: each an ordinary request) stayed in CLOSE-WAIT, one descriptor a
+    request, until the process ran out of them and stopped answering. 60 such connections leave the
+    server's descriptors where they were."""
+    import http.client
+    fds = Path(f"/proc/{server.p.pid}/fd")
+    if not fds.exists():
+        pytest.skip("no /proc here: the descriptors are read there")
+
+    def one() -> None:
+        c = http.client.HTTPConnection(server.host, int(server.port), timeout=30)
+        c.request("GET", "/health")
+        assert c.getresponse().read() and True
+        c.close()
+    one()
+    time.sleep(0.3)
+    before = len(list(fds.iterdir()))
+    for _ in range(60):
+        one()
+    t0 = time.time()
+    while len(list(fds.iterdir())) > before + 5 and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert len(list(fds.iterdir())) <= before + 5, (before, len(list(fds.iterdir())))
+    assert call(server, "GET", "/health")[0] == 200
+
+
 def test_a_client_that_shuts_its_side_after_sending_gets_its_answers(server):
     """`printf 'POST ...' | nc -N host port`: the client shuts its writing side down once its request
     is sent. aiohttp closed such a connection on the EOF before any handler answered (stops 62-63:

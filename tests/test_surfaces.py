@@ -347,6 +347,36 @@ def test_ctrl_c_swallowed_by_a_gc_callback_still_ends_the_command(tmp_path):
     assert "generated 3000 tokens" not in err and out.stat().st_size > 100, (out.stat().st_size, err[-800:])
 
 
+def test_sigterm_swallowed_by_a_gc_callback_during_serves_load_ends_it(tiny_model):
+    """An outside probe (stop 68): SIGTERM landing in JAX's gc callback while `serve` loaded was
+    dropped ("Exception ignored ... Terminated" and its traceback), and the server came up and
+    served on; a systemd stop waited its 90 s for the SIGKILL. Now the handler flags it as Ctrl-C's
+    does, the load's end finds it: "error: terminated", the death by the signal, nothing listening.
+    The signal is sent from inside a gc callback once the engine's module is in."""
+    code = ("import gc, os, signal, sys\n"
+            f"sys.argv = ['ikjax', 'serve', '-m', {str(tiny_model)!r}, '--port', '0', '-c', '256']\n"
+            "import ikjax.cli\n"
+            "fired = []\n"
+            "def cb(phase, info):\n"
+            "    if phase == 'start' and not fired and 'ikjax.runtime.engine' in sys.modules:\n"
+            "        fired.append(1)\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        for _ in range(100):\n"  # the handler runs here, inside the callback
+            "            pass\n"
+            "gc.callbacks.insert(0, cb)\n"
+            "ikjax.cli.main()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+        pytest.fail("the server came up after a SIGTERM: " + err[-800:])
+    assert p.returncode == -signal.SIGTERM and err.strip().splitlines()[-1] == "error: terminated", (p.returncode,
+                                                                                                    err[-800:])
+    assert "listening on" not in err and "Exception ignored" not in err and "Traceback" not in err, err[-800:]
+
+
 def test_bad_early_backend_value_and_sigterm_during_make_model(tmp_path):
     """An outside probe (stop 62): IKJAX_EARLY_BACKEND=bogus printed a traceback from the package's
     import on every command (now the one line every IKJAX_* value gets); SIGTERM while make-model
