@@ -76,6 +76,10 @@ def server(tiny_model):
     yield s
     s.stop()
     assert s.p.returncode == 0, "".join(s.lines[-20:])  # SIGTERM: a clean shutdown
+    t0 = time.time()  # said in the log (its reading thread may lag the exit a moment)
+    while not any("SIGTERM: shutting down" in line for line in s.lines) and time.time() - t0 < 10:
+        time.sleep(0.05)
+    assert any("SIGTERM: shutting down (0 requests in flight" in line for line in s.lines), s.lines[-5:]
 
 
 @pytest.fixture(scope="module")
@@ -1067,6 +1071,12 @@ def test_api_key_401(small):
         _error(call(small, "POST", "/completion", {"prompt": "x", "n_predict": 1}, headers={"Authorization": auth}),
                401, "Invalid API Key")
     assert call(small, "GET", "/health")[0] == 200  # open without a key, as llama-server's
+    c = http.client.HTTPConnection(small.host, int(small.port), timeout=60)  # a 401 names its scheme (RFC 9110)
+    c.request("GET", "/props")
+    r = c.getresponse()
+    assert r.status == 401 and r.getheader("WWW-Authenticate", "").startswith("Bearer"), r.getheaders()
+    r.read()
+    c.close()
     r = client(small, "sekret").completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert r.usage.completion_tokens >= 1
     for key in ("other-key", "third"):  # --api-key-file's keys pass too

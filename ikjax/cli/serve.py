@@ -157,7 +157,9 @@ def serve(
     loading.stop()
     log(f"{parallel} slots of {per_slot} tokens (-c {opts.ctx}), chat template {template.name}, "
         f"prompt cache {prompt_cache}, batch-invariant decode {'on' if invariant else 'off'}")
-    run_server(server, sock, on_listening=lambda url: log(f"listening on {url}"))
+    run_server(server, sock, on_listening=lambda url: log(f"listening on {url}"),
+               on_stopping=lambda sig: log(f"{sig}: shutting down ({scheduler.slots_busy()} requests in flight "
+                                           f"cancelled, {scheduler.queue_length()} queued)"))
 
 
 def _default_sampling(d) -> dict:

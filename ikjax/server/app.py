@@ -859,4 +859,6 @@ async def _usage_null_until_last(events):
 
 
 def _error(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
+    # a 401 names its scheme (RFC 9110 asks for the header; the key goes as "Authorization: Bearer")
+    headers = {"WWW-Authenticate": 'Bearer realm="ikjax"'} if e.status == 401 else None
+    return web.json_response(e.body(), status=e.status, headers=headers)

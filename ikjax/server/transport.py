@@ -163,10 +163,11 @@ class LoadingResponder:
                 conn.close()
 
 
-def run(server, sock: socket.socket, on_listening=None) -> None:
+def run(server, sock: socket.socket, on_listening=None, on_stopping=None) -> None:
     """Serve `server` (ikjax.server.app.Server: its `app()` and `config.timeout`) on `sock` (from
-    `bind`) until SIGINT / SIGTERM; `on_listening(url)` once it accepts."""
-    asyncio.run(_serve(server, sock, on_listening))
+    `bind`) until SIGINT / SIGTERM; `on_listening(url)` once it accepts, `on_stopping(signal name)`
+    when the first signal starts the shutdown (an operator's log says why the server went)."""
+    asyncio.run(_serve(server, sock, on_listening, on_stopping))
 
 
 class _AnswersHalfClosed(web_protocol.RequestHandler):
@@ -191,8 +192,8 @@ class _AnswersHalfClosed(web_protocol.RequestHandler):
             self._client_done = True  # no further request can come: answer what came, then close
             if not getattr(self, "_messages", None):
                 if getattr(self, "_waiter", None) is not None:
-                    # idle between requests, waiting for the next (a keep-alive client that closed): nothing to answer, the
-                    # socket closed now. aiohttp's close() only cancelled the wait for the next request,
+                    # idle, waiting for the next request (a keep-alive client that closed): nothing to
+                    # answer, the socket closed now. aiohttp's close() only cancelled the wait for the next request,
                     # which left its loop before the line that closes the transport: every such
                     # connection stayed in CLOSE-WAIT, a descriptor a request until the process ran
                     # out of them (an outside probe, stop 68: 2,000 requests, 2,000 descriptors)
@@ -249,7 +250,7 @@ class _Runner(web.AppRunner):
         return made
 
 
-async def _serve(server, sock: socket.socket, on_listening) -> None:
+async def _serve(server, sock: socket.socket, on_listening, on_stopping=None) -> None:
     runner = _Runner(server.app(), handler_cancellation=True, keepalive_timeout=server.config.timeout,
                      access_log=None)
     await runner.setup()
@@ -264,6 +265,8 @@ async def _serve(server, sock: socket.socket, on_listening) -> None:
         KeyboardInterrupt from an atexit callback, or as death by the signal, by its timing (an
         outside probe, stop 65)."""
         stop.set()
+        if on_stopping is not None:
+            on_stopping(signal.Signals(_sig).name)
         for s in (signal.SIGINT, signal.SIGTERM):  # (a process handler: it outlives the loop, into the exit)
             loop.remove_signal_handler(s)
             signal.signal(s, lambda n, _frame: os._exit(128 + n))
