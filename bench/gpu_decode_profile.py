@@ -156,6 +156,19 @@ def main() -> None:
         from ikjax import ops
         limit = int(float(os.environ["DPROF_MAX_STACK"]))
         ops.pallas_stack_limit = lambda: limit
+    if os.environ.get("DPROF_PROMPT_OPTIONS"):  # XLA compile options for the prompt steps only, §22aq:
+        # "name=value,name=value" (true / false / integers as such)
+        from ikjax.runtime import executables
+
+        def value(v: str):
+            return {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+        extra = {k: value(v) for k, v in (kv.split("=", 1) for kv in os.environ["DPROF_PROMPT_OPTIONS"].split(","))}
+        real = executables.gpu_options
+
+        def prompt_options(plan, decode, gpu=True):
+            out = real(plan, decode, gpu)
+            return out if decode or not gpu else {**(out or {}), **extra}
+        executables.gpu_options = prompt_options
     if os.environ.get("DPROF_NO_CMDBUF"):  # every kernel on its own in the profile (no CUDA graph hides them)
         from ikjax.runtime import executables
         executables._DECODE_GPU_OPTIONS = {"xla_gpu_enable_command_buffer": ""}

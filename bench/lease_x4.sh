@@ -1662,7 +1662,7 @@ for line in sys.stdin:
   # (copied after the step), the prompt step's loaded programs (dropped after it), the GPU's clocks
   # (sampled during each run); VARIANTS96 "TAG|ENV|ARGS;..."
   v2l_ready
-  IFS=';' read -ra vs <<< "${VARIANTS96:-plain||;step2||--prefill --prefill-tokens 2;msoff-step2|XLA_FLAGS=--xla_gpu_disable_multi_streaming=true|--prefill --prefill-tokens 2;dsfoff-step2|XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false|--prefill --prefill-tokens 2}"
+  IFS=';' read -ra vs <<< "${VARIANTS96:-plain||;step2||--prefill --prefill-tokens 2;msoff-step2|XLA_FLAGS=--xla_gpu_disable_multi_streaming=true|--prefill --prefill-tokens 2;dsfoff-step2|XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false|--prefill --prefill-tokens 2;promptms-step512|DPROF_PROMPT_OPTIONS=xla_gpu_disable_multi_streaming=true|--prefill --prefill-tokens 512}"
   for v in "${vs[@]}"; do
     tag=${v%%|*}; rest=${v#*|}; envs=${rest%%|*}; args=${rest#*|}
     echo "== $tag: ${envs:-(default env)} | ${args:-plain}"
