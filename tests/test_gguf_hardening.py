@@ -444,6 +444,16 @@ def test_unknown_but_distinct_key_is_fine(tiny_model, tmp_path):
     assert "quantize.imatrix.file" in GGUFModelFile(p).metadata
 
 
+def test_other_writers_cls_id_beside_no_bos_id_is_fine(tiny_model, tmp_path):
+    """ik_llama.cpp's converter writes tokenizer.ggml.cls_token_id where the tokenizer has one (this gguf
+    package no longer names it); 2 characters from bos_token_id, it was refused as damaged in a file
+    without a BOS id (an outside review, stop 68)."""
+    def edit(g):
+        g.kvs[:] = [kv for kv in g.kvs if kv.key != "tokenizer.ggml.bos_token_id"]
+        g.kvs.append(gc.KV("tokenizer.ggml.cls_token_id", *gc.u32(3)))
+    assert GGUFModelFile(_variant(tmp_path, tiny_model, edit)).metadata["tokenizer.ggml.cls_token_id"] == 3
+
+
 # --- split models --------------------------------------------------------------------------------
 
 def _shards(src: str, tmp_path, n_first: int = 10, edit=None) -> list[str]:

@@ -83,7 +83,7 @@ def test_cpu_moe_places_exactly_the_routed_experts(model4, opts, host_layers):
 
 def test_cpu_moe_names_on_r1_scale_layer_numbers():
     """--n-cpu-moe N's regex must not match layer 10..19 for N=2 (blk.1 is a prefix of blk.10)."""
-    cfg = SimpleNamespace(n_layer=61, n_expert=256, n_expert_used=8)
+    cfg = SimpleNamespace(n_layer=61, n_nextn=0, n_expert=256, n_expert_used=8)
     names = [(f"blk.{i}.ffn_{w}_exps.weight", (256, 2048, 7168), 1) for i in range(61) for w in ("up", "gate", "down")]
     names += [(f"blk.{i}.ffn_up_shexp.weight", (2048, 7168), 1) for i in range(61)]
     p = plan_placement(cfg, names, RunOptions.from_kwargs(n_cpu_moe=2), devices=ONE_GPU)
@@ -119,6 +119,27 @@ def test_ngl_as_llama_cpp(model4):
     assert w["output.weight"] == DEVICE and w["blk.3.attn_norm.weight"] == HOST
     w = where(_place(model4, devices=ONE_GPU, ngl=99, ot=r"blk\.0\.=CPU"))
     assert {n for n, m in w.items() if m == HOST} == {n for n in w if n.startswith("blk.0.")}
+
+
+def test_ngl_counts_the_mtp_layers_as_ik_does(model4):
+    """ik's -ngl counts block_count, a trailing MTP (nextn) layer included: the last ngl blocks on the
+    device, the head only past all of them. Counted over the layers run, -ngl N put N + 1 blocks on
+    the device and -ngl block_count the head too (an outside review, stop 68; GLM-4.7-Flash, V3 with
+    its MTP layer). The 4-block file read as 3 layers run and one MTP block (blk.3)."""
+    import dataclasses
+    cfg, f = model4
+    mtp = (dataclasses.replace(cfg, n_layer=3, n_nextn=1), f)
+
+    def device_blocks(p):
+        return {t.layer for t in p.tensors if t.layer is not None and t.memory == DEVICE}
+
+    def head(p):
+        return next(t.memory for t in p.tensors if t.name == "output.weight")
+    p = _place(mtp, devices=ONE_GPU, ngl=2)
+    assert device_blocks(p) == {2, 3} and head(p) == HOST
+    p = _place(mtp, devices=ONE_GPU, ngl=4)
+    assert device_blocks(p) == {0, 1, 2, 3} and head(p) == HOST
+    assert head(_place(mtp, devices=ONE_GPU, ngl=5)) == DEVICE
 
 
 # -- devices --------------------------------------------------------------------------------------

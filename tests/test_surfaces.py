@@ -173,7 +173,7 @@ def test_load_with_a_bad_ot_names_it(tiny_model):
 def test_type_id_without_a_layout_is_named(tiny_model, tmp_path):
     g = gc.parse(open(tiny_model, "rb").read())
     t = next(t for t in g.tensors if t.ne[0] == 512 or len(t.ne) == 2)
-    t.type_id = 99  # ik's Q8_1_X4: an id ikjax names but has no block layout for
+    t.type_id = 99  # ik's Q8_2_X4: an id ikjax names but has no block layout for
     p = tmp_path / "t99.gguf"
     p.write_bytes(gc.build(g))
     with pytest.raises(ModelFileError) as e:

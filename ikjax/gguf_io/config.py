@@ -383,7 +383,13 @@ def _standard_keys() -> frozenset[str]:
             for v in vars(group).values():
                 if isinstance(v, str) and "{" not in v.replace("{arch}", ""):
                     out.add(v.replace("{arch}", ARCH))
-    return frozenset(out)
+    return frozenset(out | OTHER_WRITERS_KEYS)
+
+
+# keys other writers use that this gguf package no longer defines: ik_llama.cpp's converter writes a
+# CLS id where the tokenizer has one, 2 characters from bos_token_id (a file without a BOS id, as
+# GLM's tokenizers are, was refused as damaged: an outside review, stop 68)
+OTHER_WRITERS_KEYS = frozenset({"tokenizer.ggml.cls_token_id"})
 
 
 _STANDARD_KEYS: frozenset[str] | None = None

@@ -270,8 +270,10 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
         mode = "none"
     mesh: tuple[int, ...] = ()
     if mode == "layer":
-        layer_dev, out_dev = splits.layer_split(cfg.n_layer, splits.shares_for(options.tensor_split, n_dev),
-                                                  options.ngl)
+        # split over the file's blocks as ik does (MTP layers counted, -ngl's count), the layers run kept
+        layer_dev, out_dev = splits.layer_split(cfg.n_layer + cfg.n_nextn,
+                                                  splits.shares_for(options.tensor_split, n_dev), options.ngl)
+        layer_dev = layer_dev[:cfg.n_layer]
         split.update(layer_device=layer_dev, embed_device=layer_dev[0] if layer_dev else out_dev,
                      output_device=out_dev, main_device=layer_dev[0] if layer_dev else out_dev)
         used = set(layer_dev) | {out_dev}
@@ -309,7 +311,11 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
             notes.append(f"-ot {rule}: no accelerator here, the tensors it matches run on the CPU "
                          f"(device and host memory are one RAM)")
         targets.append((r, f"-ot {rule}", mem, dev))
-    n_layer, ngl = cfg.n_layer, options.ngl
+    # -ngl counts the file's blocks as ik does (its n_layer is block_count, trailing MTP / nextn layers
+    # included): the last ngl blocks on the device, the output head there only past all of them. Counted
+    # over the layers ikjax runs, -ngl N put N + 1 blocks on the device and -ngl block_count the head too
+    # (an outside review, stop 68: GLM-4.7-Flash's and V3's MTP layer)
+    n_layer, ngl = cfg.n_layer + cfg.n_nextn, options.ngl
     # (99, the default, and any count of every layer: nothing to say; under -sm layer over several CPU
     # devices -ngl still picks the layers the split spreads)
     if unified and mode == "none" and ngl < n_layer:
@@ -340,7 +346,7 @@ def plan_placement(cfg: ModelConfig, tensors: Iterable[Any], options: RunOptions
         axes = logical_axes(name, None if shape is None else len(shape))
         spread, split_dim = (), None
         if mode == "layer" and mem == DEVICE:
-            if layer is not None and layer < n_layer:
+            if layer is not None and layer < cfg.n_layer:
                 dev = labels[split["layer_device"][layer]]
             else:
                 dev = labels[split["embed_device"] if name.startswith("token_embd.") else split["output_device"]]

@@ -28,8 +28,9 @@ IK_TYPES: list[tuple] = [
     ("Q4_0_4_8", 32, 32, 18, 0, 1),
     ("Q4_0_8_8", 33, 32, 18, 0, 1),
     ("I2_S", 36, None, None, 0, 1),
-    ("Q8_0_X4", 98, None, None, 0, 1),
-    ("Q8_1_X4", 99, None, None, 0, 1),
+    ("Q8_0_X4", 97, None, None, 0, 1),  # (ggml.h's internal ids: 97 / 98 / 99, named one off before)
+    ("Q8_1_X4", 98, None, None, 0, 1),
+    ("Q8_2_X4", 99, None, None, 0, 1),
     ("Q6_0", 133, 32, 26, 0, 1),          # half d; qh[8]; qs[16]
     ("IQ1_BN", 134, None, None, 0, 1),
     ("IQ2_BN", 135, None, None, 0, 1),
@@ -39,6 +40,8 @@ IK_TYPES: list[tuple] = [
     ("IQ4_K", 139, QK_K, 144, 0, 1),      # half d; u16 extra; scales_h[4]; scales_l[8]; qs[128]
     ("IQ5_K", 140, QK_K, 176, 0, 1),      # as IQ4_K + qh[32]
     ("IQ6_K", 141, QK_K, 212, 0, 1),      # half d; u16 extra; int8 scales[16]; qs[128]; qh[64]
+    ("IQ2_TN", 142, None, None, 0, 1),
+    ("IQ1_TN", 143, None, None, 0, 1),
     ("IQ4_KS", 144, QK_K, 136, 4, 1),     # row: float d; blocks: scales[8]; qs[128]
     ("IQ2_KS", 145, QK_K, 70, 2, 1),      # row: half d; blocks: u16 extra; scales[4]; qs[64]
     ("IQ4_KSS", 146, QK_K, 128, 4, 1),    # row: float d; blocks: u16 qs[64] (scrambled, scale bits in bit 0)
@@ -80,6 +83,7 @@ IK_TYPES: list[tuple] = [
     ("IQ5_K_R4", 340, QK_K, 176, 0, 4),
     ("IQ4_KS_R4", 344, QK_K, 136, 4, 4),
     ("IQ5_KS_R4", 352, QK_K, 168, 4, 4),
+    ("MXFP4_R8", 353, None, None, 0, 1),
     ("Q8_K_R16", 397, None, None, 0, 1),
     ("Q8_KV_R8", 398, None, None, 0, 1),
     ("Q8_K_R8", 399, None, None, 0, 1),
