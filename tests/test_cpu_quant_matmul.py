@@ -245,6 +245,10 @@ def test_bf16_decode_nonfinite_x_propagates(isa, monkeypatch):
                 got = np.asarray(cpu.quant_matmul(jnp.asarray(x), w, n_threads=2, compute="bf16"))
                 assert not np.isfinite(got[0]).any(), (name, bad, isa, M)
                 assert np.isfinite(got[1:]).all(), (name, bad, isa, M)
+                # an inf's row: NaN or the reference's own inf, never an inf of the other sign (its
+                # codes were the integer-indefinite -128, scaled by inf: an outside probe, stop 68)
+                ref = np.asarray(quant_matmul_ref(jnp.asarray(x[:1]), w, jnp.float32))[0]
+                assert (np.isnan(got[0]) | (got[0] == ref)).all(), (name, bad, isa, M, got[0], ref)
 
 
 def test_k_split_decode_and_threads_agree(monkeypatch):

@@ -472,4 +472,4 @@ def test_note_before_a_long_make(tmp_path, monkeypatch):
     monkeypatch.setattr(synthetic, "make_model", stop)
     cfg = _cfg(tmp_path, {"command": "info", "file": "synthetic:v2-lite:Q4_0:1"})
     res = invoke(["run", "--config", cfg], 1)
-    assert "note: " in res.stderr and "minutes on a CPU" in res.stderr, res.stderr
+    assert "note: " in res.stderr and "random weights to write" in res.stderr, res.stderr

@@ -104,7 +104,7 @@ def bench(
                                                     "printed tgTG@ppPP (may repeat)")] = None,
     depth: Annotated[str, typer.Option("-d", "--n-depth", help="KV depth for the -p/-n tests, e.g. 0,4096")] = "0",
     # replaces the shared -c: accepted, noted, unused
-    ctx: Annotated[Optional[str], typer.Option("-c", "--ctx-size", help="accepted with a note: bench sizes the "
+    ctx: Annotated[Optional[str], typer.Option("-c", "--ctx-size", "--ctx", help="accepted with a note: bench sizes the "
                                                "context to each test, as llama-bench does")] = None,
     reps: Annotated[int, typer.Option("-r", "--repetitions", help="timed repetitions per test")] = 5,
     output: Annotated[str, typer.Option("-o", "--output", help="md, json, jsonl, csv or sql (llama-bench's keys)")] = "md",
@@ -119,7 +119,8 @@ def bench(
                                                "sweep-bench -ctv)")] = None,
     amb: Annotated[str, typer.Option("-amb", "--amb", "--attn-max-batch", "--attention-max-batch",
                                      help="MiB cap(s)")] = str(_D.amb),
-    ser: Annotated[Optional[str], typer.Option("-ser", "--ser", help="'Kmin,t'; several separated by ';'")] = None,
+    ser: Annotated[Optional[str], typer.Option("-ser", "--ser", "--smart-expert-reduction",
+                                              help="'Kmin,t'; several separated by ';'")] = None,
     ot: Annotated[Optional[str], typer.Option("-ot", "--ot", "--override-tensor",
                                               help="REGEX=DEV[,...]; several rule lists separated by ';'")] = None,
     ngl: Annotated[str, typer.Option("-ngl", "--ngl", "--n-gpu-layers", help="GPU layers")] = str(_D.ngl),

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -540,10 +541,11 @@ void quantize_x8(const float* x, int64_t M, int64_t K, int type, XQ8& o) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
       }
       const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      // a NaN in the block (which max drops) makes its scale NaN, so it reaches y as in f32 (an inf
-      // gives inf * 0 = NaN the same way)
+      // a NaN in the block (which max drops) makes its scale NaN, so it reaches y as in f32; so does an
+      // inf (its codes, inf * 0, are the integer-indefinite -128: scaled by inf they gave an inf of
+      // either sign, or NaN, by level and type; an outside probe, stop 68)
       const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
-      const float d = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+      const float d = nan || std::isinf(amax) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
       o.d[m * nb + b] = d;
       o.ds[m * nb + b] = d * static_cast<float>(s);
       o.sx[m * nb + b] = s;
@@ -1160,7 +1162,7 @@ inline float q8_block_avx2(const float* xb, void* q, __m256i* s4, float amax) {
   *s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p), _mm256_set1_epi16(1));
   const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
                                  _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
-  return _mm256_movemask_ps(un) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+  return _mm256_movemask_ps(un) || std::isinf(amax) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
 }
 inline float q8_block_avx2(const float* xb, void* q, __m256i* s4) {
   return q8_block_avx2(xb, q, s4, hmax256(absmax32_avx2(xb)));
@@ -2126,7 +2128,7 @@ void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out, int64_t r0, int
       _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm512_cvtepi32_epi8(q1));
       // a NaN in the block (which max drops) makes its scale NaN, so it reaches y as in f32
       const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
-      dx[m * nb + b] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+      dx[m * nb + b] = nan || std::isinf(amax) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
       ds[m * nb + b] = dx[m * nb + b] * static_cast<float>(sq);
     }
 }

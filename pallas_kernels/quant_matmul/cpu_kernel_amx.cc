@@ -521,7 +521,7 @@ void pack_x8(const float* x, int64_t M, int64_t K, uint8_t* out) {
         sq += q;
         out[m * K + b * 32 + k] = static_cast<uint8_t>(q + 128);
       }
-      dx[m * nb + b] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+      dx[m * nb + b] = nan || std::isinf(amax) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
       ds[m * nb + b] = dx[m * nb + b] * static_cast<float>(sq);
     }
 }
