@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -350,3 +351,41 @@ def test_short_synthetic_models_keep_a_moe_layer(tmp_path, monkeypatch):
     dense = synthetic.make_model(tmp_path / "dense.gguf", "tiny", "Q8_0", layers=2)  # dense layers only
     with pytest.raises(OptionError, match="has no MoE layer"):
         ikjax.load(dense, ctx=64, expert_stats=True)
+
+
+def test_interrupt_anywhere_in_a_record_leaves_whole_steps():
+    """A Ctrl-C lands between any two bytecodes of the main thread, where a CPU step's callback may
+    run: raised at every line of `record_counts` in turn, the figures are the step before or the step
+    after, never a step counted in some layers only (CI caught `tokens*k != sum` after a SIGINT)."""
+    from ikjax.model.moe import ExpertCounts
+    fn = ExpertCounts.record_counts
+    code = fn.__code__
+    lines = sorted({ln for _, _, ln in code.co_lines() if ln is not None})
+    E, layers = 6, [1, 2, 3]
+    step = (np.array(layers), np.array([[1, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1]]), 1)
+    hits = 0
+    for stop_at in lines:
+        c = ExpertCounts(E, layers)
+        c.record_counts(*step)
+        before = c.as_json()
+
+        def tracer(frame, event, arg, stop_at=stop_at):
+            if frame.f_code is code:
+                def local(frame, event, arg):
+                    if event == "line" and frame.f_lineno == stop_at:
+                        raise KeyboardInterrupt
+                    return local
+                return local
+            return None
+        sys.settrace(tracer)
+        try:
+            c.record_counts(*step)
+        except KeyboardInterrupt:
+            hits += 1
+        finally:
+            sys.settrace(None)
+        got = c.as_json()
+        after = {"tokens": 2, "layers": {k: [2 * x for x in v] for k, v in before["layers"].items()}}
+        assert got in (before, after), (stop_at, got)
+        assert all(sum(v) == got["tokens"] * 2 for v in got["layers"].values())
+    assert hits >= 5  # the interrupt really landed inside, at many places

@@ -103,10 +103,11 @@ class ExpertCounts:
         self.n_expert = n_expert
         self.moe_layers = sorted(int(i) for i in moe_layers)
         self.first_moe_layer = self.moe_layers[0] if self.moe_layers else -1
-        self.tokens = 0
-        # every MoE layer listed from the start, so a file of a run that fed nothing still names
-        # the model's layers (zeros), as --gpu-experts reads them
-        self.layers: dict[int, np.ndarray] = {i: np.zeros(n_expert, np.int64) for i in self.moe_layers}
+        # (tokens, per-layer counts [n MoE layers, n_expert]) replaced whole by each step's record: a
+        # Ctrl-C (KeyboardInterrupt) that lands in a callback run on the main thread, mid-record,
+        # leaves the last whole step's figures, never a step counted in some layers and not others
+        self._state: tuple[int, np.ndarray] = (0, np.zeros((len(self.moe_layers), n_expert), np.int64))
+        self._row = {layer: r for r, layer in enumerate(self.moe_layers)}
         self.paused = False  # `Engine.uncounted`: warm-up runs, not the user's tokens
         self._lock = threading.Lock()  # counts land from the steps' callback threads
 
@@ -115,17 +116,24 @@ class ExpertCounts:
         stage), which fed `n_valid` real tokens."""
         if self.paused:
             return
-        layers = np.asarray(layers).reshape(-1)
+        layers = np.asarray(layers).reshape(-1).tolist()
         counts = np.asarray(counts).reshape(len(layers), -1)
+        rows = [self._row[layer] for layer in layers]
         with self._lock:
-            for layer, c in zip(layers.tolist(), counts):
-                self.layers[layer] += c
-            if self.first_moe_layer in layers.tolist():  # once a step: the tokens it fed
-                self.tokens += int(n_valid)
+            tokens, table = self._state
+            table = table.copy()
+            np.add.at(table, rows, counts)
+            if self.first_moe_layer in layers:  # once a step: the tokens it fed
+                tokens += int(n_valid)
+            self._state = (tokens, table)  # one store: the step counts everywhere or nowhere
+
+    @property
+    def tokens(self) -> int:
+        return self._state[0]
 
     def as_json(self) -> dict:
-        with self._lock:
-            return {"tokens": self.tokens, "layers": {str(i): c.tolist() for i, c in sorted(self.layers.items())}}
+        tokens, table = self._state
+        return {"tokens": tokens, "layers": {str(i): table[r].tolist() for i, r in self._row.items()}}
 
 
 def add_stats(into: dict, other: dict) -> dict:
