@@ -477,3 +477,57 @@ def test_cli_split_modes_give_the_one_device_ppl(files, tmp_path, sm):
     assert "on CPU1" in out.stderr and f"(-sm {sm})" in out.stderr, out.stderr  # the split ran over 2 devices
     get = lambda line: float(re.search(r"= (\d+\.\d+) \+/-", line).group(1))
     assert abs(get(two) / get(one) - 1) < 1e-5, (one, two)
+
+
+def test_cli_reads_the_text_as_ik(files, tmp_path):
+    """The -f text as llama-perplexity reads it: escapes processed (its common arguments do that to
+    any -f text; `--no-escape` keeps them), a special token's text is plain text (its
+    common_tokenize's parse_special is false), and its batch line shows -b capped to n_seq chunks."""
+    from ikjax.gguf_io.writer import SPECIAL_TOKENS
+    from ikjax.tokenizer import GGUFTokenizer
+    m = files["f32"]
+    args = ["-c", N_CTX, "-mla", "0", "-ctk", "f32", "-t", "1", "-b", 3 * N_CTX + 8]
+    plain = tmp_path / "plain.txt"
+    plain.write_text(TEXT.replace(". ", ".\n\t"))
+    escaped = tmp_path / "escaped.txt"
+    escaped.write_text(TEXT.replace(". ", ".\\n\\t"))
+    res = invoke(["perplexity", "-m", m, "-f", plain, *args])
+    assert invoke(["perplexity", "-m", m, "-f", escaped, *args]).stdout == res.stdout
+    assert invoke(["perplexity", "-m", m, "-f", escaped, "--no-escape", *args]).stdout != res.stdout
+    # ik's n_batch = min(-b, n_seq * n_ctx) on its line
+    assert f"n_ctx={N_CTX}, batch_size={3 * N_CTX}, n_seq=3\n" in res.stderr, res.stderr
+    # special tokens' texts: scored as the text they are
+    special = tmp_path / "special.txt"
+    text = TEXT.replace(". ", f". {SPECIAL_TOKENS[1]}")
+    special.write_text(text)
+    got = invoke(["perplexity", "-m", m, "-f", special, *args]).stdout.splitlines()[-1]
+    tok = GGUFTokenizer.from_file(str(m))
+    eng = _load(m, mla=0, ctk="f32")
+    meta = eng.file.metadata
+    ids = tok.encode(text, add_bos=add_bos_default(meta), parse_special=False)
+    assert len(ids) > len(tok.encode(text, add_bos=add_bos_default(meta)))  # the texts really are special
+    want = eng.perplexity(ids, N_CTX)
+    fin = re.fullmatch(r"Final estimate: PPL over (\d+) chunks for n_ctx=\d+ = (\S+) \+/- (\S+)", got)
+    assert fin and int(fin.group(1)) == want.n_chunk, got
+    assert float(fin.group(2)) == pytest.approx(want.ppl, rel=1e-5), (got, want.ppl)
+
+
+def test_cli_base_file_write_failure_names_the_file(files, tmp_path):
+    """A base file that cannot be written whole (here a file size limit; a full disk reads the
+    same): one line naming the file, exit 1, neither the file nor its part left."""
+    import resource
+    import subprocess
+    import sys
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    base = tmp_path / "b.kld"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+    r = subprocess.run([sys.executable, "-m", "ikjax.cli", "perplexity", "-m", str(files["f32"]), "-f", str(text),
+                        "-c", str(N_CTX), "-t", "1", "--kl-divergence-base", str(base)], capture_output=True,
+                       text=True, preexec_fn=limit, env={**__import__("os").environ, "IKJAX_COMPILE_CACHE": "0"},
+                       timeout=600)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and err[-1].startswith(f"error: kl-divergence-base {base}: cannot write it"), r.stderr
+    assert "Traceback" not in r.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]

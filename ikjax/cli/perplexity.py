@@ -16,7 +16,8 @@ from typing import Annotated, Optional
 import typer
 
 from ikjax import interrupt
-from ikjax.cli.common import app, compiled_line, handle, load_engine, log, read_text_file, setup_compile_cache
+from ikjax.cli.common import (Escape, app, compiled_line, handle, load_engine, log, process_escapes, read_text_file,
+                              setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
 from ikjax.cli.run_options import RunArgs, check_options, model_context_length, takes_run_options
 from ikjax.errors import OptionError
@@ -47,6 +48,7 @@ def perplexity_cmd(
                                                  "a chunk: token offset, PPL, mean NLL, its error (ik's)")] = 0,
     ppl_stride: Annotated[int, typer.Option("--ppl-stride", help="ik's strided perplexity: 0 (its default, off) "
                                             "only; another stride is refused")] = 0,
+    escape: Escape = True,
 ) -> None:
     """Perplexity of a text, as llama-perplexity: chunks of -c tokens, each scoring its second half
     (`[1]x,[2]y,...` then `Final estimate: PPL ...`); --kl-divergence-base FILE saves the base
@@ -76,7 +78,7 @@ def perplexity_cmd(
     else:
         if not text_file:
             raise OptionError("perplexity: needs -f FILE, the text to score")
-        text = _read_text(text_file)
+        text = _read_text(text_file, escape)
         ppl.check_ctx(ctx, ctx)
         if kl_divergence_base:  # the base file to write: its place checked before anything loads
             from ikjax.atomic_file import check_target
@@ -113,18 +115,22 @@ def perplexity_cmd(
         _run_ppl(eng, ids, n_ctx, n_chunk, n_seq, kl_divergence_base, ppl_output_type)
 
 
-def _read_text(path: str) -> str:
-    """The file as ik reads -f: whole, one trailing newline dropped; UTF-8 (one line if not)."""
+def _read_text(path: str, escape: bool) -> str:
+    """The file as ik reads -f: whole, one trailing newline dropped; UTF-8 (one line if not); its
+    escapes processed unless --no-escape (ik's common arguments do so to any -f text: the same
+    file must score the same tokens here as there)."""
     text = read_text_file(path)
-    return text[:-1] if text.endswith("\n") else text
+    text = text[:-1] if text.endswith("\n") else text
+    return process_escapes(text) if escape else text
 
 
 def _tokenize(file, text: str) -> list[int]:
     """The whole text's tokens, BOS first where ik adds one (the file's add_bos_token; ik's
-    default for its vocabulary type otherwise), as llama-perplexity's common_tokenize."""
+    default for its vocabulary type otherwise), as llama-perplexity's common_tokenize: special
+    tokens' texts in it ("<｜User｜>") are plain text there (its parse_special is false)."""
     from ikjax.tokenizer import GGUFTokenizer, add_bos_default
     tok = GGUFTokenizer(file.metadata, source=str(file.path))
-    return tok.encode(text, add_bos=add_bos_default(file.metadata))
+    return tok.encode(text, add_bos=add_bos_default(file.metadata), parse_special=False)
 
 
 def _eta(first_pass: float, n_chunk: int, n_seq: int) -> str:
@@ -138,8 +144,9 @@ def _run_ppl(eng, ids, n_ctx: int, n_chunk: int, n_seq: int, save_base: Optional
     if save_base:
         log(f"perplexity: saving all logits to {save_base}")
     o = eng.options  # ik's line (its n_seq: -b / n_ctx); a step here holds at most -ub tokens
-    log(f"perplexity: calculating perplexity over {n_chunk} chunks, n_ctx={n_ctx}, batch_size={o.batch}, "
-        f"n_seq={max(1, o.batch // n_ctx)}")  # ik's line, as it ends (scripts anchor on it)
+    ik_seq = max(1, o.batch // n_ctx)  # ik's batch: -b capped to its n_seq whole chunks
+    log(f"perplexity: calculating perplexity over {n_chunk} chunks, n_ctx={n_ctx}, "
+        f"batch_size={min(o.batch, ik_seq * n_ctx)}, n_seq={ik_seq}")  # ik's line (scripts anchor on it)
     log(f"perplexity: {n_seq} chunks a step of at most -ub {o.ubatch} tokens")
     t0 = time.perf_counter()
 
@@ -151,7 +158,6 @@ def _run_ppl(eng, ids, n_ctx: int, n_chunk: int, n_seq: int, save_base: Optional
         if output_type == 0:
             sys.stdout.write(ppl.progress_item(i + 1, nll))
         else:  # ik prints the first chunk of its batch of n_seq chunks times n_ctx (for each of them)
-            ik_seq = max(1, eng.options.batch // n_ctx)
             sys.stdout.write(ppl.progress_row(i // ik_seq * ik_seq * n_ctx, nll) + "\n")
         sys.stdout.flush()
 

@@ -144,22 +144,40 @@ class BaseLogitsWriter:
         _make_parent(self.path, what)  # (a missing directory was a FileNotFoundError after the run's load)
         self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.part")
         self.n_vocab = n_vocab
+        self.f = None
+        self._io(lambda: setattr(self, "f", open(self.tmp, "wb")))
+        self._write(MAGIC + np.array([n_ctx, n_vocab, n_chunk], "<i4").tobytes())
+        self._write(np.asarray(tokens[:n_chunk * n_ctx], "<i4").tobytes())
+
+    def _io(self, fn) -> None:
+        """A failed write (a full disk, a file size limit) named with the file, its part removed
+        (it was the generic `OSError: [Errno 27] File too large`, naming nothing)."""
         try:
-            self.f = open(self.tmp, "wb")
+            fn()
         except OSError as e:
-            raise OptionError(f"{what}: cannot write {path}: {e.strerror}") from None
-        self.f.write(MAGIC + np.array([n_ctx, n_vocab, n_chunk], "<i4").tobytes())
-        self.f.write(np.asarray(tokens[:n_chunk * n_ctx], "<i4").tobytes())
+            if self.f is not None:
+                try:
+                    self.f.close()
+                except OSError:
+                    pass
+            Path(self.tmp).unlink(missing_ok=True)
+            raise OptionError(f"kl-divergence-base {self.path}: cannot write it ({e.strerror or e})") from None
+
+    def _write(self, data: bytes) -> None:
+        self._io(lambda: self.f.write(data))
 
     def write(self, scale, min_log_prob, q) -> None:
-        self.f.write(join_rows(scale, min_log_prob, q).tobytes())
+        self._write(join_rows(scale, min_log_prob, q).tobytes())
 
     def close(self, ok: bool) -> None:
-        self.f.close()
-        if ok:
-            os.replace(self.tmp, self.path)
-        else:
+        if self.f.closed:  # (a failed write closed it and removed the part)
+            return
+        if not ok:
+            self.f.close()
             Path(self.tmp).unlink(missing_ok=True)
+            return
+        self._io(self.f.close)  # (the buffer's last bytes are written here)
+        os.replace(self.tmp, self.path)
 
 
 # -- scoring on the device (f32 over the whole vocabulary) --------------------------------------
