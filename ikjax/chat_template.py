@@ -103,6 +103,8 @@ class ChatTemplate:
         try:
             return _bounded(self._template, self.name, messages=chat,
                             add_generation_prompt=bool(add_generation_prompt), **variables)
+        except ChatTemplateError:
+            raise
         except jinja2.TemplateError as e:  # raise_exception, undefined fields, sandbox refusals
             raise ChatTemplateError(f"chat template {self.name}: {_one_line(e)}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,
@@ -116,26 +118,61 @@ class ChatTemplate:
 
 # What one render may make and take: a model file's template is untrusted text, and nested loops
 # (`range(99999)` in `range(99999)`) passed the sandbox's range cap and grew the process by
-# ~125 MB/s until it was killed (an outside probe, stop 67). A prompt that fits any context is far
-# below these.
+# ~125 MB/s until it was killed (an outside probe, stop 67); loops that print nothing, and strings
+# doubled in a namespace, passed a check made only at each piece of output (stop 69). A prompt that
+# fits any context is far below these.
 MAX_RENDER_CHARS = 32 << 20
 MAX_RENDER_SECONDS = 10.0
+MAX_RENDER_GROWTH = 1 << 30  # bytes the process may grow by while one template renders
+
+
+def _refuse(name: str, what: str):
+    return ChatTemplateError(f"chat template {name}: {what}; refused (a template that loops without end?)")
+
+
+def _peak_rss() -> int:
+    """The process's peak resident bytes (one system call: cheap enough for every few lines)."""
+    import resource
+    import sys
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib if sys.platform == "darwin" else kib * 1024
 
 
 def _bounded(template, name: str, **variables) -> str:
-    """`template.render(**variables)`, refused (ChatTemplateError) past MAX_RENDER_CHARS of output or
-    MAX_RENDER_SECONDS (checked at each piece of output the template writes)."""
+    """`template.render(**variables)`, refused (ChatTemplateError) past MAX_RENDER_CHARS of output,
+    MAX_RENDER_SECONDS, or MAX_RENDER_GROWTH of the process's memory. Why a trace function: a
+    template's loops are Python loops in its compiled code, and only a check inside them (at each
+    line that code runs; other code runs untraced) stops one that never writes output. Strings a
+    single operation would make too long are refused by the environment (`_Environment`)."""
+    import sys
     import time
-    parts, size, t0 = [], 0, time.monotonic()
-    for piece in template.generate(**variables):
-        parts.append(piece)
-        size += len(piece)
-        if size > MAX_RENDER_CHARS:
-            raise ChatTemplateError(f"chat template {name}: its output passed {MAX_RENDER_CHARS >> 20} Mi characters; "
-                                    f"refused (a template that loops without end?)")
-        if time.monotonic() - t0 > MAX_RENDER_SECONDS:
-            raise ChatTemplateError(f"chat template {name}: rendering took over {MAX_RENDER_SECONDS:g} s; refused "
-                                    f"(a template that loops without end?)")
+    parts, size, t0, rss0 = [], 0, time.monotonic(), _peak_rss()
+    ticks = [0]
+
+    def line(frame, event, arg):
+        ticks[0] += 1
+        if ticks[0] & 7 == 0:  # every 8th line: a loop's iteration runs 3 or more
+            if time.monotonic() - t0 > MAX_RENDER_SECONDS:
+                raise _refuse(name, f"rendering took over {MAX_RENDER_SECONDS:g} s")
+            if _peak_rss() - rss0 > MAX_RENDER_GROWTH:
+                raise _refuse(name, f"rendering grew the process by over {MAX_RENDER_GROWTH >> 30} GiB")
+        return line
+
+    def call(frame, event, arg):
+        return line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(call)
+    try:
+        for piece in template.generate(**variables):
+            parts.append(piece)
+            size += len(piece)
+            if size > MAX_RENDER_CHARS:
+                raise _refuse(name, f"its output passed {MAX_RENDER_CHARS >> 20} Mi characters")
+    except MemoryError:
+        raise _refuse(name, "out of memory while rendering") from None
+    finally:
+        sys.settrace(previous)
     return "".join(parts)
 
 
@@ -554,8 +591,56 @@ def _environment():
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    class _Environment(ImmutableSandboxedEnvironment):
+        """The sandbox, with `*`, `+`, `**` and `~` refused where one would make a string or list
+        past MAX_RENDER_CHARS (`'x' * 10**10` was a raw MemoryError; `2 ** 10**10` holds the CPU in
+        one C call no trace function sees)."""
+        intercepted_binops = frozenset({"*", "+", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**":
+                if isinstance(right, int) and isinstance(left, (int, float)) and abs(right) > 4096 \
+                        and abs(left) not in (0, 1):
+                    raise jinja2.exceptions.SecurityError(f"{left!r} ** {right}: a power too large to compute")
+                return super().call_binop(context, operator, left, right)
+            if operator == "*":
+                n, seq = (right, left) if isinstance(right, int) else (left, right)
+                if isinstance(n, int) and isinstance(seq, (str, list, tuple)) and len(seq) * n > MAX_RENDER_CHARS:
+                    raise jinja2.exceptions.SecurityError(f"a repetition of {len(seq)} x {n}: too long")
+            out = super().call_binop(context, operator, left, right)
+            if isinstance(out, (str, list, tuple)) and len(out) > MAX_RENDER_CHARS:
+                raise jinja2.exceptions.SecurityError(f"a result of {len(out)} items: too long")
+            return out
+
+        def from_string(self, source, *args, **kwargs):
+            template = super().from_string(source, *args, **kwargs)
+            namespace = template.root_render_func.__globals__  # the compiled module's names
+            for join in ("str_join", "markup_join"):
+                if join in namespace:
+                    namespace[join] = _bounded_join(namespace[join])
+            return template
+
+    def _bounded_filter(f, name):
+        @functools.wraps(f)  # (keeps jinja's pass_context / pass_eval_context mark)
+        def bounded(*args, **kwargs):
+            out = f(*args, **kwargs)
+            if isinstance(out, (str, list, tuple)) and len(out) > MAX_RENDER_CHARS:
+                raise jinja2.exceptions.SecurityError(f"|{name}: a result of {len(out)} items: too long")
+            return out
+        return bounded
+
+    def _bounded_join(join):
+        def bounded(seq):
+            out = join(seq)
+            if len(out) > MAX_RENDER_CHARS:
+                raise jinja2.exceptions.SecurityError(f"a concatenation of {len(out)} characters: too long")
+            return out
+        return bounded
+
+    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.globals.pop("lipsum", None)  # (lipsum(300000) took 36 s in one call)
+    for name, f in list(env.filters.items()):  # `|replace('a', 'aa')` in a loop doubles a string too
+        env.filters[name] = _bounded_filter(f, name)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import re
 
 import pytest
 
@@ -304,3 +305,39 @@ def test_reasoning_splitter_streams_with_tags_cut_anywhere(text, opened, reasoni
         c.append(dc)
         assert ("".join(r) or None, "".join(c)) == (reasoning, content), (text, cut)
         assert not any("</think>" in x or x.endswith("</") for x in r)
+
+
+@pytest.mark.parametrize("src,words", [
+    # strings or lists doubled without printing (the output check never ran): refused by size
+    ("{% set ns = namespace(x='a') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x|length }}",
+     "concatenation"),
+    ("{% set ns = namespace(x=[1]) %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}{% endfor %}{{ ns.x|length }}",
+     "too long|took over"),  # (64 Mi items take ~1.5 s: the time limit may come first)
+    ("{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set ns.x = ns.x|replace('a', 'aa') %}{% endfor %}",
+     "|replace"),
+    ("{{ 'x' * 10**10 }}", "repetition"),    # (a raw MemoryError)
+    (r"{{ 10 ** 100000 }}", "power"),          # (one C call: no check inside it)
+    ("{{ lipsum(300000, html=False) }}", "lipsum"),  # (36 s in one call)
+    # a loop that prints nothing: stopped by time (the limit made short here)
+    ("{% set ns = namespace(x=0) %}{% for i in range(99999) %}{% for j in range(99999) %}{% set ns.x = ns.x + 1 %}"
+     "{% endfor %}{% endfor %}", "took over"),
+])
+def test_a_template_that_grows_or_loops_is_refused_in_one_line(src, words, monkeypatch):
+    """A model file's template is untrusted: whatever it makes or takes is bounded by checks inside
+    the render (an outside probe: loops that print nothing ran without end, namespace doubling grew
+    the process until it died, `'x' * 10**10` was a raw MemoryError), in one ChatTemplateError."""
+    import time
+
+    import ikjax.chat_template as ct
+    monkeypatch.setattr(ct, "MAX_RENDER_SECONDS", 1.0)
+    t0 = time.perf_counter()
+    with pytest.raises(ct.ChatTemplateError) as e:
+        ct.ChatTemplate(src, "probe").render([{"role": "user", "content": "hi"}])
+    msg = str(e.value)
+    assert re.search(words, msg) and "\n" not in msg and msg.count("chat template probe") == 1, msg
+    assert time.perf_counter() - t0 < 20
+    # the trace function is gone afterwards, and a well-behaved template still renders
+    import sys
+    assert sys.gettrace() is None or "ikjax" not in getattr(sys.gettrace(), "__module__", "")
+    assert ct.ChatTemplate("{% for m in messages %}{{ m.content ~ '!' * 2 }}{% endfor %}").render(
+        [{"role": "user", "content": "hi"}]) == "hi!!"
