@@ -3,8 +3,9 @@
 `tokenizer.ggml.model = gpt2` (byte-level BPE: tokens, merges, token types) and
 `tokenizer.ggml.pre` choosing the pre-tokenizer regexes as llama.cpp does (deepseek-v3,
 deepseek-llm, deepseek-coder, glm4, kimi-k2, gpt-2 / gigachat; a file without the key gets
-deepseek-v3). CONTROL /
-USER_DEFINED tokens are added as special tokens so they are matched whole in text.
+deepseek-v3). CONTROL tokens are added as special tokens and USER_DEFINED ones (R1's <think>)
+as non-special added tokens: both matched whole in text, only the first skipped by
+parse_special=False and by a decode that skips special tokens (llama.cpp's rules).
 
 What ik_llama.cpp refuses (src/llama-vocab.cpp) is refused here too, naming the key, rather than
 tokenizing some other way: a BPE vocabulary without `tokenizer.ggml.merges` (it would split every
@@ -110,10 +111,18 @@ def build_hf_tokenizer(tokens: Sequence[str], merges: Sequence[str], token_types
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     if token_types is not None:
+        # control tokens (BOS, EOS, <｜User｜>) are special; user-defined ones (R1's <think>) are
+        # matched in text first but are not special, as llama.cpp's tokenizer and R1's
+        # tokenizer.json have them: still one token with parse_special off (llama-server's
+        # /tokenize, logit_bias by text) and kept by a decode that skips the special ones
         special = [AddedToken(tokens[i], special=True, normalized=False)
-                   for i, ty in enumerate(token_types) if int(ty) in (_CONTROL, _USER_DEFINED)]
+                   for i, ty in enumerate(token_types) if int(ty) == _CONTROL]
         if special:
             tok.add_special_tokens(special)
+        user = [AddedToken(tokens[i], special=False, normalized=False)
+                for i, ty in enumerate(token_types) if int(ty) == _USER_DEFINED]
+        if user:
+            tok.add_tokens(user)
     return tok
 
 

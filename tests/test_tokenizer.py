@@ -160,3 +160,37 @@ def test_add_bos_default_is_llama_cpp_s():
     assert not add_bos_default({"tokenizer.ggml.model": "llama", "tokenizer.ggml.add_bos_token": False})
     assert not add_bos_default({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-v3"})
     assert add_bos_default({"tokenizer.ggml.model": "llama"}) and add_bos_default({"tokenizer.ggml.model": "bert"})
+
+
+def test_user_defined_tokens_are_not_special(fixture_file):
+    """R1's <think> / </think> are USER_DEFINED (type 4) in its GGUF: matched in text before the BPE
+    whatever parse_special says (llama.cpp skips only control tokens then), and kept by a decode
+    that skips special ones: the oracle is Hugging Face tokenizers with them as non-special added
+    tokens, as R1's tokenizer.json has them (they were special here: `logit_bias {"<think>": -100}`
+    biased `<`, `th`, `ink`, `>`)."""
+    from tokenizers import AddedToken
+
+    from ikjax.server.openai import bias_by_id
+    md = dict(GGUFModelFile(fixture_file).metadata)
+    base_types = list(md["tokenizer.ggml.token_type"])
+    toks = md["tokenizer.ggml.tokens"].tolist() + ["<think>", "</think>", "<｜User｜>"]
+    md["tokenizer.ggml.tokens"] = toks
+    md["tokenizer.ggml.token_type"] = base_types + [4, 4, 3]
+    tok = GGUFTokenizer(md)
+    think, end, user = len(toks) - 3, len(toks) - 2, len(toks) - 1
+    oracle = GGUFTokenizer(dict(md, **{"tokenizer.ggml.token_type": base_types + [1, 1, 1]})).tokenizer
+    oracle.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                       AddedToken("</think>", special=False, normalized=False)])
+    oracle.add_special_tokens([AddedToken("<｜User｜>", special=True, normalized=False)])
+    for text in ["<think>\nhi</think>ok", "<｜User｜>a<think>b", "x</think><think>", *TEXTS[:8]]:
+        want = oracle.encode(text, add_special_tokens=False).ids
+        assert tok.encode(text, add_bos=False) == want, text
+        oracle.encode_special_tokens = True
+        literal = oracle.encode(text, add_special_tokens=False).ids
+        oracle.encode_special_tokens = False
+        assert tok.encode(text, add_bos=False, parse_special=False) == literal, text
+        assert tok.decode(want, skip_special=True) == oracle.decode(want, skip_special_tokens=True), text
+    ids = tok.encode("<think>\nhi</think>ok", add_bos=False)
+    assert ids[0] == think and end in ids and tok.decode(ids, skip_special=True) == "<think>\nhi</think>ok"
+    assert tok.encode("<｜User｜>", add_bos=False, parse_special=False) != [user]
+    assert bias_by_id({"<think>": -100}, lambda text: tok.encode(text, False, False)) == {think: -100}
