@@ -214,7 +214,12 @@ def tool_messages(messages: list[dict], tools: list | None, source: str, tool_ch
                     raise OptionError(f"messages[{i}].tool_calls[{j}]: expected {{\"function\": {{\"name\": ..., "
                                       f"\"arguments\": ...}}}}")
                 args = fn.get("arguments", "{}")
-                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                if not isinstance(args, str):
+                    try:
+                        args = json.dumps(args, ensure_ascii=False)
+                    except (TypeError, ValueError, RecursionError) as e:  # (a Python set or bytes, from the API)
+                        raise OptionError(f"messages[{i}].tool_calls[{j}].function.arguments: not JSON "
+                                          f"({e})"[:300]) from None
                 if wants_objects:  # (`arguments | tojson` of a string wrote it twice encoded)
                     try:
                         args = json.loads(args)

@@ -385,3 +385,15 @@ def test_api_inputs_a_second_outside_probe_found(eng, tmp_path):
     eng.perplexity(ids, 64, save_base=base)
     eng.perplexity(ids, 64, save_base=base)  # a base file is replaced
     assert base.read_bytes()[:8] == b"_logits_"
+
+
+def test_earlier_tool_call_arguments_that_are_not_json(eng):
+    """An earlier turn's tool-call arguments given from Python as something JSON cannot hold (a set):
+    one OptionError naming the message and call (a raw TypeError from json.dumps before)."""
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {"a": {1, 2}}}}]},
+            {"role": "user", "content": "x"}]
+    with pytest.raises(OptionError, match=re.escape("messages[1].tool_calls[0].function.arguments: not JSON")):
+        eng.chat(msgs, 1, chat_template="deepseek-r1")
+    msgs[1]["tool_calls"][0]["function"]["arguments"] = {"a": [1, 2]}  # JSON: taken
+    assert eng.chat(msgs, 1, chat_template="deepseek-r1").usage.completion_tokens == 1
