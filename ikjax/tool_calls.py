@@ -54,10 +54,15 @@ class ToolCall:
         return d if index is None else {"index": index, **d}
 
 
+# DeepSeek V3.1's template writes a call as NAME<sep>ARGS (V3 / R1's: function<sep>NAME + fenced JSON)
+_DS31_CALL = re.compile(r"""\[\s*['"]name['"]\s*\]\s*\+\s*['"]""" + re.escape(DS_SEP))
+
+
 def tool_family(source: str) -> str:
-    """The call syntax a template's model writes: deepseek, kimi, glm or hermes (the rest)."""
+    """The call syntax a template's model writes: deepseek (V3 / R1), deepseek-v3.1, kimi, glm or
+    hermes (the rest)."""
     if "tool▁call" in source or "｜Assistant｜" in source or "Assistant:" in source:
-        return "deepseek"
+        return "deepseek-v3.1" if _DS31_CALL.search(source) else "deepseek"
     if "<|im_middle|>" in source or "tool_calls_section" in source:
         return "kimi"
     if "[gMASK]" in source or "<arg_key>" in source:
@@ -72,6 +77,9 @@ def call_text(calls: Iterable[ToolCall], family: str) -> str:
         return DS_CALLS_BEGIN + "\n".join(
             f"{DS_CALL_BEGIN}function{DS_SEP}{c.name}\n```json\n{c.arguments}\n```{DS_CALL_END}" for c in calls
         ) + DS_CALLS_END
+    if family == "deepseek-v3.1":
+        return DS_CALLS_BEGIN + "".join(f"{DS_CALL_BEGIN}{c.name}{DS_SEP}{c.arguments}{DS_CALL_END}" for c in calls
+                                        ) + DS_CALLS_END
     if family == "kimi":
         return KIMI_CALLS_BEGIN + "".join(
             f"{KIMI_CALL_BEGIN}functions.{c.name}:{i}{KIMI_ARG}{c.arguments}{KIMI_CALL_END}" for i, c in enumerate(calls)
@@ -126,6 +134,8 @@ def forced_call(tool_choice: Any, family: str) -> str:
         return ""
     if family == "deepseek":
         return DS_CALLS_BEGIN + DS_CALL_BEGIN + "function" + DS_SEP + (f"{name}\n```json\n" if name else "")
+    if family == "deepseek-v3.1":
+        return DS_CALLS_BEGIN + DS_CALL_BEGIN + (f"{name}{DS_SEP}" if name else "")
     if family == "kimi":
         return KIMI_CALLS_BEGIN + KIMI_CALL_BEGIN + "functions." + (f"{name}:0{KIMI_ARG}" if name else "")
     if family == "glm":
@@ -305,6 +315,7 @@ def _call_of(kind: str, body: str) -> ToolCall | None:
 # the marker that closes the section (None: the section is its calls)
 _SYNTAX = {
     "deepseek": ((DS_CALLS_BEGIN, DS_CALL_BEGIN), ((DS_CALL_BEGIN, DS_CALL_END),), DS_CALLS_END),
+    "deepseek-v3.1": ((DS_CALLS_BEGIN, DS_CALL_BEGIN), ((DS_CALL_BEGIN, DS_CALL_END),), DS_CALLS_END),
     "kimi": ((KIMI_CALLS_BEGIN, KIMI_CALL_BEGIN), ((KIMI_CALL_BEGIN, KIMI_CALL_END),), KIMI_CALLS_END),
     "glm": ((XML_CALL_BEGIN,), ((XML_CALL_BEGIN, XML_CALL_END),), None),
     "hermes": ((XML_CALL_BEGIN,), ((XML_CALL_BEGIN, XML_CALL_END),), None),
@@ -362,7 +373,7 @@ def parse_tool_calls(text: str, family: str | None = None,
 def _markers(family: str | None) -> tuple[str, ...]:
     """Every marker of a family's call syntax (of every family for None)."""
     starts, forms, ends = _syntax(family)
-    seps = {"deepseek": (DS_SEP,), "kimi": (KIMI_ARG,), None: (DS_SEP, KIMI_ARG)}.get(family, ())
+    seps = {"deepseek": (DS_SEP,), "deepseek-v3.1": (DS_SEP,), "kimi": (KIMI_ARG,), None: (DS_SEP, KIMI_ARG)}.get(family, ())
     return tuple(dict.fromkeys((*starts, *(w for f in forms for w in f), *ends, *seps)))
 
 

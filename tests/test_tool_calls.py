@@ -124,7 +124,7 @@ def test_answer_splitter_reasoning_then_calls():
     assert plain.feed(text) == ("", text) and plain.finish() == ("", "", []) and not plain.had_reasoning
 
 
-@pytest.mark.parametrize("family", ["deepseek", "kimi", "glm", "hermes"])
+@pytest.mark.parametrize("family", ["deepseek", "deepseek-v3.1", "kimi", "glm", "hermes"])
 def test_each_family_parses_its_own_call_text(family):
     calls = [ToolCall("get_weather", '{"city": "Paris", "days": 2}'), ToolCall("get_time", "{}")]
     content, got = parse_tool_calls(call_text(calls, family))
@@ -148,6 +148,27 @@ def test_template_families():
     assert tool_family(builtin("kimi-k2").source) == "kimi"
     assert tool_family(builtin("chatglm4").source) == "glm"
     assert tool_family(builtin("chatml").source) == "hermes"
+    assert tool_family(V31_CALLS) == "deepseek-v3.1"
+
+
+# DeepSeek V3.1's template's tool-call branch (its calls: NAME<sep>ARGS, no "function" nor fence)
+V31_CALLS = ("{%- for tool in message['tool_calls'] %}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ "
+             "tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}"
+             "{%- endfor %}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{{'<｜Assistant｜>'}}")
+
+
+def test_v3_1_template_gets_its_own_call_syntax_everywhere():
+    """A V3.1 template renders earlier calls as NAME<sep>ARGS: the tools prompt's example and a forced
+    call use the same form (they used V3's `function<sep>NAME` + fenced JSON, two syntaxes in one
+    prompt), and the answer parses in it."""
+    from ikjax.tool_calls import tools_prompt
+    ex = tools_prompt([WEATHER], tool_family(V31_CALLS))
+    assert DS_CALL_BEGIN + "function_name<｜tool▁sep｜>{" in ex and "```" not in ex
+    opening = forced_call(NAMED, "deepseek-v3.1")
+    assert opening == DS_CALLS_BEGIN + DS_CALL_BEGIN + "get_weather<｜tool▁sep｜>"
+    content, calls = parse_tool_calls(opening + '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+                                      "deepseek-v3.1", ["get_weather"])
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
 
 
 def test_r1_template_renders_tools_and_earlier_calls():
@@ -260,6 +281,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 FORCED_RESTS = {
     "deepseek": ("get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
                  "{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "deepseek-v3.1": ("get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                      "{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
     "kimi": ("get_time:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
              "{\"city\": \"Paris\"}<|tool_call_end|><|tool_calls_section_end|>"),
     "glm": ("get_time\n</tool_call>", "<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"),
