@@ -77,12 +77,20 @@ def restore() -> None:
     KeyboardInterrupt as Python's own, plus the flag that `check` reads."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
         signal.signal(signal.SIGINT, _interrupted_in_command)
-        previous = sys.unraisablehook
+        quiet_swallowed()
 
-        def quiet_swallowed_interrupt(unraisable) -> None:
-            """The swallowed Ctrl-C's "Exception ignored ... Traceback" is not printed: `check`
-            ends the command with its one line."""
-            if isinstance(unraisable.exc_value, KeyboardInterrupt) and _requested.is_set():
-                return
-            previous(unraisable)
-        sys.unraisablehook = quiet_swallowed_interrupt
+
+def quiet_swallowed() -> None:
+    """A swallowed Ctrl-C's (or SIGTERM's) "Exception ignored ... Traceback" is not printed: `check`
+    ends the command with its one line. Installed once, by `restore` and by the SIGTERM handler's
+    setup (a SIGTERM during a load that came before `restore` printed it: a flaky test, stop 69)."""
+    if getattr(sys.unraisablehook, "_ikjax_quiet", False):
+        return
+    previous = sys.unraisablehook
+
+    def quiet_swallowed_interrupt(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and _requested.is_set():
+            return
+        previous(unraisable)
+    quiet_swallowed_interrupt._ikjax_quiet = True
+    sys.unraisablehook = quiet_swallowed_interrupt

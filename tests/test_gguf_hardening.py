@@ -522,3 +522,90 @@ def test_q_lora_rank_missing_is_read_from_attn_q_a(tmp_path):
     # expert_count likewise, from the routed experts' tensors (it read as "no experts" and was refused)
     p = _variant(tmp_path, src, lambda g: g.kvs.remove(g.kv(f"{A}.expert_count")), "no_expert_count.gguf")
     np.testing.assert_array_equal(ikjax.load(p, ctx=64, dtype="f32").logits(tokens), want)
+
+
+# --- an outside probe's damaged files (stop 69): each refused in one line, quickly ---------------
+
+def test_huge_block_count_fails_fast(tiny_model, tmp_path):
+    """block_count 2^40 listed every missing layer (9 GB and growing after 40 s)."""
+    p = _variant(tmp_path, tiny_model, lambda g: gc.set_kv(g, f"{A}.block_count", (10, struct.pack("<Q", 1 << 40))))
+    t0 = time.perf_counter()
+    _refused(p, f"{A}.block_count is {1 << 40} but the file has no tensors of layer ")
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_nested_and_oversized_arrays(tiny_model, tmp_path):
+    """Arrays of arrays (3000 levels: a RecursionError) are refused, as ggml's reader does; an array
+    count the file's bytes could hold but no model needs (2^29 int32 in a 3 GiB file: 4 GB allocated
+    before failing) is refused before anything is read."""
+    nested = struct.pack("<IQ", gc.ARRAY, 1) * 3000 + struct.pack("<IQ", 4, 0)
+    p = _variant(tmp_path, tiny_model, lambda g: g.kvs.insert(0, gc.KV("x.nested", gc.ARRAY, nested)))
+    _refused(p, "x.nested: an array of arrays")
+
+    def big(g):
+        _array_count_at(g, "tokenizer.ggml.token_type", 1 << 29)
+        raw = gc.build(g)
+        return raw
+    p = _variant(tmp_path, tiny_model, big, "big.gguf")
+    with open(p, "r+b") as f:  # sparse: the count fits the file's bytes
+        f.truncate(3 << 30)
+    t0 = time.perf_counter()
+    _refused(p, f"tokenizer.ggml.token_type: an array of {1 << 29} items")
+    assert time.perf_counter() - t0 < 2.0
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("rope.scaling.yarn_beta_fast", 0.0, "yarn_beta_fast is 0.0, must be a finite positive"),
+    ("rope.scaling.yarn_beta_fast", -1.0, "yarn_beta_fast is -1.0, must be a finite positive"),
+    ("rope.scaling.yarn_beta_slow", 0.0, "yarn_beta_slow is 0.0, must be a finite positive"),
+    ("rope.freq_base", 1.0, "rope.freq_base is 1.0: YaRN needs a base above 1"),
+])
+def test_yarn_values_that_divide_by_zero(tiny_model, tmp_path, key, value, needle):
+    """(ZeroDivisionError / math domain error at the first step, `ikjax info` silent)"""
+    def e(g):
+        gc.set_kv(g, f"{A}.rope.scaling.type", gc.string("yarn"))
+        gc.set_kv(g, f"{A}.rope.scaling.factor", gc.f32(4.0))
+        gc.set_kv(g, f"{A}.rope.scaling.original_context_length", gc.u32(4096))
+        gc.set_kv(g, f"{A}.{key}", gc.f32(value))
+    _refused(_variant(tmp_path, tiny_model, e), needle)
+
+
+def test_tokenizer_keys_of_the_wrong_type(tiny_model, tmp_path):
+    """token_type as strings (int("x") at the first encode) and add_bos_token as the string "no"
+    (read as true: a BOS the file's author did not ask for)."""
+    def strings(g):
+        n = len(GGUFModelFile(tiny_model).metadata["tokenizer.ggml.tokens"])
+        gc.set_kv(g, "tokenizer.ggml.token_type",
+                  (gc.ARRAY, struct.pack("<IQ", gc.STRING, n) + b"".join(gc._string("x") for _ in range(n))))
+    _refused(_variant(tmp_path, tiny_model, strings), "tokenizer.ggml.token_type: expected an array of integers")
+    p = _variant(tmp_path, tiny_model, lambda g: gc.set_kv(g, "tokenizer.ggml.add_bos_token", gc.string("no")), "b.gguf")
+    _refused(p, "tokenizer.ggml.add_bos_token: expected a bool, got string")
+
+
+def test_alignment_that_disagrees_with_the_padding(tiny_model, tmp_path):
+    """general.alignment 16 in a file padded to 32: every tensor read 16 bytes early, silently
+    (an outside probe: logits off by a relative 1.1): the bytes left past the last tensor give it
+    away. A filler key moves the header's end to where the two alignments part."""
+    import dataclasses
+    for n in range(32):
+        g = gc.parse(open(tiny_model, "rb").read())
+        gc.set_kv(g, "general.alignment", gc.u32(16))
+        gc.set_kv(g, "x.filler", gc.string("f" * n))
+        h = len(gc.build(dataclasses.replace(g, data=b"", alignment=1)))  # the header, unpadded
+        if -(-h // 16) * 16 != -(-h // 32) * 32:
+            break
+    else:
+        raise AssertionError("no filler length parts the alignments")
+    g.alignment = 32  # the padding the data was written with
+    raw = gc.build(g)
+    p = tmp_path / "a16.gguf"
+    p.write_bytes(raw)
+    _refused(str(p), "general.alignment (16) or the tensor table is damaged", load=True)
+
+
+def test_split_name_outside_its_count(tiny_model, tmp_path):
+    """-00007-of-00002 opened shards 1 and 2; -00003-of-00002, a whole model file, was passed over."""
+    paths = _shards(tiny_model, tmp_path)
+    for no in (0, 3, 7):
+        name = paths[0].replace("-00001-of-00002", f"-{no:05d}-of-00002")
+        _refused(name, f"split file name says shard {no} of 2")

@@ -334,6 +334,7 @@ def terminate_on_sigterm() -> None:
         # and its traceback), and `serve` came up and served on (an outside probe, stop 68)
         interrupt.request()
         raise Terminated()
+    interrupt.quiet_swallowed()
     signal.signal(signal.SIGTERM, on_term)
 
 

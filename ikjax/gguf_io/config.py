@@ -115,6 +115,7 @@ class ModelConfig:
                 qk_dim = _qk_dim_from_tensors(table, n_head) or qk_dim
         m.int("attention.head_count_kv", n_head, lo=1)
         yarn = None
+        rope_base = m.float("rope.freq_base", 10000.0, positive=True)
         scaling = m.str("rope.scaling.type", "none")
         if scaling == "yarn":
             yarn = YarnConfig(
@@ -123,9 +124,12 @@ class ModelConfig:
                 log_multiplier=m.float("rope.scaling.yarn_log_multiplier", 0.0),
                 # Kimi K2's config has beta_fast = beta_slow = 1; a file without the keys (ik's
                 # converter drops them) would run it as another model with YaRN's 32 / 1
-                beta_fast=m.float("rope.scaling.yarn_beta_fast", 1.0 if _kimi_without_betas(md) else 32.0),
-                beta_slow=m.float("rope.scaling.yarn_beta_slow", 1.0),
+                beta_fast=m.float("rope.scaling.yarn_beta_fast", 1.0 if _kimi_without_betas(md) else 32.0,
+                                  positive=True),  # (0 divided by zero, a negative one was a math domain error)
+                beta_slow=m.float("rope.scaling.yarn_beta_slow", 1.0, positive=True),
             )
+            if rope_base <= 1.0:  # YaRN's correction range divides by log(freq_base)
+                raise ModelFileError(f"{source}: {ARCH}.rope.freq_base is {rope_base}: YaRN needs a base above 1")
         elif scaling != "none":
             raise ModelFileError(f"{source}: {ARCH}.rope.scaling.type {scaling!r} is not supported (none or yarn)")
         elif m.float("rope.scaling.factor", 1.0, positive=True) != 1.0:
@@ -185,7 +189,7 @@ class ModelConfig:
             expert_weights_norm=m.bool("expert_weights_norm", False),
             gating=gating,
             rms_eps=m.float("attention.layer_norm_rms_epsilon", positive=True),
-            rope_base=m.float("rope.freq_base", 10000.0, positive=True),
+            rope_base=rope_base,
             yarn=yarn,
             context_length=m.int("context_length", 4096, lo=1),
             bos_token_id=special.get("bos"),
@@ -234,10 +238,12 @@ class ModelConfig:
             i = min(beyond)
             raise ModelFileError(f"{source}: {ARCH}.block_count is {block_count} but the file has tensors of layer "
                                  f"{i} ({layers[i]})")
-        absent = [i for i in range(self.n_layer) if i not in layers]
-        if absent:
+        # (counted, not listed: a damaged block_count of 2^40 built a list of every missing layer)
+        n_absent = self.n_layer - sum(1 for i in layers if i < self.n_layer)
+        if n_absent:
+            first = next(i for i in range(self.n_layer) if i not in layers)  # within len(layers) + 1 steps
             raise ModelFileError(f"{source}: {ARCH}.block_count is {block_count} but the file has no tensors of "
-                                 f"layer {absent[0]}" + (f" ({len(absent)} layers missing)" if len(absent) > 1 else ""))
+                                 f"layer {first}" + (f" ({n_absent} layers missing)" if n_absent > 1 else ""))
         specs = all_specs(self)
         check_shapes(specs, tensors, source)
         known = {s.gguf_name for s in specs}
@@ -490,4 +496,10 @@ def _special_token_ids(md: Mapping[str, Any], source: str, vocab: int, tokens: A
     if types is not None and tokens is not None and (_kind(types) != "array" or len(types) != len(tokens)):
         got = f"{len(types)} entries" if _kind(types) == "array" else f"a {_kind(types)}"
         raise ModelFileError(f"{source}: tokenizer.ggml.token_type has {got} for {len(tokens)} tokens")
+    if types is not None and not np.issubdtype(np.asarray(types).dtype, np.integer):
+        # (an array of strings was int("x")'s ValueError when the tokenizer was built)
+        raise ModelFileError(f"{source}: tokenizer.ggml.token_type: expected an array of integers")
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix"):
+        if key in md and _kind(md[key]) != "bool":  # (a string "no" was read as true: a BOS added)
+            raise ModelFileError(f"{source}: {key}: expected a bool, got {_kind(md[key])}")
     return out

@@ -77,6 +77,7 @@ _TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "
 # Fewest bytes one value of each type takes: what a count is checked against before it is trusted.
 _MIN_BYTES = {**{t: struct.calcsize(f) for t, f in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
 GGML_MAX_DIMS = 4
+MAX_ARRAY_ITEMS = 1 << 24  # a metadata array's items: 60x the largest vocabularies (Kimi K2: 163,840 tokens)
 GGML_MAX_NAME = 64  # ggml's limit, terminating NUL included: llama.cpp refuses longer tensor names
 _MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, a 1-byte key, value type, a 1-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, 1-byte name, n_dims, one ne, type, offset
@@ -149,6 +150,11 @@ class _Cursor:
             if itype not in _MIN_BYTES:
                 raise self.fail(f"metadata {key}: unknown GGUF array item type {itype}")
             self.need(count, _MIN_BYTES[itype], f"metadata {key}: array of {type_name(itype)} count")
+            if itype == _ARRAY:  # (ggml's reader refuses them too; 3000 levels were a RecursionError)
+                raise self.fail(f"metadata {key}: an array of arrays (not supported)")
+            if count > MAX_ARRAY_ITEMS:  # (a damaged count in a big file allocated gigabytes before failing)
+                raise self.fail(f"metadata {key}: an array of {count} items (at most {MAX_ARRAY_ITEMS} are read: a "
+                                f"damaged count?)")
             if itype in _NP_SCALARS:
                 dt = np.dtype(_NP_SCALARS[itype]).newbyteorder("<")
                 arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
@@ -212,7 +218,7 @@ class GGUFShard:
             if not stat.S_ISREG(os.fstat(fd.fileno()).st_mode):  # replaced between stat and open
                 raise ModelFileError(f"{self.path}: not a regular file")
             st = os.fstat(fd.fileno())
-            size = st.st_size
+            size = self.size = st.st_size
             # what the file was when mapped: `GGUFModelFile.check_unchanged` compares against it
             self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             try:
@@ -311,6 +317,12 @@ class GGUFShard:
             known = t.qtype is not None and supports(t.qtype)
             expect = (t.offset + t.nbytes + align - 1) // align * align if known else None
             prev = t if known else None
+        # the data ends where the last tensor does (writers pad to the alignment): bytes past that mean
+        # the data section starts later than general.alignment puts it (a damaged alignment read every
+        # tensor 16 bytes early, silently) or the table is short of a tensor
+        if prev is not None and self.size - (prev.offset + prev.nbytes) >= align:
+            return (f"{self.path}: the tensor data ends at byte {prev.offset + prev.nbytes} (tensor {prev.name}) but "
+                    f"the file has {self.size} bytes: general.alignment ({align}) or the tensor table is damaged")
         return None
 
     def close(self) -> None:
@@ -364,6 +376,9 @@ class GGUFModelFile:
         paths = split_paths(path)
         if not paths:
             raise ModelFileError(f"{path}: split file name says the model has 0 shards")
+        m = _SPLIT_RE.match(Path(path).name)
+        if m and not 1 <= int(m.group("no")) <= len(paths):  # (-00007-of-00002 opened shards 1 and 2)
+            raise ModelFileError(f"{path}: split file name says shard {int(m.group('no'))} of {len(paths)}")
         missing = [p for p in paths if not os.path.lexists(p)]
         if missing and len(paths) == 1:
             raise ModelFileError(f"{path}: cannot open: no such file")
