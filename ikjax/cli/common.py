@@ -391,31 +391,54 @@ def check_stats_target(path: str) -> None:
     refuse_overwrite(path)
 
 
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "f": "\f", "v": "\v", "\\": "\\", "'": "'",
-            '"': '"', "?": "?"}
+_ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def _strtol16_2(x: bytes) -> int | None:
+    """C's strtol(x, &end, 16) on two bytes, where it reads both (ik's test, `end == x + 2`): two
+    hex digits, or one after a space or a sign. None where it stops short."""
+    if len(x) != 2 or x[1] not in _HEX:
+        return None
+    if x[0] in _HEX:
+        return int(x, 16)
+    if x[0] in b" \t\n\v\f\r+":
+        return int(x[1:], 16)
+    return -int(x[1:], 16) if x[0] == ord("-") else None
 
 
 def process_escapes(text: str) -> str:
-    """llama-cli's -e, on by default there: \\n \\t \\r \\a \\b \\f \\v \\\\ \\' \\" \\? and \\xHH (below 0x80)
-    in a prompt become the characters they name; any other backslash stays as written. Why: the
-    same `-p "User: hi\\nAssistant:"` must feed the same tokens here as in ik."""
-    out, i = [], 0
-    while i < len(text):
-        c = text[i]
-        if c == "\\" and i + 1 < len(text):
-            n = text[i + 1]
-            if n in _ESCAPES:
-                out.append(_ESCAPES[n])
+    """llama-cli's -e, on by default there, byte for byte as ik's string_process_escapes: \\n \\r
+    \\t \\' \\" \\\\ and \\xHH (any byte, both digits there) become what they
+    name; any other backslash stays as written (LaTeX's \\frac, C:\\build). Why: the same
+    `-p "User: hi\\nAssistant:"` must feed the same tokens here as in ik. Bytes that are not UTF-8
+    (`\\xff`) are one line: the tokenizer takes text."""
+    src = text.encode("utf-8", "surrogatepass")
+    out, i, n = bytearray(), 0, len(src)
+    while i < n:
+        c = src[i]
+        if c == 0x5C and i + 1 < n:  # a backslash with something after it
+            e = src[i + 1]
+            if e in _ESCAPES:
+                out += _ESCAPES[e]
                 i += 2
                 continue
-            h = text[i + 2:i + 4]
-            if n == "x" and len(h) == 2 and all(ch in "0123456789abcdefABCDEF" for ch in h) and int(h, 16) < 0x80:
-                out.append(chr(int(h, 16)))
-                i += 4
-                continue
+            if e == ord("x") and i + 3 < n:
+                v = _strtol16_2(src[i + 2:i + 4])
+                if v is not None:
+                    out.append(v & 0xFF)  # (char(val))
+                    i += 4
+                    continue
+            out += src[i:i + 2]
+            i += 2
+            continue
         out.append(c)
         i += 1
-    return "".join(out)
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise OptionError(f"escapes: \\x escapes make bytes that are not UTF-8 text (at byte {err.start}); "
+                          f"--no-escape keeps them as written") from None
 
 
 def read_prompt_file(path: str) -> str:
