@@ -157,3 +157,26 @@ def test_bench_sm_list_sweeps_split_modes(tiny_model):
     assert [r["sm"] for r in _bench_rows(res)] == ["none", "layer", "graph"]
     res = _run(["bench", "-m", tiny_model, "-p", 8, "-n", 0, "-r", 1, "-sm", "none,row"], 1)
     assert res.stderr.startswith("error: -sm") and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_bench_ubatch_column_is_as_typed_and_mla_use_taken(tiny_model):
+    """llama-bench prints -ub as given (`n_ubatch = inst.n_ubatch`; the context clamps it to -b):
+    `-ub 16,32 -b 16` is two rows told apart (both said 16); `--mla-use`, llama-bench's long name
+    for -mla, is taken (it was an unknown option)."""
+    res = _run(["bench", "-m", tiny_model, "-p", 16, "-n", 0, "-r", 1, "-ub", "16,32", "-b", 16, "-o", "jsonl"])
+    recs = [json.loads(l) for l in res.stdout.splitlines() if l.strip()]
+    assert [(r["n_batch"], r["n_ubatch"]) for r in recs] == [(16, 16), (16, 32)], recs
+    md = _run(["bench", "-m", tiny_model, "-p", 16, "-n", 0, "-r", 1, "-ub", "16,32", "-b", 16])
+    ub_col = [[c.strip() for c in l.strip("| ").split("|")] for l in md.stdout.splitlines()[2:] if l.startswith("|")]
+    head = [c.strip() for c in md.stdout.splitlines()[0].strip("| ").split("|")]
+    assert [r[head.index("n_ubatch")] for r in ub_col] == ["16", "32"]
+    res = _run(["bench", "-m", tiny_model, "-p", 8, "-n", 0, "-r", 1, "--mla-use", 3, "-o", "jsonl"])
+    assert json.loads(res.stdout.splitlines()[0])["mla_attn"] == 3
+
+
+def test_sweep_bench_n_below_zero_is_iks_default(tiny_model):
+    """ik's sweep-bench: `n_predict > 0 ? n_predict : ub/4` (-n -2 was refused here)."""
+    a = _run(["sweep-bench", "-m", tiny_model, "-c", 128, "-ub", 32, "-n", -2, "-of", "jsonl"]).stdout
+    b = _run(["sweep-bench", "-m", tiny_model, "-c", 128, "-ub", 32, "-of", "jsonl"]).stdout
+    tg = lambda out: [json.loads(l)["tg"] for l in out.splitlines() if l.startswith("{")]  # noqa: E731
+    assert tg(a) == tg(b) == [8] * len(tg(b)) and tg(b)

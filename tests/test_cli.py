@@ -604,3 +604,16 @@ def test_info_checks_gpu_experts_as_a_load(tiny_model, tmp_path):
                           "gpu-experts", "needs expert statistics")
     assert_one_line_error(invoke(["info", tiny_model, "--gpu-experts", "2", "--expert-stats", stats], 1),
                           "gpu-experts", "no routed experts are in host memory")
+
+
+def test_flag_readings_an_outside_probe_found(tiny_model, tmp_path):
+    """chat -p TEXT -f FILE sent the file and dropped -p silently (generate refuses the pair);
+    --top-k below 0 is off in llama-cli (was refused); --chat-template-file on a directory said
+    "no such file"."""
+    f = tmp_path / "f.txt"
+    f.write_text("second message")
+    assert_one_line_error(invoke(["chat", "-m", tiny_model, "-p", "from-p", "-f", f, "-n", 2], 1), "not both")
+    base = ["generate", "-m", tiny_model, "-p", "hello", "-n", 4, "--seed", 3, "--temp", 1.0, "-c", 128]
+    assert invoke(base + ["--top-k", -1]).stdout == invoke(base + ["--top-k", 0]).stdout
+    assert_one_line_error(invoke(["chat", "-m", tiny_model, "--chat-template-file", tmp_path], 1),
+                          "--chat-template-file", "not a file")

@@ -111,7 +111,7 @@ def bench(
     output_err: Annotated[Optional[str], typer.Option("-oe", "--output-err", help="also print the results to "
                                                       "stderr in this format (md, json, jsonl, csv or sql)")] = None,
     # replace the shared options of the same names: comma lists, swept
-    mla: Annotated[str, typer.Option("-mla", "--mla", "--mla-attn", help="MLA mode(s), e.g. 2,3")] = str(_D.mla),
+    mla: Annotated[str, typer.Option("-mla", "--mla", "--mla-use", "--mla-attn", help="MLA mode(s), e.g. 2,3")] = str(_D.mla),
     ubatch: Annotated[str, typer.Option("-ub", "--ubatch", "--ubatch-size", help="micro-batch(es)")] = str(_D.ubatch),
     batch: Annotated[str, typer.Option("-b", "--batch", "--batch-size", help="batch size(s)")] = str(_D.batch),
     ctk: Annotated[str, typer.Option("-ctk", "--ctk", "--cache-type-k", help="KV cache type(s)")] = _D.ctk,

@@ -75,7 +75,7 @@ def chat(
     # every value checked before the model loads
     chat_template = template_choice(chat_template, chat_template_file)
     check_choice(chat_template)
-    temp, top_p = ik_sampling(temp, top_p)
+    temp, top_k, top_p = ik_sampling(temp, top_k, top_p)
     seed, drawn = ik_seed(seed)  # (a drawn one is printed once the model loaded: a refused command prints none)
     check_sampling(temp, top_k, top_p, min_p, seed)
     check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
@@ -83,6 +83,8 @@ def chat(
         raise OptionError(f"n-predict: need >= -1 (-1 = no limit), got {n_predict}")
     first = prompt or None
     if file is not None:
+        if prompt:  # (the file won silently; generate refuses the pair the same way)
+            raise OptionError("prompt: give -p TEXT or -f FILE, not both")
         first = read_prompt_file(file)
     if escape:  # llama-cli's default (-e)
         first = process_escapes(first) if first else first

@@ -289,11 +289,12 @@ _TOP_P_ONE = 1e-9  # a nucleus no larger than the most likely token
 _RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama.cpp's LLAMA_DEFAULT_SEED, and -1: a random seed
 
 
-def ik_sampling(temp: float, top_p: float) -> tuple[float, float]:
-    """llama-cli's readings of its sampling flags: a temperature of 0 or less is greedy, a top-p of
-    1 or more is off, one of 0 or less keeps the most likely token only (llama.cpp's min_keep = 1)
-    (values the Python API, which keeps OpenAI's ranges, refuses). NaN stays for the checks."""
-    return max(temp, 0.0), (min(top_p, 1.0) if not top_p <= 0 else _TOP_P_ONE)
+def ik_sampling(temp: float, top_k: int, top_p: float) -> tuple[float, int, float]:
+    """llama-cli's readings of its sampling flags: a temperature of 0 or less is greedy, a top-k of
+    0 or less is off, a top-p of 1 or more is off, one of 0 or less keeps the most likely token
+    only (llama.cpp's min_keep = 1) (values the Python API, which keeps OpenAI's ranges, refuses).
+    NaN stays for the checks."""
+    return max(temp, 0.0), max(top_k, 0), (min(top_p, 1.0) if not top_p <= 0 else _TOP_P_ONE)
 
 
 def ik_seed(seed: Optional[int]) -> tuple[int, bool]:
@@ -378,7 +379,8 @@ def template_choice(chat_template: Optional[str], chat_template_file: Optional[s
         raise OptionError("--chat-template and --chat-template-file: give one of them")
     path = Path(os.path.expanduser(chat_template_file))
     if not path.is_file():
-        raise OptionError(f"--chat-template-file {chat_template_file}: no such file")
+        raise OptionError(f"--chat-template-file {chat_template_file}: "
+                          + ("not a file" if path.exists() else "no such file"))
     return str(path.absolute())
 
 

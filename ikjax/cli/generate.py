@@ -63,7 +63,7 @@ def generate(
         n_predict = -1
     if n_predict < -1:
         raise OptionError(f"n-predict: need >= 0 (or -1 / -2: until EOS or the context's end), got {n_predict}")
-    temp, top_p = ik_sampling(temp, top_p)
+    temp, top_k, top_p = ik_sampling(temp, top_k, top_p)
     seed, drawn = ik_seed(seed)  # (a drawn one is printed once the model loaded: a refused command prints none)
     if file is not None:  # llama-cli's -f
         if prompt:

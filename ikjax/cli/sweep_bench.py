@@ -50,7 +50,7 @@ def check_plot_target(plot: str) -> None:
 def sweep_bench(
     run: RunArgs,
     n_gen: Annotated[Optional[int], typer.Option("-n", "--n-gen", "--n-predict",
-                                                 help="TG tokens per row (default, and 0 or -1 as ik: ub/4)")] = None,
+                                                 help="TG tokens per row (default, and 0 or less as ik: ub/4)")] = None,
     output_format: Annotated[str, typer.Option("--output-format", "-of", help="md (ik's table) or jsonl")] = "md",
     sweep_stride: Annotated[int, typer.Option("--sweep-stride", help="measure and print every Nth row (ik's)")] = 1,
     sweep_memory: Annotated[bool, typer.Option("--sweep-memory", help="add ik's RSS HWM and VRAM delta (MiB) to "
@@ -70,8 +70,6 @@ def sweep_bench(
     from ikjax.tools import sweep_bench as sb
     if output_format not in ("md", "jsonl"):
         raise OptionError(f"output-format: {output_format!r} is not md or jsonl")
-    if n_gen is not None and n_gen < -1:
-        raise OptionError(f"-n: need a token count, or 0 / -1 for ik's default ub/4; got {n_gen}")
     if sweep_stride < 1:
         raise OptionError(f"--sweep-stride: need >= 1, got {sweep_stride}")
     if plot:

@@ -148,8 +148,12 @@ def option_fields(opts: dict[str, Any]) -> dict[str, Any]:
     ot = get("ot")
     t = get("threads")
     tb = get("threads_batch")
+    # -ub as typed (llama-bench's `n_ubatch = inst.n_ubatch`; the context clamps it to -b): the
+    # clamped value labelled `-ub 2048,4096` with -b 2048 as two rows of 2048
+    ub = opts.get("ubatch", opts.get("ub"))
+    ub = int(ub) if isinstance(ub, (int, str)) and not isinstance(ub, bool) and str(ub).strip().isdigit() else None
     return {
-        "n_batch": get("batch"), "n_ubatch": get("ubatch"),
+        "n_batch": get("batch"), "n_ubatch": ub if ub else get("ubatch"),
         "n_threads": t or cpus if isinstance(t, int) else t,
         "n_threads_batch": (tb or t or cpus) if isinstance(tb, int) and isinstance(t, int) else tb,
         "type_k": get("ctk"), "type_v": (get("ctv") or get("ctk")),
