@@ -260,6 +260,8 @@ def test_split_shard_that_is_a_fifo(tmp_path, tiny_model):
     ("rope.freq_base", gc.f32(-10000.0), "rope.freq_base is -10000.0"),
     ("expert_weights_scale", gc.f32(-1.0), "expert_weights_scale is -1.0"),
     ("expert_weights_scale", gc.f32(math.nan), "expert_weights_scale is nan"),
+    ("expert_weights_scale", (12, struct.pack("<d", 1e300)), "expert_weights_scale is 1e+300, must be a finite positive "
+     "number (in float32's range)"),  # (a float64: finite, then inf in the step)
     ("expert_weights_norm", gc.u32(1), "expert_weights_norm: expected a bool, got integer"),
     ("attention.head_count", gc.u32(0), "attention.head_count is 0, must be at least 1"),
     ("attention.kv_lora_rank", gc.i32(-128), "kv_lora_rank is -128"),

@@ -433,6 +433,9 @@ def _kind(v: Any) -> str:
     return "array"
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 class _Meta:
     """Typed, range-checked reads of `deepseek2.*` keys: a key of the wrong GGUF type or an impossible
     value fails naming the key, instead of `int("abc")` or a model built from a NaN."""
@@ -467,9 +470,10 @@ class _Meta:
         found, full, v = self._get(key, default, "float")
         if found:
             v = float(v)
-            if not math.isfinite(v) or (positive and v <= 0):
+            # float32's range: the model computes in it (a float64 1e300 passed as finite, then was inf)
+            if not math.isfinite(v) or abs(v) > _F32_MAX or (positive and v <= 0):
                 raise ModelFileError(f"{self.source}: {full} is {v}, must be a finite"
-                                     f"{' positive' if positive else ''} number")
+                                     f"{' positive' if positive else ''} number (in float32's range)")
         return v
 
     def bool(self, key: str, default: Any = _REQUIRED) -> Any:
