@@ -107,8 +107,8 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:  # raise_exception, undefined fields, sandbox refusals
             raise ChatTemplateError(f"chat template {self.name}: {_one_line(e)}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,
-                RecursionError) as e:  # e.g. str + list content; range(10**9) in a template
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError,
+                RecursionError) as e:  # e.g. str + list content; range(10**9); {{ 1/0 }} in a template
             raise ChatTemplateError(f"chat template {self.name}: cannot render these messages "
                                     f"({type(e).__name__}: {_one_line(e)})") from None
 

@@ -227,3 +227,64 @@ def test_tokenizer_flags_are_booleans(eng):
         with pytest.raises(OptionError, match=f"^{next(iter(kw))}: expected True or False"):
             tok.encode("a", **kw)
     assert tok.encode("a", add_bos=np.bool_(False)) == tok.encode("a", add_bos=False)
+
+
+def test_a_session_taken_by_two_threads_at_once_goes_to_one(eng):
+    """Two threads starting a generation on one session: exactly one runs, the other is refused.
+    Thread A is held inside `_acquire` right after its busy check while thread B tries (an outside
+    probe saw both pass the check-then-set, 3 times in 1500 trials, one cache given to both)."""
+    import inspect
+    import sys
+    import threading
+
+    from ikjax.runtime.generation import KVSession
+    lines, first = inspect.getsourcelines(KVSession._acquire)
+    hold_at = first + next(i for i, l in enumerate(lines) if "self._busy = True" in l)
+    code = KVSession._acquire.__code__
+    paused, go = threading.Event(), threading.Event()
+    s = eng.session()
+    out = {}
+
+    def run(name, traced):
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == hold_at and not paused.is_set():
+                paused.set()
+                go.wait(10)
+            return local
+        if traced:
+            sys.settrace(lambda f, e, a: local if f.f_code is code else None)
+        try:
+            out[name] = list(eng.generate([1, 2, 3], 2, session=s))
+        except OptionError as e:
+            out[name] = str(e)
+        finally:
+            sys.settrace(None)
+    a = threading.Thread(target=run, args=("a", True))
+    a.start()
+    assert paused.wait(30)
+    b = threading.Thread(target=run, args=("b", False))
+    b.start()
+    b.join(1.0)  # with the lock B waits for A's hand-over (without it B ran through now)
+    go.set()
+    a.join(60)
+    b.join(60)
+    ran = [k for k, v in out.items() if isinstance(v, list)]
+    assert len(ran) == 1 and "already in use" in out["ab".replace(ran[0], "")], out
+    assert not s._busy and list(eng.generate([1, 2, 3], 2, session=s)) == out[ran[0]]
+
+
+def test_templates_dividing_by_zero_and_impossible_caches_are_one_line(eng):
+    """{{ 1/0 }} in a template was a bare ZeroDivisionError; new_cache(10**12) XLA's
+    RESOURCE_EXHAUSTED; a closed engine still made caches and sessions."""
+    from ikjax.chat_template import ChatTemplateError
+    from ikjax.errors import DoesNotFitError
+    for src in ("{{ 1/0 }}", "{{ 7 // 0 }}", "{{ 5 % 0 }}", "{% if 3 is divisibleby 0 %}x{% endif %}"):
+        with pytest.raises(ChatTemplateError, match="ZeroDivisionError"):
+            eng.chat([{"role": "user", "content": "hi"}], 2, chat_template=src)
+    with pytest.raises(DoesNotFitError, match="a KV cache of 1000000000000 sequences"):
+        eng.new_cache(10 ** 12)
+    e2 = ikjax.load(eng.file.path, ctx=CTX, ubatch=8)
+    e2.close()
+    for call in (lambda: e2.new_cache(1), e2.session, e2.memory_plan):
+        with pytest.raises(OptionError, match="closed"):
+            call()

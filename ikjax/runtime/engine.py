@@ -601,8 +601,14 @@ class Engine:
         write_expert_stats(path, self.expert_stats() if stats is None else stats)
 
     def new_cache(self, batch: int = 1):
-        """A zeroed KV cache: per device with -sm layer, replicated over the mesh with -sm graph."""
-        return self.executor.new_cache(self.cache_layout(_batch_size(batch)))
+        """A zeroed KV cache: per device with -sm layer, replicated over the mesh with -sm graph.
+        A batch the memory plan says cannot fit is refused by it (a batch of 10^12 was XLA's
+        RESOURCE_EXHAUSTED); one sequence fits, or the load would have been refused."""
+        self._check_open()
+        batch = _batch_size(batch)
+        if batch > 1:
+            check_fits(self._static_plan(batch), self.options, self.file.path, f"a KV cache of {batch} sequences")
+        return self.executor.new_cache(self.cache_layout(batch))
 
     def prepare_cache(self, batch: int = 1) -> None:
         """Compile what `new_cache(batch)` runs, ahead: beside the first steps' compile, so the
@@ -805,6 +811,7 @@ class Engine:
     def session(self) -> KVSession:
         """A KV cache kept between calls (multi-turn chat): pass it as `session=` to generate,
         complete or chat; each call feeds only what its prompt adds to what the cache holds."""
+        self._check_open()
         return KVSession(self)
 
     def complete(self, prompt, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
@@ -865,6 +872,7 @@ class Engine:
         """Weights (as stored, per place), KV cache and attention-buffer bytes for these options;
         for batch 1 also what this engine measured: runtime, load copies, compiled steps, and
         XLA's buffers of the largest step compiled so far (`peak_bytes`, `peak_lines()`)."""
+        self._check_open()
         if _batch_size(batch) != 1:
             return self._static_plan(batch)
         self.wait_loaded()  # the load's own charge

@@ -201,12 +201,16 @@ class KVSession:
         self.ids: list[int] = []
         self._busy = False
         self._holder: tuple | None = None  # (weakref to the Generation holding the cache, its thread)
+        # the busy check, the flag and the cache's hand-over in one step: two threads' check-then-set
+        # both passed now and then (3 in 1500 trials of an outside probe), one cache given to both
+        self._lock = threading.Lock()
 
     def reset(self) -> None:
         self._end_abandoned()
-        if self._busy:
-            raise OptionError("session: in use by an unfinished generation in another thread")
-        self.cache, self.ids = None, []
+        with self._lock:
+            if self._busy:
+                raise OptionError("session: in use by an unfinished generation in another thread")
+            self.cache, self.ids = None, []
 
     def _end_abandoned(self) -> None:
         """Close the unfinished generation holding the cache if this thread started it and no one is
@@ -238,14 +242,19 @@ class KVSession:
         if eng is not self.engine:
             raise OptionError("session: made for another engine (use eng.session())")
         self._end_abandoned()
-        if self._busy:
-            raise OptionError("session: already in use by an unfinished generation in another thread (close it "
-                              "first)")
-        self._busy = True
-        self._holder = (weakref.ref(gen), threading.get_ident())
-        if self.cache is None:
-            return self.engine.new_cache(1), 0
-        cache, self.cache = self.cache, None
+        with self._lock:
+            if self._busy:
+                raise OptionError("session: already in use by an unfinished generation in another thread (close it "
+                                  "first)")
+            self._busy = True
+            self._holder = (weakref.ref(gen), threading.get_ident())
+            cache, self.cache = self.cache, None
+        if cache is None:
+            try:
+                return self.engine.new_cache(1), 0
+            except BaseException:  # (a refused or failed allocation must not leave the session busy)
+                self._release(None, [])
+                raise
         n, common = len(ids), self.common_prefix(ids.tolist())
         if common >= n - 1:  # held whole (or all but its last token): its last chunk, as a fresh prefill's
             ub = self.engine.options.ubatch
@@ -253,11 +262,9 @@ class KVSession:
         return cache, max(0, min(common, n - 2))
 
     def _release(self, cache, ids: list[int]) -> None:
-        self._busy, self._holder = False, None
-        if cache is None:
-            self.reset()
-        else:
-            self.cache, self.ids = cache, ids
+        with self._lock:  # (an empty cache: the step consumed it; the next prompt is fed whole)
+            self.cache, self.ids = (None, []) if cache is None else (cache, ids)
+            self._busy, self._holder = False, None
 
 
 class BatchGeneration(list):
