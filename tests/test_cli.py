@@ -393,7 +393,6 @@ def test_prompt_escapes_and_files_as_llama_cli(tiny_model, tmp_path):
     backslash as written) and drops one trailing newline of an -f file: the same command feeds
     the same tokens here (the probe found `-p 'a\\nb'` fed a backslash and an n)."""
     from ikjax.cli.common import process_escapes, read_prompt_file
-    from ikjax.errors import OptionError
     assert process_escapes(r"a\nb\tc\\d\'e\"f\x41\q\\") == "a\nb\tc\\d'e\"fA\\q\\"
     assert process_escapes("no escapes") == "no escapes" and process_escapes("end\\") == "end\\"
     # ik's string_process_escapes exactly (common/common.cpp): only those six and \xHH, any byte
@@ -402,8 +401,8 @@ def test_prompt_escapes_and_files_as_llama_cli(tiny_model, tmp_path):
     assert process_escapes(r"Solve \frac{\alpha}{\beta} in C:\build\vars \? \a") == r"Solve \frac{\alpha}{\beta} in C:\build\vars \? \a"
     assert process_escapes(r"caf\xc3\xa9 \x41 end\x41 \x4") == "café A endA \\x4"
     assert process_escapes(r"\x 9.\x+a.\xg1.") == "\t.\n.\\xg1."  # (C strtol: a space or a sign first)
-    with pytest.raises(OptionError, match="not UTF-8"):
-        process_escapes(r"\xff.")
+    assert process_escapes(r"\xff.") == "\udcff."  # (PEP 383: the prompt's check names byte 0xff)
+    assert process_escapes("ab\udcff") == "ab\udcff"  # a command line's non-UTF-8 byte stays that byte
     f = tmp_path / "p.txt"
     f.write_text("Hello\\tthere\n\n")
     assert read_prompt_file(str(f)) == "Hello\\tthere\n"

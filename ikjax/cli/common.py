@@ -414,8 +414,12 @@ def process_escapes(text: str) -> str:
     \\t \\' \\" \\\\ and \\xHH (any byte, both digits there) become what they
     name; any other backslash stays as written (LaTeX's \\frac, C:\\build). Why: the same
     `-p "User: hi\\nAssistant:"` must feed the same tokens here as in ik. Bytes that are not UTF-8
-    (`\\xff`) are one line: the tokenizer takes text."""
-    src = text.encode("utf-8", "surrogatepass")
+    (`\\xff`, or given so on the command line) come back as PEP 383's lone surrogates, which the
+    prompt's check (`tokenizer.check_text`) names in one line: the tokenizer takes text."""
+    try:
+        src = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no byte stands for: left for the prompt's check to name
+        return text
     out, i, n = bytearray(), 0, len(src)
     while i < n:
         c = src[i]
@@ -436,11 +440,7 @@ def process_escapes(text: str) -> str:
             continue
         out.append(c)
         i += 1
-    try:
-        return out.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise OptionError(f"escapes: \\x escapes make bytes that are not UTF-8 text (at byte {err.start}); "
-                          f"--no-escape keeps them as written") from None
+    return out.decode("utf-8", "surrogateescape")
 
 
 def read_prompt_file(path: str) -> str:
