@@ -142,7 +142,8 @@ def test_health_models_props(server):
     assert [m.id for m in models.data] == [MODEL]
     status, props = call(server, "GET", "/props")
     assert status == 200 and props["total_slots"] == NP
-    assert props["default_generation_settings"]["n_ctx"] == CTX
+    gs = props["default_generation_settings"]
+    assert gs["n_ctx"] == CTX and gs["temperature"] == gs["params"]["temperature"]  # ik's flat form and llama.cpp's
     assert props["chat_template"] and props["prompt_cache"] == "auto"
 
 
@@ -959,11 +960,16 @@ def test_cors(server):
     assert "Access-Control-Allow-Origin" not in dict(urllib.request.urlopen(server.url + "/health").headers)
 
 
-def test_unknown_route_and_model_are_404(server):
+def test_unknown_route_is_404_and_any_model_name_is_served(server):
+    """A request's `model` may be any name (clients send placeholders like "gpt-3.5-turbo"): the one
+    model answers and the name is echoed, as llama-server does (a 404 broke such clients)."""
     _error(call(server, "GET", "/v2/nothing"), 404, "no such endpoint")
     _error(call(server, "GET", "/"), 404, "--no-webui")
-    with pytest.raises(openai.NotFoundError):
-        client(server).completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    r = client(server).completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert r.model == "gpt-4" and r.usage.completion_tokens >= 1
+    c = client(server).chat.completions.create(model="gpt-3.5-turbo", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+    assert c.model == "gpt-3.5-turbo"
     _error(call(server, "GET", "/v1/completions"), 405, "not allowed")
 
 
@@ -1669,3 +1675,37 @@ def test_health_answers_503_while_the_model_loads(tiny_model, tmp_path):
     loading = [b for c, b in seen if c == 503]
     assert loading and loading[0] == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
     assert set(codes) <= {None, 503, 200}, set(codes)
+
+
+def test_limits_usage_and_timings_as_llama_server(server):
+    """Three things llama-server clients read (an outside probe against ik's server source): the
+    token limit when several are sent (n_predict, then max_tokens, then max_completion_tokens:
+    the order was reversed); a streamed /v1/completions' final chunk carries `usage` without
+    stream_options (ik's final always does); `timings` after a stop string counts the answer's
+    tokens (predicted_n counted the burst decoded past the stop: 10 against 4)."""
+    msgs = [{"role": "user", "content": "count"}]
+    for body, want in (({"max_tokens": 1, "max_completion_tokens": 3}, 1), ({"max_tokens": 1, "n_predict": 3}, 3)):
+        st, r = call(server, "POST", "/v1/chat/completions", {"messages": msgs, "temperature": 0, "ignore_eos": True,
+                                                              **body})
+        assert st == 200 and r["usage"]["completion_tokens"] == want, (body, r["usage"])
+    st, r = call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1, "n_predict": 3, "ignore_eos": True})
+    assert st == 200 and r["usage"]["completion_tokens"] == 3, r["usage"]
+    chunks = list(client(server).completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2, chunks[-1]
+    # a stop string inside the greedy answer: its timings count what the answer holds
+    st, full = call(server, "POST", "/completion", {"prompt": "Hello world", "n_predict": 24, "temperature": 0,
+                                                    "ignore_eos": True})
+    text = full["content"]
+    k = next((i for i in range(len(text) // 3, len(text) - 2) if text[i:i + 2].strip() == text[i:i + 2]
+              and text.find(text[i:i + 2]) == i), None)
+    assert k is not None, text
+    st, r = call(server, "POST", "/completion", {"prompt": "Hello world", "n_predict": 24, "temperature": 0,
+                                                 "ignore_eos": True, "stop": [text[k:k + 2]]})
+    assert st == 200 and r["stop_type"] == "word" and r["tokens_predicted"] < 24, r
+    assert r["timings"]["predicted_n"] == r["tokens_predicted"] and r["timings"]["n_past"] == r["tokens_cached"], r
+    st, r = call(server, "POST", "/v1/completions", {"prompt": "Hello world", "max_tokens": 24, "temperature": 0,
+                                                     "ignore_eos": True, "stop": [text[k:k + 2]]})
+    assert r["timings"]["predicted_n"] == r["usage"]["completion_tokens"] < 24, r
+    deadline = time.time() + 20  # the stopped requests' bursts end (the fixture checks none is in flight)
+    while time.time() < deadline and any(x["is_processing"] for x in call(server, "GET", "/slots")[1]):
+        time.sleep(0.05)

@@ -124,14 +124,16 @@ class Request:
     _key: object = None  # its PRNG key for device draws (Scheduler._start_device_draws), after its first token
     _setting: tuple | None = None  # with _key: the static sampling setting of those draws
 
-    def timings(self) -> dict:
+    def timings(self, n_generated: int | None = None) -> dict:
         """llama-server's `timings` object: prompt and generation, counts and milliseconds. As there,
         the generation's rate is its tokens over the time after the prompt (the first token, drawn
         from the prompt step's logits, counted with no time of its own): predicted_per_second x
-        predicted_ms / 1000 = predicted_n, and the figures compare with llama-server's as they are."""
+        predicted_ms / 1000 = predicted_n, and the figures compare with llama-server's as they are.
+        `n_generated`: the tokens the answer holds (a stop string's end: the tokens decoded past it
+        in the same burst are not the answer's, and llama-server's predicted_n is its n_decoded)."""
         prompt_n = len(self.prompt) - self.n_cached
         prompt_ms = max(self.t_first - self.t_start, 0.0) * 1e3 if self.t_first else 0.0
-        n = len(self.generated)
+        n = len(self.generated) if n_generated is None else min(n_generated, len(self.generated))
         # (while it still generates, as llama-server's timings_per_token: up to now)
         pred_ms = max((self.t_end or time.perf_counter()) - self.t_first, 0.0) * 1e3 if self.t_first else 0.0
         return {"cache_n": self.n_cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,

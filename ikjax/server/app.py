@@ -239,9 +239,8 @@ class Server:
             return self.config.model_name
         if not isinstance(name, str):
             raise bad(f"model: expected a string, got {oai.json_type(name)}")
-        if name not in self.names:
-            raise ApiError(404, f"model {name!r} not found (this server serves {self.config.model_name!r})",
-                           "not_found_error")
+        # any name is this server's one model, echoed back, as llama-server does (clients and
+        # scripts send placeholders like "gpt-3.5-turbo"; a 404 broke them)
         return name
 
     # -- text in -----------------------------------------------------------------------------------
@@ -348,7 +347,7 @@ class Server:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         model = self._check_model(body)
-        params = await self._gen_params(body, max_names=("max_completion_tokens", "max_tokens", "n_predict"),
+        params = await self._gen_params(body, max_names=("n_predict", "max_tokens", "max_completion_tokens"),
                                         endpoint="chat")
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
@@ -389,13 +388,13 @@ class Server:
                     **head, "object": "chat.completion",
                     "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(job),
                                  "finish_reason": _finish(job, calls)}],
-                    "usage": self._usage(job), "timings": job.req.timings()})
+                    "usage": self._usage(job), "timings": job.req.timings(job.n_generated)})
             chunk = {**head, "object": "chat.completion.chunk"}
 
             def delta(d: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
                 out = {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}
                 if params.timings_per_token:  # llama-server's live speed figures
-                    out["timings"] = job.req.timings()
+                    out["timings"] = job.req.timings(job.n_generated)
                 return out
 
             async def events():
@@ -421,7 +420,7 @@ class Server:
                     yield delta(d)
                 if calls:  # each call whole in one delta (OpenAI's clients add the deltas up)
                     yield delta({"tool_calls": [t.openai(i) for i, t in enumerate(calls)]})
-                yield {**delta({}, _finish(job, calls)), "timings": job.req.timings()}
+                yield {**delta({}, _finish(job, calls)), "timings": job.req.timings(job.n_generated)}
                 if params.include_usage:
                     yield {**chunk, "choices": [], "usage": self._usage(job)}
             return await self._stream(request, [job], _usage_null_until_last(events()) if params.include_usage
@@ -433,7 +432,7 @@ class Server:
         """OpenAI's /v1/completions."""
         body = await self._body(request)
         model = self._check_model(body)
-        params = await self._gen_params(body, max_names=("max_tokens", "n_predict"), endpoint="completions")
+        params = await self._gen_params(body, max_names=("n_predict", "max_tokens"), endpoint="completions")
         params.id_slot = oai.check_slot(body, self.config.n_slots)
         oai.check_completions_only(body)
         prompts = oai.prompts_field(body)
@@ -451,7 +450,7 @@ class Server:
                 choices = [{"index": i, "text": pre + text, "logprobs": self._completions_logprobs(job, len(pre)),
                             "finish_reason": oai.FINISH[job.finish_reason]}
                            for i, (pre, job, text) in enumerate(zip(prefixes, jobs, texts))]
-                timings = {"timings": jobs[0].req.timings()} if len(jobs) == 1 else {}
+                timings = {"timings": jobs[0].req.timings(jobs[0].n_generated)} if len(jobs) == 1 else {}
                 return web.json_response({**head, "choices": choices, "usage": self._usage_of(jobs), **timings})
 
             def choice(i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
@@ -464,7 +463,10 @@ class Server:
                 async for piece in job.pieces():
                     yield choice(i, piece, logprobs=self._completions_logprobs(job, offset, piece=True))
                     offset += len(piece)
-                yield {**choice(i, "", oai.FINISH[job.finish_reason]), "timings": job.req.timings()}
+                last = {**choice(i, "", oai.FINISH[job.finish_reason]), "timings": job.req.timings(job.n_generated)}
+                if not params.include_usage:  # (llama-server's final chunk always has its usage)
+                    last["usage"] = self._usage_of([job])
+                yield last
 
             async def events():
                 async for obj in _merged([one(i, job, pre) for i, (job, pre) in enumerate(zip(jobs, prefixes))]):
@@ -500,7 +502,7 @@ class Server:
                     if params.top_logprobs is not None:
                         event["completion_probabilities"] = self._probabilities(job, piece=True)
                     if params.timings_per_token:  # llama-server's live speed figures
-                        event["timings"] = job.req.timings()
+                        event["timings"] = job.req.timings(job.n_generated)
                     yield event
                 yield {**self._completion_final(job, job.tail, prompt, False), "index": i}
             return await self._stream(request, jobs, _merged([one(i, job, prompt) for i, (job, prompt)
@@ -561,7 +563,7 @@ class Server:
                 "truncated": False, "stop_type": {"eos": "eos", "stop": "word"}.get(reason, "limit"),
                 "stopped_eos": reason == "eos", "stopped_word": reason == "stop",
                 "stopped_limit": reason in ("max_tokens", "context"), "stopping_word": job.stopping_word,
-                "has_new_line": "\n" in text, "timings": job.req.timings()}
+                "has_new_line": "\n" in text, "timings": job.req.timings(job.n_generated)}
 
     # -- log-probabilities (the scheduler's Request.token_logprobs, in each endpoint's form) ---------
     def _logprob_rows(self, job: Job, piece: bool) -> list[tuple[int, float, tuple]]:
@@ -691,11 +693,13 @@ class Server:
 
     async def props(self, request: web.Request) -> web.Response:
         d = self.config.defaults
+        params = {"n_predict": d.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+                  "min_p": d.min_p, "seed": d.seed, "cache_prompt": True}
         return web.json_response({
             "n_ctx": self.scheduler.ctx, "model_name": self.config.model_name,
-            "default_generation_settings": {"n_ctx": self.scheduler.ctx, "params": {
-                "n_predict": d.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
-                "min_p": d.min_p, "seed": d.seed, "cache_prompt": True}},
+            # the settings under `params` (llama.cpp's form now) and flat beside n_ctx (ik's
+            # get_formatted_generation): a client written for either reads them
+            "default_generation_settings": {"n_ctx": self.scheduler.ctx, **params, "params": params},
             "total_slots": self.scheduler.n_slots, "model_path": self.config.model_path,
             "model_alias": self.config.model_name, "chat_template": self.template.source,
             "chat_template_name": self.template.name, "bos_token": self.tok.token_text(self.tok.bos_id),
@@ -720,8 +724,12 @@ class Server:
         raise bad(f"action: expected erase, save or restore, got {action!r}"[:300])
 
     async def model(self, request: web.Request) -> web.Response:
-        """OpenAI's GET /v1/models/{model}: the served model's object, 404 for any other name."""
-        name = self._check_model({"model": request.match_info["model"]})
+        """OpenAI's GET /v1/models/{model}: the served model's object, 404 for any other name (a
+        request's `model` may name anything: llama-server's rule, `_check_model`)."""
+        name = request.match_info["model"]
+        if name not in self.names:
+            raise ApiError(404, f"model {name!r} not found (this server serves {self.config.model_name!r})",
+                           "not_found_error")
         return web.json_response({"id": name, "object": "model", "created": self.created, "owned_by": "ikjax"})
 
     async def embeddings(self, request: web.Request) -> web.Response:
