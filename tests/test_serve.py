@@ -1709,3 +1709,21 @@ def test_limits_usage_and_timings_as_llama_server(server):
     deadline = time.time() + 20  # the stopped requests' bursts end (the fixture checks none is in flight)
     while time.time() < deadline and any(x["is_processing"] for x in call(server, "GET", "/slots")[1]):
         time.sleep(0.05)
+
+
+def test_completion_echoes_ids_and_streams_end_with_all_probabilities(server):
+    """/completion as ik's server: a token-id prompt comes back as the ids given (it was decoded
+    text), and a stream's last event carries every token's probabilities, as the answer does."""
+    st, body = call(server, "POST", "/completion", {"prompt": [5, 6, 7, 8], "n_predict": 3, "ignore_eos": True})
+    assert st == 200 and body["prompt"] == [5, 6, 7, 8], body["prompt"]
+    c = http.client.HTTPConnection(server.host, int(server.port), timeout=120)
+    c.request("POST", "/completion", body=json.dumps({"prompt": "hi there", "n_predict": 3, "n_probs": 1,
+                                                      "ignore_eos": True, "temperature": 0, "stream": True}),
+              headers={"Content-Type": "application/json"})
+    events = [json.loads(ln[6:]) for ln in c.getresponse().read().decode().splitlines() if ln.startswith("data: ")]
+    c.close()
+    st, whole = call(server, "POST", "/completion", {"prompt": "hi there", "n_predict": 3, "n_probs": 1,
+                                                     "ignore_eos": True, "temperature": 0})
+    last = events[-1]
+    assert last["stop"] and [p["id"] for p in last["completion_probabilities"]] == \
+        [p["id"] for p in whole["completion_probabilities"]] and len(whole["completion_probabilities"]) == 3

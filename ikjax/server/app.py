@@ -549,13 +549,15 @@ class Server:
     def _completion_final(self, job: Job, text: str, prompt, whole: bool) -> dict:
         """/completion's answer, or the last event of its stream (`whole` False: no text, no ids)."""
         p, reason = job.params, job.finish_reason
-        probs = {"completion_probabilities": self._probabilities(job)} if p.top_logprobs is not None and whole else {}
+        # every token's probabilities on the answer, and on a stream's last event too (ik's final
+        # result carries them stream or not)
+        probs = {"completion_probabilities": self._probabilities(job)} if p.top_logprobs is not None else {}
         return {**probs, "content": text, "id_slot": job.req.slot, "stop": True, "model": self.config.model_name,
                 "index": 0, "tokens": list(job.token_ids) if p.return_tokens and whole else [],
                 "tokens_predicted": job.n_generated,
                 "tokens_evaluated": len(job.req.prompt), "tokens_cached": len(job.req.prompt) + max(job.n_generated - 1, 0),  # (llama-server's n_past: the
                 # last sampled token is not run through the model, so not in the cache; /slots' n_cached)
-                "prompt": prompt if isinstance(prompt, str) else self.tok.decode(job.req.prompt),
+                "prompt": prompt,  # as given: text, or the token ids (ik echoes the array)
                 "generation_settings": {"n_ctx": self.scheduler.ctx, "n_predict": -1 if p.max_tokens is None
                                         else p.max_tokens, **p.sampling(), "seed": job.req.sampling["seed"],
                                         "stop": p.stop,
