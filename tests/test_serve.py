@@ -981,6 +981,8 @@ def test_slots_by_id_erase_models_by_id_embeddings_allow(server):
         st, body = call(server, "POST", "/completion", {"prompt": "Hello there slot", "n_predict": 2, "id_slot": k})
         assert st == 200 and body["id_slot"] == k, body
     st, slots = call(server, "GET", "/slots")
+    assert call(server, "GET", "/slots/list")[1] == slots  # (ik's route)
+    assert all(x["state"] == 0 and x["next_token"]["n_decoded"] == 0 for x in slots), slots
     held = {x["id"]: x["n_cached"] for x in slots} if isinstance(slots, list) else {}
     # the answer's tokens_cached is what the slot holds (llama-server's n_past: the last sampled
     # token is never run through the model); it counted that token too (an outside probe)

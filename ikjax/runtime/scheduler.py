@@ -289,9 +289,17 @@ class Scheduler:
         return sum(s.req is not None for s in self.slots)
 
     def slot_info(self) -> list[dict]:
-        """llama-server's /slots, briefly: each slot's context, state and cached tokens."""
-        return [{"id": s.index, "n_ctx": self.ctx, "is_processing": s.req is not None, "n_cached": len(s.tokens),
-                 "id_task": s.req.id if s.req is not None else -1} for s in self.slots]
+        """llama-server's /slots: each slot's context, state (ik's `state`: 0 idle, 1 processing, and
+        llama.cpp's `is_processing`), cached tokens and `next_token` (decoded so far, left)."""
+        out = []
+        for s in self.slots:
+            r = s.req
+            n = len(r.generated) if r is not None else 0
+            left = -1 if r is None or r.max_tokens is None else max(r.max_tokens - n, 0)
+            out.append({"id": s.index, "n_ctx": self.ctx, "is_processing": r is not None, "state": int(r is not None),
+                        "n_cached": len(s.tokens), "id_task": r.id if r is not None else -1,
+                        "next_token": {"has_next_token": r is not None, "n_remain": left, "n_decoded": n}})
+        return out
 
     def warmup(self, prompts: bool = True, sampling: dict | None = None) -> int:
         """Compile before the first request arrives (llama-server's warm-up run): the decode step of

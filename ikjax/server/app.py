@@ -110,6 +110,7 @@ class Server:
         r.add_get("/props", self.props)
         r.add_get("/v1/props", self.props)
         r.add_get("/slots", self.slots)
+        r.add_get("/slots/list", self.slots)  # (ik's name for the same list)
         r.add_post("/slots/{id}", self.slot_action)
         r.add_get("/v1/models/{model}", self.model)
         for path in ("/v1/embeddings", "/embeddings", "/embedding"):
