@@ -1729,3 +1729,14 @@ def test_completion_echoes_ids_and_streams_end_with_all_probabilities(server):
     last = events[-1]
     assert last["stop"] and [p["id"] for p in last["completion_probabilities"]] == \
         [p["id"] for p in whole["completion_probabilities"]] and len(whole["completion_probabilities"]) == 3
+
+
+def test_tokenize_mixed_content_and_empty_bodies(server, ref):
+    """llama-server's /tokenize takes a mixed array (texts and ids, in order) and answers an empty
+    body with no tokens; /detokenize likewise (both were 400s)."""
+    a, b = ref.tokenizer.encode("ab", False), ref.tokenizer.encode("cd", False)
+    st, body = call(server, "POST", "/tokenize", {"content": ["ab", 300, "cd"]})
+    assert st == 200 and body["tokens"] == a + [300] + b, body
+    assert call(server, "POST", "/tokenize", {}) == (200, {"tokens": []})
+    assert call(server, "POST", "/detokenize", {}) == (200, {"content": ""})
+    _error(call(server, "POST", "/tokenize", {"content": ["ab", 10 ** 9]}), 400, "content[1]")

@@ -749,11 +749,26 @@ class Server:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        text = oai.text_field(body, "content")
-        # add_special: the special tokens the model's tokenizer adds (a BOS where it adds one), as
-        # llama-server's llama_tokenize(add_special); never a BOS the model's prompts do not get
-        ids = await self._encode(text, None if oai.bool_field(body, "add_special", False) else False,
-                                 oai.bool_field(body, "parse_special", True), prompt=False)
+        add = None if oai.bool_field(body, "add_special", False) else False
+        special = oai.bool_field(body, "parse_special", True)
+        content = body.get("content")
+        if content is None:  # (ik: no content, no tokens)
+            ids = []
+        elif isinstance(content, list):  # llama-server's mixed form: texts and token ids, in order
+            ids = []
+            for i, part in enumerate(content):
+                if isinstance(part, str):
+                    ids += await self._encode(part, add if i == 0 else False, special, prompt=False)
+                elif isinstance(part, int) and not isinstance(part, bool) and 0 <= part < self.tok.n_vocab:
+                    ids.append(part)
+                else:
+                    raise bad(f"content[{i}]: expected a string or a token id in [0, {self.tok.n_vocab}), got "
+                              f"{oai.json_type(part)}"[:300])
+        else:
+            text = oai.text_field(body, "content")
+            # add_special: the special tokens the model's tokenizer adds (a BOS where it adds one), as
+            # llama-server's llama_tokenize(add_special); never a BOS the model's prompts do not get
+            ids = await self._encode(text, add, special, prompt=False)
         if oai.bool_field(body, "with_pieces", False):
             pieces = await asyncio.to_thread(lambda: [{"id": i, "piece": _piece(self.tok.piece(i, special=True))}
                                                       for i in ids])
@@ -764,6 +779,8 @@ class Server:
         body = await self._body(request)
 
         def text() -> str:  # on a worker thread: a 32 MiB body holds ~15M ids, seconds of Python work
+            if body.get("tokens") is None:  # (ik: no tokens, no text)
+                return ""
             ids = oai.tokens_field(body)
             V = self.tok.n_vocab
             bad_ids = [t for t in ids if not 0 <= t < V]
