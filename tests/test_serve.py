@@ -1716,8 +1716,11 @@ def test_limits_usage_and_timings_as_llama_server(server):
 def test_completion_echoes_ids_and_streams_end_with_all_probabilities(server):
     """/completion as ik's server: a token-id prompt comes back as the ids given (it was decoded
     text), and a stream's last event carries every token's probabilities, as the answer does."""
-    st, body = call(server, "POST", "/completion", {"prompt": [5, 6, 7, 8], "n_predict": 3, "ignore_eos": True})
+    st, body = call(server, "POST", "/completion", {"prompt": [5, 6, 7, 8], "n_predict": 3, "ignore_eos": True,
+                                                    "n_probs": 2})
     assert st == 200 and body["prompt"] == [5, 6, 7, 8], body["prompt"]
+    gs = body["generation_settings"]  # ik's names beside ours
+    assert gs["n_probs"] == 2 and gs["max_tokens"] == gs["n_predict"] == 3 and gs["stream"] is False, gs
     c = http.client.HTTPConnection(server.host, int(server.port), timeout=120)
     c.request("POST", "/completion", body=json.dumps({"prompt": "hi there", "n_predict": 3, "n_probs": 1,
                                                       "ignore_eos": True, "temperature": 0, "stream": True}),

@@ -562,7 +562,10 @@ class Server:
                 "generation_settings": {"n_ctx": self.scheduler.ctx, "n_predict": -1 if p.max_tokens is None
                                         else p.max_tokens, **p.sampling(), "seed": job.req.sampling["seed"],
                                         "stop": p.stop,
-                                        "cache_prompt": p.cache_prompt, "ignore_eos": p.ignore_eos},
+                                        "cache_prompt": p.cache_prompt, "ignore_eos": p.ignore_eos,
+                                        # ik's names beside ours: n_probs, max_tokens, and what ran
+                                        "n_probs": p.top_logprobs or 0, "max_tokens": -1 if p.max_tokens is None
+                                        else p.max_tokens, "stream": p.stream, "model": self.config.model_name},
                 "truncated": False, "stop_type": {"eos": "eos", "stop": "word"}.get(reason, "limit"),
                 "stopped_eos": reason == "eos", "stopped_word": reason == "stop",
                 "stopped_limit": reason in ("max_tokens", "context"), "stopping_word": job.stopping_word,
