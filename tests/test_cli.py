@@ -616,3 +616,25 @@ def test_flag_readings_an_outside_probe_found(tiny_model, tmp_path):
     assert invoke(base + ["--top-k", -1]).stdout == invoke(base + ["--top-k", 0]).stdout
     assert_one_line_error(invoke(["chat", "-m", tiny_model, "--chat-template-file", tmp_path], 1),
                           "--chat-template-file", "not a file")
+
+
+def test_chat_template_refusal_long_system_prompt_and_n_minus_2(tiny_model, tmp_path):
+    """A template that refuses one message drops that message and the chat goes on (its render in
+    the context fit raised out of the chat, exit 1); a system prompt that leaves no room is one
+    line before any input (every message was "dropped: send a shorter one", without end); -n -2
+    is llama-cli's "until the context fills", as generate reads it (was refused)."""
+    tpl = tmp_path / "cond.jinja"
+    tpl.write_text("{% for m in messages %}{% if 'bad' in m.content %}{{ raise_exception('no bad words') }}"
+                   "{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    base = [sys.executable, "-m", "ikjax.cli", "chat", "-m", tiny_model, "-c", "512", "--temp", "0", "-n", "3", "-v"]
+    r = subprocess.run([*base, "--chat-template", str(tpl)], input="ok\nbad\nok again\n", capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "[message dropped: chat template" in r.stderr and "no bad words" in r.stderr, \
+        r.stderr[-1500:]
+    assert "turn 2: prompt" in r.stderr and int(re.search(r"chat: (\d+) turns", r.stderr).group(1)) == 2, \
+        r.stderr[-800:]
+    r = subprocess.run([*base, "-sys", "ab " * 600], input="hi\n", capture_output=True, text=True, timeout=300)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and err[-1].startswith("error: system-prompt: ") and "-c 512" in err[-1], r.stderr[-800:]
+    r = subprocess.run([*base[:-3], "-n", "-2"], input="", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "error" not in r.stderr, r.stderr[-800:]

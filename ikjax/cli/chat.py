@@ -79,6 +79,8 @@ def chat(
     seed, drawn = ik_seed(seed)  # (a drawn one is printed once the model loaded: a refused command prints none)
     check_sampling(temp, top_k, top_p, min_p, seed)
     check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
+    if n_predict == -2:  # llama-cli's "until the context is filled": what -1 does here (as generate)
+        n_predict = -1
     if n_predict < -1:
         raise OptionError(f"n-predict: need >= -1 (-1 = no limit), got {n_predict}")
     first = prompt or None
@@ -112,6 +114,15 @@ class Chat:
         self.eng, self.template, self.sampling, self.max_tokens = eng, template, sampling, max_tokens
         self.session = eng.session()
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        if system_prompt:  # llama-cli refuses a start prompt that leaves no room, before any input
+            ctx = eng.options.ctx
+            try:
+                n = self._tokens(self.messages + [{"role": "user", "content": "."}])
+            except OptionError:  # (a template that refuses this probe: the turns say so themselves)
+                n = 0
+            if n > ctx - 4:  # (every message was dropped as "too long" after it, without end)
+                raise OptionError(f"system-prompt: it is {n} tokens with the template, more than -c {ctx} holds "
+                                  f"(a shorter one, or a larger -c)")
         self.verbose = verbose
         self.turns = self.prompt_tokens = self.cached_tokens = self.generated = 0
         self.gen_seconds = 0.0
@@ -190,11 +201,11 @@ class Chat:
             log(f"[message dropped: {str(e).splitlines()[0]}; send it again]")
             return
         self.messages.append({"role": "user", "content": user})
-        dropped = self.fit()
-        if dropped:
-            log(f"[context: the oldest {dropped} exchange{'s' if dropped > 1 else ''} dropped to fit -c "
-                f"{self.eng.options.ctx}]")
         try:
+            dropped = self.fit()  # (it renders: a template that refuses this message raised out of the chat)
+            if dropped:
+                log(f"[context: the oldest {dropped} exchange{'s' if dropped > 1 else ''} dropped to fit -c "
+                    f"{self.eng.options.ctx}]")
             stream = self.eng.chat(self.messages, self.max_tokens, chat_template=self.template, stream=True,
                                    session=self.session, **self.sampling)
         except ContextFullError as e:  # the turn is dropped, the conversation goes on (it ended the program)
