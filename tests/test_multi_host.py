@@ -244,3 +244,36 @@ def test_command_key_ignores_the_process_id_and_the_model_s_directory():
     a = distributed.command_key(["generate", "-m", "/a/m.gguf", "-n", "4", "--process-id", "0"])
     assert a == distributed.command_key(["generate", "-m", "/b/m.gguf", "-n", "4", "--process-id=1"])
     assert a != distributed.command_key(["generate", "-m", "/a/m.gguf", "-n", "8", "--process-id", "0"])
+
+
+def test_cli_sigterm_ends_both_and_only_process_0_writes(model4, tmp_path):
+    """SIGTERM to both processes mid-generate: each ends with "error: terminated" and dies of the
+    signal (JAX's preemption service had taken SIGTERM over: both ran to the end and exited 0);
+    --expert-stats is written by process 0 only (process 1 wrote an all-zero file beside it)."""
+    import signal
+    import time
+    port = _free_port()
+    dirs = [tmp_path / f"p{i}" for i in range(2)]
+    procs = []
+    for i, d in enumerate(dirs):
+        d.mkdir()
+        procs.append(subprocess.Popen(_cli(model4, port, i, "generate", "-p", "Hello", "-n", "3000", "--ignore-eos",
+                                           "--temp", "0", "-c", "4096", "--expert-stats", "es.json"),
+                                      env=_env(), cwd=str(d), stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    try:
+        first = procs[0].stdout.read(8)  # process 0 prints: tokens flow
+        assert first, procs[0].stderr.read().decode()[-1500:]
+        time.sleep(0.5)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        errs = [p.communicate(timeout=60)[1].decode() for p in procs]
+        assert time.time() - t0 < 30
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, err in zip(procs, errs):
+        assert p.returncode == -signal.SIGTERM and "error: terminated" in err, (p.returncode, err[-1500:])
+    st = json.loads((dirs[0] / "es.json").read_text())
+    assert st["tokens"] > 1 and not (dirs[1] / "es.json").exists()

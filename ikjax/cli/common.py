@@ -148,7 +148,10 @@ def _end_processes(code: int) -> None:
     """A failed process of a several-process run ends at once (`distributed.exit_now`)."""
     if code:
         from ikjax.runtime import distributed
-        distributed.exit_now(code)
+        if distributed.several():  # what `at_end` registered first (the expert statistics counted), as
+            from ikjax.cli.parser import run_at_end  # one process's exit runs it (it was skipped)
+            run_at_end()
+        distributed.exit_now(code, by_sigterm=code == EXIT_INTERRUPTED and terminated())
 
 
 def _unexpected(e: BaseException) -> NoReturn:
@@ -472,7 +475,10 @@ def _save_expert_stats(eng, path: str) -> None:
 def save_stats(path: str, st: dict, *, merge: bool) -> None:
     """`_save_expert_stats`' rule for any run's statistics `st` (bench sums its engines')."""
     from ikjax.model.moe import add_stats
+    from ikjax.runtime import distributed
     from ikjax.runtime.engine import write_expert_stats
+    if not distributed.is_primary():  # process 0 counts and writes (the others wrote all-zero files)
+        return
     if st["tokens"] == 0 and os.path.isfile(os.path.expanduser(path)):
         log(f"expert stats: no token counted; {path} kept as it was")
         return

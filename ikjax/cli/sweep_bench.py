@@ -157,7 +157,8 @@ def sweep_bench(
     line = sb.host_decode_report(eng, rows, ops.host_kernel_stats())
     if line:  # -ot exps=CPU next to a GPU: the host kernel's share of a TG token
         log(line)
-    if plot:
+    from ikjax.runtime import distributed
+    if plot and distributed.is_primary():  # (every process wrote it, each from its own timings)
         import json
         from ikjax.tools.plot import plot_runs
         recs = [json.loads(r.jsonl(info)) for r in rows]

@@ -15,6 +15,7 @@ refused with the reason, as is one process's `-sm none` model on a multi-process
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import socket
@@ -74,6 +75,9 @@ def join_timeout() -> int:
     return env.positive_int("IKJAX_JOIN_TIMEOUT")
 
 
+HEARTBEAT_TIMEOUT_S = 20
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, timeout_s: int | None = None) -> None:
     """Join the other processes (no-op when no option is given). Must run before any JAX backend
@@ -94,6 +98,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError):
         pass
+    try:  # JAX's preemption service installs a C++ SIGTERM handler over the CLI's: a `kill` was ignored
+        jax.config.update("jax_enable_preemption_service", False)  # (both processes ran to the end, exit 0)
+    except (AttributeError, ValueError):
+        pass
     watchdog = threading.Timer(timeout_s, _give_up, (
         f"coordinator: {num_processes} processes did not all join at {coordinator} within {timeout_s} s (this is "
         f"process {process_id}; start the same command with --process-id 0..{num_processes - 1} on every host, "
@@ -102,8 +110,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     watchdog.start()
     try:
         # JAX's own limit later than ours: past it, its client aborts the process
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                                   initialization_timeout=timeout_s + 60)
+        kw = dict(initialization_timeout=timeout_s + 60)
+        # a peer that dies (SIGKILL, a lost host) is noticed by its missed heartbeats: 20 s, not
+        # JAX's 100 (process 0 sat ~90 s before JAX's client aborted it)
+        if "heartbeat_timeout_seconds" in inspect.signature(jax.distributed.initialize).parameters:
+            kw["heartbeat_timeout_seconds"] = HEARTBEAT_TIMEOUT_S
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id, **kw)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "already been initialized" in first or "backend" in first.lower():
@@ -157,13 +169,18 @@ def same_on_all(value: int) -> int:
     return int(np.asarray(multihost_utils.broadcast_one_to_all(np.array(value, np.int32))))
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int, by_sigterm: bool = False) -> None:
     """End a process of a several-process run at once, after its error line: at a normal exit JAX
     waits at a shutdown barrier for the others, and a peer that died or failed turns that into
-    ~90 s and an abort with a page of C++ log lines."""
+    ~90 s and an abort with a page of C++ log lines. `by_sigterm`: the death by that signal
+    (status 143), as one process's end is."""
     if several():
         sys.stdout.flush()
         sys.stderr.flush()
+        if by_sigterm:
+            import signal
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
         os._exit(code)
 
 
