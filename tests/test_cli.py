@@ -638,3 +638,13 @@ def test_chat_template_refusal_long_system_prompt_and_n_minus_2(tiny_model, tmp_
     assert r.returncode == 1 and err[-1].startswith("error: system-prompt: ") and "-c 512" in err[-1], r.stderr[-800:]
     r = subprocess.run([*base[:-3], "-n", "-2"], input="", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "error" not in r.stderr, r.stderr[-800:]
+
+
+def test_chat_says_when_an_answer_fills_the_context(tiny_model):
+    """An answer cut by the end of the context says so (it just stopped; only -v told why); one cut
+    by -n does not, as llama-cli prints nothing there."""
+    base = [sys.executable, "-m", "ikjax.cli", "chat", "-m", tiny_model, "--temp", "0", "--ignore-eos", "-c", "128"]
+    r = subprocess.run(base, input="hi\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "[answer stopped: the context (-c 128) is full" in r.stderr, r.stderr[-800:]
+    r = subprocess.run([*base, "-n", "3"], input="hi\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "[answer stopped" not in r.stderr, r.stderr[-800:]

@@ -231,10 +231,14 @@ class Chat:
             stream.close()
             signal.signal(signal.SIGINT, previous)
         _out("\n")
+        u = stream.usage
         if interrupted:
             log("[answer stopped]")
+        elif stream.finish_reason == "length" and (self.max_tokens is None or u.completion_tokens < self.max_tokens):
+            # (the answer just stopped, and only -v said why; ik shifts the context and goes on)
+            log(f"[answer stopped: the context (-c {self.eng.options.ctx}) is full; later turns drop the oldest "
+                f"exchanges]")
         self.messages.append({"role": "assistant", "content": stream.text})
-        u = stream.usage
         self.turns += 1
         self.prompt_tokens += u.prompt_tokens
         self.cached_tokens += u.cached_tokens
