@@ -327,8 +327,6 @@ def test_stopped_run_still_writes_its_counts(tiny4_model, tmp_path, sig):
         lines = stderr.strip().splitlines()
         assert p.returncode == 130 and lines[-2:] == ["error: interrupted", lines[-1]], stderr[-800:]
         assert lines[-1].startswith("expert stats: ") and str(out) in lines[-1]
-        reader.join(10)  # the text's line ended before the error line, as llama-cli's handler does
-        assert b"".join(got).endswith(b"\n"), b"".join(got)[-40:]
     else:
         assert p.returncode == -signal.SIGTERM, (p.returncode, stderr[-800:])
     st = json.loads(out.read_text())

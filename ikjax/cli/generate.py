@@ -145,20 +145,15 @@ def generate(
     from ikjax.runtime.text import StopStrings
     stops = StopStrings(reverse_prompt or [])
     pieces = tok.stream(counted())
-    try:
-        for piece in pieces:
-            out, stopped = stops.feed(piece)
-            sys.stdout.write(out + (stops.matched if stopped else ""))
-            sys.stdout.flush()
-            if stopped:
-                pieces.close()  # no token past the stop string is generated
-                break
-        else:
-            sys.stdout.write(stops.flush())
-    except KeyboardInterrupt:  # llama-cli's handler ends the text's line first: the error on a line of its own
-        sys.stdout.write("\n")
+    for piece in pieces:
+        out, stopped = stops.feed(piece)
+        sys.stdout.write(out + (stops.matched if stopped else ""))
         sys.stdout.flush()
-        raise
+        if stopped:
+            pieces.close()  # no token past the stop string is generated
+            break
+    else:
+        sys.stdout.write(stops.flush())
     typer.echo("")
     t_end = time.perf_counter()
     if t_first is not None:
