@@ -102,6 +102,7 @@
 #            (bench/gpu_gemv_tune.py --form dot) at 1 and 8 rows, beside the row form's schedule.
 #   STAGE=75: HEAD's health (the gpu-marked tests, the deep shape cold then warm). STAGE=76: the RMSNorm
 #            folded into the decode products (IKJAX_FOLD_NORM) on / off: GPU tests, deep-shape rows, kernels.
+#   STAGE=98: issue 22: which loaded program slows the scanned decode (bench/decode_neighbour_probe.py).
 #   STAGE=95: issue 22: XLA's command-buffer log for the scanned decode plain and after a 2-token step.
 # Every stage prints the ik build's progress. Carry .whl (gguf, prometheus_client, ikfull.tar.gz).
 #   STAGE=1 bash bench/lease_x4.sh      results under $OUT, packed into $OUT/stage-N.tgz (the device
@@ -1681,6 +1682,16 @@ for line in sys.stdin:
   timeout 200 python3 bench/gpu_step_hlo_diff.py $V2L 2>&1 | grep -v Warn | tail -40
   el "hlo diff done"
   STAGE=96 bash bench/lease_x4.sh 2>&1 | grep -v "clocks (sm\|cuda limits\|installed\|ik build\|H200, \|cores;"
+  ;;
+98)
+  # issue 22, §22as: which loaded neighbour program slows the scanned decode (bench/decode_neighbour_probe.py,
+  # one process: plain, each neighbour held, then dropped), then the same with CUDA_MODULE_LOADING=EAGER
+  v2l_ready
+  for envs in ${ENVS98:-CUDA_MODULE_LOADING=LAZY CUDA_MODULE_LOADING=EAGER}; do
+    echo "== $envs"
+    env $envs IKJAX_COMPILE_CACHE=/tmp/cc98 timeout 240 python3 bench/decode_neighbour_probe.py $V2L ${ARGS98:-} 2>&1 | grep -v Warn | tail -12
+    el "done $envs"
+  done
   ;;
 esac
 ikprog
