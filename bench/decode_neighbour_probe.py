@@ -57,6 +57,12 @@ def main() -> None:
         gc.collect()
         eng.precompile_decode(1, a.tg, a.kv + a.tg)
 
+    def reload() -> None:
+        eng._steps.forget_all()
+        jax.clear_caches()
+        gc.collect()
+        eng.precompile_decode(1, a.tg, a.kv + a.tg)
+
     w_out = eng.weights["output"]
     d = eng.config.d_model
 
@@ -80,10 +86,17 @@ def main() -> None:
         "softmax": lambda: kept(lambda v: jax.nn.softmax(v * 3.0, -1).sum(-1), jnp.ones((2, 16, 2048), jnp.float32)),
         "dot2": lambda: kept(lambda u, v: jnp.einsum("thd,shd->hts", u, v), jnp.ones((2, 16, 192), jnp.bfloat16),
                              jnp.ones((512, 16, 192), jnp.bfloat16)),
+        # device memory held (no program): does the decode's speed follow where its buffers land?
+        "pad1m": lambda: jax.block_until_ready(jnp.zeros((1 << 20,), jnp.uint8)),
+        "pad7m": lambda: jax.block_until_ready(jnp.zeros((7 << 20,), jnp.uint8)),
+        "pad64m": lambda: jax.block_until_ready(jnp.zeros((64 << 20,), jnp.uint8)),
+        "pad1g": lambda: jax.block_until_ready(jnp.zeros((1 << 30,), jnp.uint8)),
+        # every step dropped and the decode compiled / loaded again (its graph recorded anew)
+        "reload": lambda: reload(),
         "dynslice": lambda: kept(lambda s, i: jax.lax.dynamic_index_in_dim(s, i, 0, False) * 2.0,
                                  jnp.ones((27, 2048, 1024), jnp.bfloat16), jnp.int32(3)),
     }
-    chosen = [n for n in (a.only.split(",") if a.only else neighbours)]
+    chosen = [n for n in (a.only.split(",") if a.only else neighbours) if n]
     print(f"plain: {measure():.0f} us a token")
     for name in chosen:
         held = neighbours[name]()

@@ -1689,7 +1689,7 @@ for line in sys.stdin:
   v2l_ready
   for envs in ${ENVS98:-CUDA_MODULE_LOADING=LAZY CUDA_MODULE_LOADING=EAGER}; do
     echo "== $envs"
-    env $envs IKJAX_COMPILE_CACHE=/tmp/cc98 timeout 240 python3 bench/decode_neighbour_probe.py $V2L ${ARGS98:-} 2>&1 | grep -v Warn | tail -12
+    env $envs IKJAX_COMPILE_CACHE=/tmp/cc98 timeout ${T98:-240} python3 bench/decode_neighbour_probe.py $V2L ${ARGS98:-} 2>&1 | grep -v Warn | tail -12
     el "done $envs"
   done
   ;;
