@@ -72,14 +72,16 @@ def main() -> None:
         jax.block_until_ready(c(*args))
         return c
 
-    def own_step(t: int):
-        out, _ = eng.step(eng.new_cache(1), rng.integers(0, vocab, (1, t)), np.array([0]))
+    def own_step(t: int, **kw):
+        out, _ = eng.step(eng.new_cache(1), rng.integers(0, vocab, (1, t)), np.array([0]), **kw)
         out.block_until_ready()
         return None  # the step's program lives in eng's step table: dropped by drop_prompt_steps
 
     neighbours = {
         "step1": lambda: own_step(1),
         "step2": lambda: own_step(2),
+        "step2idle": lambda: own_step(2, last=np.array([-1])),  # its tokens route to no expert (an idle row)
+        "step2all": lambda: own_step(2, all_logits=True),  # the head on both rows
         "head2": lambda: kept(lambda v: ops.quant_linear(v, w_out, jnp.bfloat16), jnp.ones((2, d), jnp.bfloat16)),
         "head8": lambda: kept(lambda v: ops.quant_linear(v, w_out, jnp.bfloat16), jnp.ones((8, d), jnp.bfloat16)),
         "head512": lambda: kept(lambda v: ops.quant_linear(v, w_out, jnp.bfloat16), jnp.ones((512, d), jnp.bfloat16)),
