@@ -139,3 +139,72 @@ def test_fit_drops_the_oldest_exchanges_and_keeps_the_system_prompt(eng):
     before = list(c.messages)
     c.messages.append({"role": "user", "content": "word " * 400})
     assert c.fit() == 0 and c.messages[:-1] == before
+
+
+def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model):
+    """On a terminal (a pty here) a typed line is read whole past the kernel's 4095-byte canonical
+    line, backspace and an arrow key edit it as a terminal would, and Ctrl-C at the prompt (the
+    terminal's ^C, a SIGINT from the line discipline) still ends the chat with 130."""
+    import pty
+    import re
+    import termios
+
+    from ikjax.runtime.text import encode_prompt, render_chat
+
+    master, slave = pty.openpty()
+
+    # the pty made the chat's controlling terminal in a session of its own (no preexec_fn: this
+    # process runs JAX's threads), so its ^C is a SIGINT to the chat alone
+    own_terminal = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                    "os.execv(sys.executable, [sys.executable, '-m', 'ikjax.cli'] + sys.argv[1:])")
+    p = subprocess.Popen([sys.executable, "-c", own_terminal, "chat", "-m", tiny_model, *ARGS, "-n", "2", "-v"],
+                         stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_env(), start_new_session=True)
+    err = b""
+
+    def read_err_until(marker: bytes, deadline: float) -> bytes:
+        nonlocal err
+        while marker not in err and time.time() < deadline:
+            if select.select([p.stderr], [], [], 0.2)[0]:
+                chunk = os.read(p.stderr.fileno(), 65536)
+                if not chunk:
+                    break
+                err += chunk
+            while select.select([master], [], [], 0)[0]:  # keep the terminal's output drained
+                os.read(master, 65536)
+        return err
+
+    def wait_raw(deadline: float) -> None:
+        """Until the chat reads its line with the terminal out of canonical mode."""
+        while time.time() < deadline:
+            if not termios.tcgetattr(slave)[3] & termios.ICANON:
+                return
+            read_err_until(b"\0never", time.time() + 0.05)
+        raise AssertionError(f"the chat never read the terminal raw; stderr: {err.decode(errors='replace')}")
+
+    try:
+        deadline = time.time() + 240
+        long_line = "word " * 1300  # 6500 bytes: a canonical terminal keeps 4095 of them
+        wait_raw(deadline)
+        data = long_line.encode() + b"\r"
+        while data:
+            data = data[os.write(master, data[:1024]):]
+            read_err_until(b"\0never", time.time() + 0.01)
+        read_err_until(b"more than -c", deadline)
+        whole = len(encode_prompt(eng, render_chat(eng, [{"role": "user", "content": long_line}])))
+        assert f"the conversation with it is {whole} tokens".encode() in err, err.decode(errors="replace")
+        wait_raw(deadline)
+        os.write(master, b"Hx\x7fi\x1b[A\r")  # backspace over the x, an up arrow dropped
+        while not re.search(rb"turn 1: [^\n]*\n", err) and time.time() < deadline:
+            read_err_until(b"\0never", time.time() + 0.2)
+        turn = next(line for line in err.decode().splitlines() if line.startswith("turn 1: "))
+        hi = len(encode_prompt(eng, render_chat(eng, [{"role": "user", "content": "Hi"}])))
+        assert turn.startswith(f"turn 1: prompt {hi} tokens"), (turn, hi)
+        wait_raw(deadline)
+        os.write(master, b"\x03")  # Ctrl-C at the prompt
+        rc = p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+        os.close(slave)
+    assert rc == 130, err.decode(errors="replace")

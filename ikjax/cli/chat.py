@@ -17,6 +17,7 @@ continues on the next line. Notes, the template's name and the closing summary g
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -271,7 +272,22 @@ def _read_line() -> str:
     raw = getattr(sys.stdin, "buffer", None)
     if raw is None:  # a replaced stdin (tests, embedding): already text
         return sys.stdin.readline()
+    fd = _tty_fd(sys.stdin)
+    if fd is not None:  # a terminal: read past its 4095-byte line (tty_input's why)
+        from ikjax.cli import tty_input
+        sys.stdout.flush()
+        out = _tty_fd(sys.stdout)
+        return tty_input.read_line(fd, out if out is not None else fd).decode("utf-8", errors="surrogateescape")
     return raw.readline().decode("utf-8", errors="surrogateescape")
+
+
+def _tty_fd(stream) -> int | None:
+    """The stream's descriptor where it is a terminal, else None."""
+    try:
+        fd = stream.fileno()
+        return fd if os.isatty(fd) else None
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _out(text: str) -> None:

@@ -1,0 +1,119 @@
+"""A typed line from a terminal, of any length, for `ikjax chat`.
+
+Why not `readline()` on the terminal: in the kernel's canonical mode a line holds at most 4095
+bytes, and the rest of a long pasted prompt was cut without a word (llama-cli reads its terminal
+raw for the same reason). GNU readline reads past that, but takes Ctrl-C over, and a Ctrl-C at the
+prompt no longer ended the chat. So the line is read here with the terminal out of canonical mode
+for that one line: its signals stay on (Ctrl-C is still SIGINT, raised as KeyboardInterrupt in
+`os.read`), the echo and the few editing keys a line discipline offers are done by hand
+(backspace, Ctrl-U, Ctrl-W, Ctrl-D), escape sequences (arrows) are skipped, and the terminal's
+settings are put back before the line is returned, whatever ends the read.
+"""
+from __future__ import annotations
+
+import os
+import termios
+
+_ERASE = (0x7F, 0x08)
+_KILL, _WERASE, _EOF, _ESC = 0x15, 0x17, 0x04, 0x1B
+
+
+class TtyLines:
+    """Lines read from the terminal `fd` (bytes kept after a line, as a paste of several lines
+    leaves, are the next lines)."""
+
+    def __init__(self, fd: int, echo_fd: int | None):
+        self.fd, self.echo_fd = fd, echo_fd
+        self.pending = b""
+
+    def _echo(self, data: bytes) -> None:
+        if self.echo_fd is not None and data:
+            try:
+                os.write(self.echo_fd, data)
+            except OSError:
+                self.echo_fd = None
+
+    def _next(self) -> int | None:
+        """The next input byte (None at the end of input)."""
+        if not self.pending:
+            self.pending = os.read(self.fd, 65536)
+            if not self.pending:
+                return None
+        b, self.pending = self.pending[0], self.pending[1:]
+        return b
+
+    def readline(self) -> bytes:
+        """One line, its newline kept (b"" at the end of input, as a file's readline)."""
+        old = termios.tcgetattr(self.fd)
+        raw = termios.tcgetattr(self.fd)
+        raw[3] &= ~(termios.ICANON | termios.ECHO)
+        raw[6][termios.VMIN], raw[6][termios.VTIME] = 1, 0
+        termios.tcsetattr(self.fd, termios.TCSANOW, raw)  # (TCSANOW: input typed ahead is kept)
+        try:
+            return self._line()
+        finally:
+            termios.tcsetattr(self.fd, termios.TCSANOW, old)
+
+    def _line(self) -> bytes:
+        buf = bytearray()
+        while True:
+            b = self._next()
+            if b is None:
+                return bytes(buf)
+            if b in (0x0A, 0x0D):  # Enter (ICRNL maps CR to NL; a bare CR counts too)
+                self._echo(b"\r\n")
+                return bytes(buf) + b"\n"
+            if b in _ERASE:
+                self._erase_chars(buf, 1)
+            elif b == _KILL:
+                self._erase_chars(buf, len(buf))
+            elif b == _WERASE:
+                text = buf.decode("utf-8", errors="replace")
+                i = len(text)
+                while i and text[i - 1] in " \t":  # the blanks after the word, then the word
+                    i -= 1
+                while i and text[i - 1] not in " \t":
+                    i -= 1
+                self._erase_chars(buf, len(text) - i)
+            elif b == _EOF:
+                if not buf:
+                    return b""
+                return bytes(buf)  # (a canonical terminal's Ctrl-D: the line so far, no newline)
+            elif b == _ESC:
+                self._skip_escape()
+            elif b < 0x20 and b != 0x09:
+                continue  # other control keys: nothing, as no character of the line
+            else:
+                buf.append(b)
+                self._echo(bytes([b]))
+
+    def _erase_chars(self, buf: bytearray, n: int) -> None:
+        """Take the last `n` characters (UTF-8 sequences, not bytes) off `buf` and the screen."""
+        for _ in range(n):
+            if not buf:
+                return
+            while len(buf) > 1 and 0x80 <= buf[-1] < 0xC0:  # continuation bytes, then the lead byte
+                buf.pop()
+            buf.pop()
+            self._echo(b"\b \b")
+
+    def _skip_escape(self) -> None:
+        """An escape sequence (an arrow key: ESC [ A) read and dropped: CSI / SS3 up to the final byte."""
+        if not self.pending:
+            return  # a lone Esc
+        b = self._next()
+        if b not in (0x5B, 0x4F):  # '[' or 'O'
+            return
+        while (c := self._next()) is not None and not 0x40 <= c <= 0x7E:
+            pass
+
+
+_reader: TtyLines | None = None
+
+
+def read_line(fd: int, out_fd: int | None) -> bytes:
+    """A line from the terminal `fd`, echoed to `out_fd` (a terminal), kept across calls."""
+    global _reader
+    if _reader is None or _reader.fd != fd:
+        _reader = TtyLines(fd, out_fd)
+    return _reader.readline()
