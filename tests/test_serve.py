@@ -1743,3 +1743,55 @@ def test_tokenize_mixed_content_and_empty_bodies(server, ref):
     assert call(server, "POST", "/tokenize", {}) == (200, {"tokens": []})
     assert call(server, "POST", "/detokenize", {}) == (200, {"content": ""})
     _error(call(server, "POST", "/tokenize", {"content": ["ab", 10 ** 9]}), 400, "content[1]")
+
+
+def test_penalties_leave_the_newline_alone_unless_penalize_nl(server, ref):
+    """ik_llama.cpp's penalties put the newline token's logit back (penalize_nl false, its default):
+    a prompt of lines whose greedy next token is the newline by a margin of 1 keeps it under
+    frequency / presence penalties that push it 8 down, and loses it with `penalize_nl: true`;
+    the Python API and `Penalties` follow the same rule; a non-boolean penalize_nl is a 400."""
+    from ikjax.runtime.sampling import check_penalty
+    nl = ref.newline_token
+    assert nl is not None and ref.tokenizer.decode([nl]) == "\n"
+    ids = call(server, "POST", "/tokenize", {"content": "line one\nline two\nline three\n", "add_special": True})[1]["tokens"]
+    assert ids.count(nl) == 3
+    logits, _ = ref.prefill(ref.new_cache(1), np.array(ids), 0)
+    logits = np.asarray(logits, np.float64)
+    bias = float(logits.max() - logits[nl] + 1.0)  # the newline first, by 1
+    body = {"prompt": ids, "n_predict": 1, "temperature": 0, "return_tokens": True, "logit_bias": {str(nl): bias},
+            "frequency_penalty": 2, "presence_penalty": 2}
+    st, got = call(server, "POST", "/completion", body)
+    assert st == 200 and got["tokens"] == [nl], got
+    st, got = call(server, "POST", "/completion", {**body, "penalize_nl": True})
+    assert st == 200 and got["tokens"] != [nl] and got["generation_settings"]["penalize_nl"] is True, got
+    _error(call(server, "POST", "/completion", {**body, "penalize_nl": "yes"}), 400, "penalize_nl")
+    pen = check_penalty(1.5, 64, 2.0, 2.0)
+    row = np.arange(8.0)
+    kept = type(pen)(**{**pen.__dict__, "newline": 3}).apply(row, [3, 3, 5])
+    assert kept[3] == 3.0 and kept[5] < 5.0
+    hit = type(pen)(**{**pen.__dict__, "newline": 3, "penalize_nl": True}).apply(row, [3, 3, 5])
+    assert hit[3] < 3.0
+
+
+def test_n_probs_on_openai_endpoints_budgets_seeds_and_slashed_model_ids(server):
+    """llama-server's n_probs on /v1/chat/completions and /v1/completions gives the endpoint's
+    logprobs (it was ignored); ik's thinking / reasoning budget, not enforced here, is a 400 unless
+    -1 (ik's "none"); a seed below -1 is a fixed seed as ik's uint32 reading makes it (-2 repeats);
+    GET /v1/models/{id} takes an id with a slash (a 404 naming it, not "no such endpoint")."""
+    msgs = [{"role": "user", "content": "Hello there"}]
+    st, body = call(server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 3, "n_probs": 2})
+    assert st == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"] and all(len(c["top_logprobs"]) == 2 for c in content)
+    st, body = call(server, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "n_probs": 2})
+    assert st == 200 and len(body["choices"][0]["logprobs"]["top_logprobs"][0]) == 2, body
+    for name in ("thinking_budget_tokens", "reasoning_budget_tokens"):
+        _error(call(server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, name: 3}), 400, name)
+        st, _ = call(server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, name: -1})
+        assert st == 200
+    req = {"prompt": "Once", "n_predict": 12, "temperature": 1.5, "top_k": 0, "top_p": 1, "min_p": 0, "seed": -2}
+    a, b = call(server, "POST", "/completion", req), call(server, "POST", "/completion", req)
+    assert a[0] == b[0] == 200 and a[1]["content"] == b[1]["content"]
+    assert a[1]["generation_settings"]["seed"] == 2**32 - 2
+    st, body = call(server, "GET", "/v1/models/org/name")
+    assert st == 404 and "'org/name' not found" in body["error"]["message"], body

@@ -26,7 +26,7 @@ from typing import Annotated, Optional
 import typer
 
 from ikjax import interrupt
-from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
+from ikjax.cli.common import (Escape, FrequencyPenalty, PenalizeNl, MinP, PresencePenalty, RepeatLastN, RepeatPenalty, Seed, Temp, TopK, TopP,
                               app, handle, announce_seed, ik_sampling, ik_seed, load_engine, log, process_escapes, read_prompt_file,
                               setup_compile_cache, template_choice)
 from ikjax.cli.parser import EXIT_INTERRUPTED, ExactCommand
@@ -63,6 +63,7 @@ def chat(
     repeat_last_n: RepeatLastN = 64,
     presence_penalty: PresencePenalty = 0.0,
     frequency_penalty: FrequencyPenalty = 0.0,
+    penalize_nl: PenalizeNl = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="never end an answer on EOS")] = False,
     reverse_prompt: Annotated[Optional[list[str]], typer.Option(
         "-r", "--reverse-prompt", help="stop an answer at this text (may repeat)")] = None,
@@ -79,7 +80,7 @@ def chat(
     temp, top_k, top_p = ik_sampling(temp, top_k, top_p)
     seed, drawn = ik_seed(seed)  # (a drawn one is printed once the model loaded: a refused command prints none)
     check_sampling(temp, top_k, top_p, min_p, seed)
-    check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
+    check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty, penalize_nl)
     if n_predict == -2:  # llama-cli's "until the context is filled": what -1 does here (as generate)
         n_predict = -1
     if n_predict < -1:
@@ -104,7 +105,7 @@ def chat(
     log(f"chat template: {template.name}")
     sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, repeat_penalty=repeat_penalty,
                     repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                    ignore_eos=ignore_eos, stop=list(reverse_prompt or []))
+                    penalize_nl=penalize_nl, ignore_eos=ignore_eos, stop=list(reverse_prompt or []))
     Chat(eng, template, sampling, None if n_predict < 0 else n_predict, system_prompt, run.verbose).run(first)
 
 

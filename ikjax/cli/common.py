@@ -327,6 +327,8 @@ PresencePenalty = Annotated[float, typer.Option("--presence-penalty", help="pena
                                                 "window, once (0 = off)")]
 FrequencyPenalty = Annotated[float, typer.Option("--frequency-penalty", help="penalize tokens by how often they "
                                                  "are in the window (0 = off)")]
+PenalizeNl = Annotated[bool, typer.Option("--penalize-nl", help="the penalties count the newline token too "
+                                          "(default: left alone, as llama-cli)")]
 
 
 def load_engine(model: Optional[str], verbose: bool = False, while_loading: Optional[Callable] = None,

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from ikjax import interrupt
-from ikjax.cli.common import (Escape, FrequencyPenalty, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
+from ikjax.cli.common import (Escape, FrequencyPenalty, PenalizeNl, MinP, PresencePenalty, Progress, RepeatLastN, RepeatPenalty, Seed, Temp,
                               TopK, TopP, app, batch_invariance, compiled_line, handle, load_engine, log,
                               announce_seed, ik_sampling, ik_seed, process_escapes, read_prompt_file, setup_compile_cache)
 from ikjax.cli.parser import ExactCommand
@@ -43,6 +43,7 @@ def generate(
     repeat_last_n: RepeatLastN = 64,
     presence_penalty: PresencePenalty = 0.0,
     frequency_penalty: FrequencyPenalty = 0.0,
+    penalize_nl: PenalizeNl = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="never stop on EOS (it is never drawn)")] = False,
     reverse_prompt: Annotated[Optional[list[str]], typer.Option(
         "-r", "--reverse-prompt", "--stop", help="stop when the text reaches this string, printed as llama-cli "
@@ -74,7 +75,7 @@ def generate(
         reverse_prompt = [process_escapes(r) for r in reverse_prompt] if reverse_prompt else reverse_prompt
     check_text(prompt, "prompt")  # before loading: a prompt that is not UTF-8 is refused at once
     from ikjax.runtime.sampling import check_penalty
-    penalties = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
+    penalties = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty, penalize_nl)
     run_opts, _ = check_options(run, "generate")
     batch_invariance(batch_invariant, default=False)
     setup_compile_cache(run.compile_cache_dir)
@@ -133,7 +134,7 @@ def generate(
         for t in eng.generate(ids, n_new, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                               stream=True, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                               frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                              ignore_eos=ignore_eos):
+                              penalize_nl=penalize_nl, ignore_eos=ignore_eos):
             interrupt.check()  # a Ctrl-C that JAX's gc callback swallowed ends it here
             if t_first is None:
                 t_first = time.perf_counter()

@@ -758,7 +758,8 @@ class Engine:
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  stop: Iterable[int] = (), stream: bool = False, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 ignore_eos: bool = False, session: KVSession | None = None, **unknown) -> Generation:
+                 penalize_nl: bool = False, ignore_eos: bool = False, session: KVSession | None = None,
+                 **unknown) -> Generation:
         """New token ids as they are produced (an iterator); stop on EOS, a stop id, `max_tokens`,
         or a full context.
 
@@ -773,7 +774,8 @@ class Engine:
         for the same seed: a draw depends on its position, not on the dispatch). `repeat_penalty`
         (llama.cpp's, over the last `repeat_last_n` tokens of prompt and answer; 1 = off), and
         `frequency_penalty` / `presence_penalty` (OpenAI's, as llama.cpp applies them over the same
-        window; 0 = off), pick every token on the host, one step per token. `ignore_eos`: EOS is never drawn and does not
+        window; 0 = off), pick every token on the host, one step per token; they leave the newline
+        token alone unless `penalize_nl` (ik_llama.cpp's default). `ignore_eos`: EOS is never drawn and does not
         stop. `session` (`session()`): a KV cache kept across calls; a prompt extending what it
         holds feeds only the new tokens (`Generation.cached_tokens` says how many were reused).
         """
@@ -782,7 +784,7 @@ class Engine:
                                    top_p=top_p, min_p=min_p, seed=seed, stop=stop, stream=stream,
                                    repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                    frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                                   ignore_eos=ignore_eos, session=session)
+                                   penalize_nl=penalize_nl, ignore_eos=ignore_eos, session=session)
 
     # -- text: tokenizer, chat template, completions (ikjax.runtime.text) -------------------------
     @property
@@ -793,6 +795,18 @@ class Engine:
             from ikjax.tokenizer import GGUFTokenizer
             tok = self._tokenizer = GGUFTokenizer(self.file.metadata, source=str(self.file.path))
         return tok
+
+    @property
+    def newline_token(self) -> int | None:
+        """The token "\n" encodes to first (ik_llama.cpp's linefeed token: the penalties leave it
+        alone by default); None where the vocabulary has none."""
+        if "_newline" not in self.__dict__:
+            try:
+                ids = self.tokenizer.encode("\n", add_bos=False, parse_special=False)
+            except Exception:  # noqa: BLE001 (a file without a usable vocabulary: no newline token)
+                ids = []
+            self._newline = int(ids[0]) if ids and 0 <= ids[0] < self.config.vocab_size else None
+        return self._newline
 
     def chat_template(self, choice: str | None = None):
         """The chat template (ikjax.chat_template.ChatTemplate): None -> the file's own, else the
@@ -817,8 +831,8 @@ class Engine:
     def complete(self, prompt, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None, stream: bool = False,
                  repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
-                 presence_penalty: float = 0.0, ignore_eos: bool = False, session: KVSession | None = None,
-                 **unknown):
+                 presence_penalty: float = 0.0, penalize_nl: bool = False, ignore_eos: bool = False,
+                 session: KVSession | None = None, **unknown):
         """Text in, text out. `prompt`: text (BOS added as the model asks) or token ids;
         `max_tokens` None: until EOS or the context's end; `stop`: a string or a list of strings
         that end the answer (not included). Returns a `text.Completion` (`.text`, `.tokens`,
@@ -829,7 +843,8 @@ class Engine:
         return text.complete(self, prompt, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              min_p=min_p, seed=seed, stop=stop, stream=stream, repeat_penalty=repeat_penalty,
                              repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
-                             presence_penalty=presence_penalty, ignore_eos=ignore_eos, session=session)
+                             presence_penalty=presence_penalty, penalize_nl=penalize_nl, ignore_eos=ignore_eos,
+                             session=session)
 
     def chat(self, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",
              template_kwargs=None, stream: bool = False, tools=None, tool_choice=None, **kw):

@@ -8,6 +8,7 @@ this module sits below it) and drive it only through its public steps: `prefill`
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import numbers
@@ -338,12 +339,13 @@ def stop_reason(tok: int, n_new: int, length: int, max_tokens: int, stop: set[in
 def generate(eng, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
              stop: Iterable[int] = (), stream: bool = False, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
-             frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, presence_penalty: float = 0.0, penalize_nl: bool = False,
              ignore_eos: bool = False, session: KVSession | None = None) -> Generation:
     """`Engine.generate` (its docstring): every argument checked here, before anything runs."""
     max_tokens = check_count("max_tokens", max_tokens)
     p = check_sampling(temperature, top_k, top_p, min_p, seed, vocab=eng.config.vocab_size)
-    pen = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
+    pen = dataclasses.replace(check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty,
+                                            penalize_nl), newline=eng.newline_token)
     ids = check_ids(prompt_ids, eng.config.vocab_size, "prompt_ids")
     check_prompt_fits(len(ids), eng.options.ctx, "prompt_ids")
     eos = eng.config.eos_token_id

@@ -71,11 +71,15 @@ def effective_top_k(top_k: int, vocab: int | None = None) -> int:
 class Penalties:
     """llama.cpp's penalties sampler (llama-server's `repeat_penalty`, `frequency_penalty`,
     `presence_penalty`, `repeat_last_n`) over the last `last_n` tokens of prompt and answer (0: off,
-    -1: the whole context): `apply`."""
+    -1: the whole context): `apply`. The newline token is left out of them unless `penalize_nl`
+    (ik_llama.cpp's default and --penalize-nl, llama-server's `penalize_nl`): text with line
+    breaks (markdown, code) would otherwise be pushed to run its lines together."""
     repeat: float = 1.0
     last_n: int = 64
     frequency: float = 0.0
     presence: float = 0.0
+    penalize_nl: bool = False
+    newline: int | None = None  # the model's newline token (Engine.newline_token), set where it is known
 
     @property
     def active(self) -> bool:
@@ -86,7 +90,12 @@ class Penalties:
         return ctx if self.last_n == -1 else self.last_n
 
     def apply(self, logits: np.ndarray, recent) -> np.ndarray:
-        return apply_penalties(logits, recent, self.repeat, self.frequency, self.presence)
+        """The penalized logits (a copy); the newline token (`newline`; None: not known or none)
+        keeps its logit unless `penalize_nl`, as ik_llama.cpp puts it back after the penalties."""
+        out = apply_penalties(logits, recent, self.repeat, self.frequency, self.presence)
+        if self.newline is not None and not self.penalize_nl:
+            out[self.newline] = np.asarray(logits)[self.newline]
+        return out
 
 
 def _penalty_value(name: str, v, lo: float, hi: float, what: str) -> float:
@@ -95,7 +104,8 @@ def _penalty_value(name: str, v, lo: float, hi: float, what: str) -> float:
     return float(v)
 
 
-def check_penalty(repeat_penalty=1.0, repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0) -> Penalties:
+def check_penalty(repeat_penalty=1.0, repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0,
+                  penalize_nl=False) -> Penalties:
     """The penalties' rules: `repeat_penalty` a finite number > 0 (1 = off), `frequency_penalty` and
     `presence_penalty` in [-2, 2] (OpenAI's range; 0 = off), `repeat_last_n` how many of the latest
     tokens they look at (0 = off, -1 = the whole context)."""
@@ -106,7 +116,9 @@ def check_penalty(repeat_penalty=1.0, repeat_last_n=64, frequency_penalty=0.0, p
                           f"{repeat_last_n!r}")
     freq = _penalty_value("frequency_penalty", frequency_penalty, -2.0, 2.0, "a number in [-2, 2] (0 = off)")
     pres = _penalty_value("presence_penalty", presence_penalty, -2.0, 2.0, "a number in [-2, 2] (0 = off)")
-    return Penalties(float(repeat_penalty), int(repeat_last_n), freq, pres)
+    if not isinstance(penalize_nl, (bool, np.bool_)):
+        raise OptionError(f"penalize_nl: expected true or false, got {penalize_nl!r}")
+    return Penalties(float(repeat_penalty), int(repeat_last_n), freq, pres, bool(penalize_nl))
 
 
 def apply_penalties(logits: np.ndarray, recent, repeat: float = 1.0, frequency: float = 0.0,

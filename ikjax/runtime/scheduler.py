@@ -53,7 +53,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace as _replace
 
 import jax
 import jax.numpy as jnp
@@ -217,8 +217,8 @@ class Scheduler:
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                      stop_ids: Sequence[int] = (), ignore_eos: bool = False, cache_prompt: bool = True,
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
-                     presence_penalty: float = 0.0, top_logprobs: int | None = None, logit_bias=None,
-                     slot: int | None = None) -> Request:
+                     presence_penalty: float = 0.0, penalize_nl: bool = False, top_logprobs: int | None = None,
+                     logit_bias=None, slot: int | None = None) -> Request:
         """A checked request (OptionError naming the bad field): the prompt inside the vocabulary and
         shorter than a slot's context, the sampling settings as `Engine.generate` takes them.
         `slot`: run on this slot (llama-server's id_slot), waiting for it; None: any."""
@@ -234,7 +234,8 @@ class Scheduler:
         sampling = check_sampling(temperature, top_k, top_p, min_p, seed, vocab=self.eng.config.vocab_size)
         if sampling["seed"] is None:  # random: drawn here, so the answer can say which (and be redone)
             sampling["seed"] = int(np.random.default_rng().integers(0, 2**32 - 1))
-        pen = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty)
+        pen = check_penalty(repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty, penalize_nl)
+        pen = _replace(pen, newline=self.eng.newline_token)
         top_logprobs = check_top_logprobs(top_logprobs)
         eos = self.eng.config.eos_token_id
         stops = generation.stop_ids(stop_ids, None if ignore_eos else eos)

@@ -188,7 +188,7 @@ def encode_prompt(eng, prompt) -> list[int]:
 def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None, stream: bool = False,
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
-             presence_penalty: float = 0.0, ignore_eos: bool = False,
+             presence_penalty: float = 0.0, penalize_nl: bool = False, ignore_eos: bool = False,
              session: KVSession | None = None, _prompt_text: str | None = None,
              _reasoning_opened: bool = False, _keep: frozenset[int] = frozenset(), _forced_start: str = ""):
     """`Engine.complete` (its docstring)."""
@@ -199,7 +199,7 @@ def complete(eng, prompt, max_tokens: int | None = None, *, temperature: float =
     gen = eng.generate(ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                        stream=stream, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                       ignore_eos=ignore_eos, session=session)
+                       penalize_nl=penalize_nl, ignore_eos=ignore_eos, session=session)
     ts = TextStream(gen, eng.tokenizer.detokenizer(keep=_keep), stops, prompt=_prompt_text,
                     reasoning_opened=_reasoning_opened, forced_start=_forced_start)
     if stream:
@@ -253,7 +253,8 @@ def _render_chat(eng, messages, chat_template=None, add_generation_prompt: bool 
 
 # what chat() passes on to complete(): its sampling and stopping options
 _COMPLETE_OPTIONS = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty",
-                               "repeat_last_n", "frequency_penalty", "presence_penalty", "ignore_eos", "session"})
+                               "repeat_last_n", "frequency_penalty", "presence_penalty", "penalize_nl", "ignore_eos",
+                               "session"})
 
 
 def chat(eng, messages, max_tokens: int | None = None, *, chat_template=None, reasoning_format: str = "deepseek",

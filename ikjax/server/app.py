@@ -112,7 +112,7 @@ class Server:
         r.add_get("/slots", self.slots)
         r.add_get("/slots/list", self.slots)  # (ik's name for the same list)
         r.add_post("/slots/{id}", self.slot_action)
-        r.add_get("/v1/models/{model}", self.model)
+        r.add_get("/v1/models/{model:.+}", self.model)  # (an id with a slash: "org/name")
         for path in ("/v1/embeddings", "/embeddings", "/embedding"):
             r.add_post(path, self.embeddings)
         r.add_post("/apply-template", self.apply_template)

@@ -77,6 +77,7 @@ class GenParams:
     repeat_last_n: int = 64
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    penalize_nl: bool = False  # llama-server's: the penalties count the newline token too
     return_tokens: bool = False
     timings_per_token: bool = False  # llama-server's: every streamed event carries `timings` so far
     top_logprobs: int | None = None  # log-probabilities of each token and this many alternatives; None: none
@@ -88,7 +89,7 @@ class GenParams:
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     seed=self.seed, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
                     frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                    top_logprobs=self.top_logprobs, logit_bias=self.logit_bias)
+                    penalize_nl=self.penalize_nl, top_logprobs=self.top_logprobs, logit_bias=self.logit_bias)
 
 
 def _is_int(x: Any) -> bool:
@@ -133,6 +134,9 @@ def logprobs_field(body: dict, endpoint: str) -> int | None:
     """How many alternatives to report beside each token's log-probability, None for none, as each
     endpoint asks: chat `logprobs` (true/false) with `top_logprobs` (0-20); completions `logprobs`
     (an integer, 0-5 in OpenAI's API, up to 20 here); /completion `n_probs` (0 = none)."""
+    if endpoint in ("chat", "completions") and body.get("logprobs") is None and body.get("n_probs") not in (None, 0):
+        # llama-server's own field on the OpenAI endpoints: its alternatives as the endpoint's logprobs
+        return check_top_logprobs(body.get("n_probs"), "n_probs")
     if endpoint == "chat":
         on = _get(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
         k = check_top_logprobs(body.get("top_logprobs"), "top_logprobs")
@@ -168,6 +172,9 @@ _NOT_RUN = {
 # test of whether the request asks for it: refused as _NOT_RUN's, never ignored
 _NOT_DONE = {
     "min_tokens": (lambda v: v not in (None, 0), "a minimum length is not enforced here"),
+    # ik's reasoning budget (the end tag forced after so many thinking tokens): -1 is its "no budget"
+    "thinking_budget_tokens": (lambda v: v not in (None, -1), "no reasoning budget is enforced here"),
+    "reasoning_budget_tokens": (lambda v: v not in (None, -1), "no reasoning budget is enforced here"),
     "stop_token_ids": (lambda v: v not in (None, []), "give stop strings (`stop`) instead"),
     "include_stop_str_in_output": (lambda v: v not in (None, False), "the stop string is never included here"),
     "prompt_logprobs": (lambda v: v is not None, "the prompt's log-probabilities are not returned here"),
@@ -362,6 +369,10 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     top_p = float(_get(body, "top_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", d.top_p))
     min_p = float(_get(body, "min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", d.min_p))
     seed = _get(body, "seed", _is_int, "an integer (-1 = random)", d.seed)
+    if seed < -1:  # ik reads the seed as a uint32: only -1 (0xFFFFFFFF) draws one, -2 is 4294967294
+        seed &= 0xFFFFFFFF
+    if seed == 0xFFFFFFFF:
+        seed = -1
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -394,6 +405,7 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     # (null, as OpenAI's clients send for "not given": the default)
     frequency_penalty = _or(body.get("frequency_penalty"), 0.0)
     presence_penalty = _or(body.get("presence_penalty"), 0.0)
+    penalize_nl = _get(body, "penalize_nl", lambda v: isinstance(v, bool), "true or false", False)
     return_tokens = _get(body, "return_tokens", lambda v: isinstance(v, bool), "true or false", False)
     timings_per_token = _get(body, "timings_per_token", lambda v: isinstance(v, bool), "true or false", False)
     _get(body, "user", lambda v: isinstance(v, str), "a string", None)  # (OpenAI's and vLLM's 400; not used here)
@@ -423,7 +435,7 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
                      min_p=min_p, seed=None if seed < 0 else seed, stop=[s for s in stop if s], stream=stream,
                      include_usage=include_usage, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
-                     presence_penalty=presence_penalty, return_tokens=return_tokens,
+                     presence_penalty=presence_penalty, penalize_nl=penalize_nl, return_tokens=return_tokens,
                      timings_per_token=timings_per_token,
                      top_logprobs=logprobs_field(body, endpoint), logit_bias=body.get("logit_bias"))
 
