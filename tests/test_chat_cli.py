@@ -208,3 +208,15 @@ def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model)
         os.close(master)
         os.close(slave)
     assert rc == 130, err.decode(errors="replace")
+
+
+def test_reverse_prompt_is_shown_as_llama_cli_shows_it(eng, tiny_model):
+    """-r: the answer stops at the string and the string is printed with it (llama-cli prints the
+    reverse prompt as generated text; the chat hid it)."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    want = eng.chat(msgs, 24, ignore_eos=True).text
+    stop = next(want[i:i + 3] for i in range(len(want) // 3, len(want) - 3)
+                if want[i:i + 3].strip() and want[i:i + 3] not in want[:i])
+    rc, out, err = _chat(tiny_model, "-n", "24", "--ignore-eos", "-r", stop, "--no-escape", stdin=b"Hi\n")
+    assert rc == 0, err
+    assert "> " + want[:want.index(stop) + len(stop)] + "\n" in out, (out, stop)

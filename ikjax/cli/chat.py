@@ -232,6 +232,8 @@ class Chat:
         finally:
             stream.close()
             signal.signal(signal.SIGINT, previous)
+        if not interrupted and getattr(stream, "stopping_word", ""):
+            _out(stream.stopping_word)  # the reverse prompt shown as generated, as llama-cli shows it
         _out("\n")
         u = stream.usage
         if interrupted:

@@ -108,6 +108,7 @@ class TextStream:
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.stopping_word = ""  # the stop string that ended it, once it has
         self.usage: Usage | None = None
         self._it = self._run()
 
@@ -150,6 +151,7 @@ class TextStream:
         self._gen.close()
         reason = self._gen.stop_reason
         # no reason: the generation was ended from outside (another call took its session over)
+        self.stopping_word = (stops.matched or "") if stopped else ""
         self.finish_reason = (FINISH_STOP if stopped or reason == STOP_EOS else
                               FINISH_CANCELLED if reason is None else FINISH_LENGTH)
         self._set_usage()
