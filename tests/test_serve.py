@@ -378,6 +378,7 @@ def test_tokenize_detokenize(server, ref):
 
 def test_metrics(server):
     from prometheus_client.parser import text_string_to_metric_families
+    assert call(server, "POST", "/completion", {"prompt": "Hi", "n_predict": 2, "temperature": 0})[0] == 200
     status, text = call(server, "GET", "/metrics")
     assert status == 200
     fams = {f.name: f for f in text_string_to_metric_families(text)}
@@ -393,6 +394,16 @@ def test_metrics(server):
                          ("ikjax_requests_processing", "llamacpp:requests_processing")):
         assert fams[theirs].samples[0].value == fams[ours].samples[0].value, theirs
     assert "llamacpp:tokens_predicted_total" in text and "llamacpp:prompt_tokens_seconds " in text
+    # llama-server's two throughput gauges cover the time since the previous scrape (its bucket
+    # reset at each): work in between shows, a scrape right after shows none; ours keep the average
+    st, _ = call(server, "POST", "/completion", {"prompt": "Hello", "n_predict": 4, "temperature": 0})
+    assert st == 200
+    fams = {f.name: f for f in text_string_to_metric_families(call(server, "GET", "/metrics")[1])}
+    assert fams["llamacpp:predicted_tokens_seconds"].samples[0].value > 0
+    assert fams["llamacpp:prompt_tokens_seconds"].samples[0].value > 0
+    fams = {f.name: f for f in text_string_to_metric_families(call(server, "GET", "/metrics")[1])}
+    assert fams["llamacpp:predicted_tokens_seconds"].samples[0].value == 0
+    assert fams["ikjax_predicted_tokens_seconds"].samples[0].value > 0
 
 
 def test_expert_stats_endpoint(server, tiny_model, tmp_path):

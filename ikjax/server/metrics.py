@@ -5,7 +5,9 @@ serving path), in a registry of this server's own (tests start several servers i
 children; the library's global registry would mix them). The names mirror llama-server's
 `llamacpp:*` metrics under an `ikjax_` prefix: token counters, average throughputs, the queue and
 the busy slots, requests by how they ended, and the time to first token; the figures llama-server
-reports are also given under its own `llamacpp:` names.
+reports are also given under its own `llamacpp:` names. Its two throughput gauges are, as
+llama-server's, over the work done since the previous scrape (it resets their bucket at each
+one: a dashboard sees the current rate); the `ikjax_` ones average the server's lifetime.
 """
 from __future__ import annotations
 
@@ -18,6 +20,16 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _SchedulerCollector:
     def __init__(self, scheduler):
         self.s = scheduler
+        self._mark = (0, 0.0, 0, 0.0)  # (prompt tokens, seconds, generated tokens, seconds) at the last scrape
+        self._recent = (0.0, 0.0)  # llama-server's prompt / generation t/s since the scrape before
+
+    def roll(self) -> None:
+        """A scrape: the rates over what was done since the previous one, and a new bucket."""
+        st = self.s.stats
+        now = (st.prompt_tokens, st.prompt_seconds, st.generated_tokens, st.decode_seconds)
+        dp, dps, dg, dgs = (a - b for a, b in zip(now, self._mark))
+        self._recent = (dp / dps if dp and dps > 0 else 0.0, dg / dgs if dg and dgs > 0 else 0.0)
+        self._mark = now
 
     def collect(self):
         s, st = self.s, self.s.stats
@@ -32,9 +44,9 @@ class _SchedulerCollector:
             ("prompt_seconds", "prompt_seconds", True, "seconds spent feeding prompts", st.prompt_seconds),
             ("decode_seconds", "tokens_predicted_seconds", True, "seconds spent in decode steps", st.decode_seconds),
             ("decode_steps", "n_decode", True, "decode steps run (all slots at once)", st.decode_steps),
-            ("prompt_tokens_seconds", "prompt_tokens_seconds", False, "average prompt throughput in tokens/s",
+            ("prompt_tokens_seconds", None, False, "average prompt throughput in tokens/s",
              st.prompt_tokens / st.prompt_seconds if st.prompt_seconds else 0.0),
-            ("predicted_tokens_seconds", "predicted_tokens_seconds", False,
+            ("predicted_tokens_seconds", None, False,
              "average generation throughput in tokens/s (all slots together)",
              st.generated_tokens / st.decode_seconds if st.decode_seconds else 0.0),
             ("requests_deferred", "requests_deferred", False, "requests waiting for a slot", s.queue_length()),
@@ -49,6 +61,11 @@ class _SchedulerCollector:
             yield family(f"ikjax_{name}", what, value=value)
             if theirs is not None:
                 yield family(f"llamacpp:{theirs}", what, value=value)
+        for theirs, what, value in (
+                ("prompt_tokens_seconds", "prompt throughput in tokens/s since the previous scrape", self._recent[0]),
+                ("predicted_tokens_seconds", "generation throughput in tokens/s since the previous scrape (all "
+                 "slots together)", self._recent[1])):
+            yield GaugeMetricFamily(f"llamacpp:{theirs}", what, value=value)
         finished = CounterMetricFamily("ikjax_requests", "requests finished, by how they ended", labels=["reason"])
         for reason, n in sorted(st.requests.items()):
             finished.add_metric([reason], n)
@@ -60,9 +77,11 @@ class Metrics:
 
     def __init__(self, scheduler):
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(scheduler))
+        self.collector = _SchedulerCollector(scheduler)
+        self.registry.register(self.collector)
         self.ttft = Histogram("ikjax_time_to_first_token_seconds", "from a request's arrival to its first token",
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=self.registry)
 
     def render(self) -> bytes:
+        self.collector.roll()
         return generate_latest(self.registry)
