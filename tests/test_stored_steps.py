@@ -197,3 +197,21 @@ def test_unset_and_default_variables_key_a_step_alike(monkeypatch):
     assert trace_variables() == unset
     monkeypatch.setenv("IKJAX_LAYERS", "unroll")
     assert trace_variables() != unset
+
+
+def test_a_step_key_names_the_kernel_build_and_the_cpu(monkeypatch):
+    """A stored step's key holds `build_tag` (the kernel libraries' bytes, the CPU's model and
+    flags): where the user pointed JAX's own cache (jax_compilation_cache_dir, no ikjax
+    subdirectory per build) another CPU or a rebuilt library sharing it gets its own steps (an
+    outside probe found the key without it)."""
+    parts = ("prompt", 1, 8)
+    before = compile_cache._step_key(parts)
+    assert compile_cache._step_key(parts) == before
+    monkeypatch.setattr(compile_cache, "_cpu_signature", lambda: "another cpu: avx2 only")
+    compile_cache._build_tag_once.cache_clear()
+    try:
+        assert compile_cache._step_key(parts) != before
+    finally:
+        monkeypatch.undo()
+        compile_cache._build_tag_once.cache_clear()
+    assert compile_cache._step_key(parts) == before

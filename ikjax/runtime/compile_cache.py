@@ -421,10 +421,19 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def _build_tag_once() -> str:
+    return build_tag()
+
+
 def _step_key(parts: tuple) -> str:
+    """A stored step's key: its parts, the sources, JAX's versions and flags, the devices, and
+    `build_tag` (the kernel libraries' bytes, the CPU): the directory already holds the tag where
+    ikjax chose it, not where the user pointed JAX's own cache (jax_compilation_cache_dir), which
+    another build or another CPU may share."""
     import jaxlib
     return repr((parts, _source_hash(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
-                 [(dev.platform, dev.device_kind, dev.id) for dev in jax.devices()]))
+                 [(dev.platform, dev.device_kind, dev.id) for dev in jax.devices()], _build_tag_once()))
 
 
 def _step_path(key: str) -> Path | None:
