@@ -1658,7 +1658,8 @@ def test_concurrent_streams_each_with_its_own_sampling(server, ref):
 def test_health_answers_503_while_the_model_loads(tiny_model, tmp_path):
     """The port is bound before the load; until the server proper answers, every request gets
     llama-server's 503 "Loading model" (it hung in the listen backlog: no answer for the seconds of
-    the load and warm-up), then /health is 200."""
+    the load and warm-up), then /health is 200; GET /v1/models lists the model meanwhile, as
+    llama-server lets it through."""
     import json as _json
     import socket as _socket
     with _socket.socket() as s:
@@ -1667,7 +1668,7 @@ def test_health_answers_503_while_the_model_loads(tiny_model, tmp_path):
     env = dict(os.environ, IKJAX_COMPILE_CACHE=str(tmp_path / "cc"))  # a cold cache: seconds of warm-up
     p = subprocess.Popen([sys.executable, "-m", "ikjax.cli", "serve", "-m", tiny_model, "--port", str(port), "-np", "2",
                           "-c", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    seen = []
+    seen, models = [], []
     try:
         deadline = time.time() + START_S
         while time.time() < deadline:
@@ -1677,12 +1678,16 @@ def test_health_answers_503_while_the_model_loads(tiny_model, tmp_path):
                     break
             except urllib.error.HTTPError as e:
                 seen.append((e.code, _json.loads(e.read())))
+                if not models:  # the model list is there while it loads (llama-server lets it through)
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                        models.append((r.status, _json.loads(r.read())))
             except (urllib.error.URLError, ConnectionError):
                 seen.append((None, None))  # not bound yet
             time.sleep(0.05)
     finally:
         p.terminate()
         p.wait(30)
+    assert models and models[0][0] == 200 and models[0][1]["data"][0]["id"] == os.path.basename(tiny_model), models
     codes = [c for c, _ in seen]
     assert codes[-1] == 200, seen[-5:]
     loading = [b for c, b in seen if c == 503]

@@ -11,6 +11,7 @@ The endpoints and the scheduling are ikjax.server and ikjax.runtime.scheduler.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -135,7 +136,9 @@ def serve(
             log(f"warm-up: compiled {n} steps (decode of {parallel} slots, prompt chunks of {sizes} tokens) in "
                 f"{time.perf_counter() - t0:.1f}s")
 
-    loading = LoadingResponder(sock).start()  # 503 "Loading model" until the server proper answers
+    # 503 "Loading model" until the server proper answers; the model's id where known before the load
+    known = alias or (Path(run.model).name if run.model and os.path.isfile(run.model) else None)
+    loading = LoadingResponder(sock, known).start()
     try:
         eng = load_engine(run.model, run.verbose, while_loading=warm_up, plan_batch=parallel, **run_opts)
         interrupt.check()  # a Ctrl-C / SIGTERM swallowed during the load: not a server that comes up

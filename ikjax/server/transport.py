@@ -5,6 +5,7 @@ framing answers made to fit this server's JSON errors. The endpoints are ikjax.s
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import logging
 import os
@@ -117,12 +118,18 @@ class LoadingResponder:
     while the model loads and the steps compile, so that a readiness probe or a client gets an
     answer, not a connection that hangs in the listen backlog (a probe found /health waiting 6.7 s).
     A thread of its own, plain sockets: the request's head is read, the answer written, the
-    connection closed. `stop()` before the server proper takes the socket."""
+    connection closed. `stop()` before the server proper takes the socket. `model`: the id the
+    server will serve, where known before the load: GET /models and /v1/models list it meanwhile
+    (llama-server lets those two through while it loads: a client polls them to find the model)."""
 
     BODY = json.dumps({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}).encode()
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, model: str | None = None):
         self.sock = sock
+        self.models = None if model is None else json.dumps({
+            "object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
+                                        "owned_by": "ikjax"}],
+            "models": [{"name": model, "model": model}]}).encode()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ikjax-loading-503", daemon=True)
 
@@ -154,6 +161,12 @@ class LoadingResponder:
                     if not chunk:
                         break
                     head += chunk
+                line = head.split(b"\r\n", 1)[0].split()
+                if (self.models is not None and len(line) >= 2 and line[0] == b"GET"
+                        and line[1].split(b"?", 1)[0] in (b"/models", b"/v1/models")):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                                 b"Content-Length: " + str(len(self.models)).encode() + b"\r\n\r\n" + self.models)
+                    continue
                 conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                              b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
                              + str(len(self.BODY)).encode() + b"\r\n\r\n" + self.BODY)
