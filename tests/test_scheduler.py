@@ -747,3 +747,71 @@ def test_logit_bias(eng, sched):
                            ignore_eos=True)
     _, c = submit(sched, p, 3, logit_bias={i: -100.0 for i in range(V) if i != t}, temperature=1.0, seed=1)
     assert c.wait()[0] == "done" and c.tokens == [t] * 3
+
+
+def test_reasoning_budget_state_machine():
+    """ik's reasoning budget (common/reasoning-budget.cpp) token by token: counting from the opening
+    tag, a natural end, the end forced when the budget runs out (after a whole UTF-8 character),
+    a fresh budget for a later opening, and the free steps that bound the scheduler's loop."""
+    from ikjax.runtime.reasoning_budget import COUNTING, DONE, FORCING, IDLE, WAITING_UTF8, ReasoningBudget, utf8_complete
+    b = ReasoningBudget(2, [5, 9], [6], [7, 6])
+    assert b.state == IDLE and b.free_steps() == 4 and b.forced() is None
+    for t in (5, 1, 5, 9):  # a broken opening, then the whole one
+        b.accept(t)
+    assert b.state == COUNTING and b.free_steps() == 2
+    b.accept(1)
+    b.accept(2)
+    assert b.state == FORCING and b.free_steps() == 0 and b.forced() == 7
+    b.accept(7)
+    assert b.forced() == 6
+    b.accept(6)
+    assert b.state == DONE and b.forced() is None
+    b.accept(5)
+    b.accept(9)
+    assert b.state == COUNTING and b.remaining == 2  # a fresh budget
+    b.accept(6)
+    assert b.state == DONE  # the natural end: nothing forced
+    w = ReasoningBudget(1, [5], [6], [6])
+    w.accept(5)
+    w.accept(3, complete=False)  # half a character: the end waits for the rest of it
+    assert w.state == WAITING_UTF8 and w.forced() is None and w.free_steps() == 0
+    w.accept(4, complete=True)
+    assert w.state == FORCING and w.forced() == 6
+    z = ReasoningBudget(0, [5], [6], [6])
+    z.accept(5)
+    assert z.forced() == 6  # 0: the end at once
+    assert utf8_complete(b"a") and utf8_complete("é".encode()) and utf8_complete("€".encode())
+    assert not utf8_complete("é".encode()[:1]) and not utf8_complete("€".encode()[:2])
+    assert utf8_complete("€".encode()[2:]) is False  # continuation bytes alone: the lead came before
+
+
+def test_reasoning_budget_forces_the_end_of_the_thinking(eng, sched):
+    """A request on R1's template (its prompt opens <think>) with a budget of B: the answer is
+    generate's greedy tokens while the budget lasts (the prompt's newline after <think> counts, as
+    ik's prefill tokens do; a token cut mid-character runs on to the character's end), then exactly the message and </think> forced, then generate's greedy
+    continuation of that; without a budget it is generate's answer; a bad budget is refused."""
+    from ikjax.runtime.reasoning_budget import utf8_complete
+    from ikjax.runtime.text import encode_prompt, render_chat
+    tok = eng.tokenizer
+    prompt = encode_prompt(eng, render_chat(eng, [{"role": "user", "content": "Why?"}], "deepseek-r1"))
+    start = tok.encode("<think>", add_bos=False, parse_special=True)
+    at = max(i for i in range(len(prompt)) if prompt[i:i + len(start)] == start)
+    after = len(prompt) - at - len(start)  # prompt tokens after <think> (its newline): counted
+    forced = tok.encode(" Enough.</think>", add_bos=False, parse_special=True)
+    B, n = 6, 24
+    r, c = submit(sched, prompt, n, reasoning_budget=B, reasoning_budget_message=" Enough.", ignore_eos=True)
+    assert c.wait()[0] == "done"
+    # greedy's tokens while the budget lasts: B less the prompt's, then on to a whole character
+    plain = list(eng.generate(prompt, n, ignore_eos=True))
+    free, left = 0, B - after
+    while left > 0 or not utf8_complete(tok.piece(plain[free - 1])):
+        free, left = free + 1, left - 1
+    assert c.tokens[:free] == plain[:free]
+    assert c.tokens[free:free + len(forced)] == forced
+    head = prompt + c.tokens[:free + len(forced)]
+    assert c.tokens[free + len(forced):] == list(eng.generate(head, n - free - len(forced), ignore_eos=True))
+    _, c2 = submit(sched, prompt, n, ignore_eos=True)
+    assert c2.wait()[0] == "done" and c2.tokens == list(eng.generate(prompt, n, ignore_eos=True))
+    for bad in (-2, 1.5, True):
+        with pytest.raises(ikjax.OptionError, match="reasoning budget"):
+            sched.make_request(prompt, 4, on_event=lambda *a: None, reasoning_budget=bad)

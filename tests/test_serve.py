@@ -1791,8 +1791,8 @@ def test_penalties_leave_the_newline_alone_unless_penalize_nl(server, ref):
 
 def test_n_probs_on_openai_endpoints_budgets_seeds_and_slashed_model_ids(server):
     """llama-server's n_probs on /v1/chat/completions and /v1/completions gives the endpoint's
-    logprobs (it was ignored); ik's thinking / reasoning budget, not enforced here, is a 400 unless
-    -1 (ik's "none"); a seed below -1 is a fixed seed as ik's uint32 reading makes it (-2 repeats);
+    logprobs (it was ignored); ik's thinking / reasoning budget ends R1's reasoning early with
+    </think> forced (on chat requests; elsewhere a 400: no template says where reasoning starts); a seed below -1 is a fixed seed as ik's uint32 reading makes it (-2 repeats);
     GET /v1/models/{id} takes an id with a slash (a 404 naming it, not "no such endpoint")."""
     msgs = [{"role": "user", "content": "Hello there"}]
     st, body = call(server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 3, "n_probs": 2})
@@ -1801,10 +1801,19 @@ def test_n_probs_on_openai_endpoints_budgets_seeds_and_slashed_model_ids(server)
     assert len(content) == body["usage"]["completion_tokens"] and all(len(c["top_logprobs"]) == 2 for c in content)
     st, body = call(server, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "n_probs": 2})
     assert st == 200 and len(body["choices"][0]["logprobs"]["top_logprobs"][0]) == 2, body
+    # ik's reasoning budget: R1's thinking cut after so many tokens, </think> forced, the answer after it
+    full = call(server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 30, "temperature": 0})[1]
+    assert full["choices"][0]["message"]["content"] in (None, "")  # 30 tokens: still thinking
     for name in ("thinking_budget_tokens", "reasoning_budget_tokens"):
-        _error(call(server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, name: 3}), 400, name)
+        st, cut = call(server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 30, "temperature": 0,
+                                                                 name: 4})
+        msg = cut["choices"][0]["message"]
+        assert st == 200 and msg["content"], cut  # the block closed: an answer after it
+        assert full["choices"][0]["message"]["reasoning_content"].startswith(msg["reasoning_content"] or "")
         st, _ = call(server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, name: -1})
         assert st == 200
+        _error(call(server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, name: "x"}), 400, name)
+        _error(call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, name: 3}), 400, name)
     req = {"prompt": "Once", "n_predict": 12, "temperature": 1.5, "top_k": 0, "top_p": 1, "min_p": 0, "seed": -2}
     a, b = call(server, "POST", "/completion", req), call(server, "POST", "/completion", req)
     assert a[0] == b[0] == 200 and a[1]["content"] == b[1]["content"]

@@ -54,6 +54,11 @@ def serve(
     reasoning_format: Annotated[str, typer.Option(
         "--reasoning-format", help="deepseek: R1's <think> block as reasoning_content (auto = deepseek); none: "
         "left in content; deepseek-legacy: as deepseek, but inline in content when streamed")] = "deepseek",
+    reasoning_budget: Annotated[int, typer.Option(
+        "--reasoning-budget", help="tokens a chat answer may think inside <think> before its end is forced: -1 "
+        "unrestricted (a request's thinking_budget_tokens may set one), 0 immediate end")] = -1,
+    reasoning_budget_message: Annotated[str, typer.Option(
+        "--reasoning-budget-message", help="text forced before </think> when the budget runs out")] = "",
     alias: Annotated[Optional[str], typer.Option("-a", "--alias", help="the model's name in the API "
                                                  "(default: the file's name)")] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="default tokens to generate (-1: until "
@@ -116,7 +121,10 @@ def serve(
     if per_slot < 2:
         raise OptionError(f"-c {opts.ctx} over -np {parallel} slots leaves {per_slot} tokens a slot")
     run_opts["ctx"] = per_slot  # the engine's ctx is one sequence's: each slot's row of the batch cache
-    defaults = Defaults(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_predict=n_predict)
+    if reasoning_budget < -1:
+        raise OptionError(f"--reasoning-budget: need >= -1 (-1 = unrestricted), got {reasoning_budget}")
+    defaults = Defaults(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_predict=n_predict,
+                        reasoning_budget=reasoning_budget, reasoning_budget_message=reasoning_budget_message)
     _check_defaults(defaults)
     sock = bind(host, port)  # taken now: a port in use is one line before the model loads
     invariant = batch_invariance(batch_invariant, default=True)

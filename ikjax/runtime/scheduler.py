@@ -60,10 +60,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax import env
+from ikjax.chat_template import THINK_CLOSE, THINK_OPEN
 from ikjax.errors import IkjaxError, OptionError
 from ikjax.runtime import generation
 from ikjax.runtime.executables import compile_side_by_side
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
+from ikjax.runtime.reasoning_budget import ReasoningBudget, utf8_complete
 from ikjax.runtime.sampling import (LOGIT_BAN, NON_FINITE, NonFiniteLogitsError, Penalties, check_count,
                                     check_logit_bias, check_penalty, check_sampling, check_top_logprobs, row_params,
                                     sample_next, sample_rows, token_logprobs)
@@ -101,6 +103,7 @@ class Request:
     ban: frozenset[int] = frozenset()  # ids never drawn (ignore_eos bans EOS, as llama-server does)
     penalties: Penalties = Penalties()  # llama.cpp's repeat / frequency / presence penalties
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit), before the penalties
+    budget: ReasoningBudget | None = None  # a reasoning budget (--reasoning-budget, thinking_budget_tokens)
     # each new token's log-probability and this many alternatives (`token_logprobs`); None: none
     top_logprobs: int | None = None
     want_slot: int | None = None  # run on this slot only (llama-server's id_slot); None: any
@@ -218,10 +221,14 @@ class Scheduler:
                      stop_ids: Sequence[int] = (), ignore_eos: bool = False, cache_prompt: bool = True,
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
                      presence_penalty: float = 0.0, penalize_nl: bool = False, top_logprobs: int | None = None,
-                     logit_bias=None, slot: int | None = None) -> Request:
+                     logit_bias=None, slot: int | None = None, reasoning_budget: int = -1,
+                     reasoning_budget_message: str = "") -> Request:
         """A checked request (OptionError naming the bad field): the prompt inside the vocabulary and
         shorter than a slot's context, the sampling settings as `Engine.generate` takes them.
-        `slot`: run on this slot (llama-server's id_slot), waiting for it; None: any."""
+        `slot`: run on this slot (llama-server's id_slot), waiting for it; None: any.
+        `reasoning_budget` >= 0: at most that many tokens inside a `<think>` block (the prompt's
+        open one included), then `reasoning_budget_message` and `</think>` forced (ik's rules,
+        ikjax.runtime.reasoning_budget); -1: none."""
         if slot is not None and (not isinstance(slot, (int, np.integer)) or isinstance(slot, bool)
                                  or not 0 <= slot < self.n_slots):
             raise OptionError(f"slot: expected one of 0..{self.n_slots - 1}, got {slot!r}")
@@ -249,7 +256,25 @@ class Scheduler:
         return Request(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(stops),
                        on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, penalties=pen,
                        top_logprobs=top_logprobs, logit_bias=tuple((t, b) for t, b in bias if b > LOGIT_BAN),
-                       want_slot=None if slot is None else int(slot), n_ctx=self.ctx)
+                       want_slot=None if slot is None else int(slot), n_ctx=self.ctx,
+                       budget=self._budget(ids, reasoning_budget, reasoning_budget_message))
+
+    def _budget(self, prompt: np.ndarray, budget, message) -> ReasoningBudget | None:
+        """The request's ReasoningBudget (None for -1), fed the prompt from its last opening tag on."""
+        if not isinstance(budget, (int, np.integer)) or isinstance(budget, bool) or budget < -1:
+            raise OptionError(f"reasoning budget: expected an integer >= -1 (-1 = none), got {budget!r}")
+        if not isinstance(message, str):
+            raise OptionError(f"reasoning budget message: expected a string, got {type(message).__name__}")
+        if budget < 0:
+            return None
+        tok = self.eng.tokenizer
+        ids = [tok.encode(t, add_bos=False, parse_special=True) for t in (THINK_OPEN, THINK_CLOSE, message + THINK_CLOSE)]
+        rb = ReasoningBudget(int(budget), *ids)
+        start, p = ids[0], prompt.tolist()
+        at = next((i for i in range(len(p) - len(start), -1, -1) if p[i:i + len(start)] == start), None)
+        for t in p[at:] if at is not None else ():
+            rb.accept(t, utf8_complete(tok.piece(t)))
+        return rb
 
     def submit(self, req: Request) -> Request:
         with self._cv:
@@ -721,6 +746,11 @@ class Scheduler:
             return 1
         if any(s.req.cancelled or s.req.top_logprobs is not None for s in rows):
             return 1  # (the loop hands back tokens, not the logits log-probabilities are read from)
+        # a reasoning budget: no token the loop draws may be one it would force (a forced token
+        # changes every token after it); its free steps bound the loop, forcing is one step a token
+        free = [f for f in (s.req.budget.free_steps() for s in rows if s.req.budget is not None) if f is not None]
+        if free and min(free) < 2:
+            return 1
         if all(_plain_greedy(s.req) for s in rows):
             bans = {frozenset(s.req.ban) for s in rows}
             if len(bans) > 1 or not self._loop_ban(next(iter(bans))):  # one loop bans one set
@@ -731,6 +761,8 @@ class Scheduler:
         # the streams together, and a prompt arriving meanwhile waits for its end (RESULTS §23m:
         # 8 steps of an 8-stream batch held tokens 75 ms, longer than a 512-token chunk)
         k = LOOP_STEPS if not self._step_s else max(1, min(LOOP_STEPS, int(self._burst_s / self._step_s)))
+        if free:
+            k = min(k, min(free))
         for s in rows:
             req = s.req
             limit = self.ctx if req.max_tokens is None else req.max_tokens
@@ -780,12 +812,16 @@ class Scheduler:
         return out
 
     def _next(self, req: Request, pick) -> None:
-        """Emit the token `pick()` chooses; logits that hold NaN/Inf end this request only."""
+        """Emit the token `pick()` chooses (one its reasoning budget forces instead: pick not
+        called); logits that hold NaN/Inf end this request only."""
+        forced = req.budget.forced() if req.budget is not None else None
         try:
-            tok = pick()
+            tok = pick() if forced is None else forced
         except NonFiniteLogitsError as e:
             self._finish(req, "error", _one_line(e))
             return
+        if req.budget is not None:
+            req.budget.accept(tok, utf8_complete(self.eng.tokenizer.piece(tok)))
         self._emit(req, tok)
 
     @staticmethod

@@ -51,13 +51,16 @@ MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-6, 1e6
 
 @dataclass
 class Defaults:
-    """The server's sampling defaults (its --temp --top-k --top-p --min-p -s -n flags)."""
+    """The server's sampling defaults (its --temp --top-k --top-p --min-p -s -n flags, and
+    --reasoning-budget / --reasoning-budget-message for chat answers)."""
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int = -1
     n_predict: int = -1
+    reasoning_budget: int = -1  # -1: none
+    reasoning_budget_message: str = ""
 
 
 @dataclass
@@ -83,13 +86,16 @@ class GenParams:
     top_logprobs: int | None = None  # log-probabilities of each token and this many alternatives; None: none
     logit_bias: Any = None  # as the request gave it: checked against the vocabulary by Scheduler.make_request
     id_slot: int | None = None  # llama-server's id_slot: run on this slot (check_slot); None: the scheduler's choice
+    reasoning_budget: int = -1  # tokens inside a <think> block before its end is forced (-1: none)
+    reasoning_budget_message: str = ""
 
     def sampling(self) -> dict:
         """The scheduler's sampling keywords (Scheduler.make_request)."""
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     seed=self.seed, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
                     frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                    penalize_nl=self.penalize_nl, top_logprobs=self.top_logprobs, logit_bias=self.logit_bias)
+                    penalize_nl=self.penalize_nl, top_logprobs=self.top_logprobs, logit_bias=self.logit_bias,
+                    reasoning_budget=self.reasoning_budget, reasoning_budget_message=self.reasoning_budget_message)
 
 
 def _is_int(x: Any) -> bool:
@@ -172,9 +178,6 @@ _NOT_RUN = {
 # test of whether the request asks for it: refused as _NOT_RUN's, never ignored
 _NOT_DONE = {
     "min_tokens": (lambda v: v not in (None, 0), "a minimum length is not enforced here"),
-    # ik's reasoning budget (the end tag forced after so many thinking tokens): -1 is its "no budget"
-    "thinking_budget_tokens": (lambda v: v not in (None, -1), "no reasoning budget is enforced here"),
-    "reasoning_budget_tokens": (lambda v: v not in (None, -1), "no reasoning budget is enforced here"),
     "stop_token_ids": (lambda v: v not in (None, []), "give stop strings (`stop`) instead"),
     "include_stop_str_in_output": (lambda v: v not in (None, False), "the stop string is never included here"),
     "prompt_logprobs": (lambda v: v is not None, "the prompt's log-probabilities are not returned here"),
@@ -406,6 +409,7 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     frequency_penalty = _or(body.get("frequency_penalty"), 0.0)
     presence_penalty = _or(body.get("presence_penalty"), 0.0)
     penalize_nl = _get(body, "penalize_nl", lambda v: isinstance(v, bool), "true or false", False)
+    budget = reasoning_budget_field(body, d, endpoint)
     return_tokens = _get(body, "return_tokens", lambda v: isinstance(v, bool), "true or false", False)
     timings_per_token = _get(body, "timings_per_token", lambda v: isinstance(v, bool), "true or false", False)
     _get(body, "user", lambda v: isinstance(v, str), "a string", None)  # (OpenAI's and vLLM's 400; not used here)
@@ -437,7 +441,28 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
                      presence_penalty=presence_penalty, penalize_nl=penalize_nl, return_tokens=return_tokens,
                      timings_per_token=timings_per_token,
-                     top_logprobs=logprobs_field(body, endpoint), logit_bias=body.get("logit_bias"))
+                     top_logprobs=logprobs_field(body, endpoint), logit_bias=body.get("logit_bias"),
+                     reasoning_budget=budget, reasoning_budget_message=d.reasoning_budget_message)
+
+
+def reasoning_budget_field(body: dict, d: Defaults, endpoint: str) -> int:
+    """ik's reasoning budget of a request: on chat, the server's --reasoning-budget, else the
+    request's `thinking_budget_tokens` (or `reasoning_budget_tokens`); -1 none. The other endpoints
+    have no template that says where reasoning starts: a budget asked there is a 400, not ignored."""
+    names = [n for n in ("thinking_budget_tokens", "reasoning_budget_tokens") if body.get(n) is not None]
+    for n in names:
+        v = body[n]
+        if not _is_int(v) or v < -1:
+            raise bad(f"{n}: expected an integer >= -1 (-1 = no budget), got {v!r}"[:300])
+    asked = [body[n] for n in names if body[n] != -1]
+    if endpoint != "chat":
+        if asked:
+            raise bad(f"{names[0]}: a reasoning budget is for chat requests (/v1/chat/completions), whose "
+                      f"template opens the reasoning; leave it out here")
+        return -1
+    if len(set(asked)) > 1:
+        raise bad("thinking_budget_tokens and reasoning_budget_tokens: give one of them")
+    return d.reasoning_budget if d.reasoning_budget >= 0 or not asked else asked[0]
 
 
 def prompt_field(body: dict, name: str = "prompt") -> str | list:
