@@ -255,3 +255,16 @@ def test_vector_scales_same_bits_as_row_by_row(name, level, monkeypatch):
             monkeypatch.delenv("IKJAX_AMX_VSCALE")
             _check(vec, np.asarray(x), wf, (name, M, N, K, n_threads), bf16=level == "amx")
             np.testing.assert_array_equal(vec, rows, err_msg=str((name, level, M, N, K, n_threads)))
+
+
+def test_a_cap_that_is_no_level_is_named_so(monkeypatch):
+    """IKJAX_CPU_ISA set to no level's name (AVX2, bogus) leaves the best level running, and the
+    report says the value is not a level (it said the value "asks for more than the CPU has");
+    an engine's load refuses it earlier (env.check_native)."""
+    monkeypatch.delenv("IKJAX_CPU_ISA", raising=False)
+    best = _cpu.isa()
+    for bad in ("AVX2", "bogus"):
+        monkeypatch.setenv("IKJAX_CPU_ISA", bad)
+        assert _cpu.isa() == best
+        rep = _cpu.isa_report()
+        assert f"IKJAX_CPU_ISA={bad} is not a level" in rep and "asks for more" not in rep, rep

@@ -133,3 +133,22 @@ print("forget", _cpu.forget_file(st.st_dev, st.st_ino), before - fds())
         pytest.skip("this kernel has no PROCMAP_QUERY (Linux < 6.11): rows are read through the mapping, and a "
                     "truncated file's SIGBUS is not caught there")
     assert res.stdout.split() == ["error:", "True", "forget", "True", "1"], res.stdout
+
+
+def test_a_private_writable_mapping_gives_its_own_pages(tmp_path):
+    """A table mapped copy-on-write and written in memory: its rows are the mapping's bytes, not the
+    file's (the kernel read every file-backed row with pread, and returned the file's old bytes;
+    ikjax maps GGUF files read-only, so only such a mapping handed to the kernel saw it)."""
+    path = tmp_path / "tab.bin"
+    np.zeros(4096 * 64, np.uint8).tofile(path)
+    m = np.memmap(path, dtype=np.uint8, mode="c", shape=(4096, 64))
+    m[5] = 0xAB
+    try:
+        tab = jax.device_put(m, may_alias=True)
+    except TypeError:
+        pytest.skip("this JAX has no device_put(may_alias=)")
+    if tab.unsafe_buffer_pointer() != m.ctypes.data:
+        pytest.skip("the CPU client copied the table (not aliased): nothing to measure")
+    got = np.asarray(embed_rows(tab, jnp.asarray([[5, 6]], jnp.int32)))
+    np.testing.assert_array_equal(got[0, 0], np.full(64, 0xAB, np.uint8))
+    np.testing.assert_array_equal(got[0, 1], np.zeros(64, np.uint8))

@@ -326,6 +326,13 @@ def test_issue_types_all_supported():
     assert not missing
 
 
+def test_heads_product_with_no_columns():
+    """N = 0 heads: an empty result of the right shape (it raised ZeroDivisionError), as
+    quant_matmul gives for N = 0."""
+    w = QuantArray.from_bytes(np.zeros((3, 0, 34), np.uint8), by_name("Q8_0"), (3, 0, 32))
+    assert cpu.quant_matmul_heads(jnp.ones((2, 3, 32)), w).shape == (2, 3, 0)
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q6_K", "IQ4_K"])
 def test_heads_product(name, monkeypatch):
     """quant_matmul_heads (MLA's per-head W_kb / W_vb products, one call for all heads) against the

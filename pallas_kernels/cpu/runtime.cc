@@ -413,7 +413,12 @@ std::string isa_report() {
 #if defined(IKJ_HAVE_AMX)
     if (best != Isa::amx) why += std::string("; amx: ") + amx_why();
 #endif
-    if (now == best && cap && *cap && std::strcmp(cap, isa_name(best)) != 0) why += std::string("; IKJAX_CPU_ISA=") + cap + " asks for more than the CPU has";
+    if (now == best && cap && *cap && std::strcmp(cap, isa_name(best)) != 0) {
+      const bool known = std::strcmp(cap, "generic") == 0 || std::strcmp(cap, "avx2") == 0 ||
+                         std::strcmp(cap, "avx512") == 0 || std::strcmp(cap, "amx") == 0;
+      why += std::string("; IKJAX_CPU_ISA=") + cap +
+             (known ? " asks for more than the CPU has" : " is not a level (generic, avx2, avx512, amx): ignored");
+    }
   }
   const std::string amx_paths = std::string("dtype bf16: int8 decode and prompt products, ") +
       (amx_bf16_on() ? "AMX bf16 tiles (tdpbf16ps)" : "AMX int8 tiles (tdpbusd)") + " for prompt products of " +

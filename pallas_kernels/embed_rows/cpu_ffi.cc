@@ -60,7 +60,8 @@ struct OpenFile {
 struct Vma {
   uintptr_t start = 0, end = 0;
   uint64_t offset = 0;
-  // null: not a file we can pread (anonymous, deleted, replaced): copy through the mapping
+  // null: not a file we can pread (anonymous, deleted, replaced, private and writable): copy
+  // through the mapping
   std::shared_ptr<OpenFile> file;
 };
 
@@ -88,6 +89,10 @@ class Files {
     }
     v.start = q.vma_start, v.end = q.vma_end, v.offset = q.vma_offset;
     if (q.inode == 0 || q.vma_name_size == 0 || name[0] != '/') return v;  // anonymous or special
+    // a private mapping that may be written (copy-on-write): its pages may hold other bytes than
+    // the file's, so they are copied through the mapping (PROCMAP_QUERY_VMA_WRITABLE / _SHARED)
+    constexpr uint64_t kWritable = 2, kShared = 8;
+    if ((q.vma_flags & kWritable) && !(q.vma_flags & kShared)) return v;
     const uint64_t dev = makedev(q.dev_major, q.dev_minor);
     const std::string key = Key(dev, q.inode);
     auto it = fds_.find(key);

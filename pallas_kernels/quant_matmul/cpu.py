@@ -80,6 +80,8 @@ def quant_matmul_heads(x, w, *, n_threads: int = 0, compute: str = "f32"):
         raise ValueError(f"quant_matmul_heads: no C++ path for type {w.qtype.name}")
     _cpu.register()
     lead = x.shape[:-2]
+    if N == 0:  # no output columns (the reshape below would divide by N)
+        return jnp.zeros((*lead, G, 0), jnp.float32)
     M = int(np.prod(lead, dtype=np.int64))
     xg = jnp.moveaxis(x.astype(jnp.float32).reshape(M, G, K), 1, 0)       # [G, M, K]
     data, layer = stacked_operands(w)
