@@ -72,12 +72,19 @@ def test_writer_refuses_yarn_mscale_it_cannot_store():
     """A YaRN config whose mscale differs from mscale_all_dim is refused by the writer, naming both:
     GGUF keeps only 0.1 * mscale_all_dim, so the file would compute another model's attention
     (transformers scales cos / sin by their ratio; an outside probe against it measured 0.7 %). Equal
-    values, as every released DeepSeek config has, are written."""
+    values, as every released DeepSeek config has, are written; a YaRN config without both is refused
+    too (an outside probe: 6 % off transformers, silently)."""
     from ikjax.tools.synthetic import preset_config
     cfg = dict(preset_config("tiny"))
     yarn = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.707)
     with pytest.raises(ValueError, match=r"mscale 1.0 differs from mscale_all_dim 0.707"):
         gw.deepseek2_metadata({**cfg, "rope_scaling": yarn}, layout="all", qtype="F32")
+    # without both keys transformers scales cos / sin by 0.1 ln(factor) + 1, which no GGUF key says
+    for drop in ({"mscale": None}, {"mscale_all_dim": None}, {"mscale": None, "mscale_all_dim": None},
+                 {"mscale": 0.0, "mscale_all_dim": 0.707}):
+        bad = {k: v for k, v in {**yarn, **drop}.items() if v is not None}
+        with pytest.raises(ValueError, match=r"YaRN without both mscale and mscale_all_dim"):
+            gw.deepseek2_metadata({**cfg, "rope_scaling": bad}, layout="all", qtype="F32")
     kv = dict((k, v) for k, v, _ in gw.deepseek2_metadata({**cfg, "rope_scaling": {**yarn, "mscale": 0.707}},
                                                           layout="all", qtype="F32"))
     assert kv["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.0707)

@@ -245,7 +245,14 @@ def deepseek2_metadata(cfg: Mapping[str, Any], *, layout: str = "all", qtype: st
     rs = _rope_scaling(cfg)
     if rs is not None and (rs.get("type") or rs.get("rope_type")) == "yarn":
         m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
-        if m and m_all and float(m) != float(m_all):
+        if not (m and m_all):
+            # transformers then scales cos / sin by 0.1 * ln(factor) + 1 and leaves the softmax scale;
+            # the GGUF has no key for that (yarn_log_multiplier scales the softmax): the file would
+            # compute another model (6 % off on a tiny V3 at factor 4, an outside probe, RESULTS §23an)
+            raise ValueError(f"unsupported rope scaling for deepseek2: YaRN without both mscale and mscale_all_dim "
+                             f"(mscale {m}, mscale_all_dim {m_all}); GGUF keeps only yarn_log_multiplier = 0.1 * "
+                             f"mscale_all_dim")
+        if float(m) != float(m_all):
             # transformers then scales cos / sin by get_mscale(factor, mscale) / get_mscale(factor,
             # mscale_all_dim); the GGUF keeps 0.1 * mscale_all_dim only (as ik's converter), so the file
             # would compute another model's attention (0.7 % off on a tiny V3, RESULTS §22ai's probe).
