@@ -32,6 +32,18 @@ def test_matches_gather_anonymous(shape):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only (/proc/self/status)")
+def _aliased(host: np.ndarray):
+    """`host` as a CPU array on the same memory (the kernel then sees the mapping's pages); a skip
+    where this JAX cannot alias or the client copied it."""
+    try:
+        dev = jax.device_put(host, may_alias=True)
+    except TypeError:
+        pytest.skip("this JAX has no device_put(may_alias=)")
+    if dev.unsafe_buffer_pointer() != host.ctypes.data:
+        pytest.skip("the CPU client copied the table (not aliased): nothing to measure")
+    return dev
+
+
 def test_mapped_table_same_bytes_without_mapping_pages(tmp_path):
     V, R = 40000, 1088  # ~41 MiB, rows not page-aligned
     head = 4096 + 64  # the table at a 64-byte aligned offset of the file, like a GGUF tensor
@@ -45,12 +57,7 @@ def test_mapped_table_same_bytes_without_mapping_pages(tmp_path):
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     host = np.frombuffer(m, np.uint8, count=V * R, offset=head).reshape(V, R)
-    try:
-        dev = jax.device_put(host, may_alias=True)
-    except TypeError:
-        pytest.skip("this JAX has no device_put(may_alias=)")
-    if dev.unsafe_buffer_pointer() != host.ctypes.data:
-        pytest.skip("the CPU client copied the table (not aliased): nothing to measure")
+    dev = _aliased(host)
     tokens = rng.integers(0, V, (1, 600)).astype(np.int32)
     fn = jax.jit(embed_rows)
     fn(dev, jnp.asarray(tokens[:, :1])).block_until_ready()  # compile, register
@@ -143,12 +150,7 @@ def test_a_private_writable_mapping_gives_its_own_pages(tmp_path):
     np.zeros(4096 * 64, np.uint8).tofile(path)
     m = np.memmap(path, dtype=np.uint8, mode="c", shape=(4096, 64))
     m[5] = 0xAB
-    try:
-        tab = jax.device_put(m, may_alias=True)
-    except TypeError:
-        pytest.skip("this JAX has no device_put(may_alias=)")
-    if tab.unsafe_buffer_pointer() != m.ctypes.data:
-        pytest.skip("the CPU client copied the table (not aliased): nothing to measure")
+    tab = _aliased(m)
     got = np.asarray(embed_rows(tab, jnp.asarray([[5, 6]], jnp.int32)))
     np.testing.assert_array_equal(got[0, 0], np.full(64, 0xAB, np.uint8))
     np.testing.assert_array_equal(got[0, 1], np.zeros(64, np.uint8))
