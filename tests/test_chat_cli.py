@@ -143,8 +143,10 @@ def test_fit_drops_the_oldest_exchanges_and_keeps_the_system_prompt(eng):
 
 def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model):
     """On a terminal (a pty here) a typed line is read whole past the kernel's 4095-byte canonical
-    line, backspace and an arrow key edit it as a terminal would, and Ctrl-C at the prompt (the
-    terminal's ^C, a SIGINT from the line discipline) still ends the chat with 130."""
+    line, also one typed while the model still loads (the terminal is raw from the start, as
+    llama-cli's); backspace and an arrow key (its bytes in two reads) edit it as a terminal would;
+    Ctrl-C at the prompt (the terminal's ^C, a SIGINT from the line discipline) still ends the chat
+    with 130, and the terminal's own settings are back."""
     import pty
     import re
     import termios
@@ -152,6 +154,7 @@ def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model)
     from ikjax.runtime.text import encode_prompt, render_chat
 
     master, slave = pty.openpty()
+    own_settings = termios.tcgetattr(slave)
 
     # the pty made the chat's controlling terminal in a session of its own (no preexec_fn: this
     # process runs JAX's threads), so its ^C is a SIGINT to the chat alone
@@ -193,7 +196,9 @@ def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model)
         whole = len(encode_prompt(eng, render_chat(eng, [{"role": "user", "content": long_line}])))
         assert f"the conversation with it is {whole} tokens".encode() in err, err.decode(errors="replace")
         wait_raw(deadline)
-        os.write(master, b"Hx\x7fi\x1b[A\r")  # backspace over the x, an up arrow dropped
+        os.write(master, b"Hx\x7fi\x1b")  # backspace over the x, an up arrow dropped (its bytes in two reads)
+        time.sleep(0.1)
+        os.write(master, b"[A\r")
         while not re.search(rb"turn 1: [^\n]*\n", err) and time.time() < deadline:
             read_err_until(b"\0never", time.time() + 0.2)
         turn = next(line for line in err.decode().splitlines() if line.startswith("turn 1: "))
@@ -202,6 +207,7 @@ def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model)
         wait_raw(deadline)
         os.write(master, b"\x03")  # Ctrl-C at the prompt
         rc = p.wait(60)
+        assert termios.tcgetattr(slave) == own_settings  # the terminal's own settings back
     finally:
         if p.poll() is None:
             p.kill()

@@ -778,7 +778,8 @@ def test_reasoning_budget_state_machine():
     w.accept(4, complete=True)
     assert w.state == FORCING and w.forced() == 6
     z = ReasoningBudget(0, [5], [6], [6])
-    z.accept(5)
+    z.accept(5, prompt=True)
+    z.accept(201, prompt=True)  # the prompt's newline after the tag: not a forced token
     assert z.forced() == 6  # 0: the end at once
     assert utf8_complete(b"a") and utf8_complete("é".encode()) and utf8_complete("€".encode())
     assert not utf8_complete("é".encode()[:1]) and not utf8_complete("€".encode()[:2])
@@ -812,6 +813,17 @@ def test_reasoning_budget_forces_the_end_of_the_thinking(eng, sched):
     assert c.tokens[free + len(forced):] == list(eng.generate(head, n - free - len(forced), ignore_eos=True))
     _, c2 = submit(sched, prompt, n, ignore_eos=True)
     assert c2.wait()[0] == "done" and c2.tokens == list(eng.generate(prompt, n, ignore_eos=True))
+    # 0: the end forced at once (R1's prompt ends "<think>\n": its newline is no forced token), each
+    # token's log-probability recorded, forced ones too
+    r, c = submit(sched, prompt, 20, reasoning_budget=0, ignore_eos=True, top_logprobs=0)
+    assert c.wait()[0] == "done"
+    close = tok.encode("</think>", add_bos=False, parse_special=True)
+    assert c.tokens[:len(close)] == close
+    assert len(r.token_logprobs) == len(c.tokens) == 20
+    raw, _ = eng.prefill(eng.new_cache(1), np.array(prompt), 0)
+    raw = np.asarray(raw, np.float64)
+    want = raw[close[0]] - raw.max() - np.log(np.exp(raw - raw.max()).sum())
+    assert abs(r.token_logprobs[0][0] - want) < 1e-3  # the forced token's own log-probability
     for bad in (-2, 1.5, True):
         with pytest.raises(ikjax.OptionError, match="reasoning budget"):
             sched.make_request(prompt, 4, on_event=lambda *a: None, reasoning_budget=bad)

@@ -99,14 +99,19 @@ def chat(
             check_text(text, what)
     run_opts, _ = check_options(run, "chat")
     setup_compile_cache(run.compile_cache_dir)
-    eng = load_engine(run.model, run.verbose, **run_opts)
-    announce_seed(seed, drawn)
-    template = eng.chat_template(chat_template)
-    log(f"chat template: {template.name}")
-    sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, repeat_penalty=repeat_penalty,
-                    repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                    penalize_nl=penalize_nl, ignore_eos=ignore_eos, stop=list(reverse_prompt or []))
-    Chat(eng, template, sampling, None if n_predict < 0 else n_predict, system_prompt, run.verbose).run(first)
+    from ikjax.cli import tty_input
+    # a terminal raw from here to the end, as llama-cli's: a line typed during the load or an answer
+    # is not cut at the tty's 4095 bytes (tty_input's why); its settings restored however this ends
+    with tty_input.raw_session(_tty_fd(sys.stdin)):
+        eng = load_engine(run.model, run.verbose, **run_opts)
+        announce_seed(seed, drawn)
+        template = eng.chat_template(chat_template)
+        log(f"chat template: {template.name}")
+        sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                        penalize_nl=penalize_nl, ignore_eos=ignore_eos, stop=list(reverse_prompt or []))
+        Chat(eng, template, sampling, None if n_predict < 0 else n_predict, system_prompt, run.verbose).run(first)
 
 
 class Chat:

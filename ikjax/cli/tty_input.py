@@ -8,10 +8,18 @@ for that one line: its signals stay on (Ctrl-C is still SIGINT, raised as Keyboa
 `os.read`), the echo and the few editing keys a line discipline offers are done by hand
 (backspace, Ctrl-U, Ctrl-W, Ctrl-D), escape sequences (arrows) are skipped, and the terminal's
 settings are put back before the line is returned, whatever ends the read.
+
+`raw_session` keeps the terminal out of canonical mode for a whole chat, as llama-cli does from its
+start: a long line typed or pasted while the model loads or an answer streams would otherwise meet
+the same 4095-byte line there and be cut. After Ctrl-Z and `fg` (SIGCONT) the settings are applied
+again (the shell put its own back), and the terminal's own are restored when the chat ends, however.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import signal
 import termios
 
 _ERASE = (0x7F, 0x08)
@@ -44,11 +52,10 @@ class TtyLines:
 
     def readline(self) -> bytes:
         """One line, its newline kept (b"" at the end of input, as a file's readline)."""
+        if self.fd in _sessions:  # already raw for the whole chat
+            return self._line()
         old = termios.tcgetattr(self.fd)
-        raw = termios.tcgetattr(self.fd)
-        raw[3] &= ~(termios.ICANON | termios.ECHO)
-        raw[6][termios.VMIN], raw[6][termios.VTIME] = 1, 0
-        termios.tcsetattr(self.fd, termios.TCSANOW, raw)  # (TCSANOW: input typed ahead is kept)
+        _set_raw(self.fd)
         try:
             return self._line()
         finally:
@@ -98,17 +105,53 @@ class TtyLines:
             self._echo(b"\b \b")
 
     def _skip_escape(self) -> None:
-        """An escape sequence (an arrow key: ESC [ A) read and dropped: CSI / SS3 up to the final byte."""
-        if not self.pending:
+        """An escape sequence (an arrow key: ESC [ A) read and dropped: CSI / SS3 up to the final byte.
+        Its bytes may come in separate reads (a slow link): the next is waited for a moment; a lone
+        Esc drops nothing after it."""
+        if not self.pending and not select.select([self.fd], [], [], 0.5)[0]:
             return  # a lone Esc
         b = self._next()
-        if b not in (0x5B, 0x4F):  # '[' or 'O'
+        if b not in (0x5B, 0x4F):  # '[' or 'O': not a sequence, the key after the Esc stays
+            self.pending = bytes([b]) + self.pending if b is not None else self.pending
             return
         while (c := self._next()) is not None and not 0x40 <= c <= 0x7E:
             pass
 
 
 _reader: TtyLines | None = None
+_sessions: dict[int, list] = {}  # terminals kept raw by raw_session -> their own settings
+
+
+def _set_raw(fd: int) -> None:
+    raw = termios.tcgetattr(fd)
+    raw[3] &= ~(termios.ICANON | termios.ECHO)  # (ISIG kept: Ctrl-C is SIGINT, Ctrl-Z SIGTSTP)
+    raw[6][termios.VMIN], raw[6][termios.VTIME] = 1, 0
+    termios.tcsetattr(fd, termios.TCSANOW, raw)  # (TCSANOW: input typed ahead is kept)
+
+
+@contextlib.contextmanager
+def raw_session(fd: int | None):
+    """The terminal `fd` out of canonical mode until the block ends (None, or not a terminal:
+    nothing done); its settings restored at the end, and applied again after SIGCONT."""
+    if fd is None or not os.isatty(fd) or fd in _sessions:
+        yield
+        return
+    old = termios.tcgetattr(fd)
+    _set_raw(fd)
+    _sessions[fd] = old
+
+    def again(signum, frame):
+        if fd in _sessions:
+            with contextlib.suppress(termios.error, OSError):
+                _set_raw(fd)
+    previous = signal.signal(signal.SIGCONT, again)
+    try:
+        yield
+    finally:
+        _sessions.pop(fd, None)
+        with contextlib.suppress(termios.error, OSError):
+            termios.tcsetattr(fd, termios.TCSANOW, old)
+        signal.signal(signal.SIGCONT, previous)
 
 
 def read_line(fd: int, out_fd: int | None) -> bytes:

@@ -53,8 +53,13 @@ class ReasoningBudget:
         if self.remaining <= 0:
             self.state, self._pos = FORCING, 0
 
-    def accept(self, tok: int, complete: bool = True) -> None:
-        """The token that came (`complete`: its text ends a UTF-8 character)."""
+    def accept(self, tok: int, complete: bool = True, prompt: bool = False) -> None:
+        """The token that came (`complete`: its text ends a UTF-8 character; `prompt`: one of the
+        prompt's, which count against the budget as ik's prefill tokens do but are never taken for
+        a forced one: R1's `<think>\n` with a budget of 0 forced nothing, its newline taken for the
+        first forced token)."""
+        if self.state == FORCING and prompt:
+            return
         if self.state in (IDLE, DONE):
             if self._start.advance(tok):
                 self._open()

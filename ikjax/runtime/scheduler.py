@@ -273,7 +273,7 @@ class Scheduler:
         start, p = ids[0], prompt.tolist()
         at = next((i for i in range(len(p) - len(start), -1, -1) if p[i:i + len(start)] == start), None)
         for t in p[at:] if at is not None else ():
-            rb.accept(t, utf8_complete(tok.piece(t)))
+            rb.accept(t, utf8_complete(tok.piece(t)), prompt=True)
         return rb
 
     def submit(self, req: Request) -> Request:
@@ -627,7 +627,7 @@ class Scheduler:
             req.t_first = time.perf_counter()
             self._finish(req, STOP_MAX_TOKENS)
             return
-        self._next(req, lambda: self._sample(req, logits))
+        self._next(req, lambda f: self._sample(req, logits, f))
         self._start_device_draws(req)
 
     def _end_prefill(self, req: Request) -> None:
@@ -692,11 +692,12 @@ class Scheduler:
             b, req = row[s.index], s.req
             s.tokens.append(int(toks[b, 0]))
             if _plain_greedy(req):
-                self._next(req, lambda: _checked(int(top[b]), bool(finite[b])))
+                self._next(req, lambda f: _checked(int(top[b]) if f is None else f, bool(finite[b])))
             elif b in drawn:
-                self._next(req, lambda: _reported(req, _checked(drawn[b], drawn[b] != NON_FINITE), host, b))
+                self._next(req, lambda f: _reported(req, _checked(drawn[b] if f is None else f, drawn[b] != NON_FINITE),
+                                                    host, b))
             else:
-                self._next(req, lambda: self._sample(req, host[b]))
+                self._next(req, lambda f: self._sample(req, host[b], f))
 
     def _start_device_draws(self, req: Request) -> None:
         """After `req`'s first token (drawn on the host): whether its later tokens are drawn on the
@@ -797,7 +798,7 @@ class Scheduler:
                     break
                 s.tokens.append(fed)
                 fed = int(got[b, i])
-                self._next(req, lambda t=fed: _checked(t, t != NON_FINITE))
+                self._next(req, lambda f, t=fed: _checked(t if f is None else f, t != NON_FINITE))
 
     def _banned(self, rows: list[Slot], row: dict, B: int) -> np.ndarray:
         """[B, k] ids each greedy row of the batch may not pick (--ignore-eos bans EOS), padded with the
@@ -812,11 +813,12 @@ class Scheduler:
         return out
 
     def _next(self, req: Request, pick) -> None:
-        """Emit the token `pick()` chooses (one its reasoning budget forces instead: pick not
-        called); logits that hold NaN/Inf end this request only."""
+        """Emit the token `pick(forced)` gives: the one the request's reasoning budget forces, else its
+        own choice (its log-probabilities recorded for the token emitted, forced or not); logits that
+        hold NaN/Inf end this request only."""
         forced = req.budget.forced() if req.budget is not None else None
         try:
-            tok = pick() if forced is None else forced
+            tok = pick(forced)
         except NonFiniteLogitsError as e:
             self._finish(req, "error", _one_line(e))
             return
@@ -825,7 +827,7 @@ class Scheduler:
         self._emit(req, tok)
 
     @staticmethod
-    def _sample(req: Request, logits: np.ndarray) -> int:
+    def _sample(req: Request, logits: np.ndarray, forced: int | None = None) -> int:
         """The next token of `req` from its logits row, on the host: its penalty, its banned ids,
         its filters and its own random generator (per request: a seed gives the same answer whatever
         else the batch holds); with `top_logprobs`, the token's log-probability from the raw row."""
@@ -844,7 +846,7 @@ class Scheduler:
             logits = pen.apply(logits, recent)
         if req.ban:  # (pen.apply returned a copy of the copy: still not the caller's row)
             logits[list(req.ban)] = -1e30  # finite: sample_next refuses non-finite logits
-        tok = sample_next(logits, rng=req._rng, **_filters(req.sampling))
+        tok = sample_next(logits, rng=req._rng, **_filters(req.sampling)) if forced is None else forced
         if req.top_logprobs is not None:
             req.token_logprobs.append(token_logprobs(raw, tok, req.top_logprobs))
         return tok
