@@ -1820,3 +1820,19 @@ def test_n_probs_on_openai_endpoints_budgets_seeds_and_slashed_model_ids(server)
     assert a[1]["generation_settings"]["seed"] == 2**32 - 2
     st, body = call(server, "GET", "/v1/models/org/name")
     assert st == 404 and "'org/name' not found" in body["error"]["message"], body
+
+
+def test_ik_probs_name_a_lone_byte_as_ik_does(server, ref):
+    """/completion's n_probs in ik's form (content, probs[].tok_str) names a token that is one byte of
+    a split character "byte: \\xNN", as ik's tokens_to_output_formatted_string (U+FFFD before); the
+    mainline fields keep the text and its bytes."""
+    tok = ref.tokenizer
+    t = next(i for i in range(ref.config.vocab_size) if len(tok.piece(i)) == 1 and tok.piece(i)[0] & 0x80)
+    st, body = call(server, "POST", "/completion", {"prompt": "Hi", "n_predict": 1, "temperature": 0, "n_probs": 3,
+                                                    "logit_bias": {str(t): 100}})
+    assert st == 200, body
+    first = body["completion_probabilities"][0]
+    assert first["id"] == t and first["content"] == f"byte: \\x{tok.piece(t)[0]:x}" and first["bytes"] == list(tok.piece(t))
+    for alt, p in zip(first["top_logprobs"], first["probs"]):  # the alternatives named the same way
+        b = alt["bytes"]
+        assert p["tok_str"] == (f"byte: \\x{b[0]:x}" if len(b) == 1 and b[0] & 0x80 else alt["token"])

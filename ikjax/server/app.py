@@ -636,8 +636,9 @@ class Server:
         gives them (its clients read that form: an outside probe, stop 65)."""
         out = self._entries(job, piece, with_id=True)
         for e in out:
-            e["content"] = e["token"]
-            e["probs"] = [{"tok_str": a["token"], "prob": math.exp(a["logprob"])} for a in e["top_logprobs"]]
+            e["content"] = _ik_tok_str(e["bytes"], e["token"])
+            e["probs"] = [{"tok_str": _ik_tok_str(a["bytes"], a["token"]), "prob": math.exp(a["logprob"])}
+                          for a in e["top_logprobs"]]
         return out
 
     def _usage(self, job: Job) -> dict:
@@ -819,6 +820,13 @@ def _finish(job: Job, calls: list) -> str:
 
 def _deltas(reasoning: str, content: str) -> list[dict]:
     return ([{"reasoning_content": reasoning}] if reasoning else []) + ([{"content": content}] if content else [])
+
+
+def _ik_tok_str(b: list[int], text: str) -> str:
+    """ik_llama.cpp's tok_str of a token: a lone byte of a split character as "byte: \\xNN" (its
+    tokens_to_output_formatted_string), else the text (a U+FFFD before: alternatives that were
+    different bytes read alike)."""
+    return f"byte: \\x{b[0]:x}" if len(b) == 1 and b[0] & 0x80 else text
 
 
 def _sse(obj: dict) -> bytes:
