@@ -195,10 +195,12 @@ def _cli(model4, port: int, i: int, *args) -> list[str]:
 def test_cli_sampled_generate_without_a_seed_uses_process_0_s(model4):
     """`generate --temp 0.8` with no seed: every process samples from process 0's drawn seed (each
     drew its own before: the processes sampled other tokens, then waited on each other until a
-    timeout killed them), and process 0's text is a one-process run's with that seed (f32)."""
+    timeout killed them), and process 0's text is a one-process run's with that seed (f32). Process 1
+    gives the same options in another order (the same command: it was "another command" before)."""
     port = _free_port()
     args = ("generate", "-p", "Hello", "-n", "12", "--temp", "0.8", "-c", "128")
-    procs = _launch(lambda i: _cli(model4, port, i, *args), timeout=300)
+    other_order = ("generate", "-c", "128", "--temp", "0.8", "--n-predict", "12", "-p", "Hello")
+    procs = _launch(lambda i: _cli(model4, port, i, *(args if i == 0 else other_order)), timeout=300)
     assert [p.returncode for p in procs] == [0, 0], [p.stderr[-1500:] for p in procs]
     seeds = [re.findall(r"sampler seed: (\d+)", p.stderr) for p in procs]
     assert seeds[0] and seeds[0] == seeds[1], seeds
@@ -241,9 +243,10 @@ def test_cli_coordinator_port_in_use_and_missing_peer_are_one_line(model4, monke
 
 
 def test_command_key_ignores_the_process_id_and_the_model_s_directory():
-    a = distributed.command_key(["generate", "-m", "/a/m.gguf", "-n", "4", "--process-id", "0"])
-    assert a == distributed.command_key(["generate", "-m", "/b/m.gguf", "-n", "4", "--process-id=1"])
-    assert a != distributed.command_key(["generate", "-m", "/a/m.gguf", "-n", "8", "--process-id", "0"])
+    a = distributed.command_key("generate", {"model": "/a/m.gguf", "n_predict": 4, "process_id": 0})
+    assert a == distributed.command_key("generate", {"process_id": 1, "n_predict": 4, "model": "/b/m.gguf"})
+    assert a != distributed.command_key("generate", {"model": "/a/m.gguf", "n_predict": 8, "process_id": 0})
+    assert a != distributed.command_key("bench", {"model": "/a/m.gguf", "n_predict": 4, "process_id": 0})
 
 
 def test_cli_sigterm_ends_both_and_only_process_0_writes(model4, tmp_path):

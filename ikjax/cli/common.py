@@ -190,7 +190,7 @@ def _join_processes(command: str, params: dict[str, Any]) -> None:
     real = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = os.fdopen(real, "w") if distributed.is_primary() else open(os.devnull, "w")
-    distributed.check_same_command(sys.argv[1:])
+    distributed.check_same_command(command, params)
 
 
 def stderr_console():

@@ -126,25 +126,22 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         watchdog.cancel()
 
 
-def command_key(argv: list[str]) -> int:
-    """A number for a command line that every process of one run shares: its arguments but the
-    process's own id, and the model file by name (hosts may mount it at other paths)."""
-    parts, skip = [], False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
+def command_key(command: str, params: dict) -> int:
+    """A number for a command that every process of one run shares: its options' parsed values (in
+    any order on the command line, spelled short or long) but the process's own id, and the model
+    file by name (hosts may mount it at other paths)."""
+    items = []
+    for name in sorted(params):
+        if name == "process_id":
             continue
-        if a == "--process-id":
-            skip = True
-            continue
-        if a.startswith("--process-id="):
-            continue
-        prev = argv[i - 1] if i else ""
-        parts.append(os.path.basename(a) if prev in ("-m", "--model") else a)
-    return zlib.crc32("\0".join(parts).encode()) & 0x7FFFFFFF
+        value = params[name]
+        if name == "model" and value:
+            value = os.path.basename(str(value))
+        items.append((name, repr(value)))
+    return zlib.crc32(repr((command, items)).encode()) & 0x7FFFFFFF
 
 
-def check_same_command(argv: list[str]) -> None:
+def check_same_command(command: str, params: dict) -> None:
     """Every process must run the same command (a different -n, say, left them waiting on each
     other's collectives until a timeout killed them): the processes compare `command_key`s, and
     each refuses a run whose processes differ, in one line."""
@@ -152,7 +149,7 @@ def check_same_command(argv: list[str]) -> None:
         return
     import numpy as np
     from jax.experimental import multihost_utils
-    keys = np.asarray(multihost_utils.process_allgather(np.array([command_key(argv)], np.int32))).reshape(-1)
+    keys = np.asarray(multihost_utils.process_allgather(np.array([command_key(command, params)], np.int32))).reshape(-1)
     if len(set(keys.tolist())) > 1:
         differ = [i for i, k in enumerate(keys.tolist()) if k != keys[0]]
         raise OptionError(f"coordinator: process(es) {', '.join(map(str, differ))} run another command than process 0 "
