@@ -184,6 +184,21 @@ def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model)
             read_err_until(b"\0never", time.time() + 0.05)
         raise AssertionError(f"the chat never read the terminal raw; stderr: {err.decode(errors='replace')}")
 
+    def wait_reading(deadline: float) -> None:
+        """Until the chat's main thread is blocked reading the terminal (read(0, ...) in
+        /proc/PID/syscall): the terminal is raw from the start, so its mode no longer says when the
+        chat waits at its prompt, and a Ctrl-C sent while the last turn was still ending could land
+        in a callback that swallows it."""
+        while time.time() < deadline:
+            try:
+                with open(f"/proc/{p.pid}/syscall") as f:
+                    if f.read().startswith("0 0x0 "):
+                        return
+            except OSError:
+                pass
+            read_err_until(b"\0never", time.time() + 0.05)
+        raise AssertionError(f"the chat never waited at its prompt; stderr: {err.decode(errors='replace')}")
+
     try:
         deadline = time.time() + 240
         long_line = "word " * 1300  # 6500 bytes: a canonical terminal keeps 4095 of them
@@ -195,7 +210,7 @@ def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model)
         read_err_until(b"more than -c", deadline)
         whole = len(encode_prompt(eng, render_chat(eng, [{"role": "user", "content": long_line}])))
         assert f"the conversation with it is {whole} tokens".encode() in err, err.decode(errors="replace")
-        wait_raw(deadline)
+        wait_reading(deadline)
         os.write(master, b"Hx\x7fi\x1b")  # backspace over the x, an up arrow dropped (its bytes in two reads)
         time.sleep(0.1)
         os.write(master, b"[A\r")
@@ -204,7 +219,7 @@ def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model)
         turn = next(line for line in err.decode().splitlines() if line.startswith("turn 1: "))
         hi = len(encode_prompt(eng, render_chat(eng, [{"role": "user", "content": "Hi"}])))
         assert turn.startswith(f"turn 1: prompt {hi} tokens"), (turn, hi)
-        wait_raw(deadline)
+        wait_reading(deadline)
         os.write(master, b"\x03")  # Ctrl-C at the prompt
         rc = p.wait(60)
         assert termios.tcgetattr(slave) == own_settings  # the terminal's own settings back
