@@ -280,7 +280,7 @@ def setup(spec: str | None = None) -> Path | None:
         _configured = (spec, None, False)
         log.info("compilation cache: off")
         return None
-    d = root / build_tag()
+    d = root / _build_tag_once()
     try:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)  # JAX runs what it finds there: the user's own
         if not os.access(d, os.W_OK):

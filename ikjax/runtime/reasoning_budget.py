@@ -11,7 +11,7 @@ tokens replace whatever the sampler would draw, and a later opening tag gets a f
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 IDLE, COUNTING, WAITING_UTF8, FORCING, DONE = "idle", "counting", "waiting_utf8", "forcing", "done"
 
@@ -40,12 +40,16 @@ class ReasoningBudget:
     the id the next token must be (None: the sampler's), `free_steps` how many tokens may come
     from the sampler before it could force one (the scheduler's device loop stays within it)."""
 
-    def __init__(self, budget: int, start: Sequence[int], end: Sequence[int], forced: Sequence[int]):
+    def __init__(self, budget: int, start: Sequence[int], end: Sequence[int], forced: Sequence[int],
+                 piece: Callable[[int], bytes] | None = None):
+        """`piece`: a token's bytes (the tokenizer's), read only where the budget runs out, to wait
+        for a whole character (None: every token taken as whole)."""
         if budget < 0:
             raise ValueError("a reasoning budget is >= 0 (-1 means none: make no ReasoningBudget)")
         self.budget, self.remaining = budget, budget
         self._start, self._end, self.forced_ids = _Matcher(start), _Matcher(end), list(forced)
         self.state, self._pos = IDLE, 0
+        self._piece = piece
 
     def _open(self) -> None:
         self.state, self.remaining = COUNTING, self.budget
@@ -53,8 +57,14 @@ class ReasoningBudget:
         if self.remaining <= 0:
             self.state, self._pos = FORCING, 0
 
-    def accept(self, tok: int, complete: bool = True, prompt: bool = False) -> None:
-        """The token that came (`complete`: its text ends a UTF-8 character; `prompt`: one of the
+    def _complete(self, tok: int, complete: bool | None) -> bool:
+        if complete is not None:
+            return complete
+        return self._piece is None or utf8_complete(self._piece(tok))
+
+    def accept(self, tok: int, complete: bool | None = None, prompt: bool = False) -> None:
+        """The token that came (`complete`: its text ends a UTF-8 character, None: as `piece` says,
+        asked only where it matters; `prompt`: one of the
         prompt's, which count against the budget as ik's prefill tokens do but are never taken for
         a forced one: R1's `<think>\n` with a budget of 0 forced nothing, its newline taken for the
         first forced token)."""
@@ -67,12 +77,12 @@ class ReasoningBudget:
             if self._end.advance(tok):
                 self.state = DONE
             elif self.state == WAITING_UTF8:
-                if complete:
+                if self._complete(tok, complete):
                     self.state, self._pos = FORCING, 0
             else:
                 self.remaining -= 1
                 if self.remaining <= 0:
-                    self.state, self._pos = (FORCING, 0) if complete else (WAITING_UTF8, 0)
+                    self.state, self._pos = (FORCING, 0) if self._complete(tok, complete) else (WAITING_UTF8, 0)
                     self._end.pos = 0
         elif self.state == FORCING:
             self._pos += 1

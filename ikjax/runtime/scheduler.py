@@ -65,7 +65,7 @@ from ikjax.errors import IkjaxError, OptionError
 from ikjax.runtime import generation
 from ikjax.runtime.executables import compile_side_by_side
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
-from ikjax.runtime.reasoning_budget import ReasoningBudget, utf8_complete
+from ikjax.runtime.reasoning_budget import ReasoningBudget
 from ikjax.runtime.sampling import (LOGIT_BAN, NON_FINITE, NonFiniteLogitsError, Penalties, check_count,
                                     check_logit_bias, check_penalty, check_sampling, check_top_logprobs, row_params,
                                     sample_next, sample_rows, token_logprobs)
@@ -269,11 +269,13 @@ class Scheduler:
             return None
         tok = self.eng.tokenizer
         ids = [tok.encode(t, add_bos=False, parse_special=True) for t in (THINK_OPEN, THINK_CLOSE, message + THINK_CLOSE)]
-        rb = ReasoningBudget(int(budget), *ids)
-        start, p = ids[0], prompt.tolist()
-        at = next((i for i in range(len(p) - len(start), -1, -1) if p[i:i + len(start)] == start), None)
-        for t in p[at:] if at is not None else ():
-            rb.accept(t, utf8_complete(tok.piece(t)), prompt=True)
+        rb = ReasoningBudget(int(budget), *ids, piece=tok.piece)
+        start = ids[0]
+        # the last opening tag: only where its first id stands (a long prompt is not slid over whole)
+        at = next((int(i) for i in np.flatnonzero(np.asarray(prompt) == start[0])[::-1]
+                   if np.asarray(prompt[i:i + len(start)]).tolist() == start), None) if start else None
+        for t in np.asarray(prompt[at:]).tolist() if at is not None else ():
+            rb.accept(t, prompt=True)
         return rb
 
     def submit(self, req: Request) -> Request:
@@ -823,7 +825,7 @@ class Scheduler:
             self._finish(req, "error", _one_line(e))
             return
         if req.budget is not None:
-            req.budget.accept(tok, utf8_complete(self.eng.tokenizer.piece(tok)))
+            req.budget.accept(tok)
         self._emit(req, tok)
 
     @staticmethod
