@@ -1438,6 +1438,18 @@ for line in sys.stdin:
       bash bench/gpu_invariance.sh 2>&1 | grep -vE "Warning|^ *$" | tail -${TAIL79:-18}
   done
   ;;
+99)
+  # serve's load rows (1 and 8 streams, bench/gpu_serve.sh LOAD_ONLY=1) per variant "TAG|ENV ..." (IKJAX_SERVE_AHEAD:
+  # the next decode dispatch queued before the host reads the last one's tokens), alternating; each trace summarized
+  IFS=';' read -ra V99 <<< "${VARIANTS99:-ahead|IKJAX_SERVE_AHEAD=1;sync|IKJAX_SERVE_AHEAD=0;ahead|IKJAX_SERVE_AHEAD=1;sync|IKJAX_SERVE_AHEAD=0}"
+  i=0
+  for v in "${V99[@]}"; do
+    tag=${v%%|*}; envs=${v#*|}; i=$((i + 1))
+    el "serve load rows: $tag ($envs)"
+    env $envs OUT=$OUT/serve-$i-$tag LOAD_ONLY=1 timeout 200 bash bench/gpu_serve.sh 2>&1 | grep -E "^\||up in"
+    python3 bench/serve_trace.py $OUT/serve-$i-$tag/trace-auto.jsonl 2>&1 | head -2
+  done
+  ;;
 80)
   # call 2: serve's load rows (1 and 8 streams, bench/gpu_serve.sh LOAD_ONLY=1) per IKJAX_FOLD_NORM, alternating
   for fold in ${FOLDS80:-1 0 1 0}; do

@@ -28,6 +28,15 @@ def main() -> None:
     steady = [b["t1"] - a["t1"] for a, b in zip(ev, ev[1:]) if a["kind"] == b["kind"] == "decode"]
     print(f"{len(ev)} steps; decode-to-decode gap when no prompt is fed: median {statistics.median(steady) * 1e3:.1f} ms"
           if steady else f"{len(ev)} steps")
+    loops = [e for e in ev if e["kind"] == "decode" and "ready" in e]
+    if loops:  # decode loops: the device's share (dispatch to tokens read) and the host's emitting them
+        wait = sum(e["ready"] - e["t0"] for e in loops)
+        emit = sum(e["t1"] - e["ready"] for e in loops)
+        steps = sum(e["k"] for e in loops)
+        ahead = sum(bool(e.get("ahead")) for e in loops)
+        print(f"{len(loops)} decode loops, {steps} steps: waiting for tokens {wait / steps * 1e3:.2f} ms a step, "
+              f"emitting them {emit / steps * 1e3:.2f} ms a step ({emit / max(wait + emit, 1e-9):.0%} of the loops' time); "
+              f"{ahead} queued ahead and used")
     for run in runs:
         if len(run) < 3:
             continue

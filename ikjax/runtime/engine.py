@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ikjax import env, ops, programs
@@ -500,8 +501,17 @@ class Engine:
         `sampling` with "rows": True takes `key` as a key per row (`sampling.sample_rows`; on one
         device, `row_sampling()`) and, where it draws (temperature > 0), the rows' own settings
         beside them: `key` = (keys [B], `sampling.row_params(...)`); then only `sampling`'s top_k
-        bucket is compiled in, and the rows' values may differ and change freely."""
-        tokens = self._ids("tokens", tokens, 1)
+        bucket is compiled in, and the rows' values may differ and change freely.
+
+        `tokens` may also be a previous dispatch's last column as it lies on the device (int32 [B]:
+        `out[:, n - 1]`, -1 for its idle rows): nothing then waits for the host, so a caller can
+        queue the next dispatch before it reads this one's tokens (the server's `_decode_loop`).
+        Those ids come from the model's own draw (in the vocabulary, or -1), so they are not
+        checked again; with `check_finite=False` this call returns without waiting for the device."""
+        ahead = isinstance(tokens, jax.Array) and tokens.ndim == 1 and tokens.dtype == jnp.int32 \
+            and tokens.shape[0] > 0
+        if not ahead:
+            tokens = self._ids("tokens", tokens, 1)
         if (sampling or {}).get("rows"):
             if not self.row_sampling():
                 raise OptionError("decode: a key per row needs the decode loop on one device or under -sm layer")
@@ -519,7 +529,8 @@ class Engine:
                     raise OptionError("decode: every row's top_k must fall in the bucket of sampling's top_k "
                                       "(sampling.top_k_bucket)")
         if idle is not None and np.asarray(idle, bool).any():
-            tokens = np.where(np.asarray(idle, bool), -1 if self.executor.plain_loop else 0, tokens).astype(np.int32)
+            where = jnp.where if ahead else np.where
+            tokens = where(np.asarray(idle, bool), -1 if self.executor.plain_loop else 0, tokens).astype(np.int32)
         chunk = n if chunk is None else chunk
         if not _is_int(n) or not _is_int(chunk) or not 0 < n <= chunk:
             raise OptionError(f"decode: need integers 0 < n <= chunk, got n={n!r}, chunk={chunk!r}")
@@ -533,10 +544,12 @@ class Engine:
                                        jax.random.key(0) if key is None else key)
         # the tokens are tiny and every caller reads them next (generate) or waits for them
         # (the benches): checked here, the host copy stays cached on the array
+        if not check_finite:
+            return out, cache
         bad = np.asarray(out)[:, :n] == NON_FINITE
         if idle is not None:
             bad &= ~np.asarray(idle, bool)[:, None]
-        if check_finite and bad.any():
+        if bad.any():
             b, i = (int(v[0]) for v in np.nonzero(bad))
             raise self._non_finite(f" at decode step {i} of sequence {b} (position {int(start[b]) + i})")
         return out, cache
