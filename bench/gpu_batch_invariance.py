@@ -10,6 +10,7 @@ default) and once with =0 to see what the row-invariant decode kernels change (a
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -343,6 +344,9 @@ def main() -> None:
     ap.add_argument("--np", type=int, default=8)
     ap.add_argument("--parts", default="greedy,logits,steps,turn")
     a = ap.parse_args()
+    if os.environ.get("ROWS_GRID") == "columns":  # the rows schedule's launch order before RESULTS §23ao
+        import pallas_kernels.quant_matmul.kernel as qk
+        qk.ROWS_FIRST = False
     t = time.perf_counter()
     eng = ikjax.load(a.model, ctx=a.ctx, ubatch=a.ub)
     print(f"loaded in {time.perf_counter() - t:.1f} s on {jax.devices()[0].device_kind}")

@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 M=/tmp/v2lite-27L-Q4_0.gguf
 [ -f "$M" ] || "$PY" -m ikjax.cli make-model --preset v2-lite --type Q4_0 -o "$M" > /dev/null || exit 1
 echo "ready after $(( $(date +%s) - T0 )) s"
-export IKJAX_COMPILE_CACHE=/tmp/ikjax-xla
+export IKJAX_COMPILE_CACHE=${IKJAX_COMPILE_CACHE:-/tmp/ikjax-xla}
 probe() {  # probe NAME PARTS [env...]
     local name=$1 parts=$2; shift 2
     env "$@" timeout 300 "$PY" bench/gpu_batch_invariance.py "$M" --parts "$parts" > "$OUT/probe-$name.txt" 2>&1

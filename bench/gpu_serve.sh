@@ -28,13 +28,16 @@ EXTRA=${EXTRA:-}
 t0=$(date +%s)
 [ -f "$M" ] || "$PY" -m ikjax.cli make-model --preset v2-lite --type Q4_0 --layers "$LAYERS" -o "$M" > /dev/null || exit 1
 echo "make-model: $(( $(date +%s) - t0 )) s ($(du -h "$M" | cut -f1))"
-export IKJAX_COMPILE_CACHE=/tmp/ikjax-xla
+export IKJAX_COMPILE_CACHE=${IKJAX_COMPILE_CACHE:-/tmp/ikjax-xla}
 # the server and the checking engine share the GPU: neither may take XLA's default 75 %
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
 
 serve() {  # serve MODE [GIL switch interval, s]: start a server, wait until it listens
     t0=$(date +%s)
-    IKJAX_SERVE_TRACE="$OUT/trace-$1.jsonl" "$PY" -c 'import runpy, sys
+    IKJAX_SERVE_TRACE="$OUT/trace-$1.jsonl" "$PY" -c 'import os, runpy, sys
+if os.environ.get("ROWS_GRID") == "columns":  # the rows schedule launch order before RESULTS 23ao
+    import pallas_kernels.quant_matmul.kernel as qk
+    qk.ROWS_FIRST = False
 if len(sys.argv) > 1 and sys.argv[1] != "-":
     sys.setswitchinterval(float(sys.argv[1]))
 sys.argv = ["ikjax"] + sys.argv[2:]

@@ -240,6 +240,42 @@ def test_row_invariant_skips_dead_rows(name):
         assert not got[~live].any()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "IQ4_XS", "BF16"])
+def test_gpu_rows_schedule_bit_for_bit(name):
+    """On the hardware: the one-row rows schedule (the batch-invariant decode's default form), launched
+    row tiles first (each column tile's rows side by side, ROWS_FIRST), gives each of 8 rows the bits
+    it gets alone, with the RMSNorm folded in too, and the experts' gather form each token's bits
+    alone; at V2-Lite's sizes (split-K among them), near the reference."""
+    from pallas_kernels.moe_matmul.kernel import moe_experts_gather
+    from pallas_kernels.quant_matmul.kernel import ROWS_FIRST, quant_matmul_normed
+    assert jax.default_backend() == "gpu" and ROWS_FIRST
+    rng = np.random.default_rng(11)
+    for N, K in [(2048, 1408), (3072, 2048), (576, 2048), (102400, 2048)]:
+        try:
+            pw = prepare(random_quant_array(name, (N, K), rng, fast=True))
+        except ValueError:
+            continue
+        x = jnp.asarray(rng.standard_normal((8, K)), jnp.float32)
+        f = functools.partial(quant_matmul, w=pw, row_invariant=True)
+        alone = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(8)])
+        assert np.array_equal(np.asarray(f(x)), alone), (name, N, K)
+        assert rel(alone, quant_matmul_ref(x, pw)) < 6e-3, (name, N, K)
+        nw = jnp.asarray(rng.standard_normal(K), jnp.float32)
+        g = functools.partial(quant_matmul_normed, norm_weight=nw, eps=1e-6, w=pw, row_invariant=True)
+        alone = np.concatenate([np.asarray(g(x[i:i + 1])) for i in range(8)])
+        assert np.array_equal(np.asarray(g(x)), alone), (name, N, K)
+    E, F, d, k = 64, 1408, 2048, 6
+    gate, up, down = (prepare(random_quant_array(name, shape, rng, fast=True))
+                      for shape in ((E, F, d), (E, F, d), (E, d, F)))
+    x = jnp.asarray(rng.standard_normal((8, d)), jnp.float32)
+    w = jnp.asarray(rng.random((8, k)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(8)]), jnp.int32)
+    h = functools.partial(moe_experts_gather, gate=gate, up=up, down=down, row_invariant=True)
+    alone = np.concatenate([np.asarray(h(x[i:i + 1], w[i:i + 1], ids[i:i + 1])) for i in range(8)])
+    assert np.array_equal(np.asarray(h(x, w, ids)), alone), name
+
+
 def test_dead_rows_triton_lowering():
     """The row-by-row product with a live-rows mask lowers to Triton (split-K and not)."""
     rng = np.random.default_rng(4)

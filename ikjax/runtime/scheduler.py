@@ -866,6 +866,7 @@ class Scheduler:
         out, cache = self.eng.decode(self._batch_cache(), toks, start, k, chunk=LOOP_STEPS, check_finite=False,
                                      idle=last < 0, sampling=sampling, key=key)
         self._set_batch_cache(cache)
+        out.copy_to_host_async()  # its copy queued behind it: not behind the dispatch queued after it
         return out
 
     def _banned(self, rows: list[Slot], row: dict, B: int) -> np.ndarray:

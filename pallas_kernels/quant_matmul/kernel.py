@@ -99,7 +99,11 @@ def _kernel(*refs, qtype, names, n_w, has_expert, has_layer, mode, bm, bn, bk, n
     wrefs = [{n: next(it) for n in names} for _ in range(n_w)]
     o_ref = next(it)
     ss_ref = next(it) if has_norm else None
-    j, i = pl.program_id(0), pl.program_id(1)
+    # the rows schedule's grid is (row tiles, column tiles, splits): a column tile's programs for
+    # every row are launched side by side (the fastest grid axis), so its weights come from memory
+    # once and from L2 for the other rows; the dot schedule's (column tiles, row tiles[, splits])
+    row_axis_first = mode == "rows" and ROWS_FIRST
+    i, j = (pl.program_id(0), pl.program_id(1)) if row_axis_first else (pl.program_id(1), pl.program_id(0))
     n0, m0 = j * bn, i * bm
     # expert -1: a dead tile (a slot whose weight is 0, e.g. another device's expert under -sm
     # graph): its loop runs no iteration, reads no weights, and writes zeros
@@ -260,6 +264,11 @@ def pick_config(qtype: str, M: int, N: int, K: int, *, rows_max: int = 4, tile_r
     return dict(mode="dot", bm=bm, bn=bn, bk=bk, split=1, num_warps=warps, num_stages=3 if bk <= 128 else 2)
 
 
+# The rows schedule's launch order: the row tiles the fastest grid axis (`_call`). False: the column
+# tiles fastest, the order before RESULTS §23ao (bench scripts set it, before anything compiles, to
+# measure the two side by side).
+ROWS_FIRST = True
+
 # The batch-invariant decode schedule's tile height: every row count pads to tiles of this many
 # rows (the matrix unit's smallest), so a row's instructions never depend on how many came with it.
 INVARIANT_BM = 16
@@ -353,7 +362,11 @@ def _call(x, ws, expert, layer, live=None, row_live=None, norm=None, *, dtype, s
     for w in ws:
         args += [w.arrays[n] for n in names]
     nt = -(-(K // bk) // split)
-    grid = (N // bn, Mp // bm, split) if mode == "rows" or split > 1 or has_row_live else (N // bn, Mp // bm)
+    # rows: each column tile's programs for all rows launched together (its weights read once from
+    # memory, the other rows' reads hit L2: V2-Lite's output matrix at 8 rows read it 7 times,
+    # RESULTS §23ao); a program computes what it did before, so every row keeps its bits
+    grid = (Mp // bm, N // bn, split) if mode == "rows" and ROWS_FIRST else \
+        (N // bn, Mp // bm, split) if mode == "rows" or split > 1 or has_row_live else (N // bn, Mp // bm)
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
                              mode=mode, bm=bm, bn=bn, bk=bk, nt=nt, nt_all=K // bk, n_out=N, cdt=jnp.dtype(dtype),
                              swiglu=swiglu, seq_rows=seq_rows, has_row_live=has_row_live,
