@@ -38,6 +38,9 @@ serve() {  # serve MODE [GIL switch interval, s]: start a server, wait until it 
 if os.environ.get("ROWS_GRID") == "columns":  # the rows schedule launch order before RESULTS 23ao
     import pallas_kernels.quant_matmul.kernel as qk
     qk.ROWS_FIRST = False
+if os.environ.get("BUCKETS") == "two":  # the prompt steps of 64 and ubatch tokens only (before RESULTS 23ao)
+    import ikjax.runtime.engine as e
+    e.CHUNK_GROWTH = 1 << 30
 if len(sys.argv) > 1 and sys.argv[1] != "-":
     sys.setswitchinterval(float(sys.argv[1]))
 sys.argv = ["ikjax"] + sys.argv[2:]

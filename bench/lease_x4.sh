@@ -1441,16 +1441,17 @@ for line in sys.stdin:
 100)
   # the rows schedule launched row tiles first (pallas_kernels.quant_matmul.kernel.ROWS_FIRST, §23ao) against column
   # tiles first (ROWS_GRID=columns): its GPU bit-for-bit test, the invariant step's GPU time (profile8) each way, then
-  # serve's load rows (STAGE=99's variants: row tiles first with and without the dispatch queued ahead, columns first)
+  # serve's load rows (STAGE=99's variants: prompt steps of 64 / 256 / 512 tokens against 64 / 512, BUCKETS=two)
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_kernels_quant_matmul.py \
     -k "${TESTS100:-rows_schedule_bit_for_bit}" 2>&1 | grep -E "^E |Error|passed|failed" | head -12
   for grid in ${GRIDS100:-rows columns}; do
     el "profile8, grid $grid"
     OUT=$OUT/inv-$grid STAGES=inv1 PARTS1=profile8 ROWS_GRID=$grid IKJAX_COMPILE_CACHE=/tmp/xla-$grid \
-      timeout 200 bash bench/gpu_invariance.sh 2>&1 | grep -E -A${KERNELS100:-5} "wall" | grep -v "^--"
+      timeout 200 bash bench/gpu_invariance.sh > /dev/null 2>&1
+    grep -E -A${KERNELS100:-6} "wall" $OUT/inv-$grid/probe-inv1.txt | grep -v "^--" | cut -c1-110
   done
   [ -n "${NO_SERVE100:-}" ] && exit 0
-  VARIANTS99="${VARIANTS100:-rows-ahead|ROWS_GRID=rows IKJAX_COMPILE_CACHE=/tmp/xla-rows IKJAX_SERVE_AHEAD=1;rows-sync|ROWS_GRID=rows IKJAX_COMPILE_CACHE=/tmp/xla-rows IKJAX_SERVE_AHEAD=0;columns-sync|ROWS_GRID=columns IKJAX_COMPILE_CACHE=/tmp/xla-columns IKJAX_SERVE_AHEAD=0}" \
+  VARIANTS99="${VARIANTS100:-sizes3|ROWS_GRID=rows IKJAX_COMPILE_CACHE=/tmp/xla-rows;sizes2|ROWS_GRID=rows BUCKETS=two IKJAX_COMPILE_CACHE=/tmp/xla-rows}" \
     STAGE=99 bash "$0" 2>&1 | grep -v "installed\|ik build\|H200, \|cores;\|ml_dtypes"
   ;;
 99)

@@ -33,10 +33,8 @@ def main() -> None:
         wait = sum(e["ready"] - e["t0"] for e in loops)
         emit = sum(e["t1"] - e["ready"] for e in loops)
         steps = sum(e["k"] for e in loops)
-        ahead = sum(bool(e.get("ahead")) for e in loops)
         print(f"{len(loops)} decode loops, {steps} steps: waiting for tokens {wait / steps * 1e3:.2f} ms a step, "
-              f"emitting them {emit / steps * 1e3:.2f} ms a step ({emit / max(wait + emit, 1e-9):.0%} of the loops' time); "
-              f"{ahead} queued ahead and used")
+              f"emitting them {emit / steps * 1e3:.2f} ms a step ({emit / max(wait + emit, 1e-9):.0%} of the loops' time)")
     for run in runs:
         if len(run) < 3:
             continue

@@ -124,10 +124,6 @@ _VARS = (
              "`serve`: a decode dispatch makes as many tokens (up to 8) as fit this many ms at the last "
              "dispatch's pace; its tokens reach the streams together, and a request arriving meanwhile "
              "waits for its end (RESULTS §23m)", "ikjax.runtime.scheduler"),
-    Variable("IKJAX_SERVE_AHEAD", "1", ("1", "0"),
-             "`serve`: the next decode dispatch is queued on the device before the host reads the tokens of "
-             "the one before it (used if no prompt came and no stream ended meanwhile), so the GPU does "
-             "not idle while the host emits them; `0`: one dispatch at a time", "ikjax.runtime.scheduler"),
     Variable("IKJAX_SERVE_SOLO", "1", ("1", "0"),
              "`serve`: a lone decoding stream runs as a batch of one (its slot's row taken out of the slots' "
              "cache until anything else happens), not as one live row among idle ones (RESULTS §23n)",

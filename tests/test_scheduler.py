@@ -4,6 +4,7 @@ others' decode, greedy streams several tokens per dispatch when nothing waits, c
 full queue refused, and a failed step failing only the requests on the slots (the loop goes on)."""
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -629,20 +630,20 @@ def test_device_argmax_bans_ids_and_checks_finite_before():
     assert int(np.asarray(_argmax_rows(logits[:2])[0])[0]) == 4  # no ban: the plain argmax
 
 
-def test_gpu_token_buckets_are_two_sizes(eng):
-    """With the GPU kernels a prompt step is the short chunk or a full ubatch (a server never
-    compiles a new step for a prompt's length); on the CPU the powers of two up to ubatch."""
+def test_gpu_token_buckets_are_a_few_fixed_sizes(eng, monkeypatch):
+    """With the GPU kernels a prompt step is one of a few fixed sizes, the short chunk times powers
+    of 4 below ubatch and ubatch itself (a server never compiles a new step for a prompt's length);
+    on the CPU the powers of two up to ubatch."""
     assert eng.prompt_step_sizes() == (1, 2, 4, 8, 16) and eng.token_bucket(5) == 8
-    was = eng.backend
-    try:
-        eng.backend = "pallas"
-        from ikjax.runtime.engine import SHORT_CHUNK
-        ub = eng.options.ubatch
-        assert eng.prompt_step_sizes() == tuple(sorted({min(SHORT_CHUNK, ub), ub}))
-        assert {eng.token_bucket(n) for n in range(1, ub + 1)} == set(eng.prompt_step_sizes())
+    monkeypatch.setattr(eng, "backend", "pallas")
+    for ub, sizes in ((16, (16,)), (64, (64,)), (100, (64, 100)), (512, (64, 256, 512)),
+                      (2048, (64, 256, 1024, 2048))):
+        monkeypatch.setattr(eng, "options", dataclasses.replace(eng.options, ubatch=ub))
+        assert eng.prompt_step_sizes() == sizes, ub
+        got = [eng.token_bucket(n) for n in range(1, ub + 1)]
+        assert set(got) == set(sizes) and all(b >= n and (b == sizes[0] or n > max(t for t in sizes if t < b))
+                                              for n, b in enumerate(got, 1)), ub
         assert eng.token_bucket(ub + 3) == ub + 3
-    finally:
-        eng.backend = was
 
 
 def test_warmup_side_by_side_compiles_every_step_it_uses(tiny_model, monkeypatch):
@@ -827,76 +828,3 @@ def test_reasoning_budget_forces_the_end_of_the_thinking(eng, sched):
     for bad in (-2, 1.5, True):
         with pytest.raises(ikjax.OptionError, match="reasoning budget"):
             sched.make_request(prompt, 4, on_event=lambda *a: None, reasoning_budget=bad)
-
-
-def test_decode_dispatches_queued_ahead_keep_generates_answers(eng, monkeypatch, tmp_path):
-    """IKJAX_SERVE_AHEAD=1 (the default): the next decode-loop dispatch is queued on the device, fed
-    from the last one's tokens where they lie (a device array, no host round trip), before the host
-    reads that one's tokens; used when it still stands, dropped when a stream ended or a request
-    came. Greedy and seeded answers stay generate's either way; with the variable at 0 nothing is
-    queued ahead and the answers are the same."""
-    import jax
-    fed = []
-    decode = eng.decode
-
-    def spy(cache, tokens, *a, **k):
-        fed.append(isinstance(tokens, jax.Array))
-        return decode(cache, tokens, *a, **k)
-    monkeypatch.setattr(eng, "decode", spy)
-    a, b, late = ids(eng, 5, 41), ids(eng, 9, 42), ids(eng, 6, 43)
-    kw = dict(temperature=0.8, top_k=30, seed=7, ignore_eos=True)
-    want = (list(eng.generate(a, 60)), list(eng.generate(b, 27)), list(eng.generate(late, 9)),
-            list(eng.generate(a, 40, **kw)))
-    got = {}
-    for on in ("1", "0"):
-        monkeypatch.setenv("IKJAX_SERVE_AHEAD", on)
-        monkeypatch.setenv("IKJAX_SERVE_BURST_MS", "1000")
-        fed.clear()
-        monkeypatch.setenv("IKJAX_SERVE_TRACE", str(tmp_path / f"trace{on}.jsonl"))
-        s = Scheduler(eng, 2).start()
-        try:
-            (_, ca), (_, cb) = submit(s, a, 60), submit(s, b, 27)  # b ends first: an ahead dispatch dropped
-            while len(ca.tokens) < 30:
-                time.sleep(0.001)
-            _, cl = submit(s, late, 9)  # a request arriving mid-stream: dropped too, then it joins
-            assert ca.wait()[0] == "done" and cb.wait()[0] == "done" and cl.wait()[0] == "done"
-            _, cs = submit(s, a, 40, **kw)  # a seeded stream draws on the device, ahead too
-            assert cs.wait()[0] == "done"
-            got[on] = (ca.tokens, cb.tokens, cl.tokens, cs.tokens)
-            st = s.stats
-        finally:
-            s.stop()
-        if on == "1":
-            assert st.ahead_used >= 3 and any(fed), (st.ahead_used, fed)
-            assert st.ahead_dropped >= 1, st.ahead_dropped
-            import json
-            loops = [json.loads(x) for x in (tmp_path / "trace1.jsonl").read_text().splitlines()]
-            loops = [e for e in loops if "ready" in e]  # each loop: when its tokens came, its steps
-            assert sum(e["ahead"] for e in loops) == st.ahead_used and all(e["t0"] <= e["ready"] <= e["t1"]
-                                                                          for e in loops)
-        else:
-            assert st.ahead_used == st.ahead_dropped == 0 and not any(fed)
-    assert got["1"] == got["0"] == want
-
-
-def test_decode_takes_the_last_dispatchs_tokens_on_the_device(eng):
-    """Engine.decode fed a previous dispatch's last column as it lies on the device gives the tokens
-    one dispatch of both lengths gives (greedy), idle rows staying idle."""
-    B, p = 2, [ids(eng, 4, 51), ids(eng, 4, 52)]
-    cache = eng.new_cache(B)
-    logits, cache = eng.step(cache, np.array(p, np.int32), np.zeros(B, np.int32))
-    first = np.asarray(logits).reshape(B, -1).argmax(-1).astype(np.int32)
-    c2 = jax_copy(cache)
-    one, c2 = eng.decode(c2, first, np.full(B, 4, np.int32), 8)
-    out1, cache = eng.decode(cache, first, np.full(B, 4, np.int32), 3, chunk=8, check_finite=False)
-    out2, cache = eng.decode(cache, out1[:, 2], np.full(B, 7, np.int32), 5, chunk=8, check_finite=False)
-    assert np.concatenate([np.asarray(out1)[:, :3], np.asarray(out2)[:, :5]], 1).tolist() == \
-        np.asarray(one).tolist()
-    idle = np.array([False, True])
-    out3, cache = eng.decode(cache, out2[:, 4], np.full(B, 12, np.int32), 2, chunk=8, check_finite=False, idle=idle)
-    assert (np.asarray(out3)[1, :2] == -1).all() and (np.asarray(out3)[0, :2] >= 0).all()
-
-
-def jax_copy(tree):
-    import jax
-    return jax.tree.map(lambda x: x.copy(), tree)

@@ -74,3 +74,35 @@ def test_attend_on_gpu_path_matches_blocked(monkeypatch):
     blocks = attn.attend(q, k, v, q_pos, 0.25, flash=True, amb_bytes=0, kv_block=64)
     assert np.abs(np.asarray(one_block) - np.asarray(ref)).max() < 1e-5
     assert np.abs(np.asarray(blocks) - np.asarray(ref)).max() < 1e-5
+
+
+def test_trace_notes_each_decode_loops_ready_time_and_steps(tiny_model, tmp_path, monkeypatch, capsys):
+    """With the decode loop (the default), each loop's record says when its tokens reached the host
+    ("ready", between its start and end: the rest was the host emitting them) and its steps ("k");
+    bench/serve_trace.py sums the two shares."""
+    import importlib.util
+    import ikjax
+    from ikjax.runtime.scheduler import Scheduler
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("IKJAX_SERVE_TRACE", str(path))
+    monkeypatch.setenv("IKJAX_SERVE_BURST_MS", "1000")
+    eng = ikjax.load(tiny_model, ctx=256, ubatch=32)
+    s = Scheduler(eng, 2).start()
+    done = threading.Semaphore(0)
+    cb = lambda k, v: done.release() if k in ("done", "error") else None
+    rng = np.random.default_rng(1)
+    for n in (9, 5):
+        s.submit(s.make_request(rng.integers(10, eng.config.vocab_size, n), 20, ignore_eos=True, on_event=cb))
+    done.acquire()
+    done.acquire()
+    s.stop()
+    loops = [e for e in map(json.loads, path.read_text().splitlines()) if "k" in e]
+    assert loops and all(e["kind"] == "decode" and e["t0"] <= e["ready"] <= e["t1"] for e in loops)
+    assert max(e["k"] for e in loops) > 1 and sum(e["k"] for e in loops) <= 2 * 19
+    spec = importlib.util.spec_from_file_location("serve_trace", __file__.replace("tests/test_serve_trace.py",
+                                                                                  "bench/serve_trace.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr("sys.argv", ["serve_trace", str(path)])
+    mod.main()
+    assert f"{len(loops)} decode loops, {sum(e['k'] for e in loops)} steps" in capsys.readouterr().out

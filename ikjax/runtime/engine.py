@@ -23,7 +23,6 @@ import time
 from collections.abc import Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ikjax import env, ops, programs
@@ -52,8 +51,10 @@ from ikjax.runtime.memory_plan import (MemoryPlan, cache_capacity, charge_load, 
 
 log = logging.getLogger("ikjax")
 
-# the short prompt step's tokens on a GPU (Engine.token_bucket): chat turns and prompt tails
+# the short prompt step's tokens on a GPU (Engine.token_bucket): chat turns and prompt tails; the
+# sizes between it and ubatch grow by CHUNK_GROWTH (64, 256, 1024, ...)
 SHORT_CHUNK = 64
+CHUNK_GROWTH = 4
 
 
 class Engine:
@@ -395,14 +396,16 @@ class Engine:
     def token_bucket(self, n: int) -> int:
         """Tokens a prompt step of `n` real tokens computes (the rest padding, masked). On the CPU
         the next power of two up to ubatch: padding costs compute there, a compile a second or two.
-        With the GPU kernels only two sizes, SHORT_CHUNK and ubatch: a step compiles in about ten
-        seconds there, computing 512 rows instead of 100 some tens of milliseconds; so a server whose
-        prompts end at any length never stalls its streams on a compile (Scheduler.warmup compiles
-        both sizes at every KV bucket) and `generate` pads exactly as the server does (same steps,
-        same bits)."""
+        With the GPU kernels a few fixed sizes, SHORT_CHUNK times powers of CHUNK_GROWTH below
+        ubatch, and ubatch (64 / 256 / 512 at -ub 512): each step is a compile there, so a server
+        whose prompts end at any length never stalls its streams on one (Scheduler.warmup compiles
+        every size at every KV bucket) and `generate` pads exactly as the server does (same steps,
+        same bits). Why a size between: a 128-token prompt padded to 512 rows took 37 ms of the
+        27-layer V2-Lite shape on an H200, its time to first token, and eight of them arriving
+        together held the eighth's first token 340 ms (RESULTS §23ao)."""
         ub = self.options.ubatch
         if self.backend == "pallas" and n <= ub:
-            return min(SHORT_CHUNK, ub) if n <= SHORT_CHUNK else ub
+            return next(t for t in self.prompt_step_sizes() if t >= n)
         return min(kv_buckets.pow2_at_least(n), max(n, ub))
 
     def prompt_step_sizes(self) -> tuple[int, ...]:
@@ -410,7 +413,11 @@ class Engine:
         can give (what a server compiles ahead): every power of two up to ubatch on the CPU."""
         ub = self.options.ubatch
         if self.backend == "pallas":
-            return tuple(sorted({min(SHORT_CHUNK, ub), ub}))
+            sizes, t = {ub}, SHORT_CHUNK
+            while t < ub:
+                sizes.add(t)
+                t *= CHUNK_GROWTH
+            return tuple(sorted(sizes))
         return tuple(sorted({self.token_bucket(n) for n in range(1, ub + 1)}))
 
     def prompt_tokens(self, n: int, pos: int) -> int:
@@ -501,17 +508,8 @@ class Engine:
         `sampling` with "rows": True takes `key` as a key per row (`sampling.sample_rows`; on one
         device, `row_sampling()`) and, where it draws (temperature > 0), the rows' own settings
         beside them: `key` = (keys [B], `sampling.row_params(...)`); then only `sampling`'s top_k
-        bucket is compiled in, and the rows' values may differ and change freely.
-
-        `tokens` may also be a previous dispatch's last column as it lies on the device (int32 [B]:
-        `out[:, n - 1]`, -1 for its idle rows): nothing then waits for the host, so a caller can
-        queue the next dispatch before it reads this one's tokens (the server's `_decode_loop`).
-        Those ids come from the model's own draw (in the vocabulary, or -1), so they are not
-        checked again; with `check_finite=False` this call returns without waiting for the device."""
-        ahead = isinstance(tokens, jax.Array) and tokens.ndim == 1 and tokens.dtype == jnp.int32 \
-            and tokens.shape[0] > 0
-        if not ahead:
-            tokens = self._ids("tokens", tokens, 1)
+        bucket is compiled in, and the rows' values may differ and change freely."""
+        tokens = self._ids("tokens", tokens, 1)
         if (sampling or {}).get("rows"):
             if not self.row_sampling():
                 raise OptionError("decode: a key per row needs the decode loop on one device or under -sm layer")
@@ -529,8 +527,7 @@ class Engine:
                     raise OptionError("decode: every row's top_k must fall in the bucket of sampling's top_k "
                                       "(sampling.top_k_bucket)")
         if idle is not None and np.asarray(idle, bool).any():
-            where = jnp.where if ahead else np.where
-            tokens = where(np.asarray(idle, bool), -1 if self.executor.plain_loop else 0, tokens).astype(np.int32)
+            tokens = np.where(np.asarray(idle, bool), -1 if self.executor.plain_loop else 0, tokens).astype(np.int32)
         chunk = n if chunk is None else chunk
         if not _is_int(n) or not _is_int(chunk) or not 0 < n <= chunk:
             raise OptionError(f"decode: need integers 0 < n <= chunk, got n={n!r}, chunk={chunk!r}")
@@ -544,12 +541,10 @@ class Engine:
                                        jax.random.key(0) if key is None else key)
         # the tokens are tiny and every caller reads them next (generate) or waits for them
         # (the benches): checked here, the host copy stays cached on the array
-        if not check_finite:
-            return out, cache
         bad = np.asarray(out)[:, :n] == NON_FINITE
         if idle is not None:
             bad &= ~np.asarray(idle, bool)[:, None]
-        if bad.any():
+        if check_finite and bad.any():
             b, i = (int(v[0]) for v in np.nonzero(bad))
             raise self._non_finite(f" at decode step {i} of sequence {b} (position {int(start[b]) + i})")
         return out, cache

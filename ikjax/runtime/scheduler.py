@@ -168,19 +168,6 @@ class Stats:
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
-    ahead_used: int = 0  # decode dispatches queued before the previous one's tokens were read, and used
-    ahead_dropped: int = 0  # ... and dropped (a prompt came, a stream ended): their steps wasted
-
-
-@dataclass
-class _Ahead:
-    """A decode-loop dispatch queued on the device before the host read the tokens of the one
-    before it (`Scheduler._decode_loop`): what it continued, to know whether it still stands."""
-    out: object  # its tokens on the device, [B, LOOP_STEPS]
-    k: int  # the steps it makes
-    solo: int | None  # its batch: the lone stream's slot (`_sync_solo`), or None: every slot
-    reqs: dict  # slot index -> the request whose row it continued
-    start: np.ndarray  # [B] the positions it feeds from
 
 
 class Scheduler:
@@ -214,11 +201,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="ikjax-scheduler", daemon=True)
         self._row_keys = eng.row_sampling()  # sampled streams draw on the device, a key per row
         self._step_s = 0.0  # the last decode dispatch's time a step (the loop's length follows it)
-        self._ahead: _Ahead | None = None  # the decode dispatch queued ahead (`_decode_loop`)
-        self._ahead_on = env.choice("IKJAX_SERVE_AHEAD") == "1" and not eng.options.expert_stats
-        self._ready_t = 0.0  # when the last decode dispatch's tokens reached the host
-        self._loop_note = None  # the decode loop's details for the trace (`_record`)
         self._burst_s = env.positive_float("IKJAX_SERVE_BURST_MS") / 1e3
+        self._loop_note = None  # the decode loop's details for the trace (`_record`)
         self._trace_path = env.raw("IKJAX_SERVE_TRACE")
         self._trace = deque(maxlen=100_000) if self._trace_path else None
 
@@ -446,7 +430,6 @@ class Scheduler:
             self._write_trace()
 
     def _iteration(self) -> None:
-        ahead, self._ahead = self._ahead, None  # used by this iteration's decode loop, or dropped
         self._drop_cancelled()
         with self._cv:
             self._apply_erases()
@@ -460,11 +443,8 @@ class Scheduler:
             self._sync_solo()  # a prompt just done may leave one stream: its first step alone
         if any(s.req is not None and s.req._pos == len(s.req.prompt) for s in self.slots):
             t = time.perf_counter()
-            self._decode_step(single=fed, ahead=ahead)
+            self._decode_step(single=fed)
             self._record("decode", t)
-            ahead = None
-        if ahead is not None:
-            self.stats.ahead_dropped += 1
 
     @staticmethod
     def _decoding(s: Slot) -> bool:
@@ -506,8 +486,8 @@ class Scheduler:
 
     def _record(self, kind: str, t0: float) -> None:
         """IKJAX_SERVE_TRACE: the step's (kind, start, end) in the trace (the last 100,000 kept); a
-        decode loop's also when its tokens reached the host ("ready": the rest was the host's
-        emitting them), its steps ("k") and whether it was the dispatch queued ahead ("ahead")."""
+        decode loop's also when its tokens reached the host ("ready": the rest of it was the host
+        emitting them) and its steps ("k")."""
         if self._trace is not None:
             self._trace.append((kind, t0, time.perf_counter(), self._loop_note))
         self._loop_note = None
@@ -667,7 +647,7 @@ class Scheduler:
         if start % self.ubatch == 0 and start <= slot.exact:
             slot.exact = start + (req._pos - start) // self.ubatch * self.ubatch
 
-    def _decode_step(self, single: bool = False, ahead: "_Ahead | None" = None) -> None:
+    def _decode_step(self, single: bool = False) -> None:
         """One decode step of every generating slot, or a loop of them (`_loop_steps`) unless
         `single`: after a prompt chunk the streams have waited a chunk, and their next token comes
         from one step; a loop would hold it until the loop's last (RESULTS §23h: the token after a
@@ -690,10 +670,8 @@ class Scheduler:
                 rows.append(s)
         k = 1 if single else self._loop_steps(rows, batch)
         if k > 1:
-            self._decode_loop(rows, batch, row, toks[:, 0], k, last, ahead)
+            self._decode_loop(rows, batch, row, toks[:, 0], k, last)
             return
-        if ahead is not None:
-            self.stats.ahead_dropped += 1
         t0 = time.perf_counter()
         logits, cache = self.eng.step(self._batch_cache(), toks, start, last)
         self._set_batch_cache(cache)
@@ -758,7 +736,7 @@ class Scheduler:
         the one-step argmax's argument or the host's draw."""
         return set(ban) <= {self.eng.config.eos_token_id}
 
-    def _loop_steps(self, rows: list[Slot], batch: list[Slot], queued: int = 0) -> int:
+    def _loop_steps(self, rows: list[Slot], batch: list[Slot]) -> int:
         """How many tokens the next dispatch makes for every generating slot: more than one only
         where the engine loops on the device (`Engine.decode_loop`), no prompt is being fed and no
         request waits (they join at step boundaries), every stream is plain greedy (one compiled
@@ -770,19 +748,13 @@ class Scheduler:
         dispatch a token (bench/serve_load.py asks ignore_eos: its one-stream row measured that,
         RESULTS §23g). Any other ban set (a logit_bias of -100) runs one dispatch a token, whose
         device argmax takes the banned ids as an argument: a loop per set compiled when the set
-        first came, a whole model's loop on a GPU while every stream waited.
-
-        `queued`: steps of a dispatch already on the device that the host has not read yet (each
-        row `queued` tokens further on): the length of one queued behind it (`_decode_loop`); 1
-        where a reasoning budget runs (its free steps move with the tokens not yet read)."""
+        first came, a whole model's loop on a GPU while every stream waited."""
         if not rows or self._prefill or self._queue or not self.eng.decode_loop():
             return 1
         if any(s.req.cancelled or s.req.top_logprobs is not None for s in rows):
             return 1  # (the loop hands back tokens, not the logits log-probabilities are read from)
         # a reasoning budget: no token the loop draws may be one it would force (a forced token
         # changes every token after it); its free steps bound the loop, forcing is one step a token
-        if queued and any(s.req.budget is not None for s in rows):
-            return 1
         free = [f for f in (s.req.budget.free_steps() for s in rows if s.req.budget is not None) if f is not None]
         if free and min(free) < 2:
             return 1
@@ -801,45 +773,29 @@ class Scheduler:
         for s in rows:
             req = s.req
             limit = self.ctx if req.max_tokens is None else req.max_tokens
-            k = min(k, limit - len(req.generated) - queued, self.ctx - len(req.prompt) - len(req.generated) - queued)
-        return min(k, min(self.eng.capacity - len(s.tokens) - queued for s in batch))
+            k = min(k, limit - len(req.generated), self.ctx - len(req.prompt) - len(req.generated))
+        return min(k, min(self.eng.capacity - len(s.tokens) for s in batch))
 
     def _decode_loop(self, rows: list[Slot], batch: list[Slot], row: dict, toks: np.ndarray, k: int,
-                     last: np.ndarray, ahead: "_Ahead | None" = None) -> None:
+                     last: np.ndarray) -> None:
         """k decode steps of every slot in one dispatch (`_loop_steps` said they fit); each stream's
         tokens then emitted one by one as `_decode_step` emits them, up to its stop or cancel (the
-        entries of the tokens fed after that lie past its slot's tokens: never read).
-
-        Before this dispatch's tokens are read, the next one is queued on the device behind it
-        (IKJAX_SERVE_AHEAD), fed from this one's last tokens where they lie: the device runs it
-        while the host emits these tokens (detokenizing, stop strings, the clients' queues), so the
-        GPU no longer idles between dispatches. The next iteration uses it (`ahead`) if it still
-        stands: the same batch, every decoding row the request it continued, fed from where that
-        row is now; else it is dropped, its steps wasted. Dropping is safe: its entries lie past
-        every slot's tokens (a row that ended meanwhile decoded on into positions nobody reads), the
-        cache it leaves is the one every later step takes, and its draws were the same function of
-        (key, position) as a step made later would be. Greedy answers stay `generate`'s."""
+        entries of the tokens fed after that lie past its slot's tokens: never read)."""
         start = np.array([len(s.tokens) for s in batch], np.int32)
-        solo = self._solo[0] if self._solo is not None else None
-        used = ahead is not None and ahead.solo == solo and all(
-            ahead.reqs.get(s.index) is s.req and ahead.start[row[s.index]] == start[row[s.index]] for s in rows)
-        if used:
-            out, k = ahead.out, ahead.k
-            self.stats.ahead_used += 1
-            t0 = self._ready_t  # its time: from the tokens before it to its own
+        t0 = time.perf_counter()
+        req0 = rows[0].req  # every row's setting is the same (_loop_steps)
+        if _plain_greedy(req0):
+            ban = sorted(req0.ban)
+            sampling, key = ({"ban": ban} if ban else None), None
         else:
-            if ahead is not None:
-                self.stats.ahead_dropped += 1
-            t0 = time.perf_counter()
-            out = self._dispatch(rows, batch, row, toks, start, k, last)
-        k2 = self._loop_steps(rows, batch, queued=k) if self._ahead_on else 1
-        if k2 > 1:
-            nxt = self._dispatch(rows, batch, row, out[:, k - 1], start + k, k2, last)
-            self._ahead = _Ahead(nxt, k2, solo, {s.index: s.req for s in rows}, start + k)
+            sampling, key = dict(req0._setting), self._keys(rows, row, len(batch))  # (the bucket: static)
+        out, cache = self.eng.decode(self._batch_cache(), toks, start, k, chunk=LOOP_STEPS, check_finite=False,
+                                     idle=last < 0, sampling=sampling, key=key)
+        self._set_batch_cache(cache)
         got = np.asarray(out)[:, :k]
-        self._ready_t = time.perf_counter()
-        self._loop_note = {"ready": self._ready_t, "k": k, "ahead": used}
-        dt = self._ready_t - t0
+        ready = time.perf_counter()
+        self._loop_note = {"ready": ready, "k": k}
+        dt = ready - t0
         self._step_s = dt / k
         self.stats.decode_seconds += dt
         self.stats.decode_steps += k
@@ -851,23 +807,6 @@ class Scheduler:
                 s.tokens.append(fed)
                 fed = int(got[b, i])
                 self._next(req, lambda f, t=fed: _checked(t if f is None else f, t != NON_FINITE))
-
-    def _dispatch(self, rows: list[Slot], batch: list[Slot], row: dict, toks, start: np.ndarray, k: int,
-                  last: np.ndarray):
-        """Queue one decode-loop dispatch of k steps (`toks`: [B] on the host, or the previous
-        dispatch's last tokens on the device); returns its tokens [B, LOOP_STEPS] on the device,
-        the batch cache replaced by the one it leaves."""
-        req0 = rows[0].req  # every row's setting is the same (_loop_steps)
-        if _plain_greedy(req0):
-            ban = sorted(req0.ban)
-            sampling, key = ({"ban": ban} if ban else None), None
-        else:
-            sampling, key = dict(req0._setting), self._keys(rows, row, len(batch))  # (the bucket: static)
-        out, cache = self.eng.decode(self._batch_cache(), toks, start, k, chunk=LOOP_STEPS, check_finite=False,
-                                     idle=last < 0, sampling=sampling, key=key)
-        self._set_batch_cache(cache)
-        out.copy_to_host_async()  # its copy queued behind it: not behind the dispatch queued after it
-        return out
 
     def _banned(self, rows: list[Slot], row: dict, B: int) -> np.ndarray:
         """[B, k] ids each greedy row of the batch may not pick (--ignore-eos bans EOS), padded with the
