@@ -245,7 +245,7 @@ def kernel_profile(eng, a, rng):
 
     from gpu_trace import gpu_kernels  # bench/ is the script's directory
 
-    top = 8 if a.parts not in ("profile1", "profile64", "profile8") else 1000
+    top = 8 if a.parts not in ("profile1", "profile64", "profile8", "profileprompt") else 1000
 
     def trace(tag, B, T, start, reps=5, last=None):
         cache = eng.new_cache(B)
@@ -281,6 +281,10 @@ def kernel_profile(eng, a, rng):
         trace("[1,1] at 300", 1, 1, 300)
         trace(f"[{a.np},1] at 300, every row live", a.np, 1, 300)
         trace(f"[{a.np},1] at 300, one row live", a.np, 1, 300, last=np.array([0] + [-1] * (a.np - 1), np.int32))
+        return
+    if a.parts == "profileprompt":  # a first prompt's step at each GPU prompt size: where its fixed cost lies
+        for T in eng.prompt_step_sizes():
+            trace(f"[1,{T}] at 0", 1, T, 0)
         return
     if a.parts == "profile64":  # a second turn's 64-token step against a first prompt's, every kernel
         trace("[1,64] at 0", 1, 64, 0)
@@ -354,7 +358,7 @@ def main() -> None:
     for part in a.parts.split(","):
         t = time.perf_counter()
         {"greedy": greedy, "paths": paths, "logits": logits_diff, "steps": steps, "turn": turn, "ops": ops_rows,
-         "profile": kernel_profile, "profile1": kernel_profile, "profile8": kernel_profile, "profile64": kernel_profile, "gil": gil}[part](eng, a, rng)
+         "profile": kernel_profile, "profile1": kernel_profile, "profile8": kernel_profile, "profile64": kernel_profile, "profileprompt": kernel_profile, "gil": gil}[part](eng, a, rng)
         print(f"[{part}: {time.perf_counter() - t:.1f} s]", flush=True)
 
 

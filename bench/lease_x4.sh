@@ -1454,6 +1454,12 @@ for line in sys.stdin:
   VARIANTS99="${VARIANTS100:-sizes3|ROWS_GRID=rows IKJAX_COMPILE_CACHE=/tmp/xla-rows;sizes2|ROWS_GRID=rows BUCKETS=two IKJAX_COMPILE_CACHE=/tmp/xla-rows}" \
     STAGE=99 bash "$0" 2>&1 | grep -v "installed\|ik build\|H200, \|cores;\|ml_dtypes"
   ;;
+101)
+  # a first prompt's step at each GPU prompt size (64 / 256 / 512 tokens at -ub 512), every kernel's GPU time
+  OUT=$OUT/prompt STAGES=inv1 PARTS1=${PARTS101:-greedy,profileprompt} timeout 400 bash bench/gpu_invariance.sh > /dev/null 2>&1
+  grep -vE "Warning|^ *$|ms  x|wall" $OUT/prompt/probe-inv1.txt | head -24  # the greedy part's lines
+  grep -E -A${KERNELS101:-14} "wall" $OUT/prompt/probe-inv1.txt | grep -v "^--" | cut -c1-120
+  ;;
 99)
   # serve's load rows (1 and 8 streams, bench/gpu_serve.sh LOAD_ONLY=1) per variant "TAG|ENV ..." (IKJAX_SERVE_AHEAD:
   # the next decode dispatch queued before the host reads the last one's tokens), alternating; each trace summarized
