@@ -245,7 +245,7 @@ def kernel_profile(eng, a, rng):
 
     from gpu_trace import gpu_kernels  # bench/ is the script's directory
 
-    top = 8 if a.parts not in ("profile1", "profile64", "profile8", "profileprompt") else 1000
+    top = 8 if a.part not in ("profile1", "profile64", "profile8", "profileprompt") else 1000
 
     def trace(tag, B, T, start, reps=5, last=None):
         cache = eng.new_cache(B)
@@ -274,19 +274,19 @@ def kernel_profile(eng, a, rng):
         for name, ms in busy.most_common(top):
             print(f"      {ms:7.3f} ms  x{count[name] // reps:4d}  {name}")
 
-    if a.parts == "profile1":  # the batch-1 decode step alone, every kernel shown
+    if a.part == "profile1":  # the batch-1 decode step alone, every kernel shown
         trace("[1,1] at 300", 1, 1, 300)
         return
-    if a.parts == "profile8":  # a server's decode batch: every slot live, one live, against [1,1]
+    if a.part == "profile8":  # a server's decode batch: every slot live, one live, against [1,1]
         trace("[1,1] at 300", 1, 1, 300)
         trace(f"[{a.np},1] at 300, every row live", a.np, 1, 300)
         trace(f"[{a.np},1] at 300, one row live", a.np, 1, 300, last=np.array([0] + [-1] * (a.np - 1), np.int32))
         return
-    if a.parts == "profileprompt":  # a first prompt's step at each GPU prompt size: where its fixed cost lies
+    if a.part == "profileprompt":  # a first prompt's step at each GPU prompt size: where its fixed cost lies
         for T in eng.prompt_step_sizes():
             trace(f"[1,{T}] at 0", 1, T, 0)
         return
-    if a.parts == "profile64":  # a second turn's 64-token step against a first prompt's, every kernel
+    if a.part == "profile64":  # a second turn's 64-token step against a first prompt's, every kernel
         trace("[1,64] at 0", 1, 64, 0)
         trace("[1,64] at 4000", 1, 64, 4000)
         return
@@ -356,6 +356,7 @@ def main() -> None:
     print(f"loaded in {time.perf_counter() - t:.1f} s on {jax.devices()[0].device_kind}")
     rng = np.random.default_rng(0)
     for part in a.parts.split(","):
+        a.part = part  # (kernel_profile: which profile)
         t = time.perf_counter()
         {"greedy": greedy, "paths": paths, "logits": logits_diff, "steps": steps, "turn": turn, "ops": ops_rows,
          "profile": kernel_profile, "profile1": kernel_profile, "profile8": kernel_profile, "profile64": kernel_profile, "profileprompt": kernel_profile, "gil": gil}[part](eng, a, rng)
