@@ -1460,6 +1460,12 @@ for line in sys.stdin:
   grep -vE "Warning|^ *$|ms  x|wall" $OUT/prompt/probe-inv1.txt | head -24  # the greedy part's lines
   grep -E -A${KERNELS101:-14} "wall" $OUT/prompt/probe-inv1.txt | grep -v "^--" | cut -c1-120
   ;;
+103)
+  # the short prompt steps after §23ao's fixes (blocks of GPU_LIVE_ROWS, 16-row expert tiles): their costliest
+  # kernels (STAGE=102 in serve's mode), then the scheduler's greedy answers against generate's (STAGE=101's part)
+  TOKENS102=${TOKENS103:-64,256} STAGE=102 bash "$0" 2>&1 | grep -E "^==|ms  x" | grep -v "with_exit"
+  PARTS101=greedy STAGE=101 bash "$0" 2>&1 | grep -E "prompt|greedy"
+  ;;
 102)
   # the GPU prompt steps' most expensive XLA kernels and what they compute (bench/gpu_fusion_show.py), in serve's
   # batch-invariant mode at 64 / 256 tokens and without it at 64
@@ -1467,8 +1473,8 @@ for line in sys.stdin:
   V2L=/tmp/v2l-Q4_0.gguf
   IKJAX_COMPILE_CACHE=off IKJAX_BATCH_INVARIANT=1 timeout 200 python3 bench/gpu_fusion_show.py $V2L --tokens ${TOKENS102:-64,256} \
     2>&1 | grep -v Warning | cut -c1-700
-  IKJAX_COMPILE_CACHE=off IKJAX_BATCH_INVARIANT=0 timeout 150 python3 bench/gpu_fusion_show.py $V2L --tokens 64 \
-    2>&1 | grep -v Warning | cut -c1-700
+  [ -n "${TOKENS102:-}" ] || IKJAX_COMPILE_CACHE=off IKJAX_BATCH_INVARIANT=0 timeout 150 python3 bench/gpu_fusion_show.py \
+    $V2L --tokens 64 2>&1 | grep -v Warning | cut -c1-700
   ;;
 99)
   # serve's load rows (1 and 8 streams, bench/gpu_serve.sh LOAD_ONLY=1) per variant "TAG|ENV ..." (IKJAX_SERVE_AHEAD:

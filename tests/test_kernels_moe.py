@@ -93,3 +93,20 @@ def test_zero_weight_slots_are_skipped(N):
     dead = jnp.where(w != 0, ids, -1)  # the forms take -1 directly
     g = moe_experts_grouped(x, w, dead, *pws, dtype=jnp.float32, interpret=True, bm=16)
     assert rel(g, moe_experts_grouped_ref(x, w, ids, *pws, dtype=jnp.float32)) < 1e-5
+
+
+@pytest.mark.parametrize("N", [20, 40])
+def test_grouped_form_tile_height_follows_tokens_per_expert(N):
+    """The grouped form takes 16-row tiles where an expert gets at most 8 tokens on average (a
+    short prompt step), 64 otherwise; either way the reference's result."""
+    from pallas_kernels.moe_matmul.kernel import grouped_tile_rows, moe_experts as pallas_moe
+    assert grouped_tile_rows(64 * 6, 64) == 16 and grouped_tile_rows(256 * 6, 64) == 64
+    assert grouped_tile_rows(512 * 8, 256) == 64 and grouped_tile_rows(64 * 8, 256) == 16
+    rng = np.random.default_rng(N)
+    E, F, d, k = 8, 256, 256, 2
+    _, pws = experts("Q4_0", E, F, d, rng)
+    x = jnp.asarray(rng.standard_normal((N, d)), jnp.float32)
+    w, ids = routing(N, E, k, rng)
+    assert grouped_tile_rows(N * k, E) == (16 if N == 20 else 64)
+    y = pallas_moe(x, w, ids, *pws, dtype=jnp.float32, interpret=True)
+    assert rel(y, moe_experts_grouped_ref(x, w, ids, *pws, dtype=jnp.float32)) < 1e-5

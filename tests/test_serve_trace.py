@@ -49,13 +49,18 @@ def test_no_trace_unless_asked(tiny_model, tmp_path, monkeypatch):
 
 
 def test_gpu_kv_block():
-    # a 512-token ubatch of 16 heads: one block (no loop) up to 8k rows of context
-    assert attn.gpu_kv_block(1, 512, 16, 8192, 256) == 8192
-    assert attn.gpu_kv_block(1, 512, 16, 16384, 256) == 8192
-    # a 2048-token ubatch: 2048-row blocks
-    assert attn.gpu_kv_block(1, 2048, 16, 16384, 256) == 2048
-    # never below kv_block
+    # a prompt step over a cache of up to GPU_LIVE_ROWS rows: one block (no loop)
+    assert attn.gpu_kv_block(1, 512, 16, 2048, 256) == 2048 == attn.GPU_LIVE_ROWS
+    assert attn.gpu_kv_block(1, 64, 16, 1000, 256) == 1000
+    # over a longer cache: blocks of GPU_LIVE_ROWS, so the loop stops at the last query's block (a
+    # 64-token step at position 0 of an 8k slot read all 8192 rows in one block before)
+    assert attn.gpu_kv_block(1, 64, 16, 8192, 256) == 2048
+    assert attn.gpu_kv_block(1, 512, 16, 16384, 256) == 2048
+    # smaller where the scores would not fit 256 MiB, never below kv_block
+    assert attn.gpu_kv_block(1, 4096, 16, 16384, 256) == 1024
     assert attn.gpu_kv_block(1, 4096, 128, 65536, 256) == 256
+    # a one-token step keeps one block of the whole cache
+    assert attn.gpu_kv_block(1, 1, 16, 65536, 256) == 65536
 
 
 def test_attend_on_gpu_path_matches_blocked(monkeypatch):

@@ -140,10 +140,22 @@ def split_heads_kv(kv, k_rope, nope: int):
 GPU_SCORES_BYTES = 256 << 20
 
 
+# The largest KV block a prompt step's blocked attention takes on a GPU when its cache is longer: the
+# loop then reads only the blocks some query sees (attend_flash's live count).
+GPU_LIVE_ROWS = 2048
+
+
 def gpu_kv_block(B: int, T: int, H: int, S: int, kv_block: int) -> int:
     """The KV block of the blocked form on a GPU: the largest power of two of rows (at least
-    `kv_block`) whose [B, H, T, rows] f32 scores fit GPU_SCORES_BYTES; S when all of it fits."""
+    `kv_block`) whose [B, H, T, rows] f32 scores fit GPU_SCORES_BYTES; S when all of it fits, up to
+    GPU_LIVE_ROWS for a prompt step (T > 1) over a longer cache. Why that bound: a prompt step is
+    compiled once for every depth (its KV length the whole cache), so one block of all S rows
+    made a 64-token step at position 0 attend over all 8192 rows of an 8k slot, 26 of its 50 ms on
+    an H200 (RESULTS §23ao); in blocks, the loop stops at the last query's block. One-token steps
+    keep one block (their loop would step through the cache on the host, inside the decode)."""
     rows = max(kv_block, GPU_SCORES_BYTES // max(1, B * T * H * 4))
+    if T > 1 and S > GPU_LIVE_ROWS:
+        rows = min(rows, GPU_LIVE_ROWS)
     if rows >= S:
         return S
     return max(kv_block, 1 << (rows.bit_length() - 1))
