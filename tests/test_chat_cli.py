@@ -185,14 +185,16 @@ def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model)
         raise AssertionError(f"the chat never read the terminal raw; stderr: {err.decode(errors='replace')}")
 
     def wait_reading(deadline: float) -> None:
-        """Until the chat's main thread is blocked reading the terminal (read(0, ...) in
-        /proc/PID/syscall): the terminal is raw from the start, so its mode no longer says when the
+        """Until the chat's main thread is blocked waiting for the terminal (a select or read of fd 0
+        in /proc/PID/syscall): the terminal is raw from the start, so its mode no longer says when the
         chat waits at its prompt, and a Ctrl-C sent while the last turn was still ending could land
         in a callback that swallows it."""
         while time.time() < deadline:
             try:
                 with open(f"/proc/{p.pid}/syscall") as f:
-                    if f.read().startswith("0 0x0 "):
+                    # blocked on the terminal (fd 0): in a select of it (x86-64's select 23, pselect6
+                    # 270: one fd; the reader waits in short selects) or in its read
+                    if f.read().startswith(("0 0x0 ", "23 0x1 ", "270 0x1 ")):
                         return
             except OSError:
                 pass

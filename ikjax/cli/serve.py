@@ -72,6 +72,13 @@ def serve(
         "--prompt-cache", help="reuse of a slot's cached tokens: auto (a conversation's next turn reuses the whole "
         "common prefix, as llama-server; other prompts whole -ub chunks, so their answers equal a fresh run), "
         "exact (whole -ub chunks only), prefix (always the whole common prefix), off (not an ik flag)")] = "auto",
+    context_shift: Annotated[Optional[str], typer.Option(
+        "--context-shift", help="on (or 1, auto): a prompt longer than a slot is cut and a generation that fills "
+        "its slot drops half of the tokens after --keep and goes on, as llama-server; off (or 0, the default "
+        "here; ik's is on): a 400 and finish_reason length, as vLLM")] = None,
+    no_context_shift: Annotated[bool, typer.Option("--no-context-shift", help="--context-shift off")] = False,
+    keep: Annotated[int, typer.Option("--keep", help="the context shift's n_keep of a request that gives none: "
+                                      "prompt tokens kept (-1: all of them; BOS always)")] = 0,
     max_queue: Annotated[int, typer.Option("--max-queue", help="requests that may wait for a slot; more get "
                                            "503 (not an ik flag)")] = 64,
     cont_batching: Annotated[bool, typer.Option("-cb", "--cont-batching", help="continuous batching: always "
@@ -103,6 +110,9 @@ def serve(
         raise OptionError(f"--prompt-cache: expected one of {', '.join(PROMPT_CACHE_MODES)}, got {prompt_cache!r}")
     if max_queue < 0:
         raise OptionError(f"--max-queue: need >= 0, got {max_queue}")
+    shift = context_shift_choice(context_shift, no_context_shift)
+    if keep < -1:
+        raise OptionError(f"--keep: need >= -1 (-1 = the whole prompt), got {keep}")
     chat_template = template_choice(chat_template, chat_template_file)
     keys = [api_key] if api_key else []
     if api_key_file is not None:
@@ -124,7 +134,8 @@ def serve(
     if reasoning_budget < -1:
         raise OptionError(f"--reasoning-budget: need >= -1 (-1 = unrestricted), got {reasoning_budget}")
     defaults = Defaults(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_predict=n_predict,
-                        reasoning_budget=reasoning_budget, reasoning_budget_message=reasoning_budget_message)
+                        reasoning_budget=reasoning_budget, reasoning_budget_message=reasoning_budget_message,
+                        n_keep=keep)
     _check_defaults(defaults)
     sock = bind(host, port)  # taken now: a port in use is one line before the model loads
     invariant = batch_invariance(batch_invariant, default=True)
@@ -135,7 +146,8 @@ def serve(
         """The template, the scheduler and its steps, compiled while the weights stream in (where
         the engine loads them in a thread, Engine._overlaps_load)."""
         made["template"] = eng.chat_template(chat_template)
-        made["scheduler"] = scheduler = Scheduler(eng, parallel, max_queue=max_queue, prompt_cache=prompt_cache)
+        made["scheduler"] = scheduler = Scheduler(eng, parallel, max_queue=max_queue, prompt_cache=prompt_cache,
+                                                  context_shift=shift)
         if not run.no_warmup:
             t0 = time.perf_counter()
             n = scheduler.warmup(sampling=_default_sampling(defaults))
@@ -167,7 +179,8 @@ def serve(
     server = Server(eng, tok, template, scheduler.start(), config)
     loading.stop()
     log(f"{parallel} slots of {per_slot} tokens (-c {opts.ctx}), chat template {template.name}, "
-        f"prompt cache {prompt_cache}, batch-invariant decode {'on' if invariant else 'off'}")
+        f"prompt cache {prompt_cache}, batch-invariant decode {'on' if invariant else 'off'}, "
+        f"context shift {'on' if shift else 'off'}")
     run_server(server, sock, on_listening=lambda url: log(f"listening on {url}"),
                on_stopping=lambda sig: log(f"{sig}: shutting down ({scheduler.slots_busy()} requests in flight "
                                            f"cancelled, {scheduler.queue_length()} queued)"))
@@ -190,3 +203,14 @@ def _check_defaults(d) -> None:
     if d.n_predict < -1:
         raise OptionError(f"-n: expected >= -1 (-1 = until the context is full), got {d.n_predict}")
 
+
+def context_shift_choice(value: str | None, off: bool) -> bool:
+    """--context-shift VALUE / --no-context-shift (ik's spellings) as on or off: off unless told."""
+    if value is None:
+        return False
+    v = value.strip().lower()
+    if v not in ("on", "off", "auto", "1", "0"):
+        raise OptionError(f"--context-shift: expected on, off, auto, 1 or 0, got {value!r}")
+    if off and v in ("on", "auto", "1"):
+        raise OptionError("--context-shift on and --no-context-shift: give one of them")
+    return v in ("on", "auto", "1")

@@ -22,6 +22,8 @@ import select
 import signal
 import termios
 
+from ikjax import interrupt
+
 _ERASE = (0x7F, 0x08)
 _KILL, _WERASE, _EOF, _ESC = 0x15, 0x17, 0x04, 0x1B
 
@@ -44,6 +46,13 @@ class TtyLines:
     def _next(self) -> int | None:
         """The next input byte (None at the end of input)."""
         if not self.pending:
+            # waited for in short selects, not in one blocking read: a Ctrl-C's SIGINT may be taken by
+            # any of JAX's threads, and Python runs its handler (KeyboardInterrupt) only when the main
+            # thread next runs Python code, which a read blocked on an idle terminal never does (the
+            # chat then sat at its prompt with the Ctrl-C pending); a Ctrl-C swallowed where it
+            # landed is raised here too (interrupt.check)
+            while not select.select([self.fd], [], [], 0.2)[0]:
+                interrupt.check()
             self.pending = os.read(self.fd, 65536)
             if not self.pending:
                 return None

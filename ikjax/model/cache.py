@@ -8,6 +8,7 @@ write; a width that is not a multiple of 32 ends with a zero-padded block). The 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikjax.gguf_io.config import ModelConfig
+from ikjax.model.rope import inverse_frequencies
+from ikjax.ops.rope import apply_rope
 
 Q8_BLOCK = 32
 _FLOAT_TYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
@@ -118,6 +121,57 @@ def read(stack, j, length: int, width: int, dtype) -> jax.Array:
     if isinstance(stack, dict):
         return dequantize_q8_0({k: rows(v) for k, v in stack.items()}, width, dtype)
     return rows(stack).astype(dtype)
+
+
+def rope_columns(name: str, cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """The column spans of cache `name`'s rows that hold roped keys: the latent entry's k_pe, each
+    head's rope part of a per-head K row (mla 0); none in V."""
+    if name == "latent":
+        return ((cfg.kv_lora_rank, cfg.kv_lora_rank + cfg.rope_dim),)
+    if name == "k":
+        return tuple((h * cfg.qk_dim + cfg.nope_dim, (h + 1) * cfg.qk_dim) for h in range(cfg.n_head))
+    return ()
+
+
+@functools.partial(jax.jit, static_argnames=("width", "spans"), donate_argnums=0)
+def _shift_leaf(buf, b, keep, discard, cos, sin, *, width: int, spans: tuple):
+    """Row b of a group's stack [count, B, S, ...] (float or q8_0 {"q", "d"}) with positions
+    keep + discard .. moved down to keep .. and their roped spans turned back by `discard`
+    positions; rows below `keep` as they were, the last `discard` rows copies nobody reads."""
+    quant = isinstance(buf, dict)
+    row = ({k: v[:, b] for k, v in buf.items()} if quant else buf[:, b])
+    S = (row["q"] if quant else row).shape[1]
+    idx = jnp.arange(S)
+    moved = idx >= keep
+    src = jnp.where(moved, jnp.minimum(idx + discard, S - 1), idx)
+    x = dequantize_q8_0({k: v[:, src] for k, v in row.items()}, width, jnp.float32) if quant \
+        else row[:, src].astype(jnp.float32)
+    for lo, hi in spans:
+        turned = apply_rope(x[..., lo:hi], cos, sin)
+        x = x.at[..., lo:hi].set(jnp.where(moved[None, :, None], turned, x[..., lo:hi]))
+    if quant:
+        q = quantize_q8_0(x)
+        return {k: buf[k].at[:, b].set(q[k]) for k in buf}
+    return buf.at[:, b].set(x.astype(buf.dtype))
+
+
+def shift_row(cache: dict, cfg: ModelConfig, b: int, keep: int, discard: int) -> dict:
+    """llama-server's context shift on row b of a cache (donated; the new one returned): the
+    entries of positions keep + discard, keep + discard + 1, ... now at keep, keep + 1, ..., their
+    roped keys turned back by `discard` positions (RoPE is a rotation by position times each pair's
+    frequency, YaRN's included: R(p - d) = R(-d) R(p)), so a sequence that outgrew its context goes
+    on with its first `keep` tokens and the later part, as ik_llama.cpp's K-shift does. The c part of
+    a latent entry and V carry no position and move as they are. Each group's stack where it lives
+    (a -sm layer stage's device)."""
+    angles = -float(discard) * inverse_frequencies(cfg)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    widths = {"latent": cfg.latent_dim, "k": cfg.n_head * cfg.qk_dim, "v": cfg.n_head * cfg.v_dim}
+    out = {}
+    for name, stacks in cache.items():
+        spans = rope_columns(name, cfg)
+        out[name] = [_shift_leaf(buf, np.int32(b), np.int32(keep), np.int32(discard), cos, sin, width=widths[name],
+                                 spans=spans) for buf in stacks]
+    return out
 
 
 def host_nbytes(cache: dict) -> int:

@@ -62,6 +62,7 @@ import numpy as np
 from ikjax import env
 from ikjax.chat_template import THINK_CLOSE, THINK_OPEN
 from ikjax.errors import IkjaxError, OptionError
+from ikjax.model import cache as kvcache
 from ikjax.runtime import generation
 from ikjax.runtime.executables import compile_side_by_side
 from ikjax.runtime.generation import STOP_CONTEXT, STOP_EOS, STOP_MAX_TOKENS, _put_row, _take_row
@@ -108,6 +109,12 @@ class Request:
     top_logprobs: int | None = None
     want_slot: int | None = None  # run on this slot only (llama-server's id_slot); None: any
     n_ctx: int = 0  # a slot's context (its `timings` say it, as llama-server's do)
+    # the context shift (Scheduler's context_shift): tokens after the first n_keep (-1: the whole prompt;
+    # BOS kept beside them) of which n_discard (0: half of those after n_keep) go when the slot is full
+    n_keep: int = 0
+    n_discard: int = 0
+    shifted: int = 0  # tokens of its sequence dropped from the slot's cache by context shifts
+    truncated: bool = False  # its prompt was cut to fit, or its context shifted (llama-server's `truncated`)
     id: int = field(default_factory=lambda: next(_ids))
     # the scheduler's bookkeeping, readable by the caller once "done" arrived
     slot: int | None = None
@@ -145,7 +152,7 @@ class Request:
                 "predicted_n": n, "predicted_ms": pred_ms,
                 "predicted_per_token_ms": pred_ms / n if n else 0.0,
                 "predicted_per_second": n / pred_ms * 1e3 if pred_ms and n else 0.0,
-                "n_ctx": self.n_ctx, "n_past": len(self.prompt) + max(n - 1, 0)}  # (the last token is not in the cache yet)
+                "n_ctx": self.n_ctx, "n_past": len(self.prompt) - self.shifted + max(n - 1, 0)}  # (the last token is not in the cache yet)
 
 
 @dataclass(eq=False)
@@ -173,15 +180,22 @@ class Stats:
 class Scheduler:
     """Start with `start()`; `submit` requests from any thread, `cancel` them, `stop()` at the end."""
 
-    def __init__(self, eng, n_slots: int, *, max_queue: int = 64, prompt_cache: str = "auto"):
+    def __init__(self, eng, n_slots: int, *, max_queue: int = 64, prompt_cache: str = "auto",
+                 context_shift: bool = False):
         if not isinstance(n_slots, int) or n_slots < 1:
             raise OptionError(f"-np: need at least 1 slot, got {n_slots!r}")
         if prompt_cache not in PROMPT_CACHE_MODES:
             raise OptionError(f"prompt cache: expected one of {', '.join(PROMPT_CACHE_MODES)}, got {prompt_cache!r}")
         if not isinstance(max_queue, int) or max_queue < 0:
             raise OptionError(f"queue size: need an integer >= 0, got {max_queue!r}")
+        if context_shift and eng.options.split_mode == "graph":
+            raise OptionError("--context-shift: not with -sm graph (ik_llama.cpp turns it off there too)")
         self.eng = eng
         self.n_slots = n_slots
+        # llama-server's context shift (ik's --context-shift): a prompt longer than a slot is cut (its
+        # first n_keep tokens and its end kept), a generation that fills its slot drops half of the
+        # tokens after n_keep and goes on (`_shift`); off: a 400 and finish_reason "length", as vLLM
+        self.context_shift = bool(context_shift)
         self.ctx = eng.options.ctx
         self.ubatch = eng.options.ubatch
         self.max_queue = max_queue
@@ -223,20 +237,27 @@ class Scheduler:
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
                      presence_penalty: float = 0.0, penalize_nl: bool = False, top_logprobs: int | None = None,
                      logit_bias=None, slot: int | None = None, reasoning_budget: int = -1,
-                     reasoning_budget_message: str = "") -> Request:
+                     reasoning_budget_message: str = "", n_keep: int = 0, n_discard: int = 0) -> Request:
         """A checked request (OptionError naming the bad field): the prompt inside the vocabulary and
         shorter than a slot's context, the sampling settings as `Engine.generate` takes them.
         `slot`: run on this slot (llama-server's id_slot), waiting for it; None: any.
         `reasoning_budget` >= 0: at most that many tokens inside a `<think>` block (the prompt's
         open one included), then `reasoning_budget_message` and `</think>` forced (ik's rules,
-        ikjax.runtime.reasoning_budget); -1: none."""
+        ikjax.runtime.reasoning_budget); -1: none. `n_keep`, `n_discard`: the context shift's (llama-server's
+        fields; with context_shift on, a prompt that does not fit a slot is cut as ik_llama.cpp cuts it)."""
         if slot is not None and (not isinstance(slot, (int, np.integer)) or isinstance(slot, bool)
                                  or not 0 <= slot < self.n_slots):
             raise OptionError(f"slot: expected one of 0..{self.n_slots - 1}, got {slot!r}")
         ids = generation.check_ids(prompt, self.eng.config.vocab_size, "prompt")
+        for name, v, lo in (("n_keep", n_keep, -1), ("n_discard", n_discard, 0)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+                raise OptionError(f"{name}: expected an integer >= {lo}, got {v!r}")
+        truncated = False
         if len(ids) >= self.ctx:
-            raise OptionError(f"prompt: {len(ids)} tokens do not fit a slot's context ({self.ctx} tokens, -c / -np), "
-                              f"which must hold the prompt and at least one new token")
+            if not self.context_shift:
+                raise OptionError(f"prompt: {len(ids)} tokens do not fit a slot's context ({self.ctx} tokens, -c / "
+                                  f"-np), which must hold the prompt and at least one new token")
+            ids, truncated = self._cut_prompt(ids, int(n_keep), int(n_discard)), True
         if max_tokens is not None:
             max_tokens = check_count("max_tokens", max_tokens)
         sampling = check_sampling(temperature, top_k, top_p, min_p, seed, vocab=self.eng.config.vocab_size)
@@ -258,7 +279,27 @@ class Scheduler:
                        on_event=on_event, cache_prompt=bool(cache_prompt), ban=ban, penalties=pen,
                        top_logprobs=top_logprobs, logit_bias=tuple((t, b) for t, b in bias if b > LOGIT_BAN),
                        want_slot=None if slot is None else int(slot), n_ctx=self.ctx,
-                       budget=self._budget(ids, reasoning_budget, reasoning_budget_message))
+                       budget=self._budget(ids, reasoning_budget, reasoning_budget_message), n_keep=int(n_keep),
+                       n_discard=int(n_discard), truncated=truncated)
+
+    def _bos_kept(self, tokens) -> int:
+        """1 where the sequence starts with BOS (kept beside n_keep, as ik adds add_bos_token)."""
+        bos = self.eng.config.bos_token_id
+        return int(len(tokens) > 0 and bos is not None and int(tokens[0]) == bos)
+
+    def _cut_prompt(self, ids: np.ndarray, n_keep: int, n_discard: int) -> np.ndarray:
+        """A prompt too long for a slot cut as ik_llama.cpp's context_shift_prompt cuts it: its first
+        n_keep tokens (and BOS) kept, then n_discard tokens (0: half of the slot past them) dropped as
+        many times as it takes to leave room for one new token."""
+        keep = max(0, n_keep) + self._bos_kept(ids)
+        step = n_discard or (self.ctx - keep) // 2
+        if keep >= self.ctx - 1 or step <= 0:
+            raise OptionError(f"prompt: {len(ids)} tokens do not fit a slot's context ({self.ctx} tokens), and n_keep "
+                              f"{n_keep} leaves nothing to cut")
+        cut = 0
+        while len(ids) - cut >= self.ctx:
+            cut += step
+        return np.concatenate([ids[:keep], ids[keep + cut:]]).astype(ids.dtype)
 
     def _budget(self, prompt: np.ndarray, budget, message) -> ReasoningBudget | None:
         """The request's ReasoningBudget (None for -1), fed the prompt from its last opening tag on."""
@@ -396,9 +437,14 @@ class Scheduler:
 
     def _warm_helpers(self) -> None:
         """Run the loop's small jitted helpers once at their shapes (a slot's row taken out and put
-        back, the greedy rows' argmax with and without banned ids): compiled on first use, each
+        back, the greedy rows' argmax with and without banned ids, the context shift where it is on):
+        compiled on first use, each
         would otherwise stall every stream for its compile when the first prompt or ban arrives."""
         row = _take_row(self._cache, 0)
+        if self.context_shift:  # the shift of a slot's row in the slots' cache and in a lone stream's
+            # (keep and discard 0: every row where it was, turned by no angle)
+            row = kvcache.shift_row(row, self.eng.config, 0, 0, 0)
+            self._cache = kvcache.shift_row(self._cache, self.eng.config, 0, 0, 0)
         self._cache = _put_row(self._cache, row, 0)
         logits = jnp.zeros((self.n_slots, self.eng.config.vocab_size), jnp.float32)
         banned = np.full((self.n_slots, 1), self.eng.config.vocab_size, np.int32)
@@ -654,6 +700,12 @@ class Scheduler:
         2048-token prompt came a whole dispatch late)."""
         batch = self._batch()
         row = {s.index: i for i, s in enumerate(batch)}  # a slot's row in the batch
+        if self.context_shift:
+            for s in batch:
+                if self._decoding(s) and len(s.tokens) >= self.ctx - 1:
+                    self._shift(s, row[s.index])
+            if not any(self._decoding(s) for s in batch):
+                return
         B = len(batch)
         toks = np.zeros((B, 1), np.int32)
         start = np.zeros(B, np.int32)
@@ -704,6 +756,37 @@ class Scheduler:
                                                     host, b))
             else:
                 self._next(req, lambda f: self._sample(req, host[b], f))
+
+    def _shift(self, s: Slot, b: int) -> None:
+        """llama-server's context shift of slot `s` (row b of the decode batch), full with a generating
+        request: the tokens after its first n_keep (-1: the whole prompt; BOS beside them) lose
+        n_discard of theirs (0: half), the rest move down with their keys' rotation turned back
+        (`cache.shift_row`), and the request goes on. Where nothing can go, it ends ("length")."""
+        req = s.req
+        # (n_keep -1: the whole prompt, which starts the slot's tokens whatever the shifts before dropped)
+        keep = len(req.prompt) if req.n_keep < 0 else req.n_keep + self._bos_kept(s.tokens)
+        keep = min(self.ctx - 4, keep)
+        n_left = len(s.tokens) - keep
+        discard = min(req.n_discard or n_left // 2, n_left)
+        if discard <= 0:
+            self._finish(req, STOP_CONTEXT)
+            return
+        self._set_batch_cache(kvcache.shift_row(self._batch_cache(), self.eng.config, b, keep, discard))
+        s.tokens = s.tokens[:keep] + s.tokens[keep + discard:]
+        s.exact, s.prompt_end = min(s.exact, keep), min(s.prompt_end, keep)
+        req.shifted += discard
+        req.truncated = True
+        log.info("slot %d: context shift: kept %d, dropped %d, %d tokens left in the slot", s.index, keep, discard,
+                 len(s.tokens))
+
+    def _limits(self, req: Request) -> tuple[int, int]:
+        """(tokens `req` may generate, the context its length counts against): max_tokens, else up to
+        the slot's context; with the context shift up to the model's training context in all (ik's
+        bound on a generation without n_predict), the slot's context never full."""
+        if not self.context_shift:
+            return (self.ctx if req.max_tokens is None else req.max_tokens), self.ctx
+        train = max(self.eng.config.context_length, self.ctx)
+        return (max(1, train - len(req.prompt)) if req.max_tokens is None else req.max_tokens), 1 << 62
 
     def _start_device_draws(self, req: Request) -> None:
         """After `req`'s first token (drawn on the host): whether its later tokens are drawn on the
@@ -772,8 +855,9 @@ class Scheduler:
             k = min(k, min(free))
         for s in rows:
             req = s.req
-            limit = self.ctx if req.max_tokens is None else req.max_tokens
-            k = min(k, limit - len(req.generated), self.ctx - len(req.prompt) - len(req.generated))
+            limit, _ = self._limits(req)
+            # (the slot's room: ctx - 1 - len(s.tokens), a context shift's point where it is on)
+            k = min(k, limit - len(req.generated), self.ctx - len(req.prompt) - len(req.generated) + req.shifted)
         return min(k, min(self.eng.capacity - len(s.tokens) for s in batch))
 
     def _decode_loop(self, rows: list[Slot], batch: list[Slot], row: dict, toks: np.ndarray, k: int,
@@ -865,8 +949,8 @@ class Scheduler:
         req.generated.append(tok)
         self.stats.generated_tokens += 1
         n = len(req.generated)
-        limit = self.ctx if req.max_tokens is None else req.max_tokens
-        reason = generation.stop_reason(tok, n, len(req.prompt) + n, limit, req.stop_ids, self.ctx)
+        limit, ctx = self._limits(req)
+        reason = generation.stop_reason(tok, n, len(req.prompt) + n, limit, req.stop_ids, ctx)
         if reason == STOP_MAX_TOKENS and req.max_tokens is None:
             reason = STOP_CONTEXT
         if not self._notify(req, "token", tok):  # its caller is gone: it leaves now, its slot freed

@@ -556,7 +556,8 @@ class Server:
         return {**probs, "content": text, "id_slot": job.req.slot, "stop": True, "model": self.config.model_name,
                 "index": 0, "tokens": list(job.token_ids) if p.return_tokens and whole else [],
                 "tokens_predicted": job.n_generated,
-                "tokens_evaluated": len(job.req.prompt), "tokens_cached": len(job.req.prompt) + max(job.n_generated - 1, 0),  # (llama-server's n_past: the
+                "tokens_evaluated": len(job.req.prompt),
+                "tokens_cached": len(job.req.prompt) - job.req.shifted + max(job.n_generated - 1, 0),  # (llama-server's n_past: the
                 # last sampled token is not run through the model, so not in the cache; /slots' n_cached)
                 "prompt": prompt,  # as given: text, or the token ids (ik echoes the array)
                 "generation_settings": {"n_ctx": self.scheduler.ctx, "n_predict": -1 if p.max_tokens is None
@@ -566,7 +567,7 @@ class Server:
                                         # ik's names beside ours: n_probs, max_tokens, and what ran
                                         "n_probs": p.top_logprobs or 0, "max_tokens": -1 if p.max_tokens is None
                                         else p.max_tokens, "stream": p.stream, "model": self.config.model_name},
-                "truncated": False, "stop_type": {"eos": "eos", "stop": "word"}.get(reason, "limit"),
+                "truncated": job.req.truncated, "stop_type": {"eos": "eos", "stop": "word"}.get(reason, "limit"),
                 "stopped_eos": reason == "eos", "stopped_word": reason == "stop",
                 "stopped_limit": reason in ("max_tokens", "context"), "stopping_word": job.stopping_word,
                 "has_new_line": "\n" in text, "timings": job.req.timings(job.n_generated)}

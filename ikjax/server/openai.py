@@ -51,8 +51,8 @@ MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-6, 1e6
 
 @dataclass
 class Defaults:
-    """The server's sampling defaults (its --temp --top-k --top-p --min-p -s -n flags, and
-    --reasoning-budget / --reasoning-budget-message for chat answers)."""
+    """The server's sampling defaults (its --temp --top-k --top-p --min-p -s -n flags,
+    --reasoning-budget / --reasoning-budget-message for chat answers, and --keep)."""
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
@@ -61,6 +61,7 @@ class Defaults:
     n_predict: int = -1
     reasoning_budget: int = -1  # -1: none
     reasoning_budget_message: str = ""
+    n_keep: int = 0  # --keep: a request's n_keep when it gives none
 
 
 @dataclass
@@ -88,14 +89,17 @@ class GenParams:
     id_slot: int | None = None  # llama-server's id_slot: run on this slot (check_slot); None: the scheduler's choice
     reasoning_budget: int = -1  # tokens inside a <think> block before its end is forced (-1: none)
     reasoning_budget_message: str = ""
+    n_keep: int = 0  # the context shift's: prompt tokens kept when a slot is full (-1: all of them)
+    n_discard: int = 0  # ... and tokens dropped a shift (0: half of those after n_keep)
 
     def sampling(self) -> dict:
-        """The scheduler's sampling keywords (Scheduler.make_request)."""
+        """The scheduler's sampling keywords (Scheduler.make_request), the context shift's with them."""
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     seed=self.seed, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
                     frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                     penalize_nl=self.penalize_nl, top_logprobs=self.top_logprobs, logit_bias=self.logit_bias,
-                    reasoning_budget=self.reasoning_budget, reasoning_budget_message=self.reasoning_budget_message)
+                    reasoning_budget=self.reasoning_budget, reasoning_budget_message=self.reasoning_budget_message,
+                    n_keep=self.n_keep, n_discard=self.n_discard)
 
 
 def _is_int(x: Any) -> bool:
@@ -236,9 +240,6 @@ def _check_not_run(body: dict) -> list[str] | None:
     temperature; penalties, where named, first). Returns the samplers `samplers` names that run here
     (None: not given): the others of those four are off for this request, as in llama-server's chain.
     The penalties always run (ik_llama.cpp applies them before its chain, named or not)."""
-    keep = body.get("n_keep")  # tokens kept when a prompt is cut to fit: prompts never are here (a 400)
-    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < -1):
-        raise bad(f"n_keep: expected an integer >= -1, got {keep!r}"[:300])
     for name, (asks, why) in _NOT_DONE.items():
         if asks(body.get(name)):
             raise bad(f"{name}: not supported ({why}); leave it out")
@@ -410,6 +411,11 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
     presence_penalty = _or(body.get("presence_penalty"), 0.0)
     penalize_nl = _get(body, "penalize_nl", lambda v: isinstance(v, bool), "true or false", False)
     budget = reasoning_budget_field(body, d, endpoint)
+    # the context shift's (serve --context-shift: a slot that is full keeps n_keep prompt tokens and drops
+    # n_discard of the rest; without it a prompt that does not fit is a 400, as before)
+    n_keep = _get(body, "n_keep", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1: the whole prompt)",
+                  d.n_keep)
+    n_discard = _get(body, "n_discard", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0: half)", 0)
     return_tokens = _get(body, "return_tokens", lambda v: isinstance(v, bool), "true or false", False)
     timings_per_token = _get(body, "timings_per_token", lambda v: isinstance(v, bool), "true or false", False)
     _get(body, "user", lambda v: isinstance(v, str), "a string", None)  # (OpenAI's and vLLM's 400; not used here)
@@ -442,7 +448,8 @@ def gen_params(body: dict, d: Defaults, *, max_names: tuple[str, ...], endpoint:
                      presence_penalty=presence_penalty, penalize_nl=penalize_nl, return_tokens=return_tokens,
                      timings_per_token=timings_per_token,
                      top_logprobs=logprobs_field(body, endpoint), logit_bias=body.get("logit_bias"),
-                     reasoning_budget=budget, reasoning_budget_message=d.reasoning_budget_message)
+                     reasoning_budget=budget, reasoning_budget_message=d.reasoning_budget_message, n_keep=n_keep,
+                     n_discard=n_discard)
 
 
 def reasoning_budget_field(body: dict, d: Defaults, endpoint: str) -> int:

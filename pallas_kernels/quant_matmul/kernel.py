@@ -363,8 +363,9 @@ def _call(x, ws, expert, layer, live=None, row_live=None, norm=None, *, dtype, s
         args += [w.arrays[n] for n in names]
     nt = -(-(K // bk) // split)
     # rows: each column tile's programs for all rows launched together (its weights read once from
-    # memory, the other rows' reads hit L2: V2-Lite's output matrix at 8 rows read it 7 times,
-    # RESULTS §23ao); a program computes what it did before, so every row keeps its bits
+    # memory, the other rows' reads from L2); a program computes what it did before, so every row
+    # keeps its bits. The 8-row decode step's GPU time 9.25 -> 9.00 ms on an H200 (RESULTS §23ao):
+    # what 8 rows cost beyond one is each row's program decoding the same tile, not the reads
     grid = (Mp // bm, N // bn, split) if mode == "rows" and ROWS_FIRST else \
         (N // bn, Mp // bm, split) if mode == "rows" or split > 1 or has_row_live else (N // bn, Mp // bm)
     kern = functools.partial(_kernel, qtype=qtype, names=names, n_w=len(ws), has_expert=has_expert, has_layer=has_layer,
