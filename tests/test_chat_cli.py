@@ -158,7 +158,10 @@ def test_terminal_lines_past_4095_bytes_editing_keys_and_ctrl_c(eng, tiny_model)
 
     # the pty made the chat's controlling terminal in a session of its own (no preexec_fn: this
     # process runs JAX's threads), so its ^C is a SIGINT to the chat alone
-    own_terminal = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    # SIGINT back to its default first: a suite started as a background job of a script (`pytest &`)
+    # runs with SIGINT ignored, which its children inherit, and the chat then never saw its Ctrl-C
+    own_terminal = ("import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                    "signal.signal(signal.SIGINT, signal.SIG_DFL); "
                     "os.execv(sys.executable, [sys.executable, '-m', 'ikjax.cli'] + sys.argv[1:])")
     p = subprocess.Popen([sys.executable, "-c", own_terminal, "chat", "-m", tiny_model, *ARGS, "-n", "2", "-v"],
                          stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_env(), start_new_session=True)

@@ -7,8 +7,6 @@ token's embedding, normed, times the layer's projections, its key part roped at 
 after a shift the first layer's rows must be what a fresh prompt of the kept tokens writes."""
 from __future__ import annotations
 
-import queue
-
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ import ikjax
 from ikjax.errors import OptionError
 from ikjax.model import cache as kvcache
 from ikjax.runtime.scheduler import Scheduler
+from test_scheduler import Collect
 
 CTX = 64
 
@@ -83,23 +82,10 @@ def test_shift_row_moves_entries_and_turns_their_keys_back(tiny_model, mla, ctk)
                     assert np.allclose(pn, po, rtol=2e-2 if ctk != "f32" else 1e-5, atol=atol), (name, g, i)
 
 
-class Collect:
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.end = queue.Queue()
-
-    def __call__(self, kind, value):
-        if kind == "token":
-            self.tokens.append(value)
-        else:
-            self.end.put((kind, value))
-
-
 def run(s: Scheduler, prompt, n, **kw):
     c = Collect()
     req = s.submit(s.make_request(prompt, n, on_event=c, **kw))
-    kind, reason = c.end.get(timeout=300)
-    return req, c.tokens, (kind, reason)
+    return req, c.tokens, c.wait(300)
 
 
 def test_a_generation_that_fills_its_slot_goes_on(tiny_model):

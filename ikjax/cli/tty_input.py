@@ -46,11 +46,10 @@ class TtyLines:
     def _next(self) -> int | None:
         """The next input byte (None at the end of input)."""
         if not self.pending:
-            # waited for in short selects, not in one blocking read: a Ctrl-C's SIGINT may be taken by
-            # any of JAX's threads, and Python runs its handler (KeyboardInterrupt) only when the main
-            # thread next runs Python code, which a read blocked on an idle terminal never does (the
-            # chat then sat at its prompt with the Ctrl-C pending); a Ctrl-C swallowed where it
-            # landed is raised here too (interrupt.check)
+            # waited for in short selects, not in one blocking read: a SIGINT the kernel hands to
+            # another of the process's threads (JAX's) does not interrupt the main thread's read, and
+            # Python runs its handler (KeyboardInterrupt) only when the main thread next runs Python
+            # code; a Ctrl-C swallowed where it landed is raised here too (interrupt.check)
             while not select.select([self.fd], [], [], 0.2)[0]:
                 interrupt.check()
             self.pending = os.read(self.fd, 65536)
