@@ -79,6 +79,14 @@ def test_attend_on_gpu_path_matches_blocked(monkeypatch):
     blocks = attn.attend(q, k, v, q_pos, 0.25, flash=True, amb_bytes=0, kv_block=64)
     assert np.abs(np.asarray(one_block) - np.asarray(ref)).max() < 1e-5
     assert np.abs(np.asarray(blocks) - np.asarray(ref)).max() < 1e-5
+    # a prompt step over a cache longer than GPU_LIVE_ROWS: blocks of that many rows, the loop stopping at
+    # the last query's block (queries at 0..7 see the first block only), the same result
+    monkeypatch.setattr(attn, "GPU_SCORES_BYTES", 1 << 30)
+    monkeypatch.setattr(attn, "GPU_LIVE_ROWS", 128)
+    early = jnp.asarray([[i for i in range(T)]], jnp.int32)
+    for pos in (q_pos, early):
+        got = attn.attend(q, k, v, pos, 0.25, flash=True, amb_bytes=0, kv_block=64)
+        assert np.abs(np.asarray(got) - np.asarray(attn.attend_flash(q, k, v, pos, 0.25, 64))).max() < 1e-5
 
 
 def test_trace_notes_each_decode_loops_ready_time_and_steps(tiny_model, tmp_path, monkeypatch, capsys):
