@@ -1837,3 +1837,48 @@ def test_ik_probs_name_a_lone_byte_as_ik_does(server, ref):
     for alt, p in zip(first["top_logprobs"], first["probs"]):  # the alternatives named the same way
         b = alt["bytes"]
         assert p["tok_str"] == (f"byte: \\x{b[0]:x}" if len(b) == 1 and b[0] & 0x80 else alt["token"])
+
+
+def test_responses_api_through_the_openai_client(server):
+    """OpenAI's Responses API (POST /v1/responses, as ik's server serves it) through the openai client:
+    `input` as a string or as items with `instructions`, answered as the chat endpoint answers the same
+    conversation (greedy: the same text; R1's reasoning as a reasoning item), streamed as the Response
+    events (the deltas add up to the whole, `response.completed` last), max_output_tokens reached:
+    status incomplete; bad items a 400."""
+    c = client(server)
+    kw = dict(max_tokens=8, temperature=0)
+    for fmt in ("none", "deepseek"):
+        extra = {"reasoning_format": fmt}
+        chat = c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
+                                                                {"role": "user", "content": "why"}],
+                                         extra_body=extra, **kw).choices[0].message
+        items = [{"role": "user", "content": [{"type": "input_text", "text": "why"}]}]
+        for inp in ("why", items):
+            r = c.responses.create(model=MODEL, instructions="Be brief.", input=inp, max_output_tokens=8,
+                                   temperature=0, extra_body=extra)
+            assert r.object == "response" and r.status == "incomplete" and r.incomplete_details.reason == \
+                "max_output_tokens" and r.usage.output_tokens == 8 and r.usage.input_tokens > 0
+            kinds = [o.type for o in r.output]
+            if fmt == "none":
+                assert kinds == ["message"] and r.output_text == chat.content
+            else:  # the tiny model never closes R1's <think>: all of it reasoning, an empty message
+                assert kinds == ["reasoning", "message"] and r.output_text == ""
+                assert r.output[0].content[0].text == chat.model_extra["reasoning_content"]
+        events = list(c.responses.create(model=MODEL, instructions="Be brief.", input="why", max_output_tokens=8,
+                                         temperature=0, stream=True, extra_body=extra))
+        types = [e.type for e in events]
+        assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.incomplete"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        final = events[-1].response
+        if fmt == "none":
+            assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat.content \
+                == final.output_text
+        else:
+            assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+                chat.model_extra["reasoning_content"] == final.output[0].content[0].text
+    for bad_body in ({"input": []}, {"input": [{"type": "input_image"}]}, {"input": "x", "previous_response_id": "r"},
+                     {"input": "x", "tools": [{"type": "web_search"}]},
+                     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+                     {"input": "x", "text": {"format": {"type": "json_schema"}}}):
+        st, body = call(server, "POST", "/v1/responses", {"model": MODEL, **bad_body})
+        assert st == 400 and body["error"]["message"], (bad_body, body)

@@ -638,3 +638,44 @@ def test_requests_other_servers_accept_are_answered_or_refused(app_server):
     r = post(tools=[WEATHER, TIME], parallel_tool_calls=False, reasoning_format="none")
     calls = r.json()["choices"][0]["message"]["tool_calls"]
     assert [c["function"]["name"] for c in calls] == ["get_weather"], calls
+
+
+def test_responses_api_tool_calls_and_their_outputs(app_server):
+    """The Responses API with function tools (their flat form): an answer that calls two tools is a
+    message and two function_call items, whole and streamed (the arguments' events add up to each
+    call); a next turn that sends those calls and their outputs back as input items renders them as
+    the chat endpoint renders a call turn and its tool messages."""
+    tok = app_server["tok"]
+    app_server["answer"]["text"] = R1_ANSWER
+    c = _client(app_server)
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"],
+              **({"description": t["function"]["description"]} if "description" in t["function"] else {})}
+             for t in (WEATHER, TIME)]
+    kw = dict(model="m", input="Weather in Paris, and the time?", tools=tools, extra_body={"reasoning_format": "none"})
+    r = c.responses.create(**kw)
+    assert r.status == "completed" and [o.type for o in r.output] == ["message", "function_call", "function_call"]
+    assert r.output_text == "Let me look.\n"
+    calls = [(o.name, json.loads(o.arguments), o.call_id) for o in r.output[1:]]
+    assert [cl[:2] for cl in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    events = list(c.responses.create(**kw, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["message", "function_call", "function_call"]
+    args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(a) for a in args] == [{"city": "Paris"}, {}] and events[-1].type == "response.completed"
+    # the next turn: the calls and their outputs as input items
+    app_server["answer"]["text"] = "Sunny, noon."
+    items = [{"role": "user", "content": "Weather in Paris, and the time?"}] + \
+        [{"type": "function_call", "call_id": cid, "name": n, "arguments": json.dumps(a)} for n, a, cid in calls] + \
+        [{"type": "function_call_output", "call_id": calls[0][2], "output": "sunny 21C"},
+         {"type": "function_call_output", "call_id": calls[1][2], "output": "12:00"}]
+    r2 = c.responses.create(model="m", input=items, tools=tools, extra_body={"reasoning_format": "none"})
+    assert r2.output_text == "Sunny, noon."
+    via_responses = tok.decode(app_server["prompts"][-1])
+    msgs = [{"role": "user", "content": "Weather in Paris, and the time?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": cid, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+                for n, a, cid in calls]},
+            {"role": "tool", "tool_call_id": calls[0][2], "content": "sunny 21C"},
+            {"role": "tool", "tool_call_id": calls[1][2], "content": "12:00"}]
+    c.chat.completions.create(model="m", messages=msgs, tools=[WEATHER, TIME], extra_body={"reasoning_format": "none"})
+    assert via_responses == tok.decode(app_server["prompts"][-1]) and "sunny 21C" in via_responses

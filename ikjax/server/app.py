@@ -18,6 +18,7 @@ The socket, the connections and the process's signals are ikjax.server.transport
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -101,6 +102,8 @@ class Server:
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/chat/completions", self.chat_completions)
         r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/responses", self.responses)
+        r.add_post("/responses", self.responses)
         r.add_post("/completions", self.completion)
         r.add_post("/completion", self.completion)
         r.add_get("/v1/models", self.models)
@@ -429,6 +432,155 @@ class Server:
         finally:
             job.cancel()
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API (POST /v1/responses, served by ik_llama.cpp's server too): the request
+        as the chat request it means (`oai.responses_to_chat`), run as a chat answer (the template,
+        R1's reasoning, tool calls), answered as a Response object, or streamed as its events
+        (`event: response.output_text.delta` ...; no [DONE])."""
+        body = await self._body(request)
+        chat = oai.responses_to_chat(body)
+        model = self._check_model(chat)
+        params = await self._gen_params(chat, max_names=("max_tokens",), endpoint="chat")
+        params.id_slot = oai.check_slot(chat, self.config.n_slots)
+        use_tools = bool(chat.get("tools")) and chat.get("tool_choice") != "none"
+        one_call = chat.get("parallel_tool_calls") is False
+        ids, text, start, prefill = await self._chat_prompt(chat)
+        fmt = chat.get("reasoning_format")  # (llama-server's field, as on chat: none leaves <think> in the text)
+        fmt = self.config.reasoning_format if fmt is None else fmt
+        if fmt not in REASONING_FORMATS:
+            raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}"[:300])
+        opened = opens_reasoning(text[:len(text) - len(start)], prefill)
+        answer = AnswerSplitter.for_chat(opened if fmt != "none" else None,
+                                         chat["tools"] if use_tools else None, self.template.source, forced=start)
+        job = self._job(ids, params, self.tok.ids_of(TOOL_MARKERS) if use_tools else frozenset())
+        tag, created = uuid.uuid4().hex, int(time.time())
+        rs_id, msg_id = f"rs_{tag}", f"msg_{tag}"
+
+        def response(status: str, output: list[dict]) -> dict:
+            done = status in ("completed", "incomplete")
+            return {"id": f"resp_{tag}", "object": "response", "created_at": created, "status": status,
+                    "model": model, "output": output, "error": None,
+                    "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                    "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                    "metadata": body.get("metadata") or {}, "parallel_tool_calls": not one_call,
+                    "temperature": params.temperature, "top_p": params.top_p,
+                    "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+                    "text": {"format": {"type": "text"}}, "store": False, "previous_response_id": None,
+                    "reasoning": {"effort": None, "summary": None}, "truncation": "disabled",
+                    "usage": oai.response_usage(len(job.req.prompt), job.n_generated, job.req.n_cached)
+                    if done else None}
+
+        def reasoning_item(t: str, status: str) -> dict:
+            return {"id": rs_id, "type": "reasoning", "summary": [], "status": status,
+                    "content": [{"type": "reasoning_text", "text": t}] if t else []}
+
+        def message_item(t: str, status: str) -> dict:
+            return {"id": msg_id, "type": "message", "role": "assistant", "status": status,
+                    "content": [{"type": "output_text", "text": t, "annotations": [], "logprobs": []}]
+                    if status == "completed" else []}
+
+        def call_item(t, status: str) -> dict:
+            return {"id": f"fc_{t.id}", "type": "function_call", "call_id": t.id, "name": t.name,
+                    "arguments": t.arguments if status == "completed" else "", "status": status}
+
+        def status_of() -> str:
+            return "incomplete" if oai.FINISH[job.finish_reason] == "length" else "completed"
+
+        try:
+            if not params.stream:
+                parts = [answer.opening] + [answer.feed(piece) async for piece in job.pieces()]
+                r, c, calls = answer.finish()
+                calls = calls[:1] if one_call else calls
+                content, reasoning = "".join(p[1] for p in parts) + c, "".join(p[0] for p in parts) + r
+                output = [reasoning_item(reasoning, "completed")] if answer.had_reasoning and reasoning.strip() else []
+                if content.strip() or not calls:
+                    output.append(message_item(content, "completed"))
+                output += [call_item(t, "completed") for t in calls]
+                return web.json_response(response(status_of(), output))
+
+            async def events():
+                seq = itertools.count()
+                output: list[dict] = []  # the items done
+                now = {"r": None, "c": None}  # the reasoning's / the message's text while its item is open
+
+                def ev(kind: str, **kw) -> dict:
+                    return {"type": kind, "sequence_number": next(seq), **kw}
+
+                def close_reasoning() -> list[dict]:
+                    if now["r"] is None:
+                        return []
+                    item, now["r"] = reasoning_item(now["r"], "completed"), None
+                    i = len(output)
+                    output.append(item)
+                    return [ev("response.reasoning_text.done", item_id=rs_id, output_index=i, content_index=0,
+                               text=item["content"][0]["text"] if item["content"] else ""),
+                            ev("response.output_item.done", output_index=i, item=item)]
+
+                def open_message() -> list[dict]:
+                    if now["c"] is not None:
+                        return []
+                    now["c"] = ""
+                    return [ev("response.output_item.added", output_index=len(output),
+                               item=message_item("", "in_progress")),
+                            ev("response.content_part.added", item_id=msg_id, output_index=len(output),
+                               content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                      "logprobs": []})]
+
+                def pieces(r: str, c: str) -> list[dict]:
+                    out = []
+                    if r:
+                        if now["r"] is None:
+                            now["r"] = ""
+                            out.append(ev("response.output_item.added", output_index=len(output),
+                                          item=reasoning_item("", "in_progress")))
+                        now["r"] += r
+                        out.append(ev("response.reasoning_text.delta", item_id=rs_id, output_index=len(output),
+                                      content_index=0, delta=r))
+                    if c:
+                        out += close_reasoning() + open_message()
+                        now["c"] += c
+                        out.append(ev("response.output_text.delta", item_id=msg_id, output_index=len(output),
+                                      content_index=0, delta=c, logprobs=[]))
+                    return out
+
+                yield ev("response.created", response=response("in_progress", []))
+                yield ev("response.in_progress", response=response("in_progress", []))
+                for e in pieces(*answer.opening):
+                    yield e
+                async for piece in job.pieces():
+                    for e in pieces(*answer.feed(piece)):
+                        yield e
+                r, c, calls = answer.finish()
+                calls = calls[:1] if one_call else calls
+                for e in pieces(r, c) + close_reasoning():
+                    yield e
+                if not calls:  # (an empty answer is still one message)
+                    for e in open_message():
+                        yield e
+                if now["c"] is not None:
+                    item, i = message_item(now["c"], "completed"), len(output)
+                    output.append(item)
+                    yield ev("response.output_text.done", item_id=msg_id, output_index=i, content_index=0,
+                             text=now["c"], logprobs=[])
+                    yield ev("response.content_part.done", item_id=msg_id, output_index=i, content_index=0,
+                             part=item["content"][0])
+                    yield ev("response.output_item.done", output_index=i, item=item)
+                for t in calls:
+                    i = len(output)
+                    yield ev("response.output_item.added", output_index=i, item=call_item(t, "in_progress"))
+                    yield ev("response.function_call_arguments.delta", item_id=f"fc_{t.id}", output_index=i,
+                             delta=t.arguments)
+                    yield ev("response.function_call_arguments.done", item_id=f"fc_{t.id}", output_index=i,
+                             arguments=t.arguments, name=t.name)
+                    output.append(call_item(t, "completed"))
+                    yield ev("response.output_item.done", output_index=i, item=output[-1])
+                status = status_of()
+                yield ev("response.completed" if status == "completed" else "response.incomplete",
+                         response=response(status, output))
+            return await self._stream(request, [job], events(), done=False, sse=_sse_event)
+        finally:
+            job.cancel()
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's /v1/completions."""
         body = await self._body(request)
@@ -646,10 +798,12 @@ class Server:
         return oai.usage(len(job.req.prompt), job.n_generated, job.req.n_cached)
 
     # -- SSE -----------------------------------------------------------------------------------------
-    async def _stream(self, request: web.Request, jobs: list[Job], events, done: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, jobs: list[Job], events, done: bool, sse=None) -> web.StreamResponse:
         """Server-Sent Events: each object as `data: {...}`, then `data: [DONE]` (OpenAI's streams).
         An error after the headers went out is one last `data: {"error": ...}` event; a reader that
-        went away or stopped reading (--timeout) ends the stream, and its jobs are cancelled."""
+        went away or stopped reading (--timeout) ends the stream, and its jobs are cancelled. `sse`:
+        another event form (the Responses API's named events, `_sse_event`)."""
+        sse = sse or _sse
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "X-Accel-Buffering": "no"})
         if request.version < aiohttp.HttpVersion11:
@@ -661,9 +815,9 @@ class Server:
             await out.prepare(request)  # (inside: a reader gone before the headers went out cancels the jobs too)
             try:
                 async for obj in events:
-                    await self._write(out, _sse(obj))
+                    await self._write(out, sse(obj))
             except ApiError as e:
-                await self._write(out, _sse(e.body()))
+                await self._write(out, sse(e.body()))
             if done:
                 await self._write(out, b"data: [DONE]\n\n")
             await out.write_eof()
@@ -832,6 +986,14 @@ def _ik_tok_str(b: list[int], text: str) -> str:
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _sse_event(obj: dict) -> bytes:
+    """A Responses API stream event: `event: TYPE` and its data (an error as its `error` event)."""
+    if "type" not in obj and isinstance(obj.get("error"), dict):
+        obj = {"type": "error", "code": obj["error"].get("code"), "message": obj["error"].get("message"),
+               "param": None}
+    return f"event: {obj['type']}\n".encode() + _sse(obj)
 
 
 async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:

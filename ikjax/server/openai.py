@@ -567,3 +567,132 @@ FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context": "len
 def usage(prompt_n: int, completion_n: int, cached: int) -> dict:
     return {"prompt_tokens": prompt_n, "completion_tokens": completion_n, "total_tokens": prompt_n + completion_n,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# -- OpenAI's Responses API (POST /v1/responses), served through the chat endpoint's machinery ------------
+
+_RESPONSES_REFUSED = {
+    "previous_response_id": "responses are not stored here; send the conversation as `input`",
+    "background": "no background responses here",
+    "prompt": "no stored prompts here",
+    "conversation": "conversations are not stored here; send them as `input`",
+}
+
+
+def responses_to_chat(body: dict) -> dict:
+    """A Responses API request as the chat request it means (ik_llama.cpp's conversion, the rules read
+    from its server: `instructions` a system message first; `input` a user message, or a list of items:
+    messages of input_text parts (user / system / developer), assistant messages of output_text parts,
+    function_call and function_call_output items as a call turn and a tool message; reasoning items of
+    earlier answers dropped, as DeepSeek's templates drop earlier reasoning). `max_output_tokens` is
+    max_tokens, function tools are chat tools; the sampling fields go as they are."""
+    for name, why in _RESPONSES_REFUSED.items():
+        if body.get(name) not in (None, False, ""):
+            raise bad(f"{name}: not supported ({why})")
+    if "input" not in body:
+        raise bad("input: required (a string, or a list of input items)")
+    chat = {k: v for k, v in body.items() if k not in ("input", "instructions", "max_output_tokens", "tools",
+                                                         "tool_choice", "text", "reasoning", "store", "include",
+                                                         "metadata", "truncation", "service_tier")}
+    messages: list[dict] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad(f"instructions: expected a string, got {json_type(instructions)}")
+        messages.append({"role": "system", "content": instructions})
+    items = body["input"]
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list) and items:
+        for i, item in enumerate(items):
+            messages += _response_item(item, i, messages)
+    else:
+        raise bad("input: expected a string or a non-empty list of input items")
+    if not any(m["role"] != "system" for m in messages):
+        raise bad("input: no message to answer (only instructions / system messages)")
+    chat["messages"] = messages
+    if body.get("max_output_tokens") is not None:
+        n = body["max_output_tokens"]
+        if not _is_int(n) or n < 1:
+            raise bad(f"max_output_tokens: expected an integer >= 1, got {n!r}"[:300])
+        chat["max_tokens"] = n
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if body.get("text") is not None and not isinstance(body.get("text"), dict):
+        raise bad("text: expected an object")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad("text.format: only {\"type\": \"text\"} (no grammar-constrained sampling here)")
+    if body.get("tools") is not None:
+        chat["tools"] = _response_tools(body["tools"])
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        chat["tool_choice"] = choice
+    return chat
+
+
+def _text_parts(content, where: str, kinds: tuple[str, ...]) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content: expected a string or a list of parts, got {json_type(content)}")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise bad(f"{where}.content[{j}]: {kind} is not supported (a text-only model)")
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise bad(f"{where}.content[{j}]: expected a part of type {' or '.join(kinds)} with text")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _response_item(item, i: int, messages: list[dict]) -> list[dict]:
+    where = f"input[{i}]"
+    if not isinstance(item, dict):
+        raise bad(f"{where}: expected an object, got {json_type(item)}")
+    kind, role = item.get("type"), item.get("role")
+    if kind in (None, "message") and role in ("user", "system", "developer"):
+        return [{"role": role, "content": _text_parts(item.get("content"), where, ("input_text", "text"))}]
+    if kind in (None, "message") and role == "assistant":
+        return [{"role": "assistant", "content": _text_parts(item.get("content"), where,
+                                                              ("output_text", "input_text", "text"))}]
+    if kind == "function_call":
+        for name in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(name), str):
+                raise bad(f"{where}.{name}: expected a string")
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
+            messages[-1]["tool_calls"].append(call)  # (several calls of one turn: one assistant message)
+            return []
+        return [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    if kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise bad(f"{where}.call_id: expected a string")
+        return [{"role": "tool", "tool_call_id": item["call_id"],
+                 "content": _text_parts(item.get("output"), where, ("input_text", "output_text", "text"))}]
+    if kind == "reasoning":
+        return []
+    raise bad(f"{where}: expected a message (role user, system, developer or assistant), a function_call or a "
+              f"function_call_output item, got type {kind!r}, role {role!r}"[:300])
+
+
+def _response_tools(tools) -> list[dict]:
+    if not isinstance(tools, list):
+        raise bad("tools: expected a list")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else json_type(t)
+            raise bad(f"tools[{i}]: only function tools are served here, got {kind!r}"[:300])
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def response_usage(prompt_n: int, completion_n: int, cached: int) -> dict:
+    """The Responses API's usage object."""
+    return {"input_tokens": prompt_n, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion_n, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_n + completion_n}
