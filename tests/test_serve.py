@@ -1882,3 +1882,46 @@ def test_responses_api_through_the_openai_client(server):
                      {"input": "x", "text": {"format": {"type": "json_schema"}}}):
         st, body = call(server, "POST", "/v1/responses", {"model": MODEL, **bad_body})
         assert st == 400 and body["error"]["message"], (bad_body, body)
+
+
+def test_anthropic_messages_api_through_its_client(server):
+    """Anthropic's Messages API (POST /v1/messages, as ik's server serves it) through the anthropic
+    client: `system` and messages answered as the chat endpoint answers them (greedy: the same text; R1's
+    reasoning a thinking block), max_tokens reached: stop_reason max_tokens; streamed as its events (the
+    deltas add up to the whole); count_tokens the prompt's tokens; errors in Anthropic's form."""
+    anthropic = pytest.importorskip("anthropic")
+    a = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    c = client(server)
+    for fmt in ("none", "deepseek"):
+        extra = {"reasoning_format": fmt}
+        chat = c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
+                                                                {"role": "user", "content": "why"}],
+                                         max_tokens=8, temperature=0, extra_body=extra)
+        m = a.messages.create(model=MODEL, system="Be brief.", max_tokens=8, extra_body=extra,  # (--temp 0)
+                              messages=[{"role": "user", "content": [{"type": "text", "text": "why"}]}])
+        assert m.type == "message" and m.role == "assistant" and m.stop_reason == "max_tokens"
+        assert m.usage.output_tokens == 8 and m.usage.input_tokens + m.usage.cache_read_input_tokens == \
+            chat.usage.prompt_tokens
+        kinds = [b.type for b in m.content]
+        if fmt == "none":
+            assert kinds == ["text"] and m.content[0].text == chat.choices[0].message.content
+        else:
+            assert kinds == ["thinking", "text"] and m.content[0].thinking == \
+                chat.choices[0].message.model_extra["reasoning_content"] and m.content[1].text == ""
+        with a.messages.stream(model=MODEL, system="Be brief.", max_tokens=8, extra_body=extra,
+                               messages=[{"role": "user", "content": "why"}]) as st:
+            events = list(st)
+            final = st.get_final_message()
+        assert events[0].type == "message_start" and final.stop_reason == "max_tokens"
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    n = a.messages.count_tokens(model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "why"}])
+    assert n.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "system", "content": "x"}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    for bad_body in ({"messages": [{"role": "user", "content": "x"}]},  # no max_tokens
+                     {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+                     {"max_tokens": 4, "messages": "x"}, {"max_tokens": 4, "messages": [{"role": "user",
+                      "content": "x"}], "tool_choice": {"type": "sometimes"}}):
+        st, body = call(server, "POST", "/v1/messages", {"model": MODEL, **bad_body})
+        assert st == 400 and body["type"] == "error" and body["error"]["message"], (bad_body, body)

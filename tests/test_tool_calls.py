@@ -679,3 +679,46 @@ def test_responses_api_tool_calls_and_their_outputs(app_server):
             {"role": "tool", "tool_call_id": calls[1][2], "content": "12:00"}]
     c.chat.completions.create(model="m", messages=msgs, tools=[WEATHER, TIME], extra_body={"reasoning_format": "none"})
     assert via_responses == tok.decode(app_server["prompts"][-1]) and "sunny 21C" in via_responses
+
+
+def test_anthropic_messages_tool_use_and_results(app_server):
+    """Anthropic's Messages API with client tools: an answer that calls two tools is a text block and two
+    tool_use blocks (their input parsed), stop_reason tool_use, whole and streamed; a next turn sending
+    the tool_use blocks and tool_result blocks back renders as the chat endpoint's call turn and tool
+    messages."""
+    anthropic = pytest.importorskip("anthropic")
+    tok = app_server["tok"]
+    app_server["answer"]["text"] = R1_ANSWER
+    a = anthropic.Anthropic(base_url=app_server["url"], api_key="none", max_retries=0, timeout=60)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"],
+              **({"description": t["function"]["description"]} if "description" in t["function"] else {})}
+             for t in (WEATHER, TIME)]
+    kw = dict(model="m", max_tokens=64, tools=tools, extra_body={"reasoning_format": "none"},
+              messages=[{"role": "user", "content": "Weather in Paris, and the time?"}])
+    m = a.messages.create(**kw)
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use", "tool_use"]
+    assert m.content[0].text == "Let me look.\n"
+    uses = [(b.name, b.input, b.id) for b in m.content[1:]]
+    assert [u[:2] for u in uses] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    with a.messages.stream(**kw) as st:
+        final = st.get_final_message()
+    assert [(b.type, getattr(b, "input", None)) for b in final.content] == \
+        [("text", None), ("tool_use", {"city": "Paris"}), ("tool_use", {})] and final.stop_reason == "tool_use"
+    app_server["answer"]["text"] = "Sunny, noon."
+    turn = kw["messages"] + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": i, "name": n, "input": x} for n, x, i in uses]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0][2], "content": "sunny 21C"},
+                                     {"type": "tool_result", "tool_use_id": uses[1][2],
+                                      "content": [{"type": "text", "text": "12:00"}]}]}]
+    m2 = a.messages.create(**{**kw, "messages": turn})
+    assert m2.content[0].text == "Sunny, noon." and m2.stop_reason == "end_turn"
+    via_messages = tok.decode(app_server["prompts"][-1])
+    msgs = [{"role": "user", "content": "Weather in Paris, and the time?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(x)}}
+                for n, x, i in uses]},
+            {"role": "tool", "tool_call_id": uses[0][2], "content": "sunny 21C"},
+            {"role": "tool", "tool_call_id": uses[1][2], "content": "12:00"}]
+    _client(app_server).chat.completions.create(model="m", messages=msgs, tools=[WEATHER, TIME],
+                                                extra_body={"reasoning_format": "none"})
+    assert via_messages == tok.decode(app_server["prompts"][-1]) and "sunny 21C" in via_messages

@@ -36,7 +36,7 @@ from ikjax.chat_template import (AnswerSplitter, ChatTemplateError, answer_openi
                                  opens_reasoning, renders_text_beside_calls, split_prefill)
 from ikjax.errors import OptionError
 from ikjax.runtime.scheduler import QueueFullError, Scheduler
-from ikjax.server import openai as oai
+from ikjax.server import anthropic, openai as oai
 from ikjax.server.jobs import Job
 from ikjax.server.metrics import CONTENT_TYPE, Metrics
 from ikjax.server.openai import ApiError, Defaults, GenParams, bad
@@ -103,6 +103,8 @@ class Server:
         r.add_post("/chat/completions", self.chat_completions)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/responses", self.responses)
+        r.add_post("/v1/messages", self.messages)
+        r.add_post("/v1/messages/count_tokens", self.count_tokens)
         r.add_post("/responses", self.responses)
         r.add_post("/completions", self.completion)
         r.add_post("/completion", self.completion)
@@ -133,6 +135,20 @@ class Server:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        out = await self._errors_of(request, handler)
+        if request.path.startswith("/v1/messages") and out.status >= 400:  # Anthropic's clients: its error form
+            try:
+                message = json.loads(out.text)["error"]["message"]
+            except (TypeError, ValueError, KeyError, AttributeError):
+                return out
+            new = web.json_response(anthropic.error_body(out.status, message), status=out.status)
+            for name in ("Allow", "Retry-After"):
+                if name in out.headers:
+                    new.headers[name] = out.headers[name]
+            return new
+        return out
+
+    async def _errors_of(self, request: web.Request, handler):
         try:
             return await handler(request)
         except ApiError as e:
@@ -581,6 +597,122 @@ class Server:
         finally:
             job.cancel()
 
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's POST /v1/messages/count_tokens: the prompt's tokens, as the template renders it."""
+        chat = anthropic.messages_to_chat(await self._body(request), counting=True)
+        ids, _, _, _ = await self._chat_prompt(chat)
+        return web.json_response({"input_tokens": len(ids)})
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API (POST /v1/messages, served by ik_llama.cpp's server too, for the
+        clients written against Anthropic's): the request as the chat request it means
+        (`anthropic.messages_to_chat`), run as a chat answer, answered as a Message of thinking, text and
+        tool_use blocks, or streamed as its events (message_start .. message_stop)."""
+        body = await self._body(request)
+        chat = anthropic.messages_to_chat(body)
+        model = self._check_model(chat)
+        params = await self._gen_params(chat, max_names=("max_tokens",), endpoint="chat")
+        params.id_slot = oai.check_slot(chat, self.config.n_slots)
+        use_tools = bool(chat.get("tools")) and chat.get("tool_choice") != "none"
+        one_call = chat.get("parallel_tool_calls") is False
+        ids, text, start, prefill = await self._chat_prompt(chat)
+        fmt = chat.get("reasoning_format")
+        fmt = self.config.reasoning_format if fmt is None else fmt
+        if fmt not in REASONING_FORMATS:
+            raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}"[:300])
+        opened = opens_reasoning(text[:len(text) - len(start)], prefill)
+        answer = AnswerSplitter.for_chat(opened if fmt != "none" else None,
+                                         chat["tools"] if use_tools else None, self.template.source, forced=start)
+        job = self._job(ids, params, self.tok.ids_of(TOOL_MARKERS) if use_tools else frozenset())
+        mid = f"msg_{uuid.uuid4().hex}"
+
+        def stop_of(calls: list) -> tuple[str, str | None]:
+            reason = anthropic.STOP_REASONS[job.finish_reason]
+            if calls and reason in ("end_turn", "stop_sequence"):
+                return "tool_use", None
+            return reason, job.stopping_word if reason == "stop_sequence" else None
+
+        def usage() -> dict:
+            return anthropic.usage(len(job.req.prompt), job.n_generated, job.req.n_cached)
+
+        def tool_block(t) -> dict:
+            try:
+                args = json.loads(t.arguments or "{}")
+            except ValueError:
+                args = {"_raw": t.arguments}
+            return {"type": "tool_use", "id": t.id, "name": t.name, "input": args if isinstance(args, dict)
+                    else {"_value": args}}
+
+        def message(content: list[dict], stop: str | None, seq: str | None, use: dict) -> dict:
+            return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+                    "stop_reason": stop, "stop_sequence": seq, "usage": use}
+
+        try:
+            if not params.stream:
+                parts = [answer.opening] + [answer.feed(piece) async for piece in job.pieces()]
+                r, c, calls = answer.finish()
+                calls = calls[:1] if one_call else calls
+                content, reasoning = "".join(p[1] for p in parts) + c, "".join(p[0] for p in parts) + r
+                blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] \
+                    if answer.had_reasoning and reasoning.strip() else []
+                if content or not calls:
+                    blocks.append({"type": "text", "text": content})
+                blocks += [tool_block(t) for t in calls]
+                return web.json_response(message(blocks, *stop_of(calls), usage()))
+
+            async def events():
+                now = {"kind": None, "index": -1}  # the open block
+
+                def switch(kind: str) -> list[dict]:
+                    out = []
+                    if now["kind"] == kind:
+                        return out
+                    if now["kind"] is not None:
+                        out.append({"type": "content_block_stop", "index": now["index"]})
+                    now["kind"], now["index"] = kind, now["index"] + 1
+                    block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
+                        else {"type": "text", "text": ""}
+                    out.append({"type": "content_block_start", "index": now["index"], "content_block": block})
+                    return out
+
+                def pieces(r: str, c: str) -> list[dict]:
+                    out = []
+                    if r:
+                        out += switch("thinking")
+                        out.append({"type": "content_block_delta", "index": now["index"],
+                                    "delta": {"type": "thinking_delta", "thinking": r}})
+                    if c:
+                        out += switch("text")
+                        out.append({"type": "content_block_delta", "index": now["index"],
+                                    "delta": {"type": "text_delta", "text": c}})
+                    return out
+
+                yield {"type": "message_start", "message": message([], None, None, {**usage(), "output_tokens": 0})}
+                for e in pieces(*answer.opening):
+                    yield e
+                async for piece in job.pieces():
+                    for e in pieces(*answer.feed(piece)):
+                        yield e
+                r, c, calls = answer.finish()
+                calls = calls[:1] if one_call else calls
+                for e in pieces(r, c) + ([] if calls or now["kind"] == "text" else switch("text")):
+                    yield e
+                if now["kind"] is not None:
+                    yield {"type": "content_block_stop", "index": now["index"]}
+                for i, t in enumerate(calls, now["index"] + 1):
+                    block = tool_block(t)
+                    yield {"type": "content_block_start", "index": i, "content_block": {**block, "input": {}}}
+                    yield {"type": "content_block_delta", "index": i,
+                           "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
+                    yield {"type": "content_block_stop", "index": i}
+                stop, seq = stop_of(calls)
+                yield {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": seq},
+                       "usage": {"output_tokens": job.n_generated}}
+                yield {"type": "message_stop"}
+            return await self._stream(request, [job], events(), done=False, sse=_sse_anthropic)
+        finally:
+            job.cancel()
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's /v1/completions."""
         body = await self._body(request)
@@ -986,6 +1118,13 @@ def _ik_tok_str(b: list[int], text: str) -> str:
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _sse_anthropic(obj: dict) -> bytes:
+    """An Anthropic Messages stream event (`event: TYPE`); an error as its `error` event."""
+    if "type" not in obj and isinstance(obj.get("error"), dict):
+        obj = anthropic.error_body(obj["error"].get("code") or 500, obj["error"].get("message", ""))
+    return f"event: {obj['type']}\n".encode() + _sse(obj)
 
 
 def _sse_event(obj: dict) -> bytes:
