@@ -1914,6 +1914,16 @@ def test_anthropic_messages_api_through_its_client(server):
             final = st.get_final_message()
         assert events[0].type == "message_start" and final.stop_reason == "max_tokens"
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    # thinking.budget_tokens: ik's reasoning budget (</think> forced after that many thinking tokens)
+    # (the chat endpoint's thinking_budget_tokens: the same answer)
+    for budget in (2, 5):
+        short = a.messages.create(model=MODEL, max_tokens=12, thinking={"type": "enabled", "budget_tokens": budget},
+                                  messages=[{"role": "user", "content": "why"}])
+        same = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "why"}], max_tokens=12,
+                                         extra_body={"thinking_budget_tokens": budget}).choices[0].message
+        thought = [b.thinking for b in short.content if b.type == "thinking"]
+        assert thought == ([same.model_extra["reasoning_content"]] if same.model_extra.get("reasoning_content")
+                           else []) and short.content[-1].text == same.content
     n = a.messages.count_tokens(model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "why"}])
     assert n.input_tokens == chat.usage.prompt_tokens
     with pytest.raises(anthropic.BadRequestError) as e:
