@@ -448,18 +448,13 @@ class Server:
         finally:
             job.cancel()
 
-    async def responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's Responses API (POST /v1/responses, served by ik_llama.cpp's server too): the request
-        as the chat request it means (`oai.responses_to_chat`), run as a chat answer (the template,
-        R1's reasoning, tool calls), answered as a Response object, or streamed as its events
-        (`event: response.output_text.delta` ...; no [DONE])."""
-        body = await self._body(request)
-        chat = oai.responses_to_chat(body)
+    async def _chat_job(self, chat: dict):
+        """(model, params, one call only, the answer's splitter, the started job) of a chat request made
+        from another API's (the Responses and Messages APIs): checked, rendered and run as a chat answer."""
         model = self._check_model(chat)
         params = await self._gen_params(chat, max_names=("max_tokens",), endpoint="chat")
         params.id_slot = oai.check_slot(chat, self.config.n_slots)
         use_tools = bool(chat.get("tools")) and chat.get("tool_choice") != "none"
-        one_call = chat.get("parallel_tool_calls") is False
         ids, text, start, prefill = await self._chat_prompt(chat)
         fmt = chat.get("reasoning_format")  # (llama-server's field, as on chat: none leaves <think> in the text)
         fmt = self.config.reasoning_format if fmt is None else fmt
@@ -469,6 +464,15 @@ class Server:
         answer = AnswerSplitter.for_chat(opened if fmt != "none" else None,
                                          chat["tools"] if use_tools else None, self.template.source, forced=start)
         job = self._job(ids, params, self.tok.ids_of(TOOL_MARKERS) if use_tools else frozenset())
+        return model, params, chat.get("parallel_tool_calls") is False, answer, job
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API (POST /v1/responses, served by ik_llama.cpp's server too): the request
+        as the chat request it means (`oai.responses_to_chat`), run as a chat answer (the template,
+        R1's reasoning, tool calls), answered as a Response object, or streamed as its events
+        (`event: response.output_text.delta` ...; no [DONE])."""
+        body = await self._body(request)
+        model, params, one_call, answer, job = await self._chat_job(oai.responses_to_chat(body))
         tag, created = uuid.uuid4().hex, int(time.time())
         rs_id, msg_id = f"rs_{tag}", f"msg_{tag}"
 
@@ -609,21 +613,7 @@ class Server:
         (`anthropic.messages_to_chat`), run as a chat answer, answered as a Message of thinking, text and
         tool_use blocks, or streamed as its events (message_start .. message_stop)."""
         body = await self._body(request)
-        chat = anthropic.messages_to_chat(body)
-        model = self._check_model(chat)
-        params = await self._gen_params(chat, max_names=("max_tokens",), endpoint="chat")
-        params.id_slot = oai.check_slot(chat, self.config.n_slots)
-        use_tools = bool(chat.get("tools")) and chat.get("tool_choice") != "none"
-        one_call = chat.get("parallel_tool_calls") is False
-        ids, text, start, prefill = await self._chat_prompt(chat)
-        fmt = chat.get("reasoning_format")
-        fmt = self.config.reasoning_format if fmt is None else fmt
-        if fmt not in REASONING_FORMATS:
-            raise bad(f"reasoning_format: expected one of {', '.join(REASONING_FORMATS)}, got {fmt!r}"[:300])
-        opened = opens_reasoning(text[:len(text) - len(start)], prefill)
-        answer = AnswerSplitter.for_chat(opened if fmt != "none" else None,
-                                         chat["tools"] if use_tools else None, self.template.source, forced=start)
-        job = self._job(ids, params, self.tok.ids_of(TOOL_MARKERS) if use_tools else frozenset())
+        model, params, one_call, answer, job = await self._chat_job(anthropic.messages_to_chat(body))
         mid = f"msg_{uuid.uuid4().hex}"
 
         def stop_of(calls: list) -> tuple[str, str | None]:
