@@ -576,6 +576,7 @@ _RESPONSES_REFUSED = {
     "background": "no background responses here",
     "prompt": "no stored prompts here",
     "conversation": "conversations are not stored here; send them as `input`",
+    "top_logprobs": "no log-probabilities on this endpoint here; the chat endpoint gives them",
 }
 
 
@@ -593,7 +594,7 @@ def responses_to_chat(body: dict) -> dict:
         raise bad("input: required (a string, or a list of input items)")
     chat = {k: v for k, v in body.items() if k not in ("input", "instructions", "max_output_tokens", "tools",
                                                          "tool_choice", "text", "reasoning", "store", "include",
-                                                         "metadata", "truncation", "service_tier")}
+                                                         "metadata", "truncation", "service_tier", "top_logprobs")}
     messages: list[dict] = []
     instructions = body.get("instructions")
     if instructions is not None:
