@@ -177,3 +177,31 @@ def test_serve_context_shift_over_http(tiny_model):
     r = subprocess.run([sys.executable, "-m", "ikjax.cli", "serve", "-m", tiny_model, "--context-shift", "maybe"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--context-shift: expected on, off" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_shifted_slot_is_reused_only_in_its_kept_part(tiny_model):
+    """After a context shift the rows past the kept part were computed in a context since dropped: a
+    later prompt that goes on from the slot's tokens (a "next turn" for --prompt-cache auto) reuses at
+    most the kept part, so its answer is a fresh run's (the same prompt alternated between two answers
+    before); a cut that would leave nothing keeps the prompt's last token (a 500 before)."""
+    eng = ikjax.load(tiny_model, ctx=CTX, ubatch=16)
+    bos = eng.config.bos_token_id
+    p = [bos] + ids(eng, 19, 6)
+    s = Scheduler(eng, 1, context_shift=True).start()
+    try:
+        req, got, end = run(s, p, 80, ignore_eos=True)
+        slot = s.slots[req.slot]
+        assert req.shifted and slot.moved == 1 and end == ("done", "max_tokens")
+        follow = slot.tokens + [int(got[-1]), 7]  # the slot's tokens and more: auto's next turn
+        assert s._reuse(slot, np.asarray(follow), True) <= 1
+        room = CTX - len(follow)
+        req2, got2, _ = run(s, follow, room, ignore_eos=True)
+        assert req2.n_cached <= 1 and got2 == list(eng.generate(follow, room, ignore_eos=True))
+        assert slot.moved is None  # (its rows fed afresh)
+        for keep in (0, 3):  # n_discard past the prompt's end
+            long = ids(eng, 150, 7)
+            req3, got3, end3 = run(s, long, 4, n_keep=keep, n_discard=10**9)
+            assert end3[0] == "done" and list(req3.prompt) == long[:keep] + ([long[-1]] if keep == 0 else [])
+            assert got3 == list(eng.generate(list(req3.prompt), 4))[:len(got3)]
+    finally:
+        s.stop()

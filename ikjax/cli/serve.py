@@ -212,5 +212,5 @@ def context_shift_choice(value: str | None, off: bool) -> bool:
     if v not in ("on", "off", "auto", "1", "0"):
         raise OptionError(f"--context-shift: expected on, off, auto, 1 or 0, got {value!r}")
     if off and v in ("on", "auto", "1"):
-        raise OptionError("--context-shift on and --no-context-shift: give one of them")
+        raise OptionError(f"--context-shift {value} and --no-context-shift: give one of them")
     return v in ("on", "auto", "1")

@@ -161,6 +161,9 @@ class Slot:
     tokens: list[int] = field(default_factory=list)  # the tokens whose KV the row holds, positions 0..
     exact: int = 0  # leading tokens whose KV is bit for bit what a fresh prefill writes (ubatch multiple)
     prompt_end: int = 0  # leading tokens fed as the last request's prompt (the rest: what it generated)
+    # after a context shift: the leading tokens whose KV never moved (the kept part); the rows after them
+    # were computed in a context since dropped, so no later prompt reuses them (`_reuse`); None: all
+    moved: int | None = None
     req: Request | None = None
     last_used: float = 0.0
 
@@ -299,6 +302,8 @@ class Scheduler:
         cut = 0
         while len(ids) - cut >= self.ctx:
             cut += step
+        # (an n_discard past the prompt's end leaves its last token, or the kept part: never nothing)
+        cut = min(cut, len(ids) - max(keep, 1))
         return np.concatenate([ids[:keep], ids[keep + cut:]]).astype(ids.dtype)
 
     def _budget(self, prompt: np.ndarray, budget, message) -> ReasoningBudget | None:
@@ -567,6 +572,8 @@ class Scheduler:
         if not cache_prompt or self.prompt_cache == "off" or not slot.tokens:
             return 0
         lcp = self._lcp(slot, prompt)
+        if slot.moved is not None:  # (a shifted slot: only its kept part, which a fresh run writes the same)
+            lcp = min(lcp, slot.moved)
         if lcp <= 0:
             return 0
         if self.prompt_cache == "prefix" or (self.prompt_cache == "auto" and self._next_turn(slot, prompt, lcp)):
@@ -588,6 +595,8 @@ class Scheduler:
         this conversation takes it, rather than the least recently used one, whose cache another
         conversation may come back for (a repeated short prompt went to another slot, evicting it)."""
         lcp = self._lcp(slot, prompt) if slot.tokens else 0
+        if slot.moved is not None:
+            lcp = min(lcp, slot.moved)
         return lcp if 2 * lcp >= len(prompt) else 0
 
     def _next_turn(self, slot: Slot, prompt: np.ndarray, lcp: int) -> bool:
@@ -640,7 +649,7 @@ class Scheduler:
         for i in erase:
             slot = self.slots[i]
             if slot.req is None:
-                slot.tokens, slot.exact, slot.prompt_end = [], 0, 0
+                slot.tokens, slot.exact, slot.prompt_end, slot.moved = [], 0, 0, None
 
     def _prefill_chunk(self) -> None:
         req = self._prefill[0]
@@ -652,6 +661,7 @@ class Scheduler:
             slot.exact = min(slot.exact, start) // self.ubatch * self.ubatch
             slot.prompt_end = min(slot.prompt_end, start)
             slot.tokens = slot.tokens[:start]
+            slot.moved = None  # (start is within any shifted slot's kept part: `_reuse`)
             req._fed_from = start
             self.stats.cached_tokens += start
         t0 = time.perf_counter()
@@ -774,6 +784,7 @@ class Scheduler:
         self._set_batch_cache(kvcache.shift_row(self._batch_cache(), self.eng.config, b, keep, discard))
         s.tokens = s.tokens[:keep] + s.tokens[keep + discard:]
         s.exact, s.prompt_end = min(s.exact, keep), min(s.prompt_end, keep)
+        s.moved = keep if s.moved is None else min(s.moved, keep)
         req.shifted += discard
         req.truncated = True
         log.info("slot %d: context shift: kept %d, dropped %d, %d tokens left in the slot", s.index, keep, discard,
@@ -997,7 +1008,7 @@ class Scheduler:
         for s in self.slots:
             if s.req is not None:
                 self._finish(s.req, "error", message)
-            s.tokens, s.exact, s.prompt_end = [], 0, 0
+            s.tokens, s.exact, s.prompt_end, s.moved = [], 0, 0, None
         self._cache = self.eng.new_cache(self.n_slots)
 
 

@@ -978,7 +978,7 @@ class Server:
     async def props(self, request: web.Request) -> web.Response:
         d = self.config.defaults
         params = {"n_predict": d.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
-                  "min_p": d.min_p, "seed": d.seed, "cache_prompt": True}
+                  "min_p": d.min_p, "seed": d.seed, "cache_prompt": True, "n_keep": d.n_keep, "n_discard": 0}
         return web.json_response({
             "n_ctx": self.scheduler.ctx, "model_name": self.config.model_name,
             # the settings under `params` (llama.cpp's form now) and flat beside n_ctx (ik's
