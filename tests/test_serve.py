@@ -1861,8 +1861,8 @@ def test_responses_api_through_the_openai_client(server):
             kinds = [o.type for o in r.output]
             if fmt == "none":
                 assert kinds == ["message"] and r.output_text == chat.content
-            else:  # the tiny model never closes R1's <think>: all of it reasoning, an empty message
-                assert kinds == ["reasoning", "message"] and r.output_text == ""
+            else:  # the tiny model never closes R1's <think>: all of it reasoning, no message (cut off thinking)
+                assert kinds == ["reasoning"] and r.output_text == "" and r.usage.output_tokens_details.reasoning_tokens > 0
                 assert r.output[0].content[0].text == chat.model_extra["reasoning_content"]
         events = list(c.responses.create(model=MODEL, instructions="Be brief.", input="why", max_output_tokens=8,
                                          temperature=0, stream=True, extra_body=extra))
@@ -1877,11 +1877,16 @@ def test_responses_api_through_the_openai_client(server):
             assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
                 chat.model_extra["reasoning_content"] == final.output[0].content[0].text
     for bad_body in ({"input": []}, {"input": [{"type": "input_image"}]}, {"input": "x", "previous_response_id": "r"},
-                     {"input": "x", "tools": [{"type": "web_search"}]},
+                     {"input": "x", "tools": [{"type": "function", "name": 5}]}, {"input": "x", "metadata": 5},
+                     {"input": "x", "parallel_tool_calls": "no"},
                      {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
                      {"input": "x", "text": {"format": {"type": "json_schema"}}}):
         st, body = call(server, "POST", "/v1/responses", {"model": MODEL, **bad_body})
         assert st == 400 and body["error"]["message"], (bad_body, body)
+    # built-in tools (web_search, custom: what coding agents send with every request) left out, as ik's
+    st, body = call(server, "POST", "/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 2, "tools": [
+        {"type": "web_search"}, {"type": "custom", "name": "apply_patch"}]})
+    assert st == 200 and body["status"] == "incomplete", body
 
 
 def test_anthropic_messages_api_through_its_client(server):
@@ -1906,8 +1911,8 @@ def test_anthropic_messages_api_through_its_client(server):
         if fmt == "none":
             assert kinds == ["text"] and m.content[0].text == chat.choices[0].message.content
         else:
-            assert kinds == ["thinking", "text"] and m.content[0].thinking == \
-                chat.choices[0].message.model_extra["reasoning_content"] and m.content[1].text == ""
+            assert kinds == ["thinking"] and m.content[0].thinking == \
+                chat.choices[0].message.model_extra["reasoning_content"]  # (no empty text block)
         with a.messages.stream(model=MODEL, system="Be brief.", max_tokens=8, extra_body=extra,
                                messages=[{"role": "user", "content": "why"}]) as st:
             events = list(st)
@@ -1923,15 +1928,34 @@ def test_anthropic_messages_api_through_its_client(server):
                                          extra_body={"thinking_budget_tokens": budget}).choices[0].message
         thought = [b.thinking for b in short.content if b.type == "thinking"]
         assert thought == ([same.model_extra["reasoning_content"]] if same.model_extra.get("reasoning_content")
-                           else []) and short.content[-1].text == same.content
+                           else []) and "".join(b.text for b in short.content if b.type == "text") == same.content
     n = a.messages.count_tokens(model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "why"}])
     assert n.input_tokens == chat.usage.prompt_tokens
     with pytest.raises(anthropic.BadRequestError) as e:
         a.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "system", "content": "x"}])
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    # Claude Code's x-anthropic-* system block is not the model's (ik drops it); a server tool is a function
+    plain = a.messages.count_tokens(model=MODEL, system=[{"type": "text", "text": "Be brief."}],
+                                    messages=[{"role": "user", "content": "why"}])
+    billed = a.messages.count_tokens(model=MODEL, system=[{"type": "text", "text": "x-anthropic-billing: 1"},
+                                                          {"type": "text", "text": "Be brief."}],
+                                     messages=[{"role": "user", "content": "why"}])
+    assert billed.input_tokens == plain.input_tokens
+    # (count_tokens: the tool list alone is longer than a slot of this server)
+    hi = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    st, with_tool = call(server, "POST", "/v1/messages/count_tokens", {"model": MODEL, "tools": [
+        {"type": "bash_20250124", "name": "bash"}], "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "web_search_tool_result", "content": []}]}]})
+    st2, bare = call(server, "POST", "/v1/messages/count_tokens", {"model": MODEL, "messages": hi})
+    assert st == st2 == 200 and with_tool["input_tokens"] > bare["input_tokens"], (with_tool, bare)
     for bad_body in ({"messages": [{"role": "user", "content": "x"}]},  # no max_tokens
                      {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
                      {"max_tokens": 4, "messages": "x"}, {"max_tokens": 4, "messages": [{"role": "user",
-                      "content": "x"}], "tool_choice": {"type": "sometimes"}}):
+                      "content": "x"}], "tool_choice": {"type": "sometimes"}},
+                     {"max_tokens": 4, "messages": [{"role": "user", "content": []}]},
+                     {"max_tokens": 4, "top_k": -5, "messages": [{"role": "user", "content": "x"}]},
+                     {"max_tokens": 4, "metadata": 5, "messages": [{"role": "user", "content": "x"}]},
+                     {"max_tokens": 4, "tools": [{"name": "f", "input_schema": 5}],
+                      "messages": [{"role": "user", "content": "x"}]}):
         st, body = call(server, "POST", "/v1/messages", {"model": MODEL, **bad_body})
         assert st == 400 and body["type"] == "error" and body["error"]["message"], (bad_body, body)

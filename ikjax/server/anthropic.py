@@ -29,8 +29,15 @@ def messages_to_chat(body: dict, counting: bool = False) -> dict:
         chat["max_tokens"] = body["max_tokens"]
     out: list[dict] = []
     system = body.get("system")
+    if isinstance(system, list):  # (Claude Code's x-anthropic-* header blocks: not the model's, as ik drops them)
+        system = [b for b in system if not (isinstance(b, dict) and isinstance(b.get("text"), str)
+                                            and b["text"].startswith("x-anthropic-"))]
     if system is not None:
         out.append({"role": "system", "content": _text(system, "system")})
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise bad("metadata: expected an object")
+    if body.get("top_k") is not None and (not _is_int(body["top_k"]) or body["top_k"] < 0):
+        raise bad(f"top_k: expected an integer >= 0, got {body['top_k']!r}"[:300])
     for i, m in enumerate(msgs):
         out += _message(m, i)
     chat["messages"] = out
@@ -87,8 +94,9 @@ def _message(m, i: int) -> list[dict]:
     role, content = m["role"], m.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    if not isinstance(content, list):
-        raise bad(f"{where}.content: expected a string or a list of blocks, got {json_type(content)}")
+    if not isinstance(content, list) or (not content and role == "user"):
+        raise bad(f"{where}.content: expected a string or a non-empty list of blocks, got "
+                  f"{json_type(content) if not isinstance(content, list) else 'an empty list'}")
     text, calls, results = [], [], []
     for j, b in enumerate(content):
         kind = b.get("type") if isinstance(b, dict) else None
@@ -106,12 +114,16 @@ def _message(m, i: int) -> list[dict]:
             if not isinstance(b.get("tool_use_id"), str):
                 raise bad(f"{at}: a tool_result block needs tool_use_id")
             c = b.get("content", "")
+            if isinstance(c, list):  # (its text blocks; an image in a tool's result is not readable here)
+                c = [x for x in c if isinstance(x, dict) and x.get("type") == "text"]
             results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": _text(c, f"{at}.content") if c is not None else ""})
         elif kind in ("image", "document"):
             raise bad(f"{at}: {kind} blocks are not supported (a text-only model)")
+        elif isinstance(kind, str):
+            continue  # server-tool blocks of an earlier turn (server_tool_use, web_search_tool_result ...): ik drops them
         else:
-            raise bad(f"{at}: unexpected block {kind!r} in a {role} message"[:300])
+            raise bad(f"{at}: expected a content block with a type"[:300])
     if role == "assistant":
         return [{"role": "assistant", "content": "".join(text) if text or not calls else None,
                  **({"tool_calls": calls} if calls else {})}]
@@ -122,9 +134,11 @@ def _tools(tools) -> list[dict]:
     if not isinstance(tools, list):
         raise bad("tools: expected a list")
     out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
-            raise bad(f"tools[{i}]: only client tools {{name, description, input_schema}} are served here")
+    for i, t in enumerate(tools):  # every named tool a function (server tools such as bash_20250124 too, as ik)
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise bad(f"tools[{i}]: expected a tool {{name, description, input_schema}}")
+        if t.get("input_schema") is not None and not isinstance(t["input_schema"], dict):
+            raise bad(f"tools[{i}].input_schema: expected a JSON schema object")
         fn = {"name": t["name"], **({"description": t["description"]} if isinstance(t.get("description"), str)
                                     else {}),
               "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}

@@ -199,7 +199,7 @@ class Server:
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-Api-Key")
             if given not in keys:  # a key sent in another form (no "Bearer ") is a wrong key, not a missing one
                 raise ApiError(401, "Invalid API Key" if given or auth.strip() else
-                               "missing API key (Authorization: Bearer KEY)")
+                               "missing API key (Authorization: Bearer KEY, or x-api-key: KEY)")
 
     async def _expect(self, request: web.Request) -> web.Response | None:
         """`Expect: 100-continue` (curl sends it for a body over 1 KiB): the interim 100 only where the
@@ -452,6 +452,8 @@ class Server:
         """(model, params, one call only, the answer's splitter, the started job) of a chat request made
         from another API's (the Responses and Messages APIs): checked, rendered and run as a chat answer."""
         model = self._check_model(chat)
+        if chat.get("parallel_tool_calls") not in (None, True, False):
+            raise bad(f"parallel_tool_calls: expected true or false, got {chat['parallel_tool_calls']!r}"[:300])
         params = await self._gen_params(chat, max_names=("max_tokens",), endpoint="chat")
         params.id_slot = oai.check_slot(chat, self.config.n_slots)
         use_tools = bool(chat.get("tools")) and chat.get("tool_choice") != "none"
@@ -478,6 +480,7 @@ class Server:
 
         def response(status: str, output: list[dict]) -> dict:
             done = status in ("completed", "incomplete")
+            thought = "".join(c["text"] for o in output if o["type"] == "reasoning" for c in o["content"])
             return {"id": f"resp_{tag}", "object": "response", "created_at": created, "status": status,
                     "model": model, "output": output, "error": None,
                     "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -487,7 +490,8 @@ class Server:
                     "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
                     "text": {"format": {"type": "text"}}, "store": False, "previous_response_id": None,
                     "reasoning": {"effort": None, "summary": None}, "truncation": "disabled",
-                    "usage": oai.response_usage(len(job.req.prompt), job.n_generated, job.req.n_cached)
+                    "usage": oai.response_usage(len(job.req.prompt), job.n_generated, job.req.n_cached,
+                                                len(self.tok.encode(thought, False)) if thought else 0)
                     if done else None}
 
         def reasoning_item(t: str, status: str) -> dict:
@@ -513,7 +517,7 @@ class Server:
                 calls = calls[:1] if one_call else calls
                 content, reasoning = "".join(p[1] for p in parts) + c, "".join(p[0] for p in parts) + r
                 output = [reasoning_item(reasoning, "completed")] if answer.had_reasoning and reasoning.strip() else []
-                if content.strip() or not calls:
+                if content.strip() or not (calls or output):  # (an answer cut off while it thought: no message)
                     output.append(message_item(content, "completed"))
                 output += [call_item(t, "completed") for t in calls]
                 return web.json_response(response(status_of(), output))
@@ -574,7 +578,7 @@ class Server:
                 calls = calls[:1] if one_call else calls
                 for e in pieces(r, c) + close_reasoning():
                     yield e
-                if not calls:  # (an empty answer is still one message)
+                if not calls and not output:  # (an empty answer is still one message)
                     for e in open_message():
                         yield e
                 if now["c"] is not None:
@@ -604,6 +608,7 @@ class Server:
     async def count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's POST /v1/messages/count_tokens: the prompt's tokens, as the template renders it."""
         chat = anthropic.messages_to_chat(await self._body(request), counting=True)
+        self._check_model(chat)
         ids, _, _, _ = await self._chat_prompt(chat)
         return web.json_response({"input_tokens": len(ids)})
 
@@ -645,7 +650,7 @@ class Server:
                 content, reasoning = "".join(p[1] for p in parts) + c, "".join(p[0] for p in parts) + r
                 blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] \
                     if answer.had_reasoning and reasoning.strip() else []
-                if content or not calls:
+                if content or not (calls or blocks):  # (cut off while it thought: no empty text block)
                     blocks.append({"type": "text", "text": content})
                 blocks += [tool_block(t) for t in calls]
                 return web.json_response(message(blocks, *stop_of(calls), usage()))
@@ -685,7 +690,7 @@ class Server:
                         yield e
                 r, c, calls = answer.finish()
                 calls = calls[:1] if one_call else calls
-                for e in pieces(r, c) + ([] if calls or now["kind"] == "text" else switch("text")):
+                for e in pieces(r, c) + ([] if calls or now["kind"] is not None else switch("text")):
                     yield e
                 if now["kind"] is not None:
                     yield {"type": "content_block_stop", "index": now["index"]}

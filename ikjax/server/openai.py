@@ -624,6 +624,8 @@ def responses_to_chat(body: dict) -> dict:
         raise bad("text.format: only {\"type\": \"text\"} (no grammar-constrained sampling here)")
     if body.get("tools") is not None:
         chat["tools"] = _response_tools(body["tools"])
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise bad("metadata: expected an object")
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
@@ -680,20 +682,27 @@ def _response_item(item, i: int, messages: list[dict]) -> list[dict]:
 
 
 def _response_tools(tools) -> list[dict]:
+    """The function tools (Responses' flat form) as chat tools; built-in tools (web_search, custom, ...)
+    left out, as ik's server leaves them (coding agents send them with every request)."""
     if not isinstance(tools, list):
         raise bad("tools: expected a list")
     out = []
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else json_type(t)
-            raise bad(f"tools[{i}]: only function tools are served here, got {kind!r}"[:300])
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
+        if not isinstance(t, dict):
+            raise bad(f"tools[{i}]: expected an object, got {json_type(t)}")
+        if t.get("type") != "function":
+            continue
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise bad(f"tools[{i}].name: a function tool needs a name ({{type: function, name, parameters}})")
+        if t.get("parameters") is not None and not isinstance(t["parameters"], dict):
+            raise bad(f"tools[{i}].parameters: expected a JSON schema object")
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
 
 
-def response_usage(prompt_n: int, completion_n: int, cached: int) -> dict:
-    """The Responses API's usage object."""
+def response_usage(prompt_n: int, completion_n: int, cached: int, reasoning_n: int = 0) -> dict:
+    """The Responses API's usage object (`reasoning_n`: the output's reasoning tokens)."""
     return {"input_tokens": prompt_n, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion_n, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion_n, "output_tokens_details": {"reasoning_tokens": min(reasoning_n, completion_n)},
             "total_tokens": prompt_n + completion_n}
