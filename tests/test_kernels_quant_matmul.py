@@ -184,6 +184,21 @@ def test_gpu_real_size(name):
             assert rel(quant_matmul(x, pw), quant_matmul_ref(x, pw)) < 6e-3, (name, N, K, M)
 
 
+def v2_lite_matrices(name: str, rng):
+    """(N, K, packed weight, 8 rows of x) at V2-Lite's decode matrix sizes that `name` can hold."""
+    for N, K in [(2048, 1408), (3072, 2048), (576, 2048), (102400, 2048)]:
+        try:
+            pw = prepare(random_quant_array(name, (N, K), rng, fast=True))
+        except ValueError:
+            continue                                 # K not a multiple of the type's super-block
+        yield N, K, pw, jnp.asarray(rng.standard_normal((8, K)), jnp.float32)
+
+
+def each_alone(f, *rows) -> np.ndarray:
+    """f of each row alone (its arguments' rows i:i+1), stacked: what a batch's rows must equal."""
+    return np.concatenate([np.asarray(f(*(a[i:i + 1] for a in rows))) for i in range(rows[0].shape[0])])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "IQ4_XS", "BF16"])
@@ -193,15 +208,10 @@ def test_gpu_invariant_rows_bit_for_bit(name, swap):
     among them), idle rows zeros, near the reference."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(7)
-    for N, K in [(2048, 1408), (3072, 2048), (576, 2048), (102400, 2048)]:
-        try:
-            pw = prepare(random_quant_array(name, (N, K), rng, fast=True))
-        except ValueError:
-            continue
-        x = jnp.asarray(rng.standard_normal((8, K)), jnp.float32)
+    for N, K, pw, x in v2_lite_matrices(name, rng):
         cfg = dict(invariant_config(name, N, K), swap=swap)  # both operand orders
         f = functools.partial(quant_matmul, w=pw, row_invariant=True, matrix_unit=True, config=cfg)
-        alone = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(8)])
+        alone = each_alone(f, x)
         assert np.array_equal(np.asarray(f(x)), alone), (name, N, K)
         mask = jnp.asarray([1, 0, 0, 1, 0, 0, 0, 1], jnp.int32)
         got = np.asarray(f(x, live_rows=mask))
@@ -251,19 +261,14 @@ def test_gpu_rows_schedule_bit_for_bit(name):
     from pallas_kernels.quant_matmul.kernel import ROWS_FIRST, quant_matmul_normed
     assert jax.default_backend() == "gpu" and ROWS_FIRST
     rng = np.random.default_rng(11)
-    for N, K in [(2048, 1408), (3072, 2048), (576, 2048), (102400, 2048)]:
-        try:
-            pw = prepare(random_quant_array(name, (N, K), rng, fast=True))
-        except ValueError:
-            continue
-        x = jnp.asarray(rng.standard_normal((8, K)), jnp.float32)
+    for N, K, pw, x in v2_lite_matrices(name, rng):
         f = functools.partial(quant_matmul, w=pw, row_invariant=True)
-        alone = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(8)])
+        alone = each_alone(f, x)
         assert np.array_equal(np.asarray(f(x)), alone), (name, N, K)
         assert rel(alone, quant_matmul_ref(x, pw)) < 6e-3, (name, N, K)
         nw = jnp.asarray(rng.standard_normal(K), jnp.float32)
         g = functools.partial(quant_matmul_normed, norm_weight=nw, eps=1e-6, w=pw, row_invariant=True)
-        alone = np.concatenate([np.asarray(g(x[i:i + 1])) for i in range(8)])
+        alone = each_alone(g, x)
         assert np.array_equal(np.asarray(g(x)), alone), (name, N, K)
     E, F, d, k = 64, 1536, 2048, 6  # (V2-Lite's 1408 is no multiple of the K-quants' 256)
     gate, up, down = (prepare(random_quant_array(name, shape, rng, fast=True))
@@ -272,7 +277,7 @@ def test_gpu_rows_schedule_bit_for_bit(name):
     w = jnp.asarray(rng.random((8, k)), jnp.float32)
     ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(8)]), jnp.int32)
     h = functools.partial(moe_experts_gather, gate=gate, up=up, down=down, row_invariant=True)
-    alone = np.concatenate([np.asarray(h(x[i:i + 1], w[i:i + 1], ids[i:i + 1])) for i in range(8)])
+    alone = each_alone(h, x, w, ids)
     assert np.array_equal(np.asarray(h(x, w, ids)), alone), name
 
 

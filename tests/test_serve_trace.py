@@ -12,25 +12,31 @@ import numpy as np
 from ikjax.ops import attn
 
 
-def test_trace_records_every_chunk_and_decode_step(tiny_model, tmp_path, monkeypatch):
+def traced_run(tiny_model, path, prompts: tuple[int, ...], n: int, seed: int) -> list[dict]:
+    """The trace (IKJAX_SERVE_TRACE=path, set by the caller) of a 2-slot scheduler that generated `n`
+    tokens (ignore_eos) for random prompts of the given lengths, all submitted at once."""
     import ikjax
     from ikjax.runtime.scheduler import Scheduler
+    eng = ikjax.load(tiny_model, ctx=256, ubatch=32)
+    s = Scheduler(eng, 2).start()
+    done = threading.Semaphore(0)
+    cb = lambda k, v: done.release() if k in ("done", "error") else None
+    rng = np.random.default_rng(seed)
+    for m in prompts:
+        s.submit(s.make_request(rng.integers(10, eng.config.vocab_size, m), n, ignore_eos=True, on_event=cb))
+    for _ in prompts:
+        done.acquire()
+    s.stop()
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_trace_records_every_chunk_and_decode_step(tiny_model, tmp_path, monkeypatch):
     path = tmp_path / "trace.jsonl"
     monkeypatch.setenv("IKJAX_SERVE_TRACE", str(path))
     # one dispatch a token (no decode loop: ignore_eos streams loop too since d0aa682), so every
     # generated token after the first is one decode event
     monkeypatch.setenv("IKJAX_DECODE_LOOP", "0")
-    eng = ikjax.load(tiny_model, ctx=256, ubatch=32)
-    s = Scheduler(eng, 2).start()
-    done = threading.Semaphore(0)
-    cb = lambda k, v: done.release() if k in ("done", "error") else None
-    rng = np.random.default_rng(0)
-    reqs = [s.submit(s.make_request(rng.integers(10, eng.config.vocab_size, n), 5, ignore_eos=True, on_event=cb))
-            for n in (40, 7)]
-    for _ in reqs:
-        done.acquire()
-    s.stop()
-    ev = [json.loads(line) for line in path.read_text().splitlines()]
+    ev = traced_run(tiny_model, path, (40, 7), 5, 0)
     kinds = [e["kind"] for e in ev]
     # 40 tokens in chunks of 32 (2) + 7 (1) = 3 chunks; 5 tokens each: the first from the prompt's
     # logits, 4 from decode steps
@@ -94,22 +100,10 @@ def test_trace_notes_each_decode_loops_ready_time_and_steps(tiny_model, tmp_path
     ("ready", between its start and end: the rest was the host emitting them) and its steps ("k");
     bench/serve_trace.py sums the two shares."""
     import importlib.util
-    import ikjax
-    from ikjax.runtime.scheduler import Scheduler
     path = tmp_path / "trace.jsonl"
     monkeypatch.setenv("IKJAX_SERVE_TRACE", str(path))
     monkeypatch.setenv("IKJAX_SERVE_BURST_MS", "1000")
-    eng = ikjax.load(tiny_model, ctx=256, ubatch=32)
-    s = Scheduler(eng, 2).start()
-    done = threading.Semaphore(0)
-    cb = lambda k, v: done.release() if k in ("done", "error") else None
-    rng = np.random.default_rng(1)
-    for n in (9, 5):
-        s.submit(s.make_request(rng.integers(10, eng.config.vocab_size, n), 20, ignore_eos=True, on_event=cb))
-    done.acquire()
-    done.acquire()
-    s.stop()
-    loops = [e for e in map(json.loads, path.read_text().splitlines()) if "k" in e]
+    loops = [e for e in traced_run(tiny_model, path, (9, 5), 20, 1) if "k" in e]
     assert loops and all(e["kind"] == "decode" and e["t0"] <= e["ready"] <= e["t1"] for e in loops)
     assert max(e["k"] for e in loops) > 1 and sum(e["k"] for e in loops) <= 2 * 19
     spec = importlib.util.spec_from_file_location("serve_trace", __file__.replace("tests/test_serve_trace.py",

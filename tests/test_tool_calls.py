@@ -671,14 +671,22 @@ def test_responses_api_tool_calls_and_their_outputs(app_server):
     r2 = c.responses.create(model="m", input=items, tools=tools, extra_body={"reasoning_format": "none"})
     assert r2.output_text == "Sunny, noon."
     via_responses = tok.decode(app_server["prompts"][-1])
+    assert via_responses == chat_call_turn_prompt(app_server, calls) and "sunny 21C" in via_responses
+
+
+def chat_call_turn_prompt(app_server, calls) -> str:
+    """The prompt the chat endpoint renders for the weather question, an assistant turn making `calls`
+    ((name, arguments, id)), and their results "sunny 21C" and "12:00": what the other APIs' call turns
+    must render to."""
     msgs = [{"role": "user", "content": "Weather in Paris, and the time?"},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": cid, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
                 for n, a, cid in calls]},
             {"role": "tool", "tool_call_id": calls[0][2], "content": "sunny 21C"},
             {"role": "tool", "tool_call_id": calls[1][2], "content": "12:00"}]
-    c.chat.completions.create(model="m", messages=msgs, tools=[WEATHER, TIME], extra_body={"reasoning_format": "none"})
-    assert via_responses == tok.decode(app_server["prompts"][-1]) and "sunny 21C" in via_responses
+    _client(app_server).chat.completions.create(model="m", messages=msgs, tools=[WEATHER, TIME],
+                                                extra_body={"reasoning_format": "none"})
+    return app_server["tok"].decode(app_server["prompts"][-1])
 
 
 def test_anthropic_messages_tool_use_and_results(app_server):
@@ -713,12 +721,4 @@ def test_anthropic_messages_tool_use_and_results(app_server):
     m2 = a.messages.create(**{**kw, "messages": turn})
     assert m2.content[0].text == "Sunny, noon." and m2.stop_reason == "end_turn"
     via_messages = tok.decode(app_server["prompts"][-1])
-    msgs = [{"role": "user", "content": "Weather in Paris, and the time?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(x)}}
-                for n, x, i in uses]},
-            {"role": "tool", "tool_call_id": uses[0][2], "content": "sunny 21C"},
-            {"role": "tool", "tool_call_id": uses[1][2], "content": "12:00"}]
-    _client(app_server).chat.completions.create(model="m", messages=msgs, tools=[WEATHER, TIME],
-                                                extra_body={"reasoning_format": "none"})
-    assert via_messages == tok.decode(app_server["prompts"][-1]) and "sunny 21C" in via_messages
+    assert via_messages == chat_call_turn_prompt(app_server, uses) and "sunny 21C" in via_messages

@@ -393,13 +393,9 @@ class Server:
         head = {"id": cid, "created": created, "model": model, "system_fingerprint": "ikjax"}
         try:
             if not params.stream:
-                parts = [opening] + [answer.feed(piece) async for piece in job.pieces()]
-                r, c, calls = answer.finish()
-                calls = calls[:1] if one_call else calls
-                content = "".join(p[1] for p in parts) + c
+                reasoning, content, calls = await _whole_answer(answer, job, one_call)
                 message: dict[str, Any] = {"role": "assistant",
                                            "content": content if content.strip() or not calls else None}
-                reasoning = "".join(p[0] for p in parts) + r
                 if answer.had_reasoning and reasoning.strip():  # (none: left out, as split_reasoning's None)
                     message["reasoning_content"] = reasoning
                 if calls:
@@ -512,10 +508,7 @@ class Server:
 
         try:
             if not params.stream:
-                parts = [answer.opening] + [answer.feed(piece) async for piece in job.pieces()]
-                r, c, calls = answer.finish()
-                calls = calls[:1] if one_call else calls
-                content, reasoning = "".join(p[1] for p in parts) + c, "".join(p[0] for p in parts) + r
+                reasoning, content, calls = await _whole_answer(answer, job, one_call)
                 output = [reasoning_item(reasoning, "completed")] if answer.had_reasoning and reasoning.strip() else []
                 if content.strip() or not (calls or output):  # (an answer cut off while it thought: no message)
                     output.append(message_item(content, "completed"))
@@ -569,13 +562,10 @@ class Server:
 
                 yield ev("response.created", response=response("in_progress", []))
                 yield ev("response.in_progress", response=response("in_progress", []))
-                for e in pieces(*answer.opening):
-                    yield e
-                async for piece in job.pieces():
-                    for e in pieces(*answer.feed(piece)):
+                async for r, c in _answer_pieces(answer, job):
+                    for e in pieces(r, c):
                         yield e
-                r, c, calls = answer.finish()
-                calls = calls[:1] if one_call else calls
+                r, c, calls = _answer_end(answer, one_call)
                 for e in pieces(r, c) + close_reasoning():
                     yield e
                 if not calls and not output:  # (an empty answer is still one message)
@@ -644,10 +634,7 @@ class Server:
 
         try:
             if not params.stream:
-                parts = [answer.opening] + [answer.feed(piece) async for piece in job.pieces()]
-                r, c, calls = answer.finish()
-                calls = calls[:1] if one_call else calls
-                content, reasoning = "".join(p[1] for p in parts) + c, "".join(p[0] for p in parts) + r
+                reasoning, content, calls = await _whole_answer(answer, job, one_call)
                 blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] \
                     if answer.had_reasoning and reasoning.strip() else []
                 if content or not (calls or blocks):  # (cut off while it thought: no empty text block)
@@ -683,13 +670,10 @@ class Server:
                     return out
 
                 yield {"type": "message_start", "message": message([], None, None, {**usage(), "output_tokens": 0})}
-                for e in pieces(*answer.opening):
-                    yield e
-                async for piece in job.pieces():
-                    for e in pieces(*answer.feed(piece)):
+                async for r, c in _answer_pieces(answer, job):
+                    for e in pieces(r, c):
                         yield e
-                r, c, calls = answer.finish()
-                calls = calls[:1] if one_call else calls
+                r, c, calls = _answer_end(answer, one_call)
                 for e in pieces(r, c) + ([] if calls or now["kind"] is not None else switch("text")):
                     yield e
                 if now["kind"] is not None:
@@ -1093,6 +1077,27 @@ class Server:
         if not page.exists():
             raise ApiError(404, "no chat page in this install")
         return web.Response(body=page.read_bytes(), content_type="text/html", charset="utf-8")
+
+
+async def _answer_pieces(answer: AnswerSplitter, job: Job):
+    """A chat answer's (reasoning, content) pieces as they come: its opening (a forced call's start),
+    then each of the job's text pieces through the splitter (`_answer_end` gives the rest)."""
+    yield answer.opening
+    async for piece in job.pieces():
+        yield answer.feed(piece)
+
+
+def _answer_end(answer: AnswerSplitter, one_call: bool) -> tuple[str, str, list]:
+    """The splitter's last (reasoning, content) and the answer's calls (the first only where `one_call`)."""
+    r, c, calls = answer.finish()
+    return r, c, calls[:1] if one_call else calls
+
+
+async def _whole_answer(answer: AnswerSplitter, job: Job, one_call: bool) -> tuple[str, str, list]:
+    """(reasoning, content, calls) of a chat answer, whole (the non-streamed answers of every chat form)."""
+    parts = [p async for p in _answer_pieces(answer, job)]
+    r, c, calls = _answer_end(answer, one_call)
+    return "".join(p[0] for p in parts) + r, "".join(p[1] for p in parts) + c, calls
 
 
 def _finish(job: Job, calls: list) -> str:
