@@ -1438,6 +1438,16 @@ for line in sys.stdin:
       bash bench/gpu_invariance.sh 2>&1 | grep -vE "Warning|^ *$" | tail -${TAIL79:-18}
   done
   ;;
+104)
+  # HEAD's health after stop 71's GPU changes (rows-first schedule, capped prompt-step blocks, 16-row expert
+  # tiles, 64/256/ub prompt steps): the gpu-marked tests (STAGE=75's files), then issue 22's two shapes cold
+  # and warm, each line time-stamped from the command's start (a discarded cold run first: the page cache)
+  PARTS75=tests STAGE=75 bash "$0" 2>&1 | grep -v "installed\|ik build\|stage 75 done"
+  v2l_ready
+  throwaway_run
+  el "deep shape"; cold_warm_sweep "-c 16384 -ub 2048 -n 128"
+  el "shallow shape"; cold_warm_sweep "-c 4096 -ub 512 -n 64"
+  ;;
 100)
   # the rows schedule launched row tiles first (pallas_kernels.quant_matmul.kernel.ROWS_FIRST, §23ao) against column
   # tiles first (ROWS_GRID=columns): its GPU bit-for-bit test, the invariant step's GPU time (profile8) each way, then
